@@ -1,0 +1,112 @@
+//! Block devices: the `BlockDevice` trait and its backends.
+//!
+//! A `BlockDevice` is shared by every connection of a volume; each lull thread
+//! that does I/O opens its own [`Channel`] (SPDK's io channel): the channel owns
+//! the per-thread resources (an io_uring ring for `file`), is used from one
+//! thread only, and reports completions through [`Channel::reap`].
+//!
+//! ```ignore
+//! let dev = MallocDev::new(1 << 30)?;
+//! let mut ch = dev.open_channel()?;
+//! let buf = pool.get(4096);
+//! ch.submit(IoRequest { tag: 7, op: IoOp::Read, offset: 0, len: 4096, buf: Some(buf) })?;
+//! ch.flush_submissions();
+//! ch.reap(&mut |c: IoCompletion| assert_eq!(c.tag, 7));
+//! ```
+
+use std::os::fd::RawFd;
+
+pub use lull_uring::{BufPool, IoBuf};
+
+/// What an I/O does. Offsets and lengths are in bytes; devices accept any
+/// byte granularity (O_DIRECT file devices bounce unaligned requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoOp {
+    /// Read `len` bytes at `offset` into the request's buffer.
+    Read,
+    /// Write the request's buffer (`len` bytes) at `offset`; with `fua` the
+    /// data is durable when the completion arrives.
+    Write { fua: bool },
+    /// Make every completed write durable.
+    Flush,
+    /// Discard the range; it reads back as zeros afterwards.
+    Trim,
+    /// Zero the range. With `no_hole` the range must stay allocated.
+    WriteZeroes { no_hole: bool, fua: bool },
+}
+
+/// One request handed to a channel. `buf` is `Some` for `Read` (length at
+/// least `len`) and `Write` (holds the data), `None` otherwise. The buffer
+/// belongs to the in-flight operation until its completion returns it.
+#[derive(Debug)]
+pub struct IoRequest {
+    pub tag: u64,
+    pub op: IoOp,
+    pub offset: u64,
+    pub len: u32,
+    pub buf: Option<IoBuf>,
+}
+
+/// The completion of one request: its tag, its result and its buffer back.
+#[derive(Debug)]
+pub struct IoCompletion {
+    pub tag: u64,
+    pub result: Result<(), BdevError>,
+    pub buf: Option<IoBuf>,
+}
+
+/// Errors of the block layer. Each maps to an errno (and from there to an
+/// NBD error code).
+#[derive(Debug, thiserror::Error)]
+pub enum BdevError {
+    #[error("request [{offset}, +{len}) is outside the device of {size} bytes")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("channel is full ({capacity} requests in flight)")]
+    Full { capacity: usize },
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("device failed: {0}")]
+    Failed(String),
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
+}
+
+impl BdevError {
+    /// The errno this error reduces to on the wire.
+    pub fn errno(&self) -> i32 {
+        match self {
+            BdevError::OutOfRange { .. } => libc::EINVAL,
+            BdevError::Full { .. } => libc::EAGAIN,
+            BdevError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            BdevError::Failed(_) => libc::EIO,
+            BdevError::Unsupported(_) => libc::EOPNOTSUPP,
+        }
+    }
+}
+
+/// A volume's storage, shared by all its connections.
+pub trait BlockDevice: Send + Sync {
+    /// Size in bytes.
+    fn size_bytes(&self) -> u64;
+    /// A short description for logs and `volume_list` ("malloc", "file:/path").
+    fn describe(&self) -> String;
+    /// Open a per-thread channel.
+    fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError>;
+}
+
+/// A per-thread I/O queue to a device. Used from one thread only.
+pub trait Channel: Send {
+    /// Queue a request. A full channel hands the request back with
+    /// `BdevError::Full`; that is back-pressure, never an unbounded queue.
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)>;
+    /// Push queued requests to the device (one syscall for a batch).
+    fn flush_submissions(&mut self);
+    /// Deliver every available completion to `done`; returns how many.
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize;
+    /// A file descriptor that becomes readable when completions are ready,
+    /// for event-driven reactors. `None`: completions are available from
+    /// `reap` right after `submit`, no waiting is ever needed.
+    fn event_fd(&self) -> Option<RawFd>;
+    /// Requests submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+}

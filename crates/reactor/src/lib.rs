@@ -1,0 +1,61 @@
+//! lull's execution core, after SPDK's thread library: **reactors** (pinned OS
+//! threads) run **lull threads** (single-threaded contexts), which own
+//! **pollers** (functions that look for work and say Busy or Idle) and receive
+//! **messages** (closures sent from any thread).
+//!
+//! ```ignore
+//! use lull_reactor::{Framework, FrameworkConfig, Mode, PollerKind, PollStatus};
+//! let fw = Framework::start(FrameworkConfig { cores: vec![1], mode: Mode::Interrupt, pin: true })?;
+//! let t = fw.handle().spawn_thread(0, "ticker", |t| {
+//!     t.register_poller("tick", PollerKind::every_us(1000), &[], Box::new(|_t, _now| PollStatus::Busy)).unwrap();
+//! })?;
+//! t.send(|t| println!("on {}", t.name()))?;
+//! ```
+//!
+//! Each reactor runs in an event mode: `poll` spins over every poller;
+//! `interrupt` blocks in `epoll_wait` on the fds its pollers name (each lull
+//! thread has its own epoll set, nested in its reactor's, so a thread can move
+//! between reactors by moving one fd). Timed pollers are driven by a timerfd
+//! per thread, and a message rings its target's eventfd only when the target
+//! may be asleep.
+
+mod clock;
+mod reactor;
+pub mod sys;
+mod thread;
+
+pub use clock::{Clock, FakeClock, MonotonicClock};
+pub use reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats};
+pub use sys::Interest;
+pub use thread::{
+    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
+    MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
+};
+
+/// Errors of the reactor framework.
+#[derive(Debug, thiserror::Error)]
+pub enum ReactorError {
+    #[error("system call failed: {0}")]
+    Sys(#[from] std::io::Error),
+    #[error("active poller(s) without an fd cannot run on an event-driven reactor: {0}")]
+    NoEventSource(String),
+    #[error("thread {0} has too many pollers (limit {MAX_POLLERS_PER_THREAD})")]
+    TooManyPollers(String),
+    #[error("no such poller")]
+    NoSuchPoller,
+    #[error("no reactor {0}")]
+    NoSuchReactor(usize),
+    #[error("control queue of reactor {0} is full")]
+    ControlQueueFull(usize),
+    #[error("cannot spawn thread: {0}")]
+    Spawn(String),
+    #[error("thread is not attached to a framework")]
+    Detached,
+    #[error("framework configuration: {0}")]
+    Config(String),
+    #[error("the framework has stopped")]
+    Stopped,
+}
+
+#[cfg(test)]
+mod tests;

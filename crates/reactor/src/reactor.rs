@@ -1,0 +1,675 @@
+//! Reactors: one pinned OS thread per core, each running the lull threads
+//! placed on it, in one of the event modes.
+//!
+//! ```ignore
+//! let fw = Framework::start(FrameworkConfig { cores: vec![0, 1], mode: Mode::Interrupt, pin: true })?;
+//! let t = fw.handle().spawn_thread(1, "worker", |t| { /* register pollers */ })?;
+//! t.send(|t| tracing::info!("hello from {}", t.name()))?;
+//! fw.stop();
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::sys::{self, event_buffer, Epoll, Interest, ThreadUsage};
+use crate::thread::{Mailbox, PollStatus, Scope, Thread, ThreadHandle, ThreadShared, ThreadStats};
+use crate::ReactorError;
+
+/// Control commands queued per reactor. Few are ever in flight (spawns, mode
+/// switches, stop); the bound only guards against a runaway producer.
+const CONTROL_QUEUE_CAPACITY: usize = 4096;
+
+/// Control commands handled per iteration, for the same reason as
+/// `thread::MSG_BATCH`: control traffic must not starve I/O.
+const CONTROL_BATCH: usize = 8;
+
+/// Epoll events taken per reactor wait: one per ready lull thread.
+const REACTOR_EVENT_BATCH: usize = 128;
+
+/// How often a reactor refreshes its getrusage counters. A syscall per
+/// iteration would cost more than the iteration; 50 ms keeps stats fresh for
+/// a 1 s scheduling period.
+const USAGE_REFRESH_NS: u64 = 50_000_000;
+
+/// Messages still run per thread at shutdown, so that a stop does not lose
+/// work that was already accepted; a bound so a self-feeding thread cannot
+/// hold the stop forever.
+const SHUTDOWN_MESSAGE_LIMIT: usize = 1 << 20;
+
+const TOKEN_CONTROL: u64 = u64::MAX;
+
+/// What a reactor does when it has no work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Spin over every poller forever (lowest latency, a full core).
+    Poll,
+    /// Block in epoll_wait on the fds of its threads' pollers.
+    Interrupt,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Poll => "poll",
+            Mode::Interrupt => "interrupt",
+        }
+    }
+
+    fn event_driven(self) -> bool {
+        self == Mode::Interrupt
+    }
+
+    fn to_u8(self) -> u8 {
+        match self {
+            Mode::Poll => 0,
+            Mode::Interrupt => 1,
+        }
+    }
+
+    fn from_u8(v: u8) -> Mode {
+        if v == 1 {
+            Mode::Interrupt
+        } else {
+            Mode::Poll
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s {
+            "poll" => Ok(Mode::Poll),
+            "interrupt" => Ok(Mode::Interrupt),
+            other => Err(format!("unknown mode {other:?} (expected poll or interrupt)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Framework settings.
+#[derive(Debug, Clone)]
+pub struct FrameworkConfig {
+    /// One reactor per entry; the first is the main reactor.
+    pub cores: Vec<usize>,
+    pub mode: Mode,
+    /// Pin each reactor to its core (tests on a busy machine may turn it off).
+    pub pin: bool,
+}
+
+type ModeReply = Box<dyn FnOnce(Result<(), ReactorError>) + Send>;
+
+enum Control {
+    AddThread(Box<Thread>),
+    SetMode(Mode, ModeReply),
+    Stop,
+}
+
+#[derive(Default)]
+struct ReactorCounters {
+    busy_ns: AtomicU64,
+    idle_ns: AtomicU64,
+    iterations: AtomicU64,
+    wakeups: AtomicU64,
+    threads: AtomicU64,
+    mode: AtomicU8,
+    tid: AtomicU64,
+    user_ns: AtomicU64,
+    system_ns: AtomicU64,
+    voluntary_ctxsw: AtomicU64,
+    involuntary_ctxsw: AtomicU64,
+    minor_faults: AtomicU64,
+    major_faults: AtomicU64,
+}
+
+/// A snapshot of one reactor's counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReactorStats {
+    pub index: usize,
+    pub core: usize,
+    pub tid: u64,
+    pub mode: Mode,
+    pub threads: u64,
+    pub busy_ns: u64,
+    pub idle_ns: u64,
+    pub iterations: u64,
+    pub wakeups: u64,
+    pub user_ns: u64,
+    pub system_ns: u64,
+    pub voluntary_ctxsw: u64,
+    pub involuntary_ctxsw: u64,
+    pub minor_faults: u64,
+    pub major_faults: u64,
+}
+
+impl ReactorStats {
+    /// Longhorn's `InterruptModeEnabled`.
+    pub fn interrupt_mode_enabled(&self) -> bool {
+        self.mode.event_driven()
+    }
+}
+
+struct ReactorShared {
+    index: usize,
+    core: usize,
+    control: Mailbox<Control>,
+    counters: ReactorCounters,
+}
+
+struct FrameworkShared {
+    reactors: Vec<Arc<ReactorShared>>,
+    next_thread_id: AtomicU64,
+    threads: Mutex<HashMap<u64, Arc<ThreadShared>>>,
+    clock: Arc<dyn Clock>,
+}
+
+/// A cloneable reference to the running framework, for spawning threads,
+/// switching modes and reading stats from any thread.
+#[derive(Clone)]
+pub struct FrameworkHandle {
+    shared: Arc<FrameworkShared>,
+}
+
+impl std::fmt::Debug for FrameworkHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FrameworkHandle({} reactors)", self.shared.reactors.len())
+    }
+}
+
+impl FrameworkHandle {
+    pub fn reactor_count(&self) -> usize {
+        self.shared.reactors.len()
+    }
+
+    pub fn clock(&self) -> &dyn Clock {
+        &*self.shared.clock
+    }
+
+    /// Create a lull thread on reactor `reactor`; `init` is its first message.
+    pub fn spawn_thread(
+        &self,
+        reactor: usize,
+        name: &str,
+        init: impl FnOnce(&mut Thread) + Send + 'static,
+    ) -> Result<ThreadHandle, ReactorError> {
+        let target = self.shared.reactors.get(reactor).ok_or(ReactorError::NoSuchReactor(reactor))?;
+        let id = self.shared.next_thread_id.fetch_add(1, Ordering::Relaxed);
+        let mut thread = Thread::new(id, name)?;
+        thread.attach(self.clone());
+        let handle = thread.handle();
+        handle.send(init).map_err(|e| ReactorError::Spawn(e.to_string()))?;
+        self.shared.threads.lock().unwrap_or_else(|p| p.into_inner()).insert(id, handle.shared.clone());
+        if target.control.push(Control::AddThread(Box::new(thread))).is_err() {
+            self.forget_thread(id);
+            return Err(ReactorError::ControlQueueFull(reactor));
+        }
+        Ok(handle)
+    }
+
+    fn forget_thread(&self, id: u64) {
+        self.shared.threads.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// Switch one reactor's mode; `done` runs on that reactor with the result.
+    pub fn set_mode_async(
+        &self,
+        reactor: usize,
+        mode: Mode,
+        done: impl FnOnce(Result<(), ReactorError>) + Send + 'static,
+    ) -> Result<(), ReactorError> {
+        let target = self.shared.reactors.get(reactor).ok_or(ReactorError::NoSuchReactor(reactor))?;
+        target
+            .control
+            .push(Control::SetMode(mode, Box::new(done)))
+            .map_err(|_| ReactorError::ControlQueueFull(reactor))
+    }
+
+    /// Switch one reactor's mode and wait for it (never call on a reactor).
+    pub fn set_mode(&self, reactor: usize, mode: Mode) -> Result<(), ReactorError> {
+        let (tx, rx) = mpsc::channel();
+        self.set_mode_async(reactor, mode, move |r| {
+            let _ = tx.send(r);
+        })?;
+        rx.recv_timeout(Duration::from_secs(10)).map_err(|_| ReactorError::Stopped)?
+    }
+
+    pub fn reactor_stats(&self) -> Vec<ReactorStats> {
+        self.shared
+            .reactors
+            .iter()
+            .map(|r| {
+                let c = &r.counters;
+                let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                ReactorStats {
+                    index: r.index,
+                    core: r.core,
+                    tid: g(&c.tid),
+                    mode: Mode::from_u8(c.mode.load(Ordering::Relaxed)),
+                    threads: g(&c.threads),
+                    busy_ns: g(&c.busy_ns),
+                    idle_ns: g(&c.idle_ns),
+                    iterations: g(&c.iterations),
+                    wakeups: g(&c.wakeups),
+                    user_ns: g(&c.user_ns),
+                    system_ns: g(&c.system_ns),
+                    voluntary_ctxsw: g(&c.voluntary_ctxsw),
+                    involuntary_ctxsw: g(&c.involuntary_ctxsw),
+                    minor_faults: g(&c.minor_faults),
+                    major_faults: g(&c.major_faults),
+                }
+            })
+            .collect()
+    }
+
+    pub fn thread_stats(&self) -> Vec<ThreadStats> {
+        let threads = self.shared.threads.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<ThreadStats> =
+            threads.values().map(|s| ThreadHandle { shared: s.clone() }.stats()).collect();
+        out.sort_by_key(|s| s.id);
+        out
+    }
+}
+
+/// The running framework: owns the reactor OS threads.
+pub struct Framework {
+    handle: FrameworkHandle,
+    joins: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Framework {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.handle.fmt(f)
+    }
+}
+
+impl Framework {
+    /// Start one reactor per configured core and wait until all run.
+    pub fn start(config: FrameworkConfig) -> Result<Framework, ReactorError> {
+        Self::start_with_clock(config, Arc::new(MonotonicClock))
+    }
+
+    pub fn start_with_clock(config: FrameworkConfig, clock: Arc<dyn Clock>) -> Result<Framework, ReactorError> {
+        if config.cores.is_empty() {
+            return Err(ReactorError::Config("at least one core is needed".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = config.cores.iter().find(|c| !seen.insert(**c)) {
+            return Err(ReactorError::Config(format!("core {dup} is listed twice")));
+        }
+        if config.pin {
+            let allowed = sys::allowed_cpus().map_err(ReactorError::Sys)?;
+            if let Some(bad) = config.cores.iter().find(|c| !allowed.contains(c)) {
+                return Err(ReactorError::Config(format!("core {bad} is not available (allowed: {allowed:?})")));
+            }
+        }
+        let mut reactors = Vec::new();
+        for (index, &core) in config.cores.iter().enumerate() {
+            let shared = Arc::new(ReactorShared {
+                index,
+                core,
+                control: Mailbox::new(CONTROL_QUEUE_CAPACITY).map_err(ReactorError::Sys)?,
+                counters: ReactorCounters::default(),
+            });
+            shared.counters.mode.store(config.mode.to_u8(), Ordering::Relaxed);
+            reactors.push(shared);
+        }
+        let handle = FrameworkHandle {
+            shared: Arc::new(FrameworkShared {
+                reactors,
+                next_thread_id: AtomicU64::new(1),
+                threads: Mutex::new(HashMap::new()),
+                clock,
+            }),
+        };
+        let mut joins = Vec::new();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), ReactorError>>();
+        for shared in handle.shared.reactors.clone() {
+            let fw = handle.clone();
+            let ready = ready_tx.clone();
+            let mode = config.mode;
+            let pin = config.pin;
+            let join = std::thread::Builder::new()
+                .name(format!("reactor_{}", shared.index))
+                .spawn(move || {
+                    let setup = (|| {
+                        if pin {
+                            sys::pin_current_thread(shared.core).map_err(ReactorError::Sys)?;
+                        }
+                        Reactor::new(shared, fw, mode)
+                    })();
+                    match setup {
+                        Ok(mut reactor) => {
+                            let _ = ready.send(Ok(()));
+                            reactor.run();
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                        }
+                    }
+                })
+                .map_err(ReactorError::Sys)?;
+            joins.push(join);
+        }
+        drop(ready_tx);
+        let mut fw = Framework { handle, joins };
+        for _ in 0..fw.joins.len() {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    fw.stop();
+                    return Err(e);
+                }
+                Err(_) => {
+                    fw.stop();
+                    return Err(ReactorError::Stopped);
+                }
+            }
+        }
+        Ok(fw)
+    }
+
+    pub fn handle(&self) -> &FrameworkHandle {
+        &self.handle
+    }
+
+    /// Stop every reactor: queued messages run, threads are destroyed, the
+    /// OS threads joined.
+    pub fn stop(&mut self) {
+        for r in &self.handle.shared.reactors {
+            // A full control queue still drains; retry until Stop fits.
+            let mut cmd = Control::Stop;
+            loop {
+                match r.control.push(cmd) {
+                    Ok(()) => break,
+                    Err(back) => {
+                        cmd = back;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        for j in self.joins.drain(..) {
+            let _ = j.join();
+        }
+    }
+}
+
+impl Drop for Framework {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Reactor {
+    shared: Arc<ReactorShared>,
+    framework: FrameworkHandle,
+    mode: Mode,
+    epoll: Epoll,
+    threads: Vec<Option<Box<Thread>>>,
+    ready: Vec<bool>,
+    events: Vec<libc::epoll_event>,
+    stopping: bool,
+    last_busy: bool,
+    usage_next_ns: u64,
+    busy_ns: u64,
+    idle_ns: u64,
+    iterations: u64,
+    wakeups: u64,
+}
+
+impl Reactor {
+    fn new(shared: Arc<ReactorShared>, framework: FrameworkHandle, mode: Mode) -> Result<Reactor, ReactorError> {
+        let epoll = Epoll::new().map_err(ReactorError::Sys)?;
+        epoll.add(shared.control.doorbell_fd(), Interest::READABLE, TOKEN_CONTROL).map_err(ReactorError::Sys)?;
+        shared.counters.tid.store(sys::gettid() as u64, Ordering::Relaxed);
+        Ok(Reactor {
+            shared,
+            framework,
+            mode,
+            epoll,
+            threads: Vec::new(),
+            ready: Vec::new(),
+            events: event_buffer(REACTOR_EVENT_BATCH),
+            stopping: false,
+            last_busy: true,
+            usage_next_ns: 0,
+            busy_ns: 0,
+            idle_ns: 0,
+            iterations: 0,
+            wakeups: 0,
+        })
+    }
+
+    fn clock_now(&self) -> u64 {
+        self.framework.shared.clock.now_ns()
+    }
+
+    fn run(&mut self) {
+        loop {
+            let now = self.clock_now();
+            let mut busy = self.handle_control();
+            if self.stopping {
+                self.shutdown();
+                return;
+            }
+            if self.mode.event_driven() {
+                busy |= self.wait_events(now);
+            }
+            let now = self.clock_now();
+            busy |= self.poll_threads(now);
+            self.reap_exited();
+            let end = self.clock_now();
+            self.account(busy, end.saturating_sub(now), end);
+            self.last_busy = busy;
+        }
+    }
+
+    /// Run each thread once: every poller in poll mode, the ready ones in
+    /// event-driven modes.
+    fn poll_threads(&mut self, now: u64) -> bool {
+        let clock = self.framework.shared.clock.clone();
+        let scope = if self.mode.event_driven() { Scope::Ready } else { Scope::All };
+        let mut busy = false;
+        for i in 0..self.threads.len() {
+            let ready = std::mem::take(&mut self.ready[i]);
+            let Some(t) = self.threads[i].as_mut() else { continue };
+            if scope == Scope::Ready && !ready && !t.has_immediate_work(now) {
+                continue;
+            }
+            let t_now = clock.now_ns();
+            if t.poll(t_now, scope, &*clock) == PollStatus::Busy {
+                busy = true;
+            }
+        }
+        busy
+    }
+
+    /// Event-driven wait: check readiness without blocking while work keeps
+    /// coming; when the last iteration found nothing, arm every doorbell and
+    /// timer and block until an fd is ready. Returns whether control work ran.
+    fn wait_events(&mut self, now: u64) -> bool {
+        let mut timeout = 0;
+        if !self.last_busy && self.prepare_sleep(now) {
+            timeout = -1;
+        }
+        self.publish_usage(now, timeout == -1);
+        let n = self.epoll.wait(&mut self.events, timeout).unwrap_or_else(|e| {
+            tracing::error!(reactor = self.shared.index, error = %e, "epoll_wait failed");
+            0
+        });
+        if timeout == -1 {
+            self.finish_sleep(n > 0);
+            let slept = self.clock_now().saturating_sub(now);
+            self.idle_ns += slept;
+        }
+        let mut control = false;
+        for i in 0..n {
+            let token = self.events[i].u64;
+            if token == TOKEN_CONTROL {
+                self.shared.control.drain_doorbell();
+                control = true;
+            } else if let Some(r) = self.ready.get_mut(token as usize) {
+                *r = true;
+            }
+        }
+        if control {
+            self.handle_control()
+        } else {
+            false
+        }
+    }
+
+    fn prepare_sleep(&mut self, now: u64) -> bool {
+        self.shared.control.arm();
+        let mut sleep = self.shared.control.is_empty();
+        for t in self.threads.iter_mut().flatten() {
+            if sleep && !t.prepare_sleep(now) {
+                sleep = false;
+            }
+        }
+        if !sleep {
+            self.finish_sleep(false);
+        }
+        sleep
+    }
+
+    fn finish_sleep(&mut self, woke: bool) {
+        self.shared.control.disarm();
+        for t in self.threads.iter_mut().flatten() {
+            t.finish_sleep(woke);
+        }
+        if woke {
+            self.wakeups += 1;
+        }
+    }
+
+    fn handle_control(&mut self) -> bool {
+        let mut did = false;
+        for _ in 0..CONTROL_BATCH {
+            let Some(cmd) = self.shared.control.pop() else { break };
+            did = true;
+            match cmd {
+                Control::AddThread(t) => self.add_thread(t),
+                Control::SetMode(mode, reply) => reply(self.set_mode(mode)),
+                Control::Stop => self.stopping = true,
+            }
+        }
+        did
+    }
+
+    fn add_thread(&mut self, mut t: Box<Thread>) {
+        t.set_event_driven(self.mode.event_driven());
+        t.set_reactor(self.shared.index);
+        let slot = match self.threads.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.threads.push(None);
+                self.ready.push(false);
+                self.threads.len() - 1
+            }
+        };
+        if let Err(e) = self.epoll.add(t.epoll_fd(), Interest::READABLE, slot as u64) {
+            tracing::error!(thread = t.name(), error = %e, "cannot add thread to reactor epoll; thread dropped");
+            self.framework.forget_thread(t.id());
+            return;
+        }
+        // Its first message (init) is queued: run it promptly.
+        self.ready[slot] = true;
+        self.threads[slot] = Some(t);
+        self.shared.counters.threads.store(self.threads.iter().flatten().count() as u64, Ordering::Relaxed);
+    }
+
+    fn set_mode(&mut self, mode: Mode) -> Result<(), ReactorError> {
+        if mode.event_driven() {
+            for t in self.threads.iter().flatten() {
+                let bad = t.pollers_without_event_source();
+                if !bad.is_empty() {
+                    return Err(ReactorError::NoEventSource(format!("{}: {}", t.name(), bad.join(", "))));
+                }
+            }
+        }
+        for t in self.threads.iter_mut().flatten() {
+            t.set_event_driven(mode.event_driven());
+        }
+        // Leaving an event-driven mode: every thread runs in full on the next
+        // iteration, so nothing that was ready is left waiting.
+        self.mode = mode;
+        self.last_busy = true;
+        self.shared.counters.mode.store(mode.to_u8(), Ordering::Relaxed);
+        tracing::info!(reactor = self.shared.index, mode = mode.as_str(), "reactor mode set");
+        Ok(())
+    }
+
+    fn reap_exited(&mut self) {
+        for i in 0..self.threads.len() {
+            if self.threads[i].as_ref().is_some_and(|t| t.exit_requested()) {
+                if let Some(mut t) = self.threads[i].take() {
+                    self.remove_thread(&mut t);
+                }
+            }
+        }
+    }
+
+    fn remove_thread(&mut self, t: &mut Thread) {
+        let _ = self.epoll.delete(t.epoll_fd());
+        let dropped = t.destroy();
+        if dropped > 0 {
+            tracing::warn!(thread = t.name(), dropped, "thread exited with queued messages");
+        }
+        self.framework.forget_thread(t.id());
+        self.shared.counters.threads.store(self.threads.iter().flatten().count() as u64, Ordering::Relaxed);
+    }
+
+    fn shutdown(&mut self) {
+        for i in 0..self.threads.len() {
+            if let Some(mut t) = self.threads[i].take() {
+                t.drain_messages(SHUTDOWN_MESSAGE_LIMIT);
+                if t.pending_messages() > 0 {
+                    tracing::warn!(thread = t.name(), "messages still queued at shutdown");
+                }
+                self.remove_thread(&mut t);
+            }
+        }
+        let now = self.clock_now();
+        self.publish_usage(now, true);
+    }
+
+    fn account(&mut self, busy: bool, elapsed_ns: u64, now: u64) {
+        if busy {
+            self.busy_ns += elapsed_ns;
+        } else {
+            self.idle_ns += elapsed_ns;
+        }
+        self.iterations += 1;
+        let c = &self.shared.counters;
+        c.busy_ns.store(self.busy_ns, Ordering::Relaxed);
+        c.idle_ns.store(self.idle_ns, Ordering::Relaxed);
+        c.iterations.store(self.iterations, Ordering::Relaxed);
+        c.wakeups.store(self.wakeups, Ordering::Relaxed);
+        self.publish_usage(now, false);
+    }
+
+    fn publish_usage(&mut self, now: u64, force: bool) {
+        if !force && now < self.usage_next_ns {
+            return;
+        }
+        self.usage_next_ns = now + USAGE_REFRESH_NS;
+        let u: ThreadUsage = sys::thread_usage();
+        let c = &self.shared.counters;
+        c.user_ns.store(u.user_ns, Ordering::Relaxed);
+        c.system_ns.store(u.system_ns, Ordering::Relaxed);
+        c.voluntary_ctxsw.store(u.voluntary_ctxsw, Ordering::Relaxed);
+        c.involuntary_ctxsw.store(u.involuntary_ctxsw, Ordering::Relaxed);
+        c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
+        c.major_faults.store(u.major_faults, Ordering::Relaxed);
+    }
+}

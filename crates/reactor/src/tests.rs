@@ -1,0 +1,180 @@
+//! Single-thread tests on a fake clock: no reactor, no real time.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::{Clock, FakeClock, PollStatus, PollerId, PollerKind, ReactorError, Scope, Thread, MSG_BATCH};
+
+fn thread() -> Thread {
+    Thread::new(1, "test").expect("thread")
+}
+
+#[test]
+fn timed_poller_fires_exactly_at_its_period() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let fired = Arc::new(Mutex::new(Vec::new()));
+    let f = fired.clone();
+    t.register_poller(
+        "timer",
+        PollerKind::every_us(100),
+        &[],
+        Box::new(move |_t, now| {
+            f.lock().unwrap().push(now);
+            PollStatus::Busy
+        }),
+    )
+    .unwrap();
+    for step in 0..=100u64 {
+        clock.set(step * 10_000);
+        t.poll(clock.now_ns(), Scope::All, &clock);
+    }
+    let expected: Vec<u64> = (1..=10).map(|k| k * 100_000).collect();
+    assert_eq!(*fired.lock().unwrap(), expected);
+    t.check_invariants();
+}
+
+#[test]
+fn busy_idle_accounting_is_exact_for_a_script() {
+    let clock = FakeClock::new(1_000);
+    let mut t = thread();
+    // (status, ns of work) per iteration.
+    let script = [(PollStatus::Busy, 300), (PollStatus::Idle, 50), (PollStatus::Busy, 1_000), (PollStatus::Idle, 7)];
+    let step = Arc::new(AtomicUsize::new(0));
+    let (c, s) = (clock.clone(), step.clone());
+    t.register_poller(
+        "scripted",
+        PollerKind::Active,
+        &[],
+        Box::new(move |_t, _now| {
+            let (status, ns) = script[s.fetch_add(1, Ordering::SeqCst)];
+            c.advance(ns);
+            status
+        }),
+    )
+    .unwrap();
+    for _ in 0..script.len() {
+        t.poll(clock.now_ns(), Scope::All, &clock);
+    }
+    let stats = t.handle().stats();
+    assert_eq!(stats.busy_ns, 1_300);
+    assert_eq!(stats.idle_ns, 57);
+    assert_eq!(stats.iterations, 4);
+}
+
+#[test]
+fn messages_arrive_in_order_in_bounded_batches() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let h = t.handle();
+    for i in 0..100u32 {
+        let s = seen.clone();
+        h.send(move |_t| s.lock().unwrap().push(i)).unwrap();
+    }
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Busy);
+    assert_eq!(seen.lock().unwrap().len(), MSG_BATCH);
+    while t.poll(0, Scope::All, &clock).is_busy() {}
+    assert_eq!(*seen.lock().unwrap(), (0..100).collect::<Vec<_>>());
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Idle);
+}
+
+#[test]
+fn pollers_unregister_pause_and_resume_from_inside_callbacks() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let runs_a = Arc::new(AtomicUsize::new(0));
+    let runs_c = Arc::new(AtomicUsize::new(0));
+
+    let ra = runs_a.clone();
+    let id_a = Arc::new(Mutex::new(None::<PollerId>));
+    let ia = id_a.clone();
+    let a = t
+        .register_poller(
+            "a",
+            PollerKind::Active,
+            &[],
+            Box::new(move |t, _| {
+                // Unregister itself on its third run, and register a
+                // replacement that reuses the slot.
+                if ra.fetch_add(1, Ordering::SeqCst) == 2 {
+                    let me = ia.lock().unwrap().expect("id");
+                    assert!(t.unregister_poller(me));
+                    t.register_poller("a2", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+                }
+                PollStatus::Busy
+            }),
+        )
+        .unwrap();
+    *id_a.lock().unwrap() = Some(a);
+
+    let rc = runs_c.clone();
+    let c = t.register_poller("c", PollerKind::Active, &[], Box::new(move |_, _| {
+        rc.fetch_add(1, Ordering::SeqCst);
+        PollStatus::Busy
+    }))
+    .unwrap();
+    let b_runs = Arc::new(AtomicUsize::new(0));
+    let br = b_runs.clone();
+    t.register_poller(
+        "b",
+        PollerKind::Active,
+        &[],
+        Box::new(move |t, _| {
+            match br.fetch_add(1, Ordering::SeqCst) {
+                0 => assert!(t.pause_poller(c)),
+                4 => assert!(t.resume_poller(c)),
+                _ => {}
+            }
+            PollStatus::Idle
+        }),
+    )
+    .unwrap();
+
+    for _ in 0..10 {
+        t.poll(0, Scope::All, &clock);
+        t.check_invariants();
+    }
+    assert_eq!(runs_a.load(Ordering::SeqCst), 3, "a ran until it unregistered itself");
+    // c ran in iteration 0 (before b paused it), was paused in iterations 1..=4,
+    // resumed by b in iteration 4 (after c's turn), then ran in 5..=9.
+    assert_eq!(runs_c.load(Ordering::SeqCst), 1 + 5);
+    assert!(!t.unregister_poller(a), "a stale id is harmless");
+    let s = t.handle().stats();
+    assert_eq!((s.pollers_active, s.pollers_paused), (3, 0));
+}
+
+#[test]
+fn event_driven_thread_refuses_active_poller_without_fd() {
+    let mut t = thread();
+    t.set_event_driven(true);
+    let r = t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle));
+    assert!(matches!(r, Err(ReactorError::NoEventSource(_))));
+    // Timed pollers need no fd: the thread's timerfd drives them.
+    assert!(t.register_poller("tick", PollerKind::every_us(10), &[], Box::new(|_, _| PollStatus::Idle)).is_ok());
+    t.check_invariants();
+}
+
+#[test]
+fn ready_scope_runs_only_woken_pollers() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let id = t
+        .register_poller("p", PollerKind::Active, &[], Box::new(move |_, _| {
+            r.fetch_add(1, Ordering::SeqCst);
+            PollStatus::Busy
+        }))
+        .unwrap();
+    t.poll(0, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert!(!t.has_immediate_work(0));
+    t.wake_poller(id);
+    assert!(t.has_immediate_work(0));
+    t.poll(0, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    t.poll(0, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    t.check_invariants();
+}

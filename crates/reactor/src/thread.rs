@@ -1,0 +1,819 @@
+//! Lull threads: single-threaded execution contexts that own pollers, a
+//! message queue and an epoll set of the file descriptors that signal their
+//! work.
+//!
+//! ```ignore
+//! let t = framework.spawn_thread(0, "conn", |t: &mut Thread| {
+//!     let sock = ...; // an fd the poller reads
+//!     t.register_poller("rx", PollerKind::Active, &[(sock_fd, Interest::READABLE)],
+//!         Box::new(move |_t, _now| if read_some(&sock) { PollStatus::Busy } else { PollStatus::Idle }))
+//!         .expect("poller");
+//! })?;
+//! t.send(|_t| println!("runs on the lull thread"))?;
+//! ```
+//!
+//! A thread is only ever touched by the reactor that currently runs it, so
+//! nothing inside needs a lock. Everything it holds is `Send`, so the thread
+//! can later move between reactors whole (its epoll set is one fd in the
+//! reactor's epoll set).
+
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::clock::Clock;
+use crate::reactor::FrameworkHandle;
+use crate::sys::{event_buffer, Epoll, EventFd, Interest, TimerFd};
+use crate::ReactorError;
+
+/// Messages drained per thread per iteration. SPDK drains 8
+/// (SPDK_MSG_BATCH_SIZE): enough to amortise the queue check, few enough that
+/// a message flood cannot starve the thread's pollers (and their I/O).
+pub const MSG_BATCH: usize = 8;
+
+/// Capacity of a thread's message queue. SPDK's per-thread ring holds 65536;
+/// a full queue is reported to the sender (back-pressure) instead of growing.
+pub const MSG_QUEUE_CAPACITY: usize = 65536;
+
+/// Pollers one thread may own. A connection needs one or two; this bound
+/// catches a registration leak long before it hurts the iteration time.
+pub const MAX_POLLERS_PER_THREAD: usize = 1024;
+
+/// Epoll events taken per `epoll_wait` of a thread's own set.
+const THREAD_EVENT_BATCH: usize = 64;
+
+const TOKEN_DOORBELL: u64 = u64::MAX;
+const TOKEN_TIMER: u64 = u64::MAX - 1;
+
+/// What a poller reports: it did work, or found none. That one bit feeds
+/// busy/idle accounting, the adaptive mode and the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollStatus {
+    Busy,
+    Idle,
+}
+
+impl PollStatus {
+    pub fn is_busy(self) -> bool {
+        self == PollStatus::Busy
+    }
+    pub fn or(self, other: PollStatus) -> PollStatus {
+        if self.is_busy() || other.is_busy() {
+            PollStatus::Busy
+        } else {
+            PollStatus::Idle
+        }
+    }
+}
+
+/// When a poller runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollerKind {
+    /// Every iteration in poll mode; when one of its fds is ready (or it was
+    /// woken with [`Thread::wake_poller`]) in event-driven modes.
+    Active,
+    /// Every `period_ns`, in every mode (a timerfd wakes a sleeping reactor).
+    Timed { period_ns: u64 },
+}
+
+impl PollerKind {
+    pub fn every_us(period_us: u64) -> PollerKind {
+        PollerKind::Timed { period_ns: period_us.max(1) * 1000 }
+    }
+}
+
+/// A poller function: runs on its thread with the iteration's `now`.
+pub type PollFn = Box<dyn FnMut(&mut Thread, u64) -> PollStatus + Send>;
+/// A message: runs once on its target thread.
+pub type Message = Box<dyn FnOnce(&mut Thread) + Send>;
+
+/// Names a poller within its thread. The generation makes a stale id (of an
+/// unregistered poller whose slot was reused) harmless.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PollerId {
+    index: u32,
+    generation: u32,
+}
+
+impl PollerId {
+    fn token(self) -> u64 {
+        (u64::from(self.generation) << 32) | u64::from(self.index)
+    }
+    fn from_token(token: u64) -> PollerId {
+        PollerId { index: token as u32, generation: (token >> 32) as u32 }
+    }
+}
+
+/// A bounded multi-producer queue with a doorbell that is rung only when the
+/// consumer may be asleep.
+///
+/// The wake protocol is Dekker's: the producer pushes, then (SeqCst) reads
+/// `wake_needed`; the consumer sets `wake_needed`, then (SeqCst) looks at the
+/// queue once more before it sleeps. One of the two always sees the other, so
+/// no message is left behind a sleeping consumer, and a polling consumer
+/// costs producers no syscall.
+pub(crate) struct Mailbox<T> {
+    queue: ArrayQueue<T>,
+    wake_needed: AtomicBool,
+    doorbell: EventFd,
+}
+
+impl<T> Mailbox<T> {
+    pub(crate) fn new(capacity: usize) -> std::io::Result<Mailbox<T>> {
+        Ok(Mailbox { queue: ArrayQueue::new(capacity), wake_needed: AtomicBool::new(false), doorbell: EventFd::new()? })
+    }
+
+    pub(crate) fn push(&self, item: T) -> Result<(), T> {
+        self.queue.push(item)?;
+        fence(Ordering::SeqCst);
+        if self.wake_needed.load(Ordering::SeqCst) {
+            self.doorbell.notify();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn pop(&self) -> Option<T> {
+        self.queue.pop()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Ask producers to ring; the caller must check `is_empty` afterwards.
+    pub(crate) fn arm(&self) {
+        self.wake_needed.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    pub(crate) fn disarm(&self) {
+        self.wake_needed.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn drain_doorbell(&self) {
+        self.doorbell.drain();
+    }
+
+    pub(crate) fn doorbell_fd(&self) -> RawFd {
+        self.doorbell.as_raw_fd()
+    }
+}
+
+/// Counters of one thread, readable from any thread.
+#[derive(Debug, Default)]
+pub(crate) struct ThreadCounters {
+    pub busy_ns: AtomicU64,
+    pub idle_ns: AtomicU64,
+    pub iterations: AtomicU64,
+    pub wakeups: AtomicU64,
+    pub messages: AtomicU64,
+    pub pollers_active: AtomicU64,
+    pub pollers_timed: AtomicU64,
+    pub pollers_paused: AtomicU64,
+    pub reactor: AtomicU64,
+}
+
+/// A snapshot of a thread's counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadStats {
+    pub id: u64,
+    pub name: String,
+    pub reactor: usize,
+    pub busy_ns: u64,
+    pub idle_ns: u64,
+    pub iterations: u64,
+    pub wakeups: u64,
+    pub messages: u64,
+    pub pollers_active: u64,
+    pub pollers_timed: u64,
+    pub pollers_paused: u64,
+}
+
+pub(crate) struct ThreadShared {
+    pub id: u64,
+    pub name: String,
+    pub mailbox: Mailbox<Message>,
+    pub counters: ThreadCounters,
+    pub exited: AtomicBool,
+}
+
+/// Why a message could not be sent.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("thread {0} has exited")]
+    Exited(String),
+    #[error("message queue of thread {0} is full ({MSG_QUEUE_CAPACITY} messages)")]
+    Full(String),
+}
+
+/// A cheap, cloneable, `Send + Sync` reference to a lull thread, for sending
+/// it messages from anywhere.
+#[derive(Clone)]
+pub struct ThreadHandle {
+    pub(crate) shared: Arc<ThreadShared>,
+}
+
+impl std::fmt::Debug for ThreadHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadHandle({}:{})", self.shared.id, self.shared.name)
+    }
+}
+
+impl ThreadHandle {
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// Run `f` on the thread. Messages from one sender arrive in order.
+    pub fn send(&self, f: impl FnOnce(&mut Thread) + Send + 'static) -> Result<(), SendError> {
+        self.send_boxed(Box::new(f))
+    }
+
+    /// As `send`, but hands the message back when the queue is full so the
+    /// caller can retry without re-boxing.
+    pub fn try_send_boxed(&self, msg: Message) -> Result<(), (Message, SendError)> {
+        if self.shared.exited.load(Ordering::Acquire) {
+            return Err((msg, SendError::Exited(self.shared.name.clone())));
+        }
+        self.shared.mailbox.push(msg).map_err(|m| (m, SendError::Full(self.shared.name.clone())))
+    }
+
+    pub fn send_boxed(&self, msg: Message) -> Result<(), SendError> {
+        self.try_send_boxed(msg).map_err(|(_, e)| e)
+    }
+
+    pub fn has_exited(&self) -> bool {
+        self.shared.exited.load(Ordering::Acquire)
+    }
+
+    pub fn stats(&self) -> ThreadStats {
+        let c = &self.shared.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ThreadStats {
+            id: self.shared.id,
+            name: self.shared.name.clone(),
+            reactor: r(&c.reactor) as usize,
+            busy_ns: r(&c.busy_ns),
+            idle_ns: r(&c.idle_ns),
+            iterations: r(&c.iterations),
+            wakeups: r(&c.wakeups),
+            messages: r(&c.messages),
+            pollers_active: r(&c.pollers_active),
+            pollers_timed: r(&c.pollers_timed),
+            pollers_paused: r(&c.pollers_paused),
+        }
+    }
+}
+
+struct PollerEntry {
+    name: String,
+    kind: PollerKind,
+    next_ns: u64,
+    paused: bool,
+    woken: bool,
+    fds: Vec<(RawFd, Interest)>,
+    /// `None` while the poller runs (it is out of its slot) .
+    f: Option<PollFn>,
+}
+
+struct PollerSlot {
+    generation: u32,
+    entry: Option<PollerEntry>,
+}
+
+/// Which pollers an iteration runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every active poller (poll mode, and the spinning phase of adaptive).
+    All,
+    /// Only pollers whose fd is ready or that were woken (event-driven modes).
+    Ready,
+}
+
+/// A lull thread. Pollers and messages receive `&mut Thread` to register,
+/// pause, resume and unregister pollers (their own included), wake pollers,
+/// spawn threads and send messages.
+pub struct Thread {
+    shared: Arc<ThreadShared>,
+    framework: Option<FrameworkHandle>,
+    pollers: Vec<PollerSlot>,
+    free: Vec<u32>,
+    epoll: Epoll,
+    timer: TimerFd,
+    timer_armed_ns: Option<u64>,
+    events: Vec<libc::epoll_event>,
+    woken: usize,
+    event_driven: bool,
+    exit_requested: bool,
+    now_ns: u64,
+    // Local accumulators, published to `shared.counters` after each iteration.
+    busy_ns: u64,
+    idle_ns: u64,
+    iterations: u64,
+    wakeups: u64,
+    messages: u64,
+}
+
+impl std::fmt::Debug for Thread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Thread({}:{})", self.shared.id, self.shared.name)
+    }
+}
+
+impl Thread {
+    /// A thread not yet on any reactor (tests drive it with `poll` directly).
+    pub fn new(id: u64, name: &str) -> Result<Thread, ReactorError> {
+        let shared = Arc::new(ThreadShared {
+            id,
+            name: name.to_string(),
+            mailbox: Mailbox::new(MSG_QUEUE_CAPACITY).map_err(ReactorError::Sys)?,
+            counters: ThreadCounters::default(),
+            exited: AtomicBool::new(false),
+        });
+        let epoll = Epoll::new().map_err(ReactorError::Sys)?;
+        let timer = TimerFd::new().map_err(ReactorError::Sys)?;
+        epoll.add(shared.mailbox.doorbell_fd(), Interest::READABLE, TOKEN_DOORBELL).map_err(ReactorError::Sys)?;
+        epoll.add(timer.as_raw_fd(), Interest::READABLE, TOKEN_TIMER).map_err(ReactorError::Sys)?;
+        Ok(Thread {
+            shared,
+            framework: None,
+            pollers: Vec::new(),
+            free: Vec::new(),
+            epoll,
+            timer,
+            timer_armed_ns: None,
+            events: event_buffer(THREAD_EVENT_BATCH),
+            woken: 0,
+            event_driven: false,
+            exit_requested: false,
+            now_ns: 0,
+            busy_ns: 0,
+            idle_ns: 0,
+            iterations: 0,
+            wakeups: 0,
+            messages: 0,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn handle(&self) -> ThreadHandle {
+        ThreadHandle { shared: self.shared.clone() }
+    }
+
+    /// The framework this thread runs in (`None` for a detached test thread).
+    pub fn framework(&self) -> Option<&FrameworkHandle> {
+        self.framework.as_ref()
+    }
+
+    pub(crate) fn attach(&mut self, framework: FrameworkHandle) {
+        self.framework = Some(framework);
+    }
+
+    /// The `now` of the current (or last) iteration.
+    pub fn now_ns(&self) -> u64 {
+        self.now_ns
+    }
+
+    /// Whether this thread runs on an event-driven reactor (every active
+    /// poller needs an fd there).
+    pub fn is_event_driven(&self) -> bool {
+        self.event_driven
+    }
+
+    /// Ask the reactor to destroy this thread after the current iteration:
+    /// its pollers are unregistered (their closures, and the fds they own,
+    /// dropped) and messages still queued are dropped.
+    pub fn exit(&mut self) {
+        self.exit_requested = true;
+    }
+
+    pub fn exit_requested(&self) -> bool {
+        self.exit_requested
+    }
+
+    pub(crate) fn epoll_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    pub(crate) fn set_reactor(&mut self, index: usize) {
+        self.shared.counters.reactor.store(index as u64, Ordering::Relaxed);
+    }
+
+    /// Register a poller. `fds` name the file descriptors that signal its
+    /// work; an active poller without one is refused on an event-driven
+    /// reactor, where it could never run without a hidden spin.
+    ///
+    /// Unregister a poller before closing its fds: the epoll set holds the
+    /// fd numbers.
+    pub fn register_poller(
+        &mut self,
+        name: &str,
+        kind: PollerKind,
+        fds: &[(RawFd, Interest)],
+        f: PollFn,
+    ) -> Result<PollerId, ReactorError> {
+        if self.event_driven && kind == PollerKind::Active && fds.is_empty() {
+            return Err(ReactorError::NoEventSource(name.to_string()));
+        }
+        if self.live_pollers() >= MAX_POLLERS_PER_THREAD {
+            return Err(ReactorError::TooManyPollers(self.name().to_string()));
+        }
+        let index = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.pollers.push(PollerSlot { generation: 0, entry: None });
+                (self.pollers.len() - 1) as u32
+            }
+        };
+        let id = PollerId { index, generation: self.pollers[index as usize].generation };
+        for (n, &(fd, interest)) in fds.iter().enumerate() {
+            if let Err(e) = self.epoll.add(fd, interest, id.token()) {
+                for &(fd, _) in &fds[..n] {
+                    let _ = self.epoll.delete(fd);
+                }
+                self.free.push(index);
+                return Err(ReactorError::Sys(e));
+            }
+        }
+        let next_ns = match kind {
+            PollerKind::Active => 0,
+            PollerKind::Timed { period_ns } => self.now_ns.saturating_add(period_ns),
+        };
+        self.pollers[index as usize].entry = Some(PollerEntry {
+            name: name.to_string(),
+            kind,
+            next_ns,
+            paused: false,
+            woken: false,
+            fds: fds.to_vec(),
+            f: Some(f),
+        });
+        self.publish_poller_counts();
+        Ok(id)
+    }
+
+    fn entry_mut(&mut self, id: PollerId) -> Option<&mut PollerEntry> {
+        let slot = self.pollers.get_mut(id.index as usize)?;
+        if slot.generation != id.generation {
+            return None;
+        }
+        slot.entry.as_mut()
+    }
+
+    fn live_pollers(&self) -> usize {
+        self.pollers.len() - self.free.len()
+    }
+
+    /// Unregister a poller (its own callback may do this). Its closure is
+    /// dropped now, or right after it returns if it is running. Returns
+    /// whether the poller existed.
+    pub fn unregister_poller(&mut self, id: PollerId) -> bool {
+        let Some(slot) = self.pollers.get_mut(id.index as usize) else { return false };
+        if slot.generation != id.generation || slot.entry.is_none() {
+            return false;
+        }
+        let entry = slot.entry.take();
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free.push(id.index);
+        if let Some(entry) = entry {
+            for (fd, _) in &entry.fds {
+                let _ = self.epoll.delete(*fd);
+            }
+            if entry.woken {
+                self.woken -= 1;
+            }
+        }
+        self.publish_poller_counts();
+        true
+    }
+
+    /// Stop running a poller until `resume_poller`.
+    pub fn pause_poller(&mut self, id: PollerId) -> bool {
+        let Some(e) = self.entry_mut(id) else { return false };
+        e.paused = true;
+        self.publish_poller_counts();
+        true
+    }
+
+    /// Resume a paused poller. A timed poller's next run is a full period
+    /// from now, as in SPDK.
+    pub fn resume_poller(&mut self, id: PollerId) -> bool {
+        let now = self.now_ns;
+        let Some(e) = self.entry_mut(id) else { return false };
+        e.paused = false;
+        if let PollerKind::Timed { period_ns } = e.kind {
+            e.next_ns = now.saturating_add(period_ns);
+        }
+        self.publish_poller_counts();
+        true
+    }
+
+    /// Run an active poller in the next iteration even if none of its fds is
+    /// ready: for work a poller left in user space (a bounded batch, a
+    /// completion that needs no fd).
+    pub fn wake_poller(&mut self, id: PollerId) -> bool {
+        let Some(e) = self.entry_mut(id) else { return false };
+        if e.woken {
+            return true;
+        }
+        e.woken = true;
+        self.woken += 1;
+        true
+    }
+
+    /// Change what a poller waits for on one of its fds (e.g. add writable
+    /// while output is queued).
+    pub fn set_interest(&mut self, id: PollerId, fd: RawFd, interest: Interest) -> Result<(), ReactorError> {
+        let token = id.token();
+        let Some(e) = self.entry_mut(id) else { return Err(ReactorError::NoSuchPoller) };
+        let Some(slot) = e.fds.iter_mut().find(|(f, _)| *f == fd) else {
+            return Err(ReactorError::NoSuchPoller);
+        };
+        if slot.1 == interest {
+            return Ok(());
+        }
+        slot.1 = interest;
+        self.epoll.modify(fd, interest, token).map_err(ReactorError::Sys)
+    }
+
+    /// Add another fd that signals this poller's work.
+    pub fn add_poller_fd(&mut self, id: PollerId, fd: RawFd, interest: Interest) -> Result<(), ReactorError> {
+        let token = id.token();
+        if self.entry_mut(id).is_none() {
+            return Err(ReactorError::NoSuchPoller);
+        }
+        self.epoll.add(fd, interest, token).map_err(ReactorError::Sys)?;
+        if let Some(e) = self.entry_mut(id) {
+            e.fds.push((fd, interest));
+        }
+        Ok(())
+    }
+
+    /// Spawn a lull thread on reactor `reactor` of this thread's framework.
+    pub fn spawn_thread(
+        &self,
+        reactor: usize,
+        name: &str,
+        init: impl FnOnce(&mut Thread) + Send + 'static,
+    ) -> Result<ThreadHandle, ReactorError> {
+        match &self.framework {
+            Some(fw) => fw.spawn_thread(reactor, name, init),
+            None => Err(ReactorError::Detached),
+        }
+    }
+
+    /// Whether the next iteration has work without any fd becoming ready:
+    /// queued messages, woken pollers or a due timed poller.
+    pub fn has_immediate_work(&self, now: u64) -> bool {
+        !self.shared.mailbox.is_empty() || self.woken > 0 || self.next_deadline().is_some_and(|d| d <= now)
+    }
+
+    fn next_deadline(&self) -> Option<u64> {
+        self.pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .filter(|e| !e.paused && matches!(e.kind, PollerKind::Timed { .. }))
+            .map(|e| e.next_ns)
+            .min()
+    }
+
+    /// Active pollers that have no fd (they make event-driven mode impossible).
+    pub(crate) fn pollers_without_event_source(&self) -> Vec<String> {
+        self.pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .filter(|e| e.kind == PollerKind::Active && e.fds.is_empty())
+            .map(|e| e.name.clone())
+            .collect()
+    }
+
+    pub(crate) fn set_event_driven(&mut self, on: bool) {
+        self.event_driven = on;
+    }
+
+    /// Prepare to sleep: ask senders to ring, and arm the timerfd for the
+    /// earliest timed poller. Returns false when work arrived meanwhile.
+    pub(crate) fn prepare_sleep(&mut self, now: u64) -> bool {
+        self.shared.mailbox.arm();
+        if self.has_immediate_work(now) {
+            self.shared.mailbox.disarm();
+            return false;
+        }
+        let deadline = self.next_deadline();
+        if deadline != self.timer_armed_ns {
+            // `arm(0)` disarms; a deadline in the past was caught above.
+            let delay = deadline.map_or(0, |d| d.saturating_sub(now).max(1));
+            if self.timer.arm(delay).is_ok() {
+                self.timer_armed_ns = deadline;
+            }
+        }
+        true
+    }
+
+    pub(crate) fn finish_sleep(&mut self, woke: bool) {
+        self.shared.mailbox.disarm();
+        if woke {
+            self.wakeups += 1;
+        }
+    }
+
+    /// One iteration: up to `MSG_BATCH` messages, then the active pollers in
+    /// `scope`, then the due timed pollers. `now` drives every decision;
+    /// `clock` is read once at the end to account the iteration as busy or
+    /// idle.
+    pub fn poll(&mut self, now: u64, scope: Scope, clock: &dyn Clock) -> PollStatus {
+        let status = self.run_iteration(now, scope);
+        let end = clock.now_ns();
+        self.account(status, end.saturating_sub(now));
+        status
+    }
+
+    fn run_iteration(&mut self, now: u64, scope: Scope) -> PollStatus {
+        self.now_ns = now;
+        let mut status = PollStatus::Idle;
+
+        for _ in 0..MSG_BATCH {
+            let Some(msg) = self.shared.mailbox.pop() else { break };
+            msg(self);
+            self.messages += 1;
+            status = PollStatus::Busy;
+        }
+
+        if scope == Scope::Ready {
+            self.collect_ready();
+        }
+        for index in 0..self.pollers.len() {
+            let run = match &mut self.pollers[index].entry {
+                Some(e) if e.kind == PollerKind::Active && !e.paused => {
+                    let run = scope == Scope::All || e.woken;
+                    if e.woken {
+                        e.woken = false;
+                        self.woken -= 1;
+                    }
+                    run
+                }
+                _ => false,
+            };
+            if run {
+                status = status.or(self.run_poller(index, now));
+            }
+        }
+
+        for index in 0..self.pollers.len() {
+            let due = match &mut self.pollers[index].entry {
+                Some(e) if !e.paused => match e.kind {
+                    PollerKind::Timed { period_ns } if e.next_ns <= now => {
+                        e.next_ns = now.saturating_add(period_ns);
+                        true
+                    }
+                    _ => false,
+                },
+                _ => false,
+            };
+            if due {
+                status = status.or(self.run_poller(index, now));
+            }
+        }
+        status
+    }
+
+    /// Mark the pollers whose fds are ready as woken, and reset the doorbell
+    /// and timer fds.
+    fn collect_ready(&mut self) {
+        let n = self.epoll.wait(&mut self.events, 0).unwrap_or(0);
+        for i in 0..n {
+            let token = self.events[i].u64;
+            match token {
+                TOKEN_DOORBELL => self.shared.mailbox.drain_doorbell(),
+                TOKEN_TIMER => {
+                    self.timer.drain();
+                    self.timer_armed_ns = None;
+                }
+                _ => {
+                    let id = PollerId::from_token(token);
+                    self.wake_poller(id);
+                }
+            }
+        }
+    }
+
+    fn run_poller(&mut self, index: usize, now: u64) -> PollStatus {
+        let slot = &mut self.pollers[index];
+        let generation = slot.generation;
+        let Some(mut f) = slot.entry.as_mut().and_then(|e| e.f.take()) else {
+            return PollStatus::Idle;
+        };
+        let status = f(self, now);
+        // The poller may have unregistered itself (and its slot been reused).
+        if let Some(slot) = self.pollers.get_mut(index) {
+            if slot.generation == generation {
+                if let Some(e) = slot.entry.as_mut() {
+                    e.f = Some(f);
+                }
+            }
+        }
+        status
+    }
+
+    pub(crate) fn account(&mut self, status: PollStatus, elapsed_ns: u64) {
+        match status {
+            PollStatus::Busy => self.busy_ns += elapsed_ns,
+            PollStatus::Idle => self.idle_ns += elapsed_ns,
+        }
+        self.iterations += 1;
+        let c = &self.shared.counters;
+        c.busy_ns.store(self.busy_ns, Ordering::Relaxed);
+        c.idle_ns.store(self.idle_ns, Ordering::Relaxed);
+        c.iterations.store(self.iterations, Ordering::Relaxed);
+        c.wakeups.store(self.wakeups, Ordering::Relaxed);
+        c.messages.store(self.messages, Ordering::Relaxed);
+    }
+
+    fn publish_poller_counts(&self) {
+        let (mut active, mut timed, mut paused) = (0, 0, 0);
+        for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
+            if e.paused {
+                paused += 1;
+            } else if e.kind == PollerKind::Active {
+                active += 1;
+            } else {
+                timed += 1;
+            }
+        }
+        let c = &self.shared.counters;
+        c.pollers_active.store(active, Ordering::Relaxed);
+        c.pollers_timed.store(timed, Ordering::Relaxed);
+        c.pollers_paused.store(paused, Ordering::Relaxed);
+    }
+
+    /// Tear down: run nothing more, drop every poller and queued message.
+    pub(crate) fn destroy(&mut self) -> usize {
+        self.shared.exited.store(true, Ordering::Release);
+        let ids: Vec<PollerId> = self
+            .pollers
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.entry.is_some())
+            .map(|(i, s)| PollerId { index: i as u32, generation: s.generation })
+            .collect();
+        for id in ids {
+            self.unregister_poller(id);
+        }
+        let mut dropped = 0;
+        while self.shared.mailbox.pop().is_some() {
+            dropped += 1;
+        }
+        dropped
+    }
+
+    /// Run queued messages (at most `limit`) before a shutdown.
+    pub(crate) fn drain_messages(&mut self, limit: usize) -> usize {
+        let mut n = 0;
+        while n < limit {
+            let Some(msg) = self.shared.mailbox.pop() else { break };
+            msg(self);
+            n += 1;
+        }
+        self.messages += n as u64;
+        n
+    }
+
+    pub(crate) fn pending_messages(&self) -> usize {
+        self.shared.mailbox.len()
+    }
+
+    /// Check the internal bookkeeping (debug builds and tests).
+    pub fn check_invariants(&self) {
+        let woken = self.pollers.iter().filter_map(|s| s.entry.as_ref()).filter(|e| e.woken).count();
+        assert_eq!(woken, self.woken, "woken count");
+        let free: HashSet<u32> = self.free.iter().copied().collect();
+        assert_eq!(free.len(), self.free.len(), "free list has duplicates");
+        for (i, s) in self.pollers.iter().enumerate() {
+            assert_eq!(s.entry.is_none(), free.contains(&(i as u32)), "slot {i} free-list mismatch");
+        }
+    }
+}
+
+impl Drop for Thread {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}

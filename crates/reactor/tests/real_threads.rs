@@ -1,0 +1,211 @@
+//! The framework on real OS threads. Functional checks only: nothing here
+//! asserts a speed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use lull_reactor::{
+    sys, Framework, FrameworkConfig, Interest, Mode, PollStatus, PollerKind, ReactorError, Thread, ThreadHandle,
+};
+
+fn cores(n: usize) -> Vec<usize> {
+    let allowed = sys::allowed_cpus().expect("affinity");
+    // On a 1-core runner, run both reactors unpinned on the same core.
+    (0..n).map(|i| allowed[i % allowed.len()]).collect()
+}
+
+fn framework(n: usize, mode: Mode) -> Framework {
+    let cores = cores(n);
+    let pin = cores.iter().collect::<std::collections::HashSet<_>>().len() == n;
+    let cores = if pin { cores } else { (0..n).collect() };
+    Framework::start(FrameworkConfig { cores, mode, pin }).expect("framework")
+}
+
+/// CPU time (utime + stime) of one OS thread of this process, in ms.
+fn thread_cpu_ms(tid: u64) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).expect("stat");
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat; index 11 and 12 after the comm.
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    ticks * 10 // USER_HZ is 100 on Linux.
+}
+
+fn ping_pong(mode: Mode, rounds: u64) {
+    let fw = framework(2, mode);
+    let h = fw.handle().clone();
+    let a = h.spawn_thread(0, "ping", |_| {}).unwrap();
+    let b = h.spawn_thread(1, "pong", |_| {}).unwrap();
+    let (done_tx, done_rx) = mpsc::channel();
+
+    fn ping(a: ThreadHandle, b: ThreadHandle, left: u64, done: mpsc::Sender<u64>) {
+        let a2 = a.clone();
+        a.send(move |t: &mut Thread| {
+            assert_eq!(t.name(), "ping");
+            if left == 0 {
+                done.send(t.id()).unwrap();
+                return;
+            }
+            let b2 = b.clone();
+            b.send(move |t: &mut Thread| {
+                assert_eq!(t.name(), "pong");
+                ping(a2, b2, left - 1, done);
+            })
+            .unwrap();
+        })
+        .unwrap();
+    }
+    ping(a.clone(), b, rounds, done_tx);
+    let id = done_rx.recv_timeout(Duration::from_secs(60)).expect("ping-pong finished");
+    assert_eq!(id, a.id());
+    let stats = h.thread_stats();
+    assert!(stats.iter().all(|s| s.messages >= rounds), "{stats:?}");
+}
+
+#[test]
+fn ping_pong_in_poll_mode() {
+    ping_pong(Mode::Poll, 10_000);
+}
+
+#[test]
+fn ping_pong_in_interrupt_mode() {
+    ping_pong(Mode::Interrupt, 10_000);
+}
+
+#[test]
+fn idle_interrupt_reactor_sleeps() {
+    let fw = framework(1, Mode::Interrupt);
+    let h = fw.handle().clone();
+    // A thread with an fd-backed poller and a slow timed poller: nothing to do.
+    let efd = Arc::new(sys::EventFd::new().unwrap());
+    let e = efd.clone();
+    h.spawn_thread(0, "idle", move |t| {
+        use std::os::fd::AsRawFd;
+        let fd = e.as_raw_fd();
+        t.register_poller("rx", PollerKind::Active, &[(fd, Interest::READABLE)], Box::new(move |_, _| {
+            if e.drain() { PollStatus::Busy } else { PollStatus::Idle }
+        }))
+        .unwrap();
+        t.register_poller("slow", PollerKind::every_us(500_000), &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let tid = h.reactor_stats()[0].tid;
+    let before = thread_cpu_ms(tid);
+    std::thread::sleep(Duration::from_secs(2));
+    let after = thread_cpu_ms(tid);
+    assert!(after - before < 20, "idle interrupt-mode reactor used {} ms of CPU in 2 s", after - before);
+    let r = &h.reactor_stats()[0];
+    assert!(r.wakeups >= 3, "the timed poller woke it: {r:?}");
+    assert!(r.interrupt_mode_enabled());
+}
+
+#[test]
+fn timed_poller_fires_on_interrupt_reactor() {
+    let fw = framework(1, Mode::Interrupt);
+    let runs = Arc::new(AtomicU64::new(0));
+    let r = runs.clone();
+    fw.handle()
+        .spawn_thread(0, "timer", move |t| {
+            t.register_poller("tick", PollerKind::every_us(10_000), &[], Box::new(move |_, _| {
+                r.fetch_add(1, Ordering::Relaxed);
+                PollStatus::Busy
+            }))
+            .unwrap();
+        })
+        .unwrap();
+    let start = Instant::now();
+    while runs.load(Ordering::Relaxed) < 10 {
+        assert!(start.elapsed() < Duration::from_secs(20), "timed poller did not fire");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn fd_less_active_poller_is_refused_in_interrupt_mode() {
+    let mut fw = framework(1, Mode::Interrupt);
+    let (tx, rx) = mpsc::channel();
+    fw.handle()
+        .spawn_thread(0, "bad", move |t| {
+            let r = t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle));
+            tx.send(matches!(r, Err(ReactorError::NoEventSource(_)))).unwrap();
+        })
+        .unwrap();
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+
+    // And a reactor whose thread has such a poller cannot switch to interrupt.
+    let h = fw.handle().clone();
+    h.set_mode(0, Mode::Poll).unwrap();
+    let (tx, rx) = mpsc::channel();
+    h.spawn_thread(0, "spinner", move |t| {
+        t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+        tx.send(()).unwrap();
+    })
+    .unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(matches!(h.set_mode(0, Mode::Interrupt), Err(ReactorError::NoEventSource(_))));
+    assert_eq!(h.reactor_stats()[0].mode, Mode::Poll);
+    fw.stop();
+}
+
+#[test]
+fn mode_switching_under_a_message_storm_loses_nothing() {
+    const MESSAGES: u64 = 100_000;
+    let fw = framework(2, Mode::Interrupt);
+    let h = fw.handle().clone();
+    let count = Arc::new(AtomicU64::new(0));
+    let target = h.spawn_thread(1, "sink", |_| {}).unwrap();
+    let sender = {
+        let count = count.clone();
+        let target = target.clone();
+        std::thread::spawn(move || {
+            for i in 0..MESSAGES {
+                let c = count.clone();
+                let mut msg: lull_reactor::Message = Box::new(move |_t| {
+                    // Messages from one sender arrive in order.
+                    assert_eq!(c.fetch_add(1, Ordering::SeqCst), i);
+                });
+                loop {
+                    match target.try_send_boxed(msg) {
+                        Ok(()) => break,
+                        Err((back, _full)) => {
+                            msg = back;
+                            std::thread::yield_now();
+                        }
+                    }
+                }
+            }
+        })
+    };
+    let start = Instant::now();
+    let mut mode = Mode::Poll;
+    while count.load(Ordering::SeqCst) < MESSAGES {
+        assert!(start.elapsed() < Duration::from_secs(120), "stuck at {}", count.load(Ordering::SeqCst));
+        h.set_mode(1, mode).unwrap();
+        mode = if mode == Mode::Poll { Mode::Interrupt } else { Mode::Poll };
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    sender.join().unwrap();
+    assert_eq!(count.load(Ordering::SeqCst), MESSAGES);
+}
+
+#[test]
+fn stop_runs_queued_messages_and_destroys_threads() {
+    let mut fw = framework(1, Mode::Interrupt);
+    let h = fw.handle().clone();
+    let ran = Arc::new(AtomicU64::new(0));
+    let t = h.spawn_thread(0, "worker", |_| {}).unwrap();
+    for _ in 0..1000 {
+        let r = ran.clone();
+        t.send(move |_| {
+            r.fetch_add(1, Ordering::Relaxed);
+        })
+        .unwrap();
+    }
+    fw.stop();
+    assert_eq!(ran.load(Ordering::Relaxed), 1000);
+    assert!(t.has_exited());
+    assert!(t.send(|_| {}).is_err());
+    assert!(h.thread_stats().is_empty());
+}
