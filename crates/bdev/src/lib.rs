@@ -5,18 +5,32 @@
 //! the per-thread resources (an io_uring ring for `file`), is used from one
 //! thread only, and reports completions through [`Channel::reap`].
 //!
-//! ```ignore
+//! ```
+//! use lull_bdev::{BlockDevice, BufPool, IoCompletion, IoOp, IoRequest, MallocDev};
 //! let dev = MallocDev::new(1 << 30)?;
 //! let mut ch = dev.open_channel()?;
+//! let mut pool = BufPool::new(64 << 20);
 //! let buf = pool.get(4096);
-//! ch.submit(IoRequest { tag: 7, op: IoOp::Read, offset: 0, len: 4096, buf: Some(buf) })?;
-//! ch.flush_submissions();
-//! ch.reap(&mut |c: IoCompletion| assert_eq!(c.tag, 7));
+//! ch.submit(IoRequest { tag: 7, op: IoOp::Read, offset: 0, len: 4096, buf: Some(buf) })
+//!     .map_err(|(_req, e)| e)?;
+//! ch.flush_submissions(); // one syscall per batch of submits (file backend)
+//! // A file channel completes later: wait until `ch.event_fd()` is readable.
+//! ch.reap(&mut |c: IoCompletion| {
+//!     assert_eq!(c.tag, 7);
+//!     pool.put(c.buf.expect("buffer comes back"));
+//! });
+//! # Ok::<(), lull_bdev::BdevError>(())
 //! ```
 
 use std::os::fd::RawFd;
 
 pub use lull_uring::{BufPool, IoBuf};
+
+pub mod file;
+pub mod malloc;
+
+pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH};
+pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
 
 /// What an I/O does. Offsets and lengths are in bytes; devices accept any
 /// byte granularity (O_DIRECT file devices bounce unaligned requests).
@@ -69,6 +83,10 @@ pub enum BdevError {
     Failed(String),
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// The request itself is malformed (e.g. a read without a buffer of
+    /// `len` bytes). The NBD layer validates first, so this is a bug there.
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
 }
 
 impl BdevError {
@@ -80,8 +98,36 @@ impl BdevError {
             BdevError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BdevError::Failed(_) => libc::EIO,
             BdevError::Unsupported(_) => libc::EOPNOTSUPP,
+            BdevError::BadRequest(_) => libc::EINVAL,
         }
     }
+}
+
+/// Checks a request against a device of `size_bytes`: the range must lie
+/// inside the device (except `Flush`, which has none), and `Read`/`Write`
+/// need a buffer of at least `len` bytes.
+pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevError> {
+    if !matches!(req.op, IoOp::Flush) {
+        let len = u64::from(req.len);
+        match req.offset.checked_add(len) {
+            Some(end) if end <= size_bytes => {}
+            _ => {
+                return Err(BdevError::OutOfRange {
+                    offset: req.offset,
+                    len,
+                    size: size_bytes,
+                })
+            }
+        }
+    }
+    if matches!(req.op, IoOp::Read | IoOp::Write { .. }) {
+        match &req.buf {
+            Some(buf) if buf.len() >= req.len as usize => {}
+            Some(_) => return Err(BdevError::BadRequest("buffer shorter than the request length")),
+            None => return Err(BdevError::BadRequest("read or write without a buffer")),
+        }
+    }
+    Ok(())
 }
 
 /// A volume's storage, shared by all its connections.
@@ -92,6 +138,11 @@ pub trait BlockDevice: Send + Sync {
     fn describe(&self) -> String;
     /// Open a per-thread channel.
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError>;
+    /// Make everything written so far durable, blocking. For shutdown and
+    /// tools, never for a reactor (the data path flushes with `IoOp::Flush`).
+    fn sync(&self) -> Result<(), BdevError> {
+        Ok(())
+    }
 }
 
 /// A per-thread I/O queue to a device. Used from one thread only.

@@ -1,1 +1,203 @@
-fn main() {}
+//! `lull`: the binary. `lull serve` with no argument serves a 1 GiB memory
+//! volume `vol0` on 127.0.0.1:10809.
+
+mod config;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
+use lull_nbd::{ListenAddr, NbdServer, Volume, Volumes};
+use lull_reactor::{Framework, FrameworkConfig};
+
+use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
+
+/// How long a stop waits for connections to finish their in-flight I/O.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Parser, Debug)]
+#[command(name = "lull", version, about = "A user-space, replicated block storage engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve volumes over NBD.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// TCP address to listen on [default: 127.0.0.1:10809; none when only --socket is given].
+    #[arg(long, value_name = "ADDR:PORT")]
+    listen: Option<String>,
+    /// Unix socket to listen on (instead of TCP, or as well with --listen).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Reactor cores, e.g. "1" or "0,2-3" [default: the last core].
+    #[arg(long, value_name = "LIST")]
+    cores: Option<String>,
+    /// Event mode of the reactors: poll or interrupt [default: interrupt].
+    #[arg(long, value_name = "MODE")]
+    mode: Option<String>,
+    /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default)
+    /// or file=PATH[,direct]. Sizes take K/M/G/T (binary) suffixes.
+    #[arg(long = "volume", value_name = "NAME:SIZE[:BACKEND]")]
+    volumes: Vec<String>,
+    /// TOML configuration file; flags override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match cli.command {
+        Command::Serve(args) => serve(args),
+    }
+}
+
+/// Exit code for bad flags or configuration (as clap uses for bad flags).
+const EXIT_USAGE: u8 = 2;
+
+fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("lull: error: {msg}");
+    ExitCode::from(EXIT_USAGE)
+}
+
+fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
+    let file = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+            ConfigFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?
+        }
+        None => ConfigFile::default(),
+    };
+    let flags = Overrides {
+        listen: args.listen,
+        socket: args.socket,
+        cores: args.cores,
+        mode: args.mode,
+        volumes: args.volumes,
+    };
+    let allowed = lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
+    config::resolve(file, flags, &allowed).map_err(|e| e.to_string())
+}
+
+fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevice>, String> {
+    let dev: Arc<dyn BlockDevice> = match &spec.backend {
+        Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
+        Backend::File { path, direct } => Arc::new(
+            FileDev::open(path, spec.size_bytes, FileOptions { direct: *direct, create: true })
+                .map_err(|e| format!("{}: {e}", path.display()))?,
+        ),
+    };
+    Ok(dev)
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+fn serve(args: ServeArgs) -> ExitCode {
+    let s = match settings(args) {
+        Ok(s) => s,
+        Err(e) => return usage_error(e),
+    };
+    let volumes = Arc::new(Volumes::default());
+    for spec in &s.volumes {
+        let dev = match open_device(spec) {
+            Ok(d) => d,
+            Err(e) => return usage_error(format!("volume {}: {e}", spec.name)),
+        };
+        if let Err(e) = volumes.add(Volume::new(&spec.name, dev)) {
+            return usage_error(e);
+        }
+    }
+    let mut listen = Vec::new();
+    if let Some(a) = s.listen {
+        listen.push(ListenAddr::Tcp(a));
+    }
+    if let Some(p) = &s.socket {
+        listen.push(ListenAddr::Unix(p.clone()));
+    }
+    // Block the stop signals before any thread starts, so every thread
+    // inherits the mask and only the waiter below sees them.
+    let mut signals = match signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lull: error: cannot install signal handlers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut fw = match Framework::start(FrameworkConfig { cores: s.cores.clone(), mode: s.mode, pin: true }) {
+        Ok(fw) => fw,
+        Err(e) => {
+            eprintln!("lull: error: cannot start reactors: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = match NbdServer::start(fw.handle(), volumes.clone(), &listen) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            fw.stop();
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "lull {}: {} reactor(s) on core(s) {:?}, {} mode",
+        env!("CARGO_PKG_VERSION"),
+        s.cores.len(),
+        s.cores,
+        s.mode
+    );
+    for v in volumes.list() {
+        println!("volume {}: {} ({})", v.name, human(v.dev.size_bytes()), v.dev.describe());
+    }
+    for a in server.local_addrs() {
+        println!("listening on {a}");
+    }
+    if let Some(v) = volumes.list().first() {
+        for a in server.local_addrs() {
+            match a {
+                ListenAddr::Tcp(addr) => println!("try: nbdinfo nbd://{addr}/{}", v.name),
+                ListenAddr::Unix(p) => println!("try: nbdinfo 'nbd+unix:///{}?socket={}'", v.name, p.display()),
+            }
+        }
+    }
+    let signal = signals.forever().next();
+    tracing::info!(?signal, "stopping: no new connections, finishing in-flight I/O");
+    let left = server.shutdown(SHUTDOWN_TIMEOUT);
+    if left > 0 {
+        tracing::warn!(connections = left, "connections still open after the shutdown timeout");
+    }
+    fw.stop();
+    let mut code = ExitCode::SUCCESS;
+    for v in volumes.list() {
+        if let Err(e) = v.dev.sync() {
+            tracing::error!(volume = %v.name, error = %e, "flush at shutdown failed");
+            code = ExitCode::FAILURE;
+        }
+    }
+    tracing::info!("stopped");
+    code
+}

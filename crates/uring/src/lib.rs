@@ -1,1 +1,35 @@
-//! lull-uring
+//! lull-uring: the one crate that touches io_uring and raw buffers.
+//!
+//! - [`IoBuf`] / [`BufPool`]: page-aligned buffers and a per-thread pool so
+//!   the I/O path allocates nothing in steady state.
+//! - [`Ring`]: one io_uring plus a completion eventfd; pushing is `unsafe`.
+//! - [`IoQueue`]: the safe layer: a slot table owning each operation's
+//!   buffer until its completion arrives.
+//! - [`probe`]: kernel feature probes (O_DIRECT alignment).
+//!
+//! ```no_run
+//! use lull_uring::{BufPool, IoQueue, QueueOp};
+//! use std::os::fd::AsFd;
+//! let file = std::fs::OpenOptions::new().read(true).write(true).open("/tmp/x")?;
+//! let mut pool = BufPool::new(64 << 20);
+//! let mut q: IoQueue<u64> = IoQueue::new(256, &[file.as_fd()])?;
+//! let slot = q.alloc(42, Some(pool.get(4096))).expect("free slot");
+//! q.push(slot, &[(0, QueueOp::Write { file: 0, buf_offset: 0, len: 4096, file_offset: 0 })])?;
+//! q.submit()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod buf;
+pub mod probe;
+mod queue;
+mod ring;
+
+pub use buf::{
+    BufPool, BufPoolStats, IoBuf, IO_BUF_ALIGN_BYTES, POOL_BUFS_PER_CLASS_MAX,
+    POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
+};
+pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
+pub use ring::{wait_readable, Ring, RingError, RingOp, SqFull, Target, CHAIN_OPS_MAX};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1103 @@
+//! `FileDev`: a volume stored in a (sparse) file, driven through io_uring.
+//!
+//! Each channel owns an io_uring ring and a slot table ([`IoQueue`]) of
+//! `FILE_CHANNEL_DEPTH` in-flight requests; a full table is back-pressure
+//! (`BdevError::Full`). Request buffers stay in their slot until the
+//! completion hands them back, so the I/O path allocates nothing.
+//!
+//! ```no_run
+//! use lull_bdev::{BlockDevice, FileDev, FileOptions, IoOp, IoRequest, BufPool};
+//! let dev = FileDev::open("/var/lib/lull/vol0", 1 << 30, FileOptions { direct: true, create: true })?;
+//! let mut ch = dev.open_channel()?;
+//! let mut pool = BufPool::new(64 << 20);
+//! ch.submit(IoRequest { tag: 1, op: IoOp::Read, offset: 0, len: 4096, buf: Some(pool.get(4096)) })
+//!     .map_err(|(_, e)| e)?;
+//! ch.flush_submissions(); // one io_uring_enter for the batch
+//! // ... when ch.event_fd() is readable:
+//! ch.reap(&mut |c| { /* reply to the client */ });
+//! # Ok::<(), lull_bdev::BdevError>(())
+//! ```
+//!
+//! # Mapping
+//!
+//! - Read/Write: `IORING_OP_READ`/`WRITE`; short transfers are resubmitted
+//!   for the remainder; 0 bytes (EOF, no space) completes with an error.
+//! - FUA (Write, WriteZeroes): the last data operation is linked
+//!   (`IOSQE_IO_LINK`) to an `fdatasync`.
+//! - Flush: `fdatasync`.
+//! - Trim, and WriteZeroes without `no_hole`: `fallocate(PUNCH_HOLE |
+//!   KEEP_SIZE)`; WriteZeroes with `no_hole`: `fallocate(ZERO_RANGE |
+//!   KEEP_SIZE)`. If the filesystem refuses the mode (EOPNOTSUPP; tmpfs has
+//!   no ZERO_RANGE) the range is written with zeros instead, and the channel
+//!   remembers not to try that mode again.
+//!
+//! # O_DIRECT and unaligned requests
+//!
+//! With `direct`, requests whose offset and length are multiples of the
+//! file's O_DIRECT alignment (from `statx(STATX_DIOALIGN)`, else 4096, which
+//! suits every logical block size up to 4 KiB) go through the O_DIRECT
+//! descriptor. Unaligned ones (qemu-io with odd offsets) go through a second,
+//! buffered descriptor of the same file. The kernel keeps the two coherent
+//! for requests that do not overlap in time: a direct read or write first
+//! writes back dirty cached pages in its range and a direct write then drops
+//! them, and `fdatasync` covers both (it syncs the inode). The page cache also
+//! merges concurrent sub-block writes to the same block correctly, which a
+//! user-space read-modify-write could only do with a cross-thread range lock.
+//! What is not defined is the result of *concurrent overlapping* writes, as
+//! for any block device.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, SlotId};
+
+use crate::{validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest};
+
+/// Requests a file channel keeps in flight (slots, and SQ entries of its
+/// ring). 256 matches an NBD connection's useful queue depth (fio and qemu
+/// rarely go past 128) while keeping the ring and slot table a few KiB.
+pub const FILE_CHANNEL_DEPTH: u32 = 256;
+
+/// Size of the zero buffer used when the filesystem cannot zero a range by
+/// itself: big enough that writing zeros is not syscall-bound, small enough
+/// to keep a few cached per channel.
+const ZERO_BUF_BYTES: usize = 1 << 20;
+
+/// Bytes of zero buffers a channel keeps cached (four of them).
+const CHANNEL_POOL_BYTES: usize = 4 * ZERO_BUF_BYTES;
+
+/// O_DIRECT alignment assumed when the kernel does not report it.
+const DIRECT_ALIGN_DEFAULT_BYTES: u64 = 4096;
+
+/// Fixed-file index of the main descriptor (O_DIRECT if `direct`).
+const FILE_MAIN: u32 = 0;
+/// Fixed-file index of the buffered descriptor (only with `direct`).
+const FILE_BUFFERED: u32 = 1;
+
+// Completion kinds, to tell the CQEs of one chain apart.
+const KIND_DATA: u32 = 1;
+const KIND_SYNC: u32 = 2;
+const KIND_FALLOC: u32 = 3;
+const KIND_NOP: u32 = 4;
+
+/// How to open a `FileDev`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FileOptions {
+    /// Open with O_DIRECT (bypass the page cache for aligned requests).
+    pub direct: bool,
+    /// Create the file if it does not exist.
+    pub create: bool,
+}
+
+/// A block device stored in a file (or a block device node).
+#[derive(Debug)]
+pub struct FileDev {
+    path: PathBuf,
+    size_bytes: u64,
+    direct: bool,
+    main: File,
+    /// Buffered descriptor for unaligned requests; `Some` iff `direct`.
+    buffered: Option<File>,
+    /// O_DIRECT alignment of file offsets and lengths (0 without direct).
+    direct_align_bytes: u64,
+}
+
+impl FileDev {
+    /// Opens (or with `create`, creates) `path` as a device of `size_bytes`.
+    ///
+    /// A regular file shorter than `size_bytes` is extended (sparsely). A
+    /// longer one is used as is: the device is its first `size_bytes` bytes
+    /// and the tail is left untouched (logged), so a volume can be served at
+    /// a smaller size without destroying data. Block device nodes are used
+    /// as they are.
+    pub fn open(
+        path: impl AsRef<Path>,
+        size_bytes: u64,
+        options: FileOptions,
+    ) -> Result<FileDev, BdevError> {
+        let path = path.as_ref().to_path_buf();
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true).create(options.create);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(&path)
+        };
+        let main = open(options.direct).map_err(|e| {
+            tracing::error!(path = %path.display(), direct = options.direct, error = %e, "cannot open file backend");
+            if options.direct && e.raw_os_error() == Some(libc::EINVAL) {
+                BdevError::Unsupported("O_DIRECT is not supported by this filesystem")
+            } else {
+                BdevError::Io(e)
+            }
+        })?;
+        let meta = main.metadata()?;
+        if meta.file_type().is_file() {
+            let len = meta.len();
+            if len < size_bytes {
+                main.set_len(size_bytes)?;
+                tracing::info!(path = %path.display(), from = len, to = size_bytes, "extended backing file (sparse)");
+            } else if len > size_bytes {
+                tracing::warn!(path = %path.display(), file_bytes = len, size_bytes,
+                    "backing file is larger than the volume; its tail is left untouched");
+            }
+        } else if !meta.file_type().is_block_device() {
+            return Err(BdevError::Unsupported(
+                "file backend needs a regular file or a block device",
+            ));
+        }
+        let (buffered, direct_align_bytes) = if options.direct {
+            let buffered = open(false)?;
+            let align = match lull_uring::probe::dio_alignment(main.as_fd()) {
+                Some(a) if a.mem_bytes as usize <= lull_uring::IO_BUF_ALIGN_BYTES => {
+                    u64::from(a.offset_bytes.max(a.mem_bytes)).max(1)
+                }
+                Some(a) => {
+                    // IoBufs are page aligned; a stricter memory alignment
+                    // cannot be met, so every request goes buffered.
+                    tracing::warn!(path = %path.display(), mem_align = a.mem_bytes,
+                        "O_DIRECT memory alignment above 4096; using buffered I/O");
+                    u64::MAX
+                }
+                None => DIRECT_ALIGN_DEFAULT_BYTES,
+            };
+            (Some(buffered), align)
+        } else {
+            (None, 0)
+        };
+        Ok(FileDev {
+            path,
+            size_bytes,
+            direct: options.direct,
+            main,
+            buffered,
+            direct_align_bytes,
+        })
+    }
+
+    /// Whether aligned requests bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Alignment (bytes) a request's offset and length need to go through
+    /// O_DIRECT; `None` without `direct`.
+    pub fn direct_align_bytes(&self) -> Option<u64> {
+        self.direct.then_some(self.direct_align_bytes)
+    }
+
+    /// Opens a concrete file channel (`open_channel` boxes this).
+    pub fn open_file_channel(&self) -> Result<FileChannel, BdevError> {
+        let mut fds = vec![self.main.as_fd()];
+        if let Some(b) = &self.buffered {
+            fds.push(b.as_fd());
+        }
+        let queue = IoQueue::new(FILE_CHANNEL_DEPTH, &fds).map_err(|e| {
+            tracing::error!(path = %self.path.display(), error = %e, "cannot open a file channel");
+            match e {
+                RingError::Unavailable { .. } => BdevError::Unsupported(
+                    "io_uring is unavailable (io_uring_setup refused: check the kernel.io_uring_disabled sysctl and seccomp)",
+                ),
+                other => BdevError::Io(io::Error::from_raw_os_error(other.errno())),
+            }
+        })?;
+        let capacity = queue.capacity();
+        Ok(FileChannel {
+            queue,
+            pool: BufPool::new(CHANNEL_POOL_BYTES),
+            parked: Vec::with_capacity(capacity),
+            size_bytes: self.size_bytes,
+            direct_align_bytes: if self.direct { self.direct_align_bytes } else { 0 },
+            punch_hole_ok: true,
+            zero_range_ok: true,
+        })
+    }
+}
+
+impl BlockDevice for FileDev {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn describe(&self) -> String {
+        if self.direct {
+            format!("file:{} (O_DIRECT)", self.path.display())
+        } else {
+            format!("file:{}", self.path.display())
+        }
+    }
+
+    fn sync(&self) -> Result<(), BdevError> {
+        self.main.sync_data()?;
+        Ok(())
+    }
+
+    fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
+        Ok(Box::new(self.open_file_channel()?))
+    }
+}
+
+/// What a slot is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Read,
+    Write,
+    Flush,
+    /// Trim or WriteZeroes through fallocate.
+    Falloc { mode: i32 },
+    /// Trim or WriteZeroes by writing a zero buffer (fallocate refused).
+    WriteZeros,
+}
+
+/// Per-request state kept in the slot table.
+#[derive(Debug)]
+struct Op {
+    tag: u64,
+    /// The request as submitted (to hand it back on `Full`).
+    op: IoOp,
+    offset: u64,
+    len: u64,
+    kind: Kind,
+    /// Bytes transferred (or zeroed) so far.
+    done: u64,
+    /// Needs an fdatasync after the data (FUA).
+    fua: bool,
+    /// The fdatasync (FUA or Flush) has completed.
+    synced: bool,
+    /// First error seen; the request completes with it.
+    error: Option<BdevError>,
+    /// The caller's buffer for requests that carry none into the kernel
+    /// (Flush/Trim/WriteZeroes), handed back untouched.
+    spare_buf: Option<IoBuf>,
+}
+
+/// What to do next for a slot.
+enum Plan {
+    Complete,
+    Push([(u32, QueueOp); 2], usize),
+}
+
+/// A per-thread channel to a `FileDev`: its own ring and slot table.
+#[derive(Debug)]
+pub struct FileChannel {
+    queue: IoQueue<Op>,
+    /// Zero buffers for the WriteZeros fallback.
+    pool: BufPool,
+    /// Slots whose next operations could not be pushed (SQ full); retried
+    /// by `flush_submissions` and `reap`. Capacity = slots: never grows.
+    parked: Vec<SlotId>,
+    size_bytes: u64,
+    /// 0 without O_DIRECT.
+    direct_align_bytes: u64,
+    punch_hole_ok: bool,
+    zero_range_ok: bool,
+}
+
+fn cqe_error(result: i32) -> BdevError {
+    BdevError::Io(io::Error::from_raw_os_error(-result))
+}
+
+impl FileChannel {
+    /// Which descriptor a transfer uses: O_DIRECT only when the file offset,
+    /// length and buffer offset are all aligned.
+    fn file_for(&self, file_offset: u64, buf_offset: u64, len: u64) -> u32 {
+        let a = self.direct_align_bytes;
+        // DIO alignments are powers of two; anything else (u64::MAX: "never
+        // direct") routes everything through the buffered descriptor.
+        let aligned = a.is_power_of_two() && (file_offset | buf_offset | len) & (a - 1) == 0;
+        if a == 0 || aligned {
+            FILE_MAIN
+        } else {
+            FILE_BUFFERED
+        }
+    }
+
+    fn sync_op() -> (u32, QueueOp) {
+        (
+            KIND_SYNC,
+            QueueOp::Fsync {
+                file: FILE_MAIN,
+                datasync: true,
+            },
+        )
+    }
+
+    /// Decides the next operations of a slot with nothing in flight.
+    fn plan(&mut self, slot: SlotId) -> Plan {
+        let Some(op) = self.queue.ctx(slot) else {
+            return Plan::Complete;
+        };
+        if op.error.is_some() {
+            return Plan::Complete;
+        }
+        let (kind, offset, len, done, fua, synced) =
+            (op.kind, op.offset, op.len, op.done, op.fua, op.synced);
+        let nop = (KIND_NOP, QueueOp::Nop);
+        let sync_only = |push_sync: bool| {
+            if push_sync {
+                Plan::Push([Self::sync_op(), nop], 1)
+            } else {
+                Plan::Complete
+            }
+        };
+        if done >= len {
+            return sync_only((fua || kind == Kind::Flush) && !synced);
+        }
+        let remaining = len - done;
+        let data = match kind {
+            Kind::Flush => return sync_only(!synced),
+            Kind::Falloc { mode } => (
+                KIND_FALLOC,
+                QueueOp::Fallocate {
+                    file: FILE_MAIN,
+                    offset: offset + done,
+                    len: remaining,
+                    mode,
+                },
+            ),
+            Kind::Read | Kind::Write => {
+                // len <= u32::MAX: it came from a u32.
+                let chunk = remaining.min(u64::from(u32::MAX));
+                let file = self.file_for(offset + done, done, chunk);
+                let (buf_offset, len32, file_offset) = (done as usize, chunk as u32, offset + done);
+                let q = if kind == Kind::Read {
+                    QueueOp::Read { file, buf_offset, len: len32, file_offset }
+                } else {
+                    QueueOp::Write { file, buf_offset, len: len32, file_offset }
+                };
+                (KIND_DATA, q)
+            }
+            Kind::WriteZeros => {
+                if self.queue.buf(slot).is_none() {
+                    let mut zeros = self.pool.get(ZERO_BUF_BYTES);
+                    zeros.as_mut_slice().fill(0);
+                    if let Err(Some(zeros)) = self.queue.replace_buf(slot, Some(zeros)) {
+                        // Cannot happen (nothing in flight); keep the buffer.
+                        self.pool.put(zeros);
+                    }
+                }
+                let zeros_len = self.queue.buf(slot).map_or(0, |b| b.len()) as u64;
+                let chunk = remaining.min(zeros_len);
+                if chunk == 0 {
+                    if let Some(op) = self.queue.ctx_mut(slot) {
+                        op.error = Some(BdevError::BadRequest("no zero buffer"));
+                    }
+                    return Plan::Complete;
+                }
+                let file = self.file_for(offset + done, 0, chunk);
+                (
+                    KIND_DATA,
+                    QueueOp::Write { file, buf_offset: 0, len: chunk as u32, file_offset: offset + done },
+                )
+            }
+        };
+        let last_round = match data.1 {
+            QueueOp::Read { len, .. } | QueueOp::Write { len, .. } => u64::from(len) == remaining,
+            _ => true,
+        };
+        if fua && last_round {
+            Plan::Push([data, Self::sync_op()], 2)
+        } else {
+            Plan::Push([data, nop], 1)
+        }
+    }
+
+    /// Pushes the plan's operations; `Ok(true)` when the request is
+    /// finished instead. `Err` when the SQ is full.
+    fn advance(&mut self, slot: SlotId) -> Result<bool, ()> {
+        match self.plan(slot) {
+            Plan::Complete => Ok(true),
+            Plan::Push(ops, n) => match self.queue.push(slot, &ops[..n]) {
+                Ok(()) => Ok(false),
+                Err(lull_uring::PushError::SqFull) => Err(()),
+                Err(e) => {
+                    // A bug in `plan`; fail the request, never the thread.
+                    tracing::error!(error = %e, "file channel built a bad io_uring chain");
+                    if let Some(op) = self.queue.ctx_mut(slot) {
+                        op.error = Some(BdevError::BadRequest("internal: bad io_uring chain"));
+                    }
+                    Ok(true)
+                }
+            },
+        }
+    }
+
+    /// Records one CQE in the slot's state.
+    fn on_cqe(&mut self, c: QueueCompletion) {
+        let mut fallback = None;
+        let Some(op) = self.queue.ctx_mut(c.slot) else {
+            return;
+        };
+        let set_error = |op: &mut Op, e: BdevError| {
+            if op.error.is_none() {
+                tracing::debug!(tag = op.tag, error = %e, "file request failed");
+                op.error = Some(e);
+            }
+        };
+        match c.kind {
+            KIND_DATA if c.result < 0 => set_error(op, cqe_error(c.result)),
+            KIND_DATA if c.result == 0 => {
+                let kind = if op.kind == Kind::Read {
+                    io::ErrorKind::UnexpectedEof
+                } else {
+                    io::ErrorKind::WriteZero
+                };
+                set_error(op, BdevError::Io(kind.into()));
+            }
+            KIND_DATA => op.done += c.result as u64,
+            // Cancelled because the write before it was short: the next
+            // round pushes another sync.
+            KIND_SYNC if c.result == -libc::ECANCELED => {}
+            KIND_SYNC if c.result < 0 => set_error(op, cqe_error(c.result)),
+            KIND_SYNC => op.synced = true,
+            KIND_FALLOC if c.result == -libc::EOPNOTSUPP => {
+                if let Kind::Falloc { mode } = op.kind {
+                    fallback = Some(mode);
+                }
+                op.kind = Kind::WriteZeros;
+            }
+            KIND_FALLOC if c.result < 0 => set_error(op, cqe_error(c.result)),
+            KIND_FALLOC => op.done = op.len,
+            _ => {}
+        }
+        if let Some(mode) = fallback {
+            tracing::info!(mode, "fallocate mode unsupported here; writing zeros instead");
+            if mode & libc::FALLOC_FL_ZERO_RANGE != 0 {
+                self.zero_range_ok = false;
+            } else {
+                self.punch_hole_ok = false;
+            }
+        }
+    }
+
+    /// Frees a finished slot and builds its completion.
+    fn finish(&mut self, slot: SlotId) -> Option<IoCompletion> {
+        let (op, buf) = self.queue.release(slot)?;
+        let buf = match op.kind {
+            Kind::Read | Kind::Write => buf,
+            _ => {
+                // A zero buffer of ours, if any; the caller gets its own back.
+                if let Some(zeros) = buf {
+                    self.pool.put(zeros);
+                }
+                op.spare_buf
+            }
+        };
+        Some(IoCompletion {
+            tag: op.tag,
+            result: op.error.map_or(Ok(()), Err),
+            buf,
+        })
+    }
+
+    fn retry_parked(&mut self) {
+        while let Some(&slot) = self.parked.last() {
+            match self.advance(slot) {
+                Err(()) => return, // still full; keep them parked
+                Ok(false) => {
+                    self.parked.pop();
+                }
+                Ok(true) => {
+                    // Finished without a CQE to deliver it through (only
+                    // after an internal error): post a NOP for it.
+                    if self.queue.push(slot, &[(KIND_NOP, QueueOp::Nop)]).is_err() {
+                        return;
+                    }
+                    self.parked.pop();
+                }
+            }
+        }
+    }
+
+    /// Checks the slot table (debug builds and tests).
+    pub fn check_invariants(&self) {
+        self.queue.check_invariants();
+        assert!(self.parked.len() <= self.queue.in_use());
+    }
+}
+
+impl Channel for FileChannel {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        let capacity = self.queue.capacity();
+        if self.queue.in_use() >= capacity {
+            return Err((req, BdevError::Full { capacity }));
+        }
+        let error = validate_request(&req, self.size_bytes).err();
+        let IoRequest { tag, op, offset, len, buf } = req;
+        let (kind, fua) = match op {
+            IoOp::Read => (Kind::Read, false),
+            IoOp::Write { fua } => (Kind::Write, fua),
+            IoOp::Flush => (Kind::Flush, false),
+            IoOp::Trim => (Kind::Falloc { mode: libc::FALLOC_FL_PUNCH_HOLE }, false),
+            IoOp::WriteZeroes { no_hole: false, fua } => {
+                (Kind::Falloc { mode: libc::FALLOC_FL_PUNCH_HOLE }, fua)
+            }
+            IoOp::WriteZeroes { no_hole: true, fua } => {
+                (Kind::Falloc { mode: libc::FALLOC_FL_ZERO_RANGE }, fua)
+            }
+        };
+        let kind = match kind {
+            Kind::Falloc { mode } => {
+                let ok = if mode == libc::FALLOC_FL_ZERO_RANGE {
+                    self.zero_range_ok
+                } else {
+                    self.punch_hole_ok
+                };
+                if ok {
+                    Kind::Falloc { mode: mode | libc::FALLOC_FL_KEEP_SIZE }
+                } else {
+                    Kind::WriteZeros
+                }
+            }
+            k => k,
+        };
+        let (slot_buf, spare_buf) = match kind {
+            Kind::Read | Kind::Write => (buf, None),
+            _ => (None, buf),
+        };
+        let ctx = Op {
+            tag,
+            op,
+            offset,
+            len: if kind == Kind::Flush { 0 } else { u64::from(len) },
+            kind,
+            done: 0,
+            fua,
+            synced: false,
+            error,
+            spare_buf,
+        };
+        let hand_back = |op: Op, slot_buf: Option<IoBuf>, capacity| {
+            let req = IoRequest {
+                tag: op.tag,
+                op: op.op,
+                offset: op.offset,
+                len,
+                buf: slot_buf.or(op.spare_buf),
+            };
+            (req, BdevError::Full { capacity })
+        };
+        let slot = match self.queue.alloc(ctx, slot_buf) {
+            Ok(slot) => slot,
+            Err((op, slot_buf)) => return Err(hand_back(op, slot_buf, capacity)),
+        };
+        let pushed = match self.advance(slot) {
+            Ok(false) => Ok(()),
+            // Nothing to do (zero length, or invalid): complete through a
+            // NOP so the completion arrives by the ring and its eventfd.
+            Ok(true) => self
+                .queue
+                .push(slot, &[(KIND_NOP, QueueOp::Nop)])
+                .map_err(|_| ()),
+            Err(()) => Err(()),
+        };
+        if pushed.is_err() {
+            // SQ full even after submitting: back-pressure.
+            return match self.queue.release(slot) {
+                Some((op, slot_buf)) => Err(hand_back(op, slot_buf, capacity)),
+                None => Ok(()), // unreachable: nothing was pushed
+            };
+        }
+        Ok(())
+    }
+
+    fn flush_submissions(&mut self) {
+        if !self.parked.is_empty() {
+            self.retry_parked();
+        }
+        if let Err(e) = self.queue.submit() {
+            tracing::error!(error = %e, "io_uring submit failed; will retry on the next flush");
+        }
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        // Drain the eventfd before reading the CQ, so a CQE posted in
+        // between re-arms it rather than being missed.
+        self.queue.drain_event_fd();
+        let mut delivered = 0;
+        let mut pushed = false;
+        while let Some(c) = self.queue.next_completion() {
+            self.on_cqe(c);
+            if self.queue.pending(c.slot) > 0 {
+                continue; // the rest of its chain is still coming
+            }
+            match self.advance(c.slot) {
+                Ok(true) => {
+                    if let Some(completion) = self.finish(c.slot) {
+                        done(completion);
+                        delivered += 1;
+                    }
+                }
+                Ok(false) => pushed = true,
+                Err(()) => self.parked.push(c.slot),
+            }
+        }
+        if !self.parked.is_empty() {
+            self.retry_parked();
+            pushed = true;
+        }
+        if pushed {
+            // Continuations (short transfers, FUA syncs, zero rounds) go to
+            // the kernel now, without waiting for the caller's next flush.
+            if let Err(e) = self.queue.submit() {
+                tracing::error!(error = %e, "io_uring submit of continuations failed");
+            }
+        }
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+        delivered
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        Some(self.queue.event_fd())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.queue.in_use()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A unique temp directory, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            use std::sync::atomic::{AtomicU32, Ordering};
+            static NEXT: AtomicU32 = AtomicU32::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "lull-bdev-{tag}-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&path).expect("create temp dir");
+            TempDir(path)
+        }
+
+        fn file(&self) -> PathBuf {
+            self.0.join("vol")
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// Opens a device, or `None` (with a note) when O_DIRECT is refused.
+    fn open(dir: &TempDir, size: u64, direct: bool) -> Option<FileDev> {
+        match FileDev::open(dir.file(), size, FileOptions { direct, create: true }) {
+            Ok(dev) => Some(dev),
+            Err(BdevError::Unsupported(why)) if direct => {
+                eprintln!("note: skipping O_DIRECT case: {why} ({})", dir.0.display());
+                None
+            }
+            Err(e) => panic!("open {}: {e}", dir.file().display()),
+        }
+    }
+
+    /// Submits `reqs`, flushes once and waits (on the eventfd) for all
+    /// completions, sorted by tag.
+    fn run_all(ch: &mut dyn Channel, reqs: Vec<IoRequest>) -> Vec<IoCompletion> {
+        let want = reqs.len();
+        for req in reqs {
+            ch.submit(req).map_err(|(_, e)| e).expect("submit");
+        }
+        ch.flush_submissions();
+        let fd = ch.event_fd().expect("file channels have an eventfd");
+        let mut out = Vec::with_capacity(want);
+        while out.len() < want {
+            if ch.reap(&mut |c| out.push(c)) == 0 {
+                assert!(lull_uring::wait_readable(fd, 10_000).expect("poll"), "timed out waiting for I/O");
+            }
+        }
+        assert_eq!(ch.in_flight(), 0, "slot leak");
+        out.sort_by_key(|c| c.tag);
+        out
+    }
+
+    fn run(ch: &mut dyn Channel, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>) -> IoCompletion {
+        run_all(ch, vec![IoRequest { tag: 0, op, offset, len, buf }]).pop().expect("one")
+    }
+
+    fn write(ch: &mut dyn Channel, pool: &mut BufPool, offset: u64, data: &[u8], fua: bool) {
+        let mut buf = pool.get(data.len());
+        buf.as_mut_slice().copy_from_slice(data);
+        let c = run(ch, IoOp::Write { fua }, offset, data.len() as u32, Some(buf));
+        c.result.expect("write");
+        pool.put(c.buf.expect("buffer back"));
+    }
+
+    fn read(ch: &mut dyn Channel, pool: &mut BufPool, offset: u64, len: usize) -> Vec<u8> {
+        let c = run(ch, IoOp::Read, offset, len as u32, Some(pool.get(len)));
+        c.result.expect("read");
+        let buf = c.buf.expect("buffer back");
+        let v = buf.as_slice()[..len].to_vec();
+        pool.put(buf);
+        v
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+    }
+
+    fn round_trip(direct: bool) {
+        let dir = TempDir::new("rt");
+        let Some(dev) = open(&dir, 8 << 20, direct) else { return };
+        let mut ch = dev.open_channel().expect("channel (io_uring)");
+        let mut pool = BufPool::new(64 << 20);
+        // Aligned, unaligned, and large (over the 1 MiB zero buffer).
+        let cases: [(u64, usize); 5] = [(0, 4096), (4096 * 3, 65536), (12345, 777), (1 << 20, 3 << 20), (511, 4097)];
+        for (i, &(offset, len)) in cases.iter().enumerate() {
+            let data = pattern(len, i as u8);
+            write(&mut *ch, &mut pool, offset, &data, i % 2 == 0);
+            assert_eq!(read(&mut *ch, &mut pool, offset, len), data, "case {i}");
+        }
+        // Never-written space reads as zeros.
+        assert!(read(&mut *ch, &mut pool, 6 << 20, 1 << 20).iter().all(|&b| b == 0));
+        // Flush, then the data is in the file for anyone to read.
+        run(&mut *ch, IoOp::Flush, 0, 0, None).result.expect("flush");
+        let on_disk = std::fs::read(dir.file()).expect("read file");
+        assert_eq!(on_disk.len(), 8 << 20);
+        assert_eq!(&on_disk[12345..12345 + 777], &pattern(777, 2)[..]);
+        assert_eq!(&on_disk[511..511 + 4097], &pattern(4097, 4)[..]);
+    }
+
+    #[test]
+    fn round_trip_buffered() {
+        round_trip(false);
+    }
+
+    #[test]
+    fn round_trip_direct() {
+        round_trip(true);
+    }
+
+    fn zeroing(direct: bool, fallocate: bool) {
+        let dir = TempDir::new("zero");
+        let Some(dev) = open(&dir, 4 << 20, direct) else { return };
+        let mut ch = dev.open_file_channel().expect("channel");
+        if !fallocate {
+            // As if the filesystem had refused both modes.
+            ch.punch_hole_ok = false;
+            ch.zero_range_ok = false;
+        }
+        let ch: &mut dyn Channel = &mut ch;
+        let mut pool = BufPool::new(64 << 20);
+        let data = pattern(4 << 20, 9);
+        write(&mut *ch, &mut pool, 0, &data, false);
+        let mut oracle = data.clone();
+        let ops = [
+            (IoOp::Trim, 100u64, 10_000u32),
+            (IoOp::WriteZeroes { no_hole: false, fua: false }, 65536, 65536),
+            (IoOp::WriteZeroes { no_hole: true, fua: true }, 200_001, 1_500_000),
+            (IoOp::WriteZeroes { no_hole: true, fua: false }, 3 << 20, 4096),
+        ];
+        for (op, offset, len) in ops {
+            let c = run(&mut *ch, op, offset, len, None);
+            c.result.unwrap_or_else(|e| panic!("{op:?}: {e}"));
+            oracle[offset as usize..(offset + u64::from(len)) as usize].fill(0);
+        }
+        assert!(read(&mut *ch, &mut pool, 0, 4 << 20) == oracle);
+        assert_eq!(ch.in_flight(), 0);
+        run(&mut *ch, IoOp::Flush, 0, 0, None).result.expect("flush");
+        assert!(std::fs::read(dir.file()).expect("read file") == oracle);
+        // A passed-in buffer comes back untouched with the completion.
+        let c = run(&mut *ch, IoOp::Trim, 0, 10, Some(pool.get(10)));
+        assert_eq!(c.buf.map(|b| b.len()), Some(10));
+    }
+
+    #[test]
+    fn trim_and_write_zeroes_buffered() {
+        zeroing(false, true);
+    }
+
+    #[test]
+    fn trim_and_write_zeroes_direct() {
+        zeroing(true, true);
+    }
+
+    #[test]
+    fn write_zeroes_fallback_writes_zeros() {
+        zeroing(false, false);
+        zeroing(true, false);
+    }
+
+    #[test]
+    fn zero_range_refused_by_tmpfs_falls_back() {
+        // tmpfs has PUNCH_HOLE but no ZERO_RANGE: the EOPNOTSUPP path.
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            eprintln!("note: no /dev/shm; skipping the tmpfs fallback case");
+            return;
+        }
+        let dir = TempDir(shm.join(format!("lull-bdev-shm-{}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).expect("mkdir in /dev/shm");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_file_channel().expect("channel");
+        let mut pool = BufPool::new(8 << 20);
+        write(&mut ch, &mut pool, 0, &[5u8; 8192], false);
+        let op = IoOp::WriteZeroes { no_hole: true, fua: true };
+        run(&mut ch, op, 100, 5000, None).result.expect("write zeroes");
+        let v = read(&mut ch, &mut pool, 0, 8192);
+        assert!(v[..100].iter().all(|&b| b == 5) && v[100..5100].iter().all(|&b| b == 0) && v[5100..].iter().all(|&b| b == 5));
+        eprintln!("tmpfs zero_range_ok after the request: {}", ch.zero_range_ok);
+    }
+
+    #[test]
+    fn bad_requests_complete_with_errors() {
+        let dir = TempDir::new("bad");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(1 << 20);
+        let reqs = vec![
+            IoRequest { tag: 1, op: IoOp::Read, offset: (1 << 20) - 10, len: 20, buf: Some(pool.get(20)) },
+            IoRequest { tag: 2, op: IoOp::Write { fua: true }, offset: u64::MAX, len: 1, buf: Some(pool.get(1)) },
+            IoRequest { tag: 3, op: IoOp::Trim, offset: 2 << 20, len: 0, buf: None },
+            IoRequest { tag: 4, op: IoOp::Read, offset: 0, len: 10, buf: None },
+            IoRequest { tag: 5, op: IoOp::Write { fua: false }, offset: 0, len: 10, buf: Some(pool.get(9)) },
+            IoRequest { tag: 6, op: IoOp::Read, offset: 1 << 20, len: 0, buf: Some(pool.get(0)) },
+        ];
+        let out = run_all(&mut *ch, reqs);
+        assert!(matches!(out[0].result, Err(BdevError::OutOfRange { .. })));
+        assert!(out[0].buf.is_some());
+        assert!(matches!(out[1].result, Err(BdevError::OutOfRange { .. })));
+        assert!(matches!(out[2].result, Err(BdevError::OutOfRange { .. })));
+        assert!(matches!(out[3].result, Err(BdevError::BadRequest(_))));
+        assert!(matches!(out[4].result, Err(BdevError::BadRequest(_))));
+        assert!(out[5].result.is_ok());
+        // Nothing was written.
+        assert!(std::fs::read(dir.file()).expect("read").iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn truncated_file_gives_an_error_not_a_panic() {
+        let dir = TempDir::new("eof");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(1 << 20);
+        std::fs::OpenOptions::new().write(true).open(dir.file()).unwrap().set_len(4096).unwrap();
+        let c = run(&mut *ch, IoOp::Read, 0, 8192, Some(pool.get(8192)));
+        // The first 4096 bytes arrive, then the resubmitted remainder hits EOF.
+        assert!(matches!(&c.result, Err(BdevError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof));
+        assert_eq!(c.result.unwrap_err().errno(), libc::EIO);
+    }
+
+    #[test]
+    fn full_channel_returns_full_and_drains() {
+        let dir = TempDir::new("full");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_file_channel().expect("channel");
+        let mut pool = BufPool::new(8 << 20);
+        let depth = FILE_CHANNEL_DEPTH as u64;
+        for tag in 0..depth {
+            let mut buf = pool.get(4096);
+            buf.as_mut_slice().fill(tag as u8);
+            let req = IoRequest { tag, op: IoOp::Write { fua: false }, offset: (tag % 256) * 4096, len: 4096, buf: Some(buf) };
+            ch.submit(req).map_err(|(_, e)| e).expect("room");
+        }
+        assert_eq!(ch.in_flight(), FILE_CHANNEL_DEPTH as usize);
+        let (req, err) = ch
+            .submit(IoRequest { tag: 999, op: IoOp::Read, offset: 0, len: 4096, buf: Some(pool.get(4096)) })
+            .expect_err("full");
+        assert_eq!(req.tag, 999);
+        assert!(req.buf.is_some());
+        assert!(matches!(err, BdevError::Full { capacity } if capacity == FILE_CHANNEL_DEPTH as usize));
+        assert_eq!(err.errno(), libc::EAGAIN);
+        ch.flush_submissions();
+        let mut n = 0;
+        while n < depth as usize {
+            let got = ch.reap(&mut |c| {
+                c.result.expect("write");
+                pool.put(c.buf.expect("buf"));
+            });
+            if got == 0 {
+                assert!(lull_uring::wait_readable(ch.event_fd().unwrap(), 10_000).unwrap());
+            }
+            n += got;
+        }
+        assert_eq!(ch.in_flight(), 0);
+        ch.check_invariants();
+        // reap drained the eventfd.
+        assert!(!lull_uring::wait_readable(ch.event_fd().unwrap(), 0).unwrap());
+        // The buffers were reused: one allocation per buffer ever in flight.
+        assert!(pool.stats().allocations <= depth + 1);
+    }
+
+    #[test]
+    fn steady_state_allocates_no_buffers() {
+        let dir = TempDir::new("steady");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(8 << 20);
+        for round in 0..50u64 {
+            let reqs = (0..16)
+                .map(|i| IoRequest { tag: i, op: IoOp::Write { fua: round % 10 == 0 }, offset: i * 4096, len: 4096, buf: Some(pool.get(4096)) })
+                .collect();
+            for c in run_all(&mut *ch, reqs) {
+                c.result.expect("write");
+                pool.put(c.buf.expect("buf"));
+            }
+        }
+        assert_eq!(pool.stats().allocations, 16);
+    }
+
+    #[test]
+    fn dropping_a_channel_with_io_in_flight_is_safe() {
+        let dir = TempDir::new("drop");
+        let dev = open(&dir, 8 << 20, false).expect("open");
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(64 << 20);
+        for tag in 0..8 {
+            let req = IoRequest { tag, op: IoOp::Read, offset: 0, len: 1 << 20, buf: Some(pool.get(1 << 20)) };
+            ch.submit(req).map_err(|(_, e)| e).expect("submit");
+        }
+        ch.flush_submissions();
+        drop(ch); // waits for the kernel before freeing the buffers
+    }
+
+    #[test]
+    fn sub_block_writes_from_two_channels_merge() {
+        let dir = TempDir::new("merge");
+        let Some(dev) = open(&dir, 1 << 20, true).or_else(|| open(&dir, 1 << 20, false)) else { return };
+        std::thread::scope(|s| {
+            for t in 0..2u64 {
+                let dev = &dev;
+                s.spawn(move || {
+                    let mut ch = dev.open_channel().expect("channel");
+                    let mut pool = BufPool::new(1 << 20);
+                    let reqs = (0..64)
+                        .map(|i| {
+                            let mut buf = pool.get(512);
+                            buf.as_mut_slice().fill(t as u8 + 1);
+                            IoRequest { tag: i, op: IoOp::Write { fua: false }, offset: (i * 2 + t) * 512, len: 512, buf: Some(buf) }
+                        })
+                        .collect();
+                    for c in run_all(&mut *ch, reqs) {
+                        c.result.expect("write");
+                    }
+                });
+            }
+        });
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(1 << 20);
+        let v = read(&mut *ch, &mut pool, 0, 128 * 512);
+        for (i, sector) in v.chunks(512).enumerate() {
+            assert!(sector.iter().all(|&b| b == (i % 2) as u8 + 1), "sector {i}");
+        }
+    }
+
+    #[test]
+    fn direct_channel_routes_only_aligned_io_to_o_direct() {
+        let dir = TempDir::new("route");
+        let Some(dev) = open(&dir, 1 << 20, true) else { return };
+        let a = dev.direct_align_bytes().expect("direct");
+        assert!(a > 0 && a <= 4096, "alignment {a}");
+        let ch = dev.open_file_channel().expect("channel");
+        assert_eq!(ch.file_for(0, 0, 4096), FILE_MAIN);
+        assert_eq!(ch.file_for(8192, 4096, 65536), FILE_MAIN);
+        assert_eq!(ch.file_for(1, 0, 4096), FILE_BUFFERED);
+        assert_eq!(ch.file_for(0, 0, 4095), FILE_BUFFERED);
+        assert_eq!(ch.file_for(4096, 7, 4096), FILE_BUFFERED);
+        let plain = FileDev::open(dir.0.join("plain"), 4096, FileOptions { direct: false, create: true }).unwrap();
+        assert_eq!(plain.open_file_channel().unwrap().file_for(1, 1, 1), FILE_MAIN);
+    }
+
+    #[test]
+    fn open_rules() {
+        let dir = TempDir::new("open");
+        let missing = FileDev::open(dir.file(), 4096, FileOptions { direct: false, create: false });
+        assert!(matches!(missing, Err(BdevError::Io(ref e)) if e.kind() == io::ErrorKind::NotFound));
+        std::fs::write(dir.file(), [7u8; 100]).unwrap();
+        let dev = FileDev::open(dir.file(), 8192, FileOptions::default()).expect("extend");
+        assert_eq!(std::fs::metadata(dir.file()).unwrap().len(), 8192);
+        drop(dev);
+        let dev = FileDev::open(dir.file(), 4096, FileOptions::default()).expect("shrink view");
+        assert_eq!(dev.size_bytes(), 4096);
+        assert_eq!(std::fs::metadata(dir.file()).unwrap().len(), 8192, "tail left alone");
+        assert!(dev.describe().starts_with("file:"));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Write { offset: u64, len: usize, seed: u8, fua: bool },
+        Trim { offset: u64, len: usize },
+        Zero { offset: u64, len: usize, no_hole: bool },
+        Read { offset: u64, len: usize },
+    }
+
+    const PROP_SIZE: u64 = (1 << 20) + 4096 * 3 + 17;
+
+    fn step() -> impl Strategy<Value = Step> {
+        let range = (0..PROP_SIZE).prop_flat_map(|o| {
+            let max = (PROP_SIZE - o).min(300_000) as usize;
+            (Just(o), 0..=max)
+        });
+        // Mix in 4 KiB-aligned ranges so O_DIRECT paths are exercised.
+        let aligned = (0..PROP_SIZE / 4096).prop_flat_map(|b| {
+            let max = ((PROP_SIZE / 4096 - b).min(64)) as usize;
+            (Just(b * 4096), (0..=max).prop_map(|n| n * 4096))
+        });
+        let range = prop_oneof![range, aligned];
+        prop_oneof![
+            3 => (range.clone(), any::<u8>(), any::<bool>()).prop_map(|((offset, len), seed, fua)| Step::Write { offset, len, seed, fua }),
+            1 => range.clone().prop_map(|(offset, len)| Step::Trim { offset, len }),
+            1 => (range.clone(), any::<bool>()).prop_map(|((offset, len), no_hole)| Step::Zero { offset, len, no_hole }),
+            2 => range.prop_map(|(offset, len)| Step::Read { offset, len }),
+        ]
+    }
+
+    fn check_against_oracle(direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
+        let dir = TempDir::new("prop");
+        let Some(dev) = open(&dir, PROP_SIZE, direct) else { return Ok(()) };
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(16 << 20);
+        let mut oracle = vec![0u8; PROP_SIZE as usize];
+        for s in steps {
+            match s {
+                Step::Write { offset, len, seed, fua } => {
+                    let data = pattern(len, seed);
+                    write(&mut *ch, &mut pool, offset, &data, fua);
+                    oracle[offset as usize..offset as usize + len].copy_from_slice(&data);
+                }
+                Step::Trim { offset, len } => {
+                    run(&mut *ch, IoOp::Trim, offset, len as u32, None).result.expect("trim");
+                    oracle[offset as usize..offset as usize + len].fill(0);
+                }
+                Step::Zero { offset, len, no_hole } => {
+                    let op = IoOp::WriteZeroes { no_hole, fua: false };
+                    run(&mut *ch, op, offset, len as u32, None).result.expect("write zeroes");
+                    oracle[offset as usize..offset as usize + len].fill(0);
+                }
+                Step::Read { offset, len } => {
+                    let got = read(&mut *ch, &mut pool, offset, len);
+                    prop_assert!(got[..] == oracle[offset as usize..offset as usize + len], "read at {offset}+{len}");
+                }
+            }
+        }
+        prop_assert!(read(&mut *ch, &mut pool, 0, PROP_SIZE as usize) == oracle);
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        #[test]
+        fn buffered_matches_a_vec_oracle(steps in proptest::collection::vec(step(), 1..20)) {
+            check_against_oracle(false, steps)?;
+        }
+
+        #[test]
+        fn direct_matches_a_vec_oracle(steps in proptest::collection::vec(step(), 1..20)) {
+            check_against_oracle(true, steps)?;
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! Settings: embedded defaults, then a TOML file, then command-line flags.
+//!
+//! ```toml
+//! listen = "127.0.0.1:10809"
+//! socket = "/run/lull/nbd.sock"   # optional Unix socket
+//! cores = "1"                      # reactor cores: "0,2-3"
+//! mode = "interrupt"               # poll | interrupt
+//!
+//! [[volume]]
+//! name = "vol0"
+//! size = "1G"
+//! backend = "malloc"               # or "file=/var/lib/lull/vol0.img,direct"
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use lull_reactor::Mode;
+use serde::Deserialize;
+
+/// A configuration error: the message names the setting.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// Where a volume's data lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    Malloc,
+    File { path: PathBuf, direct: bool },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeSpec {
+    pub name: String,
+    pub size_bytes: u64,
+    pub backend: Backend,
+}
+
+/// The settings `lull serve` runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeSettings {
+    pub listen: Option<SocketAddr>,
+    pub socket: Option<PathBuf>,
+    pub cores: Vec<usize>,
+    pub mode: Mode,
+    pub volumes: Vec<VolumeSpec>,
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
+pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
+
+/// The config file's shape. Unknown keys are errors: a typo must not be
+/// silently ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub listen: Option<String>,
+    pub socket: Option<PathBuf>,
+    pub cores: Option<String>,
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub volume: Vec<VolumeTable>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeTable {
+    pub name: String,
+    pub size: String,
+    #[serde(default)]
+    pub backend: Option<String>,
+}
+
+impl ConfigFile {
+    pub fn parse(text: &str) -> Result<ConfigFile, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError(format!("config: {e}")))
+    }
+}
+
+/// Command-line overrides (each `None`/empty means "not given").
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub socket: Option<PathBuf>,
+    pub cores: Option<String>,
+    pub mode: Option<String>,
+    pub volumes: Vec<String>,
+}
+
+/// Parse a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
+pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
+    let t = s.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(digits_end);
+    if num.is_empty() {
+        return err(format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix"));
+    }
+    let n: u64 = num.parse().map_err(|_| ConfigError(format!("invalid size {s:?}")))?;
+    let shift = match suffix.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return err(format!("invalid size suffix in {s:?}: use K, M, G or T (binary)")),
+    };
+    let v = n.checked_mul(1u64 << shift).ok_or_else(|| ConfigError(format!("size {s:?} is too large")))?;
+    if v == 0 {
+        return err(format!("size {s:?} must be greater than zero"));
+    }
+    // Offsets travel as i64 in the kernel's file APIs.
+    if v > i64::MAX as u64 {
+        return err(format!("size {s:?} is too large"));
+    }
+    Ok(v)
+}
+
+/// Parse a backend: `malloc`, `file=PATH` or `file=PATH,direct`.
+pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
+    if s == "malloc" {
+        return Ok(Backend::Malloc);
+    }
+    if let Some(rest) = s.strip_prefix("file=") {
+        let (path, direct) = match rest.strip_suffix(",direct") {
+            Some(p) => (p, true),
+            None => (rest, false),
+        };
+        if path.is_empty() {
+            return err(format!("backend {s:?}: file= needs a path"));
+        }
+        return Ok(Backend::File { path: PathBuf::from(path), direct });
+    }
+    err(format!("unknown backend {s:?}: expected malloc or file=PATH[,direct]"))
+}
+
+/// Parse `NAME:SIZE[:BACKEND]`.
+pub fn parse_volume(s: &str) -> Result<VolumeSpec, ConfigError> {
+    let mut parts = s.splitn(3, ':');
+    let name = parts.next().unwrap_or_default();
+    let Some(size) = parts.next() else {
+        return err(format!("volume {s:?}: expected NAME:SIZE[:BACKEND]"));
+    };
+    let backend = parts.next().map(parse_backend).transpose()?.unwrap_or(Backend::Malloc);
+    volume(name, size, backend)
+}
+
+fn volume(name: &str, size: &str, backend: Backend) -> Result<VolumeSpec, ConfigError> {
+    if name.is_empty() || name.len() > 255 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        return err(format!("volume name {name:?}: use 1-255 characters of A-Z a-z 0-9 - _ ."));
+    }
+    Ok(VolumeSpec { name: name.to_string(), size_bytes: parse_size(size)?, backend })
+}
+
+/// Parse a core list: `3`, `0,2`, `0-3`, `0-1,4`.
+pub fn parse_cores(s: &str) -> Result<Vec<usize>, ConfigError> {
+    let mut cores = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let bad = || ConfigError(format!("invalid core list {s:?}: expected e.g. 0,2-3"));
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a > b || b >= 1024 {
+                    return Err(bad());
+                }
+                cores.extend(a..=b);
+            }
+            None => cores.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(d) = cores.iter().find(|c| !seen.insert(**c)) {
+        return err(format!("core {d} is listed twice in {s:?}"));
+    }
+    Ok(cores)
+}
+
+pub fn parse_mode(s: &str) -> Result<Mode, ConfigError> {
+    s.parse::<Mode>().map_err(ConfigError)
+}
+
+/// Merge defaults, the config file and the flags.
+pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Result<ServeSettings, ConfigError> {
+    let listen_s = flags.listen.or(file.listen);
+    let socket = flags.socket.or(file.socket);
+    // A socket alone serves instead of TCP; with --listen too, as well.
+    let listen = match (&listen_s, &socket) {
+        (Some(l), _) => Some(l.parse().map_err(|_| ConfigError(format!("invalid listen address {l:?}: expected ADDR:PORT")))?),
+        (None, Some(_)) => None,
+        (None, None) => Some(DEFAULT_LISTEN.parse().expect("default address")),
+    };
+    let cores = match flags.cores.or(file.cores) {
+        Some(c) => parse_cores(&c)?,
+        // One reactor on the last core: core 0 takes most interrupts and
+        // housekeeping, and a client pinned there does not compete with it.
+        None => vec![*allowed_cpus.last().ok_or_else(|| ConfigError("no CPU available".into()))?],
+    };
+    if let Some(bad) = cores.iter().find(|c| !allowed_cpus.contains(c)) {
+        return err(format!("core {bad} is not available to this process (allowed: {allowed_cpus:?})"));
+    }
+    let mode = parse_mode(&flags.mode.or(file.mode).unwrap_or_else(|| "interrupt".into()))?;
+    let volumes = if !flags.volumes.is_empty() {
+        flags.volumes.iter().map(|v| parse_volume(v)).collect::<Result<Vec<_>, _>>()?
+    } else if !file.volume.is_empty() {
+        file.volume
+            .iter()
+            .map(|v| volume(&v.name, &v.size, v.backend.as_deref().map(parse_backend).transpose()?.unwrap_or(Backend::Malloc)))
+            .collect::<Result<Vec<_>, _>>()?
+    } else {
+        vec![parse_volume(DEFAULT_VOLUME)?]
+    };
+    let mut names = std::collections::HashSet::new();
+    if let Some(d) = volumes.iter().find(|v| !names.insert(v.name.clone())) {
+        return err(format!("volume {:?} is defined twice", d.name));
+    }
+    Ok(ServeSettings { listen, socket, cores, mode, volumes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64K").unwrap(), 64 << 10);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2TiB").unwrap(), 2 << 40);
+        assert_eq!(parse_size("3m").unwrap(), 3 << 20);
+        for bad in ["", "G", "1X", "0", "-1", "99999999999T", "1.5G"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn volumes_and_backends() {
+        assert_eq!(
+            parse_volume("a:1M").unwrap(),
+            VolumeSpec { name: "a".into(), size_bytes: 1 << 20, backend: Backend::Malloc }
+        );
+        assert_eq!(
+            parse_volume("b:2G:file=/tmp/x.img,direct").unwrap().backend,
+            Backend::File { path: "/tmp/x.img".into(), direct: true }
+        );
+        assert_eq!(parse_volume("c:1G:file=/a:b").unwrap().backend, Backend::File { path: "/a:b".into(), direct: false });
+        for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
+            assert!(parse_volume(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn cores() {
+        assert_eq!(parse_cores("1").unwrap(), vec![1]);
+        assert_eq!(parse_cores("0-2,5").unwrap(), vec![0, 1, 2, 5]);
+        for bad in ["", "a", "3-1", "1,1", "0-5000"] {
+            assert!(parse_cores(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn defaults_file_then_flags() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0, 1]).unwrap();
+        assert_eq!(s.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
+        assert_eq!(s.cores, vec![1]);
+        assert_eq!(s.mode, Mode::Interrupt);
+        assert_eq!(s.volumes, vec![parse_volume(DEFAULT_VOLUME).unwrap()]);
+
+        let file = ConfigFile::parse(
+            "listen = \"127.0.0.1:9000\"\nmode = \"poll\"\ncores = \"0\"\n[[volume]]\nname = \"x\"\nsize = \"8M\"\n",
+        )
+        .unwrap();
+        let flags = Overrides { mode: Some("interrupt".into()), ..Default::default() };
+        let s = resolve(file, flags, &[0, 1]).unwrap();
+        assert_eq!(s.listen, Some("127.0.0.1:9000".parse().unwrap()));
+        assert_eq!(s.mode, Mode::Interrupt, "flags override the file");
+        assert_eq!(s.cores, vec![0]);
+        assert_eq!(s.volumes[0].name, "x");
+
+        let s = resolve(ConfigFile::default(), Overrides { socket: Some("/tmp/s".into()), ..Default::default() }, &[0]).unwrap();
+        assert_eq!(s.listen, None, "a socket alone replaces TCP");
+    }
+
+    #[test]
+    fn config_errors_are_clear() {
+        assert!(ConfigFile::parse("lisen = \"x\"").unwrap_err().0.contains("lisen"));
+        let e = resolve(ConfigFile::default(), Overrides { cores: Some("7".into()), ..Default::default() }, &[0, 1]);
+        assert!(e.unwrap_err().0.contains("core 7"));
+        let e = resolve(
+            ConfigFile::default(),
+            Overrides { volumes: vec!["a:1M".into(), "a:2M".into()], ..Default::default() },
+            &[0],
+        );
+        assert!(e.unwrap_err().0.contains("twice"));
+        let e = resolve(ConfigFile::default(), Overrides { mode: Some("turbo".into()), ..Default::default() }, &[0]);
+        assert!(e.is_err());
+    }
+}

@@ -1,0 +1,1133 @@
+//! Tests for the NBD codec: hand-built byte layouts from the spec, every
+//! handshake and validation path, and properties over arbitrary bytes.
+
+use super::*;
+use proptest::prelude::*;
+
+const DISK_SIZE: u64 = 1 << 20;
+/// HAS_FLAGS | SEND_FLUSH | SEND_FUA.
+const DISK_FLAGS: u16 = 0x000d;
+const REP_MAGIC: &[u8] = b"\x00\x03\xe8\x89\x04\x55\x65\xa9";
+
+/// "disk" (also the default export ""), and "ro", whose flags lack
+/// HAS_FLAGS so the codec has to add it.
+struct TestExports;
+
+impl Exports for TestExports {
+    fn names(&self) -> Vec<String> {
+        vec!["disk".to_string(), "ro".to_string()]
+    }
+
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        match name {
+            "disk" | "" => Some(ExportInfo {
+                size_bytes: DISK_SIZE,
+                transmission_flags: DISK_FLAGS,
+                description: Some("test disk".to_string()),
+            }),
+            "ro" => Some(ExportInfo {
+                size_bytes: 4096,
+                transmission_flags: NBD_FLAG_READ_ONLY,
+                description: None,
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn option(option: u32, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = IHAVEOPT.to_be_bytes().to_vec();
+    bytes.extend_from_slice(&option.to_be_bytes());
+    bytes.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+fn info_payload(name: &[u8], infos: &[u16]) -> Vec<u8> {
+    let mut bytes = (name.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(name);
+    bytes.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+    for info in infos {
+        bytes.extend_from_slice(&info.to_be_bytes());
+    }
+    bytes
+}
+
+fn client(flags: u32, options: &[Vec<u8>]) -> Vec<u8> {
+    let mut bytes = flags.to_be_bytes().to_vec();
+    for option in options {
+        bytes.extend_from_slice(option);
+    }
+    bytes
+}
+
+/// Feeds a whole client stream at once; returns the result and the replies
+/// (greeting left out).
+fn run(input: &[u8]) -> (Result<(usize, HandshakeStatus), HandshakeError>, Vec<u8>) {
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    out.clear();
+    let result = handshake.feed(input, &TestExports, &mut out);
+    (result, out)
+}
+
+#[derive(Debug, PartialEq)]
+struct Reply {
+    option: u32,
+    reply_type: u32,
+    payload: Vec<u8>,
+}
+
+/// Splits server output into option replies; panics on bad framing.
+fn replies(mut bytes: &[u8]) -> Vec<Reply> {
+    let mut parsed = Vec::new();
+    while !bytes.is_empty() {
+        let mut reader = Reader::new(bytes);
+        assert_eq!(reader.u64(), Some(NBD_REP_MAGIC), "reply magic");
+        let option = reader.u32().unwrap();
+        let reply_type = reader.u32().unwrap();
+        let len = reader.u32().unwrap() as usize;
+        let payload = reader.bytes(len).expect("reply payload present").to_vec();
+        bytes = reader.rest();
+        parsed.push(Reply {
+            option,
+            reply_type,
+            payload,
+        });
+    }
+    parsed
+}
+
+fn reply_types(bytes: &[u8]) -> Vec<u32> {
+    replies(bytes)
+        .iter()
+        .map(|reply| reply.reply_type)
+        .collect()
+}
+
+fn disk_info() -> ExportInfo {
+    TestExports.lookup("disk").unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// Greeting and client flags.
+
+#[test]
+fn greeting_is_nbdmagic_ihaveopt_fixed_newstyle_no_zeroes() {
+    let mut out = Vec::new();
+    let _ = ServerHandshake::new(&mut out);
+    assert_eq!(out, b"NBDMAGICIHAVEOPT\x00\x03");
+    assert_eq!(out.len(), SERVER_GREETING_LEN);
+}
+
+#[test]
+fn client_without_fixed_newstyle_is_refused() {
+    let (result, out) = run(&0u32.to_be_bytes());
+    assert_eq!(result, Err(HandshakeError::NotFixedNewstyle { flags: 0 }));
+    assert!(out.is_empty());
+    let (result, _) = run(&NBD_FLAG_C_NO_ZEROES.to_be_bytes());
+    assert_eq!(result, Err(HandshakeError::NotFixedNewstyle { flags: 2 }));
+}
+
+#[test]
+fn client_with_unknown_flags_is_refused() {
+    let (result, _) = run(&5u32.to_be_bytes());
+    assert_eq!(result, Err(HandshakeError::UnknownClientFlags { flags: 5 }));
+    let (result, _) = run(&0x8000_0001u32.to_be_bytes());
+    assert!(matches!(
+        result,
+        Err(HandshakeError::UnknownClientFlags { .. })
+    ));
+}
+
+#[test]
+fn client_flags_alone_need_more() {
+    assert_eq!(run(&[0, 0, 0]).0, Ok((0, HandshakeStatus::NeedMore)));
+    assert_eq!(run(&[0, 0, 0, 1]).0, Ok((4, HandshakeStatus::NeedMore)));
+}
+
+// ---------------------------------------------------------------------------
+// NBD_OPT_EXPORT_NAME.
+
+#[test]
+fn export_name_reply_has_size_flags_and_zeroes() {
+    let input = b"\x00\x00\x00\x01IHAVEOPT\x00\x00\x00\x01\x00\x00\x00\x04disk";
+    let (result, out) = run(input);
+    let mut expected = b"\x00\x00\x00\x00\x00\x10\x00\x00\x00\x0d".to_vec();
+    expected.extend_from_slice(&[0; 124]);
+    assert_eq!(out, expected);
+    let status = HandshakeStatus::Done {
+        export_name: "disk".to_string(),
+        info: disk_info(),
+    };
+    assert_eq!(result, Ok((input.len(), status)));
+}
+
+#[test]
+fn export_name_with_no_zeroes_omits_padding() {
+    let input = client(3, &[option(NBD_OPT_EXPORT_NAME, b"disk")]);
+    let (result, out) = run(&input);
+    assert_eq!(out, b"\x00\x00\x00\x00\x00\x10\x00\x00\x00\x0d");
+    assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+}
+
+#[test]
+fn export_name_empty_is_the_default_export() {
+    let input = client(3, &[option(NBD_OPT_EXPORT_NAME, b"")]);
+    let (result, _) = run(&input);
+    let status = HandshakeStatus::Done {
+        export_name: String::new(),
+        info: disk_info(),
+    };
+    assert_eq!(result, Ok((input.len(), status)));
+}
+
+#[test]
+fn export_name_unknown_disconnects() {
+    let input = client(1, &[option(NBD_OPT_EXPORT_NAME, b"nope")]);
+    let (result, out) = run(&input);
+    assert_eq!(
+        result,
+        Err(HandshakeError::UnknownExport {
+            name: "nope".to_string()
+        })
+    );
+    assert!(out.is_empty());
+}
+
+#[test]
+fn export_name_invalid_disconnects() {
+    for name in [&b"a\0b"[..], &b"\xff\xfe"[..]] {
+        let (result, _) = run(&client(1, &[option(NBD_OPT_EXPORT_NAME, name)]));
+        assert!(
+            matches!(result, Err(HandshakeError::InvalidExportName { .. })),
+            "{name:?}"
+        );
+    }
+    let long = vec![b'a'; MAX_EXPORT_NAME_LEN + 1];
+    let (result, _) = run(&client(1, &[option(NBD_OPT_EXPORT_NAME, &long)]));
+    assert!(matches!(
+        result,
+        Err(HandshakeError::InvalidExportName { .. })
+    ));
+}
+
+#[test]
+fn export_name_adds_has_flags() {
+    let input = client(3, &[option(NBD_OPT_EXPORT_NAME, b"ro")]);
+    let (result, out) = run(&input);
+    assert_eq!(out, b"\x00\x00\x00\x00\x00\x00\x10\x00\x00\x03");
+    let Ok((_, HandshakeStatus::Done { info, .. })) = result else {
+        panic!("{result:?}")
+    };
+    assert_eq!(
+        info.transmission_flags,
+        NBD_FLAG_HAS_FLAGS | NBD_FLAG_READ_ONLY
+    );
+}
+
+// ---------------------------------------------------------------------------
+// NBD_OPT_GO and NBD_OPT_INFO.
+
+#[test]
+fn go_reply_bytes_match_the_spec_layout() {
+    let input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &[]))]);
+    let (result, out) = run(&input);
+    let mut expected = Vec::new();
+    // NBD_REP_INFO, NBD_INFO_EXPORT: size 1 MiB, flags 0x000d.
+    expected.extend_from_slice(REP_MAGIC);
+    expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x03\x00\x00\x00\x0c");
+    expected.extend_from_slice(b"\x00\x00\x00\x00\x00\x00\x00\x10\x00\x00\x00\x0d");
+    // NBD_REP_INFO, NBD_INFO_BLOCK_SIZE: 1, 4096, 32 MiB.
+    expected.extend_from_slice(REP_MAGIC);
+    expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x03\x00\x00\x00\x0e");
+    expected.extend_from_slice(b"\x00\x03\x00\x00\x00\x01\x00\x00\x10\x00\x02\x00\x00\x00");
+    // NBD_REP_ACK.
+    expected.extend_from_slice(REP_MAGIC);
+    expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x01\x00\x00\x00\x00");
+    assert_eq!(out, expected);
+    let status = HandshakeStatus::Done {
+        export_name: "disk".to_string(),
+        info: disk_info(),
+    };
+    assert_eq!(result, Ok((input.len(), status)));
+}
+
+#[test]
+fn go_answers_requested_name_and_description() {
+    let infos = [NBD_INFO_NAME, NBD_INFO_DESCRIPTION, NBD_INFO_BLOCK_SIZE, 77];
+    let input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &infos))]);
+    let (result, out) = run(&input);
+    let replies = replies(&out);
+    let info_payloads: Vec<&[u8]> = replies
+        .iter()
+        .filter(|reply| reply.reply_type == NBD_REP_INFO)
+        .map(|reply| reply.payload.as_slice())
+        .collect();
+    assert_eq!(info_payloads.len(), 4);
+    assert!(info_payloads.contains(&&b"\x00\x01disk"[..]));
+    assert!(info_payloads.contains(&&b"\x00\x02test disk"[..]));
+    assert_eq!(
+        replies.last().map(|reply| reply.reply_type),
+        Some(NBD_REP_ACK)
+    );
+    assert!(replies.iter().all(|reply| reply.option == NBD_OPT_GO));
+    assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+}
+
+#[test]
+fn go_skips_description_the_export_lacks() {
+    let input = client(
+        1,
+        &[option(
+            NBD_OPT_GO,
+            &info_payload(b"ro", &[NBD_INFO_DESCRIPTION]),
+        )],
+    );
+    let (_, out) = run(&input);
+    assert_eq!(reply_types(&out), [NBD_REP_INFO, NBD_REP_INFO, NBD_REP_ACK]);
+}
+
+#[test]
+fn info_answers_then_negotiation_goes_on() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_INFO, &info_payload(b"disk", &[NBD_INFO_BLOCK_SIZE])),
+            option(NBD_OPT_GO, &info_payload(b"", &[])),
+        ],
+    );
+    let (result, out) = run(&input);
+    let replies = replies(&out);
+    let options: Vec<u32> = replies.iter().map(|reply| reply.option).collect();
+    assert_eq!(options, [6, 6, 6, 7, 7, 7]);
+    assert_eq!(replies[2].reply_type, NBD_REP_ACK);
+    let status = HandshakeStatus::Done {
+        export_name: String::new(),
+        info: disk_info(),
+    };
+    assert_eq!(result, Ok((input.len(), status)));
+}
+
+#[test]
+fn info_alone_needs_more() {
+    let input = client(1, &[option(NBD_OPT_INFO, &info_payload(b"disk", &[]))]);
+    let (result, out) = run(&input);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+    assert_eq!(reply_types(&out), [NBD_REP_INFO, NBD_REP_INFO, NBD_REP_ACK]);
+}
+
+#[test]
+fn go_unknown_export_errors_and_negotiation_goes_on() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_GO, &info_payload(b"nope", &[])),
+            option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+        ],
+    );
+    let (result, out) = run(&input);
+    let types = reply_types(&out);
+    assert_eq!(
+        types,
+        [NBD_REP_ERR_UNKNOWN, NBD_REP_INFO, NBD_REP_INFO, NBD_REP_ACK]
+    );
+    assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+}
+
+#[test]
+fn malformed_go_payloads_get_err_invalid_and_stay_in_sync() {
+    let mut name_overruns = info_payload(b"disk", &[]);
+    name_overruns[3] = 5;
+    let mut count_mismatch = info_payload(b"disk", &[NBD_INFO_NAME]);
+    count_mismatch.push(0);
+    let mut count_short = info_payload(b"disk", &[NBD_INFO_NAME]);
+    count_short.truncate(count_short.len() - 1);
+    let cases: [Vec<u8>; 7] = [
+        Vec::new(),
+        vec![0, 0, 0, 0, 0],
+        name_overruns,
+        count_mismatch,
+        count_short,
+        info_payload(b"d\0sk", &[]),
+        info_payload(b"\xc3\x28", &[]),
+    ];
+    for payload in cases {
+        let input = client(
+            1,
+            &[option(NBD_OPT_GO, &payload), option(NBD_OPT_LIST, &[])],
+        );
+        let (result, out) = run(&input);
+        let types = reply_types(&out);
+        assert_eq!(types[0], NBD_REP_ERR_INVALID, "{payload:?}");
+        assert_eq!(
+            types[1..],
+            [NBD_REP_SERVER, NBD_REP_SERVER, NBD_REP_ACK],
+            "{payload:?}"
+        );
+        assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+    }
+}
+
+#[test]
+fn go_with_too_many_info_requests_is_too_big() {
+    let infos = vec![NBD_INFO_NAME; usize::from(MAX_INFO_REQUESTS) + 1];
+    let input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &infos))]);
+    let (result, out) = run(&input);
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_TOO_BIG]);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+}
+
+#[test]
+fn go_with_largest_name_and_requests_fits() {
+    let name = vec![b'x'; MAX_EXPORT_NAME_LEN];
+    let infos = vec![NBD_INFO_NAME; usize::from(MAX_INFO_REQUESTS)];
+    let payload = info_payload(&name, &infos);
+    assert_eq!(payload.len(), MAX_OPTION_LEN as usize);
+    let (result, out) = run(&client(1, &[option(NBD_OPT_GO, &payload)]));
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_UNKNOWN]);
+    assert!(result.is_ok());
+}
+
+#[test]
+fn go_description_is_cut_to_the_string_limit() {
+    struct Wordy;
+    impl Exports for Wordy {
+        fn names(&self) -> Vec<String> {
+            Vec::new()
+        }
+        fn lookup(&self, _: &str) -> Option<ExportInfo> {
+            Some(ExportInfo {
+                size_bytes: 0,
+                transmission_flags: NBD_FLAG_HAS_FLAGS,
+                description: Some("é".repeat(MAX_STRING_LEN)),
+            })
+        }
+    }
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    out.clear();
+    let input = client(
+        1,
+        &[option(
+            NBD_OPT_GO,
+            &info_payload(b"", &[NBD_INFO_DESCRIPTION]),
+        )],
+    );
+    handshake.feed(&input, &Wordy, &mut out).unwrap();
+    let description = replies(&out)
+        .into_iter()
+        .find(|reply| {
+            reply
+                .payload
+                .starts_with(&NBD_INFO_DESCRIPTION.to_be_bytes())
+        })
+        .unwrap();
+    let text = std::str::from_utf8(&description.payload[2..]).unwrap();
+    assert_eq!(text.len(), MAX_STRING_LEN);
+}
+
+// ---------------------------------------------------------------------------
+// NBD_OPT_LIST, NBD_OPT_ABORT, unsupported options.
+
+#[test]
+fn list_sends_one_server_reply_per_export_then_ack() {
+    let (result, out) = run(&client(1, &[option(NBD_OPT_LIST, &[])]));
+    let mut expected = Vec::new();
+    for name in [&b"disk"[..], b"ro"] {
+        expected.extend_from_slice(REP_MAGIC);
+        expected.extend_from_slice(b"\x00\x00\x00\x03\x00\x00\x00\x02");
+        expected.extend_from_slice(&(4 + name.len() as u32).to_be_bytes());
+        expected.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        expected.extend_from_slice(name);
+    }
+    expected.extend_from_slice(REP_MAGIC);
+    expected.extend_from_slice(b"\x00\x00\x00\x03\x00\x00\x00\x01\x00\x00\x00\x00");
+    assert_eq!(out, expected);
+    assert_eq!(result, Ok((4 + 16, HandshakeStatus::NeedMore)));
+}
+
+#[test]
+fn list_with_data_is_invalid() {
+    let (result, out) = run(&client(1, &[option(NBD_OPT_LIST, b"x")]));
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_INVALID]);
+    assert_eq!(result, Ok((4 + 17, HandshakeStatus::NeedMore)));
+}
+
+#[test]
+fn abort_acks_and_ends() {
+    let input = client(1, &[option(NBD_OPT_ABORT, &[])]);
+    let (result, out) = run(&input);
+    let mut expected = REP_MAGIC.to_vec();
+    expected.extend_from_slice(b"\x00\x00\x00\x02\x00\x00\x00\x01\x00\x00\x00\x00");
+    assert_eq!(out, expected);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::Aborted)));
+}
+
+#[test]
+fn abort_ignores_its_data() {
+    let input = client(1, &[option(NBD_OPT_ABORT, b"bye")]);
+    assert_eq!(run(&input).0, Ok((input.len(), HandshakeStatus::Aborted)));
+}
+
+#[test]
+fn unsupported_options_get_err_unsup() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_STRUCTURED_REPLY, &[]),
+            option(NBD_OPT_STARTTLS, &[]),
+            option(NBD_OPT_SET_META_CONTEXT, b"\x00\x00\x00\x00"),
+            option(0xdead_beef, b"payload"),
+        ],
+    );
+    let (result, out) = run(&input);
+    let replies = replies(&out);
+    let pairs: Vec<(u32, u32)> = replies.iter().map(|r| (r.option, r.reply_type)).collect();
+    assert_eq!(
+        pairs,
+        [
+            (NBD_OPT_STRUCTURED_REPLY, NBD_REP_ERR_UNSUP),
+            (NBD_OPT_STARTTLS, NBD_REP_ERR_UNSUP),
+            (NBD_OPT_SET_META_CONTEXT, NBD_REP_ERR_UNSUP),
+            (0xdead_beef, NBD_REP_ERR_UNSUP),
+        ]
+    );
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+}
+
+// ---------------------------------------------------------------------------
+// Framing errors and limits.
+
+#[test]
+fn bad_option_magic_is_seen_after_eight_bytes() {
+    let mut input = client(1, &[]);
+    input.extend_from_slice(b"IHAVEOPS");
+    let (result, _) = run(&input);
+    assert_eq!(
+        result,
+        Err(HandshakeError::BadOptionMagic {
+            magic: u64::from_be_bytes(*b"IHAVEOPS")
+        })
+    );
+    assert_eq!(
+        run(&input[..input.len() - 1]).0,
+        Ok((4, HandshakeStatus::NeedMore))
+    );
+}
+
+#[test]
+fn over_long_option_is_refused_from_its_header() {
+    let mut input = client(1, &[]);
+    input.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    input.extend_from_slice(&NBD_OPT_GO.to_be_bytes());
+    input.extend_from_slice(&(MAX_OPTION_LEN + 1).to_be_bytes());
+    let (result, _) = run(&input);
+    let error = HandshakeError::OptionTooLong {
+        option: NBD_OPT_GO,
+        length_bytes: MAX_OPTION_LEN + 1,
+    };
+    assert_eq!(result, Err(error));
+}
+
+#[test]
+fn thirty_two_options_are_allowed_and_the_thirty_third_is_not() {
+    let mut options = vec![option(NBD_OPT_STRUCTURED_REPLY, &[]); MAX_OPTIONS as usize - 1];
+    options.push(option(NBD_OPT_GO, &info_payload(b"disk", &[])));
+    let (result, _) = run(&client(1, &options));
+    assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+
+    let options = vec![option(NBD_OPT_LIST, &[]); MAX_OPTIONS as usize + 1];
+    let (result, out) = run(&client(1, &options));
+    assert_eq!(result, Err(HandshakeError::TooManyOptions));
+    // Replies to the options before the refused one stay queued.
+    assert_eq!(reply_types(&out).len(), MAX_OPTIONS as usize * 3);
+}
+
+#[test]
+fn bytes_after_go_are_left_for_transmission() {
+    let mut input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &[]))]);
+    let end = input.len();
+    input.extend_from_slice(&encode_request(&Request {
+        flags: 0,
+        command: Command::Read,
+        cookie: 1,
+        offset: 0,
+        length: 512,
+    }));
+    let (result, _) = run(&input);
+    assert!(matches!(result, Ok((used, HandshakeStatus::Done { .. })) if used == end));
+}
+
+#[test]
+fn feeding_after_the_end_is_an_error() {
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    let input = client(1, &[option(NBD_OPT_ABORT, &[])]);
+    assert!(handshake.feed(&input, &TestExports, &mut out).is_ok());
+    assert_eq!(
+        handshake.feed(&[], &TestExports, &mut out),
+        Err(HandshakeError::Finished)
+    );
+
+    let mut handshake = ServerHandshake::new(&mut out);
+    assert!(handshake
+        .feed(&[0, 0, 0, 0], &TestExports, &mut out)
+        .is_err());
+    assert_eq!(
+        handshake.feed(&[], &TestExports, &mut out),
+        Err(HandshakeError::Finished)
+    );
+}
+
+#[test]
+fn handshake_errors_map_to_errnos() {
+    assert_eq!(HandshakeError::TooManyOptions.errno(), libc::EPROTO);
+    assert_eq!(
+        HandshakeError::UnknownExport {
+            name: String::new()
+        }
+        .errno(),
+        libc::ENOENT
+    );
+    assert_eq!(RequestError::BadMagic { magic: 0 }.errno(), libc::EPROTO);
+}
+
+// ---------------------------------------------------------------------------
+// Transmission: request and reply layouts.
+
+#[test]
+fn decode_request_reads_the_spec_layout() {
+    let bytes: [u8; REQUEST_LEN] = *b"\x25\x60\x95\x13\x00\x01\x00\x00\
+        \x01\x02\x03\x04\x05\x06\x07\x08\
+        \x00\x00\x00\x00\x00\x00\x10\x00\
+        \x00\x00\x02\x00";
+    let request = Request {
+        flags: NBD_CMD_FLAG_FUA,
+        command: Command::Read,
+        cookie: 0x0102_0304_0506_0708,
+        offset: 4096,
+        length: 512,
+    };
+    assert_eq!(decode_request(&bytes), Ok(request));
+    assert_eq!(encode_request(&request), bytes);
+}
+
+#[test]
+fn decode_request_rejects_bad_magic() {
+    let mut bytes = encode_request(&Request {
+        flags: 0,
+        command: Command::Write,
+        cookie: 0,
+        offset: 0,
+        length: 0,
+    });
+    bytes[3] ^= 1;
+    assert_eq!(
+        decode_request(&bytes),
+        Err(RequestError::BadMagic { magic: 0x2560_9512 })
+    );
+}
+
+#[test]
+fn decode_request_keeps_unknown_commands() {
+    for (wire, command) in [
+        (0, Command::Read),
+        (1, Command::Write),
+        (2, Command::Disc),
+        (3, Command::Flush),
+        (4, Command::Trim),
+        (5, Command::Unknown(5)),
+        (6, Command::WriteZeroes),
+        (7, Command::Unknown(7)),
+        (0xffff, Command::Unknown(0xffff)),
+    ] {
+        assert_eq!(Command::from_wire(wire), command);
+        assert_eq!(command.to_wire(), wire);
+    }
+}
+
+#[test]
+fn simple_reply_layout() {
+    let mut reply = [0xaa; SIMPLE_REPLY_LEN];
+    encode_simple_reply(&mut reply, NBD_EINVAL, 0x0102_0304_0506_0708);
+    assert_eq!(
+        &reply,
+        b"\x67\x44\x66\x98\x00\x00\x00\x16\x01\x02\x03\x04\x05\x06\x07\x08"
+    );
+    assert_eq!(
+        decode_simple_reply(&reply),
+        Some((22, 0x0102_0304_0506_0708))
+    );
+    reply[0] = 0;
+    assert_eq!(decode_simple_reply(&reply), None);
+}
+
+#[test]
+fn errno_mapping() {
+    let table = [
+        (0, NBD_SUCCESS),
+        (libc::EPERM, NBD_EPERM),
+        (libc::EACCES, NBD_EPERM),
+        (libc::EROFS, NBD_EPERM),
+        (libc::EIO, NBD_EIO),
+        (libc::ENOMEM, NBD_ENOMEM),
+        (libc::EINVAL, NBD_EINVAL),
+        (libc::EOPNOTSUPP, NBD_EINVAL),
+        (libc::EOVERFLOW, NBD_EINVAL),
+        (libc::ENOSPC, NBD_ENOSPC),
+        (libc::EDQUOT, NBD_ENOSPC),
+        (libc::EFBIG, NBD_ENOSPC),
+        (libc::ESHUTDOWN, NBD_ESHUTDOWN),
+        (libc::ETIMEDOUT, NBD_EIO),
+        (libc::EBADF, NBD_EIO),
+    ];
+    for (errno, nbd) in table {
+        assert_eq!(errno_to_nbd(errno), nbd, "errno {errno}");
+        assert_eq!(errno_to_nbd(-errno), nbd, "errno -{errno}");
+    }
+    assert_eq!(errno_to_nbd(i32::MIN), NBD_EIO);
+    assert_eq!((NBD_EPERM, NBD_EIO, NBD_ENOMEM, NBD_EINVAL), (1, 5, 12, 22));
+    assert_eq!(
+        (NBD_ENOSPC, NBD_EOVERFLOW, NBD_ENOTSUP, NBD_ESHUTDOWN),
+        (28, 75, 95, 108)
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Transmission: validation.
+
+/// Everything but READ_ONLY, DF and FAST_ZERO.
+const ALL: u16 = NBD_FLAG_HAS_FLAGS
+    | NBD_FLAG_SEND_FLUSH
+    | NBD_FLAG_SEND_FUA
+    | NBD_FLAG_SEND_TRIM
+    | NBD_FLAG_SEND_WRITE_ZEROES;
+const SIZE: u64 = 1 << 30;
+
+fn req(command: Command, flags: u16, offset: u64, length: u32) -> Request {
+    Request {
+        flags,
+        command,
+        cookie: 9,
+        offset,
+        length,
+    }
+}
+
+fn error(nbd_error: u32) -> Verdict {
+    Verdict::Error {
+        nbd_error,
+        drain_bytes: 0,
+    }
+}
+
+fn drain(nbd_error: u32, drain_bytes: u32) -> Verdict {
+    Verdict::Error {
+        nbd_error,
+        drain_bytes,
+    }
+}
+
+#[test]
+fn read_range_rules() {
+    assert_eq!(
+        validate(&req(Command::Read, 0, 0, 4096), SIZE, ALL),
+        Verdict::Ok
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, SIZE - 1, 1), SIZE, ALL),
+        Verdict::Ok
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, SIZE - 1, 2), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, SIZE, 1), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, u64::MAX, 1), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, u64::MAX, 1), u64::MAX, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Read, 0, 0, 0), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+}
+
+#[test]
+fn read_larger_than_the_payload_cap_is_einval() {
+    let at_cap = req(Command::Read, 0, 0, MAX_PAYLOAD_BYTES);
+    assert_eq!(validate(&at_cap, SIZE, ALL), Verdict::Ok);
+    let over = req(Command::Read, 0, 0, MAX_PAYLOAD_BYTES + 1);
+    assert_eq!(validate(&over, SIZE, ALL), error(NBD_EINVAL));
+    assert_eq!(
+        validate(&req(Command::Read, 0, 0, u32::MAX), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+}
+
+#[test]
+fn write_errors_drain_the_payload() {
+    assert_eq!(
+        validate(&req(Command::Write, 0, 0, 4096), SIZE, ALL),
+        Verdict::Ok
+    );
+    let past_end = req(Command::Write, 0, SIZE - 512, 4096);
+    assert_eq!(validate(&past_end, SIZE, ALL), drain(NBD_ENOSPC, 4096));
+    let overflow = req(Command::Write, 0, u64::MAX - 10, 4096);
+    assert_eq!(validate(&overflow, u64::MAX, ALL), drain(NBD_ENOSPC, 4096));
+    assert_eq!(
+        validate(&req(Command::Write, 0, 0, 0), SIZE, ALL),
+        drain(NBD_EINVAL, 0)
+    );
+    let read_only = req(Command::Write, 0, 0, 4096);
+    assert_eq!(
+        validate(&read_only, SIZE, ALL | NBD_FLAG_READ_ONLY),
+        drain(NBD_EPERM, 4096)
+    );
+    let no_hole = req(Command::Write, NBD_CMD_FLAG_NO_HOLE, 0, 4096);
+    assert_eq!(validate(&no_hole, SIZE, ALL), drain(NBD_EINVAL, 4096));
+}
+
+#[test]
+fn oversized_write_drains_up_to_the_limit_then_disconnects() {
+    let over = req(Command::Write, 0, 0, MAX_PAYLOAD_BYTES + 1);
+    assert_eq!(
+        validate(&over, SIZE, ALL),
+        drain(NBD_EINVAL, MAX_PAYLOAD_BYTES + 1)
+    );
+    let at_limit = req(Command::Write, 0, 0, MAX_WRITE_DRAIN_BYTES);
+    assert_eq!(
+        validate(&at_limit, SIZE, ALL),
+        drain(NBD_EINVAL, MAX_WRITE_DRAIN_BYTES)
+    );
+    let beyond = req(Command::Write, 0, 0, MAX_WRITE_DRAIN_BYTES + 1);
+    assert!(matches!(
+        validate(&beyond, SIZE, ALL),
+        Verdict::Disconnect(_)
+    ));
+    // Even when the refusal is for another reason.
+    let bad_flag = req(Command::Write, 0x8000, 0, u32::MAX);
+    assert!(matches!(
+        validate(&bad_flag, SIZE, ALL),
+        Verdict::Disconnect(_)
+    ));
+}
+
+#[test]
+fn flush_rules() {
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 0, 0), SIZE, ALL),
+        Verdict::Ok
+    );
+    let fua = req(Command::Flush, NBD_CMD_FLAG_FUA, 0, 0);
+    assert_eq!(validate(&fua, SIZE, ALL), Verdict::Ok);
+    let not_advertised = ALL & !NBD_FLAG_SEND_FLUSH;
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 0, 0), SIZE, not_advertised),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 1, 0), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 0, 1), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    // Flushing a read-only export is harmless.
+    let read_only = ALL | NBD_FLAG_READ_ONLY;
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 0, 0), SIZE, read_only),
+        Verdict::Ok
+    );
+}
+
+#[test]
+fn trim_rules() {
+    let whole = req(Command::Trim, 0, 0, u32::MAX);
+    assert_eq!(validate(&whole, SIZE * 8, ALL), Verdict::Ok);
+    assert_eq!(validate(&whole, SIZE, ALL), error(NBD_EINVAL));
+    let not_advertised = ALL & !NBD_FLAG_SEND_TRIM;
+    assert_eq!(
+        validate(&req(Command::Trim, 0, 0, 1), SIZE, not_advertised),
+        error(NBD_EINVAL)
+    );
+    let read_only = ALL | NBD_FLAG_READ_ONLY;
+    assert_eq!(
+        validate(&req(Command::Trim, 0, 0, 1), SIZE, read_only),
+        error(NBD_EPERM)
+    );
+    assert_eq!(
+        validate(&req(Command::Trim, 0, 0, 0), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    let fua = req(Command::Trim, NBD_CMD_FLAG_FUA, 0, 1);
+    assert_eq!(validate(&fua, SIZE, ALL), Verdict::Ok);
+}
+
+#[test]
+fn write_zeroes_rules() {
+    let big = req(
+        Command::WriteZeroes,
+        NBD_CMD_FLAG_NO_HOLE | NBD_CMD_FLAG_FUA,
+        0,
+        u32::MAX,
+    );
+    assert_eq!(validate(&big, SIZE * 8, ALL), Verdict::Ok);
+    assert_eq!(validate(&big, SIZE, ALL), error(NBD_ENOSPC));
+    let not_advertised = ALL & !NBD_FLAG_SEND_WRITE_ZEROES;
+    let small = req(Command::WriteZeroes, 0, 0, 1);
+    assert_eq!(validate(&small, SIZE, not_advertised), error(NBD_EINVAL));
+    assert_eq!(
+        validate(&small, SIZE, ALL | NBD_FLAG_READ_ONLY),
+        error(NBD_EPERM)
+    );
+    let fast = req(Command::WriteZeroes, NBD_CMD_FLAG_FAST_ZERO, 0, 1);
+    assert_eq!(validate(&fast, SIZE, ALL), error(NBD_EINVAL));
+    assert_eq!(
+        validate(&fast, SIZE, ALL | NBD_FLAG_SEND_FAST_ZERO),
+        Verdict::Ok
+    );
+}
+
+#[test]
+fn flag_rules() {
+    let fua_read = req(Command::Read, NBD_CMD_FLAG_FUA, 0, 1);
+    assert_eq!(validate(&fua_read, SIZE, ALL), Verdict::Ok);
+    assert_eq!(
+        validate(&fua_read, SIZE, ALL & !NBD_FLAG_SEND_FUA),
+        error(NBD_EINVAL)
+    );
+    let df = req(Command::Read, NBD_CMD_FLAG_DF, 0, 1);
+    assert_eq!(validate(&df, SIZE, ALL), error(NBD_EINVAL));
+    assert_eq!(validate(&df, SIZE, ALL | NBD_FLAG_SEND_DF), Verdict::Ok);
+    let no_hole_read = req(Command::Read, NBD_CMD_FLAG_NO_HOLE, 0, 1);
+    assert_eq!(validate(&no_hole_read, SIZE, ALL), error(NBD_EINVAL));
+    let req_one = req(Command::Trim, NBD_CMD_FLAG_REQ_ONE, 0, 1);
+    assert_eq!(validate(&req_one, SIZE, ALL), error(NBD_EINVAL));
+    for bit in 5..16 {
+        let unknown = req(Command::Read, 1 << bit, 0, 1);
+        assert_eq!(
+            validate(&unknown, SIZE, u16::MAX),
+            error(NBD_EINVAL),
+            "bit {bit}"
+        );
+    }
+}
+
+#[test]
+fn unknown_commands_are_einval_and_disc_is_ok() {
+    for wire in [NBD_CMD_CACHE, NBD_CMD_BLOCK_STATUS, NBD_CMD_RESIZE, 0xffff] {
+        let unknown = req(Command::Unknown(wire), 0, 0, 1);
+        assert_eq!(validate(&unknown, SIZE, u16::MAX), error(NBD_EINVAL));
+    }
+    assert_eq!(
+        validate(&req(Command::Disc, 0, 0, 0), SIZE, ALL),
+        Verdict::Ok
+    );
+    let odd_disc = req(Command::Disc, 0xffff, u64::MAX, u32::MAX);
+    assert_eq!(validate(&odd_disc, 0, 0), Verdict::Ok);
+}
+
+// ---------------------------------------------------------------------------
+// Properties.
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    /// Input ran out; `consumed` bytes were whole messages.
+    NeedMore {
+        consumed: usize,
+    },
+    /// The handshake ended at byte `end` of the input.
+    Ended {
+        end: usize,
+        status: HandshakeStatus,
+    },
+    Failed(HandshakeError),
+}
+
+/// Feeds `input` the way a server would: append what arrives (in chunks of
+/// the given sizes, cycled; everything at once if none), feed, drop what
+/// was consumed. Returns the outcome and all output after the greeting.
+fn drive(input: &[u8], chunk_sizes: &[usize]) -> (Outcome, Vec<u8>) {
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    out.clear();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut pending_start = 0;
+    let mut arrived = 0;
+    let mut sizes = chunk_sizes.iter().copied().cycle();
+    loop {
+        let size = sizes.next().unwrap_or(input.len()).max(1);
+        let end = (arrived + size).min(input.len());
+        pending.extend_from_slice(&input[arrived..end]);
+        arrived = end;
+        match handshake.feed(&pending, &TestExports, &mut out) {
+            Ok((used, HandshakeStatus::NeedMore)) => {
+                pending.drain(..used);
+                pending_start += used;
+                assert!(
+                    pending.len() < MAX_HANDSHAKE_MESSAGE_LEN,
+                    "held {} bytes",
+                    pending.len()
+                );
+                if arrived == input.len() {
+                    return (
+                        Outcome::NeedMore {
+                            consumed: pending_start,
+                        },
+                        out,
+                    );
+                }
+            }
+            Ok((used, status)) => {
+                return (
+                    Outcome::Ended {
+                        end: pending_start + used,
+                        status,
+                    },
+                    out,
+                )
+            }
+            Err(error) => return (Outcome::Failed(error), out),
+        }
+    }
+}
+
+fn arb_name() -> BoxedStrategy<Vec<u8>> {
+    prop_oneof![
+        Just(b"disk".to_vec()),
+        Just(Vec::new()),
+        Just(b"ro".to_vec()),
+        Just(b"nope".to_vec()),
+        prop::collection::vec(any::<u8>(), 0..8),
+    ]
+    .boxed()
+}
+
+fn arb_option() -> BoxedStrategy<Vec<u8>> {
+    let infos = || prop::collection::vec(0u16..6, 0..5);
+    prop_oneof![
+        3 => (arb_name(), infos()).prop_map(|(n, i)| option(NBD_OPT_INFO, &info_payload(&n, &i))),
+        1 => (arb_name(), infos()).prop_map(|(n, i)| option(NBD_OPT_GO, &info_payload(&n, &i))),
+        1 => arb_name().prop_map(|name| option(NBD_OPT_EXPORT_NAME, &name)),
+        2 => prop_oneof![Just(Vec::new()), Just(b"x".to_vec())]
+            .prop_map(|payload| option(NBD_OPT_LIST, &payload)),
+        1 => Just(option(NBD_OPT_ABORT, &[])),
+        3 => (any::<u32>(), prop::collection::vec(any::<u8>(), 0..16))
+            .prop_map(|(o, payload)| option(o, &payload)),
+        // A header with any length (often too long), and no payload.
+        1 => (any::<u32>(), any::<u32>()).prop_map(|(o, len)| {
+            let mut bytes = option(o, &[]);
+            bytes[12..16].copy_from_slice(&len.to_be_bytes());
+            bytes
+        }),
+        1 => prop::collection::vec(any::<u8>(), 0..24),
+    ]
+    .boxed()
+}
+
+fn arb_client_stream() -> impl Strategy<Value = Vec<u8>> {
+    let flags = prop_oneof![4 => Just(1u32), 4 => Just(3u32), 1 => any::<u32>()];
+    (flags, prop::collection::vec(arb_option(), 0..8))
+        .prop_map(|(flags, options)| client(flags, &options))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn handshake_byte_at_a_time_equals_all_at_once(input in arb_client_stream()) {
+        let whole = drive(&input, &[]);
+        prop_assert_eq!(&drive(&input, &[1]), &whole);
+    }
+
+    #[test]
+    fn handshake_any_chunking_equals_all_at_once(
+        input in arb_client_stream(),
+        chunks in prop::collection::vec(1usize..40, 1..8),
+    ) {
+        let whole = drive(&input, &[]);
+        prop_assert_eq!(&drive(&input, &chunks), &whole);
+    }
+
+    #[test]
+    fn handshake_survives_arbitrary_bytes(tail in prop::collection::vec(any::<u8>(), 0..256)) {
+        let input = client(1, &[tail]);
+        let whole = drive(&input, &[]);
+        prop_assert_eq!(&drive(&input, &[1]), &whole);
+    }
+
+    #[test]
+    fn decode_request_never_panics(bytes in prop::array::uniform28(any::<u8>())) {
+        match decode_request(&bytes) {
+            Ok(request) => prop_assert_eq!(encode_request(&request), bytes),
+            Err(RequestError::BadMagic { magic }) => prop_assert_ne!(magic, NBD_REQUEST_MAGIC),
+        }
+    }
+
+    #[test]
+    fn request_encode_decode_roundtrip(
+        flags in any::<u16>(),
+        wire in any::<u16>(),
+        cookie in any::<u64>(),
+        offset in any::<u64>(),
+        length in any::<u32>(),
+    ) {
+        let request = Request { flags, command: Command::from_wire(wire), cookie, offset, length };
+        prop_assert_eq!(request.command.to_wire(), wire);
+        prop_assert_eq!(decode_request(&encode_request(&request)), Ok(request));
+    }
+
+    #[test]
+    fn validate_never_passes_an_out_of_range_request(
+        flags in prop_oneof![Just(0u16), Just(NBD_CMD_FLAG_FUA), any::<u16>()],
+        wire in prop_oneof![0u16..9, any::<u16>()],
+        offset in prop_oneof![0u64..(1 << 22), any::<u64>(), (u64::MAX - (1 << 22))..=u64::MAX],
+        length in prop_oneof![0u32..(1 << 22), any::<u32>()],
+        size in prop_oneof![0u64..(1 << 22), any::<u64>(), Just(u64::MAX)],
+        tflags in any::<u16>(),
+    ) {
+        let request = Request { flags, command: Command::from_wire(wire), cookie: 0, offset, length };
+        let command = request.command;
+        match validate(&request, size, tflags) {
+            Verdict::Ok => match command {
+                Command::Read | Command::Write | Command::Trim | Command::WriteZeroes => {
+                    prop_assert!(length > 0);
+                    let end = offset.checked_add(u64::from(length));
+                    prop_assert!(end.is_some_and(|end| end <= size));
+                    if matches!(command, Command::Read | Command::Write) {
+                        prop_assert!(length <= MAX_PAYLOAD_BYTES);
+                    }
+                    if command.modifies() {
+                        prop_assert_eq!(tflags & NBD_FLAG_READ_ONLY, 0);
+                    }
+                }
+                Command::Flush => prop_assert_eq!((offset, length), (0, 0)),
+                Command::Disc => {}
+                Command::Unknown(_) => prop_assert!(false, "unknown command passed"),
+            },
+            Verdict::Error { nbd_error, drain_bytes } => {
+                prop_assert!([NBD_EPERM, NBD_EINVAL, NBD_ENOSPC].contains(&nbd_error));
+                if command == Command::Write {
+                    prop_assert_eq!(drain_bytes, length);
+                    prop_assert!(drain_bytes <= MAX_WRITE_DRAIN_BYTES);
+                } else {
+                    prop_assert_eq!(drain_bytes, 0);
+                }
+            }
+            Verdict::Disconnect(_) => {
+                prop_assert_eq!(command, Command::Write);
+                prop_assert!(length > MAX_WRITE_DRAIN_BYTES);
+            }
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! `Ring`: a thin wrapper over one io_uring instance for one thread, with an
+//! eventfd registered so a reactor can sleep in `epoll_wait` until a
+//! completion arrives.
+//!
+//! Pushing an operation is `unsafe`: the kernel reads or writes the memory
+//! an SQE points at until its CQE is posted, which the borrow checker cannot
+//! see. [`crate::IoQueue`] is the safe layer on top: it keeps each
+//! operation's `IoBuf` in a slot table until the completion arrives.
+//!
+//! ```no_run
+//! use lull_uring::{Ring, RingOp};
+//! let mut ring = Ring::new(64)?;
+//! // SAFETY: a NOP touches no memory.
+//! unsafe { ring.push_chain(&[(7, RingOp::Nop)]) }.expect("SQ has room");
+//! ring.submit()?;
+//! ring.reap(|user_data, result| assert_eq!((user_data, result), (7, 0)));
+//! # Ok::<(), lull_uring::RingError>(())
+//! ```
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+/// Longest chain of linked SQEs pushed at once (a write and its FUA fsync).
+/// Bounding it bounds the CQEs a slot can have in flight, which keeps the
+/// completion queue (twice the SQ) from overflowing.
+pub const CHAIN_OPS_MAX: usize = 2;
+
+/// Errors from creating or driving a ring.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    /// The kernel refuses io_uring (`io_uring_setup` failed with EPERM or
+    /// ENOSYS): disabled by `kernel.io_uring_disabled`, a seccomp filter
+    /// (containers), or a kernel built without it.
+    #[error("io_uring is unavailable ({source}); check the kernel.io_uring_disabled sysctl and the container's seccomp profile")]
+    Unavailable {
+        #[source]
+        source: io::Error,
+    },
+    /// Any other system call failure.
+    #[error("io_uring {what} failed: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl RingError {
+    /// The errno this error reduces to.
+    pub fn errno(&self) -> i32 {
+        match self {
+            RingError::Unavailable { source } | RingError::Io { source, .. } => {
+                source.raw_os_error().unwrap_or(libc::EIO)
+            }
+        }
+    }
+}
+
+/// The SQ has no room for the whole chain; nothing was pushed. Call
+/// `submit` and retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("io_uring submission queue is full")]
+pub struct SqFull;
+
+/// Which file an operation targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// A plain file descriptor (looked up by the kernel at issue time).
+    Fd(RawFd),
+    /// An index into the files registered with `Ring::register_files`.
+    Fixed(u32),
+}
+
+/// One operation for `Ring::push_chain`, with raw memory pointers.
+#[derive(Debug, Clone, Copy)]
+pub enum RingOp {
+    /// Read `len` bytes at file offset `offset` into `buf`.
+    Read {
+        target: Target,
+        buf: *mut u8,
+        len: u32,
+        offset: u64,
+    },
+    /// Write `len` bytes from `buf` at file offset `offset`.
+    Write {
+        target: Target,
+        buf: *const u8,
+        len: u32,
+        offset: u64,
+    },
+    /// fsync, or fdatasync with `datasync`.
+    Fsync { target: Target, datasync: bool },
+    /// fallocate(mode, offset, len).
+    Fallocate {
+        target: Target,
+        offset: u64,
+        len: u64,
+        mode: i32,
+    },
+    /// Does nothing; completes with 0. Used to post a completion through
+    /// the ring (and its eventfd).
+    Nop,
+}
+
+fn entry_for(op: RingOp) -> squeue::Entry {
+    macro_rules! with_target {
+        ($target:expr, |$fd:ident| $build:expr) => {
+            match $target {
+                Target::Fd(raw) => {
+                    let $fd = types::Fd(raw);
+                    $build
+                }
+                Target::Fixed(index) => {
+                    let $fd = types::Fixed(index);
+                    $build
+                }
+            }
+        };
+    }
+    match op {
+        RingOp::Read {
+            target,
+            buf,
+            len,
+            offset,
+        } => with_target!(target, |fd| opcode::Read::new(fd, buf, len)
+            .offset(offset)
+            .build()),
+        RingOp::Write {
+            target,
+            buf,
+            len,
+            offset,
+        } => with_target!(target, |fd| opcode::Write::new(fd, buf, len)
+            .offset(offset)
+            .build()),
+        RingOp::Fsync { target, datasync } => {
+            let flags = if datasync {
+                types::FsyncFlags::DATASYNC
+            } else {
+                types::FsyncFlags::empty()
+            };
+            with_target!(target, |fd| opcode::Fsync::new(fd).flags(flags).build())
+        }
+        RingOp::Fallocate {
+            target,
+            offset,
+            len,
+            mode,
+        } => with_target!(target, |fd| opcode::Fallocate::new(fd, len)
+            .offset(offset)
+            .mode(mode)
+            .build()),
+        RingOp::Nop => opcode::Nop::new().build(),
+    }
+}
+
+/// One io_uring instance plus its completion eventfd. Used by one thread.
+pub struct Ring {
+    ring: IoUring,
+    event_fd: OwnedFd,
+}
+
+impl Ring {
+    /// A ring with `entries` SQ entries (rounded up to a power of two by the
+    /// kernel) and a CQ twice that size, with a non-blocking eventfd
+    /// registered for completion notifications.
+    pub fn new(entries: u32) -> Result<Ring, RingError> {
+        let ring = IoUring::builder()
+            .setup_cqsize(entries.saturating_mul(2))
+            .build(entries)
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::EPERM) | Some(libc::ENOSYS) => RingError::Unavailable { source },
+                _ => RingError::Io {
+                    what: "setup",
+                    source,
+                },
+            })?;
+        // SAFETY: eventfd takes no pointers; a non-negative result is a new
+        // descriptor that nothing else owns.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(RingError::Io {
+                what: "eventfd",
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: `raw` is a fresh descriptor owned by nobody else.
+        let event_fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        ring.submitter()
+            .register_eventfd(event_fd.as_raw_fd())
+            .map_err(|source| RingError::Io {
+                what: "register_eventfd",
+                source,
+            })?;
+        Ok(Ring { ring, event_fd })
+    }
+
+    /// The eventfd that becomes readable when completions are posted.
+    /// `reap` drains it.
+    pub fn event_fd(&self) -> RawFd {
+        self.event_fd.as_raw_fd()
+    }
+
+    /// Registers files for `Target::Fixed(index)`. The ring holds its own
+    /// reference to each file, so closing the descriptors later is harmless
+    /// and saves a file lookup per operation.
+    pub fn register_files(&mut self, fds: &[RawFd]) -> Result<(), RingError> {
+        self.ring
+            .submitter()
+            .register_files(fds)
+            .map_err(|source| RingError::Io {
+                what: "register_files",
+                source,
+            })
+    }
+
+    /// Free SQ entries.
+    pub fn sq_space(&mut self) -> usize {
+        let sq = self.ring.submission();
+        sq.capacity() - sq.len()
+    }
+
+    /// SQ entries (a power of two).
+    pub fn sq_capacity(&mut self) -> usize {
+        self.ring.submission().capacity()
+    }
+
+    /// Pushes `ops` as one chain: each is linked (`IOSQE_IO_LINK`) to the
+    /// next, so a later op starts only after the earlier succeeded in full
+    /// (a failure or a short read/write cancels the rest with `-ECANCELED`).
+    /// All or nothing: with too little SQ room nothing is pushed.
+    ///
+    /// # Safety
+    ///
+    /// Until the CQE carrying each op's `user_data` has been reaped:
+    /// - for `Read`, `buf..buf+len` must be valid for writes and must not be
+    ///   read or written by anyone else (no Rust reference may exist to it);
+    /// - for `Write`, `buf..buf+len` must be valid for reads and not written;
+    /// - a `Target::Fd` descriptor must stay open and refer to the same file
+    ///   (linked ops look their file up when they start, after `submit`);
+    /// - the `Ring` must not be dropped (dropping it tears the ring down
+    ///   while the kernel may still use the memory).
+    pub unsafe fn push_chain(&mut self, ops: &[(u64, RingOp)]) -> Result<(), SqFull> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        if ops.len() > CHAIN_OPS_MAX {
+            return Err(SqFull);
+        }
+        let mut entries: [squeue::Entry; CHAIN_OPS_MAX] =
+            std::array::from_fn(|_| opcode::Nop::new().build());
+        let last = ops.len() - 1;
+        for (i, &(user_data, op)) in ops.iter().enumerate() {
+            let mut entry = entry_for(op).user_data(user_data);
+            if i < last {
+                entry = entry.flags(squeue::Flags::IO_LINK);
+            }
+            entries[i] = entry;
+        }
+        let mut sq = self.ring.submission();
+        // SAFETY: the caller guarantees the memory and descriptors named by
+        // the entries stay valid until their completions (see # Safety).
+        unsafe { sq.push_multiple(&entries[..ops.len()]) }.map_err(|_| SqFull)
+    }
+
+    /// Hands pushed SQEs to the kernel without waiting for anything.
+    /// Returns how many were consumed. EINTR is retried; EAGAIN/EBUSY (the
+    /// kernel is short of resources or completions need reaping) return 0:
+    /// call again after `reap`.
+    pub fn submit(&mut self) -> Result<usize, RingError> {
+        loop {
+            match self.ring.submit() {
+                Ok(n) => return Ok(n),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) =>
+                {
+                    return Ok(0)
+                }
+                Err(source) => {
+                    return Err(RingError::Io {
+                        what: "enter",
+                        source,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Submits and blocks until at least `want` completions are available.
+    /// Not for reactors; for tests and teardown.
+    pub fn submit_and_wait(&mut self, want: usize) -> Result<usize, RingError> {
+        loop {
+            match self.ring.submit_and_wait(want) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(source) => {
+                    return Err(RingError::Io {
+                        what: "enter",
+                        source,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Resets the eventfd counter (non-blocking) so a level-triggered epoll
+    /// stops reporting it. Call *before* reading the CQ: a completion
+    /// posted after the drain then re-arms the eventfd instead of being
+    /// missed.
+    pub fn drain_event_fd(&mut self) {
+        let mut counter = 0u64;
+        // SAFETY: reads 8 bytes into a local u64 from a descriptor we own;
+        // the eventfd is non-blocking, so EAGAIN (nothing to drain) is the
+        // only expected failure and needs no handling.
+        let _ = unsafe {
+            libc::read(
+                self.event_fd.as_raw_fd(),
+                (&mut counter as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    /// Pops one completion: `(user_data, result)`, result being the
+    /// syscall's return value or `-errno`. Does not touch the eventfd.
+    pub fn pop(&mut self) -> Option<(u64, i32)> {
+        if self.ring.submission().cq_overflow() {
+            // With IORING_FEAT_NODROP the kernel parks overflowed CQEs; an
+            // enter with GETEVENTS flushes them into the CQ.
+            let _ = self.ring.submitter().submit_and_wait(0);
+        }
+        let cqe = self.ring.completion().next()?;
+        Some((cqe.user_data(), cqe.result()))
+    }
+
+    /// Drains the eventfd, then hands every available completion to
+    /// `done(user_data, result)`. Returns how many.
+    pub fn reap(&mut self, mut done: impl FnMut(u64, i32)) -> usize {
+        self.drain_event_fd();
+        let mut n = 0;
+        while let Some((user_data, result)) = self.pop() {
+            done(user_data, result);
+            n += 1;
+        }
+        n
+    }
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("fd", &self.ring.as_raw_fd())
+            .field("event_fd", &self.event_fd.as_raw_fd())
+            .finish()
+    }
+}
+
+/// Blocks until `fd` is readable or `timeout_ms` passes (negative: no
+/// timeout); returns whether it is readable. For tests and tools that wait
+/// on a channel's eventfd outside a reactor; a reactor uses its epoll.
+pub fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `pfd` is one valid pollfd on the stack; poll only reads
+        // and writes it.
+        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        if rc >= 0 {
+            return Ok(rc > 0 && pfd.revents & libc::POLLIN != 0);
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINTR) {
+            return Err(err);
+        }
+    }
+}
