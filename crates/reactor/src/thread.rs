@@ -314,6 +314,7 @@ pub struct Thread {
     timer_armed_ns: Option<u64>,
     events: Vec<libc::epoll_event>,
     woken: usize,
+    current: Option<PollerId>,
     event_driven: bool,
     exit_requested: bool,
     now_ns: u64,
@@ -355,6 +356,7 @@ impl Thread {
             timer_armed_ns: None,
             events: event_buffer(THREAD_EVENT_BATCH),
             woken: 0,
+            current: None,
             event_driven: false,
             exit_requested: false,
             now_ns: 0,
@@ -503,6 +505,12 @@ impl Thread {
         }
         self.publish_poller_counts();
         true
+    }
+
+    /// The poller now running, for a callback that needs its own id (to wake
+    /// itself, change its interest or unregister itself).
+    pub fn current_poller(&self) -> Option<PollerId> {
+        self.current
     }
 
     /// Stop running a poller until `resume_poller`.
@@ -721,7 +729,9 @@ impl Thread {
         let Some(mut f) = slot.entry.as_mut().and_then(|e| e.f.take()) else {
             return PollStatus::Idle;
         };
+        let previous = self.current.replace(PollerId { index: index as u32, generation });
         let status = f(self, now);
+        self.current = previous;
         // The poller may have unregistered itself (and its slot been reused).
         if let Some(slot) = self.pollers.get_mut(index) {
             if slot.generation == generation {
