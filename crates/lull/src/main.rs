@@ -29,6 +29,8 @@ struct Cli {
 enum Command {
     /// Serve volumes over NBD.
     Serve(ServeArgs),
+    /// Measure lull in each mode against peer NBD servers with fio.
+    Bench(lull_bench::BenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -65,6 +67,7 @@ fn main() -> ExitCode {
         .init();
     match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Bench(args) => bench(&args),
     }
 }
 
@@ -115,6 +118,32 @@ fn human(bytes: u64) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u])
+}
+
+fn bench(args: &lull_bench::BenchArgs) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("lull: error: cannot find the lull binary: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match lull_bench::run(args, &exe) {
+        Ok(report) => {
+            println!(
+                "bench: {} targets, {} results, report in {}",
+                report.targets.len(),
+                report.results.len(),
+                args.out.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(lull_bench::BenchError::BadArgs(m)) => usage_error(m),
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn serve(args: ServeArgs) -> ExitCode {

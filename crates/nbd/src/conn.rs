@@ -139,7 +139,8 @@ impl Conn {
             closing: None,
             broken: false,
             handshake_done: Arc::new(AtomicBool::new(false)),
-            interest: Interest::READABLE,
+            // Registered with BOTH so the greeting goes out at once.
+            interest: Interest::BOTH,
             channel_fd_added: false,
             completions: Vec::with_capacity(MAX_IN_FLIGHT),
         }
@@ -161,7 +162,8 @@ impl Conn {
     fn close(&mut self, reason: impl Into<String>) {
         if self.closing.is_none() {
             let reason = reason.into();
-            tracing::info!(peer = %self.peer, reason = %reason, "closing NBD connection");
+            let export = self.volume_name().unwrap_or("-");
+            tracing::info!(peer = %self.peer, export, reason = %reason, "closing NBD connection");
             self.closing = Some(reason);
         }
     }

@@ -1,0 +1,318 @@
+//! Command-line arguments of `lull bench` and the resolved settings derived
+//! from them (quick-mode defaults, core choice, sizes).
+
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+use serde::Serialize;
+
+use crate::fio::JobKind;
+use crate::BenchError;
+
+/// Port range the harness walks through: one fresh port per server start, so a
+/// port left in TIME_WAIT by the previous server is never reused at once.
+pub const PORT_SPAN: u16 = 1000;
+
+/// Default first port; far from 10809 so a real NBD server on the box is left
+/// alone.
+pub const DEFAULT_PORT_BASE: u16 = 20900;
+
+/// `lull bench`: fio's nbd engine with the kbench profile against lull in each
+/// event mode and against peer NBD servers.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Short jobs (1 s, small volume, short idle window) for smoke runs.
+    #[arg(long)]
+    pub quick: bool,
+
+    /// Jobs to run, comma separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = JobKind::ALL.to_vec())]
+    pub jobs: Vec<JobKind>,
+
+    /// lull event modes to measure; a mode the server refuses is reported as
+    /// skipped with the server's error line.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Mode::ALL.to_vec())]
+    pub modes: Vec<Mode>,
+
+    /// lull volume kinds to measure.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![VolumeKind::Malloc])]
+    pub volumes: Vec<VolumeKind>,
+
+    /// Peer servers to measure beside lull (`none` for lull only). A peer
+    /// whose binary is missing is reported as skipped.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![PeerChoice::Nbdkit, PeerChoice::QemuNbd])]
+    pub peers: Vec<PeerChoice>,
+
+    /// Skip lull itself (peers only); useful to check the harness.
+    #[arg(long)]
+    pub no_lull: bool,
+
+    /// Repeat the whole interleaved schedule N times; the report gives the
+    /// median and the min–max spread.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+
+    /// Measured seconds per job [default: 10, quick: 1].
+    #[arg(long)]
+    pub runtime_secs: Option<u64>,
+
+    /// Warm-up seconds per job before measuring [default: 2, quick: 0.5].
+    #[arg(long)]
+    pub ramp_secs: Option<f64>,
+
+    /// Idle window for the server's idle CPU, in seconds [default: 2, quick: 1].
+    #[arg(long)]
+    pub idle_secs: Option<f64>,
+
+    /// Core the server under test is pinned to [default: the last core].
+    #[arg(long)]
+    pub server_cpu: Option<usize>,
+
+    /// Core fio is pinned to [default: 0].
+    #[arg(long)]
+    pub client_cpu: Option<usize>,
+
+    /// Volume size, e.g. 1G, 256M [default: 1G, quick: 256M].
+    #[arg(long)]
+    pub size: Option<String>,
+
+    /// Directory for report.md, report.json and the plots.
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+
+    /// First TCP port used for servers; each start takes the next free one.
+    #[arg(long, default_value_t = DEFAULT_PORT_BASE)]
+    pub port_base: u16,
+}
+
+/// A lull reactor event mode (DESIGN §2).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Poll,
+    Interrupt,
+    Hybrid,
+    Adaptive,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [Mode::Poll, Mode::Interrupt, Mode::Hybrid, Mode::Adaptive];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Poll => "poll",
+            Mode::Interrupt => "interrupt",
+            Mode::Hybrid => "hybrid",
+            Mode::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// The kind of volume lull serves.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum VolumeKind {
+    /// Memory backend.
+    Malloc,
+    /// File backend (io_uring) on a preallocated file in a temp dir.
+    File,
+    /// Two local replica servers, each on its own directory.
+    Replica2,
+}
+
+impl VolumeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeKind::Malloc => "malloc",
+            VolumeKind::File => "file",
+            VolumeKind::Replica2 => "replica2",
+        }
+    }
+}
+
+/// A peer NBD server the harness can start itself.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PeerChoice {
+    /// `nbdkit memory`.
+    Nbdkit,
+    /// `qemu-nbd` on a raw file with io_uring.
+    QemuNbd,
+    /// No peers.
+    None,
+}
+
+/// Settings after quick-mode defaults and core detection are applied.
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    pub jobs: Vec<JobKind>,
+    pub runtime_secs: u64,
+    pub ramp_secs: f64,
+    pub idle_secs: f64,
+    pub repeat: u32,
+    pub size_bytes: u64,
+    pub server_cpu: usize,
+    pub client_cpu: usize,
+    pub port_base: u16,
+    pub quick: bool,
+}
+
+impl Settings {
+    /// Resolves defaults; `nproc` is the number of usable cores.
+    pub fn resolve(args: &BenchArgs, nproc: usize) -> Result<Settings, BenchError> {
+        let quick = args.quick;
+        let size_text = args
+            .size
+            .clone()
+            .unwrap_or_else(|| if quick { "256M" } else { "1G" }.into());
+        let size_bytes = parse_size(&size_text).ok_or_else(|| {
+            BenchError::BadArgs(format!(
+                "bad --size {size_text:?} (want e.g. 1G, 256M, 4096)"
+            ))
+        })?;
+        // fio's 128k jobs need at least one block, and the file backend wants
+        // whole 4 KiB blocks.
+        if size_bytes < 1 << 20 || size_bytes % 4096 != 0 {
+            return Err(BenchError::BadArgs(format!(
+                "--size {size_text} must be at least 1M and a multiple of 4K"
+            )));
+        }
+        let last = nproc.saturating_sub(1);
+        let server_cpu = args.server_cpu.unwrap_or(last);
+        let client_cpu = args.client_cpu.unwrap_or(0);
+        for (name, cpu) in [("--server-cpu", server_cpu), ("--client-cpu", client_cpu)] {
+            if cpu >= nproc {
+                return Err(BenchError::BadArgs(format!(
+                    "{name} {cpu} but only {nproc} cores"
+                )));
+            }
+        }
+        let runtime_secs = args.runtime_secs.unwrap_or(if quick { 1 } else { 10 });
+        if runtime_secs == 0 {
+            return Err(BenchError::BadArgs(
+                "--runtime-secs must be at least 1".into(),
+            ));
+        }
+        let ramp_secs = args.ramp_secs.unwrap_or(if quick { 0.5 } else { 2.0 });
+        let idle_secs = args.idle_secs.unwrap_or(if quick { 1.0 } else { 2.0 });
+        for (name, v) in [("--ramp-secs", ramp_secs), ("--idle-secs", idle_secs)] {
+            if !(0.0..=3600.0).contains(&v) {
+                return Err(BenchError::BadArgs(format!(
+                    "{name} {v} out of range 0..=3600"
+                )));
+            }
+        }
+        let mut jobs = Vec::new();
+        for j in &args.jobs {
+            if !jobs.contains(j) {
+                jobs.push(*j);
+            }
+        }
+        if jobs.is_empty() {
+            return Err(BenchError::BadArgs("--jobs is empty".into()));
+        }
+        if args.port_base == 0 || args.port_base > u16::MAX - PORT_SPAN {
+            return Err(BenchError::BadArgs(format!(
+                "--port-base must be in 1..={}",
+                u16::MAX - PORT_SPAN
+            )));
+        }
+        Ok(Settings {
+            jobs,
+            runtime_secs,
+            ramp_secs,
+            idle_secs,
+            repeat: args.repeat,
+            size_bytes,
+            server_cpu,
+            client_cpu,
+            port_base: args.port_base,
+            quick,
+        })
+    }
+}
+
+/// Parses `1G`, `256M`, `512K`, `4096`, `1GiB`, `1g` (binary units).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix("ib"))
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (digits, shift) = match t.chars().last()? {
+        'k' | 'K' => (&t[..t.len() - 1], 10),
+        'm' | 'M' => (&t[..t.len() - 1], 20),
+        'g' | 'G' => (&t[..t.len() - 1], 30),
+        't' | 'T' => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.trim().parse().ok()?;
+    n.checked_mul(1u64 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("256M"), Some(256 << 20));
+        assert_eq!(parse_size("256MiB"), Some(256 << 20));
+        assert_eq!(parse_size("4k"), Some(4096));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("x1G"), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+
+    #[test]
+    fn defaults_and_quick() {
+        let cli = Cli::parse_from(["bench"]);
+        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        assert_eq!(s.jobs.len(), 6);
+        assert_eq!(s.size_bytes, 1 << 30);
+        assert_eq!((s.server_cpu, s.client_cpu), (1, 0));
+        assert_eq!(cli.bench.modes.len(), 4);
+        assert_eq!(cli.bench.volumes, vec![VolumeKind::Malloc]);
+        assert_eq!(
+            cli.bench.peers,
+            vec![PeerChoice::Nbdkit, PeerChoice::QemuNbd]
+        );
+
+        let cli = Cli::parse_from([
+            "bench",
+            "--quick",
+            "--jobs",
+            "randread-lat,randread-lat",
+            "--peers",
+            "none",
+            "--modes",
+            "poll",
+        ]);
+        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        assert_eq!(s.jobs, vec![JobKind::RandreadLat]);
+        assert_eq!(s.runtime_secs, 1);
+        assert_eq!(s.size_bytes, 256 << 20);
+        assert_eq!(cli.bench.peers, vec![PeerChoice::None]);
+    }
+
+    #[test]
+    fn rejects_bad_cores_and_sizes() {
+        let cli = Cli::parse_from(["bench", "--server-cpu", "5"]);
+        assert!(Settings::resolve(&cli.bench, 2).is_err());
+        let cli = Cli::parse_from(["bench", "--size", "1000"]);
+        assert!(Settings::resolve(&cli.bench, 2).is_err());
+        assert!(Cli::try_parse_from(["bench", "--jobs", "nope"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--repeat", "0"]).is_err());
+    }
+}

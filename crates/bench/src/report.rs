@@ -1,0 +1,665 @@
+//! The report: raw samples, per-cell medians with ratios, the environment,
+//! and its markdown rendering. Everything here is pure data in, data out.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::args::{Settings, VolumeKind};
+use crate::fio::{FioMetrics, JobKind, Primary};
+use crate::plan::Target;
+use crate::stats::{self, CellMedians, Ratio, ServerCost, Spread};
+
+/// Everything one `lull bench` run measured; written as report.json.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub environment: Environment,
+    pub settings: Settings,
+    pub targets: Vec<TargetReport>,
+    /// Medians over repeats, one per (job, target) in job-major order.
+    pub results: Vec<JobResult>,
+    /// Every fio run, in run order.
+    pub samples: Vec<Sample>,
+    /// PNG files written beside the report.
+    pub plots: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Environment {
+    /// UTC, RFC 3339.
+    pub date_utc: String,
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+    /// The exact command line of this run.
+    pub command: String,
+    pub clk_tck: u64,
+    /// Tool name → first line of its version output.
+    pub tools: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetReport {
+    pub name: String,
+    pub target: Target,
+    pub is_peer: bool,
+    /// How the server is started (first start), for the record.
+    pub command: Option<String>,
+    pub status: TargetStatus,
+    pub idle_cpu_pct_samples: Vec<f64>,
+    pub idle_cpu_pct: Option<Spread>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum TargetStatus {
+    Ok,
+    Skipped { reason: String },
+}
+
+/// One fio run against one server.
+#[derive(Clone, Debug, Serialize)]
+pub struct Sample {
+    pub repeat: u32,
+    pub job: JobKind,
+    pub target: String,
+    pub fio: Option<FioMetrics>,
+    pub server: Option<ServerCost>,
+    /// Why the run produced no numbers.
+    pub error: Option<String>,
+}
+
+/// Medians and spreads of one (job, target) cell.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobResult {
+    pub job: JobKind,
+    pub target: String,
+    pub runs_ok: usize,
+    pub failures: Vec<String>,
+    pub iops: Option<Spread>,
+    pub bw_bytes_per_sec: Option<Spread>,
+    pub lat_mean_us: Option<Spread>,
+    pub lat_p50_us: Option<Spread>,
+    pub lat_p99_us: Option<Spread>,
+    pub cpu_pct: Option<Spread>,
+    pub cpu_us_per_io: Option<Spread>,
+    pub ctxt_switches_per_io: Option<Spread>,
+    pub faults_per_io: Option<Spread>,
+    /// Against lull's poll mode (same volume kind when measured).
+    pub vs_poll: Option<Ratio>,
+    /// Against the peer with the best figure of merit for this job.
+    pub vs_best_peer: Option<Ratio>,
+}
+
+impl JobResult {
+    fn medians(&self) -> Option<CellMedians> {
+        Some(CellMedians {
+            iops: self.iops?.median,
+            bw_bytes_per_sec: self.bw_bytes_per_sec?.median,
+            lat_mean_us: self.lat_mean_us?.median,
+            cpu_us_per_io: self.cpu_us_per_io.map(|s| s.median).unwrap_or(f64::NAN),
+        })
+    }
+}
+
+/// Builds the per-cell results with ratios from the raw samples.
+pub fn aggregate(jobs: &[JobKind], targets: &[TargetReport], samples: &[Sample]) -> Vec<JobResult> {
+    let mut out = Vec::new();
+    for &job in jobs {
+        let first = out.len();
+        for t in targets {
+            let mine: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| s.job == job && s.target == t.name)
+                .collect();
+            let ok: Vec<(&FioMetrics, &ServerCost)> = mine
+                .iter()
+                .filter_map(|s| Some((s.fio.as_ref()?, s.server.as_ref()?)))
+                .collect();
+            let col = |f: &dyn Fn(&FioMetrics, &ServerCost) -> Option<f64>| {
+                stats::spread(&ok.iter().filter_map(|(m, c)| f(m, c)).collect::<Vec<_>>())
+            };
+            out.push(JobResult {
+                job,
+                target: t.name.clone(),
+                runs_ok: ok.len(),
+                failures: mine.iter().filter_map(|s| s.error.clone()).collect(),
+                iops: col(&|m, _| Some(m.iops)),
+                bw_bytes_per_sec: col(&|m, _| Some(m.bw_bytes_per_sec)),
+                lat_mean_us: col(&|m, _| Some(stats::lat_us(m).0)),
+                lat_p50_us: col(&|m, _| stats::lat_us(m).1),
+                lat_p99_us: col(&|m, _| stats::lat_us(m).2),
+                cpu_pct: col(&|_, c| Some(c.cpu_pct)),
+                cpu_us_per_io: col(&|_, c| Some(c.cpu_us_per_io)),
+                ctxt_switches_per_io: col(&|_, c| Some(c.ctxt_switches_per_io)),
+                faults_per_io: col(&|_, c| Some(c.faults_per_io)),
+                vs_poll: None,
+                vs_best_peer: None,
+            });
+        }
+        add_ratios(job, targets, &mut out[first..]);
+    }
+    out
+}
+
+/// The lull poll-mode cell a target is compared with: same volume kind
+/// (memory peers ↔ malloc, file peers ↔ file), else any poll-mode cell.
+fn poll_baseline(
+    target: &Target,
+    targets: &[TargetReport],
+    medians: &[Option<CellMedians>],
+) -> Option<usize> {
+    let want = match target {
+        Target::Lull { volume, .. } => *volume,
+        Target::Nbdkit => VolumeKind::Malloc,
+        Target::QemuNbd => VolumeKind::File,
+    };
+    let polls: Vec<(usize, VolumeKind)> = targets
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| match t.target {
+            Target::Lull {
+                mode: crate::args::Mode::Poll,
+                volume,
+            } if medians[i].is_some() => Some((i, volume)),
+            _ => None,
+        })
+        .collect();
+    polls
+        .iter()
+        .find(|(_, v)| *v == want)
+        .or(polls.first())
+        .map(|(i, _)| *i)
+}
+
+fn add_ratios(job: JobKind, targets: &[TargetReport], cells: &mut [JobResult]) {
+    let medians: Vec<Option<CellMedians>> = cells.iter().map(JobResult::medians).collect();
+    let best_peer = stats::best(
+        job,
+        targets
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_peer)
+            .filter_map(|(i, _)| Some((i, medians[i].as_ref()?))),
+    );
+    for (i, t) in targets.iter().enumerate() {
+        let Some(mine) = medians[i] else { continue };
+        if let Some(b) = poll_baseline(&t.target, targets, &medians) {
+            if let Some(base) = &medians[b] {
+                cells[i].vs_poll = Some(stats::ratio(job, &mine, &targets[b].name, base));
+            }
+        }
+        if let Some(b) = best_peer {
+            if let Some(base) = &medians[b] {
+                cells[i].vs_best_peer = Some(stats::ratio(job, &mine, &targets[b].name, base));
+            }
+        }
+    }
+}
+
+/// Value with three significant digits and a k/M/G suffix.
+pub fn si(x: f64) -> String {
+    if !x.is_finite() {
+        return "–".into();
+    }
+    let (v, suffix) = match x.abs() {
+        a if a >= 1e9 => (x / 1e9, "G"),
+        a if a >= 1e6 => (x / 1e6, "M"),
+        a if a >= 1e3 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    format!("{}{suffix}", sig3(v))
+}
+
+/// Three significant digits without a suffix.
+pub fn sig3(v: f64) -> String {
+    if !v.is_finite() {
+        return "–".into();
+    }
+    let a = v.abs();
+    if a >= 100.0 {
+        format!("{v:.0}")
+    } else if a >= 10.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 || a == 0.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn cell(s: Option<Spread>, f: fn(f64) -> String, with_range: bool) -> String {
+    match s {
+        None => "–".into(),
+        Some(s) if with_range && s.n > 1 => format!("{} ({}–{})", f(s.median), f(s.min), f(s.max)),
+        Some(s) => f(s.median),
+    }
+}
+
+fn mib(x: f64) -> String {
+    sig3(x / (1u64 << 20) as f64)
+}
+
+fn ratio_cell(r: &Option<Ratio>, speed: bool) -> String {
+    match r {
+        None => "–".into(),
+        Some(r) => format!("{}×", sig3(if speed { r.speed } else { r.cpu_per_io })),
+    }
+}
+
+/// Quotes a command-line word for a POSIX shell when needed.
+pub fn shell_quote(word: &str) -> String {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+    {
+        word.into()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+fn job_title(job: JobKind) -> String {
+    let what = match job.rw() {
+        "randread" => "random read",
+        "randwrite" => "random write",
+        "read" => "sequential read",
+        _ => "sequential write",
+    };
+    format!(
+        "{} — {} KiB {what}, QD{}",
+        job.as_str(),
+        job.block_size_bytes() >> 10,
+        job.iodepth()
+    )
+}
+
+/// The markdown report.
+pub fn render_markdown(r: &Report) -> String {
+    let mut md = String::new();
+    let e = &r.environment;
+    let s = &r.settings;
+    let _ = writeln!(md, "# lull bench\n");
+    let _ = writeln!(md, "- date: {}", e.date_utc);
+    let _ = writeln!(
+        md,
+        "- machine: {} cores, {}, kernel {}",
+        e.nproc, e.cpu_model, e.kernel
+    );
+    let _ = writeln!(md, "- command: `{}`", e.command);
+    let _ = writeln!(
+        md,
+        "- settings: {} s per job after {} s ramp, idle window {} s, {} repeat(s), volume {} MiB, server on core {}, fio on core {}",
+        s.runtime_secs,
+        s.ramp_secs,
+        s.idle_secs,
+        s.repeat,
+        s.size_bytes >> 20,
+        s.server_cpu,
+        s.client_cpu
+    );
+    if !e.tools.is_empty() {
+        let tools: Vec<String> = e.tools.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let _ = writeln!(md, "- tools: {}", tools.join("; "));
+    }
+    let _ = writeln!(md);
+    let _ = writeln!(
+        md,
+        "Numbers are medians over repeats{}. Server CPU is utime+stime of all the server's threads (and its replica processes) from /proc over the measured window; \
+         CPU µs/IO, context switches/IO and faults/IO divide that window's counts by the I/Os fio completed after its ramp. \
+         Speed × > 1 means faster than the baseline (IOPS or bandwidth ratio; for QD1 jobs baseline latency ÷ latency); CPU/IO × < 1 means cheaper. \
+         The poll baseline is lull's poll mode on the same volume kind (nbdkit ↔ malloc, qemu-nbd ↔ file).\n",
+        if s.repeat > 1 { " (range min–max in parentheses)" } else { "" }
+    );
+
+    let _ = writeln!(md, "## Targets\n");
+    let _ = writeln!(md, "| target | status | idle CPU % | command |");
+    let _ = writeln!(md, "|---|---|---|---|");
+    for t in &r.targets {
+        let status = match &t.status {
+            TargetStatus::Ok => "ok".to_string(),
+            TargetStatus::Skipped { reason } => format!("skipped: {}", md_escape(reason)),
+        };
+        let cmd = t
+            .command
+            .as_deref()
+            .map(|c| format!("`{}`", c.replace('`', "'")))
+            .unwrap_or_else(|| "–".into());
+        let _ = writeln!(
+            md,
+            "| {} | {status} | {} | {cmd} |",
+            t.name,
+            cell(t.idle_cpu_pct, sig3, true)
+        );
+    }
+    let _ = writeln!(md);
+
+    let _ = writeln!(md, "## Results\n");
+    for &job in &s.jobs {
+        let _ = writeln!(md, "### {}\n", job_title(job));
+        let _ = writeln!(
+            md,
+            "| target | IOPS | MiB/s | lat mean µs | p50 µs | p99 µs | CPU % | CPU µs/IO | ctx sw/IO | faults/IO | speed × poll | CPU/IO × poll | speed × best peer | CPU/IO × best peer |"
+        );
+        let _ = writeln!(
+            md,
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
+        let primary = job.primary();
+        for t in &r.targets {
+            if let TargetStatus::Skipped { reason } = &t.status {
+                let _ = writeln!(
+                    md,
+                    "| {} | skipped: {} |{}",
+                    t.name,
+                    md_escape(reason),
+                    " |".repeat(12)
+                );
+                continue;
+            }
+            let Some(c) = r
+                .results
+                .iter()
+                .find(|c| c.job == job && c.target == t.name)
+            else {
+                continue;
+            };
+            if c.runs_ok == 0 {
+                let why = c
+                    .failures
+                    .first()
+                    .map(|f| md_escape(f))
+                    .unwrap_or_else(|| "not run".into());
+                let _ = writeln!(md, "| {} | failed: {why} |{}", t.name, " |".repeat(12));
+                continue;
+            }
+            let _ = writeln!(
+                md,
+                "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                t.name,
+                if c.failures.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({} failed)", c.failures.len())
+                },
+                cell(c.iops, si, primary == Primary::Iops),
+                cell(c.bw_bytes_per_sec, mib, primary == Primary::Bandwidth),
+                cell(c.lat_mean_us, sig3, primary == Primary::Latency),
+                cell(c.lat_p50_us, sig3, false),
+                cell(c.lat_p99_us, sig3, false),
+                cell(c.cpu_pct, sig3, true),
+                cell(c.cpu_us_per_io, sig3, false),
+                cell(c.ctxt_switches_per_io, sig3, false),
+                cell(c.faults_per_io, sig3, false),
+                ratio_cell(&c.vs_poll, true),
+                ratio_cell(&c.vs_poll, false),
+                ratio_cell(&c.vs_best_peer, true),
+                ratio_cell(&c.vs_best_peer, false),
+            );
+        }
+        let _ = writeln!(md);
+    }
+    if !r.plots.is_empty() {
+        let _ = writeln!(md, "## Plots\n");
+        for p in &r.plots {
+            let _ = writeln!(md, "![{p}]({p})\n");
+        }
+    }
+    md
+}
+
+/// Keeps a free-text reason from breaking a table row.
+fn md_escape(s: &str) -> String {
+    s.replace('|', "\\|").replace(['\n', '\r'], " ")
+}
+
+/// The "model name" of the first CPU in /proc/cpuinfo text.
+pub fn cpu_model(cpuinfo: &str) -> Option<String> {
+    cpuinfo.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == "model name").then(|| v.trim().to_string())
+    })
+}
+
+/// Seconds since the Unix epoch as RFC 3339 UTC (Howard Hinnant's
+/// days-to-civil algorithm; no date crate needed).
+pub fn rfc3339_utc(unix_secs: u64) -> String {
+    let days = (unix_secs / 86_400) as i64;
+    let rem = unix_secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::args::{Mode, Settings};
+    use crate::procstat::ProcCounters;
+
+    pub(crate) fn settings(jobs: Vec<JobKind>, repeat: u32) -> Settings {
+        Settings {
+            jobs,
+            runtime_secs: 1,
+            ramp_secs: 0.5,
+            idle_secs: 1.0,
+            repeat,
+            size_bytes: 256 << 20,
+            server_cpu: 1,
+            client_cpu: 0,
+            port_base: 20900,
+            quick: true,
+        }
+    }
+
+    fn tr(target: Target, status: TargetStatus) -> TargetReport {
+        TargetReport {
+            name: target.name(),
+            target,
+            is_peer: target.is_peer(),
+            command: Some("x --y".into()),
+            status,
+            idle_cpu_pct: stats::spread(&[1.0]),
+            idle_cpu_pct_samples: vec![1.0],
+        }
+    }
+
+    fn sample(
+        repeat: u32,
+        job: JobKind,
+        target: &Target,
+        iops: f64,
+        lat_us: f64,
+        cpu_ticks: u64,
+    ) -> Sample {
+        let fio = FioMetrics {
+            iops,
+            bw_bytes_per_sec: iops * 4096.0,
+            ios: iops as u64,
+            lat_mean_ns: lat_us * 1e3,
+            lat_p50_ns: Some(lat_us * 900.0),
+            lat_p99_ns: Some(lat_us * 2e3),
+        };
+        let delta = ProcCounters {
+            utime_ticks: cpu_ticks,
+            voluntary_ctxt_switches: iops as u64 / 2,
+            ..Default::default()
+        };
+        let server = ServerCost::new(delta, 1.0, 100, fio.ios);
+        Sample {
+            repeat,
+            job,
+            target: target.name(),
+            fio: Some(fio),
+            server: Some(server),
+            error: None,
+        }
+    }
+
+    /// A small report: poll, adaptive, a skipped interrupt, and nbdkit.
+    pub(crate) fn fake_report(repeat: u32) -> Report {
+        let poll = Target::Lull {
+            mode: Mode::Poll,
+            volume: VolumeKind::Malloc,
+        };
+        let adaptive = Target::Lull {
+            mode: Mode::Adaptive,
+            volume: VolumeKind::Malloc,
+        };
+        let interrupt = Target::Lull {
+            mode: Mode::Interrupt,
+            volume: VolumeKind::Malloc,
+        };
+        let targets = vec![
+            tr(poll, TargetStatus::Ok),
+            tr(
+                interrupt,
+                TargetStatus::Skipped {
+                    reason: "error: unknown mode | interrupt".into(),
+                },
+            ),
+            tr(adaptive, TargetStatus::Ok),
+            tr(Target::Nbdkit, TargetStatus::Ok),
+        ];
+        let jobs = vec![JobKind::RandreadIops, JobKind::RandreadLat];
+        let mut samples = Vec::new();
+        for r in 0..repeat {
+            let k = 1.0 + r as f64 * 0.1;
+            samples.push(sample(r, jobs[0], &poll, 100_000.0 * k, 600.0, 100));
+            samples.push(sample(r, jobs[0], &adaptive, 90_000.0 * k, 700.0, 60));
+            samples.push(sample(
+                r,
+                jobs[0],
+                &Target::Nbdkit,
+                50_000.0 * k,
+                1200.0,
+                90,
+            ));
+            samples.push(sample(r, jobs[1], &poll, 20_000.0, 50.0 / k, 100));
+            samples.push(sample(r, jobs[1], &adaptive, 18_000.0, 55.0 / k, 40));
+            samples.push(Sample {
+                repeat: r,
+                job: jobs[1],
+                target: Target::Nbdkit.name(),
+                fio: None,
+                server: None,
+                error: Some("fio: connection refused".into()),
+            });
+        }
+        let results = aggregate(&jobs, &targets, &samples);
+        Report {
+            environment: Environment {
+                date_utc: rfc3339_utc(0),
+                nproc: 2,
+                cpu_model: "Test CPU".into(),
+                kernel: "6.1.0".into(),
+                command: "lull bench --quick".into(),
+                clk_tck: 100,
+                tools: BTreeMap::from([("fio".into(), "fio-3.33".into())]),
+            },
+            settings: settings(jobs, repeat),
+            targets,
+            results,
+            samples,
+            plots: vec!["cpu_vs_latency.png".into()],
+        }
+    }
+
+    #[test]
+    fn aggregate_medians_and_ratios() {
+        let r = fake_report(3);
+        assert_eq!(r.results.len(), 8);
+        let get = |job, name: &str| {
+            r.results
+                .iter()
+                .find(|c| c.job == job && c.target == name)
+                .unwrap()
+        };
+        let a = get(JobKind::RandreadIops, "lull-adaptive-malloc");
+        assert_eq!(a.runs_ok, 3);
+        let iops = a.iops.unwrap();
+        assert!((iops.median - 99_000.0).abs() < 1e-6 && iops.n == 3);
+        let vp = a.vs_poll.as_ref().unwrap();
+        assert_eq!(vp.baseline, "lull-poll-malloc");
+        assert!((vp.speed - 0.9).abs() < 1e-9);
+        let vb = a.vs_best_peer.as_ref().unwrap();
+        assert_eq!(vb.baseline, "nbdkit-memory");
+        assert!((vb.speed - 1.8).abs() < 1e-9);
+        // QD1: nbdkit failed every run, so no best peer; poll is its own baseline.
+        let p = get(JobKind::RandreadLat, "lull-poll-malloc");
+        assert!(p.vs_best_peer.is_none());
+        assert!((p.vs_poll.as_ref().unwrap().speed - 1.0).abs() < 1e-12);
+        let n = get(JobKind::RandreadLat, "nbdkit-memory");
+        assert_eq!((n.runs_ok, n.failures.len()), (0, 3));
+        // The skipped target has an empty cell.
+        let i = get(JobKind::RandreadIops, "lull-interrupt-malloc");
+        assert!(i.iops.is_none() && i.vs_poll.is_none());
+    }
+
+    #[test]
+    fn markdown_has_every_target_and_job() {
+        let r = fake_report(2);
+        let md = render_markdown(&r);
+        for needle in [
+            "lull-poll-malloc",
+            "lull-adaptive-malloc",
+            "skipped: error: unknown mode \\| interrupt",
+            "failed: fio: connection refused",
+            "randread-iops — 4 KiB random read, QD64",
+            "randread-lat — 4 KiB random read, QD1",
+            "`lull bench --quick`",
+            "Test CPU",
+            "![cpu_vs_latency.png](cpu_vs_latency.png)",
+            "0.900×",
+        ] {
+            assert!(md.contains(needle), "missing {needle:?} in\n{md}");
+        }
+        // Every table row has the same number of cells as its header.
+        for table_line in md
+            .lines()
+            .filter(|l| l.starts_with("| lull") || l.starts_with("| nbdkit"))
+        {
+            let cells = table_line.replace("\\|", "").matches('|').count();
+            assert!(cells == 5 || cells == 15, "{cells} in {table_line}");
+        }
+        // JSON round-trips through serde_json::Value, NaN as null.
+        let v: serde_json::Value =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(v["results"].as_array().unwrap().len(), 8);
+        assert_eq!(v["targets"][1]["status"]["state"], "skipped");
+    }
+
+    #[test]
+    fn formatting_helpers() {
+        assert_eq!(si(82257.7), "82.3k");
+        assert_eq!(si(1.5e6), "1.50M");
+        assert_eq!(si(12.0), "12.0");
+        assert_eq!(si(f64::NAN), "–");
+        assert_eq!(sig3(0.01234), "0.012");
+        assert_eq!(shell_quote("--jobs=a,b"), "--jobs=a,b");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339_utc(1_795_303_855), "2026-11-21T23:30:55Z");
+        assert_eq!(
+            cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 7B13\n"),
+            Some("AMD EPYC 7B13".into())
+        );
+        assert_eq!(cpu_model("processor: 0\n"), None);
+    }
+}

@@ -1,0 +1,120 @@
+//! End-to-end run of the harness with a stand-in for the lull binary: a shell
+//! script that serves `serve`/`replica` with `nbdkit memory` and refuses the
+//! `hybrid` mode the way a real server refuses an unsupported one. Needs fio
+//! (package fio) and nbdkit (package nbdkit).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    bench: lull_bench::BenchArgs,
+}
+
+const FAKE_LULL: &str = r#"#!/bin/sh
+# fake lull: serve|replica --listen 127.0.0.1:PORT ... --mode MODE
+cmd=$1; shift
+port=
+mode=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --listen) port=${2##*:}; shift 2 ;;
+    --mode) mode=$2; shift 2 ;;
+    *) shift ;;
+  esac
+done
+if [ "$mode" = hybrid ]; then
+  echo "lull: starting" >&2
+  echo "error: event mode hybrid is not supported on this kernel" >&2
+  exit 2
+fi
+exec nbdkit -f --exit-with-parent -i 127.0.0.1 -p "$port" memory size=64M
+"#;
+
+fn need(tool: &str, package: &str) {
+    assert!(
+        lull_bench::server::which(tool).is_some(),
+        "{tool} not found: install package {package}"
+    );
+}
+
+#[test]
+fn quick_run_with_fake_lull_writes_parseable_reports() {
+    need("fio", "fio");
+    need("nbdkit", "nbdkit");
+    let dir = std::env::temp_dir().join(format!("lull-bench-fake-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe: PathBuf = dir.join("lull");
+    std::fs::write(&exe, FAKE_LULL).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = dir.join("out");
+    let out_s = out.to_str().unwrap();
+    let cli = Cli::parse_from([
+        "lull",
+        "--quick",
+        "--jobs",
+        "randread-iops,randwrite-lat",
+        "--modes",
+        "poll,hybrid",
+        "--volumes",
+        "malloc,replica2",
+        "--peers",
+        "none",
+        "--ramp-secs",
+        "0.3",
+        "--idle-secs",
+        "0.3",
+        "--size",
+        "64M",
+        "--port-base",
+        "23400",
+        "--out",
+        out_s,
+    ]);
+    let report = lull_bench::run(&cli.bench, &exe).unwrap();
+
+    let names: Vec<&str> = report.targets.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "lull-poll-malloc",
+            "lull-hybrid-malloc",
+            "lull-poll-replica2",
+            "lull-hybrid-replica2"
+        ]
+    );
+    let hybrid = &report.targets[1];
+    assert_eq!(
+        serde_json::to_value(&hybrid.status).unwrap()["reason"],
+        "error: event mode hybrid is not supported on this kernel"
+    );
+    for (t, job) in [
+        ("lull-poll-malloc", lull_bench::JobKind::RandreadIops),
+        ("lull-poll-replica2", lull_bench::JobKind::RandwriteLat),
+    ] {
+        let c = report
+            .results
+            .iter()
+            .find(|c| c.target == t && c.job == job)
+            .unwrap();
+        assert_eq!(c.runs_ok, 1, "{t} {job:?}: {:?}", c.failures);
+        assert!(c.iops.unwrap().median > 0.0);
+        assert!(c.cpu_us_per_io.unwrap().median > 0.0);
+        assert!((c.vs_poll.as_ref().unwrap().speed - 1.0).abs() < 1e-9);
+    }
+    assert!(report.targets[0].idle_cpu_pct.is_some());
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(json["samples"].as_array().unwrap().len(), 4);
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("skipped: error: event mode hybrid"));
+    for p in &report.plots {
+        assert!(std::fs::read(out.join(p)).unwrap().starts_with(b"\x89PNG"));
+    }
+    assert!(report.plots.contains(&"cpu_vs_latency.png".to_string()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

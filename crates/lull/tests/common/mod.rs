@@ -1,0 +1,414 @@
+//! Helpers for the integration tests: start the real `lull` binary on
+//! loopback and talk NBD to it with a small blocking client.
+//!
+//! ```ignore
+//! let server = Server::start(&["--volume", "vol0:16M"]);
+//! let mut client = NbdClient::connect(server.addr(), "vol0").unwrap();
+//! assert_eq!(client.write(0, &[7; 4096]).unwrap(), 0);
+//! assert_eq!(client.read(0, 4096).unwrap().unwrap(), vec![7; 4096]);
+//! server.assert_healthy();
+//! ```
+//!
+//! Every socket has read and write timeouts of [`IO_TIMEOUT`], so a server
+//! that hangs fails the test instead of hanging it.
+
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use lull_proto::nbd::{self, Request};
+
+/// Read and write timeout of every test socket: long enough for a loaded
+/// CI machine, short enough that a hang is a failure within a test's budget.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the server may take to print "listening on".
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the server may take to exit after SIGTERM before it is killed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A running `lull serve`, stopped (SIGTERM, then SIGKILL) when dropped.
+/// Its stderr (the log) goes to a file in a fresh directory under
+/// `CARGO_TARGET_TMPDIR`.
+pub struct Server {
+    child: Child,
+    addr: SocketAddr,
+    dir: PathBuf,
+    stderr_path: PathBuf,
+}
+
+impl Server {
+    /// Starts `lull serve --listen 127.0.0.1:0 <args>` and waits until it
+    /// prints the address it listens on. Port 0 lets the kernel pick a free
+    /// port, so parallel tests never race for one.
+    pub fn start(args: &[&str]) -> Server {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "lull-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the test directory");
+        let stderr_path = dir.join("stderr.log");
+        let stderr = File::create(&stderr_path).expect("create the stderr log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .expect("spawn the lull binary");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        // Keeps draining stdout for the life of the process, so the server
+        // never blocks on a full pipe.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    // Nobody listens any more; keep draining.
+                    continue;
+                }
+            }
+        });
+        let deadline = Instant::now() + START_TIMEOUT;
+        let addr = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(a) = line.strip_prefix("listening on ") {
+                        if let Ok(addr) = a.trim().parse::<SocketAddr>() {
+                            break addr;
+                        }
+                    }
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let log = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+                    panic!("lull serve did not start ({e}); stderr:\n{log}");
+                }
+            }
+        };
+        let server = Server { child, addr, dir, stderr_path };
+        server.wait_until_connectable();
+        server
+    }
+
+    fn wait_until_connectable(&self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if TcpStream::connect_timeout(&self.addr, IO_TIMEOUT).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "nothing accepts on {}", self.addr);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A scratch directory that lives as long as the test's build.
+    pub fn dir(&self) -> &PathBuf {
+        &self.dir
+    }
+
+    /// Everything the server has logged so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for the log to contain `needle`.
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.stderr().contains(needle) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Asserts the log holds `needle` (waiting briefly: a line about a
+    /// client that went away may trail the test's last socket call).
+    pub fn assert_logged(&self, needle: &str) {
+        assert!(
+            self.wait_for_log(needle, IO_TIMEOUT),
+            "expected a log line containing {needle:?}; stderr:\n{}",
+            self.stderr()
+        );
+    }
+
+    /// Asserts the server process is alive and has not logged a panic (a
+    /// panic in a reactor thread need not end the process).
+    pub fn assert_healthy(&mut self) {
+        match self.child.try_wait() {
+            Ok(None) => {}
+            Ok(Some(status)) => panic!("lull exited with {status}; stderr:\n{}", self.stderr()),
+            Err(e) => panic!("cannot poll the lull process: {e}"),
+        }
+        let log = self.stderr();
+        assert!(!log.contains("panicked"), "lull panicked; stderr:\n{log}");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(_)) => return,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => break,
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP connection to `addr` with the test timeouts set.
+pub fn connect_raw(addr: SocketAddr) -> TcpStream {
+    let sock = TcpStream::connect_timeout(&addr, IO_TIMEOUT).expect("connect to lull");
+    sock.set_read_timeout(Some(IO_TIMEOUT)).expect("set read timeout");
+    sock.set_write_timeout(Some(IO_TIMEOUT)).expect("set write timeout");
+    sock.set_nodelay(true).expect("set nodelay");
+    sock
+}
+
+/// Reads and checks the 18-byte server greeting; returns its handshake flags.
+pub fn read_greeting(sock: &mut TcpStream) -> io::Result<u16> {
+    let mut greeting = [0u8; nbd::SERVER_GREETING_LEN];
+    sock.read_exact(&mut greeting)?;
+    let (magic, rest) = greeting.split_at(8);
+    let (opt_magic, flags) = rest.split_at(8);
+    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+    if magic != nbd::NBDMAGIC.to_be_bytes() {
+        return Err(bad("greeting does not start with NBDMAGIC"));
+    }
+    if opt_magic != nbd::IHAVEOPT.to_be_bytes() {
+        return Err(bad("greeting is not newstyle (no IHAVEOPT)"));
+    }
+    Ok(u16::from_be_bytes([flags[0], flags[1]]))
+}
+
+/// The client flags every test client sends.
+pub const CLIENT_FLAGS: u32 = nbd::NBD_FLAG_C_FIXED_NEWSTYLE | nbd::NBD_FLAG_C_NO_ZEROES;
+
+/// An option on the wire: IHAVEOPT, option, length, payload.
+pub fn encode_option(option: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(nbd::OPTION_HEADER_LEN + payload.len());
+    out.extend_from_slice(&nbd::IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&option.to_be_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// `NBD_OPT_GO` for `export` with no information requests.
+pub fn encode_go(export: &str) -> Vec<u8> {
+    let mut payload = Vec::new();
+    payload.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    payload.extend_from_slice(export.as_bytes());
+    payload.extend_from_slice(&0u16.to_be_bytes());
+    encode_option(nbd::NBD_OPT_GO, &payload)
+}
+
+/// One option reply: `(option, reply type, payload)`.
+pub fn read_option_reply(sock: &mut TcpStream) -> io::Result<(u32, u32, Vec<u8>)> {
+    let mut header = [0u8; nbd::OPTION_REPLY_HEADER_LEN];
+    sock.read_exact(&mut header)?;
+    let word = |at: usize| u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]]);
+    if header[..8] != nbd::NBD_REP_MAGIC.to_be_bytes() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "option reply without NBD_REP_MAGIC"));
+    }
+    let (option, reply_type, len) = (word(8), word(12), word(16));
+    if len as usize > nbd::MAX_STRING_LEN + 64 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("option reply of {len} bytes")));
+    }
+    let mut payload = vec![0u8; len as usize];
+    sock.read_exact(&mut payload)?;
+    Ok((option, reply_type, payload))
+}
+
+/// How a connection ended when the test expected the server to close it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Closed {
+    /// Orderly EOF after this many further bytes.
+    Eof(usize),
+    /// Connection reset after this many further bytes (the server closed
+    /// with unread input in its receive buffer).
+    Reset(usize),
+}
+
+/// Reads until the server closes the connection, discarding what arrives.
+/// A timeout (the server kept the connection open) is an error.
+pub fn wait_closed(sock: &mut TcpStream) -> io::Result<Closed> {
+    let mut buf = [0u8; 64 * 1024];
+    let mut seen = 0;
+    let deadline = Instant::now() + IO_TIMEOUT;
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => return Ok(Closed::Eof(seen)),
+            Ok(n) => seen += n,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(Closed::Reset(seen)),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "server kept sending and never closed"));
+        }
+    }
+}
+
+/// Asserts the server closes `sock` within [`IO_TIMEOUT`].
+pub fn assert_closed(sock: &mut TcpStream, what: &str) {
+    match wait_closed(sock) {
+        Ok(_) => {}
+        Err(e) => panic!("{what}: expected the server to close the connection, got {e}"),
+    }
+}
+
+/// A blocking NBD client in the transmission phase (simple replies only).
+pub struct NbdClient {
+    pub sock: TcpStream,
+    pub size_bytes: u64,
+    pub transmission_flags: u16,
+    next_cookie: u64,
+}
+
+impl NbdClient {
+    /// Fixed newstyle handshake with `NBD_OPT_GO` for `export`.
+    pub fn connect(addr: SocketAddr, export: &str) -> io::Result<NbdClient> {
+        let mut sock = connect_raw(addr);
+        read_greeting(&mut sock)?;
+        let mut hello = CLIENT_FLAGS.to_be_bytes().to_vec();
+        hello.extend_from_slice(&encode_go(export));
+        sock.write_all(&hello)?;
+        let mut export_info = None;
+        loop {
+            let (option, reply_type, payload) = read_option_reply(&mut sock)?;
+            if option != nbd::NBD_OPT_GO {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("reply for option {option}")));
+            }
+            match reply_type {
+                nbd::NBD_REP_ACK => break,
+                nbd::NBD_REP_INFO if payload.len() == 12 && payload[..2] == nbd::NBD_INFO_EXPORT.to_be_bytes() => {
+                    let mut size = [0u8; 8];
+                    size.copy_from_slice(&payload[2..10]);
+                    export_info = Some((u64::from_be_bytes(size), u16::from_be_bytes([payload[10], payload[11]])));
+                }
+                nbd::NBD_REP_INFO => {}
+                other => {
+                    let text = String::from_utf8_lossy(&payload);
+                    return Err(io::Error::other(format!("NBD_OPT_GO refused: {other:#x} {text}")));
+                }
+            }
+        }
+        let (size_bytes, transmission_flags) = export_info
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "ACK without NBD_INFO_EXPORT"))?;
+        Ok(NbdClient { sock, size_bytes, transmission_flags, next_cookie: 1 })
+    }
+
+    pub fn cookie(&mut self) -> u64 {
+        self.next_cookie += 1;
+        self.next_cookie
+    }
+
+    /// Sends a request header and its payload, returning the cookie.
+    pub fn send(&mut self, command: nbd::Command, flags: u16, offset: u64, length: u32, payload: &[u8]) -> io::Result<u64> {
+        let cookie = self.cookie();
+        let header = nbd::encode_request(&Request { flags, command, cookie, offset, length });
+        self.sock.write_all(&header)?;
+        self.sock.write_all(payload)?;
+        Ok(cookie)
+    }
+
+    /// Reads one simple reply header: `(error, cookie)`.
+    pub fn reply(&mut self) -> io::Result<(u32, u64)> {
+        let mut header = [0u8; nbd::SIMPLE_REPLY_LEN];
+        self.sock.read_exact(&mut header)?;
+        nbd::decode_simple_reply(&header)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "simple reply with a bad magic"))
+    }
+
+    /// Reads the reply to `cookie`, checking it is the one that came.
+    pub fn reply_to(&mut self, cookie: u64) -> io::Result<u32> {
+        let (error, got) = self.reply()?;
+        if got != cookie {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("reply cookie {got}, expected {cookie}")));
+        }
+        Ok(error)
+    }
+
+    /// `NBD_CMD_READ`: `Ok(Ok(data))` or `Ok(Err(nbd_error))`.
+    pub fn read(&mut self, offset: u64, length: u32) -> io::Result<Result<Vec<u8>, u32>> {
+        let cookie = self.send(nbd::Command::Read, 0, offset, length, &[])?;
+        let error = self.reply_to(cookie)?;
+        if error != nbd::NBD_SUCCESS {
+            return Ok(Err(error));
+        }
+        let mut data = vec![0u8; length as usize];
+        self.sock.read_exact(&mut data)?;
+        Ok(Ok(data))
+    }
+
+    /// `NBD_CMD_WRITE`: returns the reply's error (0 on success).
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> io::Result<u32> {
+        let cookie = self.send(nbd::Command::Write, 0, offset, data.len() as u32, data)?;
+        self.reply_to(cookie)
+    }
+
+    /// `NBD_CMD_DISC`, then close.
+    pub fn disconnect(mut self) {
+        let _ = self.send(nbd::Command::Disc, 0, 0, 0, &[]);
+    }
+}
+
+/// Deterministic non-zero test data: `len` bytes derived from `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            // xorshift64: cheap, and different seeds give different bytes.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8 | 1
+        })
+        .collect()
+}
+
+/// A fresh well-behaved client writes 4 KiB at `offset`, reads it back and
+/// compares, then disconnects: the server still serves after whatever the
+/// test did to it.
+pub fn assert_good_client_works(addr: SocketAddr, export: &str, offset: u64) {
+    let mut client = NbdClient::connect(addr, export).expect("a good client completes the handshake");
+    let data = pattern(offset ^ 0x5eed, 4096);
+    assert_eq!(client.write(offset, &data).expect("write"), nbd::NBD_SUCCESS, "good client's write");
+    let back = client.read(offset, 4096).expect("read").expect("good client's read");
+    assert!(back == data, "good client read back different data at {offset}");
+    client.disconnect();
+}
