@@ -109,7 +109,11 @@ impl Server {
     fn wait_until_connectable(&self) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if TcpStream::connect_timeout(&self.addr, IO_TIMEOUT).is_ok() {
+            if let Ok(mut probe) = TcpStream::connect_timeout(&self.addr, IO_TIMEOUT) {
+                // Take the greeting, so the probe ends with a clean close
+                // rather than a reset over unread bytes.
+                let _ = probe.set_read_timeout(Some(IO_TIMEOUT));
+                let _ = read_greeting(&mut probe);
                 return;
             }
             assert!(Instant::now() < deadline, "nothing accepts on {}", self.addr);
@@ -170,6 +174,19 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        self.stop();
+        // A failing test keeps the log for a look; a passing one cleans up.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("lull log kept in {}", self.stderr_path.display());
+        }
+    }
+}
+
+impl Server {
+    /// SIGTERM, a wait of up to [`STOP_TIMEOUT`], then SIGKILL.
+    fn stop(&mut self) {
         let pid = self.child.id().to_string();
         let _ = Command::new("kill")
             .args(["-TERM", &pid])
