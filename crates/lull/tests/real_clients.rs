@@ -185,6 +185,7 @@ fn fio_verify(server: &Server, iodepth: u32) {
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_fatal=1",
+        "--verify_state_save=0",
         "--output-format=json",
     ]));
     let text = String::from_utf8_lossy(&out.stdout);
