@@ -4,7 +4,11 @@
 //! listen = "127.0.0.1:10809"
 //! socket = "/run/lull/nbd.sock"   # optional Unix socket
 //! cores = "1"                      # reactor cores: "0,2-3"
-//! mode = "interrupt"               # poll | interrupt
+//! mode = "interrupt"               # poll | interrupt | hybrid | adaptive
+//! nvme_ioq_poll_period_us = 100    # hybrid mode's replica-connection poll
+//! # Longhorn's names are accepted as aliases:
+//! # data-engine-interrupt-mode-enabled = true   (true = interrupt, false = poll)
+//! # data-engine-nvme-ioq-poll-period-us = 100
 //!
 //! [[volume]]
 //! name = "vol0"
@@ -48,11 +52,13 @@ pub struct ServeSettings {
     pub socket: Option<PathBuf>,
     pub cores: Vec<usize>,
     pub mode: Mode,
+    pub ioq_poll_period_us: u64,
     pub volumes: Vec<VolumeSpec>,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
+pub const DEFAULT_MODE: Mode = Mode::Interrupt;
 
 /// The config file's shape. Unknown keys are errors: a typo must not be
 /// silently ignored.
@@ -63,6 +69,12 @@ pub struct ConfigFile {
     pub socket: Option<PathBuf>,
     pub cores: Option<String>,
     pub mode: Option<String>,
+    /// Longhorn's `data-engine-interrupt-mode-enabled`: true = interrupt,
+    /// false = poll.
+    #[serde(rename = "data-engine-interrupt-mode-enabled")]
+    pub interrupt_mode_enabled: Option<bool>,
+    #[serde(alias = "data-engine-nvme-ioq-poll-period-us")]
+    pub nvme_ioq_poll_period_us: Option<u64>,
     #[serde(default)]
     pub volume: Vec<VolumeTable>,
 }
@@ -89,6 +101,7 @@ pub struct Overrides {
     pub socket: Option<PathBuf>,
     pub cores: Option<String>,
     pub mode: Option<String>,
+    pub ioq_poll_period_us: Option<u64>,
     pub volumes: Vec<String>,
 }
 
@@ -202,7 +215,29 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
     if let Some(bad) = cores.iter().find(|c| !allowed_cpus.contains(c)) {
         return err(format!("core {bad} is not available to this process (allowed: {allowed_cpus:?})"));
     }
-    let mode = parse_mode(&flags.mode.or(file.mode).unwrap_or_else(|| "interrupt".into()))?;
+    let file_mode = match (file.mode.as_deref().map(parse_mode).transpose()?, file.interrupt_mode_enabled) {
+        (Some(m), Some(alias)) if (m == Mode::Interrupt) != alias || !matches!(m, Mode::Interrupt | Mode::Poll) => {
+            return err(format!(
+                "mode = {:?} contradicts data-engine-interrupt-mode-enabled = {alias}; set one of them",
+                m.as_str()
+            ))
+        }
+        (Some(m), _) => Some(m),
+        (None, Some(true)) => Some(Mode::Interrupt),
+        (None, Some(false)) => Some(Mode::Poll),
+        (None, None) => None,
+    };
+    let mode = match flags.mode {
+        Some(m) => parse_mode(&m)?,
+        None => file_mode.unwrap_or(DEFAULT_MODE),
+    };
+    let ioq_poll_period_us = flags
+        .ioq_poll_period_us
+        .or(file.nvme_ioq_poll_period_us)
+        .unwrap_or(lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US);
+    if ioq_poll_period_us == 0 {
+        return err("nvme_ioq_poll_period_us (data-engine-nvme-ioq-poll-period-us) must be at least 1");
+    }
     let volumes = if !flags.volumes.is_empty() {
         flags.volumes.iter().map(|v| parse_volume(v)).collect::<Result<Vec<_>, _>>()?
     } else if !file.volume.is_empty() {
@@ -217,7 +252,7 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
     if let Some(d) = volumes.iter().find(|v| !names.insert(v.name.clone())) {
         return err(format!("volume {:?} is defined twice", d.name));
     }
-    Ok(ServeSettings { listen, socket, cores, mode, volumes })
+    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes })
 }
 
 #[cfg(test)]
@@ -297,5 +332,25 @@ mod tests {
         assert!(e.unwrap_err().0.contains("twice"));
         let e = resolve(ConfigFile::default(), Overrides { mode: Some("turbo".into()), ..Default::default() }, &[0]);
         assert!(e.is_err());
+        let e = resolve(ConfigFile::default(), Overrides { ioq_poll_period_us: Some(0), ..Default::default() }, &[0]);
+        assert!(e.unwrap_err().0.contains("at least 1"));
+        let file = ConfigFile::parse("mode = \"poll\"\ndata-engine-interrupt-mode-enabled = true\n").unwrap();
+        assert!(resolve(file, Overrides::default(), &[0]).unwrap_err().0.contains("contradicts"));
+    }
+
+    #[test]
+    fn longhorn_aliases() {
+        let file = ConfigFile::parse(
+            "data-engine-interrupt-mode-enabled = false\ndata-engine-nvme-ioq-poll-period-us = 250\n",
+        )
+        .unwrap();
+        let s = resolve(file, Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.mode, Mode::Poll);
+        assert_eq!(s.ioq_poll_period_us, 250);
+        let file = ConfigFile::parse("data-engine-interrupt-mode-enabled = true\n").unwrap();
+        assert_eq!(resolve(file, Overrides::default(), &[0]).unwrap().mode, Mode::Interrupt);
+        let file = ConfigFile::parse("mode = \"hybrid\"\nnvme_ioq_poll_period_us = 10\n").unwrap();
+        let s = resolve(file, Overrides::default(), &[0]).unwrap();
+        assert_eq!((s.mode, s.ioq_poll_period_us), (Mode::Hybrid, 10));
     }
 }

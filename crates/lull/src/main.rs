@@ -44,9 +44,13 @@ struct ServeArgs {
     /// Reactor cores, e.g. "1" or "0,2-3" [default: the last core].
     #[arg(long, value_name = "LIST")]
     cores: Option<String>,
-    /// Event mode of the reactors: poll or interrupt [default: interrupt].
+    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive [default: interrupt].
     #[arg(long, value_name = "MODE")]
     mode: Option<String>,
+    /// Hybrid mode: how often replica connections are drained, in µs
+    /// (Longhorn's data-engine-nvme-ioq-poll-period-us) [default: 100].
+    #[arg(long = "nvme-ioq-poll-period-us", value_name = "US")]
+    ioq_poll_period_us: Option<u64>,
     /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default)
     /// or file=PATH[,direct]. Sizes take K/M/G/T (binary) suffixes.
     #[arg(long = "volume", value_name = "NAME:SIZE[:BACKEND]")]
@@ -92,6 +96,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         socket: args.socket,
         cores: args.cores,
         mode: args.mode,
+        ioq_poll_period_us: args.ioq_poll_period_us,
         volumes: args.volumes,
     };
     let allowed = lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
@@ -177,7 +182,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut fw = match Framework::start(FrameworkConfig { cores: s.cores.clone(), mode: s.mode, pin: true }) {
+    let mut fw = match Framework::start(FrameworkConfig { ioq_poll_period_us: s.ioq_poll_period_us, ..FrameworkConfig::new(s.cores.clone(), s.mode) }) {
         Ok(fw) => fw,
         Err(e) => {
             eprintln!("lull: error: cannot start reactors: {e}");

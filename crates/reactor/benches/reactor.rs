@@ -25,7 +25,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
     let (cores, pin) = cores();
-    let fw = Framework::start(FrameworkConfig { cores, mode, pin }).unwrap();
+    let fw = Framework::start(FrameworkConfig { cores, mode, pin, ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US }).unwrap();
     let h = fw.handle().clone();
     let a = h.spawn_thread(0, "a", |_| {}).unwrap();
     let b = h.spawn_thread(1, "b", |_| {}).unwrap();
@@ -54,7 +54,7 @@ fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
 
 fn empty_iteration_ns() -> f64 {
     let (cores, pin) = cores();
-    let fw = Framework::start(FrameworkConfig { cores: vec![cores[1]], mode: Mode::Poll, pin }).unwrap();
+    let fw = Framework::start(FrameworkConfig { pin, ..FrameworkConfig::new(vec![cores[1]], Mode::Poll) }).unwrap();
     let h = fw.handle().clone();
     h.spawn_thread(0, "empty", |_| {}).unwrap();
     std::thread::sleep(Duration::from_millis(100));

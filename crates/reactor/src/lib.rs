@@ -5,7 +5,7 @@
 //!
 //! ```ignore
 //! use lull_reactor::{Framework, FrameworkConfig, Mode, PollerKind, PollStatus};
-//! let fw = Framework::start(FrameworkConfig { cores: vec![1], mode: Mode::Interrupt, pin: true })?;
+//! let fw = Framework::start(FrameworkConfig::new(vec![1], Mode::Interrupt))?;
 //! let t = fw.handle().spawn_thread(0, "ticker", |t| {
 //!     t.register_poller("tick", PollerKind::every_us(1000), &[], Box::new(|_t, _now| PollStatus::Busy)).unwrap();
 //! })?;
@@ -25,10 +25,12 @@ pub mod sys;
 mod thread;
 
 pub use clock::{Clock, FakeClock, MonotonicClock};
-pub use reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats};
+pub use reactor::{
+    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, ADAPTIVE_SPIN_CAP_NS, DEFAULT_IOQ_POLL_PERIOD_US,
+};
 pub use sys::Interest;
 pub use thread::{
-    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
+    GapTracker, Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
     MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
 };
 

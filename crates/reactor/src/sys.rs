@@ -16,6 +16,8 @@ impl Interest {
     pub const READABLE: Interest = Interest { readable: true, writable: false };
     pub const WRITABLE: Interest = Interest { readable: false, writable: true };
     pub const BOTH: Interest = Interest { readable: true, writable: true };
+    /// Registered, but reporting nothing (errors and hang-ups still wake).
+    pub const NONE: Interest = Interest { readable: false, writable: false };
 
     fn events(self) -> u32 {
         let mut ev = 0;

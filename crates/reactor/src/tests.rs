@@ -178,3 +178,113 @@ fn ready_scope_runs_only_woken_pollers() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     t.check_invariants();
 }
+
+#[test]
+fn gap_tracker_averages_and_clamps() {
+    let mut g = crate::GapTracker::default();
+    assert_eq!(g.expected_gap_ns(), None);
+    g.event(1_000, 200_000); // no busy yet: no sample
+    g.busy(10_000);
+    g.event(30_000, 200_000);
+    assert_eq!(g.expected_gap_ns(), None, "one sample is not trusted");
+    g.busy(40_000);
+    g.event(60_000, 200_000);
+    assert_eq!(g.expected_gap_ns(), Some(20_000));
+    // A gap of seconds counts as the clamp, and a few short gaps bring the
+    // average back down.
+    g.busy(100_000);
+    g.event(5_000_000_000, 200_000);
+    assert_eq!(g.expected_gap_ns(), Some(20_000 - 5_000 + 50_000));
+    let mut t = 6_000_000_000u64;
+    for _ in 0..8 {
+        g.busy(t);
+        g.event(t + 10_000, 200_000);
+        t += 1_000_000;
+    }
+    assert!(g.expected_gap_ns().unwrap() < 20_000, "{:?}", g.expected_gap_ns());
+}
+
+/// A poller whose readiness the test controls through an eventfd.
+fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
+    use std::os::fd::AsRawFd;
+    let efd = Arc::new(crate::sys::EventFd::new().unwrap());
+    let e = efd.clone();
+    let id = t
+        .register_poller(
+            name,
+            PollerKind::Active,
+            &[(efd.as_raw_fd(), crate::Interest::READABLE)],
+            Box::new(move |_, _| if e.drain() { PollStatus::Busy } else { PollStatus::Idle }),
+        )
+        .unwrap();
+    (id, efd)
+}
+
+#[test]
+fn spin_window_is_decided_per_event_source() {
+    const CAP: u64 = crate::ADAPTIVE_SPIN_CAP_NS;
+    let clock = FakeClock::new(1);
+    let mut t = thread();
+    t.set_event_driven(true);
+    let (_fast, fast_fd) = evented(&mut t, "fast");
+    let (_slow, slow_fd) = evented(&mut t, "slow");
+    let mut now = 1_000u64;
+    assert_eq!(t.spin_window_ns(now, CAP), 0, "no history: sleep");
+    // The fast source gets an event 10 µs after each time it worked; the
+    // slow one every 5 ms.
+    for i in 0..20u64 {
+        fast_fd.notify();
+        if i % 4 == 0 {
+            slow_fd.notify();
+        }
+        t.poll(now, Scope::Ready, &clock);
+        now += 10_000;
+        if i % 4 == 3 {
+            now += 5_000_000;
+        }
+    }
+    // Last fast gap was 5 ms + 10 µs ... drive a few more fast-only events.
+    for _ in 0..8 {
+        fast_fd.notify();
+        t.poll(now, Scope::Ready, &clock);
+        now += 10_000;
+    }
+    let w = t.spin_window_ns(now, CAP);
+    assert!(w > 0 && w <= CAP, "the fast source keeps a spin window: {w}");
+    assert!(w >= 20_000, "about twice its 10 µs gap: {w}");
+
+    // A thread with only the slow source never spins.
+    let mut t2 = thread();
+    t2.set_event_driven(true);
+    let (_s, s_fd) = evented(&mut t2, "slow");
+    let mut now = 1_000u64;
+    for _ in 0..10 {
+        s_fd.notify();
+        t2.poll(now, Scope::Ready, &clock);
+        now += 5_000_000;
+    }
+    assert_eq!(t2.spin_window_ns(now, CAP), 0);
+    t.check_invariants();
+}
+
+#[test]
+fn hybrid_drains_initiators_on_a_period_not_on_their_fds() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    t.set_event_driven(true);
+    let (id, fd) = evented(&mut t, "replica");
+    t.mark_initiator(id).unwrap();
+    t.set_initiator_period(Some(100_000));
+    fd.notify();
+    // The period starts at the switch (now 0): due at once, then every 100 µs.
+    assert!(t.poll(0, Scope::Ready, &clock).is_busy());
+    fd.notify();
+    assert!(!t.poll(50_000, Scope::Ready, &clock).is_busy(), "its fd does not wake it in hybrid mode");
+    assert!(t.has_immediate_work(100_000));
+    assert!(t.poll(100_000, Scope::Ready, &clock).is_busy(), "drained by the periodic poll");
+    // Back to interrupt: the fd drives it again.
+    t.set_initiator_period(None);
+    fd.notify();
+    assert!(t.poll(110_000, Scope::Ready, &clock).is_busy());
+    t.check_invariants();
+}

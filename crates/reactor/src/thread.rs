@@ -42,6 +42,11 @@ pub const MSG_QUEUE_CAPACITY: usize = 65536;
 /// catches a registration leak long before it hurts the iteration time.
 pub const MAX_POLLERS_PER_THREAD: usize = 1024;
 
+/// Added to a source's predicted spin window: covers the jitter of a
+/// loopback round trip on a shared VM, so a gap a little longer than the
+/// average is still caught.
+const SPIN_SLACK_NS: u64 = 2_000;
+
 /// Epoll events taken per `epoll_wait` of a thread's own set.
 const THREAD_EVENT_BATCH: usize = 64;
 
@@ -283,8 +288,53 @@ struct PollerEntry {
     paused: bool,
     woken: bool,
     fds: Vec<(RawFd, Interest)>,
+    /// An initiator-side source (replica connections): in hybrid mode it is
+    /// drained by the thread's periodic initiator poll, not by its fds.
+    initiator: bool,
+    /// Event-gap tracking for the adaptive mode, per event source.
+    gap: GapTracker,
     /// `None` while the poller runs (it is out of its slot) .
     f: Option<PollFn>,
+}
+
+/// Gaps clamp at this multiple of the spin cap before they enter the
+/// average: a gap of seconds says only "long", and clamping lets the
+/// average come back within a few events when a burst starts.
+const GAP_CLAMP_FACTOR: u64 = 4;
+
+/// Samples a source needs before its average is trusted.
+const GAP_MIN_SAMPLES: u32 = 2;
+
+/// Observed gaps between the moment an event source last did work and its
+/// next event: an exponentially weighted average (weight 1/4, as TCP's RTT
+/// estimator), integer-only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GapTracker {
+    last_busy_ns: u64,
+    ewma_ns: u64,
+    samples: u32,
+}
+
+impl GapTracker {
+    /// The source did work at `now`.
+    pub fn busy(&mut self, now: u64) {
+        self.last_busy_ns = now;
+    }
+
+    /// The source's next event was seen at `now`.
+    pub fn event(&mut self, now: u64, clamp_ns: u64) {
+        if self.last_busy_ns == 0 {
+            return;
+        }
+        let gap = now.saturating_sub(self.last_busy_ns).min(clamp_ns);
+        self.ewma_ns = if self.samples == 0 { gap } else { self.ewma_ns - self.ewma_ns / 4 + gap / 4 };
+        self.samples = self.samples.saturating_add(1);
+    }
+
+    /// The average gap, once there are enough samples.
+    pub fn expected_gap_ns(&self) -> Option<u64> {
+        (self.samples >= GAP_MIN_SAMPLES).then_some(self.ewma_ns)
+    }
 }
 
 struct PollerSlot {
@@ -316,6 +366,11 @@ pub struct Thread {
     woken: usize,
     current: Option<PollerId>,
     event_driven: bool,
+    /// Hybrid mode: initiator pollers run every this many ns.
+    initiator_period_ns: Option<u64>,
+    next_initiator_ns: u64,
+    /// The adaptive mode's cap on spinning, for clamping gap samples.
+    spin_cap_ns: u64,
     exit_requested: bool,
     now_ns: u64,
     // Local accumulators, published to `shared.counters` after each iteration.
@@ -358,6 +413,9 @@ impl Thread {
             woken: 0,
             current: None,
             event_driven: false,
+            initiator_period_ns: None,
+            next_initiator_ns: 0,
+            spin_cap_ns: crate::reactor::ADAPTIVE_SPIN_CAP_NS,
             exit_requested: false,
             now_ns: 0,
             busy_ns: 0,
@@ -466,6 +524,8 @@ impl Thread {
             paused: false,
             woken: false,
             fds: fds.to_vec(),
+            initiator: false,
+            gap: GapTracker::default(),
             f: Some(f),
         });
         self.publish_poller_counts();
@@ -595,12 +655,104 @@ impl Thread {
     }
 
     fn next_deadline(&self) -> Option<u64> {
-        self.pollers
+        let timed = self
+            .pollers
             .iter()
             .filter_map(|s| s.entry.as_ref())
             .filter(|e| !e.paused && matches!(e.kind, PollerKind::Timed { .. }))
             .map(|e| e.next_ns)
-            .min()
+            .min();
+        let initiator = self.initiator_period_ns.filter(|_| self.has_initiators()).map(|_| self.next_initiator_ns);
+        match (timed, initiator) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn has_initiators(&self) -> bool {
+        self.pollers.iter().filter_map(|s| s.entry.as_ref()).any(|e| e.initiator && !e.paused)
+    }
+
+    /// Mark a poller as an initiator-side event source (a connection to a
+    /// replica). In hybrid mode such pollers are not woken by their fds but
+    /// drained every `nvme_ioq_poll_period_us`, as Longhorn's V2 engine does.
+    pub fn mark_initiator(&mut self, id: PollerId) -> Result<(), ReactorError> {
+        let hybrid = self.initiator_period_ns.is_some();
+        let token = id.token();
+        let Some(e) = self.entry_mut(id) else { return Err(ReactorError::NoSuchPoller) };
+        e.initiator = true;
+        let fds = e.fds.clone();
+        if hybrid {
+            for (fd, _) in fds {
+                self.epoll.modify(fd, Interest::NONE, token).map_err(ReactorError::Sys)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Enter or leave hybrid mode: initiator pollers stop (or resume)
+    /// waking the thread through their fds.
+    pub(crate) fn set_initiator_period(&mut self, period_ns: Option<u64>) {
+        if self.initiator_period_ns == period_ns {
+            return;
+        }
+        let was_hybrid = self.initiator_period_ns.is_some();
+        self.initiator_period_ns = period_ns;
+        self.next_initiator_ns = self.now_ns;
+        if was_hybrid == period_ns.is_some() {
+            return;
+        }
+        for (index, slot) in self.pollers.iter().enumerate() {
+            let Some(e) = slot.entry.as_ref() else { continue };
+            if !e.initiator {
+                continue;
+            }
+            let token = PollerId { index: index as u32, generation: slot.generation }.token();
+            for &(fd, interest) in &e.fds {
+                let want = if period_ns.is_some() { Interest::NONE } else { interest };
+                if let Err(err) = self.epoll.modify(fd, want, token) {
+                    tracing::error!(thread = %self.shared.name, fd, error = %err, "cannot change initiator fd interest");
+                }
+            }
+        }
+    }
+
+    pub(crate) fn set_spin_cap(&mut self, cap_ns: u64) {
+        self.spin_cap_ns = cap_ns;
+    }
+
+    /// How long the adaptive mode should spin before sleeping, for this
+    /// thread: the longest window any of its event sources predicts, where
+    /// a source predicts `2 × expected gap + slack` if its expected gap is
+    /// within `cap_ns`, and nothing otherwise. The decision is per source,
+    /// so a slow source (a far replica, a slow disk) never switches spinning
+    /// off for a fast one. A timed poller due within the cap counts too.
+    pub fn spin_window_ns(&self, now: u64, cap_ns: u64) -> u64 {
+        let mut window = 0;
+        for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
+            if e.paused {
+                continue;
+            }
+            match e.kind {
+                PollerKind::Active => {
+                    if e.initiator && self.initiator_period_ns.is_some() {
+                        continue;
+                    }
+                    if let Some(gap) = e.gap.expected_gap_ns() {
+                        if gap <= cap_ns {
+                            window = window.max((2 * gap + SPIN_SLACK_NS).min(cap_ns));
+                        }
+                    }
+                }
+                PollerKind::Timed { .. } => {
+                    let due = e.next_ns.saturating_sub(now);
+                    if due <= cap_ns {
+                        window = window.max(due);
+                    }
+                }
+            }
+        }
+        window
     }
 
     /// Active pollers that have no fd (they make event-driven mode impossible).
@@ -666,12 +818,18 @@ impl Thread {
         }
 
         if scope == Scope::Ready {
-            self.collect_ready();
+            self.collect_ready(now);
+        }
+        let initiators_due = scope == Scope::Ready
+            && self.initiator_period_ns.is_some()
+            && self.next_initiator_ns <= now;
+        if initiators_due {
+            self.next_initiator_ns = now.saturating_add(self.initiator_period_ns.unwrap_or(0));
         }
         for index in 0..self.pollers.len() {
             let run = match &mut self.pollers[index].entry {
                 Some(e) if e.kind == PollerKind::Active && !e.paused => {
-                    let run = scope == Scope::All || e.woken;
+                    let run = scope == Scope::All || e.woken || (initiators_due && e.initiator);
                     if e.woken {
                         e.woken = false;
                         self.woken -= 1;
@@ -705,8 +863,9 @@ impl Thread {
 
     /// Mark the pollers whose fds are ready as woken, and reset the doorbell
     /// and timer fds.
-    fn collect_ready(&mut self) {
+    fn collect_ready(&mut self, now: u64) {
         let n = self.epoll.wait(&mut self.events, 0).unwrap_or(0);
+        let clamp = self.spin_cap_ns.saturating_mul(GAP_CLAMP_FACTOR);
         for i in 0..n {
             let token = self.events[i].u64;
             match token {
@@ -717,6 +876,9 @@ impl Thread {
                 }
                 _ => {
                     let id = PollerId::from_token(token);
+                    if let Some(e) = self.entry_mut(id) {
+                        e.gap.event(now, clamp);
+                    }
                     self.wake_poller(id);
                 }
             }
@@ -732,6 +894,11 @@ impl Thread {
         let previous = self.current.replace(PollerId { index: index as u32, generation });
         let status = f(self, now);
         self.current = previous;
+        if status.is_busy() {
+            if let Some(e) = self.pollers.get_mut(index).filter(|s| s.generation == generation).and_then(|s| s.entry.as_mut()) {
+                e.gap.busy(now);
+            }
+        }
         // The poller may have unregistered itself (and its slot been reused).
         if let Some(slot) = self.pollers.get_mut(index) {
             if slot.generation == generation {

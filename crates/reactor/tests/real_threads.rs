@@ -19,7 +19,7 @@ fn framework(n: usize, mode: Mode) -> Framework {
     let cores = cores(n);
     let pin = cores.iter().collect::<std::collections::HashSet<_>>().len() == n;
     let cores = if pin { cores } else { (0..n).collect() };
-    Framework::start(FrameworkConfig { cores, mode, pin }).expect("framework")
+    Framework::start(FrameworkConfig { cores, mode, pin, ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US }).expect("framework")
 }
 
 /// CPU time (utime + stime) of one OS thread of this process, in ms.
@@ -74,8 +74,32 @@ fn ping_pong_in_interrupt_mode() {
 }
 
 #[test]
+fn ping_pong_in_hybrid_mode() {
+    ping_pong(Mode::Hybrid, 10_000);
+}
+
+#[test]
+fn ping_pong_in_adaptive_mode() {
+    ping_pong(Mode::Adaptive, 10_000);
+}
+
+#[test]
 fn idle_interrupt_reactor_sleeps() {
-    let fw = framework(1, Mode::Interrupt);
+    idle_reactor_sleeps(Mode::Interrupt);
+}
+
+#[test]
+fn idle_adaptive_reactor_sleeps() {
+    idle_reactor_sleeps(Mode::Adaptive);
+}
+
+#[test]
+fn idle_hybrid_reactor_sleeps() {
+    idle_reactor_sleeps(Mode::Hybrid);
+}
+
+fn idle_reactor_sleeps(mode: Mode) {
+    let fw = framework(1, mode);
     let h = fw.handle().clone();
     // A thread with an fd-backed poller and a slow timed poller: nothing to do.
     let efd = Arc::new(sys::EventFd::new().unwrap());
@@ -95,10 +119,11 @@ fn idle_interrupt_reactor_sleeps() {
     let before = thread_cpu_ms(tid);
     std::thread::sleep(Duration::from_secs(2));
     let after = thread_cpu_ms(tid);
-    assert!(after - before < 20, "idle interrupt-mode reactor used {} ms of CPU in 2 s", after - before);
+    assert!(after - before < 20, "idle {mode}-mode reactor used {} ms of CPU in 2 s", after - before);
     let r = &h.reactor_stats()[0];
     assert!(r.wakeups >= 3, "the timed poller woke it: {r:?}");
     assert!(r.interrupt_mode_enabled());
+    assert_eq!(r.mode, mode);
 }
 
 #[test]
@@ -179,11 +204,11 @@ fn mode_switching_under_a_message_storm_loses_nothing() {
         })
     };
     let start = Instant::now();
-    let mut mode = Mode::Poll;
+    let mut mode = 0;
     while count.load(Ordering::SeqCst) < MESSAGES {
         assert!(start.elapsed() < Duration::from_secs(120), "stuck at {}", count.load(Ordering::SeqCst));
-        h.set_mode(1, mode).unwrap();
-        mode = if mode == Mode::Poll { Mode::Interrupt } else { Mode::Poll };
+        h.set_mode(1, Mode::ALL[mode]).unwrap();
+        mode = (mode + 1) % Mode::ALL.len();
         std::thread::sleep(Duration::from_millis(1));
     }
     sender.join().unwrap();
