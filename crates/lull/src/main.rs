@@ -224,6 +224,20 @@ fn serve(args: ServeArgs) -> ExitCode {
     if left > 0 {
         tracing::warn!(connections = left, "connections still open after the shutdown timeout");
     }
+    for r in fw.handle().reactor_stats() {
+        tracing::info!(
+            reactor = r.index,
+            core = r.core,
+            mode = %r.mode,
+            busy_ms = r.busy_ns / 1_000_000,
+            idle_ms = r.idle_ns / 1_000_000,
+            wakeups = r.wakeups,
+            spins_with_work = r.spins_with_work,
+            spins_idle = r.spins_idle,
+            spin_ms = r.spin_ns / 1_000_000,
+            "reactor totals"
+        );
+    }
     fw.stop();
     let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {

@@ -614,6 +614,10 @@ impl Reactor {
         });
         if timeout == -1 {
             self.finish_sleep(n > 0);
+            let woke_at = self.clock_now();
+            for t in self.threads.iter_mut().flatten() {
+                t.note_wake(woke_at);
+            }
             let slept = self.clock_now().saturating_sub(now);
             self.idle_ns += slept;
         }

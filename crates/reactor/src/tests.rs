@@ -180,28 +180,34 @@ fn ready_scope_runs_only_woken_pollers() {
 }
 
 #[test]
-fn gap_tracker_averages_and_clamps() {
-    let mut g = crate::GapTracker::default();
-    assert_eq!(g.expected_gap_ns(), None);
-    g.event(1_000, 200_000); // no busy yet: no sample
-    g.busy(10_000);
-    g.event(30_000, 200_000);
-    assert_eq!(g.expected_gap_ns(), None, "one sample is not trusted");
-    g.busy(40_000);
-    g.event(60_000, 200_000);
-    assert_eq!(g.expected_gap_ns(), Some(20_000));
-    // A gap of seconds counts as the clamp, and a few short gaps bring the
-    // average back down.
-    g.busy(100_000);
-    g.event(5_000_000_000, 200_000);
-    assert_eq!(g.expected_gap_ns(), Some(20_000 - 5_000 + 50_000));
-    let mut t = 6_000_000_000u64;
-    for _ in 0..8 {
-        g.busy(t);
-        g.event(t + 10_000, 200_000);
-        t += 1_000_000;
+fn spin_window_grows_on_near_misses_and_shrinks_on_long_gaps() {
+    const CAP: u64 = crate::ADAPTIVE_SPIN_CAP_NS;
+    let mut w = crate::SpinWindow::default();
+    w.event(1_000, true, CAP);
+    assert_eq!(w.window_ns(), 0, "no work seen yet: nothing to learn");
+    let mut now = 10_000;
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        w.busy(now);
+        now += 40_000; // an event 40 µs later, after a sleep: a near miss
+        w.event(now, true, CAP);
+        seen.push(w.window_ns());
     }
-    assert!(g.expected_gap_ns().unwrap() < 20_000, "{:?}", g.expected_gap_ns());
+    assert_eq!(seen, vec![4_000, 8_000, 16_000, 32_000, CAP, CAP]);
+    // Caught while spinning: stays.
+    w.busy(now);
+    now += 30_000;
+    w.event(now, false, CAP);
+    assert_eq!(w.window_ns(), CAP);
+    // Long gaps halve it, down to nothing.
+    let mut seen = Vec::new();
+    for _ in 0..6 {
+        w.busy(now);
+        now += 5_000_000;
+        w.event(now, true, CAP);
+        seen.push(w.window_ns());
+    }
+    assert_eq!(seen, vec![25_000, 12_500, 6_250, 0, 0, 0]);
 }
 
 /// A poller whose readiness the test controls through an eventfd.
@@ -230,28 +236,21 @@ fn spin_window_is_decided_per_event_source() {
     let (_slow, slow_fd) = evented(&mut t, "slow");
     let mut now = 1_000u64;
     assert_eq!(t.spin_window_ns(now, CAP), 0, "no history: sleep");
-    // The fast source gets an event 10 µs after each time it worked; the
-    // slow one every 5 ms.
-    for i in 0..20u64 {
+    // Both sources wake a sleeping reactor: the fast one 30 µs after it
+    // last worked, the slow one every 5 ms (a slow disk).
+    for i in 0..40u64 {
+        t.note_wake(now);
         fast_fd.notify();
-        if i % 4 == 0 {
+        if i % 8 == 0 {
             slow_fd.notify();
         }
         t.poll(now, Scope::Ready, &clock);
-        now += 10_000;
-        if i % 4 == 3 {
+        now += 30_000;
+        if i % 8 == 7 {
             now += 5_000_000;
         }
     }
-    // Last fast gap was 5 ms + 10 µs ... drive a few more fast-only events.
-    for _ in 0..8 {
-        fast_fd.notify();
-        t.poll(now, Scope::Ready, &clock);
-        now += 10_000;
-    }
-    let w = t.spin_window_ns(now, CAP);
-    assert!(w > 0 && w <= CAP, "the fast source keeps a spin window: {w}");
-    assert!(w >= 20_000, "about twice its 10 µs gap: {w}");
+    assert_eq!(t.spin_window_ns(now, CAP), CAP, "the slow source does not switch spinning off for the fast one");
 
     // A thread with only the slow source never spins.
     let mut t2 = thread();
@@ -259,6 +258,7 @@ fn spin_window_is_decided_per_event_source() {
     let (_s, s_fd) = evented(&mut t2, "slow");
     let mut now = 1_000u64;
     for _ in 0..10 {
+        t2.note_wake(now);
         s_fd.notify();
         t2.poll(now, Scope::Ready, &clock);
         now += 5_000_000;

@@ -42,11 +42,6 @@ pub const MSG_QUEUE_CAPACITY: usize = 65536;
 /// catches a registration leak long before it hurts the iteration time.
 pub const MAX_POLLERS_PER_THREAD: usize = 1024;
 
-/// Added to a source's predicted spin window: covers the jitter of a
-/// loopback round trip on a shared VM, so a gap a little longer than the
-/// average is still caught.
-const SPIN_SLACK_NS: u64 = 2_000;
-
 /// Epoll events taken per `epoll_wait` of a thread's own set.
 const THREAD_EVENT_BATCH: usize = 64;
 
@@ -291,49 +286,73 @@ struct PollerEntry {
     /// An initiator-side source (replica connections): in hybrid mode it is
     /// drained by the thread's periodic initiator poll, not by its fds.
     initiator: bool,
-    /// Event-gap tracking for the adaptive mode, per event source.
-    gap: GapTracker,
+    /// The adaptive mode's spin window for this event source.
+    gap: SpinWindow,
     /// `None` while the poller runs (it is out of its slot) .
     f: Option<PollFn>,
 }
 
-/// Gaps clamp at this multiple of the spin cap before they enter the
-/// average: a gap of seconds says only "long", and clamping lets the
-/// average come back within a few events when a burst starts.
-const GAP_CLAMP_FACTOR: u64 = 4;
+/// After a sleep, an event's observed gap includes the wake-up latency
+/// (~30 µs on the VMs lull is measured on, with a longer tail), so a gap
+/// up to `cap + WAKE_ALLOWANCE_NS` is a near miss: a spin of the full cap
+/// would probably have caught it.
+pub const WAKE_ALLOWANCE_NS: u64 = 50_000;
 
-/// Samples a source needs before its average is trusted.
-const GAP_MIN_SAMPLES: u32 = 2;
+/// The smallest non-zero spin window (QEMU starts its window at 4 µs).
+pub const MIN_SPIN_WINDOW_NS: u64 = 4_000;
 
-/// Observed gaps between the moment an event source last did work and its
-/// next event: an exponentially weighted average (weight 1/4, as TCP's RTT
-/// estimator), integer-only.
+/// The adaptive mode's spin window for one event source, adapted the way
+/// QEMU adapts its poll-ns (grow on a near miss, shrink when events come
+/// much later) but kept per source, so that a slow source (a far replica,
+/// a slow disk) shrinks only its own window and never switches spinning
+/// off for a fast one (the problem QEMU met in 2025 with one window per
+/// AioContext).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GapTracker {
+pub struct SpinWindow {
     last_busy_ns: u64,
-    ewma_ns: u64,
-    samples: u32,
+    window_ns: u64,
 }
 
-impl GapTracker {
+impl SpinWindow {
     /// The source did work at `now`.
     pub fn busy(&mut self, now: u64) {
         self.last_busy_ns = now;
     }
 
-    /// The source's next event was seen at `now`.
-    pub fn event(&mut self, now: u64, clamp_ns: u64) {
+    /// The source's next event was seen at `now`; `slept` says whether the
+    /// reactor slept since the source last did work (so the event was not
+    /// caught by spinning).
+    pub fn event(&mut self, now: u64, slept: bool, cap_ns: u64) {
         if self.last_busy_ns == 0 {
             return;
         }
-        let gap = now.saturating_sub(self.last_busy_ns).min(clamp_ns);
-        self.ewma_ns = if self.samples == 0 { gap } else { self.ewma_ns - self.ewma_ns / 4 + gap / 4 };
-        self.samples = self.samples.saturating_add(1);
+        let gap = now.saturating_sub(self.last_busy_ns);
+        if !slept {
+            // Caught while spinning (or busy): the window works; keep it.
+            // Shrinking it here would make a busy source (many events per
+            // window) oscillate between spinning and sleeping; the price
+            // of keeping it is one spin of at most the cap when the source
+            // stops.
+            return;
+        } else if gap <= cap_ns + WAKE_ALLOWANCE_NS {
+            // A near miss: grow, as QEMU does, up to the cap.
+            self.window_ns = (self.window_ns * 2).clamp(MIN_SPIN_WINDOW_NS, cap_ns);
+        } else {
+            // The source is slow (or stopped): halve, and let go below the
+            // minimum.
+            self.window_ns /= 2;
+            if self.window_ns < MIN_SPIN_WINDOW_NS {
+                self.window_ns = 0;
+            }
+        }
     }
 
-    /// The average gap, once there are enough samples.
-    pub fn expected_gap_ns(&self) -> Option<u64> {
-        (self.samples >= GAP_MIN_SAMPLES).then_some(self.ewma_ns)
+    pub fn window_ns(&self) -> u64 {
+        self.window_ns
+    }
+
+    pub fn last_busy_ns(&self) -> u64 {
+        self.last_busy_ns
     }
 }
 
@@ -369,8 +388,10 @@ pub struct Thread {
     /// Hybrid mode: initiator pollers run every this many ns.
     initiator_period_ns: Option<u64>,
     next_initiator_ns: u64,
-    /// The adaptive mode's cap on spinning, for clamping gap samples.
+    /// The adaptive mode's cap on spinning.
     spin_cap_ns: u64,
+    /// When the reactor last woke from a sleep.
+    last_wake_ns: u64,
     exit_requested: bool,
     now_ns: u64,
     // Local accumulators, published to `shared.counters` after each iteration.
@@ -416,6 +437,7 @@ impl Thread {
             initiator_period_ns: None,
             next_initiator_ns: 0,
             spin_cap_ns: crate::reactor::ADAPTIVE_SPIN_CAP_NS,
+            last_wake_ns: 0,
             exit_requested: false,
             now_ns: 0,
             busy_ns: 0,
@@ -525,7 +547,7 @@ impl Thread {
             woken: false,
             fds: fds.to_vec(),
             initiator: false,
-            gap: GapTracker::default(),
+            gap: SpinWindow::default(),
             f: Some(f),
         });
         self.publish_poller_counts();
@@ -722,11 +744,9 @@ impl Thread {
     }
 
     /// How long the adaptive mode should spin before sleeping, for this
-    /// thread: the longest window any of its event sources predicts, where
-    /// a source predicts `2 × expected gap + slack` if its expected gap is
-    /// within `cap_ns`, and nothing otherwise. The decision is per source,
-    /// so a slow source (a far replica, a slow disk) never switches spinning
-    /// off for a fast one. A timed poller due within the cap counts too.
+    /// thread: the longest window of any of its event sources (see
+    /// [`SpinWindow`]), at most `cap_ns`. A timed poller due within the cap
+    /// counts too: spinning until it is cheaper than a timer wake-up.
     pub fn spin_window_ns(&self, now: u64, cap_ns: u64) -> u64 {
         let mut window = 0;
         for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
@@ -738,11 +758,7 @@ impl Thread {
                     if e.initiator && self.initiator_period_ns.is_some() {
                         continue;
                     }
-                    if let Some(gap) = e.gap.expected_gap_ns() {
-                        if gap <= cap_ns {
-                            window = window.max((2 * gap + SPIN_SLACK_NS).min(cap_ns));
-                        }
-                    }
+                    window = window.max(e.gap.window_ns().min(cap_ns));
                 }
                 PollerKind::Timed { .. } => {
                     let due = e.next_ns.saturating_sub(now);
@@ -793,6 +809,12 @@ impl Thread {
         if woke {
             self.wakeups += 1;
         }
+    }
+
+    /// The reactor woke from a sleep at `now`: events seen from here on were
+    /// not caught by spinning.
+    pub(crate) fn note_wake(&mut self, now: u64) {
+        self.last_wake_ns = now;
     }
 
     /// One iteration: up to `MSG_BATCH` messages, then the active pollers in
@@ -865,7 +887,7 @@ impl Thread {
     /// and timer fds.
     fn collect_ready(&mut self, now: u64) {
         let n = self.epoll.wait(&mut self.events, 0).unwrap_or(0);
-        let clamp = self.spin_cap_ns.saturating_mul(GAP_CLAMP_FACTOR);
+        let (cap, last_wake) = (self.spin_cap_ns, self.last_wake_ns);
         for i in 0..n {
             let token = self.events[i].u64;
             match token {
@@ -877,7 +899,8 @@ impl Thread {
                 _ => {
                     let id = PollerId::from_token(token);
                     if let Some(e) = self.entry_mut(id) {
-                        e.gap.event(now, clamp);
+                        let slept = last_wake > e.gap.last_busy_ns();
+                        e.gap.event(now, slept, cap);
                     }
                     self.wake_poller(id);
                 }
