@@ -17,9 +17,10 @@ use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
-use lull_reactor::{Interest, PollStatus, PollerId, Thread};
+use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
 
 use crate::stream::Stream;
+use crate::stats::OpKind;
 use crate::{ServerShared, Volume};
 
 /// Requests in flight per connection. Bounds the slot table, the buffers a
@@ -69,6 +70,10 @@ impl OutItem {
 struct InFlight {
     cookie: u64,
     command: Command,
+    length: u32,
+    /// The iteration time at which the request was taken (time is an
+    /// argument: the connection never reads a clock).
+    start_ns: u64,
 }
 
 enum Recv {
@@ -111,9 +116,23 @@ pub(crate) struct Conn {
     channel_fd_added: bool,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
+    /// `now` of the current poller run.
+    now_ns: u64,
+    /// The framework's clock, read when a request starts and completes
+    /// for the latency histogram (the iteration's `now` is too coarse:
+    /// a memory volume completes within one iteration).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl Conn {
+    pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
+        self.clock = Some(clock);
+    }
+
+    fn clock_ns(&self) -> u64 {
+        self.clock.as_ref().map_or(self.now_ns, |c| c.now_ns())
+    }
+
     pub(crate) fn new(stream: Stream, server: Arc<ServerShared>) -> Conn {
         let mut greeting = Vec::new();
         let hs = ServerHandshake::new(&mut greeting);
@@ -143,6 +162,8 @@ impl Conn {
             interest: Interest::BOTH,
             channel_fd_added: false,
             completions: Vec::with_capacity(MAX_IN_FLIGHT),
+            now_ns: 0,
+            clock: None,
         }
     }
 
@@ -173,7 +194,8 @@ impl Conn {
     }
 
     /// The poller body. Returns Busy when anything moved.
-    pub(crate) fn poll(&mut self, t: &mut Thread, deadline_passed: bool) -> PollStatus {
+    pub(crate) fn poll(&mut self, t: &mut Thread, now: u64, deadline_passed: bool) -> PollStatus {
+        self.now_ns = now;
         let mut status = PollStatus::Idle;
         if deadline_passed && self.handshake_timed_out() {
             self.close("handshake timed out");
@@ -260,6 +282,20 @@ impl Conn {
             return;
         };
         self.free.push(slot as u32);
+        if let Phase::Transmission { volume, .. } = &self.phase {
+            let op = match inflight.command {
+                Command::Read => Some(OpKind::Read),
+                Command::Write => Some(OpKind::Write),
+                Command::Flush => Some(OpKind::Flush),
+                Command::Trim => Some(OpKind::Trim),
+                Command::WriteZeroes => Some(OpKind::WriteZeroes),
+                Command::Disc | Command::Unknown(_) => None,
+            };
+            if let Some(op) = op {
+                let latency = self.clock_ns().saturating_sub(inflight.start_ns);
+                volume.stats.record(op, u64::from(inflight.length), latency, c.result.is_ok());
+            }
+        }
         let (error, data) = match c.result {
             Ok(()) if inflight.command == Command::Read => (0, c.buf),
             Ok(()) => {
@@ -624,7 +660,8 @@ impl Conn {
             debug_assert!(false, "take_request checked for a free slot");
             return;
         };
-        self.slots[slot as usize] = Some(InFlight { cookie: req.cookie, command: req.command });
+        self.slots[slot as usize] =
+            Some(InFlight { cookie: req.cookie, command: req.command, length: req.length, start_ns: self.clock_ns() });
         match op {
             IoOp::Read => {
                 let buf = self.pool.get(req.length as usize);

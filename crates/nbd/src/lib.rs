@@ -14,6 +14,7 @@
 //! owns the socket and the connection's device channel.
 
 mod conn;
+mod stats;
 mod stream;
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ use lull_proto::nbd::{self, ExportInfo, Exports};
 use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
+pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
 
 use crate::conn::Conn;
 use crate::stream::Stream;
@@ -78,11 +80,12 @@ pub enum NbdError {
 pub struct Volume {
     pub name: String,
     pub dev: Arc<dyn BlockDevice>,
+    pub stats: VolumeStats,
 }
 
 impl Volume {
     pub fn new(name: &str, dev: Arc<dyn BlockDevice>) -> Volume {
-        Volume { name: name.to_string(), dev }
+        Volume { name: name.to_string(), dev, stats: VolumeStats::default() }
     }
 }
 
@@ -405,6 +408,9 @@ fn spawn_connection(t: &mut Thread, stream: Stream, server: &Arc<ServerShared>) 
 fn start_connection(t: &mut Thread, stream: Stream, server: Arc<ServerShared>) {
     let registration = ConnRegistration { server: server.clone(), thread_id: t.id() };
     let mut conn = Conn::new(stream, server.clone());
+    if let Some(fw) = t.framework() {
+        conn.set_clock(fw.clock());
+    }
     let fd = conn.fd();
     let peer = conn.peer().to_string();
     let handshake_done = conn.handshake_done.clone();
@@ -414,9 +420,9 @@ fn start_connection(t: &mut Thread, stream: Stream, server: Arc<ServerShared>) {
         "nbd-conn",
         PollerKind::Active,
         &[(fd, Interest::BOTH)],
-        Box::new(move |t, _now| {
+        Box::new(move |t, now| {
             let _keep = &registration;
-            conn.poll(t, expired.load(Ordering::Relaxed))
+            conn.poll(t, now, expired.load(Ordering::Relaxed))
         }),
     );
     let id = match poller {

@@ -235,8 +235,8 @@ impl FrameworkHandle {
         self.shared.reactors.len()
     }
 
-    pub fn clock(&self) -> &dyn Clock {
-        &*self.shared.clock
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.shared.clock.clone()
     }
 
     /// Create a lull thread on reactor `reactor`; `init` is its first message.
