@@ -36,3 +36,35 @@ pub fn dio_alignment(fd: BorrowedFd<'_>) -> Option<DioAlign> {
         offset_bytes: stx.stx_dio_offset_align,
     })
 }
+
+/// The first allocated (data) range of `file` at or after `offset`, from
+/// `lseek(SEEK_DATA)` then `lseek(SEEK_HOLE)`: `Some((data_start,
+/// hole_start))`, or `None` when there is no data at or after `offset`.
+///
+/// Both calls are non-sleeping metadata lookups on a local file. They move
+/// the descriptor's file offset, which lull never uses (its I/O passes
+/// explicit offsets), and each call returns its own result, so concurrent
+/// callers sharing one `File` still get correct answers. A filesystem
+/// without hole tracking reports the whole file as data.
+pub fn seek_data_hole(file: &std::fs::File, offset: u64) -> std::io::Result<Option<(u64, u64)>> {
+    let Ok(start) = libc::off_t::try_from(offset) else {
+        return Ok(None);
+    };
+    let fd = file.as_raw_fd();
+    // SAFETY: lseek takes no pointers; `fd` is open for the borrow of `file`.
+    let data = unsafe { libc::lseek(fd, start, libc::SEEK_DATA) };
+    if data < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENXIO) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+    if hole < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // Both are non-negative offsets returned by the kernel.
+    Ok(Some((data as u64, hole as u64)))
+}

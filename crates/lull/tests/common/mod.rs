@@ -429,3 +429,20 @@ pub fn assert_good_client_works(addr: SocketAddr, export: &str, offset: u64) {
     assert!(back == data, "good client read back different data at {offset}");
     client.disconnect();
 }
+
+impl Server {
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// CPU time (utime + stime, all threads) of a process, in clock ticks
+/// (USER_HZ, 100 per second on Linux).
+pub fn process_cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
+    // The command name may hold spaces and parentheses: fields start after
+    // the last ')'.
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("stat comm") + 2..].split_whitespace().collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}

@@ -1,0 +1,734 @@
+//! The replica wire protocol (engine ↔ replica) as a pure codec: fixed
+//! 32-byte frame headers, the HELLO record and EXTENTS lists. No sockets;
+//! `lull-replica` (server) and `lull-engine` (client) own the I/O.
+//!
+//! Every frame is a [`HEADER_LEN`]-byte header, big-endian:
+//!
+//! ```text
+//! magic u32 "LULR" | version u16 | kind u16 | id u64 | offset u64 | length u32 | status u32
+//! ```
+//!
+//! followed by [`payload_len`] bytes. A reply has the request's kind with
+//! [`REPLY_FLAG`] set and the request's id; replies may come out of order.
+//! `status` is 0 in requests and 0 or a positive errno in replies.
+//!
+//! | kind | request payload | reply (status 0) payload | reply `offset` / `length` |
+//! | --- | --- | --- | --- |
+//! | HELLO | [`Hello`] ([`HELLO_LEN`]) | [`Hello`] (also on error) | 0 / `HELLO_LEN` |
+//! | READ | none (`length` ≤ [`MAX_IO_BYTES`] to read) | `length` bytes of data | echo |
+//! | WRITE, WRITE_FUA | `length` ≤ `MAX_IO_BYTES` bytes | none | echo |
+//! | FLUSH, PING | none (`length` 0) | none | 0 / 0 |
+//! | TRIM, WRITE_ZEROES | none (`length` = range) | none | echo |
+//! | EXTENTS | none (`length` = range to scan) | `length` bytes = N × 16 | **scan end** / `16 × N` |
+//!
+//! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
+//! caller continues from there until it reaches the end of its range. The
+//! payload is N records of (offset u64, length u64), sorted, non-empty,
+//! non-overlapping, N ≤ [`MAX_EXTENTS_PER_REPLY`].
+//!
+//! Error replies (status ≠ 0) carry no payload, except HELLO replies,
+//! which always carry the replica's [`Hello`] so a mismatch can be logged.
+//!
+//! # Worked example
+//!
+//! ```
+//! use lull_proto::replica::{self, Header, Hello, Kind};
+//!
+//! // The engine attaches: HELLO with its volume size and new generation.
+//! let hello = Hello { volume_size: 1 << 30, generation: 7, flags: replica::HELLO_FLAG_ATTACH };
+//! let request = Header::request(Kind::Hello, 1, 0, replica::HELLO_LEN as u32);
+//! let mut wire = [0u8; replica::HEADER_LEN];
+//! replica::encode_header(&request, &mut wire).unwrap();
+//! let mut frame = wire.to_vec();
+//! frame.extend_from_slice(&replica::encode_hello(&hello));
+//!
+//! // The replica decodes the header, then reads `payload_len` more bytes.
+//! let (head, rest) = frame.split_first_chunk::<{ replica::HEADER_LEN }>().unwrap();
+//! let got = replica::decode_header(head).unwrap();
+//! assert_eq!(got, request);
+//! assert_eq!(replica::payload_len(&got), rest.len());
+//! assert_eq!(replica::decode_hello(rest).unwrap(), hello);
+//!
+//! // A READ of 4 KiB, answered with the data.
+//! let read = Header::request(Kind::Read, 2, 4096, 4096);
+//! assert_eq!(replica::payload_len(&read), 0);
+//! let reply = read.reply_with(0);
+//! assert!(reply.reply && reply.id == 2);
+//! assert_eq!(replica::payload_len(&reply), 4096);
+//! ```
+
+use thiserror::Error;
+
+/// "LULR": opens every frame, so a stray connection (an NBD client, a
+/// port scanner) is recognised at its first four bytes.
+pub const MAGIC: u32 = 0x4C55_4C52;
+/// Protocol version carried in every header; a peer with another version
+/// is refused at HELLO (EPROTO) rather than misparsed later.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
+pub const HEADER_LEN: usize = 32;
+/// Bytes in the HELLO / HELLO_REPLY payload: four u64 (the last reserved),
+/// fixed so both sides can read it without a length-prefixed parser.
+pub const HELLO_LEN: usize = 32;
+/// Bytes in one EXTENTS record: (offset u64, length u64).
+pub const EXTENT_LEN: usize = 16;
+/// Largest READ or WRITE payload in one frame. 32 MiB matches the NBD
+/// frontend's payload cap, so one NBD request maps to one replica request,
+/// and it bounds the receive buffer a peer can make us allocate.
+pub const MAX_IO_BYTES: u32 = 32 << 20;
+/// Most extents in one EXTENTS reply. 256 records are 4 KiB of payload and
+/// at most ~512 `lseek` calls on the replica, which keeps one request's
+/// inline work on the reactor short; callers continue from the scan end.
+pub const MAX_EXTENTS_PER_REPLY: usize = 256;
+/// Largest EXTENTS reply payload.
+pub const MAX_EXTENTS_BYTES: u32 = (MAX_EXTENTS_PER_REPLY * EXTENT_LEN) as u32;
+/// Set in `kind` on every reply.
+pub const REPLY_FLAG: u16 = 0x8000;
+
+/// HELLO request flag: the sender is the engine attaching to the volume;
+/// the replica marks itself dirty and persists `generation` if higher.
+pub const HELLO_FLAG_ATTACH: u64 = 1 << 0;
+/// HELLO reply flag: the replica was shut down cleanly before this start.
+pub const HELLO_FLAG_CLEAN: u64 = 1 << 0;
+
+pub const KIND_HELLO: u16 = 1;
+pub const KIND_READ: u16 = 2;
+pub const KIND_WRITE: u16 = 3;
+pub const KIND_WRITE_FUA: u16 = 4;
+pub const KIND_FLUSH: u16 = 5;
+pub const KIND_TRIM: u16 = 6;
+pub const KIND_WRITE_ZEROES: u16 = 7;
+pub const KIND_PING: u16 = 8;
+pub const KIND_EXTENTS: u16 = 9;
+
+const _: () = assert!(4 + 2 + 2 + 8 + 8 + 4 + 4 == HEADER_LEN);
+const _: () = assert!(4 * 8 == HELLO_LEN);
+
+/// A request kind (replies use the same kind with `Header::reply` set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Hello,
+    Read,
+    Write,
+    WriteFua,
+    Flush,
+    Trim,
+    WriteZeroes,
+    Ping,
+    Extents,
+}
+
+impl Kind {
+    /// Every kind, for tests and tables.
+    pub const ALL: [Kind; 9] = [
+        Kind::Hello,
+        Kind::Read,
+        Kind::Write,
+        Kind::WriteFua,
+        Kind::Flush,
+        Kind::Trim,
+        Kind::WriteZeroes,
+        Kind::Ping,
+        Kind::Extents,
+    ];
+
+    /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
+    pub fn from_wire(code: u16) -> Option<Kind> {
+        Some(match code {
+            KIND_HELLO => Kind::Hello,
+            KIND_READ => Kind::Read,
+            KIND_WRITE => Kind::Write,
+            KIND_WRITE_FUA => Kind::WriteFua,
+            KIND_FLUSH => Kind::Flush,
+            KIND_TRIM => Kind::Trim,
+            KIND_WRITE_ZEROES => Kind::WriteZeroes,
+            KIND_PING => Kind::Ping,
+            KIND_EXTENTS => Kind::Extents,
+            _ => return None,
+        })
+    }
+
+    /// The wire code without [`REPLY_FLAG`].
+    pub fn to_wire(self) -> u16 {
+        match self {
+            Kind::Hello => KIND_HELLO,
+            Kind::Read => KIND_READ,
+            Kind::Write => KIND_WRITE,
+            Kind::WriteFua => KIND_WRITE_FUA,
+            Kind::Flush => KIND_FLUSH,
+            Kind::Trim => KIND_TRIM,
+            Kind::WriteZeroes => KIND_WRITE_ZEROES,
+            Kind::Ping => KIND_PING,
+            Kind::Extents => KIND_EXTENTS,
+        }
+    }
+
+    /// Kinds whose request carries a `length`-byte payload.
+    pub fn is_write(self) -> bool {
+        matches!(self, Kind::Write | Kind::WriteFua)
+    }
+}
+
+/// A decoded frame header. Valid by construction when it came from
+/// [`decode_header`]; [`encode_header`] checks the same limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    /// True for replies (`kind | REPLY_FLAG` on the wire).
+    pub reply: bool,
+    /// Chosen by the requester, echoed in the reply.
+    pub id: u64,
+    pub offset: u64,
+    pub length: u32,
+    /// 0 in requests; 0 or a positive errno in replies.
+    pub status: u32,
+}
+
+impl Header {
+    /// A request header (status 0).
+    pub fn request(kind: Kind, id: u64, offset: u64, length: u32) -> Header {
+        Header {
+            kind,
+            reply: false,
+            id,
+            offset,
+            length,
+            status: 0,
+        }
+    }
+
+    /// The reply to this request with `status`, echoing offset and length
+    /// where the table in the module docs says so. Callers adjust
+    /// `offset`/`length` for EXTENTS replies (scan end, payload bytes).
+    pub fn reply_with(&self, status: u32) -> Header {
+        let (offset, length) = match self.kind {
+            Kind::Hello => (0, HELLO_LEN as u32),
+            Kind::Flush | Kind::Ping => (0, 0),
+            Kind::Extents => (self.offset, 0),
+            Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes => {
+                (self.offset, self.length)
+            }
+        };
+        Header {
+            kind: self.kind,
+            reply: true,
+            id: self.id,
+            offset,
+            length,
+            status,
+        }
+    }
+}
+
+/// The HELLO / HELLO_REPLY payload. The fourth u64 is reserved: sent as
+/// zero, ignored on receipt so a later version may use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    pub volume_size: u64,
+    pub generation: u64,
+    /// Request: [`HELLO_FLAG_ATTACH`]. Reply: [`HELLO_FLAG_CLEAN`].
+    pub flags: u64,
+}
+
+/// A frame that cannot be accepted. Header errors mean the stream is out of
+/// sync or from a foreign peer: the receiver closes the connection.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FrameError {
+    #[error("frame magic {0:#010x} is not LULR")]
+    BadMagic(u32),
+    #[error("protocol version {0}, expected {PROTOCOL_VERSION}")]
+    BadVersion(u16),
+    #[error("unknown frame kind {0:#06x}")]
+    UnknownKind(u16),
+    #[error("{kind:?} frame length {length} exceeds its limit")]
+    TooLong { kind: Kind, length: u32 },
+    #[error("bad payload: {0}")]
+    BadPayload(&'static str),
+}
+
+impl FrameError {
+    /// The errno that best describes the error, for logs, counters and the
+    /// `status` of a refusal.
+    pub fn errno(&self) -> i32 {
+        match self {
+            FrameError::BadMagic(_)
+            | FrameError::BadVersion(_)
+            | FrameError::UnknownKind(_)
+            | FrameError::BadPayload(_) => libc::EPROTO,
+            FrameError::TooLong { .. } => libc::EMSGSIZE,
+        }
+    }
+}
+
+/// The id field of a raw header, readable even when [`decode_header`]
+/// refuses it (to address a HELLO refusal for a wrong version).
+pub fn raw_id(buf: &[u8; HEADER_LEN]) -> u64 {
+    u64::from_be_bytes(field(buf, 8))
+}
+
+fn field<const N: usize>(buf: &[u8; HEADER_LEN], at: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    out.copy_from_slice(&buf[at..at + N]);
+    out
+}
+
+/// The limits every header obeys, on encode and decode alike.
+fn check(h: &Header) -> Result<(), FrameError> {
+    if !h.reply && h.status != 0 {
+        return Err(FrameError::BadPayload("request status must be 0"));
+    }
+    let too_long = |limit: u32| {
+        if h.length > limit {
+            Err(FrameError::TooLong {
+                kind: h.kind,
+                length: h.length,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    match h.kind {
+        Kind::Hello => {
+            if h.length as usize != HELLO_LEN {
+                return Err(FrameError::BadPayload("HELLO length must be HELLO_LEN"));
+            }
+        }
+        Kind::Read | Kind::Write | Kind::WriteFua => too_long(MAX_IO_BYTES)?,
+        Kind::Flush | Kind::Ping => too_long(0)?,
+        // The length is a range on the volume, not a payload; u32 bounds it.
+        Kind::Trim | Kind::WriteZeroes => {}
+        Kind::Extents => {
+            if h.reply {
+                too_long(MAX_EXTENTS_BYTES)?;
+                if !(h.length as usize).is_multiple_of(EXTENT_LEN) {
+                    return Err(FrameError::BadPayload(
+                        "EXTENTS reply length not a multiple of 16",
+                    ));
+                }
+                if h.status != 0 && h.length != 0 {
+                    return Err(FrameError::BadPayload(
+                        "EXTENTS error reply carries extents",
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decodes and checks a header: magic, version, kind and the length limit
+/// of its kind. Any error means the connection must close.
+pub fn decode_header(buf: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
+    let magic = u32::from_be_bytes(field(buf, 0));
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    let version = u16::from_be_bytes(field(buf, 4));
+    if version != PROTOCOL_VERSION {
+        return Err(FrameError::BadVersion(version));
+    }
+    let code = u16::from_be_bytes(field(buf, 6));
+    let kind = Kind::from_wire(code & !REPLY_FLAG).ok_or(FrameError::UnknownKind(code))?;
+    let header = Header {
+        kind,
+        reply: code & REPLY_FLAG != 0,
+        id: u64::from_be_bytes(field(buf, 8)),
+        offset: u64::from_be_bytes(field(buf, 16)),
+        length: u32::from_be_bytes(field(buf, 24)),
+        status: u32::from_be_bytes(field(buf, 28)),
+    };
+    check(&header)?;
+    Ok(header)
+}
+
+/// Encodes a header after checking the same limits as [`decode_header`],
+/// so a peer never receives a frame it would refuse.
+pub fn encode_header(h: &Header, out: &mut [u8; HEADER_LEN]) -> Result<(), FrameError> {
+    check(h)?;
+    let code = h.kind.to_wire() | if h.reply { REPLY_FLAG } else { 0 };
+    out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+    out[4..6].copy_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    out[6..8].copy_from_slice(&code.to_be_bytes());
+    out[8..16].copy_from_slice(&h.id.to_be_bytes());
+    out[16..24].copy_from_slice(&h.offset.to_be_bytes());
+    out[24..28].copy_from_slice(&h.length.to_be_bytes());
+    out[28..32].copy_from_slice(&h.status.to_be_bytes());
+    Ok(())
+}
+
+/// Encodes a HELLO reply header that refuses a peer whose header could not
+/// be decoded (wrong version): kind HELLO|REPLY, this side's version.
+pub fn encode_refusal(id: u64, status: u32, out: &mut [u8; HEADER_LEN]) {
+    let h = Header {
+        kind: Kind::Hello,
+        reply: true,
+        id,
+        offset: 0,
+        length: HELLO_LEN as u32,
+        status,
+    };
+    // A HELLO reply of HELLO_LEN always passes `check`.
+    let _ = encode_header(&h, out);
+}
+
+/// Bytes that follow this header on the wire. Only meaningful for headers
+/// that passed [`decode_header`] / [`encode_header`].
+pub fn payload_len(h: &Header) -> usize {
+    let length = h.length as usize;
+    match (h.kind, h.reply) {
+        (Kind::Hello, _) => HELLO_LEN,
+        (Kind::Write | Kind::WriteFua, false) => length,
+        (Kind::Read | Kind::Extents, true) if h.status == 0 => length,
+        _ => 0,
+    }
+}
+
+/// Encodes a HELLO payload (reserved word zero).
+pub fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
+    let mut out = [0u8; HELLO_LEN];
+    out[0..8].copy_from_slice(&h.volume_size.to_be_bytes());
+    out[8..16].copy_from_slice(&h.generation.to_be_bytes());
+    out[16..24].copy_from_slice(&h.flags.to_be_bytes());
+    out
+}
+
+/// Decodes a HELLO payload; it must be exactly [`HELLO_LEN`] bytes.
+pub fn decode_hello(b: &[u8]) -> Result<Hello, FrameError> {
+    let Some(b) = b
+        .first_chunk::<HELLO_LEN>()
+        .filter(|_| b.len() == HELLO_LEN)
+    else {
+        return Err(FrameError::BadPayload(
+            "HELLO payload is not HELLO_LEN bytes",
+        ));
+    };
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i * 8..i * 8 + 8]);
+        u64::from_be_bytes(w)
+    };
+    Ok(Hello {
+        volume_size: word(0),
+        generation: word(1),
+        flags: word(2),
+    })
+}
+
+/// Extents must be non-empty, sorted, non-overlapping, free of overflow
+/// and at most [`MAX_EXTENTS_PER_REPLY`]; checked on both sides.
+fn check_extents(ext: &[(u64, u64)]) -> Result<(), FrameError> {
+    if ext.len() > MAX_EXTENTS_PER_REPLY {
+        let length = u32::try_from(ext.len().saturating_mul(EXTENT_LEN)).unwrap_or(u32::MAX);
+        return Err(FrameError::TooLong {
+            kind: Kind::Extents,
+            length,
+        });
+    }
+    let mut floor = 0u64;
+    for &(offset, length) in ext {
+        if length == 0 {
+            return Err(FrameError::BadPayload("empty extent"));
+        }
+        if offset < floor {
+            return Err(FrameError::BadPayload("extents unsorted or overlapping"));
+        }
+        floor = offset
+            .checked_add(length)
+            .ok_or(FrameError::BadPayload("extent end overflows"))?;
+    }
+    Ok(())
+}
+
+/// Appends an EXTENTS reply payload (`16 × ext.len()` bytes) to `out`.
+pub fn encode_extents(ext: &[(u64, u64)], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    check_extents(ext)?;
+    out.reserve(ext.len() * EXTENT_LEN);
+    for &(offset, length) in ext {
+        out.extend_from_slice(&offset.to_be_bytes());
+        out.extend_from_slice(&length.to_be_bytes());
+    }
+    Ok(())
+}
+
+/// Decodes an EXTENTS reply payload.
+pub fn decode_extents(b: &[u8]) -> Result<Vec<(u64, u64)>, FrameError> {
+    if b.len() > MAX_EXTENTS_BYTES as usize {
+        let length = u32::try_from(b.len()).unwrap_or(u32::MAX);
+        return Err(FrameError::TooLong {
+            kind: Kind::Extents,
+            length,
+        });
+    }
+    if !b.len().is_multiple_of(EXTENT_LEN) {
+        return Err(FrameError::BadPayload(
+            "EXTENTS payload not a multiple of 16",
+        ));
+    }
+    let ext: Vec<(u64, u64)> = b
+        .chunks_exact(EXTENT_LEN)
+        .map(|rec| {
+            let mut o = [0u8; 8];
+            let mut l = [0u8; 8];
+            o.copy_from_slice(&rec[..8]);
+            l.copy_from_slice(&rec[8..]);
+            (u64::from_be_bytes(o), u64::from_be_bytes(l))
+        })
+        .collect();
+    check_extents(&ext)?;
+    Ok(ext)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn enc(h: &Header) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        encode_header(h, &mut b).unwrap();
+        b
+    }
+
+    #[test]
+    fn layout_is_big_endian() {
+        let h = Header {
+            kind: Kind::Write,
+            reply: false,
+            id: 0x0102_0304_0506_0708,
+            offset: 0x1112_1314_1516_1718,
+            length: 0x2122,
+            status: 0,
+        };
+        let b = enc(&h);
+        assert_eq!(&b[0..4], b"LULR");
+        assert_eq!(&b[4..8], &[0, 1, 0, 3]);
+        assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(
+            &b[16..24],
+            &[0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18]
+        );
+        assert_eq!(&b[24..32], &[0, 0, 0x21, 0x22, 0, 0, 0, 0]);
+        assert_eq!(decode_header(&b).unwrap(), h);
+        assert_eq!(raw_id(&b), h.id);
+        assert_eq!(payload_len(&h), 0x2122);
+    }
+
+    #[test]
+    fn reply_flag() {
+        let h = Header::request(Kind::Ping, 9, 0, 0).reply_with(0);
+        let b = enc(&h);
+        assert_eq!(u16::from_be_bytes([b[6], b[7]]), KIND_PING | REPLY_FLAG);
+        assert_eq!(decode_header(&b).unwrap(), h);
+    }
+
+    #[test]
+    fn refuses_bad_magic_version_kind() {
+        let mut b = enc(&Header::request(Kind::Ping, 1, 0, 0));
+        b[0] = b'X';
+        assert!(matches!(decode_header(&b), Err(FrameError::BadMagic(_))));
+        let mut b = enc(&Header::request(Kind::Ping, 1, 0, 0));
+        b[5] = 2;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(2)));
+        assert_eq!(FrameError::BadVersion(2).errno(), libc::EPROTO);
+        let mut b = enc(&Header::request(Kind::Ping, 1, 0, 0));
+        b[7] = 0;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
+        b[6] = 0x80;
+        b[7] = 10;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800a)));
+    }
+
+    #[test]
+    fn limits_both_ways() {
+        let mut out = [0u8; HEADER_LEN];
+        for kind in [Kind::Read, Kind::Write, Kind::WriteFua] {
+            let ok = Header::request(kind, 1, 0, MAX_IO_BYTES);
+            assert!(encode_header(&ok, &mut out).is_ok());
+            let bad = Header::request(kind, 1, 0, MAX_IO_BYTES + 1);
+            assert_eq!(
+                encode_header(&bad, &mut out),
+                Err(FrameError::TooLong {
+                    kind,
+                    length: MAX_IO_BYTES + 1
+                })
+            );
+            // Same bytes forged on the wire are refused by decode.
+            let mut raw = enc(&ok);
+            raw[24..28].copy_from_slice(&(MAX_IO_BYTES + 1).to_be_bytes());
+            assert!(matches!(
+                decode_header(&raw),
+                Err(FrameError::TooLong { .. })
+            ));
+        }
+        assert!(encode_header(&Header::request(Kind::Hello, 1, 0, 31), &mut out).is_err());
+        assert!(encode_header(&Header::request(Kind::Flush, 1, 0, 1), &mut out).is_err());
+        assert!(encode_header(&Header::request(Kind::Trim, 1, 0, u32::MAX), &mut out).is_ok());
+        assert!(encode_header(&Header::request(Kind::Extents, 1, 0, u32::MAX), &mut out).is_ok());
+        let mut ext = Header::request(Kind::Extents, 1, 0, 0).reply_with(0);
+        ext.length = MAX_EXTENTS_BYTES;
+        assert!(encode_header(&ext, &mut out).is_ok());
+        ext.length += 16;
+        assert!(encode_header(&ext, &mut out).is_err());
+        ext.length = 17;
+        assert!(encode_header(&ext, &mut out).is_err());
+        let mut req = Header::request(Kind::Read, 1, 0, 0);
+        req.status = 5;
+        assert!(encode_header(&req, &mut out).is_err());
+    }
+
+    #[test]
+    fn payload_lengths() {
+        let read = Header::request(Kind::Read, 1, 0, 4096);
+        assert_eq!(payload_len(&read), 0);
+        assert_eq!(payload_len(&read.reply_with(0)), 4096);
+        assert_eq!(payload_len(&read.reply_with(libc::EIO as u32)), 0);
+        let write = Header::request(Kind::WriteFua, 1, 0, 512);
+        assert_eq!(payload_len(&write), 512);
+        assert_eq!(payload_len(&write.reply_with(0)), 0);
+        let hello = Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32);
+        assert_eq!(payload_len(&hello), HELLO_LEN);
+        assert_eq!(
+            payload_len(&hello.reply_with(libc::EPROTO as u32)),
+            HELLO_LEN
+        );
+        let trim = Header::request(Kind::Trim, 1, 0, 1 << 30);
+        assert_eq!(payload_len(&trim), 0);
+    }
+
+    #[test]
+    fn refusal_decodes() {
+        let mut out = [0u8; HEADER_LEN];
+        encode_refusal(42, libc::EPROTO as u32, &mut out);
+        let h = decode_header(&out).unwrap();
+        assert_eq!(
+            (h.kind, h.reply, h.id, h.status),
+            (Kind::Hello, true, 42, libc::EPROTO as u32)
+        );
+        assert_eq!(payload_len(&h), HELLO_LEN);
+    }
+
+    #[test]
+    fn hello_round_trip() {
+        let h = Hello {
+            volume_size: 1 << 40,
+            generation: 3,
+            flags: HELLO_FLAG_ATTACH,
+        };
+        assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+        assert!(decode_hello(&[0; 31]).is_err());
+        assert!(decode_hello(&[0; 33]).is_err());
+    }
+
+    #[test]
+    fn extents_checks() {
+        let mut out = Vec::new();
+        encode_extents(&[(0, 4096), (8192, 4096)], &mut out).unwrap();
+        assert_eq!(out.len(), 32);
+        assert_eq!(decode_extents(&out).unwrap(), vec![(0, 4096), (8192, 4096)]);
+        assert!(encode_extents(&[(0, 0)], &mut out).is_err());
+        assert!(encode_extents(&[(4096, 10), (0, 10)], &mut out).is_err());
+        assert!(encode_extents(&[(0, 10), (5, 10)], &mut out).is_err());
+        assert!(encode_extents(&[(u64::MAX, 2)], &mut out).is_err());
+        let many = vec![(0u64, 1u64); MAX_EXTENTS_PER_REPLY + 1];
+        assert!(matches!(
+            encode_extents(&many, &mut out),
+            Err(FrameError::TooLong { .. })
+        ));
+        assert!(decode_extents(&[0; 15]).is_err());
+        assert!(decode_extents(&vec![0; MAX_EXTENTS_BYTES as usize + 16]).is_err());
+        assert_eq!(decode_extents(&[]).unwrap(), vec![]);
+    }
+
+    fn any_kind() -> impl Strategy<Value = Kind> {
+        proptest::sample::select(Kind::ALL.to_vec())
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::array::uniform32(any::<u8>())) {
+            if let Ok(h) = decode_header(&bytes) {
+                let mut again = [0u8; HEADER_LEN];
+                encode_header(&h, &mut again).unwrap();
+                prop_assert_eq!(again, bytes);
+                prop_assert!(payload_len(&h) <= MAX_IO_BYTES as usize);
+            }
+        }
+
+        #[test]
+        fn decode_valid_prefix_never_panics(
+            kind in any::<u16>(), id in any::<u64>(), offset in any::<u64>(),
+            length in any::<u32>(), status in any::<u32>(),
+        ) {
+            let mut b = [0u8; HEADER_LEN];
+            b[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+            b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+            b[6..8].copy_from_slice(&kind.to_be_bytes());
+            b[8..16].copy_from_slice(&id.to_be_bytes());
+            b[16..24].copy_from_slice(&offset.to_be_bytes());
+            b[24..28].copy_from_slice(&length.to_be_bytes());
+            b[28..32].copy_from_slice(&status.to_be_bytes());
+            match decode_header(&b) {
+                Ok(h) => {
+                    let mut again = [0u8; HEADER_LEN];
+                    encode_header(&h, &mut again).unwrap();
+                    prop_assert_eq!(again, b);
+                    prop_assert!(payload_len(&h) <= MAX_IO_BYTES as usize);
+                }
+                Err(e) => prop_assert!(e.errno() > 0),
+            }
+        }
+
+        #[test]
+        fn encode_decode_round_trip(
+            kind in any_kind(), reply in any::<bool>(), id in any::<u64>(),
+            offset in any::<u64>(), length in any::<u32>(), status in any::<u32>(),
+        ) {
+            let h = Header { kind, reply, id, offset, length, status: if reply { status } else { 0 } };
+            let mut b = [0u8; HEADER_LEN];
+            match encode_header(&h, &mut b) {
+                Ok(()) => prop_assert_eq!(decode_header(&b).unwrap(), h),
+                Err(e) => {
+                    // Whatever encode refuses, decode refuses too.
+                    let code = kind.to_wire() | if reply { REPLY_FLAG } else { 0 };
+                    b[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+                    b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+                    b[6..8].copy_from_slice(&code.to_be_bytes());
+                    b[8..16].copy_from_slice(&id.to_be_bytes());
+                    b[16..24].copy_from_slice(&offset.to_be_bytes());
+                    b[24..28].copy_from_slice(&length.to_be_bytes());
+                    b[28..32].copy_from_slice(&h.status.to_be_bytes());
+                    prop_assert_eq!(decode_header(&b), Err(e));
+                }
+            }
+        }
+
+        #[test]
+        fn hello_round_trips(v in any::<u64>(), g in any::<u64>(), f in any::<u64>()) {
+            let h = Hello { volume_size: v, generation: g, flags: f };
+            prop_assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+        }
+
+        #[test]
+        fn extents_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            if let Ok(ext) = decode_extents(&bytes) {
+                let mut out = Vec::new();
+                encode_extents(&ext, &mut out).unwrap();
+                prop_assert_eq!(out, bytes);
+            }
+        }
+
+        #[test]
+        fn extents_round_trip(gaps in proptest::collection::vec((0u64..1 << 20, 1u64..1 << 20), 0..=MAX_EXTENTS_PER_REPLY)) {
+            let mut at = 0u64;
+            let ext: Vec<(u64, u64)> = gaps.into_iter().map(|(gap, len)| {
+                let e = (at + gap, len);
+                at = e.0 + len;
+                e
+            }).collect();
+            let mut out = Vec::new();
+            encode_extents(&ext, &mut out).unwrap();
+            prop_assert_eq!(out.len(), ext.len() * EXTENT_LEN);
+            prop_assert_eq!(decode_extents(&out).unwrap(), ext);
+        }
+    }
+}

@@ -1,0 +1,980 @@
+//! One engine connection to the replica, run by one poller on its own lull
+//! thread (the shape of `lull-nbd`'s connection).
+//!
+//! Each run of the poller goes round: reap file-channel completions into
+//! replies, write replies, read frames and submit them, until a round makes
+//! no progress (or the round budget is spent, in which case the poller
+//! wakes itself). Nothing blocks: a full socket raises the writable
+//! interest; a full slot table or reply queue stops reading
+//! (back-pressure) until completions or the socket free room. Replies go
+//! out in completion order; the engine matches them by id.
+//!
+//! Edge rules: a frame that does not decode closes the connection (a wrong
+//! version first gets a HELLO refusal with EPROTO); a well-formed request
+//! that cannot be served (out of range) gets an error reply, after its
+//! write payload is drained so the stream stays in sync.
+//!
+//! Metadata waits: a HELLO with the attach flag is answered only once its
+//! generation is durable, and the first WRITE/TRIM/WRITE_ZEROES on a
+//! replica whose record still says clean waits until the record says
+//! dirty, so data never changes under a record that claims a clean stop.
+//! While a connection waits for the metadata helper it reads no frames
+//! (its in-flight I/O goes on).
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+
+use lull_bdev::{BdevError, BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_proto::replica::{
+    self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
+    HELLO_LEN, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
+};
+use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
+
+use crate::{ReplicaError, Shared};
+
+/// Requests in flight per connection: the file channel's ring depth
+/// (`FILE_CHANNEL_DEPTH`), so a full slot table, not a full ring, is what
+/// stops reading. It also bounds the buffers one peer can pin.
+pub const MAX_IN_FLIGHT: usize = lull_bdev::FILE_CHANNEL_DEPTH as usize;
+
+/// Reply bytes queued before the connection stops reading new requests: a
+/// peer that does not read its replies cannot make the replica buffer
+/// without bound. Two maximum-size reads.
+pub const MAX_REPLY_QUEUE_BYTES: usize = 2 * MAX_IO_BYTES as usize;
+
+/// Input buffer size: many small frames per read syscall; write payloads
+/// larger than what it holds are read straight into their I/O buffer.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+
+/// Bytes read per poller run, so one busy peer cannot hold its reactor
+/// away from other threads for long.
+const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
+
+/// Rounds per poller run (see the module doc); more work wakes the poller
+/// again instead of looping here.
+const MAX_ROUNDS: usize = 8;
+
+/// Reply buffers gathered into one writev (two iovecs per reply).
+const MAX_IOVECS: usize = 64;
+
+/// Buffers cached per connection for reuse: a full queue of 128 KiB
+/// requests without allocation.
+const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
+
+enum Payload {
+    None,
+    Buf(IoBuf),
+    Bytes(Vec<u8>),
+}
+
+impl Payload {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Buf(b) => b.as_slice(),
+            Payload::Bytes(v) => v,
+        }
+    }
+}
+
+struct OutItem {
+    header: [u8; HEADER_LEN],
+    payload: Payload,
+    /// Bytes of header + payload already written.
+    pos: usize,
+}
+
+impl OutItem {
+    fn len(&self) -> usize {
+        HEADER_LEN + self.payload.as_slice().len()
+    }
+}
+
+enum Recv {
+    /// Waiting for a frame header.
+    Header,
+    /// Receiving the payload of the write in `slot` into `buf`.
+    Payload {
+        slot: u32,
+        req: Header,
+        buf: IoBuf,
+        filled: usize,
+    },
+    /// Discarding the payload of a refused write before its error reply.
+    Drain {
+        remaining: u64,
+        req: Header,
+        status: u32,
+    },
+}
+
+enum Phase {
+    /// No HELLO yet: the first frame must be one.
+    AwaitHello,
+    /// Serving requests (and further HELLOs).
+    Ready { channel: Box<dyn Channel> },
+}
+
+/// A metadata write this connection waits for (see the module doc).
+struct MetaWait {
+    /// The attach HELLO to answer when it is done; `None` when the wait is
+    /// for marking the replica dirty before a write.
+    hello: Option<Header>,
+    rx: mpsc::Receiver<Result<u64, ReplicaError>>,
+}
+
+pub(crate) struct Conn {
+    peer: SocketAddr,
+    stream: TcpStream,
+    fd: RawFd,
+    server: Arc<Shared>,
+    phase: Phase,
+    rbuf: Box<[u8]>,
+    rstart: usize,
+    rend: usize,
+    out: VecDeque<OutItem>,
+    out_bytes: usize,
+    pool: BufPool,
+    /// Request header of each in-flight slot; indexed by the I/O tag.
+    slots: Vec<Option<Header>>,
+    free: Vec<u32>,
+    recv: Recv,
+    /// A request the channel refused as full; retried before reading more.
+    retry: Option<IoRequest>,
+    /// Why the connection is closing; no new frames are read.
+    closing: Option<String>,
+    /// The peer is gone or the stream is broken: replies are dropped.
+    broken: bool,
+    pub(crate) hello_done: Arc<AtomicBool>,
+    meta_wait: Option<MetaWait>,
+    /// This connection's thread and poller, learnt on the first run; a
+    /// metadata helper wakes the poller through them.
+    me: Option<(ThreadHandle, PollerId)>,
+    interest: Interest,
+    channel_fd_added: bool,
+    /// Completions of one `reap`, kept so the hot path does not allocate.
+    completions: Vec<IoCompletion>,
+}
+
+impl Conn {
+    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, server: Arc<Shared>) -> Conn {
+        Conn {
+            peer,
+            fd: stream.as_raw_fd(),
+            stream,
+            server,
+            phase: Phase::AwaitHello,
+            rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
+            rstart: 0,
+            rend: 0,
+            out: VecDeque::with_capacity(MAX_IN_FLIGHT + 4),
+            out_bytes: 0,
+            pool: BufPool::new(BUFFER_CACHE_BYTES),
+            slots: (0..MAX_IN_FLIGHT).map(|_| None).collect(),
+            free: (0..MAX_IN_FLIGHT as u32).rev().collect(),
+            recv: Recv::Header,
+            retry: None,
+            closing: None,
+            broken: false,
+            hello_done: Arc::new(AtomicBool::new(false)),
+            meta_wait: None,
+            me: None,
+            interest: Interest::READABLE,
+            channel_fd_added: false,
+            completions: Vec::with_capacity(MAX_IN_FLIGHT),
+        }
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    fn close(&mut self, reason: impl Into<String>) {
+        if self.closing.is_none() {
+            let reason = reason.into();
+            tracing::info!(peer = %self.peer, reason = %reason, "closing replica connection");
+            self.closing = Some(reason);
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        MAX_IN_FLIGHT - self.free.len()
+    }
+
+    /// The poller body. Returns Busy when anything moved.
+    pub(crate) fn poll(&mut self, t: &mut Thread, hello_deadline_passed: bool) -> PollStatus {
+        if self.me.is_none() {
+            self.me = t.current_poller().map(|id| (t.handle(), id));
+        }
+        let mut status = PollStatus::Idle;
+        if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
+            self.close("no HELLO in time");
+        }
+        if self.closing.is_none() && self.server.stopping.load(Ordering::Relaxed) {
+            self.close("replica shutting down");
+        }
+        let mut progressed_last = false;
+        for _ in 0..MAX_ROUNDS {
+            let mut progress = self.check_meta_wait();
+            progress |= self.reap();
+            progress |= self.retry_submit();
+            progress |= self.flush_out();
+            if self.closing.is_none() {
+                progress |= self.read_and_dispatch();
+                progress |= self.reap();
+                progress |= self.flush_out();
+            }
+            progressed_last = progress;
+            if !progress {
+                break;
+            }
+            status = PollStatus::Busy;
+        }
+        if let Some(me) = t.current_poller() {
+            if self.finished() {
+                // Unregister before the fds close (the stream and channel
+                // drop with this connection, when the poller closure is).
+                t.unregister_poller(me);
+                t.exit();
+                return PollStatus::Busy;
+            }
+            #[cfg(debug_assertions)]
+            self.check_invariants();
+            self.update_interest(t, me);
+            if progressed_last {
+                t.wake_poller(me);
+            }
+        }
+        status
+    }
+
+    /// Slot table and output accounting agree (debug builds, every run).
+    pub(crate) fn check_invariants(&self) {
+        let busy = self.slots.iter().filter(|s| s.is_some()).count();
+        assert_eq!(busy + self.free.len(), MAX_IN_FLIGHT, "slots leaked or double-freed");
+        let mut free = self.free.clone();
+        free.sort_unstable();
+        free.dedup();
+        assert_eq!(free.len(), self.free.len(), "free list has duplicates");
+        let queued: usize = self.out.iter().map(|i| i.len() - i.pos).sum();
+        assert_eq!(queued, self.out_bytes, "reply queue accounting");
+        assert!(self.rstart <= self.rend && self.rend <= self.rbuf.len());
+    }
+
+    /// Closing, and nothing left in flight, being persisted or to send.
+    fn finished(&self) -> bool {
+        self.closing.is_some()
+            && self.in_flight() == 0
+            && self.meta_wait.is_none()
+            && (self.out.is_empty() || self.broken)
+    }
+
+    fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
+        if let Phase::Ready { channel } = &self.phase {
+            if !self.channel_fd_added {
+                self.channel_fd_added = true;
+                if let Some(fd) = channel.event_fd() {
+                    if let Err(e) = t.add_poller_fd(me, fd, Interest::READABLE) {
+                        tracing::error!(peer = %self.peer, error = %e, "cannot watch data file completions");
+                        self.close("internal error");
+                    }
+                }
+            }
+        }
+        let want = if !self.out.is_empty() && !self.broken {
+            Interest::BOTH
+        } else {
+            Interest::READABLE
+        };
+        if want != self.interest && t.set_interest(me, self.fd, want).is_ok() {
+            self.interest = want;
+        }
+    }
+
+    /// The HELLO reply payload: this replica's size, generation and clean
+    /// flag at startup.
+    fn our_hello(&self, generation: u64) -> Vec<u8> {
+        let flags = if self.server.clean_at_start {
+            HELLO_FLAG_CLEAN
+        } else {
+            0
+        };
+        wire::encode_hello(&Hello {
+            volume_size: self.server.size_bytes,
+            generation,
+            flags,
+        })
+        .to_vec()
+    }
+
+    fn current_generation(&self) -> u64 {
+        self.server.generation.load(Ordering::SeqCst)
+    }
+
+    /// Finish a metadata wait when its helper has answered.
+    fn check_meta_wait(&mut self) -> bool {
+        let Some(wait) = &self.meta_wait else {
+            return false;
+        };
+        let result = match wait.rx.try_recv() {
+            Ok(r) => r,
+            Err(mpsc::TryRecvError::Empty) => return false,
+            Err(mpsc::TryRecvError::Disconnected) => Err(ReplicaError::ShuttingDown),
+        };
+        let hello = wait.hello;
+        self.meta_wait = None;
+        match (result, hello) {
+            (Ok(generation), Some(req)) => {
+                let payload = self.our_hello(generation);
+                self.push_reply(req.reply_with(0), Payload::Bytes(payload));
+                tracing::info!(peer = %self.peer, generation, "engine attached");
+            }
+            (Ok(_), None) => {}
+            (Err(e), hello) => {
+                tracing::error!(peer = %self.peer, error = %e, "cannot persist the replica metadata");
+                if let Some(req) = hello {
+                    let payload = self.our_hello(self.current_generation());
+                    self.push_reply(req.reply_with(e.errno() as u32), Payload::Bytes(payload));
+                }
+                // A write cannot be taken without a dirty record: the peer
+                // sees the connection close and fails over.
+                self.close(format!("metadata write failed: {e}"));
+            }
+        }
+        true
+    }
+
+    /// Starts a metadata write on a helper thread (attach at `generation`;
+    /// 0 only marks dirty) and makes this connection wait for it.
+    fn start_meta_wait(&mut self, hello: Option<Header>, generation: u64) {
+        let Some((thread, poller)) = self.me.clone() else {
+            // `poll` learns `me` before reading anything.
+            self.close("internal error: poller unknown");
+            return;
+        };
+        match self.server.attach_async(generation, thread, poller) {
+            Ok(rx) => self.meta_wait = Some(MetaWait { hello, rx }),
+            Err(e) => {
+                tracing::error!(peer = %self.peer, error = %e, "cannot start a metadata write");
+                if let Some(req) = hello {
+                    let payload = self.our_hello(self.current_generation());
+                    self.push_reply(req.reply_with(e.errno() as u32), Payload::Bytes(payload));
+                }
+                self.close(format!("metadata write failed: {e}"));
+            }
+        }
+    }
+
+    fn open_channel(&self) -> Option<Box<dyn Channel>> {
+        use lull_bdev::BlockDevice;
+        match self.server.dev.open_channel() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::error!(peer = %self.peer, error = %e, "cannot open a data file channel");
+                None
+            }
+        }
+    }
+
+    /// Move channel completions into the reply queue.
+    fn reap(&mut self) -> bool {
+        let Phase::Ready { channel } = &mut self.phase else {
+            return false;
+        };
+        let mut done = std::mem::take(&mut self.completions);
+        let n = channel.reap(&mut |c| done.push(c));
+        for c in done.drain(..) {
+            self.complete(c);
+        }
+        self.completions = done;
+        n > 0
+    }
+
+    fn complete(&mut self, c: IoCompletion) {
+        let slot = c.tag as usize;
+        let Some(req) = self.slots.get_mut(slot).and_then(Option::take) else {
+            tracing::error!(peer = %self.peer, tag = c.tag, "completion for an unknown slot");
+            return;
+        };
+        self.free.push(slot as u32);
+        match c.result {
+            Ok(()) if req.kind == Kind::Read => match c.buf {
+                Some(buf) if buf.len() == req.length as usize => {
+                    self.push_reply(req.reply_with(0), Payload::Buf(buf));
+                }
+                other => {
+                    tracing::error!(peer = %self.peer, id = req.id, "read completed without its buffer");
+                    if let Some(b) = other {
+                        self.pool.put(b);
+                    }
+                    self.push_reply(req.reply_with(libc::EIO as u32), Payload::None);
+                }
+            },
+            Ok(()) => {
+                if let Some(b) = c.buf {
+                    self.pool.put(b);
+                }
+                self.push_reply(req.reply_with(0), Payload::None);
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, id = req.id, kind = ?req.kind, offset = req.offset,
+                    length = req.length, error = %e, "I/O failed");
+                if let Some(b) = c.buf {
+                    self.pool.put(b);
+                }
+                self.push_reply(req.reply_with(e.errno().unsigned_abs()), Payload::None);
+            }
+        }
+    }
+
+    fn push_reply(&mut self, reply: Header, payload: Payload) {
+        let mut header = [0u8; HEADER_LEN];
+        let encoded = wire::encode_header(&reply, &mut header);
+        if self.broken || encoded.is_err() {
+            if let Err(e) = encoded {
+                // Our own reply broke a protocol limit: a bug, not input.
+                tracing::error!(peer = %self.peer, ?reply, error = %e, "cannot encode reply");
+                self.close("internal error");
+            }
+            if let Payload::Buf(b) = payload {
+                self.pool.put(b);
+            }
+            return;
+        }
+        debug_assert_eq!(wire::payload_len(&reply), payload.as_slice().len());
+        let item = OutItem {
+            header,
+            payload,
+            pos: 0,
+        };
+        self.out_bytes += item.len();
+        self.out.push_back(item);
+    }
+
+    fn push_error(&mut self, req: Header, errno: i32) {
+        self.push_reply(req.reply_with(errno as u32), Payload::None);
+    }
+
+    /// Write queued output; returns whether any byte went out.
+    fn flush_out(&mut self) -> bool {
+        let mut progress = false;
+        while !self.out.is_empty() && !self.broken {
+            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
+            let mut n = 0;
+            for item in self.out.iter() {
+                if n + 2 > MAX_IOVECS {
+                    break;
+                }
+                if item.pos < HEADER_LEN {
+                    iov[n] = IoSlice::new(&item.header[item.pos..]);
+                    n += 1;
+                }
+                let data = item.payload.as_slice();
+                if !data.is_empty() {
+                    iov[n] = IoSlice::new(&data[item.pos.saturating_sub(HEADER_LEN)..]);
+                    n += 1;
+                }
+            }
+            match self.stream.write_vectored(&iov[..n]) {
+                Ok(0) => {
+                    self.broken = true;
+                    self.close("peer stopped reading");
+                }
+                Ok(mut written) => {
+                    progress = true;
+                    self.out_bytes -= written;
+                    while written > 0 {
+                        let Some(front) = self.out.front_mut() else {
+                            break;
+                        };
+                        let len = front.len();
+                        let take = (len - front.pos).min(written);
+                        front.pos += take;
+                        written -= take;
+                        if front.pos == len {
+                            if let Some(OutItem {
+                                payload: Payload::Buf(b),
+                                ..
+                            }) = self.out.pop_front()
+                            {
+                                self.pool.put(b);
+                            }
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.broken = true;
+                    self.close(format!("write failed: {e}"));
+                }
+            }
+        }
+        if self.broken {
+            while let Some(item) = self.out.pop_front() {
+                if let Payload::Buf(b) = item.payload {
+                    self.pool.put(b);
+                }
+            }
+            self.out_bytes = 0;
+        }
+        progress
+    }
+
+    fn buffered(&self) -> usize {
+        self.rend - self.rstart
+    }
+
+    /// Read what the socket has into the input buffer. Returns bytes read;
+    /// EOF and errors close the connection.
+    fn fill(&mut self) -> usize {
+        if self.rstart == self.rend {
+            self.rstart = 0;
+            self.rend = 0;
+        } else if self.rstart > 0 && self.rend == self.rbuf.len() {
+            self.rbuf.copy_within(self.rstart..self.rend, 0);
+            self.rend -= self.rstart;
+            self.rstart = 0;
+        }
+        if self.rend == self.rbuf.len() {
+            return 0;
+        }
+        match self.stream.read(&mut self.rbuf[self.rend..]) {
+            Ok(0) => {
+                self.broken = self.in_flight() == 0 && self.out.is_empty();
+                self.close("peer disconnected");
+                0
+            }
+            Ok(n) => {
+                self.rend += n;
+                n
+            }
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                0
+            }
+            Err(e) => {
+                self.broken = true;
+                self.close(format!("read failed: {e}"));
+                0
+            }
+        }
+    }
+
+    /// Whether a new request may be taken (back-pressure).
+    fn can_take_request(&self) -> bool {
+        !self.free.is_empty() && self.out_bytes < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+    }
+
+    fn read_and_dispatch(&mut self) -> bool {
+        let mut progress = false;
+        let mut budget = READ_BUDGET_BYTES;
+        loop {
+            if self.closing.is_some() {
+                break;
+            }
+            let moved = self.step();
+            progress |= moved;
+            if moved {
+                continue;
+            }
+            if budget == 0 || !self.wants_input() {
+                break;
+            }
+            let n = self.fill();
+            if n == 0 {
+                break;
+            }
+            progress = true;
+            budget = budget.saturating_sub(n);
+        }
+        progress
+    }
+
+    /// Whether reading more bytes could make progress now.
+    fn wants_input(&self) -> bool {
+        match (&self.phase, &self.recv) {
+            _ if self.meta_wait.is_some() => false,
+            (_, Recv::Payload { .. } | Recv::Drain { .. }) => true,
+            (Phase::AwaitHello, _) => true,
+            _ => self.can_take_request(),
+        }
+    }
+
+    /// Take one step from buffered input.
+    fn step(&mut self) -> bool {
+        match std::mem::replace(&mut self.recv, Recv::Header) {
+            Recv::Header => self.take_frame(),
+            Recv::Payload {
+                slot,
+                req,
+                buf,
+                filled,
+            } => self.receive_payload(slot, req, buf, filled),
+            Recv::Drain {
+                remaining,
+                req,
+                status,
+            } => {
+                let n = (self.buffered() as u64).min(remaining);
+                self.rstart += n as usize;
+                let remaining = remaining - n;
+                if remaining == 0 {
+                    self.push_error(req, status as i32);
+                } else {
+                    self.recv = Recv::Drain {
+                        remaining,
+                        req,
+                        status,
+                    };
+                }
+                n > 0
+            }
+        }
+    }
+
+    fn receive_payload(
+        &mut self,
+        slot: u32,
+        req: Header,
+        mut buf: IoBuf,
+        mut filled: usize,
+    ) -> bool {
+        let want = req.length as usize - filled;
+        let have = self.buffered().min(want);
+        let mut progress = false;
+        if have > 0 {
+            buf.as_mut_slice()[filled..filled + have]
+                .copy_from_slice(&self.rbuf[self.rstart..self.rstart + have]);
+            self.rstart += have;
+            filled += have;
+            progress = true;
+        }
+        // Large payloads go straight from the socket to the buffer.
+        while filled < req.length as usize && self.buffered() == 0 {
+            match self.stream.read(&mut buf.as_mut_slice()[filled..]) {
+                Ok(0) => {
+                    self.pool.put(buf);
+                    self.release_slot(slot);
+                    self.broken = self.in_flight() == 0;
+                    self.close("peer disconnected in the middle of a write payload");
+                    return true;
+                }
+                Ok(n) => {
+                    filled += n;
+                    progress = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    self.pool.put(buf);
+                    self.release_slot(slot);
+                    self.broken = true;
+                    self.close(format!("read failed: {e}"));
+                    return true;
+                }
+            }
+        }
+        if filled == req.length as usize {
+            let op = IoOp::Write {
+                fua: req.kind == Kind::WriteFua,
+            };
+            self.submit(slot, &req, op, Some(buf));
+            true
+        } else {
+            self.recv = Recv::Payload {
+                slot,
+                req,
+                buf,
+                filled,
+            };
+            progress
+        }
+    }
+
+    fn take_frame(&mut self) -> bool {
+        if self.buffered() < HEADER_LEN {
+            return false;
+        }
+        if self.meta_wait.is_some() {
+            return false;
+        }
+        if matches!(self.phase, Phase::Ready { .. }) && !self.can_take_request() {
+            return false;
+        }
+        let mut raw = [0u8; HEADER_LEN];
+        raw.copy_from_slice(&self.rbuf[self.rstart..self.rstart + HEADER_LEN]);
+        let h = match wire::decode_header(&raw) {
+            Ok(h) => h,
+            Err(FrameError::BadVersion(version)) => {
+                self.rstart += HEADER_LEN;
+                tracing::warn!(peer = %self.peer, version, ours = wire::PROTOCOL_VERSION, "peer speaks another protocol version");
+                let mut header = [0u8; HEADER_LEN];
+                wire::encode_refusal(wire::raw_id(&raw), libc::EPROTO as u32, &mut header);
+                let payload = self.our_hello(self.current_generation());
+                self.out_bytes += HEADER_LEN + payload.len();
+                self.out.push_back(OutItem {
+                    header,
+                    payload: Payload::Bytes(payload),
+                    pos: 0,
+                });
+                self.close(format!(
+                    "protocol version {version} is not {}",
+                    wire::PROTOCOL_VERSION
+                ));
+                return true;
+            }
+            Err(e) => {
+                self.rstart += HEADER_LEN;
+                tracing::warn!(peer = %self.peer, error = %e, "bad frame header");
+                self.close(format!("bad frame: {e}"));
+                return true;
+            }
+        };
+        if h.reply {
+            self.rstart += HEADER_LEN;
+            tracing::warn!(peer = %self.peer, ?h, "peer sent a reply frame");
+            self.close("unexpected reply frame");
+            return true;
+        }
+        match (&self.phase, h.kind) {
+            (_, Kind::Hello) => {
+                if self.buffered() < HEADER_LEN + HELLO_LEN {
+                    return false;
+                }
+                let at = self.rstart + HEADER_LEN;
+                let hello = wire::decode_hello(&self.rbuf[at..at + HELLO_LEN]);
+                self.rstart += HEADER_LEN + HELLO_LEN;
+                match hello {
+                    Ok(hello) => self.handle_hello(h, hello),
+                    Err(e) => {
+                        tracing::warn!(peer = %self.peer, error = %e, "bad HELLO");
+                        self.close(format!("bad HELLO: {e}"));
+                    }
+                }
+            }
+            (Phase::AwaitHello, kind) => {
+                self.rstart += HEADER_LEN;
+                tracing::warn!(peer = %self.peer, ?kind, "first frame is not HELLO");
+                self.close("first frame is not HELLO");
+            }
+            (_, Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes)
+                if !self.server.dirty.load(Ordering::SeqCst) =>
+            {
+                // Leave the frame buffered: it is taken once the record
+                // says dirty.
+                self.start_meta_wait(None, 0);
+            }
+            _ => {
+                self.rstart += HEADER_LEN;
+                self.start_request(h);
+            }
+        }
+        true
+    }
+
+    /// A HELLO: the first opens the data channel; one with the attach
+    /// flag is answered once its generation is durable. The engine probes
+    /// with a plain HELLO and attaches later on any of its connections.
+    fn handle_hello(&mut self, req: Header, hello: Hello) {
+        self.hello_done.store(true, Ordering::Relaxed);
+        if hello.volume_size != self.server.size_bytes {
+            tracing::warn!(peer = %self.peer, theirs = hello.volume_size, ours = self.server.size_bytes,
+                "HELLO with another volume size");
+            let payload = self.our_hello(self.current_generation());
+            self.push_reply(req.reply_with(libc::EINVAL as u32), Payload::Bytes(payload));
+            self.close("volume size mismatch");
+            return;
+        }
+        if matches!(self.phase, Phase::AwaitHello) {
+            let Some(channel) = self.open_channel() else {
+                let payload = self.our_hello(self.current_generation());
+                self.push_reply(req.reply_with(libc::EIO as u32), Payload::Bytes(payload));
+                self.close("cannot open a data file channel");
+                return;
+            };
+            self.phase = Phase::Ready { channel };
+        }
+        if hello.flags & HELLO_FLAG_ATTACH != 0 {
+            // Persisting the attach is two fsyncs: a helper thread does it.
+            self.start_meta_wait(Some(req), hello.generation);
+        } else {
+            let payload = self.our_hello(self.current_generation());
+            self.push_reply(req.reply_with(0), Payload::Bytes(payload));
+        }
+    }
+
+    /// A decoded request on a connection past HELLO.
+    fn start_request(&mut self, req: Header) {
+        if !matches!(self.phase, Phase::Ready { .. }) {
+            debug_assert!(false, "start_request before HELLO");
+            return;
+        }
+        let size = self.server.size_bytes;
+        let in_range = req
+            .offset
+            .checked_add(u64::from(req.length))
+            .is_some_and(|end| end <= size);
+        let refuse = match req.kind {
+            Kind::Ping => {
+                self.push_reply(req.reply_with(0), Payload::None);
+                return;
+            }
+            Kind::Flush | Kind::Hello => None,
+            _ if !in_range => Some(libc::EINVAL),
+            _ => None,
+        };
+        if let Some(errno) = refuse {
+            tracing::warn!(peer = %self.peer, ?req, errno, "refused request");
+            if req.kind.is_write() && req.length > 0 {
+                self.recv = Recv::Drain {
+                    remaining: u64::from(req.length),
+                    req,
+                    status: errno as u32,
+                };
+            } else {
+                self.push_error(req, errno);
+            }
+            return;
+        }
+        let op = match req.kind {
+            Kind::Extents => {
+                self.extents(req);
+                return;
+            }
+            // Nothing to do for an empty range; the device need not see it.
+            Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes
+                if req.length == 0 =>
+            {
+                self.push_reply(req.reply_with(0), Payload::None);
+                return;
+            }
+            Kind::Read => IoOp::Read,
+            Kind::Write => IoOp::Write { fua: false },
+            Kind::WriteFua => IoOp::Write { fua: true },
+            Kind::Flush => IoOp::Flush,
+            Kind::Trim => IoOp::Trim,
+            Kind::WriteZeroes => IoOp::WriteZeroes {
+                no_hole: false,
+                fua: false,
+            },
+            Kind::Ping | Kind::Hello => return,
+        };
+        let Some(slot) = self.free.pop() else {
+            debug_assert!(false, "take_frame checked for a free slot");
+            self.push_error(req, libc::EAGAIN);
+            return;
+        };
+        self.slots[slot as usize] = Some(req);
+        match op {
+            IoOp::Read => {
+                let buf = self.pool.get(req.length as usize);
+                self.submit(slot, &req, op, Some(buf));
+            }
+            IoOp::Write { .. } => {
+                let buf = self.pool.get(req.length as usize);
+                self.recv = Recv::Payload {
+                    slot,
+                    req,
+                    buf,
+                    filled: 0,
+                };
+            }
+            _ => self.submit(slot, &req, op, None),
+        }
+    }
+
+    /// Answers EXTENTS inline. SEEK_DATA/SEEK_HOLE on a local file are
+    /// non-sleeping metadata lookups (no data I/O), and a reply holds at
+    /// most `MAX_EXTENTS_PER_REPLY` extents (≤ 2 lseeks each), so the
+    /// reactor is held for microseconds; the peer continues from the scan
+    /// end the reply reports.
+    fn extents(&mut self, req: Header) {
+        let end = req.offset + u64::from(req.length);
+        let mut pos = req.offset;
+        let mut found: Vec<(u64, u64)> = Vec::new();
+        while pos < end && found.len() < MAX_EXTENTS_PER_REPLY {
+            match lull_uring::seek_data_hole(&self.server.scan, pos) {
+                Ok(Some((data, hole))) if data < end => {
+                    // A data range may begin before `pos` only if the kernel
+                    // misreports; clamp so extents stay inside the request.
+                    let start = data.max(pos);
+                    let stop = hole.min(end);
+                    if stop <= start {
+                        // A hole at or before `pos` cannot be: stop scanning
+                        // rather than loop.
+                        pos = end;
+                        break;
+                    }
+                    found.push((start, stop - start));
+                    pos = stop;
+                }
+                Ok(_) => pos = end,
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer, offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
+                    self.push_error(req, e.raw_os_error().unwrap_or(libc::EIO));
+                    return;
+                }
+            }
+        }
+        let mut payload = Vec::with_capacity(found.len() * wire::EXTENT_LEN);
+        if let Err(e) = wire::encode_extents(&found, &mut payload) {
+            tracing::error!(peer = %self.peer, error = %e, "cannot encode extents");
+            self.push_error(req, libc::EIO);
+            return;
+        }
+        let mut reply = req.reply_with(0);
+        reply.offset = pos;
+        reply.length = payload.len() as u32;
+        self.push_reply(reply, Payload::Bytes(payload));
+    }
+
+    fn release_slot(&mut self, slot: u32) {
+        if self.slots[slot as usize].take().is_some() {
+            self.free.push(slot);
+        }
+    }
+
+    fn submit(&mut self, slot: u32, req: &Header, op: IoOp, buf: Option<IoBuf>) {
+        let io = IoRequest {
+            tag: u64::from(slot),
+            op,
+            offset: req.offset,
+            len: req.length,
+            buf,
+        };
+        self.submit_io(io);
+    }
+
+    fn submit_io(&mut self, io: IoRequest) {
+        let Phase::Ready { channel } = &mut self.phase else {
+            return;
+        };
+        match channel.submit(io) {
+            Ok(()) => channel.flush_submissions(),
+            Err((io, BdevError::Full { .. })) => self.retry = Some(io),
+            Err((io, e)) => self.complete(IoCompletion {
+                tag: io.tag,
+                result: Err(e),
+                buf: io.buf,
+            }),
+        }
+    }
+
+    fn retry_submit(&mut self) -> bool {
+        match self.retry.take() {
+            Some(io) => {
+                self.submit_io(io);
+                self.retry.is_none()
+            }
+            None => false,
+        }
+    }
+}

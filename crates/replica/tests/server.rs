@@ -1,0 +1,624 @@
+//! The replica server on loopback, driven by a tiny blocking client that
+//! speaks the codec in `lull_proto::replica`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lull_proto::replica::{
+    self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN, HELLO_LEN,
+};
+use lull_reactor::{Framework, FrameworkConfig, Mode};
+use lull_replica::{Meta, ReplicaConfig, ReplicaError, ReplicaServer};
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 64 * MIB;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let d = base.join(format!("lull-replica-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn framework() -> Framework {
+    let cpus = lull_reactor::sys::allowed_cpus().expect("affinity");
+    let core = *cpus.last().expect("a cpu");
+    Framework::start(FrameworkConfig {
+        pin: false,
+        ..FrameworkConfig::new(vec![core], Mode::Interrupt)
+    })
+    .expect("framework")
+}
+
+fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
+    ReplicaConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dir: dir.to_path_buf(),
+        size_bytes,
+        direct: false,
+    }
+}
+
+fn meta(dir: &Path) -> Meta {
+    Meta::load(dir)
+        .expect("meta readable")
+        .expect("meta exists")
+}
+
+struct Client {
+    s: TcpStream,
+    next_id: u64,
+}
+
+impl Client {
+    fn connect(addr: SocketAddr) -> Client {
+        let s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // Header and payload are two writes: without this, Nagle holds the
+        // second until the replica's delayed ACK (~40 ms per request).
+        s.set_nodelay(true).unwrap();
+        Client { s, next_id: 1 }
+    }
+
+    fn send(&mut self, h: &Header, payload: &[u8]) {
+        let mut raw = [0u8; HEADER_LEN];
+        wire::encode_header(h, &mut raw).expect("encodable");
+        self.s.write_all(&raw).unwrap();
+        self.s.write_all(payload).unwrap();
+    }
+
+    fn recv(&mut self) -> (Header, Vec<u8>) {
+        let mut raw = [0u8; HEADER_LEN];
+        self.s.read_exact(&mut raw).expect("reply header");
+        let h = wire::decode_header(&raw).expect("valid reply");
+        assert!(h.reply);
+        let mut payload = vec![0u8; wire::payload_len(&h)];
+        self.s.read_exact(&mut payload).expect("reply payload");
+        (h, payload)
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Request and wait for its reply (no other request outstanding).
+    fn call(&mut self, kind: Kind, offset: u64, length: u32, payload: &[u8]) -> (Header, Vec<u8>) {
+        let id = self.id();
+        self.send(&Header::request(kind, id, offset, length), payload);
+        let (h, p) = self.recv();
+        assert_eq!((h.id, h.kind), (id, kind));
+        (h, p)
+    }
+
+    fn hello(&mut self, volume_size: u64, generation: u64, flags: u64) -> (Header, Hello) {
+        let body = wire::encode_hello(&Hello {
+            volume_size,
+            generation,
+            flags,
+        });
+        let (h, p) = self.call(Kind::Hello, 0, HELLO_LEN as u32, &body);
+        (h, wire::decode_hello(&p).expect("hello payload"))
+    }
+
+    fn attach(&mut self, generation: u64) -> Hello {
+        let (h, hello) = self.hello(SIZE, generation, HELLO_FLAG_ATTACH);
+        assert_eq!(h.status, 0);
+        hello
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
+        self.call(Kind::Write, offset, data.len() as u32, data)
+            .0
+            .status
+    }
+
+    fn read(&mut self, offset: u64, len: u32) -> Vec<u8> {
+        let (h, p) = self.call(Kind::Read, offset, len, &[]);
+        assert_eq!(h.status, 0);
+        assert_eq!(p.len(), len as usize);
+        p
+    }
+
+    fn status(&mut self, kind: Kind, offset: u64, length: u32) -> u32 {
+        self.call(kind, offset, length, &[]).0.status
+    }
+
+    /// EOF (or a reset) within the read timeout.
+    fn expect_closed(&mut self) {
+        let mut b = [0u8; 64];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+                Err(e) => panic!("expected the replica to close the connection: {e}"),
+            }
+        }
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn io_round_trip_flush_trim_extents_ping() {
+    let dir = TempDir::new("io");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    let hello = c.attach(5);
+    assert_eq!(hello.volume_size, SIZE);
+    assert_eq!(hello.generation, 5);
+    assert_eq!(
+        hello.flags & HELLO_FLAG_CLEAN,
+        HELLO_FLAG_CLEAN,
+        "a new replica starts clean"
+    );
+
+    let a = pattern(1, 256 * 1024);
+    let b = pattern(2, 64 * 1024);
+    assert_eq!(c.write(MIB, &a), 0);
+    assert_eq!(
+        c.call(Kind::WriteFua, 8 * MIB, b.len() as u32, &b).0.status,
+        0
+    );
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    assert_eq!(c.read(8 * MIB, b.len() as u32), b);
+    // Unaligned, small.
+    assert_eq!(c.write(3 * MIB + 7, b"hello"), 0);
+    assert_eq!(c.read(3 * MIB + 5, 9), b"\0\0hello\0\0");
+
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    let file = std::fs::File::open(dir.0.join("data.img")).unwrap();
+    let mut on_disk = vec![0u8; a.len()];
+    file.read_exact_at(&mut on_disk, MIB).unwrap();
+    assert_eq!(on_disk, a);
+
+    // Trim the second half of `a`; it reads back as zeros.
+    let half = (a.len() / 2) as u64;
+    assert_eq!(c.status(Kind::Trim, MIB + half, half as u32), 0);
+    let back = c.read(MIB, a.len() as u32);
+    assert_eq!(&back[..half as usize], &a[..half as usize]);
+    assert!(back[half as usize..].iter().all(|&x| x == 0));
+    assert_eq!(c.status(Kind::WriteZeroes, 8 * MIB, 4096), 0);
+    assert!(c.read(8 * MIB, 4096).iter().all(|&x| x == 0));
+
+    // Extents over the whole volume, continuing from each reply's scan end.
+    let mut extents = Vec::new();
+    let mut pos = 0;
+    while pos < SIZE {
+        let len = (SIZE - pos).min(u64::from(u32::MAX)) as u32;
+        let (h, p) = c.call(Kind::Extents, pos, len, &[]);
+        assert_eq!(h.status, 0);
+        assert!(h.offset > pos, "scan must advance");
+        extents.extend(wire::decode_extents(&p).unwrap());
+        pos = h.offset;
+    }
+    let covered = |off: u64, len: u64| extents.iter().any(|&(o, l)| o <= off && off + len <= o + l);
+    assert!(covered(MIB, half), "{extents:?}");
+    assert!(
+        covered(8 * MIB + 4096, b.len() as u64 - 4096),
+        "{extents:?}"
+    );
+    assert!(covered(3 * MIB + 7, 5), "{extents:?}");
+    // Sparse: far less than the volume is allocated, and the trimmed half
+    // is not reported.
+    let total: u64 = extents.iter().map(|e| e.1).sum();
+    assert!(total < 4 * MIB, "{extents:?}");
+    assert!(!covered(MIB + half, half), "{extents:?}");
+    // A sub-range scan reports only what lies inside it.
+    let (h, p) = c.call(Kind::Extents, MIB + 4096, 8192, &[]);
+    assert_eq!((h.status, h.offset), (0, MIB + 4096 + 8192));
+    assert_eq!(wire::decode_extents(&p).unwrap(), vec![(MIB + 4096, 8192)]);
+
+    assert_eq!(c.status(Kind::Ping, 0, 0), 0);
+
+    // Out of range: an error reply; the connection stays usable (and a
+    // refused write's payload is drained).
+    assert_eq!(c.status(Kind::Read, SIZE - 4096, 8192) as i32, libc::EINVAL);
+    assert_eq!(c.write(SIZE, &pattern(3, 4096)) as i32, libc::EINVAL);
+    assert_eq!(
+        c.status(Kind::Trim, u64::MAX - 10, 4096) as i32,
+        libc::EINVAL
+    );
+    assert_eq!(c.status(Kind::Extents, SIZE, 1) as i32, libc::EINVAL);
+    assert_eq!(c.status(Kind::Ping, 0, 0), 0);
+    assert_eq!(c.read(MIB, 16), a[..16].to_vec());
+
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn pipelined_requests_complete_by_id() {
+    let dir = TempDir::new("pipeline");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    c.attach(1);
+    const N: u64 = 300; // more than MAX_IN_FLIGHT: back-pressure must hold
+    let chunk = 16 * 1024;
+    for i in 0..N {
+        let data = pattern(i as u8, chunk);
+        c.send(
+            &Header::request(Kind::Write, 1000 + i, i * chunk as u64, chunk as u32),
+            &data,
+        );
+    }
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..N {
+        let (h, _) = c.recv();
+        assert_eq!((h.kind, h.status), (Kind::Write, 0));
+        assert!(seen.insert(h.id));
+    }
+    for i in 0..N {
+        c.send(
+            &Header::request(Kind::Read, 5000 + i, i * chunk as u64, chunk as u32),
+            &[],
+        );
+    }
+    for _ in 0..N {
+        let (h, p) = c.recv();
+        assert_eq!((h.kind, h.status), (Kind::Read, 0));
+        let i = h.id - 5000;
+        assert_eq!(p, pattern(i as u8, chunk), "read {i}");
+    }
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn generation_and_clean_flag_persist_across_restarts() {
+    let dir = TempDir::new("meta");
+    let mut fw = framework();
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (0, true));
+    let mut c = Client::connect(server.local_addr());
+    assert_eq!(c.attach(7).generation, 7);
+    // Attached: dirty, durably, before the HELLO reply.
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, false));
+    assert_eq!(c.write(0, b"persist me"), 0);
+    // A second engine connection with a lower generation keeps the higher.
+    let mut c2 = Client::connect(server.local_addr());
+    assert_eq!(c2.attach(3).generation, 7);
+    drop((c, c2));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, true));
+
+    // Restart: clean at startup is reported; a higher generation is taken.
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(server.was_clean_at_start());
+    assert_eq!(server.generation(), 7);
+    let mut c = Client::connect(server.local_addr());
+    let hello = c.attach(9);
+    assert_eq!(
+        (hello.generation, hello.flags & HELLO_FLAG_CLEAN),
+        (9, HELLO_FLAG_CLEAN)
+    );
+    assert_eq!(c.read(0, 10), b"persist me");
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (9, false));
+    // Dropped without shutdown (a crash, as far as the record knows).
+    drop(c);
+    drop(server);
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (9, false));
+    // Let the old connection threads release the lock-holding server.
+    std::thread::sleep(Duration::from_millis(200));
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(!server.was_clean_at_start());
+    let mut c = Client::connect(server.local_addr());
+    let (h, hello) = c.hello(SIZE, 0, 0);
+    assert_eq!(
+        (h.status, hello.generation, hello.flags & HELLO_FLAG_CLEAN),
+        (0, 9, 0)
+    );
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn size_mismatch_is_refused() {
+    let dir = TempDir::new("size");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    // A HELLO with another size: EINVAL with our size, then close.
+    let mut c = Client::connect(server.local_addr());
+    let (h, hello) = c.hello(SIZE * 2, 1, HELLO_FLAG_ATTACH);
+    assert_eq!(h.status as i32, libc::EINVAL);
+    assert_eq!(hello.volume_size, SIZE);
+    c.expect_closed();
+    // The refused attach did not dirty the replica.
+    assert!(meta(&dir.0).clean);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+
+    let err = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE * 2)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReplicaError::SizeMismatch {
+                meta_size: SIZE,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(err.exit_code(), std::process::ExitCode::from(2));
+    fw.stop();
+}
+
+#[test]
+fn a_directory_serves_one_replica_at_a_time() {
+    let dir = TempDir::new("lock");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let err = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap_err();
+    assert!(matches!(err, ReplicaError::Locked { .. }), "{err}");
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn wrong_version_gets_eproto_then_close() {
+    let dir = TempDir::new("version");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    let mut raw = [0u8; HEADER_LEN];
+    wire::encode_header(
+        &Header::request(Kind::Hello, 77, 0, HELLO_LEN as u32),
+        &mut raw,
+    )
+    .unwrap();
+    raw[4..6].copy_from_slice(&2u16.to_be_bytes());
+    c.s.write_all(&raw).unwrap();
+    c.s.write_all(&wire::encode_hello(&Hello {
+        volume_size: SIZE,
+        generation: 1,
+        flags: HELLO_FLAG_ATTACH,
+    }))
+    .unwrap();
+    let (h, p) = c.recv();
+    assert_eq!(
+        (h.kind, h.id, h.status as i32),
+        (Kind::Hello, 77, libc::EPROTO)
+    );
+    assert_eq!(wire::decode_hello(&p).unwrap().volume_size, SIZE);
+    c.expect_closed();
+    assert!(meta(&dir.0).clean);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn garbage_closes_only_its_connection() {
+    let dir = TempDir::new("garbage");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut good = Client::connect(server.local_addr());
+    good.attach(1);
+    assert_eq!(good.write(0, b"still here"), 0);
+
+    // Garbage before HELLO.
+    let mut bad = Client::connect(server.local_addr());
+    bad.s
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789")
+        .unwrap();
+    bad.expect_closed();
+
+    // Garbage after HELLO: bad magic, unknown kind, oversized write.
+    let mut bad = Client::connect(server.local_addr());
+    bad.attach(1);
+    bad.s.write_all(&[0xffu8; HEADER_LEN]).unwrap();
+    bad.expect_closed();
+
+    let mut bad = Client::connect(server.local_addr());
+    bad.attach(1);
+    let mut raw = [0u8; HEADER_LEN];
+    wire::encode_header(&Header::request(Kind::Ping, 1, 0, 0), &mut raw).unwrap();
+    raw[6..8].copy_from_slice(&99u16.to_be_bytes());
+    bad.s.write_all(&raw).unwrap();
+    bad.expect_closed();
+
+    let mut bad = Client::connect(server.local_addr());
+    bad.attach(1);
+    wire::encode_header(&Header::request(Kind::Write, 1, 0, 0), &mut raw).unwrap();
+    raw[24..28].copy_from_slice(&(wire::MAX_IO_BYTES + 1).to_be_bytes());
+    bad.s.write_all(&raw).unwrap();
+    bad.expect_closed();
+
+    // A request before HELLO, a later HELLO with another size, a reply.
+    let mut bad = Client::connect(server.local_addr());
+    bad.send(&Header::request(Kind::Ping, 1, 0, 0), &[]);
+    bad.expect_closed();
+    let mut bad = Client::connect(server.local_addr());
+    bad.attach(1);
+    let (h, _) = bad.hello(SIZE + 4096, 1, 0);
+    assert_eq!(h.status as i32, libc::EINVAL);
+    bad.expect_closed();
+    // A reply frame sent to the replica.
+    let mut bad = Client::connect(server.local_addr());
+    bad.attach(1);
+    bad.send(&Header::request(Kind::Ping, 1, 0, 0).reply_with(0), &[]);
+    bad.expect_closed();
+
+    // The first connection is unaffected, and new ones work.
+    assert_eq!(good.read(0, 10), b"still here");
+    let mut fresh = Client::connect(server.local_addr());
+    fresh.attach(1);
+    assert_eq!(fresh.status(Kind::Ping, 0, 0), 0);
+    drop((good, fresh));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn probe_then_attach_and_writes_without_attach_dirty_first() {
+    let dir = TempDir::new("probe");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+
+    // The engine's pattern: a plain HELLO probe, reads, then an attach on
+    // the same connection.
+    let mut c = Client::connect(server.local_addr());
+    let (h, hello) = c.hello(SIZE, 4, 0);
+    assert_eq!(
+        (h.status, hello.generation),
+        (0, 0),
+        "a probe changes nothing"
+    );
+    assert!(c.read(0, 4096).iter().all(|&x| x == 0));
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    assert!(meta(&dir.0).clean, "reads do not dirty the replica");
+    assert_eq!(c.attach(4).generation, 4);
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(meta(&dir.0).clean);
+
+    // A rebuild target is written without an attach: the record turns
+    // dirty (durably) before the first write lands.
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    c.hello(SIZE, 0, 0);
+    assert!(meta(&dir.0).clean);
+    assert_eq!(c.call(Kind::Trim, 0, 4096, &[]).0.status, 0);
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
+    assert_eq!(c.write(4096, b"rebuilt"), 0);
+    assert_eq!(c.read(4096, 7), b"rebuilt");
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, true));
+    fw.stop();
+}
+
+#[test]
+fn shutdown_finishes_connected_peers() {
+    let dir = TempDir::new("shutdown");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::connect(addr);
+    c.attach(2);
+    // Queue writes, then stop while they may still be in flight: each gets
+    // its reply before the connection closes.
+    for i in 0..32u64 {
+        c.send(
+            &Header::request(Kind::Write, 100 + i, i * 65536, 65536),
+            &pattern(i as u8, 65536),
+        );
+    }
+    let mut replies = 0;
+    while replies < 32 {
+        let (h, _) = c.recv();
+        assert_eq!(h.status, 0);
+        replies += 1;
+    }
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    c.expect_closed();
+    assert!(meta(&dir.0).clean);
+    assert!(TcpStream::connect(addr)
+        .map(|mut s| {
+            let mut b = [0u8; 1];
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            matches!(s.read(&mut b), Ok(0) | Err(_))
+        })
+        .unwrap_or(true));
+    fw.stop();
+}
+
+#[test]
+fn run_rejects_bad_arguments_with_exit_2() {
+    let args = lull_replica::ReplicaArgs {
+        listen: "not-an-address".into(),
+        dir: "/nonexistent".into(),
+        size: "1G".into(),
+        cores: None,
+        mode: "interrupt".into(),
+        direct: false,
+    };
+    assert_eq!(lull_replica::run(&args), std::process::ExitCode::from(2));
+    let args = lull_replica::ReplicaArgs {
+        listen: "127.0.0.1:0".into(),
+        size: "12Q".into(),
+        ..args
+    };
+    assert_eq!(lull_replica::run(&args), std::process::ExitCode::from(2));
+}
+
+#[test]
+fn extents_continue_past_one_reply() {
+    let dir = TempDir::new("many-extents");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    c.attach(1);
+    let n = wire::MAX_EXTENTS_PER_REPLY as u64 + 44;
+    let stride = 64 * 1024;
+    for i in 0..n {
+        assert_eq!(c.write(i * stride, &pattern(i as u8, 4096)), 0);
+    }
+    let (h, p) = c.call(Kind::Extents, 0, SIZE as u32, &[]);
+    let first = wire::decode_extents(&p).unwrap();
+    assert_eq!(h.status, 0);
+    assert_eq!(first.len(), wire::MAX_EXTENTS_PER_REPLY);
+    assert!(h.offset < SIZE, "a full reply stops early");
+    let (h2, p2) = c.call(Kind::Extents, h.offset, (SIZE - h.offset) as u32, &[]);
+    assert_eq!(h2.offset, SIZE);
+    let all: Vec<(u64, u64)> = first
+        .into_iter()
+        .chain(wire::decode_extents(&p2).unwrap())
+        .collect();
+    assert_eq!(all.len() as u64, n);
+    for (i, &(off, len)) in all.iter().enumerate() {
+        assert_eq!(off, i as u64 * stride);
+        assert!(len >= 4096 && len < stride, "{off} {len}");
+    }
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn serves_in_poll_mode() {
+    let dir = TempDir::new("poll");
+    let cpus = lull_reactor::sys::allowed_cpus().expect("affinity");
+    let core = *cpus.last().expect("a cpu");
+    let mut fw = Framework::start(FrameworkConfig {
+        pin: false,
+        ..FrameworkConfig::new(vec![core], Mode::Poll)
+    })
+    .expect("framework");
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    c.attach(1);
+    let data = pattern(9, 128 * 1024);
+    assert_eq!(c.write(4 * MIB, &data), 0);
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    assert_eq!(c.read(4 * MIB, data.len() as u32), data);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}

@@ -1,0 +1,66 @@
+//! lull's control plane: JSON-RPC 2.0 over a Unix socket (SPDK's
+//! convention, method names after SPDK's), a `lull rpc` client, and
+//! Prometheus metrics over HTTP.
+//!
+//! ```ignore
+//! use lull_rpc::*;
+//! let mut reg = MethodRegistry::new();
+//! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, engine })?;
+//! let rpc = RpcServer::start(Path::new(DEFAULT_RPC_SOCKET), Arc::new(reg))?;
+//! let metrics = MetricsServer::start("127.0.0.1:9555".parse()?, source)?;
+//! // $ lull rpc framework_get_reactors
+//! // $ lull rpc engine_set_options '{"data-engine-interrupt-mode-enabled": false}'
+//! // $ curl -s http://127.0.0.1:9555/metrics
+//! ```
+//!
+//! Everything here runs on ordinary OS threads, never on a reactor, so
+//! management traffic cannot delay the data path. Each server has a
+//! connection cap, a request size limit and I/O timeouts (see the constants).
+
+mod client;
+mod conns;
+mod framing;
+mod http;
+mod methods;
+mod metrics;
+mod server;
+pub mod testing;
+
+use std::io;
+use std::path::PathBuf;
+
+pub use client::{
+    call, run_client, RpcArgs, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
+};
+pub use methods::{
+    framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, EngineControl, LullContext,
+    LULL_METHODS, MAX_BACKEND_LEN, MAX_MODE_NAME_LEN, MAX_POLL_PERIOD_US, MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN,
+    TICK_RATE_HZ,
+};
+pub use metrics::{
+    encode_snapshot, reactor_metrics, MetricsError, MetricsServer, MetricsSnapshot, MetricsSource, ReactorMetrics,
+    ReplicaMetrics, VolumeMetrics, HTTP_IO_TIMEOUT, MAX_HTTP_REQUEST_BYTES, MAX_METRICS_CONNECTIONS, METRICS_PATH,
+    OPENMETRICS_CONTENT_TYPE,
+};
+pub use server::{
+    error_response, handle_value, no_params, parse_params, MethodRegistry, RpcHandler, RpcMethodError, RpcServer,
+    INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, MAX_BATCH_LEN, MAX_METHOD_NAME_LEN, MAX_REQUEST_BYTES,
+    MAX_RPC_CONNECTIONS, METHOD_NOT_FOUND, PARSE_ERROR, REQUEST_IO_TIMEOUT, RPC_GET_METHODS, SERVER_BUSY,
+};
+
+/// Errors of the RPC server and registry.
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    #[error("another server is listening on {}", .0.display())]
+    InUse(PathBuf),
+    #[error("{} exists and is not a socket; not replacing it", .0.display())]
+    NotASocket(PathBuf),
+    #[error("cannot bind {}: {source}", path.display())]
+    Bind { path: PathBuf, source: io::Error },
+    #[error("invalid method name {0:?}: 1 to {MAX_METHOD_NAME_LEN} bytes of [A-Za-z0-9_]")]
+    BadMethodName(String),
+    #[error("method {0:?} is already registered")]
+    DuplicateMethod(String),
+    #[error("cannot start the RPC thread: {0}")]
+    Thread(io::Error),
+}

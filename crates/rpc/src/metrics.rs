@@ -1,0 +1,610 @@
+//! Prometheus metrics: a plain snapshot the engine fills, encoded at scrape
+//! time in the OpenMetrics text format, served over HTTP.
+//!
+//! ```ignore
+//! struct Source { fw: FrameworkHandle }
+//! impl MetricsSource for Source {
+//!     fn snapshot(&self) -> MetricsSnapshot {
+//!         MetricsSnapshot { reactors: reactor_metrics(&self.fw), ..Default::default() }
+//!     }
+//! }
+//! let server = MetricsServer::start("127.0.0.1:9555".parse()?, Arc::new(Source { fw }))?;
+//! // curl http://127.0.0.1:9555/metrics
+//! ```
+//!
+//! The snapshot is a plain struct rather than live prometheus-client metrics
+//! so that the data path keeps its own counters (atomics it already has) and
+//! pays nothing until a scrape; a scrape builds a fresh registry from it.
+
+use std::fmt::Write as _;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::conns::{ConnSet, Slot};
+use crate::http::{self, HttpError};
+
+/// Scrapers served at once: one or two Prometheus servers and an operator's
+/// curl. Past this a connection gets 503.
+pub const MAX_METRICS_CONNECTIONS: usize = 16;
+
+/// Largest request head (request line + headers). A Prometheus scrape's head
+/// is under 1 KiB; 8 KiB is the common server default (nginx, Go's
+/// net/http per-line). Larger gets 431.
+pub const MAX_HTTP_REQUEST_BYTES: usize = 8 * 1024;
+
+/// A request must arrive, and the response be taken, within this time, so a
+/// slow client cannot hold a connection thread. Prometheus' default scrape
+/// timeout is 10 s.
+pub const HTTP_IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Lingering close bounds: how long and how much input to drop after the
+/// response; a well-behaved client closes at once.
+const LINGER_TIMEOUT: Duration = Duration::from_secs(1);
+const LINGER_MAX_BYTES: usize = 64 * 1024;
+
+/// Refused connections waiting for their 503; past this they are closed
+/// without one (a flood must not queue without bound).
+const REJECT_QUEUE_LEN: usize = 16;
+
+/// How long a stop waits for scrapes in progress.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+
+/// The content type of what `encode_snapshot` writes.
+pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The path served.
+pub const METRICS_PATH: &str = "/metrics";
+
+/// Errors of the metrics server.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: io::Error },
+    #[error("cannot start the metrics thread: {0}")]
+    Thread(io::Error),
+    #[error("cannot encode metrics")]
+    Encode,
+}
+
+/// One reactor's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReactorMetrics {
+    pub index: usize,
+    pub core: usize,
+    /// The mode's name ("poll", "interrupt", ...).
+    pub mode: String,
+    pub interrupt_mode_enabled: bool,
+    pub busy_ns: u64,
+    pub idle_ns: u64,
+    pub iterations: u64,
+    pub wakeups: u64,
+    /// Adaptive mode: spins that found work, spins that found none, and the
+    /// time spent spinning.
+    pub spins_with_work: u64,
+    pub spins_idle: u64,
+    pub spin_ns: u64,
+}
+
+impl ReactorMetrics {
+    pub fn from_stats(s: &lull_reactor::ReactorStats) -> ReactorMetrics {
+        ReactorMetrics {
+            index: s.index,
+            core: s.core,
+            mode: s.mode.as_str().to_string(),
+            interrupt_mode_enabled: s.interrupt_mode_enabled(),
+            busy_ns: s.busy_ns,
+            idle_ns: s.idle_ns,
+            iterations: s.iterations,
+            wakeups: s.wakeups,
+            spins_with_work: s.spins_with_work,
+            spins_idle: s.spins_idle,
+            spin_ns: s.spin_ns,
+        }
+    }
+}
+
+/// `ReactorMetrics::from_stats` for every reactor of a framework.
+pub fn reactor_metrics(fw: &lull_reactor::FrameworkHandle) -> Vec<ReactorMetrics> {
+    fw.reactor_stats().iter().map(ReactorMetrics::from_stats).collect()
+}
+
+/// One volume's I/O counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct VolumeMetrics {
+    pub name: String,
+    pub reads: u64,
+    pub writes: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    /// Latency histogram: (upper bound in ns, requests in this bucket — NOT
+    /// cumulative). Requests above the last bound are
+    /// `latency_count - sum(counts)`; the +Inf bucket is added here.
+    pub latency_buckets: Vec<(f64, u64)>,
+    pub latency_sum_ns: u64,
+    pub latency_count: u64,
+}
+
+/// One replica's state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaMetrics {
+    pub volume: String,
+    pub addr: String,
+    pub healthy: bool,
+}
+
+/// Everything a scrape shows, read at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MetricsSnapshot {
+    pub reactors: Vec<ReactorMetrics>,
+    pub volumes: Vec<VolumeMetrics>,
+    pub replicas: Vec<ReplicaMetrics>,
+}
+
+/// Where a scrape gets its numbers. Called on the metrics thread, never on
+/// a reactor; it should only read counters.
+pub trait MetricsSource: Send + Sync {
+    fn snapshot(&self) -> MetricsSnapshot;
+}
+
+/// A label value, escaped as the exposition format requires (prometheus-client
+/// 0.22 writes label values verbatim, and volume names may hold `"`, `\` or
+/// newlines).
+#[derive(Debug, Clone)]
+struct Label(String);
+
+impl EncodeLabelValue for Label {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        for c in self.0.chars() {
+            match c {
+                '\\' => encoder.write_str("\\\\")?,
+                '"' => encoder.write_str("\\\"")?,
+                '\n' => encoder.write_str("\\n")?,
+                c => encoder.write_char(c)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+type Labels = Vec<(&'static str, Label)>;
+
+fn reactor_labels(r: &ReactorMetrics) -> Labels {
+    vec![("reactor", Label(r.index.to_string())), ("core", Label(r.core.to_string()))]
+}
+
+fn volume_labels(v: &VolumeMetrics) -> Labels {
+    vec![("volume", Label(v.name.clone()))]
+}
+
+fn ns_to_s(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+#[derive(Debug)]
+struct SnapshotCollector(MetricsSnapshot);
+
+/// One counter family: a descriptor, then a sample per item.
+fn counters<T, V: EncodeCounterValue>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    items: &[T],
+    labels: impl Fn(&T) -> Labels,
+    value: impl Fn(&T) -> V,
+) -> std::fmt::Result {
+    let mut family = enc.encode_descriptor(name, help, unit, MetricType::Counter)?;
+    for item in items {
+        let l = labels(item);
+        family.encode_family(&l)?.encode_counter::<(), V, u64>(&value(item), None)?;
+    }
+    Ok(())
+}
+
+fn gauges<T>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    items: &[T],
+    labels: impl Fn(&T) -> Labels,
+    value: impl Fn(&T) -> i64,
+) -> std::fmt::Result {
+    let mut family = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for item in items {
+        let l = labels(item);
+        family.encode_family(&l)?.encode_gauge(&value(item))?;
+    }
+    Ok(())
+}
+
+/// Histogram buckets for prometheus-client: ascending finite bounds in
+/// seconds, non-cumulative counts, ending with the +Inf bucket (`f64::MAX`).
+/// Returns them with the total count (never below the buckets' sum, so the
+/// +Inf bucket equals `_count` as OpenMetrics requires).
+fn histogram_buckets(v: &VolumeMetrics) -> (Vec<(f64, u64)>, u64) {
+    let mut b: Vec<(f64, u64)> =
+        v.latency_buckets.iter().filter(|(le, _)| le.is_finite() && *le >= 0.0).copied().collect();
+    b.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let mut out: Vec<(f64, u64)> = Vec::with_capacity(b.len() + 1);
+    for (le_ns, n) in b {
+        match out.last_mut() {
+            Some(last) if last.0 == le_ns / 1e9 => last.1 = last.1.saturating_add(n),
+            _ => out.push((le_ns / 1e9, n)),
+        }
+    }
+    let in_buckets = out.iter().fold(0u64, |a, (_, n)| a.saturating_add(*n));
+    let count = v.latency_count.max(in_buckets);
+    out.push((f64::MAX, count - in_buckets));
+    (out, count)
+}
+
+impl Collector for SnapshotCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let s = &self.0;
+        let r = &s.reactors[..];
+        let secs = Unit::Seconds;
+        counters(
+            &mut enc,
+            "lull_reactor_busy",
+            "Time reactors spent on iterations that found work.",
+            Some(&secs),
+            r,
+            reactor_labels,
+            |x| ns_to_s(x.busy_ns),
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_idle",
+            "Time reactors spent idle (polling nothing, or asleep).",
+            Some(&secs),
+            r,
+            reactor_labels,
+            |x| ns_to_s(x.idle_ns),
+        )?;
+        counters(&mut enc, "lull_reactor_iterations", "Reactor loop iterations.", None, r, reactor_labels, |x| {
+            x.iterations
+        })?;
+        counters(
+            &mut enc,
+            "lull_reactor_wakeups",
+            "Times a reactor woke from an event wait.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.wakeups,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_spins_with_work",
+            "Adaptive-mode spins that found work.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.spins_with_work,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_spins_idle",
+            "Adaptive-mode spins that found no work.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.spins_idle,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_spin",
+            "Time spent spinning before sleeping (adaptive mode).",
+            Some(&secs),
+            r,
+            reactor_labels,
+            |x| ns_to_s(x.spin_ns),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_mode",
+            "The reactor's event mode (1 for the current mode label).",
+            r,
+            |x| {
+                let mut l = reactor_labels(x);
+                l.push(("mode", Label(x.mode.clone())));
+                l
+            },
+            |_| 1,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_interrupt_mode_enabled",
+            "1 when the reactor sleeps on events (Longhorn's InterruptModeEnabled).",
+            r,
+            reactor_labels,
+            |x| i64::from(x.interrupt_mode_enabled),
+        )?;
+
+        let v = &s.volumes[..];
+        counters(&mut enc, "lull_volume_reads", "Read requests completed.", None, v, volume_labels, |x| x.reads)?;
+        counters(&mut enc, "lull_volume_writes", "Write requests completed.", None, v, volume_labels, |x| x.writes)?;
+        let bytes = Unit::Bytes;
+        counters(&mut enc, "lull_volume_read", "Bytes read.", Some(&bytes), v, volume_labels, |x| x.read_bytes)?;
+        counters(&mut enc, "lull_volume_written", "Bytes written.", Some(&bytes), v, volume_labels, |x| x.write_bytes)?;
+        let mut family = enc.encode_descriptor(
+            "lull_volume_latency",
+            "Request latency, submission to completion.",
+            Some(&secs),
+            MetricType::Histogram,
+        )?;
+        for x in v {
+            let (buckets, count) = histogram_buckets(x);
+            let l = volume_labels(x);
+            family.encode_family(&l)?.encode_histogram::<()>(ns_to_s(x.latency_sum_ns), count, &buckets, None)?;
+        }
+
+        gauges(
+            &mut enc,
+            "lull_replica_healthy",
+            "1 when the replica is in sync and serving, 0 otherwise.",
+            &s.replicas,
+            |x| vec![("volume", Label(x.volume.clone())), ("replica", Label(x.addr.clone()))],
+            |x| i64::from(x.healthy),
+        )?;
+        Ok(())
+    }
+}
+
+/// Encode a snapshot in the OpenMetrics text format (ends with `# EOF`).
+pub fn encode_snapshot(snapshot: MetricsSnapshot) -> Result<String, MetricsError> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(SnapshotCollector(snapshot)));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).map_err(|_| MetricsError::Encode)?;
+    Ok(out)
+}
+
+/// A running HTTP server for `GET /metrics`.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+    conns: Arc<ConnSet<TcpStream>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MetricsServer({})", self.addr)
+    }
+}
+
+impl MetricsServer {
+    /// Listen on `addr` (port 0 picks one; see `local_addr`).
+    pub fn start(addr: SocketAddr, source: Arc<dyn MetricsSource>) -> Result<MetricsServer, MetricsError> {
+        let listener = TcpListener::bind(addr).map_err(|source| MetricsError::Listen { addr, source })?;
+        let local = listener.local_addr().map_err(|source| MetricsError::Listen { addr, source })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = ConnSet::new(MAX_METRICS_CONNECTIONS);
+        let accept = {
+            let stop = stop.clone();
+            let conns = conns.clone();
+            std::thread::Builder::new()
+                .name("metrics-accept".into())
+                .spawn(move || accept_loop(listener, source, stop, conns))
+                .map_err(MetricsError::Thread)?
+        };
+        tracing::info!(addr = %local, "metrics server listening");
+        Ok(MetricsServer { addr: local, stop, accept: Some(accept), conns })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stop accepting and close every connection.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        let Some(accept) = self.accept.take() else { return };
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the blocking accept with a connection of our own.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake.ip() {
+                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            });
+        }
+        if TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok() {
+            let _ = accept.join();
+        } else {
+            tracing::warn!(addr = %self.addr, "cannot wake the metrics accept thread; leaving it");
+        }
+        self.conns.close_all(SHUTDOWN_WAIT);
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    source: Arc<dyn MetricsSource>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<ConnSet<TcpStream>>,
+) {
+    // Refusals need a lingering close too (else the 503 may be lost to a
+    // reset), which must not stall accepting: one thread does them, from a
+    // bounded queue. It ends when this loop drops the sender.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<TcpStream>(REJECT_QUEUE_LEN);
+    let reject = std::thread::Builder::new()
+        .name("metrics-reject".into())
+        .spawn(move || {
+            let busy = http::response(
+                503,
+                "Service Unavailable",
+                &[],
+                "text/plain; charset=utf-8",
+                b"too many connections\n",
+                true,
+            );
+            for stream in rx {
+                if stream.set_write_timeout(Some(LINGER_TIMEOUT)).is_ok() {
+                    let _ = (&stream).write_all(&busy);
+                    linger(&stream);
+                }
+            }
+        })
+        .ok()
+        .map(|_| tx);
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "metrics accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let slot = stream.try_clone().ok().and_then(|h| conns.admit(h));
+        let Some(slot) = slot else {
+            // Past the cap: the reject thread answers 503 if it keeps up;
+            // otherwise the connection is just closed.
+            if let Some(tx) = &reject {
+                let _ = tx.try_send(stream);
+            }
+            continue;
+        };
+        let source = source.clone();
+        let spawned = std::thread::Builder::new()
+            .name("metrics-conn".into())
+            .spawn(move || serve_connection(stream, &*source, slot));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a metrics connection thread");
+        }
+    }
+}
+
+/// Read one request head within `HTTP_IO_TIMEOUT` in total.
+fn read_head(stream: &TcpStream) -> Result<http::RequestHead, HttpError> {
+    let deadline = Instant::now() + HTTP_IO_TIMEOUT;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        if let Some(head) = http::parse_head(&buf, MAX_HTTP_REQUEST_BYTES)? {
+            return Ok(head);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(HttpError::Timeout);
+        }
+        stream.set_read_timeout(Some(left)).map_err(|_| HttpError::Closed)?;
+        match (&*stream).read(&mut chunk) {
+            Ok(0) => return Err(HttpError::Closed),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(HttpError::Timeout)
+            }
+            Err(_) => return Err(HttpError::Closed),
+        }
+    }
+}
+
+/// One request per connection (`Connection: close`).
+fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<TcpStream>) {
+    if stream.set_write_timeout(Some(HTTP_IO_TIMEOUT)).is_err() {
+        return;
+    }
+    let text = |code: u16, reason: &str, extra: &[(&str, &str)], body: &str| {
+        http::response(code, reason, extra, "text/plain; charset=utf-8", body.as_bytes(), true)
+    };
+    let response = match read_head(&stream) {
+        Err(HttpError::Closed | HttpError::Timeout) => return,
+        Err(HttpError::TooLarge) => text(431, "Request Header Fields Too Large", &[], "request head too large\n"),
+        Err(HttpError::Malformed(why)) => text(400, "Bad Request", &[], &format!("{why}\n")),
+        Ok(head) if head.method != "GET" && head.method != "HEAD" => {
+            text(405, "Method Not Allowed", &[("Allow", "GET, HEAD")], "only GET and HEAD\n")
+        }
+        Ok(head) if head.path() != METRICS_PATH => text(404, "Not Found", &[], "try /metrics\n"),
+        Ok(head) => {
+            let with_body = head.method == "GET";
+            match catch_unwind(AssertUnwindSafe(|| encode_snapshot(source.snapshot()))) {
+                Ok(Ok(body)) => http::response(200, "OK", &[], OPENMETRICS_CONTENT_TYPE, body.as_bytes(), with_body),
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "metrics scrape failed");
+                    text(500, "Internal Server Error", &[], "cannot encode metrics\n")
+                }
+                Err(_) => {
+                    tracing::error!("metrics source panicked");
+                    text(500, "Internal Server Error", &[], "metrics source failed\n")
+                }
+            }
+        }
+    };
+    let _ = (&stream).write_all(&response);
+    linger(&stream);
+}
+
+/// Close gracefully: a TCP close with unread input sends a reset, which can
+/// destroy the response before the client reads it (a 431 to a client still
+/// sending headers). So half-close, then read and drop input until the
+/// client closes, bounded in bytes and time (Apache's "lingering close").
+fn linger(stream: &TcpStream) {
+    if stream.shutdown(std::net::Shutdown::Write).is_err() || stream.set_read_timeout(Some(LINGER_TIMEOUT)).is_err() {
+        return;
+    }
+    let mut chunk = [0u8; 4096];
+    let mut left = LINGER_MAX_BYTES;
+    while left > 0 {
+        match (&*stream).read(&mut chunk) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_sane() {
+        let v = VolumeMetrics {
+            latency_buckets: vec![(2000.0, 3), (1000.0, 1), (f64::NAN, 9), (1000.0, 1), (-5.0, 1)],
+            latency_count: 4,
+            ..Default::default()
+        };
+        // Buckets say 5, count says 4: count is raised, +Inf bucket empty.
+        let (b, count) = histogram_buckets(&v);
+        assert_eq!(count, 5);
+        assert_eq!(b, vec![(1e-6, 2), (2e-6, 3), (f64::MAX, 0)]);
+        let v = VolumeMetrics { latency_buckets: vec![(1000.0, 1)], latency_count: 10, ..Default::default() };
+        assert_eq!(histogram_buckets(&v), (vec![(1e-6, 1), (f64::MAX, 9)], 10));
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let s = MetricsSnapshot {
+            volumes: vec![VolumeMetrics { name: "a\"b\\c\nd".into(), reads: 1, ..Default::default() }],
+            ..Default::default()
+        };
+        let text = encode_snapshot(s).unwrap();
+        assert!(text.contains("lull_volume_reads_total{volume=\"a\\\"b\\\\c\\nd\"} 1\n"), "{text}");
+    }
+}
