@@ -6,6 +6,8 @@
 //! cores = "1"                      # reactor cores: "0,2-3"
 //! mode = "interrupt"               # poll | interrupt | hybrid | adaptive
 //! nvme_ioq_poll_period_us = 100    # hybrid mode's replica-connection poll
+//! rpc_socket = "/var/tmp/lull.sock"
+//! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! # Longhorn's names are accepted as aliases:
 //! # data-engine-interrupt-mode-enabled = true   (true = interrupt, false = poll)
 //! # data-engine-nvme-ioq-poll-period-us = 100
@@ -54,6 +56,8 @@ pub struct ServeSettings {
     pub mode: Mode,
     pub ioq_poll_period_us: u64,
     pub volumes: Vec<VolumeSpec>,
+    pub rpc_socket: Option<PathBuf>,
+    pub metrics: Option<SocketAddr>,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -75,6 +79,8 @@ pub struct ConfigFile {
     pub interrupt_mode_enabled: Option<bool>,
     #[serde(alias = "data-engine-nvme-ioq-poll-period-us")]
     pub nvme_ioq_poll_period_us: Option<u64>,
+    pub rpc_socket: Option<PathBuf>,
+    pub metrics: Option<String>,
     #[serde(default)]
     pub volume: Vec<VolumeTable>,
 }
@@ -103,6 +109,8 @@ pub struct Overrides {
     pub mode: Option<String>,
     pub ioq_poll_period_us: Option<u64>,
     pub volumes: Vec<String>,
+    pub rpc_socket: Option<PathBuf>,
+    pub metrics: Option<String>,
 }
 
 /// Parse a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
@@ -252,7 +260,12 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
     if let Some(d) = volumes.iter().find(|v| !names.insert(v.name.clone())) {
         return err(format!("volume {:?} is defined twice", d.name));
     }
-    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes })
+    let metrics = match flags.metrics.or(file.metrics) {
+        Some(m) => Some(m.parse().map_err(|_| ConfigError(format!("invalid metrics address {m:?}: expected ADDR:PORT")))?),
+        None => None,
+    };
+    let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
+    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes, rpc_socket, metrics })
 }
 
 #[cfg(test)]

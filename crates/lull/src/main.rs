@@ -2,6 +2,7 @@
 //! volume `vol0` on 127.0.0.1:10809.
 
 mod config;
+mod control;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +30,10 @@ struct Cli {
 enum Command {
     /// Serve volumes over NBD.
     Serve(ServeArgs),
+    /// Serve one replica of a replicated volume.
+    Replica(lull_replica::ReplicaArgs),
+    /// Call a JSON-RPC method of a running server.
+    Rpc(lull_rpc::RpcArgs),
     /// Measure lull in each mode against peer NBD servers with fio.
     Bench(lull_bench::BenchArgs),
 }
@@ -55,6 +60,13 @@ struct ServeArgs {
     /// or file=PATH[,direct]. Sizes take K/M/G/T (binary) suffixes.
     #[arg(long = "volume", value_name = "NAME:SIZE[:BACKEND]")]
     volumes: Vec<String>,
+    /// JSON-RPC socket [default: /var/tmp/lull.sock; when that one is taken
+    /// by another server, RPC is off with a warning].
+    #[arg(long, value_name = "PATH")]
+    rpc_socket: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
     /// TOML configuration file; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -71,6 +83,8 @@ fn main() -> ExitCode {
         .init();
     match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Replica(args) => lull_replica::run(&args),
+        Command::Rpc(args) => lull_rpc::run_client(&args),
         Command::Bench(args) => bench(&args),
     }
 }
@@ -98,12 +112,14 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         mode: args.mode,
         ioq_poll_period_us: args.ioq_poll_period_us,
         volumes: args.volumes,
+        rpc_socket: args.rpc_socket,
+        metrics: args.metrics,
     };
     let allowed = lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
     config::resolve(file, flags, &allowed).map_err(|e| e.to_string())
 }
 
-fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevice>, String> {
+pub(crate) fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevice>, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
@@ -112,6 +128,33 @@ fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevice>, String
         ),
     };
     Ok(dev)
+}
+
+/// Start the JSON-RPC server. The default socket being held by another
+/// live server is not fatal (several servers on one machine are normal in
+/// tests and benchmarks): RPC is then off, with a warning. An explicit
+/// `--rpc-socket` that cannot be served is an error.
+fn start_rpc(
+    s: &ServeSettings,
+    fw: &Framework,
+    volumes: &Arc<Volumes>,
+    control: &Arc<control::Control>,
+) -> Result<Option<lull_rpc::RpcServer>, String> {
+    let mut registry = lull_rpc::MethodRegistry::new();
+    let ctx = lull_rpc::LullContext { fw: fw.handle().clone(), volumes: volumes.clone(), engine: control.clone() };
+    lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
+    let (path, explicit) = match &s.rpc_socket {
+        Some(p) => (p.clone(), true),
+        None => (PathBuf::from(lull_rpc::DEFAULT_RPC_SOCKET), false),
+    };
+    match lull_rpc::RpcServer::start(&path, Arc::new(registry)) {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if !explicit => {
+            tracing::warn!(socket = %path.display(), error = %e, "JSON-RPC is off: pass --rpc-socket PATH to enable it");
+            Ok(None)
+        }
+        Err(e) => Err(format!("JSON-RPC socket {}: {e}", path.display())),
+    }
 }
 
 fn human(bytes: u64) -> String {
@@ -197,6 +240,28 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let control = Arc::new(control::Control::new(fw.handle().clone(), volumes.clone()));
+    let rpc = match start_rpc(&s, &fw, &volumes, &control) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            server.shutdown(SHUTDOWN_TIMEOUT);
+            fw.stop();
+            return ExitCode::FAILURE;
+        }
+    };
+    let metrics = match s.metrics {
+        Some(addr) => match lull_rpc::MetricsServer::start(addr, control.clone()) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("lull: error: metrics on {addr}: {e}");
+                server.shutdown(SHUTDOWN_TIMEOUT);
+                fw.stop();
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
     println!(
         "lull {}: {} reactor(s) on core(s) {:?}, {} mode",
         env!("CARGO_PKG_VERSION"),
@@ -218,8 +283,16 @@ fn serve(args: ServeArgs) -> ExitCode {
             }
         }
     }
+    if let Some(r) = &rpc {
+        println!("rpc on {}", r.path().display());
+    }
+    if let Some(m) = &metrics {
+        println!("metrics on http://{}/metrics", m.local_addr());
+    }
     let signal = signals.forever().next();
     tracing::info!(?signal, "stopping: no new connections, finishing in-flight I/O");
+    drop(rpc);
+    drop(metrics);
     let left = server.shutdown(SHUTDOWN_TIMEOUT);
     if left > 0 {
         tracing::warn!(connections = left, "connections still open after the shutdown timeout");

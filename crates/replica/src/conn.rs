@@ -254,6 +254,7 @@ impl Conn {
     }
 
     /// Slot table and output accounting agree (debug builds, every run).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn check_invariants(&self) {
         let busy = self.slots.iter().filter(|s| s.is_some()).count();
         assert_eq!(busy + self.free.len(), MAX_IN_FLIGHT, "slots leaked or double-freed");

@@ -141,7 +141,9 @@ pub fn run_client(args: &RpcArgs) -> ExitCode {
     };
     match call(&args.socket, &args.method, params, timeout) {
         Ok(result) => {
-            println!("{}", pretty(&result));
+            use std::io::Write;
+            // A closed pipe (`lull rpc ... | head`) is not an error of ours.
+            let _ = writeln!(std::io::stdout(), "{}", pretty(&result));
             ExitCode::SUCCESS
         }
         Err(RpcClientError::Rpc { code, message, data }) => {

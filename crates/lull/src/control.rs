@@ -1,0 +1,152 @@
+//! The binary's side of the control plane: what the RPC methods and the
+//! metrics endpoint do to (and read from) the running server.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use lull_nbd::{bucket_le_ns, Volume, Volumes, LATENCY_BUCKETS};
+use lull_reactor::{FrameworkHandle, Mode};
+use lull_rpc::{EngineControl, MetricsSnapshot, MetricsSource, VolumeMetrics};
+use serde_json::{json, Value};
+
+use crate::config;
+
+/// Default keep-alive poll period of replica connections (Longhorn's
+/// `nvme_adminq_poll_period_us` default, 10 ms).
+pub const DEFAULT_ADMINQ_POLL_PERIOD_US: u64 = 10_000;
+
+pub struct Control {
+    pub fw: FrameworkHandle,
+    pub volumes: Arc<Volumes>,
+    pub adminq_poll_period_us: AtomicU64,
+}
+
+impl Control {
+    pub fn new(fw: FrameworkHandle, volumes: Arc<Volumes>) -> Control {
+        Control { fw, volumes, adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US) }
+    }
+
+    fn volume(&self, name: &str) -> Result<Arc<Volume>, String> {
+        self.volumes.list().into_iter().find(|v| v.name == name).ok_or_else(|| format!("no volume {name:?}"))
+    }
+}
+
+impl EngineControl for Control {
+    fn get_options(&self) -> Value {
+        let reactors = self.fw.reactor_stats();
+        let (mode, period) = reactors
+            .first()
+            .map(|r| (r.mode, r.ioq_poll_period_us))
+            .unwrap_or((Mode::Interrupt, lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US));
+        json!({
+            "mode": mode.as_str(),
+            "nvme_ioq_poll_period_us": period,
+            "nvme_adminq_poll_period_us": self.adminq_poll_period_us.load(Ordering::Relaxed),
+            "interrupt_mode_enabled": reactors.iter().all(|r| r.interrupt_mode_enabled()),
+        })
+    }
+
+    fn set_options(&self, params: &Value) -> Result<Value, String> {
+        let current = self.get_options();
+        let mode = match params.get("mode").and_then(Value::as_str) {
+            Some(m) => config::parse_mode(m).map_err(|e| e.to_string())?,
+            None => config::parse_mode(current["mode"].as_str().unwrap_or("interrupt")).map_err(|e| e.to_string())?,
+        };
+        let period = params
+            .get("nvme_ioq_poll_period_us")
+            .and_then(Value::as_u64)
+            .or_else(|| current["nvme_ioq_poll_period_us"].as_u64())
+            .unwrap_or(lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US);
+        if let Some(a) = params.get("nvme_adminq_poll_period_us").and_then(Value::as_u64) {
+            self.adminq_poll_period_us.store(a, Ordering::Relaxed);
+        }
+        self.fw.set_mode_all(mode, period).map_err(|e| e.to_string())?;
+        tracing::info!(mode = mode.as_str(), nvme_ioq_poll_period_us = period, "engine options set over RPC");
+        Ok(self.get_options())
+    }
+
+    fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String> {
+        let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}")).map_err(|e| e.to_string())?;
+        let dev = crate::open_device(&spec)?;
+        let v = self.volumes.add(Volume::new(&spec.name, dev)).map_err(|e| e.to_string())?;
+        tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
+        Ok(volume_json(&v))
+    }
+
+    fn volume_delete(&self, name: &str) -> Result<(), String> {
+        let v = self.volumes.remove(name).map_err(|e| e.to_string())?;
+        // Connected clients keep the device until they disconnect; flush
+        // what is there now.
+        if let Err(e) = v.dev.sync() {
+            tracing::warn!(volume = name, error = %e, "flush of a deleted volume failed");
+        }
+        tracing::info!(volume = name, "volume deleted over RPC");
+        Ok(())
+    }
+
+    fn volume_stats(&self, name: &str) -> Result<Value, String> {
+        let v = self.volume(name)?;
+        let s = v.stats.snapshot();
+        Ok(json!({
+            "name": v.name,
+            "reads": s.reads,
+            "writes": s.writes,
+            "flushes": s.flushes,
+            "trims": s.trims,
+            "write_zeroes": s.write_zeroes,
+            "read_bytes": s.read_bytes,
+            "write_bytes": s.write_bytes,
+            "errors": s.errors,
+            "latency_ns": {
+                "mean": s.latency_mean_ns(),
+                "p50_le": s.latency_quantile_le_ns(0.5),
+                "p99_le": s.latency_quantile_le_ns(0.99),
+                "max": s.latency_max_ns,
+            },
+        }))
+    }
+
+    fn replica_list(&self, volume: &str) -> Result<Value, String> {
+        self.volume(volume)?;
+        Err(format!("volume {volume:?} is not replicated"))
+    }
+
+    fn replica_add(&self, volume: &str, _addr: &str) -> Result<(), String> {
+        self.volume(volume)?;
+        Err(format!("volume {volume:?} is not replicated"))
+    }
+
+    fn replica_remove(&self, volume: &str, _addr: &str) -> Result<(), String> {
+        self.volume(volume)?;
+        Err(format!("volume {volume:?} is not replicated"))
+    }
+}
+
+pub fn volume_json(v: &Volume) -> Value {
+    json!({ "name": v.name, "size_bytes": v.dev.size_bytes(), "backend": v.dev.describe() })
+}
+
+impl MetricsSource for Control {
+    fn snapshot(&self) -> MetricsSnapshot {
+        let volumes = self
+            .volumes
+            .list()
+            .iter()
+            .map(|v| {
+                let s = v.stats.snapshot();
+                VolumeMetrics {
+                    name: v.name.clone(),
+                    reads: s.reads,
+                    writes: s.writes,
+                    read_bytes: s.read_bytes,
+                    write_bytes: s.write_bytes,
+                    latency_buckets: (0..LATENCY_BUCKETS).map(|i| (bucket_le_ns(i) as f64, s.buckets[i])).collect(),
+                    latency_sum_ns: s.latency_sum_ns,
+                    latency_count: s.buckets.iter().sum(),
+                }
+            })
+            .collect();
+        MetricsSnapshot { reactors: lull_rpc::reactor_metrics(&self.fw), volumes, replicas: Vec::new() }
+    }
+}
+
