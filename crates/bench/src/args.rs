@@ -17,6 +17,14 @@ pub const PORT_SPAN: u16 = 1000;
 /// alone.
 pub const DEFAULT_PORT_BASE: u16 = 20900;
 
+/// Default replica-connection poll period of the hybrid mode, µs (lull's own
+/// default for `--nvme-ioq-poll-period-us`).
+pub const DEFAULT_HYBRID_PERIOD_US: u32 = 100;
+
+/// Largest hybrid poll period accepted: 10 s. Anything longer would starve
+/// the replica connections for a whole job.
+pub const HYBRID_PERIOD_US_MAX: u32 = 10_000_000;
+
 /// `lull bench`: fio's nbd engine with the kbench profile against lull in each
 /// event mode and against peer NBD servers.
 #[derive(clap::Args, Debug, Clone)]
@@ -33,6 +41,13 @@ pub struct BenchArgs {
     /// skipped with the server's error line.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = Mode::ALL.to_vec())]
     pub modes: Vec<Mode>,
+
+    /// Replica-connection poll periods of the hybrid mode, in µs, comma
+    /// separated: hybrid is measured once per period, as
+    /// `lull-hybrid@<period>-<volume>`, with `--nvme-ioq-poll-period-us`.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![DEFAULT_HYBRID_PERIOD_US],
+          value_parser = clap::value_parser!(u32).range(1..=HYBRID_PERIOD_US_MAX as i64))]
+    pub hybrid_periods: Vec<u32>,
 
     /// lull volume kinds to measure.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![VolumeKind::Malloc])]
@@ -116,6 +131,8 @@ pub enum VolumeKind {
     Malloc,
     /// File backend (io_uring) on a preallocated file in a temp dir.
     File,
+    /// One local replica server on its own directory.
+    Replica1,
     /// Two local replica servers, each on its own directory.
     Replica2,
 }
@@ -125,7 +142,17 @@ impl VolumeKind {
         match self {
             VolumeKind::Malloc => "malloc",
             VolumeKind::File => "file",
+            VolumeKind::Replica1 => "replica1",
             VolumeKind::Replica2 => "replica2",
+        }
+    }
+
+    /// How many `lull replica` processes the volume needs.
+    pub fn replica_count(self) -> usize {
+        match self {
+            VolumeKind::Malloc | VolumeKind::File => 0,
+            VolumeKind::Replica1 => 1,
+            VolumeKind::Replica2 => 2,
         }
     }
 }
@@ -146,6 +173,8 @@ pub enum PeerChoice {
 #[derive(Debug, Clone, Serialize)]
 pub struct Settings {
     pub jobs: Vec<JobKind>,
+    /// Hybrid-mode poll periods, µs, deduplicated in the given order.
+    pub hybrid_periods_us: Vec<u32>,
     pub runtime_secs: u64,
     pub ramp_secs: f64,
     pub idle_secs: f64,
@@ -211,6 +240,20 @@ impl Settings {
         if jobs.is_empty() {
             return Err(BenchError::BadArgs("--jobs is empty".into()));
         }
+        let mut hybrid_periods_us = Vec::new();
+        for &p in &args.hybrid_periods {
+            if !(1..=HYBRID_PERIOD_US_MAX).contains(&p) {
+                return Err(BenchError::BadArgs(format!(
+                    "--hybrid-periods {p} out of range 1..={HYBRID_PERIOD_US_MAX}"
+                )));
+            }
+            if !hybrid_periods_us.contains(&p) {
+                hybrid_periods_us.push(p);
+            }
+        }
+        if hybrid_periods_us.is_empty() {
+            return Err(BenchError::BadArgs("--hybrid-periods is empty".into()));
+        }
         if args.port_base == 0 || args.port_base > u16::MAX - PORT_SPAN {
             return Err(BenchError::BadArgs(format!(
                 "--port-base must be in 1..={}",
@@ -219,6 +262,7 @@ impl Settings {
         }
         Ok(Settings {
             jobs,
+            hybrid_periods_us,
             runtime_secs,
             ramp_secs,
             idle_secs,
@@ -284,6 +328,7 @@ mod tests {
         assert_eq!((s.server_cpu, s.client_cpu), (1, 0));
         assert_eq!(cli.bench.modes.len(), 4);
         assert_eq!(cli.bench.volumes, vec![VolumeKind::Malloc]);
+        assert_eq!(s.hybrid_periods_us, vec![DEFAULT_HYBRID_PERIOD_US]);
         assert_eq!(
             cli.bench.peers,
             vec![PeerChoice::Nbdkit, PeerChoice::QemuNbd]
@@ -314,5 +359,45 @@ mod tests {
         assert!(Settings::resolve(&cli.bench, 2).is_err());
         assert!(Cli::try_parse_from(["bench", "--jobs", "nope"]).is_err());
         assert!(Cli::try_parse_from(["bench", "--repeat", "0"]).is_err());
+    }
+
+    #[test]
+    fn hybrid_periods_and_replica1() {
+        let cli = Cli::parse_from([
+            "bench",
+            "--hybrid-periods",
+            "10,1000,10",
+            "--volumes",
+            "replica1,replica2",
+        ]);
+        assert_eq!(cli.bench.hybrid_periods, vec![10, 1000, 10]);
+        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        assert_eq!(s.hybrid_periods_us, vec![10, 1000]);
+        assert_eq!(
+            cli.bench.volumes,
+            vec![VolumeKind::Replica1, VolumeKind::Replica2]
+        );
+        assert_eq!(
+            cli.bench
+                .volumes
+                .iter()
+                .map(|v| v.replica_count())
+                .collect::<Vec<_>>(),
+            [1, 2]
+        );
+        let cli = Cli::parse_from(["bench", "--hybrid-periods", "1"]);
+        assert_eq!(cli.bench.hybrid_periods, vec![1]);
+        for bad in ["0", "-5", "x", "10,", "10000001"] {
+            assert!(
+                Cli::try_parse_from(["bench", "--hybrid-periods", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        // Built without clap (as a library caller may): still checked.
+        let mut args = Cli::parse_from(["bench"]).bench;
+        args.hybrid_periods = vec![];
+        assert!(Settings::resolve(&args, 2).is_err());
+        args.hybrid_periods = vec![0];
+        assert!(Settings::resolve(&args, 2).is_err());
     }
 }

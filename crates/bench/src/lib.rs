@@ -104,7 +104,13 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
             return Err(BenchError::MissingTool { tool, package });
         }
     }
-    let targets = plan::targets(!args.no_lull, &args.modes, &args.volumes, &args.peers);
+    let targets = plan::targets(
+        !args.no_lull,
+        &args.modes,
+        &settings.hybrid_periods_us,
+        &args.volumes,
+        &args.peers,
+    );
     if targets.is_empty() {
         return Err(BenchError::BadArgs(
             "nothing to measure: no lull targets and no peers".into(),
@@ -214,11 +220,15 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
         r.idle_cpu_pct = stats::spread(&r.idle_cpu_pct_samples);
     }
     let results = report::aggregate(&settings.jobs, &reports, &samples);
+    let modes_summary = report::modes_summary(&settings.jobs, &reports, &results);
+    let adaptive_vs_poll = report::adaptive_vs_poll(&modes_summary);
     let mut report = Report {
         environment: environment(&targets),
         settings,
         targets: reports,
         results,
+        modes_summary,
+        adaptive_vs_poll,
         samples,
         plots: Vec::new(),
     };
@@ -369,13 +379,17 @@ impl Ctx<'_> {
         let port = self.port()?;
         let lull = self.lull_exe.to_string_lossy().into_owned();
         let (name, program, args): (&str, String, Vec<String>) = match target {
-            Target::Lull { mode, volume } => {
+            Target::Lull {
+                mode,
+                volume,
+                hybrid_period_us,
+            } => {
                 let backend = match volume {
                     VolumeKind::Malloc => String::new(),
                     VolumeKind::File => format!(":file={}", self.data_file.display()),
-                    VolumeKind::Replica2 => {
+                    VolumeKind::Replica1 | VolumeKind::Replica2 => {
                         let mut addrs = Vec::new();
-                        for k in 0..2 {
+                        for k in 0..volume.replica_count() {
                             let p = self.port()?;
                             let dir = self.work.join(format!("replica{k}"));
                             // Fresh replica state for every start.
@@ -405,7 +419,7 @@ impl Ctx<'_> {
                         format!(":replicas={}", addrs.join("+"))
                     }
                 };
-                let a = vec![
+                let mut a = vec![
                     "serve".into(),
                     "--listen".into(),
                     format!("127.0.0.1:{port}"),
@@ -416,6 +430,9 @@ impl Ctx<'_> {
                     "--volume".into(),
                     format!("bench:{size}{backend}"),
                 ];
+                if let Some(period) = hybrid_period_us {
+                    a.extend(["--nvme-ioq-poll-period-us".into(), period.to_string()]);
+                }
                 ("lull", lull.clone(), a)
             }
             Target::Nbdkit => {
@@ -616,10 +633,7 @@ mod tests {
 
     #[test]
     fn missing_lull_is_skipped_not_dropped() {
-        let t = Target::Lull {
-            mode: Mode::Poll,
-            volume: VolumeKind::Malloc,
-        };
+        let t = Target::lull(Mode::Poll, VolumeKind::Malloc, None);
         assert!(matches!(
             initial_status(&t, Path::new("/nonexistent/lull")),
             TargetStatus::Skipped { .. }

@@ -28,6 +28,10 @@ pub enum Target {
     Lull {
         mode: Mode,
         volume: VolumeKind,
+        /// Hybrid mode only: the replica-connection poll period, µs, passed
+        /// as `--nvme-ioq-poll-period-us`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        hybrid_period_us: Option<u32>,
     },
     /// `nbdkit memory`.
     Nbdkit,
@@ -36,9 +40,28 @@ pub enum Target {
 }
 
 impl Target {
+    /// A lull target; `hybrid_period_us` is kept for the hybrid mode only.
+    pub fn lull(mode: Mode, volume: VolumeKind, hybrid_period_us: Option<u32>) -> Target {
+        Target::Lull {
+            mode,
+            volume,
+            hybrid_period_us: hybrid_period_us.filter(|_| mode == Mode::Hybrid),
+        }
+    }
+
+    /// `lull-poll-malloc`, `lull-hybrid@10-replica2`, `nbdkit-memory`, …
     pub fn name(&self) -> String {
         match self {
-            Target::Lull { mode, volume } => format!("lull-{}-{}", mode.as_str(), volume.as_str()),
+            Target::Lull {
+                mode,
+                volume,
+                hybrid_period_us,
+            } => {
+                let period = hybrid_period_us
+                    .map(|p| format!("@{p}"))
+                    .unwrap_or_default();
+                format!("lull-{}{period}-{}", mode.as_str(), volume.as_str())
+            }
             Target::Nbdkit => "nbdkit-memory".into(),
             Target::QemuNbd => "qemu-nbd-file".into(),
         }
@@ -70,10 +93,12 @@ impl Target {
     }
 }
 
-/// Targets in report order: lull modes × volumes, then peers.
+/// Targets in report order: lull modes × volumes (hybrid once per poll
+/// period in `hybrid_periods_us`), then peers.
 pub fn targets(
     lull: bool,
     modes: &[Mode],
+    hybrid_periods_us: &[u32],
     volumes: &[VolumeKind],
     peers: &[PeerChoice],
 ) -> Vec<Target> {
@@ -86,7 +111,13 @@ pub fn targets(
     if lull {
         for &volume in volumes {
             for &mode in modes {
-                push(Target::Lull { mode, volume });
+                if mode == Mode::Hybrid {
+                    for &p in hybrid_periods_us {
+                        push(Target::lull(mode, volume, Some(p)));
+                    }
+                } else {
+                    push(Target::lull(mode, volume, None));
+                }
             }
         }
     }
@@ -139,6 +170,7 @@ mod tests {
         let t = targets(
             true,
             &[Mode::Poll, Mode::Adaptive],
+            &[100],
             &[VolumeKind::Malloc, VolumeKind::Replica2],
             &[PeerChoice::QemuNbd, PeerChoice::Nbdkit, PeerChoice::Nbdkit],
         );
@@ -157,6 +189,7 @@ mod tests {
         assert!(targets(
             true,
             &[Mode::Poll],
+            &[100],
             &[VolumeKind::Malloc],
             &[PeerChoice::None]
         )
@@ -166,12 +199,69 @@ mod tests {
             targets(
                 false,
                 &[Mode::Poll],
+                &[100],
                 &[VolumeKind::Malloc],
                 &[PeerChoice::Nbdkit]
             ),
             vec![Target::Nbdkit]
         );
         assert!(Target::QemuNbd.uses_data_file() && !Target::Nbdkit.uses_data_file());
+    }
+
+    #[test]
+    fn hybrid_once_per_period() {
+        let t = targets(
+            true,
+            &[Mode::Poll, Mode::Hybrid, Mode::Adaptive],
+            &[10, 1000, 10],
+            &[VolumeKind::Malloc, VolumeKind::Replica1],
+            &[PeerChoice::None],
+        );
+        let names: Vec<String> = t.iter().map(Target::name).collect();
+        assert_eq!(
+            names,
+            [
+                "lull-poll-malloc",
+                "lull-hybrid@10-malloc",
+                "lull-hybrid@1000-malloc",
+                "lull-adaptive-malloc",
+                "lull-poll-replica1",
+                "lull-hybrid@10-replica1",
+                "lull-hybrid@1000-replica1",
+                "lull-adaptive-replica1",
+            ]
+        );
+        assert_eq!(
+            t[1],
+            Target::Lull {
+                mode: Mode::Hybrid,
+                volume: VolumeKind::Malloc,
+                hybrid_period_us: Some(10)
+            }
+        );
+        // The period only sticks to the hybrid mode.
+        assert_eq!(
+            Target::lull(Mode::Poll, VolumeKind::File, Some(10)).name(),
+            "lull-poll-file"
+        );
+        // No periods → no hybrid targets; the other modes are unaffected.
+        let t = targets(
+            true,
+            &[Mode::Hybrid, Mode::Interrupt],
+            &[],
+            &[VolumeKind::Malloc],
+            &[PeerChoice::None],
+        );
+        assert_eq!(
+            t,
+            vec![Target::lull(Mode::Interrupt, VolumeKind::Malloc, None)]
+        );
+        let json =
+            serde_json::to_value(Target::lull(Mode::Hybrid, VolumeKind::Malloc, Some(10))).unwrap();
+        assert_eq!(json["hybrid_period_us"], 10);
+        let json =
+            serde_json::to_value(Target::lull(Mode::Poll, VolumeKind::Malloc, None)).unwrap();
+        assert!(json.get("hybrid_period_us").is_none());
     }
 
     #[test]

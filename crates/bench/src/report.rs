@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::args::{Settings, VolumeKind};
+use crate::args::{Mode, Settings, VolumeKind};
 use crate::fio::{FioMetrics, JobKind, Primary};
 use crate::plan::Target;
 use crate::stats::{self, CellMedians, Ratio, ServerCost, Spread};
@@ -19,6 +19,11 @@ pub struct Report {
     pub targets: Vec<TargetReport>,
     /// Medians over repeats, one per (job, target) in job-major order.
     pub results: Vec<JobResult>,
+    /// One row per target (lull first, then peers): idle CPU and the
+    /// randread-lat / randread-iops medians side by side.
+    pub modes_summary: Vec<ModeSummaryRow>,
+    /// adaptive ÷ poll per volume kind where both ran.
+    pub adaptive_vs_poll: Vec<AdaptiveVsPoll>,
     /// Every fio run, in run order.
     pub samples: Vec<Sample>,
     /// PNG files written beside the report.
@@ -160,8 +165,9 @@ fn poll_baseline(
         .enumerate()
         .filter_map(|(i, t)| match t.target {
             Target::Lull {
-                mode: crate::args::Mode::Poll,
+                mode: Mode::Poll,
                 volume,
+                ..
             } if medians[i].is_some() => Some((i, volume)),
             _ => None,
         })
@@ -196,6 +202,184 @@ fn add_ratios(job: JobKind, targets: &[TargetReport], cells: &mut [JobResult]) {
             }
         }
     }
+}
+
+/// One row of the modes summary: a target's idle CPU and its randread
+/// medians over repeats. `None` when the job was not run, the target was
+/// skipped, or every run of it failed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModeSummaryRow {
+    pub target: String,
+    pub is_peer: bool,
+    pub skipped: bool,
+    /// lull only.
+    pub mode: Option<Mode>,
+    /// lull only.
+    pub volume: Option<VolumeKind>,
+    /// lull's hybrid mode only.
+    pub hybrid_period_us: Option<u32>,
+    pub idle_cpu_pct: Option<f64>,
+    /// randread-lat: 4 KiB random read at QD1.
+    pub qd1_randread_lat_mean_us: Option<f64>,
+    pub qd1_randread_lat_p99_us: Option<f64>,
+    /// randread-iops: 4 KiB random read at QD64.
+    pub qd64_randread_iops: Option<f64>,
+    pub cpu_us_per_io_qd1: Option<f64>,
+    pub cpu_us_per_io_qd64: Option<f64>,
+}
+
+/// Builds the modes summary from the per-cell medians; one row per target
+/// in report order.
+pub fn modes_summary(
+    jobs: &[JobKind],
+    targets: &[TargetReport],
+    results: &[JobResult],
+) -> Vec<ModeSummaryRow> {
+    let cell = |job: JobKind, name: &str| {
+        if !jobs.contains(&job) {
+            return None;
+        }
+        results.iter().find(|c| c.job == job && c.target == name)
+    };
+    let median = |s: Option<Spread>| s.map(|s| s.median);
+    targets
+        .iter()
+        .map(|t| {
+            let (mode, volume, hybrid_period_us) = match t.target {
+                Target::Lull {
+                    mode,
+                    volume,
+                    hybrid_period_us,
+                } => (Some(mode), Some(volume), hybrid_period_us),
+                _ => (None, None, None),
+            };
+            let lat = cell(JobKind::RandreadLat, &t.name);
+            let iops = cell(JobKind::RandreadIops, &t.name);
+            ModeSummaryRow {
+                target: t.name.clone(),
+                is_peer: t.is_peer,
+                skipped: t.status != TargetStatus::Ok,
+                mode,
+                volume,
+                hybrid_period_us,
+                idle_cpu_pct: median(t.idle_cpu_pct),
+                qd1_randread_lat_mean_us: lat.and_then(|c| median(c.lat_mean_us)),
+                qd1_randread_lat_p99_us: lat.and_then(|c| median(c.lat_p99_us)),
+                qd64_randread_iops: iops.and_then(|c| median(c.iops)),
+                cpu_us_per_io_qd1: lat.and_then(|c| median(c.cpu_us_per_io)),
+                cpu_us_per_io_qd64: iops.and_then(|c| median(c.cpu_us_per_io)),
+            }
+        })
+        .collect()
+}
+
+/// lull's adaptive mode against its poll mode on one volume kind. The
+/// ratios are adaptive ÷ poll of the medians; `None` when either side has
+/// no number.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AdaptiveVsPoll {
+    pub volume: VolumeKind,
+    pub adaptive: String,
+    pub poll: String,
+    /// Below 1: adaptive answers faster at QD1.
+    pub qd1_lat_mean: Option<f64>,
+    /// Below 1: adaptive does fewer IOPS at QD64.
+    pub qd64_iops: Option<f64>,
+    /// Below 1: adaptive spends less CPU per I/O at QD1.
+    pub cpu_us_per_io_qd1: Option<f64>,
+    /// Idle CPU % of the adaptive server (not a ratio: poll's is ~100 %).
+    pub adaptive_idle_cpu_pct: Option<f64>,
+}
+
+/// One entry per volume kind that has both a poll and an adaptive row, in
+/// row order; targets that were skipped do not count.
+pub fn adaptive_vs_poll(rows: &[ModeSummaryRow]) -> Vec<AdaptiveVsPoll> {
+    let find = |mode: Mode, volume: VolumeKind| {
+        rows.iter()
+            .find(|r| !r.skipped && r.mode == Some(mode) && r.volume == Some(volume))
+    };
+    let div = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if a.is_finite() && b.is_finite() && b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    let mut out: Vec<AdaptiveVsPoll> = Vec::new();
+    for volume in rows.iter().filter_map(|r| r.volume) {
+        if out.iter().any(|o| o.volume == volume) {
+            continue;
+        }
+        let (Some(a), Some(p)) = (find(Mode::Adaptive, volume), find(Mode::Poll, volume)) else {
+            continue;
+        };
+        out.push(AdaptiveVsPoll {
+            volume,
+            adaptive: a.target.clone(),
+            poll: p.target.clone(),
+            qd1_lat_mean: div(a.qd1_randread_lat_mean_us, p.qd1_randread_lat_mean_us),
+            qd64_iops: div(a.qd64_randread_iops, p.qd64_randread_iops),
+            cpu_us_per_io_qd1: div(a.cpu_us_per_io_qd1, p.cpu_us_per_io_qd1),
+            adaptive_idle_cpu_pct: a.idle_cpu_pct,
+        });
+    }
+    out
+}
+
+/// The "Modes summary" section of report.md: the table, then one
+/// adaptive/poll line per volume kind. Cells of a job that was not run are
+/// blank; "–" means it ran without a number (skipped or failed).
+pub fn render_modes_summary(r: &Report) -> String {
+    let mut md = String::new();
+    let jobs = &r.settings.jobs;
+    let num = |job: Option<JobKind>, v: Option<f64>, f: fn(f64) -> String| match (job, v) {
+        (Some(j), _) if !jobs.contains(&j) => String::new(),
+        (_, Some(v)) => f(v),
+        (_, None) => "–".into(),
+    };
+    let _ = writeln!(
+        md,
+        "## Modes summary
+"
+    );
+    let _ = writeln!(
+        md,
+        "| target | idle CPU % | QD1 4k randread mean µs | QD1 4k randread p99 µs | QD64 4k randread IOPS | CPU-µs/IO at QD1 | CPU-µs/IO at QD64 |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    let lat = Some(JobKind::RandreadLat);
+    let iops = Some(JobKind::RandreadIops);
+    for row in &r.modes_summary {
+        let _ = writeln!(
+            md,
+            "| {}{} | {} | {} | {} | {} | {} | {} |",
+            row.target,
+            if row.skipped { " (skipped)" } else { "" },
+            num(None, row.idle_cpu_pct, sig3),
+            num(lat, row.qd1_randread_lat_mean_us, sig3),
+            num(lat, row.qd1_randread_lat_p99_us, sig3),
+            num(iops, row.qd64_randread_iops, si),
+            num(lat, row.cpu_us_per_io_qd1, sig3),
+            num(iops, row.cpu_us_per_io_qd64, sig3),
+        );
+    }
+    let _ = writeln!(md);
+    let times = |v: Option<f64>| {
+        v.map(|v| format!("{}×", sig3(v)))
+            .unwrap_or_else(|| "–".into())
+    };
+    for a in &r.adaptive_vs_poll {
+        let _ = writeln!(
+            md,
+            "adaptive/poll ({}): QD1 mean latency {}, QD64 IOPS {}, CPU-µs/IO at QD1 {}; idle CPU of adaptive {}
+",
+            a.volume.as_str(),
+            times(a.qd1_lat_mean),
+            times(a.qd64_iops),
+            times(a.cpu_us_per_io_qd1),
+            a.adaptive_idle_cpu_pct
+                .map(|v| format!("{} %", sig3(v)))
+                .unwrap_or_else(|| "–".into()),
+        );
+    }
+    md
 }
 
 /// Value with three significant digits and a k/M/G suffix.
@@ -335,6 +519,7 @@ pub fn render_markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(md);
+    md.push_str(&render_modes_summary(r));
 
     let _ = writeln!(md, "## Results\n");
     for &job in &s.jobs {
@@ -448,12 +633,13 @@ pub fn rfc3339_utc(unix_secs: u64) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::args::{Mode, Settings};
+    use crate::args::Settings;
     use crate::procstat::ProcCounters;
 
     pub(crate) fn settings(jobs: Vec<JobKind>, repeat: u32) -> Settings {
         Settings {
             jobs,
+            hybrid_periods_us: vec![100],
             runtime_secs: 1,
             ramp_secs: 0.5,
             idle_secs: 1.0,
@@ -512,18 +698,9 @@ pub(crate) mod tests {
 
     /// A small report: poll, adaptive, a skipped interrupt, and nbdkit.
     pub(crate) fn fake_report(repeat: u32) -> Report {
-        let poll = Target::Lull {
-            mode: Mode::Poll,
-            volume: VolumeKind::Malloc,
-        };
-        let adaptive = Target::Lull {
-            mode: Mode::Adaptive,
-            volume: VolumeKind::Malloc,
-        };
-        let interrupt = Target::Lull {
-            mode: Mode::Interrupt,
-            volume: VolumeKind::Malloc,
-        };
+        let poll = Target::lull(Mode::Poll, VolumeKind::Malloc, None);
+        let adaptive = Target::lull(Mode::Adaptive, VolumeKind::Malloc, None);
+        let interrupt = Target::lull(Mode::Interrupt, VolumeKind::Malloc, None);
         let targets = vec![
             tr(poll, TargetStatus::Ok),
             tr(
@@ -561,6 +738,8 @@ pub(crate) mod tests {
             });
         }
         let results = aggregate(&jobs, &targets, &samples);
+        let modes_summary = modes_summary(&jobs, &targets, &results);
+        let adaptive_vs_poll = adaptive_vs_poll(&modes_summary);
         Report {
             environment: Environment {
                 date_utc: rfc3339_utc(0),
@@ -574,6 +753,8 @@ pub(crate) mod tests {
             settings: settings(jobs, repeat),
             targets,
             results,
+            modes_summary,
+            adaptive_vs_poll,
             samples,
             plots: vec!["cpu_vs_latency.png".into()],
         }
@@ -634,13 +815,160 @@ pub(crate) mod tests {
             .filter(|l| l.starts_with("| lull") || l.starts_with("| nbdkit"))
         {
             let cells = table_line.replace("\\|", "").matches('|').count();
-            assert!(cells == 5 || cells == 15, "{cells} in {table_line}");
+            // 8: the modes summary.
+            assert!(
+                cells == 5 || cells == 8 || cells == 15,
+                "{cells} in {table_line}"
+            );
         }
         // JSON round-trips through serde_json::Value, NaN as null.
         let v: serde_json::Value =
             serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(v["results"].as_array().unwrap().len(), 8);
         assert_eq!(v["targets"][1]["status"]["state"], "skipped");
+    }
+
+    /// The summary section of `md`: from its heading to the next one.
+    fn summary_section(md: &str) -> &str {
+        let start = md.find("## Modes summary").expect("no modes summary");
+        let end = md[start + 3..]
+            .find("\n## ")
+            .map_or(md.len(), |e| start + 3 + e);
+        &md[start..end]
+    }
+
+    #[test]
+    fn modes_summary_from_recorded_report() {
+        let r = fake_report(2);
+        let names: Vec<&str> = r.modes_summary.iter().map(|m| m.target.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "lull-poll-malloc",
+                "lull-interrupt-malloc",
+                "lull-adaptive-malloc",
+                "nbdkit-memory"
+            ]
+        );
+        let poll = &r.modes_summary[0];
+        assert_eq!(poll.mode, Some(Mode::Poll));
+        assert_eq!(poll.idle_cpu_pct, Some(1.0));
+        assert!((poll.qd64_randread_iops.unwrap() - 105_000.0).abs() < 1e-6);
+        // Medians over the two repeats: 50 and 50/1.1 µs.
+        assert!((poll.qd1_randread_lat_mean_us.unwrap() - 47.727_272).abs() < 1e-3);
+        assert!((poll.cpu_us_per_io_qd1.unwrap() - 50.0).abs() < 1e-9);
+        assert!(r.modes_summary[1].skipped && r.modes_summary[1].qd64_randread_iops.is_none());
+        let peer = &r.modes_summary[3];
+        assert!(peer.is_peer && peer.mode.is_none() && peer.qd1_randread_lat_mean_us.is_none());
+
+        assert_eq!(r.adaptive_vs_poll.len(), 1);
+        let a = &r.adaptive_vs_poll[0];
+        assert_eq!(
+            (a.volume, a.adaptive.as_str()),
+            (VolumeKind::Malloc, "lull-adaptive-malloc")
+        );
+        assert!((a.qd1_lat_mean.unwrap() - 1.1).abs() < 1e-9);
+        assert!((a.qd64_iops.unwrap() - 0.9).abs() < 1e-9);
+        assert!((a.cpu_us_per_io_qd1.unwrap() - 0.4 / 0.9).abs() < 1e-9);
+        assert_eq!(a.adaptive_idle_cpu_pct, Some(1.0));
+
+        let md = render_markdown(&r);
+        let sec = summary_section(&md);
+        assert!(md.find("## Modes summary") < md.find("## Results"));
+        let header = "| target | idle CPU % | QD1 4k randread mean µs | QD1 4k randread p99 µs | QD64 4k randread IOPS | CPU-µs/IO at QD1 | CPU-µs/IO at QD64 |";
+        assert!(sec.contains(header), "{sec}");
+        for row in [
+            "| lull-poll-malloc | 1.00 | 47.7 | 95.5 | 105k | 50.0 | 9.55 |",
+            "| lull-interrupt-malloc (skipped) | 1.00 | – | – | – | – | – |",
+            "| lull-adaptive-malloc | 1.00 | 52.5 | 105 | 94.5k | 22.2 | 6.36 |",
+            "| nbdkit-memory | 1.00 | – | – | 52.5k | – | 17.2 |",
+            "adaptive/poll (malloc): QD1 mean latency 1.10×, QD64 IOPS 0.900×, CPU-µs/IO at QD1 0.444×; idle CPU of adaptive 1.00 %",
+        ] {
+            assert!(sec.contains(row), "missing {row:?} in\n{sec}");
+        }
+        let rows: Vec<&str> = sec.lines().filter(|l| l.starts_with("| ")).collect();
+        assert_eq!(rows.len(), 1 + 4);
+        assert!(rows.iter().all(|l| l.matches('|').count() == 8), "{sec}");
+
+        let v: serde_json::Value =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        let ms = v["modes_summary"].as_array().unwrap();
+        assert_eq!(ms.len(), 4);
+        assert_eq!(ms[0]["target"], "lull-poll-malloc");
+        assert_eq!(ms[0]["mode"], "poll");
+        assert_eq!(ms[0]["qd64_randread_iops"], 105_000.0);
+        assert!(ms[3]["qd1_randread_lat_mean_us"].is_null());
+        assert_eq!(v["adaptive_vs_poll"][0]["volume"], "malloc");
+    }
+
+    #[test]
+    fn modes_summary_blank_when_job_not_run() {
+        let mut r = fake_report(1);
+        // Keep only the QD64 job, as `--jobs randread-iops` would.
+        r.settings.jobs = vec![JobKind::RandreadIops];
+        r.results.retain(|c| c.job == JobKind::RandreadIops);
+        r.samples.retain(|c| c.job == JobKind::RandreadIops);
+        r.modes_summary = modes_summary(&r.settings.jobs, &r.targets, &r.results);
+        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary);
+        assert!(r.modes_summary[0].qd1_randread_lat_mean_us.is_none());
+        let md = render_markdown(&r);
+        let sec = summary_section(&md);
+        assert!(
+            sec.contains("| lull-poll-malloc | 1.00 |  |  | 100k |  | 10.0 |"),
+            "{sec}"
+        );
+        assert!(
+            sec.contains("QD1 mean latency –, QD64 IOPS 0.900×"),
+            "{sec}"
+        );
+
+        // No adaptive target (or a skipped one) → no ratio line.
+        r.targets[2].status = TargetStatus::Skipped {
+            reason: "nope".into(),
+        };
+        r.modes_summary = modes_summary(&r.settings.jobs, &r.targets, &r.results);
+        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary);
+        assert!(r.adaptive_vs_poll.is_empty());
+        assert!(!render_markdown(&r).contains("adaptive/poll"));
+    }
+
+    #[test]
+    fn adaptive_vs_poll_per_volume() {
+        let row = |mode: Mode, volume: VolumeKind, lat: f64| ModeSummaryRow {
+            target: Target::lull(mode, volume, Some(10)).name(),
+            is_peer: false,
+            skipped: false,
+            mode: Some(mode),
+            volume: Some(volume),
+            hybrid_period_us: (mode == Mode::Hybrid).then_some(10),
+            idle_cpu_pct: Some(if mode == Mode::Poll { 100.0 } else { 0.5 }),
+            qd1_randread_lat_mean_us: Some(lat),
+            qd1_randread_lat_p99_us: None,
+            qd64_randread_iops: Some(0.0),
+            cpu_us_per_io_qd1: None,
+            cpu_us_per_io_qd64: None,
+        };
+        let rows = vec![
+            row(Mode::Poll, VolumeKind::Malloc, 20.0),
+            row(Mode::Hybrid, VolumeKind::Malloc, 22.0),
+            row(Mode::Adaptive, VolumeKind::Malloc, 30.0),
+            row(Mode::Adaptive, VolumeKind::Replica1, 30.0),
+            row(Mode::Adaptive, VolumeKind::Replica2, 80.0),
+            row(Mode::Poll, VolumeKind::Replica2, 40.0),
+        ];
+        assert_eq!(rows[1].target, "lull-hybrid@10-malloc");
+        let a = adaptive_vs_poll(&rows);
+        assert_eq!(
+            a.iter().map(|a| a.volume).collect::<Vec<_>>(),
+            [VolumeKind::Malloc, VolumeKind::Replica2]
+        );
+        assert_eq!(a[0].qd1_lat_mean, Some(1.5));
+        assert_eq!(a[1].qd1_lat_mean, Some(2.0));
+        assert_eq!(a[1].poll, "lull-poll-replica2");
+        // A zero or missing denominator gives no ratio.
+        assert_eq!(a[0].qd64_iops, None);
+        assert_eq!(a[0].cpu_us_per_io_qd1, None);
+        assert_eq!(a[0].adaptive_idle_cpu_pct, Some(0.5));
     }
 
     #[test]

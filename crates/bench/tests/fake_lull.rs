@@ -59,8 +59,10 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
         "randread-iops,randwrite-lat",
         "--modes",
         "poll,hybrid",
+        "--hybrid-periods",
+        "10,1000",
         "--volumes",
-        "malloc,replica2",
+        "malloc,replica1,replica2",
         "--peers",
         "none",
         "--ramp-secs",
@@ -81,9 +83,14 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
         names,
         [
             "lull-poll-malloc",
-            "lull-hybrid-malloc",
+            "lull-hybrid@10-malloc",
+            "lull-hybrid@1000-malloc",
+            "lull-poll-replica1",
+            "lull-hybrid@10-replica1",
+            "lull-hybrid@1000-replica1",
             "lull-poll-replica2",
-            "lull-hybrid-replica2"
+            "lull-hybrid@10-replica2",
+            "lull-hybrid@1000-replica2"
         ]
     );
     let hybrid = &report.targets[1];
@@ -91,8 +98,17 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
         serde_json::to_value(&hybrid.status).unwrap()["reason"],
         "error: event mode hybrid is not supported on this kernel"
     );
+    // One replica process beside the server for replica1, two for replica2.
+    for (t, replicas) in [("lull-poll-replica1", 1), ("lull-poll-replica2", 2)] {
+        let tr = report.targets.iter().find(|r| r.name == t).unwrap();
+        let cmd = tr.command.as_deref().unwrap();
+        assert_eq!(cmd.matches(" replica --listen ").count(), replicas, "{cmd}");
+        assert_eq!(cmd.matches('+').count(), replicas - 1, "{cmd}");
+        assert!(!cmd.contains("--nvme-ioq-poll-period-us"), "{cmd}");
+    }
     for (t, job) in [
         ("lull-poll-malloc", lull_bench::JobKind::RandreadIops),
+        ("lull-poll-replica1", lull_bench::JobKind::RandreadIops),
         ("lull-poll-replica2", lull_bench::JobKind::RandwriteLat),
     ] {
         let c = report
@@ -109,9 +125,20 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
 
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
-    assert_eq!(json["samples"].as_array().unwrap().len(), 4);
+    assert_eq!(json["samples"].as_array().unwrap().len(), 6);
+    assert_eq!(json["modes_summary"].as_array().unwrap().len(), 9);
+    assert_eq!(json["targets"][1]["target"]["hybrid_period_us"], 10);
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("skipped: error: event mode hybrid"));
+    assert!(md.contains("## Modes summary"));
+    assert!(md.contains("| lull-hybrid@1000-replica1 (skipped) |"));
+    // randread-lat was not run: its cells are blank.
+    assert!(md.contains("| lull-poll-malloc | "), "{md}");
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| lull-poll-malloc | ") && l.matches('|').count() == 8)
+        .unwrap();
+    assert!(row.contains(" |  |  | "), "{row}");
     for p in &report.plots {
         assert!(std::fs::read(out.join(p)).unwrap().starts_with(b"\x89PNG"));
     }

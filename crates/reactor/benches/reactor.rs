@@ -66,18 +66,25 @@ fn empty_iteration_ns() -> f64 {
 }
 
 fn main() {
-    let mut poll = Vec::new();
-    let mut intr = Vec::new();
+    let modes = [Mode::Poll, Mode::Interrupt, Mode::Adaptive];
+    let mut rt: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut empty = Vec::new();
     // Interleaved, so drift of the shared machine hits every variant alike.
     for _ in 0..RUNS {
-        poll.push(round_trip_ns(Mode::Poll, 100_000));
-        intr.push(round_trip_ns(Mode::Interrupt, 20_000));
+        for (i, &mode) in modes.iter().enumerate() {
+            let rounds = if mode == Mode::Interrupt { 20_000 } else { 100_000 };
+            rt[i].push(round_trip_ns(mode, rounds));
+        }
         empty.push(empty_iteration_ns());
     }
-    let (p, i) = (median(poll), median(intr));
-    println!("cross-reactor message round trip, poll mode:      {:>8.0} ns (median of {RUNS})", p);
-    println!("cross-reactor message round trip, interrupt mode: {:>8.0} ns (median of {RUNS})", i);
-    println!("interrupt / poll:                                 {:>8.2}x", i / p);
-    println!("empty poll-mode iteration (1 thread, 0 pollers):  {:>8.1} ns (median of {RUNS})", median(empty));
+    let medians: Vec<f64> = rt.into_iter().map(median).collect();
+    for (mode, m) in modes.iter().zip(&medians) {
+        println!(
+            "cross-reactor message round trip, {:<9} mode: {:>8.0} ns (median of {RUNS}; {:.2}x poll)",
+            mode.as_str(),
+            m,
+            m / medians[0]
+        );
+    }
+    println!("empty poll-mode iteration (1 thread, 0 pollers):   {:>8.1} ns (median of {RUNS})", median(empty));
 }

@@ -392,6 +392,9 @@ pub struct Thread {
     spin_cap_ns: u64,
     /// When the reactor last woke from a sleep.
     last_wake_ns: u64,
+    /// The message queue is an event source too (cross-reactor traffic,
+    /// e.g. NBD connections and their volume's engine).
+    mailbox_window: SpinWindow,
     exit_requested: bool,
     now_ns: u64,
     // Local accumulators, published to `shared.counters` after each iteration.
@@ -438,6 +441,7 @@ impl Thread {
             next_initiator_ns: 0,
             spin_cap_ns: crate::reactor::ADAPTIVE_SPIN_CAP_NS,
             last_wake_ns: 0,
+            mailbox_window: SpinWindow::default(),
             exit_requested: false,
             now_ns: 0,
             busy_ns: 0,
@@ -748,7 +752,7 @@ impl Thread {
     /// [`SpinWindow`]), at most `cap_ns`. A timed poller due within the cap
     /// counts too: spinning until it is cheaper than a timer wake-up.
     pub fn spin_window_ns(&self, now: u64, cap_ns: u64) -> u64 {
-        let mut window = 0;
+        let mut window = self.mailbox_window.window_ns().min(cap_ns);
         for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
             if e.paused {
                 continue;
@@ -832,8 +836,13 @@ impl Thread {
         self.now_ns = now;
         let mut status = PollStatus::Idle;
 
-        for _ in 0..MSG_BATCH {
+        for i in 0..MSG_BATCH {
             let Some(msg) = self.shared.mailbox.pop() else { break };
+            if i == 0 {
+                let slept = self.last_wake_ns > self.mailbox_window.last_busy_ns();
+                self.mailbox_window.event(now, slept, self.spin_cap_ns);
+                self.mailbox_window.busy(now);
+            }
             msg(self);
             self.messages += 1;
             status = PollStatus::Busy;

@@ -1,0 +1,175 @@
+//! lull's volume engine: replicates every write to replica servers over TCP,
+//! reads from one healthy replica, tracks in-flight requests in a fixed slot
+//! table per connection, fails replicas that err or go silent, and rebuilds
+//! them online when they come back.
+//!
+//! ```ignore
+//! use lull_engine::{EngineOptions, ReplicatedDev};
+//! let replicas = lull_engine::parse_replicas("127.0.0.1:7001+127.0.0.1:7002")?;
+//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", replicas, 1 << 30, EngineOptions::default())?;
+//! dev.wait_ready(std::time::Duration::from_secs(10)); // main thread only
+//! volumes.add(Volume::new("vol0", dev.clone()))?;   // it is a BlockDevice
+//! for r in dev.replica_status() { println!("{} {:?}", r.addr, r.state); }
+//! ```
+//!
+//! Layout: [`slots`] is the slot table; [`core`] the engine as a pure state
+//! machine (events in, actions out, time an argument); [`shell`] runs it on
+//! one lull thread per volume (sockets, timers, channels); `sim` (tests)
+//! drives the core against in-memory replicas from a seed.
+
+#![forbid(unsafe_code)]
+
+pub mod core;
+mod shell;
+pub mod slots;
+
+#[cfg(test)]
+mod sim;
+
+use std::net::SocketAddr;
+
+pub use shell::{ReplicatedDev, CHANNEL_DEPTH, MAX_CHANNELS};
+
+/// Engine settings. Defaults follow Longhorn where it has a setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// A replica silent (no reply, no keep-alive answer) or slower than this
+    /// on any request is failed. Longhorn's default is 8 s.
+    pub replica_timeout_ms: u64,
+    /// TCP connections per replica; requests spread over them.
+    pub connections_per_replica: usize,
+    /// How often a failed replica's address is tried again.
+    pub reconnect_interval_ms: u64,
+    /// An idle connection sends a PING this often.
+    pub keepalive_interval_ms: u64,
+    /// Request slots per connection: bounds in-flight I/O per connection.
+    pub slots_per_connection: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        EngineOptions {
+            replica_timeout_ms: 8000,
+            connections_per_replica: 2,
+            reconnect_interval_ms: 2000,
+            keepalive_interval_ms: 1000,
+            slots_per_connection: 128,
+        }
+    }
+}
+
+/// Upper bounds on the options, checked by `EngineOptions::validate`.
+/// Connections: 16 per replica is far past any gain on one NIC queue.
+pub const MAX_CONNECTIONS_PER_REPLICA: usize = 16;
+/// Slots: 4096 per connection keeps a slot table (and the timeout scan over
+/// it) small while exceeding any useful queue depth.
+pub const MAX_SLOTS_PER_CONNECTION: usize = 4096;
+
+impl EngineOptions {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: &str| Err(EngineError::BadOption(m.to_string()));
+        if self.replica_timeout_ms == 0 {
+            return bad("replica_timeout_ms must be at least 1");
+        }
+        if self.connections_per_replica == 0 || self.connections_per_replica > MAX_CONNECTIONS_PER_REPLICA {
+            return bad("connections_per_replica must be 1..=16");
+        }
+        if self.slots_per_connection == 0 || self.slots_per_connection > MAX_SLOTS_PER_CONNECTION {
+            return bad("slots_per_connection must be 1..=4096");
+        }
+        if self.reconnect_interval_ms == 0 || self.keepalive_interval_ms == 0 {
+            return bad("reconnect_interval_ms and keepalive_interval_ms must be at least 1");
+        }
+        if self.keepalive_interval_ms >= self.replica_timeout_ms {
+            return bad("keepalive_interval_ms must be below replica_timeout_ms, or idle replicas time out");
+        }
+        Ok(())
+    }
+}
+
+/// Where a replica stands, as reported to operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// Connecting, handshaking, or waiting for the election.
+    Connecting,
+    /// In the healthy set: receives writes and serves reads.
+    Healthy,
+    /// Out of the healthy set; retried every `reconnect_interval_ms`.
+    Failed,
+    /// Receives writes, serves no reads until the copy finishes.
+    Rebuilding { done_bytes: u64, total_bytes: u64 },
+}
+
+/// One replica's status (`replica_status`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    pub addr: SocketAddr,
+    pub state: ReplicaState,
+    pub generation: u64,
+    /// Requests in flight on its connections.
+    pub in_flight: usize,
+    /// Times it was failed.
+    pub errors: u64,
+    pub last_error: Option<String>,
+}
+
+/// Errors of the engine's control path (the data path reports
+/// `lull_bdev::BdevError`).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("bad replica list {0:?}: {1}")]
+    BadReplicaList(String, String),
+    #[error("bad engine option: {0}")]
+    BadOption(String),
+    #[error("a volume needs 1 to {max} replicas, got {got}", max = core::MAX_REPLICAS)]
+    ReplicaCount { got: usize },
+    #[error("volume size must be a positive multiple of 512 bytes, got {0}")]
+    BadSize(u64),
+    #[error("cannot start the engine thread: {0}")]
+    Reactor(#[from] lull_reactor::ReactorError),
+    #[error("the engine thread has stopped")]
+    Stopped,
+}
+
+/// Parse `HOST:PORT+HOST:PORT[+...]` (the `replicas=` backend option).
+/// Host names are resolved here, once, at configuration time.
+pub fn parse_replicas(spec: &str) -> Result<Vec<SocketAddr>, EngineError> {
+    use std::net::ToSocketAddrs;
+    let bad = |m: String| EngineError::BadReplicaList(spec.to_string(), m);
+    let mut out = Vec::new();
+    for part in spec.split('+') {
+        let part = part.trim();
+        if part.is_empty() {
+            return Err(bad("empty replica address".into()));
+        }
+        let addr = part
+            .to_socket_addrs()
+            .map_err(|e| bad(format!("{part}: {e}")))?
+            .next()
+            .ok_or_else(|| bad(format!("{part}: no address")))?;
+        if out.contains(&addr) {
+            return Err(bad(format!("{addr} listed twice")));
+        }
+        out.push(addr);
+    }
+    if out.is_empty() || out.len() > core::MAX_REPLICAS {
+        return Err(EngineError::ReplicaCount { got: out.len() });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_lists() {
+        let v = parse_replicas("127.0.0.1:7001+127.0.0.1:7002").unwrap();
+        assert_eq!(v.len(), 2);
+        assert!(parse_replicas("127.0.0.1:7001+").is_err());
+        assert!(parse_replicas("127.0.0.1:7001+127.0.0.1:7001").is_err());
+        assert!(parse_replicas("nonsense").is_err());
+        assert!(EngineOptions::default().validate().is_ok());
+        assert!(EngineOptions { keepalive_interval_ms: 9000, ..Default::default() }.validate().is_err());
+    }
+}

@@ -1,0 +1,841 @@
+//! The reactor shell around [`Engine`]: one lull thread per volume owns the
+//! replica sockets (one poller each), a timed tick poller, and the request
+//! queues of the volume's channels. It only collects events for the core and
+//! performs the actions it returns.
+//!
+//! ```ignore
+//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", addrs, size, EngineOptions::default())?;
+//! let mut ch = dev.open_channel()?;           // on an NBD connection thread
+//! ch.submit(req)?; ch.flush_submissions();     // one message per batch
+//! // ... ch.event_fd() becomes readable ...
+//! ch.reap(&mut |c| reply(c));
+//! ```
+//!
+//! Channel → engine: submissions go into the channel's bounded queue; one
+//! message per batch (not per request) tells the engine thread to drain it.
+//! Engine → channel: completions go into the channel's bounded completion
+//! queue, and its eventfd is rung once per batch.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
+use lull_proto::replica::{self as wire, Header, HEADER_LEN};
+use lull_reactor::sys::EventFd;
+use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
+
+use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload};
+use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
+
+/// Channels (NBD connections) one volume serves at once. Bounds the
+/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
+/// open 1 to 16 connections per export.
+pub const MAX_CHANNELS: usize = 64;
+
+/// Requests one channel may have in the engine. At least the NBD
+/// connection's own limit (128), so the engine is never its bottleneck; a
+/// channel at its depth returns `BdevError::Full` and retries after its own
+/// next completion (which always comes: the count only counts its own).
+pub const CHANNEL_DEPTH: usize = 256;
+
+/// Tick period: the resolution of timeouts, keep-alives and reconnects.
+/// 100 ms is fine against second-scale timeouts and costs ~10 wake-ups/s.
+const TICK_US: u64 = 100_000;
+
+/// Socket input buffer: many small replies per read syscall; large read
+/// payloads go straight from the socket into their buffer.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+
+/// Bytes read per socket per poller run, so one busy replica connection
+/// cannot hold the engine thread from the others.
+const READ_BUDGET_BYTES: usize = 8 << 20;
+
+/// Frames gathered into one writev.
+const MAX_IOVECS: usize = 64;
+
+/// A connect attempt gives up after this long (or the replica timeout, if
+/// shorter): it runs on its own short-lived OS thread.
+const CONNECT_TIMEOUT_MS_MAX: u64 = 10_000;
+
+// ---- channels ----------------------------------------------------------
+
+struct ChannelShared {
+    submissions: ArrayQueue<ClientReq>,
+    completions: ArrayQueue<IoCompletion>,
+    /// A drain message is on its way to the engine thread.
+    scheduled: AtomicBool,
+    event: EventFd,
+    /// Index in the shell's channel table (engine thread only).
+    slot: AtomicU32,
+}
+
+const NO_SLOT: u32 = u32::MAX;
+
+struct ReplicaChannel {
+    shared: Arc<ChannelShared>,
+    engine: ThreadHandle,
+    shell: Arc<Mutex<Shell>>,
+    in_flight: usize,
+    open: Arc<AtomicUsize>,
+}
+
+impl Channel for ReplicaChannel {
+    fn submit(&mut self, mut req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if self.in_flight >= CHANNEL_DEPTH {
+            return Err((req, BdevError::Full { capacity: CHANNEL_DEPTH }));
+        }
+        let creq = ClientReq { channel: 0, tag: req.tag, op: req.op, offset: req.offset, len: req.len, buf: req.buf.take() };
+        match self.shared.submissions.push(creq) {
+            Ok(()) => {
+                self.in_flight += 1;
+                Ok(())
+            }
+            Err(c) => {
+                req.buf = c.buf;
+                Err((req, BdevError::Full { capacity: CHANNEL_DEPTH }))
+            }
+        }
+    }
+
+    fn flush_submissions(&mut self) {
+        if self.shared.submissions.is_empty() || self.shared.scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = self.shared.clone();
+        let shell = self.shell.clone();
+        let msg = Box::new(move |t: &mut Thread| {
+            // Clear first: a submission pushed after the drain starts
+            // schedules its own message.
+            shared.scheduled.store(false, Ordering::Release);
+            lock(&shell).drain_channel(t, &shared);
+        });
+        if let Err((_msg, e)) = self.engine.try_send_boxed(msg) {
+            // The engine thread is gone or flooded: fail what is queued
+            // rather than leave it waiting for a message that never comes.
+            self.shared.scheduled.store(false, Ordering::Release);
+            tracing::error!(error = %e, "cannot reach the volume engine thread");
+            while let Some(r) = self.shared.submissions.pop() {
+                let err = BdevError::Failed(format!("volume engine unreachable: {e}"));
+                let _ = self.shared.completions.push(IoCompletion { tag: r.tag, result: Err(err), buf: r.buf });
+            }
+            self.shared.event.notify();
+        }
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        // Drain the doorbell before popping: a completion pushed after the
+        // pops rings again, so none is left behind a quiet eventfd.
+        self.shared.event.drain();
+        let mut n = 0;
+        while let Some(c) = self.shared.completions.pop() {
+            self.in_flight = self.in_flight.saturating_sub(1);
+            n += 1;
+            done(c);
+        }
+        n
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        Some(self.shared.event.as_raw_fd())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+impl Drop for ReplicaChannel {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+struct ChanEntry {
+    shared: Arc<ChannelShared>,
+    /// Requests of this channel inside the engine.
+    in_engine: usize,
+    notify: bool,
+}
+
+// ---- sockets -------------------------------------------------------------
+
+enum Recv {
+    Header,
+    Payload { header: Header, buf: IoBuf, filled: usize },
+}
+
+struct Out {
+    header: [u8; HEADER_LEN],
+    payload: Payload,
+    pos: usize,
+}
+
+impl Out {
+    fn payload_bytes(&self) -> &[u8] {
+        match &self.payload {
+            Payload::None => &[],
+            Payload::Hello(h) => h,
+            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
+        }
+    }
+    fn len(&self) -> usize {
+        HEADER_LEN + self.payload_bytes().len()
+    }
+}
+
+struct Sock {
+    stream: TcpStream,
+    poller: PollerId,
+    rbuf: Box<[u8]>,
+    rstart: usize,
+    rend: usize,
+    recv: Recv,
+    out: VecDeque<Out>,
+    interest: Interest,
+}
+
+impl Sock {
+    /// Read and decode what the socket has, within the budget. Frames go to
+    /// `frames`; an error (EOF, bad frame) ends the connection.
+    fn read_frames(&mut self, engine: &mut Engine, frames: &mut Vec<(Header, Option<IoBuf>)>) -> Result<bool, String> {
+        let mut budget = READ_BUDGET_BYTES;
+        let mut progress = false;
+        loop {
+            // Decode what is buffered.
+            loop {
+                match &mut self.recv {
+                    Recv::Header => {
+                        if self.rend - self.rstart < HEADER_LEN {
+                            break;
+                        }
+                        let mut raw = [0u8; HEADER_LEN];
+                        raw.copy_from_slice(&self.rbuf[self.rstart..self.rstart + HEADER_LEN]);
+                        self.rstart += HEADER_LEN;
+                        let header = wire::decode_header(&raw).map_err(|e| match e {
+                            wire::FrameError::BadVersion(v) => format!(
+                                "replica speaks protocol version {v}, this engine speaks {}",
+                                wire::PROTOCOL_VERSION
+                            ),
+                            e => format!("undecodable frame: {e}"),
+                        })?;
+                        let n = wire::payload_len(&header);
+                        if n == 0 {
+                            frames.push((header, None));
+                        } else {
+                            self.recv = Recv::Payload { header, buf: engine.get_buf(n), filled: 0 };
+                        }
+                    }
+                    Recv::Payload { buf, filled, .. } => {
+                        let want = buf.len() - *filled;
+                        let have = (self.rend - self.rstart).min(want);
+                        buf.as_mut_slice()[*filled..*filled + have]
+                            .copy_from_slice(&self.rbuf[self.rstart..self.rstart + have]);
+                        self.rstart += have;
+                        *filled += have;
+                        // Large payloads: straight from the socket.
+                        while *filled < buf.len() && self.rstart == self.rend {
+                            match self.stream.read(&mut buf.as_mut_slice()[*filled..]) {
+                                Ok(0) => return Err("replica closed the connection".into()),
+                                Ok(n) => {
+                                    *filled += n;
+                                    progress = true;
+                                    budget = budget.saturating_sub(n);
+                                }
+                                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                                Err(e) => return Err(format!("read failed: {e}")),
+                            }
+                        }
+                        if *filled < buf.len() {
+                            break;
+                        }
+                        if let Recv::Payload { header, buf, .. } = std::mem::replace(&mut self.recv, Recv::Header) {
+                            frames.push((header, Some(buf)));
+                        }
+                    }
+                }
+            }
+            if budget == 0 {
+                return Ok(progress);
+            }
+            if self.rstart == self.rend {
+                self.rstart = 0;
+                self.rend = 0;
+            } else if self.rstart > 0 {
+                self.rbuf.copy_within(self.rstart..self.rend, 0);
+                self.rend -= self.rstart;
+                self.rstart = 0;
+            }
+            match self.stream.read(&mut self.rbuf[self.rend..]) {
+                Ok(0) => return Err("replica closed the connection".into()),
+                Ok(n) => {
+                    self.rend += n;
+                    progress = true;
+                    budget = budget.saturating_sub(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progress),
+                Err(e) => return Err(format!("read failed: {e}")),
+            }
+        }
+    }
+
+    /// Write queued frames; an error ends the connection.
+    fn flush(&mut self) -> Result<bool, String> {
+        let mut progress = false;
+        while !self.out.is_empty() {
+            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
+            let mut n = 0;
+            for o in self.out.iter() {
+                if n + 2 > MAX_IOVECS {
+                    break;
+                }
+                if o.pos < HEADER_LEN {
+                    iov[n] = IoSlice::new(&o.header[o.pos..]);
+                    n += 1;
+                }
+                let p = o.payload_bytes();
+                let off = o.pos.saturating_sub(HEADER_LEN);
+                if off < p.len() {
+                    iov[n] = IoSlice::new(&p[off..]);
+                    n += 1;
+                }
+            }
+            match self.stream.write_vectored(&iov[..n]) {
+                Ok(0) => return Err("replica stopped reading".into()),
+                Ok(mut written) => {
+                    progress = true;
+                    while written > 0 {
+                        let Some(front) = self.out.front_mut() else { break };
+                        let take = (front.len() - front.pos).min(written);
+                        front.pos += take;
+                        written -= take;
+                        if front.pos == front.len() {
+                            self.out.pop_front();
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("write failed: {e}")),
+            }
+        }
+        Ok(progress)
+    }
+}
+
+// ---- the shell -------------------------------------------------------------
+
+struct StatusShared {
+    snapshot: Mutex<Vec<ReplicaStatus>>,
+    ready: Condvar,
+}
+
+struct Shell {
+    volume: String,
+    core: Engine,
+    opts: EngineOptions,
+    me: Option<ThreadHandle>,
+    this: std::sync::Weak<Mutex<Shell>>,
+    socks: Vec<Vec<Option<Sock>>>,
+    channels: Vec<Option<ChanEntry>>,
+    chan_free: Vec<u32>,
+    to_notify: Vec<u32>,
+    dirty: Vec<ConnRef>,
+    actions: Vec<Action>,
+    followups: VecDeque<Event>,
+    frames: Vec<(Header, Option<IoBuf>)>,
+    status: Arc<StatusShared>,
+    status_dirty: bool,
+}
+
+fn lock(m: &Mutex<Shell>) -> MutexGuard<'_, Shell> {
+    // Only the engine thread locks it; a poisoned lock means a panic there,
+    // and the state is still the engine's to judge.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shell {
+    fn sock(&mut self, c: ConnRef) -> Option<&mut Sock> {
+        self.socks.get_mut(c.replica as usize)?.get_mut(c.conn as usize)?.as_mut()
+    }
+
+    /// Feed one event to the core and perform everything that follows.
+    fn run(&mut self, t: &mut Thread, event: Event, now: u64) {
+        self.followups.push_back(event);
+        while let Some(ev) = self.followups.pop_front() {
+            self.core.apply(ev, now, &mut self.actions);
+            let mut actions = std::mem::take(&mut self.actions);
+            for a in actions.drain(..) {
+                self.perform(t, a);
+            }
+            self.actions = actions;
+            self.flush_dirty(t);
+        }
+        for ch in self.to_notify.drain(..) {
+            if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
+                e.notify = false;
+                e.shared.event.notify();
+            }
+        }
+        if self.status_dirty {
+            self.publish_status();
+        }
+    }
+
+    fn perform(&mut self, t: &mut Thread, a: Action) {
+        match a {
+            Action::Send { conn, header, payload } => {
+                let Some(sock) = self.sock(conn) else { return };
+                sock.out.push_back(Out { header, payload, pos: 0 });
+                if !self.dirty.contains(&conn) {
+                    self.dirty.push(conn);
+                }
+            }
+            Action::Complete { channel, tag, result, buf } => {
+                let Some(Some(e)) = self.channels.get_mut(channel as usize) else {
+                    debug_assert!(false, "completion for an unknown channel");
+                    return;
+                };
+                e.in_engine = e.in_engine.saturating_sub(1);
+                // Cannot overflow: the channel has at most CHANNEL_DEPTH
+                // requests between submit and reap.
+                if e.shared.completions.push(IoCompletion { tag, result, buf }).is_err() {
+                    tracing::error!(volume = %self.volume, "channel completion queue overflow");
+                }
+                if !e.notify {
+                    e.notify = true;
+                    self.to_notify.push(channel);
+                }
+            }
+            Action::Connect { conn, addr } => self.connect(conn, addr),
+            Action::Close { conn } => self.close(t, conn),
+            Action::Log { level, msg } => {
+                self.status_dirty = true;
+                match level {
+                    LogLevel::Info => tracing::info!("{msg}"),
+                    LogLevel::Warn => tracing::warn!("{msg}"),
+                    LogLevel::Error => tracing::error!("{msg}"),
+                }
+            }
+        }
+    }
+
+    /// std has no non-blocking connect (and socket2 is not a dependency), so
+    /// a short-lived OS thread does the blocking `connect_timeout` and hands
+    /// the stream to the engine thread as a message. At most one attempt per
+    /// connection is outstanding (the core issues a new one only after this
+    /// one is resolved or abandoned, and the timeout bounds it).
+    fn connect(&mut self, conn: ConnRef, addr: SocketAddr) {
+        let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else { return };
+        let timeout = Duration::from_millis(self.opts.replica_timeout_ms.min(CONNECT_TIMEOUT_MS_MAX));
+        let spawned = std::thread::Builder::new().name("lull-connect".into()).spawn(move || {
+            let result = TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+                Ok(s)
+            });
+            let _ = me.send(move |t| {
+                let now = t.now_ns();
+                lock(&shell).on_connected(t, conn, result, now);
+            });
+        });
+        if let Err(e) = spawned {
+            self.followups.push_back(Event::ConnDown { conn, reason: format!("cannot start a connect thread: {e}") });
+        }
+    }
+
+    fn on_connected(&mut self, t: &mut Thread, conn: ConnRef, result: io::Result<TcpStream>, now: u64) {
+        if !self.core.conn_connecting(conn) {
+            return; // an attempt the engine gave up on; the stream drops here
+        }
+        let stream = match result {
+            Ok(s) => s,
+            Err(e) => return self.run(t, Event::ConnDown { conn, reason: format!("connect failed: {e}") }, now),
+        };
+        let Some(shell) = self.this.upgrade() else { return };
+        let fd = stream.as_raw_fd();
+        let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
+        let poller = t.register_poller(
+            &name,
+            PollerKind::Active,
+            &[(fd, Interest::READABLE)],
+            Box::new(move |t, now| lock(&shell).on_socket(t, conn, now)),
+        );
+        let poller = match poller {
+            Ok(p) => p,
+            Err(e) => return self.run(t, Event::ConnDown { conn, reason: format!("cannot poll the socket: {e}") }, now),
+        };
+        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        while self.socks.len() <= r {
+            self.socks.push(Vec::new());
+        }
+        while self.socks[r].len() <= c {
+            self.socks[r].push(None);
+        }
+        if let Some(old) = self.socks[r][c].take() {
+            t.unregister_poller(old.poller);
+        }
+        self.socks[r][c] = Some(Sock {
+            stream,
+            poller,
+            rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
+            rstart: 0,
+            rend: 0,
+            recv: Recv::Header,
+            out: VecDeque::new(),
+            interest: Interest::READABLE,
+        });
+        self.run(t, Event::ConnUp(conn), now);
+    }
+
+    fn close(&mut self, t: &mut Thread, conn: ConnRef) {
+        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else { return };
+        if let Some(sock) = slot.take() {
+            // Unregister before the fd closes (the stream drops after).
+            t.unregister_poller(sock.poller);
+            let _ = sock.stream.shutdown(std::net::Shutdown::Both);
+            drop(sock);
+        }
+    }
+
+    fn flush_dirty(&mut self, t: &mut Thread) {
+        let dirty = std::mem::take(&mut self.dirty);
+        for conn in &dirty {
+            self.flush_sock(t, *conn);
+        }
+        self.dirty = dirty;
+        self.dirty.clear();
+    }
+
+    fn flush_sock(&mut self, t: &mut Thread, conn: ConnRef) -> bool {
+        let Some(sock) = self.sock(conn) else { return false };
+        let res = sock.flush();
+        let want = if sock.out.is_empty() { Interest::READABLE } else { Interest::BOTH };
+        let (poller, fd, had) = (sock.poller, sock.stream.as_raw_fd(), sock.interest);
+        if want != had && t.set_interest(poller, fd, want).is_ok() {
+            if let Some(s) = self.sock(conn) {
+                s.interest = want;
+            }
+        }
+        match res {
+            Ok(p) => p,
+            Err(reason) => {
+                self.followups.push_back(Event::ConnDown { conn, reason });
+                true
+            }
+        }
+    }
+
+    fn on_socket(&mut self, t: &mut Thread, conn: ConnRef, now: u64) -> PollStatus {
+        let mut frames = std::mem::take(&mut self.frames);
+        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let read = match self.socks.get_mut(r).and_then(|v| v.get_mut(c)).and_then(Option::as_mut) {
+            Some(sock) => sock.read_frames(&mut self.core, &mut frames),
+            None => return PollStatus::Idle,
+        };
+        let mut busy = !frames.is_empty();
+        for (header, payload) in frames.drain(..) {
+            self.run(t, Event::Frame { conn, header, payload }, now);
+        }
+        self.frames = frames;
+        match read {
+            Ok(p) => busy |= p,
+            Err(reason) => {
+                self.run(t, Event::ConnDown { conn, reason }, now);
+                return PollStatus::Busy;
+            }
+        }
+        if self.flush_sock(t, conn) {
+            busy = true;
+            let evs: Vec<Event> = self.followups.drain(..).collect();
+            for ev in evs {
+                self.run(t, ev, now);
+            }
+        }
+        if busy {
+            PollStatus::Busy
+        } else {
+            PollStatus::Idle
+        }
+    }
+
+    fn drain_channel(&mut self, t: &mut Thread, shared: &Arc<ChannelShared>) {
+        let now = t.now_ns();
+        let mut slot = shared.slot.load(Ordering::Relaxed);
+        if slot == NO_SLOT {
+            let entry = ChanEntry { shared: shared.clone(), in_engine: 0, notify: false };
+            slot = match self.chan_free.pop() {
+                Some(s) => {
+                    self.channels[s as usize] = Some(entry);
+                    s
+                }
+                None => {
+                    self.channels.push(Some(entry));
+                    (self.channels.len() - 1) as u32
+                }
+            };
+            shared.slot.store(slot, Ordering::Relaxed);
+        }
+        while let Some(mut req) = shared.submissions.pop() {
+            req.channel = slot;
+            if let Some(Some(e)) = self.channels.get_mut(slot as usize) {
+                e.in_engine += 1;
+            }
+            self.core.apply(Event::Client(req), now, &mut self.actions);
+        }
+        // Perform the whole batch's actions at once (one doorbell per channel).
+        self.run_actions(t, now);
+    }
+
+    fn run_actions(&mut self, t: &mut Thread, now: u64) {
+        let mut actions = std::mem::take(&mut self.actions);
+        for a in actions.drain(..) {
+            self.perform(t, a);
+        }
+        self.actions = actions;
+        self.flush_dirty(t);
+        let evs: Vec<Event> = self.followups.drain(..).collect();
+        for ev in evs {
+            self.run(t, ev, now);
+        }
+        for ch in self.to_notify.drain(..) {
+            if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
+                e.notify = false;
+                e.shared.event.notify();
+            }
+        }
+    }
+
+    fn on_tick(&mut self, t: &mut Thread, now: u64) -> PollStatus {
+        self.run(t, Event::Tick, now);
+        // Free the entries of channels that are closed and drained.
+        for i in 0..self.channels.len() {
+            let gone = matches!(&self.channels[i], Some(e) if e.in_engine == 0 && Arc::strong_count(&e.shared) == 1);
+            if gone {
+                self.channels[i] = None;
+                self.chan_free.push(i as u32);
+            }
+        }
+        self.publish_status();
+        PollStatus::Idle
+    }
+
+    fn publish_status(&mut self) {
+        self.status_dirty = false;
+        let snap = self.core.status();
+        let ready = snap.iter().any(|s| s.state == ReplicaState::Healthy);
+        *self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = snap;
+        if ready {
+            self.status.ready.notify_all();
+        }
+    }
+
+    fn shutdown(&mut self, t: &mut Thread) {
+        for r in 0..self.socks.len() {
+            for c in 0..self.socks[r].len() {
+                if let Some(sock) = self.socks[r][c].take() {
+                    t.unregister_poller(sock.poller);
+                }
+            }
+        }
+        t.exit();
+    }
+}
+
+// ---- the device ----------------------------------------------------------------
+
+/// A replicated volume: a `BlockDevice` whose I/O goes to replica servers.
+pub struct ReplicatedDev {
+    volume: String,
+    size_bytes: u64,
+    replicas_desc: String,
+    engine: ThreadHandle,
+    shell: Arc<Mutex<Shell>>,
+    status: Arc<StatusShared>,
+    open_channels: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for ReplicatedDev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReplicatedDev({}, {})", self.volume, self.replicas_desc)
+    }
+}
+
+impl ReplicatedDev {
+    /// Start the engine of `volume` on a new lull thread on `reactor`. Does
+    /// not block: connections are made in the background; see `wait_ready`.
+    pub fn start(
+        fw: &FrameworkHandle,
+        reactor: usize,
+        volume: &str,
+        replicas: Vec<SocketAddr>,
+        size_bytes: u64,
+        opts: EngineOptions,
+    ) -> Result<Arc<ReplicatedDev>, EngineError> {
+        opts.validate()?;
+        if replicas.is_empty() || replicas.len() > crate::core::MAX_REPLICAS {
+            return Err(EngineError::ReplicaCount { got: replicas.len() });
+        }
+        if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+            return Err(EngineError::BadSize(size_bytes));
+        }
+        let replicas_desc = replicas.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("+");
+        let status = Arc::new(StatusShared { snapshot: Mutex::new(Vec::new()), ready: Condvar::new() });
+        let shell = Arc::new_cyclic(|weak| {
+            Mutex::new(Shell {
+                volume: volume.to_string(),
+                core: Engine::new(volume, size_bytes, replicas, opts.clone()),
+                opts: opts.clone(),
+                me: None,
+                this: weak.clone(),
+                socks: Vec::new(),
+                channels: Vec::new(),
+                chan_free: Vec::new(),
+                to_notify: Vec::new(),
+                dirty: Vec::new(),
+                actions: Vec::new(),
+                followups: VecDeque::new(),
+                frames: Vec::new(),
+                status: status.clone(),
+                status_dirty: true,
+            })
+        });
+        let init_shell = shell.clone();
+        let engine = fw.spawn_thread(reactor, &format!("engine-{volume}"), move |t: &mut Thread| {
+            let tick_shell = init_shell.clone();
+            let mut sh = lock(&init_shell);
+            sh.me = Some(t.handle());
+            let now = t.now_ns();
+            if let Err(e) = t.register_poller(
+                "engine-tick",
+                PollerKind::every_us(TICK_US),
+                &[],
+                Box::new(move |t, now| lock(&tick_shell).on_tick(t, now)),
+            ) {
+                tracing::error!(volume = %sh.volume, error = %e, "cannot register the engine tick");
+            }
+            let mut out = std::mem::take(&mut sh.actions);
+            sh.core.start(now, &mut out);
+            sh.actions = out;
+            sh.run_actions(t, now);
+            sh.publish_status();
+        })?;
+        Ok(Arc::new(ReplicatedDev {
+            volume: volume.to_string(),
+            size_bytes,
+            replicas_desc,
+            engine,
+            shell,
+            status,
+            open_channels: Arc::new(AtomicUsize::new(0)),
+        }))
+    }
+
+    /// Wait until at least one replica is healthy. For the main thread
+    /// (start-up, tools), never for a reactor.
+    pub fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut snap = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if snap.iter().any(|s| s.state == ReplicaState::Healthy) {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            snap = match self.status.ready.wait_timeout(snap, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// The replicas as of the engine's last tick (at most 100 ms old) or
+    /// state change. Readable from any thread.
+    pub fn replica_status(&self) -> Vec<ReplicaStatus> {
+        self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Add a replica (it is rebuilt, then joins the healthy set).
+    pub fn add_replica(&self, addr: SocketAddr) -> Result<(), EngineError> {
+        self.event(Event::AddReplica(addr))
+    }
+
+    /// Remove a replica from the volume (its connections close now).
+    pub fn remove_replica(&self, addr: SocketAddr) -> Result<(), EngineError> {
+        self.event(Event::RemoveReplica(addr))
+    }
+
+    fn event(&self, ev: Event) -> Result<(), EngineError> {
+        let shell = self.shell.clone();
+        self.engine
+            .send(move |t| {
+                let now = t.now_ns();
+                lock(&shell).run(t, ev, now);
+            })
+            .map_err(|_| EngineError::Stopped)
+    }
+
+    pub fn volume(&self) -> &str {
+        &self.volume
+    }
+}
+
+impl BlockDevice for ReplicatedDev {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn describe(&self) -> String {
+        format!("replicas={}", self.replicas_desc)
+    }
+
+    fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
+        if self.engine.has_exited() {
+            return Err(BdevError::Failed("volume engine stopped".into()));
+        }
+        let n = self.open_channels.fetch_add(1, Ordering::AcqRel);
+        if n >= MAX_CHANNELS {
+            self.open_channels.fetch_sub(1, Ordering::AcqRel);
+            return Err(BdevError::Full { capacity: MAX_CHANNELS });
+        }
+        let shared = Arc::new(ChannelShared {
+            submissions: ArrayQueue::new(CHANNEL_DEPTH),
+            completions: ArrayQueue::new(CHANNEL_DEPTH),
+            scheduled: AtomicBool::new(false),
+            event: EventFd::new().map_err(BdevError::Io)?,
+            slot: AtomicU32::new(NO_SLOT),
+        });
+        Ok(Box::new(ReplicaChannel {
+            shared,
+            engine: self.engine.clone(),
+            shell: self.shell.clone(),
+            in_flight: 0,
+            open: self.open_channels.clone(),
+        }))
+    }
+
+    /// Acknowledged FLUSHes are durable on every healthy replica already;
+    /// each replica also syncs on its own clean shutdown. At process exit
+    /// the reactors (and this engine's thread) are gone, so there is nothing
+    /// left to send.
+    fn sync(&self) -> Result<(), BdevError> {
+        Ok(())
+    }
+}
+
+impl Drop for ReplicatedDev {
+    fn drop(&mut self) {
+        let shell = self.shell.clone();
+        let _ = self.engine.send(move |t| lock(&shell).shutdown(t));
+    }
+}
