@@ -175,6 +175,10 @@ impl Inner {
 }
 
 impl BlockDevice for MallocDev {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes
     }

@@ -472,6 +472,11 @@ impl Shell {
             Ok(p) => p,
             Err(e) => return self.run(t, Event::ConnDown { conn, reason: format!("cannot poll the socket: {e}") }, now),
         };
+        // The initiator side: in hybrid mode drained every
+        // nvme_ioq_poll_period_us instead of woken by the socket.
+        if let Err(e) = t.mark_initiator(poller) {
+            tracing::warn!(volume = %self.volume, error = %e, "cannot mark a replica connection as initiator");
+        }
         let (r, c) = (conn.replica as usize, conn.conn as usize);
         while self.socks.len() <= r {
             self.socks.push(Vec::new());
@@ -791,6 +796,10 @@ impl ReplicatedDev {
 }
 
 impl BlockDevice for ReplicatedDev {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn size_bytes(&self) -> u64 {
         self.size_bytes
     }

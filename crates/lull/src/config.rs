@@ -7,6 +7,8 @@
 //! mode = "interrupt"               # poll | interrupt | hybrid | adaptive
 //! nvme_ioq_poll_period_us = 100    # hybrid mode's replica-connection poll
 //! rpc_socket = "/var/tmp/lull.sock"
+//! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
+//! connections_per_replica = 2
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! # Longhorn's names are accepted as aliases:
 //! # data-engine-interrupt-mode-enabled = true   (true = interrupt, false = poll)
@@ -38,6 +40,8 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
 pub enum Backend {
     Malloc,
     File { path: PathBuf, direct: bool },
+    /// Replica servers (`replicas=HOST:PORT+HOST:PORT`).
+    Replicas { addrs: Vec<SocketAddr> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +62,7 @@ pub struct ServeSettings {
     pub volumes: Vec<VolumeSpec>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<SocketAddr>,
+    pub engine: lull_engine::EngineOptions,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -81,6 +86,10 @@ pub struct ConfigFile {
     pub nvme_ioq_poll_period_us: Option<u64>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<String>,
+    /// Replicated volumes: a replica silent this long is failed.
+    pub replica_timeout_ms: Option<u64>,
+    /// Replicated volumes: TCP connections per replica.
+    pub connections_per_replica: Option<usize>,
     #[serde(default)]
     pub volume: Vec<VolumeTable>,
 }
@@ -111,6 +120,8 @@ pub struct Overrides {
     pub volumes: Vec<String>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<String>,
+    pub replica_timeout_ms: Option<u64>,
+    pub connections_per_replica: Option<usize>,
 }
 
 /// Parse a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
@@ -156,7 +167,11 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         }
         return Ok(Backend::File { path: PathBuf::from(path), direct });
     }
-    err(format!("unknown backend {s:?}: expected malloc or file=PATH[,direct]"))
+    if let Some(rest) = s.strip_prefix("replicas=") {
+        let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
+        return Ok(Backend::Replicas { addrs });
+    }
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct] or replicas=HOST:PORT[+HOST:PORT...]"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.
@@ -265,7 +280,15 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
         None => None,
     };
     let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
-    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes, rpc_socket, metrics })
+    let mut engine = lull_engine::EngineOptions::default();
+    if let Some(t) = flags.replica_timeout_ms.or(file.replica_timeout_ms) {
+        engine.replica_timeout_ms = t;
+    }
+    if let Some(c) = flags.connections_per_replica.or(file.connections_per_replica) {
+        engine.connections_per_replica = c;
+    }
+    engine.validate().map_err(|e| ConfigError(e.to_string()))?;
+    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes, rpc_socket, metrics, engine })
 }
 
 #[cfg(test)]
@@ -295,6 +318,12 @@ mod tests {
             Backend::File { path: "/tmp/x.img".into(), direct: true }
         );
         assert_eq!(parse_volume("c:1G:file=/a:b").unwrap().backend, Backend::File { path: "/a:b".into(), direct: false });
+        assert_eq!(
+            parse_volume("r:1G:replicas=127.0.0.1:7001+127.0.0.1:7002").unwrap().backend,
+            Backend::Replicas { addrs: vec!["127.0.0.1:7001".parse().unwrap(), "127.0.0.1:7002".parse().unwrap()] }
+        );
+        assert!(parse_volume("r:1G:replicas=").is_err());
+        assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
         }

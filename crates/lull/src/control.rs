@@ -18,12 +18,22 @@ pub const DEFAULT_ADMINQ_POLL_PERIOD_US: u64 = 10_000;
 pub struct Control {
     pub fw: FrameworkHandle,
     pub volumes: Arc<Volumes>,
+    pub engine: lull_engine::EngineOptions,
     pub adminq_poll_period_us: AtomicU64,
 }
 
 impl Control {
-    pub fn new(fw: FrameworkHandle, volumes: Arc<Volumes>) -> Control {
-        Control { fw, volumes, adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US) }
+    pub fn new(fw: FrameworkHandle, volumes: Arc<Volumes>, engine: lull_engine::EngineOptions) -> Control {
+        Control { fw, volumes, engine, adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US) }
+    }
+
+    /// The replicated device behind a volume, if it is one.
+    fn replicated(&self, volume: &str) -> Result<Arc<Volume>, String> {
+        let v = self.volume(volume)?;
+        if v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>().is_none() {
+            return Err(format!("volume {volume:?} is not replicated"));
+        }
+        Ok(v)
     }
 
     fn volume(&self, name: &str) -> Result<Arc<Volume>, String> {
@@ -67,7 +77,7 @@ impl EngineControl for Control {
 
     fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String> {
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}")).map_err(|e| e.to_string())?;
-        let dev = crate::open_device(&spec)?;
+        let dev = crate::open_device(&spec, &self.fw, &self.engine)?;
         let v = self.volumes.add(Volume::new(&spec.name, dev)).map_err(|e| e.to_string())?;
         tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
         Ok(volume_json(&v))
@@ -107,19 +117,55 @@ impl EngineControl for Control {
     }
 
     fn replica_list(&self, volume: &str) -> Result<Value, String> {
-        self.volume(volume)?;
-        Err(format!("volume {volume:?} is not replicated"))
+        let v = self.replicated(volume)?;
+        let dev = engine_of(&v);
+        Ok(Value::Array(dev.replica_status().iter().map(replica_json).collect()))
     }
 
-    fn replica_add(&self, volume: &str, _addr: &str) -> Result<(), String> {
-        self.volume(volume)?;
-        Err(format!("volume {volume:?} is not replicated"))
+    fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
+        let v = self.replicated(volume)?;
+        let addr = parse_addr(addr)?;
+        engine_of(&v).add_replica(addr).map_err(|e| e.to_string())
     }
 
-    fn replica_remove(&self, volume: &str, _addr: &str) -> Result<(), String> {
-        self.volume(volume)?;
-        Err(format!("volume {volume:?} is not replicated"))
+    fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String> {
+        let v = self.replicated(volume)?;
+        let addr = parse_addr(addr)?;
+        engine_of(&v).remove_replica(addr).map_err(|e| e.to_string())
     }
+}
+
+fn engine_of(v: &Volume) -> &lull_engine::ReplicatedDev {
+    // `replicated()` checked the type.
+    v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>().expect("a replicated volume")
+}
+
+fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
+    let addrs = lull_engine::parse_replicas(addr).map_err(|e| e.to_string())?;
+    match addrs.as_slice() {
+        [one] => Ok(*one),
+        _ => Err(format!("expected one HOST:PORT, got {addr:?}")),
+    }
+}
+
+fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
+    let (state, progress) = match r.state {
+        lull_engine::ReplicaState::Connecting => ("connecting", Value::Null),
+        lull_engine::ReplicaState::Healthy => ("healthy", Value::Null),
+        lull_engine::ReplicaState::Failed => ("failed", Value::Null),
+        lull_engine::ReplicaState::Rebuilding { done_bytes, total_bytes } => {
+            ("rebuilding", json!({"done_bytes": done_bytes, "total_bytes": total_bytes}))
+        }
+    };
+    json!({
+        "addr": r.addr.to_string(),
+        "state": state,
+        "rebuild": progress,
+        "generation": r.generation,
+        "in_flight": r.in_flight,
+        "errors": r.errors,
+        "last_error": r.last_error,
+    })
 }
 
 pub fn volume_json(v: &Volume) -> Value {
@@ -146,7 +192,19 @@ impl MetricsSource for Control {
                 }
             })
             .collect();
-        MetricsSnapshot { reactors: lull_rpc::reactor_metrics(&self.fw), volumes, replicas: Vec::new() }
+        let mut replicas = Vec::new();
+        for v in self.volumes.list() {
+            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+                for r in dev.replica_status() {
+                    replicas.push(lull_rpc::ReplicaMetrics {
+                        volume: v.name.clone(),
+                        addr: r.addr.to_string(),
+                        healthy: r.state == lull_engine::ReplicaState::Healthy,
+                    });
+                }
+            }
+        }
+        MetricsSnapshot { reactors: lull_rpc::reactor_metrics(&self.fw), volumes, replicas }
     }
 }
 

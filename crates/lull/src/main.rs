@@ -67,6 +67,12 @@ struct ServeArgs {
     /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
+    /// Replicated volumes: fail a replica silent this long [default: 8000].
+    #[arg(long, value_name = "MS")]
+    replica_timeout_ms: Option<u64>,
+    /// Replicated volumes: TCP connections per replica [default: 2].
+    #[arg(long, value_name = "N")]
+    connections_per_replica: Option<usize>,
     /// TOML configuration file; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -114,13 +120,31 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         volumes: args.volumes,
         rpc_socket: args.rpc_socket,
         metrics: args.metrics,
+        replica_timeout_ms: args.replica_timeout_ms,
+        connections_per_replica: args.connections_per_replica,
     };
     let allowed = lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
     config::resolve(file, flags, &allowed).map_err(|e| e.to_string())
 }
 
-pub(crate) fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevice>, String> {
+/// How long `serve` waits at start for replicated volumes to get a healthy
+/// replica before serving them anyway (I/O fails with EIO until one is).
+/// Replicas on a network answer in milliseconds; a missing one must not
+/// hold every other volume back for long.
+const REPLICA_READY_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(crate) fn open_device(
+    spec: &config::VolumeSpec,
+    fw: &lull_reactor::FrameworkHandle,
+    engine: &lull_engine::EngineOptions,
+) -> Result<Arc<dyn BlockDevice>, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
+        Backend::Replicas { addrs } => {
+            // Engines are spread over the reactors like connections.
+            let reactor = fw.reactor_count().saturating_sub(1);
+            lull_engine::ReplicatedDev::start(fw, reactor, &spec.name, addrs.clone(), spec.size_bytes, engine.clone())
+                .map_err(|e| e.to_string())?
+        }
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
             FileDev::open(path, spec.size_bytes, FileOptions { direct: *direct, create: true })
@@ -128,6 +152,21 @@ pub(crate) fn open_device(spec: &config::VolumeSpec) -> Result<Arc<dyn BlockDevi
         ),
     };
     Ok(dev)
+}
+
+/// Wait (all volumes together, bounded) for replicated volumes to have a
+/// healthy replica, then log each replica's state.
+fn wait_for_replicas(volumes: &Volumes) {
+    let deadline = std::time::Instant::now() + REPLICA_READY_TIMEOUT;
+    for v in volumes.list() {
+        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else { continue };
+        if !dev.wait_ready(deadline.saturating_duration_since(std::time::Instant::now())) {
+            tracing::warn!(volume = %v.name, "no healthy replica yet; I/O fails with EIO until one is");
+        }
+        for r in dev.replica_status() {
+            tracing::info!(volume = %v.name, replica = %r.addr, state = ?r.state, generation = r.generation, "replica");
+        }
+    }
 }
 
 /// Start the JSON-RPC server. The default socket being held by another
@@ -199,16 +238,6 @@ fn serve(args: ServeArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return usage_error(e),
     };
-    let volumes = Arc::new(Volumes::default());
-    for spec in &s.volumes {
-        let dev = match open_device(spec) {
-            Ok(d) => d,
-            Err(e) => return usage_error(format!("volume {}: {e}", spec.name)),
-        };
-        if let Err(e) = volumes.add(Volume::new(&spec.name, dev)) {
-            return usage_error(e);
-        }
-    }
     let mut listen = Vec::new();
     if let Some(a) = s.listen {
         listen.push(ListenAddr::Tcp(a));
@@ -232,6 +261,21 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let volumes = Arc::new(Volumes::default());
+    for spec in &s.volumes {
+        let dev = match open_device(spec, fw.handle(), &s.engine) {
+            Ok(d) => d,
+            Err(e) => {
+                fw.stop();
+                return usage_error(format!("volume {}: {e}", spec.name));
+            }
+        };
+        if let Err(e) = volumes.add(Volume::new(&spec.name, dev)) {
+            fw.stop();
+            return usage_error(e);
+        }
+    }
+    wait_for_replicas(&volumes);
     let server = match NbdServer::start(fw.handle(), volumes.clone(), &listen) {
         Ok(s) => s,
         Err(e) => {
@@ -240,7 +284,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let control = Arc::new(control::Control::new(fw.handle().clone(), volumes.clone()));
+    let control = Arc::new(control::Control::new(fw.handle().clone(), volumes.clone(), s.engine.clone()));
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,
         Err(e) => {

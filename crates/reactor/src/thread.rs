@@ -637,7 +637,9 @@ impl Thread {
     /// while output is queued).
     pub fn set_interest(&mut self, id: PollerId, fd: RawFd, interest: Interest) -> Result<(), ReactorError> {
         let token = id.token();
+        let hybrid = self.initiator_period_ns.is_some();
         let Some(e) = self.entry_mut(id) else { return Err(ReactorError::NoSuchPoller) };
+        let initiator = e.initiator;
         let Some(slot) = e.fds.iter_mut().find(|(f, _)| *f == fd) else {
             return Err(ReactorError::NoSuchPoller);
         };
@@ -645,7 +647,10 @@ impl Thread {
             return Ok(());
         }
         slot.1 = interest;
-        self.epoll.modify(fd, interest, token).map_err(ReactorError::Sys)
+        // In hybrid mode an initiator's fds stay silent; the interest is
+        // remembered for when the mode changes.
+        let effective = if initiator && hybrid { Interest::NONE } else { interest };
+        self.epoll.modify(fd, effective, token).map_err(ReactorError::Sys)
     }
 
     /// Add another fd that signals this poller's work.

@@ -1,0 +1,311 @@
+//! Replicated volumes end to end: real `lull replica` processes and a real
+//! `lull serve` on loopback, real clients (fio's nbd engine, the NBD test
+//! client), replicas killed with SIGKILL mid-run.
+//!
+//! ```text
+//! cargo test -p lull --test replication
+//! ```
+//!
+//! Needs `fio` (package `fio`). The server is started with
+//! `--volume NAME:SIZE:replicas=H:P+H:P`, replicas with
+//! `lull replica --listen ADDR --dir DIR --size SIZE`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{NbdClient, Server};
+use lull_proto::nbd::Command as NbdCommand;
+
+/// How long a rebuild of a test volume may take on a loaded 2-core box.
+const REBUILD_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the volume may take to have a healthy replica after start.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const VOLUME: &str = "64M";
+const VOLUME_BYTES: u64 = 64 << 20;
+
+fn free_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("lull-repl-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the scratch directory");
+    dir
+}
+
+/// A `lull replica` process, killed when dropped.
+struct Replica {
+    child: Option<Child>,
+    addr: SocketAddr,
+    dir: PathBuf,
+}
+
+impl Replica {
+    fn start(addr: SocketAddr, dir: &Path) -> Replica {
+        let mut r = Replica { child: None, addr, dir: dir.to_path_buf() };
+        r.restart();
+        r
+    }
+
+    fn restart(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("replica.log"))
+            .expect("replica log");
+        let child = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["replica", "--listen", &self.addr.to_string(), "--size", VOLUME])
+            .arg("--dir")
+            .arg(self.dir.join("data"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawn lull replica");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)).is_err() {
+            assert!(Instant::now() < deadline, "replica on {} did not start; log:\n{}", self.addr, self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL
+            let _ = c.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("replica.log")).unwrap_or_default()
+    }
+
+    fn data_file(&self) -> PathBuf {
+        self.dir.join("data").join("data.img")
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn serve(volumes: &[String]) -> Server {
+    let mut args: Vec<&str> = Vec::new();
+    for v in volumes {
+        args.push("--volume");
+        args.push(v);
+    }
+    Server::start(&args)
+}
+
+fn spec(name: &str, replicas: &[SocketAddr]) -> String {
+    let list: Vec<String> = replicas.iter().map(|a| a.to_string()).collect();
+    format!("{name}:{VOLUME}:replicas={}", list.join("+"))
+}
+
+fn require(tool: &str, package: &str) {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
+    assert!(found, "{tool} is not installed: install the `{package}` package");
+}
+
+/// Retry a read until the volume answers (it may still be electing).
+fn read_when_ready(server: &Server, export: &str, offset: u64, len: u32) -> Vec<u8> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Ok(mut c) = NbdClient::connect(server.addr(), export) {
+            if let Ok(Ok(data)) = c.read(offset, len) {
+                return data;
+            }
+        }
+        assert!(Instant::now() < deadline, "volume {export} never became readable; log:\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn flush(c: &mut NbdClient) -> u32 {
+    let cookie = c.send(NbdCommand::Flush, 0, 0, 0, &[]).expect("send flush");
+    c.reply_to(cookie).expect("flush reply")
+}
+
+fn files_equal(a: &Path, b: &Path, len: u64) -> Result<(), String> {
+    let mut fa = std::fs::File::open(a).map_err(|e| format!("{}: {e}", a.display()))?;
+    let mut fb = std::fs::File::open(b).map_err(|e| format!("{}: {e}", b.display()))?;
+    let mut ba = vec![0u8; 1 << 20];
+    let mut bb = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < len {
+        let n = ((len - off) as usize).min(ba.len());
+        fa.read_exact(&mut ba[..n]).map_err(|e| format!("read {}: {e}", a.display()))?;
+        fb.read_exact(&mut bb[..n]).map_err(|e| format!("read {}: {e}", b.display()))?;
+        if ba[..n] != bb[..n] {
+            let i = ba[..n].iter().zip(&bb[..n]).position(|(x, y)| x != y).unwrap_or(0);
+            return Err(format!("replicas differ at byte {}", off + i as u64));
+        }
+        off += n as u64;
+    }
+    Ok(())
+}
+
+#[test]
+fn fio_survives_a_killed_replica_and_rebuild_converges() {
+    require("fio", "fio");
+    let (a, b) = (free_port(), free_port());
+    let mut ra = Replica::start(a, &scratch("kill-a"));
+    let mut rb = Replica::start(b, &scratch("kill-b"));
+    let server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+
+    let fio = Command::new("fio")
+        .args([
+            "--name=kill",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol0", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--verify=crc32c",
+            "--size=64M",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--loops=3",
+            "--output-format=terse",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn fio");
+    let mut fio = fio;
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(fio.try_wait().expect("fio status").is_none(), "fio finished before the replica was killed");
+    rb.kill();
+    let out = fio.wait_with_output().expect("fio output");
+    assert!(
+        out.status.success(),
+        "fio failed with a replica killed: {}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        server.stderr()
+    );
+    assert!(server.wait_for_log("failed", Duration::from_secs(20)), "the kill was not noticed:\n{}", server.stderr());
+
+    rb.restart();
+    assert!(
+        server.wait_for_log("rebuild complete", REBUILD_TIMEOUT),
+        "rebuild did not complete; server log:\n{}",
+        server.stderr()
+    );
+    // Quiesce: a flush makes every replica durable and nothing is in flight.
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(flush(&mut c), 0);
+    c.disconnect();
+    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+        panic!("{e}; server log:\n{}", server.stderr());
+    }
+    ra.kill();
+    server.assert_logged("rebuild of replica");
+}
+
+#[test]
+fn all_replicas_down_is_eio_then_flushed_data_is_back() {
+    let (a, b) = (free_port(), free_port());
+    let mut ra = Replica::start(a, &scratch("down-a"));
+    let mut rb = Replica::start(b, &scratch("down-b"));
+    let server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+
+    let data = common::pattern(11, 64 << 10);
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
+    assert_eq!(flush(&mut c), 0);
+
+    ra.kill();
+    rb.kill();
+    // Each replica is failed by a broken connection (or the timeout);
+    // afterwards every request must fail, never return stale bytes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.read(1 << 20, data.len() as u32) {
+            Ok(Err(errno)) => {
+                assert_ne!(errno, 0);
+                break;
+            }
+            Ok(Ok(got)) => assert_eq!(got, data, "a read with replicas dying returned wrong data"),
+            Err(e) => panic!("connection broke instead of an EIO reply: {e}"),
+        }
+        assert!(Instant::now() < deadline, "reads kept succeeding with every replica dead");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(server.wait_for_log("no healthy replica", Duration::from_secs(10)), "{}", server.stderr());
+
+    ra.restart();
+    rb.restart();
+    let got = read_when_ready(&server, "vol0", 1 << 20, data.len() as u32);
+    assert_eq!(got, data, "the volume lost flushed data after both replicas restarted");
+}
+
+/// A fake replica: accepts connections and answers with `reply`.
+fn fake_replica(reply: Vec<u8>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind fake replica");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { break };
+            let reply = reply.clone();
+            std::thread::spawn(move || {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut buf = [0u8; 64];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(&reply);
+                let _ = s.read(&mut buf);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
+    // Garbage instead of a HELLO reply.
+    let garbage = fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
+    // A well-formed HELLO reply header, but protocol version 2.
+    let mut v2 = Vec::new();
+    v2.extend_from_slice(&0x4C55_4C52u32.to_be_bytes());
+    v2.extend_from_slice(&2u16.to_be_bytes());
+    v2.extend_from_slice(&(1u16 | 0x8000).to_be_bytes());
+    v2.extend_from_slice(&1u64.to_be_bytes());
+    v2.extend_from_slice(&0u64.to_be_bytes());
+    v2.extend_from_slice(&32u32.to_be_bytes());
+    v2.extend_from_slice(&(libc::EPROTO as u32).to_be_bytes());
+    v2.extend_from_slice(&[0u8; 32]);
+    let wrong_version = fake_replica(v2);
+    let good = free_port();
+    let _rg = Replica::start(good, &scratch("bad-good"));
+
+    let server = serve(&[spec("bad", &[garbage]), spec("old", &[wrong_version]), spec("ok", &[good])]);
+    assert!(server.wait_for_log("undecodable frame", Duration::from_secs(15)), "{}", server.stderr());
+    assert!(server.wait_for_log("protocol version 2", Duration::from_secs(15)), "{}", server.stderr());
+
+    // The volume with a good replica is unaffected.
+    let _ = read_when_ready(&server, "ok", 0, 4096);
+    let mut c = NbdClient::connect(server.addr(), "ok").expect("connect");
+    let data = common::pattern(5, 8192);
+    assert_eq!(c.write(4096, &data).expect("write"), 0);
+    assert_eq!(c.read(4096, 8192).expect("read"), Ok(data));
+    // The broken volumes answer with errors, not hangs.
+    let mut bad = NbdClient::connect(server.addr(), "bad").expect("connect bad");
+    assert!(matches!(bad.read(0, 4096), Ok(Err(_))), "a volume without a healthy replica must fail I/O");
+    let mut server = server;
+    server.assert_healthy();
+}
