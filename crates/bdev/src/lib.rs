@@ -28,8 +28,10 @@ pub use lull_uring::{BufPool, IoBuf};
 
 pub mod file;
 pub mod malloc;
+pub mod units;
 
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH};
+pub use units::{human_bytes, parse_size_bytes};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
 
 /// What an I/O does. Offsets and lengths are in bytes; devices accept any

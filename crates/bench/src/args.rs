@@ -278,21 +278,7 @@ impl Settings {
 
 /// Parses `1G`, `256M`, `512K`, `4096`, `1GiB`, `1g` (binary units).
 pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix("ib"))
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (digits, shift) = match t.chars().last()? {
-        'k' | 'K' => (&t[..t.len() - 1], 10),
-        'm' | 'M' => (&t[..t.len() - 1], 20),
-        'g' | 'G' => (&t[..t.len() - 1], 30),
-        't' | 'T' => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let n: u64 = digits.trim().parse().ok()?;
-    n.checked_mul(1u64 << shift)
+    lull_bdev::parse_size_bytes(text).ok()
 }
 
 #[cfg(test)]

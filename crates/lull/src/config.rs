@@ -126,30 +126,7 @@ pub struct Overrides {
 
 /// Parse a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
 pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
-    let t = s.trim();
-    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, suffix) = t.split_at(digits_end);
-    if num.is_empty() {
-        return err(format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix"));
-    }
-    let n: u64 = num.parse().map_err(|_| ConfigError(format!("invalid size {s:?}")))?;
-    let shift = match suffix.to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        _ => return err(format!("invalid size suffix in {s:?}: use K, M, G or T (binary)")),
-    };
-    let v = n.checked_mul(1u64 << shift).ok_or_else(|| ConfigError(format!("size {s:?} is too large")))?;
-    if v == 0 {
-        return err(format!("size {s:?} must be greater than zero"));
-    }
-    // Offsets travel as i64 in the kernel's file APIs.
-    if v > i64::MAX as u64 {
-        return err(format!("size {s:?} is too large"));
-    }
-    Ok(v)
+    lull_bdev::parse_size_bytes(s).map_err(ConfigError)
 }
 
 /// Parse a backend: `malloc`, `file=PATH` or `file=PATH,direct`.
@@ -194,25 +171,7 @@ fn volume(name: &str, size: &str, backend: Backend) -> Result<VolumeSpec, Config
 
 /// Parse a core list: `3`, `0,2`, `0-3`, `0-1,4`.
 pub fn parse_cores(s: &str) -> Result<Vec<usize>, ConfigError> {
-    let mut cores = Vec::new();
-    for part in s.split(',').map(str::trim) {
-        let bad = || ConfigError(format!("invalid core list {s:?}: expected e.g. 0,2-3"));
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
-                if a > b || b >= 1024 {
-                    return Err(bad());
-                }
-                cores.extend(a..=b);
-            }
-            None => cores.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(d) = cores.iter().find(|c| !seen.insert(**c)) {
-        return err(format!("core {d} is listed twice in {s:?}"));
-    }
-    Ok(cores)
+    lull_reactor::parse_core_list(s).map_err(ConfigError)
 }
 
 pub fn parse_mode(s: &str) -> Result<Mode, ConfigError> {
@@ -296,18 +255,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("64K").unwrap(), 64 << 10);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("2TiB").unwrap(), 2 << 40);
-        assert_eq!(parse_size("3m").unwrap(), 3 << 20);
-        for bad in ["", "G", "1X", "0", "-1", "99999999999T", "1.5G"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
     fn volumes_and_backends() {
         assert_eq!(
             parse_volume("a:1M").unwrap(),
@@ -326,15 +273,6 @@ mod tests {
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn cores() {
-        assert_eq!(parse_cores("1").unwrap(), vec![1]);
-        assert_eq!(parse_cores("0-2,5").unwrap(), vec![0, 1, 2, 5]);
-        for bad in ["", "a", "3-1", "1,1", "0-5000"] {
-            assert!(parse_cores(bad).is_err(), "{bad}");
         }
     }
 

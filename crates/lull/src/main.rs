@@ -196,17 +196,6 @@ fn start_rpc(
     }
 }
 
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
-}
-
 fn bench(args: &lull_bench::BenchArgs) -> ExitCode {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
@@ -314,7 +303,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         s.mode
     );
     for v in volumes.list() {
-        println!("volume {}: {} ({})", v.name, human(v.dev.size_bytes()), v.dev.describe());
+        println!("volume {}: {} ({})", v.name, lull_bdev::human_bytes(v.dev.size_bytes()), v.dev.describe());
     }
     for a in server.local_addrs() {
         println!("listening on {a}");

@@ -20,10 +20,12 @@
 //! may be asleep.
 
 mod clock;
+mod cores;
 mod reactor;
 pub mod sys;
 mod thread;
 
+pub use cores::{parse_core_list, MAX_CORE};
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use reactor::{
     Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, ADAPTIVE_SPIN_CAP_NS, DEFAULT_IOQ_POLL_PERIOD_US,

@@ -228,71 +228,12 @@ impl ReplicaArgs {
 
 /// Parses a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
 pub fn parse_size(s: &str) -> Result<u64, ReplicaError> {
-    let bad = |why: &str| ReplicaError::BadArgs(format!("invalid size {s:?}: {why}"));
-    let t = s.trim();
-    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, suffix) = t.split_at(digits_end);
-    if num.is_empty() {
-        return Err(bad("expected a number with an optional K/M/G/T suffix"));
-    }
-    let n: u64 = num.parse().map_err(|_| bad("number too large"))?;
-    let shift = match suffix.to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        _ => return Err(bad("use a K, M, G or T (binary) suffix")),
-    };
-    let v = n
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| bad("too large"))?;
-    if v == 0 {
-        return Err(bad("must be greater than zero"));
-    }
-    // File offsets travel as i64 (off_t) in the kernel's file APIs.
-    if v > i64::MAX as u64 {
-        return Err(bad("too large"));
-    }
-    Ok(v)
+    lull_bdev::parse_size_bytes(s).map_err(ReplicaError::BadArgs)
 }
-
-/// Largest core number accepted in a core list: far above any machine
-/// lull runs on, low enough that "0-4000000000" cannot allocate gigabytes.
-const MAX_CORE: usize = 1023;
 
 /// Parses a core list: `3`, `0,2`, `0-3`, `0-1,4`.
 pub fn parse_cores(s: &str) -> Result<Vec<usize>, ReplicaError> {
-    let bad = || ReplicaError::BadArgs(format!("invalid core list {s:?}: expected e.g. 0,2-3"));
-    let mut cores = Vec::new();
-    for part in s.split(',').map(str::trim) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (
-                    a.trim().parse().map_err(|_| bad())?,
-                    b.trim().parse().map_err(|_| bad())?,
-                );
-                if a > b || b > MAX_CORE {
-                    return Err(bad());
-                }
-                cores.extend(a..=b);
-            }
-            None => {
-                let c: usize = part.parse().map_err(|_| bad())?;
-                if c > MAX_CORE {
-                    return Err(bad());
-                }
-                cores.push(c);
-            }
-        }
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(d) = cores.iter().find(|c| !seen.insert(**c)) {
-        return Err(ReplicaError::BadArgs(format!(
-            "core {d} is listed twice in {s:?}"
-        )));
-    }
-    Ok(cores)
+    lull_reactor::parse_core_list(s).map_err(ReplicaError::BadArgs)
 }
 
 /// `lull replica`: serve until SIGINT/SIGTERM, then stop cleanly (stop
@@ -345,7 +286,7 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
     println!(
         "replica listening on {} (size {}, generation {}, dir {})",
         server.local_addr(),
-        human(settings.config.size_bytes),
+        lull_bdev::human_bytes(settings.config.size_bytes),
         server.generation(),
         settings.config.dir.display()
     );
@@ -367,17 +308,6 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
 }
 
 /// The metadata record as the server knows it, behind one lock that the
@@ -860,26 +790,6 @@ fn start_connection(t: &mut Thread, stream: TcpStream, peer: SocketAddr, server:
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("64K").unwrap(), 64 << 10);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("2TiB").unwrap(), 2 << 40);
-        for bad in ["", "0", "K", "1X", "-1", "99999999999T", "1.5G"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn cores() {
-        assert_eq!(parse_cores("1").unwrap(), vec![1]);
-        assert_eq!(parse_cores("0-2,5").unwrap(), vec![0, 1, 2, 5]);
-        for bad in ["", "a", "2-1", "1,1", "0-99999999", "5000"] {
-            assert!(parse_cores(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn resolve_args() {

@@ -380,22 +380,7 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
 pub fn parse_size(v: &Value) -> Result<u64, String> {
     let bytes = match v {
         Value::Number(n) => n.as_u64().ok_or_else(|| format!("size must be a positive integer, got {n}"))?,
-        Value::String(s) => {
-            let t = s.trim();
-            let digits = t.bytes().take_while(u8::is_ascii_digit).count();
-            let (num, suffix) = t.split_at(digits);
-            let n: u64 = num.parse().map_err(|_| format!("size {s:?}: expected digits and a suffix such as \"1G\""))?;
-            let shift = match suffix.to_ascii_uppercase().as_str() {
-                "" | "B" => 0,
-                "K" | "KB" | "KIB" => 10,
-                "M" | "MB" | "MIB" => 20,
-                "G" | "GB" | "GIB" => 30,
-                "T" | "TB" | "TIB" => 40,
-                "P" | "PB" | "PIB" => 50,
-                _ => return Err(format!("size {s:?}: unknown suffix {suffix:?} (K, M, G, T or P)")),
-            };
-            n.checked_mul(1u64 << shift).ok_or_else(|| format!("size {s:?} is too large"))?
-        }
+        Value::String(s) => lull_bdev::parse_size_bytes(s)?,
         other => return Err(format!("size must be a number of bytes or a string such as \"1G\", got {other}")),
     };
     if bytes == 0 {
