@@ -561,11 +561,15 @@ impl Reactor {
                 self.shutdown();
                 return;
             }
-            if self.mode.event_driven() {
+            // Adaptive mode polls like poll mode while work keeps coming
+            // (no epoll syscalls on the busy path); it turns to epoll only
+            // when idle: to spin over every fd at once, then to sleep.
+            let polling = self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
+            if !polling {
                 busy |= self.wait_events(now);
             }
             let now = self.clock_now();
-            busy |= self.poll_threads(now);
+            busy |= self.poll_threads(now, if polling { Scope::All } else { Scope::Ready });
             if busy {
                 if let Some(spin) = self.spin.take() {
                     self.spins_with_work += 1;
@@ -581,9 +585,8 @@ impl Reactor {
 
     /// Run each thread once: every poller in poll mode, the ready ones in
     /// event-driven modes.
-    fn poll_threads(&mut self, now: u64) -> bool {
+    fn poll_threads(&mut self, now: u64, scope: Scope) -> bool {
         let clock = self.framework.shared.clock.clone();
-        let scope = if self.mode.event_driven() { Scope::Ready } else { Scope::All };
         let mut busy = false;
         for i in 0..self.threads.len() {
             let ready = std::mem::take(&mut self.ready[i]);

@@ -854,7 +854,7 @@ impl Thread {
         }
 
         if scope == Scope::Ready {
-            self.collect_ready(now);
+            self.collect_ready();
         }
         let initiators_due = scope == Scope::Ready
             && self.initiator_period_ns.is_some()
@@ -899,9 +899,8 @@ impl Thread {
 
     /// Mark the pollers whose fds are ready as woken, and reset the doorbell
     /// and timer fds.
-    fn collect_ready(&mut self, now: u64) {
+    fn collect_ready(&mut self) {
         let n = self.epoll.wait(&mut self.events, 0).unwrap_or(0);
-        let (cap, last_wake) = (self.spin_cap_ns, self.last_wake_ns);
         for i in 0..n {
             let token = self.events[i].u64;
             match token {
@@ -911,12 +910,7 @@ impl Thread {
                     self.timer_armed_ns = None;
                 }
                 _ => {
-                    let id = PollerId::from_token(token);
-                    if let Some(e) = self.entry_mut(id) {
-                        let slept = last_wake > e.gap.last_busy_ns();
-                        e.gap.event(now, slept, cap);
-                    }
-                    self.wake_poller(id);
+                    self.wake_poller(PollerId::from_token(token));
                 }
             }
         }
@@ -932,7 +926,12 @@ impl Thread {
         let status = f(self, now);
         self.current = previous;
         if status.is_busy() {
+            // Work found is the source's next event: learn the gap since
+            // its last work, and whether a sleep came in between.
+            let (cap, last_wake) = (self.spin_cap_ns, self.last_wake_ns);
             if let Some(e) = self.pollers.get_mut(index).filter(|s| s.generation == generation).and_then(|s| s.entry.as_mut()) {
+                let slept = last_wake > e.gap.last_busy_ns();
+                e.gap.event(now, slept, cap);
                 e.gap.busy(now);
             }
         }
