@@ -134,6 +134,16 @@ pub enum Payload {
     Data { buf: Arc<IoBuf>, len: usize },
 }
 
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Hello(h) => h,
+            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogLevel {
     Info,

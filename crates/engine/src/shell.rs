@@ -17,7 +17,7 @@
 //! queue, and its eventfd is rung once per batch.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -27,6 +27,7 @@ use std::time::Duration;
 use crossbeam_queue::ArrayQueue;
 use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
+use lull_net::{read_into, Fill, InBuf, OutQueue};
 use lull_reactor::sys::EventFd;
 use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
 
@@ -55,9 +56,6 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Bytes read per socket per poller run, so one busy replica connection
 /// cannot hold the engine thread from the others.
 const READ_BUDGET_BYTES: usize = 8 << 20;
-
-/// Frames gathered into one writev.
-const MAX_IOVECS: usize = 64;
 
 /// A connect attempt gives up after this long (or the replica timeout, if
 /// shorter): it runs on its own short-lived OS thread.
@@ -170,33 +168,12 @@ enum Recv {
     Payload { header: Header, buf: IoBuf, filled: usize },
 }
 
-struct Out {
-    header: [u8; HEADER_LEN],
-    payload: Payload,
-    pos: usize,
-}
-
-impl Out {
-    fn payload_bytes(&self) -> &[u8] {
-        match &self.payload {
-            Payload::None => &[],
-            Payload::Hello(h) => h,
-            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
-        }
-    }
-    fn len(&self) -> usize {
-        HEADER_LEN + self.payload_bytes().len()
-    }
-}
-
 struct Sock {
     stream: TcpStream,
     poller: PollerId,
-    rbuf: Box<[u8]>,
-    rstart: usize,
-    rend: usize,
+    inb: InBuf,
     recv: Recv,
-    out: VecDeque<Out>,
+    out: OutQueue<Payload>,
     interest: Interest,
 }
 
@@ -211,12 +188,9 @@ impl Sock {
             loop {
                 match &mut self.recv {
                     Recv::Header => {
-                        if self.rend - self.rstart < HEADER_LEN {
-                            break;
-                        }
+                        let Some(bytes) = self.inb.take(HEADER_LEN) else { break };
                         let mut raw = [0u8; HEADER_LEN];
-                        raw.copy_from_slice(&self.rbuf[self.rstart..self.rstart + HEADER_LEN]);
-                        self.rstart += HEADER_LEN;
+                        raw.copy_from_slice(bytes);
                         let header = wire::decode_header(&raw).map_err(|e| match e {
                             wire::FrameError::BadVersion(v) => format!(
                                 "replica speaks protocol version {v}, this engine speaks {}",
@@ -232,27 +206,21 @@ impl Sock {
                         }
                     }
                     Recv::Payload { buf, filled, .. } => {
-                        let want = buf.len() - *filled;
-                        let have = (self.rend - self.rstart).min(want);
-                        buf.as_mut_slice()[*filled..*filled + have]
-                            .copy_from_slice(&self.rbuf[self.rstart..self.rstart + have]);
-                        self.rstart += have;
-                        *filled += have;
+                        let len = buf.len();
+                        *filled += self.inb.take_into(&mut buf.as_mut_slice()[*filled..len]);
                         // Large payloads: straight from the socket.
-                        while *filled < buf.len() && self.rstart == self.rend {
-                            match self.stream.read(&mut buf.as_mut_slice()[*filled..]) {
-                                Ok(0) => return Err("replica closed the connection".into()),
-                                Ok(n) => {
-                                    *filled += n;
+                        if *filled < len && self.inb.buffered() == 0 {
+                            match read_into(&mut self.stream, buf.as_mut_slice(), filled) {
+                                Ok(Fill::Read(n)) => {
                                     progress = true;
                                     budget = budget.saturating_sub(n);
                                 }
-                                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                                Ok(Fill::Nothing) => {}
+                                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
                                 Err(e) => return Err(format!("read failed: {e}")),
                             }
                         }
-                        if *filled < buf.len() {
+                        if *filled < len {
                             break;
                         }
                         if let Recv::Payload { header, buf, .. } = std::mem::replace(&mut self.recv, Recv::Header) {
@@ -264,23 +232,13 @@ impl Sock {
             if budget == 0 {
                 return Ok(progress);
             }
-            if self.rstart == self.rend {
-                self.rstart = 0;
-                self.rend = 0;
-            } else if self.rstart > 0 {
-                self.rbuf.copy_within(self.rstart..self.rend, 0);
-                self.rend -= self.rstart;
-                self.rstart = 0;
-            }
-            match self.stream.read(&mut self.rbuf[self.rend..]) {
-                Ok(0) => return Err("replica closed the connection".into()),
-                Ok(n) => {
-                    self.rend += n;
+            match self.inb.fill(&mut self.stream) {
+                Ok(Fill::Read(n)) => {
                     progress = true;
                     budget = budget.saturating_sub(n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progress),
+                Ok(Fill::Nothing) => return Ok(progress),
+                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
                 Err(e) => return Err(format!("read failed: {e}")),
             }
         }
@@ -288,45 +246,9 @@ impl Sock {
 
     /// Write queued frames; an error ends the connection.
     fn flush(&mut self) -> Result<bool, String> {
-        let mut progress = false;
-        while !self.out.is_empty() {
-            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
-            let mut n = 0;
-            for o in self.out.iter() {
-                if n + 2 > MAX_IOVECS {
-                    break;
-                }
-                if o.pos < HEADER_LEN {
-                    iov[n] = IoSlice::new(&o.header[o.pos..]);
-                    n += 1;
-                }
-                let p = o.payload_bytes();
-                let off = o.pos.saturating_sub(HEADER_LEN);
-                if off < p.len() {
-                    iov[n] = IoSlice::new(&p[off..]);
-                    n += 1;
-                }
-            }
-            match self.stream.write_vectored(&iov[..n]) {
-                Ok(0) => return Err("replica stopped reading".into()),
-                Ok(mut written) => {
-                    progress = true;
-                    while written > 0 {
-                        let Some(front) = self.out.front_mut() else { break };
-                        let take = (front.len() - front.pos).min(written);
-                        front.pos += take;
-                        written -= take;
-                        if front.pos == front.len() {
-                            self.out.pop_front();
-                        }
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(format!("write failed: {e}")),
-            }
-        }
-        Ok(progress)
+        // Payloads are shared write buffers or inline bytes: nothing to
+        // recycle here (the core returns client buffers on completion).
+        self.out.write_to(&mut self.stream, drop).map(|n| n > 0).map_err(|e| e.to_string())
     }
 }
 
@@ -393,7 +315,7 @@ impl Shell {
         match a {
             Action::Send { conn, header, payload } => {
                 let Some(sock) = self.sock(conn) else { return };
-                sock.out.push_back(Out { header, payload, pos: 0 });
+                sock.out.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
                 }
@@ -490,11 +412,9 @@ impl Shell {
         self.socks[r][c] = Some(Sock {
             stream,
             poller,
-            rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
-            rstart: 0,
-            rend: 0,
+            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             recv: Recv::Header,
-            out: VecDeque::new(),
+            out: OutQueue::default(),
             interest: Interest::READABLE,
         });
         self.run(t, Event::ConnUp(conn), now);

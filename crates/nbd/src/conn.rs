@@ -7,8 +7,7 @@
 //! full slot table or reply queue stops reading (back-pressure) until
 //! completions or the socket free room.
 
-use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -17,6 +16,7 @@ use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
+use lull_net::{read_into, Fill, InBuf, OutQueue};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
 
 use crate::stream::Stream;
@@ -45,23 +45,25 @@ const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 /// again instead of looping here.
 const MAX_ROUNDS: usize = 8;
 
-/// Replies gathered into one writev.
-const MAX_IOVECS: usize = 64;
-
 /// Buffers cached per connection for reuse: enough for a full queue of
 /// 128 KiB requests without allocation.
 const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
 
-enum OutItem {
-    Bytes { data: Vec<u8>, pos: usize },
-    Reply { header: [u8; SIMPLE_REPLY_LEN], data: Option<IoBuf>, pos: usize },
+/// What follows a reply header on the wire.
+enum Payload {
+    None,
+    /// Read data (a pooled buffer, returned to the pool once sent).
+    Buf(IoBuf),
+    /// Handshake replies.
+    Bytes(Vec<u8>),
 }
 
-impl OutItem {
-    fn len(&self) -> usize {
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
         match self {
-            OutItem::Bytes { data, .. } => data.len(),
-            OutItem::Reply { data, .. } => SIMPLE_REPLY_LEN + data.as_ref().map_or(0, |d| d.len()),
+            Payload::None => &[],
+            Payload::Buf(b) => b.as_slice(),
+            Payload::Bytes(v) => v,
         }
     }
 }
@@ -96,11 +98,8 @@ pub(crate) struct Conn {
     fd: RawFd,
     server: Arc<ServerShared>,
     phase: Phase,
-    rbuf: Box<[u8]>,
-    rstart: usize,
-    rend: usize,
-    out: VecDeque<OutItem>,
-    out_bytes: usize,
+    inb: InBuf,
+    out: OutQueue<Payload>,
     pool: BufPool,
     slots: Vec<Option<InFlight>>,
     free: Vec<u32>,
@@ -136,20 +135,16 @@ impl Conn {
     pub(crate) fn new(stream: Stream, server: Arc<ServerShared>) -> Conn {
         let mut greeting = Vec::new();
         let hs = ServerHandshake::new(&mut greeting);
-        let mut out = VecDeque::with_capacity(MAX_IN_FLIGHT + 4);
-        let out_bytes = greeting.len();
-        out.push_back(OutItem::Bytes { data: greeting, pos: 0 });
+        let mut out = OutQueue::with_capacity(MAX_IN_FLIGHT + 4);
+        out.push(&[], Payload::Bytes(greeting));
         Conn {
             peer: stream.peer(),
             fd: stream.as_raw_fd(),
             stream,
             server,
             phase: Phase::Handshake(hs),
-            rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
-            rstart: 0,
-            rend: 0,
+            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             out,
-            out_bytes,
             pool: BufPool::new(BUFFER_CACHE_BYTES),
             slots: vec![None; MAX_IN_FLIGHT],
             free: (0..MAX_IN_FLIGHT as u32).rev().collect(),
@@ -324,113 +319,51 @@ impl Conn {
         }
         let mut header = [0u8; SIMPLE_REPLY_LEN];
         nbd::encode_simple_reply(&mut header, error, cookie);
-        let item = OutItem::Reply { header, data, pos: 0 };
-        self.out_bytes += item.len();
-        self.out.push_back(item);
+        self.out.push(&header, data.map_or(Payload::None, Payload::Buf));
     }
 
     /// Write queued output; returns whether any byte went out.
     fn flush_out(&mut self) -> bool {
-        let mut progress = false;
-        while !self.out.is_empty() && !self.broken {
-            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
-            let mut n = 0;
-            for item in self.out.iter() {
-                if n + 2 > MAX_IOVECS {
-                    break;
-                }
-                match item {
-                    OutItem::Bytes { data, pos } => {
-                        iov[n] = IoSlice::new(&data[*pos..]);
-                        n += 1;
-                    }
-                    OutItem::Reply { header, data, pos } => {
-                        if *pos < SIMPLE_REPLY_LEN {
-                            iov[n] = IoSlice::new(&header[*pos..]);
-                            n += 1;
-                        }
-                        if let Some(d) = data {
-                            let off = pos.saturating_sub(SIMPLE_REPLY_LEN);
-                            iov[n] = IoSlice::new(&d.as_slice()[off..]);
-                            n += 1;
-                        }
-                    }
-                }
-            }
-            match self.stream.write_vectored(&iov[..n]) {
-                Ok(0) => {
-                    self.broken = true;
-                    self.close("client stopped reading");
-                }
-                Ok(mut written) => {
-                    progress = true;
-                    self.out_bytes -= written;
-                    while written > 0 {
-                        let Some(front) = self.out.front_mut() else { break };
-                        let (len, pos) = match front {
-                            OutItem::Bytes { data, pos } => (data.len(), pos),
-                            OutItem::Reply { data, pos, .. } => {
-                                (SIMPLE_REPLY_LEN + data.as_ref().map_or(0, |d| d.len()), pos)
-                            }
-                        };
-                        let take = (len - *pos).min(written);
-                        *pos += take;
-                        written -= take;
-                        if *pos == len {
-                            if let Some(OutItem::Reply { data: Some(b), .. }) = self.out.pop_front() {
-                                self.pool.put(b);
-                            }
-                        }
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    self.broken = true;
-                    self.close(format!("write failed: {e}"));
-                }
-            }
-        }
         if self.broken {
-            while let Some(item) = self.out.pop_front() {
-                if let OutItem::Reply { data: Some(b), .. } = item {
-                    self.pool.put(b);
-                }
-            }
-            self.out_bytes = 0;
+            return false;
         }
-        progress
+        let pool = &mut self.pool;
+        let recycle = |p: Payload| {
+            if let Payload::Buf(b) = p {
+                pool.put(b);
+            }
+        };
+        match self.out.write_to(&mut self.stream, recycle) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                self.broken = true;
+                let pool = &mut self.pool;
+                self.out.clear(|p| {
+                    if let Payload::Buf(b) = p {
+                        pool.put(b);
+                    }
+                });
+                self.close(e.to_string());
+                true
+            }
+        }
     }
 
     fn buffered(&self) -> usize {
-        self.rend - self.rstart
+        self.inb.buffered()
     }
 
     /// Read what the socket has (within the budget) into the input buffer.
     /// Returns bytes read; EOF and errors close the connection.
     fn fill(&mut self) -> usize {
-        if self.rstart == self.rend {
-            self.rstart = 0;
-            self.rend = 0;
-        } else if self.rstart > 0 && self.rend == self.rbuf.len() {
-            self.rbuf.copy_within(self.rstart..self.rend, 0);
-            self.rend -= self.rstart;
-            self.rstart = 0;
-        }
-        if self.rend == self.rbuf.len() {
-            return 0;
-        }
-        match self.stream.read(&mut self.rbuf[self.rend..]) {
-            Ok(0) => {
+        match self.inb.fill(&mut self.stream) {
+            Ok(Fill::Read(n)) => n,
+            Ok(Fill::Nothing) => 0,
+            Ok(Fill::Eof) => {
                 self.broken = self.in_flight() == 0 && self.out.is_empty();
                 self.close("client disconnected");
                 0
             }
-            Ok(n) => {
-                self.rend += n;
-                n
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => 0,
             Err(e) => {
                 self.broken = true;
                 self.close(format!("read failed: {e}"));
@@ -441,7 +374,7 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.free.is_empty() && self.out_bytes < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.free.is_empty() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -483,26 +416,25 @@ impl Conn {
 
     fn handshake_step(&mut self) -> bool {
         let Phase::Handshake(hs) = &mut self.phase else { return false };
-        if self.rstart == self.rend {
+        if self.inb.buffered() == 0 {
             return false;
         }
         let mut reply = Vec::new();
         let exports = self.server.volumes.exports();
-        let result = hs.feed(&self.rbuf[self.rstart..self.rend], &exports, &mut reply);
+        let result = hs.feed(self.inb.peek(), &exports, &mut reply);
         if !reply.is_empty() {
-            self.out_bytes += reply.len();
-            self.out.push_back(OutItem::Bytes { data: reply, pos: 0 });
+            self.out.push(&[], Payload::Bytes(reply));
         }
         match result {
             Ok((used, HandshakeStatus::NeedMore)) => {
-                self.rstart += used;
-                if used == 0 && self.rend - self.rstart >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
+                self.inb.consume(used);
+                if used == 0 && self.inb.buffered() >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
                     self.close("handshake message too long");
                 }
                 used > 0
             }
             Ok((used, HandshakeStatus::Done { export_name, info })) => {
-                self.rstart += used;
+                self.inb.consume(used);
                 self.handshake_done.store(true, Ordering::Relaxed);
                 let Some(volume) = self.server.volumes.get(&export_name) else {
                     self.close(format!("export {export_name:?} vanished during the handshake"));
@@ -526,7 +458,7 @@ impl Conn {
                 true
             }
             Ok((used, HandshakeStatus::Aborted)) => {
-                self.rstart += used;
+                self.inb.consume(used);
                 self.close("client aborted the handshake");
                 true
             }
@@ -543,32 +475,22 @@ impl Conn {
         match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Header => self.take_request(),
             Recv::Payload { slot, req, mut buf, mut filled } => {
-                let want = req.length as usize - filled;
-                let have = self.buffered().min(want);
-                let mut progress = false;
-                if have > 0 {
-                    buf.as_mut_slice()[filled..filled + have]
-                        .copy_from_slice(&self.rbuf[self.rstart..self.rstart + have]);
-                    self.rstart += have;
-                    filled += have;
-                    progress = true;
-                }
+                let len = req.length as usize;
+                let copied = self.inb.take_into(&mut buf.as_mut_slice()[filled..len]);
+                filled += copied;
+                let mut progress = copied > 0;
                 // Large payloads go straight from the socket to the buffer.
-                while filled < req.length as usize && self.buffered() == 0 {
-                    match self.stream.read(&mut buf.as_mut_slice()[filled..]) {
-                        Ok(0) => {
+                if filled < len && self.inb.buffered() == 0 {
+                    match read_into(&mut self.stream, &mut buf.as_mut_slice()[..len], &mut filled) {
+                        Ok(Fill::Read(_)) => progress = true,
+                        Ok(Fill::Nothing) => {}
+                        Ok(Fill::Eof) => {
                             self.pool.put(buf);
                             self.release_slot(slot);
                             self.broken = self.in_flight() == 0;
                             self.close("client disconnected in the middle of a write payload");
                             return true;
                         }
-                        Ok(n) => {
-                            filled += n;
-                            progress = true;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                         Err(e) => {
                             self.pool.put(buf);
                             self.release_slot(slot);
@@ -589,7 +511,7 @@ impl Conn {
             }
             Recv::Drain { remaining, cookie, error } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.rstart += n as usize;
+                self.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_reply(cookie, error, None);
@@ -608,8 +530,8 @@ impl Conn {
         let Phase::Transmission { size, tflags, .. } = &self.phase else { return false };
         let (size, tflags) = (*size, *tflags);
         let mut header = [0u8; REQUEST_LEN];
-        header.copy_from_slice(&self.rbuf[self.rstart..self.rstart + REQUEST_LEN]);
-        self.rstart += REQUEST_LEN;
+        let Some(raw) = self.inb.take(REQUEST_LEN) else { return false };
+        header.copy_from_slice(raw);
         let req = match nbd::decode_request(&header) {
             Ok(r) => r,
             Err(e) => {

@@ -21,8 +21,6 @@
 //! While a connection waits for the metadata helper it reads no frames
 //! (its in-flight I/O goes on).
 
-use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +31,7 @@ use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
     HELLO_LEN, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
+use lull_net::{read_into, Fill, InBuf, OutQueue};
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::{ReplicaError, Shared};
@@ -59,9 +58,6 @@ const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 /// again instead of looping here.
 const MAX_ROUNDS: usize = 8;
 
-/// Reply buffers gathered into one writev (two iovecs per reply).
-const MAX_IOVECS: usize = 64;
-
 /// Buffers cached per connection for reuse: a full queue of 128 KiB
 /// requests without allocation.
 const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
@@ -72,26 +68,13 @@ enum Payload {
     Bytes(Vec<u8>),
 }
 
-impl Payload {
-    fn as_slice(&self) -> &[u8] {
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
         match self {
             Payload::None => &[],
             Payload::Buf(b) => b.as_slice(),
             Payload::Bytes(v) => v,
         }
-    }
-}
-
-struct OutItem {
-    header: [u8; HEADER_LEN],
-    payload: Payload,
-    /// Bytes of header + payload already written.
-    pos: usize,
-}
-
-impl OutItem {
-    fn len(&self) -> usize {
-        HEADER_LEN + self.payload.as_slice().len()
     }
 }
 
@@ -134,11 +117,8 @@ pub(crate) struct Conn {
     fd: RawFd,
     server: Arc<Shared>,
     phase: Phase,
-    rbuf: Box<[u8]>,
-    rstart: usize,
-    rend: usize,
-    out: VecDeque<OutItem>,
-    out_bytes: usize,
+    inb: InBuf,
+    out: OutQueue<Payload>,
     pool: BufPool,
     /// Request header of each in-flight slot; indexed by the I/O tag.
     slots: Vec<Option<Header>>,
@@ -169,11 +149,8 @@ impl Conn {
             stream,
             server,
             phase: Phase::AwaitHello,
-            rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
-            rstart: 0,
-            rend: 0,
-            out: VecDeque::with_capacity(MAX_IN_FLIGHT + 4),
-            out_bytes: 0,
+            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
+            out: OutQueue::with_capacity(MAX_IN_FLIGHT + 4),
             pool: BufPool::new(BUFFER_CACHE_BYTES),
             slots: (0..MAX_IN_FLIGHT).map(|_| None).collect(),
             free: (0..MAX_IN_FLIGHT as u32).rev().collect(),
@@ -262,9 +239,6 @@ impl Conn {
         free.sort_unstable();
         free.dedup();
         assert_eq!(free.len(), self.free.len(), "free list has duplicates");
-        let queued: usize = self.out.iter().map(|i| i.len() - i.pos).sum();
-        assert_eq!(queued, self.out_bytes, "reply queue accounting");
-        assert!(self.rstart <= self.rend && self.rend <= self.rbuf.len());
     }
 
     /// Closing, and nothing left in flight, being persisted or to send.
@@ -447,14 +421,8 @@ impl Conn {
             }
             return;
         }
-        debug_assert_eq!(wire::payload_len(&reply), payload.as_slice().len());
-        let item = OutItem {
-            header,
-            payload,
-            pos: 0,
-        };
-        self.out_bytes += item.len();
-        self.out.push_back(item);
+        debug_assert_eq!(wire::payload_len(&reply), payload.as_ref().len());
+        self.out.push(&header, payload);
     }
 
     fn push_error(&mut self, req: Header, errno: i32) {
@@ -463,102 +431,44 @@ impl Conn {
 
     /// Write queued output; returns whether any byte went out.
     fn flush_out(&mut self) -> bool {
-        let mut progress = false;
-        while !self.out.is_empty() && !self.broken {
-            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
-            let mut n = 0;
-            for item in self.out.iter() {
-                if n + 2 > MAX_IOVECS {
-                    break;
-                }
-                if item.pos < HEADER_LEN {
-                    iov[n] = IoSlice::new(&item.header[item.pos..]);
-                    n += 1;
-                }
-                let data = item.payload.as_slice();
-                if !data.is_empty() {
-                    iov[n] = IoSlice::new(&data[item.pos.saturating_sub(HEADER_LEN)..]);
-                    n += 1;
-                }
-            }
-            match self.stream.write_vectored(&iov[..n]) {
-                Ok(0) => {
-                    self.broken = true;
-                    self.close("peer stopped reading");
-                }
-                Ok(mut written) => {
-                    progress = true;
-                    self.out_bytes -= written;
-                    while written > 0 {
-                        let Some(front) = self.out.front_mut() else {
-                            break;
-                        };
-                        let len = front.len();
-                        let take = (len - front.pos).min(written);
-                        front.pos += take;
-                        written -= take;
-                        if front.pos == len {
-                            if let Some(OutItem {
-                                payload: Payload::Buf(b),
-                                ..
-                            }) = self.out.pop_front()
-                            {
-                                self.pool.put(b);
-                            }
-                        }
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    self.broken = true;
-                    self.close(format!("write failed: {e}"));
-                }
-            }
-        }
         if self.broken {
-            while let Some(item) = self.out.pop_front() {
-                if let Payload::Buf(b) = item.payload {
-                    self.pool.put(b);
-                }
-            }
-            self.out_bytes = 0;
+            return false;
         }
-        progress
+        let pool = &mut self.pool;
+        let recycle = |p: Payload| {
+            if let Payload::Buf(b) = p {
+                pool.put(b);
+            }
+        };
+        match self.out.write_to(&mut self.stream, recycle) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                self.broken = true;
+                let pool = &mut self.pool;
+                self.out.clear(|p| {
+                    if let Payload::Buf(b) = p {
+                        pool.put(b);
+                    }
+                });
+                self.close(e.to_string());
+                true
+            }
+        }
     }
 
     fn buffered(&self) -> usize {
-        self.rend - self.rstart
+        self.inb.buffered()
     }
 
     /// Read what the socket has into the input buffer. Returns bytes read;
     /// EOF and errors close the connection.
     fn fill(&mut self) -> usize {
-        if self.rstart == self.rend {
-            self.rstart = 0;
-            self.rend = 0;
-        } else if self.rstart > 0 && self.rend == self.rbuf.len() {
-            self.rbuf.copy_within(self.rstart..self.rend, 0);
-            self.rend -= self.rstart;
-            self.rstart = 0;
-        }
-        if self.rend == self.rbuf.len() {
-            return 0;
-        }
-        match self.stream.read(&mut self.rbuf[self.rend..]) {
-            Ok(0) => {
+        match self.inb.fill(&mut self.stream) {
+            Ok(Fill::Read(n)) => n,
+            Ok(Fill::Nothing) => 0,
+            Ok(Fill::Eof) => {
                 self.broken = self.in_flight() == 0 && self.out.is_empty();
                 self.close("peer disconnected");
-                0
-            }
-            Ok(n) => {
-                self.rend += n;
-                n
-            }
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
                 0
             }
             Err(e) => {
@@ -571,7 +481,7 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.free.is_empty() && self.out_bytes < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.free.is_empty() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -625,7 +535,7 @@ impl Conn {
                 status,
             } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.rstart += n as usize;
+                self.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_error(req, status as i32);
@@ -648,32 +558,22 @@ impl Conn {
         mut buf: IoBuf,
         mut filled: usize,
     ) -> bool {
-        let want = req.length as usize - filled;
-        let have = self.buffered().min(want);
-        let mut progress = false;
-        if have > 0 {
-            buf.as_mut_slice()[filled..filled + have]
-                .copy_from_slice(&self.rbuf[self.rstart..self.rstart + have]);
-            self.rstart += have;
-            filled += have;
-            progress = true;
-        }
+        let len = req.length as usize;
+        let copied = self.inb.take_into(&mut buf.as_mut_slice()[filled..len]);
+        filled += copied;
+        let mut progress = copied > 0;
         // Large payloads go straight from the socket to the buffer.
-        while filled < req.length as usize && self.buffered() == 0 {
-            match self.stream.read(&mut buf.as_mut_slice()[filled..]) {
-                Ok(0) => {
+        if filled < len && self.inb.buffered() == 0 {
+            match read_into(&mut self.stream, &mut buf.as_mut_slice()[..len], &mut filled) {
+                Ok(Fill::Read(_)) => progress = true,
+                Ok(Fill::Nothing) => {}
+                Ok(Fill::Eof) => {
                     self.pool.put(buf);
                     self.release_slot(slot);
                     self.broken = self.in_flight() == 0;
                     self.close("peer disconnected in the middle of a write payload");
                     return true;
                 }
-                Ok(n) => {
-                    filled += n;
-                    progress = true;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     self.pool.put(buf);
                     self.release_slot(slot);
@@ -711,21 +611,16 @@ impl Conn {
             return false;
         }
         let mut raw = [0u8; HEADER_LEN];
-        raw.copy_from_slice(&self.rbuf[self.rstart..self.rstart + HEADER_LEN]);
+        raw.copy_from_slice(&self.inb.peek()[..HEADER_LEN]);
         let h = match wire::decode_header(&raw) {
             Ok(h) => h,
             Err(FrameError::BadVersion(version)) => {
-                self.rstart += HEADER_LEN;
+                self.inb.consume(HEADER_LEN);
                 tracing::warn!(peer = %self.peer, version, ours = wire::PROTOCOL_VERSION, "peer speaks another protocol version");
                 let mut header = [0u8; HEADER_LEN];
                 wire::encode_refusal(wire::raw_id(&raw), libc::EPROTO as u32, &mut header);
                 let payload = self.our_hello(self.current_generation());
-                self.out_bytes += HEADER_LEN + payload.len();
-                self.out.push_back(OutItem {
-                    header,
-                    payload: Payload::Bytes(payload),
-                    pos: 0,
-                });
+                self.out.push(&header, Payload::Bytes(payload));
                 self.close(format!(
                     "protocol version {version} is not {}",
                     wire::PROTOCOL_VERSION
@@ -733,14 +628,14 @@ impl Conn {
                 return true;
             }
             Err(e) => {
-                self.rstart += HEADER_LEN;
+                self.inb.consume(HEADER_LEN);
                 tracing::warn!(peer = %self.peer, error = %e, "bad frame header");
                 self.close(format!("bad frame: {e}"));
                 return true;
             }
         };
         if h.reply {
-            self.rstart += HEADER_LEN;
+            self.inb.consume(HEADER_LEN);
             tracing::warn!(peer = %self.peer, ?h, "peer sent a reply frame");
             self.close("unexpected reply frame");
             return true;
@@ -750,9 +645,8 @@ impl Conn {
                 if self.buffered() < HEADER_LEN + HELLO_LEN {
                     return false;
                 }
-                let at = self.rstart + HEADER_LEN;
-                let hello = wire::decode_hello(&self.rbuf[at..at + HELLO_LEN]);
-                self.rstart += HEADER_LEN + HELLO_LEN;
+                let hello = wire::decode_hello(&self.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
+                self.inb.consume(HEADER_LEN + HELLO_LEN);
                 match hello {
                     Ok(hello) => self.handle_hello(h, hello),
                     Err(e) => {
@@ -762,7 +656,7 @@ impl Conn {
                 }
             }
             (Phase::AwaitHello, kind) => {
-                self.rstart += HEADER_LEN;
+                self.inb.consume(HEADER_LEN);
                 tracing::warn!(peer = %self.peer, ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
@@ -774,7 +668,7 @@ impl Conn {
                 self.start_meta_wait(None, 0);
             }
             _ => {
-                self.rstart += HEADER_LEN;
+                self.inb.consume(HEADER_LEN);
                 self.start_request(h);
             }
         }

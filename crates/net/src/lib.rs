@@ -1,0 +1,375 @@
+//! Socket plumbing shared by every lull wire endpoint (the NBD server, the
+//! replica server and the engine's replica connections): an input buffer
+//! that hands out whole messages, and an output queue of framed replies
+//! written with one `writev` for many frames.
+//!
+//! ```
+//! use lull_net::{InBuf, OutQueue, Fill};
+//! let mut out: OutQueue<Vec<u8>> = OutQueue::default();
+//! out.push(&[1, 2, 3, 4], b"payload".to_vec());
+//! let mut wire = Vec::new();
+//! out.write_to(&mut wire, |_payload| {}).unwrap();
+//! assert_eq!(wire, b"\x01\x02\x03\x04payload");
+//!
+//! let mut inb = InBuf::with_capacity(64);
+//! assert_eq!(inb.fill(&mut &wire[..]).unwrap(), Fill::Read(11));
+//! assert_eq!(inb.take(4), Some(&[1u8, 2, 3, 4][..]));
+//! ```
+//!
+//! Nothing here blocks: both work on non-blocking sockets and report
+//! "would block" as no progress.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+
+/// Largest frame header: the replica protocol's 32 bytes (NBD's simple
+/// reply is 16).
+pub const MAX_HEADER_LEN: usize = 32;
+
+/// Slices gathered into one `writev`: 32 frames of header + payload. The
+/// kernel's limit is 1024; 64 already amortises the syscall over a full
+/// queue of small replies.
+pub const MAX_IOVECS: usize = 64;
+
+struct Frame<P> {
+    header: [u8; MAX_HEADER_LEN],
+    header_len: u8,
+    payload: P,
+    /// Bytes of this frame already written.
+    pos: usize,
+}
+
+impl<P: AsRef<[u8]>> Frame<P> {
+    fn len(&self) -> usize {
+        usize::from(self.header_len) + self.payload.as_ref().len()
+    }
+}
+
+/// Why the output stopped for good.
+#[derive(Debug)]
+pub enum WriteError {
+    /// The peer accepts no more bytes (`write` returned 0).
+    Closed,
+    Io(io::Error),
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriteError::Closed => f.write_str("peer stopped reading"),
+            WriteError::Io(e) => write!(f, "write failed: {e}"),
+        }
+    }
+}
+
+/// Frames (a header and a payload) waiting to be written, in order.
+/// Payloads come back through the `sent` callback once fully written, so
+/// pooled buffers can be recycled.
+pub struct OutQueue<P> {
+    frames: VecDeque<Frame<P>>,
+    bytes: usize,
+}
+
+impl<P> Default for OutQueue<P> {
+    fn default() -> Self {
+        OutQueue { frames: VecDeque::new(), bytes: 0 }
+    }
+}
+
+impl<P: AsRef<[u8]>> OutQueue<P> {
+    pub fn with_capacity(frames: usize) -> Self {
+        OutQueue { frames: VecDeque::with_capacity(frames), bytes: 0 }
+    }
+
+    /// Queue a frame. `header` is at most [`MAX_HEADER_LEN`] bytes (a
+    /// protocol constant; a longer one is a bug in the caller).
+    pub fn push(&mut self, header: &[u8], payload: P) {
+        assert!(header.len() <= MAX_HEADER_LEN, "frame header of {} bytes", header.len());
+        let mut h = [0u8; MAX_HEADER_LEN];
+        h[..header.len()].copy_from_slice(header);
+        let frame = Frame { header: h, header_len: header.len() as u8, payload, pos: 0 };
+        self.bytes += frame.len();
+        self.frames.push_back(frame);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty()
+    }
+
+    /// Bytes queued and not yet written.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Write as much as `w` takes now. Returns the bytes written (0 when it
+    /// would block); fully written frames hand their payload to `sent`.
+    pub fn write_to(&mut self, w: &mut impl Write, mut sent: impl FnMut(P)) -> Result<usize, WriteError> {
+        let mut total = 0;
+        while !self.frames.is_empty() {
+            let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
+            let mut n = 0;
+            for f in &self.frames {
+                if n + 2 > MAX_IOVECS {
+                    break;
+                }
+                let hl = usize::from(f.header_len);
+                if f.pos < hl {
+                    iov[n] = IoSlice::new(&f.header[f.pos..hl]);
+                    n += 1;
+                }
+                let p = f.payload.as_ref();
+                let off = f.pos.saturating_sub(hl);
+                if off < p.len() {
+                    iov[n] = IoSlice::new(&p[off..]);
+                    n += 1;
+                }
+            }
+            let mut written = match w.write_vectored(&iov[..n]) {
+                Ok(0) => return Err(WriteError::Closed),
+                Ok(k) => k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WriteError::Io(e)),
+            };
+            total += written;
+            self.bytes -= written;
+            while written > 0 {
+                let Some(front) = self.frames.front_mut() else { break };
+                let take = (front.len() - front.pos).min(written);
+                front.pos += take;
+                written -= take;
+                if front.pos == front.len() {
+                    if let Some(f) = self.frames.pop_front() {
+                        sent(f.payload);
+                    }
+                }
+            }
+            // Frames with nothing to write (empty header and payload) end
+            // here too.
+            while self.frames.front().is_some_and(|f| f.len() == 0) {
+                if let Some(f) = self.frames.pop_front() {
+                    sent(f.payload);
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Drop every queued frame (the peer is gone), handing payloads back.
+    pub fn clear(&mut self, mut sent: impl FnMut(P)) {
+        for f in self.frames.drain(..) {
+            sent(f.payload);
+        }
+        self.bytes = 0;
+    }
+}
+
+/// What one `fill` did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// This many bytes arrived.
+    Read(usize),
+    /// Nothing now (would block), or no room in the buffer.
+    Nothing,
+    /// The peer closed its side.
+    Eof,
+}
+
+/// An input buffer: bytes read from a socket, consumed from the front.
+pub struct InBuf {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl InBuf {
+    pub fn with_capacity(bytes: usize) -> InBuf {
+        InBuf { buf: vec![0u8; bytes].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    /// Bytes buffered and not consumed.
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// The buffered bytes.
+    pub fn peek(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Consume `n` buffered bytes (at most what is buffered).
+    pub fn consume(&mut self, n: usize) {
+        self.start += n.min(self.buffered());
+    }
+
+    /// Consume and return the next `n` bytes, if that many are buffered.
+    pub fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.buffered() < n {
+            return None;
+        }
+        let s = self.start;
+        self.start += n;
+        Some(&self.buf[s..s + n])
+    }
+
+    /// Move up to `dst.len()` buffered bytes into `dst`; returns how many.
+    pub fn take_into(&mut self, dst: &mut [u8]) -> usize {
+        let n = self.buffered().min(dst.len());
+        dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        n
+    }
+
+    /// Read once from `r` into the free space (compacting first when the
+    /// buffer's tail is full).
+    pub fn fill(&mut self, r: &mut impl Read) -> io::Result<Fill> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start > 0 && self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.end == self.buf.len() {
+            return Ok(Fill::Nothing);
+        }
+        loop {
+            return match r.read(&mut self.buf[self.end..]) {
+                Ok(0) => Ok(Fill::Eof),
+                Ok(n) => {
+                    self.end += n;
+                    Ok(Fill::Read(n))
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::Nothing),
+                Err(e) => Err(e),
+            };
+        }
+    }
+}
+
+/// Fill `dst[*filled..]` from `r` until it is full or `r` would block: large
+/// payloads go straight from the socket into their I/O buffer. Returns
+/// whether any byte arrived, or `Fill::Eof`/an error as the outcome.
+pub fn read_into(r: &mut impl Read, dst: &mut [u8], filled: &mut usize) -> io::Result<Fill> {
+    let mut got = 0;
+    while *filled < dst.len() {
+        match r.read(&mut dst[*filled..]) {
+            Ok(0) => return Ok(Fill::Eof),
+            Ok(n) => {
+                *filled += n;
+                got += n;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(if got > 0 { Fill::Read(got) } else { Fill::Nothing })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A writer that takes at most `chunk` bytes per call and would block
+    /// every other call.
+    struct Trickle {
+        out: Vec<u8>,
+        chunk: usize,
+        block: bool,
+    }
+
+    impl Write for Trickle {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.block = !self.block;
+            if self.block {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let n = buf.len().min(self.chunk);
+            self.out.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn frames_arrive_whole_and_in_order(
+            frames in proptest::collection::vec((0usize..=32, proptest::collection::vec(any::<u8>(), 0..300)), 0..80),
+            chunk in 1usize..500,
+        ) {
+            let mut q: OutQueue<Vec<u8>> = OutQueue::default();
+            let mut expected = Vec::new();
+            for (i, (hl, payload)) in frames.iter().enumerate() {
+                let header = vec![i as u8; *hl];
+                expected.extend_from_slice(&header);
+                expected.extend_from_slice(payload);
+                q.push(&header, payload.clone());
+            }
+            prop_assert_eq!(q.bytes(), expected.len());
+            let mut w = Trickle { out: Vec::new(), chunk, block: false };
+            let mut returned = 0;
+            for _ in 0..100_000 {
+                if q.is_empty() { break; }
+                q.write_to(&mut w, |_| returned += 1).unwrap();
+            }
+            prop_assert!(q.is_empty());
+            prop_assert_eq!(q.bytes(), 0);
+            prop_assert_eq!(returned, frames.len());
+            prop_assert_eq!(w.out, expected);
+        }
+
+        #[test]
+        fn inbuf_hands_out_what_was_read(data in proptest::collection::vec(any::<u8>(), 0..2000), cap in 1usize..300, step in 1usize..50) {
+            let mut src = &data[..];
+            let mut inb = InBuf::with_capacity(cap);
+            let mut got = Vec::new();
+            loop {
+                match inb.fill(&mut src).unwrap() {
+                    Fill::Eof => break,
+                    Fill::Read(_) | Fill::Nothing => {}
+                }
+                while let Some(b) = inb.take(step.min(inb.buffered()).max(1)) {
+                    got.extend_from_slice(b);
+                }
+            }
+            got.extend_from_slice(inb.peek());
+            prop_assert_eq!(got, data);
+        }
+    }
+
+    #[test]
+    fn closed_and_cleared() {
+        struct Zero;
+        impl Write for Zero {
+            fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+                Ok(0)
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut q: OutQueue<Vec<u8>> = OutQueue::default();
+        q.push(&[1], vec![2]);
+        assert!(matches!(q.write_to(&mut Zero, |_| {}), Err(WriteError::Closed)));
+        let mut back = 0;
+        q.clear(|_| back += 1);
+        assert_eq!((back, q.bytes(), q.is_empty()), (1, 0, true));
+    }
+
+    #[test]
+    fn read_into_fills_until_would_block() {
+        let data = [7u8; 100];
+        let mut dst = [0u8; 64];
+        let mut filled = 10;
+        assert_eq!(read_into(&mut &data[..], &mut dst, &mut filled).unwrap(), Fill::Read(54));
+        assert_eq!(filled, 64);
+        let mut filled = 0;
+        assert_eq!(read_into(&mut &[][..], &mut dst, &mut filled).unwrap(), Fill::Eof);
+    }
+}
