@@ -51,6 +51,12 @@ const TOKEN_CONTROL: u64 = u64::MAX;
 /// room for jitter, and bounds the CPU a lone event can cost.
 pub const ADAPTIVE_SPIN_CAP_NS: u64 = 50_000;
 
+/// While spinning, the adaptive mode polls the hot sources (those with a
+/// spin window) directly, the cheapest way to see their next event, and
+/// looks at every other fd through one `epoll_wait(0)` every this many spin
+/// iterations (a few µs), so a cold source is never ignored for long.
+pub const SPIN_EPOLL_EVERY: u64 = 8;
+
 /// Default period of the hybrid mode's initiator poll (Longhorn's
 /// `data-engine-nvme-ioq-poll-period-us` default).
 pub const DEFAULT_IOQ_POLL_PERIOD_US: u64 = 100;
@@ -492,6 +498,7 @@ impl Drop for Framework {
 struct Spin {
     start_ns: u64,
     deadline_ns: u64,
+    iterations: u64,
 }
 
 struct Reactor {
@@ -565,11 +572,16 @@ impl Reactor {
             // (no epoll syscalls on the busy path); it turns to epoll only
             // when idle: to spin over every fd at once, then to sleep.
             let polling = self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
+            let mut scope = if polling { Scope::All } else { Scope::Ready };
             if !polling {
-                busy |= self.wait_events(now);
+                let (control, epolled) = self.wait_events(now);
+                busy |= control;
+                if self.spin.is_some() {
+                    scope = Scope::Spin { epoll: epolled };
+                }
             }
             let now = self.clock_now();
-            busy |= self.poll_threads(now, if polling { Scope::All } else { Scope::Ready });
+            busy |= self.poll_threads(now, scope);
             if busy {
                 if let Some(spin) = self.spin.take() {
                     self.spins_with_work += 1;
@@ -591,11 +603,16 @@ impl Reactor {
         for i in 0..self.threads.len() {
             let ready = std::mem::take(&mut self.ready[i]);
             let Some(t) = self.threads[i].as_mut() else { continue };
-            if scope == Scope::Ready && !ready && !t.has_immediate_work(now) {
-                continue;
-            }
+            let thread_scope = match scope {
+                Scope::All => Scope::All,
+                Scope::Ready if ready || t.has_immediate_work(now) => Scope::Ready,
+                Scope::Spin { .. } if ready || t.has_hot_pollers() || t.has_immediate_work(now) => {
+                    Scope::Spin { epoll: ready }
+                }
+                _ => continue,
+            };
             let t_now = clock.now_ns();
-            if t.poll(t_now, scope, &*clock) == PollStatus::Busy {
+            if t.poll(t_now, thread_scope, &*clock) == PollStatus::Busy {
                 busy = true;
             }
         }
@@ -604,11 +621,20 @@ impl Reactor {
 
     /// Event-driven wait: check readiness without blocking while work keeps
     /// coming; when the last iteration found nothing, arm every doorbell and
-    /// timer and block until an fd is ready. Returns whether control work ran.
-    fn wait_events(&mut self, now: u64) -> bool {
+    /// timer and block until an fd is ready. Returns whether control work
+    /// ran, and whether epoll was asked (a spin skips it on most iterations).
+    fn wait_events(&mut self, now: u64) -> (bool, bool) {
         let mut timeout = 0;
-        if !self.last_busy && !self.keep_spinning(now) && self.prepare_sleep(now) {
-            timeout = -1;
+        if !self.last_busy {
+            if self.keep_spinning(now) {
+                let spin = self.spin.as_mut().expect("spinning");
+                spin.iterations += 1;
+                if spin.iterations % SPIN_EPOLL_EVERY != 0 {
+                    return (false, false);
+                }
+            } else if self.prepare_sleep(now) {
+                timeout = -1;
+            }
         }
         self.publish_usage(now, timeout == -1);
         let n = self.epoll.wait(&mut self.events, timeout).unwrap_or_else(|e| {
@@ -634,11 +660,7 @@ impl Reactor {
                 *r = true;
             }
         }
-        if control {
-            self.handle_control()
-        } else {
-            false
-        }
+        (control && self.handle_control(), true)
     }
 
     /// Adaptive mode: whether to poll (epoll_wait without sleeping) once
@@ -661,7 +683,7 @@ impl Reactor {
                 if window == 0 {
                     return false;
                 }
-                self.spin = Some(Spin { start_ns: now, deadline_ns: now + window });
+                self.spin = Some(Spin { start_ns: now, deadline_ns: now + window, iterations: 0 });
                 true
             }
             Some(spin) if now < spin.deadline_ns => true,

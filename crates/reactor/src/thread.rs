@@ -368,6 +368,10 @@ pub enum Scope {
     All,
     /// Only pollers whose fd is ready or that were woken (event-driven modes).
     Ready,
+    /// The adaptive mode's spin: the hot pollers (a spin window > 0) and the
+    /// woken ones, polled directly; with `epoll` the thread's fds were
+    /// reported ready too.
+    Spin { epoll: bool },
 }
 
 /// A lull thread. Pollers and messages receive `&mut Thread` to register,
@@ -780,6 +784,15 @@ impl Thread {
         window
     }
 
+    /// Whether some active poller has a spin window (the adaptive spin
+    /// polls it directly).
+    pub fn has_hot_pollers(&self) -> bool {
+        self.pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .any(|e| e.kind == PollerKind::Active && !e.paused && e.gap.window_ns() > 0)
+    }
+
     /// Active pollers that have no fd (they make event-driven mode impossible).
     pub(crate) fn pollers_without_event_source(&self) -> Vec<String> {
         self.pollers
@@ -853,10 +866,11 @@ impl Thread {
             status = PollStatus::Busy;
         }
 
-        if scope == Scope::Ready {
+        if matches!(scope, Scope::Ready | Scope::Spin { epoll: true }) {
             self.collect_ready();
         }
-        let initiators_due = scope == Scope::Ready
+        let hot = matches!(scope, Scope::Spin { .. });
+        let initiators_due = scope != Scope::All
             && self.initiator_period_ns.is_some()
             && self.next_initiator_ns <= now;
         if initiators_due {
@@ -865,7 +879,10 @@ impl Thread {
         for index in 0..self.pollers.len() {
             let run = match &mut self.pollers[index].entry {
                 Some(e) if e.kind == PollerKind::Active && !e.paused => {
-                    let run = scope == Scope::All || e.woken || (initiators_due && e.initiator);
+                    let run = scope == Scope::All
+                        || e.woken
+                        || (initiators_due && e.initiator)
+                        || (hot && e.gap.window_ns() > 0 && !(e.initiator && self.initiator_period_ns.is_some()));
                     if e.woken {
                         e.woken = false;
                         self.woken -= 1;
