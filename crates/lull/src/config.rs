@@ -4,7 +4,7 @@
 //! listen = "127.0.0.1:10809"
 //! socket = "/run/lull/nbd.sock"   # optional Unix socket
 //! cores = "1"                      # reactor cores: "0,2-3"
-//! mode = "interrupt"               # poll | interrupt | hybrid | adaptive
+//! mode = "adaptive"                # poll | interrupt | hybrid | adaptive
 //! nvme_ioq_poll_period_us = 100    # hybrid mode's replica-connection poll
 //! rpc_socket = "/var/tmp/lull.sock"
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
@@ -67,7 +67,9 @@ pub struct ServeSettings {
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
-pub const DEFAULT_MODE: Mode = Mode::Interrupt;
+/// Adaptive: poll-mode latency under load, interrupt-mode CPU when idle
+/// (docs/BENCHMARKS.md has the run that made it the default).
+pub const DEFAULT_MODE: Mode = Mode::Adaptive;
 
 /// The config file's shape. Unknown keys are errors: a typo must not be
 /// silently ignored.
@@ -281,7 +283,7 @@ mod tests {
         let s = resolve(ConfigFile::default(), Overrides::default(), &[0, 1]).unwrap();
         assert_eq!(s.listen, Some(DEFAULT_LISTEN.parse().unwrap()));
         assert_eq!(s.cores, vec![1]);
-        assert_eq!(s.mode, Mode::Interrupt);
+        assert_eq!(s.mode, Mode::Adaptive);
         assert_eq!(s.volumes, vec![parse_volume(DEFAULT_VOLUME).unwrap()]);
 
         let file = ConfigFile::parse(

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use lull_nbd::{bucket_le_ns, Volume, Volumes, LATENCY_BUCKETS};
-use lull_reactor::{FrameworkHandle, Mode};
+use lull_reactor::FrameworkHandle;
 use lull_rpc::{EngineControl, MetricsSnapshot, MetricsSource, VolumeMetrics};
 use serde_json::{json, Value};
 
@@ -47,7 +47,7 @@ impl EngineControl for Control {
         let (mode, period) = reactors
             .first()
             .map(|r| (r.mode, r.ioq_poll_period_us))
-            .unwrap_or((Mode::Interrupt, lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US));
+            .unwrap_or((config::DEFAULT_MODE, lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US));
         json!({
             "mode": mode.as_str(),
             "nvme_ioq_poll_period_us": period,
@@ -60,7 +60,7 @@ impl EngineControl for Control {
         let current = self.get_options();
         let mode = match params.get("mode").and_then(Value::as_str) {
             Some(m) => config::parse_mode(m).map_err(|e| e.to_string())?,
-            None => config::parse_mode(current["mode"].as_str().unwrap_or("interrupt")).map_err(|e| e.to_string())?,
+            None => config::parse_mode(current["mode"].as_str().unwrap_or(config::DEFAULT_MODE.as_str())).map_err(|e| e.to_string())?,
         };
         let period = params
             .get("nvme_ioq_poll_period_us")

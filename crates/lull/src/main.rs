@@ -49,7 +49,7 @@ struct ServeArgs {
     /// Reactor cores, e.g. "1" or "0,2-3" [default: the last core].
     #[arg(long, value_name = "LIST")]
     cores: Option<String>,
-    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive [default: interrupt].
+    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive [default: adaptive].
     #[arg(long, value_name = "MODE")]
     mode: Option<String>,
     /// Hybrid mode: how often replica connections are drained, in µs

@@ -36,7 +36,7 @@ fn rpc_methods_answer() {
     assert_eq!(code, 0);
     let reactors = r["reactors"].as_array().expect("reactors");
     assert_eq!(reactors.len(), 1);
-    assert_eq!(reactors[0]["mode"], "interrupt");
+    assert_eq!(reactors[0]["mode"], "adaptive", "adaptive is the default");
     assert_eq!(reactors[0]["interrupt_mode_enabled"], true);
 
     let (code, r, _) = rpc(&sock, "engine_set_options", Some(r#"{"data-engine-interrupt-mode-enabled": false}"#));

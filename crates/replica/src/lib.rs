@@ -162,8 +162,8 @@ pub struct ReplicaArgs {
     /// Reactor cores, e.g. "1" or "0,2-3" [default: the last allowed core].
     #[arg(long, value_name = "LIST")]
     pub cores: Option<String>,
-    /// Event mode of the reactors, e.g. poll or interrupt.
-    #[arg(long, value_name = "MODE", default_value = "interrupt")]
+    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive.
+    #[arg(long, value_name = "MODE", default_value = "adaptive")]
     pub mode: String,
     /// Open the data file with O_DIRECT.
     #[arg(long)]
@@ -798,12 +798,12 @@ mod tests {
             dir: "/tmp/x".into(),
             size: "1M".into(),
             cores: None,
-            mode: "interrupt".into(),
+            mode: "adaptive".into(),
             direct: false,
         };
         let s = args.resolve(&[0, 1]).unwrap();
         assert_eq!(s.cores, vec![1]);
-        assert_eq!(s.mode, Mode::Interrupt);
+        assert_eq!(s.mode, Mode::Adaptive);
         assert_eq!(s.config.size_bytes, 1 << 20);
         let bad = ReplicaArgs {
             mode: "spin".into(),
