@@ -109,22 +109,22 @@ impl BdevError {
 /// inside the device (except `Flush`, which has none), and `Read`/`Write`
 /// need a buffer of at least `len` bytes.
 pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevError> {
-    if !matches!(req.op, IoOp::Flush) {
-        let len = u64::from(req.len);
-        match req.offset.checked_add(len) {
+    validate_io(req.op, req.offset, req.len, req.buf.as_ref(), size_bytes)
+}
+
+/// [`validate_request`] on the parts of a request (for layers that keep
+/// requests in their own type, such as the replication engine).
+pub fn validate_io(op: IoOp, offset: u64, len: u32, buf: Option<&IoBuf>, size_bytes: u64) -> Result<(), BdevError> {
+    if !matches!(op, IoOp::Flush) {
+        let len = u64::from(len);
+        match offset.checked_add(len) {
             Some(end) if end <= size_bytes => {}
-            _ => {
-                return Err(BdevError::OutOfRange {
-                    offset: req.offset,
-                    len,
-                    size: size_bytes,
-                })
-            }
+            _ => return Err(BdevError::OutOfRange { offset, len, size: size_bytes }),
         }
     }
-    if matches!(req.op, IoOp::Read | IoOp::Write { .. }) {
-        match &req.buf {
-            Some(buf) if buf.len() >= req.len as usize => {}
+    if matches!(op, IoOp::Read | IoOp::Write { .. }) {
+        match buf {
+            Some(buf) if buf.len() >= len as usize => {}
             Some(_) => return Err(BdevError::BadRequest("buffer shorter than the request length")),
             None => return Err(BdevError::BadRequest("read or write without a buffer")),
         }

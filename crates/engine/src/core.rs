@@ -1517,23 +1517,9 @@ impl Engine {
     }
 }
 
-/// The same checks as `lull_bdev::validate_request`, on the engine's copy.
+/// The checks of `lull_bdev::validate_request`, on the engine's copy.
 fn validate(req: &ClientReq, size: u64) -> Result<(), BdevError> {
-    if !matches!(req.op, IoOp::Flush) {
-        let len = u64::from(req.len);
-        match req.offset.checked_add(len) {
-            Some(end) if end <= size => {}
-            _ => return Err(BdevError::OutOfRange { offset: req.offset, len, size }),
-        }
-    }
-    if matches!(req.op, IoOp::Read | IoOp::Write { .. }) {
-        match &req.buf {
-            Some(buf) if buf.len() >= req.len as usize => {}
-            Some(_) => return Err(BdevError::BadRequest("buffer shorter than the request length")),
-            None => return Err(BdevError::BadRequest("read or write without a buffer")),
-        }
-    }
-    Ok(())
+    lull_bdev::validate_io(req.op, req.offset, req.len, req.buf.as_ref(), size)
 }
 
 /// Append [from, to) as segments of at most the chunk size for its kind.

@@ -326,7 +326,7 @@ impl<T> IoQueue<T> {
                 return Err(PushError::SqFull);
             }
         }
-        // SAFETY: every pointer points into the slot's `IoBuf` (range checked
+        // Every pointer points into the slot's `IoBuf` (range checked
         // above), whose heap memory stays put while the slot holds it. From
         // here until the slot's `pending` count is back to 0 (each CQE of
         // this chain decrements it in `next_completion`), `buf`, `buf_mut`,
@@ -334,6 +334,7 @@ impl<T> IoQueue<T> {
         // so nobody else touches it; `Drop` waits for all pending CQEs
         // before the buffers or the ring go away. Targets are registered
         // fixed files, which the ring keeps referenced.
+        // SAFETY: push_chain's rules hold by the slot discipline above.
         unsafe { self.ring.push_chain(&raw[..ops.len()]) }.map_err(|_| PushError::SqFull)?;
         let slot = &mut self.slots[id.index()];
         slot.pending += ops.len() as u32;

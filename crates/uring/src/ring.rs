@@ -233,9 +233,8 @@ impl Ring {
     /// (a failure or a short read/write cancels the rest with `-ECANCELED`).
     /// All or nothing: with too little SQ room nothing is pushed.
     ///
-    /// # Safety
-    ///
-    /// Until the CQE carrying each op's `user_data` has been reaped:
+    /// The kernel uses the memory and descriptors named by `ops` until the
+    /// CQE carrying each op's `user_data` has been reaped. Until then:
     /// - for `Read`, `buf..buf+len` must be valid for writes and must not be
     ///   read or written by anyone else (no Rust reference may exist to it);
     /// - for `Write`, `buf..buf+len` must be valid for reads and not written;
@@ -243,6 +242,9 @@ impl Ring {
     ///   (linked ops look their file up when they start, after `submit`);
     /// - the `Ring` must not be dropped (dropping it tears the ring down
     ///   while the kernel may still use the memory).
+    ///
+    /// # Safety
+    /// The caller upholds every rule above until each op's CQE is reaped.
     pub unsafe fn push_chain(&mut self, ops: &[(u64, RingOp)]) -> Result<(), SqFull> {
         if ops.is_empty() {
             return Ok(());
@@ -313,9 +315,9 @@ impl Ring {
     /// missed.
     pub fn drain_event_fd(&mut self) {
         let mut counter = 0u64;
-        // SAFETY: reads 8 bytes into a local u64 from a descriptor we own;
-        // the eventfd is non-blocking, so EAGAIN (nothing to drain) is the
+        // The eventfd is non-blocking, so EAGAIN (nothing to drain) is the
         // only expected failure and needs no handling.
+        // SAFETY: reads 8 bytes into a local u64 from a descriptor we own.
         let _ = unsafe {
             libc::read(
                 self.event_fd.as_raw_fd(),
