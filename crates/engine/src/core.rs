@@ -347,6 +347,12 @@ fn eio(why: &str) -> BdevError {
 }
 
 impl Engine {
+    /// Change the keep-alive interval at run time (kept below the replica
+    /// timeout, or idle replicas would time out).
+    pub fn set_keepalive_interval_ms(&mut self, ms: u64) {
+        self.opts.keepalive_interval_ms = ms.clamp(1, self.opts.replica_timeout_ms.saturating_sub(1).max(1));
+    }
+
     pub fn new(volume: &str, size_bytes: u64, replicas: Vec<SocketAddr>, opts: EngineOptions) -> Engine {
         let mut e = Engine {
             volume: volume.to_string(),

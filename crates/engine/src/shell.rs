@@ -264,6 +264,8 @@ struct Shell {
     core: Engine,
     opts: EngineOptions,
     me: Option<ThreadHandle>,
+    /// The timed poller driving timeouts, keep-alives and reconnects.
+    tick: Option<PollerId>,
     this: std::sync::Weak<Mutex<Shell>>,
     socks: Vec<Vec<Option<Sock>>>,
     channels: Vec<Option<ChanEntry>>,
@@ -428,6 +430,23 @@ impl Shell {
             t.unregister_poller(sock.poller);
             let _ = sock.stream.shutdown(std::net::Shutdown::Both);
             drop(sock);
+        }
+    }
+
+    /// (Re)register the tick poller with period `period_us`.
+    fn register_tick(&mut self, t: &mut Thread, this: &Arc<Mutex<Shell>>, period_us: u64) {
+        if let Some(old) = self.tick.take() {
+            t.unregister_poller(old);
+        }
+        let tick_shell = this.clone();
+        match t.register_poller(
+            "engine-tick",
+            PollerKind::every_us(period_us),
+            &[],
+            Box::new(move |t, now| lock(&tick_shell).on_tick(t, now)),
+        ) {
+            Ok(id) => self.tick = Some(id),
+            Err(e) => tracing::error!(volume = %self.volume, error = %e, "cannot register the engine tick"),
         }
     }
 
@@ -620,6 +639,7 @@ impl ReplicatedDev {
                 core: Engine::new(volume, size_bytes, replicas, opts.clone()),
                 opts: opts.clone(),
                 me: None,
+                tick: None,
                 this: weak.clone(),
                 socks: Vec::new(),
                 channels: Vec::new(),
@@ -635,18 +655,10 @@ impl ReplicatedDev {
         });
         let init_shell = shell.clone();
         let engine = fw.spawn_thread(reactor, &format!("engine-{volume}"), move |t: &mut Thread| {
-            let tick_shell = init_shell.clone();
             let mut sh = lock(&init_shell);
             sh.me = Some(t.handle());
             let now = t.now_ns();
-            if let Err(e) = t.register_poller(
-                "engine-tick",
-                PollerKind::every_us(TICK_US),
-                &[],
-                Box::new(move |t, now| lock(&tick_shell).on_tick(t, now)),
-            ) {
-                tracing::error!(volume = %sh.volume, error = %e, "cannot register the engine tick");
-            }
+            sh.register_tick(t, &init_shell, TICK_US);
             let mut out = std::mem::take(&mut sh.actions);
             sh.core.start(now, &mut out);
             sh.actions = out;
@@ -688,6 +700,21 @@ impl ReplicatedDev {
     /// state change. Readable from any thread.
     pub fn replica_status(&self) -> Vec<ReplicaStatus> {
         self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Send keep-alives on idle replica connections every `period_us`
+    /// (hybrid mode uses Longhorn's `nvme_adminq_poll_period_us`, 10 ms by
+    /// default; the other modes the engine's `keepalive_interval_ms`). The
+    /// engine's tick runs at least that often.
+    pub fn set_keepalive_period_us(&self, period_us: u64) -> Result<(), EngineError> {
+        let shell = self.shell.clone();
+        self.engine
+            .send(move |t| {
+                let mut sh = lock(&shell);
+                sh.core.set_keepalive_interval_ms(period_us.div_ceil(1000));
+                sh.register_tick(t, &shell, period_us.clamp(1, TICK_US));
+            })
+            .map_err(|_| EngineError::Stopped)
     }
 
     /// Add a replica (it is rebuilt, then joins the healthy set).

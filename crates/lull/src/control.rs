@@ -27,6 +27,24 @@ impl Control {
         Control { fw, volumes, engine, adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US) }
     }
 
+    /// Hybrid mode sends replica keep-alives every
+    /// `nvme_adminq_poll_period_us` (Longhorn's admin-queue poll); the other
+    /// modes at the engine's own keep-alive interval.
+    pub fn apply_keepalive(&self, mode: lull_reactor::Mode) {
+        let period_us = if mode == lull_reactor::Mode::Hybrid {
+            self.adminq_poll_period_us.load(Ordering::Relaxed)
+        } else {
+            self.engine.keepalive_interval_ms * 1000
+        };
+        for v in self.volumes.list() {
+            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+                if let Err(e) = dev.set_keepalive_period_us(period_us) {
+                    tracing::warn!(volume = %v.name, error = %e, "cannot set the keep-alive period");
+                }
+            }
+        }
+    }
+
     /// The replicated device behind a volume, if it is one.
     fn replicated(&self, volume: &str) -> Result<Arc<Volume>, String> {
         let v = self.volume(volume)?;
@@ -71,6 +89,7 @@ impl EngineControl for Control {
             self.adminq_poll_period_us.store(a, Ordering::Relaxed);
         }
         self.fw.set_mode_all(mode, period).map_err(|e| e.to_string())?;
+        self.apply_keepalive(mode);
         tracing::info!(mode = mode.as_str(), nvme_ioq_poll_period_us = period, "engine options set over RPC");
         Ok(self.get_options())
     }
@@ -79,6 +98,9 @@ impl EngineControl for Control {
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}")).map_err(|e| e.to_string())?;
         let dev = crate::open_device(&spec, &self.fw, &self.engine)?;
         let v = self.volumes.add(Volume::new(&spec.name, dev)).map_err(|e| e.to_string())?;
+        if let Some(r) = self.fw.reactor_stats().first() {
+            self.apply_keepalive(r.mode);
+        }
         tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
         Ok(volume_json(&v))
     }

@@ -274,6 +274,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     let control = Arc::new(control::Control::new(fw.handle().clone(), volumes.clone(), s.engine.clone()));
+    control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,
         Err(e) => {
