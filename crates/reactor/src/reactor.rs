@@ -57,6 +57,17 @@ pub const ADAPTIVE_SPIN_CAP_NS: u64 = 50_000;
 /// iterations (a few µs), so a cold source is never ignored for long.
 pub const SPIN_EPOLL_EVERY: u64 = 8;
 
+/// Under sustained load (awake for at least `LOADED_AFTER_NS` and busy for
+/// at least half of it), a pause is more likely a client's hiccup than the
+/// end of the load, and a sleep then delays a whole queue of requests by a
+/// wake-up; so a spin that some source asked for may last up to this long.
+/// Still bounded: once per end of load, at most 200 µs of spinning.
+pub const LOADED_SPIN_CAP_NS: u64 = 200_000;
+
+/// How long a reactor must have been awake before its busy fraction says
+/// "sustained load" (a few hundred requests at QD64).
+pub const LOADED_AFTER_NS: u64 = 1_000_000;
+
 /// Default period of the hybrid mode's initiator poll (Longhorn's
 /// `data-engine-nvme-ioq-poll-period-us` default).
 pub const DEFAULT_IOQ_POLL_PERIOD_US: u64 = 100;
@@ -507,6 +518,9 @@ struct Reactor {
     mode: Mode,
     ioq_poll_period_us: u64,
     spin: Option<Spin>,
+    /// When the reactor last woke from a sleep, and its busy time then.
+    awake_since_ns: u64,
+    busy_at_wake_ns: u64,
     spins_with_work: u64,
     spins_idle: u64,
     spin_ns: u64,
@@ -539,6 +553,8 @@ impl Reactor {
             mode,
             ioq_poll_period_us,
             spin: None,
+            awake_since_ns: 0,
+            busy_at_wake_ns: 0,
             spins_with_work: 0,
             spins_idle: 0,
             spin_ns: 0,
@@ -647,6 +663,8 @@ impl Reactor {
             for t in self.threads.iter_mut().flatten() {
                 t.note_wake(woke_at);
             }
+            self.awake_since_ns = woke_at;
+            self.busy_at_wake_ns = self.busy_ns;
             let slept = self.clock_now().saturating_sub(now);
             self.idle_ns += slept;
         }
@@ -683,6 +701,13 @@ impl Reactor {
                 if window == 0 {
                     return false;
                 }
+                let awake = now.saturating_sub(self.awake_since_ns);
+                let busy = self.busy_ns.saturating_sub(self.busy_at_wake_ns);
+                let window = if awake >= LOADED_AFTER_NS && busy.saturating_mul(2) >= awake {
+                    window.max(LOADED_SPIN_CAP_NS)
+                } else {
+                    window
+                };
                 self.spin = Some(Spin { start_ns: now, deadline_ns: now + window, iterations: 0 });
                 true
             }
