@@ -16,7 +16,7 @@ use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
-use lull_net::{read_into, Fill, InBuf, OutQueue};
+use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
 
 use crate::stream::Stream;
@@ -48,25 +48,6 @@ const MAX_ROUNDS: usize = 8;
 /// Buffers cached per connection for reuse: enough for a full queue of
 /// 128 KiB requests without allocation.
 const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
-
-/// What follows a reply header on the wire.
-enum Payload {
-    None,
-    /// Read data (a pooled buffer, returned to the pool once sent).
-    Buf(IoBuf),
-    /// Handshake replies.
-    Bytes(Vec<u8>),
-}
-
-impl AsRef<[u8]> for Payload {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Payload::None => &[],
-            Payload::Buf(b) => b.as_slice(),
-            Payload::Bytes(v) => v,
-        }
-    }
-}
 
 #[derive(Clone, Copy)]
 struct InFlight {
@@ -327,22 +308,11 @@ impl Conn {
         if self.broken {
             return false;
         }
-        let pool = &mut self.pool;
-        let recycle = |p: Payload| {
-            if let Payload::Buf(b) = p {
-                pool.put(b);
-            }
-        };
-        match self.out.write_to(&mut self.stream, recycle) {
+        match self.out.write_pooled(&mut self.stream, &mut self.pool) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.broken = true;
-                let pool = &mut self.pool;
-                self.out.clear(|p| {
-                    if let Payload::Buf(b) = p {
-                        pool.put(b);
-                    }
-                });
+                self.out.clear_pooled(&mut self.pool);
                 self.close(e.to_string());
                 true
             }

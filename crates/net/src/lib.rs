@@ -22,6 +22,8 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 
+use lull_uring::{BufPool, IoBuf};
+
 /// Largest frame header: the replica protocol's 32 bytes (NBD's simple
 /// reply is 16).
 pub const MAX_HEADER_LEN: usize = 32;
@@ -161,6 +163,45 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
             sent(f.payload);
         }
         self.bytes = 0;
+    }
+}
+
+/// What follows a frame header on the wire, for servers whose replies
+/// carry pooled data buffers (read data) or small owned bytes (handshakes).
+pub enum Payload {
+    None,
+    /// A pooled buffer, returned to its pool once sent.
+    Buf(IoBuf),
+    Bytes(Vec<u8>),
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Buf(b) => b.as_slice(),
+            Payload::Bytes(v) => v,
+        }
+    }
+}
+
+impl OutQueue<Payload> {
+    /// [`OutQueue::write_to`], returning sent buffers to `pool`.
+    pub fn write_pooled(&mut self, w: &mut impl Write, pool: &mut BufPool) -> Result<usize, WriteError> {
+        self.write_to(w, |p| {
+            if let Payload::Buf(b) = p {
+                pool.put(b);
+            }
+        })
+    }
+
+    /// [`OutQueue::clear`], returning buffers to `pool`.
+    pub fn clear_pooled(&mut self, pool: &mut BufPool) {
+        self.clear(|p| {
+            if let Payload::Buf(b) = p {
+                pool.put(b);
+            }
+        })
     }
 }
 

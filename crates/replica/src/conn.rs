@@ -31,7 +31,7 @@ use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
     HELLO_LEN, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
-use lull_net::{read_into, Fill, InBuf, OutQueue};
+use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::{ReplicaError, Shared};
@@ -61,22 +61,6 @@ const MAX_ROUNDS: usize = 8;
 /// Buffers cached per connection for reuse: a full queue of 128 KiB
 /// requests without allocation.
 const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
-
-enum Payload {
-    None,
-    Buf(IoBuf),
-    Bytes(Vec<u8>),
-}
-
-impl AsRef<[u8]> for Payload {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Payload::None => &[],
-            Payload::Buf(b) => b.as_slice(),
-            Payload::Bytes(v) => v,
-        }
-    }
-}
 
 enum Recv {
     /// Waiting for a frame header.
@@ -434,22 +418,11 @@ impl Conn {
         if self.broken {
             return false;
         }
-        let pool = &mut self.pool;
-        let recycle = |p: Payload| {
-            if let Payload::Buf(b) = p {
-                pool.put(b);
-            }
-        };
-        match self.out.write_to(&mut self.stream, recycle) {
+        match self.out.write_pooled(&mut self.stream, &mut self.pool) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.broken = true;
-                let pool = &mut self.pool;
-                self.out.clear(|p| {
-                    if let Payload::Buf(b) = p {
-                        pool.put(b);
-                    }
-                });
+                self.out.clear_pooled(&mut self.pool);
                 self.close(e.to_string());
                 true
             }
