@@ -221,7 +221,7 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
     }
     let results = report::aggregate(&settings.jobs, &reports, &samples);
     let modes_summary = report::modes_summary(&settings.jobs, &reports, &results);
-    let adaptive_vs_poll = report::adaptive_vs_poll(&modes_summary);
+    let adaptive_vs_poll = report::adaptive_vs_poll(&modes_summary, &samples);
     let mut report = Report {
         environment: environment(&targets),
         settings,

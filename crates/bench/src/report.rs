@@ -289,11 +289,59 @@ pub struct AdaptiveVsPoll {
     pub cpu_us_per_io_qd1: Option<f64>,
     /// Idle CPU % of the adaptive server (not a ratio: poll's is ~100 %).
     pub adaptive_idle_cpu_pct: Option<f64>,
+    /// The same three ratios taken per repeat (adaptive and poll of the
+    /// same repeat, which ran minutes apart at most), then their median and
+    /// range: on a machine whose speed drifts between repeats this is the
+    /// steadier comparison.
+    pub paired_qd1_lat_mean: Option<PairedRatio>,
+    pub paired_qd64_iops: Option<PairedRatio>,
+    pub paired_cpu_us_per_io_qd1: Option<PairedRatio>,
+}
+
+/// Ratios of adaptive to poll taken repeat by repeat.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PairedRatio {
+    /// Median, range and count of the per-repeat ratios.
+    pub spread: Spread,
+    /// Repeats in which adaptive did better (lower latency or CPU, more
+    /// IOPS) than poll.
+    pub adaptive_better: usize,
+}
+
+/// Per-repeat ratios `metric(adaptive) / metric(poll)` of one job, over the
+/// repeats in which both ran; `lower_is_better` orients `adaptive_better`.
+fn paired_ratio(
+    samples: &[Sample],
+    job: JobKind,
+    adaptive: &str,
+    poll: &str,
+    metric: fn(&Sample) -> Option<f64>,
+    lower_is_better: bool,
+) -> Option<PairedRatio> {
+    let value = |target: &str, repeat: u32| {
+        samples
+            .iter()
+            .find(|s| s.job == job && s.repeat == repeat && s.target == target)
+            .and_then(metric)
+            .filter(|v| v.is_finite() && *v > 0.0)
+    };
+    let mut ratios = Vec::new();
+    for s in samples.iter().filter(|s| s.job == job && s.target == adaptive) {
+        if let (Some(a), Some(p)) = (value(adaptive, s.repeat), value(poll, s.repeat)) {
+            ratios.push(a / p);
+        }
+    }
+    let adaptive_better = ratios
+        .iter()
+        .filter(|&&r| if lower_is_better { r < 1.0 } else { r > 1.0 })
+        .count();
+    stats::spread(&ratios).map(|spread| PairedRatio { spread, adaptive_better })
 }
 
 /// One entry per volume kind that has both a poll and an adaptive row, in
-/// row order; targets that were skipped do not count.
-pub fn adaptive_vs_poll(rows: &[ModeSummaryRow]) -> Vec<AdaptiveVsPoll> {
+/// row order; targets that were skipped do not count. `samples` give the
+/// per-repeat (paired) ratios.
+pub fn adaptive_vs_poll(rows: &[ModeSummaryRow], samples: &[Sample]) -> Vec<AdaptiveVsPoll> {
     let find = |mode: Mode, volume: VolumeKind| {
         rows.iter()
             .find(|r| !r.skipped && r.mode == Some(mode) && r.volume == Some(volume))
@@ -318,6 +366,30 @@ pub fn adaptive_vs_poll(rows: &[ModeSummaryRow]) -> Vec<AdaptiveVsPoll> {
             qd64_iops: div(a.qd64_randread_iops, p.qd64_randread_iops),
             cpu_us_per_io_qd1: div(a.cpu_us_per_io_qd1, p.cpu_us_per_io_qd1),
             adaptive_idle_cpu_pct: a.idle_cpu_pct,
+            paired_qd1_lat_mean: paired_ratio(
+                samples,
+                JobKind::RandreadLat,
+                &a.target,
+                &p.target,
+                |s| s.fio.as_ref().map(|f| f.lat_mean_ns),
+                true,
+            ),
+            paired_qd64_iops: paired_ratio(
+                samples,
+                JobKind::RandreadIops,
+                &a.target,
+                &p.target,
+                |s| s.fio.as_ref().map(|f| f.iops),
+                false,
+            ),
+            paired_cpu_us_per_io_qd1: paired_ratio(
+                samples,
+                JobKind::RandreadLat,
+                &a.target,
+                &p.target,
+                |s| s.server.as_ref().map(|c| c.cpu_us_per_io),
+                true,
+            ),
         });
     }
     out
@@ -378,6 +450,29 @@ pub fn render_modes_summary(r: &Report) -> String {
                 .map(|v| format!("{} %", sig3(v)))
                 .unwrap_or_else(|| "–".into()),
         );
+        let paired = |p: &Option<PairedRatio>| match p {
+            Some(p) if p.spread.n > 1 => format!(
+                "median {}× (range {}–{}×; adaptive better in {} of {})",
+                sig3(p.spread.median),
+                sig3(p.spread.min),
+                sig3(p.spread.max),
+                p.adaptive_better,
+                p.spread.n
+            ),
+            _ => String::new(),
+        };
+        let lines = [
+            ("QD1 mean latency", paired(&a.paired_qd1_lat_mean)),
+            ("QD64 IOPS", paired(&a.paired_qd64_iops)),
+            ("CPU-µs/IO at QD1", paired(&a.paired_cpu_us_per_io_qd1)),
+        ];
+        if lines.iter().any(|(_, l)| !l.is_empty()) {
+            let _ = writeln!(md, "Per repeat, adaptive/poll ({}):\n", a.volume.as_str());
+            for (name, line) in lines.iter().filter(|(_, l)| !l.is_empty()) {
+                let _ = writeln!(md, "- {name}: {line}");
+            }
+            let _ = writeln!(md);
+        }
     }
     md
 }
@@ -739,7 +834,7 @@ pub(crate) mod tests {
         }
         let results = aggregate(&jobs, &targets, &samples);
         let modes_summary = modes_summary(&jobs, &targets, &results);
-        let adaptive_vs_poll = adaptive_vs_poll(&modes_summary);
+        let adaptive_vs_poll = adaptive_vs_poll(&modes_summary, &samples);
         Report {
             environment: Environment {
                 date_utc: rfc3339_utc(0),
@@ -871,8 +966,12 @@ pub(crate) mod tests {
         assert!((a.qd64_iops.unwrap() - 0.9).abs() < 1e-9);
         assert!((a.cpu_us_per_io_qd1.unwrap() - 0.4 / 0.9).abs() < 1e-9);
         assert_eq!(a.adaptive_idle_cpu_pct, Some(1.0));
+        let paired = a.paired_qd64_iops.unwrap();
+        assert_eq!((paired.spread.n, paired.adaptive_better), (2, 0));
+        assert!((paired.spread.median - 0.9).abs() < 1e-9);
 
         let md = render_markdown(&r);
+        assert!(md.contains("- QD64 IOPS: median 0.900× (range 0.900–0.900×; adaptive better in 0 of 2)"), "{md}");
         let sec = summary_section(&md);
         assert!(md.find("## Modes summary") < md.find("## Results"));
         let header = "| target | idle CPU % | QD1 4k randread mean µs | QD1 4k randread p99 µs | QD64 4k randread IOPS | CPU-µs/IO at QD1 | CPU-µs/IO at QD64 |";
@@ -909,7 +1008,7 @@ pub(crate) mod tests {
         r.results.retain(|c| c.job == JobKind::RandreadIops);
         r.samples.retain(|c| c.job == JobKind::RandreadIops);
         r.modes_summary = modes_summary(&r.settings.jobs, &r.targets, &r.results);
-        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary);
+        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary, &r.samples);
         assert!(r.modes_summary[0].qd1_randread_lat_mean_us.is_none());
         let md = render_markdown(&r);
         let sec = summary_section(&md);
@@ -927,9 +1026,44 @@ pub(crate) mod tests {
             reason: "nope".into(),
         };
         r.modes_summary = modes_summary(&r.settings.jobs, &r.targets, &r.results);
-        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary);
+        r.adaptive_vs_poll = adaptive_vs_poll(&r.modes_summary, &r.samples);
         assert!(r.adaptive_vs_poll.is_empty());
         assert!(!render_markdown(&r).contains("adaptive/poll"));
+    }
+
+    #[test]
+    fn paired_ratios_pair_each_repeat() {
+        let poll = Target::lull(Mode::Poll, VolumeKind::Malloc, None);
+        let adaptive = Target::lull(Mode::Adaptive, VolumeKind::Malloc, None);
+        let iops = JobKind::RandreadIops;
+        // The machine slows down from repeat to repeat; adaptive is ahead of
+        // poll in two repeats of three. Repeat 3 has no poll number.
+        let mut samples = vec![
+            sample(0, iops, &poll, 100_000.0, 600.0, 100),
+            sample(0, iops, &adaptive, 110_000.0, 600.0, 100),
+            sample(1, iops, &poll, 80_000.0, 600.0, 100),
+            sample(1, iops, &adaptive, 72_000.0, 600.0, 100),
+            sample(2, iops, &poll, 50_000.0, 600.0, 100),
+            sample(2, iops, &adaptive, 60_000.0, 600.0, 100),
+            sample(3, iops, &adaptive, 1.0, 600.0, 100),
+        ];
+        samples.push(Sample {
+            fio: None,
+            error: Some("fio failed".into()),
+            ..sample(3, iops, &poll, 1.0, 1.0, 1)
+        });
+        let p = paired_ratio(&samples, iops, &adaptive.name(), &poll.name(), |s| s.fio.as_ref().map(|f| f.iops), false)
+            .unwrap();
+        assert_eq!(p.spread.n, 3);
+        assert!((p.spread.median - 1.1).abs() < 1e-9);
+        assert!((p.spread.min - 0.9).abs() < 1e-9 && (p.spread.max - 1.2).abs() < 1e-9);
+        assert_eq!(p.adaptive_better, 2);
+        // Oriented the other way (a latency), the same ratios count once.
+        let q = paired_ratio(&samples, iops, &adaptive.name(), &poll.name(), |s| s.fio.as_ref().map(|f| f.iops), true)
+            .unwrap();
+        assert_eq!(q.adaptive_better, 1);
+        // No sample of the job: no ratio.
+        assert!(paired_ratio(&samples, JobKind::RandreadLat, &adaptive.name(), &poll.name(), |_| Some(1.0), true).is_none());
     }
 
     #[test]
@@ -957,7 +1091,7 @@ pub(crate) mod tests {
             row(Mode::Poll, VolumeKind::Replica2, 40.0),
         ];
         assert_eq!(rows[1].target, "lull-hybrid@10-malloc");
-        let a = adaptive_vs_poll(&rows);
+        let a = adaptive_vs_poll(&rows, &[]);
         assert_eq!(
             a.iter().map(|a| a.volume).collect::<Vec<_>>(),
             [VolumeKind::Malloc, VolumeKind::Replica2]
