@@ -34,7 +34,8 @@
 //! holds write acknowledgements until all of them persisted it. A replica
 //! that missed acknowledged writes therefore always has a lower generation
 //! than the ones that have them, and the election after a restart picks
-//! the freshest.
+//! the freshest. That election waits for every replica of the volume (one
+//! that is away may be the freshest; see `ELECTION_WAIT_NS`).
 //!
 //! # Rebuild and the copy/write race
 //!
@@ -80,10 +81,22 @@ pub const REBUILD_TRIM_BYTES: u64 = 1 << 30;
 /// `MAX_EXTENTS_PER_REPLY` extents; 1 GiB fits the u32 length field.
 pub const REBUILD_SCAN_BYTES: u64 = 1 << 30;
 
-/// How long an election waits for every replica to answer before it picks
-/// the freshest of those that did (a replica that is down must not hold the
-/// volume hostage; one that is merely slow risks being rebuilt).
+/// How long a later election (every healthy replica failed while the
+/// engine ran) waits for every replica to answer before it picks the
+/// freshest of those that did. The engine then knows the generation every
+/// acknowledged write reached, and no replica below it is a candidate, so
+/// waiting longer only chooses among equally fresh ones.
+///
+/// The first election after the engine starts has no such knowledge: a
+/// replica that is away may hold acknowledged writes the others missed.
+/// That election therefore waits for every replica of the volume, however
+/// long it takes; an operator who knows a replica is lost for good removes
+/// it (`replica_remove`) and accepts whatever it alone held.
 pub const ELECTION_WAIT_NS: u64 = 3_000_000_000;
+
+/// While the first election waits for a replica, the wait is logged this
+/// often.
+pub const ELECTION_LOG_INTERVAL_NS: u64 = 10_000_000_000;
 
 /// Rebuild progress is logged at least this often.
 pub const REBUILD_LOG_INTERVAL_NS: u64 = 5_000_000_000;
@@ -329,6 +342,9 @@ pub struct Engine {
     rebuild_runs: u64,
     read_rr: usize,
     election_start_ns: Option<u64>,
+    /// An election has run in this process (so `generation` is known).
+    elected_once: bool,
+    election_logged_ns: Option<u64>,
     pool: BufPool,
     now: u64,
     out: Vec<Action>,
@@ -370,6 +386,8 @@ impl Engine {
             rebuild_runs: 0,
             read_rr: 0,
             election_start_ns: None,
+            elected_once: false,
+            election_logged_ns: None,
             pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
             now: 0,
             out: Vec::new(),
@@ -751,9 +769,27 @@ impl Engine {
             return;
         }
         let start = *self.election_start_ns.get_or_insert(self.now);
-        let all_answered = live.iter().all(|&i| self.replicas[i].state == RState::Probed);
-        if !all_answered && self.now < start.saturating_add(ELECTION_WAIT_NS) {
-            return;
+        let missing: Vec<String> =
+            live.iter().filter(|&&i| self.replicas[i].state != RState::Probed).map(|&i| self.replicas[i].addr.to_string()).collect();
+        if !missing.is_empty() {
+            if self.elected_once {
+                if self.now < start.saturating_add(ELECTION_WAIT_NS) {
+                    return;
+                }
+            } else {
+                if self.election_logged_ns.is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS)) {
+                    self.election_logged_ns = Some(self.now);
+                    self.log(
+                        LogLevel::Warn,
+                        format!(
+                            "volume not started: waiting for replica(s) {} (any of them may hold the newest data); \
+                             `lull rpc replica_remove` one that is lost for good to start without it",
+                            missing.join(", ")
+                        ),
+                    );
+                }
+                return;
+            }
         }
         let Some(&source) = candidates.iter().max_by_key(|&&i| {
             let r = &self.replicas[i];
@@ -779,6 +815,8 @@ impl Engine {
             }
         }
         self.election_start_ns = None;
+        self.election_logged_ns = None;
+        self.elected_once = true;
         let src = self.replicas[source].addr;
         self.log(
             LogLevel::Info,

@@ -582,13 +582,25 @@ impl Sim {
     /// The engine restarts (a new process) against the same replicas: the
     /// election must pick a fresh replica and the volume read back intact.
     pub(crate) fn restart_engine(&mut self) {
+        self.new_engine();
+        self.run(0);
+    }
+
+    /// A new engine process against the same replicas; frames of the old
+    /// one are lost with it.
+    fn new_engine(&mut self) {
         let opts = EngineOptions { slots_per_connection: 6, replica_timeout_ms: 2000, keepalive_interval_ms: 500, ..Default::default() };
         self.queue.clear();
         self.engine = Engine::new("sim", SIZE, self.addrs.clone(), opts);
         let mut out = Vec::new();
         self.engine.start(self.now, &mut out);
         self.perform(out);
-        self.run(0);
+    }
+
+    /// Takes replica `r` away until `back_at` (`u64::MAX`: for good).
+    fn take_down(&mut self, r: usize, back_at: u64) {
+        self.crash(r);
+        self.replicas[r].up_at = back_at;
     }
 }
 
@@ -661,4 +673,60 @@ fn sim_all_replicas_down_is_eio_not_stale() {
     sim.crash(1);
     sim.step_until(3_500 * MS, true);
     sim.run(0);
+}
+
+/// Replica 1 misses writes while away; then the engine restarts while the
+/// fresh replica 0 is the one away. The stale replica alone must not be
+/// elected (reads would return data older than acknowledged writes): the
+/// volume waits, failing I/O, until replica 0 is back.
+#[test]
+fn sim_restart_never_elects_a_stale_replica_alone() {
+    let mut sim = Sim::new(11, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    sim.take_down(1, u64::MAX);
+    sim.step_until(6_000 * MS, true);
+    sim.step_until(9_000 * MS, false);
+    assert!(sim.inflight.is_empty(), "client I/O did not finish");
+    assert!(sim.oracle.committed.iter().any(|&s| s != 0), "no write was acknowledged while replica 1 was away");
+    assert!(sim.replicas[0].generation > sim.replicas[1].generation, "{}", sim.log.join("\n"));
+
+    let now = sim.now;
+    sim.take_down(0, u64::MAX);
+    sim.replicas[1].up = true;
+    sim.new_engine();
+    let restarted_at = sim.log.len();
+    let eio_before = sim.eio;
+    sim.step_until(now + 20_000 * MS, true);
+    let after = &sim.log[restarted_at..];
+    assert!(!after.iter().any(|l| l.contains("elected replica")), "a stale replica was elected:\n{}", after.join("\n"));
+    assert!(after.iter().any(|l| l.contains("waiting for replica(s) 10.0.0.1:7000")), "{}", after.join("\n"));
+    assert!(sim.eio > eio_before, "client I/O should fail while the volume waits");
+
+    // Replica 0 returns: it is elected, replica 1 rebuilt from it, and the
+    // whole volume reads back as acknowledged (`run` checks every block).
+    sim.replicas[0].up_at = sim.now;
+    sim.step_until(sim.now + 500 * MS, false);
+    sim.run(0);
+    assert!(sim.log[restarted_at..].iter().any(|l| l.contains("elected replica 10.0.0.1:7000")), "{}", sim.log.join("\n"));
+}
+
+/// The operator's way out when the fresh replica is lost for good: removing
+/// it lets the first election go ahead with the replicas that are left.
+#[test]
+fn sim_removing_a_lost_replica_lets_the_volume_start() {
+    let mut sim = Sim::new(12, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    sim.take_down(0, u64::MAX);
+    sim.new_engine();
+    let restarted_at = sim.log.len();
+    sim.step_until(10_000 * MS, false);
+    assert!(!sim.log[restarted_at..].iter().any(|l| l.contains("elected replica")), "{}", sim.log.join("\n"));
+    let addr = sim.addrs[0];
+    sim.apply(Event::RemoveReplica(addr));
+    sim.step_until(sim.now + 1_000 * MS, false);
+    assert!(sim.log[restarted_at..].iter().any(|l| l.contains("elected replica 10.0.0.2:7000")), "{}", sim.log.join("\n"));
+    let st = sim.engine.status();
+    assert!(st.iter().any(|s| s.state == ReplicaState::Healthy), "{st:?}");
 }

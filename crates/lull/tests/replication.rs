@@ -255,6 +255,48 @@ fn all_replicas_down_is_eio_then_flushed_data_is_back() {
     assert_eq!(got, data, "the volume lost flushed data after both replicas restarted");
 }
 
+/// The server restarts while the only replica with the newest writes is
+/// away and a stale one is back: the volume must wait for the fresh replica
+/// (I/O fails meanwhile), never serve the stale one's older bytes; once the
+/// fresh replica is back, the newest data reads back.
+#[test]
+fn restart_waits_for_the_replica_with_the_newest_writes() {
+    let (a, b) = (free_port(), free_port());
+    let mut ra = Replica::start(a, &scratch("fresh-a"));
+    let mut rb = Replica::start(b, &scratch("stale-b"));
+    let old = common::pattern(21, 64 << 10);
+    let new = common::pattern(22, 64 << 10);
+    {
+        let server = serve(&[spec("vol0", &[a, b])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(c.write(1 << 20, &old).expect("write"), 0);
+        assert_eq!(flush(&mut c), 0);
+        rb.kill();
+        // Acknowledged on replica A alone, at a generation B never saw.
+        assert_eq!(c.write(1 << 20, &new).expect("write"), 0);
+        assert_eq!(flush(&mut c), 0);
+        assert!(server.wait_for_log("failed", Duration::from_secs(20)), "{}", server.stderr());
+    }
+    ra.kill();
+    rb.restart();
+    let server = serve(&[spec("vol0", &[a, b])]);
+    // Longer than any election timeout: still no stale data, only errors.
+    let until = Instant::now() + Duration::from_secs(6);
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    while Instant::now() < until {
+        match c.read(1 << 20, new.len() as u32).expect("a reply, not a broken connection") {
+            Ok(got) => panic!("the volume served data without its freshest replica (stale: {})", got == old),
+            Err(errno) => assert_ne!(errno, 0),
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    server.assert_logged("waiting for replica(s) 127.0.0.1");
+    ra.restart();
+    let got = read_when_ready(&server, "vol0", 1 << 20, new.len() as u32);
+    assert!(got == new, "after the fresh replica returned, the volume read back {}", if got == old { "the stale data" } else { "wrong data" });
+}
+
 /// A fake replica: accepts connections and answers with `reply`.
 fn fake_replica(reply: Vec<u8>) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind fake replica");
