@@ -16,6 +16,7 @@ use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
+use lull_net::server::Connection;
 use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
 
@@ -104,6 +105,24 @@ pub(crate) struct Conn {
     clock: Option<Arc<dyn Clock>>,
 }
 
+impl Connection for Conn {
+    fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    fn interest(&self) -> Interest {
+        self.interest
+    }
+
+    fn greeted(&self) -> Arc<AtomicBool> {
+        self.handshake_done.clone()
+    }
+
+    fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus {
+        self.run(t, now, greeting_expired)
+    }
+}
+
 impl Conn {
     pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
         self.clock = Some(clock);
@@ -143,14 +162,6 @@ impl Conn {
         }
     }
 
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd
-    }
-
-    pub(crate) fn peer(&self) -> &str {
-        &self.peer
-    }
-
     /// Close because the handshake did not finish in time.
     pub(crate) fn handshake_timed_out(&self) -> bool {
         !self.handshake_done.load(Ordering::Relaxed)
@@ -170,13 +181,13 @@ impl Conn {
     }
 
     /// The poller body. Returns Busy when anything moved.
-    pub(crate) fn poll(&mut self, t: &mut Thread, now: u64, deadline_passed: bool) -> PollStatus {
+    fn run(&mut self, t: &mut Thread, now: u64, deadline_passed: bool) -> PollStatus {
         self.now_ns = now;
         let mut status = PollStatus::Idle;
         if deadline_passed && self.handshake_timed_out() {
             self.close("handshake timed out");
         }
-        if self.closing.is_none() && self.server.stopping.load(Ordering::Relaxed) {
+        if self.closing.is_none() && self.server.conns.stopping() {
             self.close("server shutting down");
         }
         let mut progressed_last = false;

@@ -11,25 +11,26 @@
 //!
 //! One acceptor thread on the main reactor; each connection gets its own
 //! lull thread (placed round-robin over the reactors) with one poller that
-//! owns the socket and the connection's device channel.
+//! owns the socket and the connection's device channel. That scaffolding
+//! (acceptor, connection table and limit, handshake deadline, drain) is
+//! `lull_net::server`; the protocol is in `conn`.
 
 mod conn;
 mod stats;
 mod stream;
 
-use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use lull_bdev::BlockDevice;
+use lull_net::server::{self, Acceptor, Connections, Limits};
 use lull_proto::nbd::{self, ExportInfo, Exports};
-use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle};
+use lull_reactor::{FrameworkHandle, ReactorError};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
@@ -42,10 +43,6 @@ use crate::stream::Stream;
 /// connection is accepted and closed at once (with a log line), so a flood
 /// cannot exhaust memory or fds.
 pub const MAX_CONNECTIONS: usize = 1024;
-
-/// Connections accepted per acceptor run: a flood cannot starve the
-/// reactor's other threads.
-const ACCEPT_BATCH: usize = 16;
 
 /// A client must finish the handshake within this time, or it is
 /// disconnected: a silent connection must not hold a slot forever. qemu and
@@ -179,6 +176,32 @@ enum Listener {
     Unix(UnixListener, PathBuf),
 }
 
+impl server::Listener for Listener {
+    type Stream = Stream;
+
+    fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Tcp(s) => s.accept().map(|(s, _)| Stream::Tcp(s)),
+            Listener::Unix(s, _) => s.accept().map(|(s, _)| Stream::Unix(s)),
+        }
+    }
+
+    fn prepare(stream: &Stream) -> io::Result<()> {
+        stream.prepare()
+    }
+
+    fn peer(stream: &Stream) -> String {
+        stream.peer()
+    }
+
+    fn fd(&self) -> RawFd {
+        match self {
+            Listener::Tcp(s) => s.as_raw_fd(),
+            Listener::Unix(s, _) => s.as_raw_fd(),
+        }
+    }
+}
+
 impl Listener {
     fn bind(addr: &ListenAddr) -> Result<Listener, NbdError> {
         let err = |source| NbdError::Listen { addr: addr.to_string(), source };
@@ -203,19 +226,6 @@ impl Listener {
         }
     }
 
-    fn accept(&self) -> io::Result<Stream> {
-        match self {
-            Listener::Tcp(s) => s.accept().map(|(s, _)| Stream::Tcp(s)),
-            Listener::Unix(s, _) => s.accept().map(|(s, _)| Stream::Unix(s)),
-        }
-    }
-
-    fn raw_fd(&self) -> i32 {
-        match self {
-            Listener::Tcp(s) => s.as_raw_fd(),
-            Listener::Unix(s, _) => s.as_raw_fd(),
-        }
-    }
 }
 
 impl Drop for Listener {
@@ -237,39 +247,15 @@ fn remove_stale_socket(path: &Path) {
     }
 }
 
-struct ConnEntry {
-    thread: ThreadHandle,
-    poller: Option<PollerId>,
-}
-
 pub(crate) struct ServerShared {
     pub(crate) volumes: Arc<Volumes>,
-    pub(crate) stopping: AtomicBool,
-    conns: Mutex<HashMap<u64, ConnEntry>>,
-    conns_changed: Condvar,
-    next_reactor: AtomicUsize,
-    accepted: AtomicUsize,
-}
-
-/// Removes a connection from the server's table when its poller closure
-/// (and so the connection) is dropped, on every path.
-struct ConnRegistration {
-    server: Arc<ServerShared>,
-    thread_id: u64,
-}
-
-impl Drop for ConnRegistration {
-    fn drop(&mut self) {
-        let mut conns = self.server.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.remove(&self.thread_id);
-        self.server.conns_changed.notify_all();
-    }
+    pub(crate) conns: Arc<Connections>,
 }
 
 /// A running NBD server.
 pub struct NbdServer {
     shared: Arc<ServerShared>,
-    acceptor: ThreadHandle,
+    acceptor: Acceptor,
     addrs: Vec<ListenAddr>,
 }
 
@@ -285,29 +271,18 @@ impl NbdServer {
     pub fn start(fw: &FrameworkHandle, volumes: Arc<Volumes>, listen: &[ListenAddr]) -> Result<NbdServer, NbdError> {
         let listeners = listen.iter().map(Listener::bind).collect::<Result<Vec<_>, _>>()?;
         let addrs = listeners.iter().map(Listener::local).collect();
-        let shared = Arc::new(ServerShared {
-            volumes,
-            stopping: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
-            conns_changed: Condvar::new(),
-            next_reactor: AtomicUsize::new(0),
-            accepted: AtomicUsize::new(0),
-        });
+        let conns = Arc::new(Connections::new(Limits {
+            name: "nbd",
+            max_connections: MAX_CONNECTIONS,
+            greeting_timeout_us: HANDSHAKE_TIMEOUT_US,
+        }));
+        let shared = Arc::new(ServerShared { volumes, conns: conns.clone() });
         let s = shared.clone();
-        let acceptor = fw.spawn_thread(0, "nbd-acceptor", move |t| {
-            for l in listeners {
-                let fd = l.raw_fd();
-                let server = s.clone();
-                let r = t.register_poller(
-                    "nbd-accept",
-                    PollerKind::Active,
-                    &[(fd, Interest::READABLE)],
-                    Box::new(move |t, _now| accept_some(t, &l, &server)),
-                );
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "cannot register the accept poller");
-                }
-            }
+        let clock = fw.clock();
+        let acceptor = Acceptor::start(fw, &conns, listeners, move |stream| {
+            let mut conn = Conn::new(stream, s.clone());
+            conn.set_clock(clock.clone());
+            conn
         })?;
         Ok(NbdServer { shared, acceptor, addrs })
     }
@@ -322,139 +297,14 @@ impl NbdServer {
     }
 
     pub fn connection_count(&self) -> usize {
-        self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.shared.conns.len()
     }
 
     /// Stop accepting, let every connection finish its in-flight requests
     /// and send their replies, then close. Returns the connections still open
     /// after `timeout` (0 on a clean stop).
     pub fn shutdown(&self, timeout: Duration) -> usize {
-        self.shared.stopping.store(true, Ordering::SeqCst);
-        // The acceptor exits: its pollers (and listeners) are dropped.
-        let _ = self.acceptor.send(|t| t.exit());
-        {
-            let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-            for c in conns.values() {
-                if let Some(id) = c.poller {
-                    let _ = c.thread.send(move |t| {
-                        t.wake_poller(id);
-                    });
-                }
-            }
-        }
-        let deadline = Instant::now() + timeout;
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        while !conns.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            conns = self.shared.conns_changed.wait_timeout(conns, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-        conns.len()
+        self.acceptor.stop();
+        self.acceptor.drain(timeout)
     }
-}
-
-fn accept_some(t: &mut Thread, listener: &Listener, server: &Arc<ServerShared>) -> PollStatus {
-    let mut status = PollStatus::Idle;
-    for _ in 0..ACCEPT_BATCH {
-        let stream = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => break,
-            Err(e) => {
-                // EMFILE and friends: log and go on; the listener stays.
-                tracing::warn!(error = %e, "accept failed");
-                break;
-            }
-        };
-        status = PollStatus::Busy;
-        if server.stopping.load(Ordering::Relaxed) {
-            break;
-        }
-        if let Err(e) = stream.prepare() {
-            tracing::warn!(error = %e, "cannot set up accepted socket");
-            continue;
-        }
-        let live = server.conns.lock().unwrap_or_else(|p| p.into_inner()).len();
-        if live >= MAX_CONNECTIONS {
-            tracing::warn!(peer = %stream.peer(), limit = MAX_CONNECTIONS, "too many connections; closing new one");
-            continue;
-        }
-        if let Err(e) = spawn_connection(t, stream, server) {
-            tracing::error!(error = %e, "cannot start a connection thread");
-        }
-    }
-    // More may be waiting beyond the batch.
-    if status.is_busy() {
-        if let Some(me) = t.current_poller() {
-            t.wake_poller(me);
-        }
-    }
-    status
-}
-
-fn spawn_connection(t: &mut Thread, stream: Stream, server: &Arc<ServerShared>) -> Result<(), ReactorError> {
-    let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
-    let n = server.accepted.fetch_add(1, Ordering::Relaxed);
-    let reactor = server.next_reactor.fetch_add(1, Ordering::Relaxed) % fw.reactor_count();
-    let s = server.clone();
-    // Register in the table before the thread runs, so that shutdown sees it.
-    let mut conns = server.conns.lock().unwrap_or_else(|p| p.into_inner());
-    let handle = fw.spawn_thread(reactor, &format!("nbd-conn-{n}"), move |t| start_connection(t, stream, s))?;
-    conns.insert(handle.id(), ConnEntry { thread: handle, poller: None });
-    Ok(())
-}
-
-fn start_connection(t: &mut Thread, stream: Stream, server: Arc<ServerShared>) {
-    let registration = ConnRegistration { server: server.clone(), thread_id: t.id() };
-    let mut conn = Conn::new(stream, server.clone());
-    if let Some(fw) = t.framework() {
-        conn.set_clock(fw.clock());
-    }
-    let fd = conn.fd();
-    let peer = conn.peer().to_string();
-    let handshake_done = conn.handshake_done.clone();
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let expired = timed_out.clone();
-    let poller = t.register_poller(
-        "nbd-conn",
-        PollerKind::Active,
-        &[(fd, Interest::BOTH)],
-        Box::new(move |t, now| {
-            let _keep = &registration;
-            conn.poll(t, now, expired.load(Ordering::Relaxed))
-        }),
-    );
-    let id = match poller {
-        Ok(id) => id,
-        Err(e) => {
-            tracing::error!(peer = %peer, error = %e, "cannot register connection poller");
-            t.exit();
-            return;
-        }
-    };
-    // The greeting is queued: run the poller once now.
-    t.wake_poller(id);
-    if let Some(c) = server.conns.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&t.id()) {
-        c.poller = Some(id);
-    }
-    let timer = t.register_poller(
-        "nbd-handshake-timeout",
-        PollerKind::every_us(HANDSHAKE_TIMEOUT_US),
-        &[],
-        Box::new(move |t, _now| {
-            if !handshake_done.load(Ordering::Relaxed) {
-                timed_out.store(true, Ordering::Relaxed);
-                t.wake_poller(id);
-            }
-            if let Some(me) = t.current_poller() {
-                t.unregister_poller(me);
-            }
-            PollStatus::Busy
-        }),
-    );
-    if let Err(e) = timer {
-        tracing::warn!(peer = %peer, error = %e, "no handshake timeout for this connection");
-    }
-    tracing::debug!(peer = %peer, thread = t.name(), "connection accepted");
 }

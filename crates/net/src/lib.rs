@@ -18,6 +18,10 @@
 //!
 //! Nothing here blocks: both work on non-blocking sockets and report
 //! "would block" as no progress.
+//!
+//! [`server`] holds the acceptor and connection table the servers share.
+
+pub mod server;
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};

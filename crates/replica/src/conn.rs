@@ -31,6 +31,7 @@ use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
     HELLO_LEN, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
+use lull_net::server::Connection;
 use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
@@ -125,10 +126,29 @@ pub(crate) struct Conn {
     completions: Vec<IoCompletion>,
 }
 
+impl Connection for Conn {
+    fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    fn interest(&self) -> Interest {
+        self.interest
+    }
+
+    fn greeted(&self) -> Arc<AtomicBool> {
+        self.hello_done.clone()
+    }
+
+    fn poll(&mut self, t: &mut Thread, _now: u64, greeting_expired: bool) -> PollStatus {
+        self.run(t, greeting_expired)
+    }
+}
+
 impl Conn {
-    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, server: Arc<Shared>) -> Conn {
+    pub(crate) fn new(stream: TcpStream, server: Arc<Shared>) -> Conn {
         Conn {
-            peer,
+            // Unknown only if the peer is already gone; the first read says so.
+            peer: stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
             fd: stream.as_raw_fd(),
             stream,
             server,
@@ -151,10 +171,6 @@ impl Conn {
         }
     }
 
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd
-    }
-
     fn close(&mut self, reason: impl Into<String>) {
         if self.closing.is_none() {
             let reason = reason.into();
@@ -168,7 +184,7 @@ impl Conn {
     }
 
     /// The poller body. Returns Busy when anything moved.
-    pub(crate) fn poll(&mut self, t: &mut Thread, hello_deadline_passed: bool) -> PollStatus {
+    fn run(&mut self, t: &mut Thread, hello_deadline_passed: bool) -> PollStatus {
         if self.me.is_none() {
             self.me = t.current_poller().map(|id| (t.handle(), id));
         }
@@ -176,7 +192,7 @@ impl Conn {
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
             self.close("no HELLO in time");
         }
-        if self.closing.is_none() && self.server.stopping.load(Ordering::Relaxed) {
+        if self.closing.is_none() && self.server.conns.stopping() {
             self.close("replica shutting down");
         }
         let mut progressed_last = false;

@@ -22,7 +22,8 @@
 //!
 //! Threads: one acceptor thread on the main reactor; each connection gets
 //! its own lull thread (round-robin over the reactors) with one poller that
-//! owns the socket and the connection's file channel, as in `lull-nbd`.
+//! owns the socket and the connection's file channel (the scaffolding is
+//! `lull_net::server`, shared with `lull-nbd`).
 //! Metadata writes (two fsyncs) run on short-lived helper OS threads and
 //! report back with a message, so no reactor ever blocks on them.
 //!
@@ -40,22 +41,19 @@
 mod conn;
 pub mod meta;
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use lull_bdev::{BdevError, BlockDevice, FileDev, FileOptions};
-use lull_reactor::{
-    Framework, FrameworkConfig, FrameworkHandle, Interest, Mode, PollStatus, PollerId, PollerKind,
-    ReactorError, Thread, ThreadHandle,
-};
+use lull_net::server::{self, Acceptor, Connections, Limits};
+use lull_reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION};
@@ -71,10 +69,6 @@ pub const LOCK_FILE: &str = "lock";
 /// a lull thread, an io_uring ring and up to `MAX_IN_FLIGHT` buffers, so
 /// past this a new connection is closed at once (with a log line).
 pub const MAX_CONNECTIONS: usize = 256;
-
-/// Connections accepted per acceptor run, so a connect flood cannot starve
-/// the reactor's other threads.
-const ACCEPT_BATCH: usize = 16;
 
 /// A peer must send its HELLO within this time or be disconnected: a
 /// silent connection must not hold a slot forever. The engine sends it at
@@ -318,11 +312,6 @@ struct MetaState {
     sealed: bool,
 }
 
-struct ConnEntry {
-    thread: ThreadHandle,
-    poller: Option<PollerId>,
-}
-
 /// State shared by the acceptor, the connections and the server handle.
 pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
@@ -331,7 +320,7 @@ pub(crate) struct Shared {
     /// A descriptor on the data file for SEEK_DATA/SEEK_HOLE only (its file
     /// offset is moved by those calls; no I/O goes through it).
     pub(crate) scan: File,
-    pub(crate) stopping: AtomicBool,
+    pub(crate) conns: Arc<Connections>,
     /// Whether the replica was clean when this server started (reported in
     /// every HELLO reply).
     pub(crate) clean_at_start: bool,
@@ -341,10 +330,6 @@ pub(crate) struct Shared {
     /// record still claims a clean stop.
     pub(crate) dirty: AtomicBool,
     meta: Mutex<MetaState>,
-    conns: Mutex<HashMap<u64, ConnEntry>>,
-    conns_changed: Condvar,
-    next_reactor: AtomicUsize,
-    accepted: AtomicUsize,
 }
 
 impl Shared {
@@ -376,7 +361,7 @@ impl Shared {
     /// generation)` when either changes. Returns the durable generation.
     fn attach(&self, generation: u64) -> Result<u64, ReplicaError> {
         let mut state = self.meta.lock().unwrap_or_else(|p| p.into_inner());
-        if state.sealed || self.stopping.load(Ordering::SeqCst) {
+        if state.sealed || self.conns.stopping() {
             return Err(ReplicaError::ShuttingDown);
         }
         let next = Meta {
@@ -395,25 +380,10 @@ impl Shared {
     }
 }
 
-/// Removes a connection from the server's table when its poller closure
-/// (and so the connection) is dropped, on every path.
-struct ConnRegistration {
-    server: Arc<Shared>,
-    thread_id: u64,
-}
-
-impl Drop for ConnRegistration {
-    fn drop(&mut self) {
-        let mut conns = self.server.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.remove(&self.thread_id);
-        self.server.conns_changed.notify_all();
-    }
-}
-
 /// A running replica server.
 pub struct ReplicaServer {
     shared: Arc<Shared>,
-    acceptor: ThreadHandle,
+    acceptor: Acceptor,
     addr: SocketAddr,
     /// Holds the directory's advisory lock until the server is dropped.
     _lock: File,
@@ -515,12 +485,17 @@ impl ReplicaServer {
                 source,
             })?;
 
+        let conns = Arc::new(Connections::new(Limits {
+            name: "replica",
+            max_connections: MAX_CONNECTIONS,
+            greeting_timeout_us: HELLO_TIMEOUT_US,
+        }));
         let shared = Arc::new(Shared {
             dir,
             size_bytes: config.size_bytes,
             dev,
             scan,
-            stopping: AtomicBool::new(false),
+            conns: conns.clone(),
             clean_at_start: meta.clean,
             generation: AtomicU64::new(meta.generation),
             dirty: AtomicBool::new(!meta.clean),
@@ -528,25 +503,9 @@ impl ReplicaServer {
                 meta,
                 sealed: false,
             }),
-            conns: Mutex::new(HashMap::new()),
-            conns_changed: Condvar::new(),
-            next_reactor: AtomicUsize::new(0),
-            accepted: AtomicUsize::new(0),
         });
         let s = shared.clone();
-        let acceptor = fw.spawn_thread(0, "replica-acceptor", move |t| {
-            let fd = listener.as_raw_fd();
-            let server = s.clone();
-            let r = t.register_poller(
-                "replica-accept",
-                PollerKind::Active,
-                &[(fd, Interest::READABLE)],
-                Box::new(move |t, _now| accept_some(t, &listener, &server)),
-            );
-            if let Err(e) = r {
-                tracing::error!(error = %e, "cannot register the accept poller");
-            }
-        })?;
+        let acceptor = Acceptor::start(fw, &conns, vec![Listener(listener)], move |stream| Conn::new(stream, s.clone()))?;
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
             generation = meta.generation, clean = meta.clean, data = %shared.dev.describe(),
@@ -580,11 +539,7 @@ impl ReplicaServer {
     }
 
     pub fn connection_count(&self) -> usize {
-        self.shared
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        self.shared.conns.len()
     }
 
     /// Stops cleanly: no new connections; every connection finishes its
@@ -593,34 +548,8 @@ impl ReplicaServer {
     /// open after `timeout`, or the sync fails, the replica stays dirty and
     /// the error says why.
     pub fn shutdown(self, timeout: Duration) -> Result<(), ReplicaError> {
-        self.stop_accepting();
-        {
-            let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-            for c in conns.values() {
-                if let Some(id) = c.poller {
-                    let _ = c.thread.send(move |t| {
-                        t.wake_poller(id);
-                    });
-                }
-            }
-        }
-        let deadline = Instant::now() + timeout;
-        let open = {
-            let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-            while !conns.is_empty() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                conns = self
-                    .shared
-                    .conns_changed
-                    .wait_timeout(conns, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-            conns.len()
-        };
+        self.acceptor.stop();
+        let open = self.acceptor.drain(timeout);
         if open > 0 {
             return Err(ReplicaError::Unclean { open });
         }
@@ -638,153 +567,38 @@ impl ReplicaServer {
         tracing::info!(dir = %self.shared.dir.display(), generation = clean.generation, "replica marked clean");
         Ok(())
     }
-
-    fn stop_accepting(&self) {
-        if !self.shared.stopping.swap(true, Ordering::SeqCst) {
-            // The acceptor exits: its poller (and the listener) is dropped.
-            let _ = self.acceptor.send(|t| t.exit());
-        }
-    }
 }
 
 impl Drop for ReplicaServer {
     /// Without `shutdown`, connections are told to close but the replica
     /// stays dirty.
     fn drop(&mut self) {
-        self.stop_accepting();
+        self.acceptor.stop();
     }
 }
 
-fn accept_some(t: &mut Thread, listener: &TcpListener, server: &Arc<Shared>) -> PollStatus {
-    let mut status = PollStatus::Idle;
-    for _ in 0..ACCEPT_BATCH {
-        let (stream, peer) = match listener.accept() {
-            Ok(s) => s,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                break
-            }
-            Err(e) => {
-                // EMFILE and friends: log and go on; the listener stays.
-                tracing::warn!(error = %e, "accept failed");
-                break;
-            }
-        };
-        status = PollStatus::Busy;
-        if server.stopping.load(Ordering::Relaxed) {
-            break;
-        }
-        if let Err(e) = prepare(&stream) {
-            tracing::warn!(peer = %peer, error = %e, "cannot set up accepted socket");
-            continue;
-        }
-        let live = server.conns.lock().unwrap_or_else(|p| p.into_inner()).len();
-        if live >= MAX_CONNECTIONS {
-            tracing::warn!(peer = %peer, limit = MAX_CONNECTIONS, "too many connections; closing new one");
-            continue;
-        }
-        if let Err(e) = spawn_connection(t, stream, peer, server) {
-            tracing::error!(peer = %peer, error = %e, "cannot start a connection thread");
-        }
-    }
-    // More may be waiting beyond the batch.
-    if status.is_busy() {
-        if let Some(me) = t.current_poller() {
-            t.wake_poller(me);
-        }
-    }
-    status
-}
+struct Listener(TcpListener);
 
-fn prepare(s: &TcpStream) -> io::Result<()> {
-    s.set_nonblocking(true)?;
-    // Replies are small and latency-bound: never wait for Nagle.
-    s.set_nodelay(true)
-}
+impl server::Listener for Listener {
+    type Stream = TcpStream;
 
-fn spawn_connection(
-    t: &mut Thread,
-    stream: TcpStream,
-    peer: SocketAddr,
-    server: &Arc<Shared>,
-) -> Result<(), ReactorError> {
-    let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
-    let n = server.accepted.fetch_add(1, Ordering::Relaxed);
-    let reactor = server.next_reactor.fetch_add(1, Ordering::Relaxed) % fw.reactor_count();
-    let s = server.clone();
-    // Register in the table before the thread runs, so that shutdown sees it.
-    let mut conns = server.conns.lock().unwrap_or_else(|p| p.into_inner());
-    let handle = fw.spawn_thread(reactor, &format!("replica-conn-{n}"), move |t| {
-        start_connection(t, stream, peer, s)
-    })?;
-    conns.insert(
-        handle.id(),
-        ConnEntry {
-            thread: handle,
-            poller: None,
-        },
-    );
-    Ok(())
-}
+    fn accept(&self) -> io::Result<TcpStream> {
+        self.0.accept().map(|(s, _)| s)
+    }
 
-fn start_connection(t: &mut Thread, stream: TcpStream, peer: SocketAddr, server: Arc<Shared>) {
-    let registration = ConnRegistration {
-        server: server.clone(),
-        thread_id: t.id(),
-    };
-    let mut conn = Conn::new(stream, peer, server.clone());
-    let fd = conn.fd();
-    let hello_done = conn.hello_done.clone();
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let expired = timed_out.clone();
-    let poller = t.register_poller(
-        "replica-conn",
-        PollerKind::Active,
-        &[(fd, Interest::READABLE)],
-        Box::new(move |t, _now| {
-            let _keep = &registration;
-            conn.poll(t, expired.load(Ordering::Relaxed))
-        }),
-    );
-    let id = match poller {
-        Ok(id) => id,
-        Err(e) => {
-            tracing::error!(peer = %peer, error = %e, "cannot register connection poller");
-            t.exit();
-            return;
-        }
-    };
-    // Run once now: it learns its poller id and adds the channel's fd.
-    t.wake_poller(id);
-    if let Some(c) = server
-        .conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get_mut(&t.id())
-    {
-        c.poller = Some(id);
+    fn prepare(s: &TcpStream) -> io::Result<()> {
+        s.set_nonblocking(true)?;
+        // Replies are small and latency-bound: never wait for Nagle.
+        s.set_nodelay(true)
     }
-    let timer = t.register_poller(
-        "replica-hello-timeout",
-        PollerKind::every_us(HELLO_TIMEOUT_US),
-        &[],
-        Box::new(move |t, _now| {
-            if !hello_done.load(Ordering::Relaxed) {
-                timed_out.store(true, Ordering::Relaxed);
-                t.wake_poller(id);
-            }
-            if let Some(me) = t.current_poller() {
-                t.unregister_poller(me);
-            }
-            PollStatus::Busy
-        }),
-    );
-    if let Err(e) = timer {
-        tracing::warn!(peer = %peer, error = %e, "no HELLO timeout for this connection");
+
+    fn peer(s: &TcpStream) -> String {
+        s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string())
     }
-    tracing::debug!(peer = %peer, thread = t.name(), "replica connection accepted");
+
+    fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
 }
 
 #[cfg(test)]

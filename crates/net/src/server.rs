@@ -1,0 +1,330 @@
+//! The scaffolding every lull server shares (the NBD server, the replica
+//! server, and the NVMe/TCP target to come): an acceptor thread on the main
+//! reactor, one lull thread per connection spread round-robin over the
+//! reactors, a table of live connections with a limit, a deadline for the
+//! client's greeting (handshake, HELLO), and a drain on shutdown that lets
+//! every connection finish its in-flight requests.
+//!
+//! A server supplies its listener ([`Listener`]) and its connection
+//! ([`Connection`]); the protocol lives there, the plumbing here.
+//!
+//! ```ignore
+//! let conns = Arc::new(Connections::new(Limits { name: "nbd", max_connections: 1024, greeting_timeout_us: 10_000_000 }));
+//! let acceptor = Acceptor::start(fw, &conns, listeners, move |stream| Conn::new(stream, shared.clone()))?;
+//! // … on stop:
+//! acceptor.stop();
+//! let still_open = acceptor.drain(Duration::from_secs(30));
+//! ```
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle};
+
+/// Connections accepted per acceptor poll. The acceptor re-wakes itself
+/// when the batch fills, so a burst of connects cannot hold the main
+/// reactor for long.
+pub const ACCEPT_BATCH: usize = 16;
+
+/// A listening socket of some kind (TCP, Unix).
+pub trait Listener: Send + 'static {
+    type Stream: Send + 'static;
+    /// Accept one pending connection; `WouldBlock` when there is none.
+    fn accept(&self) -> io::Result<Self::Stream>;
+    /// Make an accepted stream fit for a reactor (non-blocking, no Nagle).
+    fn prepare(stream: &Self::Stream) -> io::Result<()>;
+    /// The peer, for log lines.
+    fn peer(stream: &Self::Stream) -> String;
+    fn fd(&self) -> RawFd;
+}
+
+/// One accepted connection, run by the poller of the lull thread it owns.
+/// Dropping it closes it.
+pub trait Connection: Send + 'static {
+    fn fd(&self) -> RawFd;
+    /// What the poller waits for on `fd` in the event-driven modes.
+    fn interest(&self) -> Interest;
+    /// Set once the client's greeting is done; until then the greeting
+    /// deadline applies.
+    fn greeted(&self) -> Arc<AtomicBool>;
+    /// Make progress. `greeting_expired`: the deadline passed before the
+    /// greeting was done (the connection should say why and close). A
+    /// connection that is done calls `t.exit()`.
+    fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus;
+}
+
+/// A server's name (for threads, pollers and log lines) and its limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub name: &'static str,
+    /// Connections open at once; more are accepted and closed with a log
+    /// line.
+    pub max_connections: usize,
+    /// How long a new connection has for its greeting.
+    pub greeting_timeout_us: u64,
+}
+
+struct Entry {
+    thread: ThreadHandle,
+    poller: Option<PollerId>,
+}
+
+/// The live connections of one server.
+pub struct Connections {
+    limits: Limits,
+    stopping: AtomicBool,
+    table: Mutex<HashMap<u64, Entry>>,
+    changed: Condvar,
+    next_reactor: AtomicUsize,
+    accepted: AtomicUsize,
+}
+
+impl std::fmt::Debug for Connections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Connections({}, {} open)", self.limits.name, self.len())
+    }
+}
+
+impl Connections {
+    pub fn new(limits: Limits) -> Connections {
+        Connections {
+            limits,
+            stopping: AtomicBool::new(false),
+            table: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            next_reactor: AtomicUsize::new(0),
+            accepted: AtomicUsize::new(0),
+        }
+    }
+
+    /// The server is stopping: connections finish what they have in flight
+    /// and close; no new one is accepted.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
+        // A panic elsewhere must not take the table down with it.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Removes a connection from the table when its poller closure (and so the
+/// connection) is dropped, on every path.
+struct Registration {
+    conns: Arc<Connections>,
+    thread_id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.conns.lock().remove(&self.thread_id);
+        self.conns.changed.notify_all();
+    }
+}
+
+/// A server's acceptor thread and its connection table.
+pub struct Acceptor {
+    conns: Arc<Connections>,
+    thread: ThreadHandle,
+}
+
+impl std::fmt::Debug for Acceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.conns.fmt(f)
+    }
+}
+
+impl Acceptor {
+    /// Start accepting on `listeners` (already bound) on reactor 0; each
+    /// accepted stream becomes `make(stream)` on a thread of its own.
+    pub fn start<L, C, F>(
+        fw: &FrameworkHandle,
+        conns: &Arc<Connections>,
+        listeners: Vec<L>,
+        make: F,
+    ) -> Result<Acceptor, ReactorError>
+    where
+        L: Listener,
+        C: Connection,
+        F: Fn(L::Stream) -> C + Send + Sync + 'static,
+    {
+        let name = conns.limits.name;
+        let c = conns.clone();
+        let make = Arc::new(make);
+        let thread = fw.spawn_thread(0, &format!("{name}-acceptor"), move |t| {
+            for l in listeners {
+                let fd = l.fd();
+                let (conns, make) = (c.clone(), make.clone());
+                let r = t.register_poller(
+                    &format!("{name}-accept"),
+                    PollerKind::Active,
+                    &[(fd, Interest::READABLE)],
+                    Box::new(move |t, _now| accept_some(t, &l, &conns, &*make)),
+                );
+                if let Err(e) = r {
+                    tracing::error!(server = name, error = %e, "cannot register the accept poller");
+                }
+            }
+        })?;
+        Ok(Acceptor { conns: conns.clone(), thread })
+    }
+
+    pub fn connections(&self) -> &Arc<Connections> {
+        &self.conns
+    }
+
+    /// Stop accepting (the listeners close) and tell every connection to
+    /// finish and close. Returns false when it was already stopping.
+    pub fn stop(&self) -> bool {
+        if self.conns.stopping.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        let _ = self.thread.send(|t| t.exit());
+        for c in self.conns.lock().values() {
+            if let Some(id) = c.poller {
+                let _ = c.thread.send(move |t| {
+                    t.wake_poller(id);
+                });
+            }
+        }
+        true
+    }
+
+    /// After [`Acceptor::stop`], wait up to `timeout` for every connection
+    /// to close. Returns the connections still open (0 on a clean stop).
+    pub fn drain(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut table = self.conns.lock();
+        while !table.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            table = self.conns.changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        table.len()
+    }
+}
+
+fn accept_some<L: Listener, C: Connection>(
+    t: &mut Thread,
+    listener: &L,
+    conns: &Arc<Connections>,
+    make: &(dyn Fn(L::Stream) -> C + Send + Sync),
+) -> PollStatus {
+    let name = conns.limits.name;
+    let mut status = PollStatus::Idle;
+    for _ in 0..ACCEPT_BATCH {
+        let stream = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => break,
+            Err(e) => {
+                // EMFILE and friends: log and go on; the listener stays.
+                tracing::warn!(server = name, error = %e, "accept failed");
+                break;
+            }
+        };
+        status = PollStatus::Busy;
+        if conns.stopping() {
+            break;
+        }
+        let peer = L::peer(&stream);
+        if let Err(e) = L::prepare(&stream) {
+            tracing::warn!(server = name, peer = %peer, error = %e, "cannot set up accepted socket");
+            continue;
+        }
+        let limit = conns.limits.max_connections;
+        if conns.len() >= limit {
+            tracing::warn!(server = name, peer = %peer, limit, "too many connections; closing new one");
+            continue;
+        }
+        if let Err(e) = spawn_connection(t, make(stream), peer.clone(), conns) {
+            tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread");
+        }
+    }
+    // More may be waiting beyond the batch.
+    if status.is_busy() {
+        if let Some(me) = t.current_poller() {
+            t.wake_poller(me);
+        }
+    }
+    status
+}
+
+fn spawn_connection<C: Connection>(t: &mut Thread, conn: C, peer: String, conns: &Arc<Connections>) -> Result<(), ReactorError> {
+    let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
+    let n = conns.accepted.fetch_add(1, Ordering::Relaxed);
+    let reactor = conns.next_reactor.fetch_add(1, Ordering::Relaxed) % fw.reactor_count();
+    let c = conns.clone();
+    // Register in the table before the thread runs, so that a stop sees it.
+    let mut table = conns.lock();
+    let name = conns.limits.name;
+    let handle = fw.spawn_thread(reactor, &format!("{name}-conn-{n}"), move |t| start_connection(t, conn, peer, c))?;
+    table.insert(handle.id(), Entry { thread: handle, poller: None });
+    Ok(())
+}
+
+fn start_connection<C: Connection>(t: &mut Thread, mut conn: C, peer: String, conns: Arc<Connections>) {
+    let name = conns.limits.name;
+    let registration = Registration { conns: conns.clone(), thread_id: t.id() };
+    let fd = conn.fd();
+    let interest = conn.interest();
+    let greeted = conn.greeted();
+    let expired = Arc::new(AtomicBool::new(false));
+    let expired_seen = expired.clone();
+    let poller = t.register_poller(
+        &format!("{name}-conn"),
+        PollerKind::Active,
+        &[(fd, interest)],
+        Box::new(move |t, now| {
+            let _keep = &registration;
+            conn.poll(t, now, expired_seen.load(Ordering::Relaxed))
+        }),
+    );
+    let id = match poller {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::error!(server = name, peer = %peer, error = %e, "cannot register connection poller");
+            t.exit();
+            return;
+        }
+    };
+    // Run it once now: a greeting may be queued, or the poller may need to
+    // learn its id.
+    t.wake_poller(id);
+    if let Some(c) = conns.lock().get_mut(&t.id()) {
+        c.poller = Some(id);
+    }
+    let timer = t.register_poller(
+        &format!("{name}-greeting-timeout"),
+        PollerKind::every_us(conns.limits.greeting_timeout_us),
+        &[],
+        Box::new(move |t, _now| {
+            if !greeted.load(Ordering::Relaxed) {
+                expired.store(true, Ordering::Relaxed);
+                t.wake_poller(id);
+            }
+            if let Some(me) = t.current_poller() {
+                t.unregister_poller(me);
+            }
+            PollStatus::Busy
+        }),
+    );
+    if let Err(e) = timer {
+        tracing::warn!(server = name, peer = %peer, error = %e, "no greeting deadline for this connection");
+    }
+    tracing::debug!(server = name, peer = %peer, thread = t.name(), "connection accepted");
+}
