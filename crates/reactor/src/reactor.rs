@@ -645,7 +645,7 @@ impl Reactor {
             if self.keep_spinning(now) {
                 let spin = self.spin.as_mut().expect("spinning");
                 spin.iterations += 1;
-                if spin.iterations % SPIN_EPOLL_EVERY != 0 {
+                if !spin.iterations.is_multiple_of(SPIN_EPOLL_EVERY) {
                     return (false, false);
                 }
             } else if self.prepare_sleep(now) {

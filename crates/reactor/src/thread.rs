@@ -333,7 +333,6 @@ impl SpinWindow {
             // window) oscillate between spinning and sleeping; the price
             // of keeping it is one spin of at most the cap when the source
             // stops.
-            return;
         } else if gap <= cap_ns + WAKE_ALLOWANCE_NS {
             // A near miss: grow, as QEMU does, up to the cap.
             self.window_ns = (self.window_ns * 2).clamp(MIN_SPIN_WINDOW_NS, cap_ns);
