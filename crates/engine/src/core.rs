@@ -769,9 +769,8 @@ impl Engine {
             return;
         }
         let start = *self.election_start_ns.get_or_insert(self.now);
-        let missing: Vec<String> =
-            live.iter().filter(|&&i| self.replicas[i].state != RState::Probed).map(|&i| self.replicas[i].addr.to_string()).collect();
-        if !missing.is_empty() {
+        let all_answered = live.iter().all(|&i| self.replicas[i].state == RState::Probed);
+        if !all_answered {
             if self.elected_once {
                 if self.now < start.saturating_add(ELECTION_WAIT_NS) {
                     return;
@@ -779,6 +778,11 @@ impl Engine {
             } else {
                 if self.election_logged_ns.is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS)) {
                     self.election_logged_ns = Some(self.now);
+                    let missing: Vec<String> = live
+                        .iter()
+                        .filter(|&&i| self.replicas[i].state != RState::Probed)
+                        .map(|&i| self.replicas[i].addr.to_string())
+                        .collect();
                     self.log(
                         LogLevel::Warn,
                         format!(
