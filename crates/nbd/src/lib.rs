@@ -225,7 +225,6 @@ impl Listener {
             Listener::Unix(_, p) => ListenAddr::Unix(p.clone()),
         }
     }
-
 }
 
 impl Drop for Listener {
