@@ -68,12 +68,48 @@ struct ChannelShared {
     completions: ArrayQueue<IoCompletion>,
     /// A drain message is on its way to the engine thread.
     scheduled: AtomicBool,
+    /// The doorbell: rung (written) by the engine when it pushes
+    /// completions, reset by the channel before it pops them. `rung` says
+    /// the eventfd was written and not yet reset, so the engine writes it
+    /// once per reap at most, and the channel reads it (a syscall) only
+    /// when it was written: a spinning reactor reaps without syscalls.
     event: EventFd,
+    rung: AtomicBool,
     /// Index in the shell's channel table (engine thread only).
     slot: AtomicU32,
 }
 
 const NO_SLOT: u32 = u32::MAX;
+
+impl ChannelShared {
+    /// After pushing completions: ring the doorbell unless it is already
+    /// rung. The engine thread is the one ringer (the channel rings only
+    /// itself, from its own thread, when the engine is unreachable).
+    ///
+    /// Dekker with `unring`: the fence orders the pushes before the load
+    /// of `rung`, and `unring` orders its reset before the channel's pops;
+    /// so either this load sees the reset and rings, or the channel's pops
+    /// see these completions. `rung` is set only after the eventfd write,
+    /// so a channel that sees it set always finds the write to reset (a
+    /// readable eventfd is never left behind a clear flag, which would
+    /// keep an event-driven reactor awake).
+    fn ring(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.rung.load(Ordering::Relaxed) {
+            self.event.notify();
+            self.rung.store(true, Ordering::Release);
+        }
+    }
+
+    /// Before popping completions: reset the doorbell if it was rung.
+    fn unring(&self) {
+        if self.rung.load(Ordering::Acquire) {
+            self.event.drain();
+            self.rung.store(false, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+}
 
 struct ReplicaChannel {
     shared: Arc<ChannelShared>,
@@ -122,14 +158,14 @@ impl Channel for ReplicaChannel {
                 let err = BdevError::Failed(format!("volume engine unreachable: {e}"));
                 let _ = self.shared.completions.push(IoCompletion { tag: r.tag, result: Err(err), buf: r.buf });
             }
-            self.shared.event.notify();
+            self.shared.ring();
         }
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
-        // Drain the doorbell before popping: a completion pushed after the
+        // Reset the doorbell before popping: a completion pushed after the
         // pops rings again, so none is left behind a quiet eventfd.
-        self.shared.event.drain();
+        self.shared.unring();
         let mut n = 0;
         while let Some(c) = self.shared.completions.pop() {
             self.in_flight = self.in_flight.saturating_sub(1);
@@ -305,7 +341,7 @@ impl Shell {
         for ch in self.to_notify.drain(..) {
             if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
                 e.notify = false;
-                e.shared.event.notify();
+                e.shared.ring();
             }
         }
         if self.status_dirty {
@@ -553,7 +589,7 @@ impl Shell {
         for ch in self.to_notify.drain(..) {
             if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
                 e.notify = false;
-                e.shared.event.notify();
+                e.shared.ring();
             }
         }
     }
@@ -768,6 +804,7 @@ impl BlockDevice for ReplicatedDev {
             submissions: ArrayQueue::new(CHANNEL_DEPTH),
             completions: ArrayQueue::new(CHANNEL_DEPTH),
             scheduled: AtomicBool::new(false),
+            rung: AtomicBool::new(false),
             event: EventFd::new().map_err(BdevError::Io)?,
             slot: AtomicU32::new(NO_SLOT),
         });
