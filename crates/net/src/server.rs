@@ -18,7 +18,8 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::RawFd;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -40,6 +41,29 @@ pub trait Listener: Send + 'static {
     /// The peer, for log lines.
     fn peer(stream: &Self::Stream) -> String;
     fn fd(&self) -> RawFd;
+}
+
+/// TCP as most servers want it: accepted sockets are non-blocking and send
+/// without Nagle's delay (replies are small and latency-bound).
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+
+    fn accept(&self) -> io::Result<TcpStream> {
+        TcpListener::accept(self).map(|(s, _)| s)
+    }
+
+    fn prepare(s: &TcpStream) -> io::Result<()> {
+        s.set_nonblocking(true)?;
+        s.set_nodelay(true)
+    }
+
+    fn peer(s: &TcpStream) -> String {
+        s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string())
+    }
+
+    fn fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
 }
 
 /// One accepted connection, run by the poller of the lull thread it owns.

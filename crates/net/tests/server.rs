@@ -15,29 +15,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lull_net::server::{self, Acceptor, Connection, Connections, Limits};
+use lull_net::server::{Acceptor, Connection, Connections, Limits};
 use lull_reactor::{Framework, FrameworkConfig, Interest, Mode, PollStatus, Thread};
 
 /// How long a client waits for any one answer.
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
-
-struct Listener(TcpListener);
-
-impl server::Listener for Listener {
-    type Stream = TcpStream;
-    fn accept(&self) -> io::Result<TcpStream> {
-        self.0.accept().map(|(s, _)| s)
-    }
-    fn prepare(s: &TcpStream) -> io::Result<()> {
-        s.set_nonblocking(true)
-    }
-    fn peer(s: &TcpStream) -> String {
-        s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
-    }
-    fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-}
 
 struct Echo {
     stream: TcpStream,
@@ -112,7 +94,7 @@ fn start(mode: Mode, max_connections: usize, greeting_timeout_us: u64) -> Setup 
     let addr = l.local_addr().expect("addr");
     let conns = Arc::new(Connections::new(Limits { name: "echo", max_connections, greeting_timeout_us }));
     let c = conns.clone();
-    let acceptor = Acceptor::start(fw.handle(), &conns, vec![Listener(l)], move |stream| Echo {
+    let acceptor = Acceptor::start(fw.handle(), &conns, vec![l], move |stream| Echo {
         stream,
         conns: c.clone(),
         greeted: Arc::new(AtomicBool::new(false)),

@@ -43,8 +43,7 @@ pub mod meta;
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -52,7 +51,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use lull_bdev::{BdevError, BlockDevice, FileDev, FileOptions};
-use lull_net::server::{self, Acceptor, Connections, Limits};
+use lull_net::server::{Acceptor, Connections, Limits};
 use lull_reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
@@ -505,7 +504,7 @@ impl ReplicaServer {
             }),
         });
         let s = shared.clone();
-        let acceptor = Acceptor::start(fw, &conns, vec![Listener(listener)], move |stream| Conn::new(stream, s.clone()))?;
+        let acceptor = Acceptor::start(fw, &conns, vec![listener], move |stream| Conn::new(stream, s.clone()))?;
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
             generation = meta.generation, clean = meta.clean, data = %shared.dev.describe(),
@@ -574,30 +573,6 @@ impl Drop for ReplicaServer {
     /// stays dirty.
     fn drop(&mut self) {
         self.acceptor.stop();
-    }
-}
-
-struct Listener(TcpListener);
-
-impl server::Listener for Listener {
-    type Stream = TcpStream;
-
-    fn accept(&self) -> io::Result<TcpStream> {
-        self.0.accept().map(|(s, _)| s)
-    }
-
-    fn prepare(s: &TcpStream) -> io::Result<()> {
-        s.set_nonblocking(true)?;
-        // Replies are small and latency-bound: never wait for Nagle.
-        s.set_nodelay(true)
-    }
-
-    fn peer(s: &TcpStream) -> String {
-        s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string())
-    }
-
-    fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
     }
 }
 
