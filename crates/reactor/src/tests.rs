@@ -288,3 +288,61 @@ fn hybrid_drains_initiators_on_a_period_not_on_their_fds() {
     assert!(t.poll(110_000, Scope::Ready, &clock).is_busy());
     t.check_invariants();
 }
+
+/// The adaptive mode's busy and spin iterations poll directly only the
+/// sources that found work within `HOT_NS`; an idle source waits for epoll
+/// to report its fd. So one busy connection does not make the reactor poll
+/// hundreds of idle ones every iteration.
+#[test]
+fn adaptive_polls_only_hot_sources_directly() {
+    use std::os::fd::AsRawFd;
+    let clock = FakeClock::new(1);
+    let mut t = thread();
+    t.set_event_driven(true);
+    let runs: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    let fds: Vec<Arc<crate::sys::EventFd>> = (0..3).map(|_| Arc::new(crate::sys::EventFd::new().unwrap())).collect();
+    for i in 0..3 {
+        let (r, e) = (runs[i].clone(), fds[i].clone());
+        t.register_poller(
+            &format!("conn{i}"),
+            PollerKind::Active,
+            &[(fds[i].as_raw_fd(), crate::Interest::READABLE)],
+            Box::new(move |_, _| {
+                r.fetch_add(1, Ordering::SeqCst);
+                if e.drain() {
+                    PollStatus::Busy
+                } else {
+                    PollStatus::Idle
+                }
+            }),
+        )
+        .unwrap();
+    }
+    // Every source works once at t = 1 ms.
+    let mut now = 1_000_000;
+    for f in &fds {
+        f.notify();
+    }
+    t.poll(now, Scope::Ready, &clock);
+    assert!(t.is_hot(now));
+    // Source 0 keeps working every 10 µs; the others stay quiet.
+    let count = |i: usize| runs[i].load(Ordering::SeqCst);
+    let before: Vec<usize> = (0..3).map(count).collect();
+    for _ in 0..100 {
+        now += 10_000;
+        fds[0].notify();
+        t.poll(now, Scope::Spin { epoll: false }, &clock);
+    }
+    assert_eq!(count(0) - before[0], 100, "the busy source is polled every iteration");
+    let quiet: Vec<usize> = (1..3).map(|i| count(i) - before[i]).collect();
+    let hot_iterations = (crate::HOT_NS / 10_000) as usize;
+    assert!(quiet.iter().all(|&n| n <= hot_iterations), "idle sources polled {quiet:?} times, more than while still hot");
+    // An idle source's event is still seen, through epoll.
+    fds[2].notify();
+    let seen = count(2);
+    t.poll(now + 10_000, Scope::Spin { epoll: true }, &clock);
+    assert_eq!(count(2), seen + 1, "epoll reports the idle source");
+    // Quiet for longer than HOT_NS: the thread is no longer hot.
+    assert!(t.is_hot(now + 10_000 + crate::HOT_NS));
+    assert!(!t.is_hot(now + 10_000 + crate::HOT_NS + 1));
+}
