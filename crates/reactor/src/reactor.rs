@@ -51,11 +51,10 @@ const TOKEN_CONTROL: u64 = u64::MAX;
 /// room for jitter, and bounds the CPU a lone event can cost.
 pub const ADAPTIVE_SPIN_CAP_NS: u64 = 50_000;
 
-/// While busy or spinning, the adaptive mode polls the hot sources (those
-/// that found work within `thread::HOT_NS`) directly, the cheapest way to
-/// see their next event, and looks at every other fd through one
-/// `epoll_wait(0)` every this many iterations (a few µs), so a cold source
-/// is never ignored for long, and idle ones cost nothing.
+/// While spinning, the adaptive mode polls the hot sources (those with a
+/// spin window) directly, the cheapest way to see their next event, and
+/// looks at every other fd through one `epoll_wait(0)` every this many spin
+/// iterations (a few µs), so a cold source is never ignored for long.
 pub const SPIN_EPOLL_EVERY: u64 = 8;
 
 /// Under sustained load (awake for at least `LOADED_AFTER_NS` and busy for
