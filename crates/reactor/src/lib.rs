@@ -32,7 +32,7 @@ pub use reactor::{
 };
 pub use sys::Interest;
 pub use thread::{
-    Message, PollFn, SpinWindow, HOT_NS, MIN_SPIN_WINDOW_NS, WAKE_ALLOWANCE_NS, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
+    Message, PollFn, SpinWindow, MIN_SPIN_WINDOW_NS, WAKE_ALLOWANCE_NS, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
     MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
 };
 

@@ -518,8 +518,6 @@ struct Reactor {
     mode: Mode,
     ioq_poll_period_us: u64,
     spin: Option<Spin>,
-    /// Adaptive mode: busy iterations, to look at epoll every few.
-    busy_polls: u64,
     /// When the reactor last woke from a sleep, and its busy time then.
     awake_since_ns: u64,
     busy_at_wake_ns: u64,
@@ -555,7 +553,6 @@ impl Reactor {
             mode,
             ioq_poll_period_us,
             spin: None,
-            busy_polls: 0,
             awake_since_ns: 0,
             busy_at_wake_ns: 0,
             spins_with_work: 0,
@@ -587,17 +584,15 @@ impl Reactor {
                 self.shutdown();
                 return;
             }
-            // Poll mode runs every poller. Adaptive mode, while work keeps
-            // coming and while it spins, polls only the hot sources (those
-            // busy within the spin cap, or with a spin window) and leaves
-            // the rest to an epoll_wait(0) every few iterations: a busy
-            // connection does not make the reactor poll every idle one.
-            let polling = self.mode == Mode::Poll;
+            // Adaptive mode polls like poll mode while work keeps coming
+            // (no epoll syscalls on the busy path); it turns to epoll only
+            // when idle: to spin over every fd at once, then to sleep.
+            let polling = self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
             let mut scope = if polling { Scope::All } else { Scope::Ready };
             if !polling {
                 let (control, epolled) = self.wait_events(now);
                 busy |= control;
-                if self.mode == Mode::Adaptive && (self.last_busy || self.spin.is_some()) {
+                if self.spin.is_some() {
                     scope = Scope::Spin { epoll: epolled };
                 }
             }
@@ -627,7 +622,7 @@ impl Reactor {
             let thread_scope = match scope {
                 Scope::All => Scope::All,
                 Scope::Ready if ready || t.has_immediate_work(now) => Scope::Ready,
-                Scope::Spin { .. } if ready || t.is_hot(now) || t.has_immediate_work(now) => {
+                Scope::Spin { .. } if ready || t.has_hot_pollers() || t.has_immediate_work(now) => {
                     Scope::Spin { epoll: ready }
                 }
                 _ => continue,
@@ -646,14 +641,7 @@ impl Reactor {
     /// ran, and whether epoll was asked (a spin skips it on most iterations).
     fn wait_events(&mut self, now: u64) -> (bool, bool) {
         let mut timeout = 0;
-        if self.mode == Mode::Adaptive && self.last_busy {
-            // Busy: the hot sources are polled directly; the others are
-            // looked at every SPIN_EPOLL_EVERY iterations.
-            self.busy_polls += 1;
-            if !self.busy_polls.is_multiple_of(SPIN_EPOLL_EVERY) {
-                return (false, false);
-            }
-        } else if !self.last_busy {
+        if !self.last_busy {
             if self.keep_spinning(now) {
                 let spin = self.spin.as_mut().expect("spinning");
                 spin.iterations += 1;

@@ -298,15 +298,6 @@ struct PollerEntry {
 /// would probably have caught it.
 pub const WAKE_ALLOWANCE_NS: u64 = 50_000;
 
-/// In the adaptive mode, a poller that found work this recently is *hot*:
-/// while the reactor is busy or spinning it is polled directly, every
-/// iteration; every other poller waits for epoll to report its fd, which
-/// the reactor asks every `SPIN_EPOLL_EVERY` iterations. So a reactor with
-/// one busy connection and hundreds of idle ones does not poll the idle
-/// ones. The bound is the longest spin (`LOADED_SPIN_CAP_NS`): a source
-/// quiet for longer is not what a spin is waiting for.
-pub const HOT_NS: u64 = crate::reactor::LOADED_SPIN_CAP_NS;
-
 /// The smallest non-zero spin window (QEMU starts its window at 4 µs).
 pub const MIN_SPIN_WINDOW_NS: u64 = 4_000;
 
@@ -372,13 +363,13 @@ struct PollerSlot {
 /// Which pollers an iteration runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
-    /// Every active poller (poll mode).
+    /// Every active poller (poll mode, and the spinning phase of adaptive).
     All,
     /// Only pollers whose fd is ready or that were woken (event-driven modes).
     Ready,
-    /// The adaptive mode, busy or spinning: the hot pollers (work found
-    /// within [`HOT_NS`]) and the woken ones, polled directly; with `epoll`
-    /// the thread's fds were reported ready too.
+    /// The adaptive mode's spin: the hot pollers (a spin window > 0) and the
+    /// woken ones, polled directly; with `epoll` the thread's fds were
+    /// reported ready too.
     Spin { epoll: bool },
 }
 
@@ -402,9 +393,6 @@ pub struct Thread {
     next_initiator_ns: u64,
     /// The adaptive mode's cap on spinning.
     spin_cap_ns: u64,
-    /// When an active poller of this thread last found work (see
-    /// [`HOT_NS`]).
-    last_poller_busy_ns: u64,
     /// When the reactor last woke from a sleep.
     last_wake_ns: u64,
     /// The message queue is an event source too (cross-reactor traffic,
@@ -455,7 +443,6 @@ impl Thread {
             initiator_period_ns: None,
             next_initiator_ns: 0,
             spin_cap_ns: crate::reactor::ADAPTIVE_SPIN_CAP_NS,
-            last_poller_busy_ns: 0,
             last_wake_ns: 0,
             mailbox_window: SpinWindow::default(),
             exit_requested: false,
@@ -796,11 +783,13 @@ impl Thread {
         window
     }
 
-    /// Whether the adaptive mode polls this thread directly (rather than
-    /// waiting for epoll to report it): one of its active pollers found
-    /// work within `HOT_NS`.
-    pub fn is_hot(&self, now: u64) -> bool {
-        now.saturating_sub(self.last_poller_busy_ns) <= HOT_NS
+    /// Whether some active poller has a spin window (the adaptive spin
+    /// polls it directly).
+    pub fn has_hot_pollers(&self) -> bool {
+        self.pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .any(|e| e.kind == PollerKind::Active && !e.paused && e.gap.window_ns() > 0)
     }
 
     /// Active pollers that have no fd (they make event-driven mode impossible).
@@ -889,11 +878,10 @@ impl Thread {
         for index in 0..self.pollers.len() {
             let run = match &mut self.pollers[index].entry {
                 Some(e) if e.kind == PollerKind::Active && !e.paused => {
-                    let recent = now.saturating_sub(e.gap.last_busy_ns()) <= HOT_NS;
                     let run = scope == Scope::All
                         || e.woken
                         || (initiators_due && e.initiator)
-                        || (hot && recent && !(e.initiator && self.initiator_period_ns.is_some()));
+                        || (hot && e.gap.window_ns() > 0 && !(e.initiator && self.initiator_period_ns.is_some()));
                     if e.woken {
                         e.woken = false;
                         self.woken -= 1;
@@ -961,9 +949,6 @@ impl Thread {
                 let slept = last_wake > e.gap.last_busy_ns();
                 e.gap.event(now, slept, cap);
                 e.gap.busy(now);
-                if e.kind == PollerKind::Active {
-                    self.last_poller_busy_ns = now;
-                }
             }
         }
         // The poller may have unregistered itself (and its slot been reused).
