@@ -103,7 +103,7 @@ pub struct Connections {
     stopping: AtomicBool,
     table: Mutex<HashMap<u64, Entry>>,
     changed: Condvar,
-    next_reactor: AtomicUsize,
+    /// Connections accepted so far: names them and places them round-robin.
     accepted: AtomicUsize,
 }
 
@@ -120,7 +120,6 @@ impl Connections {
             stopping: AtomicBool::new(false),
             table: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
-            next_reactor: AtomicUsize::new(0),
             accepted: AtomicUsize::new(0),
         }
     }
@@ -291,7 +290,7 @@ fn accept_some<L: Listener, C: Connection>(
 fn spawn_connection<C: Connection>(t: &mut Thread, conn: C, peer: String, conns: &Arc<Connections>) -> Result<(), ReactorError> {
     let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
     let n = conns.accepted.fetch_add(1, Ordering::Relaxed);
-    let reactor = conns.next_reactor.fetch_add(1, Ordering::Relaxed) % fw.reactor_count();
+    let reactor = n % fw.reactor_count();
     let c = conns.clone();
     // Register in the table before the thread runs, so that a stop sees it.
     let mut table = conns.lock();
