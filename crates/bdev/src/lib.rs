@@ -109,12 +109,7 @@ impl BdevError {
 /// inside the device (except `Flush`, which has none), and `Read`/`Write`
 /// need a buffer of at least `len` bytes.
 pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevError> {
-    validate_io(req.op, req.offset, req.len, req.buf.as_ref(), size_bytes)
-}
-
-/// [`validate_request`] on the parts of a request (for layers that keep
-/// requests in their own type, such as the replication engine).
-pub fn validate_io(op: IoOp, offset: u64, len: u32, buf: Option<&IoBuf>, size_bytes: u64) -> Result<(), BdevError> {
+    let (op, offset, len, buf) = (req.op, req.offset, req.len, req.buf.as_ref());
     if !matches!(op, IoOp::Flush) {
         let len = u64::from(len);
         match offset.checked_add(len) {

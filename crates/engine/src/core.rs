@@ -53,7 +53,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use lull_bdev::{BdevError, BufPool, IoBuf, IoOp};
+use lull_bdev::{BdevError, BufPool, IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
 
 use crate::slots::SlotTable;
@@ -110,15 +110,11 @@ pub struct ConnRef {
     pub epoch: u32,
 }
 
-/// A client request as the channel submitted it.
+/// A client request as the channel submitted it, and which channel.
 #[derive(Debug)]
 pub struct ClientReq {
     pub channel: u32,
-    pub tag: u64,
-    pub op: IoOp,
-    pub offset: u64,
-    pub len: u32,
-    pub buf: Option<IoBuf>,
+    pub io: IoRequest,
 }
 
 /// What happened.
@@ -831,27 +827,28 @@ impl Engine {
 
     // ---- client requests -----------------------------------------------
 
-    fn on_client(&mut self, mut req: ClientReq) {
-        if let Err(e) = validate(&req, self.size_bytes) {
+    fn on_client(&mut self, req: ClientReq) {
+        let (channel, mut req) = (req.channel, req.io);
+        if let Err(e) = lull_bdev::validate_request(&req, self.size_bytes) {
             let buf = req.buf.take();
-            self.out.push(Action::Complete { channel: req.channel, tag: req.tag, result: Err(e), buf });
+            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
             return;
         }
         if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > wire::MAX_IO_BYTES {
             let buf = req.buf.take();
             let e = BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
-            self.out.push(Action::Complete { channel: req.channel, tag: req.tag, result: Err(e), buf });
+            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
             return;
         }
         if req.len == 0 && !matches!(req.op, IoOp::Flush) {
             let buf = req.buf.take();
-            self.out.push(Action::Complete { channel: req.channel, tag: req.tag, result: Ok(()), buf });
+            self.out.push(Action::Complete { channel, tag: req.tag, result: Ok(()), buf });
             return;
         }
         let Some(id) = self.alloc_io() else {
             let buf = req.buf.take();
             let e = BdevError::Full { capacity: MAX_CLIENT_IOS };
-            self.out.push(Action::Complete { channel: req.channel, tag: req.tag, result: Err(e), buf });
+            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
             return;
         };
         let data = match req.op {
@@ -864,7 +861,7 @@ impl Engine {
         };
         let flush_after = matches!(req.op, IoOp::WriteZeroes { fua: true, .. });
         self.ios[id as usize] = Some(ClientIo {
-            channel: req.channel,
+            channel,
             tag: req.tag,
             op: req.op,
             offset: req.offset,
@@ -1563,11 +1560,6 @@ impl Engine {
             assert!(self.deferred.is_empty(), "acks deferred with no healthy replica");
         }
     }
-}
-
-/// The checks of `lull_bdev::validate_request`, on the engine's copy.
-fn validate(req: &ClientReq, size: u64) -> Result<(), BdevError> {
-    lull_bdev::validate_io(req.op, req.offset, req.len, req.buf.as_ref(), size)
 }
 
 /// Append [from, to) as segments of at most the chunk size for its kind.

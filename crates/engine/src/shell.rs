@@ -120,20 +120,16 @@ struct ReplicaChannel {
 }
 
 impl Channel for ReplicaChannel {
-    fn submit(&mut self, mut req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
         if self.in_flight >= CHANNEL_DEPTH {
             return Err((req, BdevError::Full { capacity: CHANNEL_DEPTH }));
         }
-        let creq = ClientReq { channel: 0, tag: req.tag, op: req.op, offset: req.offset, len: req.len, buf: req.buf.take() };
-        match self.shared.submissions.push(creq) {
+        match self.shared.submissions.push(ClientReq { channel: 0, io: req }) {
             Ok(()) => {
                 self.in_flight += 1;
                 Ok(())
             }
-            Err(c) => {
-                req.buf = c.buf;
-                Err((req, BdevError::Full { capacity: CHANNEL_DEPTH }))
-            }
+            Err(c) => Err((c.io, BdevError::Full { capacity: CHANNEL_DEPTH })),
         }
     }
 
@@ -156,7 +152,7 @@ impl Channel for ReplicaChannel {
             tracing::error!(error = %e, "cannot reach the volume engine thread");
             while let Some(r) = self.shared.submissions.pop() {
                 let err = BdevError::Failed(format!("volume engine unreachable: {e}"));
-                let _ = self.shared.completions.push(IoCompletion { tag: r.tag, result: Err(err), buf: r.buf });
+                let _ = self.shared.completions.push(IoCompletion { tag: r.io.tag, result: Err(err), buf: r.io.buf });
             }
             self.shared.ring();
         }

@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use lull_bdev::{IoBuf, IoOp};
+use lull_bdev::{IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
 
 use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Payload};
@@ -435,7 +435,7 @@ impl Sim {
         }
         let allowed = if matches!(op, IoOp::Read) { self.allowed_now(first, blocks) } else { Vec::new() };
         self.inflight.insert(tag, ClientOp { op, offset: op_offset, len: op_len, stamp, allowed });
-        self.apply(Event::Client(ClientReq { channel: 0, tag, op, offset: op_offset, len: op_len, buf }));
+        self.apply(Event::Client(ClientReq { channel: 0, io: IoRequest { tag, op, offset: op_offset, len: op_len, buf } }));
     }
 
     fn allowed_now(&self, first: usize, blocks: usize) -> Vec<Vec<u64>> {
@@ -565,7 +565,7 @@ impl Sim {
         buf.set_len(SIZE as usize);
         let allowed = self.allowed_now(0, BLOCKS);
         self.inflight.insert(tag, ClientOp { op: IoOp::Read, offset: 0, len: SIZE as u32, stamp: 0, allowed });
-        self.apply(Event::Client(ClientReq { channel: 0, tag, op: IoOp::Read, offset: 0, len: SIZE as u32, buf: Some(buf) }));
+        self.apply(Event::Client(ClientReq { channel: 0, io: IoRequest { tag, op: IoOp::Read, offset: 0, len: SIZE as u32, buf: Some(buf) } }));
         self.step_until(self.now + 1000 * MS, false);
         assert!(self.inflight.is_empty(), "final read did not complete");
         for r in 1..self.replicas.len() {
