@@ -20,6 +20,9 @@
 //! | FLUSH, PING | none (`length` 0) | none | 0 / 0 |
 //! | TRIM, WRITE_ZEROES | none (`length` = range) | none | echo |
 //! | EXTENTS | none (`length` = range to scan) | `length` bytes = N × 16 | **scan end** / `16 × N` |
+//! | DETACH | none (`length` 0) | none | 0 / 0 |
+//! | INTENT_MARK, INTENT_CLEAR | none (`offset` = first region, `length` = regions) | none | echo |
+//! | INTENT_GET | none (`offset`, `length` 0) | [`INTENT_HEADER_LEN`] + bitmap bytes | regions / payload bytes |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -29,13 +32,41 @@
 //! Error replies (status ≠ 0) carry no payload, except HELLO replies,
 //! which always carry the replica's [`Hello`] so a mismatch can be logged.
 //!
+//! # Sessions, clean detach and the write-intent record (version 2)
+//!
+//! Every engine process picks a random non-zero **session** and sends it
+//! in each HELLO. A HELLO with a session other than the replica's current
+//! owner *takes the replica over*: the replica stops taking modifying
+//! requests from every other session, waits until their writes already
+//! submitted have completed, and only then answers. So once an engine
+//! holds a HELLO reply, no write of an earlier (crashed) engine can land
+//! afterwards. Connections of a fenced session are closed; session 0 (a
+//! tool) never takes over and gets `ESTALE` for modifying requests while
+//! an engine owns the replica.
+//!
+//! **Clean** ([`HELLO_FLAG_CLEAN`] in a HELLO reply) means: the last engine
+//! attached to this replica detached cleanly (DETACH, after a FLUSH), so
+//! replicas of one generation that are all clean hold the same bytes. Any
+//! attach, and any modifying request, makes the replica dirty on disk
+//! first; only DETACH makes it clean again.
+//!
+//! The **write-intent record** is a bitmap with one bit per region of
+//! [`intent_region_bytes`] (md's write-intent bitmap): the engine sets a
+//! region's bit on every replica it will write (INTENT_MARK, answered once
+//! durable) before it sends the first write there, and clears it
+//! (INTENT_CLEAR, persisted lazily: a lost clear only costs a needless
+//! resync) once the region has been quiet for a while. After an engine
+//! crash, the regions that may differ between replicas of one generation
+//! are the union of their bitmaps (INTENT_GET). A replica whose record is
+//! unreadable reports every bit set and [`HELLO_FLAG_INTENT_LOST`].
+//!
 //! # Worked example
 //!
 //! ```
 //! use lull_proto::replica::{self, Header, Hello, Kind};
 //!
 //! // The engine attaches: HELLO with its volume size and new generation.
-//! let hello = Hello { volume_size: 1 << 30, generation: 7, flags: replica::HELLO_FLAG_ATTACH };
+//! let hello = Hello { volume_size: 1 << 30, generation: 7, flags: replica::HELLO_FLAG_ATTACH, session: 0x5eed };
 //! let request = Header::request(Kind::Hello, 1, 0, replica::HELLO_LEN as u32);
 //! let mut wire = [0u8; replica::HEADER_LEN];
 //! replica::encode_header(&request, &mut wire).unwrap();
@@ -63,12 +94,14 @@ use thiserror::Error;
 /// port scanner) is recognised at its first four bytes.
 pub const MAGIC: u32 = 0x4C55_4C52;
 /// Protocol version carried in every header; a peer with another version
-/// is refused at HELLO (EPROTO) rather than misparsed later.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// is refused at HELLO (EPROTO) rather than misparsed later. Version 2
+/// added sessions (fencing), DETACH and the write-intent record.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
-/// Bytes in the HELLO / HELLO_REPLY payload: four u64 (the last reserved),
-/// fixed so both sides can read it without a length-prefixed parser.
+/// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
+/// flags, session), fixed so both sides can read it without a
+/// length-prefixed parser.
 pub const HELLO_LEN: usize = 32;
 /// Bytes in one EXTENTS record: (offset u64, length u64).
 pub const EXTENT_LEN: usize = 16;
@@ -88,8 +121,33 @@ pub const REPLY_FLAG: u16 = 0x8000;
 /// HELLO request flag: the sender is the engine attaching to the volume;
 /// the replica marks itself dirty and persists `generation` if higher.
 pub const HELLO_FLAG_ATTACH: u64 = 1 << 0;
-/// HELLO reply flag: the replica was shut down cleanly before this start.
+/// HELLO reply flag: the last engine attached to the replica detached
+/// cleanly (DETACH after FLUSH) and nothing has written to it since.
 pub const HELLO_FLAG_CLEAN: u64 = 1 << 0;
+/// HELLO reply flag: the replica's write-intent record was missing or
+/// unreadable at start; it reports every region as possibly different
+/// (a full compare-and-repair), never an empty record.
+pub const HELLO_FLAG_INTENT_LOST: u64 = 1 << 1;
+
+/// Smallest write-intent region. A region is the unit resynced after an
+/// engine crash and the unit whose first write costs a durable INTENT_MARK
+/// (one fsync on every replica, shared by every mark waiting at that
+/// moment). 4 MiB keeps a resync of one region to milliseconds while a
+/// 1 GiB volume has 256 regions to warm up.
+pub const INTENT_REGION_MIN_BYTES: u64 = 4 << 20;
+/// Most write-intent regions per volume: the bitmap is at most 2 KiB, so
+/// it fits one 4 KiB record slot and one INTENT_GET reply; volumes above
+/// 64 GiB get larger regions (a power of two).
+pub const MAX_INTENT_REGIONS: u32 = 16384;
+/// Largest bitmap, in bytes.
+pub const MAX_INTENT_BITMAP_BYTES: usize = MAX_INTENT_REGIONS as usize / 8;
+/// INTENT_GET reply payload: a u64 of flags ([`INTENT_FLAG_LOST`]) before
+/// the bitmap.
+pub const INTENT_HEADER_LEN: usize = 8;
+/// INTENT_GET flag: the record was lost; every bit is set.
+pub const INTENT_FLAG_LOST: u64 = 1 << 0;
+/// Largest INTENT_GET reply payload.
+pub const MAX_INTENT_GET_BYTES: u32 = (INTENT_HEADER_LEN + MAX_INTENT_BITMAP_BYTES) as u32;
 
 pub const KIND_HELLO: u16 = 1;
 pub const KIND_READ: u16 = 2;
@@ -100,6 +158,10 @@ pub const KIND_TRIM: u16 = 6;
 pub const KIND_WRITE_ZEROES: u16 = 7;
 pub const KIND_PING: u16 = 8;
 pub const KIND_EXTENTS: u16 = 9;
+pub const KIND_DETACH: u16 = 10;
+pub const KIND_INTENT_MARK: u16 = 11;
+pub const KIND_INTENT_CLEAR: u16 = 12;
+pub const KIND_INTENT_GET: u16 = 13;
 
 const _: () = assert!(4 + 2 + 2 + 8 + 8 + 4 + 4 == HEADER_LEN);
 const _: () = assert!(4 * 8 == HELLO_LEN);
@@ -116,11 +178,21 @@ pub enum Kind {
     WriteZeroes,
     Ping,
     Extents,
+    /// The engine detaches cleanly: the replica syncs its data, empties its
+    /// write-intent record and marks itself clean, then answers.
+    Detach,
+    /// Set regions `[offset, offset + length)` in the write-intent record;
+    /// answered once durable.
+    IntentMark,
+    /// Clear regions `[offset, offset + length)`; persisted lazily.
+    IntentClear,
+    /// Read the whole write-intent record.
+    IntentGet,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -130,6 +202,10 @@ impl Kind {
         Kind::WriteZeroes,
         Kind::Ping,
         Kind::Extents,
+        Kind::Detach,
+        Kind::IntentMark,
+        Kind::IntentClear,
+        Kind::IntentGet,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -144,6 +220,10 @@ impl Kind {
             KIND_WRITE_ZEROES => Kind::WriteZeroes,
             KIND_PING => Kind::Ping,
             KIND_EXTENTS => Kind::Extents,
+            KIND_DETACH => Kind::Detach,
+            KIND_INTENT_MARK => Kind::IntentMark,
+            KIND_INTENT_CLEAR => Kind::IntentClear,
+            KIND_INTENT_GET => Kind::IntentGet,
             _ => return None,
         })
     }
@@ -160,12 +240,30 @@ impl Kind {
             Kind::WriteZeroes => KIND_WRITE_ZEROES,
             Kind::Ping => KIND_PING,
             Kind::Extents => KIND_EXTENTS,
+            Kind::Detach => KIND_DETACH,
+            Kind::IntentMark => KIND_INTENT_MARK,
+            Kind::IntentClear => KIND_INTENT_CLEAR,
+            Kind::IntentGet => KIND_INTENT_GET,
         }
     }
 
     /// Kinds whose request carries a `length`-byte payload.
     pub fn is_write(self) -> bool {
         matches!(self, Kind::Write | Kind::WriteFua)
+    }
+
+    /// Kinds that change the replica's data or records: refused from a
+    /// fenced session, and they make a clean replica dirty first.
+    pub fn modifies(self) -> bool {
+        matches!(
+            self,
+            Kind::Write
+                | Kind::WriteFua
+                | Kind::Trim
+                | Kind::WriteZeroes
+                | Kind::IntentMark
+                | Kind::IntentClear
+        )
     }
 }
 
@@ -203,11 +301,15 @@ impl Header {
     pub fn reply_with(&self, status: u32) -> Header {
         let (offset, length) = match self.kind {
             Kind::Hello => (0, HELLO_LEN as u32),
-            Kind::Flush | Kind::Ping => (0, 0),
-            Kind::Extents => (self.offset, 0),
-            Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes => {
-                (self.offset, self.length)
-            }
+            Kind::Flush | Kind::Ping | Kind::Detach => (0, 0),
+            Kind::Extents | Kind::IntentGet => (self.offset, 0),
+            Kind::Read
+            | Kind::Write
+            | Kind::WriteFua
+            | Kind::Trim
+            | Kind::WriteZeroes
+            | Kind::IntentMark
+            | Kind::IntentClear => (self.offset, self.length),
         };
         Header {
             kind: self.kind,
@@ -220,14 +322,17 @@ impl Header {
     }
 }
 
-/// The HELLO / HELLO_REPLY payload. The fourth u64 is reserved: sent as
-/// zero, ignored on receipt so a later version may use it.
+/// The HELLO / HELLO_REPLY payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     pub volume_size: u64,
     pub generation: u64,
-    /// Request: [`HELLO_FLAG_ATTACH`]. Reply: [`HELLO_FLAG_CLEAN`].
+    /// Request: [`HELLO_FLAG_ATTACH`]. Reply: [`HELLO_FLAG_CLEAN`],
+    /// [`HELLO_FLAG_INTENT_LOST`].
     pub flags: u64,
+    /// Request: the engine's session (0 for a tool, which never takes the
+    /// replica over). Reply: the session that owns the replica now.
+    pub session: u64,
 }
 
 /// A frame that cannot be accepted. Header errors mean the stream is out of
@@ -294,9 +399,28 @@ fn check(h: &Header) -> Result<(), FrameError> {
             }
         }
         Kind::Read | Kind::Write | Kind::WriteFua => too_long(MAX_IO_BYTES)?,
-        Kind::Flush | Kind::Ping => too_long(0)?,
+        Kind::Flush | Kind::Ping | Kind::Detach => too_long(0)?,
         // The length is a range on the volume, not a payload; u32 bounds it.
         Kind::Trim | Kind::WriteZeroes => {}
+        Kind::IntentMark | Kind::IntentClear => {
+            let end = h.offset.checked_add(u64::from(h.length));
+            if end.is_none_or(|e| e > u64::from(MAX_INTENT_REGIONS)) {
+                return Err(FrameError::BadPayload("intent regions past MAX_INTENT_REGIONS"));
+            }
+        }
+        Kind::IntentGet => {
+            if h.reply {
+                too_long(MAX_INTENT_GET_BYTES)?;
+                if h.status == 0 && (h.length as usize) < INTENT_HEADER_LEN {
+                    return Err(FrameError::BadPayload("INTENT_GET reply without its header"));
+                }
+                if h.status != 0 && h.length != 0 {
+                    return Err(FrameError::BadPayload("INTENT_GET error reply carries a payload"));
+                }
+            } else {
+                too_long(0)?;
+            }
+        }
         Kind::Extents => {
             if h.reply {
                 too_long(MAX_EXTENTS_BYTES)?;
@@ -378,17 +502,18 @@ pub fn payload_len(h: &Header) -> usize {
     match (h.kind, h.reply) {
         (Kind::Hello, _) => HELLO_LEN,
         (Kind::Write | Kind::WriteFua, false) => length,
-        (Kind::Read | Kind::Extents, true) if h.status == 0 => length,
+        (Kind::Read | Kind::Extents | Kind::IntentGet, true) if h.status == 0 => length,
         _ => 0,
     }
 }
 
-/// Encodes a HELLO payload (reserved word zero).
+/// Encodes a HELLO payload.
 pub fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
     let mut out = [0u8; HELLO_LEN];
     out[0..8].copy_from_slice(&h.volume_size.to_be_bytes());
     out[8..16].copy_from_slice(&h.generation.to_be_bytes());
     out[16..24].copy_from_slice(&h.flags.to_be_bytes());
+    out[24..32].copy_from_slice(&h.session.to_be_bytes());
     out
 }
 
@@ -411,7 +536,60 @@ pub fn decode_hello(b: &[u8]) -> Result<Hello, FrameError> {
         volume_size: word(0),
         generation: word(1),
         flags: word(2),
+        session: word(3),
     })
+}
+
+/// Bytes per write-intent region of a volume of `volume_size` bytes: at
+/// least [`INTENT_REGION_MIN_BYTES`], a power of two, and large enough that
+/// the volume has at most [`MAX_INTENT_REGIONS`] regions. Both sides
+/// compute it, so it is never negotiated.
+pub fn intent_region_bytes(volume_size: u64) -> u64 {
+    let per = volume_size.div_ceil(u64::from(MAX_INTENT_REGIONS));
+    per.checked_next_power_of_two()
+        .unwrap_or(1 << 63)
+        .max(INTENT_REGION_MIN_BYTES)
+}
+
+/// Write-intent regions of a volume of `volume_size` bytes (≤ [`MAX_INTENT_REGIONS`]).
+pub fn intent_regions(volume_size: u64) -> u32 {
+    let n = volume_size.div_ceil(intent_region_bytes(volume_size));
+    // At most MAX_INTENT_REGIONS by the choice of region size.
+    n.min(u64::from(MAX_INTENT_REGIONS)) as u32
+}
+
+/// Bitmap bytes of a volume of `volume_size` bytes.
+pub fn intent_bitmap_bytes(volume_size: u64) -> usize {
+    (intent_regions(volume_size) as usize).div_ceil(8)
+}
+
+/// Encodes an INTENT_GET reply payload: flags, then the bitmap (bit `i`
+/// of byte `i / 8`, least significant first, is region `i`).
+pub fn encode_intent(flags: u64, bitmap: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    if bitmap.len() > MAX_INTENT_BITMAP_BYTES {
+        return Err(FrameError::TooLong {
+            kind: Kind::IntentGet,
+            length: u32::try_from(bitmap.len() + INTENT_HEADER_LEN).unwrap_or(u32::MAX),
+        });
+    }
+    out.reserve(INTENT_HEADER_LEN + bitmap.len());
+    out.extend_from_slice(&flags.to_be_bytes());
+    out.extend_from_slice(bitmap);
+    Ok(())
+}
+
+/// Decodes an INTENT_GET reply payload into (flags, bitmap).
+pub fn decode_intent(b: &[u8]) -> Result<(u64, &[u8]), FrameError> {
+    if b.len() > MAX_INTENT_GET_BYTES as usize {
+        return Err(FrameError::TooLong {
+            kind: Kind::IntentGet,
+            length: u32::try_from(b.len()).unwrap_or(u32::MAX),
+        });
+    }
+    let Some((flags, bitmap)) = b.split_first_chunk::<INTENT_HEADER_LEN>() else {
+        return Err(FrameError::BadPayload("INTENT_GET payload shorter than its header"));
+    };
+    Ok((u64::from_be_bytes(*flags), bitmap))
 }
 
 /// Extents must be non-empty, sorted, non-overlapping, free of overflow
@@ -501,7 +679,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 1, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 2, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -527,15 +705,15 @@ mod tests {
         b[0] = b'X';
         assert!(matches!(decode_header(&b), Err(FrameError::BadMagic(_))));
         let mut b = enc(&Header::request(Kind::Ping, 1, 0, 0));
-        b[5] = 2;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(2)));
-        assert_eq!(FrameError::BadVersion(2).errno(), libc::EPROTO);
+        b[5] = 1;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(1)));
+        assert_eq!(FrameError::BadVersion(1).errno(), libc::EPROTO);
         let mut b = enc(&Header::request(Kind::Ping, 1, 0, 0));
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 10;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800a)));
+        b[7] = 14;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800e)));
     }
 
     #[test]
@@ -613,6 +791,7 @@ mod tests {
             volume_size: 1 << 40,
             generation: 3,
             flags: HELLO_FLAG_ATTACH,
+            session: 0xdead_beef,
         };
         assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
         assert!(decode_hello(&[0; 31]).is_err());
@@ -637,6 +816,39 @@ mod tests {
         assert!(decode_extents(&[0; 15]).is_err());
         assert!(decode_extents(&vec![0; MAX_EXTENTS_BYTES as usize + 16]).is_err());
         assert_eq!(decode_extents(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn intent_regions_and_limits() {
+        assert_eq!(intent_region_bytes(1 << 30), INTENT_REGION_MIN_BYTES);
+        assert_eq!(intent_regions(1 << 30), 256);
+        assert_eq!(intent_regions(1), 1);
+        assert_eq!(intent_regions(64 << 30), MAX_INTENT_REGIONS);
+        assert_eq!(intent_region_bytes((64 << 30) + 512), 8 << 20);
+        assert!(intent_regions((64 << 30) + 512) <= MAX_INTENT_REGIONS);
+        assert!(intent_regions(u64::MAX) <= MAX_INTENT_REGIONS);
+        assert_eq!(intent_bitmap_bytes(1 << 30), 32);
+        let mut out = [0u8; HEADER_LEN];
+        let ok = Header::request(Kind::IntentMark, 1, 0, MAX_INTENT_REGIONS);
+        assert!(encode_header(&ok, &mut out).is_ok());
+        let bad = Header::request(Kind::IntentClear, 1, 1, MAX_INTENT_REGIONS);
+        assert!(encode_header(&bad, &mut out).is_err());
+        assert!(encode_header(&Header::request(Kind::Detach, 1, 0, 1), &mut out).is_err());
+        assert!(encode_header(&Header::request(Kind::IntentGet, 1, 0, 1), &mut out).is_err());
+        let mut get = Header::request(Kind::IntentGet, 1, 0, 0).reply_with(0);
+        get.length = MAX_INTENT_GET_BYTES;
+        assert!(encode_header(&get, &mut out).is_ok());
+        assert_eq!(payload_len(&get), MAX_INTENT_GET_BYTES as usize);
+        get.length += 1;
+        assert!(encode_header(&get, &mut out).is_err());
+        get.length = 4;
+        assert!(encode_header(&get, &mut out).is_err());
+        let mut payload = Vec::new();
+        encode_intent(INTENT_FLAG_LOST, &[0xff, 0x01], &mut payload).unwrap();
+        assert_eq!(decode_intent(&payload).unwrap(), (INTENT_FLAG_LOST, &[0xff, 0x01][..]));
+        assert!(decode_intent(&[0; 7]).is_err());
+        assert!(encode_intent(0, &[0; MAX_INTENT_BITMAP_BYTES + 1], &mut payload).is_err());
+        assert!(Kind::IntentMark.modifies() && !Kind::IntentGet.modifies() && !Kind::Detach.modifies());
     }
 
     fn any_kind() -> impl Strategy<Value = Kind> {
@@ -703,8 +915,8 @@ mod tests {
         }
 
         #[test]
-        fn hello_round_trips(v in any::<u64>(), g in any::<u64>(), f in any::<u64>()) {
-            let h = Hello { volume_size: v, generation: g, flags: f };
+        fn hello_round_trips(v in any::<u64>(), g in any::<u64>(), f in any::<u64>(), s in any::<u64>()) {
+            let h = Hello { volume_size: v, generation: g, flags: f, session: s };
             prop_assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
         }
 
