@@ -48,6 +48,41 @@
 //! write) and written to the target (holes are trimmed on the target).
 //! Writes outside the lock go to both replicas; those beyond the copy
 //! cursor are later overwritten by the copy with the same data.
+//!
+//! # Engine crashes: clean detach, write intent, reconcile
+//!
+//! An engine that dies may leave a write on some replicas and not on
+//! others, at equal generations. Three things keep reads from ever
+//! alternating between old and new data afterwards:
+//!
+//! - **Sessions.** Each engine process has a session (from the clock, so
+//!   later engines have larger ones), sent in every HELLO; a replica
+//!   answers a newer session's HELLO only once the writes of older
+//!   sessions it already took have completed, and refuses older sessions
+//!   from then on (see `lull_proto::replica`). Nothing of a dead engine
+//!   lands after the new one has looked.
+//! - **Clean detach.** A replica is clean only when the last engine
+//!   detached from it after a FLUSH with nothing in flight ([`Event::Detach`]).
+//!   Replicas of one generation that are all clean are identical.
+//! - **Write intent** (md's write-intent bitmap, one bit per region of
+//!   `wire::intent_region_bytes`): before the first write to a region, the
+//!   engine sets the region's bit on every replica it writes to
+//!   (INTENT_MARK, durable before the reply) and holds the write until all
+//!   of them answered; it clears the bit (INTENT_CLEAR) once the region has
+//!   had no write for `INTENT_CLEAR_IDLE_NS`. A write sent to any replica
+//!   therefore lies in a region whose bit is durable on that replica, so
+//!   the union of the bitmaps covers every block where replicas of one
+//!   generation may differ. Cost per write: a bit test per region it spans;
+//!   per region, one MARK round trip (an fdatasync on each replica, shared
+//!   by every MARK that arrives meanwhile) when it turns from quiet to busy.
+//!   Rebuild and reconcile copies obey the same rule on their target.
+//!
+//! After an election where the replicas of the freshest generation are not
+//! all clean, the source serves alone while each other replica of that
+//! generation is **reconciled**: a rebuild restricted to the union of the
+//! bitmaps (a replica whose record was lost reports every region, so that
+//! is a full copy). Until then it takes writes but serves no read, so every
+//! read comes from one copy.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -101,6 +136,21 @@ pub const ELECTION_LOG_INTERVAL_NS: u64 = 10_000_000_000;
 /// Rebuild progress is logged at least this often.
 pub const REBUILD_LOG_INTERVAL_NS: u64 = 5_000_000_000;
 
+/// A region's write-intent bit is cleared once no write has touched it for
+/// this long (md's bitmap daemon waits 5 s too). Shorter would cost more
+/// MARKs (fsyncs) on regions that are written in bursts; longer only grows
+/// what a crash leaves to reconcile.
+pub const INTENT_CLEAR_IDLE_NS: u64 = 5_000_000_000;
+
+/// INTENT_CLEAR requests sent per replica per tick: clearing is background
+/// work and must not fill the slot tables that client I/O needs.
+pub const MAX_CLEARS_PER_TICK: usize = 32;
+
+/// Pending requests looked at, past the first one waiting for a MARK, to
+/// send their MARKs too, so that the replicas persist a burst of newly
+/// written regions in one fsync instead of one after the other.
+pub const MARK_LOOKAHEAD: usize = 64;
+
 /// Identifies one TCP connection of one replica; `epoch` changes at every
 /// (re)connect so that events of an older connection are ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,6 +181,9 @@ pub enum Event {
     Tick,
     AddReplica(SocketAddr),
     RemoveReplica(SocketAddr),
+    /// Detach cleanly: refuse new requests, let those in flight finish,
+    /// FLUSH and DETACH every healthy replica (they become clean).
+    Detach,
 }
 
 /// Bytes that follow a header on the wire.
@@ -196,9 +249,15 @@ enum CState {
 enum SubKind {
     Client(u32),
     Probe,
+    /// INTENT_GET after the probe.
+    IntentGet,
     Attach(u64),
     Ping,
     Rebuild(u64),
+    /// INTENT_MARK or INTENT_CLEAR of regions `[offset, offset + length)`.
+    Intent,
+    /// FLUSH or DETACH of a clean detach.
+    Detach,
 }
 
 /// One request in a connection's slot table.
@@ -235,6 +294,32 @@ struct Replica {
     last_error: Option<String>,
     retry_at_ns: u64,
     next_conn: usize,
+    /// Its write-intent bitmap (INTENT_GET after the probe), kept until
+    /// the election that uses it.
+    intent: Option<Vec<u8>>,
+    intent_lost: bool,
+    /// While Rebuilding: the regions to reconcile (a copy restricted to
+    /// them), or `None` for a full rebuild.
+    reconcile: Option<Vec<u8>>,
+}
+
+/// Write-intent state of one region (see the module doc). 24 bytes; a
+/// volume has at most `wire::MAX_INTENT_REGIONS` (16,384) regions, so at
+/// most 384 KiB per volume.
+#[derive(Debug, Clone, Copy, Default)]
+struct Region {
+    /// Replicas whose bit for this region is durable (MARK answered, or
+    /// reported by INTENT_GET before the election).
+    marked: u32,
+    /// Replicas with a MARK of it in flight.
+    marking: u32,
+    /// Replicas with a CLEAR of it in flight; writes to it wait meanwhile,
+    /// or a CLEAR overtaken by a write's MARK could erase that MARK.
+    clearing: u32,
+    /// Modifying client requests in flight over it.
+    writes: u32,
+    /// When the last of them finished.
+    last_write_ns: u64,
 }
 
 enum IoData {
@@ -254,6 +339,8 @@ struct ClientIo {
     acked: u32,
     /// WRITE_ZEROES with FUA: a FLUSH follows (the wire has no FUA for it).
     flush_after: bool,
+    /// Counted in its regions' `writes` (from dispatch to its last reply).
+    in_regions: bool,
 }
 
 impl ClientIo {
@@ -298,6 +385,13 @@ struct Rebuild {
     run: u64,
     target: usize,
     source: usize,
+    /// Reconcile: only these regions are copied (bitmap over write-intent
+    /// regions); `None` copies the whole volume.
+    regions: Option<Vec<u8>>,
+    /// Bytes the run covers (the volume, or its regions to reconcile), and
+    /// how many of them are done.
+    total_bytes: u64,
+    done_bytes: u64,
     /// Everything below is copied.
     cursor: u64,
     segments: VecDeque<Segment>,
@@ -321,6 +415,26 @@ struct Bump {
     generation: u64,
 }
 
+/// Steps of a clean detach ([`Event::Detach`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Detach {
+    /// Waiting for every request (client, MARK, CLEAR, rebuild) to finish.
+    Draining,
+    /// FLUSH sent to the replicas in the mask.
+    Flushing(u32),
+    /// DETACH sent to the replicas in the mask.
+    Detaching(u32),
+    Done,
+}
+
+fn has_bit(bitmap: &[u8], i: usize) -> bool {
+    bitmap.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+}
+
+fn count_bits(bitmap: &[u8]) -> u64 {
+    bitmap.iter().map(|b| u64::from(b.count_ones())).sum()
+}
+
 /// The engine of one volume.
 pub struct Engine {
     volume: String,
@@ -341,6 +455,13 @@ pub struct Engine {
     /// An election has run in this process (so `generation` is known).
     elected_once: bool,
     election_logged_ns: Option<u64>,
+    /// This engine process's session (non-zero), sent in every HELLO.
+    session: u64,
+    region_bytes: u64,
+    regions: Vec<Region>,
+    detach: Option<Detach>,
+    /// The first pending request waits for MARKs (see `MARK_LOOKAHEAD`).
+    mark_wait: bool,
     pool: BufPool,
     now: u64,
     out: Vec<Action>,
@@ -365,7 +486,9 @@ impl Engine {
         self.opts.keepalive_interval_ms = ms.clamp(1, self.opts.replica_timeout_ms.saturating_sub(1).max(1));
     }
 
-    pub fn new(volume: &str, size_bytes: u64, replicas: Vec<SocketAddr>, opts: EngineOptions) -> Engine {
+    /// `session` identifies this engine process to the replicas: non-zero,
+    /// and larger than any earlier engine's (the shell takes the clock).
+    pub fn new(volume: &str, size_bytes: u64, replicas: Vec<SocketAddr>, opts: EngineOptions, session: u64) -> Engine {
         let mut e = Engine {
             volume: volume.to_string(),
             size_bytes,
@@ -384,6 +507,11 @@ impl Engine {
             election_start_ns: None,
             elected_once: false,
             election_logged_ns: None,
+            session: session.max(1),
+            region_bytes: wire::intent_region_bytes(size_bytes),
+            regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
+            detach: None,
+            mark_wait: false,
             pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
             now: 0,
             out: Vec::new(),
@@ -419,6 +547,9 @@ impl Engine {
             last_error: None,
             retry_at_ns: 0,
             next_conn: 0,
+            intent: None,
+            intent_lost: false,
+            reconcile: None,
         };
         if let Some(i) = self.replicas.iter().position(|r| r.state == RState::Removed) {
             let epochs: Vec<u32> = self.replicas[i].conns.iter().map(|c| c.epoch).collect();
@@ -435,6 +566,18 @@ impl Engine {
 
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes
+    }
+
+    /// The simulation's volume is smaller than one protocol region; it
+    /// uses smaller regions (its replicas too) to exercise partial
+    /// reconciles. Only before `start`.
+    #[cfg(test)]
+    pub(crate) fn set_region_bytes(&mut self, region_bytes: u64) {
+        assert!(!self.started && region_bytes > 0);
+        self.region_bytes = region_bytes;
+        let n = self.size_bytes.div_ceil(region_bytes) as usize;
+        assert!(n <= wire::MAX_INTENT_REGIONS as usize);
+        self.regions = vec![Region::default(); n];
     }
 
     /// Buffer for an incoming payload of `len` bytes (read replies land in
@@ -472,6 +615,7 @@ impl Engine {
             Event::Tick => self.on_tick(),
             Event::AddReplica(addr) => self.add_replica(addr),
             Event::RemoveReplica(addr) => self.remove_replica(addr),
+            Event::Detach => self.start_detach(),
         }
         self.progress();
         #[cfg(debug_assertions)]
@@ -567,7 +711,7 @@ impl Engine {
         }
         self.replicas[r].conns[ci].state = CState::Hello;
         self.replicas[r].conns[ci].last_rx_ns = self.now;
-        let hello = Hello { volume_size: self.size_bytes, generation: 0, flags: 0 };
+        let hello = Hello { volume_size: self.size_bytes, generation: 0, flags: 0, session: self.session };
         if !self.send(r, ci, SubKind::Probe, Kind::Hello, 0, HELLO_LEN as u32, Payload::Hello(wire::encode_hello(&hello))) {
             self.fail_replica(r, "no slot for the HELLO probe", false);
         }
@@ -635,6 +779,20 @@ impl Engine {
             rep.last_error = Some(reason.to_string());
             rep.retry_at_ns = now.saturating_add(self.opts.reconnect_interval_ms.saturating_mul(1_000_000));
             rep.attach_in_flight = false;
+            rep.intent = None;
+            rep.intent_lost = false;
+            rep.reconcile = None;
+        }
+        // Its bits are no longer known: a replica that comes back is
+        // rebuilt in full, and marked again before it is written.
+        let bit = !(1u32 << r);
+        for g in &mut self.regions {
+            g.marked &= bit;
+            g.marking &= bit;
+            g.clearing &= bit;
+        }
+        if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
+            *m &= bit;
         }
         let mut drained = Vec::new();
         for c in 0..self.replicas[r].conns.len() {
@@ -708,7 +866,9 @@ impl Engine {
                     rep.attach_in_flight = false;
                 }
             }
-            SubKind::Probe | SubKind::Ping | SubKind::Rebuild(_) => {}
+            // `fail_replica` forgets the replica's region masks and detach
+            // steps: nothing to undo per request.
+            SubKind::Probe | SubKind::IntentGet | SubKind::Ping | SubKind::Rebuild(_) | SubKind::Intent | SubKind::Detach => {}
         }
     }
 
@@ -734,7 +894,7 @@ impl Engine {
             if rep.attach_in_flight {
                 continue;
             }
-            let hello = Hello { volume_size: self.size_bytes, generation, flags: wire::HELLO_FLAG_ATTACH };
+            let hello = Hello { volume_size: self.size_bytes, generation, flags: wire::HELLO_FLAG_ATTACH, session: self.session };
             let payload = Payload::Hello(wire::encode_hello(&hello));
             if self.send_any(r, SubKind::Attach(generation), Kind::Hello, 0, HELLO_LEN as u32, payload) {
                 self.replicas[r].attach_in_flight = true;
@@ -798,20 +958,33 @@ impl Engine {
             return;
         };
         let (sgen, sclean) = (self.replicas[source].generation, self.replicas[source].clean);
+        // Equal generations hold the same acknowledged writes. Only if every
+        // one of them was detached cleanly are they also equal everywhere
+        // else; otherwise a dead engine may have left a write on some of
+        // them, inside the union of their write-intent bitmaps.
+        let peers: Vec<usize> = live
+            .iter()
+            .copied()
+            .filter(|&i| self.replicas[i].state == RState::Probed && self.replicas[i].generation == sgen)
+            .collect();
+        let all_clean = peers.iter().all(|&i| self.replicas[i].clean);
+        let union = (!all_clean).then(|| self.intent_union(&peers));
         let mut healthy = Vec::new();
+        let mut reconciling = Vec::new();
         for &i in &live {
             if self.replicas[i].state != RState::Probed {
                 continue;
             }
-            let r = &self.replicas[i];
-            // Equal generations hold the same acknowledged writes; only a
-            // clean shutdown of both also rules out differing unflushed ones.
-            let same = i == source || (r.generation == sgen && r.clean && sclean);
-            if same {
+            self.replicas[i].intent = None;
+            if i == source || (all_clean && peers.contains(&i)) {
                 self.replicas[i].state = RState::Healthy;
                 healthy.push(self.replicas[i].addr.to_string());
             } else {
                 self.replicas[i].state = RState::Rebuilding;
+                if peers.contains(&i) {
+                    self.replicas[i].reconcile = union.clone();
+                    reconciling.push(self.replicas[i].addr.to_string());
+                }
             }
         }
         self.election_start_ns = None;
@@ -822,13 +995,238 @@ impl Engine {
             LogLevel::Info,
             format!("elected replica {src} (generation {sgen}, clean {sclean}) as source; healthy: {}", healthy.join(", ")),
         );
+        if let Some(u) = &union {
+            let (n, bytes) = (count_bits(u), self.bitmap_bytes(u));
+            let msg = if reconciling.is_empty() {
+                format!("unclean stop: {n} region(s) ({bytes} bytes) may have had writes in flight; no other replica of generation {sgen} to reconcile")
+            } else {
+                format!(
+                    "unclean stop: reconciling {} from {src} over {n} write-intent region(s) ({bytes} bytes) before they serve reads",
+                    reconciling.join(", ")
+                )
+            };
+            self.log(LogLevel::Warn, msg);
+        }
         self.start_bump();
+    }
+
+    /// The union of the write-intent bitmaps of `peers` (a missing or lost
+    /// record counts as every region), and the region masks set from it:
+    /// each region's bit is durable on the peers that reported it.
+    fn intent_union(&mut self, peers: &[usize]) -> Vec<u8> {
+        let n = self.regions.len();
+        let mut union = vec![0u8; n.div_ceil(8)];
+        let now = self.now;
+        for &i in peers {
+            let bit = 1u32 << i;
+            let addr = self.replicas[i].addr;
+            let lost = self.replicas[i].intent_lost || self.replicas[i].intent.as_ref().is_none_or(|b| b.len() != union.len());
+            if lost {
+                self.log(
+                    LogLevel::Warn,
+                    format!("replica {addr}: write-intent record lost or unreadable: every region is compared and repaired"),
+                );
+            }
+            for (g, region) in self.regions.iter_mut().enumerate() {
+                let set = lost || self.replicas[i].intent.as_deref().is_some_and(|b| has_bit(b, g));
+                if set {
+                    union[g / 8] |= 1 << (g % 8);
+                    // A lost record is all ones in the replica's memory
+                    // and again after its restart: as good as durable.
+                    region.marked |= bit;
+                    region.last_write_ns = now;
+                }
+            }
+        }
+        union
+    }
+
+    /// Bytes of the volume covered by the regions set in `bitmap`.
+    fn bitmap_bytes(&self, bitmap: &[u8]) -> u64 {
+        (0..self.regions.len())
+            .filter(|&g| has_bit(bitmap, g))
+            .map(|g| self.region_end(g) - g as u64 * self.region_bytes)
+            .sum()
+    }
+
+    fn region_end(&self, g: usize) -> u64 {
+        ((g as u64 + 1) * self.region_bytes).min(self.size_bytes)
+    }
+
+    /// First and last region of `[offset, offset + len)`, `len` > 0.
+    fn region_span(&self, offset: u64, len: u64) -> (usize, usize) {
+        let last = (offset + len.max(1) - 1) / self.region_bytes;
+        ((offset / self.region_bytes) as usize, (last as usize).min(self.regions.len() - 1))
+    }
+
+    /// Whether regions `first..=last` have a durable write-intent bit on
+    /// every replica of `need` and no CLEAR in flight. If not, sends the
+    /// MARKs that are missing (once; their replies call `progress` again).
+    fn ensure_marked(&mut self, first: usize, last: usize, need: u32) -> bool {
+        if self.regions[first..=last].iter().all(|x| x.clearing == 0 && x.marked & need == need) {
+            return true;
+        }
+        for r in 0..self.replicas.len() {
+            let bit = 1u32 << r;
+            if need & bit == 0 {
+                continue;
+            }
+            // A region being cleared is marked only once the CLEAR is
+            // answered: on another connection the MARK could overtake it.
+            let missing = |x: &Region| (x.marked | x.marking) & bit == 0 && x.clearing == 0;
+            let mut g = first;
+            while g <= last {
+                if !missing(&self.regions[g]) {
+                    g += 1;
+                    continue;
+                }
+                let start = g;
+                while g <= last && missing(&self.regions[g]) {
+                    g += 1;
+                }
+                if !self.send_any(r, SubKind::Intent, Kind::IntentMark, start as u64, (g - start) as u32, Payload::None) {
+                    // No free slot: tried again on the next event.
+                    return false;
+                }
+                for x in &mut self.regions[start..g] {
+                    x.marking |= bit;
+                }
+            }
+        }
+        false
+    }
+
+    /// Count client request `id` in the regions it writes (at dispatch).
+    fn hold_regions(&mut self, id: u32) {
+        let Some(io) = self.ios[id as usize].as_ref() else { return };
+        let (first, last) = self.region_span(io.offset, u64::from(io.len));
+        for x in &mut self.regions[first..=last] {
+            x.writes += 1;
+        }
+        if let Some(io) = self.ios[id as usize].as_mut() {
+            io.in_regions = true;
+        }
+    }
+
+    /// Uncount it once every replica answered it.
+    fn release_regions(&mut self, id: u32) {
+        let Some(io) = self.ios[id as usize].as_mut() else { return };
+        if !std::mem::take(&mut io.in_regions) {
+            return;
+        }
+        let (offset, len) = (io.offset, u64::from(io.len));
+        let (first, last) = self.region_span(offset, len);
+        let now = self.now;
+        for x in &mut self.regions[first..=last] {
+            x.writes -= 1;
+            x.last_write_ns = now;
+        }
+    }
+
+    /// Clear the write-intent bits of regions quiet for
+    /// `INTENT_CLEAR_IDLE_NS`. Not while any replica is rebuilt or
+    /// reconciled (the bits say what a reconcile interrupted by a crash
+    /// still has to do) nor while detaching (DETACH clears everything).
+    fn clear_quiet_regions(&mut self) {
+        if self.detach.is_some() || self.rebuild.is_some() || self.replicas.iter().any(|r| r.state == RState::Rebuilding) {
+            return;
+        }
+        let now = self.now;
+        let n = self.regions.len();
+        for r in 0..self.replicas.len() {
+            if self.replicas[r].state != RState::Healthy {
+                continue;
+            }
+            let bit = 1u32 << r;
+            let quiet = |x: &Region| {
+                x.marked & bit != 0 && x.writes == 0 && x.marking == 0 && now.saturating_sub(x.last_write_ns) >= INTENT_CLEAR_IDLE_NS
+            };
+            let (mut g, mut sent) = (0, 0);
+            while g < n && sent < MAX_CLEARS_PER_TICK {
+                if !quiet(&self.regions[g]) {
+                    g += 1;
+                    continue;
+                }
+                let start = g;
+                while g < n && quiet(&self.regions[g]) {
+                    g += 1;
+                }
+                if !self.send_any(r, SubKind::Intent, Kind::IntentClear, start as u64, (g - start) as u32, Payload::None) {
+                    break;
+                }
+                sent += 1;
+                for x in &mut self.regions[start..g] {
+                    x.marked &= !bit;
+                    x.clearing |= bit;
+                }
+            }
+        }
+    }
+
+    fn on_intent_reply(&mut self, r: usize, sub: Sub, h: Header) {
+        if h.status != 0 {
+            return self.fail_replica(r, &format!("{:?} of regions [{}, +{}) failed with errno {}", h.kind, sub.offset, sub.length, h.status), false);
+        }
+        let bit = 1u32 << r;
+        let (first, count) = (sub.offset as usize, sub.length as usize);
+        let end = first.saturating_add(count).min(self.regions.len());
+        for x in &mut self.regions[first.min(end)..end] {
+            if sub.kind == Kind::IntentMark {
+                x.marking &= !bit;
+                x.marked |= bit;
+            } else {
+                x.clearing &= !bit;
+            }
+        }
+    }
+
+    /// The INTENT_GET reply that completes a probe.
+    fn on_intent_get_reply(&mut self, r: usize, h: Header, payload: Option<IoBuf>) {
+        if h.status != 0 {
+            if let Some(b) = payload {
+                self.pool.put(b);
+            }
+            return self.fail_replica(r, &format!("INTENT_GET failed with errno {}", h.status), false);
+        }
+        let Some(buf) = payload else {
+            return self.protocol_error(r, None, "INTENT_GET reply without payload".into());
+        };
+        let parsed = wire::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
+        self.pool.put(buf);
+        let (flags, bits) = match parsed {
+            Ok(p) => p,
+            Err(e) => return self.protocol_error(r, None, format!("bad INTENT_GET reply: {e}")),
+        };
+        if bits.len() != self.regions.len().div_ceil(8) || h.offset != self.regions.len() as u64 {
+            let why = format!("INTENT_GET reply for {} regions, the volume has {}", h.offset, self.regions.len());
+            return self.protocol_error(r, None, why);
+        }
+        let rep = &mut self.replicas[r];
+        rep.intent_lost |= flags & wire::INTENT_FLAG_LOST != 0;
+        rep.intent = Some(bits);
+        let (addr, generation, clean, lost) = (rep.addr, rep.generation, rep.clean, rep.intent_lost);
+        let marked = self.replicas[r].intent.as_deref().map_or(0, count_bits);
+        if self.healthy_mask() != 0 {
+            self.replicas[r].state = RState::Rebuilding;
+            self.replicas[r].reconcile = None;
+            self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}); it will be rebuilt"));
+        } else {
+            self.replicas[r].state = RState::Probed;
+            let record = if lost { "lost".to_string() } else { format!("{marked} region(s) marked") };
+            self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}, clean {clean}, write intent: {record})"));
+        }
     }
 
     // ---- client requests -----------------------------------------------
 
     fn on_client(&mut self, req: ClientReq) {
         let (channel, mut req) = (req.channel, req.io);
+        if self.detach.is_some() {
+            let buf = req.buf.take();
+            let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());
+            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
+            return;
+        }
         if let Err(e) = lull_bdev::validate_request(&req, self.size_bytes) {
             let buf = req.buf.take();
             self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
@@ -870,6 +1268,7 @@ impl Engine {
             outstanding: 0,
             acked: 0,
             flush_after,
+            in_regions: false,
         });
         self.pending.push_back(id);
     }
@@ -887,6 +1286,7 @@ impl Engine {
 
     /// Complete client request `id` and free its entry.
     fn finish_io(&mut self, id: u32, result: Result<(), BdevError>) {
+        self.release_regions(id);
         let Some(io) = self.ios[id as usize].take() else { return };
         self.io_free.push(id);
         if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
@@ -913,6 +1313,9 @@ impl Engine {
 
     /// Every replica answered (or failed) a write-like request or FLUSH.
     fn io_subs_done(&mut self, id: u32) {
+        // Every replica it went to has answered: nothing of it is in
+        // flight in its regions any more.
+        self.release_regions(id);
         let healthy = self.healthy_mask();
         let Some(io) = self.ios[id as usize].as_mut() else { return };
         if io.acked & healthy == 0 {
@@ -981,6 +1384,13 @@ impl Engine {
             }
         }
         let targets = self.write_mask();
+        if modifies {
+            let (first, last) = self.region_span(offset, u64::from(len));
+            if !self.ensure_marked(first, last, targets) {
+                self.mark_wait = true;
+                return false;
+            }
+        }
         // All or nothing: every target needs a free slot now.
         let mut conns = [usize::MAX; MAX_REPLICAS];
         for (r, slot) in conns.iter_mut().enumerate().take(self.replicas.len()) {
@@ -1023,6 +1433,7 @@ impl Engine {
         }
         if modifies {
             self.writes_in_flight.push(id);
+            self.hold_regions(id);
         }
         if sent == 0 {
             self.io_subs_done(id);
@@ -1057,7 +1468,10 @@ impl Engine {
         if sub.kind != h.kind {
             return self.protocol_error(r, Some(sub), format!("reply kind {:?} for a {:?} request", h.kind, sub.kind));
         }
-        let echoes = matches!(h.kind, Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes);
+        let echoes = matches!(
+            h.kind,
+            Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes | Kind::IntentMark | Kind::IntentClear
+        );
         if echoes && (h.offset != sub.offset || h.length != sub.length) {
             return self.protocol_error(r, Some(sub), format!("{:?} reply for the wrong range", h.kind));
         }
@@ -1080,6 +1494,9 @@ impl Engine {
             }
             SubKind::Client(id) => self.on_client_reply(r, sub, id, h, payload),
             SubKind::Rebuild(run) => self.on_rebuild_reply(r, sub, run, h, payload),
+            SubKind::IntentGet => self.on_intent_get_reply(r, h, payload),
+            SubKind::Intent => self.on_intent_reply(r, sub, h),
+            SubKind::Detach => self.on_detach_reply(r, h),
         }
     }
 
@@ -1099,6 +1516,22 @@ impl Engine {
             );
             return self.fail_replica(r, &why, false);
         }
+        if h.status == libc::ESTALE as u32 && hello.session > self.session {
+            // Sessions order engines (the shell draws them from the clock):
+            // a replica owned by a newer session refuses older ones, which
+            // fences late frames of a dead engine. Before the first
+            // election, a newer owner is another engine that ran since
+            // (or a clock behind): take a session past it and try again.
+            // After it, another engine has taken the replica over.
+            let theirs = hello.session;
+            if !self.elected_once {
+                self.session = theirs.saturating_add(1);
+            }
+            let why = format!(
+                "replica is owned by a newer engine session ({theirs:#x}): another engine may be using it, or this host's clock is behind"
+            );
+            return self.fail_replica(r, &why, false);
+        }
         if h.status != 0 {
             return self.fail_replica(r, &format!("HELLO refused with errno {}", h.status), false);
         }
@@ -1108,17 +1541,18 @@ impl Engine {
         if self.replicas[r].conns.iter().all(|c| c.state == CState::Up) {
             let generation = self.replicas[r].conns.iter().filter_map(|c| c.probe.map(|p| p.generation)).max().unwrap_or(0);
             let clean = self.replicas[r].conns.iter().all(|c| c.probe.is_some_and(|p| p.flags & wire::HELLO_FLAG_CLEAN != 0));
+            let lost = self.replicas[r].conns.iter().any(|c| c.probe.is_some_and(|p| p.flags & wire::HELLO_FLAG_INTENT_LOST != 0));
             let rep = &mut self.replicas[r];
             rep.generation = generation;
-            rep.clean = clean;
+            rep.clean = clean && !lost;
+            rep.intent_lost = lost;
+            rep.intent = None;
             rep.attached_gen = 0;
-            let addr = rep.addr;
-            if self.healthy_mask() != 0 {
-                self.replicas[r].state = RState::Rebuilding;
-                self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}); it will be rebuilt"));
-            } else {
-                self.replicas[r].state = RState::Probed;
-                self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}, clean {clean})"));
+            // Every connection has answered this session's HELLO, so no
+            // write of an earlier engine can land on it any more: now its
+            // write-intent record is final.
+            if !self.send(r, ci, SubKind::IntentGet, Kind::IntentGet, 0, 0, Payload::None) {
+                self.fail_replica(r, "no slot for INTENT_GET", false);
             }
         }
     }
@@ -1177,10 +1611,15 @@ impl Engine {
         let healthy = self.healthy_mask();
         let Some(source) = (0..self.replicas.len()).find(|&i| healthy & (1 << i) != 0) else { return };
         self.rebuild_runs += 1;
+        let regions = self.replicas[target].reconcile.clone();
+        let total_bytes = regions.as_deref().map_or(self.size_bytes, |b| self.bitmap_bytes(b));
         self.rebuild = Some(Rebuild {
             run: self.rebuild_runs,
             target,
             source,
+            regions,
+            total_bytes,
+            done_bytes: 0,
             cursor: 0,
             segments: VecDeque::new(),
             step: Step::Idle,
@@ -1190,26 +1629,51 @@ impl Engine {
             last_log_pct: 0,
         });
         let (t, s) = (self.replicas[target].addr, self.replicas[source].addr);
-        self.log(LogLevel::Info, format!("rebuild of replica {t} from {s} started ({} bytes)", self.size_bytes));
+        let what = if self.replicas[target].reconcile.is_some() { "reconcile" } else { "rebuild" };
+        self.log(LogLevel::Info, format!("{what} of replica {t} from {s} started ({total_bytes} bytes)"));
+    }
+
+    /// The next range `[start, end)` the run copies from `cursor` on: the
+    /// rest of the volume, or for a reconcile the next run of regions to
+    /// reconcile. `None` when nothing is left.
+    fn next_copy_range(&self, rb: &Rebuild) -> Option<(u64, u64)> {
+        if rb.cursor >= self.size_bytes {
+            return None;
+        }
+        let Some(bits) = rb.regions.as_deref() else { return Some((rb.cursor, self.size_bytes)) };
+        let n = self.regions.len();
+        let mut g = (rb.cursor / self.region_bytes) as usize;
+        while g < n && !has_bit(bits, g) {
+            g += 1;
+        }
+        if g == n {
+            return None;
+        }
+        let start = rb.cursor.max(g as u64 * self.region_bytes);
+        while g < n && has_bit(bits, g) {
+            g += 1;
+        }
+        Some((start, self.region_end(g - 1)))
     }
 
     fn progress_rebuild(&mut self) {
         self.start_rebuild_if_needed();
         loop {
             let Some(rb) = self.rebuild.as_mut() else { return };
-            let (run, source, target, cursor) = (rb.run, rb.source, rb.target, rb.cursor);
+            let (run, source, target) = (rb.run, rb.source, rb.target);
             match &rb.step {
                 Step::Idle => {
                     if let Some(_seg) = rb.segments.front() {
                         rb.step = Step::Draining;
                         continue;
                     }
-                    if cursor >= self.size_bytes {
+                    let Some((start, end)) = self.rebuild.as_ref().and_then(|rb| self.next_copy_range(rb)) else {
                         return self.finish_rebuild();
-                    }
-                    let len = REBUILD_SCAN_BYTES.min(self.size_bytes - cursor) as u32;
-                    if self.send_any(source, SubKind::Rebuild(run), Kind::Extents, cursor, len, Payload::None) {
+                    };
+                    let len = REBUILD_SCAN_BYTES.min(end - start) as u32;
+                    if self.send_any(source, SubKind::Rebuild(run), Kind::Extents, start, len, Payload::None) {
                         if let Some(rb) = self.rebuild.as_mut() {
+                            rb.cursor = start;
                             rb.step = Step::Scanning;
                         }
                     }
@@ -1225,6 +1689,17 @@ impl Engine {
                         self.ios[w as usize].as_ref().is_some_and(|io| overlaps((io.offset, io.end()), range))
                     });
                     if busy {
+                        return;
+                    }
+                    // Every change to a replica happens under its intent
+                    // bit, copies too: a reconcile writes the target at
+                    // its own generation, and should this engine die as
+                    // well, the target's bit must still say the region
+                    // may differ. (A full rebuild's target is behind and
+                    // rebuilt in full anyway; one rule is simpler to
+                    // check, and costs one MARK per region copied.)
+                    let (first, last) = self.region_span(seg.offset, seg.len);
+                    if !self.ensure_marked(first, last, 1 << target) {
                         return;
                     }
                     // The scan may be stale by now (a write may have landed in a
@@ -1294,16 +1769,16 @@ impl Engine {
                 }
             }
             Kind::Write | Kind::Trim => {
-                let size = self.size_bytes;
                 let Some(rb) = self.rebuild.as_mut() else { return };
                 if let Some(seg) = rb.segments.pop_front() {
                     rb.cursor = seg.end();
+                    rb.done_bytes += seg.len;
                     if seg.data {
                         rb.copied_bytes += seg.len;
                     }
                 }
                 rb.step = Step::Idle;
-                let pct = rb.cursor.saturating_mul(100) / size.max(1);
+                let pct = rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1);
                 let due = self.now.saturating_sub(rb.last_log_ns) >= REBUILD_LOG_INTERVAL_NS;
                 if pct >= rb.last_log_pct + 10 || due {
                     rb.last_log_pct = pct;
@@ -1321,11 +1796,12 @@ impl Engine {
         let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
         let mib_s = rb.copied_bytes as f64 / (1 << 20) as f64 / secs;
         format!(
-            "rebuild of replica {}: {}% ({} of {} bytes scanned, {:.1} MiB copied, {:.1} MiB/s)",
+            "{} of replica {}: {}% ({} of {} bytes scanned, {:.1} MiB copied, {:.1} MiB/s)",
+            if rb.regions.is_some() { "reconcile" } else { "rebuild" },
             self.replicas[rb.target].addr,
-            rb.cursor.saturating_mul(100) / self.size_bytes.max(1),
-            rb.cursor,
-            self.size_bytes,
+            rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1),
+            rb.done_bytes,
+            rb.total_bytes,
             rb.copied_bytes as f64 / (1 << 20) as f64,
             mib_s
         )
@@ -1379,10 +1855,12 @@ impl Engine {
         let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
         let addr = self.replicas[rb.target].addr;
         self.replicas[rb.target].state = RState::Healthy;
+        self.replicas[rb.target].reconcile = None;
         self.log(
             LogLevel::Info,
             format!(
-                "rebuild complete: replica {addr} is healthy ({:.1} MiB copied in {:.1} s, {:.1} MiB/s)",
+                "{} complete: replica {addr} is healthy ({:.1} MiB copied in {:.1} s, {:.1} MiB/s)",
+                if rb.regions.is_some() { "reconcile" } else { "rebuild" },
                 rb.copied_bytes as f64 / (1 << 20) as f64,
                 secs,
                 rb.copied_bytes as f64 / (1 << 20) as f64 / secs
@@ -1432,6 +1910,7 @@ impl Engine {
                 }
             }
         }
+        self.clear_quiet_regions();
         if self.rebuild.as_ref().is_some_and(|rb| now.saturating_sub(rb.last_log_ns) >= REBUILD_LOG_INTERVAL_NS) {
             let msg = self.rebuild_progress_line();
             if let Some(rb) = self.rebuild.as_mut() {
@@ -1447,6 +1926,7 @@ impl Engine {
         self.maybe_elect();
         self.progress_bump();
         self.progress_rebuild();
+        self.mark_wait = false;
         while let Some(&id) = self.pending.front() {
             if !self.dispatch(id) {
                 break;
@@ -1457,9 +1937,112 @@ impl Engine {
                 self.pending.pop_front();
             }
         }
+        if std::mem::take(&mut self.mark_wait) {
+            self.mark_ahead();
+        }
         // Sending may have freed the rebuild to move (and vice versa).
         self.progress_rebuild();
         self.progress_bump();
+        self.progress_detach();
+    }
+
+    /// The first pending write waits for MARKs: send those of the writes
+    /// queued behind it too, so the replicas persist them in one go.
+    fn mark_ahead(&mut self) {
+        let targets = self.write_mask();
+        let ahead: Vec<(u64, u64)> = self
+            .pending
+            .iter()
+            .skip(1)
+            .take(MARK_LOOKAHEAD)
+            .filter_map(|&id| self.ios[id as usize].as_ref())
+            .filter(|io| io.modifies())
+            .map(|io| (io.offset, u64::from(io.len)))
+            .collect();
+        for (offset, len) in ahead {
+            let (first, last) = self.region_span(offset, len);
+            self.ensure_marked(first, last, targets);
+        }
+    }
+
+    // ---- clean detach ------------------------------------------------------------
+
+    fn start_detach(&mut self) {
+        if self.detach.is_some() {
+            return;
+        }
+        self.detach = Some(Detach::Draining);
+        self.log(LogLevel::Info, "detaching: new requests are refused, those in flight finish".into());
+        if let Some(rb) = self.rebuild.take() {
+            let addr = self.replicas[rb.target].addr;
+            self.log(LogLevel::Info, format!("rebuild of replica {addr} stopped by the detach; it starts again at the next attach"));
+        }
+    }
+
+    /// Drain, then FLUSH every healthy replica, then DETACH them: each
+    /// step waits for the replies of the previous one, so a replica is
+    /// marked clean only with every write of this engine durable on it.
+    fn progress_detach(&mut self) {
+        let Some(step) = self.detach else { return };
+        match step {
+            Detach::Draining => {
+                let busy = self.replicas.iter().any(|r| r.conns.iter().any(|c| c.slots.iter().any(|(_, s)| !matches!(s.what, SubKind::Ping))));
+                if self.client_ios() != 0 || self.bump.is_some() || busy {
+                    return;
+                }
+                let mask = self.send_to_healthy(Kind::Flush);
+                self.detach = Some(Detach::Flushing(mask));
+                self.progress_detach();
+            }
+            Detach::Flushing(0) if self.bump.is_none() => {
+                let mask = self.send_to_healthy(Kind::Detach);
+                self.detach = Some(Detach::Detaching(mask));
+                self.progress_detach();
+            }
+            Detach::Detaching(0) => {
+                self.detach = Some(Detach::Done);
+                let clean: Vec<String> =
+                    (0..self.replicas.len()).filter(|&i| self.replicas[i].state == RState::Healthy).map(|i| self.replicas[i].addr.to_string()).collect();
+                if clean.is_empty() {
+                    self.log(LogLevel::Warn, "detached with no healthy replica: none is marked clean".into());
+                } else {
+                    self.log(LogLevel::Info, format!("detached cleanly: {} clean at generation {}", clean.join(", "), self.generation));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Send `kind` (FLUSH or DETACH) to every healthy replica; the mask of
+    /// those it went to (one without a free slot is failed: nothing else
+    /// is in flight at this point, so that cannot happen to a live one).
+    fn send_to_healthy(&mut self, kind: Kind) -> u32 {
+        let mut mask = 0;
+        for r in 0..self.replicas.len() {
+            if self.replicas[r].state != RState::Healthy {
+                continue;
+            }
+            if self.send_any(r, SubKind::Detach, kind, 0, 0, Payload::None) {
+                mask |= 1 << r;
+            } else {
+                self.fail_replica(r, &format!("no slot for {kind:?} at detach"), false);
+            }
+        }
+        mask
+    }
+
+    fn on_detach_reply(&mut self, r: usize, h: Header) {
+        if h.status != 0 {
+            return self.fail_replica(r, &format!("{:?} at detach failed with errno {}", h.kind, h.status), false);
+        }
+        if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
+            *m &= !(1u32 << r);
+        }
+    }
+
+    /// Whether a clean detach ([`Event::Detach`]) has finished.
+    pub fn detached(&self) -> bool {
+        self.detach == Some(Detach::Done)
     }
 
     // ---- observation -------------------------------------------------------------
@@ -1476,8 +2059,12 @@ impl Engine {
                     RState::Healthy => ReplicaState::Healthy,
                     RState::Failed | RState::Removed => ReplicaState::Failed,
                     RState::Rebuilding => {
-                        let done = self.rebuild.as_ref().filter(|rb| rb.target == i).map_or(0, |rb| rb.cursor);
-                        ReplicaState::Rebuilding { done_bytes: done, total_bytes: self.size_bytes }
+                        let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
+                        let done_bytes = run.map_or(0, |rb| rb.done_bytes);
+                        match &r.reconcile {
+                            Some(bits) => ReplicaState::Reconciling { done_bytes, total_bytes: self.bitmap_bytes(bits) },
+                            None => ReplicaState::Rebuilding { done_bytes, total_bytes: self.size_bytes },
+                        }
                     }
                 },
                 generation: r.generation,
@@ -1558,6 +2145,37 @@ impl Engine {
         }
         if self.healthy_mask() == 0 {
             assert!(self.deferred.is_empty(), "acks deferred with no healthy replica");
+        }
+        // Write intent: masks only name live replicas; a bit is marked,
+        // being marked or being cleared, one at a time; `writes` counts
+        // exactly the dispatched writes over the region.
+        let live = self.write_mask();
+        let mut writes = vec![0u32; self.regions.len()];
+        for io in self.ios.iter().flatten().filter(|io| io.in_regions) {
+            let (first, last) = self.region_span(io.offset, u64::from(io.len));
+            for w in &mut writes[first..=last] {
+                *w += 1;
+            }
+        }
+        for (g, x) in self.regions.iter().enumerate() {
+            assert_eq!((x.marked | x.marking | x.clearing) & !live, 0, "region {g}: bit of a replica outside the write set");
+            assert_eq!(x.marked & x.marking, 0, "region {g}: marked and being marked");
+            assert_eq!(x.marked & x.clearing, 0, "region {g}: marked and being cleared");
+            assert_eq!(x.writes, writes[g], "region {g}: write count");
+        }
+        // Every write in flight to a replica lies in regions whose bit is
+        // durable on that replica: the property reconcile relies on.
+        for (ri, r) in self.replicas.iter().enumerate() {
+            for c in &r.conns {
+                for (_, s) in c.slots.iter() {
+                    let SubKind::Client(id) = s.what else { continue };
+                    let Some(io) = self.ios[id as usize].as_ref().filter(|io| io.modifies()) else { continue };
+                    let (first, last) = self.region_span(io.offset, u64::from(io.len));
+                    for (g, x) in self.regions[first..=last].iter().enumerate() {
+                        assert!(x.marked & (1 << ri) != 0, "write to replica {ri} in region {} without its intent bit", first + g);
+                    }
+                }
+            }
         }
     }
 }

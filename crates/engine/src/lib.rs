@@ -98,6 +98,10 @@ pub enum ReplicaState {
     Failed,
     /// Receives writes, serves no reads until the copy finishes.
     Rebuilding { done_bytes: u64, total_bytes: u64 },
+    /// Of the source's generation but possibly different after an engine
+    /// crash: receives writes, serves no reads until the regions the
+    /// write-intent records name are copied from the source.
+    Reconciling { done_bytes: u64, total_bytes: u64 },
 }
 
 /// One replica's status (`replica_status`).

@@ -288,6 +288,8 @@ impl Sock {
 
 struct StatusShared {
     snapshot: Mutex<Vec<ReplicaStatus>>,
+    /// Set (under `snapshot`'s lock) once a clean detach has finished.
+    detached: AtomicBool,
     ready: Condvar,
 }
 
@@ -608,8 +610,12 @@ impl Shell {
         self.status_dirty = false;
         let snap = self.core.status();
         let ready = snap.iter().any(|s| s.state == ReplicaState::Healthy);
-        *self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = snap;
-        if ready {
+        let detached = self.core.detached();
+        let mut guard = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        *guard = snap;
+        self.status.detached.store(detached, Ordering::Release);
+        drop(guard);
+        if ready || detached {
             self.status.ready.notify_all();
         }
     }
@@ -627,6 +633,17 @@ impl Shell {
 }
 
 // ---- the device ----------------------------------------------------------------
+
+/// A session for this engine: the wall clock in nanoseconds, so that a
+/// later engine has a larger session and the replicas refuse the frames of
+/// an earlier one (see `lull_proto::replica`). Two engines started within
+/// the same nanosecond, or a clock behind the last engine's, are handled by
+/// the core (it takes a session past the replica's owner before the first
+/// election).
+fn new_session() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    u64::try_from(t).unwrap_or(u64::MAX).max(1)
+}
 
 /// A replicated volume: a `BlockDevice` whose I/O goes to replica servers.
 pub struct ReplicatedDev {
@@ -664,11 +681,11 @@ impl ReplicatedDev {
             return Err(EngineError::BadSize(size_bytes));
         }
         let replicas_desc = replicas.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("+");
-        let status = Arc::new(StatusShared { snapshot: Mutex::new(Vec::new()), ready: Condvar::new() });
+        let status = Arc::new(StatusShared { snapshot: Mutex::new(Vec::new()), detached: AtomicBool::new(false), ready: Condvar::new() });
         let shell = Arc::new_cyclic(|weak| {
             Mutex::new(Shell {
                 volume: volume.to_string(),
-                core: Engine::new(volume, size_bytes, replicas, opts.clone()),
+                core: Engine::new(volume, size_bytes, replicas, opts.clone(), new_session()),
                 opts: opts.clone(),
                 me: None,
                 tick: None,
@@ -720,6 +737,31 @@ impl ReplicatedDev {
             let now = std::time::Instant::now();
             if now >= deadline {
                 return false;
+            }
+            snap = match self.status.ready.wait_timeout(snap, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// Detach cleanly (for `lull serve`'s stop, after the frontends have
+    /// drained): new requests are refused, those in flight finish, every
+    /// healthy replica is flushed and marked clean, so the next start trusts
+    /// them as identical without reconciling. Blocks the calling thread
+    /// (never a reactor) up to `timeout`; false if it did not finish (the
+    /// replicas then stay dirty and the next start reconciles them).
+    pub fn detach(&self, timeout: Duration) -> Result<bool, EngineError> {
+        self.event(Event::Detach)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut snap = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.status.detached.load(Ordering::Acquire) {
+                return Ok(true);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline || self.engine.has_exited() {
+                return Ok(false);
             }
             snap = match self.status.ready.wait_timeout(snap, deadline - now) {
                 Ok((g, _)) => g,
