@@ -34,15 +34,18 @@
 //!
 //! # Sessions, clean detach and the write-intent record (version 2)
 //!
-//! Every engine process picks a random non-zero **session** and sends it
-//! in each HELLO. A HELLO with a session other than the replica's current
+//! Every engine process has a non-zero **session**, larger than any
+//! earlier engine's (the engine takes it from the clock), and sends it in
+//! each HELLO. A HELLO with a session larger than the replica's current
 //! owner *takes the replica over*: the replica stops taking modifying
 //! requests from every other session, waits until their writes already
-//! submitted have completed, and only then answers. So once an engine
-//! holds a HELLO reply, no write of an earlier (crashed) engine can land
-//! afterwards. Connections of a fenced session are closed; session 0 (a
-//! tool) never takes over and gets `ESTALE` for modifying requests while
-//! an engine owns the replica.
+//! submitted have completed, and only then answers. A HELLO with a smaller
+//! session is refused with `ESTALE` (the reply's `session` names the
+//! owner), so a late frame of a dead engine cannot take the replica back.
+//! So once an engine holds a HELLO reply, no write of an earlier
+//! (crashed) engine can land afterwards. Connections of a fenced session
+//! are closed; session 0 (a tool) never takes over and gets `ESTALE` for
+//! modifying requests while an engine owns the replica.
 //!
 //! **Clean** ([`HELLO_FLAG_CLEAN`] in a HELLO reply) means: the last engine
 //! attached to this replica detached cleanly (DETACH, after a FLUSH), so
