@@ -63,7 +63,20 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
         }
         let (o, l) = (h.offset as usize, h.length as usize);
         let (reply, out): (Header, Vec<u8>) = match h.kind {
-            Kind::Hello => (h.reply_with(0), wire::encode_hello(&Hello { volume_size: SIZE, generation: 1, flags: wire::HELLO_FLAG_CLEAN }).to_vec()),
+            Kind::Hello => {
+                let session = wire::decode_hello(&payload).map_or(0, |h| h.session);
+                let me = Hello { volume_size: SIZE, generation: 1, flags: wire::HELLO_FLAG_CLEAN, session };
+                (h.reply_with(0), wire::encode_hello(&me).to_vec())
+            }
+            Kind::IntentGet => {
+                // An empty record (the fake is always clean).
+                let mut out = Vec::new();
+                wire::encode_intent(0, &vec![0; wire::intent_bitmap_bytes(SIZE)], &mut out).unwrap();
+                let mut r = h.reply_with(0);
+                r.offset = u64::from(wire::intent_regions(SIZE));
+                r.length = out.len() as u32;
+                (r, out)
+            }
             Kind::Read => (h.reply_with(0), data.lock().unwrap()[o..o + l].to_vec()),
             Kind::Write | Kind::WriteFua => {
                 data.lock().unwrap()[o..o + l].copy_from_slice(&payload);

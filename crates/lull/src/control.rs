@@ -178,6 +178,9 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
         lull_engine::ReplicaState::Rebuilding { done_bytes, total_bytes } => {
             ("rebuilding", json!({"done_bytes": done_bytes, "total_bytes": total_bytes}))
         }
+        lull_engine::ReplicaState::Reconciling { done_bytes, total_bytes } => {
+            ("reconciling", json!({"done_bytes": done_bytes, "total_bytes": total_bytes}))
+        }
     };
     json!({
         "addr": r.addr.to_string(),

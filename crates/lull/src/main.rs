@@ -133,6 +133,12 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
 /// hold every other volume back for long.
 const REPLICA_READY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a replicated volume may take at stop to drain, flush and mark
+/// its replicas clean. The frontends have drained already, so this is the
+/// replicas' FLUSH (page cache to disk) and two metadata writes; past it
+/// the replicas stay dirty, which is safe (the next start reconciles).
+const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
+
 pub(crate) fn open_device(
     spec: &config::VolumeSpec,
     fw: &lull_reactor::FrameworkHandle,
@@ -331,6 +337,23 @@ fn serve(args: ServeArgs) -> ExitCode {
     if left > 0 {
         tracing::warn!(connections = left, "connections still open after the shutdown timeout");
     }
+    // Replicated volumes detach cleanly while the reactors still run, so
+    // their replicas are clean and the next start reconciles nothing.
+    let mut code = ExitCode::SUCCESS;
+    for v in volumes.list() {
+        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else { continue };
+        match dev.detach(DETACH_TIMEOUT) {
+            Ok(true) => tracing::info!(volume = %v.name, "detached from its replicas cleanly"),
+            Ok(false) => {
+                tracing::error!(volume = %v.name, "clean detach did not finish: the replicas stay dirty and are reconciled at the next start");
+                code = ExitCode::FAILURE;
+            }
+            Err(e) => {
+                tracing::error!(volume = %v.name, error = %e, "clean detach failed: the replicas stay dirty and are reconciled at the next start");
+                code = ExitCode::FAILURE;
+            }
+        }
+    }
     for r in fw.handle().reactor_stats() {
         tracing::info!(
             reactor = r.index,
@@ -346,7 +369,6 @@ fn serve(args: ServeArgs) -> ExitCode {
         );
     }
     fw.stop();
-    let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {
         if let Err(e) = v.dev.sync() {
             tracing::error!(volume = %v.name, error = %e, "flush at shutdown failed");

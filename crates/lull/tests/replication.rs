@@ -360,10 +360,11 @@ fn fake_replica(reply: Vec<u8>) -> SocketAddr {
 fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     // Garbage instead of a HELLO reply.
     let garbage = fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
-    // A well-formed HELLO reply header, but protocol version 2.
+    // A well-formed HELLO reply header, but protocol version 1 (a replica
+    // from before sessions and write intent).
     let mut v2 = Vec::new();
     v2.extend_from_slice(&0x4C55_4C52u32.to_be_bytes());
-    v2.extend_from_slice(&2u16.to_be_bytes());
+    v2.extend_from_slice(&1u16.to_be_bytes());
     v2.extend_from_slice(&(1u16 | 0x8000).to_be_bytes());
     v2.extend_from_slice(&1u64.to_be_bytes());
     v2.extend_from_slice(&0u64.to_be_bytes());
@@ -376,7 +377,7 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
 
     let server = serve(&[spec("bad", &[garbage]), spec("old", &[wrong_version]), spec("ok", &[good])]);
     assert!(server.wait_for_log("undecodable frame", Duration::from_secs(15)), "{}", server.stderr());
-    assert!(server.wait_for_log("protocol version 2", Duration::from_secs(15)), "{}", server.stderr());
+    assert!(server.wait_for_log("protocol version 1", Duration::from_secs(15)), "{}", server.stderr());
 
     // The volume with a good replica is unaffected.
     let _ = read_when_ready(&server, "ok", 0, 4096);
@@ -422,4 +423,238 @@ fn hybrid_mode_serves_a_replicated_volume() {
         c.disconnect();
         server.assert_healthy();
     }
+}
+
+// ---- engine crashes (issue 17) ---------------------------------------------
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid} failed");
+}
+
+impl Replica {
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("replica running").id()
+    }
+
+    fn intent_file(&self) -> PathBuf {
+        self.dir.join("data").join("intent.bin")
+    }
+}
+
+/// Bytes `[offset, offset + len)` of a file (what a replica holds, page
+/// cache included).
+fn file_bytes(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).expect("open a replica data file");
+    let mut buf = vec![0u8; len];
+    f.read_exact_at(&mut buf, offset).expect("read a replica data file");
+    buf
+}
+
+/// The whole volume through a real client (qemu-img), as a file.
+fn export_image(server: &Server, export: &str, out: &Path) -> Vec<u8> {
+    let st = Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw", &format!("nbd://{}/{export}", server.addr())])
+        .arg(out)
+        .output()
+        .expect("run qemu-img");
+    assert!(st.status.success(), "qemu-img convert failed: {}\nserver log:\n{}", String::from_utf8_lossy(&st.stderr), server.stderr());
+    std::fs::read(out).expect("read the exported image")
+}
+
+/// A flush with every replica healthy: then nothing is in flight and the
+/// data files can be compared.
+fn quiesce(server: &Server) {
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(flush(&mut c), 0, "flush failed; server log:\n{}", server.stderr());
+    c.disconnect();
+}
+
+/// The issue's scenario: a write reaches one replica only (the other is
+/// stopped), the server is SIGKILLed before it completes, the stopped
+/// replica resumes, the server restarts. The restarted engine must see an
+/// unclean stop, reconcile the regions that had writes in flight, and from
+/// then on every read returns the same bytes and the data files are
+/// identical.
+#[test]
+fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate() {
+    require("qemu-img", "qemu-utils");
+    let (a, b) = (free_port(), free_port());
+    let ra = Replica::start(a, &scratch("crash-a"));
+    let rb = Replica::start(b, &scratch("crash-b"));
+    let at = 1u64 << 20;
+    let old = common::pattern(31, 64 << 10);
+    let new = common::pattern(32, 64 << 10);
+    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(c.write(at, &old).expect("write"), 0);
+    assert_eq!(flush(&mut c), 0);
+
+    // B stops: the next write lands on A and is never acknowledged.
+    signal(rb.pid(), "-STOP");
+    c.send(NbdCommand::Write, 0, at, new.len() as u32, &new).expect("send the write");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while file_bytes(&ra.data_file(), at, new.len()) != new {
+        assert!(Instant::now() < deadline, "the write never reached replica A; log:\n{}", server.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    server.kill();
+    signal(rb.pid(), "-CONT");
+
+    let server = serve(&[spec("vol0", &[a, b])]);
+    assert!(
+        server.wait_for_log("unclean stop: reconciling", READY_TIMEOUT),
+        "the restart did not see the unclean stop:\n{}",
+        server.stderr()
+    );
+    // Until the reconcile completes reads come from the source alone; after
+    // it, from either replica. Either way the same bytes, every time.
+    let first = read_when_ready(&server, "vol0", at, new.len() as u32);
+    assert!(first == old || first == new, "read back neither the old nor the new data");
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    for i in 0..8 {
+        let got = c.read(at, new.len() as u32).expect("read").expect("read status");
+        assert!(got == first, "read {i} returned other data than the first read (reads alternate)");
+    }
+    assert!(server.wait_for_log("reconcile complete", REBUILD_TIMEOUT), "reconcile did not finish:\n{}", server.stderr());
+    for i in 0..8 {
+        let got = c.read(at, new.len() as u32).expect("read").expect("read status");
+        assert!(got == first, "read {i} after the reconcile returned other data (reads alternate)");
+    }
+    c.disconnect();
+    quiesce(&server);
+    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+        panic!("{e}; server log:\n{}", server.stderr());
+    }
+    // A real client reads the whole volume twice, the same both times.
+    let dir = scratch("crash-img");
+    let one = export_image(&server, "vol0", &dir.join("one.raw"));
+    let two = export_image(&server, "vol0", &dir.join("two.raw"));
+    assert!(one == two, "two full reads of the volume differ");
+    assert!(one[at as usize..at as usize + first.len()] == first[..]);
+}
+
+/// fio writes with verification (`verify_backlog`) while the server is
+/// SIGKILLed and restarted, three times. No verification may fail while it
+/// runs, and afterwards the replicas converge bit for bit and the volume
+/// reads back the same twice.
+#[test]
+fn fio_verify_across_repeated_engine_kills() {
+    require("fio", "fio");
+    require("qemu-img", "qemu-utils");
+    let (a, b) = (free_port(), free_port());
+    let ra = Replica::start(a, &scratch("fiokill-a"));
+    let rb = Replica::start(b, &scratch("fiokill-b"));
+    for round in 0..3 {
+        let mut server = serve(&[spec("vol0", &[a, b])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let mut fio = Command::new("fio")
+            .args([
+                "--name=crash",
+                "--ioengine=nbd",
+                &format!("--uri=nbd://{}/vol0", server.addr()),
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=16",
+                "--size=64M",
+                "--time_based",
+                "--runtime=60",
+                "--verify=crc32c",
+                "--verify_backlog=256",
+                "--verify_fatal=1",
+                "--verify_state_save=0",
+                "--fsync=64",
+                &format!("--randseed={}", 100 + round),
+                "--output-format=terse",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fio");
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(fio.try_wait().expect("fio status").is_none(), "round {round}: fio ended before the kill; log:\n{}", server.stderr());
+        server.kill();
+        let out = fio.wait_with_output().expect("fio output");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        // fio fails because its server vanished; it must not have seen
+        // bad data before that.
+        for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
+            assert!(!text.contains(bad), "round {round}: fio saw bad data:\n{text}");
+        }
+    }
+    let server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    assert!(server.wait_for_log("unclean stop: reconciling", READY_TIMEOUT), "{}", server.stderr());
+    assert!(server.wait_for_log("reconcile complete", REBUILD_TIMEOUT), "reconcile did not finish:\n{}", server.stderr());
+    quiesce(&server);
+    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+        panic!("{e}; server log:\n{}", server.stderr());
+    }
+    let dir = scratch("fiokill-img");
+    let one = export_image(&server, "vol0", &dir.join("one.raw"));
+    let two = export_image(&server, "vol0", &dir.join("two.raw"));
+    assert!(one == two, "two full reads of the volume differ");
+}
+
+/// A replica whose write-intent record is corrupt must not be trusted: it
+/// reports every region, and the engine repairs the whole volume, even
+/// where no record says a write was in flight (here: bytes put into the
+/// replica's file by hand, in a region nobody wrote).
+#[test]
+fn a_corrupt_write_intent_record_means_a_full_repair() {
+    let (a, b) = (free_port(), free_port());
+    let ra = Replica::start(a, &scratch("lost-a"));
+    let mut rb = Replica::start(b, &scratch("lost-b"));
+    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(c.write(1 << 20, &common::pattern(41, 64 << 10)).expect("write"), 0);
+    assert_eq!(flush(&mut c), 0);
+    server.kill();
+
+    rb.kill();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(rb.intent_file()).expect("open intent.bin");
+        // Both record slots (4 KiB each) get a bad checksum.
+        f.write_all_at(&[0xA5; 64], 40).expect("corrupt slot A");
+        f.write_all_at(&[0xA5; 64], 4096 + 40).expect("corrupt slot B");
+        let d = std::fs::OpenOptions::new().write(true).open(rb.data_file()).expect("open data.img");
+        d.write_all_at(&[0x5A; 4096], 40 << 20).expect("diverge B by hand");
+    }
+    rb.restart();
+
+    let server = serve(&[spec("vol0", &[a, b])]);
+    assert!(server.wait_for_log("write-intent record lost", READY_TIMEOUT), "not reported:\n{}", server.stderr());
+    assert!(server.wait_for_log("reconcile complete", REBUILD_TIMEOUT), "repair did not finish:\n{}", server.stderr());
+    quiesce(&server);
+    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+        panic!("{e}; server log:\n{}", server.stderr());
+    }
+}
+
+/// A clean stop (SIGTERM) detaches: the replicas are marked clean, and the
+/// next start trusts them as identical without reconciling anything.
+#[test]
+fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
+    let (a, b) = (free_port(), free_port());
+    let _ra = Replica::start(a, &scratch("clean-a"));
+    let _rb = Replica::start(b, &scratch("clean-b"));
+    let data = common::pattern(51, 64 << 10);
+    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
+    c.disconnect();
+    let status = server.terminate(Duration::from_secs(30)).expect("lull serve did not stop after SIGTERM");
+    assert!(status.success(), "lull serve exited with {status}:\n{}", server.stderr());
+    server.assert_logged("detached cleanly");
+
+    let server = serve(&[spec("vol0", &[a, b])]);
+    assert_eq!(read_when_ready(&server, "vol0", 1 << 20, data.len() as u32), data);
+    assert!(server.wait_for_log("clean true", READY_TIMEOUT), "{}", server.stderr());
+    let log = server.stderr();
+    assert!(!log.contains("unclean stop") && !log.contains("rebuild of replica"), "a clean restart reconciled or rebuilt:\n{log}");
 }

@@ -435,6 +435,30 @@ impl Server {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// SIGKILL: a crash, nothing flushed, detached or logged.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for the exit (a clean stop); `None` if it did not
+    /// exit within `timeout` (it is killed then).
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => {
+                    self.kill();
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 /// CPU time (utime + stime, all threads) of a process, in clock ticks
