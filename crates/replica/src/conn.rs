@@ -14,12 +14,26 @@
 //! that cannot be served (out of range) gets an error reply, after its
 //! write payload is drained so the stream stays in sync.
 //!
-//! Metadata waits: a HELLO with the attach flag is answered only once its
-//! generation is durable, and the first WRITE/TRIM/WRITE_ZEROES on a
-//! replica whose record still says clean waits until the record says
-//! dirty, so data never changes under a record that claims a clean stop.
-//! While a connection waits for the metadata helper it reads no frames
-//! (its in-flight I/O goes on).
+//! Waits: while a connection waits for one of the following it reads no
+//! frames (its in-flight I/O goes on), and its poller is woken by a
+//! message when the wait may be over; nothing spins.
+//!
+//! - Metadata: a HELLO with the attach flag is answered only once its
+//!   generation is durable; DETACH once the clean record is; and the first
+//!   modifying request on a replica whose record still says clean waits
+//!   until the record says dirty, so data never changes under a record
+//!   that claims a clean detach.
+//! - Write intent: INTENT_MARK is answered once the persister has made it
+//!   durable (one fdatasync shared by every mark waiting).
+//! - Takeover: a HELLO of a non-zero session is answered only once no
+//!   connection of another session has a modifying request in flight
+//!   (see `crate::fence`).
+//!
+//! Fencing: every modifying request (and ATTACH, DETACH) is counted in the
+//! connection's fence from the moment its header is decoded until its
+//! reply is queued. A request from a session that does not own the
+//! replica is not taken: an engine's connection (non-zero session) is
+//! closed, a tool's (session 0) gets `ESTALE`.
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -28,14 +42,16 @@ use std::sync::{mpsc, Arc};
 
 use lull_bdev::{BdevError, BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_proto::replica::{
-    self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
-    HELLO_LEN, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
+    self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
+    INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
 use lull_net::server::Connection;
 use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
-use crate::{ReplicaError, Shared};
+use crate::fence::{Claim, ConnFence};
+use crate::intent::IntentError;
+use crate::{MetaJob, ReplicaError, Shared};
 
 /// Requests in flight per connection: the file channel's ring depth
 /// (`FILE_CHANNEL_DEPTH`), so a full slot table, not a full ring, is what
@@ -88,12 +104,43 @@ enum Phase {
     Ready { channel: Box<dyn Channel> },
 }
 
-/// A metadata write this connection waits for (see the module doc).
-struct MetaWait {
-    /// The attach HELLO to answer when it is done; `None` when the wait is
-    /// for marking the replica dirty before a write.
-    hello: Option<Header>,
-    rx: mpsc::Receiver<Result<u64, ReplicaError>>,
+/// What a metadata write answers when it is done.
+enum MetaFor {
+    /// Marking the replica dirty before a modifying request, whose frame
+    /// stays buffered until then.
+    Dirty,
+    /// An attach HELLO (counted in the fence).
+    Attach(Header),
+    /// A DETACH (counted in the fence).
+    Detach(Header),
+}
+
+/// What the connection waits for before it reads another frame (see the
+/// module doc).
+enum Wait {
+    Meta {
+        what: MetaFor,
+        rx: mpsc::Receiver<Result<u64, ReplicaError>>,
+    },
+    /// An INTENT_MARK (counted in the fence), answered once `seq` is durable.
+    Intent { req: Header, seq: u64 },
+    /// A HELLO of this connection's session, answered once other sessions
+    /// have drained.
+    Takeover { req: Header, hello: Hello },
+}
+
+impl Wait {
+    /// Whether the wait holds a fence count.
+    fn counted(&self) -> bool {
+        matches!(
+            self,
+            Wait::Intent { .. }
+                | Wait::Meta {
+                    what: MetaFor::Attach(_) | MetaFor::Detach(_),
+                    ..
+                }
+        )
+    }
 }
 
 pub(crate) struct Conn {
@@ -116,9 +163,14 @@ pub(crate) struct Conn {
     /// The peer is gone or the stream is broken: replies are dropped.
     broken: bool,
     pub(crate) hello_done: Arc<AtomicBool>,
-    meta_wait: Option<MetaWait>,
+    wait: Option<Wait>,
+    /// The session of the first HELLO; every later HELLO must carry it.
+    session: Option<u64>,
+    /// This connection's count of modifying requests in flight.
+    fence: Arc<ConnFence>,
     /// This connection's thread and poller, learnt on the first run; a
-    /// metadata helper wakes the poller through them.
+    /// metadata helper, the intent persister or a takeover wakes the
+    /// poller through them.
     me: Option<(ThreadHandle, PollerId)>,
     interest: Interest,
     channel_fd_added: bool,
@@ -144,8 +196,18 @@ impl Connection for Conn {
     }
 }
 
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // A takeover may be waiting for this connection's requests; they
+        // are gone with it (normally none are left: a connection finishes
+        // only with nothing in flight).
+        self.server.fences.conn_gone();
+    }
+}
+
 impl Conn {
     pub(crate) fn new(stream: TcpStream, server: Arc<Shared>) -> Conn {
+        let fence = server.fences.register();
         Conn {
             // Unknown only if the peer is already gone; the first read says so.
             peer: stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
@@ -163,7 +225,9 @@ impl Conn {
             closing: None,
             broken: false,
             hello_done: Arc::new(AtomicBool::new(false)),
-            meta_wait: None,
+            wait: None,
+            session: None,
+            fence,
             me: None,
             interest: Interest::READABLE,
             channel_fd_added: false,
@@ -187,6 +251,9 @@ impl Conn {
     fn run(&mut self, t: &mut Thread, hello_deadline_passed: bool) -> PollStatus {
         if self.me.is_none() {
             self.me = t.current_poller().map(|id| (t.handle(), id));
+            if let Some(me) = &self.me {
+                self.fence.set_waiter(me.clone());
+            }
         }
         let mut status = PollStatus::Idle;
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
@@ -195,9 +262,10 @@ impl Conn {
         if self.closing.is_none() && self.server.conns.stopping() {
             self.close("replica shutting down");
         }
+        self.check_fenced();
         let mut progressed_last = false;
         for _ in 0..MAX_ROUNDS {
-            let mut progress = self.check_meta_wait();
+            let mut progress = self.check_wait();
             progress |= self.reap();
             progress |= self.retry_submit();
             progress |= self.flush_out();
@@ -205,6 +273,8 @@ impl Conn {
                 progress |= self.read_and_dispatch();
                 progress |= self.reap();
                 progress |= self.flush_out();
+            } else {
+                progress |= self.abandon_input();
             }
             progressed_last = progress;
             if !progress {
@@ -239,14 +309,45 @@ impl Conn {
         free.sort_unstable();
         free.dedup();
         assert_eq!(free.len(), self.free.len(), "free list has duplicates");
+        let modifying = self.slots.iter().flatten().filter(|h| h.kind.modifies()).count();
+        let waiting = usize::from(self.wait.as_ref().is_some_and(Wait::counted));
+        assert_eq!(
+            self.fence.modifying(),
+            modifying + waiting,
+            "fence count out of step with the modifying requests in flight"
+        );
     }
 
     /// Closing, and nothing left in flight, being persisted or to send.
     fn finished(&self) -> bool {
         self.closing.is_some()
             && self.in_flight() == 0
-            && self.meta_wait.is_none()
+            && self.wait.is_none()
             && (self.out.is_empty() || self.broken)
+    }
+
+    /// The session of an engine connection (non-zero), if known.
+    fn engine_session(&self) -> Option<u64> {
+        self.session.filter(|&s| s != 0)
+    }
+
+    /// An engine connection whose session no longer owns the replica
+    /// closes (after its requests in flight finish).
+    fn check_fenced(&mut self) {
+        let Some(session) = self.engine_session() else {
+            return;
+        };
+        let owner = self.server.fences.owner();
+        if owner != session && self.closing.is_none() {
+            self.close(format!(
+                "fenced: engine session {owner:#x} took the replica over from {session:#x}"
+            ));
+        }
+    }
+
+    /// A request counted by `fences.enter` is answered or abandoned.
+    fn fence_exit(&self) {
+        self.server.fences.exit(&self.fence);
     }
 
     fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
@@ -271,50 +372,76 @@ impl Conn {
         }
     }
 
-    /// The HELLO reply payload: this replica's size, generation and clean
-    /// flag at startup.
+    /// The HELLO reply payload: this replica's size, generation, flags
+    /// (clean, intent lost) and owner session now.
     fn our_hello(&self, generation: u64) -> Vec<u8> {
-        let flags = if self.server.clean_at_start {
-            HELLO_FLAG_CLEAN
-        } else {
-            0
-        };
         wire::encode_hello(&Hello {
             volume_size: self.server.size_bytes,
             generation,
-            flags,
+            flags: self.server.hello_flags(),
+            session: self.server.fences.owner(),
         })
         .to_vec()
+    }
+
+    /// A HELLO reply with `errno` and this replica's HELLO.
+    fn refuse_hello(&mut self, req: Header, errno: i32) {
+        let payload = self.our_hello(self.current_generation());
+        self.push_reply(req.reply_with(errno as u32), Payload::Bytes(payload));
     }
 
     fn current_generation(&self) -> u64 {
         self.server.generation.load(Ordering::SeqCst)
     }
 
+    /// Finish the current wait when it is over.
+    fn check_wait(&mut self) -> bool {
+        match &self.wait {
+            None => false,
+            Some(Wait::Meta { .. }) => self.check_meta_wait(),
+            Some(Wait::Intent { .. }) => self.check_intent_wait(),
+            Some(Wait::Takeover { .. }) => self.check_takeover(),
+        }
+    }
+
     /// Finish a metadata wait when its helper has answered.
     fn check_meta_wait(&mut self) -> bool {
-        let Some(wait) = &self.meta_wait else {
+        let Some(Wait::Meta { rx, .. }) = &self.wait else {
             return false;
         };
-        let result = match wait.rx.try_recv() {
+        let result = match rx.try_recv() {
             Ok(r) => r,
             Err(mpsc::TryRecvError::Empty) => return false,
             Err(mpsc::TryRecvError::Disconnected) => Err(ReplicaError::ShuttingDown),
         };
-        let hello = wait.hello;
-        self.meta_wait = None;
-        match (result, hello) {
-            (Ok(generation), Some(req)) => {
+        let Some(Wait::Meta { what, .. }) = self.wait.take() else {
+            return false;
+        };
+        if !matches!(what, MetaFor::Dirty) {
+            self.fence_exit();
+        }
+        match (result, what) {
+            (Ok(generation), MetaFor::Attach(req)) => {
                 let payload = self.our_hello(generation);
                 self.push_reply(req.reply_with(0), Payload::Bytes(payload));
                 tracing::info!(peer = %self.peer, generation, "engine attached");
             }
-            (Ok(_), None) => {}
-            (Err(e), hello) => {
+            (Ok(_), MetaFor::Detach(req)) => {
+                self.push_reply(req.reply_with(0), Payload::None);
+                tracing::info!(peer = %self.peer, "engine detached");
+            }
+            (Ok(_), MetaFor::Dirty) => {}
+            (Err(e @ ReplicaError::DetachBusy { .. }), MetaFor::Detach(req)) => {
+                // Nothing changed: the engine may detach again later.
+                tracing::warn!(peer = %self.peer, error = %e, "DETACH refused");
+                self.push_error(req, e.errno());
+            }
+            (Err(e), what) => {
                 tracing::error!(peer = %self.peer, error = %e, "cannot persist the replica metadata");
-                if let Some(req) = hello {
-                    let payload = self.our_hello(self.current_generation());
-                    self.push_reply(req.reply_with(e.errno() as u32), Payload::Bytes(payload));
+                match what {
+                    MetaFor::Attach(req) => self.refuse_hello(req, e.errno()),
+                    MetaFor::Detach(req) => self.push_error(req, e.errno()),
+                    MetaFor::Dirty => {}
                 }
                 // A write cannot be taken without a dirty record: the peer
                 // sees the connection close and fails over.
@@ -324,25 +451,96 @@ impl Conn {
         true
     }
 
-    /// Starts a metadata write on a helper thread (attach at `generation`;
-    /// 0 only marks dirty) and makes this connection wait for it.
-    fn start_meta_wait(&mut self, hello: Option<Header>, generation: u64) {
-        let Some((thread, poller)) = self.me.clone() else {
+    /// Starts a metadata write on a helper thread and makes this
+    /// connection wait for it. Attach and detach arrive counted in the
+    /// fence.
+    fn start_meta_wait(&mut self, what: MetaFor, job: MetaJob) {
+        let started = match self.me.clone() {
+            Some((thread, poller)) => self.server.meta_async(job, thread, poller),
             // `poll` learns `me` before reading anything.
-            self.close("internal error: poller unknown");
-            return;
+            None => Err(ReplicaError::ShuttingDown),
         };
-        match self.server.attach_async(generation, thread, poller) {
-            Ok(rx) => self.meta_wait = Some(MetaWait { hello, rx }),
+        match started {
+            Ok(rx) => self.wait = Some(Wait::Meta { what, rx }),
             Err(e) => {
                 tracing::error!(peer = %self.peer, error = %e, "cannot start a metadata write");
-                if let Some(req) = hello {
-                    let payload = self.our_hello(self.current_generation());
-                    self.push_reply(req.reply_with(e.errno() as u32), Payload::Bytes(payload));
+                match what {
+                    MetaFor::Attach(req) => {
+                        self.fence_exit();
+                        self.refuse_hello(req, e.errno());
+                    }
+                    MetaFor::Detach(req) => {
+                        self.fence_exit();
+                        self.push_error(req, e.errno());
+                    }
+                    MetaFor::Dirty => {}
                 }
                 self.close(format!("metadata write failed: {e}"));
             }
         }
+    }
+
+    /// Answer an INTENT_MARK once it is durable.
+    fn check_intent_wait(&mut self) -> bool {
+        let (Some(Wait::Intent { req, seq }), Some(me)) = (&self.wait, &self.me) else {
+            return false;
+        };
+        let (req, seq) = (*req, *seq);
+        let Some(result) = self.server.intent.poll_durable(seq, me) else {
+            return false;
+        };
+        self.wait = None;
+        self.fence_exit();
+        match result {
+            Ok(()) => self.push_reply(req.reply_with(0), Payload::None),
+            Err(e) => self.intent_failed(req, e),
+        }
+        true
+    }
+
+    /// The write-intent record cannot be persisted: the engine must not
+    /// write where the mark is not durable, so the connection ends.
+    fn intent_failed(&mut self, req: Header, e: IntentError) {
+        tracing::error!(peer = %self.peer, ?req, error = %e, "write-intent record failed");
+        self.push_error(req, libc::EIO);
+        self.close(format!("write-intent record failed: {e}"));
+    }
+
+    /// Answer a HELLO of this connection's session once no connection of
+    /// another session has a modifying request in flight.
+    fn check_takeover(&mut self) -> bool {
+        let Some(Wait::Takeover { req, hello }) = &self.wait else {
+            return false;
+        };
+        let (req, hello) = (*req, *hello);
+        let owner = self.server.fences.owner();
+        if owner != hello.session {
+            // A newer session took over while this one waited.
+            self.wait = None;
+            if let Some(me) = &self.me {
+                self.server.fences.forget(me);
+            }
+            self.refuse_hello(req, libc::ESTALE);
+            self.close(format!(
+                "fenced: engine session {owner:#x} took the replica over from {:#x}",
+                hello.session
+            ));
+            return true;
+        }
+        if self.closing.is_some() {
+            // The peer is gone or the replica is stopping: nobody to answer.
+            self.wait = None;
+            if let Some(me) = &self.me {
+                self.server.fences.forget(me);
+            }
+            return true;
+        }
+        if !self.server.fences.drained(hello.session, self.me.as_ref()) {
+            return false;
+        }
+        self.wait = None;
+        self.finish_hello(req, hello);
+        true
     }
 
     fn open_channel(&self) -> Option<Box<dyn Channel>> {
@@ -404,6 +602,9 @@ impl Conn {
                 }
                 self.push_reply(req.reply_with(e.errno().unsigned_abs()), Payload::None);
             }
+        }
+        if req.kind.modifies() {
+            self.fence_exit();
         }
     }
 
@@ -468,6 +669,25 @@ impl Conn {
         }
     }
 
+    /// A closing connection reads nothing more, so a write whose payload
+    /// has not fully arrived is dropped unanswered (never applied, never
+    /// acknowledged: the peer sees the connection close). Otherwise its
+    /// slot, and its fence count, would keep the connection open for good,
+    /// and a takeover waiting for it would wait for ever. A refused write
+    /// being drained loses its error reply the same way.
+    fn abandon_input(&mut self) -> bool {
+        match std::mem::replace(&mut self.recv, Recv::Header) {
+            Recv::Payload { slot, req, buf, .. } => {
+                tracing::debug!(peer = %self.peer, ?req, "closing: write payload incomplete, dropped");
+                self.pool.put(buf);
+                self.release_slot(slot);
+                true
+            }
+            Recv::Drain { .. } => true,
+            Recv::Header => false,
+        }
+    }
+
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
         !self.free.is_empty() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
@@ -501,7 +721,7 @@ impl Conn {
     /// Whether reading more bytes could make progress now.
     fn wants_input(&self) -> bool {
         match (&self.phase, &self.recv) {
-            _ if self.meta_wait.is_some() => false,
+            _ if self.wait.is_some() => false,
             (_, Recv::Payload { .. } | Recv::Drain { .. }) => true,
             (Phase::AwaitHello, _) => true,
             _ => self.can_take_request(),
@@ -593,7 +813,7 @@ impl Conn {
         if self.buffered() < HEADER_LEN {
             return false;
         }
-        if self.meta_wait.is_some() {
+        if self.wait.is_some() {
             return false;
         }
         if matches!(self.phase, Phase::Ready { .. }) && !self.can_take_request() {
@@ -649,12 +869,22 @@ impl Conn {
                 tracing::warn!(peer = %self.peer, ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
-            (_, Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes)
-                if !self.server.dirty.load(Ordering::SeqCst) =>
-            {
-                // Leave the frame buffered: it is taken once the record
-                // says dirty.
-                self.start_meta_wait(None, 0);
+            (_, kind) if kind.modifies() || kind == Kind::Detach => {
+                // Counted before anything is taken (see `crate::fence`).
+                if let Err(owner) = self.server.fences.enter(&self.fence) {
+                    self.inb.consume(HEADER_LEN);
+                    self.fenced_request(h, owner);
+                    return true;
+                }
+                if kind.modifies() && !self.server.dirty.load(Ordering::SeqCst) {
+                    self.fence_exit();
+                    // Leave the frame buffered: it is taken (and counted
+                    // again) once the record says dirty.
+                    self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
+                    return true;
+                }
+                self.inb.consume(HEADER_LEN);
+                self.start_request(h);
             }
             _ => {
                 self.inb.consume(HEADER_LEN);
@@ -664,68 +894,145 @@ impl Conn {
         true
     }
 
-    /// A HELLO: the first opens the data channel; one with the attach
-    /// flag is answered once its generation is durable. The engine probes
-    /// with a plain HELLO and attaches later on any of its connections.
+    /// A modifying request or DETACH from a session that does not own the
+    /// replica: an engine's connection closes (its engine is dead or was
+    /// replaced; it must not write); a tool, or DETACH, gets `ESTALE`.
+    fn fenced_request(&mut self, req: Header, owner: u64) {
+        if let Some(session) = self.engine_session().filter(|_| req.kind != Kind::Detach) {
+            self.close(format!(
+                "fenced: engine session {owner:#x} took the replica over from {session:#x}"
+            ));
+            return;
+        }
+        tracing::warn!(peer = %self.peer, ?req, owner, session = self.session.unwrap_or(0),
+            "refused: the replica is owned by another session");
+        self.refuse(req, libc::ESTALE);
+    }
+
+    /// An error reply, after draining a write's payload.
+    fn refuse(&mut self, req: Header, errno: i32) {
+        if req.kind.is_write() && req.length > 0 {
+            self.recv = Recv::Drain {
+                remaining: u64::from(req.length),
+                req,
+                status: errno as u32,
+            };
+        } else {
+            self.push_error(req, errno);
+        }
+    }
+
+    /// A HELLO: the first opens the data channel and fixes the session. A
+    /// non-zero session newer than the owner takes the replica over (older
+    /// ones get `ESTALE`); an engine's HELLO is answered once other
+    /// sessions have drained, then as [`Conn::finish_hello`] says.
     fn handle_hello(&mut self, req: Header, hello: Hello) {
         self.hello_done.store(true, Ordering::Relaxed);
         if hello.volume_size != self.server.size_bytes {
             tracing::warn!(peer = %self.peer, theirs = hello.volume_size, ours = self.server.size_bytes,
                 "HELLO with another volume size");
-            let payload = self.our_hello(self.current_generation());
-            self.push_reply(req.reply_with(libc::EINVAL as u32), Payload::Bytes(payload));
+            self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
             return;
         }
+        match self.session {
+            Some(s) if s != hello.session => {
+                tracing::warn!(peer = %self.peer, first = s, now = hello.session, "HELLO with another session");
+                self.close("HELLO with another session on the same connection");
+                return;
+            }
+            Some(_) => {}
+            None => {
+                self.session = Some(hello.session);
+                self.fence.set_session(hello.session);
+            }
+        }
+        if hello.session != 0 {
+            match self.server.fences.claim(hello.session) {
+                Claim::Stale { owner } => {
+                    tracing::info!(peer = %self.peer, session = hello.session, owner,
+                        "HELLO of an older engine session refused");
+                    self.refuse_hello(req, libc::ESTALE);
+                    self.close(format!("stale engine session {:#x} (owner {owner:#x})", hello.session));
+                    return;
+                }
+                Claim::Owner { previous } if previous != hello.session => {
+                    tracing::info!(peer = %self.peer, old = previous, new = hello.session,
+                        "engine session took the replica over");
+                    self.server.fences.wake_others(hello.session);
+                }
+                Claim::Owner { .. } => {}
+            }
+        }
         if matches!(self.phase, Phase::AwaitHello) {
             let Some(channel) = self.open_channel() else {
-                let payload = self.our_hello(self.current_generation());
-                self.push_reply(req.reply_with(libc::EIO as u32), Payload::Bytes(payload));
+                self.refuse_hello(req, libc::EIO);
                 self.close("cannot open a data file channel");
                 return;
             };
             self.phase = Phase::Ready { channel };
         }
-        if hello.flags & HELLO_FLAG_ATTACH != 0 {
-            // Persisting the attach is two fsyncs: a helper thread does it.
-            self.start_meta_wait(Some(req), hello.generation);
+        if hello.session != 0 {
+            // Checked in the next round; usually nothing is in flight.
+            self.wait = Some(Wait::Takeover { req, hello });
         } else {
-            let payload = self.our_hello(self.current_generation());
-            self.push_reply(req.reply_with(0), Payload::Bytes(payload));
+            self.finish_hello(req, hello);
         }
     }
 
-    /// A decoded request on a connection past HELLO.
+    /// A HELLO past the takeover: one with the attach flag is answered once
+    /// its generation is durable (attaching is for the owner, and counts
+    /// as a modifying request); a plain one at once. The engine probes with
+    /// a plain HELLO and attaches later on any of its connections.
+    fn finish_hello(&mut self, req: Header, hello: Hello) {
+        if hello.flags & HELLO_FLAG_ATTACH == 0 {
+            let payload = self.our_hello(self.current_generation());
+            self.push_reply(req.reply_with(0), Payload::Bytes(payload));
+            return;
+        }
+        if let Err(owner) = self.server.fences.enter(&self.fence) {
+            tracing::warn!(peer = %self.peer, session = hello.session, owner,
+                "attach refused: the replica is owned by another session");
+            self.refuse_hello(req, libc::ESTALE);
+            return;
+        }
+        // Persisting the attach is two fsyncs: a helper thread does it.
+        self.start_meta_wait(MetaFor::Attach(req), MetaJob::Attach(hello.generation));
+    }
+
+    /// A decoded request on a connection past HELLO. Modifying requests
+    /// and DETACH arrive counted in the fence; every path below that
+    /// answers or drops one without a slot gives the count back.
     fn start_request(&mut self, req: Header) {
+        let counted = req.kind.modifies() || req.kind == Kind::Detach;
         if !matches!(self.phase, Phase::Ready { .. }) {
             debug_assert!(false, "start_request before HELLO");
+            if counted {
+                self.fence_exit();
+            }
             return;
+        }
+        match req.kind {
+            Kind::Ping => {
+                self.push_reply(req.reply_with(0), Payload::None);
+                return;
+            }
+            Kind::IntentGet => return self.intent_get(req),
+            Kind::IntentMark | Kind::IntentClear => return self.intent_update(req),
+            Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
+            _ => {}
         }
         let size = self.server.size_bytes;
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
             .is_some_and(|end| end <= size);
-        let refuse = match req.kind {
-            Kind::Ping => {
-                self.push_reply(req.reply_with(0), Payload::None);
-                return;
+        if !in_range && req.kind != Kind::Flush {
+            tracing::warn!(peer = %self.peer, ?req, "refused request: out of range");
+            if counted {
+                self.fence_exit();
             }
-            Kind::Flush | Kind::Hello => None,
-            _ if !in_range => Some(libc::EINVAL),
-            _ => None,
-        };
-        if let Some(errno) = refuse {
-            tracing::warn!(peer = %self.peer, ?req, errno, "refused request");
-            if req.kind.is_write() && req.length > 0 {
-                self.recv = Recv::Drain {
-                    remaining: u64::from(req.length),
-                    req,
-                    status: errno as u32,
-                };
-            } else {
-                self.push_error(req, errno);
-            }
+            self.refuse(req, libc::EINVAL);
             return;
         }
         let op = match req.kind {
@@ -738,6 +1045,9 @@ impl Conn {
                 if req.length == 0 =>
             {
                 self.push_reply(req.reply_with(0), Payload::None);
+                if counted {
+                    self.fence_exit();
+                }
                 return;
             }
             Kind::Read => IoOp::Read,
@@ -749,13 +1059,26 @@ impl Conn {
                 no_hole: false,
                 fua: false,
             },
-            Kind::Ping | Kind::Hello => return,
+            Kind::Ping
+            | Kind::Hello
+            | Kind::Detach
+            | Kind::IntentMark
+            | Kind::IntentClear
+            | Kind::IntentGet => {
+                debug_assert!(false, "{:?} handled above", req.kind);
+                return;
+            }
         };
         let Some(slot) = self.free.pop() else {
             debug_assert!(false, "take_frame checked for a free slot");
+            if counted {
+                self.fence_exit();
+            }
             self.push_error(req, libc::EAGAIN);
             return;
         };
+        // From here the slot holds the fence count, until `complete` or
+        // `release_slot`.
         self.slots[slot as usize] = Some(req);
         match op {
             IoOp::Read => {
@@ -773,6 +1096,61 @@ impl Conn {
             }
             _ => self.submit(slot, &req, op, None),
         }
+    }
+
+    /// INTENT_MARK / INTENT_CLEAR (counted in the fence): regions
+    /// `[offset, offset + length)`. A mark waits until durable (the
+    /// connection reads no frames meanwhile); a clear is answered at once
+    /// and persisted lazily.
+    fn intent_update(&mut self, req: Header) {
+        let regions = self.server.regions;
+        let in_range = req
+            .offset
+            .checked_add(u64::from(req.length))
+            .is_some_and(|end| end <= u64::from(regions));
+        if !in_range {
+            tracing::warn!(peer = %self.peer, ?req, regions, "refused request: regions out of range");
+            self.fence_exit();
+            self.push_error(req, libc::EINVAL);
+            return;
+        }
+        // In range, so the first region fits a u32 (regions is one).
+        let first = req.offset as u32;
+        if req.kind == Kind::IntentClear {
+            let cleared = self.server.intent.clear(first, req.length);
+            self.fence_exit();
+            match cleared {
+                Ok(()) => self.push_reply(req.reply_with(0), Payload::None),
+                Err(e) => self.intent_failed(req, e),
+            }
+            return;
+        }
+        match self.server.intent.mark(first, req.length) {
+            // Still counted: the wait gives it back.
+            Ok(seq) => self.wait = Some(Wait::Intent { req, seq }),
+            Err(e) => {
+                self.fence_exit();
+                self.intent_failed(req, e);
+            }
+        }
+    }
+
+    /// INTENT_GET: the bitmap as it is in memory (a superset of what is
+    /// durable: marks are set before they are stored, clears persist
+    /// lazily), flagged when the record was lost.
+    fn intent_get(&mut self, req: Header) {
+        let (lost, bitmap) = self.server.intent.snapshot();
+        let flags = if lost { INTENT_FLAG_LOST } else { 0 };
+        let mut payload = Vec::with_capacity(wire::INTENT_HEADER_LEN + bitmap.len());
+        if let Err(e) = wire::encode_intent(flags, &bitmap, &mut payload) {
+            tracing::error!(peer = %self.peer, error = %e, "cannot encode the write-intent record");
+            self.push_error(req, libc::EIO);
+            return;
+        }
+        let mut reply = req.reply_with(0);
+        reply.offset = u64::from(self.server.regions);
+        reply.length = payload.len() as u32;
+        self.push_reply(reply, Payload::Bytes(payload));
     }
 
     /// Answers EXTENTS inline. SEEK_DATA/SEEK_HOLE on a local file are
@@ -820,9 +1198,14 @@ impl Conn {
         self.push_reply(reply, Payload::Bytes(payload));
     }
 
+    /// Frees a slot whose request is abandoned (a write whose payload
+    /// never fully arrived).
     fn release_slot(&mut self, slot: u32) {
-        if self.slots[slot as usize].take().is_some() {
+        if let Some(req) = self.slots[slot as usize].take() {
             self.free.push(slot);
+            if req.kind.modifies() {
+                self.fence_exit();
+            }
         }
     }
 

@@ -12,33 +12,58 @@
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
-//! // ... until SIGTERM:
-//! server.shutdown(Duration::from_secs(30))?; // drains, fdatasyncs, marks clean
+//! // ... until SIGTERM: drains, fdatasyncs, persists the write-intent
+//! // record; the replica stays dirty unless the last engine detached.
+//! server.shutdown(Duration::from_secs(30))?;
 //! ```
 //!
 //! Layout of `DIR`: `data.img` (the volume, sparse, through io_uring),
-//! `meta.json` ([`Meta`]: size, generation, clean flag) and `lock` (an
-//! exclusive advisory lock, so two replicas never share a directory).
+//! `meta.json` ([`Meta`]: size, generation, clean flag), `intent.bin` (the
+//! write-intent record, see [`intent`]) and `lock` (an exclusive advisory
+//! lock, so two replicas never share a directory).
 //!
 //! Threads: one acceptor thread on the main reactor; each connection gets
 //! its own lull thread (round-robin over the reactors) with one poller that
 //! owns the socket and the connection's file channel (the scaffolding is
 //! `lull_net::server`, shared with `lull-nbd`).
 //! Metadata writes (two fsyncs) run on short-lived helper OS threads and
-//! report back with a message, so no reactor ever blocks on them.
+//! report back with a message; write-intent stores run on one long-lived
+//! thread ("lull-replica-intent") that group-commits them. No reactor ever
+//! blocks on a disk sync.
 //!
-//! Protocol rules on top of the codec: the first frame of a connection is
-//! HELLO; more may follow (the engine probes with a plain HELLO, then
-//! attaches on any connection). A HELLO with `HELLO_FLAG_ATTACH` marks the
-//! replica dirty and raises its generation to the one sent (durably,
-//! before the reply). The first WRITE/TRIM/WRITE_ZEROES on a replica whose
-//! record says clean (a rebuild target is written before any attach)
-//! first marks it dirty, durably. The HELLO reply reports the current
-//! generation and whether the replica was clean when it started.
+//! Protocol rules on top of the codec (version 2, see
+//! [`lull_proto::replica`]):
+//!
+//! - The first frame of a connection is HELLO; more may follow (the engine
+//!   probes with a plain HELLO, then attaches on any connection), all with
+//!   the session of the first.
+//! - **Sessions** (the `fence` module): a HELLO with a session newer than the
+//!   owner's takes the replica over; it is answered only once every
+//!   modifying request of other sessions already taken has completed, and
+//!   their connections are closed. An older session's HELLO gets `ESTALE`;
+//!   session 0 (a tool) gets `ESTALE` for modifying requests, ATTACH and
+//!   DETACH while an engine owns the replica.
+//! - **Clean** means the last engine attached detached cleanly and nothing
+//!   has modified the replica since. A HELLO with `HELLO_FLAG_ATTACH` marks
+//!   the replica dirty and raises its generation to the one sent (durably,
+//!   before the reply). The first modifying request ([`Kind::modifies`]) on
+//!   a replica whose record says clean (a rebuild target is written before
+//!   any attach) first marks it dirty, durably. DETACH (sent by the engine
+//!   once all its I/O completed and a FLUSH was answered) syncs the data,
+//!   empties the write-intent record and marks the replica clean. Stopping
+//!   the replica process changes none of this.
+//! - The HELLO reply reports the current generation, the owner session,
+//!   `HELLO_FLAG_CLEAN` when the durable record says clean now and the
+//!   write-intent record is not lost, and `HELLO_FLAG_INTENT_LOST` when it
+//!   is.
+//!
+//! [`Kind::modifies`]: lull_proto::replica::Kind::modifies
 
 #![forbid(unsafe_code)]
 
 mod conn;
+mod fence;
+pub mod intent;
 pub mod meta;
 
 use std::fs::{File, OpenOptions};
@@ -55,9 +80,13 @@ use lull_net::server::{Acceptor, Connections, Limits};
 use lull_reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
+pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION};
 
 use crate::conn::Conn;
+use crate::fence::Fences;
+use crate::intent::{IntentFile, Persister};
+use lull_proto::replica::{HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST};
 
 /// File name of the volume data inside the replica directory.
 pub const DATA_FILE: &str = "data.img";
@@ -75,7 +104,8 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const HELLO_TIMEOUT_US: u64 = 10_000_000;
 
 /// How long `run` waits at shutdown for connections to finish their
-/// in-flight I/O before giving up (and leaving the replica dirty).
+/// in-flight I/O before giving up (with an error; the data file is then
+/// not synced by the stop).
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Exit code for bad arguments or a directory that does not match them.
@@ -108,8 +138,12 @@ pub enum ReplicaError {
     ShuttingDown,
     #[error("cannot start a metadata writer thread: {0}")]
     Helper(io::Error),
-    #[error("{open} connection(s) still open after the shutdown timeout; the replica stays dirty")]
+    #[error("{open} connection(s) still open after the shutdown timeout; the data file was not synced")]
     Unclean { open: usize },
+    #[error("write-intent record: {0}")]
+    Intent(#[from] IntentError),
+    #[error("DETACH while {in_flight} other modifying request(s) are in flight: the engine detaches only after its I/O completed and a FLUSH")]
+    DetachBusy { in_flight: usize },
 }
 
 impl ReplicaError {
@@ -125,6 +159,8 @@ impl ReplicaError {
             ReplicaError::Bdev(e) => e.errno(),
             ReplicaError::Reactor(_) | ReplicaError::Unclean { .. } => libc::EIO,
             ReplicaError::ShuttingDown => libc::ESHUTDOWN,
+            ReplicaError::Intent(e) => e.errno(),
+            ReplicaError::DetachBusy { .. } => libc::EBUSY,
         }
     }
 
@@ -230,9 +266,12 @@ pub fn parse_cores(s: &str) -> Result<Vec<usize>, ReplicaError> {
 }
 
 /// `lull replica`: serve until SIGINT/SIGTERM, then stop cleanly (stop
-/// accepting, finish in-flight I/O, fdatasync, mark clean). Exit code 0 on
-/// a clean stop, 2 for bad arguments (or a directory that does not match
-/// them), 1 for other failures.
+/// accepting, finish in-flight I/O, fdatasync, persist the write-intent
+/// record). The replica is clean afterwards only if it was: the last
+/// engine attached to it detached (DETACH); with an engine still attached
+/// it stays dirty, since that engine may have written to other replicas
+/// what this one has not. Exit code 0 on a clean stop, 2 for bad arguments
+/// (or a directory that does not match them), 1 for other failures.
 pub fn run(args: &ReplicaArgs) -> ExitCode {
     let allowed = match lull_reactor::sys::allowed_cpus() {
         Ok(a) => a,
@@ -307,8 +346,18 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
 /// helper threads hold across a write (writes are serialised).
 struct MetaState {
     meta: Meta,
-    /// Set when shutdown has written the clean record: no attach after it.
+    /// Set when shutdown has synced everything: no attach or detach after it.
     sealed: bool,
+}
+
+/// A metadata change run on a helper thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MetaJob {
+    /// Mark dirty and raise the generation to at least this (0 only
+    /// marks dirty).
+    Attach(u64),
+    /// A clean detach (see [`Shared::detach`]).
+    Detach,
 }
 
 /// State shared by the acceptor, the connections and the server handle.
@@ -320,24 +369,30 @@ pub(crate) struct Shared {
     /// offset is moved by those calls; no I/O goes through it).
     pub(crate) scan: File,
     pub(crate) conns: Arc<Connections>,
-    /// Whether the replica was clean when this server started (reported in
-    /// every HELLO reply).
-    pub(crate) clean_at_start: bool,
     /// The durable generation, readable without the metadata lock.
     pub(crate) generation: AtomicU64,
-    /// The durable record says dirty: data may change. False while the
-    /// record still claims a clean stop.
+    /// The durable record says dirty, so data may change without a
+    /// metadata write first. Cleared by a DETACH *before* it checks for
+    /// requests in flight and writes the clean record (see
+    /// [`Shared::detach`]), so it may be false while the record is still
+    /// dirty, never the other way round.
     pub(crate) dirty: AtomicBool,
+    /// The durable record says clean (a mirror, for HELLO replies).
+    clean: AtomicBool,
+    /// Write-intent regions of the volume.
+    pub(crate) regions: u32,
+    pub(crate) intent: Arc<Persister>,
+    pub(crate) fences: Fences,
     meta: Mutex<MetaState>,
 }
 
 impl Shared {
-    /// Starts marking the replica dirty at `generation` (or higher; 0 only
-    /// marks it dirty) on a helper thread. The result arrives on the returned channel, and then
-    /// `poller` on `thread` is woken.
-    pub(crate) fn attach_async(
+    /// Starts `job` on a helper thread. The result (the durable generation)
+    /// arrives on the returned channel, and then `poller` on `thread` is
+    /// woken.
+    pub(crate) fn meta_async(
         self: &Arc<Self>,
-        generation: u64,
+        job: MetaJob,
         thread: ThreadHandle,
         poller: PollerId,
     ) -> Result<mpsc::Receiver<Result<u64, ReplicaError>>, ReplicaError> {
@@ -346,7 +401,10 @@ impl Shared {
         std::thread::Builder::new()
             .name("lull-replica-meta".into())
             .spawn(move || {
-                let result = shared.attach(generation);
+                let result = match job {
+                    MetaJob::Attach(generation) => shared.attach(generation),
+                    MetaJob::Detach => shared.detach(),
+                };
                 let _ = tx.send(result);
                 let _ = thread.send(move |t| {
                     t.wake_poller(poller);
@@ -356,10 +414,27 @@ impl Shared {
         Ok(rx)
     }
 
+    /// The HELLO reply flags now.
+    pub(crate) fn hello_flags(&self) -> u64 {
+        let lost = self.intent.lost();
+        let mut flags = 0;
+        if self.clean.load(Ordering::SeqCst) && !lost {
+            flags |= HELLO_FLAG_CLEAN;
+        }
+        if lost {
+            flags |= HELLO_FLAG_INTENT_LOST;
+        }
+        flags
+    }
+
+    fn lock_meta(&self) -> std::sync::MutexGuard<'_, MetaState> {
+        self.meta.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Blocking: persists `clean = false` and `generation = max(current,
     /// generation)` when either changes. Returns the durable generation.
     fn attach(&self, generation: u64) -> Result<u64, ReplicaError> {
-        let mut state = self.meta.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.lock_meta();
         if state.sealed || self.conns.stopping() {
             return Err(ReplicaError::ShuttingDown);
         }
@@ -370,12 +445,60 @@ impl Shared {
         };
         if next != state.meta {
             next.store(&self.dir)?;
-            tracing::info!(dir = %self.dir.display(), generation = next.generation, "engine attached: replica marked dirty");
+            tracing::info!(dir = %self.dir.display(), generation = next.generation, "replica marked dirty");
             state.meta = next;
             self.generation.store(next.generation, Ordering::SeqCst);
         }
+        self.clean.store(false, Ordering::SeqCst);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(next.generation)
+    }
+
+    /// Blocking: a clean detach. The engine sends DETACH only once all its
+    /// I/O has completed and a FLUSH was answered, so every replica it
+    /// detaches holds the same bytes; this makes the data durable, empties
+    /// the write-intent record (durably, ending a lost state) and writes
+    /// `clean = true`. Any later modifying request makes it dirty again.
+    ///
+    /// Other modifying requests in flight break that promise: refused
+    /// with [`ReplicaError::DetachBusy`]. The check is exact: `dirty` is
+    /// cleared first, then the counts are read (both sequentially
+    /// consistent), while a request counts itself first and reads `dirty`
+    /// after; so a request either is counted here or marks the record dirty
+    /// again through [`Shared::attach`], which waits for this lock.
+    fn detach(&self) -> Result<u64, ReplicaError> {
+        let mut state = self.lock_meta();
+        if state.sealed || self.conns.stopping() {
+            return Err(ReplicaError::ShuttingDown);
+        }
+        self.dirty.store(false, Ordering::SeqCst);
+        // The DETACH itself is one of them.
+        let in_flight = self.fences.modifying_total().saturating_sub(1);
+        if in_flight > 0 {
+            // The record is still durably dirty: nothing to redo.
+            self.dirty.store(true, Ordering::SeqCst);
+            return Err(ReplicaError::DetachBusy { in_flight });
+        }
+        let clean = Meta {
+            clean: true,
+            ..state.meta
+        };
+        let result = self
+            .dev
+            .sync()
+            .map_err(ReplicaError::from)
+            .and_then(|()| self.intent.clear_all_durably().map_err(ReplicaError::from))
+            .and_then(|()| clean.store(&self.dir).map_err(ReplicaError::from));
+        // Success or not, the record may say clean now (a failed store may
+        // have renamed before its directory sync failed): the next
+        // modifying request must write dirty again, which it does when the
+        // known record says clean and `dirty` is false.
+        state.meta = clean;
+        self.clean.store(result.is_ok(), Ordering::SeqCst);
+        result?;
+        tracing::info!(dir = %self.dir.display(), generation = clean.generation,
+            "engine detached cleanly: replica marked clean, write-intent record empty");
+        Ok(clean.generation)
     }
 }
 
@@ -466,6 +589,15 @@ impl ReplicaServer {
             meta.store(&dir)?;
         }
         let scan = File::open(&data_path).map_err(io_err(&data_path))?;
+        // A missing record is empty only where nothing can differ: a new
+        // replica, or one whose last engine detached cleanly.
+        let (intent_file, loaded) = IntentFile::open(&dir, config.size_bytes, meta.clean)?;
+        if let Some(why) = &loaded.lost {
+            tracing::warn!(path = %intent_file.path().display(), reason = %why,
+                "write-intent record lost: every region is reported as possibly different, and the replica as not clean");
+        }
+        let intent_lost = loaded.lost.is_some();
+        let regions = lull_proto::replica::intent_regions(config.size_bytes);
 
         let listener = TcpListener::bind(config.listen).map_err(|source| ReplicaError::Listen {
             addr: config.listen,
@@ -484,6 +616,9 @@ impl ReplicaServer {
                 source,
             })?;
 
+        // Started last of the fallible steps before the acceptor, which
+        // stops it if it fails itself.
+        let intent = Persister::start(intent_file, loaded)?;
         let conns = Arc::new(Connections::new(Limits {
             name: "replica",
             max_connections: MAX_CONNECTIONS,
@@ -495,19 +630,28 @@ impl ReplicaServer {
             dev,
             scan,
             conns: conns.clone(),
-            clean_at_start: meta.clean,
             generation: AtomicU64::new(meta.generation),
             dirty: AtomicBool::new(!meta.clean),
+            clean: AtomicBool::new(meta.clean),
+            regions,
+            intent,
+            fences: Fences::new(),
             meta: Mutex::new(MetaState {
                 meta,
                 sealed: false,
             }),
         });
         let s = shared.clone();
-        let acceptor = Acceptor::start(fw, &conns, vec![listener], move |stream| Conn::new(stream, s.clone()))?;
+        let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| Conn::new(stream, s.clone())) {
+            Ok(a) => a,
+            Err(e) => {
+                shared.intent.stop();
+                return Err(e.into());
+            }
+        };
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
-            generation = meta.generation, clean = meta.clean, data = %shared.dev.describe(),
+            generation = meta.generation, clean = meta.clean, intent_lost, data = %shared.dev.describe(),
             "replica serving"
         );
         Ok(ReplicaServer {
@@ -528,9 +672,21 @@ impl ReplicaServer {
         self.shared.generation.load(Ordering::SeqCst)
     }
 
-    /// Whether the replica was clean when this server started.
-    pub fn was_clean_at_start(&self) -> bool {
-        self.shared.clean_at_start
+    /// Whether the replica reports clean now: the durable record says
+    /// clean (the last engine detached) and the write-intent record is not
+    /// lost.
+    pub fn is_clean(&self) -> bool {
+        self.shared.hello_flags() & HELLO_FLAG_CLEAN != 0
+    }
+
+    /// Whether the write-intent record was lost (until a clean DETACH).
+    pub fn intent_lost(&self) -> bool {
+        self.shared.intent.lost()
+    }
+
+    /// The engine session that owns the replica (0: none since start).
+    pub fn owner_session(&self) -> u64 {
+        self.shared.fences.owner()
     }
 
     pub fn size_bytes(&self) -> u64 {
@@ -543,9 +699,12 @@ impl ReplicaServer {
 
     /// Stops cleanly: no new connections; every connection finishes its
     /// in-flight requests, sends their replies and closes; the data file is
-    /// fdatasynced; the record is marked clean. If connections are still
-    /// open after `timeout`, or the sync fails, the replica stays dirty and
-    /// the error says why.
+    /// fdatasynced and pending write-intent changes are persisted. The
+    /// clean flag is left as it is: clean only if the last engine detached
+    /// (an engine still attached may have written to its other replicas
+    /// what this one never got, so a stop cannot vouch for it). If
+    /// connections are still open after `timeout`, or a sync fails, the
+    /// error says why.
     pub fn shutdown(self, timeout: Duration) -> Result<(), ReplicaError> {
         self.acceptor.stop();
         let open = self.acceptor.drain(timeout);
@@ -553,26 +712,27 @@ impl ReplicaServer {
             return Err(ReplicaError::Unclean { open });
         }
         self.shared.dev.sync()?;
-        let mut state = self.shared.meta.lock().unwrap_or_else(|p| p.into_inner());
-        let clean = Meta {
-            clean: true,
-            ..state.meta
-        };
-        if clean != state.meta {
-            clean.store(&self.shared.dir)?;
-            state.meta = clean;
-        }
+        self.shared.intent.flush()?;
+        self.shared.intent.stop();
+        let mut state = self.shared.lock_meta();
         state.sealed = true;
-        tracing::info!(dir = %self.shared.dir.display(), generation = clean.generation, "replica marked clean");
+        let dir = self.shared.dir.display();
+        let generation = state.meta.generation;
+        if self.shared.clean.load(Ordering::SeqCst) {
+            tracing::info!(%dir, generation, "replica stopped clean: the last engine detached");
+        } else {
+            tracing::info!(%dir, generation, "replica stopped dirty: an engine attached (or wrote) and did not detach");
+        }
         Ok(())
     }
 }
 
 impl Drop for ReplicaServer {
-    /// Without `shutdown`, connections are told to close but the replica
-    /// stays dirty.
+    /// Without `shutdown`, connections are told to close, and the
+    /// write-intent thread stores what is pending and stops.
     fn drop(&mut self) {
         self.acceptor.stop();
+        self.shared.intent.stop();
     }
 }
 

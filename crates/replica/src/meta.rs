@@ -55,8 +55,12 @@ pub struct Meta {
     /// Raised by the engine at each attach; the freshest replicas after a
     /// crash are those with the highest generation.
     pub generation: u64,
-    /// True only after a clean shutdown, false from the first engine
-    /// attach on: a dirty replica may miss writes its peers have.
+    /// True only while the last engine attached to the replica detached
+    /// cleanly (DETACH, after its I/O completed and a FLUSH) and nothing
+    /// has modified it since; false from an attach or the first modifying
+    /// request on. A dirty replica may differ from its peers (in the
+    /// regions its write-intent record names). Stopping the replica
+    /// process does not change it.
     pub clean: bool,
 }
 

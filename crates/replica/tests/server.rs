@@ -8,13 +8,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lull_proto::replica::{
-    self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN, HELLO_LEN,
+    self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
+    HELLO_FLAG_INTENT_LOST, HELLO_LEN, INTENT_FLAG_LOST,
 };
 use lull_reactor::{Framework, FrameworkConfig, Mode};
-use lull_replica::{Meta, ReplicaConfig, ReplicaError, ReplicaServer};
+use lull_replica::intent::IntentFile;
+use lull_replica::{
+    Meta, ReplicaConfig, ReplicaError, ReplicaServer, INTENT_FILE, INTENT_SLOT_BYTES,
+};
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
+/// Write-intent regions of SIZE: 16 of 4 MiB.
+const REGIONS: u32 = 16;
 
 struct TempDir(PathBuf);
 
@@ -63,16 +69,28 @@ fn meta(dir: &Path) -> Meta {
 struct Client {
     s: TcpStream,
     next_id: u64,
+    /// Sent in every HELLO: 0 for a tool, non-zero for an engine.
+    session: u64,
 }
 
 impl Client {
+    /// A tool's connection (session 0).
     fn connect(addr: SocketAddr) -> Client {
+        Client::engine(addr, 0)
+    }
+
+    /// An engine's connection with `session`.
+    fn engine(addr: SocketAddr, session: u64) -> Client {
         let s = TcpStream::connect(addr).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         // Header and payload are two writes: without this, Nagle holds the
         // second until the replica's delayed ACK (~40 ms per request).
         s.set_nodelay(true).unwrap();
-        Client { s, next_id: 1 }
+        Client {
+            s,
+            next_id: 1,
+            session,
+        }
     }
 
     fn send(&mut self, h: &Header, payload: &[u8]) {
@@ -111,9 +129,31 @@ impl Client {
             volume_size,
             generation,
             flags,
+            session: self.session,
         });
         let (h, p) = self.call(Kind::Hello, 0, HELLO_LEN as u32, &body);
         (h, wire::decode_hello(&p).expect("hello payload"))
+    }
+
+    /// A plain HELLO (the engine's probe); status 0 expected.
+    fn probe(&mut self) -> Hello {
+        let (h, hello) = self.hello(SIZE, 0, 0);
+        assert_eq!(h.status, 0);
+        hello
+    }
+
+    fn detach(&mut self) -> u32 {
+        self.status(Kind::Detach, 0, 0)
+    }
+
+    /// INTENT_GET: (flags, regions set).
+    fn intent(&mut self) -> (u64, Vec<u32>) {
+        let (h, p) = self.call(Kind::IntentGet, 0, 0, &[]);
+        assert_eq!(h.status, 0);
+        assert_eq!(h.offset, u64::from(REGIONS), "reply offset = region count");
+        let (flags, bitmap) = wire::decode_intent(&p).expect("intent payload");
+        assert_eq!(bitmap.len(), wire::intent_bitmap_bytes(SIZE));
+        (flags, set_bits(bitmap))
     }
 
     fn attach(&mut self, generation: u64) -> Hello {
@@ -153,6 +193,41 @@ impl Client {
     }
 }
 
+fn set_bits(bitmap: &[u8]) -> Vec<u32> {
+    (0..bitmap.len() as u32 * 8)
+        .filter(|&i| bitmap[i as usize / 8] & (1 << (i % 8)) != 0)
+        .collect()
+}
+
+/// The regions set in the record on disk now (not what the server holds
+/// in memory): what a crash would leave.
+fn intent_on_disk(dir: &Path) -> Vec<u32> {
+    let (_, loaded) = IntentFile::open(dir, SIZE, false).expect("intent file");
+    assert!(loaded.lost.is_none(), "{:?}", loaded.lost);
+    set_bits(&loaded.bitmap)
+}
+
+/// Seq of each slot of the record on disk.
+fn slot_seqs(dir: &Path) -> [u64; 2] {
+    let raw = std::fs::read(dir.join(INTENT_FILE)).unwrap();
+    let seq = |slot: usize| {
+        let at = slot * INTENT_SLOT_BYTES + 8;
+        u64::from_be_bytes(raw[at..at + 8].try_into().unwrap())
+    };
+    [seq(0), seq(1)]
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0xa5], at).unwrap();
+}
+
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -165,14 +240,16 @@ fn io_round_trip_flush_trim_extents_ping() {
     let mut fw = framework();
     let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
     let mut c = Client::connect(server.local_addr());
-    let hello = c.attach(5);
-    assert_eq!(hello.volume_size, SIZE);
-    assert_eq!(hello.generation, 5);
+    let probe = c.probe();
     assert_eq!(
-        hello.flags & HELLO_FLAG_CLEAN,
+        probe.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST),
         HELLO_FLAG_CLEAN,
         "a new replica starts clean"
     );
+    let hello = c.attach(5);
+    assert_eq!(hello.volume_size, SIZE);
+    assert_eq!(hello.generation, 5);
+    assert_eq!(hello.flags & HELLO_FLAG_CLEAN, 0, "attached: dirty");
 
     let a = pattern(1, 256 * 1024);
     let b = pattern(2, 64 * 1024);
@@ -295,28 +372,45 @@ fn generation_and_clean_flag_persist_across_restarts() {
 
     let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (0, true));
-    let mut c = Client::connect(server.local_addr());
-    assert_eq!(c.attach(7).generation, 7);
+    assert!(server.is_clean());
+    let mut c = Client::engine(server.local_addr(), 1);
+    assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
+    let hello = c.attach(7);
+    assert_eq!((hello.generation, hello.flags & HELLO_FLAG_CLEAN), (7, 0));
     // Attached: dirty, durably, before the HELLO reply.
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, false));
     assert_eq!(c.write(0, b"persist me"), 0);
     // A second engine connection with a lower generation keeps the higher.
-    let mut c2 = Client::connect(server.local_addr());
+    let mut c2 = Client::engine(server.local_addr(), 1);
     assert_eq!(c2.attach(3).generation, 7);
     drop((c, c2));
+    // A replica stopped with an engine attached stays dirty: that engine
+    // may have written to its other replicas what this one never got.
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, false));
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(!server.is_clean());
+    assert_eq!(server.generation(), 7);
+    let mut c = Client::engine(server.local_addr(), 2);
+    let hello = c.probe();
+    assert_eq!((hello.generation, hello.flags & HELLO_FLAG_CLEAN), (7, 0));
+    // The engine detaches cleanly: clean at once, and across a restart.
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    assert_eq!(c.detach(), 0);
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, true));
+    assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
+    drop(c);
     server.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, true));
 
-    // Restart: clean at startup is reported; a higher generation is taken.
+    // Restart: clean is reported; a higher generation is taken.
     let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    assert!(server.was_clean_at_start());
-    assert_eq!(server.generation(), 7);
-    let mut c = Client::connect(server.local_addr());
+    assert!(server.is_clean());
+    let mut c = Client::engine(server.local_addr(), 3);
+    assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
     let hello = c.attach(9);
-    assert_eq!(
-        (hello.generation, hello.flags & HELLO_FLAG_CLEAN),
-        (9, HELLO_FLAG_CLEAN)
-    );
+    assert_eq!((hello.generation, hello.flags & HELLO_FLAG_CLEAN), (9, 0));
     assert_eq!(c.read(0, 10), b"persist me");
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (9, false));
     // Dropped without shutdown (a crash, as far as the record knows).
@@ -327,7 +421,7 @@ fn generation_and_clean_flag_persist_across_restarts() {
     std::thread::sleep(Duration::from_millis(200));
 
     let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    assert!(!server.was_clean_at_start());
+    assert!(!server.is_clean());
     let mut c = Client::connect(server.local_addr());
     let (h, hello) = c.hello(SIZE, 0, 0);
     assert_eq!(
@@ -392,12 +486,14 @@ fn wrong_version_gets_eproto_then_close() {
         &mut raw,
     )
     .unwrap();
-    raw[4..6].copy_from_slice(&2u16.to_be_bytes());
+    // Version 1: before sessions.
+    raw[4..6].copy_from_slice(&1u16.to_be_bytes());
     c.s.write_all(&raw).unwrap();
     c.s.write_all(&wire::encode_hello(&Hello {
         volume_size: SIZE,
         generation: 1,
         flags: HELLO_FLAG_ATTACH,
+        session: 0,
     }))
     .unwrap();
     let (h, p) = c.recv();
@@ -494,12 +590,15 @@ fn probe_then_attach_and_writes_without_attach_dirty_first() {
     assert!(meta(&dir.0).clean, "reads do not dirty the replica");
     assert_eq!(c.attach(4).generation, 4);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
+    assert_eq!(c.detach(), 0);
     drop(c);
     server.shutdown(Duration::from_secs(10)).unwrap();
     assert!(meta(&dir.0).clean);
 
     // A rebuild target is written without an attach: the record turns
-    // dirty (durably) before the first write lands.
+    // dirty (durably) before the first write lands, and so do the other
+    // modifying requests (here an INTENT_MARK, then after a detach a
+    // CLEAR).
     let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
     let mut c = Client::connect(server.local_addr());
     c.hello(SIZE, 0, 0);
@@ -508,9 +607,17 @@ fn probe_then_attach_and_writes_without_attach_dirty_first() {
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
     assert_eq!(c.write(4096, b"rebuilt"), 0);
     assert_eq!(c.read(4096, 7), b"rebuilt");
+    assert_eq!(c.detach(), 0);
+    assert!(meta(&dir.0).clean);
+    assert_eq!(c.status(Kind::IntentMark, 0, 1), 0);
+    assert!(!meta(&dir.0).clean);
+    assert_eq!(c.detach(), 0);
+    assert_eq!(c.status(Kind::IntentClear, 0, 1), 0);
+    assert!(!meta(&dir.0).clean);
     drop(c);
+    // Written, not detached: a stop leaves it dirty.
     server.shutdown(Duration::from_secs(10)).unwrap();
-    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, true));
+    assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
     fw.stop();
 }
 
@@ -538,7 +645,7 @@ fn shutdown_finishes_connected_peers() {
     }
     server.shutdown(Duration::from_secs(10)).unwrap();
     c.expect_closed();
-    assert!(meta(&dir.0).clean);
+    assert!(!meta(&dir.0).clean, "the engine never detached");
     assert!(TcpStream::connect(addr)
         .map(|mut s| {
             let mut b = [0u8; 1];
@@ -618,6 +725,377 @@ fn serves_in_poll_mode() {
     assert_eq!(c.write(4 * MIB, &data), 0);
     assert_eq!(c.status(Kind::Flush, 0, 0), 0);
     assert_eq!(c.read(4 * MIB, data.len() as u32), data);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+/// Waits (bounded) until the server has closed all but `n` connections.
+fn wait_connections(server: &ReplicaServer, n: usize) {
+    for _ in 0..500 {
+        if server.connection_count() <= n {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!(
+        "{} connections still open, expected {n}",
+        server.connection_count()
+    );
+}
+
+#[test]
+fn intent_marks_are_durable_before_the_reply_and_clears_persist() {
+    let dir = TempDir::new("intent");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x10);
+    c.attach(1);
+    assert_eq!(c.intent(), (0, vec![]), "a new replica's record is empty");
+    assert_eq!(c.status(Kind::IntentMark, 0, 2), 0);
+    // On disk by the time the reply arrives, not only in memory.
+    assert_eq!(intent_on_disk(&dir.0), vec![0, 1]);
+    assert_eq!(c.status(Kind::IntentMark, 9, 1), 0);
+    assert_eq!(intent_on_disk(&dir.0), vec![0, 1, 9]);
+    assert_eq!(c.status(Kind::IntentMark, 15, 1), 0);
+    assert_eq!(c.intent(), (0, vec![0, 1, 9, 15]));
+    // Marks from several connections at once all become durable (they
+    // share stores).
+    let mut others: Vec<Client> = (0..4)
+        .map(|_| {
+            let mut o = Client::engine(server.local_addr(), 0x10);
+            o.probe();
+            o
+        })
+        .collect();
+    for (i, o) in others.iter_mut().enumerate() {
+        o.send(&Header::request(Kind::IntentMark, 7, 3 + i as u64, 1), &[]);
+    }
+    for o in &mut others {
+        let (h, _) = o.recv();
+        assert_eq!((h.kind, h.status), (Kind::IntentMark, 0));
+    }
+    assert_eq!(intent_on_disk(&dir.0), vec![0, 1, 3, 4, 5, 6, 9, 15]);
+    assert_eq!(c.status(Kind::IntentClear, 3, 4), 0);
+    // A crash: what was marked survives.
+    drop((c, others));
+    drop(server);
+    std::thread::sleep(Duration::from_millis(200));
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut tool = Client::connect(server.local_addr());
+    let hello = tool.probe();
+    assert_eq!(hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST), 0);
+    let (flags, bits) = tool.intent();
+    assert_eq!(flags, 0);
+    assert!(
+        [0, 1, 9, 15].iter().all(|b| bits.contains(b)),
+        "marks lost in a crash: {bits:?}"
+    );
+    // Clears are lazy, but a stop persists them.
+    let mut c = Client::engine(server.local_addr(), 0x11);
+    c.attach(2);
+    assert_eq!(c.status(Kind::IntentClear, 0, 16), 0);
+    assert_eq!(c.status(Kind::IntentMark, 1, 1), 0);
+    assert_eq!(c.intent(), (0, vec![1]));
+    drop((c, tool));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(intent_on_disk(&dir.0), vec![1]);
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut tool = Client::connect(server.local_addr());
+    tool.probe();
+    assert_eq!(tool.intent(), (0, vec![1]));
+    drop(tool);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_corrupt_intent_record_is_lost_and_one_bad_slot_is_survived() {
+    let dir = TempDir::new("intent-lost");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x20);
+    c.attach(1);
+    // Separate stores (each mark is answered before the next is sent).
+    assert_eq!(c.status(Kind::IntentMark, 3, 1), 0);
+    assert_eq!(c.status(Kind::IntentMark, 5, 1), 0);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(!meta(&dir.0).clean);
+    let path = dir.0.join(INTENT_FILE);
+
+    // The newest slot torn (a byte of its bitmap): the older one is used,
+    // which holds the mark of region 3 but not yet 5.
+    let seqs = slot_seqs(&dir.0);
+    let (newest, older) = if seqs[0] > seqs[1] { (0, 1) } else { (1, 0) };
+    assert_eq!(seqs[newest], seqs[older] + 1);
+    let saved = std::fs::read(&path).unwrap();
+    flip_byte(&path, (newest * INTENT_SLOT_BYTES + 32) as u64);
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(!server.intent_lost());
+    let mut tool = Client::connect(server.local_addr());
+    let hello = tool.probe();
+    assert_eq!(hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST), 0);
+    assert_eq!(tool.intent(), (0, vec![3]));
+    drop(tool);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+
+    // Both slots corrupt while the replica is dirty: lost. Every region
+    // is reported, and the replica is not clean.
+    std::fs::write(&path, &saved).unwrap();
+    flip_byte(&path, 0);
+    flip_byte(&path, (INTENT_SLOT_BYTES + 28) as u64);
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(server.intent_lost() && !server.is_clean());
+    let mut c = Client::engine(server.local_addr(), 0x21);
+    let hello = c.probe();
+    assert_eq!(
+        hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST),
+        HELLO_FLAG_INTENT_LOST
+    );
+    assert_eq!(c.intent(), (INTENT_FLAG_LOST, (0..REGIONS).collect()));
+    // Only a clean detach ends it (an empty record made durable).
+    c.attach(2);
+    assert_eq!(c.detach(), 0);
+    assert!(!server.intent_lost() && server.is_clean());
+    assert_eq!(c.intent(), (0, vec![]));
+    let hello = c.probe();
+    assert_eq!(
+        hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST),
+        HELLO_FLAG_CLEAN
+    );
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(intent_on_disk(&dir.0), Vec::<u32>::new());
+
+    // No record at all on a dirty replica (one an engine left dirty before
+    // records existed): lost too.
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x22);
+    c.attach(3);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(server.intent_lost());
+    let mut tool = Client::connect(server.local_addr());
+    assert_eq!(
+        tool.probe().flags & HELLO_FLAG_INTENT_LOST,
+        HELLO_FLAG_INTENT_LOST
+    );
+    assert_eq!(tool.intent().0, INTENT_FLAG_LOST);
+    drop(tool);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn detach_makes_the_replica_clean_and_only_the_owner_may() {
+    let dir = TempDir::new("detach");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x30);
+    c.attach(1);
+    assert_eq!(c.status(Kind::IntentMark, 0, 1), 0);
+    assert_eq!(c.write(0, b"detached"), 0);
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    // Not the owner: a tool (session 0) while an engine owns the replica.
+    let mut tool = Client::connect(server.local_addr());
+    tool.probe();
+    assert_eq!(tool.detach() as i32, libc::ESTALE);
+    assert!(!meta(&dir.0).clean);
+    assert_eq!(c.detach(), 0);
+    assert!(meta(&dir.0).clean);
+    assert_eq!(c.intent(), (0, vec![]));
+    assert_eq!(intent_on_disk(&dir.0), Vec::<u32>::new());
+    drop((c, tool));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    assert!(server.is_clean());
+    let mut c = Client::engine(server.local_addr(), 0x31);
+    let hello = c.probe();
+    assert_eq!(hello.flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
+    assert_eq!(hello.session, 0x31, "the reply names the owner");
+    assert_eq!(c.intent(), (0, vec![]));
+    assert_eq!(c.read(0, 8), b"detached");
+    // Any modifying request makes it dirty again.
+    assert_eq!(c.write(4096, b"x"), 0);
+    assert!(!meta(&dir.0).clean);
+    assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, 0);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(!meta(&dir.0).clean);
+    fw.stop();
+}
+
+#[test]
+fn a_new_engine_session_fences_the_old_one() {
+    let dir = TempDir::new("fence");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut a = Client::engine(server.local_addr(), 100);
+    a.attach(1);
+    assert_eq!(a.write(0, b"from A"), 0);
+    let mut tool = Client::connect(server.local_addr());
+    assert_eq!(tool.probe().session, 100);
+
+    // A dies in the middle of a write payload: that write is taken (and
+    // counted) but never complete, and must neither land nor hold up B.
+    let mut raw = [0u8; HEADER_LEN];
+    wire::encode_header(&Header::request(Kind::Write, 8, 3 * 4096, 4096), &mut raw).unwrap();
+    a.s.write_all(&raw).unwrap();
+    a.s.write_all(&pattern(8, 100)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+
+    // B (newer) takes the replica over; A's connection is closed by the
+    // replica, and what A sends afterwards is not applied.
+    let mut b = Client::engine(server.local_addr(), 200);
+    let hello = b.probe();
+    assert_eq!(hello.session, 200);
+    assert_eq!(server.owner_session(), 200);
+    let mut raw = [0u8; HEADER_LEN];
+    wire::encode_header(&Header::request(Kind::Write, 9, 4096, 6), &mut raw).unwrap();
+    // The socket may already be closed: a failed send is fine.
+    let _ = a.s.write_all(&raw).and_then(|()| a.s.write_all(b"late A"));
+    a.expect_closed();
+    assert_eq!(b.read(4096, 6), vec![0u8; 6], "a fenced write landed");
+    assert_eq!(
+        b.read(3 * 4096, 4096),
+        vec![0u8; 4096],
+        "a torn write landed"
+    );
+    assert_eq!(b.read(0, 6), b"from A");
+
+    // A tool may read, but not modify, while an engine owns the replica.
+    assert_eq!(tool.write(8192, b"tool") as i32, libc::ESTALE);
+    assert_eq!(tool.status(Kind::Trim, 0, 4096) as i32, libc::ESTALE);
+    assert_eq!(tool.status(Kind::IntentMark, 0, 1) as i32, libc::ESTALE);
+    let (h, _) = tool.hello(SIZE, 5, HELLO_FLAG_ATTACH);
+    assert_eq!(h.status as i32, libc::ESTALE);
+    assert_eq!(tool.read(0, 6), b"from A");
+    assert_eq!(b.read(8192, 4), vec![0u8; 4]);
+
+    // An older session cannot take the replica back.
+    let mut late = Client::engine(server.local_addr(), 150);
+    let (h, hello) = late.hello(SIZE, 0, 0);
+    assert_eq!((h.status as i32, hello.session), (libc::ESTALE, 200));
+    late.expect_closed();
+    // And one connection cannot change its session.
+    let mut b2 = Client::engine(server.local_addr(), 200);
+    b2.probe();
+    b2.session = 300;
+    b2.send(
+        &Header::request(Kind::Hello, 5, 0, HELLO_LEN as u32),
+        &wire::encode_hello(&Hello {
+            volume_size: SIZE,
+            generation: 0,
+            flags: 0,
+            session: 300,
+        }),
+    );
+    b2.expect_closed();
+    assert_eq!(server.owner_session(), 200);
+
+    // B works as ever.
+    b.attach(2);
+    assert_eq!(b.write(4096, b"from B"), 0);
+    assert_eq!(b.read(4096, 6), b"from B");
+    assert_eq!(tool.read(4096, 6), b"from B");
+    drop((b, tool));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_takeover_answers_after_the_old_writes_and_takes_no_later_one() {
+    let dir = TempDir::new("takeover");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut a = Client::engine(addr, 1000);
+    a.attach(1);
+    const CHUNK: usize = MIB as usize;
+    const CHUNKS: u64 = 48;
+    let (sent_tx, sent_rx) = std::sync::mpsc::channel();
+    // A streams writes without waiting for replies, as an engine does.
+    let writer = std::thread::spawn(move || {
+        for i in 0..CHUNKS {
+            let data = pattern(i as u8 + 1, CHUNK);
+            let h = Header::request(Kind::Write, 100 + i, i * CHUNK as u64, CHUNK as u32);
+            let mut raw = [0u8; HEADER_LEN];
+            wire::encode_header(&h, &mut raw).unwrap();
+            if a.s
+                .write_all(&raw)
+                .and_then(|()| a.s.write_all(&data))
+                .is_err()
+            {
+                break;
+            }
+            let _ = sent_tx.send(i);
+        }
+        drop(sent_tx);
+        a
+    });
+    // Take over in the middle of the stream.
+    for _ in 0..8 {
+        sent_rx.recv().unwrap();
+    }
+    let mut b = Client::engine(addr, 2000);
+    b.probe();
+    let read_all = |b: &mut Client| {
+        (0..CHUNKS)
+            .map(|i| b.read(i * CHUNK as u64, CHUNK as u32))
+            .collect::<Vec<_>>()
+    };
+    let seen = read_all(&mut b);
+    // Each chunk is all there or not at all (nothing of A is in flight).
+    for (i, chunk) in seen.iter().enumerate() {
+        assert!(
+            chunk.iter().all(|&x| x == 0) || *chunk == pattern(i as u8 + 1, CHUNK),
+            "chunk {i} half written when B got its HELLO reply"
+        );
+    }
+    // A is cut off: nothing it sends from now on lands.
+    let a = writer.join().unwrap();
+    let _ = a.s.shutdown(std::net::Shutdown::Write);
+    wait_connections(&server, 1);
+    assert_eq!(
+        read_all(&mut b),
+        seen,
+        "a write of A landed after B's HELLO reply"
+    );
+    drop((a, b));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn intent_ranges_past_the_regions_are_refused() {
+    let dir = TempDir::new("intent-range");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 7);
+    c.attach(1);
+    assert_eq!(
+        c.status(Kind::IntentMark, u64::from(REGIONS), 1) as i32,
+        libc::EINVAL
+    );
+    assert_eq!(
+        c.status(Kind::IntentMark, u64::from(REGIONS) - 1, 2) as i32,
+        libc::EINVAL
+    );
+    assert_eq!(
+        c.status(Kind::IntentClear, 0, REGIONS + 1) as i32,
+        libc::EINVAL
+    );
+    // The connection goes on.
+    assert_eq!(c.status(Kind::IntentMark, u64::from(REGIONS) - 1, 1), 0);
+    assert_eq!(c.status(Kind::IntentMark, 0, 0), 0);
+    assert_eq!(c.status(Kind::Ping, 0, 0), 0);
+    assert_eq!(c.intent(), (0, vec![REGIONS - 1]));
+    assert_eq!(c.write(0, b"ok"), 0);
     drop(c);
     server.shutdown(Duration::from_secs(10)).unwrap();
     fw.stop();
