@@ -794,6 +794,14 @@ impl Engine {
         if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
             *m &= bit;
         }
+        // The healthy set shrank: acknowledgements wait for a new
+        // generation on the replicas left, and that must hold before the
+        // failed replica's requests are drained below, or a write that
+        // completes by this very failure would be acknowledged while the
+        // failed replica, which lacks it, still has the same generation.
+        if was == RState::Healthy && self.healthy_mask() != 0 {
+            self.start_bump();
+        }
         let mut drained = Vec::new();
         for c in 0..self.replicas[r].conns.len() {
             if self.replicas[r].conns[c].state != CState::Down {
@@ -829,7 +837,6 @@ impl Engine {
                 self.on_no_healthy();
             } else {
                 self.log(LogLevel::Warn, format!("degraded: {healthy} healthy replica(s) left"));
-                self.start_bump();
             }
         }
     }
