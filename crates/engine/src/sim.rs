@@ -905,7 +905,7 @@ fn run_seed(seed: u64, cov: &mut Coverage) {
     sim.engine_crash_ppm = if seed % 4 == 3 { 0 } else { 20_000 };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         sim.run(8_000);
-        if seed % 2 == 0 {
+        if seed.is_multiple_of(2) {
             sim.detach_and_restart();
             sim.run(0);
         } else {
@@ -1053,8 +1053,9 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
 ///   replica's requests are drained.
 #[test]
 fn sim_regression_seeds() {
+    const SEEDS: &[u64] = &[1320];
     let mut cov = Coverage::default();
-    for seed in [1320] {
+    for &seed in SEEDS {
         run_seed(seed, &mut cov);
     }
 }

@@ -471,6 +471,20 @@ fn quiesce(server: &Server) {
     c.disconnect();
 }
 
+/// After a flush: the replicas' data files are bit-identical, and a real
+/// client reads the whole volume twice with the same result. The image.
+fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> Vec<u8> {
+    quiesce(server);
+    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+        panic!("{e}; server log:\n{}", server.stderr());
+    }
+    let dir = scratch(name);
+    let one = export_image(server, "vol0", &dir.join("one.raw"));
+    let two = export_image(server, "vol0", &dir.join("two.raw"));
+    assert!(one == two, "two full reads of the volume differ");
+    one
+}
+
 /// The scenario: a write reaches one replica only (the other is
 /// stopped), the server is SIGKILLed before it completes, the stopped
 /// replica resumes, the server restarts. The restarted engine must see an
@@ -524,16 +538,8 @@ fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate() {
         assert!(got == first, "read {i} after the reconcile returned other data (reads alternate)");
     }
     c.disconnect();
-    quiesce(&server);
-    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
-        panic!("{e}; server log:\n{}", server.stderr());
-    }
-    // A real client reads the whole volume twice, the same both times.
-    let dir = scratch("crash-img");
-    let one = export_image(&server, "vol0", &dir.join("one.raw"));
-    let two = export_image(&server, "vol0", &dir.join("two.raw"));
-    assert!(one == two, "two full reads of the volume differ");
-    assert!(one[at as usize..at as usize + first.len()] == first[..]);
+    let image = assert_converged(&server, &ra, &rb, "crash-img");
+    assert!(image[at as usize..at as usize + first.len()] == first[..]);
 }
 
 /// fio writes with verification (`verify_backlog`) while the server is
@@ -590,14 +596,7 @@ fn fio_verify_across_repeated_engine_kills() {
     // A kill during the previous round's reconcile leaves its target a
     // generation behind: then it is rebuilt in full instead.
     assert!(server.wait_for_log("complete: replica", REBUILD_TIMEOUT), "recovery did not finish:\n{}", server.stderr());
-    quiesce(&server);
-    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
-        panic!("{e}; server log:\n{}", server.stderr());
-    }
-    let dir = scratch("fiokill-img");
-    let one = export_image(&server, "vol0", &dir.join("one.raw"));
-    let two = export_image(&server, "vol0", &dir.join("two.raw"));
-    assert!(one == two, "two full reads of the volume differ");
+    assert_converged(&server, &ra, &rb, "fiokill-img");
 }
 
 /// A replica whose write-intent record is corrupt must not be trusted: it
