@@ -26,6 +26,16 @@ use std::time::{Duration, Instant};
 
 use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle};
 
+/// Message queue of a connection's thread. A connection receives only its
+/// start, the stop/drain wake-up and the wake-ups of the helpers it waits
+/// for (metadata writes, fencing), a handful at a time; the default queue
+/// (65,536 messages, 1.5 MiB resident) made every idle connection cost
+/// 1.5 MiB. A send to a full queue is refused to the sender; for a
+/// wake-up that loses nothing, since the queue then holds wake-ups that
+/// run the poller after the refused one was sent, and a poller run
+/// re-checks everything it waits for.
+pub const CONN_MAILBOX_CAPACITY: usize = 64;
+
 /// Connections accepted per acceptor poll. The acceptor re-wakes itself
 /// when the batch fills, so a burst of connects cannot hold the main
 /// reactor for long.
@@ -295,7 +305,9 @@ fn spawn_connection<C: Connection>(t: &mut Thread, conn: C, peer: String, conns:
     // Register in the table before the thread runs, so that a stop sees it.
     let mut table = conns.lock();
     let name = conns.limits.name;
-    let handle = fw.spawn_thread(reactor, &format!("{name}-conn-{n}"), move |t| start_connection(t, conn, peer, c))?;
+    let handle = fw.spawn_thread_with_mailbox(reactor, &format!("{name}-conn-{n}"), CONN_MAILBOX_CAPACITY, move |t| {
+        start_connection(t, conn, peer, c)
+    })?;
     table.insert(handle.id(), Entry { thread: handle, poller: None });
     Ok(())
 }

@@ -263,9 +263,22 @@ impl FrameworkHandle {
         name: &str,
         init: impl FnOnce(&mut Thread) + Send + 'static,
     ) -> Result<ThreadHandle, ReactorError> {
+        self.spawn_thread_with_mailbox(reactor, name, crate::thread::MSG_QUEUE_CAPACITY, init)
+    }
+
+    /// `spawn_thread` with a message queue of `capacity` messages: for
+    /// threads that receive only a few wake-ups (a connection), so they do
+    /// not carry the default queue's 1.5 MiB.
+    pub fn spawn_thread_with_mailbox(
+        &self,
+        reactor: usize,
+        name: &str,
+        capacity: usize,
+        init: impl FnOnce(&mut Thread) + Send + 'static,
+    ) -> Result<ThreadHandle, ReactorError> {
         let target = self.shared.reactors.get(reactor).ok_or(ReactorError::NoSuchReactor(reactor))?;
         let id = self.shared.next_thread_id.fetch_add(1, Ordering::Relaxed);
-        let mut thread = Thread::new(id, name)?;
+        let mut thread = Thread::with_mailbox(id, name, capacity)?;
         thread.attach(self.clone());
         let handle = thread.handle();
         handle.send(init).map_err(|e| ReactorError::Spawn(e.to_string()))?;

@@ -34,8 +34,11 @@ use crate::ReactorError;
 /// a message flood cannot starve the thread's pollers (and their I/O).
 pub const MSG_BATCH: usize = 8;
 
-/// Capacity of a thread's message queue. SPDK's per-thread ring holds 65536;
-/// a full queue is reported to the sender (back-pressure) instead of growing.
+/// Capacity of a thread's message queue by default. SPDK's per-thread ring
+/// holds 65536; a full queue is reported to the sender (back-pressure)
+/// instead of growing. The queue is allocated and initialised whole (24
+/// bytes a slot, 1.5 MiB resident at this size), so threads that only ever
+/// receive a few wake-ups ask for less ([`Thread::with_mailbox`]).
 pub const MSG_QUEUE_CAPACITY: usize = 65536;
 
 /// Pollers one thread may own. A connection needs one or two; this bound
@@ -417,10 +420,15 @@ impl std::fmt::Debug for Thread {
 impl Thread {
     /// A thread not yet on any reactor (tests drive it with `poll` directly).
     pub fn new(id: u64, name: &str) -> Result<Thread, ReactorError> {
+        Thread::with_mailbox(id, name, MSG_QUEUE_CAPACITY)
+    }
+
+    /// A thread whose message queue holds `capacity` messages (at least 1).
+    pub fn with_mailbox(id: u64, name: &str, capacity: usize) -> Result<Thread, ReactorError> {
         let shared = Arc::new(ThreadShared {
             id,
             name: name.to_string(),
-            mailbox: Mailbox::new(MSG_QUEUE_CAPACITY).map_err(ReactorError::Sys)?,
+            mailbox: Mailbox::new(capacity.max(1)).map_err(ReactorError::Sys)?,
             counters: ThreadCounters::default(),
             exited: AtomicBool::new(false),
         });
@@ -676,8 +684,19 @@ impl Thread {
         name: &str,
         init: impl FnOnce(&mut Thread) + Send + 'static,
     ) -> Result<ThreadHandle, ReactorError> {
+        self.spawn_thread_with_mailbox(reactor, name, MSG_QUEUE_CAPACITY, init)
+    }
+
+    /// `spawn_thread` with a message queue of `capacity` messages.
+    pub fn spawn_thread_with_mailbox(
+        &self,
+        reactor: usize,
+        name: &str,
+        capacity: usize,
+        init: impl FnOnce(&mut Thread) + Send + 'static,
+    ) -> Result<ThreadHandle, ReactorError> {
         match &self.framework {
-            Some(fw) => fw.spawn_thread(reactor, name, init),
+            Some(fw) => fw.spawn_thread_with_mailbox(reactor, name, capacity, init),
             None => Err(ReactorError::Detached),
         }
     }
