@@ -249,6 +249,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    lull_net::server::raise_fd_limit("nbd");
     let mut fw = match Framework::start(FrameworkConfig { ioq_poll_period_us: s.ioq_poll_period_us, ..FrameworkConfig::new(s.cores.clone(), s.mode) }) {
         Ok(fw) => fw,
         Err(e) => {

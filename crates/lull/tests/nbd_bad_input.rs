@@ -634,3 +634,53 @@ fn idle_connections_cost_little_memory() {
     drop(idle);
     server.assert_healthy();
 }
+
+/// Out of file descriptors: the limit is lowered under the running server
+/// (`prlimit`) to the descriptors it already holds, so every new connection
+/// fails at accept. Connections are then closed at once with a log line,
+/// the server does not spin on its readable listener, and once the limit
+/// is raised again a normal client works.
+#[test]
+fn out_of_file_descriptors_closes_new_connections_without_spinning() {
+    const FLOOD: usize = 40;
+    let found = std::process::Command::new("sh").arg("-c").arg("command -v prlimit").output().is_ok_and(|o| o.status.success());
+    assert!(found, "prlimit is not installed: install the `util-linux` package");
+    let mut server = start();
+    let pid = server.pid().to_string();
+    // The soft limit only: lowering the hard one could not be undone
+    // without CAP_SYS_RESOURCE.
+    let prlimit = |n: usize| {
+        let st = std::process::Command::new("prlimit")
+            .args(["--pid", &pid, &format!("--nofile={n}:")])
+            .status()
+            .expect("run prlimit");
+        assert!(st.success(), "prlimit --nofile={n}: failed");
+    };
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read /proc/PID/limits");
+    let soft: usize = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|v| v.parse().ok())
+        .expect("Max open files in /proc/PID/limits");
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("list /proc/PID/fd").count();
+    prlimit(open);
+    let mut flood = Vec::with_capacity(FLOOD);
+    for _ in 0..FLOOD {
+        flood.push(connect_raw(server.addr()));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let before = common::process_cpu_ticks(server.pid());
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let used = common::process_cpu_ticks(server.pid()) - before;
+    // A reactor spinning on the readable listener burns ~200 ticks here.
+    assert!(used < 40, "the server used {used} ticks of CPU in 2 s while out of descriptors");
+    for s in flood.iter_mut() {
+        assert!(matches!(wait_closed(s), Ok(Closed::Eof(_) | Closed::Reset(_))), "a connection past the descriptor limit was not closed");
+    }
+    drop(flood);
+    server.assert_logged("out of file descriptors");
+    prlimit(soft);
+    assert_good_client_works(server.addr(), EXPORT, 0);
+    server.assert_healthy();
+}

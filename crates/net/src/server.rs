@@ -36,6 +36,30 @@ use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, 
 /// re-checks everything it waits for.
 pub const CONN_MAILBOX_CAPACITY: usize = 64;
 
+/// Raises the process's descriptor limit to its hard limit and logs the
+/// result: each connection holds about three descriptors (its socket, its
+/// thread's epoll and eventfd). Call once at start, before serving.
+pub fn raise_fd_limit(server: &str) {
+    match lull_reactor::sys::raise_nofile_limit() {
+        Ok((before, now)) => tracing::info!(
+            server,
+            fd_limit = now,
+            was = before,
+            connections_about = now / FDS_PER_CONNECTION,
+            "file descriptor limit"
+        ),
+        Err(e) => tracing::warn!(server, error = %e, "cannot raise the file descriptor limit"),
+    }
+}
+
+/// Descriptors one connection holds (socket, thread epoll, thread eventfd),
+/// for the capacity logged at start.
+const FDS_PER_CONNECTION: u64 = 3;
+
+/// "Out of file descriptors" is logged at most this often while it lasts:
+/// a flood of connections must not become a flood of log lines.
+const SHED_LOG_INTERVAL_NS: u64 = 1_000_000_000;
+
 /// Connections accepted per acceptor poll. The acceptor re-wakes itself
 /// when the batch fills, so a burst of connects cannot hold the main
 /// reactor for long.
@@ -115,6 +139,14 @@ pub struct Connections {
     changed: Condvar,
     /// Connections accepted so far: names them and places them round-robin.
     accepted: AtomicUsize,
+    /// A descriptor held in reserve (nginx's and libev's trick): when the
+    /// process is out of descriptors, a pending connection cannot be
+    /// accepted and its listener stays readable, so an event-driven
+    /// reactor would spin on it. Closing the reserve lets it be accepted
+    /// and closed at once; then the reserve is taken again.
+    reserve: Mutex<Option<std::fs::File>>,
+    /// When the last "out of descriptors" line was logged (ns; one a second).
+    shed_logged_ns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Connections {
@@ -131,6 +163,33 @@ impl Connections {
             table: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             accepted: AtomicUsize::new(0),
+            reserve: Mutex::new(std::fs::File::open("/dev/null").ok()),
+            shed_logged_ns: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Out of descriptors: accept one pending connection with the reserve
+    /// descriptor and close it, so the listener does not stay readable.
+    /// Returns whether a connection was shed.
+    fn shed<L: Listener>(&self, listener: &L, now_ns: u64, error: &io::Error) -> bool {
+        let mut reserve = self.reserve.lock().unwrap_or_else(|p| p.into_inner());
+        let had = reserve.take().is_some();
+        let shed = had && listener.accept().is_ok();
+        *reserve = std::fs::File::open("/dev/null").ok();
+        drop(reserve);
+        self.log_out_of_fds(now_ns, error);
+        shed
+    }
+
+    /// The "out of file descriptors" line, at most once a second.
+    fn log_out_of_fds(&self, now_ns: u64, error: &dyn std::fmt::Display) {
+        let last = self.shed_logged_ns.load(Ordering::Relaxed);
+        if now_ns.saturating_sub(last) >= SHED_LOG_INTERVAL_NS || last == 0 {
+            self.shed_logged_ns.store(now_ns.max(1), Ordering::Relaxed);
+            tracing::warn!(
+                server = self.limits.name, error = %error, open = self.len(),
+                "out of file descriptors: new connections are closed at once (raise `ulimit -n`)"
+            );
         }
     }
 
@@ -264,8 +323,15 @@ fn accept_some<L: Listener, C: Connection>(
         let stream = match listener.accept() {
             Ok(s) => s,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => break,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                if conns.shed(listener, t.now_ns(), &e) {
+                    status = PollStatus::Busy;
+                    continue;
+                }
+                break;
+            }
             Err(e) => {
-                // EMFILE and friends: log and go on; the listener stays.
+                // ECONNABORTED and friends: log and go on; the listener stays.
                 tracing::warn!(server = name, error = %e, "accept failed");
                 break;
             }
@@ -284,8 +350,13 @@ fn accept_some<L: Listener, C: Connection>(
             tracing::warn!(server = name, peer = %peer, limit, "too many connections; closing new one");
             continue;
         }
-        if let Err(e) = spawn_connection(t, make(stream), peer.clone(), conns) {
-            tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread");
+        match spawn_connection(t, make(stream), peer.clone(), conns) {
+            Ok(()) => {}
+            // Its epoll and eventfd did not fit: the stream closes here.
+            Err(ReactorError::Sys(e)) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                conns.log_out_of_fds(t.now_ns(), &e);
+            }
+            Err(e) => tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread"),
         }
     }
     // More may be waiting beyond the batch.

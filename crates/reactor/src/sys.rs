@@ -213,6 +213,22 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
 }
 
+/// Raises the soft limit on open file descriptors to the hard limit (each
+/// connection holds a socket and its thread's epoll and eventfd). Returns
+/// (soft limit before, soft limit now).
+pub fn raise_nofile_limit() -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `lim` is a valid, writable rlimit.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    let before = lim.rlim_cur;
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: `lim` is a valid rlimit with soft <= hard.
+        cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) })?;
+    }
+    Ok((before, lim.rlim_cur))
+}
+
 /// The calling OS thread's kernel id.
 pub fn gettid() -> i32 {
     // SAFETY: gettid has no arguments and cannot fail.

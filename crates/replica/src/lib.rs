@@ -299,6 +299,7 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    lull_net::server::raise_fd_limit("replica");
     let mut fw = match Framework::start(FrameworkConfig::new(settings.cores.clone(), settings.mode))
     {
         Ok(fw) => fw,
