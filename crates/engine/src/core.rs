@@ -146,9 +146,11 @@ pub const INTENT_CLEAR_IDLE_NS: u64 = 5_000_000_000;
 /// work and must not fill the slot tables that client I/O needs.
 pub const MAX_CLEARS_PER_TICK: usize = 32;
 
-/// Pending requests looked at, past the first one waiting for a MARK, to
-/// send their MARKs too, so that the replicas persist a burst of newly
-/// written regions in one fsync instead of one after the other.
+/// Requests that wait for their regions' MARKs and that later requests
+/// may pass, and pending requests looked at past them to send their MARKs
+/// too, so that the replicas persist a burst of newly written regions in
+/// one fsync instead of one after the other. 64 is the queue depth of a
+/// busy client; the bound keeps each pass over the queue short.
 pub const MARK_LOOKAHEAD: usize = 64;
 
 /// Identifies one TCP connection of one replica; `epoch` changes at every
@@ -1933,18 +1935,49 @@ impl Engine {
         self.maybe_elect();
         self.progress_bump();
         self.progress_rebuild();
-        self.mark_wait = false;
+        // Requests go in order, except that one waiting only for its
+        // regions' MARKs is set aside (parked) and those behind it may pass
+        // it, as long as they overlap no parked request and are not a
+        // FLUSH: overlapping writes keep their order, and a new volume's
+        // first writes do not all queue behind one fdatasync.
+        let mut parked: Vec<u32> = Vec::new();
+        let mut parked_ranges: Vec<(u64, u64)> = Vec::new();
+        let mut waits_for_marks = false;
         while let Some(&id) = self.pending.front() {
-            if !self.dispatch(id) {
+            let Some(io) = self.ios[id as usize].as_ref() else {
+                debug_assert!(false, "pending request {id} has no entry");
+                self.pending.pop_front();
+                continue;
+            };
+            let range = (io.offset, io.end());
+            if !parked.is_empty() && (matches!(io.op, IoOp::Flush) || parked_ranges.iter().any(|&p| overlaps(p, range))) {
                 break;
             }
-            // dispatch may have pushed the id back (no: only failures do);
-            // pop exactly the entry we looked at.
-            if self.pending.front() == Some(&id) {
-                self.pending.pop_front();
+            self.mark_wait = false;
+            if self.dispatch(id) {
+                // dispatch may have pushed the id back (no: only failures
+                // do); pop exactly the entry we looked at.
+                if self.pending.front() == Some(&id) {
+                    self.pending.pop_front();
+                }
+                continue;
             }
+            if !self.mark_wait {
+                break;
+            }
+            waits_for_marks = true;
+            if parked.len() >= MARK_LOOKAHEAD {
+                break;
+            }
+            self.pending.pop_front();
+            parked.push(id);
+            parked_ranges.push(range);
         }
-        if std::mem::take(&mut self.mark_wait) {
+        for id in parked.into_iter().rev() {
+            self.pending.push_front(id);
+        }
+        self.mark_wait = false;
+        if waits_for_marks {
             self.mark_ahead();
         }
         // Sending may have freed the rebuild to move (and vice versa).
