@@ -1073,7 +1073,7 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
     sim.faults = false;
     sim.step_until(1_000 * MS, false);
     let per_region = (SIM_REGION_BYTES as usize) / BLOCK;
-    let mut write = |sim: &mut Sim, first: usize, blocks: usize| -> (u64, u64) {
+    let write = |sim: &mut Sim, first: usize, blocks: usize| -> (u64, u64) {
         let (tag, stamp) = (sim.next_tag, sim.next_stamp + 1);
         sim.next_tag += 1;
         sim.next_stamp += 1;
