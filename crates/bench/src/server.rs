@@ -67,9 +67,15 @@ impl Proc {
             .stdout(File::create(&stdout_path)?)
             .stderr(File::create(&stderr_path)?)
             .spawn()?;
+        // Recorded relative to the current directory, so a committed report
+        // names no path of the machine it ran on (`target/release/lull`).
+        let cwd = std::env::current_dir().ok().map(|d| format!("{}/", d.display()));
         let command = argv
             .iter()
-            .map(|w| shell_quote(w))
+            .map(|w| {
+                let w = cwd.as_deref().and_then(|c| w.strip_prefix(c)).unwrap_or(w);
+                shell_quote(w)
+            })
             .collect::<Vec<_>>()
             .join(" ");
         tracing::debug!(pid = child.id(), %command, "started");
