@@ -675,9 +675,18 @@ fn out_of_file_descriptors_closes_new_connections_without_spinning() {
     let used = common::process_cpu_ticks(server.pid()) - before;
     // A reactor spinning on the readable listener burns ~200 ticks here.
     assert!(used < 40, "the server used {used} ticks of CPU in 2 s while out of descriptors");
+    // Each one is closed at once, or served if descriptors freed up in the
+    // meantime (the threads of earlier connections may still be exiting
+    // when the limit is read): never left hanging.
+    let mut shed = 0;
     for s in flood.iter_mut() {
-        assert!(matches!(wait_closed(s), Ok(Closed::Eof(_) | Closed::Reset(_))), "a connection past the descriptor limit was not closed");
+        match read_greeting(s) {
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => shed += 1,
+            Err(e) => panic!("a connection past the descriptor limit was neither closed nor served: {e}"),
+        }
     }
+    assert!(shed >= FLOOD / 2, "only {shed} of {FLOOD} connections past the limit were closed");
     drop(flood);
     server.assert_logged("out of file descriptors");
     prlimit(soft);
