@@ -211,7 +211,11 @@ impl FileDev {
             pool: BufPool::new(CHANNEL_POOL_BYTES),
             parked: Vec::with_capacity(capacity),
             size_bytes: self.size_bytes,
-            direct_align_bytes: if self.direct { self.direct_align_bytes } else { 0 },
+            direct_align_bytes: if self.direct {
+                self.direct_align_bytes
+            } else {
+                0
+            },
             punch_hole_ok: true,
             zero_range_ok: true,
         })
@@ -252,7 +256,9 @@ enum Kind {
     Write,
     Flush,
     /// Trim or WriteZeroes through fallocate.
-    Falloc { mode: i32 },
+    Falloc {
+        mode: i32,
+    },
     /// Trim or WriteZeroes by writing a zero buffer (fallocate refused).
     WriteZeros,
 }
@@ -369,9 +375,19 @@ impl FileChannel {
                 let file = self.file_for(offset + done, done, chunk);
                 let (buf_offset, len32, file_offset) = (done as usize, chunk as u32, offset + done);
                 let q = if kind == Kind::Read {
-                    QueueOp::Read { file, buf_offset, len: len32, file_offset }
+                    QueueOp::Read {
+                        file,
+                        buf_offset,
+                        len: len32,
+                        file_offset,
+                    }
                 } else {
-                    QueueOp::Write { file, buf_offset, len: len32, file_offset }
+                    QueueOp::Write {
+                        file,
+                        buf_offset,
+                        len: len32,
+                        file_offset,
+                    }
                 };
                 (KIND_DATA, q)
             }
@@ -395,7 +411,12 @@ impl FileChannel {
                 let file = self.file_for(offset + done, 0, chunk);
                 (
                     KIND_DATA,
-                    QueueOp::Write { file, buf_offset: 0, len: chunk as u32, file_offset: offset + done },
+                    QueueOp::Write {
+                        file,
+                        buf_offset: 0,
+                        len: chunk as u32,
+                        file_offset: offset + done,
+                    },
                 )
             }
         };
@@ -469,7 +490,10 @@ impl FileChannel {
             _ => {}
         }
         if let Some(mode) = fallback {
-            tracing::info!(mode, "fallocate mode unsupported here; writing zeros instead");
+            tracing::info!(
+                mode,
+                "fallocate mode unsupported here; writing zeros instead"
+            );
             if mode & libc::FALLOC_FL_ZERO_RANGE != 0 {
                 self.zero_range_ok = false;
             } else {
@@ -531,18 +555,38 @@ impl Channel for FileChannel {
             return Err((req, BdevError::Full { capacity }));
         }
         let error = validate_request(&req, self.size_bytes).err();
-        let IoRequest { tag, op, offset, len, buf } = req;
+        let IoRequest {
+            tag,
+            op,
+            offset,
+            len,
+            buf,
+        } = req;
         let (kind, fua) = match op {
             IoOp::Read => (Kind::Read, false),
             IoOp::Write { fua } => (Kind::Write, fua),
             IoOp::Flush => (Kind::Flush, false),
-            IoOp::Trim => (Kind::Falloc { mode: libc::FALLOC_FL_PUNCH_HOLE }, false),
-            IoOp::WriteZeroes { no_hole: false, fua } => {
-                (Kind::Falloc { mode: libc::FALLOC_FL_PUNCH_HOLE }, fua)
-            }
-            IoOp::WriteZeroes { no_hole: true, fua } => {
-                (Kind::Falloc { mode: libc::FALLOC_FL_ZERO_RANGE }, fua)
-            }
+            IoOp::Trim => (
+                Kind::Falloc {
+                    mode: libc::FALLOC_FL_PUNCH_HOLE,
+                },
+                false,
+            ),
+            IoOp::WriteZeroes {
+                no_hole: false,
+                fua,
+            } => (
+                Kind::Falloc {
+                    mode: libc::FALLOC_FL_PUNCH_HOLE,
+                },
+                fua,
+            ),
+            IoOp::WriteZeroes { no_hole: true, fua } => (
+                Kind::Falloc {
+                    mode: libc::FALLOC_FL_ZERO_RANGE,
+                },
+                fua,
+            ),
         };
         let kind = match kind {
             Kind::Falloc { mode } => {
@@ -552,7 +596,9 @@ impl Channel for FileChannel {
                     self.punch_hole_ok
                 };
                 if ok {
-                    Kind::Falloc { mode: mode | libc::FALLOC_FL_KEEP_SIZE }
+                    Kind::Falloc {
+                        mode: mode | libc::FALLOC_FL_KEEP_SIZE,
+                    }
                 } else {
                     Kind::WriteZeros
                 }
@@ -567,7 +613,11 @@ impl Channel for FileChannel {
             tag,
             op,
             offset,
-            len: if kind == Kind::Flush { 0 } else { u64::from(len) },
+            len: if kind == Kind::Flush {
+                0
+            } else {
+                u64::from(len)
+            },
             kind,
             done: 0,
             fua,
@@ -699,7 +749,14 @@ mod tests {
 
     /// Opens a device, or `None` (with a note) when O_DIRECT is refused.
     fn open(dir: &TempDir, size: u64, direct: bool) -> Option<FileDev> {
-        match FileDev::open(dir.file(), size, FileOptions { direct, create: true }) {
+        match FileDev::open(
+            dir.file(),
+            size,
+            FileOptions {
+                direct,
+                create: true,
+            },
+        ) {
             Ok(dev) => Some(dev),
             Err(BdevError::Unsupported(why)) if direct => {
                 eprintln!("note: skipping O_DIRECT case: {why} ({})", dir.0.display());
@@ -721,7 +778,10 @@ mod tests {
         let mut out = Vec::with_capacity(want);
         while out.len() < want {
             if ch.reap(&mut |c| out.push(c)) == 0 {
-                assert!(lull_uring::wait_readable(fd, 10_000).expect("poll"), "timed out waiting for I/O");
+                assert!(
+                    lull_uring::wait_readable(fd, 10_000).expect("poll"),
+                    "timed out waiting for I/O"
+                );
             }
         }
         assert_eq!(ch.in_flight(), 0, "slot leak");
@@ -729,14 +789,37 @@ mod tests {
         out
     }
 
-    fn run(ch: &mut dyn Channel, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>) -> IoCompletion {
-        run_all(ch, vec![IoRequest { tag: 0, op, offset, len, buf }]).pop().expect("one")
+    fn run(
+        ch: &mut dyn Channel,
+        op: IoOp,
+        offset: u64,
+        len: u32,
+        buf: Option<IoBuf>,
+    ) -> IoCompletion {
+        run_all(
+            ch,
+            vec![IoRequest {
+                tag: 0,
+                op,
+                offset,
+                len,
+                buf,
+            }],
+        )
+        .pop()
+        .expect("one")
     }
 
     fn write(ch: &mut dyn Channel, pool: &mut BufPool, offset: u64, data: &[u8], fua: bool) {
         let mut buf = pool.get(data.len());
         buf.as_mut_slice().copy_from_slice(data);
-        let c = run(ch, IoOp::Write { fua }, offset, data.len() as u32, Some(buf));
+        let c = run(
+            ch,
+            IoOp::Write { fua },
+            offset,
+            data.len() as u32,
+            Some(buf),
+        );
         c.result.expect("write");
         pool.put(c.buf.expect("buffer back"));
     }
@@ -751,25 +834,39 @@ mod tests {
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
+            .collect()
     }
 
     fn round_trip(direct: bool) {
         let dir = TempDir::new("rt");
-        let Some(dev) = open(&dir, 8 << 20, direct) else { return };
+        let Some(dev) = open(&dir, 8 << 20, direct) else {
+            return;
+        };
         let mut ch = dev.open_channel().expect("channel (io_uring)");
         let mut pool = BufPool::new(64 << 20);
         // Aligned, unaligned, and large (over the 1 MiB zero buffer).
-        let cases: [(u64, usize); 5] = [(0, 4096), (4096 * 3, 65536), (12345, 777), (1 << 20, 3 << 20), (511, 4097)];
+        let cases: [(u64, usize); 5] = [
+            (0, 4096),
+            (4096 * 3, 65536),
+            (12345, 777),
+            (1 << 20, 3 << 20),
+            (511, 4097),
+        ];
         for (i, &(offset, len)) in cases.iter().enumerate() {
             let data = pattern(len, i as u8);
             write(&mut *ch, &mut pool, offset, &data, i % 2 == 0);
             assert_eq!(read(&mut *ch, &mut pool, offset, len), data, "case {i}");
         }
         // Never-written space reads as zeros.
-        assert!(read(&mut *ch, &mut pool, 6 << 20, 1 << 20).iter().all(|&b| b == 0));
+        assert!(read(&mut *ch, &mut pool, 6 << 20, 1 << 20)
+            .iter()
+            .all(|&b| b == 0));
         // Flush, then the data is in the file for anyone to read.
-        run(&mut *ch, IoOp::Flush, 0, 0, None).result.expect("flush");
+        run(&mut *ch, IoOp::Flush, 0, 0, None)
+            .result
+            .expect("flush");
         let on_disk = std::fs::read(dir.file()).expect("read file");
         assert_eq!(on_disk.len(), 8 << 20);
         assert_eq!(&on_disk[12345..12345 + 777], &pattern(777, 2)[..]);
@@ -788,7 +885,9 @@ mod tests {
 
     fn zeroing(direct: bool, fallocate: bool) {
         let dir = TempDir::new("zero");
-        let Some(dev) = open(&dir, 4 << 20, direct) else { return };
+        let Some(dev) = open(&dir, 4 << 20, direct) else {
+            return;
+        };
         let mut ch = dev.open_file_channel().expect("channel");
         if !fallocate {
             // As if the filesystem had refused both modes.
@@ -802,9 +901,30 @@ mod tests {
         let mut oracle = data.clone();
         let ops = [
             (IoOp::Trim, 100u64, 10_000u32),
-            (IoOp::WriteZeroes { no_hole: false, fua: false }, 65536, 65536),
-            (IoOp::WriteZeroes { no_hole: true, fua: true }, 200_001, 1_500_000),
-            (IoOp::WriteZeroes { no_hole: true, fua: false }, 3 << 20, 4096),
+            (
+                IoOp::WriteZeroes {
+                    no_hole: false,
+                    fua: false,
+                },
+                65536,
+                65536,
+            ),
+            (
+                IoOp::WriteZeroes {
+                    no_hole: true,
+                    fua: true,
+                },
+                200_001,
+                1_500_000,
+            ),
+            (
+                IoOp::WriteZeroes {
+                    no_hole: true,
+                    fua: false,
+                },
+                3 << 20,
+                4096,
+            ),
         ];
         for (op, offset, len) in ops {
             let c = run(&mut *ch, op, offset, len, None);
@@ -813,7 +933,9 @@ mod tests {
         }
         assert!(read(&mut *ch, &mut pool, 0, 4 << 20) == oracle);
         assert_eq!(ch.in_flight(), 0);
-        run(&mut *ch, IoOp::Flush, 0, 0, None).result.expect("flush");
+        run(&mut *ch, IoOp::Flush, 0, 0, None)
+            .result
+            .expect("flush");
         assert!(std::fs::read(dir.file()).expect("read file") == oracle);
         // A passed-in buffer comes back untouched with the completion.
         let c = run(&mut *ch, IoOp::Trim, 0, 10, Some(pool.get(10)));
@@ -850,11 +972,23 @@ mod tests {
         let mut ch = dev.open_file_channel().expect("channel");
         let mut pool = BufPool::new(8 << 20);
         write(&mut ch, &mut pool, 0, &[5u8; 8192], false);
-        let op = IoOp::WriteZeroes { no_hole: true, fua: true };
-        run(&mut ch, op, 100, 5000, None).result.expect("write zeroes");
+        let op = IoOp::WriteZeroes {
+            no_hole: true,
+            fua: true,
+        };
+        run(&mut ch, op, 100, 5000, None)
+            .result
+            .expect("write zeroes");
         let v = read(&mut ch, &mut pool, 0, 8192);
-        assert!(v[..100].iter().all(|&b| b == 5) && v[100..5100].iter().all(|&b| b == 0) && v[5100..].iter().all(|&b| b == 5));
-        eprintln!("tmpfs zero_range_ok after the request: {}", ch.zero_range_ok);
+        assert!(
+            v[..100].iter().all(|&b| b == 5)
+                && v[100..5100].iter().all(|&b| b == 0)
+                && v[5100..].iter().all(|&b| b == 5)
+        );
+        eprintln!(
+            "tmpfs zero_range_ok after the request: {}",
+            ch.zero_range_ok
+        );
     }
 
     #[test]
@@ -864,12 +998,48 @@ mod tests {
         let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(1 << 20);
         let reqs = vec![
-            IoRequest { tag: 1, op: IoOp::Read, offset: (1 << 20) - 10, len: 20, buf: Some(pool.get(20)) },
-            IoRequest { tag: 2, op: IoOp::Write { fua: true }, offset: u64::MAX, len: 1, buf: Some(pool.get(1)) },
-            IoRequest { tag: 3, op: IoOp::Trim, offset: 2 << 20, len: 0, buf: None },
-            IoRequest { tag: 4, op: IoOp::Read, offset: 0, len: 10, buf: None },
-            IoRequest { tag: 5, op: IoOp::Write { fua: false }, offset: 0, len: 10, buf: Some(pool.get(9)) },
-            IoRequest { tag: 6, op: IoOp::Read, offset: 1 << 20, len: 0, buf: Some(pool.get(0)) },
+            IoRequest {
+                tag: 1,
+                op: IoOp::Read,
+                offset: (1 << 20) - 10,
+                len: 20,
+                buf: Some(pool.get(20)),
+            },
+            IoRequest {
+                tag: 2,
+                op: IoOp::Write { fua: true },
+                offset: u64::MAX,
+                len: 1,
+                buf: Some(pool.get(1)),
+            },
+            IoRequest {
+                tag: 3,
+                op: IoOp::Trim,
+                offset: 2 << 20,
+                len: 0,
+                buf: None,
+            },
+            IoRequest {
+                tag: 4,
+                op: IoOp::Read,
+                offset: 0,
+                len: 10,
+                buf: None,
+            },
+            IoRequest {
+                tag: 5,
+                op: IoOp::Write { fua: false },
+                offset: 0,
+                len: 10,
+                buf: Some(pool.get(9)),
+            },
+            IoRequest {
+                tag: 6,
+                op: IoOp::Read,
+                offset: 1 << 20,
+                len: 0,
+                buf: Some(pool.get(0)),
+            },
         ];
         let out = run_all(&mut *ch, reqs);
         assert!(matches!(out[0].result, Err(BdevError::OutOfRange { .. })));
@@ -880,7 +1050,10 @@ mod tests {
         assert!(matches!(out[4].result, Err(BdevError::BadRequest(_))));
         assert!(out[5].result.is_ok());
         // Nothing was written.
-        assert!(std::fs::read(dir.file()).expect("read").iter().all(|&b| b == 0));
+        assert!(std::fs::read(dir.file())
+            .expect("read")
+            .iter()
+            .all(|&b| b == 0));
     }
 
     #[test]
@@ -889,10 +1062,17 @@ mod tests {
         let dev = open(&dir, 1 << 20, false).expect("open");
         let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(1 << 20);
-        std::fs::OpenOptions::new().write(true).open(dir.file()).unwrap().set_len(4096).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.file())
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
         let c = run(&mut *ch, IoOp::Read, 0, 8192, Some(pool.get(8192)));
         // The first 4096 bytes arrive, then the resubmitted remainder hits EOF.
-        assert!(matches!(&c.result, Err(BdevError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof));
+        assert!(
+            matches!(&c.result, Err(BdevError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof)
+        );
         assert_eq!(c.result.unwrap_err().errno(), libc::EIO);
     }
 
@@ -906,16 +1086,30 @@ mod tests {
         for tag in 0..depth {
             let mut buf = pool.get(4096);
             buf.as_mut_slice().fill(tag as u8);
-            let req = IoRequest { tag, op: IoOp::Write { fua: false }, offset: (tag % 256) * 4096, len: 4096, buf: Some(buf) };
+            let req = IoRequest {
+                tag,
+                op: IoOp::Write { fua: false },
+                offset: (tag % 256) * 4096,
+                len: 4096,
+                buf: Some(buf),
+            };
             ch.submit(req).map_err(|(_, e)| e).expect("room");
         }
         assert_eq!(ch.in_flight(), FILE_CHANNEL_DEPTH as usize);
         let (req, err) = ch
-            .submit(IoRequest { tag: 999, op: IoOp::Read, offset: 0, len: 4096, buf: Some(pool.get(4096)) })
+            .submit(IoRequest {
+                tag: 999,
+                op: IoOp::Read,
+                offset: 0,
+                len: 4096,
+                buf: Some(pool.get(4096)),
+            })
             .expect_err("full");
         assert_eq!(req.tag, 999);
         assert!(req.buf.is_some());
-        assert!(matches!(err, BdevError::Full { capacity } if capacity == FILE_CHANNEL_DEPTH as usize));
+        assert!(
+            matches!(err, BdevError::Full { capacity } if capacity == FILE_CHANNEL_DEPTH as usize)
+        );
         assert_eq!(err.errno(), libc::EAGAIN);
         ch.flush_submissions();
         let mut n = 0;
@@ -948,7 +1142,15 @@ mod tests {
         let mut pool = BufPool::new(8 << 20);
         for round in 0..50u64 {
             let reqs = (0..16)
-                .map(|i| IoRequest { tag: i, op: IoOp::Write { fua: round % 10 == 0 }, offset: i * 4096, len: 4096, buf: Some(pool.get(4096)) })
+                .map(|i| IoRequest {
+                    tag: i,
+                    op: IoOp::Write {
+                        fua: round % 10 == 0,
+                    },
+                    offset: i * 4096,
+                    len: 4096,
+                    buf: Some(pool.get(4096)),
+                })
                 .collect();
             for c in run_all(&mut *ch, reqs) {
                 c.result.expect("write");
@@ -965,7 +1167,13 @@ mod tests {
         let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(64 << 20);
         for tag in 0..8 {
-            let req = IoRequest { tag, op: IoOp::Read, offset: 0, len: 1 << 20, buf: Some(pool.get(1 << 20)) };
+            let req = IoRequest {
+                tag,
+                op: IoOp::Read,
+                offset: 0,
+                len: 1 << 20,
+                buf: Some(pool.get(1 << 20)),
+            };
             ch.submit(req).map_err(|(_, e)| e).expect("submit");
         }
         ch.flush_submissions();
@@ -975,7 +1183,9 @@ mod tests {
     #[test]
     fn sub_block_writes_from_two_channels_merge() {
         let dir = TempDir::new("merge");
-        let Some(dev) = open(&dir, 1 << 20, true).or_else(|| open(&dir, 1 << 20, false)) else { return };
+        let Some(dev) = open(&dir, 1 << 20, true).or_else(|| open(&dir, 1 << 20, false)) else {
+            return;
+        };
         std::thread::scope(|s| {
             for t in 0..2u64 {
                 let dev = &dev;
@@ -986,7 +1196,13 @@ mod tests {
                         .map(|i| {
                             let mut buf = pool.get(512);
                             buf.as_mut_slice().fill(t as u8 + 1);
-                            IoRequest { tag: i, op: IoOp::Write { fua: false }, offset: (i * 2 + t) * 512, len: 512, buf: Some(buf) }
+                            IoRequest {
+                                tag: i,
+                                op: IoOp::Write { fua: false },
+                                offset: (i * 2 + t) * 512,
+                                len: 512,
+                                buf: Some(buf),
+                            }
                         })
                         .collect();
                     for c in run_all(&mut *ch, reqs) {
@@ -1006,7 +1222,9 @@ mod tests {
     #[test]
     fn direct_channel_routes_only_aligned_io_to_o_direct() {
         let dir = TempDir::new("route");
-        let Some(dev) = open(&dir, 1 << 20, true) else { return };
+        let Some(dev) = open(&dir, 1 << 20, true) else {
+            return;
+        };
         let a = dev.direct_align_bytes().expect("direct");
         assert!(a > 0 && a <= 4096, "alignment {a}");
         let ch = dev.open_file_channel().expect("channel");
@@ -1015,31 +1233,70 @@ mod tests {
         assert_eq!(ch.file_for(1, 0, 4096), FILE_BUFFERED);
         assert_eq!(ch.file_for(0, 0, 4095), FILE_BUFFERED);
         assert_eq!(ch.file_for(4096, 7, 4096), FILE_BUFFERED);
-        let plain = FileDev::open(dir.0.join("plain"), 4096, FileOptions { direct: false, create: true }).unwrap();
-        assert_eq!(plain.open_file_channel().unwrap().file_for(1, 1, 1), FILE_MAIN);
+        let plain = FileDev::open(
+            dir.0.join("plain"),
+            4096,
+            FileOptions {
+                direct: false,
+                create: true,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            plain.open_file_channel().unwrap().file_for(1, 1, 1),
+            FILE_MAIN
+        );
     }
 
     #[test]
     fn open_rules() {
         let dir = TempDir::new("open");
-        let missing = FileDev::open(dir.file(), 4096, FileOptions { direct: false, create: false });
-        assert!(matches!(missing, Err(BdevError::Io(ref e)) if e.kind() == io::ErrorKind::NotFound));
+        let missing = FileDev::open(
+            dir.file(),
+            4096,
+            FileOptions {
+                direct: false,
+                create: false,
+            },
+        );
+        assert!(
+            matches!(missing, Err(BdevError::Io(ref e)) if e.kind() == io::ErrorKind::NotFound)
+        );
         std::fs::write(dir.file(), [7u8; 100]).unwrap();
         let dev = FileDev::open(dir.file(), 8192, FileOptions::default()).expect("extend");
         assert_eq!(std::fs::metadata(dir.file()).unwrap().len(), 8192);
         drop(dev);
         let dev = FileDev::open(dir.file(), 4096, FileOptions::default()).expect("shrink view");
         assert_eq!(dev.size_bytes(), 4096);
-        assert_eq!(std::fs::metadata(dir.file()).unwrap().len(), 8192, "tail left alone");
+        assert_eq!(
+            std::fs::metadata(dir.file()).unwrap().len(),
+            8192,
+            "tail left alone"
+        );
         assert!(dev.describe().starts_with("file:"));
     }
 
     #[derive(Debug, Clone)]
     enum Step {
-        Write { offset: u64, len: usize, seed: u8, fua: bool },
-        Trim { offset: u64, len: usize },
-        Zero { offset: u64, len: usize, no_hole: bool },
-        Read { offset: u64, len: usize },
+        Write {
+            offset: u64,
+            len: usize,
+            seed: u8,
+            fua: bool,
+        },
+        Trim {
+            offset: u64,
+            len: usize,
+        },
+        Zero {
+            offset: u64,
+            len: usize,
+            no_hole: bool,
+        },
+        Read {
+            offset: u64,
+            len: usize,
+        },
     }
 
     const PROP_SIZE: u64 = (1 << 20) + 4096 * 3 + 17;
@@ -1065,29 +1322,50 @@ mod tests {
 
     fn check_against_oracle(direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
         let dir = TempDir::new("prop");
-        let Some(dev) = open(&dir, PROP_SIZE, direct) else { return Ok(()) };
+        let Some(dev) = open(&dir, PROP_SIZE, direct) else {
+            return Ok(());
+        };
         let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(16 << 20);
         let mut oracle = vec![0u8; PROP_SIZE as usize];
         for s in steps {
             match s {
-                Step::Write { offset, len, seed, fua } => {
+                Step::Write {
+                    offset,
+                    len,
+                    seed,
+                    fua,
+                } => {
                     let data = pattern(len, seed);
                     write(&mut *ch, &mut pool, offset, &data, fua);
                     oracle[offset as usize..offset as usize + len].copy_from_slice(&data);
                 }
                 Step::Trim { offset, len } => {
-                    run(&mut *ch, IoOp::Trim, offset, len as u32, None).result.expect("trim");
+                    run(&mut *ch, IoOp::Trim, offset, len as u32, None)
+                        .result
+                        .expect("trim");
                     oracle[offset as usize..offset as usize + len].fill(0);
                 }
-                Step::Zero { offset, len, no_hole } => {
-                    let op = IoOp::WriteZeroes { no_hole, fua: false };
-                    run(&mut *ch, op, offset, len as u32, None).result.expect("write zeroes");
+                Step::Zero {
+                    offset,
+                    len,
+                    no_hole,
+                } => {
+                    let op = IoOp::WriteZeroes {
+                        no_hole,
+                        fua: false,
+                    };
+                    run(&mut *ch, op, offset, len as u32, None)
+                        .result
+                        .expect("write zeroes");
                     oracle[offset as usize..offset as usize + len].fill(0);
                 }
                 Step::Read { offset, len } => {
                     let got = read(&mut *ch, &mut pool, offset, len);
-                    prop_assert!(got[..] == oracle[offset as usize..offset as usize + len], "read at {offset}+{len}");
+                    prop_assert!(
+                        got[..] == oracle[offset as usize..offset as usize + len],
+                        "read at {offset}+{len}"
+                    );
                 }
             }
         }

@@ -31,8 +31,8 @@ pub mod malloc;
 pub mod units;
 
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH};
-pub use units::{human_bytes, parse_size_bytes};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
+pub use units::{human_bytes, parse_size_bytes};
 
 /// What an I/O does. Offsets and lengths are in bytes; devices accept any
 /// byte granularity (O_DIRECT file devices bounce unaligned requests).
@@ -114,13 +114,23 @@ pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevErro
         let len = u64::from(len);
         match offset.checked_add(len) {
             Some(end) if end <= size_bytes => {}
-            _ => return Err(BdevError::OutOfRange { offset, len, size: size_bytes }),
+            _ => {
+                return Err(BdevError::OutOfRange {
+                    offset,
+                    len,
+                    size: size_bytes,
+                })
+            }
         }
     }
     if matches!(op, IoOp::Read | IoOp::Write { .. }) {
         match buf {
             Some(buf) if buf.len() >= len as usize => {}
-            Some(_) => return Err(BdevError::BadRequest("buffer shorter than the request length")),
+            Some(_) => {
+                return Err(BdevError::BadRequest(
+                    "buffer shorter than the request length",
+                ))
+            }
             None => return Err(BdevError::BadRequest("read or write without a buffer")),
         }
     }

@@ -118,7 +118,10 @@ impl Inner {
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, dst.len()) {
-            let chunk = self.chunks.get(index).ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self
+                .chunks
+                .get(index)
+                .ok_or(BdevError::BadRequest("chunk index"))?;
             let out = &mut dst[at..at + piece];
             match &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
                 Some(data) => out.copy_from_slice(&data[within..within + piece]),
@@ -131,7 +134,10 @@ impl Inner {
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, src.len()) {
             let chunk_len = self.chunk_len(index);
-            let chunk = self.chunks.get(index).ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self
+                .chunks
+                .get(index)
+                .ok_or(BdevError::BadRequest("chunk index"))?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
             let data = guard.get_or_insert_with(|| vec![0u8; chunk_len].into_boxed_slice());
             data[within..within + piece].copy_from_slice(&src[at..at + piece]);
@@ -142,7 +148,10 @@ impl Inner {
     fn zero(&self, offset: u64, len: usize) -> Result<(), BdevError> {
         for (index, within, piece, _) in pieces(offset, len) {
             let whole = within == 0 && piece == self.chunk_len(index);
-            let chunk = self.chunks.get(index).ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self
+                .chunks
+                .get(index)
+                .ok_or(BdevError::BadRequest("chunk index"))?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
             if whole {
                 *guard = None;
@@ -251,8 +260,23 @@ mod tests {
 
     const CHUNK: u64 = MALLOC_CHUNK_BYTES as u64;
 
-    fn run(ch: &mut dyn Channel, tag: u64, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>) -> IoCompletion {
-        ch.submit(IoRequest { tag, op, offset, len, buf }).map_err(|(_, e)| e).expect("submit");
+    fn run(
+        ch: &mut dyn Channel,
+        tag: u64,
+        op: IoOp,
+        offset: u64,
+        len: u32,
+        buf: Option<IoBuf>,
+    ) -> IoCompletion {
+        ch.submit(IoRequest {
+            tag,
+            op,
+            offset,
+            len,
+            buf,
+        })
+        .map_err(|(_, e)| e)
+        .expect("submit");
         ch.flush_submissions();
         let mut out = None;
         assert_eq!(ch.reap(&mut |c| out = Some(c)), 1);
@@ -266,7 +290,14 @@ mod tests {
     fn write(ch: &mut dyn Channel, pool: &mut BufPool, offset: u64, data: &[u8]) {
         let mut buf = pool.get(data.len());
         buf.as_mut_slice().copy_from_slice(data);
-        let c = run(ch, 1, IoOp::Write { fua: false }, offset, data.len() as u32, Some(buf));
+        let c = run(
+            ch,
+            1,
+            IoOp::Write { fua: false },
+            offset,
+            data.len() as u32,
+            Some(buf),
+        );
         c.result.expect("write ok");
         pool.put(c.buf.expect("buf back"));
     }
@@ -285,7 +316,9 @@ mod tests {
         let dev = MallocDev::new(4 * CHUNK + 123).unwrap();
         let mut ch = dev.open_channel().unwrap();
         let mut pool = BufPool::new(64 << 20);
-        let data: Vec<u8> = (0..(2 * CHUNK as usize + 777)).map(|i| (i % 251) as u8 + 1).collect();
+        let data: Vec<u8> = (0..(2 * CHUNK as usize + 777))
+            .map(|i| (i % 251) as u8 + 1)
+            .collect();
         let offset = CHUNK - 333;
         write(&mut *ch, &mut pool, offset, &data);
         assert_eq!(read(&mut *ch, &mut pool, offset, data.len()), data);
@@ -296,7 +329,10 @@ mod tests {
         assert_eq!(&around[10..], &data[..10]);
         // The short last chunk works.
         write(&mut *ch, &mut pool, 4 * CHUNK + 100, &[9; 23]);
-        assert_eq!(read(&mut *ch, &mut pool, 4 * CHUNK + 99, 24), [&[0][..], &[9; 23]].concat());
+        assert_eq!(
+            read(&mut *ch, &mut pool, 4 * CHUNK + 99, 24),
+            [&[0][..], &[9; 23]].concat()
+        );
         assert_eq!(dev.chunks_allocated(), 5);
     }
 
@@ -315,9 +351,22 @@ mod tests {
         assert_eq!(v[0], 0xaa);
         assert!(v[1..v.len() - 1].iter().all(|&b| b == 0));
         assert_eq!(v[v.len() - 1], 0xaa);
-        let c = run(&mut *ch, 4, IoOp::WriteZeroes { no_hole: true, fua: true }, 5, 7, None);
+        let c = run(
+            &mut *ch,
+            4,
+            IoOp::WriteZeroes {
+                no_hole: true,
+                fua: true,
+            },
+            5,
+            7,
+            None,
+        );
         c.result.unwrap();
-        assert_eq!(read(&mut *ch, &mut pool, 4, 9), [0xaa, 0, 0, 0, 0, 0, 0, 0, 0xaa]);
+        assert_eq!(
+            read(&mut *ch, &mut pool, 4, 9),
+            [0xaa, 0, 0, 0, 0, 0, 0, 0, 0xaa]
+        );
     }
 
     #[test]
@@ -326,9 +375,23 @@ mod tests {
         let mut ch = dev.open_channel().unwrap();
         let mut pool = BufPool::new(1 << 20);
         let c = run(&mut *ch, 5, IoOp::Read, 8000, 200, Some(pool.get(200)));
-        assert!(matches!(c.result, Err(BdevError::OutOfRange { offset: 8000, len: 200, size: 8192 })));
+        assert!(matches!(
+            c.result,
+            Err(BdevError::OutOfRange {
+                offset: 8000,
+                len: 200,
+                size: 8192
+            })
+        ));
         assert!(c.buf.is_some());
-        let c = run(&mut *ch, 6, IoOp::Write { fua: false }, u64::MAX - 1, 10, Some(pool.get(10)));
+        let c = run(
+            &mut *ch,
+            6,
+            IoOp::Write { fua: false },
+            u64::MAX - 1,
+            10,
+            Some(pool.get(10)),
+        );
         assert_eq!(c.result.unwrap_err().errno(), libc::EINVAL);
         let c = run(&mut *ch, 7, IoOp::Trim, 8193, 0, None);
         assert!(matches!(c.result, Err(BdevError::OutOfRange { .. })));
@@ -337,7 +400,9 @@ mod tests {
         let c = run(&mut *ch, 9, IoOp::Read, 0, 100, Some(pool.get(50)));
         assert!(matches!(c.result, Err(BdevError::BadRequest(_))));
         run(&mut *ch, 10, IoOp::Flush, 0, 0, None).result.unwrap();
-        run(&mut *ch, 11, IoOp::Read, 8192, 0, Some(pool.get(0))).result.unwrap();
+        run(&mut *ch, 11, IoOp::Read, 8192, 0, Some(pool.get(0)))
+            .result
+            .unwrap();
         assert_eq!(dev.chunks_allocated(), 0);
     }
 
@@ -346,14 +411,32 @@ mod tests {
         let dev = MallocDev::new(4096).unwrap();
         let mut ch = dev.open_channel().unwrap();
         for tag in 0..MALLOC_CHANNEL_DEPTH as u64 {
-            ch.submit(IoRequest { tag, op: IoOp::Flush, offset: 0, len: 0, buf: None }).unwrap();
+            ch.submit(IoRequest {
+                tag,
+                op: IoOp::Flush,
+                offset: 0,
+                len: 0,
+                buf: None,
+            })
+            .unwrap();
         }
         assert_eq!(ch.in_flight(), MALLOC_CHANNEL_DEPTH);
         let (req, err) = ch
-            .submit(IoRequest { tag: 999, op: IoOp::Flush, offset: 0, len: 0, buf: None })
+            .submit(IoRequest {
+                tag: 999,
+                op: IoOp::Flush,
+                offset: 0,
+                len: 0,
+                buf: None,
+            })
             .unwrap_err();
         assert_eq!(req.tag, 999);
-        assert!(matches!(err, BdevError::Full { capacity: MALLOC_CHANNEL_DEPTH }));
+        assert!(matches!(
+            err,
+            BdevError::Full {
+                capacity: MALLOC_CHANNEL_DEPTH
+            }
+        ));
         let mut tags = Vec::new();
         assert_eq!(ch.reap(&mut |c| tags.push(c.tag)), MALLOC_CHANNEL_DEPTH);
         assert_eq!(tags, (0..MALLOC_CHANNEL_DEPTH as u64).collect::<Vec<_>>());
@@ -372,7 +455,12 @@ mod tests {
                     let mut pool = BufPool::new(1 << 20);
                     // Interleaved 512-byte stripes in the same chunks.
                     for i in 0..64u64 {
-                        write(&mut *ch, &mut pool, (i * 4 + u64::from(t)) * 512, &[t + 1; 512]);
+                        write(
+                            &mut *ch,
+                            &mut pool,
+                            (i * 4 + u64::from(t)) * 512,
+                            &[t + 1; 512],
+                        );
                     }
                 });
             }
@@ -394,11 +482,20 @@ mod tests {
     }
 
     fn step(size: u64) -> impl Strategy<Value = Step> {
-        let range = (0..size).prop_flat_map(move |o| (Just(o), 0..=((size - o).min(3 * CHUNK) as usize)));
+        let range =
+            (0..size).prop_flat_map(move |o| (Just(o), 0..=((size - o).min(3 * CHUNK) as usize)));
         prop_oneof![
-            (range.clone(), any::<u8>()).prop_map(|((offset, len), seed)| Step::Write { offset, len, seed }),
-            range.clone().prop_map(|(offset, len)| Step::Trim { offset, len }),
-            range.clone().prop_map(|(offset, len)| Step::Zero { offset, len }),
+            (range.clone(), any::<u8>()).prop_map(|((offset, len), seed)| Step::Write {
+                offset,
+                len,
+                seed
+            }),
+            range
+                .clone()
+                .prop_map(|(offset, len)| Step::Trim { offset, len }),
+            range
+                .clone()
+                .prop_map(|(offset, len)| Step::Zero { offset, len }),
             range.prop_map(|(offset, len)| Step::Read { offset, len }),
         ]
     }

@@ -20,7 +20,9 @@ pub fn parse_size_bytes(s: &str) -> Result<u64, String> {
         "T" | "TB" | "TIB" => 40,
         _ => return Err(bad("use a K, M, G or T (binary) suffix")),
     };
-    let v = n.checked_mul(1u64 << shift).ok_or_else(|| bad("too large"))?;
+    let v = n
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| bad("too large"))?;
     if v == 0 {
         return Err(bad("must be greater than zero"));
     }

@@ -116,7 +116,8 @@ impl Mode {
 
     /// The default run order: poll and adaptive back to back, so that their
     /// per-repeat (paired) ratio compares runs a few seconds apart.
-    pub const DEFAULT_ORDER: [Mode; 4] = [Mode::Poll, Mode::Adaptive, Mode::Interrupt, Mode::Hybrid];
+    pub const DEFAULT_ORDER: [Mode; 4] =
+        [Mode::Poll, Mode::Adaptive, Mode::Interrupt, Mode::Hybrid];
 
     pub fn as_str(self) -> &'static str {
         match self {

@@ -326,7 +326,10 @@ fn paired_ratio(
             .filter(|v| v.is_finite() && *v > 0.0)
     };
     let mut ratios = Vec::new();
-    for s in samples.iter().filter(|s| s.job == job && s.target == adaptive) {
+    for s in samples
+        .iter()
+        .filter(|s| s.job == job && s.target == adaptive)
+    {
         if let (Some(a), Some(p)) = (value(adaptive, s.repeat), value(poll, s.repeat)) {
             ratios.push(a / p);
         }
@@ -335,7 +338,10 @@ fn paired_ratio(
         .iter()
         .filter(|&&r| if lower_is_better { r < 1.0 } else { r > 1.0 })
         .count();
-    stats::spread(&ratios).map(|spread| PairedRatio { spread, adaptive_better })
+    stats::spread(&ratios).map(|spread| PairedRatio {
+        spread,
+        adaptive_better,
+    })
 }
 
 /// One entry per volume kind that has both a poll and an adaptive row, in
@@ -971,7 +977,12 @@ pub(crate) mod tests {
         assert!((paired.spread.median - 0.9).abs() < 1e-9);
 
         let md = render_markdown(&r);
-        assert!(md.contains("- QD64 IOPS: median 0.900× (range 0.900–0.900×; adaptive better in 0 of 2)"), "{md}");
+        assert!(
+            md.contains(
+                "- QD64 IOPS: median 0.900× (range 0.900–0.900×; adaptive better in 0 of 2)"
+            ),
+            "{md}"
+        );
         let sec = summary_section(&md);
         assert!(md.find("## Modes summary") < md.find("## Results"));
         let header = "| target | idle CPU % | QD1 4k randread mean µs | QD1 4k randread p99 µs | QD64 4k randread IOPS | CPU-µs/IO at QD1 | CPU-µs/IO at QD64 |";
@@ -1052,18 +1063,40 @@ pub(crate) mod tests {
             error: Some("fio failed".into()),
             ..sample(3, iops, &poll, 1.0, 1.0, 1)
         });
-        let p = paired_ratio(&samples, iops, &adaptive.name(), &poll.name(), |s| s.fio.as_ref().map(|f| f.iops), false)
-            .unwrap();
+        let p = paired_ratio(
+            &samples,
+            iops,
+            &adaptive.name(),
+            &poll.name(),
+            |s| s.fio.as_ref().map(|f| f.iops),
+            false,
+        )
+        .unwrap();
         assert_eq!(p.spread.n, 3);
         assert!((p.spread.median - 1.1).abs() < 1e-9);
         assert!((p.spread.min - 0.9).abs() < 1e-9 && (p.spread.max - 1.2).abs() < 1e-9);
         assert_eq!(p.adaptive_better, 2);
         // Oriented the other way (a latency), the same ratios count once.
-        let q = paired_ratio(&samples, iops, &adaptive.name(), &poll.name(), |s| s.fio.as_ref().map(|f| f.iops), true)
-            .unwrap();
+        let q = paired_ratio(
+            &samples,
+            iops,
+            &adaptive.name(),
+            &poll.name(),
+            |s| s.fio.as_ref().map(|f| f.iops),
+            true,
+        )
+        .unwrap();
         assert_eq!(q.adaptive_better, 1);
         // No sample of the job: no ratio.
-        assert!(paired_ratio(&samples, JobKind::RandreadLat, &adaptive.name(), &poll.name(), |_| Some(1.0), true).is_none());
+        assert!(paired_ratio(
+            &samples,
+            JobKind::RandreadLat,
+            &adaptive.name(),
+            &poll.name(),
+            |_| Some(1.0),
+            true
+        )
+        .is_none());
     }
 
     #[test]

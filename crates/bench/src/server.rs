@@ -69,7 +69,9 @@ impl Proc {
             .spawn()?;
         // Recorded relative to the current directory, so a committed report
         // names no path of the machine it ran on (`target/release/lull`).
-        let cwd = std::env::current_dir().ok().map(|d| format!("{}/", d.display()));
+        let cwd = std::env::current_dir()
+            .ok()
+            .map(|d| format!("{}/", d.display()));
         let command = argv
             .iter()
             .map(|w| {

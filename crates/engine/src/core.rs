@@ -176,9 +176,16 @@ pub enum Event {
     /// A connection the engine asked for is established.
     ConnUp(ConnRef),
     /// A connection failed to connect, broke, or sent an undecodable frame.
-    ConnDown { conn: ConnRef, reason: String },
+    ConnDown {
+        conn: ConnRef,
+        reason: String,
+    },
     /// A decoded frame (payload of `payload_len(&header)` bytes, if any).
-    Frame { conn: ConnRef, header: Header, payload: Option<IoBuf> },
+    Frame {
+        conn: ConnRef,
+        header: Header,
+        payload: Option<IoBuf>,
+    },
     /// Time passed (timeouts, keep-alives, reconnects, progress logs).
     Tick,
     AddReplica(SocketAddr),
@@ -195,7 +202,10 @@ pub enum Payload {
     Hello([u8; HELLO_LEN]),
     /// The first `len` bytes of a shared write buffer (shared by every
     /// replica the write goes to; returned to the client afterwards).
-    Data { buf: Arc<IoBuf>, len: usize },
+    Data {
+        buf: Arc<IoBuf>,
+        len: usize,
+    },
 }
 
 impl AsRef<[u8]> for Payload {
@@ -218,11 +228,28 @@ pub enum LogLevel {
 /// What to do.
 #[derive(Debug)]
 pub enum Action {
-    Send { conn: ConnRef, header: [u8; HEADER_LEN], payload: Payload },
-    Complete { channel: u32, tag: u64, result: Result<(), BdevError>, buf: Option<IoBuf> },
-    Connect { conn: ConnRef, addr: SocketAddr },
-    Close { conn: ConnRef },
-    Log { level: LogLevel, msg: String },
+    Send {
+        conn: ConnRef,
+        header: [u8; HEADER_LEN],
+        payload: Payload,
+    },
+    Complete {
+        channel: u32,
+        tag: u64,
+        result: Result<(), BdevError>,
+        buf: Option<IoBuf>,
+    },
+    Connect {
+        conn: ConnRef,
+        addr: SocketAddr,
+    },
+    Close {
+        conn: ConnRef,
+    },
+    Log {
+        level: LogLevel,
+        msg: String,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -347,7 +374,10 @@ struct ClientIo {
 
 impl ClientIo {
     fn modifies(&self) -> bool {
-        matches!(self.op, IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. })
+        matches!(
+            self.op,
+            IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. }
+        )
     }
     fn end(&self) -> u64 {
         self.offset + u64::from(self.len)
@@ -485,12 +515,19 @@ impl Engine {
     /// Change the keep-alive interval at run time (kept below the replica
     /// timeout, or idle replicas would time out).
     pub fn set_keepalive_interval_ms(&mut self, ms: u64) {
-        self.opts.keepalive_interval_ms = ms.clamp(1, self.opts.replica_timeout_ms.saturating_sub(1).max(1));
+        self.opts.keepalive_interval_ms =
+            ms.clamp(1, self.opts.replica_timeout_ms.saturating_sub(1).max(1));
     }
 
     /// `session` identifies this engine process to the replicas: non-zero,
     /// and larger than any earlier engine's (the shell takes the clock).
-    pub fn new(volume: &str, size_bytes: u64, replicas: Vec<SocketAddr>, opts: EngineOptions, session: u64) -> Engine {
+    pub fn new(
+        volume: &str,
+        size_bytes: u64,
+        replicas: Vec<SocketAddr>,
+        opts: EngineOptions,
+        session: u64,
+    ) -> Engine {
         let mut e = Engine {
             volume: volume.to_string(),
             size_bytes,
@@ -553,7 +590,11 @@ impl Engine {
             intent_lost: false,
             reconcile: None,
         };
-        if let Some(i) = self.replicas.iter().position(|r| r.state == RState::Removed) {
+        if let Some(i) = self
+            .replicas
+            .iter()
+            .position(|r| r.state == RState::Removed)
+        {
             let epochs: Vec<u32> = self.replicas[i].conns.iter().map(|c| c.epoch).collect();
             self.replicas[i] = r;
             for (c, e) in self.replicas[i].conns.iter_mut().zip(epochs) {
@@ -613,7 +654,11 @@ impl Engine {
                     self.fail_replica(r, &reason, false);
                 }
             }
-            Event::Frame { conn, header, payload } => self.on_frame(conn, header, payload),
+            Event::Frame {
+                conn,
+                header,
+                payload,
+            } => self.on_frame(conn, header, payload),
             Event::Tick => self.on_tick(),
             Event::AddReplica(addr) => self.add_replica(addr),
             Event::RemoveReplica(addr) => self.remove_replica(addr),
@@ -626,7 +671,10 @@ impl Engine {
     }
 
     fn log(&mut self, level: LogLevel, msg: String) {
-        self.out.push(Action::Log { level, msg: format!("volume {}: {msg}", self.volume) });
+        self.out.push(Action::Log {
+            level,
+            msg: format!("volume {}: {msg}", self.volume),
+        });
     }
 
     // ---- replicas and connections ------------------------------------
@@ -640,7 +688,8 @@ impl Engine {
     /// Whether the engine waits for this connection attempt (the shell
     /// drops sockets of attempts it gave up on).
     pub fn conn_connecting(&self, c: ConnRef) -> bool {
-        self.live_conn(c).is_some() && self.replicas[c.replica as usize].conns[c.conn as usize].state == CState::Connecting
+        self.live_conn(c).is_some()
+            && self.replicas[c.replica as usize].conns[c.conn as usize].state == CState::Connecting
     }
 
     /// Whether this connection is still in use.
@@ -649,7 +698,11 @@ impl Engine {
     }
 
     fn conn_ref(&self, r: usize, c: usize) -> ConnRef {
-        ConnRef { replica: r as u32, conn: c as u32, epoch: self.replicas[r].conns[c].epoch }
+        ConnRef {
+            replica: r as u32,
+            conn: c as u32,
+            epoch: self.replicas[r].conns[c].epoch,
+        }
     }
 
     fn connect(&mut self, r: usize) {
@@ -670,13 +723,27 @@ impl Engine {
     }
 
     fn add_replica(&mut self, addr: SocketAddr) {
-        if self.replicas.iter().any(|r| r.addr == addr && r.state != RState::Removed) {
-            self.log(LogLevel::Warn, format!("replica {addr} is already part of the volume"));
+        if self
+            .replicas
+            .iter()
+            .any(|r| r.addr == addr && r.state != RState::Removed)
+        {
+            self.log(
+                LogLevel::Warn,
+                format!("replica {addr} is already part of the volume"),
+            );
             return;
         }
-        let live = self.replicas.iter().filter(|r| r.state != RState::Removed).count();
+        let live = self
+            .replicas
+            .iter()
+            .filter(|r| r.state != RState::Removed)
+            .count();
         if live >= MAX_REPLICAS {
-            self.log(LogLevel::Error, format!("cannot add replica {addr}: at most {MAX_REPLICAS} replicas"));
+            self.log(
+                LogLevel::Error,
+                format!("cannot add replica {addr}: at most {MAX_REPLICAS} replicas"),
+            );
             return;
         }
         let r = self.push_replica(addr);
@@ -687,9 +754,16 @@ impl Engine {
     }
 
     fn remove_replica(&mut self, addr: SocketAddr) {
-        match self.replicas.iter().position(|r| r.addr == addr && r.state != RState::Removed) {
+        match self
+            .replicas
+            .iter()
+            .position(|r| r.addr == addr && r.state != RState::Removed)
+        {
             Some(r) => self.fail_replica(r, "removed by the operator", true),
-            None => self.log(LogLevel::Warn, format!("cannot remove replica {addr}: not part of the volume")),
+            None => self.log(
+                LogLevel::Warn,
+                format!("cannot remove replica {addr}: not part of the volume"),
+            ),
         }
     }
 
@@ -702,7 +776,11 @@ impl Engine {
     }
 
     fn mask_of(&self, f: impl Fn(RState) -> bool) -> u32 {
-        self.replicas.iter().enumerate().filter(|(_, r)| f(r.state)).fold(0, |m, (i, _)| m | (1 << i))
+        self.replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| f(r.state))
+            .fold(0, |m, (i, _)| m | (1 << i))
     }
 
     fn on_conn_up(&mut self, c: ConnRef) {
@@ -713,8 +791,21 @@ impl Engine {
         }
         self.replicas[r].conns[ci].state = CState::Hello;
         self.replicas[r].conns[ci].last_rx_ns = self.now;
-        let hello = Hello { volume_size: self.size_bytes, generation: 0, flags: 0, session: self.session };
-        if !self.send(r, ci, SubKind::Probe, Kind::Hello, 0, HELLO_LEN as u32, Payload::Hello(wire::encode_hello(&hello))) {
+        let hello = Hello {
+            volume_size: self.size_bytes,
+            generation: 0,
+            flags: 0,
+            session: self.session,
+        };
+        if !self.send(
+            r,
+            ci,
+            SubKind::Probe,
+            Kind::Hello,
+            0,
+            HELLO_LEN as u32,
+            Payload::Hello(wire::encode_hello(&hello)),
+        ) {
             self.fail_replica(r, "no slot for the HELLO probe", false);
         }
     }
@@ -722,10 +813,27 @@ impl Engine {
     /// Queue a request on connection `c` of replica `r`; false when its slot
     /// table is full.
     #[allow(clippy::too_many_arguments)]
-    fn send(&mut self, r: usize, c: usize, what: SubKind, kind: Kind, offset: u64, length: u32, payload: Payload) -> bool {
+    fn send(
+        &mut self,
+        r: usize,
+        c: usize,
+        what: SubKind,
+        kind: Kind,
+        offset: u64,
+        length: u32,
+        payload: Payload,
+    ) -> bool {
         let now = self.now;
         let conn = &mut self.replicas[r].conns[c];
-        let Some(id) = conn.slots.insert(Sub { what, kind, offset, length, sent_ns: now }) else { return false };
+        let Some(id) = conn.slots.insert(Sub {
+            what,
+            kind,
+            offset,
+            length,
+            sent_ns: now,
+        }) else {
+            return false;
+        };
         conn.last_tx_ns = now;
         let header = Header::request(kind, id.to_wire(), offset, length);
         let mut bytes = [0u8; HEADER_LEN];
@@ -737,7 +845,11 @@ impl Engine {
             return false;
         }
         let cref = self.conn_ref(r, c);
-        self.out.push(Action::Send { conn: cref, header: bytes, payload });
+        self.out.push(Action::Send {
+            conn: cref,
+            header: bytes,
+            payload,
+        });
         true
     }
 
@@ -755,7 +867,15 @@ impl Engine {
         None
     }
 
-    fn send_any(&mut self, r: usize, what: SubKind, kind: Kind, offset: u64, length: u32, payload: Payload) -> bool {
+    fn send_any(
+        &mut self,
+        r: usize,
+        what: SubKind,
+        kind: Kind,
+        offset: u64,
+        length: u32,
+        payload: Payload,
+    ) -> bool {
         match self.pick_conn(r) {
             Some(c) => self.send(r, c, what, kind, offset, length, payload),
             None => false,
@@ -774,12 +894,17 @@ impl Engine {
         let now = self.now;
         {
             let rep = &mut self.replicas[r];
-            rep.state = if remove { RState::Removed } else { RState::Failed };
+            rep.state = if remove {
+                RState::Removed
+            } else {
+                RState::Failed
+            };
             if !remove {
                 rep.errors += 1;
             }
             rep.last_error = Some(reason.to_string());
-            rep.retry_at_ns = now.saturating_add(self.opts.reconnect_interval_ms.saturating_mul(1_000_000));
+            rep.retry_at_ns =
+                now.saturating_add(self.opts.reconnect_interval_ms.saturating_mul(1_000_000));
             rep.attach_in_flight = false;
             rep.intent = None;
             rep.intent_lost = false;
@@ -816,9 +941,16 @@ impl Engine {
             conn.probe = None;
             conn.slots.drain(|_, sub| drained.push(sub));
         }
-        let level = if was == RState::Healthy { LogLevel::Error } else { LogLevel::Warn };
+        let level = if was == RState::Healthy {
+            LogLevel::Error
+        } else {
+            LogLevel::Warn
+        };
         let verb = if remove { "removed" } else { "failed" };
-        self.log(level, format!("replica {addr} {verb} (was {was:?}): {reason}"));
+        self.log(
+            level,
+            format!("replica {addr} {verb} (was {was:?}): {reason}"),
+        );
         for sub in drained {
             self.sub_failed(r, sub);
         }
@@ -838,19 +970,26 @@ impl Engine {
             if healthy == 0 {
                 self.on_no_healthy();
             } else {
-                self.log(LogLevel::Warn, format!("degraded: {healthy} healthy replica(s) left"));
+                self.log(
+                    LogLevel::Warn,
+                    format!("degraded: {healthy} healthy replica(s) left"),
+                );
             }
         }
     }
 
     fn on_no_healthy(&mut self) {
-        self.log(LogLevel::Error, "no healthy replica left: I/O fails with EIO until one is back".into());
+        self.log(
+            LogLevel::Error,
+            "no healthy replica left: I/O fails with EIO until one is back".into(),
+        );
         self.bump = None;
         for id in std::mem::take(&mut self.deferred) {
             self.finish_io(id, Err(eio("no healthy replica")));
         }
-        let rebuilding: Vec<usize> =
-            (0..self.replicas.len()).filter(|&i| self.replicas[i].state == RState::Rebuilding).collect();
+        let rebuilding: Vec<usize> = (0..self.replicas.len())
+            .filter(|&i| self.replicas[i].state == RState::Rebuilding)
+            .collect();
         for i in rebuilding {
             self.fail_replica(i, "no healthy replica left to rebuild from", false);
         }
@@ -860,7 +999,9 @@ impl Engine {
     fn sub_failed(&mut self, r: usize, sub: Sub) {
         match sub.what {
             SubKind::Client(id) => {
-                let Some(io) = self.ios[id as usize].as_mut() else { return };
+                let Some(io) = self.ios[id as usize].as_mut() else {
+                    return;
+                };
                 io.outstanding -= 1;
                 if matches!(io.op, IoOp::Read) {
                     // Try again on another healthy replica.
@@ -877,14 +1018,24 @@ impl Engine {
             }
             // `fail_replica` forgets the replica's region masks and detach
             // steps: nothing to undo per request.
-            SubKind::Probe | SubKind::IntentGet | SubKind::Ping | SubKind::Rebuild(_) | SubKind::Intent | SubKind::Detach => {}
+            SubKind::Probe
+            | SubKind::IntentGet
+            | SubKind::Ping
+            | SubKind::Rebuild(_)
+            | SubKind::Intent
+            | SubKind::Detach => {}
         }
     }
 
     // ---- generations and elections ------------------------------------
 
     fn start_bump(&mut self) {
-        let seen = self.replicas.iter().map(|r| r.generation.max(r.attached_gen)).max().unwrap_or(0);
+        let seen = self
+            .replicas
+            .iter()
+            .map(|r| r.generation.max(r.attached_gen))
+            .max()
+            .unwrap_or(0);
         let pending = self.bump.as_ref().map_or(0, |b| b.generation);
         let generation = self.generation.max(seen).max(pending) + 1;
         self.bump = Some(Bump { generation });
@@ -903,16 +1054,31 @@ impl Engine {
             if rep.attach_in_flight {
                 continue;
             }
-            let hello = Hello { volume_size: self.size_bytes, generation, flags: wire::HELLO_FLAG_ATTACH, session: self.session };
+            let hello = Hello {
+                volume_size: self.size_bytes,
+                generation,
+                flags: wire::HELLO_FLAG_ATTACH,
+                session: self.session,
+            };
             let payload = Payload::Hello(wire::encode_hello(&hello));
-            if self.send_any(r, SubKind::Attach(generation), Kind::Hello, 0, HELLO_LEN as u32, payload) {
+            if self.send_any(
+                r,
+                SubKind::Attach(generation),
+                Kind::Hello,
+                0,
+                HELLO_LEN as u32,
+                payload,
+            ) {
                 self.replicas[r].attach_in_flight = true;
             }
         }
         if done {
             self.generation = generation;
             self.bump = None;
-            self.log(LogLevel::Info, format!("generation {generation} persisted on every healthy replica"));
+            self.log(
+                LogLevel::Info,
+                format!("generation {generation} persisted on every healthy replica"),
+            );
             for id in std::mem::take(&mut self.deferred) {
                 self.finish_io(id, Ok(()));
             }
@@ -924,24 +1090,34 @@ impl Engine {
             self.election_start_ns = None;
             return;
         }
-        let live: Vec<usize> = (0..self.replicas.len()).filter(|&i| self.replicas[i].state != RState::Removed).collect();
+        let live: Vec<usize> = (0..self.replicas.len())
+            .filter(|&i| self.replicas[i].state != RState::Removed)
+            .collect();
         let candidates: Vec<usize> = live
             .iter()
             .copied()
-            .filter(|&i| self.replicas[i].state == RState::Probed && self.replicas[i].generation >= self.generation)
+            .filter(|&i| {
+                self.replicas[i].state == RState::Probed
+                    && self.replicas[i].generation >= self.generation
+            })
             .collect();
         if candidates.is_empty() {
             return;
         }
         let start = *self.election_start_ns.get_or_insert(self.now);
-        let all_answered = live.iter().all(|&i| self.replicas[i].state == RState::Probed);
+        let all_answered = live
+            .iter()
+            .all(|&i| self.replicas[i].state == RState::Probed);
         if !all_answered {
             if self.elected_once {
                 if self.now < start.saturating_add(ELECTION_WAIT_NS) {
                     return;
                 }
             } else {
-                if self.election_logged_ns.is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS)) {
+                if self
+                    .election_logged_ns
+                    .is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS))
+                {
                     self.election_logged_ns = Some(self.now);
                     let missing: Vec<String> = live
                         .iter()
@@ -966,7 +1142,10 @@ impl Engine {
         }) else {
             return;
         };
-        let (sgen, sclean) = (self.replicas[source].generation, self.replicas[source].clean);
+        let (sgen, sclean) = (
+            self.replicas[source].generation,
+            self.replicas[source].clean,
+        );
         // Equal generations hold the same acknowledged writes. Only if every
         // one of them was detached cleanly are they also equal everywhere
         // else; otherwise a dead engine may have left a write on some of
@@ -974,7 +1153,9 @@ impl Engine {
         let peers: Vec<usize> = live
             .iter()
             .copied()
-            .filter(|&i| self.replicas[i].state == RState::Probed && self.replicas[i].generation == sgen)
+            .filter(|&i| {
+                self.replicas[i].state == RState::Probed && self.replicas[i].generation == sgen
+            })
             .collect();
         let all_clean = peers.iter().all(|&i| self.replicas[i].clean);
         let union = (!all_clean).then(|| self.intent_union(&peers));
@@ -1002,7 +1183,10 @@ impl Engine {
         let src = self.replicas[source].addr;
         self.log(
             LogLevel::Info,
-            format!("elected replica {src} (generation {sgen}, clean {sclean}) as source; healthy: {}", healthy.join(", ")),
+            format!(
+                "elected replica {src} (generation {sgen}, clean {sclean}) as source; healthy: {}",
+                healthy.join(", ")
+            ),
         );
         if let Some(u) = &union {
             let (n, bytes) = (count_bits(u), self.bitmap_bytes(u));
@@ -1029,7 +1213,11 @@ impl Engine {
         for &i in peers {
             let bit = 1u32 << i;
             let addr = self.replicas[i].addr;
-            let lost = self.replicas[i].intent_lost || self.replicas[i].intent.as_ref().is_none_or(|b| b.len() != union.len());
+            let lost = self.replicas[i].intent_lost
+                || self.replicas[i]
+                    .intent
+                    .as_ref()
+                    .is_none_or(|b| b.len() != union.len());
             if lost {
                 self.log(
                     LogLevel::Warn,
@@ -1037,7 +1225,11 @@ impl Engine {
                 );
             }
             for (g, region) in self.regions.iter_mut().enumerate() {
-                let set = lost || self.replicas[i].intent.as_deref().is_some_and(|b| has_bit(b, g));
+                let set = lost
+                    || self.replicas[i]
+                        .intent
+                        .as_deref()
+                        .is_some_and(|b| has_bit(b, g));
                 if set {
                     union[g / 8] |= 1 << (g % 8);
                     // A lost record is all ones in the replica's memory
@@ -1065,14 +1257,20 @@ impl Engine {
     /// First and last region of `[offset, offset + len)`, `len` > 0.
     fn region_span(&self, offset: u64, len: u64) -> (usize, usize) {
         let last = (offset + len.max(1) - 1) / self.region_bytes;
-        ((offset / self.region_bytes) as usize, (last as usize).min(self.regions.len() - 1))
+        (
+            (offset / self.region_bytes) as usize,
+            (last as usize).min(self.regions.len() - 1),
+        )
     }
 
     /// Whether regions `first..=last` have a durable write-intent bit on
     /// every replica of `need` and no CLEAR in flight. If not, sends the
     /// MARKs that are missing (once; their replies call `progress` again).
     fn ensure_marked(&mut self, first: usize, last: usize, need: u32) -> bool {
-        if self.regions[first..=last].iter().all(|x| x.clearing == 0 && x.marked & need == need) {
+        if self.regions[first..=last]
+            .iter()
+            .all(|x| x.clearing == 0 && x.marked & need == need)
+        {
             return true;
         }
         for r in 0..self.replicas.len() {
@@ -1093,7 +1291,14 @@ impl Engine {
                 while g <= last && missing(&self.regions[g]) {
                     g += 1;
                 }
-                if !self.send_any(r, SubKind::Intent, Kind::IntentMark, start as u64, (g - start) as u32, Payload::None) {
+                if !self.send_any(
+                    r,
+                    SubKind::Intent,
+                    Kind::IntentMark,
+                    start as u64,
+                    (g - start) as u32,
+                    Payload::None,
+                ) {
                     // No free slot: tried again on the next event.
                     return false;
                 }
@@ -1107,7 +1312,9 @@ impl Engine {
 
     /// Count client request `id` in the regions it writes (at dispatch).
     fn hold_regions(&mut self, id: u32) {
-        let Some(io) = self.ios[id as usize].as_ref() else { return };
+        let Some(io) = self.ios[id as usize].as_ref() else {
+            return;
+        };
         let (first, last) = self.region_span(io.offset, u64::from(io.len));
         for x in &mut self.regions[first..=last] {
             x.writes += 1;
@@ -1119,7 +1326,9 @@ impl Engine {
 
     /// Uncount it once every replica answered it.
     fn release_regions(&mut self, id: u32) {
-        let Some(io) = self.ios[id as usize].as_mut() else { return };
+        let Some(io) = self.ios[id as usize].as_mut() else {
+            return;
+        };
         if !std::mem::take(&mut io.in_regions) {
             return;
         }
@@ -1137,7 +1346,10 @@ impl Engine {
     /// reconciled (the bits say what a reconcile interrupted by a crash
     /// still has to do) nor while detaching (DETACH clears everything).
     fn clear_quiet_regions(&mut self) {
-        if self.detach.is_some() || self.rebuild.is_some() || self.replicas.iter().any(|r| r.state == RState::Rebuilding) {
+        if self.detach.is_some()
+            || self.rebuild.is_some()
+            || self.replicas.iter().any(|r| r.state == RState::Rebuilding)
+        {
             return;
         }
         let now = self.now;
@@ -1148,7 +1360,10 @@ impl Engine {
             }
             let bit = 1u32 << r;
             let quiet = |x: &Region| {
-                x.marked & bit != 0 && x.writes == 0 && x.marking == 0 && now.saturating_sub(x.last_write_ns) >= INTENT_CLEAR_IDLE_NS
+                x.marked & bit != 0
+                    && x.writes == 0
+                    && x.marking == 0
+                    && now.saturating_sub(x.last_write_ns) >= INTENT_CLEAR_IDLE_NS
             };
             let (mut g, mut sent) = (0, 0);
             while g < n && sent < MAX_CLEARS_PER_TICK {
@@ -1160,7 +1375,14 @@ impl Engine {
                 while g < n && quiet(&self.regions[g]) {
                     g += 1;
                 }
-                if !self.send_any(r, SubKind::Intent, Kind::IntentClear, start as u64, (g - start) as u32, Payload::None) {
+                if !self.send_any(
+                    r,
+                    SubKind::Intent,
+                    Kind::IntentClear,
+                    start as u64,
+                    (g - start) as u32,
+                    Payload::None,
+                ) {
                     break;
                 }
                 sent += 1;
@@ -1174,7 +1396,14 @@ impl Engine {
 
     fn on_intent_reply(&mut self, r: usize, sub: Sub, h: Header) {
         if h.status != 0 {
-            return self.fail_replica(r, &format!("{:?} of regions [{}, +{}) failed with errno {}", h.kind, sub.offset, sub.length, h.status), false);
+            return self.fail_replica(
+                r,
+                &format!(
+                    "{:?} of regions [{}, +{}) failed with errno {}",
+                    h.kind, sub.offset, sub.length, h.status
+                ),
+                false,
+            );
         }
         let bit = 1u32 << r;
         let (first, count) = (sub.offset as usize, sub.length as usize);
@@ -1195,33 +1424,50 @@ impl Engine {
             if let Some(b) = payload {
                 self.pool.put(b);
             }
-            return self.fail_replica(r, &format!("INTENT_GET failed with errno {}", h.status), false);
+            return self.fail_replica(
+                r,
+                &format!("INTENT_GET failed with errno {}", h.status),
+                false,
+            );
         }
         let Some(buf) = payload else {
             return self.protocol_error(r, None, "INTENT_GET reply without payload".into());
         };
-        let parsed = wire::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
+        let parsed =
+            wire::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
         self.pool.put(buf);
         let (flags, bits) = match parsed {
             Ok(p) => p,
             Err(e) => return self.protocol_error(r, None, format!("bad INTENT_GET reply: {e}")),
         };
         if bits.len() != self.regions.len().div_ceil(8) || h.offset != self.regions.len() as u64 {
-            let why = format!("INTENT_GET reply for {} regions, the volume has {}", h.offset, self.regions.len());
+            let why = format!(
+                "INTENT_GET reply for {} regions, the volume has {}",
+                h.offset,
+                self.regions.len()
+            );
             return self.protocol_error(r, None, why);
         }
         let rep = &mut self.replicas[r];
         rep.intent_lost |= flags & wire::INTENT_FLAG_LOST != 0;
         rep.intent = Some(bits);
-        let (addr, generation, clean, lost) = (rep.addr, rep.generation, rep.clean, rep.intent_lost);
+        let (addr, generation, clean, lost) =
+            (rep.addr, rep.generation, rep.clean, rep.intent_lost);
         let marked = self.replicas[r].intent.as_deref().map_or(0, count_bits);
         if self.healthy_mask() != 0 {
             self.replicas[r].state = RState::Rebuilding;
             self.replicas[r].reconcile = None;
-            self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}); it will be rebuilt"));
+            self.log(
+                LogLevel::Info,
+                format!("replica {addr} connected (generation {generation}); it will be rebuilt"),
+            );
         } else {
             self.replicas[r].state = RState::Probed;
-            let record = if lost { "lost".to_string() } else { format!("{marked} region(s) marked") };
+            let record = if lost {
+                "lost".to_string()
+            } else {
+                format!("{marked} region(s) marked")
+            };
             self.log(LogLevel::Info, format!("replica {addr} connected (generation {generation}, clean {clean}, write intent: {record})"));
         }
     }
@@ -1233,29 +1479,57 @@ impl Engine {
         if self.detach.is_some() {
             let buf = req.buf.take();
             let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());
-            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
             return;
         }
         if let Err(e) = lull_bdev::validate_request(&req, self.size_bytes) {
             let buf = req.buf.take();
-            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
             return;
         }
         if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > wire::MAX_IO_BYTES {
             let buf = req.buf.take();
-            let e = BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
-            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
+            let e =
+                BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
             return;
         }
         if req.len == 0 && !matches!(req.op, IoOp::Flush) {
             let buf = req.buf.take();
-            self.out.push(Action::Complete { channel, tag: req.tag, result: Ok(()), buf });
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Ok(()),
+                buf,
+            });
             return;
         }
         let Some(id) = self.alloc_io() else {
             let buf = req.buf.take();
-            let e = BdevError::Full { capacity: MAX_CLIENT_IOS };
-            self.out.push(Action::Complete { channel, tag: req.tag, result: Err(e), buf });
+            let e = BdevError::Full {
+                capacity: MAX_CLIENT_IOS,
+            };
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
             return;
         };
         let data = match req.op {
@@ -1296,7 +1570,9 @@ impl Engine {
     /// Complete client request `id` and free its entry.
     fn finish_io(&mut self, id: u32, result: Result<(), BdevError>) {
         self.release_regions(id);
-        let Some(io) = self.ios[id as usize].take() else { return };
+        let Some(io) = self.ios[id as usize].take() else {
+            return;
+        };
         self.io_free.push(id);
         if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
             self.writes_in_flight.swap_remove(p);
@@ -1317,7 +1593,12 @@ impl Engine {
                 }
             },
         };
-        self.out.push(Action::Complete { channel: io.channel, tag: io.tag, result, buf });
+        self.out.push(Action::Complete {
+            channel: io.channel,
+            tag: io.tag,
+            result,
+            buf,
+        });
     }
 
     /// Every replica answered (or failed) a write-like request or FLUSH.
@@ -1326,7 +1607,9 @@ impl Engine {
         // flight in its regions any more.
         self.release_regions(id);
         let healthy = self.healthy_mask();
-        let Some(io) = self.ios[id as usize].as_mut() else { return };
+        let Some(io) = self.ios[id as usize].as_mut() else {
+            return;
+        };
         if io.acked & healthy == 0 {
             self.finish_io(id, Err(eio("no healthy replica acknowledged the request")));
             return;
@@ -1359,7 +1642,9 @@ impl Engine {
             self.finish_io(id, Err(eio("no healthy replica")));
             return true;
         }
-        let Some(io) = self.ios[id as usize].as_ref() else { return true };
+        let Some(io) = self.ios[id as usize].as_ref() else {
+            return true;
+        };
         let (op, offset, len) = (io.op, io.offset, io.len);
         if matches!(op, IoOp::Read) {
             let n = self.replicas.len();
@@ -1368,7 +1653,14 @@ impl Engine {
                 if healthy & (1 << r) == 0 {
                     continue;
                 }
-                if self.send_any(r, SubKind::Client(id), Kind::Read, offset, len, Payload::None) {
+                if self.send_any(
+                    r,
+                    SubKind::Client(id),
+                    Kind::Read,
+                    offset,
+                    len,
+                    Payload::None,
+                ) {
                     self.read_rr = (r + 1) % n;
                     if let Some(io) = self.ios[id as usize].as_mut() {
                         io.outstanding = 1;
@@ -1381,7 +1673,12 @@ impl Engine {
         let io_range = (offset, offset + u64::from(len));
         let modifies = !matches!(op, IoOp::Flush);
         if modifies {
-            if self.rebuild.as_ref().and_then(Rebuild::lock).is_some_and(|l| overlaps(l, io_range)) {
+            if self
+                .rebuild
+                .as_ref()
+                .and_then(Rebuild::lock)
+                .is_some_and(|l| overlaps(l, io_range))
+            {
                 return false;
             }
             for &w in &self.writes_in_flight {
@@ -1411,9 +1708,10 @@ impl Engine {
             }
         }
         let (kind, payload_buf) = match (&self.ios[id as usize].as_ref().map(|i| &i.data), op) {
-            (Some(IoData::Write(b)), IoOp::Write { fua }) => {
-                (if fua { Kind::WriteFua } else { Kind::Write }, Some(b.clone()))
-            }
+            (Some(IoData::Write(b)), IoOp::Write { fua }) => (
+                if fua { Kind::WriteFua } else { Kind::Write },
+                Some(b.clone()),
+            ),
             (_, IoOp::Trim) => (Kind::Trim, None),
             (_, IoOp::WriteZeroes { .. }) => (Kind::WriteZeroes, None),
             (_, IoOp::Flush) => (Kind::Flush, None),
@@ -1422,14 +1720,21 @@ impl Engine {
                 return true;
             }
         };
-        let (w_off, w_len) = if kind == Kind::Flush { (0, 0) } else { (offset, len) };
+        let (w_off, w_len) = if kind == Kind::Flush {
+            (0, 0)
+        } else {
+            (offset, len)
+        };
         let mut sent = 0;
         for (r, &c) in conns.iter().enumerate().take(self.replicas.len()) {
             if c == usize::MAX {
                 continue;
             }
             let payload = match &payload_buf {
-                Some(b) => Payload::Data { buf: b.clone(), len: len as usize },
+                Some(b) => Payload::Data {
+                    buf: b.clone(),
+                    len: len as usize,
+                },
                 None => Payload::None,
             };
             if self.send(r, c, SubKind::Client(id), kind, w_off, w_len, payload) {
@@ -1472,24 +1777,46 @@ impl Engine {
             return self.protocol_error(r, None, format!("replica sent a request ({:?})", h.kind));
         }
         let Some(sub) = self.replicas[r].conns[ci].slots.take(h.id) else {
-            return self.protocol_error(r, None, format!("reply {:?} for unknown request id {:#x}", h.kind, h.id));
+            return self.protocol_error(
+                r,
+                None,
+                format!("reply {:?} for unknown request id {:#x}", h.kind, h.id),
+            );
         };
         if sub.kind != h.kind {
-            return self.protocol_error(r, Some(sub), format!("reply kind {:?} for a {:?} request", h.kind, sub.kind));
+            return self.protocol_error(
+                r,
+                Some(sub),
+                format!("reply kind {:?} for a {:?} request", h.kind, sub.kind),
+            );
         }
         let echoes = matches!(
             h.kind,
-            Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes | Kind::IntentMark | Kind::IntentClear
+            Kind::Read
+                | Kind::Write
+                | Kind::WriteFua
+                | Kind::Trim
+                | Kind::WriteZeroes
+                | Kind::IntentMark
+                | Kind::IntentClear
         );
         if echoes && (h.offset != sub.offset || h.length != sub.length) {
-            return self.protocol_error(r, Some(sub), format!("{:?} reply for the wrong range", h.kind));
+            return self.protocol_error(
+                r,
+                Some(sub),
+                format!("{:?} reply for the wrong range", h.kind),
+            );
         }
         match sub.what {
             SubKind::Probe => self.on_probe_reply(r, ci, h, payload),
             SubKind::Attach(g) => {
                 self.replicas[r].attach_in_flight = false;
                 if h.status != 0 {
-                    return self.protocol_error(r, None, format!("attach refused with errno {}", h.status));
+                    return self.protocol_error(
+                        r,
+                        None,
+                        format!("attach refused with errno {}", h.status),
+                    );
                 }
                 let rep = &mut self.replicas[r];
                 rep.attached_gen = rep.attached_gen.max(g);
@@ -1548,9 +1875,20 @@ impl Engine {
         conn.state = CState::Up;
         conn.probe = Some(hello);
         if self.replicas[r].conns.iter().all(|c| c.state == CState::Up) {
-            let generation = self.replicas[r].conns.iter().filter_map(|c| c.probe.map(|p| p.generation)).max().unwrap_or(0);
-            let clean = self.replicas[r].conns.iter().all(|c| c.probe.is_some_and(|p| p.flags & wire::HELLO_FLAG_CLEAN != 0));
-            let lost = self.replicas[r].conns.iter().any(|c| c.probe.is_some_and(|p| p.flags & wire::HELLO_FLAG_INTENT_LOST != 0));
+            let generation = self.replicas[r]
+                .conns
+                .iter()
+                .filter_map(|c| c.probe.map(|p| p.generation))
+                .max()
+                .unwrap_or(0);
+            let clean = self.replicas[r].conns.iter().all(|c| {
+                c.probe
+                    .is_some_and(|p| p.flags & wire::HELLO_FLAG_CLEAN != 0)
+            });
+            let lost = self.replicas[r].conns.iter().any(|c| {
+                c.probe
+                    .is_some_and(|p| p.flags & wire::HELLO_FLAG_INTENT_LOST != 0)
+            });
             let rep = &mut self.replicas[r];
             rep.generation = generation;
             rep.clean = clean && !lost;
@@ -1560,7 +1898,15 @@ impl Engine {
             // Every connection has answered this session's HELLO, so no
             // write of an earlier engine can land on it any more: now its
             // write-intent record is final.
-            if !self.send(r, ci, SubKind::IntentGet, Kind::IntentGet, 0, 0, Payload::None) {
+            if !self.send(
+                r,
+                ci,
+                SubKind::IntentGet,
+                Kind::IntentGet,
+                0,
+                0,
+                Payload::None,
+            ) {
                 self.fail_replica(r, "no slot for INTENT_GET", false);
             }
         }
@@ -1576,7 +1922,10 @@ impl Engine {
                 self.pool.put(b);
             }
             self.sub_failed(r, sub);
-            let why = format!("{:?} [{}, +{}) failed with errno {}", h.kind, h.offset, h.length, h.status);
+            let why = format!(
+                "{:?} [{}, +{}) failed with errno {}",
+                h.kind, h.offset, h.length, h.status
+            );
             return self.fail_replica(r, &why, false);
         }
         if h.kind == Kind::Read {
@@ -1602,7 +1951,9 @@ impl Engine {
         if let Some(b) = payload {
             self.pool.put(b);
         }
-        let Some(io) = self.ios[id as usize].as_mut() else { return };
+        let Some(io) = self.ios[id as usize].as_mut() else {
+            return;
+        };
         io.acked |= 1 << r;
         io.outstanding -= 1;
         if io.outstanding == 0 {
@@ -1616,12 +1967,22 @@ impl Engine {
         if self.rebuild.is_some() {
             return;
         }
-        let Some(target) = self.replicas.iter().position(|r| r.state == RState::Rebuilding) else { return };
+        let Some(target) = self
+            .replicas
+            .iter()
+            .position(|r| r.state == RState::Rebuilding)
+        else {
+            return;
+        };
         let healthy = self.healthy_mask();
-        let Some(source) = (0..self.replicas.len()).find(|&i| healthy & (1 << i) != 0) else { return };
+        let Some(source) = (0..self.replicas.len()).find(|&i| healthy & (1 << i) != 0) else {
+            return;
+        };
         self.rebuild_runs += 1;
         let regions = self.replicas[target].reconcile.clone();
-        let total_bytes = regions.as_deref().map_or(self.size_bytes, |b| self.bitmap_bytes(b));
+        let total_bytes = regions
+            .as_deref()
+            .map_or(self.size_bytes, |b| self.bitmap_bytes(b));
         self.rebuild = Some(Rebuild {
             run: self.rebuild_runs,
             target,
@@ -1638,8 +1999,15 @@ impl Engine {
             last_log_pct: 0,
         });
         let (t, s) = (self.replicas[target].addr, self.replicas[source].addr);
-        let what = if self.replicas[target].reconcile.is_some() { "reconcile" } else { "rebuild" };
-        self.log(LogLevel::Info, format!("{what} of replica {t} from {s} started ({total_bytes} bytes)"));
+        let what = if self.replicas[target].reconcile.is_some() {
+            "reconcile"
+        } else {
+            "rebuild"
+        };
+        self.log(
+            LogLevel::Info,
+            format!("{what} of replica {t} from {s} started ({total_bytes} bytes)"),
+        );
     }
 
     /// The next range `[start, end)` the run copies from `cursor` on: the
@@ -1649,7 +2017,9 @@ impl Engine {
         if rb.cursor >= self.size_bytes {
             return None;
         }
-        let Some(bits) = rb.regions.as_deref() else { return Some((rb.cursor, self.size_bytes)) };
+        let Some(bits) = rb.regions.as_deref() else {
+            return Some((rb.cursor, self.size_bytes));
+        };
         let n = self.regions.len();
         let mut g = (rb.cursor / self.region_bytes) as usize;
         while g < n && !has_bit(bits, g) {
@@ -1668,7 +2038,9 @@ impl Engine {
     fn progress_rebuild(&mut self) {
         self.start_rebuild_if_needed();
         loop {
-            let Some(rb) = self.rebuild.as_mut() else { return };
+            let Some(rb) = self.rebuild.as_mut() else {
+                return;
+            };
             let (run, source, target) = (rb.run, rb.source, rb.target);
             match &rb.step {
                 Step::Idle => {
@@ -1676,11 +2048,22 @@ impl Engine {
                         rb.step = Step::Draining;
                         continue;
                     }
-                    let Some((start, end)) = self.rebuild.as_ref().and_then(|rb| self.next_copy_range(rb)) else {
+                    let Some((start, end)) = self
+                        .rebuild
+                        .as_ref()
+                        .and_then(|rb| self.next_copy_range(rb))
+                    else {
                         return self.finish_rebuild();
                     };
                     let len = REBUILD_SCAN_BYTES.min(end - start) as u32;
-                    if self.send_any(source, SubKind::Rebuild(run), Kind::Extents, start, len, Payload::None) {
+                    if self.send_any(
+                        source,
+                        SubKind::Rebuild(run),
+                        Kind::Extents,
+                        start,
+                        len,
+                        Payload::None,
+                    ) {
                         if let Some(rb) = self.rebuild.as_mut() {
                             rb.cursor = start;
                             rb.step = Step::Scanning;
@@ -1695,7 +2078,9 @@ impl Engine {
                     };
                     let range = (seg.offset, seg.end());
                     let busy = self.writes_in_flight.iter().any(|&w| {
-                        self.ios[w as usize].as_ref().is_some_and(|io| overlaps((io.offset, io.end()), range))
+                        self.ios[w as usize]
+                            .as_ref()
+                            .is_some_and(|io| overlaps((io.offset, io.end()), range))
                     });
                     if busy {
                         return;
@@ -1719,7 +2104,14 @@ impl Engine {
                         (false, true) => (target, Kind::Trim, Step::Writing),
                         (false, false) => (source, Kind::Extents, Step::Rechecking),
                     };
-                    if self.send_any(who, SubKind::Rebuild(run), kind, seg.offset, seg.len as u32, Payload::None) {
+                    if self.send_any(
+                        who,
+                        SubKind::Rebuild(run),
+                        kind,
+                        seg.offset,
+                        seg.len as u32,
+                        Payload::None,
+                    ) {
                         if let Some(rb) = self.rebuild.as_mut() {
                             rb.step = next;
                         }
@@ -1727,9 +2119,21 @@ impl Engine {
                     return;
                 }
                 Step::ReadDone(buf) => {
-                    let Some(seg) = rb.segments.front().copied() else { return };
-                    let payload = Payload::Data { buf: buf.clone(), len: seg.len as usize };
-                    if self.send_any(target, SubKind::Rebuild(run), Kind::Write, seg.offset, seg.len as u32, payload) {
+                    let Some(seg) = rb.segments.front().copied() else {
+                        return;
+                    };
+                    let payload = Payload::Data {
+                        buf: buf.clone(),
+                        len: seg.len as usize,
+                    };
+                    if self.send_any(
+                        target,
+                        SubKind::Rebuild(run),
+                        Kind::Write,
+                        seg.offset,
+                        seg.len as u32,
+                        payload,
+                    ) {
                         if let Some(rb) = self.rebuild.as_mut() {
                             rb.step = Step::Writing;
                         }
@@ -1741,7 +2145,14 @@ impl Engine {
         }
     }
 
-    fn on_rebuild_reply(&mut self, r: usize, sub: Sub, run: u64, h: Header, payload: Option<IoBuf>) {
+    fn on_rebuild_reply(
+        &mut self,
+        r: usize,
+        sub: Sub,
+        run: u64,
+        h: Header,
+        payload: Option<IoBuf>,
+    ) {
         let current = self.rebuild.as_ref().is_some_and(|rb| rb.run == run);
         if !current {
             if let Some(b) = payload {
@@ -1753,7 +2164,10 @@ impl Engine {
             if let Some(b) = payload {
                 self.pool.put(b);
             }
-            let why = format!("rebuild {:?} [{}, +{}) failed with errno {}", h.kind, h.offset, h.length, h.status);
+            let why = format!(
+                "rebuild {:?} [{}, +{}) failed with errno {}",
+                h.kind, h.offset, h.length, h.status
+            );
             return self.fail_replica(r, &why, false);
         }
         match h.kind {
@@ -1778,7 +2192,9 @@ impl Engine {
                 }
             }
             Kind::Write | Kind::Trim => {
-                let Some(rb) = self.rebuild.as_mut() else { return };
+                let Some(rb) = self.rebuild.as_mut() else {
+                    return;
+                };
                 if let Some(seg) = rb.segments.pop_front() {
                     rb.cursor = seg.end();
                     rb.done_bytes += seg.len;
@@ -1796,17 +2212,27 @@ impl Engine {
                     self.log(LogLevel::Info, msg);
                 }
             }
-            _ => self.protocol_error(r, None, format!("unexpected {:?} reply during rebuild", h.kind)),
+            _ => self.protocol_error(
+                r,
+                None,
+                format!("unexpected {:?} reply during rebuild", h.kind),
+            ),
         }
     }
 
     fn rebuild_progress_line(&self) -> String {
-        let Some(rb) = &self.rebuild else { return String::new() };
+        let Some(rb) = &self.rebuild else {
+            return String::new();
+        };
         let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
         let mib_s = rb.copied_bytes as f64 / (1 << 20) as f64 / secs;
         format!(
             "{} of replica {}: {}% ({} of {} bytes scanned, {:.1} MiB copied, {:.1} MiB/s)",
-            if rb.regions.is_some() { "reconcile" } else { "rebuild" },
+            if rb.regions.is_some() {
+                "reconcile"
+            } else {
+                "rebuild"
+            },
             self.replicas[rb.target].addr,
             rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1),
             rb.done_bytes,
@@ -1824,7 +2250,11 @@ impl Engine {
         let end_req = sub.offset + u64::from(sub.length);
         let scan_end = h.offset;
         if scan_end <= start || scan_end > end_req {
-            return self.protocol_error(r, None, format!("EXTENTS scan end {scan_end} outside ({start}, {end_req}]"));
+            return self.protocol_error(
+                r,
+                None,
+                format!("EXTENTS scan end {scan_end} outside ({start}, {end_req}]"),
+            );
         }
         let mut segs = VecDeque::new();
         let mut pos = start;
@@ -1833,18 +2263,26 @@ impl Engine {
                 return self.protocol_error(r, None, "EXTENTS record overflows".into());
             };
             if len == 0 || off < pos || e_end > scan_end {
-                return self.protocol_error(r, None, "EXTENTS records unsorted or outside the scan".into());
+                return self.protocol_error(
+                    r,
+                    None,
+                    "EXTENTS records unsorted or outside the scan".into(),
+                );
             }
             push_segments(&mut segs, pos, off, false);
             push_segments(&mut segs, off, e_end, true);
             pos = e_end;
         }
         push_segments(&mut segs, pos, scan_end, false);
-        let Some(rb) = self.rebuild.as_mut() else { return };
+        let Some(rb) = self.rebuild.as_mut() else {
+            return;
+        };
         if matches!(rb.step, Step::Rechecking) {
             // Refine the held segment; its first piece stayed locked all
             // along, so what the source said about it still holds.
-            let Some(held) = rb.segments.pop_front() else { return };
+            let Some(held) = rb.segments.pop_front() else {
+                return;
+            };
             if let Some(first) = segs.front_mut() {
                 first.verified = true;
             }
@@ -1860,7 +2298,9 @@ impl Engine {
     }
 
     fn finish_rebuild(&mut self) {
-        let Some(rb) = self.rebuild.take() else { return };
+        let Some(rb) = self.rebuild.take() else {
+            return;
+        };
         let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
         let addr = self.replicas[rb.target].addr;
         self.replicas[rb.target].state = RState::Healthy;
@@ -1869,7 +2309,11 @@ impl Engine {
             LogLevel::Info,
             format!(
                 "{} complete: replica {addr} is healthy ({:.1} MiB copied in {:.1} s, {:.1} MiB/s)",
-                if rb.regions.is_some() { "reconcile" } else { "rebuild" },
+                if rb.regions.is_some() {
+                    "reconcile"
+                } else {
+                    "rebuild"
+                },
                 rb.copied_bytes as f64 / (1 << 20) as f64,
                 secs,
                 rb.copied_bytes as f64 / (1 << 20) as f64 / secs
@@ -1897,12 +2341,22 @@ impl Engine {
             }
             let mut why = None;
             for (ci, conn) in self.replicas[r].conns.iter().enumerate() {
-                if let Some((_, sub)) = conn.slots.iter().find(|(_, s)| now.saturating_sub(s.sent_ns) > timeout) {
-                    why = Some(format!("{:?} request timed out on connection {ci}", sub.kind));
+                if let Some((_, sub)) = conn
+                    .slots
+                    .iter()
+                    .find(|(_, s)| now.saturating_sub(s.sent_ns) > timeout)
+                {
+                    why = Some(format!(
+                        "{:?} request timed out on connection {ci}",
+                        sub.kind
+                    ));
                     break;
                 }
                 if conn.state != CState::Down && now.saturating_sub(conn.last_rx_ns) > timeout {
-                    why = Some(format!("silent for more than {} ms on connection {ci}", self.opts.replica_timeout_ms));
+                    why = Some(format!(
+                        "silent for more than {} ms on connection {ci}",
+                        self.opts.replica_timeout_ms
+                    ));
                     break;
                 }
             }
@@ -1912,7 +2366,9 @@ impl Engine {
             }
             for ci in 0..self.replicas[r].conns.len() {
                 let conn = &self.replicas[r].conns[ci];
-                if conn.state == CState::Up && !conn.ping_out && now.saturating_sub(conn.last_tx_ns) >= keepalive
+                if conn.state == CState::Up
+                    && !conn.ping_out
+                    && now.saturating_sub(conn.last_tx_ns) >= keepalive
                     && self.send(r, ci, SubKind::Ping, Kind::Ping, 0, 0, Payload::None)
                 {
                     self.replicas[r].conns[ci].ping_out = true;
@@ -1920,7 +2376,11 @@ impl Engine {
             }
         }
         self.clear_quiet_regions();
-        if self.rebuild.as_ref().is_some_and(|rb| now.saturating_sub(rb.last_log_ns) >= REBUILD_LOG_INTERVAL_NS) {
+        if self
+            .rebuild
+            .as_ref()
+            .is_some_and(|rb| now.saturating_sub(rb.last_log_ns) >= REBUILD_LOG_INTERVAL_NS)
+        {
             let msg = self.rebuild_progress_line();
             if let Some(rb) = self.rebuild.as_mut() {
                 rb.last_log_ns = now;
@@ -1950,7 +2410,10 @@ impl Engine {
                 continue;
             };
             let range = (io.offset, io.end());
-            if !parked.is_empty() && (matches!(io.op, IoOp::Flush) || parked_ranges.iter().any(|&p| overlaps(p, range))) {
+            if !parked.is_empty()
+                && (matches!(io.op, IoOp::Flush)
+                    || parked_ranges.iter().any(|&p| overlaps(p, range)))
+            {
                 break;
             }
             self.mark_wait = false;
@@ -2012,7 +2475,10 @@ impl Engine {
             return;
         }
         self.detach = Some(Detach::Draining);
-        self.log(LogLevel::Info, "detaching: new requests are refused, those in flight finish".into());
+        self.log(
+            LogLevel::Info,
+            "detaching: new requests are refused, those in flight finish".into(),
+        );
         if let Some(rb) = self.rebuild.take() {
             let addr = self.replicas[rb.target].addr;
             self.log(LogLevel::Info, format!("rebuild of replica {addr} stopped by the detach; it starts again at the next attach"));
@@ -2026,7 +2492,13 @@ impl Engine {
         let Some(step) = self.detach else { return };
         match step {
             Detach::Draining => {
-                let busy = self.replicas.iter().any(|r| r.conns.iter().any(|c| c.slots.iter().any(|(_, s)| !matches!(s.what, SubKind::Ping))));
+                let busy = self.replicas.iter().any(|r| {
+                    r.conns.iter().any(|c| {
+                        c.slots
+                            .iter()
+                            .any(|(_, s)| !matches!(s.what, SubKind::Ping))
+                    })
+                });
                 if self.client_ios() != 0 || self.bump.is_some() || busy {
                     return;
                 }
@@ -2041,12 +2513,24 @@ impl Engine {
             }
             Detach::Detaching(0) => {
                 self.detach = Some(Detach::Done);
-                let clean: Vec<String> =
-                    (0..self.replicas.len()).filter(|&i| self.replicas[i].state == RState::Healthy).map(|i| self.replicas[i].addr.to_string()).collect();
+                let clean: Vec<String> = (0..self.replicas.len())
+                    .filter(|&i| self.replicas[i].state == RState::Healthy)
+                    .map(|i| self.replicas[i].addr.to_string())
+                    .collect();
                 if clean.is_empty() {
-                    self.log(LogLevel::Warn, "detached with no healthy replica: none is marked clean".into());
+                    self.log(
+                        LogLevel::Warn,
+                        "detached with no healthy replica: none is marked clean".into(),
+                    );
                 } else {
-                    self.log(LogLevel::Info, format!("detached cleanly: {} clean at generation {}", clean.join(", "), self.generation));
+                    self.log(
+                        LogLevel::Info,
+                        format!(
+                            "detached cleanly: {} clean at generation {}",
+                            clean.join(", "),
+                            self.generation
+                        ),
+                    );
                 }
             }
             _ => {}
@@ -2073,7 +2557,11 @@ impl Engine {
 
     fn on_detach_reply(&mut self, r: usize, h: Header) {
         if h.status != 0 {
-            return self.fail_replica(r, &format!("{:?} at detach failed with errno {}", h.kind, h.status), false);
+            return self.fail_replica(
+                r,
+                &format!("{:?} at detach failed with errno {}", h.kind, h.status),
+                false,
+            );
         }
         if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
             *m &= !(1u32 << r);
@@ -2102,8 +2590,14 @@ impl Engine {
                         let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
                         let done_bytes = run.map_or(0, |rb| rb.done_bytes);
                         match &r.reconcile {
-                            Some(bits) => ReplicaState::Reconciling { done_bytes, total_bytes: self.bitmap_bytes(bits) },
-                            None => ReplicaState::Rebuilding { done_bytes, total_bytes: self.size_bytes },
+                            Some(bits) => ReplicaState::Reconciling {
+                                done_bytes,
+                                total_bytes: self.bitmap_bytes(bits),
+                            },
+                            None => ReplicaState::Rebuilding {
+                                done_bytes,
+                                total_bytes: self.size_bytes,
+                            },
                         }
                     }
                 },
@@ -2140,24 +2634,39 @@ impl Engine {
             for c in &r.conns {
                 c.slots.check_invariants();
                 if c.state == CState::Down {
-                    assert_eq!(c.slots.in_flight(), 0, "replica {ri}: slots on a closed connection");
+                    assert_eq!(
+                        c.slots.in_flight(),
+                        0,
+                        "replica {ri}: slots on a closed connection"
+                    );
                 }
                 for (_, s) in c.slots.iter() {
                     if let SubKind::Client(id) = s.what {
-                        assert!(self.ios[id as usize].is_some(), "slot names a finished request");
+                        assert!(
+                            self.ios[id as usize].is_some(),
+                            "slot names a finished request"
+                        );
                         subs_of[id as usize] += 1;
                     }
                 }
             }
             if matches!(r.state, RState::Healthy | RState::Rebuilding) {
-                assert!(r.conns.iter().all(|c| c.state == CState::Up), "replica {ri} {:?} with a connection down", r.state);
+                assert!(
+                    r.conns.iter().all(|c| c.state == CState::Up),
+                    "replica {ri} {:?} with a connection down",
+                    r.state
+                );
             }
             if matches!(r.state, RState::Failed | RState::Removed) {
                 assert!(r.conns.iter().all(|c| c.state == CState::Down));
             }
         }
         let live = self.ios.iter().filter(|i| i.is_some()).count();
-        assert_eq!(live + self.io_free.len(), self.ios.len(), "client request table leaked an entry");
+        assert_eq!(
+            live + self.io_free.len(),
+            self.ios.len(),
+            "client request table leaked an entry"
+        );
         let mut place = vec![0u8; self.ios.len()];
         for &id in self.pending.iter().chain(self.deferred.iter()) {
             place[id as usize] += 1;
@@ -2167,10 +2676,16 @@ impl Engine {
                 assert_eq!(place[id], 0, "finished request {id} still queued");
                 continue;
             };
-            assert_eq!(subs_of[id], io.outstanding, "request {id}: outstanding count");
+            assert_eq!(
+                subs_of[id], io.outstanding,
+                "request {id}: outstanding count"
+            );
             let queued = place[id];
             assert!(queued <= 1, "request {id} queued twice");
-            assert!(queued == 1 || io.outstanding > 0, "request {id} is nowhere (leaked)");
+            assert!(
+                queued == 1 || io.outstanding > 0,
+                "request {id} is nowhere (leaked)"
+            );
             if queued == 1 {
                 assert_eq!(io.outstanding, 0, "request {id} both queued and in flight");
             }
@@ -2184,7 +2699,10 @@ impl Engine {
             assert!(rb.cursor <= self.size_bytes);
         }
         if self.healthy_mask() == 0 {
-            assert!(self.deferred.is_empty(), "acks deferred with no healthy replica");
+            assert!(
+                self.deferred.is_empty(),
+                "acks deferred with no healthy replica"
+            );
         }
         // Write intent: masks only name live replicas; a bit is marked,
         // being marked or being cleared, one at a time; `writes` counts
@@ -2198,9 +2716,21 @@ impl Engine {
             }
         }
         for (g, x) in self.regions.iter().enumerate() {
-            assert_eq!((x.marked | x.marking | x.clearing) & !live, 0, "region {g}: bit of a replica outside the write set");
-            assert_eq!(x.marked & x.marking, 0, "region {g}: marked and being marked");
-            assert_eq!(x.marked & x.clearing, 0, "region {g}: marked and being cleared");
+            assert_eq!(
+                (x.marked | x.marking | x.clearing) & !live,
+                0,
+                "region {g}: bit of a replica outside the write set"
+            );
+            assert_eq!(
+                x.marked & x.marking,
+                0,
+                "region {g}: marked and being marked"
+            );
+            assert_eq!(
+                x.marked & x.clearing,
+                0,
+                "region {g}: marked and being cleared"
+            );
             assert_eq!(x.writes, writes[g], "region {g}: write count");
         }
         // Every write in flight to a replica lies in regions whose bit is
@@ -2208,11 +2738,19 @@ impl Engine {
         for (ri, r) in self.replicas.iter().enumerate() {
             for c in &r.conns {
                 for (_, s) in c.slots.iter() {
-                    let SubKind::Client(id) = s.what else { continue };
-                    let Some(io) = self.ios[id as usize].as_ref().filter(|io| io.modifies()) else { continue };
+                    let SubKind::Client(id) = s.what else {
+                        continue;
+                    };
+                    let Some(io) = self.ios[id as usize].as_ref().filter(|io| io.modifies()) else {
+                        continue;
+                    };
                     let (first, last) = self.region_span(io.offset, u64::from(io.len));
                     for (g, x) in self.regions[first..=last].iter().enumerate() {
-                        assert!(x.marked & (1 << ri) != 0, "write to replica {ri} in region {} without its intent bit", first + g);
+                        assert!(
+                            x.marked & (1 << ri) != 0,
+                            "write to replica {ri} in region {} without its intent bit",
+                            first + g
+                        );
                     }
                 }
             }
@@ -2222,11 +2760,20 @@ impl Engine {
 
 /// Append [from, to) as segments of at most the chunk size for its kind.
 fn push_segments(segs: &mut VecDeque<Segment>, from: u64, to: u64, data: bool) {
-    let chunk = if data { REBUILD_CHUNK_BYTES } else { REBUILD_TRIM_BYTES };
+    let chunk = if data {
+        REBUILD_CHUNK_BYTES
+    } else {
+        REBUILD_TRIM_BYTES
+    };
     let mut pos = from;
     while pos < to {
         let len = chunk.min(to - pos);
-        segs.push_back(Segment { offset: pos, len, data, verified: false });
+        segs.push_back(Segment {
+            offset: pos,
+            len,
+            data,
+            verified: false,
+        });
         pos += len;
     }
 }

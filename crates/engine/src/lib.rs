@@ -71,7 +71,9 @@ impl EngineOptions {
         if self.replica_timeout_ms == 0 {
             return bad("replica_timeout_ms must be at least 1");
         }
-        if self.connections_per_replica == 0 || self.connections_per_replica > MAX_CONNECTIONS_PER_REPLICA {
+        if self.connections_per_replica == 0
+            || self.connections_per_replica > MAX_CONNECTIONS_PER_REPLICA
+        {
             return bad("connections_per_replica must be 1..=16");
         }
         if self.slots_per_connection == 0 || self.slots_per_connection > MAX_SLOTS_PER_CONNECTION {
@@ -81,7 +83,9 @@ impl EngineOptions {
             return bad("reconnect_interval_ms and keepalive_interval_ms must be at least 1");
         }
         if self.keepalive_interval_ms >= self.replica_timeout_ms {
-            return bad("keepalive_interval_ms must be below replica_timeout_ms, or idle replicas time out");
+            return bad(
+                "keepalive_interval_ms must be below replica_timeout_ms, or idle replicas time out",
+            );
         }
         Ok(())
     }
@@ -174,6 +178,11 @@ mod tests {
         assert!(parse_replicas("127.0.0.1:7001+127.0.0.1:7001").is_err());
         assert!(parse_replicas("nonsense").is_err());
         assert!(EngineOptions::default().validate().is_ok());
-        assert!(EngineOptions { keepalive_interval_ms: 9000, ..Default::default() }.validate().is_err());
+        assert!(EngineOptions {
+            keepalive_interval_ms: 9000,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 }

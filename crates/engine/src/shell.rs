@@ -26,10 +26,12 @@ use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
-use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_net::{read_into, Fill, InBuf, OutQueue};
+use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
-use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
+use lull_reactor::{
+    FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
+};
 
 use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
@@ -122,19 +124,33 @@ struct ReplicaChannel {
 impl Channel for ReplicaChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
         if self.in_flight >= CHANNEL_DEPTH {
-            return Err((req, BdevError::Full { capacity: CHANNEL_DEPTH }));
+            return Err((
+                req,
+                BdevError::Full {
+                    capacity: CHANNEL_DEPTH,
+                },
+            ));
         }
-        match self.shared.submissions.push(ClientReq { channel: 0, io: req }) {
+        match self.shared.submissions.push(ClientReq {
+            channel: 0,
+            io: req,
+        }) {
             Ok(()) => {
                 self.in_flight += 1;
                 Ok(())
             }
-            Err(c) => Err((c.io, BdevError::Full { capacity: CHANNEL_DEPTH })),
+            Err(c) => Err((
+                c.io,
+                BdevError::Full {
+                    capacity: CHANNEL_DEPTH,
+                },
+            )),
         }
     }
 
     fn flush_submissions(&mut self) {
-        if self.shared.submissions.is_empty() || self.shared.scheduled.swap(true, Ordering::AcqRel) {
+        if self.shared.submissions.is_empty() || self.shared.scheduled.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let shared = self.shared.clone();
@@ -152,7 +168,11 @@ impl Channel for ReplicaChannel {
             tracing::error!(error = %e, "cannot reach the volume engine thread");
             while let Some(r) = self.shared.submissions.pop() {
                 let err = BdevError::Failed(format!("volume engine unreachable: {e}"));
-                let _ = self.shared.completions.push(IoCompletion { tag: r.io.tag, result: Err(err), buf: r.io.buf });
+                let _ = self.shared.completions.push(IoCompletion {
+                    tag: r.io.tag,
+                    result: Err(err),
+                    buf: r.io.buf,
+                });
             }
             self.shared.ring();
         }
@@ -197,7 +217,11 @@ struct ChanEntry {
 
 enum Recv {
     Header,
-    Payload { header: Header, buf: IoBuf, filled: usize },
+    Payload {
+        header: Header,
+        buf: IoBuf,
+        filled: usize,
+    },
 }
 
 struct Sock {
@@ -212,7 +236,11 @@ struct Sock {
 impl Sock {
     /// Read and decode what the socket has, within the budget. Frames go to
     /// `frames`; an error (EOF, bad frame) ends the connection.
-    fn read_frames(&mut self, engine: &mut Engine, frames: &mut Vec<(Header, Option<IoBuf>)>) -> Result<bool, String> {
+    fn read_frames(
+        &mut self,
+        engine: &mut Engine,
+        frames: &mut Vec<(Header, Option<IoBuf>)>,
+    ) -> Result<bool, String> {
         let mut budget = READ_BUDGET_BYTES;
         let mut progress = false;
         loop {
@@ -220,7 +248,9 @@ impl Sock {
             loop {
                 match &mut self.recv {
                     Recv::Header => {
-                        let Some(bytes) = self.inb.take(HEADER_LEN) else { break };
+                        let Some(bytes) = self.inb.take(HEADER_LEN) else {
+                            break;
+                        };
                         let mut raw = [0u8; HEADER_LEN];
                         raw.copy_from_slice(bytes);
                         let header = wire::decode_header(&raw).map_err(|e| match e {
@@ -234,7 +264,11 @@ impl Sock {
                         if n == 0 {
                             frames.push((header, None));
                         } else {
-                            self.recv = Recv::Payload { header, buf: engine.get_buf(n), filled: 0 };
+                            self.recv = Recv::Payload {
+                                header,
+                                buf: engine.get_buf(n),
+                                filled: 0,
+                            };
                         }
                     }
                     Recv::Payload { buf, filled, .. } => {
@@ -255,7 +289,9 @@ impl Sock {
                         if *filled < len {
                             break;
                         }
-                        if let Recv::Payload { header, buf, .. } = std::mem::replace(&mut self.recv, Recv::Header) {
+                        if let Recv::Payload { header, buf, .. } =
+                            std::mem::replace(&mut self.recv, Recv::Header)
+                        {
                             frames.push((header, Some(buf)));
                         }
                     }
@@ -280,7 +316,10 @@ impl Sock {
     fn flush(&mut self) -> Result<bool, String> {
         // Payloads are shared write buffers or inline bytes: nothing to
         // recycle here (the core returns client buffers on completion).
-        self.out.write_to(&mut self.stream, drop).map(|n| n > 0).map_err(|e| e.to_string())
+        self.out
+            .write_to(&mut self.stream, drop)
+            .map(|n| n > 0)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -321,7 +360,10 @@ fn lock(m: &Mutex<Shell>) -> MutexGuard<'_, Shell> {
 
 impl Shell {
     fn sock(&mut self, c: ConnRef) -> Option<&mut Sock> {
-        self.socks.get_mut(c.replica as usize)?.get_mut(c.conn as usize)?.as_mut()
+        self.socks
+            .get_mut(c.replica as usize)?
+            .get_mut(c.conn as usize)?
+            .as_mut()
     }
 
     /// Feed one event to the core and perform everything that follows.
@@ -349,14 +391,23 @@ impl Shell {
 
     fn perform(&mut self, t: &mut Thread, a: Action) {
         match a {
-            Action::Send { conn, header, payload } => {
+            Action::Send {
+                conn,
+                header,
+                payload,
+            } => {
                 let Some(sock) = self.sock(conn) else { return };
                 sock.out.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
                 }
             }
-            Action::Complete { channel, tag, result, buf } => {
+            Action::Complete {
+                channel,
+                tag,
+                result,
+                buf,
+            } => {
                 let Some(Some(e)) = self.channels.get_mut(channel as usize) else {
                     debug_assert!(false, "completion for an unknown channel");
                     return;
@@ -364,7 +415,11 @@ impl Shell {
                 e.in_engine = e.in_engine.saturating_sub(1);
                 // Cannot overflow: the channel has at most CHANNEL_DEPTH
                 // requests between submit and reap.
-                if e.shared.completions.push(IoCompletion { tag, result, buf }).is_err() {
+                if e.shared
+                    .completions
+                    .push(IoCompletion { tag, result, buf })
+                    .is_err()
+                {
                     tracing::error!(volume = %self.volume, "channel completion queue overflow");
                 }
                 if !e.notify {
@@ -391,33 +446,58 @@ impl Shell {
     /// connection is outstanding (the core issues a new one only after this
     /// one is resolved or abandoned, and the timeout bounds it).
     fn connect(&mut self, conn: ConnRef, addr: SocketAddr) {
-        let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else { return };
-        let timeout = Duration::from_millis(self.opts.replica_timeout_ms.min(CONNECT_TIMEOUT_MS_MAX));
-        let spawned = std::thread::Builder::new().name("lull-connect".into()).spawn(move || {
-            let result = TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
-                s.set_nodelay(true)?;
-                s.set_nonblocking(true)?;
-                Ok(s)
+        let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else {
+            return;
+        };
+        let timeout =
+            Duration::from_millis(self.opts.replica_timeout_ms.min(CONNECT_TIMEOUT_MS_MAX));
+        let spawned = std::thread::Builder::new()
+            .name("lull-connect".into())
+            .spawn(move || {
+                let result = TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
+                    s.set_nodelay(true)?;
+                    s.set_nonblocking(true)?;
+                    Ok(s)
+                });
+                let _ = me.send(move |t| {
+                    let now = t.now_ns();
+                    lock(&shell).on_connected(t, conn, result, now);
+                });
             });
-            let _ = me.send(move |t| {
-                let now = t.now_ns();
-                lock(&shell).on_connected(t, conn, result, now);
-            });
-        });
         if let Err(e) = spawned {
-            self.followups.push_back(Event::ConnDown { conn, reason: format!("cannot start a connect thread: {e}") });
+            self.followups.push_back(Event::ConnDown {
+                conn,
+                reason: format!("cannot start a connect thread: {e}"),
+            });
         }
     }
 
-    fn on_connected(&mut self, t: &mut Thread, conn: ConnRef, result: io::Result<TcpStream>, now: u64) {
+    fn on_connected(
+        &mut self,
+        t: &mut Thread,
+        conn: ConnRef,
+        result: io::Result<TcpStream>,
+        now: u64,
+    ) {
         if !self.core.conn_connecting(conn) {
             return; // an attempt the engine gave up on; the stream drops here
         }
         let stream = match result {
             Ok(s) => s,
-            Err(e) => return self.run(t, Event::ConnDown { conn, reason: format!("connect failed: {e}") }, now),
+            Err(e) => {
+                return self.run(
+                    t,
+                    Event::ConnDown {
+                        conn,
+                        reason: format!("connect failed: {e}"),
+                    },
+                    now,
+                )
+            }
         };
-        let Some(shell) = self.this.upgrade() else { return };
+        let Some(shell) = self.this.upgrade() else {
+            return;
+        };
         let fd = stream.as_raw_fd();
         let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
         let poller = t.register_poller(
@@ -428,7 +508,16 @@ impl Shell {
         );
         let poller = match poller {
             Ok(p) => p,
-            Err(e) => return self.run(t, Event::ConnDown { conn, reason: format!("cannot poll the socket: {e}") }, now),
+            Err(e) => {
+                return self.run(
+                    t,
+                    Event::ConnDown {
+                        conn,
+                        reason: format!("cannot poll the socket: {e}"),
+                    },
+                    now,
+                )
+            }
         };
         // The initiator side: in hybrid mode drained every
         // nvme_ioq_poll_period_us instead of woken by the socket.
@@ -458,7 +547,9 @@ impl Shell {
 
     fn close(&mut self, t: &mut Thread, conn: ConnRef) {
         let (r, c) = (conn.replica as usize, conn.conn as usize);
-        let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else { return };
+        let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else {
+            return;
+        };
         if let Some(sock) = slot.take() {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
@@ -480,7 +571,9 @@ impl Shell {
             Box::new(move |t, now| lock(&tick_shell).on_tick(t, now)),
         ) {
             Ok(id) => self.tick = Some(id),
-            Err(e) => tracing::error!(volume = %self.volume, error = %e, "cannot register the engine tick"),
+            Err(e) => {
+                tracing::error!(volume = %self.volume, error = %e, "cannot register the engine tick")
+            }
         }
     }
 
@@ -494,9 +587,15 @@ impl Shell {
     }
 
     fn flush_sock(&mut self, t: &mut Thread, conn: ConnRef) -> bool {
-        let Some(sock) = self.sock(conn) else { return false };
+        let Some(sock) = self.sock(conn) else {
+            return false;
+        };
         let res = sock.flush();
-        let want = if sock.out.is_empty() { Interest::READABLE } else { Interest::BOTH };
+        let want = if sock.out.is_empty() {
+            Interest::READABLE
+        } else {
+            Interest::BOTH
+        };
         let (poller, fd, had) = (sock.poller, sock.stream.as_raw_fd(), sock.interest);
         if want != had && t.set_interest(poller, fd, want).is_ok() {
             if let Some(s) = self.sock(conn) {
@@ -515,13 +614,26 @@ impl Shell {
     fn on_socket(&mut self, t: &mut Thread, conn: ConnRef, now: u64) -> PollStatus {
         let mut frames = std::mem::take(&mut self.frames);
         let (r, c) = (conn.replica as usize, conn.conn as usize);
-        let read = match self.socks.get_mut(r).and_then(|v| v.get_mut(c)).and_then(Option::as_mut) {
+        let read = match self
+            .socks
+            .get_mut(r)
+            .and_then(|v| v.get_mut(c))
+            .and_then(Option::as_mut)
+        {
             Some(sock) => sock.read_frames(&mut self.core, &mut frames),
             None => return PollStatus::Idle,
         };
         let mut busy = !frames.is_empty();
         for (header, payload) in frames.drain(..) {
-            self.run(t, Event::Frame { conn, header, payload }, now);
+            self.run(
+                t,
+                Event::Frame {
+                    conn,
+                    header,
+                    payload,
+                },
+                now,
+            );
         }
         self.frames = frames;
         match read {
@@ -549,7 +661,11 @@ impl Shell {
         let now = t.now_ns();
         let mut slot = shared.slot.load(Ordering::Relaxed);
         if slot == NO_SLOT {
-            let entry = ChanEntry { shared: shared.clone(), in_engine: 0, notify: false };
+            let entry = ChanEntry {
+                shared: shared.clone(),
+                in_engine: 0,
+                notify: false,
+            };
             slot = match self.chan_free.pop() {
                 Some(s) => {
                     self.channels[s as usize] = Some(entry);
@@ -611,7 +727,11 @@ impl Shell {
         let snap = self.core.status();
         let ready = snap.iter().any(|s| s.state == ReplicaState::Healthy);
         let detached = self.core.detached();
-        let mut guard = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         *guard = snap;
         self.status.detached.store(detached, Ordering::Release);
         drop(guard);
@@ -641,7 +761,9 @@ impl Shell {
 /// the core (it takes a session past the replica's owner before the first
 /// election).
 fn new_session() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     u64::try_from(t).unwrap_or(u64::MAX).max(1)
 }
 
@@ -675,13 +797,23 @@ impl ReplicatedDev {
     ) -> Result<Arc<ReplicatedDev>, EngineError> {
         opts.validate()?;
         if replicas.is_empty() || replicas.len() > crate::core::MAX_REPLICAS {
-            return Err(EngineError::ReplicaCount { got: replicas.len() });
+            return Err(EngineError::ReplicaCount {
+                got: replicas.len(),
+            });
         }
         if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
             return Err(EngineError::BadSize(size_bytes));
         }
-        let replicas_desc = replicas.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("+");
-        let status = Arc::new(StatusShared { snapshot: Mutex::new(Vec::new()), detached: AtomicBool::new(false), ready: Condvar::new() });
+        let replicas_desc = replicas
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join("+");
+        let status = Arc::new(StatusShared {
+            snapshot: Mutex::new(Vec::new()),
+            detached: AtomicBool::new(false),
+            ready: Condvar::new(),
+        });
         let shell = Arc::new_cyclic(|weak| {
             Mutex::new(Shell {
                 volume: volume.to_string(),
@@ -703,17 +835,21 @@ impl ReplicatedDev {
             })
         });
         let init_shell = shell.clone();
-        let engine = fw.spawn_thread(reactor, &format!("engine-{volume}"), move |t: &mut Thread| {
-            let mut sh = lock(&init_shell);
-            sh.me = Some(t.handle());
-            let now = t.now_ns();
-            sh.register_tick(t, &init_shell, TICK_US);
-            let mut out = std::mem::take(&mut sh.actions);
-            sh.core.start(now, &mut out);
-            sh.actions = out;
-            sh.run_actions(t, now);
-            sh.publish_status();
-        })?;
+        let engine = fw.spawn_thread(
+            reactor,
+            &format!("engine-{volume}"),
+            move |t: &mut Thread| {
+                let mut sh = lock(&init_shell);
+                sh.me = Some(t.handle());
+                let now = t.now_ns();
+                sh.register_tick(t, &init_shell, TICK_US);
+                let mut out = std::mem::take(&mut sh.actions);
+                sh.core.start(now, &mut out);
+                sh.actions = out;
+                sh.run_actions(t, now);
+                sh.publish_status();
+            },
+        )?;
         Ok(Arc::new(ReplicatedDev {
             volume: volume.to_string(),
             size_bytes,
@@ -729,7 +865,11 @@ impl ReplicatedDev {
     /// (start-up, tools), never for a reactor.
     pub fn wait_ready(&self, timeout: Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
-        let mut snap = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut snap = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         loop {
             if snap.iter().any(|s| s.state == ReplicaState::Healthy) {
                 return true;
@@ -754,7 +894,11 @@ impl ReplicatedDev {
     pub fn detach(&self, timeout: Duration) -> Result<bool, EngineError> {
         self.event(Event::Detach)?;
         let deadline = std::time::Instant::now() + timeout;
-        let mut snap = self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut snap = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         loop {
             if self.status.detached.load(Ordering::Acquire) {
                 return Ok(true);
@@ -773,7 +917,11 @@ impl ReplicatedDev {
     /// The replicas as of the engine's last tick (at most 100 ms old) or
     /// state change. Readable from any thread.
     pub fn replica_status(&self) -> Vec<ReplicaStatus> {
-        self.status.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Send keep-alives on idle replica connections every `period_us`
@@ -836,7 +984,9 @@ impl BlockDevice for ReplicatedDev {
         let n = self.open_channels.fetch_add(1, Ordering::AcqRel);
         if n >= MAX_CHANNELS {
             self.open_channels.fetch_sub(1, Ordering::AcqRel);
-            return Err(BdevError::Full { capacity: MAX_CHANNELS });
+            return Err(BdevError::Full {
+                capacity: MAX_CHANNELS,
+            });
         }
         let shared = Arc::new(ChannelShared {
             submissions: ArrayQueue::new(CHANNEL_DEPTH),

@@ -105,7 +105,10 @@ fn sim_regions() -> usize {
 
 impl SimReplica {
     fn extents(&self, offset: u64, len: u64) -> (u64, Vec<(u64, u64)>) {
-        let (start, end) = (offset as usize / BLOCK, ((offset + len) as usize).div_ceil(BLOCK).min(BLOCKS));
+        let (start, end) = (
+            offset as usize / BLOCK,
+            ((offset + len) as usize).div_ceil(BLOCK).min(BLOCKS),
+        );
         let mut ext: Vec<(u64, u64)> = Vec::new();
         let mut b = start;
         while b < end {
@@ -131,7 +134,10 @@ impl SimReplica {
     /// (header, payload), or `None` when the request is fenced (a newer
     /// session owns the replica: the connection is closed, nothing sent).
     fn serve(&mut self, session: u64, h: &Header, payload: &[u8]) -> Option<(Header, Vec<u8>)> {
-        let range_ok = h.offset.checked_add(u64::from(h.length)).is_some_and(|e| e <= SIZE);
+        let range_ok = h
+            .offset
+            .checked_add(u64::from(h.length))
+            .is_some_and(|e| e <= SIZE);
         let (o, l) = (h.offset as usize, h.length as usize);
         if (h.kind.modifies() || h.kind == Kind::Detach) && session != self.owner {
             return None;
@@ -141,11 +147,21 @@ impl SimReplica {
         }
         Some(match h.kind {
             Kind::Hello => {
-                let Ok(hello) = wire::decode_hello(payload) else { return Some((h.reply_with(libc::EPROTO as u32), vec![0; 32])) };
+                let Ok(hello) = wire::decode_hello(payload) else {
+                    return Some((h.reply_with(libc::EPROTO as u32), vec![0; 32]));
+                };
                 if hello.session != 0 && hello.session < self.owner {
                     // An older engine (a late frame of a dead one): refused.
-                    let me = Hello { volume_size: SIZE, generation: self.generation, flags: 0, session: self.owner };
-                    return Some((h.reply_with(libc::ESTALE as u32), wire::encode_hello(&me).to_vec()));
+                    let me = Hello {
+                        volume_size: SIZE,
+                        generation: self.generation,
+                        flags: 0,
+                        session: self.owner,
+                    };
+                    return Some((
+                        h.reply_with(libc::ESTALE as u32),
+                        wire::encode_hello(&me).to_vec(),
+                    ));
                 }
                 if hello.session != 0 {
                     self.owner = hello.session;
@@ -154,11 +170,20 @@ impl SimReplica {
                     self.generation = self.generation.max(hello.generation);
                     self.clean = false;
                 }
-                let mut flags = if self.clean && !self.lost { wire::HELLO_FLAG_CLEAN } else { 0 };
+                let mut flags = if self.clean && !self.lost {
+                    wire::HELLO_FLAG_CLEAN
+                } else {
+                    0
+                };
                 if self.lost {
                     flags |= wire::HELLO_FLAG_INTENT_LOST;
                 }
-                let me = Hello { volume_size: SIZE, generation: self.generation, flags, session: self.owner };
+                let me = Hello {
+                    volume_size: SIZE,
+                    generation: self.generation,
+                    flags,
+                    session: self.owner,
+                };
                 (h.reply_with(0), wire::encode_hello(&me).to_vec())
             }
             Kind::IntentMark | Kind::IntentClear => {
@@ -224,11 +249,20 @@ impl SimReplica {
     /// Writes land only in regions whose intent bit is set (what the
     /// engine's MARK-before-write guarantees; checked as frames arrive).
     fn check_intent(&self, h: &Header) {
-        if matches!(h.kind, Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes) && h.length > 0 && !self.lost {
+        if matches!(
+            h.kind,
+            Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes
+        ) && h.length > 0
+            && !self.lost
+        {
             let rb = SIM_REGION_BYTES;
             let (first, last) = (h.offset / rb, (h.offset + u64::from(h.length) - 1) / rb);
             for g in first..=last {
-                assert!(self.intent[g as usize], "{:?} [{}, +{}) in region {g} without its intent bit", h.kind, h.offset, h.length);
+                assert!(
+                    self.intent[g as usize],
+                    "{:?} [{}, +{}) in region {g} without its intent bit",
+                    h.kind, h.offset, h.length
+                );
             }
         }
     }
@@ -325,7 +359,9 @@ pub(crate) struct SimStats {
 
 impl Sim {
     pub(crate) fn new(seed: u64, n_replicas: usize) -> Sim {
-        let addrs: Vec<SocketAddr> = (0..n_replicas).map(|i| SocketAddr::from(([10, 0, 0, i as u8 + 1], 7000))).collect();
+        let addrs: Vec<SocketAddr> = (0..n_replicas)
+            .map(|i| SocketAddr::from(([10, 0, 0, i as u8 + 1], 7000)))
+            .collect();
         let opts = EngineOptions {
             replica_timeout_ms: 2000,
             connections_per_replica: 2,
@@ -354,7 +390,10 @@ impl Sim {
                 .collect(),
             queue: BTreeMap::new(),
             seq: 0,
-            oracle: Oracle { committed: vec![0; BLOCKS], maybe: vec![Vec::new(); BLOCKS] },
+            oracle: Oracle {
+                committed: vec![0; BLOCKS],
+                maybe: vec![Vec::new(); BLOCKS],
+            },
             inflight: BTreeMap::new(),
             next_tag: 1,
             next_stamp: 1,
@@ -403,7 +442,11 @@ impl Sim {
     fn perform(&mut self, actions: Vec<Action>) {
         for a in actions {
             match a {
-                Action::Send { conn, header, payload } => {
+                Action::Send {
+                    conn,
+                    header,
+                    payload,
+                } => {
                     let bytes = match payload {
                         Payload::None => Vec::new(),
                         Payload::Hello(h) => h.to_vec(),
@@ -411,9 +454,20 @@ impl Sim {
                     };
                     let d = self.net_delay();
                     let session = self.session;
-                    self.schedule(d, Sched::Net(Msg { conn, session, dir: Dir::ToReplica, header, payload: bytes }));
+                    self.schedule(
+                        d,
+                        Sched::Net(Msg {
+                            conn,
+                            session,
+                            dir: Dir::ToReplica,
+                            header,
+                            payload: bytes,
+                        }),
+                    );
                 }
-                Action::Complete { tag, result, buf, .. } => self.on_complete(tag, result.is_ok(), buf),
+                Action::Complete {
+                    tag, result, buf, ..
+                } => self.on_complete(tag, result.is_ok(), buf),
                 Action::Connect { conn, .. } => {
                     let up = self.replicas[conn.replica as usize].up;
                     let d = self.rng.below(20 * MS);
@@ -441,16 +495,28 @@ impl Sim {
         let down = 200 * MS + self.rng.below(3000 * MS);
         self.replicas[r].up = false;
         self.replicas[r].up_at = self.now + down;
-        self.log.push(format!("{:>8} ms SIM crash replica {r} for {} ms", self.now / MS, down / MS));
+        self.log.push(format!(
+            "{:>8} ms SIM crash replica {r} for {} ms",
+            self.now / MS,
+            down / MS
+        ));
         // Frames in transit to and from it are lost.
-        self.queue.retain(|_, s| !matches!(s, Sched::Net(m) if m.conn.replica as usize == r));
+        self.queue
+            .retain(|_, s| !matches!(s, Sched::Net(m) if m.conn.replica as usize == r));
         // Half the time the engine sees the resets at once; otherwise it
         // finds out by the keep-alive timeout.
         for c in 0..2u32 {
             for e in 0..=self.max_epoch() {
-                let conn = ConnRef { replica: r as u32, conn: c, epoch: e };
+                let conn = ConnRef {
+                    replica: r as u32,
+                    conn: c,
+                    epoch: e,
+                };
                 if self.engine.conn_live(conn) && self.rng.chance(500_000) {
-                    self.apply(Event::ConnDown { conn, reason: "sim: connection reset".into() });
+                    self.apply(Event::ConnDown {
+                        conn,
+                        reason: "sim: connection reset".into(),
+                    });
                 }
             }
         }
@@ -468,7 +534,10 @@ impl Sim {
                 if ok {
                     self.apply(Event::ConnUp(conn));
                 } else {
-                    self.apply(Event::ConnDown { conn, reason: "sim: connection refused".into() });
+                    self.apply(Event::ConnDown {
+                        conn,
+                        reason: "sim: connection refused".into(),
+                    });
                 }
             }
             Sched::Net(m) => match m.dir {
@@ -481,15 +550,25 @@ impl Sim {
                     if current && self.faults && self.rng.chance(300) {
                         // A lost frame on TCP is a broken connection.
                         self.drop_conn(m.conn);
-                        self.apply(Event::ConnDown { conn: m.conn, reason: "sim: frame dropped".into() });
+                        self.apply(Event::ConnDown {
+                            conn: m.conn,
+                            reason: "sim: frame dropped".into(),
+                        });
                         return;
                     }
-                    let Ok(h) = wire::decode_header(&m.header) else { panic!("engine sent an undecodable header") };
-                    assert_eq!(wire::payload_len(&h), m.payload.len(), "engine frame payload length");
+                    let Ok(h) = wire::decode_header(&m.header) else {
+                        panic!("engine sent an undecodable header")
+                    };
+                    assert_eq!(
+                        wire::payload_len(&h),
+                        m.payload.len(),
+                        "engine frame payload length"
+                    );
                     if m.session == self.replicas[r].owner {
                         self.replicas[r].check_intent(&h);
                     }
-                    let Some((reply, payload)) = self.replicas[r].serve(m.session, &h, &m.payload) else {
+                    let Some((reply, payload)) = self.replicas[r].serve(m.session, &h, &m.payload)
+                    else {
                         self.stats.old_frames_fenced += 1;
                         if current {
                             // Only an older engine is ever fenced.
@@ -504,7 +583,16 @@ impl Sim {
                     let mut bytes = [0u8; HEADER_LEN];
                     wire::encode_header(&reply, &mut bytes).expect("sim replica reply encodes");
                     let d = self.net_delay();
-                    self.schedule(d, Sched::Net(Msg { conn: m.conn, session: m.session, dir: Dir::ToEngine, header: bytes, payload }));
+                    self.schedule(
+                        d,
+                        Sched::Net(Msg {
+                            conn: m.conn,
+                            session: m.session,
+                            dir: Dir::ToEngine,
+                            header: bytes,
+                            payload,
+                        }),
+                    );
                 }
                 Dir::ToEngine if m.session != self.session => {}
                 Dir::ToEngine => {
@@ -514,7 +602,11 @@ impl Sim {
                         b.as_mut_slice().copy_from_slice(&m.payload);
                         b
                     });
-                    self.apply(Event::Frame { conn: m.conn, header: h, payload });
+                    self.apply(Event::Frame {
+                        conn: m.conn,
+                        header: h,
+                        payload,
+                    });
                 }
             },
         }
@@ -524,7 +616,9 @@ impl Sim {
 
     fn overlaps_write_in_flight(&self, off: u64, len: u32) -> bool {
         self.inflight.values().any(|c| {
-            !matches!(c.op, IoOp::Read | IoOp::Flush) && off < c.offset + u64::from(c.len) && c.offset < off + u64::from(len)
+            !matches!(c.op, IoOp::Read | IoOp::Flush)
+                && off < c.offset + u64::from(c.len)
+                && c.offset < off + u64::from(len)
         })
     }
 
@@ -538,9 +632,14 @@ impl Sim {
         let pick = self.rng.below(100);
         let op = match pick {
             0..=44 => IoOp::Read,
-            45..=84 => IoOp::Write { fua: pick.is_multiple_of(7) },
+            45..=84 => IoOp::Write {
+                fua: pick.is_multiple_of(7),
+            },
             85..=89 => IoOp::Trim,
-            90..=93 => IoOp::WriteZeroes { no_hole: false, fua: pick.is_multiple_of(2) },
+            90..=93 => IoOp::WriteZeroes {
+                no_hole: false,
+                fua: pick.is_multiple_of(2),
+            },
             _ => IoOp::Flush,
         };
         let modifies = !matches!(op, IoOp::Read | IoOp::Flush);
@@ -564,20 +663,32 @@ impl Sim {
                 let mut b = IoBuf::with_capacity(len as usize);
                 b.set_len(len as usize);
                 for i in 0..blocks {
-                    block_pattern(stamp, first + i, &mut b.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK]);
+                    block_pattern(
+                        stamp,
+                        first + i,
+                        &mut b.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK],
+                    );
                 }
                 Some(b)
             }
             _ => None,
         };
-        let (op_offset, op_len) = if matches!(op, IoOp::Flush) { (0, 0) } else { (offset, len) };
+        let (op_offset, op_len) = if matches!(op, IoOp::Flush) {
+            (0, 0)
+        } else {
+            (offset, len)
+        };
         if modifies {
             for b in first..first + blocks {
                 self.oracle.maybe[b].push(stamp);
                 self.epoch[b] += 1;
                 self.writing[b] += 1;
             }
-            for r in self.inflight.values_mut().filter(|o| matches!(o.op, IoOp::Read)) {
+            for r in self
+                .inflight
+                .values_mut()
+                .filter(|o| matches!(o.op, IoOp::Read))
+            {
                 let rf = r.offset as usize / BLOCK;
                 for b in first..first + blocks {
                     if b >= rf && b < rf + r.allowed.len() {
@@ -586,16 +697,47 @@ impl Sim {
                 }
             }
         }
-        let allowed = if matches!(op, IoOp::Read) { self.allowed_now(first, blocks) } else { Vec::new() };
-        // A read's epoch is recorded only for blocks with no write in
-        // flight (u64::MAX never matches): only those must be stable.
-        let epochs = if matches!(op, IoOp::Read) {
-            (first..first + blocks).map(|b| if self.writing[b] == 0 { self.epoch[b] } else { u64::MAX }).collect()
+        let allowed = if matches!(op, IoOp::Read) {
+            self.allowed_now(first, blocks)
         } else {
             Vec::new()
         };
-        self.inflight.insert(tag, ClientOp { op, offset: op_offset, len: op_len, stamp, allowed, epochs });
-        self.apply(Event::Client(ClientReq { channel: 0, io: IoRequest { tag, op, offset: op_offset, len: op_len, buf } }));
+        // A read's epoch is recorded only for blocks with no write in
+        // flight (u64::MAX never matches): only those must be stable.
+        let epochs = if matches!(op, IoOp::Read) {
+            (first..first + blocks)
+                .map(|b| {
+                    if self.writing[b] == 0 {
+                        self.epoch[b]
+                    } else {
+                        u64::MAX
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.inflight.insert(
+            tag,
+            ClientOp {
+                op,
+                offset: op_offset,
+                len: op_len,
+                stamp,
+                allowed,
+                epochs,
+            },
+        );
+        self.apply(Event::Client(ClientReq {
+            channel: 0,
+            io: IoRequest {
+                tag,
+                op,
+                offset: op_offset,
+                len: op_len,
+                buf,
+            },
+        }));
     }
 
     fn allowed_now(&self, first: usize, blocks: usize) -> Vec<Vec<u64>> {
@@ -609,7 +751,10 @@ impl Sim {
     }
 
     fn on_complete(&mut self, tag: u64, ok: bool, buf: Option<IoBuf>) {
-        let c = self.inflight.remove(&tag).expect("completion for a known tag, exactly once");
+        let c = self
+            .inflight
+            .remove(&tag)
+            .expect("completion for a known tag, exactly once");
         self.completed.push(tag);
         let first = (c.offset as usize) / BLOCK;
         let blocks = c.len as usize / BLOCK;
@@ -673,7 +818,10 @@ impl Sim {
                         .inflight
                         .values()
                         .filter(|o| !matches!(o.op, IoOp::Read | IoOp::Flush))
-                        .filter(|o| (o.offset as usize) / BLOCK <= b && b < (o.offset as usize + o.len as usize) / BLOCK)
+                        .filter(|o| {
+                            (o.offset as usize) / BLOCK <= b
+                                && b < (o.offset as usize + o.len as usize) / BLOCK
+                        })
                         .map(|o| o.stamp)
                         .collect();
                     self.oracle.maybe[b].extend(others);
@@ -695,14 +843,19 @@ impl Sim {
                 for r in 0..self.replicas.len() {
                     if !self.replicas[r].up && self.now >= self.replicas[r].up_at {
                         self.replicas[r].up = true;
-                        self.log.push(format!("{:>8} ms SIM replica {r} back", self.now / MS));
+                        self.log
+                            .push(format!("{:>8} ms SIM replica {r} back", self.now / MS));
                     }
                 }
                 if self.faults && self.rng.chance(15_000) {
                     let r = self.rng.below(self.replicas.len() as u64) as usize;
                     self.crash(r);
                 }
-                let ppm = if self.engine.rebuilding() { self.engine_crash_ppm * 8 } else { self.engine_crash_ppm };
+                let ppm = if self.engine.rebuilding() {
+                    self.engine_crash_ppm * 8
+                } else {
+                    self.engine_crash_ppm
+                };
                 if self.faults && self.rng.chance(ppm) {
                     self.crash_engine();
                 }
@@ -716,7 +869,9 @@ impl Sim {
                 if k.0 > self.now {
                     break;
                 }
-                let Some(s) = self.queue.remove(&k) else { break };
+                let Some(s) = self.queue.remove(&k) else {
+                    break;
+                };
                 self.deliver(s);
                 if client && self.rng.chance(300_000) {
                     self.client_issue();
@@ -740,10 +895,18 @@ impl Sim {
             self.step_until(self.now + 500 * MS, false);
             let st = self.engine.status();
             let all_healthy = st.iter().all(|s| s.state == ReplicaState::Healthy);
-            if all_healthy && self.inflight.is_empty() && !self.engine.rebuilding() && self.engine.client_ios() == 0 {
+            if all_healthy
+                && self.inflight.is_empty()
+                && !self.engine.rebuilding()
+                && self.engine.client_ios() == 0
+            {
                 break;
             }
-            assert!(self.now < deadline, "did not converge: {st:?}\n{}", self.log.join("\n"));
+            assert!(
+                self.now < deadline,
+                "did not converge: {st:?}\n{}",
+                self.log.join("\n")
+            );
         }
         // Whole-volume read through the engine.
         let tag = self.next_tag;
@@ -751,19 +914,55 @@ impl Sim {
         let mut buf = IoBuf::with_capacity(SIZE as usize);
         buf.set_len(SIZE as usize);
         let allowed = self.allowed_now(0, BLOCKS);
-        let epochs = (0..BLOCKS).map(|b| if self.writing[b] == 0 { self.epoch[b] } else { u64::MAX }).collect();
-        self.inflight.insert(tag, ClientOp { op: IoOp::Read, offset: 0, len: SIZE as u32, stamp: 0, allowed, epochs });
-        self.apply(Event::Client(ClientReq { channel: 0, io: IoRequest { tag, op: IoOp::Read, offset: 0, len: SIZE as u32, buf: Some(buf) } }));
+        let epochs = (0..BLOCKS)
+            .map(|b| {
+                if self.writing[b] == 0 {
+                    self.epoch[b]
+                } else {
+                    u64::MAX
+                }
+            })
+            .collect();
+        self.inflight.insert(
+            tag,
+            ClientOp {
+                op: IoOp::Read,
+                offset: 0,
+                len: SIZE as u32,
+                stamp: 0,
+                allowed,
+                epochs,
+            },
+        );
+        self.apply(Event::Client(ClientReq {
+            channel: 0,
+            io: IoRequest {
+                tag,
+                op: IoOp::Read,
+                offset: 0,
+                len: SIZE as u32,
+                buf: Some(buf),
+            },
+        }));
         self.step_until(self.now + 1000 * MS, false);
         assert!(self.inflight.is_empty(), "final read did not complete");
         for r in 1..self.replicas.len() {
-            assert!(self.replicas[r].data == self.replicas[0].data, "replica {r} differs from replica 0\n{}", self.log.join("\n"));
+            assert!(
+                self.replicas[r].data == self.replicas[0].data,
+                "replica {r} differs from replica 0\n{}",
+                self.log.join("\n")
+            );
         }
         // Every acknowledged write is there.
         for b in 0..BLOCKS {
             let s = block_stamp(&self.replicas[0].data[b * BLOCK..(b + 1) * BLOCK], b);
-            let ok = s == Some(self.oracle.committed[b]) || s.is_some_and(|s| self.oracle.maybe[b].contains(&s));
-            assert!(ok, "block {b}: replica has {s:?}, acknowledged {}", self.oracle.committed[b]);
+            let ok = s == Some(self.oracle.committed[b])
+                || s.is_some_and(|s| self.oracle.maybe[b].contains(&s));
+            assert!(
+                ok,
+                "block {b}: replica has {s:?}, acknowledged {}",
+                self.oracle.committed[b]
+            );
         }
     }
 
@@ -780,7 +979,12 @@ impl Sim {
     /// already sent to replicas: each still arrives, or not, as it would
     /// from a dead process's socket buffers.
     fn new_engine(&mut self) {
-        let opts = EngineOptions { slots_per_connection: 6, replica_timeout_ms: 2000, keepalive_interval_ms: 500, ..Default::default() };
+        let opts = EngineOptions {
+            slots_per_connection: 6,
+            replica_timeout_ms: 2000,
+            keepalive_interval_ms: 500,
+            ..Default::default()
+        };
         let queue = std::mem::take(&mut self.queue);
         for (k, s) in queue {
             if let Sched::Net(m) = s {
@@ -814,7 +1018,12 @@ impl Sim {
     fn crash_engine(&mut self) {
         self.stats.engine_crashes += 1;
         if self.engine.rebuilding() {
-            if self.engine.status().iter().any(|s| matches!(s.state, ReplicaState::Reconciling { .. })) {
+            if self
+                .engine
+                .status()
+                .iter()
+                .any(|s| matches!(s.state, ReplicaState::Reconciling { .. }))
+            {
                 self.stats.crashes_in_reconcile += 1;
             } else {
                 self.stats.crashes_in_rebuild += 1;
@@ -836,13 +1045,20 @@ impl Sim {
         if !to.is_empty() {
             self.stats.crashes_mid_fanout += 1;
         }
-        self.log.push(format!("{:>8} ms SIM crash engine (session {})", self.now / MS, self.session));
+        self.log.push(format!(
+            "{:>8} ms SIM crash engine (session {})",
+            self.now / MS,
+            self.session
+        ));
         if self.rng.chance(100_000) {
             let r = self.rng.below(self.replicas.len() as u64) as usize;
             self.replicas[r].lost = true;
             self.replicas[r].intent.iter_mut().for_each(|b| *b = true);
             self.stats.records_lost += 1;
-            self.log.push(format!("{:>8} ms SIM replica {r} loses its write-intent record", self.now / MS));
+            self.log.push(format!(
+                "{:>8} ms SIM replica {r} loses its write-intent record",
+                self.now / MS
+            ));
         }
         self.new_engine();
     }
@@ -855,12 +1071,21 @@ impl Sim {
         self.perform(out);
         let deadline = self.now + 30_000 * MS;
         while !self.engine.detached() {
-            assert!(self.now < deadline, "detach did not finish\n{}", self.log.join("\n"));
+            assert!(
+                self.now < deadline,
+                "detach did not finish\n{}",
+                self.log.join("\n")
+            );
             self.step_until(self.now + 100 * MS, false);
         }
-        let healthy: Vec<usize> = (0..self.replicas.len()).filter(|&r| self.engine.status()[r].state == ReplicaState::Healthy).collect();
+        let healthy: Vec<usize> = (0..self.replicas.len())
+            .filter(|&r| self.engine.status()[r].state == ReplicaState::Healthy)
+            .collect();
         for &r in &healthy {
-            assert!(self.replicas[r].clean && self.replicas[r].intent.iter().all(|b| !b), "replica {r} not clean after detach");
+            assert!(
+                self.replicas[r].clean && self.replicas[r].intent.iter().all(|b| !b),
+                "replica {r} not clean after detach"
+            );
         }
         self.stats.clean_detaches += 1;
         self.new_engine();
@@ -945,15 +1170,24 @@ fn run_seed(seed: u64, cov: &mut Coverage) {
 
 #[test]
 fn sim_many_seeds() {
-    let seeds: u64 = std::env::var("LULL_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
-    let base: u64 = std::env::var("LULL_SIM_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let seeds: u64 = std::env::var("LULL_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    let base: u64 = std::env::var("LULL_SIM_BASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let mut cov = Coverage::default();
     for seed in base..base + seeds {
         run_seed(seed, &mut cov);
     }
     eprintln!("simulation coverage over {seeds} seeds: {cov:?}");
     // The faults must actually have been exercised.
-    assert!(seeds < 50 || (cov.failures > 0 && cov.rebuilds > 0 && cov.no_healthy > 0), "{cov:?}");
+    assert!(
+        seeds < 50 || (cov.failures > 0 && cov.rebuilds > 0 && cov.no_healthy > 0),
+        "{cov:?}"
+    );
     let s = &cov.stats;
     assert!(
         seeds < 50
@@ -1005,8 +1239,15 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     sim.step_until(6_000 * MS, true);
     sim.step_until(9_000 * MS, false);
     assert!(sim.inflight.is_empty(), "client I/O did not finish");
-    assert!(sim.oracle.committed.iter().any(|&s| s != 0), "no write was acknowledged while replica 1 was away");
-    assert!(sim.replicas[0].generation > sim.replicas[1].generation, "{}", sim.log.join("\n"));
+    assert!(
+        sim.oracle.committed.iter().any(|&s| s != 0),
+        "no write was acknowledged while replica 1 was away"
+    );
+    assert!(
+        sim.replicas[0].generation > sim.replicas[1].generation,
+        "{}",
+        sim.log.join("\n")
+    );
 
     let now = sim.now;
     sim.take_down(0, u64::MAX);
@@ -1016,16 +1257,35 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     let eio_before = sim.eio;
     sim.step_until(now + 20_000 * MS, true);
     let after = &sim.log[restarted_at..];
-    assert!(!after.iter().any(|l| l.contains("elected replica")), "a stale replica was elected:\n{}", after.join("\n"));
-    assert!(after.iter().any(|l| l.contains("waiting for replica(s) 10.0.0.1:7000")), "{}", after.join("\n"));
-    assert!(sim.eio > eio_before, "client I/O should fail while the volume waits");
+    assert!(
+        !after.iter().any(|l| l.contains("elected replica")),
+        "a stale replica was elected:\n{}",
+        after.join("\n")
+    );
+    assert!(
+        after
+            .iter()
+            .any(|l| l.contains("waiting for replica(s) 10.0.0.1:7000")),
+        "{}",
+        after.join("\n")
+    );
+    assert!(
+        sim.eio > eio_before,
+        "client I/O should fail while the volume waits"
+    );
 
     // Replica 0 returns: it is elected, replica 1 rebuilt from it, and the
     // whole volume reads back as acknowledged (`run` checks every block).
     sim.replicas[0].up_at = sim.now;
     sim.step_until(sim.now + 500 * MS, false);
     sim.run(0);
-    assert!(sim.log[restarted_at..].iter().any(|l| l.contains("elected replica 10.0.0.1:7000")), "{}", sim.log.join("\n"));
+    assert!(
+        sim.log[restarted_at..]
+            .iter()
+            .any(|l| l.contains("elected replica 10.0.0.1:7000")),
+        "{}",
+        sim.log.join("\n")
+    );
 }
 
 /// The operator's way out when the fresh replica is lost for good: removing
@@ -1039,13 +1299,28 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
     sim.new_engine();
     let restarted_at = sim.log.len();
     sim.step_until(10_000 * MS, false);
-    assert!(!sim.log[restarted_at..].iter().any(|l| l.contains("elected replica")), "{}", sim.log.join("\n"));
+    assert!(
+        !sim.log[restarted_at..]
+            .iter()
+            .any(|l| l.contains("elected replica")),
+        "{}",
+        sim.log.join("\n")
+    );
     let addr = sim.addrs[0];
     sim.apply(Event::RemoveReplica(addr));
     sim.step_until(sim.now + 1_000 * MS, false);
-    assert!(sim.log[restarted_at..].iter().any(|l| l.contains("elected replica 10.0.0.2:7000")), "{}", sim.log.join("\n"));
+    assert!(
+        sim.log[restarted_at..]
+            .iter()
+            .any(|l| l.contains("elected replica 10.0.0.2:7000")),
+        "{}",
+        sim.log.join("\n")
+    );
     let st = sim.engine.status();
-    assert!(st.iter().any(|s| s.state == ReplicaState::Healthy), "{st:?}");
+    assert!(
+        st.iter().any(|s| s.state == ReplicaState::Healthy),
+        "{st:?}"
+    );
 }
 
 /// Seeds that once failed, kept as regression cases.
@@ -1080,20 +1355,43 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
         let mut buf = IoBuf::with_capacity(blocks * BLOCK);
         buf.set_len(blocks * BLOCK);
         for i in 0..blocks {
-            block_pattern(stamp, first + i, &mut buf.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK]);
+            block_pattern(
+                stamp,
+                first + i,
+                &mut buf.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK],
+            );
             sim.oracle.maybe[first + i].push(stamp);
             sim.writing[first + i] += 1;
         }
         let (offset, len) = ((first * BLOCK) as u64, (blocks * BLOCK) as u32);
-        sim.inflight.insert(tag, ClientOp { op: IoOp::Write { fua: false }, offset, len, stamp, allowed: Vec::new(), epochs: Vec::new() });
-        let io = IoRequest { tag, op: IoOp::Write { fua: false }, offset, len, buf: Some(buf) };
+        sim.inflight.insert(
+            tag,
+            ClientOp {
+                op: IoOp::Write { fua: false },
+                offset,
+                len,
+                stamp,
+                allowed: Vec::new(),
+                epochs: Vec::new(),
+            },
+        );
+        let io = IoRequest {
+            tag,
+            op: IoOp::Write { fua: false },
+            offset,
+            len,
+            buf: Some(buf),
+        };
         sim.apply(Event::Client(ClientReq { channel: 0, io }));
         (tag, stamp)
     };
     // Region 1 is marked by a first write; region 0 is not.
     let (w0, _) = write(&mut sim, per_region + 8, 1);
     sim.step_until(sim.now + 500 * MS, false);
-    assert!(sim.completed.contains(&w0), "the first write did not complete");
+    assert!(
+        sim.completed.contains(&w0),
+        "the first write did not complete"
+    );
     // W1 spans regions 0 and 1 and waits for region 0's MARK. W3 (region
     // 1 only) may pass it; W2 overlaps W1 in region 1, where nothing needs
     // a MARK, and still must not.
@@ -1101,11 +1399,23 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
     let (w3, _) = write(&mut sim, per_region + 4, 1);
     let (w2, s2) = write(&mut sim, per_region, 1);
     sim.step_until(sim.now + 2_000 * MS, false);
-    let at = |t: u64| sim.completed.iter().position(|&c| c == t).unwrap_or_else(|| panic!("write {t} did not complete"));
-    assert!(at(w3) < at(w1), "a write to a marked region waited behind a write waiting for its MARK");
+    let at = |t: u64| {
+        sim.completed
+            .iter()
+            .position(|&c| c == t)
+            .unwrap_or_else(|| panic!("write {t} did not complete"))
+    };
+    assert!(
+        at(w3) < at(w1),
+        "a write to a marked region waited behind a write waiting for its MARK"
+    );
     assert!(at(w1) < at(w2), "overlapping writes completed out of order");
     for (r, rep) in sim.replicas.iter().enumerate() {
         let b = per_region;
-        assert_eq!(block_stamp(&rep.data[b * BLOCK..(b + 1) * BLOCK], b), Some(s2), "replica {r} holds an older write than the last one");
+        assert_eq!(
+            block_stamp(&rep.data[b * BLOCK..(b + 1) * BLOCK], b),
+            Some(s2),
+            "replica {r} holds an older write than the last one"
+        );
     }
 }

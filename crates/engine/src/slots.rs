@@ -32,7 +32,10 @@ impl SlotId {
     }
 
     pub fn from_wire(id: u64) -> SlotId {
-        SlotId { index: id as u32, generation: (id >> 32) as u32 }
+        SlotId {
+            index: id as u32,
+            generation: (id >> 32) as u32,
+        }
     }
 
     pub fn index(self) -> usize {
@@ -62,7 +65,12 @@ impl<T> SlotTable<T> {
     pub fn new(capacity: usize) -> SlotTable<T> {
         let capacity = capacity.clamp(1, u32::MAX as usize);
         SlotTable {
-            slots: (0..capacity).map(|_| Slot { generation: 0, value: None }).collect(),
+            slots: (0..capacity)
+                .map(|_| Slot {
+                    generation: 0,
+                    value: None,
+                })
+                .collect(),
             // Reversed so that ids are handed out from 0 upwards (easier logs).
             free: (0..capacity as u32).rev().collect(),
         }
@@ -90,7 +98,10 @@ impl<T> SlotTable<T> {
         let slot = &mut self.slots[index as usize];
         debug_assert!(slot.value.is_none());
         slot.value = Some(value);
-        Some(SlotId { index, generation: slot.generation })
+        Some(SlotId {
+            index,
+            generation: slot.generation,
+        })
     }
 
     /// The request a wire id names, if it is in flight.
@@ -131,7 +142,10 @@ impl<T> SlotTable<T> {
     pub fn drain(&mut self, mut f: impl FnMut(SlotId, T)) {
         for (index, slot) in self.slots.iter_mut().enumerate() {
             if let Some(value) = slot.value.take() {
-                let id = SlotId { index: index as u32, generation: slot.generation };
+                let id = SlotId {
+                    index: index as u32,
+                    generation: slot.generation,
+                };
                 slot.generation = slot.generation.wrapping_add(1);
                 self.free.push(index as u32);
                 f(id, value);
@@ -142,7 +156,15 @@ impl<T> SlotTable<T> {
     /// In-flight requests, for timeout scans.
     pub fn iter(&self) -> impl Iterator<Item = (SlotId, &T)> {
         self.slots.iter().enumerate().filter_map(|(i, s)| {
-            s.value.as_ref().map(|v| (SlotId { index: i as u32, generation: s.generation }, v))
+            s.value.as_ref().map(|v| {
+                (
+                    SlotId {
+                        index: i as u32,
+                        generation: s.generation,
+                    },
+                    v,
+                )
+            })
         })
     }
 
@@ -158,7 +180,10 @@ impl<T> SlotTable<T> {
             assert!(self.slots[i].value.is_none(), "free id {i} holds a request");
         }
         for (i, s) in self.slots.iter().enumerate() {
-            assert!(listed[i] || s.value.is_some(), "slot {i} leaked: neither free nor in flight");
+            assert!(
+                listed[i] || s.value.is_some(),
+                "slot {i} leaked: neither free nor in flight"
+            );
         }
         assert!(self.in_flight() <= self.capacity());
     }

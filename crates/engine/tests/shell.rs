@@ -49,14 +49,21 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
             }
             match s.read_exact(&mut raw) {
                 Ok(()) => break,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => continue,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                {
+                    continue
+                }
                 Err(_) => return,
             }
         }
         if dead.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(h) = wire::decode_header(&raw) else { return };
+        let Ok(h) = wire::decode_header(&raw) else {
+            return;
+        };
         let mut payload = vec![0u8; wire::payload_len(&h)];
         if s.read_exact(&mut payload).is_err() {
             return;
@@ -65,13 +72,19 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
         let (reply, out): (Header, Vec<u8>) = match h.kind {
             Kind::Hello => {
                 let session = wire::decode_hello(&payload).map_or(0, |h| h.session);
-                let me = Hello { volume_size: SIZE, generation: 1, flags: wire::HELLO_FLAG_CLEAN, session };
+                let me = Hello {
+                    volume_size: SIZE,
+                    generation: 1,
+                    flags: wire::HELLO_FLAG_CLEAN,
+                    session,
+                };
                 (h.reply_with(0), wire::encode_hello(&me).to_vec())
             }
             Kind::IntentGet => {
                 // An empty record (the fake is always clean).
                 let mut out = Vec::new();
-                wire::encode_intent(0, &vec![0; wire::intent_bitmap_bytes(SIZE)], &mut out).unwrap();
+                wire::encode_intent(0, &vec![0; wire::intent_bitmap_bytes(SIZE)], &mut out)
+                    .unwrap();
                 let mut r = h.reply_with(0);
                 r.offset = u64::from(wire::intent_regions(SIZE));
                 r.length = out.len() as u32;
@@ -101,7 +114,13 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
     }
 }
 
-fn io(ch: &mut Box<dyn Channel>, op: IoOp, offset: u64, data: Option<&[u8]>, len: u32) -> IoCompletion {
+fn io(
+    ch: &mut Box<dyn Channel>,
+    op: IoOp,
+    offset: u64,
+    data: Option<&[u8]>,
+    len: u32,
+) -> IoCompletion {
     let buf = match op {
         IoOp::Read | IoOp::Write { .. } => {
             let mut b = IoBuf::with_capacity(len as usize);
@@ -113,7 +132,15 @@ fn io(ch: &mut Box<dyn Channel>, op: IoOp, offset: u64, data: Option<&[u8]>, len
         }
         _ => None,
     };
-    ch.submit(IoRequest { tag: 1, op, offset, len, buf }).map_err(|(_, e)| e).unwrap();
+    ch.submit(IoRequest {
+        tag: 1,
+        op,
+        offset,
+        len,
+        buf,
+    })
+    .map_err(|(_, e)| e)
+    .unwrap();
     ch.flush_submissions();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -129,20 +156,42 @@ fn io(ch: &mut Box<dyn Channel>, op: IoOp, offset: u64, data: Option<&[u8]>, len
 
 #[test]
 fn replicated_dev_writes_reads_fails_over_and_eios() {
-    let mut fw = Framework::start(FrameworkConfig { pin: false, ..FrameworkConfig::new(vec![0], Mode::Interrupt) }).unwrap();
+    let mut fw = Framework::start(FrameworkConfig {
+        pin: false,
+        ..FrameworkConfig::new(vec![0], Mode::Interrupt)
+    })
+    .unwrap();
     let (a, b) = (fake_replica(), fake_replica());
-    let opts = EngineOptions { replica_timeout_ms: 1500, keepalive_interval_ms: 300, ..Default::default() };
+    let opts = EngineOptions {
+        replica_timeout_ms: 1500,
+        keepalive_interval_ms: 300,
+        ..Default::default()
+    };
     let dev = ReplicatedDev::start(fw.handle(), 0, "t", vec![a.addr, b.addr], SIZE, opts).unwrap();
-    assert!(dev.wait_ready(Duration::from_secs(20)), "{:?}", dev.replica_status());
+    assert!(
+        dev.wait_ready(Duration::from_secs(20)),
+        "{:?}",
+        dev.replica_status()
+    );
     // Let the election wait for both (it does, both answer at once).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !dev.replica_status().iter().all(|s| s.state == ReplicaState::Healthy) {
+    while !dev
+        .replica_status()
+        .iter()
+        .all(|s| s.state == ReplicaState::Healthy)
+    {
         assert!(Instant::now() < deadline, "{:?}", dev.replica_status());
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut ch = dev.open_channel().unwrap();
     let data: Vec<u8> = (0..65536u32).map(|i| (i * 7) as u8).collect();
-    let c = io(&mut ch, IoOp::Write { fua: false }, 4096, Some(&data), data.len() as u32);
+    let c = io(
+        &mut ch,
+        IoOp::Write { fua: false },
+        4096,
+        Some(&data),
+        data.len() as u32,
+    );
     assert!(c.result.is_ok(), "{:?}", c.result);
     let c = io(&mut ch, IoOp::Flush, 0, None, 0);
     assert!(c.result.is_ok());
@@ -154,7 +203,13 @@ fn replicated_dev_writes_reads_fails_over_and_eios() {
     // One replica dies (its connections close, it refuses new ones): it is
     // failed and I/O goes on.
     a.dead.store(true, Ordering::SeqCst);
-    let c = io(&mut ch, IoOp::Write { fua: true }, 0, Some(&data[..4096]), 4096);
+    let c = io(
+        &mut ch,
+        IoOp::Write { fua: true },
+        0,
+        Some(&data[..4096]),
+        4096,
+    );
     assert!(c.result.is_ok(), "{:?}", c.result);
     let st = dev.replica_status();
     assert!(st.iter().any(|s| s.state == ReplicaState::Failed), "{st:?}");

@@ -39,9 +39,14 @@ fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
     Malloc,
-    File { path: PathBuf, direct: bool },
+    File {
+        path: PathBuf,
+        direct: bool,
+    },
     /// Replica servers (`replicas=HOST:PORT+HOST:PORT`).
-    Replicas { addrs: Vec<SocketAddr> },
+    Replicas {
+        addrs: Vec<SocketAddr>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,7 +149,10 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         if path.is_empty() {
             return err(format!("backend {s:?}: file= needs a path"));
         }
-        return Ok(Backend::File { path: PathBuf::from(path), direct });
+        return Ok(Backend::File {
+            path: PathBuf::from(path),
+            direct,
+        });
     }
     if let Some(rest) = s.strip_prefix("replicas=") {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
@@ -160,15 +168,30 @@ pub fn parse_volume(s: &str) -> Result<VolumeSpec, ConfigError> {
     let Some(size) = parts.next() else {
         return err(format!("volume {s:?}: expected NAME:SIZE[:BACKEND]"));
     };
-    let backend = parts.next().map(parse_backend).transpose()?.unwrap_or(Backend::Malloc);
+    let backend = parts
+        .next()
+        .map(parse_backend)
+        .transpose()?
+        .unwrap_or(Backend::Malloc);
     volume(name, size, backend)
 }
 
 fn volume(name: &str, size: &str, backend: Backend) -> Result<VolumeSpec, ConfigError> {
-    if name.is_empty() || name.len() > 255 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return err(format!("volume name {name:?}: use 1-255 characters of A-Z a-z 0-9 - _ ."));
+    if name.is_empty()
+        || name.len() > 255
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return err(format!(
+            "volume name {name:?}: use 1-255 characters of A-Z a-z 0-9 - _ ."
+        ));
     }
-    Ok(VolumeSpec { name: name.to_string(), size_bytes: parse_size(size)?, backend })
+    Ok(VolumeSpec {
+        name: name.to_string(),
+        size_bytes: parse_size(size)?,
+        backend,
+    })
 }
 
 /// Parse a core list: `3`, `0,2`, `0-3`, `0-1,4`.
@@ -181,12 +204,18 @@ pub fn parse_mode(s: &str) -> Result<Mode, ConfigError> {
 }
 
 /// Merge defaults, the config file and the flags.
-pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Result<ServeSettings, ConfigError> {
+pub fn resolve(
+    file: ConfigFile,
+    flags: Overrides,
+    allowed_cpus: &[usize],
+) -> Result<ServeSettings, ConfigError> {
     let listen_s = flags.listen.or(file.listen);
     let socket = flags.socket.or(file.socket);
     // A socket alone serves instead of TCP; with --listen too, as well.
     let listen = match (&listen_s, &socket) {
-        (Some(l), _) => Some(l.parse().map_err(|_| ConfigError(format!("invalid listen address {l:?}: expected ADDR:PORT")))?),
+        (Some(l), _) => Some(l.parse().map_err(|_| {
+            ConfigError(format!("invalid listen address {l:?}: expected ADDR:PORT"))
+        })?),
         (None, Some(_)) => None,
         (None, None) => Some(DEFAULT_LISTEN.parse().expect("default address")),
     };
@@ -194,10 +223,14 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
         Some(c) => parse_cores(&c)?,
         // One reactor on the last core: core 0 takes most interrupts and
         // housekeeping, and a client pinned there does not compete with it.
-        None => vec![*allowed_cpus.last().ok_or_else(|| ConfigError("no CPU available".into()))?],
+        None => vec![*allowed_cpus
+            .last()
+            .ok_or_else(|| ConfigError("no CPU available".into()))?],
     };
     if let Some(bad) = cores.iter().find(|c| !allowed_cpus.contains(c)) {
-        return err(format!("core {bad} is not available to this process (allowed: {allowed_cpus:?})"));
+        return err(format!(
+            "core {bad} is not available to this process (allowed: {allowed_cpus:?})"
+        ));
     }
     let file_mode = match (file.mode.as_deref().map(parse_mode).transpose()?, file.interrupt_mode_enabled) {
         (Some(m), Some(alias)) if (m == Mode::Interrupt) != alias || !matches!(m, Mode::Interrupt | Mode::Poll) => {
@@ -220,14 +253,30 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
         .or(file.nvme_ioq_poll_period_us)
         .unwrap_or(lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US);
     if ioq_poll_period_us == 0 {
-        return err("nvme_ioq_poll_period_us (data-engine-nvme-ioq-poll-period-us) must be at least 1");
+        return err(
+            "nvme_ioq_poll_period_us (data-engine-nvme-ioq-poll-period-us) must be at least 1",
+        );
     }
     let volumes = if !flags.volumes.is_empty() {
-        flags.volumes.iter().map(|v| parse_volume(v)).collect::<Result<Vec<_>, _>>()?
+        flags
+            .volumes
+            .iter()
+            .map(|v| parse_volume(v))
+            .collect::<Result<Vec<_>, _>>()?
     } else if !file.volume.is_empty() {
         file.volume
             .iter()
-            .map(|v| volume(&v.name, &v.size, v.backend.as_deref().map(parse_backend).transpose()?.unwrap_or(Backend::Malloc)))
+            .map(|v| {
+                volume(
+                    &v.name,
+                    &v.size,
+                    v.backend
+                        .as_deref()
+                        .map(parse_backend)
+                        .transpose()?
+                        .unwrap_or(Backend::Malloc),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?
     } else {
         vec![parse_volume(DEFAULT_VOLUME)?]
@@ -237,7 +286,9 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
         return err(format!("volume {:?} is defined twice", d.name));
     }
     let metrics = match flags.metrics.or(file.metrics) {
-        Some(m) => Some(m.parse().map_err(|_| ConfigError(format!("invalid metrics address {m:?}: expected ADDR:PORT")))?),
+        Some(m) => Some(m.parse().map_err(|_| {
+            ConfigError(format!("invalid metrics address {m:?}: expected ADDR:PORT"))
+        })?),
         None => None,
     };
     let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
@@ -245,11 +296,24 @@ pub fn resolve(file: ConfigFile, flags: Overrides, allowed_cpus: &[usize]) -> Re
     if let Some(t) = flags.replica_timeout_ms.or(file.replica_timeout_ms) {
         engine.replica_timeout_ms = t;
     }
-    if let Some(c) = flags.connections_per_replica.or(file.connections_per_replica) {
+    if let Some(c) = flags
+        .connections_per_replica
+        .or(file.connections_per_replica)
+    {
         engine.connections_per_replica = c;
     }
     engine.validate().map_err(|e| ConfigError(e.to_string()))?;
-    Ok(ServeSettings { listen, socket, cores, mode, ioq_poll_period_us, volumes, rpc_socket, metrics, engine })
+    Ok(ServeSettings {
+        listen,
+        socket,
+        cores,
+        mode,
+        ioq_poll_period_us,
+        volumes,
+        rpc_socket,
+        metrics,
+        engine,
+    })
 }
 
 #[cfg(test)]
@@ -260,16 +324,36 @@ mod tests {
     fn volumes_and_backends() {
         assert_eq!(
             parse_volume("a:1M").unwrap(),
-            VolumeSpec { name: "a".into(), size_bytes: 1 << 20, backend: Backend::Malloc }
+            VolumeSpec {
+                name: "a".into(),
+                size_bytes: 1 << 20,
+                backend: Backend::Malloc
+            }
         );
         assert_eq!(
             parse_volume("b:2G:file=/tmp/x.img,direct").unwrap().backend,
-            Backend::File { path: "/tmp/x.img".into(), direct: true }
+            Backend::File {
+                path: "/tmp/x.img".into(),
+                direct: true
+            }
         );
-        assert_eq!(parse_volume("c:1G:file=/a:b").unwrap().backend, Backend::File { path: "/a:b".into(), direct: false });
         assert_eq!(
-            parse_volume("r:1G:replicas=127.0.0.1:7001+127.0.0.1:7002").unwrap().backend,
-            Backend::Replicas { addrs: vec!["127.0.0.1:7001".parse().unwrap(), "127.0.0.1:7002".parse().unwrap()] }
+            parse_volume("c:1G:file=/a:b").unwrap().backend,
+            Backend::File {
+                path: "/a:b".into(),
+                direct: false
+            }
+        );
+        assert_eq!(
+            parse_volume("r:1G:replicas=127.0.0.1:7001+127.0.0.1:7002")
+                .unwrap()
+                .backend,
+            Backend::Replicas {
+                addrs: vec![
+                    "127.0.0.1:7001".parse().unwrap(),
+                    "127.0.0.1:7002".parse().unwrap()
+                ]
+            }
         );
         assert!(parse_volume("r:1G:replicas=").is_err());
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
@@ -290,34 +374,77 @@ mod tests {
             "listen = \"127.0.0.1:9000\"\nmode = \"poll\"\ncores = \"0\"\n[[volume]]\nname = \"x\"\nsize = \"8M\"\n",
         )
         .unwrap();
-        let flags = Overrides { mode: Some("interrupt".into()), ..Default::default() };
+        let flags = Overrides {
+            mode: Some("interrupt".into()),
+            ..Default::default()
+        };
         let s = resolve(file, flags, &[0, 1]).unwrap();
         assert_eq!(s.listen, Some("127.0.0.1:9000".parse().unwrap()));
         assert_eq!(s.mode, Mode::Interrupt, "flags override the file");
         assert_eq!(s.cores, vec![0]);
         assert_eq!(s.volumes[0].name, "x");
 
-        let s = resolve(ConfigFile::default(), Overrides { socket: Some("/tmp/s".into()), ..Default::default() }, &[0]).unwrap();
+        let s = resolve(
+            ConfigFile::default(),
+            Overrides {
+                socket: Some("/tmp/s".into()),
+                ..Default::default()
+            },
+            &[0],
+        )
+        .unwrap();
         assert_eq!(s.listen, None, "a socket alone replaces TCP");
     }
 
     #[test]
     fn config_errors_are_clear() {
-        assert!(ConfigFile::parse("lisen = \"x\"").unwrap_err().0.contains("lisen"));
-        let e = resolve(ConfigFile::default(), Overrides { cores: Some("7".into()), ..Default::default() }, &[0, 1]);
+        assert!(ConfigFile::parse("lisen = \"x\"")
+            .unwrap_err()
+            .0
+            .contains("lisen"));
+        let e = resolve(
+            ConfigFile::default(),
+            Overrides {
+                cores: Some("7".into()),
+                ..Default::default()
+            },
+            &[0, 1],
+        );
         assert!(e.unwrap_err().0.contains("core 7"));
         let e = resolve(
             ConfigFile::default(),
-            Overrides { volumes: vec!["a:1M".into(), "a:2M".into()], ..Default::default() },
+            Overrides {
+                volumes: vec!["a:1M".into(), "a:2M".into()],
+                ..Default::default()
+            },
             &[0],
         );
         assert!(e.unwrap_err().0.contains("twice"));
-        let e = resolve(ConfigFile::default(), Overrides { mode: Some("turbo".into()), ..Default::default() }, &[0]);
+        let e = resolve(
+            ConfigFile::default(),
+            Overrides {
+                mode: Some("turbo".into()),
+                ..Default::default()
+            },
+            &[0],
+        );
         assert!(e.is_err());
-        let e = resolve(ConfigFile::default(), Overrides { ioq_poll_period_us: Some(0), ..Default::default() }, &[0]);
+        let e = resolve(
+            ConfigFile::default(),
+            Overrides {
+                ioq_poll_period_us: Some(0),
+                ..Default::default()
+            },
+            &[0],
+        );
         assert!(e.unwrap_err().0.contains("at least 1"));
-        let file = ConfigFile::parse("mode = \"poll\"\ndata-engine-interrupt-mode-enabled = true\n").unwrap();
-        assert!(resolve(file, Overrides::default(), &[0]).unwrap_err().0.contains("contradicts"));
+        let file =
+            ConfigFile::parse("mode = \"poll\"\ndata-engine-interrupt-mode-enabled = true\n")
+                .unwrap();
+        assert!(resolve(file, Overrides::default(), &[0])
+            .unwrap_err()
+            .0
+            .contains("contradicts"));
     }
 
     #[test]
@@ -330,7 +457,10 @@ mod tests {
         assert_eq!(s.mode, Mode::Poll);
         assert_eq!(s.ioq_poll_period_us, 250);
         let file = ConfigFile::parse("data-engine-interrupt-mode-enabled = true\n").unwrap();
-        assert_eq!(resolve(file, Overrides::default(), &[0]).unwrap().mode, Mode::Interrupt);
+        assert_eq!(
+            resolve(file, Overrides::default(), &[0]).unwrap().mode,
+            Mode::Interrupt
+        );
         let file = ConfigFile::parse("mode = \"hybrid\"\nnvme_ioq_poll_period_us = 10\n").unwrap();
         let s = resolve(file, Overrides::default(), &[0]).unwrap();
         assert_eq!((s.mode, s.ioq_poll_period_us), (Mode::Hybrid, 10));

@@ -23,8 +23,17 @@ pub struct Control {
 }
 
 impl Control {
-    pub fn new(fw: FrameworkHandle, volumes: Arc<Volumes>, engine: lull_engine::EngineOptions) -> Control {
-        Control { fw, volumes, engine, adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US) }
+    pub fn new(
+        fw: FrameworkHandle,
+        volumes: Arc<Volumes>,
+        engine: lull_engine::EngineOptions,
+    ) -> Control {
+        Control {
+            fw,
+            volumes,
+            engine,
+            adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US),
+        }
     }
 
     /// Hybrid mode sends replica keep-alives every
@@ -48,14 +57,22 @@ impl Control {
     /// The replicated device behind a volume, if it is one.
     fn replicated(&self, volume: &str) -> Result<Arc<Volume>, String> {
         let v = self.volume(volume)?;
-        if v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>().is_none() {
+        if v.dev
+            .as_any()
+            .downcast_ref::<lull_engine::ReplicatedDev>()
+            .is_none()
+        {
             return Err(format!("volume {volume:?} is not replicated"));
         }
         Ok(v)
     }
 
     fn volume(&self, name: &str) -> Result<Arc<Volume>, String> {
-        self.volumes.list().into_iter().find(|v| v.name == name).ok_or_else(|| format!("no volume {name:?}"))
+        self.volumes
+            .list()
+            .into_iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| format!("no volume {name:?}"))
     }
 }
 
@@ -65,7 +82,10 @@ impl EngineControl for Control {
         let (mode, period) = reactors
             .first()
             .map(|r| (r.mode, r.ioq_poll_period_us))
-            .unwrap_or((config::DEFAULT_MODE, lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US));
+            .unwrap_or((
+                config::DEFAULT_MODE,
+                lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
+            ));
         json!({
             "mode": mode.as_str(),
             "nvme_ioq_poll_period_us": period,
@@ -78,26 +98,44 @@ impl EngineControl for Control {
         let current = self.get_options();
         let mode = match params.get("mode").and_then(Value::as_str) {
             Some(m) => config::parse_mode(m).map_err(|e| e.to_string())?,
-            None => config::parse_mode(current["mode"].as_str().unwrap_or(config::DEFAULT_MODE.as_str())).map_err(|e| e.to_string())?,
+            None => config::parse_mode(
+                current["mode"]
+                    .as_str()
+                    .unwrap_or(config::DEFAULT_MODE.as_str()),
+            )
+            .map_err(|e| e.to_string())?,
         };
         let period = params
             .get("nvme_ioq_poll_period_us")
             .and_then(Value::as_u64)
             .or_else(|| current["nvme_ioq_poll_period_us"].as_u64())
             .unwrap_or(lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US);
-        if let Some(a) = params.get("nvme_adminq_poll_period_us").and_then(Value::as_u64) {
+        if let Some(a) = params
+            .get("nvme_adminq_poll_period_us")
+            .and_then(Value::as_u64)
+        {
             self.adminq_poll_period_us.store(a, Ordering::Relaxed);
         }
-        self.fw.set_mode_all(mode, period).map_err(|e| e.to_string())?;
+        self.fw
+            .set_mode_all(mode, period)
+            .map_err(|e| e.to_string())?;
         self.apply_keepalive(mode);
-        tracing::info!(mode = mode.as_str(), nvme_ioq_poll_period_us = period, "engine options set over RPC");
+        tracing::info!(
+            mode = mode.as_str(),
+            nvme_ioq_poll_period_us = period,
+            "engine options set over RPC"
+        );
         Ok(self.get_options())
     }
 
     fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String> {
-        let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}")).map_err(|e| e.to_string())?;
+        let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}"))
+            .map_err(|e| e.to_string())?;
         let dev = crate::open_device(&spec, &self.fw, &self.engine)?;
-        let v = self.volumes.add(Volume::new(&spec.name, dev)).map_err(|e| e.to_string())?;
+        let v = self
+            .volumes
+            .add(Volume::new(&spec.name, dev))
+            .map_err(|e| e.to_string())?;
         if let Some(r) = self.fw.reactor_stats().first() {
             self.apply_keepalive(r.mode);
         }
@@ -141,7 +179,9 @@ impl EngineControl for Control {
     fn replica_list(&self, volume: &str) -> Result<Value, String> {
         let v = self.replicated(volume)?;
         let dev = engine_of(&v);
-        Ok(Value::Array(dev.replica_status().iter().map(replica_json).collect()))
+        Ok(Value::Array(
+            dev.replica_status().iter().map(replica_json).collect(),
+        ))
     }
 
     fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
@@ -153,13 +193,18 @@ impl EngineControl for Control {
     fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String> {
         let v = self.replicated(volume)?;
         let addr = parse_addr(addr)?;
-        engine_of(&v).remove_replica(addr).map_err(|e| e.to_string())
+        engine_of(&v)
+            .remove_replica(addr)
+            .map_err(|e| e.to_string())
     }
 }
 
 fn engine_of(v: &Volume) -> &lull_engine::ReplicatedDev {
     // `replicated()` checked the type.
-    v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>().expect("a replicated volume")
+    v.dev
+        .as_any()
+        .downcast_ref::<lull_engine::ReplicatedDev>()
+        .expect("a replicated volume")
 }
 
 fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
@@ -175,12 +220,20 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
         lull_engine::ReplicaState::Connecting => ("connecting", Value::Null),
         lull_engine::ReplicaState::Healthy => ("healthy", Value::Null),
         lull_engine::ReplicaState::Failed => ("failed", Value::Null),
-        lull_engine::ReplicaState::Rebuilding { done_bytes, total_bytes } => {
-            ("rebuilding", json!({"done_bytes": done_bytes, "total_bytes": total_bytes}))
-        }
-        lull_engine::ReplicaState::Reconciling { done_bytes, total_bytes } => {
-            ("reconciling", json!({"done_bytes": done_bytes, "total_bytes": total_bytes}))
-        }
+        lull_engine::ReplicaState::Rebuilding {
+            done_bytes,
+            total_bytes,
+        } => (
+            "rebuilding",
+            json!({"done_bytes": done_bytes, "total_bytes": total_bytes}),
+        ),
+        lull_engine::ReplicaState::Reconciling {
+            done_bytes,
+            total_bytes,
+        } => (
+            "reconciling",
+            json!({"done_bytes": done_bytes, "total_bytes": total_bytes}),
+        ),
     };
     json!({
         "addr": r.addr.to_string(),
@@ -211,7 +264,9 @@ impl MetricsSource for Control {
                     writes: s.writes,
                     read_bytes: s.read_bytes,
                     write_bytes: s.write_bytes,
-                    latency_buckets: (0..LATENCY_BUCKETS).map(|i| (bucket_le_ns(i) as f64, s.buckets[i])).collect(),
+                    latency_buckets: (0..LATENCY_BUCKETS)
+                        .map(|i| (bucket_le_ns(i) as f64, s.buckets[i]))
+                        .collect(),
                     latency_sum_ns: s.latency_sum_ns,
                     latency_count: s.buckets.iter().sum(),
                 }
@@ -229,7 +284,10 @@ impl MetricsSource for Control {
                 }
             }
         }
-        MetricsSnapshot { reactors: lull_rpc::reactor_metrics(&self.fw), volumes, replicas }
+        MetricsSnapshot {
+            reactors: lull_rpc::reactor_metrics(&self.fw),
+            volumes,
+            replicas,
+        }
     }
 }
-

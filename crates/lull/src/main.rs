@@ -20,7 +20,11 @@ use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Parser, Debug)]
-#[command(name = "lull", version, about = "A user-space, replicated block storage engine")]
+#[command(
+    name = "lull",
+    version,
+    about = "A user-space, replicated block storage engine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -106,7 +110,8 @@ fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
 fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
     let file = match &args.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
             ConfigFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?
         }
         None => ConfigFile::default(),
@@ -123,7 +128,8 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
     };
-    let allowed = lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
+    let allowed =
+        lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
     config::resolve(file, flags, &allowed).map_err(|e| e.to_string())
 }
 
@@ -148,13 +154,27 @@ pub(crate) fn open_device(
         Backend::Replicas { addrs } => {
             // Engines are spread over the reactors like connections.
             let reactor = fw.reactor_count().saturating_sub(1);
-            lull_engine::ReplicatedDev::start(fw, reactor, &spec.name, addrs.clone(), spec.size_bytes, engine.clone())
-                .map_err(|e| e.to_string())?
+            lull_engine::ReplicatedDev::start(
+                fw,
+                reactor,
+                &spec.name,
+                addrs.clone(),
+                spec.size_bytes,
+                engine.clone(),
+            )
+            .map_err(|e| e.to_string())?
         }
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
-            FileDev::open(path, spec.size_bytes, FileOptions { direct: *direct, create: true })
-                .map_err(|e| format!("{}: {e}", path.display()))?,
+            FileDev::open(
+                path,
+                spec.size_bytes,
+                FileOptions {
+                    direct: *direct,
+                    create: true,
+                },
+            )
+            .map_err(|e| format!("{}: {e}", path.display()))?,
         ),
     };
     Ok(dev)
@@ -165,7 +185,9 @@ pub(crate) fn open_device(
 fn wait_for_replicas(volumes: &Volumes) {
     let deadline = std::time::Instant::now() + REPLICA_READY_TIMEOUT;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else { continue };
+        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+            continue;
+        };
         if !dev.wait_ready(deadline.saturating_duration_since(std::time::Instant::now())) {
             tracing::warn!(volume = %v.name, "no healthy replica yet; I/O fails with EIO until one is");
         }
@@ -186,7 +208,11 @@ fn start_rpc(
     control: &Arc<control::Control>,
 ) -> Result<Option<lull_rpc::RpcServer>, String> {
     let mut registry = lull_rpc::MethodRegistry::new();
-    let ctx = lull_rpc::LullContext { fw: fw.handle().clone(), volumes: volumes.clone(), engine: control.clone() };
+    let ctx = lull_rpc::LullContext {
+        fw: fw.handle().clone(),
+        volumes: volumes.clone(),
+        engine: control.clone(),
+    };
     lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
     let (path, explicit) = match &s.rpc_socket {
         Some(p) => (p.clone(), true),
@@ -242,7 +268,10 @@ fn serve(args: ServeArgs) -> ExitCode {
     }
     // Block the stop signals before any thread starts, so every thread
     // inherits the mask and only the waiter below sees them.
-    let mut signals = match signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]) {
+    let mut signals = match signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+    ]) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("lull: error: cannot install signal handlers: {e}");
@@ -250,7 +279,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     lull_net::server::raise_fd_limit("nbd");
-    let mut fw = match Framework::start(FrameworkConfig { ioq_poll_period_us: s.ioq_poll_period_us, ..FrameworkConfig::new(s.cores.clone(), s.mode) }) {
+    let mut fw = match Framework::start(FrameworkConfig {
+        ioq_poll_period_us: s.ioq_poll_period_us,
+        ..FrameworkConfig::new(s.cores.clone(), s.mode)
+    }) {
         Ok(fw) => fw,
         Err(e) => {
             eprintln!("lull: error: cannot start reactors: {e}");
@@ -280,7 +312,11 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let control = Arc::new(control::Control::new(fw.handle().clone(), volumes.clone(), s.engine.clone()));
+    let control = Arc::new(control::Control::new(
+        fw.handle().clone(),
+        volumes.clone(),
+        s.engine.clone(),
+    ));
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,
@@ -311,7 +347,12 @@ fn serve(args: ServeArgs) -> ExitCode {
         s.mode
     );
     for v in volumes.list() {
-        println!("volume {}: {} ({})", v.name, lull_bdev::human_bytes(v.dev.size_bytes()), v.dev.describe());
+        println!(
+            "volume {}: {} ({})",
+            v.name,
+            lull_bdev::human_bytes(v.dev.size_bytes()),
+            v.dev.describe()
+        );
     }
     for a in server.local_addrs() {
         println!("listening on {a}");
@@ -320,7 +361,11 @@ fn serve(args: ServeArgs) -> ExitCode {
         for a in server.local_addrs() {
             match a {
                 ListenAddr::Tcp(addr) => println!("try: nbdinfo nbd://{addr}/{}", v.name),
-                ListenAddr::Unix(p) => println!("try: nbdinfo 'nbd+unix:///{}?socket={}'", v.name, p.display()),
+                ListenAddr::Unix(p) => println!(
+                    "try: nbdinfo 'nbd+unix:///{}?socket={}'",
+                    v.name,
+                    p.display()
+                ),
             }
         }
     }
@@ -331,18 +376,26 @@ fn serve(args: ServeArgs) -> ExitCode {
         println!("metrics on http://{}/metrics", m.local_addr());
     }
     let signal = signals.forever().next();
-    tracing::info!(?signal, "stopping: no new connections, finishing in-flight I/O");
+    tracing::info!(
+        ?signal,
+        "stopping: no new connections, finishing in-flight I/O"
+    );
     drop(rpc);
     drop(metrics);
     let left = server.shutdown(SHUTDOWN_TIMEOUT);
     if left > 0 {
-        tracing::warn!(connections = left, "connections still open after the shutdown timeout");
+        tracing::warn!(
+            connections = left,
+            "connections still open after the shutdown timeout"
+        );
     }
     // Replicated volumes detach cleanly while the reactors still run, so
     // their replicas are clean and the next start reconciles nothing.
     let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else { continue };
+        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+            continue;
+        };
         match dev.detach(DETACH_TIMEOUT) {
             Ok(true) => tracing::info!(volume = %v.name, "detached from its replicas cleanly"),
             Ok(false) => {

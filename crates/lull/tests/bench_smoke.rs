@@ -3,12 +3,25 @@
 #[test]
 fn bench_quick_smoke_writes_reports() {
     assert!(
-        std::process::Command::new("fio").arg("--version").output().is_ok(),
+        std::process::Command::new("fio")
+            .arg("--version")
+            .output()
+            .is_ok(),
         "fio not found: install the Debian package fio (scripts/test does)"
     );
     let out = std::env::temp_dir().join(format!("lull-bench-smoke-{}", std::process::id()));
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["bench", "--quick", "--modes", "poll", "--peers", "none", "--port-base", "24100", "--out"])
+        .args([
+            "bench",
+            "--quick",
+            "--modes",
+            "poll",
+            "--peers",
+            "none",
+            "--port-base",
+            "24100",
+            "--out",
+        ])
         .arg(&out)
         .status()
         .unwrap();
@@ -16,7 +29,11 @@ fn bench_quick_smoke_writes_reports() {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["targets"][0]["name"], "lull-poll-malloc");
-    assert_eq!(json["targets"][0]["status"]["state"], "ok", "{}", json["targets"][0]);
+    assert_eq!(
+        json["targets"][0]["status"]["state"], "ok",
+        "{}",
+        json["targets"][0]
+    );
     let results = json["results"].as_array().unwrap();
     assert_eq!(results.len(), 6);
     for r in results {

@@ -19,7 +19,12 @@ fn rpc(sock: &Path, method: &str, params: Option<&str>) -> (i32, serde_json::Val
     let out = c.output().expect("run lull rpc");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    let json = serde_json::from_str(if out.status.success() { &stdout } else { &stderr }).unwrap_or(serde_json::Value::Null);
+    let json = serde_json::from_str(if out.status.success() {
+        &stdout
+    } else {
+        &stderr
+    })
+    .unwrap_or(serde_json::Value::Null);
     (out.status.code().unwrap_or(-1), json, stderr)
 }
 
@@ -31,7 +36,12 @@ fn sock_path(name: &str) -> PathBuf {
 #[test]
 fn rpc_methods_answer() {
     let sock = sock_path("m");
-    let mut server = Server::start(&["--volume", "vol:16M", "--rpc-socket", sock.to_str().unwrap()]);
+    let mut server = Server::start(&[
+        "--volume",
+        "vol:16M",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
     let (code, r, _) = rpc(&sock, "framework_get_reactors", None);
     assert_eq!(code, 0);
     let reactors = r["reactors"].as_array().expect("reactors");
@@ -39,29 +49,58 @@ fn rpc_methods_answer() {
     assert_eq!(reactors[0]["mode"], "adaptive", "adaptive is the default");
     assert_eq!(reactors[0]["interrupt_mode_enabled"], true);
 
-    let (code, r, _) = rpc(&sock, "engine_set_options", Some(r#"{"data-engine-interrupt-mode-enabled": false}"#));
+    let (code, r, _) = rpc(
+        &sock,
+        "engine_set_options",
+        Some(r#"{"data-engine-interrupt-mode-enabled": false}"#),
+    );
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["mode"], "poll");
     let (_, r, _) = rpc(&sock, "framework_get_reactors", None);
     assert_eq!(r["reactors"][0]["interrupt_mode_enabled"], false);
-    let (code, r, _) = rpc(&sock, "engine_set_options", Some(r#"{"mode": "hybrid", "data-engine-nvme-ioq-poll-period-us": 250}"#));
+    let (code, r, _) = rpc(
+        &sock,
+        "engine_set_options",
+        Some(r#"{"mode": "hybrid", "data-engine-nvme-ioq-poll-period-us": 250}"#),
+    );
     assert_eq!(code, 0, "{r}");
     let (_, r, _) = rpc(&sock, "engine_get_options", None);
-    assert_eq!((r["mode"].as_str(), r["nvme_ioq_poll_period_us"].as_u64()), (Some("hybrid"), Some(250)));
+    assert_eq!(
+        (r["mode"].as_str(), r["nvme_ioq_poll_period_us"].as_u64()),
+        (Some("hybrid"), Some(250))
+    );
     let (code, _, err) = rpc(&sock, "engine_set_options", Some(r#"{"mode": "turbo"}"#));
     assert_eq!(code, 1, "{err}");
-    let (code, _, err) = rpc(&sock, "engine_set_options", Some(r#"{"nvme_ioq_poll_period_us": 0}"#));
+    let (code, _, err) = rpc(
+        &sock,
+        "engine_set_options",
+        Some(r#"{"nvme_ioq_poll_period_us": 0}"#),
+    );
     assert_eq!(code, 1, "{err}");
 
-    let (code, r, _) = rpc(&sock, "volume_create", Some(r#"{"name": "extra", "size": "8M", "backend": "malloc"}"#));
+    let (code, r, _) = rpc(
+        &sock,
+        "volume_create",
+        Some(r#"{"name": "extra", "size": "8M", "backend": "malloc"}"#),
+    );
     assert_eq!(code, 0, "{r}");
     let (_, r, _) = rpc(&sock, "volume_list", None);
-    let names: Vec<&str> = r.as_array().or(r["volumes"].as_array()).unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = r
+        .as_array()
+        .or(r["volumes"].as_array())
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, vec!["vol", "extra"]);
     common::assert_good_client_works(server.addr(), "extra", 0);
     let (code, r, _) = rpc(&sock, "volume_get_stats", Some(r#"{"name": "extra"}"#));
     assert_eq!(code, 0, "{r}");
-    assert_eq!((r["reads"].as_u64(), r["writes"].as_u64()), (Some(1), Some(1)), "{r}");
+    assert_eq!(
+        (r["reads"].as_u64(), r["writes"].as_u64()),
+        (Some(1), Some(1)),
+        "{r}"
+    );
     assert_eq!(r["write_bytes"].as_u64(), Some(4096));
     let (code, _, _) = rpc(&sock, "volume_delete", Some(r#"{"name": "extra"}"#));
     assert_eq!(code, 0);
@@ -79,11 +118,14 @@ fn rpc_methods_answer() {
     // Malformed JSON on the raw socket: an error object, and the server lives.
     let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"{\"jsonrpc\": \"2.0\", \"method\": ]]]").unwrap();
+    s.write_all(b"{\"jsonrpc\": \"2.0\", \"method\": ]]]")
+        .unwrap();
     let mut reply = String::new();
     let _ = s.read_to_string(&mut reply);
     assert!(reply.contains("-32700"), "{reply}");
-    let mode = std::fs::metadata(&sock).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777).unwrap();
+    let mode = std::fs::metadata(&sock)
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap();
     assert_eq!(mode, 0o600);
     server.assert_healthy();
 }
@@ -91,7 +133,14 @@ fn rpc_methods_answer() {
 #[test]
 fn switching_modes_every_200ms_under_fio_verify() {
     let sock = sock_path("sw");
-    let mut server = Server::start(&["--volume", "vol:64M", "--rpc-socket", sock.to_str().unwrap(), "--cores", "0-1"]);
+    let mut server = Server::start(&[
+        "--volume",
+        "vol:64M",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+        "--cores",
+        "0-1",
+    ]);
     let mut fio = Command::new("fio")
         .args([
             "--name=switch",
@@ -122,7 +171,11 @@ fn switching_modes_every_200ms_under_fio_verify() {
         }
         assert!(start.elapsed() < Duration::from_secs(120), "fio stalled");
         let mode = modes[switches % modes.len()];
-        let (code, r, err) = rpc(&sock, "engine_set_options", Some(&format!(r#"{{"mode": "{mode}"}}"#)));
+        let (code, r, err) = rpc(
+            &sock,
+            "engine_set_options",
+            Some(&format!(r#"{{"mode": "{mode}"}}"#)),
+        );
         assert_eq!(code, 0, "{r} {err}");
         switches += 1;
         std::thread::sleep(Duration::from_millis(200));
@@ -134,14 +187,21 @@ fn switching_modes_every_200ms_under_fio_verify() {
     for job in json["jobs"].as_array().unwrap() {
         assert_eq!(job["error"], 0, "{job}");
     }
-    assert!(switches >= 8, "the run was too short to cycle through the modes twice ({switches})");
+    assert!(
+        switches >= 8,
+        "the run was too short to cycle through the modes twice ({switches})"
+    );
     server.assert_healthy();
 }
 
 #[test]
 fn metrics_scrape_parses() {
     let sock = sock_path("pm");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut server = Server::start(&[
         "--volume",
         "vol:16M",
@@ -155,7 +215,8 @@ fn metrics_scrape_parses() {
     common::assert_good_client_works(server.addr(), "vol", 0);
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
@@ -170,9 +231,14 @@ fn metrics_scrape_parses() {
     };
     assert_eq!(get("lull_volume_reads_total", "volume=\"vol\""), 1.0);
     assert_eq!(get("lull_volume_writes_total", "volume=\"vol\""), 1.0);
-    assert_eq!(get("lull_volume_latency_seconds_count", "volume=\"vol\""), 2.0);
+    assert_eq!(
+        get("lull_volume_latency_seconds_count", "volume=\"vol\""),
+        2.0
+    );
     assert!(get("lull_reactor_idle_seconds_total", "reactor=\"0\"") > 0.0);
-    assert!(samples.iter().any(|(n, _, _)| n == "lull_reactor_spins_idle_total"));
+    assert!(samples
+        .iter()
+        .any(|(n, _, _)| n == "lull_reactor_spins_idle_total"));
     server.assert_healthy();
 }
 
@@ -190,10 +256,15 @@ fn parse_exposition(text: &str) -> Vec<(String, String, f64)> {
         }
         if let Some(rest) = line.strip_prefix("# ") {
             let kind = rest.split_whitespace().next().unwrap_or("");
-            assert!(["HELP", "TYPE", "UNIT"].contains(&kind), "bad comment line: {line}");
+            assert!(
+                ["HELP", "TYPE", "UNIT"].contains(&kind),
+                "bad comment line: {line}"
+            );
             continue;
         }
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample line: {line}"));
         let value: f64 = match value {
             "+Inf" => f64::INFINITY,
             "-Inf" => f64::NEG_INFINITY,
@@ -207,7 +278,10 @@ fn parse_exposition(text: &str) -> Vec<(String, String, f64)> {
             None => (series, ""),
         };
         assert!(
-            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
             "bad metric name: {line}"
         );
         out.push((name.to_string(), labels.to_string(), value));

@@ -34,7 +34,11 @@ fn adaptive_with_16_idle_clients_sleeps() {
     std::thread::sleep(Duration::from_secs(5));
     let used = process_cpu_ticks(server.pid()) - before;
     // < 1% of a core over 5 s is < 5 ticks of 10 ms.
-    assert!(used < 5, "16 idle clients cost {} ms of CPU in 5 s", used * 10);
+    assert!(
+        used < 5,
+        "16 idle clients cost {} ms of CPU in 5 s",
+        used * 10
+    );
     for c in clients {
         c.disconnect();
     }

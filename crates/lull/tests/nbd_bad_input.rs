@@ -593,7 +593,8 @@ fn misbehaving_client_does_not_disturb_a_good_one() {
 
 /// Resident memory of a process, KiB.
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -619,7 +620,11 @@ fn idle_connections_cost_little_memory() {
             if reply == nbd::NBD_REP_ACK {
                 break;
             }
-            assert_eq!(reply, nbd::NBD_REP_INFO, "unexpected option reply {reply:#x}");
+            assert_eq!(
+                reply,
+                nbd::NBD_REP_INFO,
+                "unexpected option reply {reply:#x}"
+            );
         }
         idle.push(sock);
     }
@@ -643,8 +648,15 @@ fn idle_connections_cost_little_memory() {
 #[test]
 fn out_of_file_descriptors_closes_new_connections_without_spinning() {
     const FLOOD: usize = 40;
-    let found = std::process::Command::new("sh").arg("-c").arg("command -v prlimit").output().is_ok_and(|o| o.status.success());
-    assert!(found, "prlimit is not installed: install the `util-linux` package");
+    let found = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("command -v prlimit")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "prlimit is not installed: install the `util-linux` package"
+    );
     let mut server = start();
     let pid = server.pid().to_string();
     // The soft limit only: lowering the hard one could not be undone
@@ -656,14 +668,17 @@ fn out_of_file_descriptors_closes_new_connections_without_spinning() {
             .expect("run prlimit");
         assert!(st.success(), "prlimit --nofile={n}: failed");
     };
-    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read /proc/PID/limits");
+    let limits =
+        std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read /proc/PID/limits");
     let soft: usize = limits
         .lines()
         .find(|l| l.starts_with("Max open files"))
         .and_then(|l| l.split_whitespace().nth(3))
         .and_then(|v| v.parse().ok())
         .expect("Max open files in /proc/PID/limits");
-    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("list /proc/PID/fd").count();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("list /proc/PID/fd")
+        .count();
     prlimit(open);
     let mut flood = Vec::with_capacity(FLOOD);
     for _ in 0..FLOOD {
@@ -674,7 +689,10 @@ fn out_of_file_descriptors_closes_new_connections_without_spinning() {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let used = common::process_cpu_ticks(server.pid()) - before;
     // A reactor spinning on the readable listener burns ~200 ticks here.
-    assert!(used < 40, "the server used {used} ticks of CPU in 2 s while out of descriptors");
+    assert!(
+        used < 40,
+        "the server used {used} ticks of CPU in 2 s while out of descriptors"
+    );
     // Each one is closed at once, or served if descriptors freed up in the
     // meantime (the threads of earlier connections may still be exiting
     // when the limit is read): never left hanging.
@@ -682,11 +700,23 @@ fn out_of_file_descriptors_closes_new_connections_without_spinning() {
     for s in flood.iter_mut() {
         match read_greeting(s) {
             Ok(_) => {}
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => shed += 1,
-            Err(e) => panic!("a connection past the descriptor limit was neither closed nor served: {e}"),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                shed += 1
+            }
+            Err(e) => {
+                panic!("a connection past the descriptor limit was neither closed nor served: {e}")
+            }
         }
     }
-    assert!(shed >= FLOOD / 2, "only {shed} of {FLOOD} connections past the limit were closed");
+    assert!(
+        shed >= FLOOD / 2,
+        "only {shed} of {FLOOD} connections past the limit were closed"
+    );
     drop(flood);
     server.assert_logged("out of file descriptors");
     prlimit(soft);

@@ -17,11 +17,16 @@ fn require(tool: &str, package: &str) {
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    assert!(found, "{tool} not found: install the Debian package {package} (scripts/test does)");
+    assert!(
+        found,
+        "{tool} not found: install the Debian package {package} (scripts/test does)"
+    );
 }
 
 fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
     assert!(
         out.status.success(),
         "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
@@ -46,7 +51,11 @@ fn qemu_io(server: &Server, export: &str, cmds: &[String]) -> String {
     }
     c.arg(uri(server, export));
     let out = run(&mut c);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         !text.contains("failed") && !text.contains("error"),
         "qemu-io reported a failure:\n{text}"
@@ -72,25 +81,47 @@ fn nbdinfo_lists_every_volume_with_its_size() {
         "--socket",
         sock.to_str().unwrap(),
     ]);
-    let out = run(Command::new("nbdinfo").args(["--list", "--json", &format!("nbd://{}", server.addr())]));
+    let out = run(Command::new("nbdinfo").args([
+        "--list",
+        "--json",
+        &format!("nbd://{}", server.addr()),
+    ]));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nbdinfo JSON");
     let exports = json["exports"].as_array().expect("exports");
     let got: Vec<(String, u64)> = exports
         .iter()
-        .map(|e| (e["export-name"].as_str().unwrap().to_string(), e["export-size"].as_u64().unwrap()))
+        .map(|e| {
+            (
+                e["export-name"].as_str().unwrap().to_string(),
+                e["export-size"].as_u64().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(got, vec![("a".to_string(), 16 << 20), ("b".to_string(), 64 << 20)]);
+    assert_eq!(
+        got,
+        vec![("a".to_string(), 16 << 20), ("b".to_string(), 64 << 20)]
+    );
     // The Unix socket serves the same exports.
-    let out = run(Command::new("nbdinfo").args(["--size", &format!("nbd+unix:///b?socket={}", sock.display())]));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), (64u64 << 20).to_string());
+    let out = run(Command::new("nbdinfo").args([
+        "--size",
+        &format!("nbd+unix:///b?socket={}", sock.display()),
+    ]));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        (64u64 << 20).to_string()
+    );
     // The default export (empty name) is the first volume.
     let out = run(Command::new("nbdinfo").args(["--size", &format!("nbd://{}", server.addr())]));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), (16u64 << 20).to_string());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        (16u64 << 20).to_string()
+    );
     server.assert_healthy();
 }
 
 fn tempdir(name: &str) -> std::path::PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-{name}-{}", std::process::id()));
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -108,15 +139,26 @@ fn qemu_io_patterns(backend_args: &[&str]) {
         (0x55, (7 << 20) + 511, 1),
         (0x66, (16 << 20) - 4096, 4096),
     ];
-    let mut cmds: Vec<String> = writes.iter().map(|(p, o, l)| format!("write -P {p:#x} {o} {l}")).collect();
+    let mut cmds: Vec<String> = writes
+        .iter()
+        .map(|(p, o, l)| format!("write -P {p:#x} {o} {l}"))
+        .collect();
     // 0x11 was overwritten at 4095..4098 by 0x22.
     cmds.push("read -P 0x11 0 4095".into());
-    cmds.extend(writes[1..].iter().map(|(p, o, l)| format!("read -P {p:#x} {o} {l}")));
+    cmds.extend(
+        writes[1..]
+            .iter()
+            .map(|(p, o, l)| format!("read -P {p:#x} {o} {l}")),
+    );
     cmds.push("read -P 0 4098 8192".into());
     cmds.push(format!("read -P 0 {} 4096", 9 << 20));
     qemu_io(&server, "vol", &cmds);
     // A second connection sees the same data.
-    qemu_io(&server, "vol", &[format!("read -P 0x44 {} {}", 5 << 20, 1 << 20)]);
+    qemu_io(
+        &server,
+        "vol",
+        &[format!("read -P 0x44 {} {}", 5 << 20, 1 << 20)],
+    );
     server.assert_healthy();
 }
 
@@ -128,13 +170,19 @@ fn qemu_io_patterns_on_malloc() {
 #[test]
 fn qemu_io_patterns_on_file() {
     let dir = tempdir("qio-file");
-    qemu_io_patterns(&["--volume", &format!("vol:16M:file={}", dir.join("v.img").display())]);
+    qemu_io_patterns(&[
+        "--volume",
+        &format!("vol:16M:file={}", dir.join("v.img").display()),
+    ]);
 }
 
 #[test]
 fn qemu_io_patterns_on_direct_file() {
     let dir = tempdir("qio-direct");
-    qemu_io_patterns(&["--volume", &format!("vol:16M:file={},direct", dir.join("v.img").display())]);
+    qemu_io_patterns(&[
+        "--volume",
+        &format!("vol:16M:file={},direct", dir.join("v.img").display()),
+    ]);
 }
 
 #[test]
@@ -146,9 +194,18 @@ fn qemu_img_convert_round_trip_is_byte_identical() {
     let data = pattern(42, 64 << 20);
     write_file(&src, &data);
     let mut server = Server::start(&["--volume", "vol:64M"]);
-    run(Command::new("qemu-img").args(["convert", "-n", "-f", "raw", "-O", "raw"]).arg(&src).arg(uri(&server, "vol")));
-    run(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "raw"]).arg(uri(&server, "vol")).arg(&back));
-    assert!(std::fs::read(&back).unwrap() == data, "qemu-img round trip differs");
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(uri(&server, "vol")));
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(uri(&server, "vol"))
+        .arg(&back));
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "qemu-img round trip differs"
+    );
     server.assert_healthy();
 }
 
@@ -161,13 +218,28 @@ fn nbdcopy_with_four_connections_round_trips() {
     let data = pattern(7, 64 << 20);
     write_file(&src, &data);
     let file = dir.join("vol.img");
-    for args in [vec!["--volume".to_string(), "vol:64M".to_string()], vec!["--volume".into(), format!("vol:64M:file={}", file.display())]] {
+    for args in [
+        vec!["--volume".to_string(), "vol:64M".to_string()],
+        vec![
+            "--volume".into(),
+            format!("vol:64M:file={}", file.display()),
+        ],
+    ] {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut server = Server::start(&args);
-        run(Command::new("nbdcopy").args(["--connections=4", "--requests=16"]).arg(&src).arg(uri(&server, "vol")));
+        run(Command::new("nbdcopy")
+            .args(["--connections=4", "--requests=16"])
+            .arg(&src)
+            .arg(uri(&server, "vol")));
         let _ = std::fs::remove_file(&back);
-        run(Command::new("nbdcopy").args(["--connections=4"]).arg(uri(&server, "vol")).arg(&back));
-        assert!(std::fs::read(&back).unwrap() == data, "nbdcopy round trip differs ({args:?})");
+        run(Command::new("nbdcopy")
+            .args(["--connections=4"])
+            .arg(uri(&server, "vol"))
+            .arg(&back));
+        assert!(
+            std::fs::read(&back).unwrap() == data,
+            "nbdcopy round trip differs ({args:?})"
+        );
         server.assert_healthy();
     }
 }
@@ -189,17 +261,24 @@ fn fio_verify(server: &Server, iodepth: u32) {
         "--output-format=json",
     ]));
     let text = String::from_utf8_lossy(&out.stdout);
-    let json: serde_json::Value = serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON");
+    let json: serde_json::Value =
+        serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON");
     let job = &json["jobs"][0];
     assert_eq!(job["error"], 0, "fio error: {job}");
     assert!(job["write"]["total_ios"].as_u64().unwrap() >= 8192, "{job}");
-    assert!(job["read"]["total_ios"].as_u64().unwrap() >= 8192, "verify reads ran: {job}");
+    assert!(
+        job["read"]["total_ios"].as_u64().unwrap() >= 8192,
+        "verify reads ran: {job}"
+    );
 }
 
 #[test]
 fn fio_randwrite_verify_on_both_backends() {
     let dir = tempdir("fio");
-    for backend in ["malloc".to_string(), format!("file={}", dir.join("f.img").display())] {
+    for backend in [
+        "malloc".to_string(),
+        format!("file={}", dir.join("f.img").display()),
+    ] {
         let mut server = Server::start(&["--volume", &format!("vol:32M:{backend}")]);
         fio_verify(&server, 1);
         fio_verify(&server, 32);
@@ -217,7 +296,10 @@ fn fio_verify_in_poll_mode() {
 #[test]
 fn trim_and_write_zeroes_read_back_as_zeros() {
     let dir = tempdir("zero");
-    for backend in ["malloc".to_string(), format!("file={}", dir.join("z.img").display())] {
+    for backend in [
+        "malloc".to_string(),
+        format!("file={}", dir.join("z.img").display()),
+    ] {
         let mut server = Server::start(&["--volume", &format!("vol:8M:{backend}")]);
         qemu_io(
             &server,
@@ -250,7 +332,15 @@ fn after_flush_the_file_holds_the_data() {
     let dir = tempdir("flush");
     let img = dir.join("f.img");
     let mut server = Server::start(&["--volume", &format!("vol:8M:file={},direct", img.display())]);
-    qemu_io(&server, "vol", &["write -P 0x77 4096 128k".into(), "write -P 0x78 100000 3".into(), "flush".into()]);
+    qemu_io(
+        &server,
+        "vol",
+        &[
+            "write -P 0x77 4096 128k".into(),
+            "write -P 0x78 100000 3".into(),
+            "flush".into(),
+        ],
+    );
     let file = std::fs::read(&img).unwrap();
     assert_eq!(file.len(), 8 << 20);
     assert!(file[4096..100_000].iter().all(|&b| b == 0x77));
@@ -266,7 +356,13 @@ fn sigterm_finishes_and_exits_zero() {
     let dir = tempdir("sigterm");
     let img = dir.join("s.img");
     let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--volume", &format!("vol:8M:file={}", img.display())])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--volume",
+            &format!("vol:8M:file={}", img.display()),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -282,7 +378,9 @@ fn sigterm_finishes_and_exits_zero() {
         line.clear();
     }
     let addr = addr.expect("server printed its address");
-    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x31 0 1M"]).arg(format!("nbd://{addr}/vol")));
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x31 0 1M"])
+        .arg(format!("nbd://{addr}/vol")));
     run(Command::new("kill").args(["-TERM", &child.id().to_string()]));
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
@@ -308,12 +406,24 @@ fn bad_flags_and_config_exit_with_code_2() {
         vec!["serve".into(), "--cores".into(), "999".into()],
         vec!["serve".into(), "--listen".into(), "nowhere".into()],
         vec!["serve".into(), "--config".into(), cfg.display().to_string()],
-        vec!["serve".into(), "--config".into(), dir.join("missing.toml").display().to_string()],
+        vec![
+            "serve".into(),
+            "--config".into(),
+            dir.join("missing.toml").display().to_string(),
+        ],
         vec!["serve".into(), "--bogus".into()],
     ];
     for args in cases {
-        let out = Command::new(env!("CARGO_BIN_EXE_lull")).args(&args).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(!out.stderr.is_empty(), "{args:?} printed no message");
     }
 }
@@ -333,6 +443,9 @@ fn config_file_serves_its_volumes() {
     );
     let mut server = Server::start(&["--config", cfg.to_str().unwrap()]);
     let out = run(Command::new("nbdinfo").args(["--size", &uri(&server, "c2")]));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), (8u64 << 20).to_string());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        (8u64 << 20).to_string()
+    );
     server.assert_healthy();
 }

@@ -34,7 +34,8 @@ fn free_port() -> SocketAddr {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("lull-repl-{}-{name}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("lull-repl-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create the scratch directory");
     dir
@@ -49,7 +50,11 @@ struct Replica {
 
 impl Replica {
     fn start(addr: SocketAddr, dir: &Path) -> Replica {
-        let mut r = Replica { child: None, addr, dir: dir.to_path_buf() };
+        let mut r = Replica {
+            child: None,
+            addr,
+            dir: dir.to_path_buf(),
+        };
         r.restart();
         r
     }
@@ -61,7 +66,13 @@ impl Replica {
             .open(self.dir.join("replica.log"))
             .expect("replica log");
         let child = Command::new(env!("CARGO_BIN_EXE_lull"))
-            .args(["replica", "--listen", &self.addr.to_string(), "--size", VOLUME])
+            .args([
+                "replica",
+                "--listen",
+                &self.addr.to_string(),
+                "--size",
+                VOLUME,
+            ])
             .arg("--dir")
             .arg(self.dir.join("data"))
             .env("RUST_LOG", "info")
@@ -73,7 +84,12 @@ impl Replica {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)).is_err() {
-            assert!(Instant::now() < deadline, "replica on {} did not start; log:\n{}", self.addr, self.log());
+            assert!(
+                Instant::now() < deadline,
+                "replica on {} did not start; log:\n{}",
+                self.addr,
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -115,8 +131,15 @@ fn spec(name: &str, replicas: &[SocketAddr]) -> String {
 }
 
 fn require(tool: &str, package: &str) {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
-    assert!(found, "{tool} is not installed: install the `{package}` package");
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "{tool} is not installed: install the `{package}` package"
+    );
 }
 
 /// Retry a read until the volume answers (it may still be electing).
@@ -128,7 +151,11 @@ fn read_when_ready(server: &Server, export: &str, offset: u64, len: u32) -> Vec<
                 return data;
             }
         }
-        assert!(Instant::now() < deadline, "volume {export} never became readable; log:\n{}", server.stderr());
+        assert!(
+            Instant::now() < deadline,
+            "volume {export} never became readable; log:\n{}",
+            server.stderr()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -146,10 +173,16 @@ fn files_equal(a: &Path, b: &Path, len: u64) -> Result<(), String> {
     let mut off = 0u64;
     while off < len {
         let n = ((len - off) as usize).min(ba.len());
-        fa.read_exact(&mut ba[..n]).map_err(|e| format!("read {}: {e}", a.display()))?;
-        fb.read_exact(&mut bb[..n]).map_err(|e| format!("read {}: {e}", b.display()))?;
+        fa.read_exact(&mut ba[..n])
+            .map_err(|e| format!("read {}: {e}", a.display()))?;
+        fb.read_exact(&mut bb[..n])
+            .map_err(|e| format!("read {}: {e}", b.display()))?;
         if ba[..n] != bb[..n] {
-            let i = ba[..n].iter().zip(&bb[..n]).position(|(x, y)| x != y).unwrap_or(0);
+            let i = ba[..n]
+                .iter()
+                .zip(&bb[..n])
+                .position(|(x, y)| x != y)
+                .unwrap_or(0);
             return Err(format!("replicas differ at byte {}", off + i as u64));
         }
         off += n as u64;
@@ -188,7 +221,10 @@ fn fio_survives_a_killed_replica_and_rebuild_converges() {
         .expect("spawn fio");
     let mut fio = fio;
     std::thread::sleep(Duration::from_secs(1));
-    assert!(fio.try_wait().expect("fio status").is_none(), "fio finished before the replica was killed");
+    assert!(
+        fio.try_wait().expect("fio status").is_none(),
+        "fio finished before the replica was killed"
+    );
     rb.kill();
     let out = fio.wait_with_output().expect("fio output");
     assert!(
@@ -198,7 +234,11 @@ fn fio_survives_a_killed_replica_and_rebuild_converges() {
         String::from_utf8_lossy(&out.stderr),
         server.stderr()
     );
-    assert!(server.wait_for_log("failed", Duration::from_secs(20)), "the kill was not noticed:\n{}", server.stderr());
+    assert!(
+        server.wait_for_log("failed", Duration::from_secs(20)),
+        "the kill was not noticed:\n{}",
+        server.stderr()
+    );
 
     rb.restart();
     assert!(
@@ -244,15 +284,25 @@ fn all_replicas_down_is_eio_then_flushed_data_is_back() {
             Ok(Ok(got)) => assert_eq!(got, data, "a read with replicas dying returned wrong data"),
             Err(e) => panic!("connection broke instead of an EIO reply: {e}"),
         }
-        assert!(Instant::now() < deadline, "reads kept succeeding with every replica dead");
+        assert!(
+            Instant::now() < deadline,
+            "reads kept succeeding with every replica dead"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert!(server.wait_for_log("no healthy replica", Duration::from_secs(10)), "{}", server.stderr());
+    assert!(
+        server.wait_for_log("no healthy replica", Duration::from_secs(10)),
+        "{}",
+        server.stderr()
+    );
 
     ra.restart();
     rb.restart();
     let got = read_when_ready(&server, "vol0", 1 << 20, data.len() as u32);
-    assert_eq!(got, data, "the volume lost flushed data after both replicas restarted");
+    assert_eq!(
+        got, data,
+        "the volume lost flushed data after both replicas restarted"
+    );
 }
 
 /// The server restarts while the only replica with the newest writes is
@@ -276,7 +326,11 @@ fn restart_waits_for_the_replica_with_the_newest_writes() {
         // Acknowledged on replica A alone, at a generation B never saw.
         assert_eq!(c.write(1 << 20, &new).expect("write"), 0);
         assert_eq!(flush(&mut c), 0);
-        assert!(server.wait_for_log("failed", Duration::from_secs(20)), "{}", server.stderr());
+        assert!(
+            server.wait_for_log("failed", Duration::from_secs(20)),
+            "{}",
+            server.stderr()
+        );
     }
     ra.kill();
     rb.restart();
@@ -285,8 +339,14 @@ fn restart_waits_for_the_replica_with_the_newest_writes() {
     let until = Instant::now() + Duration::from_secs(6);
     let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
     while Instant::now() < until {
-        match c.read(1 << 20, new.len() as u32).expect("a reply, not a broken connection") {
-            Ok(got) => panic!("the volume served data without its freshest replica (stale: {})", got == old),
+        match c
+            .read(1 << 20, new.len() as u32)
+            .expect("a reply, not a broken connection")
+        {
+            Ok(got) => panic!(
+                "the volume served data without its freshest replica (stale: {})",
+                got == old
+            ),
             Err(errno) => assert_ne!(errno, 0),
         }
         std::thread::sleep(Duration::from_millis(250));
@@ -294,7 +354,15 @@ fn restart_waits_for_the_replica_with_the_newest_writes() {
     server.assert_logged("waiting for replica(s) 127.0.0.1");
     ra.restart();
     let got = read_when_ready(&server, "vol0", 1 << 20, new.len() as u32);
-    assert!(got == new, "after the fresh replica returned, the volume read back {}", if got == old { "the stale data" } else { "wrong data" });
+    assert!(
+        got == new,
+        "after the fresh replica returned, the volume read back {}",
+        if got == old {
+            "the stale data"
+        } else {
+            "wrong data"
+        }
+    );
 }
 
 /// After I/O, a replicated volume's server sleeps in the event-driven modes:
@@ -314,13 +382,25 @@ fn replicated_volume_sleeps_when_idle() {
         for round in 0..200u64 {
             let data = common::pattern(round, 4096);
             let mut cookies: Vec<u64> = (0..8u64)
-                .map(|k| c.send(NbdCommand::Write, 0, ((round * 8 + k) % 4096) * 4096, 4096, &data).expect("send"))
+                .map(|k| {
+                    c.send(
+                        NbdCommand::Write,
+                        0,
+                        ((round * 8 + k) % 4096) * 4096,
+                        4096,
+                        &data,
+                    )
+                    .expect("send")
+                })
                 .collect();
             // Replies come in completion order.
             for _ in 0..8 {
                 let (error, cookie) = c.reply().expect("reply");
                 assert_eq!(error, 0);
-                let i = cookies.iter().position(|&k| k == cookie).expect("a reply to a request in flight");
+                let i = cookies
+                    .iter()
+                    .position(|&k| k == cookie)
+                    .expect("a reply to a request in flight");
                 cookies.swap_remove(i);
             }
         }
@@ -330,7 +410,11 @@ fn replicated_volume_sleeps_when_idle() {
         let used = common::process_cpu_ticks(server.pid()) - before;
         // Keep-alives and the engine tick cost a few ms; a spinning reactor
         // would cost ~3000 ms. 150 ms is 5 % of a core.
-        assert!(used < 15, "{mode}: an idle replicated volume cost {} ms of CPU in 3 s", used * 10);
+        assert!(
+            used < 15,
+            "{mode}: an idle replicated volume cost {} ms of CPU in 3 s",
+            used * 10
+        );
         c.disconnect();
         server.assert_healthy();
     }
@@ -359,7 +443,8 @@ fn fake_replica(reply: Vec<u8>) -> SocketAddr {
 #[test]
 fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     // Garbage instead of a HELLO reply.
-    let garbage = fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
+    let garbage =
+        fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
     // A well-formed HELLO reply header, but protocol version 1 (a replica
     // from before sessions and write intent).
     let mut v2 = Vec::new();
@@ -375,9 +460,21 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     let good = free_port();
     let _rg = Replica::start(good, &scratch("bad-good"));
 
-    let server = serve(&[spec("bad", &[garbage]), spec("old", &[wrong_version]), spec("ok", &[good])]);
-    assert!(server.wait_for_log("undecodable frame", Duration::from_secs(15)), "{}", server.stderr());
-    assert!(server.wait_for_log("protocol version 1", Duration::from_secs(15)), "{}", server.stderr());
+    let server = serve(&[
+        spec("bad", &[garbage]),
+        spec("old", &[wrong_version]),
+        spec("ok", &[good]),
+    ]);
+    assert!(
+        server.wait_for_log("undecodable frame", Duration::from_secs(15)),
+        "{}",
+        server.stderr()
+    );
+    assert!(
+        server.wait_for_log("protocol version 1", Duration::from_secs(15)),
+        "{}",
+        server.stderr()
+    );
 
     // The volume with a good replica is unaffected.
     let _ = read_when_ready(&server, "ok", 0, 4096);
@@ -387,7 +484,10 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     assert_eq!(c.read(4096, 8192).expect("read"), Ok(data));
     // The broken volumes answer with errors, not hangs.
     let mut bad = NbdClient::connect(server.addr(), "bad").expect("connect bad");
-    assert!(matches!(bad.read(0, 4096), Ok(Err(_))), "a volume without a healthy replica must fail I/O");
+    assert!(
+        matches!(bad.read(0, 4096), Ok(Err(_))),
+        "a volume without a healthy replica must fail I/O"
+    );
     let mut server = server;
     server.assert_healthy();
 }
@@ -401,7 +501,12 @@ fn hybrid_mode_serves_a_replicated_volume() {
     let a = free_port();
     let _ra = Replica::start(a, &scratch("hybrid-a"));
     for period in ["10", "1000"] {
-        let mut args: Vec<String> = vec!["--mode".into(), "hybrid".into(), "--nvme-ioq-poll-period-us".into(), period.into()];
+        let mut args: Vec<String> = vec![
+            "--mode".into(),
+            "hybrid".into(),
+            "--nvme-ioq-poll-period-us".into(),
+            period.into(),
+        ];
         args.push("--volume".into());
         args.push(spec("vol0", &[a]));
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -411,7 +516,11 @@ fn hybrid_mode_serves_a_replicated_volume() {
         for i in 0..32u64 {
             let data = common::pattern(i + period.len() as u64 * 100, 8192);
             assert_eq!(c.write(i * 65536, &data).expect("write"), 0);
-            assert_eq!(c.read(i * 65536, 8192).expect("read"), Ok(data), "period {period} µs");
+            assert_eq!(
+                c.read(i * 65536, 8192).expect("read"),
+                Ok(data),
+                "period {period} µs"
+            );
         }
         assert_eq!(flush(&mut c), 0);
         c.disconnect();
@@ -428,7 +537,10 @@ fn hybrid_mode_serves_a_replicated_volume() {
 // ---- engine crashes (issue 17) ---------------------------------------------
 
 fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().is_ok_and(|s| s.success());
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
     assert!(ok, "kill {sig} {pid} failed");
 }
 
@@ -448,18 +560,31 @@ fn file_bytes(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::File::open(path).expect("open a replica data file");
     let mut buf = vec![0u8; len];
-    f.read_exact_at(&mut buf, offset).expect("read a replica data file");
+    f.read_exact_at(&mut buf, offset)
+        .expect("read a replica data file");
     buf
 }
 
 /// The whole volume through a real client (qemu-img), as a file.
 fn export_image(server: &Server, export: &str, out: &Path) -> Vec<u8> {
     let st = Command::new("qemu-img")
-        .args(["convert", "-f", "raw", "-O", "raw", &format!("nbd://{}/{export}", server.addr())])
+        .args([
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &format!("nbd://{}/{export}", server.addr()),
+        ])
         .arg(out)
         .output()
         .expect("run qemu-img");
-    assert!(st.status.success(), "qemu-img convert failed: {}\nserver log:\n{}", String::from_utf8_lossy(&st.stderr), server.stderr());
+    assert!(
+        st.status.success(),
+        "qemu-img convert failed: {}\nserver log:\n{}",
+        String::from_utf8_lossy(&st.stderr),
+        server.stderr()
+    );
     std::fs::read(out).expect("read the exported image")
 }
 
@@ -467,7 +592,12 @@ fn export_image(server: &Server, export: &str, out: &Path) -> Vec<u8> {
 /// data files can be compared.
 fn quiesce(server: &Server) {
     let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(flush(&mut c), 0, "flush failed; server log:\n{}", server.stderr());
+    assert_eq!(
+        flush(&mut c),
+        0,
+        "flush failed; server log:\n{}",
+        server.stderr()
+    );
     c.disconnect();
 }
 
@@ -508,10 +638,15 @@ fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate() {
 
     // B stops: the next write lands on A and is never acknowledged.
     signal(rb.pid(), "-STOP");
-    c.send(NbdCommand::Write, 0, at, new.len() as u32, &new).expect("send the write");
+    c.send(NbdCommand::Write, 0, at, new.len() as u32, &new)
+        .expect("send the write");
     let deadline = Instant::now() + Duration::from_secs(10);
     while file_bytes(&ra.data_file(), at, new.len()) != new {
-        assert!(Instant::now() < deadline, "the write never reached replica A; log:\n{}", server.stderr());
+        assert!(
+            Instant::now() < deadline,
+            "the write never reached replica A; log:\n{}",
+            server.stderr()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     server.kill();
@@ -526,16 +661,35 @@ fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate() {
     // Until the reconcile completes reads come from the source alone; after
     // it, from either replica. Either way the same bytes, every time.
     let first = read_when_ready(&server, "vol0", at, new.len() as u32);
-    assert!(first == old || first == new, "read back neither the old nor the new data");
+    assert!(
+        first == old || first == new,
+        "read back neither the old nor the new data"
+    );
     let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
     for i in 0..8 {
-        let got = c.read(at, new.len() as u32).expect("read").expect("read status");
-        assert!(got == first, "read {i} returned other data than the first read (reads alternate)");
+        let got = c
+            .read(at, new.len() as u32)
+            .expect("read")
+            .expect("read status");
+        assert!(
+            got == first,
+            "read {i} returned other data than the first read (reads alternate)"
+        );
     }
-    assert!(server.wait_for_log("reconcile complete", REBUILD_TIMEOUT), "reconcile did not finish:\n{}", server.stderr());
+    assert!(
+        server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
+        "reconcile did not finish:\n{}",
+        server.stderr()
+    );
     for i in 0..8 {
-        let got = c.read(at, new.len() as u32).expect("read").expect("read status");
-        assert!(got == first, "read {i} after the reconcile returned other data (reads alternate)");
+        let got = c
+            .read(at, new.len() as u32)
+            .expect("read")
+            .expect("read status");
+        assert!(
+            got == first,
+            "read {i} after the reconcile returned other data (reads alternate)"
+        );
     }
     c.disconnect();
     let image = assert_converged(&server, &ra, &rb, "crash-img");
@@ -580,22 +734,41 @@ fn fio_verify_across_repeated_engine_kills() {
             .spawn()
             .expect("spawn fio");
         std::thread::sleep(Duration::from_secs(2));
-        assert!(fio.try_wait().expect("fio status").is_none(), "round {round}: fio ended before the kill; log:\n{}", server.stderr());
+        assert!(
+            fio.try_wait().expect("fio status").is_none(),
+            "round {round}: fio ended before the kill; log:\n{}",
+            server.stderr()
+        );
         server.kill();
         let out = fio.wait_with_output().expect("fio output");
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         // fio fails because its server vanished; it must not have seen
         // bad data before that.
         for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
-            assert!(!text.contains(bad), "round {round}: fio saw bad data:\n{text}");
+            assert!(
+                !text.contains(bad),
+                "round {round}: fio saw bad data:\n{text}"
+            );
         }
     }
     let server = serve(&[spec("vol0", &[a, b])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
-    assert!(server.wait_for_log("unclean stop", READY_TIMEOUT), "{}", server.stderr());
+    assert!(
+        server.wait_for_log("unclean stop", READY_TIMEOUT),
+        "{}",
+        server.stderr()
+    );
     // A kill during the previous round's reconcile leaves its target a
     // generation behind: then it is rebuilt in full instead.
-    assert!(server.wait_for_log("complete: replica", REBUILD_TIMEOUT), "recovery did not finish:\n{}", server.stderr());
+    assert!(
+        server.wait_for_log("complete: replica", REBUILD_TIMEOUT),
+        "recovery did not finish:\n{}",
+        server.stderr()
+    );
     assert_converged(&server, &ra, &rb, "fiokill-img");
 }
 
@@ -611,25 +784,45 @@ fn a_corrupt_write_intent_record_means_a_full_repair() {
     let mut server = serve(&[spec("vol0", &[a, b])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
     let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(c.write(1 << 20, &common::pattern(41, 64 << 10)).expect("write"), 0);
+    assert_eq!(
+        c.write(1 << 20, &common::pattern(41, 64 << 10))
+            .expect("write"),
+        0
+    );
     assert_eq!(flush(&mut c), 0);
     server.kill();
 
     rb.kill();
     {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(rb.intent_file()).expect("open intent.bin");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(rb.intent_file())
+            .expect("open intent.bin");
         // Both record slots (4 KiB each) get a bad checksum.
         f.write_all_at(&[0xA5; 16], 8).expect("corrupt slot A");
-        f.write_all_at(&[0xA5; 16], 4096 + 8).expect("corrupt slot B");
-        let d = std::fs::OpenOptions::new().write(true).open(rb.data_file()).expect("open data.img");
-        d.write_all_at(&[0x5A; 4096], 40 << 20).expect("diverge B by hand");
+        f.write_all_at(&[0xA5; 16], 4096 + 8)
+            .expect("corrupt slot B");
+        let d = std::fs::OpenOptions::new()
+            .write(true)
+            .open(rb.data_file())
+            .expect("open data.img");
+        d.write_all_at(&[0x5A; 4096], 40 << 20)
+            .expect("diverge B by hand");
     }
     rb.restart();
 
     let server = serve(&[spec("vol0", &[a, b])]);
-    assert!(server.wait_for_log("write-intent record lost", READY_TIMEOUT), "not reported:\n{}", server.stderr());
-    assert!(server.wait_for_log("reconcile complete", REBUILD_TIMEOUT), "repair did not finish:\n{}", server.stderr());
+    assert!(
+        server.wait_for_log("write-intent record lost", READY_TIMEOUT),
+        "not reported:\n{}",
+        server.stderr()
+    );
+    assert!(
+        server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
+        "repair did not finish:\n{}",
+        server.stderr()
+    );
     quiesce(&server);
     if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
         panic!("{e}; server log:\n{}", server.stderr());
@@ -649,13 +842,29 @@ fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
     let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
     assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
     c.disconnect();
-    let status = server.terminate(Duration::from_secs(30)).expect("lull serve did not stop after SIGTERM");
-    assert!(status.success(), "lull serve exited with {status}:\n{}", server.stderr());
+    let status = server
+        .terminate(Duration::from_secs(30))
+        .expect("lull serve did not stop after SIGTERM");
+    assert!(
+        status.success(),
+        "lull serve exited with {status}:\n{}",
+        server.stderr()
+    );
     server.assert_logged("detached cleanly");
 
     let server = serve(&[spec("vol0", &[a, b])]);
-    assert_eq!(read_when_ready(&server, "vol0", 1 << 20, data.len() as u32), data);
-    assert!(server.wait_for_log("clean true", READY_TIMEOUT), "{}", server.stderr());
+    assert_eq!(
+        read_when_ready(&server, "vol0", 1 << 20, data.len() as u32),
+        data
+    );
+    assert!(
+        server.wait_for_log("clean true", READY_TIMEOUT),
+        "{}",
+        server.stderr()
+    );
     let log = server.stderr();
-    assert!(!log.contains("unclean stop") && !log.contains("rebuild of replica"), "a clean restart reconciled or rebuilt:\n{log}");
+    assert!(
+        !log.contains("unclean stop") && !log.contains("rebuild of replica"),
+        "a clean restart reconciled or rebuilt:\n{log}"
+    );
 }

@@ -7,21 +7,21 @@
 //! full slot table or reply queue stops reading (back-pressure) until
 //! completions or the socket free room.
 
-
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
-use lull_proto::nbd::{
-    self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN, SIMPLE_REPLY_LEN,
-};
 use lull_net::server::Connection;
 use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
+use lull_proto::nbd::{
+    self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
+    SIMPLE_REPLY_LEN,
+};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
 
-use crate::stream::Stream;
 use crate::stats::OpKind;
+use crate::stream::Stream;
 use crate::{ServerShared, Volume};
 
 /// Requests in flight per connection. Bounds the slot table, the buffers a
@@ -64,14 +64,28 @@ enum Recv {
     /// Waiting for a request header.
     Header,
     /// Receiving the payload of the write in `slot` into `buf`.
-    Payload { slot: u32, req: Request, buf: IoBuf, filled: usize },
+    Payload {
+        slot: u32,
+        req: Request,
+        buf: IoBuf,
+        filled: usize,
+    },
     /// Discarding the payload of a refused write before its error reply.
-    Drain { remaining: u64, cookie: u64, error: u32 },
+    Drain {
+        remaining: u64,
+        cookie: u64,
+        error: u32,
+    },
 }
 
 enum Phase {
     Handshake(ServerHandshake),
-    Transmission { volume: Arc<Volume>, channel: Box<dyn Channel>, size: u64, tflags: u16 },
+    Transmission {
+        volume: Arc<Volume>,
+        channel: Box<dyn Channel>,
+        size: u64,
+        tflags: u16,
+    },
 }
 
 pub(crate) struct Conn {
@@ -244,7 +258,11 @@ impl Conn {
                 }
             }
         }
-        let want = if !self.out.is_empty() && !self.broken { Interest::BOTH } else { Interest::READABLE };
+        let want = if !self.out.is_empty() && !self.broken {
+            Interest::BOTH
+        } else {
+            Interest::READABLE
+        };
         if want != self.interest && t.set_interest(me, self.fd, want).is_ok() {
             self.interest = want;
         }
@@ -252,7 +270,9 @@ impl Conn {
 
     /// Move device completions into the reply queue.
     fn reap(&mut self) -> bool {
-        let Phase::Transmission { channel, .. } = &mut self.phase else { return false };
+        let Phase::Transmission { channel, .. } = &mut self.phase else {
+            return false;
+        };
         let mut done = std::mem::take(&mut self.completions);
         let n = channel.reap(&mut |c| done.push(c));
         for c in done.drain(..) {
@@ -280,7 +300,9 @@ impl Conn {
             };
             if let Some(op) = op {
                 let latency = self.clock_ns().saturating_sub(inflight.start_ns);
-                volume.stats.record(op, u64::from(inflight.length), latency, c.result.is_ok());
+                volume
+                    .stats
+                    .record(op, u64::from(inflight.length), latency, c.result.is_ok());
             }
         }
         let (error, data) = match c.result {
@@ -311,7 +333,8 @@ impl Conn {
         }
         let mut header = [0u8; SIMPLE_REPLY_LEN];
         nbd::encode_simple_reply(&mut header, error, cookie);
-        self.out.push(&header, data.map_or(Payload::None, Payload::Buf));
+        self.out
+            .push(&header, data.map_or(Payload::None, Payload::Buf));
     }
 
     /// Write queued output; returns whether any byte went out.
@@ -396,7 +419,9 @@ impl Conn {
     }
 
     fn handshake_step(&mut self) -> bool {
-        let Phase::Handshake(hs) = &mut self.phase else { return false };
+        let Phase::Handshake(hs) = &mut self.phase else {
+            return false;
+        };
         if self.inb.buffered() == 0 {
             return false;
         }
@@ -418,7 +443,9 @@ impl Conn {
                 self.inb.consume(used);
                 self.handshake_done.store(true, Ordering::Relaxed);
                 let Some(volume) = self.server.volumes.get(&export_name) else {
-                    self.close(format!("export {export_name:?} vanished during the handshake"));
+                    self.close(format!(
+                        "export {export_name:?} vanished during the handshake"
+                    ));
                     return true;
                 };
                 match volume.dev.open_channel() {
@@ -455,14 +482,23 @@ impl Conn {
     fn transmission_step(&mut self) -> bool {
         match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Header => self.take_request(),
-            Recv::Payload { slot, req, mut buf, mut filled } => {
+            Recv::Payload {
+                slot,
+                req,
+                mut buf,
+                mut filled,
+            } => {
                 let len = req.length as usize;
                 let copied = self.inb.take_into(&mut buf.as_mut_slice()[filled..len]);
                 filled += copied;
                 let mut progress = copied > 0;
                 // Large payloads go straight from the socket to the buffer.
                 if filled < len && self.inb.buffered() == 0 {
-                    match read_into(&mut self.stream, &mut buf.as_mut_slice()[..len], &mut filled) {
+                    match read_into(
+                        &mut self.stream,
+                        &mut buf.as_mut_slice()[..len],
+                        &mut filled,
+                    ) {
                         Ok(Fill::Read(_)) => progress = true,
                         Ok(Fill::Nothing) => {}
                         Ok(Fill::Eof) => {
@@ -486,18 +522,31 @@ impl Conn {
                     self.submit(slot, &req, IoOp::Write { fua }, Some(buf));
                     true
                 } else {
-                    self.recv = Recv::Payload { slot, req, buf, filled };
+                    self.recv = Recv::Payload {
+                        slot,
+                        req,
+                        buf,
+                        filled,
+                    };
                     progress
                 }
             }
-            Recv::Drain { remaining, cookie, error } => {
+            Recv::Drain {
+                remaining,
+                cookie,
+                error,
+            } => {
                 let n = (self.buffered() as u64).min(remaining);
                 self.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_reply(cookie, error, None);
                 } else {
-                    self.recv = Recv::Drain { remaining, cookie, error };
+                    self.recv = Recv::Drain {
+                        remaining,
+                        cookie,
+                        error,
+                    };
                 }
                 n > 0
             }
@@ -508,10 +557,14 @@ impl Conn {
         if self.buffered() < REQUEST_LEN || !self.can_take_request() {
             return false;
         }
-        let Phase::Transmission { size, tflags, .. } = &self.phase else { return false };
+        let Phase::Transmission { size, tflags, .. } = &self.phase else {
+            return false;
+        };
         let (size, tflags) = (*size, *tflags);
         let mut header = [0u8; REQUEST_LEN];
-        let Some(raw) = self.inb.take(REQUEST_LEN) else { return false };
+        let Some(raw) = self.inb.take(REQUEST_LEN) else {
+            return false;
+        };
         header.copy_from_slice(raw);
         let req = match nbd::decode_request(&header) {
             Ok(r) => r,
@@ -526,10 +579,17 @@ impl Conn {
                 tracing::warn!(peer = %self.peer, ?req, why, "request cannot be answered; disconnecting");
                 self.close(why);
             }
-            Verdict::Error { nbd_error, drain_bytes } => {
+            Verdict::Error {
+                nbd_error,
+                drain_bytes,
+            } => {
                 tracing::warn!(peer = %self.peer, ?req, nbd_error, "refused request");
                 if drain_bytes > 0 {
-                    self.recv = Recv::Drain { remaining: u64::from(drain_bytes), cookie: req.cookie, error: nbd_error };
+                    self.recv = Recv::Drain {
+                        remaining: u64::from(drain_bytes),
+                        cookie: req.cookie,
+                        error: nbd_error,
+                    };
                 } else {
                     self.push_reply(req.cookie, nbd_error, None);
                 }
@@ -550,9 +610,10 @@ impl Conn {
             Command::Write => IoOp::Write { fua },
             Command::Flush => IoOp::Flush,
             Command::Trim => IoOp::Trim,
-            Command::WriteZeroes => {
-                IoOp::WriteZeroes { no_hole: req.flags & nbd::NBD_CMD_FLAG_NO_HOLE != 0, fua }
-            }
+            Command::WriteZeroes => IoOp::WriteZeroes {
+                no_hole: req.flags & nbd::NBD_CMD_FLAG_NO_HOLE != 0,
+                fua,
+            },
             Command::Unknown(_) => {
                 // validate() refuses unknown commands; answer anyway.
                 self.push_reply(req.cookie, nbd::NBD_EINVAL, None);
@@ -563,8 +624,12 @@ impl Conn {
             debug_assert!(false, "take_request checked for a free slot");
             return;
         };
-        self.slots[slot as usize] =
-            Some(InFlight { cookie: req.cookie, command: req.command, length: req.length, start_ns: self.clock_ns() });
+        self.slots[slot as usize] = Some(InFlight {
+            cookie: req.cookie,
+            command: req.command,
+            length: req.length,
+            start_ns: self.clock_ns(),
+        });
         match op {
             IoOp::Read => {
                 let buf = self.pool.get(req.length as usize);
@@ -572,7 +637,12 @@ impl Conn {
             }
             IoOp::Write { .. } => {
                 let buf = self.pool.get(req.length as usize);
-                self.recv = Recv::Payload { slot, req, buf, filled: 0 };
+                self.recv = Recv::Payload {
+                    slot,
+                    req,
+                    buf,
+                    filled: 0,
+                };
             }
             _ => self.submit(slot, &req, op, None),
         }
@@ -585,17 +655,29 @@ impl Conn {
     }
 
     fn submit(&mut self, slot: u32, req: &Request, op: IoOp, buf: Option<IoBuf>) {
-        let io = IoRequest { tag: u64::from(slot), op, offset: req.offset, len: req.length, buf };
+        let io = IoRequest {
+            tag: u64::from(slot),
+            op,
+            offset: req.offset,
+            len: req.length,
+            buf,
+        };
         self.submit_io(io);
     }
 
     fn submit_io(&mut self, io: IoRequest) {
-        let Phase::Transmission { channel, .. } = &mut self.phase else { return };
+        let Phase::Transmission { channel, .. } = &mut self.phase else {
+            return;
+        };
         match channel.submit(io) {
             Ok(()) => channel.flush_submissions(),
             Err((io, lull_bdev::BdevError::Full { .. })) => self.retry = Some(io),
             Err((io, e)) => {
-                self.complete(IoCompletion { tag: io.tag, result: Err(e), buf: io.buf });
+                self.complete(IoCompletion {
+                    tag: io.tag,
+                    result: Err(e),
+                    buf: io.buf,
+                });
             }
         }
     }
@@ -617,4 +699,3 @@ impl Conn {
         }
     }
 }
-

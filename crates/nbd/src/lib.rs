@@ -82,13 +82,23 @@ pub struct Volume {
 
 impl Volume {
     pub fn new(name: &str, dev: Arc<dyn BlockDevice>) -> Volume {
-        Volume { name: name.to_string(), dev, stats: VolumeStats::default() }
+        Volume {
+            name: name.to_string(),
+            dev,
+            stats: VolumeStats::default(),
+        }
     }
 }
 
 impl std::fmt::Debug for Volume {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Volume({}, {} bytes, {})", self.name, self.dev.size_bytes(), self.dev.describe())
+        write!(
+            f,
+            "Volume({}, {} bytes, {})",
+            self.name,
+            self.dev.size_bytes(),
+            self.dev.describe()
+        )
     }
 }
 
@@ -100,7 +110,10 @@ pub struct Volumes {
 
 impl Volumes {
     pub fn add(&self, volume: Volume) -> Result<Arc<Volume>, NbdError> {
-        if volume.name.is_empty() || volume.name.len() > nbd::MAX_EXPORT_NAME_LEN || volume.name.contains('\0') {
+        if volume.name.is_empty()
+            || volume.name.len() > nbd::MAX_EXPORT_NAME_LEN
+            || volume.name.contains('\0')
+        {
             return Err(NbdError::BadVolumeName(volume.name));
         }
         let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
@@ -116,7 +129,10 @@ impl Volumes {
     /// until they disconnect.
     pub fn remove(&self, name: &str) -> Result<Arc<Volume>, NbdError> {
         let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
-        let pos = list.iter().position(|v| v.name == name).ok_or_else(|| NbdError::NoSuchVolume(name.into()))?;
+        let pos = list
+            .iter()
+            .position(|v| v.name == name)
+            .ok_or_else(|| NbdError::NoSuchVolume(name.into()))?;
         Ok(list.remove(pos))
     }
 
@@ -146,7 +162,11 @@ impl Exports for ExportList {
     }
 
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
-        let v = if name.is_empty() { self.0.first() } else { self.0.iter().find(|v| v.name == name) }?;
+        let v = if name.is_empty() {
+            self.0.first()
+        } else {
+            self.0.iter().find(|v| v.name == name)
+        }?;
         Some(ExportInfo {
             size_bytes: v.dev.size_bytes(),
             transmission_flags: EXPORT_FLAGS,
@@ -204,7 +224,10 @@ impl server::Listener for Listener {
 
 impl Listener {
     fn bind(addr: &ListenAddr) -> Result<Listener, NbdError> {
-        let err = |source| NbdError::Listen { addr: addr.to_string(), source };
+        let err = |source| NbdError::Listen {
+            addr: addr.to_string(),
+            source,
+        };
         let l = match addr {
             ListenAddr::Tcp(a) => Listener::Tcp(TcpListener::bind(a).map_err(err)?),
             ListenAddr::Unix(p) => {
@@ -221,7 +244,10 @@ impl Listener {
 
     fn local(&self) -> ListenAddr {
         match self {
-            Listener::Tcp(s) => s.local_addr().map(ListenAddr::Tcp).unwrap_or(ListenAddr::Tcp(([0, 0, 0, 0], 0).into())),
+            Listener::Tcp(s) => s
+                .local_addr()
+                .map(ListenAddr::Tcp)
+                .unwrap_or(ListenAddr::Tcp(([0, 0, 0, 0], 0).into())),
             Listener::Unix(_, p) => ListenAddr::Unix(p.clone()),
         }
     }
@@ -267,15 +293,25 @@ impl std::fmt::Debug for NbdServer {
 impl NbdServer {
     /// Bind every address (errors are reported here, synchronously) and
     /// start accepting on the main reactor.
-    pub fn start(fw: &FrameworkHandle, volumes: Arc<Volumes>, listen: &[ListenAddr]) -> Result<NbdServer, NbdError> {
-        let listeners = listen.iter().map(Listener::bind).collect::<Result<Vec<_>, _>>()?;
+    pub fn start(
+        fw: &FrameworkHandle,
+        volumes: Arc<Volumes>,
+        listen: &[ListenAddr],
+    ) -> Result<NbdServer, NbdError> {
+        let listeners = listen
+            .iter()
+            .map(Listener::bind)
+            .collect::<Result<Vec<_>, _>>()?;
         let addrs = listeners.iter().map(Listener::local).collect();
         let conns = Arc::new(Connections::new(Limits {
             name: "nbd",
             max_connections: MAX_CONNECTIONS,
             greeting_timeout_us: HANDSHAKE_TIMEOUT_US,
         }));
-        let shared = Arc::new(ServerShared { volumes, conns: conns.clone() });
+        let shared = Arc::new(ServerShared {
+            volumes,
+            conns: conns.clone(),
+        });
         let s = shared.clone();
         let clock = fw.clock();
         let acceptor = Acceptor::start(fw, &conns, listeners, move |stream| {
@@ -283,7 +319,11 @@ impl NbdServer {
             conn.set_clock(clock.clone());
             conn
         })?;
-        Ok(NbdServer { shared, acceptor, addrs })
+        Ok(NbdServer {
+            shared,
+            acceptor,
+            addrs,
+        })
     }
 
     /// The bound addresses (with the real port for port 0).

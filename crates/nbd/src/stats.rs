@@ -83,7 +83,11 @@ impl VolumeStatsSnapshot {
         for (i, n) in self.buckets.iter().enumerate() {
             seen += n;
             if seen >= rank {
-                return if i < LATENCY_BUCKETS { bucket_le_ns(i) } else { self.latency_max_ns };
+                return if i < LATENCY_BUCKETS {
+                    bucket_le_ns(i)
+                } else {
+                    self.latency_max_ns
+                };
             }
         }
         self.latency_max_ns
@@ -170,10 +174,16 @@ mod tests {
         s.record(OpKind::Write, 8192, 5_000_000, false);
         s.record(OpKind::Flush, 0, 100_000, true);
         let snap = s.snapshot();
-        assert_eq!((snap.reads, snap.writes, snap.flushes, snap.errors), (1, 2, 1, 1));
+        assert_eq!(
+            (snap.reads, snap.writes, snap.flushes, snap.errors),
+            (1, 2, 1, 1)
+        );
         assert_eq!((snap.read_bytes, snap.write_bytes), (4096, 8192));
         assert_eq!(snap.ops(), 4);
-        assert_eq!(snap.latency_mean_ns(), (10_000 + 30_000 + 5_000_000 + 100_000) / 4);
+        assert_eq!(
+            snap.latency_mean_ns(),
+            (10_000 + 30_000 + 5_000_000 + 100_000) / 4
+        );
         assert_eq!(snap.latency_quantile_le_ns(0.25), 16_000);
         assert_eq!(snap.latency_quantile_le_ns(0.5), 32_000);
         assert_eq!(snap.latency_quantile_le_ns(1.0), bucket_le_ns(13));

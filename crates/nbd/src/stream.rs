@@ -25,7 +25,10 @@ impl Stream {
 
     pub(crate) fn peer(&self) -> String {
         match self {
-            Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".into()),
+            Stream::Tcp(s) => s
+                .peer_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| "tcp:?".into()),
             Stream::Unix(_) => "unix".into(),
         }
     }

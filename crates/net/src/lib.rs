@@ -78,22 +78,37 @@ pub struct OutQueue<P> {
 
 impl<P> Default for OutQueue<P> {
     fn default() -> Self {
-        OutQueue { frames: VecDeque::new(), bytes: 0 }
+        OutQueue {
+            frames: VecDeque::new(),
+            bytes: 0,
+        }
     }
 }
 
 impl<P: AsRef<[u8]>> OutQueue<P> {
     pub fn with_capacity(frames: usize) -> Self {
-        OutQueue { frames: VecDeque::with_capacity(frames), bytes: 0 }
+        OutQueue {
+            frames: VecDeque::with_capacity(frames),
+            bytes: 0,
+        }
     }
 
     /// Queue a frame. `header` is at most [`MAX_HEADER_LEN`] bytes (a
     /// protocol constant; a longer one is a bug in the caller).
     pub fn push(&mut self, header: &[u8], payload: P) {
-        assert!(header.len() <= MAX_HEADER_LEN, "frame header of {} bytes", header.len());
+        assert!(
+            header.len() <= MAX_HEADER_LEN,
+            "frame header of {} bytes",
+            header.len()
+        );
         let mut h = [0u8; MAX_HEADER_LEN];
         h[..header.len()].copy_from_slice(header);
-        let frame = Frame { header: h, header_len: header.len() as u8, payload, pos: 0 };
+        let frame = Frame {
+            header: h,
+            header_len: header.len() as u8,
+            payload,
+            pos: 0,
+        };
         self.bytes += frame.len();
         self.frames.push_back(frame);
     }
@@ -109,7 +124,11 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
 
     /// Write as much as `w` takes now. Returns the bytes written (0 when it
     /// would block); fully written frames hand their payload to `sent`.
-    pub fn write_to(&mut self, w: &mut impl Write, mut sent: impl FnMut(P)) -> Result<usize, WriteError> {
+    pub fn write_to(
+        &mut self,
+        w: &mut impl Write,
+        mut sent: impl FnMut(P),
+    ) -> Result<usize, WriteError> {
         let mut total = 0;
         while !self.frames.is_empty() {
             let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
@@ -140,7 +159,9 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
             total += written;
             self.bytes -= written;
             while written > 0 {
-                let Some(front) = self.frames.front_mut() else { break };
+                let Some(front) = self.frames.front_mut() else {
+                    break;
+                };
                 let take = (front.len() - front.pos).min(written);
                 front.pos += take;
                 written -= take;
@@ -191,7 +212,11 @@ impl AsRef<[u8]> for Payload {
 
 impl OutQueue<Payload> {
     /// [`OutQueue::write_to`], returning sent buffers to `pool`.
-    pub fn write_pooled(&mut self, w: &mut impl Write, pool: &mut BufPool) -> Result<usize, WriteError> {
+    pub fn write_pooled(
+        &mut self,
+        w: &mut impl Write,
+        pool: &mut BufPool,
+    ) -> Result<usize, WriteError> {
         self.write_to(w, |p| {
             if let Payload::Buf(b) = p {
                 pool.put(b);
@@ -229,7 +254,11 @@ pub struct InBuf {
 
 impl InBuf {
     pub fn with_capacity(bytes: usize) -> InBuf {
-        InBuf { buf: vec![0u8; bytes].into_boxed_slice(), start: 0, end: 0 }
+        InBuf {
+            buf: vec![0u8; bytes].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
     }
 
     /// Bytes buffered and not consumed.
@@ -311,7 +340,11 @@ pub fn read_into(r: &mut impl Read, dst: &mut [u8], filled: &mut usize) -> io::R
             Err(e) => return Err(e),
         }
     }
-    Ok(if got > 0 { Fill::Read(got) } else { Fill::Nothing })
+    Ok(if got > 0 {
+        Fill::Read(got)
+    } else {
+        Fill::Nothing
+    })
 }
 
 #[cfg(test)]
@@ -401,7 +434,10 @@ mod tests {
         }
         let mut q: OutQueue<Vec<u8>> = OutQueue::default();
         q.push(&[1], vec![2]);
-        assert!(matches!(q.write_to(&mut Zero, |_| {}), Err(WriteError::Closed)));
+        assert!(matches!(
+            q.write_to(&mut Zero, |_| {}),
+            Err(WriteError::Closed)
+        ));
         let mut back = 0;
         q.clear(|_| back += 1);
         assert_eq!((back, q.bytes(), q.is_empty()), (1, 0, true));
@@ -412,9 +448,15 @@ mod tests {
         let data = [7u8; 100];
         let mut dst = [0u8; 64];
         let mut filled = 10;
-        assert_eq!(read_into(&mut &data[..], &mut dst, &mut filled).unwrap(), Fill::Read(54));
+        assert_eq!(
+            read_into(&mut &data[..], &mut dst, &mut filled).unwrap(),
+            Fill::Read(54)
+        );
         assert_eq!(filled, 64);
         let mut filled = 0;
-        assert_eq!(read_into(&mut &[][..], &mut dst, &mut filled).unwrap(), Fill::Eof);
+        assert_eq!(
+            read_into(&mut &[][..], &mut dst, &mut filled).unwrap(),
+            Fill::Eof
+        );
     }
 }

@@ -24,7 +24,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use lull_reactor::{FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle};
+use lull_reactor::{
+    FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle,
+};
 
 /// Message queue of a connection's thread. A connection receives only its
 /// start, the stop/drain wake-up and the wake-ups of the helpers it waits
@@ -92,7 +94,8 @@ impl Listener for TcpListener {
     }
 
     fn peer(s: &TcpStream) -> String {
-        s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string())
+        s.peer_addr()
+            .map_or_else(|_| "tcp:?".into(), |a| a.to_string())
     }
 
     fn fd(&self) -> RawFd {
@@ -271,7 +274,10 @@ impl Acceptor {
                 }
             }
         })?;
-        Ok(Acceptor { conns: conns.clone(), thread })
+        Ok(Acceptor {
+            conns: conns.clone(),
+            thread,
+        })
     }
 
     pub fn connections(&self) -> &Arc<Connections> {
@@ -305,7 +311,12 @@ impl Acceptor {
             if left.is_zero() {
                 break;
             }
-            table = self.conns.changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()).0;
+            table = self
+                .conns
+                .changed
+                .wait_timeout(table, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         table.len()
     }
@@ -322,7 +333,12 @@ fn accept_some<L: Listener, C: Connection>(
     for _ in 0..ACCEPT_BATCH {
         let stream = match listener.accept() {
             Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => break,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                break
+            }
             Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                 if conns.shed(listener, t.now_ns(), &e) {
                     status = PollStatus::Busy;
@@ -353,10 +369,14 @@ fn accept_some<L: Listener, C: Connection>(
         match spawn_connection(t, make(stream), peer.clone(), conns) {
             Ok(()) => {}
             // Its epoll and eventfd did not fit: the stream closes here.
-            Err(ReactorError::Sys(e)) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+            Err(ReactorError::Sys(e))
+                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
+            {
                 conns.log_out_of_fds(t.now_ns(), &e);
             }
-            Err(e) => tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread"),
+            Err(e) => {
+                tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread")
+            }
         }
     }
     // More may be waiting beyond the batch.
@@ -368,7 +388,12 @@ fn accept_some<L: Listener, C: Connection>(
     status
 }
 
-fn spawn_connection<C: Connection>(t: &mut Thread, conn: C, peer: String, conns: &Arc<Connections>) -> Result<(), ReactorError> {
+fn spawn_connection<C: Connection>(
+    t: &mut Thread,
+    conn: C,
+    peer: String,
+    conns: &Arc<Connections>,
+) -> Result<(), ReactorError> {
     let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
     let n = conns.accepted.fetch_add(1, Ordering::Relaxed);
     let reactor = n % fw.reactor_count();
@@ -376,16 +401,33 @@ fn spawn_connection<C: Connection>(t: &mut Thread, conn: C, peer: String, conns:
     // Register in the table before the thread runs, so that a stop sees it.
     let mut table = conns.lock();
     let name = conns.limits.name;
-    let handle = fw.spawn_thread_with_mailbox(reactor, &format!("{name}-conn-{n}"), CONN_MAILBOX_CAPACITY, move |t| {
-        start_connection(t, conn, peer, c)
-    })?;
-    table.insert(handle.id(), Entry { thread: handle, poller: None });
+    let handle = fw.spawn_thread_with_mailbox(
+        reactor,
+        &format!("{name}-conn-{n}"),
+        CONN_MAILBOX_CAPACITY,
+        move |t| start_connection(t, conn, peer, c),
+    )?;
+    table.insert(
+        handle.id(),
+        Entry {
+            thread: handle,
+            poller: None,
+        },
+    );
     Ok(())
 }
 
-fn start_connection<C: Connection>(t: &mut Thread, mut conn: C, peer: String, conns: Arc<Connections>) {
+fn start_connection<C: Connection>(
+    t: &mut Thread,
+    mut conn: C,
+    peer: String,
+    conns: Arc<Connections>,
+) {
     let name = conns.limits.name;
-    let registration = Registration { conns: conns.clone(), thread_id: t.id() };
+    let registration = Registration {
+        conns: conns.clone(),
+        thread_id: t.id(),
+    };
     let fd = conn.fd();
     let interest = conn.interest();
     let greeted = conn.greeted();

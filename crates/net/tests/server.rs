@@ -88,11 +88,19 @@ struct Setup {
 }
 
 fn start(mode: Mode, max_connections: usize, greeting_timeout_us: u64) -> Setup {
-    let fw = Framework::start(FrameworkConfig { pin: false, ..FrameworkConfig::new(vec![0], mode) }).expect("framework");
+    let fw = Framework::start(FrameworkConfig {
+        pin: false,
+        ..FrameworkConfig::new(vec![0], mode)
+    })
+    .expect("framework");
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     l.set_nonblocking(true).expect("nonblocking");
     let addr = l.local_addr().expect("addr");
-    let conns = Arc::new(Connections::new(Limits { name: "echo", max_connections, greeting_timeout_us }));
+    let conns = Arc::new(Connections::new(Limits {
+        name: "echo",
+        max_connections,
+        greeting_timeout_us,
+    }));
     let c = conns.clone();
     let acceptor = Acceptor::start(fw.handle(), &conns, vec![l], move |stream| Echo {
         stream,
@@ -117,7 +125,10 @@ fn read_to_close(s: &mut TcpStream) -> String {
     match s.read_to_end(&mut out) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {}
-        Err(e) => panic!("the server did not close the connection: {e} (got {:?})", String::from_utf8_lossy(&out)),
+        Err(e) => panic!(
+            "the server did not close the connection: {e} (got {:?})",
+            String::from_utf8_lossy(&out)
+        ),
     }
     String::from_utf8_lossy(&out).into_owned()
 }
@@ -146,14 +157,20 @@ fn a_silent_connection_is_closed_at_the_greeting_deadline() {
         greet(&mut good);
         let t0 = Instant::now();
         assert_eq!(read_to_close(&mut silent), "timeout\n", "{mode}");
-        assert!(t0.elapsed() < Duration::from_secs(5), "{mode}: closed after {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{mode}: closed after {:?}",
+            t0.elapsed()
+        );
         // The greeted connection is not touched by its own (expired) deadline.
         std::thread::sleep(Duration::from_millis(300));
         good.write_all(b"still here\n").expect("write");
         let mut echo = [0u8; 11];
         good.read_exact(&mut echo).expect("echo");
         assert_eq!(&echo, b"still here\n");
-        wait_until("the silent connection leaves the table", || s.acceptor.connections().len() == 1);
+        wait_until("the silent connection leaves the table", || {
+            s.acceptor.connections().len() == 1
+        });
         s.fw.stop();
     }
 }
@@ -167,11 +184,17 @@ fn connections_past_the_limit_are_closed_and_room_is_reused() {
     greet(&mut b);
     let mut c = connect(s.addr);
     let _ = c.write_all(b"hello\n");
-    assert_eq!(read_to_close(&mut c), "", "the connection over the limit must be closed unanswered");
+    assert_eq!(
+        read_to_close(&mut c),
+        "",
+        "the connection over the limit must be closed unanswered"
+    );
     assert_eq!(s.acceptor.connections().len(), 2);
     // A client that leaves frees its place.
     drop(a);
-    wait_until("the closed connection leaves the table", || s.acceptor.connections().len() == 1);
+    wait_until("the closed connection leaves the table", || {
+        s.acceptor.connections().len() == 1
+    });
     let mut d = connect(s.addr);
     greet(&mut d);
     s.fw.stop();
@@ -186,7 +209,11 @@ fn stop_closes_every_connection_and_drain_waits_for_them() {
     }
     assert!(s.acceptor.stop(), "the first stop stops");
     assert!(!s.acceptor.stop(), "a second stop is a no-op");
-    assert_eq!(s.acceptor.drain(IO_TIMEOUT), 0, "connections left after the drain");
+    assert_eq!(
+        s.acceptor.drain(IO_TIMEOUT),
+        0,
+        "connections left after the drain"
+    );
     for c in &mut clients {
         assert_eq!(read_to_close(c), "bye\n");
     }
@@ -194,7 +221,8 @@ fn stop_closes_every_connection_and_drain_waits_for_them() {
     wait_until("the listener closes", || match TcpStream::connect(s.addr) {
         Err(_) => true,
         Ok(mut late) => {
-            late.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+            late.set_read_timeout(Some(Duration::from_millis(200)))
+                .expect("timeout");
             matches!(late.read(&mut [0u8; 1]), Ok(0) | Err(_))
         }
     });

@@ -408,17 +408,23 @@ fn check(h: &Header) -> Result<(), FrameError> {
         Kind::IntentMark | Kind::IntentClear => {
             let end = h.offset.checked_add(u64::from(h.length));
             if end.is_none_or(|e| e > u64::from(MAX_INTENT_REGIONS)) {
-                return Err(FrameError::BadPayload("intent regions past MAX_INTENT_REGIONS"));
+                return Err(FrameError::BadPayload(
+                    "intent regions past MAX_INTENT_REGIONS",
+                ));
             }
         }
         Kind::IntentGet => {
             if h.reply {
                 too_long(MAX_INTENT_GET_BYTES)?;
                 if h.status == 0 && (h.length as usize) < INTENT_HEADER_LEN {
-                    return Err(FrameError::BadPayload("INTENT_GET reply without its header"));
+                    return Err(FrameError::BadPayload(
+                        "INTENT_GET reply without its header",
+                    ));
                 }
                 if h.status != 0 && h.length != 0 {
-                    return Err(FrameError::BadPayload("INTENT_GET error reply carries a payload"));
+                    return Err(FrameError::BadPayload(
+                        "INTENT_GET error reply carries a payload",
+                    ));
                 }
             } else {
                 too_long(0)?;
@@ -590,7 +596,9 @@ pub fn decode_intent(b: &[u8]) -> Result<(u64, &[u8]), FrameError> {
         });
     }
     let Some((flags, bitmap)) = b.split_first_chunk::<INTENT_HEADER_LEN>() else {
-        return Err(FrameError::BadPayload("INTENT_GET payload shorter than its header"));
+        return Err(FrameError::BadPayload(
+            "INTENT_GET payload shorter than its header",
+        ));
     };
     Ok((u64::from_be_bytes(*flags), bitmap))
 }
@@ -848,10 +856,15 @@ mod tests {
         assert!(encode_header(&get, &mut out).is_err());
         let mut payload = Vec::new();
         encode_intent(INTENT_FLAG_LOST, &[0xff, 0x01], &mut payload).unwrap();
-        assert_eq!(decode_intent(&payload).unwrap(), (INTENT_FLAG_LOST, &[0xff, 0x01][..]));
+        assert_eq!(
+            decode_intent(&payload).unwrap(),
+            (INTENT_FLAG_LOST, &[0xff, 0x01][..])
+        );
         assert!(decode_intent(&[0; 7]).is_err());
         assert!(encode_intent(0, &[0; MAX_INTENT_BITMAP_BYTES + 1], &mut payload).is_err());
-        assert!(Kind::IntentMark.modifies() && !Kind::IntentGet.modifies() && !Kind::Detach.modifies());
+        assert!(
+            Kind::IntentMark.modifies() && !Kind::IntentGet.modifies() && !Kind::Detach.modifies()
+        );
     }
 
     fn any_kind() -> impl Strategy<Value = Kind> {

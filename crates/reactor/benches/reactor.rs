@@ -25,7 +25,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
     let (cores, pin) = cores();
-    let fw = Framework::start(FrameworkConfig { cores, mode, pin, ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US }).unwrap();
+    let fw = Framework::start(FrameworkConfig {
+        cores,
+        mode,
+        pin,
+        ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
+    })
+    .unwrap();
     let h = fw.handle().clone();
     let a = h.spawn_thread(0, "a", |_| {}).unwrap();
     let b = h.spawn_thread(1, "b", |_| {}).unwrap();
@@ -54,7 +60,11 @@ fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
 
 fn empty_iteration_ns() -> f64 {
     let (cores, pin) = cores();
-    let fw = Framework::start(FrameworkConfig { pin, ..FrameworkConfig::new(vec![cores[1]], Mode::Poll) }).unwrap();
+    let fw = Framework::start(FrameworkConfig {
+        pin,
+        ..FrameworkConfig::new(vec![cores[1]], Mode::Poll)
+    })
+    .unwrap();
     let h = fw.handle().clone();
     h.spawn_thread(0, "empty", |_| {}).unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -72,7 +82,11 @@ fn main() {
     // Interleaved, so drift of the shared machine hits every variant alike.
     for _ in 0..RUNS {
         for (i, &mode) in modes.iter().enumerate() {
-            let rounds = if mode == Mode::Interrupt { 20_000 } else { 100_000 };
+            let rounds = if mode == Mode::Interrupt {
+                20_000
+            } else {
+                100_000
+            };
             rt[i].push(round_trip_ns(mode, rounds));
         }
         empty.push(empty_iteration_ns());
@@ -86,5 +100,8 @@ fn main() {
             m / medians[0]
         );
     }
-    println!("empty poll-mode iteration (1 thread, 0 pollers):   {:>8.1} ns (median of {RUNS})", median(empty));
+    println!(
+        "empty poll-mode iteration (1 thread, 0 pollers):   {:>8.1} ns (median of {RUNS})",
+        median(empty)
+    );
 }

@@ -34,7 +34,9 @@ pub struct FakeClock {
 
 impl FakeClock {
     pub fn new(start_ns: u64) -> FakeClock {
-        FakeClock { ns: Arc::new(AtomicU64::new(start_ns)) }
+        FakeClock {
+            ns: Arc::new(AtomicU64::new(start_ns)),
+        }
     }
     pub fn advance(&self, ns: u64) {
         self.ns.fetch_add(ns, Ordering::SeqCst);

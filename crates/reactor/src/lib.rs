@@ -25,15 +25,17 @@ mod reactor;
 pub mod sys;
 mod thread;
 
-pub use cores::{parse_core_list, MAX_CORE};
 pub use clock::{Clock, FakeClock, MonotonicClock};
+pub use cores::{parse_core_list, MAX_CORE};
 pub use reactor::{
-    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, ADAPTIVE_SPIN_CAP_NS, DEFAULT_IOQ_POLL_PERIOD_US,
+    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, ADAPTIVE_SPIN_CAP_NS,
+    DEFAULT_IOQ_POLL_PERIOD_US,
 };
 pub use sys::Interest;
 pub use thread::{
-    Message, PollFn, SpinWindow, MIN_SPIN_WINDOW_NS, WAKE_ALLOWANCE_NS, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle, ThreadStats,
-    MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
+    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, SpinWindow, Thread,
+    ThreadHandle, ThreadStats, MAX_POLLERS_PER_THREAD, MIN_SPIN_WINDOW_NS, MSG_BATCH,
+    MSG_QUEUE_CAPACITY, WAKE_ALLOWANCE_NS,
 };
 
 /// Errors of the reactor framework.

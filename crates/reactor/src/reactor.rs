@@ -129,7 +129,9 @@ impl std::str::FromStr for Mode {
         Mode::ALL
             .into_iter()
             .find(|m| m.as_str() == s)
-            .ok_or_else(|| format!("unknown mode {s:?} (expected poll, interrupt, hybrid or adaptive)"))
+            .ok_or_else(|| {
+                format!("unknown mode {s:?} (expected poll, interrupt, hybrid or adaptive)")
+            })
     }
 }
 
@@ -153,7 +155,12 @@ pub struct FrameworkConfig {
 
 impl FrameworkConfig {
     pub fn new(cores: Vec<usize>, mode: Mode) -> FrameworkConfig {
-        FrameworkConfig { cores, mode, pin: true, ioq_poll_period_us: DEFAULT_IOQ_POLL_PERIOD_US }
+        FrameworkConfig {
+            cores,
+            mode,
+            pin: true,
+            ioq_poll_period_us: DEFAULT_IOQ_POLL_PERIOD_US,
+        }
     }
 }
 
@@ -243,7 +250,11 @@ pub struct FrameworkHandle {
 
 impl std::fmt::Debug for FrameworkHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "FrameworkHandle({} reactors)", self.shared.reactors.len())
+        write!(
+            f,
+            "FrameworkHandle({} reactors)",
+            self.shared.reactors.len()
+        )
     }
 }
 
@@ -276,14 +287,28 @@ impl FrameworkHandle {
         capacity: usize,
         init: impl FnOnce(&mut Thread) + Send + 'static,
     ) -> Result<ThreadHandle, ReactorError> {
-        let target = self.shared.reactors.get(reactor).ok_or(ReactorError::NoSuchReactor(reactor))?;
+        let target = self
+            .shared
+            .reactors
+            .get(reactor)
+            .ok_or(ReactorError::NoSuchReactor(reactor))?;
         let id = self.shared.next_thread_id.fetch_add(1, Ordering::Relaxed);
         let mut thread = Thread::with_mailbox(id, name, capacity)?;
         thread.attach(self.clone());
         let handle = thread.handle();
-        handle.send(init).map_err(|e| ReactorError::Spawn(e.to_string()))?;
-        self.shared.threads.lock().unwrap_or_else(|p| p.into_inner()).insert(id, handle.shared.clone());
-        if target.control.push(Control::AddThread(Box::new(thread))).is_err() {
+        handle
+            .send(init)
+            .map_err(|e| ReactorError::Spawn(e.to_string()))?;
+        self.shared
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, handle.shared.clone());
+        if target
+            .control
+            .push(Control::AddThread(Box::new(thread)))
+            .is_err()
+        {
             self.forget_thread(id);
             return Err(ReactorError::ControlQueueFull(reactor));
         }
@@ -291,7 +316,11 @@ impl FrameworkHandle {
     }
 
     fn forget_thread(&self, id: u64) {
-        self.shared.threads.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        self.shared
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
     }
 
     /// Switch one reactor's mode (and the hybrid poll period); `done` runs
@@ -304,9 +333,15 @@ impl FrameworkHandle {
         done: impl FnOnce(Result<(), ReactorError>) + Send + 'static,
     ) -> Result<(), ReactorError> {
         if ioq_poll_period_us == 0 {
-            return Err(ReactorError::Config("nvme_ioq_poll_period_us must be at least 1".into()));
+            return Err(ReactorError::Config(
+                "nvme_ioq_poll_period_us must be at least 1".into(),
+            ));
         }
-        let target = self.shared.reactors.get(reactor).ok_or(ReactorError::NoSuchReactor(reactor))?;
+        let target = self
+            .shared
+            .reactors
+            .get(reactor)
+            .ok_or(ReactorError::NoSuchReactor(reactor))?;
         target
             .control
             .push(Control::SetMode(mode, ioq_poll_period_us, Box::new(done)))
@@ -328,17 +363,24 @@ impl FrameworkHandle {
     }
 
     /// Switch one reactor's mode and hybrid poll period, and wait for it.
-    pub fn set_mode_with_period(&self, reactor: usize, mode: Mode, ioq_poll_period_us: u64) -> Result<(), ReactorError> {
+    pub fn set_mode_with_period(
+        &self,
+        reactor: usize,
+        mode: Mode,
+        ioq_poll_period_us: u64,
+    ) -> Result<(), ReactorError> {
         let (tx, rx) = mpsc::channel();
         self.set_mode_async(reactor, mode, ioq_poll_period_us, move |r| {
             let _ = tx.send(r);
         })?;
-        rx.recv_timeout(Duration::from_secs(10)).map_err(|_| ReactorError::Stopped)?
+        rx.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| ReactorError::Stopped)?
     }
 
     /// Switch every reactor; stops at the first refusal.
     pub fn set_mode_all(&self, mode: Mode, ioq_poll_period_us: u64) -> Result<(), ReactorError> {
-        (0..self.reactor_count()).try_for_each(|r| self.set_mode_with_period(r, mode, ioq_poll_period_us))
+        (0..self.reactor_count())
+            .try_for_each(|r| self.set_mode_with_period(r, mode, ioq_poll_period_us))
     }
 
     pub fn reactor_stats(&self) -> Vec<ReactorStats> {
@@ -374,9 +416,15 @@ impl FrameworkHandle {
     }
 
     pub fn thread_stats(&self) -> Vec<ThreadStats> {
-        let threads = self.shared.threads.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<ThreadStats> =
-            threads.values().map(|s| ThreadHandle { shared: s.clone() }.stats()).collect();
+        let threads = self
+            .shared
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<ThreadStats> = threads
+            .values()
+            .map(|s| ThreadHandle { shared: s.clone() }.stats())
+            .collect();
         out.sort_by_key(|s| s.id);
         out
     }
@@ -400,12 +448,17 @@ impl Framework {
         Self::start_with_clock(config, Arc::new(MonotonicClock))
     }
 
-    pub fn start_with_clock(config: FrameworkConfig, clock: Arc<dyn Clock>) -> Result<Framework, ReactorError> {
+    pub fn start_with_clock(
+        config: FrameworkConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Framework, ReactorError> {
         if config.cores.is_empty() {
             return Err(ReactorError::Config("at least one core is needed".into()));
         }
         if config.ioq_poll_period_us == 0 {
-            return Err(ReactorError::Config("nvme_ioq_poll_period_us must be at least 1".into()));
+            return Err(ReactorError::Config(
+                "nvme_ioq_poll_period_us must be at least 1".into(),
+            ));
         }
         let mut seen = std::collections::HashSet::new();
         if let Some(dup) = config.cores.iter().find(|c| !seen.insert(**c)) {
@@ -414,7 +467,9 @@ impl Framework {
         if config.pin {
             let allowed = sys::allowed_cpus().map_err(ReactorError::Sys)?;
             if let Some(bad) = config.cores.iter().find(|c| !allowed.contains(c)) {
-                return Err(ReactorError::Config(format!("core {bad} is not available (allowed: {allowed:?})")));
+                return Err(ReactorError::Config(format!(
+                    "core {bad} is not available (allowed: {allowed:?})"
+                )));
             }
         }
         let mut reactors = Vec::new();
@@ -425,8 +480,14 @@ impl Framework {
                 control: Mailbox::new(CONTROL_QUEUE_CAPACITY).map_err(ReactorError::Sys)?,
                 counters: ReactorCounters::default(),
             });
-            shared.counters.mode.store(config.mode.to_u8(), Ordering::Relaxed);
-            shared.counters.ioq_poll_period_us.store(config.ioq_poll_period_us, Ordering::Relaxed);
+            shared
+                .counters
+                .mode
+                .store(config.mode.to_u8(), Ordering::Relaxed);
+            shared
+                .counters
+                .ioq_poll_period_us
+                .store(config.ioq_poll_period_us, Ordering::Relaxed);
             reactors.push(shared);
         }
         let handle = FrameworkHandle {
@@ -558,8 +619,17 @@ impl Reactor {
         ioq_poll_period_us: u64,
     ) -> Result<Reactor, ReactorError> {
         let epoll = Epoll::new().map_err(ReactorError::Sys)?;
-        epoll.add(shared.control.doorbell_fd(), Interest::READABLE, TOKEN_CONTROL).map_err(ReactorError::Sys)?;
-        shared.counters.tid.store(sys::gettid() as u64, Ordering::Relaxed);
+        epoll
+            .add(
+                shared.control.doorbell_fd(),
+                Interest::READABLE,
+                TOKEN_CONTROL,
+            )
+            .map_err(ReactorError::Sys)?;
+        shared
+            .counters
+            .tid
+            .store(sys::gettid() as u64, Ordering::Relaxed);
         Ok(Reactor {
             shared,
             framework,
@@ -600,7 +670,8 @@ impl Reactor {
             // Adaptive mode polls like poll mode while work keeps coming
             // (no epoll syscalls on the busy path); it turns to epoll only
             // when idle: to spin over every fd at once, then to sleep.
-            let polling = self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
+            let polling =
+                self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
             let mut scope = if polling { Scope::All } else { Scope::Ready };
             if !polling {
                 let (control, epolled) = self.wait_events(now);
@@ -631,7 +702,9 @@ impl Reactor {
         let mut busy = false;
         for i in 0..self.threads.len() {
             let ready = std::mem::take(&mut self.ready[i]);
-            let Some(t) = self.threads[i].as_mut() else { continue };
+            let Some(t) = self.threads[i].as_mut() else {
+                continue;
+            };
             let thread_scope = match scope {
                 Scope::All => Scope::All,
                 Scope::Ready if ready || t.has_immediate_work(now) => Scope::Ready,
@@ -666,10 +739,13 @@ impl Reactor {
             }
         }
         self.publish_usage(now, timeout == -1);
-        let n = self.epoll.wait(&mut self.events, timeout).unwrap_or_else(|e| {
-            tracing::error!(reactor = self.shared.index, error = %e, "epoll_wait failed");
-            0
-        });
+        let n = self
+            .epoll
+            .wait(&mut self.events, timeout)
+            .unwrap_or_else(|e| {
+                tracing::error!(reactor = self.shared.index, error = %e, "epoll_wait failed");
+                0
+            });
         if timeout == -1 {
             self.finish_sleep(n > 0);
             let woke_at = self.clock_now();
@@ -721,7 +797,11 @@ impl Reactor {
                 } else {
                     window
                 };
-                self.spin = Some(Spin { start_ns: now, deadline_ns: now + window, iterations: 0 });
+                self.spin = Some(Spin {
+                    start_ns: now,
+                    deadline_ns: now + window,
+                    iterations: 0,
+                });
                 true
             }
             Some(spin) if now < spin.deadline_ns => true,
@@ -761,7 +841,9 @@ impl Reactor {
     fn handle_control(&mut self) -> bool {
         let mut did = false;
         for _ in 0..CONTROL_BATCH {
-            let Some(cmd) = self.shared.control.pop() else { break };
+            let Some(cmd) = self.shared.control.pop() else {
+                break;
+            };
             did = true;
             match cmd {
                 Control::AddThread(t) => self.add_thread(t),
@@ -790,7 +872,10 @@ impl Reactor {
                 self.threads.len() - 1
             }
         };
-        if let Err(e) = self.epoll.add(t.epoll_fd(), Interest::READABLE, slot as u64) {
+        if let Err(e) = self
+            .epoll
+            .add(t.epoll_fd(), Interest::READABLE, slot as u64)
+        {
             tracing::error!(thread = t.name(), error = %e, "cannot add thread to reactor epoll; thread dropped");
             self.framework.forget_thread(t.id());
             return;
@@ -798,7 +883,10 @@ impl Reactor {
         // Its first message (init) is queued: run it promptly.
         self.ready[slot] = true;
         self.threads[slot] = Some(t);
-        self.shared.counters.threads.store(self.threads.iter().flatten().count() as u64, Ordering::Relaxed);
+        self.shared.counters.threads.store(
+            self.threads.iter().flatten().count() as u64,
+            Ordering::Relaxed,
+        );
     }
 
     fn set_mode(&mut self, mode: Mode, ioq_poll_period_us: u64) -> Result<(), ReactorError> {
@@ -806,7 +894,11 @@ impl Reactor {
             for t in self.threads.iter().flatten() {
                 let bad = t.pollers_without_event_source();
                 if !bad.is_empty() {
-                    return Err(ReactorError::NoEventSource(format!("{}: {}", t.name(), bad.join(", "))));
+                    return Err(ReactorError::NoEventSource(format!(
+                        "{}: {}",
+                        t.name(),
+                        bad.join(", ")
+                    )));
                 }
             }
         }
@@ -826,9 +918,20 @@ impl Reactor {
         for r in &mut self.ready {
             *r = true;
         }
-        self.shared.counters.mode.store(mode.to_u8(), Ordering::Relaxed);
-        self.shared.counters.ioq_poll_period_us.store(ioq_poll_period_us, Ordering::Relaxed);
-        tracing::info!(reactor = self.shared.index, mode = mode.as_str(), ioq_poll_period_us, "reactor mode set");
+        self.shared
+            .counters
+            .mode
+            .store(mode.to_u8(), Ordering::Relaxed);
+        self.shared
+            .counters
+            .ioq_poll_period_us
+            .store(ioq_poll_period_us, Ordering::Relaxed);
+        tracing::info!(
+            reactor = self.shared.index,
+            mode = mode.as_str(),
+            ioq_poll_period_us,
+            "reactor mode set"
+        );
         Ok(())
     }
 
@@ -846,10 +949,17 @@ impl Reactor {
         let _ = self.epoll.delete(t.epoll_fd());
         let dropped = t.destroy();
         if dropped > 0 {
-            tracing::warn!(thread = t.name(), dropped, "thread exited with queued messages");
+            tracing::warn!(
+                thread = t.name(),
+                dropped,
+                "thread exited with queued messages"
+            );
         }
         self.framework.forget_thread(t.id());
-        self.shared.counters.threads.store(self.threads.iter().flatten().count() as u64, Ordering::Relaxed);
+        self.shared.counters.threads.store(
+            self.threads.iter().flatten().count() as u64,
+            Ordering::Relaxed,
+        );
     }
 
     fn shutdown(&mut self) {
@@ -878,7 +988,8 @@ impl Reactor {
         c.idle_ns.store(self.idle_ns, Ordering::Relaxed);
         c.iterations.store(self.iterations, Ordering::Relaxed);
         c.wakeups.store(self.wakeups, Ordering::Relaxed);
-        c.spins_with_work.store(self.spins_with_work, Ordering::Relaxed);
+        c.spins_with_work
+            .store(self.spins_with_work, Ordering::Relaxed);
         c.spins_idle.store(self.spins_idle, Ordering::Relaxed);
         c.spin_ns.store(self.spin_ns, Ordering::Relaxed);
         self.publish_usage(now, false);
@@ -893,8 +1004,10 @@ impl Reactor {
         let c = &self.shared.counters;
         c.user_ns.store(u.user_ns, Ordering::Relaxed);
         c.system_ns.store(u.system_ns, Ordering::Relaxed);
-        c.voluntary_ctxsw.store(u.voluntary_ctxsw, Ordering::Relaxed);
-        c.involuntary_ctxsw.store(u.involuntary_ctxsw, Ordering::Relaxed);
+        c.voluntary_ctxsw
+            .store(u.voluntary_ctxsw, Ordering::Relaxed);
+        c.involuntary_ctxsw
+            .store(u.involuntary_ctxsw, Ordering::Relaxed);
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
     }

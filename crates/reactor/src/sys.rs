@@ -13,11 +13,23 @@ pub struct Interest {
 }
 
 impl Interest {
-    pub const READABLE: Interest = Interest { readable: true, writable: false };
-    pub const WRITABLE: Interest = Interest { readable: false, writable: true };
-    pub const BOTH: Interest = Interest { readable: true, writable: true };
+    pub const READABLE: Interest = Interest {
+        readable: true,
+        writable: false,
+    };
+    pub const WRITABLE: Interest = Interest {
+        readable: false,
+        writable: true,
+    };
+    pub const BOTH: Interest = Interest {
+        readable: true,
+        writable: true,
+    };
     /// Registered, but reporting nothing (errors and hang-ups still wake).
-    pub const NONE: Interest = Interest { readable: false, writable: false };
+    pub const NONE: Interest = Interest {
+        readable: false,
+        writable: false,
+    };
 
     fn events(self) -> u32 {
         let mut ev = 0;
@@ -52,7 +64,9 @@ impl Epoll {
         // new fd that we exclusively own.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
-        Ok(Epoll { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Epoll {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     pub fn add(&self, fd: RawFd, interest: Interest, token: u64) -> io::Result<()> {
@@ -67,13 +81,21 @@ impl Epoll {
         // SAFETY: EPOLL_CTL_DEL ignores the event pointer since Linux 2.6.9; a
         // null pointer is allowed.
         cvt(unsafe {
-            libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut())
+            libc::epoll_ctl(
+                self.fd.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                fd,
+                std::ptr::null_mut(),
+            )
         })?;
         Ok(())
     }
 
     fn ctl(&self, op: libc::c_int, fd: RawFd, interest: Interest, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events: interest.events(), u64: token };
+        let mut ev = libc::epoll_event {
+            events: interest.events(),
+            u64: token,
+        };
         // SAFETY: `ev` is a valid epoll_event that lives across the call; the
         // kernel copies it.
         cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) })?;
@@ -86,7 +108,8 @@ impl Epoll {
         let max = events.len().min(i32::MAX as usize) as libc::c_int;
         // SAFETY: `events` is a valid writable buffer of `max` entries for the
         // duration of the call.
-        let ret = unsafe { libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), max, timeout_ms) };
+        let ret =
+            unsafe { libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), max, timeout_ms) };
         if ret < 0 {
             let err = io::Error::last_os_error();
             if err.kind() == io::ErrorKind::Interrupted {
@@ -120,7 +143,9 @@ impl EventFd {
         // SAFETY: no pointers; a non-negative return is a new owned fd.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: `fd` is fresh and owned only here.
-        Ok(EventFd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(EventFd {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     /// Ring the doorbell. A full counter (EAGAIN) already means "ringing".
@@ -155,16 +180,24 @@ impl TimerFd {
     pub fn new() -> io::Result<TimerFd> {
         // SAFETY: no pointers; a non-negative return is a new owned fd.
         let fd = cvt(unsafe {
-            libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC)
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
         })?;
         // SAFETY: `fd` is fresh and owned only here.
-        Ok(TimerFd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(TimerFd {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     /// Arm to fire once after `delay_ns` (0 disarms, so callers pass ≥ 1).
     pub fn arm(&self, delay_ns: u64) -> io::Result<()> {
         let spec = libc::itimerspec {
-            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
             it_value: libc::timespec {
                 tv_sec: (delay_ns / 1_000_000_000) as libc::time_t,
                 tv_nsec: (delay_ns % 1_000_000_000) as libc::c_long,
@@ -192,7 +225,10 @@ impl AsRawFd for TimerFd {
 /// Pin the calling OS thread to one CPU.
 pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("cpu {cpu} out of range")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("cpu {cpu} out of range"),
+        ));
     }
     // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
@@ -210,14 +246,19 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     // SAFETY: `set` is writable and of the size passed.
     cvt(unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) })?;
     // SAFETY: CPU_ISSET only reads `set`, and every index is < CPU_SETSIZE.
-    Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
 }
 
 /// Raises the soft limit on open file descriptors to the hard limit (each
 /// connection holds a socket and its thread's epoll and eventfd). Returns
 /// (soft limit before, soft limit now).
 pub fn raise_nofile_limit() -> io::Result<(u64, u64)> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: `lim` is a valid, writable rlimit.
     cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
     let before = lim.rlim_cur;

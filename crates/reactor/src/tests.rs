@@ -3,7 +3,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::{Clock, FakeClock, PollStatus, PollerId, PollerKind, ReactorError, Scope, Thread, MSG_BATCH};
+use crate::{
+    Clock, FakeClock, PollStatus, PollerId, PollerKind, ReactorError, Scope, Thread, MSG_BATCH,
+};
 
 fn thread() -> Thread {
     Thread::new(1, "test").expect("thread")
@@ -39,7 +41,12 @@ fn busy_idle_accounting_is_exact_for_a_script() {
     let clock = FakeClock::new(1_000);
     let mut t = thread();
     // (status, ns of work) per iteration.
-    let script = [(PollStatus::Busy, 300), (PollStatus::Idle, 50), (PollStatus::Busy, 1_000), (PollStatus::Idle, 7)];
+    let script = [
+        (PollStatus::Busy, 300),
+        (PollStatus::Idle, 50),
+        (PollStatus::Busy, 1_000),
+        (PollStatus::Idle, 7),
+    ];
     let step = Arc::new(AtomicUsize::new(0));
     let (c, s) = (clock.clone(), step.clone());
     t.register_poller(
@@ -100,7 +107,13 @@ fn pollers_unregister_pause_and_resume_from_inside_callbacks() {
                 if ra.fetch_add(1, Ordering::SeqCst) == 2 {
                     let me = ia.lock().unwrap().expect("id");
                     assert!(t.unregister_poller(me));
-                    t.register_poller("a2", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+                    t.register_poller(
+                        "a2",
+                        PollerKind::Active,
+                        &[],
+                        Box::new(|_, _| PollStatus::Idle),
+                    )
+                    .unwrap();
                 }
                 PollStatus::Busy
             }),
@@ -109,11 +122,17 @@ fn pollers_unregister_pause_and_resume_from_inside_callbacks() {
     *id_a.lock().unwrap() = Some(a);
 
     let rc = runs_c.clone();
-    let c = t.register_poller("c", PollerKind::Active, &[], Box::new(move |_, _| {
-        rc.fetch_add(1, Ordering::SeqCst);
-        PollStatus::Busy
-    }))
-    .unwrap();
+    let c = t
+        .register_poller(
+            "c",
+            PollerKind::Active,
+            &[],
+            Box::new(move |_, _| {
+                rc.fetch_add(1, Ordering::SeqCst);
+                PollStatus::Busy
+            }),
+        )
+        .unwrap();
     let b_runs = Arc::new(AtomicUsize::new(0));
     let br = b_runs.clone();
     t.register_poller(
@@ -135,7 +154,11 @@ fn pollers_unregister_pause_and_resume_from_inside_callbacks() {
         t.poll(0, Scope::All, &clock);
         t.check_invariants();
     }
-    assert_eq!(runs_a.load(Ordering::SeqCst), 3, "a ran until it unregistered itself");
+    assert_eq!(
+        runs_a.load(Ordering::SeqCst),
+        3,
+        "a ran until it unregistered itself"
+    );
     // c ran in iteration 0 (before b paused it), was paused in iterations 1..=4,
     // resumed by b in iteration 4 (after c's turn), then ran in 5..=9.
     assert_eq!(runs_c.load(Ordering::SeqCst), 1 + 5);
@@ -148,10 +171,22 @@ fn pollers_unregister_pause_and_resume_from_inside_callbacks() {
 fn event_driven_thread_refuses_active_poller_without_fd() {
     let mut t = thread();
     t.set_event_driven(true);
-    let r = t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle));
+    let r = t.register_poller(
+        "spin",
+        PollerKind::Active,
+        &[],
+        Box::new(|_, _| PollStatus::Idle),
+    );
     assert!(matches!(r, Err(ReactorError::NoEventSource(_))));
     // Timed pollers need no fd: the thread's timerfd drives them.
-    assert!(t.register_poller("tick", PollerKind::every_us(10), &[], Box::new(|_, _| PollStatus::Idle)).is_ok());
+    assert!(t
+        .register_poller(
+            "tick",
+            PollerKind::every_us(10),
+            &[],
+            Box::new(|_, _| PollStatus::Idle)
+        )
+        .is_ok());
     t.check_invariants();
 }
 
@@ -162,10 +197,15 @@ fn ready_scope_runs_only_woken_pollers() {
     let runs = Arc::new(AtomicUsize::new(0));
     let r = runs.clone();
     let id = t
-        .register_poller("p", PollerKind::Active, &[], Box::new(move |_, _| {
-            r.fetch_add(1, Ordering::SeqCst);
-            PollStatus::Busy
-        }))
+        .register_poller(
+            "p",
+            PollerKind::Active,
+            &[],
+            Box::new(move |_, _| {
+                r.fetch_add(1, Ordering::SeqCst);
+                PollStatus::Busy
+            }),
+        )
         .unwrap();
     t.poll(0, Scope::Ready, &clock);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
@@ -220,7 +260,13 @@ fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
             name,
             PollerKind::Active,
             &[(efd.as_raw_fd(), crate::Interest::READABLE)],
-            Box::new(move |_, _| if e.drain() { PollStatus::Busy } else { PollStatus::Idle }),
+            Box::new(move |_, _| {
+                if e.drain() {
+                    PollStatus::Busy
+                } else {
+                    PollStatus::Idle
+                }
+            }),
         )
         .unwrap();
     (id, efd)
@@ -250,7 +296,11 @@ fn spin_window_is_decided_per_event_source() {
             now += 5_000_000;
         }
     }
-    assert_eq!(t.spin_window_ns(now, CAP), CAP, "the slow source does not switch spinning off for the fast one");
+    assert_eq!(
+        t.spin_window_ns(now, CAP),
+        CAP,
+        "the slow source does not switch spinning off for the fast one"
+    );
 
     // A thread with only the slow source never spins.
     let mut t2 = thread();
@@ -279,9 +329,15 @@ fn hybrid_drains_initiators_on_a_period_not_on_their_fds() {
     // The period starts at the switch (now 0): due at once, then every 100 µs.
     assert!(t.poll(0, Scope::Ready, &clock).is_busy());
     fd.notify();
-    assert!(!t.poll(50_000, Scope::Ready, &clock).is_busy(), "its fd does not wake it in hybrid mode");
+    assert!(
+        !t.poll(50_000, Scope::Ready, &clock).is_busy(),
+        "its fd does not wake it in hybrid mode"
+    );
     assert!(t.has_immediate_work(100_000));
-    assert!(t.poll(100_000, Scope::Ready, &clock).is_busy(), "drained by the periodic poll");
+    assert!(
+        t.poll(100_000, Scope::Ready, &clock).is_busy(),
+        "drained by the periodic poll"
+    );
     // Back to interrupt: the fd drives it again.
     t.set_initiator_period(None);
     fd.notify();

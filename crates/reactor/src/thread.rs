@@ -84,7 +84,9 @@ pub enum PollerKind {
 
 impl PollerKind {
     pub fn every_us(period_us: u64) -> PollerKind {
-        PollerKind::Timed { period_ns: period_us.max(1) * 1000 }
+        PollerKind::Timed {
+            period_ns: period_us.max(1) * 1000,
+        }
     }
 }
 
@@ -106,7 +108,10 @@ impl PollerId {
         (u64::from(self.generation) << 32) | u64::from(self.index)
     }
     fn from_token(token: u64) -> PollerId {
-        PollerId { index: token as u32, generation: (token >> 32) as u32 }
+        PollerId {
+            index: token as u32,
+            generation: (token >> 32) as u32,
+        }
     }
 }
 
@@ -126,7 +131,11 @@ pub(crate) struct Mailbox<T> {
 
 impl<T> Mailbox<T> {
     pub(crate) fn new(capacity: usize) -> std::io::Result<Mailbox<T>> {
-        Ok(Mailbox { queue: ArrayQueue::new(capacity), wake_needed: AtomicBool::new(false), doorbell: EventFd::new()? })
+        Ok(Mailbox {
+            queue: ArrayQueue::new(capacity),
+            wake_needed: AtomicBool::new(false),
+            doorbell: EventFd::new()?,
+        })
     }
 
     pub(crate) fn push(&self, item: T) -> Result<(), T> {
@@ -249,7 +258,10 @@ impl ThreadHandle {
         if self.shared.exited.load(Ordering::Acquire) {
             return Err((msg, SendError::Exited(self.shared.name.clone())));
         }
-        self.shared.mailbox.push(msg).map_err(|m| (m, SendError::Full(self.shared.name.clone())))
+        self.shared
+            .mailbox
+            .push(msg)
+            .map_err(|m| (m, SendError::Full(self.shared.name.clone())))
     }
 
     pub fn send_boxed(&self, msg: Message) -> Result<(), SendError> {
@@ -434,8 +446,16 @@ impl Thread {
         });
         let epoll = Epoll::new().map_err(ReactorError::Sys)?;
         let timer = TimerFd::new().map_err(ReactorError::Sys)?;
-        epoll.add(shared.mailbox.doorbell_fd(), Interest::READABLE, TOKEN_DOORBELL).map_err(ReactorError::Sys)?;
-        epoll.add(timer.as_raw_fd(), Interest::READABLE, TOKEN_TIMER).map_err(ReactorError::Sys)?;
+        epoll
+            .add(
+                shared.mailbox.doorbell_fd(),
+                Interest::READABLE,
+                TOKEN_DOORBELL,
+            )
+            .map_err(ReactorError::Sys)?;
+        epoll
+            .add(timer.as_raw_fd(), Interest::READABLE, TOKEN_TIMER)
+            .map_err(ReactorError::Sys)?;
         Ok(Thread {
             shared,
             framework: None,
@@ -472,7 +492,9 @@ impl Thread {
     }
 
     pub fn handle(&self) -> ThreadHandle {
-        ThreadHandle { shared: self.shared.clone() }
+        ThreadHandle {
+            shared: self.shared.clone(),
+        }
     }
 
     /// The framework this thread runs in (`None` for a detached test thread).
@@ -511,7 +533,10 @@ impl Thread {
     }
 
     pub(crate) fn set_reactor(&mut self, index: usize) {
-        self.shared.counters.reactor.store(index as u64, Ordering::Relaxed);
+        self.shared
+            .counters
+            .reactor
+            .store(index as u64, Ordering::Relaxed);
     }
 
     /// Register a poller. `fds` name the file descriptors that signal its
@@ -536,11 +561,17 @@ impl Thread {
         let index = match self.free.pop() {
             Some(i) => i,
             None => {
-                self.pollers.push(PollerSlot { generation: 0, entry: None });
+                self.pollers.push(PollerSlot {
+                    generation: 0,
+                    entry: None,
+                });
                 (self.pollers.len() - 1) as u32
             }
         };
-        let id = PollerId { index, generation: self.pollers[index as usize].generation };
+        let id = PollerId {
+            index,
+            generation: self.pollers[index as usize].generation,
+        };
         for (n, &(fd, interest)) in fds.iter().enumerate() {
             if let Err(e) = self.epoll.add(fd, interest, id.token()) {
                 for &(fd, _) in &fds[..n] {
@@ -585,7 +616,9 @@ impl Thread {
     /// dropped now, or right after it returns if it is running. Returns
     /// whether the poller existed.
     pub fn unregister_poller(&mut self, id: PollerId) -> bool {
-        let Some(slot) = self.pollers.get_mut(id.index as usize) else { return false };
+        let Some(slot) = self.pollers.get_mut(id.index as usize) else {
+            return false;
+        };
         if slot.generation != id.generation || slot.entry.is_none() {
             return false;
         }
@@ -612,7 +645,9 @@ impl Thread {
 
     /// Stop running a poller until `resume_poller`.
     pub fn pause_poller(&mut self, id: PollerId) -> bool {
-        let Some(e) = self.entry_mut(id) else { return false };
+        let Some(e) = self.entry_mut(id) else {
+            return false;
+        };
         e.paused = true;
         self.publish_poller_counts();
         true
@@ -622,7 +657,9 @@ impl Thread {
     /// from now, as in SPDK.
     pub fn resume_poller(&mut self, id: PollerId) -> bool {
         let now = self.now_ns;
-        let Some(e) = self.entry_mut(id) else { return false };
+        let Some(e) = self.entry_mut(id) else {
+            return false;
+        };
         e.paused = false;
         if let PollerKind::Timed { period_ns } = e.kind {
             e.next_ns = now.saturating_add(period_ns);
@@ -635,7 +672,9 @@ impl Thread {
     /// ready: for work a poller left in user space (a bounded batch, a
     /// completion that needs no fd).
     pub fn wake_poller(&mut self, id: PollerId) -> bool {
-        let Some(e) = self.entry_mut(id) else { return false };
+        let Some(e) = self.entry_mut(id) else {
+            return false;
+        };
         if e.woken {
             return true;
         }
@@ -646,10 +685,17 @@ impl Thread {
 
     /// Change what a poller waits for on one of its fds (e.g. add writable
     /// while output is queued).
-    pub fn set_interest(&mut self, id: PollerId, fd: RawFd, interest: Interest) -> Result<(), ReactorError> {
+    pub fn set_interest(
+        &mut self,
+        id: PollerId,
+        fd: RawFd,
+        interest: Interest,
+    ) -> Result<(), ReactorError> {
         let token = id.token();
         let hybrid = self.initiator_period_ns.is_some();
-        let Some(e) = self.entry_mut(id) else { return Err(ReactorError::NoSuchPoller) };
+        let Some(e) = self.entry_mut(id) else {
+            return Err(ReactorError::NoSuchPoller);
+        };
         let initiator = e.initiator;
         let Some(slot) = e.fds.iter_mut().find(|(f, _)| *f == fd) else {
             return Err(ReactorError::NoSuchPoller);
@@ -660,17 +706,30 @@ impl Thread {
         slot.1 = interest;
         // In hybrid mode an initiator's fds stay silent; the interest is
         // remembered for when the mode changes.
-        let effective = if initiator && hybrid { Interest::NONE } else { interest };
-        self.epoll.modify(fd, effective, token).map_err(ReactorError::Sys)
+        let effective = if initiator && hybrid {
+            Interest::NONE
+        } else {
+            interest
+        };
+        self.epoll
+            .modify(fd, effective, token)
+            .map_err(ReactorError::Sys)
     }
 
     /// Add another fd that signals this poller's work.
-    pub fn add_poller_fd(&mut self, id: PollerId, fd: RawFd, interest: Interest) -> Result<(), ReactorError> {
+    pub fn add_poller_fd(
+        &mut self,
+        id: PollerId,
+        fd: RawFd,
+        interest: Interest,
+    ) -> Result<(), ReactorError> {
         let token = id.token();
         if self.entry_mut(id).is_none() {
             return Err(ReactorError::NoSuchPoller);
         }
-        self.epoll.add(fd, interest, token).map_err(ReactorError::Sys)?;
+        self.epoll
+            .add(fd, interest, token)
+            .map_err(ReactorError::Sys)?;
         if let Some(e) = self.entry_mut(id) {
             e.fds.push((fd, interest));
         }
@@ -704,7 +763,9 @@ impl Thread {
     /// Whether the next iteration has work without any fd becoming ready:
     /// queued messages, woken pollers or a due timed poller.
     pub fn has_immediate_work(&self, now: u64) -> bool {
-        !self.shared.mailbox.is_empty() || self.woken > 0 || self.next_deadline().is_some_and(|d| d <= now)
+        !self.shared.mailbox.is_empty()
+            || self.woken > 0
+            || self.next_deadline().is_some_and(|d| d <= now)
     }
 
     fn next_deadline(&self) -> Option<u64> {
@@ -715,7 +776,10 @@ impl Thread {
             .filter(|e| !e.paused && matches!(e.kind, PollerKind::Timed { .. }))
             .map(|e| e.next_ns)
             .min();
-        let initiator = self.initiator_period_ns.filter(|_| self.has_initiators()).map(|_| self.next_initiator_ns);
+        let initiator = self
+            .initiator_period_ns
+            .filter(|_| self.has_initiators())
+            .map(|_| self.next_initiator_ns);
         match (timed, initiator) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -723,7 +787,10 @@ impl Thread {
     }
 
     fn has_initiators(&self) -> bool {
-        self.pollers.iter().filter_map(|s| s.entry.as_ref()).any(|e| e.initiator && !e.paused)
+        self.pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .any(|e| e.initiator && !e.paused)
     }
 
     /// Mark a poller as an initiator-side event source (a connection to a
@@ -732,12 +799,16 @@ impl Thread {
     pub fn mark_initiator(&mut self, id: PollerId) -> Result<(), ReactorError> {
         let hybrid = self.initiator_period_ns.is_some();
         let token = id.token();
-        let Some(e) = self.entry_mut(id) else { return Err(ReactorError::NoSuchPoller) };
+        let Some(e) = self.entry_mut(id) else {
+            return Err(ReactorError::NoSuchPoller);
+        };
         e.initiator = true;
         let fds = e.fds.clone();
         if hybrid {
             for (fd, _) in fds {
-                self.epoll.modify(fd, Interest::NONE, token).map_err(ReactorError::Sys)?;
+                self.epoll
+                    .modify(fd, Interest::NONE, token)
+                    .map_err(ReactorError::Sys)?;
             }
         }
         Ok(())
@@ -756,13 +827,23 @@ impl Thread {
             return;
         }
         for (index, slot) in self.pollers.iter().enumerate() {
-            let Some(e) = slot.entry.as_ref() else { continue };
+            let Some(e) = slot.entry.as_ref() else {
+                continue;
+            };
             if !e.initiator {
                 continue;
             }
-            let token = PollerId { index: index as u32, generation: slot.generation }.token();
+            let token = PollerId {
+                index: index as u32,
+                generation: slot.generation,
+            }
+            .token();
             for &(fd, interest) in &e.fds {
-                let want = if period_ns.is_some() { Interest::NONE } else { interest };
+                let want = if period_ns.is_some() {
+                    Interest::NONE
+                } else {
+                    interest
+                };
                 if let Err(err) = self.epoll.modify(fd, want, token) {
                     tracing::error!(thread = %self.shared.name, fd, error = %err, "cannot change initiator fd interest");
                 }
@@ -873,7 +954,9 @@ impl Thread {
         let mut status = PollStatus::Idle;
 
         for i in 0..MSG_BATCH {
-            let Some(msg) = self.shared.mailbox.pop() else { break };
+            let Some(msg) = self.shared.mailbox.pop() else {
+                break;
+            };
             if i == 0 {
                 let slept = self.last_wake_ns > self.mailbox_window.last_busy_ns();
                 self.mailbox_window.event(now, slept, self.spin_cap_ns);
@@ -900,7 +983,9 @@ impl Thread {
                     let run = scope == Scope::All
                         || e.woken
                         || (initiators_due && e.initiator)
-                        || (hot && e.gap.window_ns() > 0 && !(e.initiator && self.initiator_period_ns.is_some()));
+                        || (hot
+                            && e.gap.window_ns() > 0
+                            && !(e.initiator && self.initiator_period_ns.is_some()));
                     if e.woken {
                         e.woken = false;
                         self.woken -= 1;
@@ -957,14 +1042,22 @@ impl Thread {
         let Some(mut f) = slot.entry.as_mut().and_then(|e| e.f.take()) else {
             return PollStatus::Idle;
         };
-        let previous = self.current.replace(PollerId { index: index as u32, generation });
+        let previous = self.current.replace(PollerId {
+            index: index as u32,
+            generation,
+        });
         let status = f(self, now);
         self.current = previous;
         if status.is_busy() {
             // Work found is the source's next event: learn the gap since
             // its last work, and whether a sleep came in between.
             let (cap, last_wake) = (self.spin_cap_ns, self.last_wake_ns);
-            if let Some(e) = self.pollers.get_mut(index).filter(|s| s.generation == generation).and_then(|s| s.entry.as_mut()) {
+            if let Some(e) = self
+                .pollers
+                .get_mut(index)
+                .filter(|s| s.generation == generation)
+                .and_then(|s| s.entry.as_mut())
+            {
                 let slept = last_wake > e.gap.last_busy_ns();
                 e.gap.event(now, slept, cap);
                 e.gap.busy(now);
@@ -1020,7 +1113,10 @@ impl Thread {
             .iter()
             .enumerate()
             .filter(|(_, s)| s.entry.is_some())
-            .map(|(i, s)| PollerId { index: i as u32, generation: s.generation })
+            .map(|(i, s)| PollerId {
+                index: i as u32,
+                generation: s.generation,
+            })
             .collect();
         for id in ids {
             self.unregister_poller(id);
@@ -1036,7 +1132,9 @@ impl Thread {
     pub(crate) fn drain_messages(&mut self, limit: usize) -> usize {
         let mut n = 0;
         while n < limit {
-            let Some(msg) = self.shared.mailbox.pop() else { break };
+            let Some(msg) = self.shared.mailbox.pop() else {
+                break;
+            };
             msg(self);
             n += 1;
         }
@@ -1050,12 +1148,21 @@ impl Thread {
 
     /// Check the internal bookkeeping (debug builds and tests).
     pub fn check_invariants(&self) {
-        let woken = self.pollers.iter().filter_map(|s| s.entry.as_ref()).filter(|e| e.woken).count();
+        let woken = self
+            .pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .filter(|e| e.woken)
+            .count();
         assert_eq!(woken, self.woken, "woken count");
         let free: HashSet<u32> = self.free.iter().copied().collect();
         assert_eq!(free.len(), self.free.len(), "free list has duplicates");
         for (i, s) in self.pollers.iter().enumerate() {
-            assert_eq!(s.entry.is_none(), free.contains(&(i as u32)), "slot {i} free-list mismatch");
+            assert_eq!(
+                s.entry.is_none(),
+                free.contains(&(i as u32)),
+                "slot {i} free-list mismatch"
+            );
         }
     }
 }

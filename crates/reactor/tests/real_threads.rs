@@ -6,7 +6,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use lull_reactor::{
-    sys, Framework, FrameworkConfig, Interest, Mode, PollStatus, PollerKind, ReactorError, Thread, ThreadHandle,
+    sys, Framework, FrameworkConfig, Interest, Mode, PollStatus, PollerKind, ReactorError, Thread,
+    ThreadHandle,
 };
 
 fn cores(n: usize) -> Vec<usize> {
@@ -19,7 +20,13 @@ fn framework(n: usize, mode: Mode) -> Framework {
     let cores = cores(n);
     let pin = cores.iter().collect::<std::collections::HashSet<_>>().len() == n;
     let cores = if pin { cores } else { (0..n).collect() };
-    Framework::start(FrameworkConfig { cores, mode, pin, ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US }).expect("framework")
+    Framework::start(FrameworkConfig {
+        cores,
+        mode,
+        pin,
+        ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
+    })
+    .expect("framework")
 }
 
 /// CPU time (utime + stime) of one OS thread of this process, in ms.
@@ -57,7 +64,9 @@ fn ping_pong(mode: Mode, rounds: u64) {
         .unwrap();
     }
     ping(a.clone(), b, rounds, done_tx);
-    let id = done_rx.recv_timeout(Duration::from_secs(60)).expect("ping-pong finished");
+    let id = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("ping-pong finished");
     assert_eq!(id, a.id());
     let stats = h.thread_stats();
     assert!(stats.iter().all(|s| s.messages >= rounds), "{stats:?}");
@@ -107,11 +116,26 @@ fn idle_reactor_sleeps(mode: Mode) {
     h.spawn_thread(0, "idle", move |t| {
         use std::os::fd::AsRawFd;
         let fd = e.as_raw_fd();
-        t.register_poller("rx", PollerKind::Active, &[(fd, Interest::READABLE)], Box::new(move |_, _| {
-            if e.drain() { PollStatus::Busy } else { PollStatus::Idle }
-        }))
+        t.register_poller(
+            "rx",
+            PollerKind::Active,
+            &[(fd, Interest::READABLE)],
+            Box::new(move |_, _| {
+                if e.drain() {
+                    PollStatus::Busy
+                } else {
+                    PollStatus::Idle
+                }
+            }),
+        )
         .unwrap();
-        t.register_poller("slow", PollerKind::every_us(500_000), &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+        t.register_poller(
+            "slow",
+            PollerKind::every_us(500_000),
+            &[],
+            Box::new(|_, _| PollStatus::Idle),
+        )
+        .unwrap();
     })
     .unwrap();
     std::thread::sleep(Duration::from_millis(200));
@@ -119,7 +143,11 @@ fn idle_reactor_sleeps(mode: Mode) {
     let before = thread_cpu_ms(tid);
     std::thread::sleep(Duration::from_secs(2));
     let after = thread_cpu_ms(tid);
-    assert!(after - before < 20, "idle {mode}-mode reactor used {} ms of CPU in 2 s", after - before);
+    assert!(
+        after - before < 20,
+        "idle {mode}-mode reactor used {} ms of CPU in 2 s",
+        after - before
+    );
     let r = &h.reactor_stats()[0];
     assert!(r.wakeups >= 3, "the timed poller woke it: {r:?}");
     assert!(r.interrupt_mode_enabled());
@@ -133,16 +161,24 @@ fn timed_poller_fires_on_interrupt_reactor() {
     let r = runs.clone();
     fw.handle()
         .spawn_thread(0, "timer", move |t| {
-            t.register_poller("tick", PollerKind::every_us(10_000), &[], Box::new(move |_, _| {
-                r.fetch_add(1, Ordering::Relaxed);
-                PollStatus::Busy
-            }))
+            t.register_poller(
+                "tick",
+                PollerKind::every_us(10_000),
+                &[],
+                Box::new(move |_, _| {
+                    r.fetch_add(1, Ordering::Relaxed);
+                    PollStatus::Busy
+                }),
+            )
             .unwrap();
         })
         .unwrap();
     let start = Instant::now();
     while runs.load(Ordering::Relaxed) < 10 {
-        assert!(start.elapsed() < Duration::from_secs(20), "timed poller did not fire");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed poller did not fire"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -153,8 +189,14 @@ fn fd_less_active_poller_is_refused_in_interrupt_mode() {
     let (tx, rx) = mpsc::channel();
     fw.handle()
         .spawn_thread(0, "bad", move |t| {
-            let r = t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle));
-            tx.send(matches!(r, Err(ReactorError::NoEventSource(_)))).unwrap();
+            let r = t.register_poller(
+                "spin",
+                PollerKind::Active,
+                &[],
+                Box::new(|_, _| PollStatus::Idle),
+            );
+            tx.send(matches!(r, Err(ReactorError::NoEventSource(_))))
+                .unwrap();
         })
         .unwrap();
     assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
@@ -164,12 +206,21 @@ fn fd_less_active_poller_is_refused_in_interrupt_mode() {
     h.set_mode(0, Mode::Poll).unwrap();
     let (tx, rx) = mpsc::channel();
     h.spawn_thread(0, "spinner", move |t| {
-        t.register_poller("spin", PollerKind::Active, &[], Box::new(|_, _| PollStatus::Idle)).unwrap();
+        t.register_poller(
+            "spin",
+            PollerKind::Active,
+            &[],
+            Box::new(|_, _| PollStatus::Idle),
+        )
+        .unwrap();
         tx.send(()).unwrap();
     })
     .unwrap();
     rx.recv_timeout(Duration::from_secs(10)).unwrap();
-    assert!(matches!(h.set_mode(0, Mode::Interrupt), Err(ReactorError::NoEventSource(_))));
+    assert!(matches!(
+        h.set_mode(0, Mode::Interrupt),
+        Err(ReactorError::NoEventSource(_))
+    ));
     assert_eq!(h.reactor_stats()[0].mode, Mode::Poll);
     fw.stop();
 }
@@ -206,7 +257,11 @@ fn mode_switching_under_a_message_storm_loses_nothing() {
     let start = Instant::now();
     let mut mode = 0;
     while count.load(Ordering::SeqCst) < MESSAGES {
-        assert!(start.elapsed() < Duration::from_secs(120), "stuck at {}", count.load(Ordering::SeqCst));
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "stuck at {}",
+            count.load(Ordering::SeqCst)
+        );
         h.set_mode(1, Mode::ALL[mode]).unwrap();
         mode = (mode + 1) % Mode::ALL.len();
         std::thread::sleep(Duration::from_millis(1));

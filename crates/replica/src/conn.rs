@@ -41,12 +41,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use lull_bdev::{BdevError, BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_net::server::Connection;
+use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
     INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
-use lull_net::server::Connection;
-use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::fence::{Claim, ConnFence};
@@ -210,7 +210,9 @@ impl Conn {
         let fence = server.fences.register();
         Conn {
             // Unknown only if the peer is already gone; the first read says so.
-            peer: stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
+            peer: stream
+                .peer_addr()
+                .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
             fd: stream.as_raw_fd(),
             stream,
             server,
@@ -304,12 +306,21 @@ impl Conn {
     #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn check_invariants(&self) {
         let busy = self.slots.iter().filter(|s| s.is_some()).count();
-        assert_eq!(busy + self.free.len(), MAX_IN_FLIGHT, "slots leaked or double-freed");
+        assert_eq!(
+            busy + self.free.len(),
+            MAX_IN_FLIGHT,
+            "slots leaked or double-freed"
+        );
         let mut free = self.free.clone();
         free.sort_unstable();
         free.dedup();
         assert_eq!(free.len(), self.free.len(), "free list has duplicates");
-        let modifying = self.slots.iter().flatten().filter(|h| h.kind.modifies()).count();
+        let modifying = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|h| h.kind.modifies())
+            .count();
         let waiting = usize::from(self.wait.as_ref().is_some_and(Wait::counted));
         assert_eq!(
             self.fence.modifying(),
@@ -773,7 +784,11 @@ impl Conn {
         let mut progress = copied > 0;
         // Large payloads go straight from the socket to the buffer.
         if filled < len && self.inb.buffered() == 0 {
-            match read_into(&mut self.stream, &mut buf.as_mut_slice()[..len], &mut filled) {
+            match read_into(
+                &mut self.stream,
+                &mut buf.as_mut_slice()[..len],
+                &mut filled,
+            ) {
                 Ok(Fill::Read(_)) => progress = true,
                 Ok(Fill::Nothing) => {}
                 Ok(Fill::Eof) => {
@@ -854,7 +869,8 @@ impl Conn {
                 if self.buffered() < HEADER_LEN + HELLO_LEN {
                     return false;
                 }
-                let hello = wire::decode_hello(&self.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
+                let hello =
+                    wire::decode_hello(&self.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
                 self.inb.consume(HEADER_LEN + HELLO_LEN);
                 match hello {
                     Ok(hello) => self.handle_hello(h, hello),
@@ -953,7 +969,10 @@ impl Conn {
                     tracing::info!(peer = %self.peer, session = hello.session, owner,
                         "HELLO of an older engine session refused");
                     self.refuse_hello(req, libc::ESTALE);
-                    self.close(format!("stale engine session {:#x} (owner {owner:#x})", hello.session));
+                    self.close(format!(
+                        "stale engine session {:#x} (owner {owner:#x})",
+                        hello.session
+                    ));
                     return;
                 }
                 Claim::Owner { previous } if previous != hello.session => {

@@ -77,7 +77,9 @@ use std::time::Duration;
 
 use lull_bdev::{BdevError, BlockDevice, FileDev, FileOptions};
 use lull_net::server::{Acceptor, Connections, Limits};
-use lull_reactor::{Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle};
+use lull_reactor::{
+    Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle,
+};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
@@ -138,7 +140,9 @@ pub enum ReplicaError {
     ShuttingDown,
     #[error("cannot start a metadata writer thread: {0}")]
     Helper(io::Error),
-    #[error("{open} connection(s) still open after the shutdown timeout; the data file was not synced")]
+    #[error(
+        "{open} connection(s) still open after the shutdown timeout; the data file was not synced"
+    )]
     Unclean { open: usize },
     #[error("write-intent record: {0}")]
     Intent(#[from] IntentError),
@@ -643,7 +647,9 @@ impl ReplicaServer {
             }),
         });
         let s = shared.clone();
-        let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| Conn::new(stream, s.clone())) {
+        let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| {
+            Conn::new(stream, s.clone())
+        }) {
             Ok(a) => a,
             Err(e) => {
                 shared.intent.stop();

@@ -45,32 +45,51 @@ pub enum RpcClientError {
     BadResponse(String),
     /// The server answered with a JSON-RPC error object.
     #[error("error {code}: {message}")]
-    Rpc { code: i64, message: String, data: Option<Value> },
+    Rpc {
+        code: i64,
+        message: String,
+        data: Option<Value>,
+    },
 }
 
 /// Call `method` on the server at `socket` and return its `result`.
-pub fn call(socket: &Path, method: &str, params: Option<Value>, timeout: Duration) -> Result<Value, RpcClientError> {
+pub fn call(
+    socket: &Path,
+    method: &str,
+    params: Option<Value>,
+    timeout: Duration,
+) -> Result<Value, RpcClientError> {
     let deadline = Instant::now() + timeout;
-    let stream =
-        UnixStream::connect(socket).map_err(|source| RpcClientError::Connect { path: socket.to_path_buf(), source })?;
+    let stream = UnixStream::connect(socket).map_err(|source| RpcClientError::Connect {
+        path: socket.to_path_buf(),
+        source,
+    })?;
     const ID: u64 = 1;
     let mut request = json!({"jsonrpc": "2.0", "method": method, "id": ID});
     if let Some(p) = params {
         request["params"] = p;
     }
-    let bytes = serde_json::to_vec(&request).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
+    let bytes =
+        serde_json::to_vec(&request).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
     let io_err = |e: io::Error| {
-        if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
             RpcClientError::Timeout(timeout)
         } else {
             RpcClientError::Io(e)
         }
     };
-    stream.set_write_timeout(Some(remaining(deadline, timeout)?)).map_err(io_err)?;
+    stream
+        .set_write_timeout(Some(remaining(deadline, timeout)?))
+        .map_err(io_err)?;
     (&stream).write_all(&bytes).map_err(io_err)?;
     let mut framer = JsonFramer::new(MAX_RESPONSE_BYTES);
     let frame = loop {
-        stream.set_read_timeout(Some(remaining(deadline, timeout)?)).map_err(io_err)?;
+        stream
+            .set_read_timeout(Some(remaining(deadline, timeout)?))
+            .map_err(io_err)?;
         match framer.read_frame(&mut &stream) {
             Ok(Some(f)) => break f,
             Ok(None) | Err(FrameError::Truncated) => return Err(RpcClientError::Closed),
@@ -79,19 +98,29 @@ pub fn call(socket: &Path, method: &str, params: Option<Value>, timeout: Duratio
             Err(e) => return Err(RpcClientError::BadResponse(e.to_string())),
         }
     };
-    let response: Value = serde_json::from_slice(&frame).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
+    let response: Value =
+        serde_json::from_slice(&frame).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
     if let Some(err) = response.get("error") {
         let code = err.get("code").and_then(Value::as_i64).unwrap_or_default();
-        let message = err.get("message").and_then(Value::as_str).unwrap_or_default().to_string();
-        return Err(RpcClientError::Rpc { code, message, data: err.get("data").cloned() });
+        let message = err
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        return Err(RpcClientError::Rpc {
+            code,
+            message,
+            data: err.get("data").cloned(),
+        });
     }
     if response.get("id") != Some(&json!(ID)) {
-        return Err(RpcClientError::BadResponse(format!("unexpected id in {response}")));
+        return Err(RpcClientError::BadResponse(format!(
+            "unexpected id in {response}"
+        )));
     }
-    response
-        .get("result")
-        .cloned()
-        .ok_or_else(|| RpcClientError::BadResponse(format!("neither result nor error in {response}")))
+    response.get("result").cloned().ok_or_else(|| {
+        RpcClientError::BadResponse(format!("neither result nor error in {response}"))
+    })
 }
 
 fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RpcClientError> {
@@ -146,7 +175,11 @@ pub fn run_client(args: &RpcArgs) -> ExitCode {
             let _ = writeln!(std::io::stdout(), "{}", pretty(&result));
             ExitCode::SUCCESS
         }
-        Err(RpcClientError::Rpc { code, message, data }) => {
+        Err(RpcClientError::Rpc {
+            code,
+            message,
+            data,
+        }) => {
             let mut err = json!({"code": code, "message": message});
             if let Some(d) = data {
                 err["data"] = d;

@@ -54,7 +54,11 @@ impl<S: Closable> ConnSet<S> {
     pub(crate) fn new(cap: usize) -> Arc<ConnSet<S>> {
         Arc::new(ConnSet {
             cap,
-            inner: Mutex::new(Inner { open: HashMap::new(), next_id: 0, closing: false }),
+            inner: Mutex::new(Inner {
+                open: HashMap::new(),
+                next_id: 0,
+                closing: false,
+            }),
             changed: Condvar::new(),
         })
     }
@@ -69,7 +73,10 @@ impl<S: Closable> ConnSet<S> {
         let id = inner.next_id;
         inner.next_id += 1;
         inner.open.insert(id, handle);
-        Some(Slot { set: self.clone(), id })
+        Some(Slot {
+            set: self.clone(),
+            id,
+        })
     }
 
     /// Refuse new connections, shut down the open ones and wait up to

@@ -56,7 +56,15 @@ pub struct JsonFramer {
 
 impl JsonFramer {
     pub fn new(limit: usize) -> JsonFramer {
-        JsonFramer { buf: Vec::new(), limit, pos: 0, in_value: false, depth: 0, in_string: false, escape: false }
+        JsonFramer {
+            buf: Vec::new(),
+            limit,
+            pos: 0,
+            in_value: false,
+            depth: 0,
+            in_string: false,
+            escape: false,
+        }
     }
 
     /// Whether part of a value is buffered (a read now would be mid-request).
@@ -71,7 +79,11 @@ impl JsonFramer {
     /// Take the next complete value's bytes, if one is buffered.
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
         if !self.in_value {
-            let skip = self.buf.iter().take_while(|b| b.is_ascii_whitespace()).count();
+            let skip = self
+                .buf
+                .iter()
+                .take_while(|b| b.is_ascii_whitespace())
+                .count();
             self.buf.drain(..skip);
             self.pos = 0;
             match self.buf.first() {
@@ -82,7 +94,12 @@ impl JsonFramer {
                     self.in_string = false;
                     self.escape = false;
                 }
-                Some(&b) if b == b'"' || b == b'-' || b.is_ascii_digit() || matches!(b, b't' | b'f' | b'n') => {
+                Some(&b)
+                    if b == b'"'
+                        || b == b'-'
+                        || b.is_ascii_digit()
+                        || matches!(b, b't' | b'f' | b'n') =>
+                {
                     return Err(FrameError::NotStructured(b as char))
                 }
                 Some(&b) => return Err(FrameError::Garbage(b)),
@@ -191,11 +208,23 @@ mod tests {
 
     #[test]
     fn errors() {
-        assert!(matches!(frames(b"{\"a\":1", 100), Err(FrameError::Truncated)));
-        assert!(matches!(frames(b"hello", 100), Err(FrameError::Garbage(b'h'))));
-        assert!(matches!(frames(b"42", 100), Err(FrameError::NotStructured('4'))));
+        assert!(matches!(
+            frames(b"{\"a\":1", 100),
+            Err(FrameError::Truncated)
+        ));
+        assert!(matches!(
+            frames(b"hello", 100),
+            Err(FrameError::Garbage(b'h'))
+        ));
+        assert!(matches!(
+            frames(b"42", 100),
+            Err(FrameError::NotStructured('4'))
+        ));
         let big = format!("{{\"a\":\"{}\"}}", "x".repeat(200));
-        assert!(matches!(frames(big.as_bytes(), 100), Err(FrameError::TooLarge { limit: 100 })));
+        assert!(matches!(
+            frames(big.as_bytes(), 100),
+            Err(FrameError::TooLarge { limit: 100 })
+        ));
         assert_eq!(frames(b"   \n ", 100).unwrap().len(), 0);
     }
 }

@@ -35,19 +35,30 @@ impl RequestHead {
 /// Parse a request head from the start of `buf`: `Ok(None)` until the blank
 /// line that ends it has arrived. Headers are not interpreted.
 pub(crate) fn parse_head(buf: &[u8], limit: usize) -> Result<Option<RequestHead>, HttpError> {
-    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").or_else(|| buf.windows(2).position(|w| w == b"\n\n"));
+    let end = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .or_else(|| buf.windows(2).position(|w| w == b"\n\n"));
     let Some(end) = end else {
-        return if buf.len() >= limit { Err(HttpError::TooLarge) } else { Ok(None) };
+        return if buf.len() >= limit {
+            Err(HttpError::TooLarge)
+        } else {
+            Ok(None)
+        };
     };
     if end > limit {
         return Err(HttpError::TooLarge);
     }
-    let head = std::str::from_utf8(&buf[..end]).map_err(|_| HttpError::Malformed("request head is not UTF-8"))?;
+    let head = std::str::from_utf8(&buf[..end])
+        .map_err(|_| HttpError::Malformed("request head is not UTF-8"))?;
     let line = head.lines().next().unwrap_or("");
     let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
-        return Err(HttpError::Malformed("request line is not METHOD TARGET VERSION"));
+        return Err(HttpError::Malformed(
+            "request line is not METHOD TARGET VERSION",
+        ));
     };
     if method.is_empty() || !method.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(HttpError::Malformed("bad method"));
@@ -58,7 +69,10 @@ pub(crate) fn parse_head(buf: &[u8], limit: usize) -> Result<Option<RequestHead>
     if !version.starts_with("HTTP/1.") {
         return Err(HttpError::Malformed("only HTTP/1.x"));
     }
-    Ok(Some(RequestHead { method: method.to_string(), target: target.to_string() }))
+    Ok(Some(RequestHead {
+        method: method.to_string(),
+        target: target.to_string(),
+    }))
 }
 
 /// A complete `Connection: close` response. `with_body: false` (HEAD) keeps
@@ -95,10 +109,14 @@ mod tests {
 
     #[test]
     fn heads() {
-        let h = parse_head(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n", 100).unwrap().unwrap();
+        let h = parse_head(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n", 100)
+            .unwrap()
+            .unwrap();
         assert_eq!((h.method.as_str(), h.path()), ("GET", "/metrics"));
         assert_eq!(parse_head(b"GET /metrics HTTP/1.1\r\nHost:", 100), Ok(None));
-        assert!(parse_head(b"GET /metrics HTTP/1.0\n\n", 100).unwrap().is_some());
+        assert!(parse_head(b"GET /metrics HTTP/1.0\n\n", 100)
+            .unwrap()
+            .is_some());
         assert_eq!(parse_head(&[b'a'; 100], 100), Err(HttpError::TooLarge));
         for bad in [
             &b"GET\r\n\r\n"[..],
@@ -108,7 +126,10 @@ mod tests {
             b"GET  / HTTP/1.1\r\n\r\n",
             b"\xff / HTTP/1.1\r\n\r\n",
         ] {
-            assert!(matches!(parse_head(bad, 100), Err(HttpError::Malformed(_))), "{bad:?}");
+            assert!(
+                matches!(parse_head(bad, 100), Err(HttpError::Malformed(_))),
+                "{bad:?}"
+            );
         }
     }
 }

@@ -71,7 +71,10 @@ pub struct LullContext {
 
 impl std::fmt::Debug for LullContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LullContext").field("fw", &self.fw).field("volumes", &self.volumes).finish()
+        f.debug_struct("LullContext")
+            .field("fw", &self.fw)
+            .field("volumes", &self.volumes)
+            .finish()
     }
 }
 
@@ -91,7 +94,10 @@ pub const LULL_METHODS: &[&str] = &[
 ];
 
 /// Register every lull method (see [`LULL_METHODS`]).
-pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) -> Result<(), RpcError> {
+pub fn register_lull_methods(
+    registry: &mut MethodRegistry,
+    ctx: LullContext,
+) -> Result<(), RpcError> {
     let c = ctx.clone();
     registry.register(
         "framework_get_reactors",
@@ -121,7 +127,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         "engine_set_options",
         Box::new(move |p| {
             let normalized = normalize_options(parse_params(p)?)?;
-            c.engine.set_options(&normalized).map_err(RpcMethodError::Internal)
+            c.engine
+                .set_options(&normalized)
+                .map_err(RpcMethodError::Internal)
         }),
     )?;
     let c = ctx.clone();
@@ -147,7 +155,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
             let backend = p.backend.as_deref().unwrap_or("malloc");
             check_name("backend", backend, MAX_BACKEND_LEN)?;
             let size_bytes = parse_size(&p.size).map_err(RpcMethodError::InvalidParams)?;
-            c.engine.volume_create(&p.name, size_bytes, backend).map_err(RpcMethodError::Internal)
+            c.engine
+                .volume_create(&p.name, size_bytes, backend)
+                .map_err(RpcMethodError::Internal)
         }),
     )?;
     let c = ctx.clone();
@@ -156,7 +166,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         Box::new(move |p| {
             let p: VolumeName = parse_params(p)?;
             check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
-            c.engine.volume_delete(&p.name).map_err(RpcMethodError::Internal)?;
+            c.engine
+                .volume_delete(&p.name)
+                .map_err(RpcMethodError::Internal)?;
             Ok(Value::Bool(true))
         }),
     )?;
@@ -166,7 +178,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         Box::new(move |p| {
             let p: VolumeName = parse_params(p)?;
             check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
-            c.engine.volume_stats(&p.name).map_err(RpcMethodError::Internal)
+            c.engine
+                .volume_stats(&p.name)
+                .map_err(RpcMethodError::Internal)
         }),
     )?;
     let c = ctx.clone();
@@ -175,7 +189,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         Box::new(move |p| {
             let p: ReplicaVolume = parse_params(p)?;
             check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
-            c.engine.replica_list(&p.volume).map_err(RpcMethodError::Internal)
+            c.engine
+                .replica_list(&p.volume)
+                .map_err(RpcMethodError::Internal)
         }),
     )?;
     let c = ctx.clone();
@@ -184,7 +200,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         Box::new(move |p| {
             let p: ReplicaAddr = parse_params(p)?;
             p.check()?;
-            c.engine.replica_add(&p.volume, &p.addr).map_err(RpcMethodError::Internal)?;
+            c.engine
+                .replica_add(&p.volume, &p.addr)
+                .map_err(RpcMethodError::Internal)?;
             Ok(Value::Bool(true))
         }),
     )?;
@@ -194,7 +212,9 @@ pub fn register_lull_methods(registry: &mut MethodRegistry, ctx: LullContext) ->
         Box::new(move |p| {
             let p: ReplicaAddr = parse_params(p)?;
             p.check()?;
-            c.engine.replica_remove(&p.volume, &p.addr).map_err(RpcMethodError::Internal)?;
+            c.engine
+                .replica_remove(&p.volume, &p.addr)
+                .map_err(RpcMethodError::Internal)?;
             Ok(Value::Bool(true))
         }),
     )?;
@@ -304,7 +324,9 @@ impl ReplicaAddr {
 
 fn check_name(field: &str, value: &str, max: usize) -> Result<(), RpcMethodError> {
     if value.is_empty() || value.len() > max || value.contains('\0') {
-        return Err(RpcMethodError::InvalidParams(format!("{field} must be 1 to {max} bytes, without NUL")));
+        return Err(RpcMethodError::InvalidParams(format!(
+            "{field} must be 1 to {max} bytes, without NUL"
+        )));
     }
     Ok(())
 }
@@ -316,7 +338,10 @@ struct SetOptions {
     mode: Option<String>,
     /// Longhorn's `data-engine-interrupt-mode-enabled`: true = interrupt,
     /// false = poll.
-    #[serde(rename = "data-engine-interrupt-mode-enabled", alias = "interrupt_mode_enabled")]
+    #[serde(
+        rename = "data-engine-interrupt-mode-enabled",
+        alias = "interrupt_mode_enabled"
+    )]
     interrupt_mode_enabled: Option<bool>,
     /// Longhorn's `data-engine-nvme-ioq-poll-period-us`.
     #[serde(rename = "data-engine-nvme-ioq-poll-period-us")]
@@ -329,7 +354,9 @@ struct SetOptions {
 fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
     let bad = |m: String| Err(RpcMethodError::InvalidParams(m));
     let mut out = Map::new();
-    let implied = o.interrupt_mode_enabled.map(|on| if on { "interrupt" } else { "poll" });
+    let implied = o
+        .interrupt_mode_enabled
+        .map(|on| if on { "interrupt" } else { "poll" });
     match (o.mode, implied) {
         (Some(m), Some(i)) if m != i => {
             return bad(format!(
@@ -340,9 +367,13 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
         (Some(m), _) => {
             let ok = !m.is_empty()
                 && m.len() <= MAX_MODE_NAME_LEN
-                && m.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+                && m.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
             if !ok {
-                return bad(format!("mode must be a mode name such as \"poll\" or \"interrupt\", got {m:?}"));
+                return bad(format!(
+                    "mode must be a mode name such as \"poll\" or \"interrupt\", got {m:?}"
+                ));
             }
             out.insert("mode".into(), Value::String(m));
         }
@@ -359,18 +390,25 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
         }
         (a, b) => a.or(b),
     };
-    for (name, v) in [("nvme_ioq_poll_period_us", ioq), ("nvme_adminq_poll_period_us", o.nvme_adminq_poll_period_us)] {
+    for (name, v) in [
+        ("nvme_ioq_poll_period_us", ioq),
+        ("nvme_adminq_poll_period_us", o.nvme_adminq_poll_period_us),
+    ] {
         if let Some(us) = v {
             if !(1..=MAX_POLL_PERIOD_US).contains(&us) {
-                return bad(format!("{name} must be 1 to {MAX_POLL_PERIOD_US}, got {us}"));
+                return bad(format!(
+                    "{name} must be 1 to {MAX_POLL_PERIOD_US}, got {us}"
+                ));
             }
             out.insert(name.into(), json!(us));
         }
     }
     if out.is_empty() {
-        return bad("no options given (mode, nvme_ioq_poll_period_us, nvme_adminq_poll_period_us, \
+        return bad(
+            "no options given (mode, nvme_ioq_poll_period_us, nvme_adminq_poll_period_us, \
                     data-engine-interrupt-mode-enabled, data-engine-nvme-ioq-poll-period-us)"
-            .into());
+                .into(),
+        );
     }
     Ok(Value::Object(out))
 }
@@ -379,9 +417,15 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
 /// optional binary suffix K, M, G, T or P (also KiB, KB, ... ; any case).
 pub fn parse_size(v: &Value) -> Result<u64, String> {
     let bytes = match v {
-        Value::Number(n) => n.as_u64().ok_or_else(|| format!("size must be a positive integer, got {n}"))?,
+        Value::Number(n) => n
+            .as_u64()
+            .ok_or_else(|| format!("size must be a positive integer, got {n}"))?,
         Value::String(s) => lull_bdev::parse_size_bytes(s)?,
-        other => return Err(format!("size must be a number of bytes or a string such as \"1G\", got {other}")),
+        other => {
+            return Err(format!(
+                "size must be a number of bytes or a string such as \"1G\", got {other}"
+            ))
+        }
     };
     if bytes == 0 {
         return Err("size must be greater than 0".into());
@@ -416,15 +460,25 @@ mod tests {
     }
 
     fn norm(v: Value) -> Result<Value, RpcMethodError> {
-        normalize_options(serde_json::from_value(v).map_err(|e| RpcMethodError::InvalidParams(e.to_string()))?)
+        normalize_options(
+            serde_json::from_value(v).map_err(|e| RpcMethodError::InvalidParams(e.to_string()))?,
+        )
     }
 
     #[test]
     fn options() {
-        assert_eq!(norm(json!({"data-engine-interrupt-mode-enabled": false})), Ok(json!({"mode": "poll"})));
-        assert_eq!(norm(json!({"interrupt_mode_enabled": true})), Ok(json!({"mode": "interrupt"})));
         assert_eq!(
-            norm(json!({"data-engine-nvme-ioq-poll-period-us": 50, "nvme_adminq_poll_period_us": 1000})),
+            norm(json!({"data-engine-interrupt-mode-enabled": false})),
+            Ok(json!({"mode": "poll"}))
+        );
+        assert_eq!(
+            norm(json!({"interrupt_mode_enabled": true})),
+            Ok(json!({"mode": "interrupt"}))
+        );
+        assert_eq!(
+            norm(
+                json!({"data-engine-nvme-ioq-poll-period-us": 50, "nvme_adminq_poll_period_us": 1000})
+            ),
             Ok(json!({"nvme_ioq_poll_period_us": 50, "nvme_adminq_poll_period_us": 1000}))
         );
         assert_eq!(
@@ -440,7 +494,10 @@ mod tests {
             json!({"mode": "Poll Mode"}),
             json!({"mode": ""}),
         ] {
-            assert!(matches!(norm(bad.clone()), Err(RpcMethodError::InvalidParams(_))), "{bad}");
+            assert!(
+                matches!(norm(bad.clone()), Err(RpcMethodError::InvalidParams(_))),
+                "{bad}"
+            );
         }
         assert!(norm(json!({"frobnicate": 1})).is_err());
         assert!(norm(json!({"nvme_ioq_poll_period_us": "100"})).is_err());

@@ -26,7 +26,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeLabelValue, LabelValueEncoder,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
@@ -60,7 +62,8 @@ const REJECT_QUEUE_LEN: usize = 16;
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// The content type of what `encode_snapshot` writes.
-pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The path served.
 pub const METRICS_PATH: &str = "/metrics";
@@ -115,7 +118,10 @@ impl ReactorMetrics {
 
 /// `ReactorMetrics::from_stats` for every reactor of a framework.
 pub fn reactor_metrics(fw: &lull_reactor::FrameworkHandle) -> Vec<ReactorMetrics> {
-    fw.reactor_stats().iter().map(ReactorMetrics::from_stats).collect()
+    fw.reactor_stats()
+        .iter()
+        .map(ReactorMetrics::from_stats)
+        .collect()
 }
 
 /// One volume's I/O counters.
@@ -179,7 +185,10 @@ impl EncodeLabelValue for Label {
 type Labels = Vec<(&'static str, Label)>;
 
 fn reactor_labels(r: &ReactorMetrics) -> Labels {
-    vec![("reactor", Label(r.index.to_string())), ("core", Label(r.core.to_string()))]
+    vec![
+        ("reactor", Label(r.index.to_string())),
+        ("core", Label(r.core.to_string())),
+    ]
 }
 
 fn volume_labels(v: &VolumeMetrics) -> Labels {
@@ -206,7 +215,9 @@ fn counters<T, V: EncodeCounterValue>(
     let mut family = enc.encode_descriptor(name, help, unit, MetricType::Counter)?;
     for item in items {
         let l = labels(item);
-        family.encode_family(&l)?.encode_counter::<(), V, u64>(&value(item), None)?;
+        family
+            .encode_family(&l)?
+            .encode_counter::<(), V, u64>(&value(item), None)?;
     }
     Ok(())
 }
@@ -232,8 +243,12 @@ fn gauges<T>(
 /// Returns them with the total count (never below the buckets' sum, so the
 /// +Inf bucket equals `_count` as OpenMetrics requires).
 fn histogram_buckets(v: &VolumeMetrics) -> (Vec<(f64, u64)>, u64) {
-    let mut b: Vec<(f64, u64)> =
-        v.latency_buckets.iter().filter(|(le, _)| le.is_finite() && *le >= 0.0).copied().collect();
+    let mut b: Vec<(f64, u64)> = v
+        .latency_buckets
+        .iter()
+        .filter(|(le, _)| le.is_finite() && *le >= 0.0)
+        .copied()
+        .collect();
     b.sort_by(|x, y| x.0.total_cmp(&y.0));
     let mut out: Vec<(f64, u64)> = Vec::with_capacity(b.len() + 1);
     for (le_ns, n) in b {
@@ -271,9 +286,15 @@ impl Collector for SnapshotCollector {
             reactor_labels,
             |x| ns_to_s(x.idle_ns),
         )?;
-        counters(&mut enc, "lull_reactor_iterations", "Reactor loop iterations.", None, r, reactor_labels, |x| {
-            x.iterations
-        })?;
+        counters(
+            &mut enc,
+            "lull_reactor_iterations",
+            "Reactor loop iterations.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.iterations,
+        )?;
         counters(
             &mut enc,
             "lull_reactor_wakeups",
@@ -332,11 +353,43 @@ impl Collector for SnapshotCollector {
         )?;
 
         let v = &s.volumes[..];
-        counters(&mut enc, "lull_volume_reads", "Read requests completed.", None, v, volume_labels, |x| x.reads)?;
-        counters(&mut enc, "lull_volume_writes", "Write requests completed.", None, v, volume_labels, |x| x.writes)?;
+        counters(
+            &mut enc,
+            "lull_volume_reads",
+            "Read requests completed.",
+            None,
+            v,
+            volume_labels,
+            |x| x.reads,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_writes",
+            "Write requests completed.",
+            None,
+            v,
+            volume_labels,
+            |x| x.writes,
+        )?;
         let bytes = Unit::Bytes;
-        counters(&mut enc, "lull_volume_read", "Bytes read.", Some(&bytes), v, volume_labels, |x| x.read_bytes)?;
-        counters(&mut enc, "lull_volume_written", "Bytes written.", Some(&bytes), v, volume_labels, |x| x.write_bytes)?;
+        counters(
+            &mut enc,
+            "lull_volume_read",
+            "Bytes read.",
+            Some(&bytes),
+            v,
+            volume_labels,
+            |x| x.read_bytes,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_written",
+            "Bytes written.",
+            Some(&bytes),
+            v,
+            volume_labels,
+            |x| x.write_bytes,
+        )?;
         let mut family = enc.encode_descriptor(
             "lull_volume_latency",
             "Request latency, submission to completion.",
@@ -346,7 +399,12 @@ impl Collector for SnapshotCollector {
         for x in v {
             let (buckets, count) = histogram_buckets(x);
             let l = volume_labels(x);
-            family.encode_family(&l)?.encode_histogram::<()>(ns_to_s(x.latency_sum_ns), count, &buckets, None)?;
+            family.encode_family(&l)?.encode_histogram::<()>(
+                ns_to_s(x.latency_sum_ns),
+                count,
+                &buckets,
+                None,
+            )?;
         }
 
         gauges(
@@ -354,7 +412,12 @@ impl Collector for SnapshotCollector {
             "lull_replica_healthy",
             "1 when the replica is in sync and serving, 0 otherwise.",
             &s.replicas,
-            |x| vec![("volume", Label(x.volume.clone())), ("replica", Label(x.addr.clone()))],
+            |x| {
+                vec![
+                    ("volume", Label(x.volume.clone())),
+                    ("replica", Label(x.addr.clone())),
+                ]
+            },
             |x| i64::from(x.healthy),
         )?;
         Ok(())
@@ -366,7 +429,8 @@ pub fn encode_snapshot(snapshot: MetricsSnapshot) -> Result<String, MetricsError
     let mut registry = Registry::default();
     registry.register_collector(Box::new(SnapshotCollector(snapshot)));
     let mut out = String::new();
-    prometheus_client::encoding::text::encode(&mut out, &registry).map_err(|_| MetricsError::Encode)?;
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .map_err(|_| MetricsError::Encode)?;
     Ok(out)
 }
 
@@ -386,9 +450,15 @@ impl std::fmt::Debug for MetricsServer {
 
 impl MetricsServer {
     /// Listen on `addr` (port 0 picks one; see `local_addr`).
-    pub fn start(addr: SocketAddr, source: Arc<dyn MetricsSource>) -> Result<MetricsServer, MetricsError> {
-        let listener = TcpListener::bind(addr).map_err(|source| MetricsError::Listen { addr, source })?;
-        let local = listener.local_addr().map_err(|source| MetricsError::Listen { addr, source })?;
+    pub fn start(
+        addr: SocketAddr,
+        source: Arc<dyn MetricsSource>,
+    ) -> Result<MetricsServer, MetricsError> {
+        let listener =
+            TcpListener::bind(addr).map_err(|source| MetricsError::Listen { addr, source })?;
+        let local = listener
+            .local_addr()
+            .map_err(|source| MetricsError::Listen { addr, source })?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns = ConnSet::new(MAX_METRICS_CONNECTIONS);
         let accept = {
@@ -400,7 +470,12 @@ impl MetricsServer {
                 .map_err(MetricsError::Thread)?
         };
         tracing::info!(addr = %local, "metrics server listening");
-        Ok(MetricsServer { addr: local, stop, accept: Some(accept), conns })
+        Ok(MetricsServer {
+            addr: local,
+            stop,
+            accept: Some(accept),
+            conns,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -413,7 +488,9 @@ impl MetricsServer {
     }
 
     fn stop_now(&mut self) {
-        let Some(accept) = self.accept.take() else { return };
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
         self.stop.store(true, Ordering::SeqCst);
         // Wake the blocking accept with a connection of our own.
         let mut wake = self.addr;
@@ -513,12 +590,19 @@ fn read_head(stream: &TcpStream) -> Result<http::RequestHead, HttpError> {
         if left.is_zero() {
             return Err(HttpError::Timeout);
         }
-        stream.set_read_timeout(Some(left)).map_err(|_| HttpError::Closed)?;
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(|_| HttpError::Closed)?;
         match (&*stream).read(&mut chunk) {
             Ok(0) => return Err(HttpError::Closed),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 return Err(HttpError::Timeout)
             }
             Err(_) => return Err(HttpError::Closed),
@@ -532,20 +616,42 @@ fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<T
         return;
     }
     let text = |code: u16, reason: &str, extra: &[(&str, &str)], body: &str| {
-        http::response(code, reason, extra, "text/plain; charset=utf-8", body.as_bytes(), true)
+        http::response(
+            code,
+            reason,
+            extra,
+            "text/plain; charset=utf-8",
+            body.as_bytes(),
+            true,
+        )
     };
     let response = match read_head(&stream) {
         Err(HttpError::Closed | HttpError::Timeout) => return,
-        Err(HttpError::TooLarge) => text(431, "Request Header Fields Too Large", &[], "request head too large\n"),
+        Err(HttpError::TooLarge) => text(
+            431,
+            "Request Header Fields Too Large",
+            &[],
+            "request head too large\n",
+        ),
         Err(HttpError::Malformed(why)) => text(400, "Bad Request", &[], &format!("{why}\n")),
-        Ok(head) if head.method != "GET" && head.method != "HEAD" => {
-            text(405, "Method Not Allowed", &[("Allow", "GET, HEAD")], "only GET and HEAD\n")
-        }
+        Ok(head) if head.method != "GET" && head.method != "HEAD" => text(
+            405,
+            "Method Not Allowed",
+            &[("Allow", "GET, HEAD")],
+            "only GET and HEAD\n",
+        ),
         Ok(head) if head.path() != METRICS_PATH => text(404, "Not Found", &[], "try /metrics\n"),
         Ok(head) => {
             let with_body = head.method == "GET";
             match catch_unwind(AssertUnwindSafe(|| encode_snapshot(source.snapshot()))) {
-                Ok(Ok(body)) => http::response(200, "OK", &[], OPENMETRICS_CONTENT_TYPE, body.as_bytes(), with_body),
+                Ok(Ok(body)) => http::response(
+                    200,
+                    "OK",
+                    &[],
+                    OPENMETRICS_CONTENT_TYPE,
+                    body.as_bytes(),
+                    with_body,
+                ),
                 Ok(Err(e)) => {
                     tracing::error!(error = %e, "metrics scrape failed");
                     text(500, "Internal Server Error", &[], "cannot encode metrics\n")
@@ -566,7 +672,9 @@ fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<T
 /// sending headers). So half-close, then read and drop input until the
 /// client closes, bounded in bytes and time (Apache's "lingering close").
 fn linger(stream: &TcpStream) {
-    if stream.shutdown(std::net::Shutdown::Write).is_err() || stream.set_read_timeout(Some(LINGER_TIMEOUT)).is_err() {
+    if stream.shutdown(std::net::Shutdown::Write).is_err()
+        || stream.set_read_timeout(Some(LINGER_TIMEOUT)).is_err()
+    {
         return;
     }
     let mut chunk = [0u8; 4096];
@@ -586,7 +694,13 @@ mod tests {
     #[test]
     fn histogram_buckets_are_sane() {
         let v = VolumeMetrics {
-            latency_buckets: vec![(2000.0, 3), (1000.0, 1), (f64::NAN, 9), (1000.0, 1), (-5.0, 1)],
+            latency_buckets: vec![
+                (2000.0, 3),
+                (1000.0, 1),
+                (f64::NAN, 9),
+                (1000.0, 1),
+                (-5.0, 1),
+            ],
             latency_count: 4,
             ..Default::default()
         };
@@ -594,17 +708,28 @@ mod tests {
         let (b, count) = histogram_buckets(&v);
         assert_eq!(count, 5);
         assert_eq!(b, vec![(1e-6, 2), (2e-6, 3), (f64::MAX, 0)]);
-        let v = VolumeMetrics { latency_buckets: vec![(1000.0, 1)], latency_count: 10, ..Default::default() };
+        let v = VolumeMetrics {
+            latency_buckets: vec![(1000.0, 1)],
+            latency_count: 10,
+            ..Default::default()
+        };
         assert_eq!(histogram_buckets(&v), (vec![(1e-6, 1), (f64::MAX, 9)], 10));
     }
 
     #[test]
     fn label_values_are_escaped() {
         let s = MetricsSnapshot {
-            volumes: vec![VolumeMetrics { name: "a\"b\\c\nd".into(), reads: 1, ..Default::default() }],
+            volumes: vec![VolumeMetrics {
+                name: "a\"b\\c\nd".into(),
+                reads: 1,
+                ..Default::default()
+            }],
             ..Default::default()
         };
         let text = encode_snapshot(s).unwrap();
-        assert!(text.contains("lull_volume_reads_total{volume=\"a\\\"b\\\\c\\nd\"} 1\n"), "{text}");
+        assert!(
+            text.contains("lull_volume_reads_total{volume=\"a\\\"b\\\\c\\nd\"} 1\n"),
+            "{text}"
+        );
     }
 }

@@ -110,7 +110,11 @@ pub fn parse_params<T: DeserializeOwned>(params: Option<Value>) -> Result<T, Rpc
     let v = match params {
         None | Some(Value::Null) => Value::Object(Default::default()),
         Some(v @ Value::Object(_)) => v,
-        Some(_) => return Err(RpcMethodError::InvalidParams("params must be an object (named parameters)".into())),
+        Some(_) => {
+            return Err(RpcMethodError::InvalidParams(
+                "params must be an object (named parameters)".into(),
+            ))
+        }
     };
     serde_json::from_value(v).map_err(|e| RpcMethodError::InvalidParams(e.to_string()))
 }
@@ -131,7 +135,9 @@ pub struct MethodRegistry {
 
 impl std::fmt::Debug for MethodRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MethodRegistry").field("methods", &self.names()).finish()
+        f.debug_struct("MethodRegistry")
+            .field("methods", &self.names())
+            .finish()
     }
 }
 
@@ -182,7 +188,10 @@ impl MethodRegistry {
         let Some(handler) = self.methods.get(method) else {
             return Err(RpcMethodError::Custom {
                 code: METHOD_NOT_FOUND,
-                message: format!("Method not found: {}", truncate(method, MAX_METHOD_NAME_LEN)),
+                message: format!(
+                    "Method not found: {}",
+                    truncate(method, MAX_METHOD_NAME_LEN)
+                ),
             });
         };
         match catch_unwind(AssertUnwindSafe(|| handler(params))) {
@@ -194,7 +203,9 @@ impl MethodRegistry {
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
                 tracing::error!(method, panic = %what, "RPC method panicked");
-                Err(RpcMethodError::Internal(format!("method {method} failed unexpectedly")))
+                Err(RpcMethodError::Internal(format!(
+                    "method {method} failed unexpectedly"
+                )))
             }
         }
     }
@@ -222,13 +233,23 @@ pub fn handle_value(registry: &MethodRegistry, v: Value) -> Option<Value> {
     match v {
         Value::Array(items) => {
             if items.is_empty() {
-                return Some(error_response(Value::Null, INVALID_REQUEST, "Invalid Request: empty batch"));
+                return Some(error_response(
+                    Value::Null,
+                    INVALID_REQUEST,
+                    "Invalid Request: empty batch",
+                ));
             }
             if items.len() > MAX_BATCH_LEN {
-                let msg = format!("Invalid Request: batch of {} exceeds {MAX_BATCH_LEN} requests", items.len());
+                let msg = format!(
+                    "Invalid Request: batch of {} exceeds {MAX_BATCH_LEN} requests",
+                    items.len()
+                );
                 return Some(error_response(Value::Null, INVALID_REQUEST, &msg));
             }
-            let out: Vec<Value> = items.into_iter().filter_map(|r| handle_request(registry, r)).collect();
+            let out: Vec<Value> = items
+                .into_iter()
+                .filter_map(|r| handle_request(registry, r))
+                .collect();
             if out.is_empty() {
                 None
             } else {
@@ -241,7 +262,11 @@ pub fn handle_value(registry: &MethodRegistry, v: Value) -> Option<Value> {
 
 fn handle_request(registry: &MethodRegistry, v: Value) -> Option<Value> {
     let Value::Object(mut obj) = v else {
-        return Some(error_response(Value::Null, INVALID_REQUEST, "Invalid Request: not an object"));
+        return Some(error_response(
+            Value::Null,
+            INVALID_REQUEST,
+            "Invalid Request: not an object",
+        ));
     };
     let (id, notification) = match obj.remove("id") {
         None => (Value::Null, true),
@@ -254,7 +279,13 @@ fn handle_request(registry: &MethodRegistry, v: Value) -> Option<Value> {
             ))
         }
     };
-    let bad = |msg: &str| Some(error_response(id.clone(), INVALID_REQUEST, &format!("Invalid Request: {msg}")));
+    let bad = |msg: &str| {
+        Some(error_response(
+            id.clone(),
+            INVALID_REQUEST,
+            &format!("Invalid Request: {msg}"),
+        ))
+    };
     if obj.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
         return bad("jsonrpc must be \"2.0\"");
     }
@@ -321,7 +352,13 @@ impl RpcServer {
             }
         };
         tracing::info!(path = %path.display(), "JSON-RPC server listening");
-        Ok(RpcServer { path: path.to_path_buf(), ino, stop, accept: Some(accept), conns })
+        Ok(RpcServer {
+            path: path.to_path_buf(),
+            ino,
+            stop,
+            accept: Some(accept),
+            conns,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -334,7 +371,9 @@ impl RpcServer {
     }
 
     fn stop_now(&mut self) {
-        let Some(accept) = self.accept.take() else { return };
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
         self.stop.store(true, Ordering::SeqCst);
         // Wake the blocking accept with a connection of our own.
         let woke = UnixStream::connect(&self.path).is_ok();
@@ -376,9 +415,15 @@ static BIND_SEQ: AtomicU64 = AtomicU64::new(0);
 /// refused. Two servers starting on one path at the same instant may both
 /// pass that check; the later rename wins.
 fn bind_private(path: &Path) -> Result<(UnixListener, u64), RpcError> {
-    let bind_err = |source: io::Error| RpcError::Bind { path: path.to_path_buf(), source };
+    let bind_err = |source: io::Error| RpcError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
     if path.file_name().is_none() {
-        return Err(bind_err(io::Error::new(io::ErrorKind::InvalidInput, "not a file path")));
+        return Err(bind_err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a file path",
+        )));
     }
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => match UnixStream::connect(path) {
@@ -404,7 +449,10 @@ fn bind_private(path: &Path) -> Result<(UnixListener, u64), RpcError> {
     // only that layout is ever removed.
     let _ = std::fs::remove_file(&tmp);
     let _ = std::fs::remove_dir(&dir);
-    std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(bind_err)?;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(bind_err)?;
     let result = (|| {
         let listener = UnixListener::bind(&tmp)?;
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
@@ -438,7 +486,10 @@ fn accept_loop(
         };
         let slot = stream.try_clone().ok().and_then(|h| conns.admit(h));
         let Some(slot) = slot else {
-            tracing::warn!(limit = MAX_RPC_CONNECTIONS, "RPC connection refused: too many connections");
+            tracing::warn!(
+                limit = MAX_RPC_CONNECTIONS,
+                "RPC connection refused: too many connections"
+            );
             let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
             let msg = format!("server busy: {MAX_RPC_CONNECTIONS} connections open");
             let _ = send(&stream, &error_response(Value::Null, SERVER_BUSY, &msg));
@@ -474,7 +525,12 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
         let frame = match framer.read_frame(&mut &stream) {
             Ok(Some(frame)) => frame,
             Ok(None) => return,
-            Err(FrameError::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 if framer.mid_value() {
                     tracing::warn!("RPC request not completed in time; closing the connection");
                     return;
@@ -487,9 +543,16 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
                     FrameError::TooLarge { .. } | FrameError::NotStructured(_) => INVALID_REQUEST,
                     _ => PARSE_ERROR,
                 };
-                let prefix = if code == PARSE_ERROR { "Parse error" } else { "Invalid Request" };
+                let prefix = if code == PARSE_ERROR {
+                    "Parse error"
+                } else {
+                    "Invalid Request"
+                };
                 tracing::debug!(error = %e, "bad RPC framing; closing the connection");
-                let _ = send(&stream, &error_response(Value::Null, code, &format!("{prefix}: {e}")));
+                let _ = send(
+                    &stream,
+                    &error_response(Value::Null, code, &format!("{prefix}: {e}")),
+                );
                 return;
             }
         };
@@ -497,7 +560,10 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
             Ok(v) => v,
             Err(e) => {
                 tracing::debug!(error = %e, "malformed JSON-RPC request; closing the connection");
-                let _ = send(&stream, &error_response(Value::Null, PARSE_ERROR, &format!("Parse error: {e}")));
+                let _ = send(
+                    &stream,
+                    &error_response(Value::Null, PARSE_ERROR, &format!("Parse error: {e}")),
+                );
                 return;
             }
         };
@@ -515,7 +581,8 @@ mod tests {
 
     fn registry() -> MethodRegistry {
         let mut r = MethodRegistry::new();
-        r.register("echo", Box::new(|p| Ok(p.unwrap_or(Value::Null)))).unwrap();
+        r.register("echo", Box::new(|p| Ok(p.unwrap_or(Value::Null))))
+            .unwrap();
         r.register("boom", Box::new(|_| panic!("kaboom"))).unwrap();
         r
     }
@@ -523,13 +590,22 @@ mod tests {
     #[test]
     fn register_rules() {
         let mut r = registry();
-        assert!(matches!(r.register("echo", Box::new(|_| Ok(Value::Null))), Err(RpcError::DuplicateMethod(_))));
+        assert!(matches!(
+            r.register("echo", Box::new(|_| Ok(Value::Null))),
+            Err(RpcError::DuplicateMethod(_))
+        ));
         assert!(matches!(
             r.register(RPC_GET_METHODS, Box::new(|_| Ok(Value::Null))),
             Err(RpcError::DuplicateMethod(_))
         ));
-        assert!(matches!(r.register("", Box::new(|_| Ok(Value::Null))), Err(RpcError::BadMethodName(_))));
-        assert!(matches!(r.register("a b", Box::new(|_| Ok(Value::Null))), Err(RpcError::BadMethodName(_))));
+        assert!(matches!(
+            r.register("", Box::new(|_| Ok(Value::Null))),
+            Err(RpcError::BadMethodName(_))
+        ));
+        assert!(matches!(
+            r.register("a b", Box::new(|_| Ok(Value::Null))),
+            Err(RpcError::BadMethodName(_))
+        ));
         assert_eq!(r.names(), vec!["boom", "echo", "rpc_get_methods"]);
     }
 
@@ -537,17 +613,40 @@ mod tests {
     fn request_rules() {
         let r = registry();
         let call = |v: Value| handle_value(&r, v);
-        let ok = call(json!({"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {"a": 1}})).unwrap();
+        let ok =
+            call(json!({"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {"a": 1}})).unwrap();
         assert_eq!(ok, json!({"jsonrpc": "2.0", "id": 7, "result": {"a": 1}}));
         let code = |v: Option<Value>| v.unwrap()["error"]["code"].as_i64().unwrap();
-        assert_eq!(code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "nope"}))), METHOD_NOT_FOUND);
-        assert_eq!(code(call(json!({"jsonrpc": "1.0", "id": 1, "method": "echo"}))), INVALID_REQUEST);
-        assert_eq!(code(call(json!({"jsonrpc": "2.0", "id": 1, "method": 5}))), INVALID_REQUEST);
-        assert_eq!(code(call(json!({"jsonrpc": "2.0", "id": [1], "method": "echo"}))), INVALID_REQUEST);
-        assert_eq!(code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "echo", "params": 3}))), INVALID_REQUEST);
-        assert_eq!(code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "boom"}))), INTERNAL_ERROR);
         assert_eq!(
-            code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "rpc_get_methods", "params": {"x": 1}}))),
+            code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "nope"}))),
+            METHOD_NOT_FOUND
+        );
+        assert_eq!(
+            code(call(json!({"jsonrpc": "1.0", "id": 1, "method": "echo"}))),
+            INVALID_REQUEST
+        );
+        assert_eq!(
+            code(call(json!({"jsonrpc": "2.0", "id": 1, "method": 5}))),
+            INVALID_REQUEST
+        );
+        assert_eq!(
+            code(call(json!({"jsonrpc": "2.0", "id": [1], "method": "echo"}))),
+            INVALID_REQUEST
+        );
+        assert_eq!(
+            code(call(
+                json!({"jsonrpc": "2.0", "id": 1, "method": "echo", "params": 3})
+            )),
+            INVALID_REQUEST
+        );
+        assert_eq!(
+            code(call(json!({"jsonrpc": "2.0", "id": 1, "method": "boom"}))),
+            INTERNAL_ERROR
+        );
+        assert_eq!(
+            code(call(
+                json!({"jsonrpc": "2.0", "id": 1, "method": "rpc_get_methods", "params": {"x": 1}})
+            )),
             INVALID_PARAMS
         );
         assert_eq!(code(call(json!([]))), INVALID_REQUEST);

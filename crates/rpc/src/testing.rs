@@ -79,10 +79,16 @@ impl EngineControl for FakeEngine {
             }
             s.mode = m.into();
         }
-        if let Some(us) = params.get("nvme_ioq_poll_period_us").and_then(Value::as_u64) {
+        if let Some(us) = params
+            .get("nvme_ioq_poll_period_us")
+            .and_then(Value::as_u64)
+        {
             s.ioq_poll_period_us = us;
         }
-        if let Some(us) = params.get("nvme_adminq_poll_period_us").and_then(Value::as_u64) {
+        if let Some(us) = params
+            .get("nvme_adminq_poll_period_us")
+            .and_then(Value::as_u64)
+        {
             s.adminq_poll_period_us = us;
         }
         Ok(Self::options(&s))
@@ -93,7 +99,9 @@ impl EngineControl for FakeEngine {
             return Err(format!("unsupported backend {backend:?}"));
         }
         let dev = lull_bdev::MallocDev::new(size_bytes).map_err(|e| e.to_string())?;
-        self.volumes.add(lull_nbd::Volume::new(name, Arc::new(dev))).map_err(|e| e.to_string())?;
+        self.volumes
+            .add(lull_nbd::Volume::new(name, Arc::new(dev)))
+            .map_err(|e| e.to_string())?;
         Ok(json!({"name": name, "size_bytes": size_bytes, "backend": backend}))
     }
 
@@ -105,15 +113,21 @@ impl EngineControl for FakeEngine {
 
     fn volume_stats(&self, name: &str) -> Result<Value, String> {
         self.has_volume(name)?;
-        Ok(json!({"name": name, "reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0,
-                  "latency_ns": {"count": 0, "mean": 0, "p99": 0}}))
+        Ok(
+            json!({"name": name, "reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0,
+                  "latency_ns": {"count": 0, "mean": 0, "p99": 0}}),
+        )
     }
 
     fn replica_list(&self, volume: &str) -> Result<Value, String> {
         self.has_volume(volume)?;
         let s = self.state();
         let list = s.replicas.get(volume).cloned().unwrap_or_default();
-        Ok(Value::Array(list.into_iter().map(|a| json!({"addr": a, "healthy": true})).collect()))
+        Ok(Value::Array(
+            list.into_iter()
+                .map(|a| json!({"addr": a, "healthy": true}))
+                .collect(),
+        ))
     }
 
     fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
@@ -147,7 +161,9 @@ pub struct FakeSource {
 
 impl FakeSource {
     pub fn new(snapshot: MetricsSnapshot) -> FakeSource {
-        FakeSource { snapshot: Mutex::new(snapshot) }
+        FakeSource {
+            snapshot: Mutex::new(snapshot),
+        }
     }
 
     pub fn set(&self, snapshot: MetricsSnapshot) {
@@ -157,6 +173,9 @@ impl FakeSource {
 
 impl MetricsSource for FakeSource {
     fn snapshot(&self) -> MetricsSnapshot {
-        self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.snapshot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }

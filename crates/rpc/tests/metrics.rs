@@ -56,7 +56,9 @@ fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str), String> {
         if !is_name(name, false) {
             return Err(format!("bad label name {name:?}"));
         }
-        rest = rest[eq + 1..].strip_prefix('"').ok_or("label value must be quoted")?;
+        rest = rest[eq + 1..]
+            .strip_prefix('"')
+            .ok_or("label value must be quoted")?;
         let mut value = String::new();
         let mut chars = rest.char_indices();
         let end = loop {
@@ -99,14 +101,18 @@ fn allowed_suffixes(kind: &str) -> &'static [&'static str] {
 }
 
 fn parse_exposition(text: &str) -> Result<BTreeMap<String, Family>, String> {
-    let body = text.strip_suffix("# EOF\n").ok_or("must end with \"# EOF\\n\"")?;
+    let body = text
+        .strip_suffix("# EOF\n")
+        .ok_or("must end with \"# EOF\\n\"")?;
     let mut families: BTreeMap<String, Family> = BTreeMap::new();
     let mut current: Option<String> = None;
     for (n, line) in body.lines().enumerate() {
         let err = |m: String| format!("line {}: {m}: {line:?}", n + 1);
         if let Some(rest) = line.strip_prefix("# ") {
             let mut parts = rest.splitn(3, ' ');
-            let (Some(kw), Some(name)) = (parts.next(), parts.next()) else { return Err(err("bad comment".into())) };
+            let (Some(kw), Some(name)) = (parts.next(), parts.next()) else {
+                return Err(err("bad comment".into()));
+            };
             let arg = parts.next().ok_or_else(|| err("missing argument".into()))?;
             if !is_name(name, true) {
                 return Err(err(format!("bad metric name {name:?}")));
@@ -118,7 +124,9 @@ fn parse_exposition(text: &str) -> Result<BTreeMap<String, Family>, String> {
                 families.insert(name.to_string(), Family::default());
                 current = Some(name.to_string());
             }
-            let f = families.get_mut(name).ok_or_else(|| err("no family".into()))?;
+            let f = families
+                .get_mut(name)
+                .ok_or_else(|| err("no family".into()))?;
             match kw {
                 "HELP" => f.help = arg.to_string(),
                 "TYPE" => {
@@ -140,15 +148,19 @@ fn parse_exposition(text: &str) -> Result<BTreeMap<String, Family>, String> {
         if line.is_empty() || line.starts_with('#') {
             return Err(err("empty line or bad comment".into()));
         }
-        let name_end = line.find(['{', ' ']).ok_or_else(|| err("no value".into()))?;
+        let name_end = line
+            .find(['{', ' '])
+            .ok_or_else(|| err("no value".into()))?;
         let name = &line[..name_end];
         let (labels, rest) = if line[name_end..].starts_with('{') {
             parse_labels(&line[name_end..]).map_err(&err)?
         } else {
             (BTreeMap::new(), &line[name_end..])
         };
-        let mut fields =
-            rest.strip_prefix(' ').ok_or_else(|| err("expected a space before the value".into()))?.split(' ');
+        let mut fields = rest
+            .strip_prefix(' ')
+            .ok_or_else(|| err("expected a space before the value".into()))?
+            .split(' ');
         let value = parse_value(fields.next().unwrap_or("")).map_err(&err)?;
         if let Some(ts) = fields.next() {
             parse_value(ts).map_err(&err)?;
@@ -156,13 +168,26 @@ fn parse_exposition(text: &str) -> Result<BTreeMap<String, Family>, String> {
         if fields.next().is_some() {
             return Err(err("trailing fields".into()));
         }
-        let fam_name = current.clone().ok_or_else(|| err("sample before any # TYPE".into()))?;
-        let fam = families.get_mut(&fam_name).ok_or_else(|| err("no family".into()))?;
-        let ok = allowed_suffixes(&fam.kind).iter().any(|s| name == format!("{fam_name}{s}"));
+        let fam_name = current
+            .clone()
+            .ok_or_else(|| err("sample before any # TYPE".into()))?;
+        let fam = families
+            .get_mut(&fam_name)
+            .ok_or_else(|| err("no family".into()))?;
+        let ok = allowed_suffixes(&fam.kind)
+            .iter()
+            .any(|s| name == format!("{fam_name}{s}"));
         if !ok {
-            return Err(err(format!("sample {name} does not belong to {} family {fam_name}", fam.kind)));
+            return Err(err(format!(
+                "sample {name} does not belong to {} family {fam_name}",
+                fam.kind
+            )));
         }
-        fam.samples.push(Sample { name: name.to_string(), labels, value });
+        fam.samples.push(Sample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
     }
     for (name, f) in &families {
         if f.kind.is_empty() || f.help.is_empty() {
@@ -179,7 +204,12 @@ fn parse_exposition(text: &str) -> Result<BTreeMap<String, Family>, String> {
 fn check_histogram(name: &str, f: &Family) -> Result<(), String> {
     let mut by_series: BTreeMap<Vec<(String, String)>, Vec<&Sample>> = BTreeMap::new();
     for s in &f.samples {
-        let key = s.labels.iter().filter(|(k, _)| *k != "le").map(|(k, v)| (k.clone(), v.clone())).collect();
+        let key = s
+            .labels
+            .iter()
+            .filter(|(k, _)| *k != "le")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         by_series.entry(key).or_default().push(s);
     }
     for (series, samples) in by_series {
@@ -188,15 +218,30 @@ fn check_histogram(name: &str, f: &Family) -> Result<(), String> {
             .filter(|s| s.name.ends_with("_bucket"))
             .map(|s| (parse_value(&s.labels["le"]).unwrap(), s.value))
             .collect();
-        let count =
-            samples.iter().find(|s| s.name.ends_with("_count")).ok_or(format!("{name} {series:?}: no _count"))?.value;
-        samples.iter().find(|s| s.name.ends_with("_sum")).ok_or(format!("{name}: no _sum"))?;
-        if buckets.windows(2).any(|w| w[0].0 >= w[1].0 || w[0].1 > w[1].1) {
-            return Err(format!("{name} {series:?}: buckets not ascending and cumulative: {buckets:?}"));
+        let count = samples
+            .iter()
+            .find(|s| s.name.ends_with("_count"))
+            .ok_or(format!("{name} {series:?}: no _count"))?
+            .value;
+        samples
+            .iter()
+            .find(|s| s.name.ends_with("_sum"))
+            .ok_or(format!("{name}: no _sum"))?;
+        if buckets
+            .windows(2)
+            .any(|w| w[0].0 >= w[1].0 || w[0].1 > w[1].1)
+        {
+            return Err(format!(
+                "{name} {series:?}: buckets not ascending and cumulative: {buckets:?}"
+            ));
         }
         match buckets.last() {
             Some((le, n)) if le.is_infinite() && *n == count => {}
-            _ => return Err(format!("{name} {series:?}: last bucket must be +Inf == _count")),
+            _ => {
+                return Err(format!(
+                    "{name} {series:?}: last bucket must be +Inf == _count"
+                ))
+            }
         }
     }
     Ok(())
@@ -205,7 +250,10 @@ fn check_histogram(name: &str, f: &Family) -> Result<(), String> {
 #[test]
 fn parser_is_strict() {
     let ok = "# HELP x_total A.\n# TYPE x counter\n";
-    assert!(parse_exposition(&format!("{ok}# EOF\n")).is_err(), "HELP for another name");
+    assert!(
+        parse_exposition(&format!("{ok}# EOF\n")).is_err(),
+        "HELP for another name"
+    );
     let good = "# HELP x A.\n# TYPE x counter\nx_total{a=\"1\"} 3\n# EOF\n";
     assert_eq!(parse_exposition(good).unwrap()["x"].samples[0].value, 3.0);
     for bad in [
@@ -259,11 +307,22 @@ fn snapshot() -> MetricsSnapshot {
                 latency_sum_ns: 1_500_000,
                 latency_count: 30,
             },
-            VolumeMetrics { name: "we\"ird\\name\nx".into(), ..Default::default() },
+            VolumeMetrics {
+                name: "we\"ird\\name\nx".into(),
+                ..Default::default()
+            },
         ],
         replicas: vec![
-            ReplicaMetrics { volume: "vol0".into(), addr: "10.0.0.2:9502".into(), healthy: true },
-            ReplicaMetrics { volume: "vol0".into(), addr: "10.0.0.3:9502".into(), healthy: false },
+            ReplicaMetrics {
+                volume: "vol0".into(),
+                addr: "10.0.0.2:9502".into(),
+                healthy: true,
+            },
+            ReplicaMetrics {
+                volume: "vol0".into(),
+                addr: "10.0.0.3:9502".into(),
+                healthy: false,
+            },
         ],
     }
 }
@@ -293,7 +352,11 @@ fn request(addr: SocketAddr, raw: &[u8]) -> Response {
             (k.to_ascii_lowercase(), v.to_string())
         })
         .collect();
-    Response { status, headers, body: body.to_string() }
+    Response {
+        status,
+        headers,
+        body: body.to_string(),
+    }
 }
 
 fn get(addr: SocketAddr, path: &str) -> Response {
@@ -303,8 +366,16 @@ fn get(addr: SocketAddr, path: &str) -> Response {
     )
 }
 
-fn sample<'a>(fams: &'a BTreeMap<String, Family>, family: &str, name: &str, labels: &[(&str, &str)]) -> &'a Sample {
-    let want: BTreeMap<String, String> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+fn sample<'a>(
+    fams: &'a BTreeMap<String, Family>,
+    family: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> &'a Sample {
+    let want: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     fams.get(family)
         .unwrap_or_else(|| panic!("no family {family}"))
         .samples
@@ -315,7 +386,11 @@ fn sample<'a>(fams: &'a BTreeMap<String, Family>, family: &str, name: &str, labe
 
 #[test]
 fn scrape() {
-    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), Arc::new(FakeSource::new(snapshot()))).unwrap();
+    let server = MetricsServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(FakeSource::new(snapshot())),
+    )
+    .unwrap();
     let addr = server.local_addr();
     let r = get(addr, "/metrics");
     assert_eq!(r.status, 200);
@@ -323,7 +398,10 @@ fn scrape() {
     assert_eq!(r.headers["content-length"], r.body.len().to_string());
     let f = parse_exposition(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body));
 
-    let kinds: BTreeMap<&str, &str> = f.iter().map(|(k, v)| (k.as_str(), v.kind.as_str())).collect();
+    let kinds: BTreeMap<&str, &str> = f
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.kind.as_str()))
+        .collect();
     let want = BTreeMap::from([
         ("lull_reactor_busy_seconds", "counter"),
         ("lull_reactor_idle_seconds", "counter"),
@@ -342,17 +420,83 @@ fn scrape() {
         ("lull_replica_healthy", "gauge"),
     ]);
     assert_eq!(kinds, want);
-    assert_eq!(f["lull_reactor_busy_seconds"].unit.as_deref(), Some("seconds"));
+    assert_eq!(
+        f["lull_reactor_busy_seconds"].unit.as_deref(),
+        Some("seconds")
+    );
 
     let r0 = [("reactor", "0"), ("core", "2")];
     let r1 = [("reactor", "1"), ("core", "3")];
-    assert_eq!(sample(&f, "lull_reactor_busy_seconds", "lull_reactor_busy_seconds_total", &r0).value, 1.5);
-    assert_eq!(sample(&f, "lull_reactor_idle_seconds", "lull_reactor_idle_seconds_total", &r0).value, 0.25);
-    assert_eq!(sample(&f, "lull_reactor_iterations", "lull_reactor_iterations_total", &r0).value, 1000.0);
-    assert_eq!(sample(&f, "lull_reactor_wakeups", "lull_reactor_wakeups_total", &r0).value, 77.0);
-    assert_eq!(sample(&f, "lull_reactor_spins_with_work", "lull_reactor_spins_with_work_total", &r1).value, 11.0);
-    assert_eq!(sample(&f, "lull_reactor_spins_idle", "lull_reactor_spins_idle_total", &r1).value, 12.0);
-    assert_eq!(sample(&f, "lull_reactor_spin_seconds", "lull_reactor_spin_seconds_total", &r1).value, 2.0);
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_busy_seconds",
+            "lull_reactor_busy_seconds_total",
+            &r0
+        )
+        .value,
+        1.5
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_idle_seconds",
+            "lull_reactor_idle_seconds_total",
+            &r0
+        )
+        .value,
+        0.25
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_iterations",
+            "lull_reactor_iterations_total",
+            &r0
+        )
+        .value,
+        1000.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_wakeups",
+            "lull_reactor_wakeups_total",
+            &r0
+        )
+        .value,
+        77.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_spins_with_work",
+            "lull_reactor_spins_with_work_total",
+            &r1
+        )
+        .value,
+        11.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_spins_idle",
+            "lull_reactor_spins_idle_total",
+            &r1
+        )
+        .value,
+        12.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_spin_seconds",
+            "lull_reactor_spin_seconds_total",
+            &r1
+        )
+        .value,
+        2.0
+    );
     let mode = |r: &[(&str, &str)], m: &str| {
         let mut l = r.to_vec();
         l.push(("mode", m));
@@ -361,21 +505,65 @@ fn scrape() {
     assert_eq!((mode(&r0, "interrupt"), mode(&r1, "poll")), (1.0, 1.0));
     assert_eq!(f["lull_reactor_mode"].samples.len(), 2);
     assert_eq!(
-        sample(&f, "lull_reactor_interrupt_mode_enabled", "lull_reactor_interrupt_mode_enabled", &r0).value,
+        sample(
+            &f,
+            "lull_reactor_interrupt_mode_enabled",
+            "lull_reactor_interrupt_mode_enabled",
+            &r0
+        )
+        .value,
         1.0
     );
     assert_eq!(
-        sample(&f, "lull_reactor_interrupt_mode_enabled", "lull_reactor_interrupt_mode_enabled", &r1).value,
+        sample(
+            &f,
+            "lull_reactor_interrupt_mode_enabled",
+            "lull_reactor_interrupt_mode_enabled",
+            &r1
+        )
+        .value,
         0.0
     );
 
     let v0 = [("volume", "vol0")];
-    assert_eq!(sample(&f, "lull_volume_reads", "lull_volume_reads_total", &v0).value, 10.0);
-    assert_eq!(sample(&f, "lull_volume_writes", "lull_volume_writes_total", &v0).value, 20.0);
-    assert_eq!(sample(&f, "lull_volume_read_bytes", "lull_volume_read_bytes_total", &v0).value, 40960.0);
-    assert_eq!(sample(&f, "lull_volume_written_bytes", "lull_volume_written_bytes_total", &v0).value, 81920.0);
+    assert_eq!(
+        sample(&f, "lull_volume_reads", "lull_volume_reads_total", &v0).value,
+        10.0
+    );
+    assert_eq!(
+        sample(&f, "lull_volume_writes", "lull_volume_writes_total", &v0).value,
+        20.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_read_bytes",
+            "lull_volume_read_bytes_total",
+            &v0
+        )
+        .value,
+        40960.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_written_bytes",
+            "lull_volume_written_bytes_total",
+            &v0
+        )
+        .value,
+        81920.0
+    );
     let h = "lull_volume_latency_seconds";
-    let bucket = |le: &str| sample(&f, h, &format!("{h}_bucket"), &[("volume", "vol0"), ("le", le)]).value;
+    let bucket = |le: &str| {
+        sample(
+            &f,
+            h,
+            &format!("{h}_bucket"),
+            &[("volume", "vol0"), ("le", le)],
+        )
+        .value
+    };
     let les: Vec<f64> = f[h]
         .samples
         .iter()
@@ -395,11 +583,29 @@ fn scrape() {
     assert_eq!(cumulative, vec![5.0, 25.0, 29.0, 30.0]);
     // An awkward name survives escaping.
     let weird = [("volume", "we\"ird\\name\nx")];
-    assert_eq!(sample(&f, "lull_volume_reads", "lull_volume_reads_total", &weird).value, 0.0);
-    assert_eq!(sample(&f, h, &format!("{h}_bucket"), &[("volume", "we\"ird\\name\nx"), ("le", "+Inf")]).value, 0.0);
+    assert_eq!(
+        sample(&f, "lull_volume_reads", "lull_volume_reads_total", &weird).value,
+        0.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            h,
+            &format!("{h}_bucket"),
+            &[("volume", "we\"ird\\name\nx"), ("le", "+Inf")]
+        )
+        .value,
+        0.0
+    );
 
     let rep = |a: &str| {
-        sample(&f, "lull_replica_healthy", "lull_replica_healthy", &[("volume", "vol0"), ("replica", a)]).value
+        sample(
+            &f,
+            "lull_replica_healthy",
+            "lull_replica_healthy",
+            &[("volume", "vol0"), ("replica", a)],
+        )
+        .value
     };
     assert_eq!((rep("10.0.0.2:9502"), rep("10.0.0.3:9502")), (1.0, 0.0));
 
@@ -417,16 +623,26 @@ fn scrape() {
     assert_eq!(post.headers["allow"], "GET, HEAD");
     assert_eq!(request(addr, b"garbage\r\n\r\n").status, 400);
     assert_eq!(request(addr, b"GET /metrics HTTP/2\r\n\r\n").status, 400);
-    let huge = format!("GET /metrics HTTP/1.1\r\nX-Big: {}\r\n\r\n", "a".repeat(MAX_HTTP_REQUEST_BYTES));
+    let huge = format!(
+        "GET /metrics HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(MAX_HTTP_REQUEST_BYTES)
+    );
     assert_eq!(request(addr, huge.as_bytes()).status, 431);
 
     server.shutdown();
-    assert!(TcpStream::connect(addr).is_err(), "stopped servers do not accept");
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "stopped servers do not accept"
+    );
 }
 
 #[test]
 fn connection_cap() {
-    let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), Arc::new(FakeSource::default())).unwrap();
+    let server = MetricsServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(FakeSource::default()),
+    )
+    .unwrap();
     let addr = server.local_addr();
     // Connections that send half a request hold their slots.
     let held: Vec<TcpStream> = (0..MAX_METRICS_CONNECTIONS)
@@ -453,14 +669,20 @@ fn connection_cap() {
 #[test]
 fn real_framework_snapshot() {
     let mut fw = Framework::start(test_config()).unwrap();
-    let snap = MetricsSnapshot { reactors: reactor_metrics(fw.handle()), ..Default::default() };
+    let snap = MetricsSnapshot {
+        reactors: reactor_metrics(fw.handle()),
+        ..Default::default()
+    };
     fw.stop();
     assert_eq!(snap.reactors.len(), 1);
     assert_eq!(snap.reactors[0].mode, "interrupt");
     assert!(snap.reactors[0].interrupt_mode_enabled);
     let text = encode_snapshot(snap).unwrap();
     let f = parse_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    assert_eq!(f["lull_reactor_mode"].samples[0].labels["mode"], "interrupt");
+    assert_eq!(
+        f["lull_reactor_mode"].samples[0].labels["mode"],
+        "interrupt"
+    );
     assert!(f["lull_volume_reads"].samples.is_empty());
 }
 

@@ -55,12 +55,31 @@ fn setup() -> Setup {
     let fw = Framework::start(test_config()).unwrap();
     fw.handle().spawn_thread(0, "test_thread", |_| {}).unwrap();
     let volumes = Arc::new(Volumes::default());
-    volumes.add(Volume::new("vol0", Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap()))).unwrap();
+    volumes
+        .add(Volume::new(
+            "vol0",
+            Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap()),
+        ))
+        .unwrap();
     let engine = Arc::new(FakeEngine::new(volumes.clone()));
     let mut reg = MethodRegistry::new();
-    register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes: volumes.clone(), engine }).unwrap();
+    register_lull_methods(
+        &mut reg,
+        LullContext {
+            fw: fw.handle().clone(),
+            volumes: volumes.clone(),
+            engine,
+        },
+    )
+    .unwrap();
     let server = RpcServer::start(&sock, Arc::new(reg)).unwrap();
-    Setup { _dir: dir, sock, fw, volumes, server: Some(server) }
+    Setup {
+        _dir: dir,
+        sock,
+        fw,
+        volumes,
+        server: Some(server),
+    }
 }
 
 impl Setup {
@@ -70,7 +89,8 @@ impl Setup {
     }
 
     fn ok(&self, method: &str, params: Value) -> Value {
-        self.call(method, params).unwrap_or_else(|e| panic!("{method}: {e}"))
+        self.call(method, params)
+            .unwrap_or_else(|e| panic!("{method}: {e}"))
     }
 
     fn code(&self, method: &str, params: Value) -> i64 {
@@ -106,17 +126,29 @@ fn raw(path: &Path, bytes: &[u8], half_close: bool) -> (Vec<Value>, bool) {
         match s.read(&mut buf) {
             Ok(0) => break true,
             Ok(n) => out.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break false,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break false
+            }
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
             Err(e) => panic!("read: {e}"),
         }
     };
-    let values = serde_json::Deserializer::from_slice(&out).into_iter::<Value>().map(|v| v.unwrap()).collect();
+    let values = serde_json::Deserializer::from_slice(&out)
+        .into_iter::<Value>()
+        .map(|v| v.unwrap())
+        .collect();
     (values, closed)
 }
 
 fn err_code(v: &Value) -> i64 {
-    v["error"]["code"].as_i64().unwrap_or_else(|| panic!("not an error response: {v}"))
+    v["error"]["code"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("not an error response: {v}"))
 }
 
 #[test]
@@ -124,7 +156,10 @@ fn every_method() {
     let t = setup();
     let methods = t.ok("rpc_get_methods", Value::Null);
     for m in LULL_METHODS.iter().chain([&RPC_GET_METHODS]) {
-        assert!(methods.as_array().unwrap().contains(&json!(m)), "{m} missing from {methods}");
+        assert!(
+            methods.as_array().unwrap().contains(&json!(m)),
+            "{m} missing from {methods}"
+        );
     }
 
     let r = t.ok("framework_get_reactors", Value::Null);
@@ -150,8 +185,12 @@ fn every_method() {
     ] {
         assert!(reactors[0][k].is_u64(), "{k} in {r}");
     }
-    let names: Vec<&str> =
-        reactors[0]["lw_threads"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = reactors[0]["lw_threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
     assert!(names.contains(&"test_thread"), "{r}");
 
     // The reactor's mode shows up as Longhorn's InterruptModeEnabled.
@@ -164,8 +203,22 @@ fn every_method() {
 
     let s = t.ok("thread_get_stats", Value::Null);
     assert_eq!(s["tick_rate"], json!(TICK_RATE_HZ));
-    let th = s["threads"].as_array().unwrap().iter().find(|t| t["name"] == "test_thread").unwrap().clone();
-    for k in ["id", "busy", "idle", "reactor", "active_pollers_count", "timed_pollers_count", "paused_pollers_count"] {
+    let th = s["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "test_thread")
+        .unwrap()
+        .clone();
+    for k in [
+        "id",
+        "busy",
+        "idle",
+        "reactor",
+        "active_pollers_count",
+        "timed_pollers_count",
+        "paused_pollers_count",
+    ] {
         assert!(th[k].is_u64(), "{k} in {th}");
     }
 
@@ -177,56 +230,167 @@ fn every_method() {
         json!({"data-engine-interrupt-mode-enabled": false, "data-engine-nvme-ioq-poll-period-us": 50}),
     );
     assert_eq!(
-        (o["mode"].clone(), o["interrupt_mode_enabled"].clone(), o["nvme_ioq_poll_period_us"].clone()),
+        (
+            o["mode"].clone(),
+            o["interrupt_mode_enabled"].clone(),
+            o["nvme_ioq_poll_period_us"].clone()
+        ),
         (json!("poll"), json!(false), json!(50))
     );
-    let o = t.ok("engine_set_options", json!({"mode": "interrupt", "nvme_adminq_poll_period_us": 5000}));
+    let o = t.ok(
+        "engine_set_options",
+        json!({"mode": "interrupt", "nvme_adminq_poll_period_us": 5000}),
+    );
     assert_eq!(o["interrupt_mode_enabled"], json!(true));
-    assert_eq!(t.ok("engine_get_options", Value::Null)["nvme_adminq_poll_period_us"], json!(5000));
-    assert_eq!(t.code("engine_set_options", json!({"data-engine-nvme-ioq-poll-period-us": 0})), INVALID_PARAMS);
-    assert_eq!(t.code("engine_set_options", json!({"data-engine-interrupt-mode-enabled": "yes"})), INVALID_PARAMS);
-    assert_eq!(t.code("engine_set_options", json!({"mode": "turbo"})), INTERNAL_ERROR, "the engine refuses it");
+    assert_eq!(
+        t.ok("engine_get_options", Value::Null)["nvme_adminq_poll_period_us"],
+        json!(5000)
+    );
+    assert_eq!(
+        t.code(
+            "engine_set_options",
+            json!({"data-engine-nvme-ioq-poll-period-us": 0})
+        ),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code(
+            "engine_set_options",
+            json!({"data-engine-interrupt-mode-enabled": "yes"})
+        ),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code("engine_set_options", json!({"mode": "turbo"})),
+        INTERNAL_ERROR,
+        "the engine refuses it"
+    );
 
-    assert_eq!(t.ok("volume_list", Value::Null), json!([{"name": "vol0", "size_bytes": 1 << 20, "backend": "malloc"}]));
+    assert_eq!(
+        t.ok("volume_list", Value::Null),
+        json!([{"name": "vol0", "size_bytes": 1 << 20, "backend": "malloc"}])
+    );
     let c = t.ok("volume_create", json!({"name": "vol1", "size": "2M"}));
     assert_eq!(c["size_bytes"], json!(2 << 20));
-    t.ok("volume_create", json!({"name": "vol2", "size": 4096, "backend": "malloc"}));
+    t.ok(
+        "volume_create",
+        json!({"name": "vol2", "size": 4096, "backend": "malloc"}),
+    );
     let list = t.ok("volume_list", Value::Null);
     assert_eq!(list.as_array().unwrap().len(), 3);
-    assert_eq!(list[1], json!({"name": "vol1", "size_bytes": 2 << 20, "backend": "malloc"}));
-    assert_eq!(t.code("volume_create", json!({"name": "vol1", "size": "1M"})), INTERNAL_ERROR, "duplicate");
-    assert_eq!(t.code("volume_create", json!({"name": "vol3", "size": "1M", "backend": "tape"})), INTERNAL_ERROR);
-    assert_eq!(t.code("volume_create", json!({"name": "vol3", "size": "lots"})), INVALID_PARAMS);
-    assert_eq!(t.code("volume_create", json!({"name": "vol3", "size": true})), INVALID_PARAMS);
-    assert_eq!(t.code("volume_create", json!({"name": 3, "size": 4096})), INVALID_PARAMS);
-    assert_eq!(t.code("volume_create", json!({"name": "", "size": 4096})), INVALID_PARAMS);
-    assert_eq!(t.code("volume_create", json!({"size": 4096})), INVALID_PARAMS);
-    assert_eq!(t.code("volume_create", json!({"name": "v", "size": 4096, "colour": "red"})), INVALID_PARAMS);
+    assert_eq!(
+        list[1],
+        json!({"name": "vol1", "size_bytes": 2 << 20, "backend": "malloc"})
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"name": "vol1", "size": "1M"})),
+        INTERNAL_ERROR,
+        "duplicate"
+    );
+    assert_eq!(
+        t.code(
+            "volume_create",
+            json!({"name": "vol3", "size": "1M", "backend": "tape"})
+        ),
+        INTERNAL_ERROR
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"name": "vol3", "size": "lots"})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"name": "vol3", "size": true})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"name": 3, "size": 4096})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"name": "", "size": 4096})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code("volume_create", json!({"size": 4096})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code(
+            "volume_create",
+            json!({"name": "v", "size": 4096, "colour": "red"})
+        ),
+        INVALID_PARAMS
+    );
     assert_eq!(t.code("volume_create", json!(["v", 4096])), INVALID_PARAMS);
 
     let st = t.ok("volume_get_stats", json!({"name": "vol1"}));
     assert_eq!(st["name"], json!("vol1"));
-    assert_eq!(t.code("volume_get_stats", json!({"name": "nope"})), INTERNAL_ERROR);
-
-    assert_eq!(t.ok("replica_add", json!({"volume": "vol1", "addr": "10.0.0.2:9502"})), json!(true));
-    t.ok("replica_add", json!({"volume": "vol1", "addr": "10.0.0.3:9502"}));
-    assert_eq!(t.code("replica_add", json!({"volume": "vol1", "addr": "10.0.0.3:9502"})), INTERNAL_ERROR);
-    assert_eq!(t.code("replica_add", json!({"volume": "vol1"})), INVALID_PARAMS);
     assert_eq!(
-        t.code("replica_add", json!({"volume": "vol1", "addr": "x".repeat(MAX_REPLICA_ADDR_LEN + 1)})),
+        t.code("volume_get_stats", json!({"name": "nope"})),
+        INTERNAL_ERROR
+    );
+
+    assert_eq!(
+        t.ok(
+            "replica_add",
+            json!({"volume": "vol1", "addr": "10.0.0.2:9502"})
+        ),
+        json!(true)
+    );
+    t.ok(
+        "replica_add",
+        json!({"volume": "vol1", "addr": "10.0.0.3:9502"}),
+    );
+    assert_eq!(
+        t.code(
+            "replica_add",
+            json!({"volume": "vol1", "addr": "10.0.0.3:9502"})
+        ),
+        INTERNAL_ERROR
+    );
+    assert_eq!(
+        t.code("replica_add", json!({"volume": "vol1"})),
+        INVALID_PARAMS
+    );
+    assert_eq!(
+        t.code(
+            "replica_add",
+            json!({"volume": "vol1", "addr": "x".repeat(MAX_REPLICA_ADDR_LEN + 1)})
+        ),
         INVALID_PARAMS
     );
     let l = t.ok("replica_list", json!({"volume": "vol1"}));
     assert_eq!(l.as_array().unwrap().len(), 2);
-    assert_eq!(t.ok("replica_remove", json!({"volume": "vol1", "addr": "10.0.0.2:9502"})), json!(true));
-    assert_eq!(t.code("replica_remove", json!({"volume": "vol1", "addr": "10.0.0.2:9502"})), INTERNAL_ERROR);
-    assert_eq!(t.ok("replica_list", json!({"volume": "vol1"})), json!([{"addr": "10.0.0.3:9502", "healthy": true}]));
+    assert_eq!(
+        t.ok(
+            "replica_remove",
+            json!({"volume": "vol1", "addr": "10.0.0.2:9502"})
+        ),
+        json!(true)
+    );
+    assert_eq!(
+        t.code(
+            "replica_remove",
+            json!({"volume": "vol1", "addr": "10.0.0.2:9502"})
+        ),
+        INTERNAL_ERROR
+    );
+    assert_eq!(
+        t.ok("replica_list", json!({"volume": "vol1"})),
+        json!([{"addr": "10.0.0.3:9502", "healthy": true}])
+    );
 
     assert_eq!(t.ok("volume_delete", json!({"name": "vol2"})), json!(true));
-    assert_eq!(t.code("volume_delete", json!({"name": "vol2"})), INTERNAL_ERROR);
+    assert_eq!(
+        t.code("volume_delete", json!({"name": "vol2"})),
+        INTERNAL_ERROR
+    );
     assert_eq!(t.volumes.list().len(), 2);
 
-    assert_eq!(t.code("framework_get_reactors", json!({"verbose": true})), INVALID_PARAMS);
+    assert_eq!(
+        t.code("framework_get_reactors", json!({"verbose": true})),
+        INVALID_PARAMS
+    );
     assert_eq!(t.code("no_such_method", Value::Null), METHOD_NOT_FOUND);
 }
 
@@ -248,15 +412,25 @@ fn malformed_input() {
     assert_eq!(err_code(&v[0]), PARSE_ERROR, "trailing comma");
     assert!(closed);
 
-    let (v, _) = raw(p, b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"\xff\"}", false);
+    let (v, _) = raw(
+        p,
+        b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"\xff\"}",
+        false,
+    );
     assert_eq!(err_code(&v[0]), PARSE_ERROR, "invalid UTF-8");
 
     let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
     let (v, _) = raw(p, deep.as_bytes(), false);
-    assert_eq!(err_code(&v[0]), PARSE_ERROR, "nesting beyond serde_json's limit");
+    assert_eq!(
+        err_code(&v[0]),
+        PARSE_ERROR,
+        "nesting beyond serde_json's limit"
+    );
 
-    let huge =
-        format!(r#"{{"jsonrpc":"2.0","id":1,"method":"x","params":{{"a":"{}"}}}}"#, "x".repeat(2 * MAX_REQUEST_BYTES));
+    let huge = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"x","params":{{"a":"{}"}}}}"#,
+        "x".repeat(2 * MAX_REQUEST_BYTES)
+    );
     let (v, closed) = raw(p, huge.as_bytes(), false);
     assert_eq!(v.len(), 1);
     assert_eq!(err_code(&v[0]), INVALID_REQUEST, "over the size limit");
@@ -285,22 +459,44 @@ fn malformed_input() {
     let (v, closed) = raw(p, reqs.as_bytes(), true);
     assert!(closed);
     assert_eq!(v.len(), 8, "{v:?}");
-    assert_eq!((v[0]["id"].clone(), err_code(&v[0])), (json!(1), METHOD_NOT_FOUND));
-    assert_eq!((v[1]["id"].clone(), err_code(&v[1])), (json!(2), INVALID_PARAMS));
-    assert!(v[1]["error"]["message"].as_str().unwrap().contains("extra"), "{}", v[1]);
-    assert_eq!((v[2]["id"].clone(), err_code(&v[2])), (json!(3), INVALID_PARAMS));
+    assert_eq!(
+        (v[0]["id"].clone(), err_code(&v[0])),
+        (json!(1), METHOD_NOT_FOUND)
+    );
+    assert_eq!(
+        (v[1]["id"].clone(), err_code(&v[1])),
+        (json!(2), INVALID_PARAMS)
+    );
+    assert!(
+        v[1]["error"]["message"].as_str().unwrap().contains("extra"),
+        "{}",
+        v[1]
+    );
+    assert_eq!(
+        (v[2]["id"].clone(), err_code(&v[2])),
+        (json!(3), INVALID_PARAMS)
+    );
     // The notification got no answer.
     assert_eq!(v[3]["id"], json!("four"));
     assert_eq!(v[3]["result"][0]["name"], json!("vol0"));
     assert_eq!(v[3]["jsonrpc"], json!("2.0"));
-    assert_eq!((v[4]["id"].clone(), err_code(&v[4])), (json!(5), INVALID_REQUEST));
+    assert_eq!(
+        (v[4]["id"].clone(), err_code(&v[4])),
+        (json!(5), INVALID_REQUEST)
+    );
     assert_eq!(err_code(&v[5]), INVALID_REQUEST, "empty batch");
     let batch = v[6].as_array().unwrap();
     assert_eq!(batch.len(), 2);
     assert_eq!(batch[0]["id"], json!(6));
     assert!(batch[0]["result"].is_array());
-    assert_eq!((batch[1]["id"].clone(), err_code(&batch[1])), (json!(7), METHOD_NOT_FOUND));
-    assert_eq!((v[7]["id"].clone(), err_code(&v[7])), (json!(8), INVALID_PARAMS));
+    assert_eq!(
+        (batch[1]["id"].clone(), err_code(&batch[1])),
+        (json!(7), METHOD_NOT_FOUND)
+    );
+    assert_eq!(
+        (v[7]["id"].clone(), err_code(&v[7])),
+        (json!(8), INVALID_PARAMS)
+    );
 
     // The server is still fine.
     t.ok("volume_list", Value::Null);
@@ -311,19 +507,31 @@ fn socket_file_rules() {
     let t = setup();
     let mode = std::fs::metadata(&t.sock).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
-    let leftovers: Vec<_> =
-        std::fs::read_dir(t.sock.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(leftovers, vec![std::ffi::OsString::from("lull.sock")], "no temporary files left");
+    let leftovers: Vec<_> = std::fs::read_dir(t.sock.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers,
+        vec![std::ffi::OsString::from("lull.sock")],
+        "no temporary files left"
+    );
 
     // A live server's socket is refused.
     let reg = Arc::new(MethodRegistry::new());
-    assert!(matches!(RpcServer::start(&t.sock, reg.clone()), Err(RpcError::InUse(_))));
+    assert!(matches!(
+        RpcServer::start(&t.sock, reg.clone()),
+        Err(RpcError::InUse(_))
+    ));
 
     let dir = TempDir::new();
     // A regular file is never replaced.
     let file = dir.0.join("not-a-socket");
     std::fs::write(&file, b"keep me").unwrap();
-    assert!(matches!(RpcServer::start(&file, reg.clone()), Err(RpcError::NotASocket(_))));
+    assert!(matches!(
+        RpcServer::start(&file, reg.clone()),
+        Err(RpcError::NotASocket(_))
+    ));
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
 
     // A dead server's socket is replaced.
@@ -331,27 +539,43 @@ fn socket_file_rules() {
     drop(UnixListener::bind(&stale).unwrap());
     assert!(stale.exists());
     let s = RpcServer::start(&stale, reg.clone()).unwrap();
-    assert_eq!(call(&stale, "rpc_get_methods", None, TIMEOUT).unwrap(), json!(["rpc_get_methods"]));
+    assert_eq!(
+        call(&stale, "rpc_get_methods", None, TIMEOUT).unwrap(),
+        json!(["rpc_get_methods"])
+    );
     s.shutdown();
     assert!(!stale.exists(), "shutdown removes the socket");
-    assert!(matches!(call(&stale, "rpc_get_methods", None, TIMEOUT), Err(RpcClientError::Connect { .. })));
+    assert!(matches!(
+        call(&stale, "rpc_get_methods", None, TIMEOUT),
+        Err(RpcClientError::Connect { .. })
+    ));
 
-    assert!(matches!(RpcServer::start(&dir.0.join("no/such/dir/s.sock"), reg), Err(RpcError::Bind { .. })));
+    assert!(matches!(
+        RpcServer::start(&dir.0.join("no/such/dir/s.sock"), reg),
+        Err(RpcError::Bind { .. })
+    ));
 }
 
 #[test]
 fn connection_cap() {
     let t = setup();
-    let held: Vec<UnixStream> = (0..MAX_RPC_CONNECTIONS).map(|_| UnixStream::connect(&t.sock).unwrap()).collect();
+    let held: Vec<UnixStream> = (0..MAX_RPC_CONNECTIONS)
+        .map(|_| UnixStream::connect(&t.sock).unwrap())
+        .collect();
     // Every held connection is served (one round trip each proves it was
     // admitted before the next connect).
     for s in &held {
         let mut s = s;
-        s.write_all(br#"{"jsonrpc":"2.0","id":1,"method":"rpc_get_methods"}"#).unwrap();
+        s.write_all(br#"{"jsonrpc":"2.0","id":1,"method":"rpc_get_methods"}"#)
+            .unwrap();
         let mut buf = [0u8; 4096];
         assert!(s.read(&mut buf).unwrap() > 0);
     }
-    let (v, closed) = raw(&t.sock, br#"{"jsonrpc":"2.0","id":1,"method":"rpc_get_methods"}"#, false);
+    let (v, closed) = raw(
+        &t.sock,
+        br#"{"jsonrpc":"2.0","id":1,"method":"rpc_get_methods"}"#,
+        false,
+    );
     assert_eq!(err_code(&v[0]), SERVER_BUSY);
     assert!(closed);
     drop(held);
@@ -367,9 +591,15 @@ fn client_command() {
         params: params.map(String::from),
     };
     assert_eq!(run_client(&args("volume_list", None)), ExitCode::SUCCESS);
-    assert_eq!(run_client(&args("volume_get_stats", Some(r#"{"name": "vol0"}"#))), ExitCode::SUCCESS);
+    assert_eq!(
+        run_client(&args("volume_get_stats", Some(r#"{"name": "vol0"}"#))),
+        ExitCode::SUCCESS
+    );
     assert_eq!(run_client(&args("no_such", None)), ExitCode::FAILURE);
-    assert_eq!(run_client(&args("volume_list", Some("{not json"))), ExitCode::from(2));
+    assert_eq!(
+        run_client(&args("volume_list", Some("{not json"))),
+        ExitCode::from(2)
+    );
     let mut bad_timeout = args("volume_list", None);
     bad_timeout.timeout_s = -1.0;
     assert_eq!(run_client(&bad_timeout), ExitCode::from(2));
@@ -384,11 +614,20 @@ fn client_command() {
         #[command(flatten)]
         rpc: RpcArgs,
     }
-    let cli =
-        Cli::try_parse_from(["lull-rpc", "-s", "/tmp/x.sock", "volume_create", r#"{"name":"a","size":"1G"}"#]).unwrap();
+    let cli = Cli::try_parse_from([
+        "lull-rpc",
+        "-s",
+        "/tmp/x.sock",
+        "volume_create",
+        r#"{"name":"a","size":"1G"}"#,
+    ])
+    .unwrap();
     assert_eq!(cli.rpc.socket, PathBuf::from("/tmp/x.sock"));
     assert_eq!(cli.rpc.method, "volume_create");
-    assert_eq!(cli.rpc.params.as_deref(), Some(r#"{"name":"a","size":"1G"}"#));
+    assert_eq!(
+        cli.rpc.params.as_deref(),
+        Some(r#"{"name":"a","size":"1G"}"#)
+    );
     let cli = Cli::try_parse_from(["lull-rpc", "rpc_get_methods"]).unwrap();
     assert_eq!(cli.rpc.socket, PathBuf::from(DEFAULT_RPC_SOCKET));
     assert_eq!(cli.rpc.timeout_s, DEFAULT_CLIENT_TIMEOUT_S);

@@ -262,9 +262,7 @@ impl BufPool {
     pub fn prefill(&mut self, len: usize, count: usize) -> usize {
         let before = self.stats.cached_bufs;
         for _ in 0..count {
-            let buf = IoBuf::with_capacity(
-                Self::class_for_len(len).map_or(len, Self::class_size),
-            );
+            let buf = IoBuf::with_capacity(Self::class_for_len(len).map_or(len, Self::class_size));
             self.stats.allocations += 1;
             self.put(buf);
         }

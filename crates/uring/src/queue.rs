@@ -260,9 +260,13 @@ impl<T> IoQueue<T> {
                 }
             };
             let in_buf = |buf: &Option<IoBuf>, buf_offset: usize, len: u32| match buf {
-                Some(buf) if buf_offset
-                    .checked_add(len as usize)
-                    .is_some_and(|end| end <= buf.len()) => Ok(()),
+                Some(buf)
+                    if buf_offset
+                        .checked_add(len as usize)
+                        .is_some_and(|end| end <= buf.len()) =>
+                {
+                    Ok(())
+                }
                 _ => Err(PushError::BadRange),
             };
             let ring_op = match op {
@@ -274,7 +278,10 @@ impl<T> IoQueue<T> {
                 } => {
                     in_buf(&slot.buf, buf_offset, len)?;
                     let target = fixed(file)?;
-                    let base = slot.buf.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+                    let base = slot
+                        .buf
+                        .as_mut()
+                        .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
                     RingOp::Read {
                         target,
                         buf: base.wrapping_add(buf_offset),
@@ -396,12 +403,18 @@ impl<T> IoQueue<T> {
         let mut free_seen = vec![false; self.slots.len()];
         for &index in &self.free {
             let slot = &self.slots[index as usize];
-            assert!(!free_seen[index as usize], "slot {index} twice on the free list");
+            assert!(
+                !free_seen[index as usize],
+                "slot {index} twice on the free list"
+            );
             free_seen[index as usize] = true;
             assert!(slot.ctx.is_none() && slot.buf.is_none() && slot.pending == 0);
         }
         for (index, slot) in self.slots.iter().enumerate() {
-            assert!(free_seen[index] || slot.ctx.is_some(), "slot {index} leaked");
+            assert!(
+                free_seen[index] || slot.ctx.is_some(),
+                "slot {index} leaked"
+            );
             assert!(slot.pending as usize <= CHAIN_OPS_MAX);
             pending += slot.pending as usize;
         }

@@ -277,9 +277,7 @@ impl Ring {
             match self.ring.submit() {
                 Ok(n) => return Ok(n),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) =>
-                {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) => {
                     return Ok(0)
                 }
                 Err(source) => {

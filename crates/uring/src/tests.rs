@@ -55,13 +55,30 @@ fn queue_write_then_read_back() {
     let mut q: IoQueue<&'static str> = IoQueue::new(16, &[tmp.1.as_fd()]).expect("queue");
     let mut buf = IoBuf::with_capacity(8192);
     buf.set_len(8192);
-    buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    buf.as_mut_slice()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = i as u8);
     let w = q.alloc("write", Some(buf)).expect("slot");
     q.push(
         w,
         &[
-            (1, QueueOp::Write { file: 0, buf_offset: 0, len: 8192, file_offset: 4096 }),
-            (2, QueueOp::Fsync { file: 0, datasync: true }),
+            (
+                1,
+                QueueOp::Write {
+                    file: 0,
+                    buf_offset: 0,
+                    len: 8192,
+                    file_offset: 4096,
+                },
+            ),
+            (
+                2,
+                QueueOp::Fsync {
+                    file: 0,
+                    datasync: true,
+                },
+            ),
         ],
     )
     .expect("push");
@@ -84,8 +101,19 @@ fn queue_write_then_read_back() {
     let mut rbuf = IoBuf::with_capacity(4096);
     rbuf.set_len(4096);
     let r = q.alloc("read", Some(rbuf)).expect("slot");
-    q.push(r, &[(0, QueueOp::Read { file: 0, buf_offset: 0, len: 4096, file_offset: 8192 })])
-        .expect("push");
+    q.push(
+        r,
+        &[(
+            0,
+            QueueOp::Read {
+                file: 0,
+                buf_offset: 0,
+                len: 4096,
+                file_offset: 8192,
+            },
+        )],
+    )
+    .expect("push");
     q.submit_and_wait(1).expect("wait");
     let c = q.next_completion().expect("completion");
     assert_eq!(c.result, 4096);
@@ -103,10 +131,24 @@ fn queue_rejects_bad_pushes_and_fills_up() {
     let mut buf = IoBuf::with_capacity(4096);
     buf.set_len(100);
     let s = q.alloc(0, Some(buf)).expect("slot");
-    let read = |len| QueueOp::Read { file: 0, buf_offset: 0, len, file_offset: 0 };
+    let read = |len| QueueOp::Read {
+        file: 0,
+        buf_offset: 0,
+        len,
+        file_offset: 0,
+    };
     assert_eq!(q.push(s, &[(0, read(101))]), Err(PushError::BadRange));
     assert_eq!(
-        q.push(s, &[(0, QueueOp::Fsync { file: 1, datasync: false })]),
+        q.push(
+            s,
+            &[(
+                0,
+                QueueOp::Fsync {
+                    file: 1,
+                    datasync: false
+                }
+            )]
+        ),
         Err(PushError::BadFile)
     );
     assert_eq!(q.push(s, &[]), Err(PushError::BadChain));
@@ -125,8 +167,19 @@ fn queue_drop_waits_for_in_flight_io() {
         let mut buf = IoBuf::with_capacity(512 << 10);
         buf.set_len(512 << 10);
         let s = q.alloc((), Some(buf)).expect("slot");
-        q.push(s, &[(0, QueueOp::Read { file: 0, buf_offset: 0, len: 512 << 10, file_offset: 0 })])
-            .expect("push");
+        q.push(
+            s,
+            &[(
+                0,
+                QueueOp::Read {
+                    file: 0,
+                    buf_offset: 0,
+                    len: 512 << 10,
+                    file_offset: 0,
+                },
+            )],
+        )
+        .expect("push");
     }
     q.submit().expect("submit");
     drop(q); // must not free buffers under the kernel; miri-free smoke test

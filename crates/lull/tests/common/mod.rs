@@ -101,7 +101,12 @@ impl Server {
                 }
             }
         };
-        let server = Server { child, addr, dir, stderr_path };
+        let server = Server {
+            child,
+            addr,
+            dir,
+            stderr_path,
+        };
         server.wait_until_connectable();
         server
     }
@@ -116,7 +121,11 @@ impl Server {
                 let _ = read_greeting(&mut probe);
                 return;
             }
-            assert!(Instant::now() < deadline, "nothing accepts on {}", self.addr);
+            assert!(
+                Instant::now() < deadline,
+                "nothing accepts on {}",
+                self.addr
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -197,7 +206,9 @@ impl Server {
         loop {
             match self.child.try_wait() {
                 Ok(Some(_)) => return,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
                 _ => break,
             }
         }
@@ -209,8 +220,10 @@ impl Server {
 /// A TCP connection to `addr` with the test timeouts set.
 pub fn connect_raw(addr: SocketAddr) -> TcpStream {
     let sock = TcpStream::connect_timeout(&addr, IO_TIMEOUT).expect("connect to lull");
-    sock.set_read_timeout(Some(IO_TIMEOUT)).expect("set read timeout");
-    sock.set_write_timeout(Some(IO_TIMEOUT)).expect("set write timeout");
+    sock.set_read_timeout(Some(IO_TIMEOUT))
+        .expect("set read timeout");
+    sock.set_write_timeout(Some(IO_TIMEOUT))
+        .expect("set write timeout");
     sock.set_nodelay(true).expect("set nodelay");
     sock
 }
@@ -257,13 +270,21 @@ pub fn encode_go(export: &str) -> Vec<u8> {
 pub fn read_option_reply(sock: &mut TcpStream) -> io::Result<(u32, u32, Vec<u8>)> {
     let mut header = [0u8; nbd::OPTION_REPLY_HEADER_LEN];
     sock.read_exact(&mut header)?;
-    let word = |at: usize| u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]]);
+    let word = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
     if header[..8] != nbd::NBD_REP_MAGIC.to_be_bytes() {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "option reply without NBD_REP_MAGIC"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "option reply without NBD_REP_MAGIC",
+        ));
     }
     let (option, reply_type, len) = (word(8), word(12), word(16));
     if len as usize > nbd::MAX_STRING_LEN + 64 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("option reply of {len} bytes")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("option reply of {len} bytes"),
+        ));
     }
     let mut payload = vec![0u8; len as usize];
     sock.read_exact(&mut payload)?;
@@ -295,7 +316,10 @@ pub fn wait_closed(sock: &mut TcpStream) -> io::Result<Closed> {
             Err(e) => return Err(e),
         }
         if Instant::now() >= deadline {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "server kept sending and never closed"));
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "server kept sending and never closed",
+            ));
         }
     }
 }
@@ -328,25 +352,42 @@ impl NbdClient {
         loop {
             let (option, reply_type, payload) = read_option_reply(&mut sock)?;
             if option != nbd::NBD_OPT_GO {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("reply for option {option}")));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("reply for option {option}"),
+                ));
             }
             match reply_type {
                 nbd::NBD_REP_ACK => break,
-                nbd::NBD_REP_INFO if payload.len() == 12 && payload[..2] == nbd::NBD_INFO_EXPORT.to_be_bytes() => {
+                nbd::NBD_REP_INFO
+                    if payload.len() == 12
+                        && payload[..2] == nbd::NBD_INFO_EXPORT.to_be_bytes() =>
+                {
                     let mut size = [0u8; 8];
                     size.copy_from_slice(&payload[2..10]);
-                    export_info = Some((u64::from_be_bytes(size), u16::from_be_bytes([payload[10], payload[11]])));
+                    export_info = Some((
+                        u64::from_be_bytes(size),
+                        u16::from_be_bytes([payload[10], payload[11]]),
+                    ));
                 }
                 nbd::NBD_REP_INFO => {}
                 other => {
                     let text = String::from_utf8_lossy(&payload);
-                    return Err(io::Error::other(format!("NBD_OPT_GO refused: {other:#x} {text}")));
+                    return Err(io::Error::other(format!(
+                        "NBD_OPT_GO refused: {other:#x} {text}"
+                    )));
                 }
             }
         }
-        let (size_bytes, transmission_flags) = export_info
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "ACK without NBD_INFO_EXPORT"))?;
-        Ok(NbdClient { sock, size_bytes, transmission_flags, next_cookie: 1 })
+        let (size_bytes, transmission_flags) = export_info.ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "ACK without NBD_INFO_EXPORT")
+        })?;
+        Ok(NbdClient {
+            sock,
+            size_bytes,
+            transmission_flags,
+            next_cookie: 1,
+        })
     }
 
     pub fn cookie(&mut self) -> u64 {
@@ -355,9 +396,22 @@ impl NbdClient {
     }
 
     /// Sends a request header and its payload, returning the cookie.
-    pub fn send(&mut self, command: nbd::Command, flags: u16, offset: u64, length: u32, payload: &[u8]) -> io::Result<u64> {
+    pub fn send(
+        &mut self,
+        command: nbd::Command,
+        flags: u16,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> io::Result<u64> {
         let cookie = self.cookie();
-        let header = nbd::encode_request(&Request { flags, command, cookie, offset, length });
+        let header = nbd::encode_request(&Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        });
         self.sock.write_all(&header)?;
         self.sock.write_all(payload)?;
         Ok(cookie)
@@ -367,15 +421,19 @@ impl NbdClient {
     pub fn reply(&mut self) -> io::Result<(u32, u64)> {
         let mut header = [0u8; nbd::SIMPLE_REPLY_LEN];
         self.sock.read_exact(&mut header)?;
-        nbd::decode_simple_reply(&header)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "simple reply with a bad magic"))
+        nbd::decode_simple_reply(&header).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "simple reply with a bad magic")
+        })
     }
 
     /// Reads the reply to `cookie`, checking it is the one that came.
     pub fn reply_to(&mut self, cookie: u64) -> io::Result<u32> {
         let (error, got) = self.reply()?;
         if got != cookie {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("reply cookie {got}, expected {cookie}")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("reply cookie {got}, expected {cookie}"),
+            ));
         }
         Ok(error)
     }
@@ -422,11 +480,22 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// compares, then disconnects: the server still serves after whatever the
 /// test did to it.
 pub fn assert_good_client_works(addr: SocketAddr, export: &str, offset: u64) {
-    let mut client = NbdClient::connect(addr, export).expect("a good client completes the handshake");
+    let mut client =
+        NbdClient::connect(addr, export).expect("a good client completes the handshake");
     let data = pattern(offset ^ 0x5eed, 4096);
-    assert_eq!(client.write(offset, &data).expect("write"), nbd::NBD_SUCCESS, "good client's write");
-    let back = client.read(offset, 4096).expect("read").expect("good client's read");
-    assert!(back == data, "good client read back different data at {offset}");
+    assert_eq!(
+        client.write(offset, &data).expect("write"),
+        nbd::NBD_SUCCESS,
+        "good client's write"
+    );
+    let back = client
+        .read(offset, 4096)
+        .expect("read")
+        .expect("good client's read");
+    assert!(
+        back == data,
+        "good client read back different data at {offset}"
+    );
     client.disconnect();
 }
 
@@ -451,7 +520,9 @@ impl Server {
         loop {
             match self.child.try_wait() {
                 Ok(Some(status)) => return Some(status),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
                 _ => {
                     self.kill();
                     return None;
@@ -467,6 +538,8 @@ pub fn process_cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
     // The command name may hold spaces and parentheses: fields start after
     // the last ')'.
-    let fields: Vec<&str> = stat[stat.rfind(')').expect("stat comm") + 2..].split_whitespace().collect();
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("stat comm") + 2..]
+        .split_whitespace()
+        .collect();
     fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
 }
