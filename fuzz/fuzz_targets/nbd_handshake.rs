@@ -66,12 +66,23 @@ fn drive(input: &[u8], sizes: &[usize]) -> (Outcome, Vec<u8>) {
                 pending_start += used;
                 assert!(pending.len() < nbd::MAX_HANDSHAKE_MESSAGE_LEN);
                 if arrived == input.len() {
-                    return (Outcome::NeedMore { consumed: pending_start }, out);
+                    return (
+                        Outcome::NeedMore {
+                            consumed: pending_start,
+                        },
+                        out,
+                    );
                 }
             }
             Ok((used, status)) => {
                 assert!(used <= pending.len());
-                return (Outcome::Ended { end: pending_start + used, status }, out);
+                return (
+                    Outcome::Ended {
+                        end: pending_start + used,
+                        status,
+                    },
+                    out,
+                );
             }
             Err(error) => return (Outcome::Failed(error), out),
         }

@@ -57,5 +57,8 @@ fuzz_target!(|data: &[u8]| {
 
     let mut reply = [0; nbd::SIMPLE_REPLY_LEN];
     nbd::encode_simple_reply(&mut reply, nbd::NBD_EINVAL, request.cookie);
-    assert_eq!(nbd::decode_simple_reply(&reply), Some((nbd::NBD_EINVAL, request.cookie)));
+    assert_eq!(
+        nbd::decode_simple_reply(&reply),
+        Some((nbd::NBD_EINVAL, request.cookie))
+    );
 });
