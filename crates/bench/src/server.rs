@@ -67,11 +67,13 @@ impl Proc {
             .stdout(File::create(&stdout_path)?)
             .stderr(File::create(&stderr_path)?)
             .spawn()?;
-        // Recorded relative to the current directory, so a committed report
-        // names no path of the machine it ran on (`target/release/lull`).
+        // Recorded without paths of the machine it ran on, so a committed
+        // report can say it: relative to the current directory
+        // (`target/release/lull`), and `$WORK` for the scratch directory.
         let cwd = std::env::current_dir()
             .ok()
             .map(|d| format!("{}/", d.display()));
+        let work = log_dir.display().to_string();
         let command = argv
             .iter()
             .map(|w| {
@@ -79,7 +81,8 @@ impl Proc {
                 shell_quote(w)
             })
             .collect::<Vec<_>>()
-            .join(" ");
+            .join(" ")
+            .replace(&work, "$WORK");
         tracing::debug!(pid = child.id(), %command, "started");
         Ok(Proc {
             name: name.into(),
@@ -323,6 +326,11 @@ mod tests {
         assert_eq!(p.reason(), "error: unknown mode");
         // A process that ignores nothing stops on SIGTERM quickly.
         let mut s = Proc::spawn("sleeper", "sleep", &["30".into()], None, &dir.path).unwrap();
+        // Its recorded command names no scratch path of this machine.
+        let arg = format!("--dir={}/replica0", dir.path.display());
+        let mut named = Proc::spawn("named", "true", &[arg], None, &dir.path).unwrap();
+        assert_eq!(named.command, "true --dir=$WORK/replica0");
+        assert!(named.wait_timeout(Duration::from_secs(5)).is_some());
         let t = Instant::now();
         s.stop();
         assert!(t.elapsed() < STOP_TIMEOUT);
