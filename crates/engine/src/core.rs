@@ -447,6 +447,17 @@ struct Bump {
     generation: u64,
 }
 
+/// What `dispatch` did with a pending request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dispatch {
+    /// Sent, or finished (failed or nothing to do): off the queue.
+    Done,
+    /// Must wait for slots, an overlapping write or the rebuild lock.
+    Wait,
+    /// Waits only for its regions' MARKs (sent): later requests may pass.
+    WaitMarks,
+}
+
 /// Steps of a clean detach ([`Event::Detach`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Detach {
@@ -492,8 +503,6 @@ pub struct Engine {
     region_bytes: u64,
     regions: Vec<Region>,
     detach: Option<Detach>,
-    /// The first pending request waits for MARKs (see `MARK_LOOKAHEAD`).
-    mark_wait: bool,
     pool: BufPool,
     now: u64,
     out: Vec<Action>,
@@ -550,7 +559,6 @@ impl Engine {
             region_bytes: wire::intent_region_bytes(size_bytes),
             regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
             detach: None,
-            mark_wait: false,
             pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
             now: 0,
             out: Vec::new(),
@@ -1263,6 +1271,26 @@ impl Engine {
         )
     }
 
+    /// The first run `[start, end)` of regions in `[from, to)` for which
+    /// `pred` holds.
+    fn region_run(
+        &self,
+        from: usize,
+        to: usize,
+        pred: impl Fn(&Region) -> bool,
+    ) -> Option<(usize, usize)> {
+        let start = (from..to).find(|&g| pred(&self.regions[g]))?;
+        let end = (start..to).find(|&g| !pred(&self.regions[g])).unwrap_or(to);
+        Some((start, end))
+    }
+
+    /// INTENT_MARK or INTENT_CLEAR of regions `[start, end)` to replica `r`;
+    /// false when it has no free slot.
+    fn send_intent(&mut self, r: usize, kind: Kind, start: usize, end: usize) -> bool {
+        let count = (end - start) as u32;
+        self.send_any(r, SubKind::Intent, kind, start as u64, count, Payload::None)
+    }
+
     /// Whether regions `first..=last` have a durable write-intent bit on
     /// every replica of `need` and no CLEAR in flight. If not, sends the
     /// MARKs that are missing (once; their replies call `progress` again).
@@ -1281,30 +1309,16 @@ impl Engine {
             // A region being cleared is marked only once the CLEAR is
             // answered: on another connection the MARK could overtake it.
             let missing = |x: &Region| (x.marked | x.marking) & bit == 0 && x.clearing == 0;
-            let mut g = first;
-            while g <= last {
-                if !missing(&self.regions[g]) {
-                    g += 1;
-                    continue;
-                }
-                let start = g;
-                while g <= last && missing(&self.regions[g]) {
-                    g += 1;
-                }
-                if !self.send_any(
-                    r,
-                    SubKind::Intent,
-                    Kind::IntentMark,
-                    start as u64,
-                    (g - start) as u32,
-                    Payload::None,
-                ) {
+            let mut from = first;
+            while let Some((start, end)) = self.region_run(from, last + 1, missing) {
+                if !self.send_intent(r, Kind::IntentMark, start, end) {
                     // No free slot: tried again on the next event.
                     return false;
                 }
-                for x in &mut self.regions[start..g] {
+                for x in &mut self.regions[start..end] {
                     x.marking |= bit;
                 }
+                from = end;
             }
         }
         false
@@ -1365,31 +1379,19 @@ impl Engine {
                     && x.marking == 0
                     && now.saturating_sub(x.last_write_ns) >= INTENT_CLEAR_IDLE_NS
             };
-            let (mut g, mut sent) = (0, 0);
-            while g < n && sent < MAX_CLEARS_PER_TICK {
-                if !quiet(&self.regions[g]) {
-                    g += 1;
-                    continue;
-                }
-                let start = g;
-                while g < n && quiet(&self.regions[g]) {
-                    g += 1;
-                }
-                if !self.send_any(
-                    r,
-                    SubKind::Intent,
-                    Kind::IntentClear,
-                    start as u64,
-                    (g - start) as u32,
-                    Payload::None,
-                ) {
+            let mut from = 0;
+            for _ in 0..MAX_CLEARS_PER_TICK {
+                let Some((start, end)) = self.region_run(from, n, quiet) else {
+                    break;
+                };
+                if !self.send_intent(r, Kind::IntentClear, start, end) {
                     break;
                 }
-                sent += 1;
-                for x in &mut self.regions[start..g] {
+                for x in &mut self.regions[start..end] {
                     x.marked &= !bit;
                     x.clearing |= bit;
                 }
+                from = end;
             }
         }
     }
@@ -1634,16 +1636,17 @@ impl Engine {
         }
     }
 
-    /// Try to send pending request `id`. Returns false when it must wait
-    /// (slots full, overlap with a write in flight or the rebuild lock).
-    fn dispatch(&mut self, id: u32) -> bool {
+    /// Try to send pending request `id`: done (sent or finished), or it
+    /// must wait (slots full, overlap with a write in flight or the rebuild
+    /// lock), or it waits only for its regions' MARKs.
+    fn dispatch(&mut self, id: u32) -> Dispatch {
         let healthy = self.healthy_mask();
         if healthy == 0 {
             self.finish_io(id, Err(eio("no healthy replica")));
-            return true;
+            return Dispatch::Done;
         }
         let Some(io) = self.ios[id as usize].as_ref() else {
-            return true;
+            return Dispatch::Done;
         };
         let (op, offset, len) = (io.op, io.offset, io.len);
         if matches!(op, IoOp::Read) {
@@ -1665,10 +1668,10 @@ impl Engine {
                     if let Some(io) = self.ios[id as usize].as_mut() {
                         io.outstanding = 1;
                     }
-                    return true;
+                    return Dispatch::Done;
                 }
             }
-            return false;
+            return Dispatch::Wait;
         }
         let io_range = (offset, offset + u64::from(len));
         let modifies = !matches!(op, IoOp::Flush);
@@ -1679,12 +1682,12 @@ impl Engine {
                 .and_then(Rebuild::lock)
                 .is_some_and(|l| overlaps(l, io_range))
             {
-                return false;
+                return Dispatch::Wait;
             }
             for &w in &self.writes_in_flight {
                 if let Some(other) = &self.ios[w as usize] {
                     if overlaps((other.offset, other.end()), io_range) {
-                        return false;
+                        return Dispatch::Wait;
                     }
                 }
             }
@@ -1693,8 +1696,7 @@ impl Engine {
         if modifies {
             let (first, last) = self.region_span(offset, u64::from(len));
             if !self.ensure_marked(first, last, targets) {
-                self.mark_wait = true;
-                return false;
+                return Dispatch::WaitMarks;
             }
         }
         // All or nothing: every target needs a free slot now.
@@ -1703,7 +1705,7 @@ impl Engine {
             if targets & (1 << r) != 0 {
                 match self.pick_conn(r) {
                     Some(c) => *slot = c,
-                    None => return false,
+                    None => return Dispatch::Wait,
                 }
             }
         }
@@ -1717,7 +1719,7 @@ impl Engine {
             (_, IoOp::Flush) => (Kind::Flush, None),
             _ => {
                 self.finish_io(id, Err(BdevError::BadRequest("write without a buffer")));
-                return true;
+                return Dispatch::Done;
             }
         };
         let (w_off, w_len) = if kind == Kind::Flush {
@@ -1752,7 +1754,7 @@ impl Engine {
         if sent == 0 {
             self.io_subs_done(id);
         }
-        true
+        Dispatch::Done
     }
 
     // ---- frames ----------------------------------------------------------
@@ -2416,19 +2418,18 @@ impl Engine {
             {
                 break;
             }
-            self.mark_wait = false;
-            if self.dispatch(id) {
-                // dispatch may have pushed the id back (no: only failures
-                // do); pop exactly the entry we looked at.
-                if self.pending.front() == Some(&id) {
-                    self.pending.pop_front();
+            match self.dispatch(id) {
+                Dispatch::Done => {
+                    // dispatch may have pushed the id back (no: only
+                    // failures do); pop exactly the entry we looked at.
+                    if self.pending.front() == Some(&id) {
+                        self.pending.pop_front();
+                    }
+                    continue;
                 }
-                continue;
+                Dispatch::Wait => break,
+                Dispatch::WaitMarks => waits_for_marks = true,
             }
-            if !self.mark_wait {
-                break;
-            }
-            waits_for_marks = true;
             if parked.len() >= MARK_LOOKAHEAD {
                 break;
             }
@@ -2439,7 +2440,6 @@ impl Engine {
         for id in parked.into_iter().rev() {
             self.pending.push_front(id);
         }
-        self.mark_wait = false;
         if waits_for_marks {
             self.mark_ahead();
         }

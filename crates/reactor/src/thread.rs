@@ -743,19 +743,8 @@ impl Thread {
         name: &str,
         init: impl FnOnce(&mut Thread) + Send + 'static,
     ) -> Result<ThreadHandle, ReactorError> {
-        self.spawn_thread_with_mailbox(reactor, name, MSG_QUEUE_CAPACITY, init)
-    }
-
-    /// `spawn_thread` with a message queue of `capacity` messages.
-    pub fn spawn_thread_with_mailbox(
-        &self,
-        reactor: usize,
-        name: &str,
-        capacity: usize,
-        init: impl FnOnce(&mut Thread) + Send + 'static,
-    ) -> Result<ThreadHandle, ReactorError> {
         match &self.framework {
-            Some(fw) => fw.spawn_thread_with_mailbox(reactor, name, capacity, init),
+            Some(fw) => fw.spawn_thread(reactor, name, init),
             None => Err(ReactorError::Detached),
         }
     }
