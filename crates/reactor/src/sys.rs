@@ -64,9 +64,8 @@ impl Epoll {
         // new fd that we exclusively own.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
-        Ok(Epoll {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
     }
 
     pub fn add(&self, fd: RawFd, interest: Interest, token: u64) -> io::Result<()> {
@@ -143,9 +142,8 @@ impl EventFd {
         // SAFETY: no pointers; a non-negative return is a new owned fd.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: `fd` is fresh and owned only here.
-        Ok(EventFd {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
     }
 
     /// Ring the doorbell. A full counter (EAGAIN) already means "ringing".
@@ -186,9 +184,8 @@ impl TimerFd {
             )
         })?;
         // SAFETY: `fd` is fresh and owned only here.
-        Ok(TimerFd {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(TimerFd { fd })
     }
 
     /// Arm to fire once after `delay_ns` (0 disarms, so callers pass ≥ 1).
