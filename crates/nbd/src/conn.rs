@@ -1,4 +1,4 @@
-//! One NBD client connection, run by one poller on its own lull thread.
+//! One NBD client connection, run by its poller in a poll group.
 //!
 //! Each run of the poller goes round: reap device completions into replies,
 //! write replies, read requests and submit them, until a round makes no
@@ -11,9 +11,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
-use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
+use lull_net::{bufs, read_into, Fill, InBuf, OutQueue, Payload};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
@@ -35,7 +35,8 @@ pub const MAX_IN_FLIGHT: usize = 128;
 pub const MAX_REPLY_QUEUE_BYTES: usize = 2 * nbd::MAX_PAYLOAD_BYTES as usize;
 
 /// Input buffer size: many small requests per read syscall; write payloads
-/// larger than what it holds are read straight into their I/O buffer.
+/// larger than what it holds are read straight into their I/O buffer. Held
+/// only while bytes are buffered (see `lull_net::bufs`).
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 
 /// Bytes read per poller run, so one busy client cannot hold its reactor
@@ -45,10 +46,6 @@ const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 /// Rounds per poller run (see the module doc); more work wakes the poller
 /// again instead of looping here.
 const MAX_ROUNDS: usize = 8;
-
-/// Buffers cached per connection for reuse: enough for a full queue of
-/// 128 KiB requests without allocation.
-const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
 
 #[derive(Clone, Copy)]
 struct InFlight {
@@ -96,7 +93,9 @@ pub(crate) struct Conn {
     phase: Phase,
     inb: InBuf,
     out: OutQueue<Payload>,
-    pool: BufPool,
+    /// Requests in flight by slot. Grows to the connection's deepest queue
+    /// (at most `MAX_IN_FLIGHT`), so an idle or QD1 connection keeps a few
+    /// slots, not 128.
     slots: Vec<Option<InFlight>>,
     free: Vec<u32>,
     recv: Recv,
@@ -149,7 +148,7 @@ impl Conn {
     pub(crate) fn new(stream: Stream, server: Arc<ServerShared>) -> Conn {
         let mut greeting = Vec::new();
         let hs = ServerHandshake::new(&mut greeting);
-        let mut out = OutQueue::with_capacity(MAX_IN_FLIGHT + 4);
+        let mut out = OutQueue::default();
         out.push(&[], Payload::Bytes(greeting));
         Conn {
             peer: stream.peer(),
@@ -159,9 +158,8 @@ impl Conn {
             phase: Phase::Handshake(hs),
             inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             out,
-            pool: BufPool::new(BUFFER_CACHE_BYTES),
-            slots: vec![None; MAX_IN_FLIGHT],
-            free: (0..MAX_IN_FLIGHT as u32).rev().collect(),
+            slots: Vec::new(),
+            free: Vec::new(),
             recv: Recv::Header,
             retry: None,
             closing: None,
@@ -170,7 +168,7 @@ impl Conn {
             // Registered with BOTH so the greeting goes out at once.
             interest: Interest::BOTH,
             channel_fd_added: false,
-            completions: Vec::with_capacity(MAX_IN_FLIGHT),
+            completions: Vec::new(),
             now_ns: 0,
             clock: None,
         }
@@ -191,7 +189,22 @@ impl Conn {
     }
 
     fn in_flight(&self) -> usize {
-        MAX_IN_FLIGHT - self.free.len()
+        self.slots.len() - self.free.len()
+    }
+
+    fn has_free_slot(&self) -> bool {
+        !self.free.is_empty() || self.slots.len() < MAX_IN_FLIGHT
+    }
+
+    fn alloc_slot(&mut self) -> Option<u32> {
+        if let Some(slot) = self.free.pop() {
+            return Some(slot);
+        }
+        if self.slots.len() < MAX_IN_FLIGHT {
+            self.slots.push(None);
+            return Some((self.slots.len() - 1) as u32);
+        }
+        None
     }
 
     /// The poller body. Returns Busy when anything moved.
@@ -221,6 +234,9 @@ impl Conn {
             }
             status = PollStatus::Busy;
         }
+        // Everything read was parsed: the input buffer goes back to the
+        // reactor's cache until the next bytes arrive.
+        self.inb.release();
         if let Some(me) = t.current_poller() {
             if self.finished() {
                 self.finish(t, me);
@@ -242,8 +258,8 @@ impl Conn {
     fn finish(&mut self, t: &mut Thread, me: PollerId) {
         // Unregister before the fds close (the stream and channel drop with
         // this connection, when the poller closure is dropped).
+        // The group goes on serving its other connections.
         t.unregister_poller(me);
-        t.exit();
     }
 
     fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
@@ -309,14 +325,14 @@ impl Conn {
             Ok(()) if inflight.command == Command::Read => (0, c.buf),
             Ok(()) => {
                 if let Some(b) = c.buf {
-                    self.pool.put(b);
+                    bufs::put(b);
                 }
                 (0, None)
             }
             Err(e) => {
                 tracing::warn!(peer = %self.peer, cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
-                    self.pool.put(b);
+                    bufs::put(b);
                 }
                 (nbd::errno_to_nbd(e.errno()), None)
             }
@@ -327,7 +343,7 @@ impl Conn {
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {
         if self.broken {
             if let Some(b) = data {
-                self.pool.put(b);
+                bufs::put(b);
             }
             return;
         }
@@ -342,11 +358,11 @@ impl Conn {
         if self.broken {
             return false;
         }
-        match self.out.write_pooled(&mut self.stream, &mut self.pool) {
+        match bufs::with_pool(|pool| self.out.write_pooled(&mut self.stream, pool)) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.broken = true;
-                self.out.clear_pooled(&mut self.pool);
+                bufs::with_pool(|pool| self.out.clear_pooled(pool));
                 self.close(e.to_string());
                 true
             }
@@ -378,7 +394,7 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.free.is_empty() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        self.has_free_slot() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -502,14 +518,14 @@ impl Conn {
                         Ok(Fill::Read(_)) => progress = true,
                         Ok(Fill::Nothing) => {}
                         Ok(Fill::Eof) => {
-                            self.pool.put(buf);
+                            bufs::put(buf);
                             self.release_slot(slot);
                             self.broken = self.in_flight() == 0;
                             self.close("client disconnected in the middle of a write payload");
                             return true;
                         }
                         Err(e) => {
-                            self.pool.put(buf);
+                            bufs::put(buf);
                             self.release_slot(slot);
                             self.broken = true;
                             self.close(format!("read failed: {e}"));
@@ -620,7 +636,7 @@ impl Conn {
                 return;
             }
         };
-        let Some(slot) = self.free.pop() else {
+        let Some(slot) = self.alloc_slot() else {
             debug_assert!(false, "take_request checked for a free slot");
             return;
         };
@@ -632,11 +648,11 @@ impl Conn {
         });
         match op {
             IoOp::Read => {
-                let buf = self.pool.get(req.length as usize);
+                let buf = bufs::get(req.length as usize);
                 self.submit(slot, &req, op, Some(buf));
             }
             IoOp::Write { .. } => {
-                let buf = self.pool.get(req.length as usize);
+                let buf = bufs::get(req.length as usize);
                 self.recv = Recv::Payload {
                     slot,
                     req,

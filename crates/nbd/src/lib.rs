@@ -38,11 +38,13 @@ pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_
 use crate::conn::Conn;
 use crate::stream::Stream;
 
-/// Connections the server holds at once. Each costs a lull thread, a
-/// 256 KiB input buffer and up to `MAX_IN_FLIGHT` requests; past this a new
+/// Connections the server holds at once. An idle connection is a poller in
+/// a poll group and costs a few KiB (docs/BENCHMARKS.md §1.2); a busy one
+/// up to its input buffer and `MAX_IN_FLIGHT` requests. Real nodes hold
+/// hundreds of volumes with a few connections each; past this a new
 /// connection is accepted and closed at once (with a log line), so a flood
 /// cannot exhaust memory or fds.
-pub const MAX_CONNECTIONS: usize = 1024;
+pub const MAX_CONNECTIONS: usize = 16_384;
 
 /// A client must finish the handshake within this time, or it is
 /// disconnected: a silent connection must not hold a slot forever. qemu and

@@ -21,6 +21,7 @@
 //!
 //! [`server`] holds the acceptor and connection table the servers share.
 
+pub mod bufs;
 pub mod server;
 
 use std::collections::VecDeque;
@@ -247,18 +248,38 @@ pub enum Fill {
 
 /// An input buffer: bytes read from a socket, consumed from the front.
 pub struct InBuf {
+    /// Empty while released (nothing buffered): taken from the thread's
+    /// cache when bytes are read, given back by [`InBuf::release`].
     buf: Box<[u8]>,
+    capacity: usize,
     start: usize,
     end: usize,
 }
 
 impl InBuf {
+    /// An input buffer of `bytes`; no memory is taken until the first read.
     pub fn with_capacity(bytes: usize) -> InBuf {
         InBuf {
-            buf: vec![0u8; bytes].into_boxed_slice(),
+            buf: Box::default(),
+            capacity: bytes,
             start: 0,
             end: 0,
         }
+    }
+
+    /// Give the memory back to the thread's cache if nothing is buffered
+    /// (an idle connection then holds none); the next `fill` takes it again.
+    pub fn release(&mut self) {
+        if self.start == self.end && !self.buf.is_empty() {
+            bufs::give_inbuf(std::mem::take(&mut self.buf));
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Whether memory is held (for tests and memory accounting).
+    pub fn is_held(&self) -> bool {
+        !self.buf.is_empty()
     }
 
     /// Bytes buffered and not consumed.
@@ -297,6 +318,11 @@ impl InBuf {
     /// Read once from `r` into the free space (compacting first when the
     /// buffer's tail is full).
     pub fn fill(&mut self, r: &mut impl Read) -> io::Result<Fill> {
+        if self.buf.is_empty() && self.capacity > 0 {
+            self.buf = bufs::take_inbuf(self.capacity);
+            self.start = 0;
+            self.end = 0;
+        }
         if self.start == self.end {
             self.start = 0;
             self.end = 0;

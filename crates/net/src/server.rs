@@ -1,9 +1,20 @@
 //! The scaffolding every lull server shares (the NBD server, the replica
 //! server, and the NVMe/TCP target to come): an acceptor thread on the main
-//! reactor, one lull thread per connection spread round-robin over the
-//! reactors, a table of live connections with a limit, a deadline for the
-//! client's greeting (handshake, HELLO), and a drain on shutdown that lets
-//! every connection finish its in-flight requests.
+//! reactor, **poll groups** (one lull thread per reactor, per server) that
+//! hold the connections as pollers, a table of live connections with a
+//! limit, a deadline for the client's greeting (handshake, HELLO), and a
+//! drain on shutdown that lets every connection finish its in-flight
+//! requests.
+//!
+//! Why poll groups (SPDK's nvmf poll groups): a connection as a lull thread
+//! of its own costs an epoll set, an eventfd, a timerfd and a message queue,
+//! and every reactor iteration visits every thread. As a poller in a group
+//! it costs one poller entry; the group's epoll set reports the
+//! connections with work, and only those run. Connections go round-robin
+//! over the groups (one group per reactor), which spreads clients over the
+//! cores at accept time; the scheduler moves whole groups later. A volume's
+//! connections are not grouped together: a busy volume with several
+//! connections (qemu multi-conn, nbdcopy) should use several cores.
 //!
 //! A server supplies its listener ([`Listener`]) and its connection
 //! ([`Connection`]); the protocol lives there, the plumbing here.
@@ -28,19 +39,10 @@ use lull_reactor::{
     FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, ReactorError, Thread, ThreadHandle,
 };
 
-/// Message queue of a connection's thread. A connection receives only its
-/// start, the stop/drain wake-up and the wake-ups of the helpers it waits
-/// for (metadata writes, fencing), a handful at a time; the default queue
-/// (65,536 messages, 1.5 MiB resident) made every idle connection cost
-/// 1.5 MiB. A send to a full queue is refused to the sender; for a
-/// wake-up that loses nothing, since the queue then holds wake-ups that
-/// run the poller after the refused one was sent, and a poller run
-/// re-checks everything it waits for.
-pub const CONN_MAILBOX_CAPACITY: usize = 64;
-
 /// Raises the process's descriptor limit to its hard limit and logs the
-/// result: each connection holds about three descriptors (its socket, its
-/// thread's epoll and eventfd). Call once at start, before serving.
+/// result: each connection holds one descriptor (its socket; a file
+/// volume's connection also its io_uring). Call once at start, before
+/// serving.
 pub fn raise_fd_limit(server: &str) {
     match lull_reactor::sys::raise_nofile_limit() {
         Ok((before, now)) => tracing::info!(
@@ -54,8 +56,8 @@ pub fn raise_fd_limit(server: &str) {
     }
 }
 
-/// Descriptors one connection holds (socket, thread epoll, thread eventfd),
-/// for the capacity logged at start.
+/// Descriptors one connection holds (its socket, and a file volume's
+/// io_uring and its eventfd), for the capacity logged at start.
 const FDS_PER_CONNECTION: u64 = 3;
 
 /// "Out of file descriptors" is logged at most this often while it lasts:
@@ -103,8 +105,8 @@ impl Listener for TcpListener {
     }
 }
 
-/// One accepted connection, run by the poller of the lull thread it owns.
-/// Dropping it closes it.
+/// One accepted connection, run by its poller in a poll group. Dropping it
+/// closes it.
 pub trait Connection: Send + 'static {
     fn fd(&self) -> RawFd;
     /// What the poller waits for on `fd` in the event-driven modes.
@@ -114,7 +116,10 @@ pub trait Connection: Send + 'static {
     fn greeted(&self) -> Arc<AtomicBool>;
     /// Make progress. `greeting_expired`: the deadline passed before the
     /// greeting was done (the connection should say why and close). A
-    /// connection that is done calls `t.exit()`.
+    /// connection that is done unregisters its poller
+    /// (`t.unregister_poller(me)`): the poller, and with it the connection,
+    /// is dropped when the call returns. Never `t.exit()`: the thread is
+    /// the group's.
     fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus;
 }
 
@@ -130,7 +135,8 @@ pub struct Limits {
 }
 
 struct Entry {
-    thread: ThreadHandle,
+    /// The poll group the connection is in.
+    group: ThreadHandle,
     poller: Option<PollerId>,
 }
 
@@ -140,7 +146,8 @@ pub struct Connections {
     stopping: AtomicBool,
     table: Mutex<HashMap<u64, Entry>>,
     changed: Condvar,
-    /// Connections accepted so far: names them and places them round-robin.
+    /// Connections accepted so far: numbers them and places them
+    /// round-robin over the poll groups.
     accepted: AtomicUsize,
     /// A descriptor held in reserve (nginx's and libev's trick): when the
     /// process is out of descriptors, a pending connection cannot be
@@ -217,23 +224,25 @@ impl Connections {
 }
 
 /// Removes a connection from the table when its poller closure (and so the
-/// connection) is dropped, on every path.
+/// connection) is dropped, on every path (also when its start message is
+/// refused and dropped).
 struct Registration {
     conns: Arc<Connections>,
-    thread_id: u64,
+    id: u64,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.conns.lock().remove(&self.thread_id);
+        self.conns.lock().remove(&self.id);
         self.conns.changed.notify_all();
     }
 }
 
-/// A server's acceptor thread and its connection table.
+/// A server's acceptor thread, its poll groups and its connection table.
 pub struct Acceptor {
     conns: Arc<Connections>,
     thread: ThreadHandle,
+    groups: Arc<Vec<ThreadHandle>>,
 }
 
 impl std::fmt::Debug for Acceptor {
@@ -244,7 +253,8 @@ impl std::fmt::Debug for Acceptor {
 
 impl Acceptor {
     /// Start accepting on `listeners` (already bound) on reactor 0; each
-    /// accepted stream becomes `make(stream)` on a thread of its own.
+    /// accepted stream becomes `make(stream)`, a poller in one of the
+    /// server's poll groups (one per reactor).
     pub fn start<L, C, F>(
         fw: &FrameworkHandle,
         conns: &Arc<Connections>,
@@ -257,17 +267,22 @@ impl Acceptor {
         F: Fn(L::Stream) -> C + Send + Sync + 'static,
     {
         let name = conns.limits.name;
+        let groups = (0..fw.reactor_count())
+            .map(|r| fw.spawn_thread(r, &format!("{name}-group-{r}"), |_| {}))
+            .collect::<Result<Vec<_>, _>>()?;
+        let groups = Arc::new(groups);
         let c = conns.clone();
+        let g = groups.clone();
         let make = Arc::new(make);
         let thread = fw.spawn_thread(0, &format!("{name}-acceptor"), move |t| {
             for l in listeners {
                 let fd = l.fd();
-                let (conns, make) = (c.clone(), make.clone());
+                let (conns, make, groups) = (c.clone(), make.clone(), g.clone());
                 let r = t.register_poller(
                     &format!("{name}-accept"),
                     PollerKind::Active,
                     &[(fd, Interest::READABLE)],
-                    Box::new(move |t, _now| accept_some(t, &l, &conns, &*make)),
+                    Box::new(move |t, _now| accept_some(t, &l, &conns, &groups, &*make)),
                 );
                 if let Err(e) = r {
                     tracing::error!(server = name, error = %e, "cannot register the accept poller");
@@ -277,7 +292,13 @@ impl Acceptor {
         Ok(Acceptor {
             conns: conns.clone(),
             thread,
+            groups,
         })
+    }
+
+    /// The server's poll groups (one lull thread per reactor).
+    pub fn groups(&self) -> &[ThreadHandle] {
+        &self.groups
     }
 
     pub fn connections(&self) -> &Arc<Connections> {
@@ -293,7 +314,7 @@ impl Acceptor {
         let _ = self.thread.send(|t| t.exit());
         for c in self.conns.lock().values() {
             if let Some(id) = c.poller {
-                let _ = c.thread.send(move |t| {
+                let _ = c.group.send(move |t| {
                     t.wake_poller(id);
                 });
             }
@@ -318,7 +339,16 @@ impl Acceptor {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        table.len()
+        let left = table.len();
+        drop(table);
+        // The server is done with its groups (connections still open after
+        // the timeout close with them).
+        if self.conns.stopping() {
+            for g in self.groups.iter() {
+                let _ = g.send(|t| t.exit());
+            }
+        }
+        left
     }
 }
 
@@ -326,6 +356,7 @@ fn accept_some<L: Listener, C: Connection>(
     t: &mut Thread,
     listener: &L,
     conns: &Arc<Connections>,
+    groups: &[ThreadHandle],
     make: &(dyn Fn(L::Stream) -> C + Send + Sync),
 ) -> PollStatus {
     let name = conns.limits.name;
@@ -366,17 +397,8 @@ fn accept_some<L: Listener, C: Connection>(
             tracing::warn!(server = name, peer = %peer, limit, "too many connections; closing new one");
             continue;
         }
-        match spawn_connection(t, make(stream), peer.clone(), conns) {
-            Ok(()) => {}
-            // Its epoll and eventfd did not fit: the stream closes here.
-            Err(ReactorError::Sys(e))
-                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
-            {
-                conns.log_out_of_fds(t.now_ns(), &e);
-            }
-            Err(e) => {
-                tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection thread")
-            }
+        if let Err(e) = place_connection(make(stream), peer.clone(), conns, groups) {
+            tracing::error!(server = name, peer = %peer, error = %e, "cannot start a connection; closed");
         }
     }
     // More may be waiting beyond the batch.
@@ -388,46 +410,41 @@ fn accept_some<L: Listener, C: Connection>(
     status
 }
 
-fn spawn_connection<C: Connection>(
-    t: &mut Thread,
+/// Hand a connection to the next poll group, round-robin.
+fn place_connection<C: Connection>(
     conn: C,
     peer: String,
     conns: &Arc<Connections>,
-) -> Result<(), ReactorError> {
-    let fw = t.framework().ok_or(ReactorError::Detached)?.clone();
+    groups: &[ThreadHandle],
+) -> Result<(), lull_reactor::SendError> {
     let n = conns.accepted.fetch_add(1, Ordering::Relaxed);
-    let reactor = n % fw.reactor_count();
-    let c = conns.clone();
-    // Register in the table before the thread runs, so that a stop sees it.
-    let mut table = conns.lock();
-    let name = conns.limits.name;
-    let handle = fw.spawn_thread_with_mailbox(
-        reactor,
-        &format!("{name}-conn-{n}"),
-        CONN_MAILBOX_CAPACITY,
-        move |t| start_connection(t, conn, peer, c),
-    )?;
-    table.insert(
-        handle.id(),
+    let id = n as u64;
+    let group = &groups[n % groups.len()];
+    // In the table before it runs, so that a stop sees it; the registration
+    // takes it out again on every path, a refused start included.
+    conns.lock().insert(
+        id,
         Entry {
-            thread: handle,
+            group: group.clone(),
             poller: None,
         },
     );
-    Ok(())
+    let registration = Registration {
+        conns: conns.clone(),
+        id,
+    };
+    group.send(move |t| start_connection(t, conn, peer, registration))
 }
 
 fn start_connection<C: Connection>(
     t: &mut Thread,
     mut conn: C,
     peer: String,
-    conns: Arc<Connections>,
+    registration: Registration,
 ) {
+    let conns = registration.conns.clone();
+    let conn_id = registration.id;
     let name = conns.limits.name;
-    let registration = Registration {
-        conns: conns.clone(),
-        thread_id: t.id(),
-    };
     let fd = conn.fd();
     let interest = conn.interest();
     let greeted = conn.greeted();
@@ -445,15 +462,15 @@ fn start_connection<C: Connection>(
     let id = match poller {
         Ok(id) => id,
         Err(e) => {
+            // The poller closure (and the connection) is dropped: closed.
             tracing::error!(server = name, peer = %peer, error = %e, "cannot register connection poller");
-            t.exit();
             return;
         }
     };
     // Run it once now: a greeting may be queued, or the poller may need to
     // learn its id.
     t.wake_poller(id);
-    if let Some(c) = conns.lock().get_mut(&t.id()) {
+    if let Some(c) = conns.lock().get_mut(&conn_id) {
         c.poller = Some(id);
     }
     let timer = t.register_poller(
@@ -474,5 +491,5 @@ fn start_connection<C: Connection>(
     if let Err(e) = timer {
         tracing::warn!(server = name, peer = %peer, error = %e, "no greeting deadline for this connection");
     }
-    tracing::debug!(server = name, peer = %peer, thread = t.name(), "connection accepted");
+    tracing::debug!(server = name, peer = %peer, group = t.name(), conn = conn_id, "connection accepted");
 }

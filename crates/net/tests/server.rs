@@ -34,7 +34,6 @@ impl Echo {
         if let Some(me) = t.current_poller() {
             t.unregister_poller(me);
         }
-        t.exit();
         PollStatus::Busy
     }
 }

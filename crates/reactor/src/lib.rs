@@ -12,13 +12,21 @@
 //! t.send(|t| println!("on {}", t.name()))?;
 //! ```
 //!
-//! Each reactor runs in an event mode: `poll` spins over every poller;
-//! `interrupt` blocks in `epoll_wait` on the fds its pollers name (each lull
-//! thread has its own epoll set, nested in its reactor's, so a thread can move
-//! between reactors by moving one fd). Timed pollers are driven by a timerfd
-//! per thread, and a message rings its target's eventfd only when the target
+//! Each reactor runs in an event mode: `poll` never sleeps; `interrupt`
+//! blocks in `epoll_wait` on the fds its pollers name; `adaptive` spins
+//! while spinning pays ([`adaptive`]) and sleeps otherwise. In every mode
+//! only sources with work run: each lull thread has its own epoll set,
+//! nested in its reactor's (so a thread can later move between reactors by
+//! moving one fd), and an iteration visits the threads the reactor's epoll
+//! reports ready and, in them, the pollers whose fds are ready. Timed
+//! pollers sit in a heap per thread, driven by a timerfd when the reactor
+//! sleeps, and a message rings its target's eventfd only when the target
 //! may be asleep.
+//!
+//! A connection is not a lull thread: servers put connections as pollers
+//! into *poll groups*, one lull thread per reactor (`lull_net::server`).
 
+pub mod adaptive;
 mod clock;
 mod cores;
 mod reactor;
@@ -28,14 +36,12 @@ mod thread;
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use cores::{parse_core_list, MAX_CORE};
 pub use reactor::{
-    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, ADAPTIVE_SPIN_CAP_NS,
-    DEFAULT_IOQ_POLL_PERIOD_US,
+    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, DEFAULT_IOQ_POLL_PERIOD_US,
 };
 pub use sys::Interest;
 pub use thread::{
-    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, SpinWindow, Thread,
-    ThreadHandle, ThreadStats, MAX_POLLERS_PER_THREAD, MIN_SPIN_WINDOW_NS, MSG_BATCH,
-    MSG_QUEUE_CAPACITY, WAKE_ALLOWANCE_NS,
+    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle,
+    ThreadStats, MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
 };
 
 /// Errors of the reactor framework.

@@ -14,6 +14,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::adaptive::{Adaptive, WakeCost};
 use crate::clock::{Clock, MonotonicClock};
 use crate::sys::{self, event_buffer, Epoll, Interest, ThreadUsage};
 use crate::thread::{Mailbox, PollStatus, Scope, Thread, ThreadHandle, ThreadShared, ThreadStats};
@@ -42,32 +43,6 @@ const SHUTDOWN_MESSAGE_LIMIT: usize = 1 << 20;
 
 const TOKEN_CONTROL: u64 = u64::MAX;
 
-/// The adaptive mode's cap on one spin (the longest it polls for an event
-/// before it sleeps). Ski rental: spinning for as long as one sleep/wake-up
-/// costs is never worse than twice the best choice made with hindsight. A
-/// wake-up costs ~30 µs of latency on the VMs lull is measured on (54 µs vs
-/// 20 µs for a 4 KiB loopback round trip) and a few µs of CPU; QEMU caps
-/// its adaptive polling at 32 µs. 50 µs covers a loopback round trip with
-/// room for jitter, and bounds the CPU a lone event can cost.
-pub const ADAPTIVE_SPIN_CAP_NS: u64 = 50_000;
-
-/// While spinning, the adaptive mode polls the hot sources (those with a
-/// spin window) directly, the cheapest way to see their next event, and
-/// looks at every other fd through one `epoll_wait(0)` every this many spin
-/// iterations (a few µs), so a cold source is never ignored for long.
-pub const SPIN_EPOLL_EVERY: u64 = 8;
-
-/// Under sustained load (awake for at least `LOADED_AFTER_NS` and busy for
-/// at least half of it), a pause is more likely a client's hiccup than the
-/// end of the load, and a sleep then delays a whole queue of requests by a
-/// wake-up; so a spin that some source asked for may last up to this long.
-/// Still bounded: once per end of load, at most 200 µs of spinning.
-pub const LOADED_SPIN_CAP_NS: u64 = 200_000;
-
-/// How long a reactor must have been awake before its busy fraction says
-/// "sustained load" (a few hundred requests at QD64).
-pub const LOADED_AFTER_NS: u64 = 1_000_000;
-
 /// Default period of the hybrid mode's initiator poll (Longhorn's
 /// `data-engine-nvme-ioq-poll-period-us` default).
 pub const DEFAULT_IOQ_POLL_PERIOD_US: u64 = 100;
@@ -83,7 +58,7 @@ pub enum Mode {
     /// connections) drained by a timed poll every `ioq_poll_period_us`.
     Hybrid,
     /// Poll while polling pays, sleep when it does not (see
-    /// [`Thread::spin_window_ns`]).
+    /// [`crate::adaptive`]).
     Adaptive,
 }
 
@@ -183,7 +158,12 @@ struct ReactorCounters {
     ioq_poll_period_us: AtomicU64,
     spins_with_work: AtomicU64,
     spins_idle: AtomicU64,
-    spin_ns: AtomicU64,
+    spin_ns_with_work: AtomicU64,
+    spin_ns_idle: AtomicU64,
+    spin_window_ns: AtomicU64,
+    wake_latency_ns: AtomicU64,
+    wake_cpu_ns: AtomicU64,
+    ready_events: AtomicU64,
     tid: AtomicU64,
     user_ns: AtomicU64,
     system_ns: AtomicU64,
@@ -206,8 +186,22 @@ pub struct ReactorStats {
     pub spins_with_work: u64,
     /// ... and spins that found nothing before the window closed.
     pub spins_idle: u64,
-    /// Time spent spinning in the adaptive mode.
+    /// Time spent spinning in the adaptive mode (both kinds).
     pub spin_ns: u64,
+    /// Time spent in spins that found work ...
+    pub spin_ns_with_work: u64,
+    /// ... and in spins that found none (the CPU adaptive paid for nothing).
+    pub spin_ns_idle: u64,
+    /// The spin window the adaptive decision chose last (0: sleep at once).
+    pub spin_window_ns: u64,
+    /// What a sleep-and-wake costs on this reactor's core, as measured:
+    /// latency to the event ...
+    pub wake_latency_ns: u64,
+    /// ... and CPU.
+    pub wake_cpu_ns: u64,
+    /// Lull threads the reactor's epoll reported ready, in total (divide by
+    /// `iterations` for ready threads per iteration).
+    pub ready_events: u64,
     pub busy_ns: u64,
     pub idle_ns: u64,
     pub iterations: u64,
@@ -399,7 +393,13 @@ impl FrameworkHandle {
                     threads: g(&c.threads),
                     spins_with_work: g(&c.spins_with_work),
                     spins_idle: g(&c.spins_idle),
-                    spin_ns: g(&c.spin_ns),
+                    spin_ns: g(&c.spin_ns_with_work) + g(&c.spin_ns_idle),
+                    spin_ns_with_work: g(&c.spin_ns_with_work),
+                    spin_ns_idle: g(&c.spin_ns_idle),
+                    spin_window_ns: g(&c.spin_window_ns),
+                    wake_latency_ns: g(&c.wake_latency_ns),
+                    wake_cpu_ns: g(&c.wake_cpu_ns),
+                    ready_events: g(&c.ready_events),
                     busy_ns: g(&c.busy_ns),
                     idle_ns: g(&c.idle_ns),
                     iterations: g(&c.iterations),
@@ -582,8 +582,6 @@ impl Drop for Framework {
 #[derive(Debug, Clone, Copy)]
 struct Spin {
     start_ns: u64,
-    deadline_ns: u64,
-    iterations: u64,
 }
 
 struct Reactor {
@@ -591,13 +589,17 @@ struct Reactor {
     framework: FrameworkHandle,
     mode: Mode,
     ioq_poll_period_us: u64,
+    /// The adaptive mode's decision (kept in every mode, so that the
+    /// measured wake-up cost is known before a switch to adaptive).
+    adaptive: Adaptive,
     spin: Option<Spin>,
-    /// When the reactor last woke from a sleep, and its busy time then.
-    awake_since_ns: u64,
-    busy_at_wake_ns: u64,
+    /// The reactor slept in the current idle period.
+    slept_while_idle: bool,
     spins_with_work: u64,
     spins_idle: u64,
-    spin_ns: u64,
+    spin_ns_with_work: u64,
+    spin_ns_idle: u64,
+    ready_events: u64,
     epoll: Epoll,
     threads: Vec<Option<Box<Thread>>>,
     ready: Vec<bool>,
@@ -610,6 +612,64 @@ struct Reactor {
     iterations: u64,
     wakeups: u64,
 }
+
+/// Sleeps timed at start to measure what a wake-up costs on this machine
+/// (the median is kept): ~1 ms per reactor at start.
+const CALIBRATION_SLEEPS: usize = 9;
+
+/// The timer delay of each calibration sleep: long enough that the CPU is
+/// really idle (halted) when the timer fires, as it is in service.
+const CALIBRATION_DELAY_NS: u64 = 100_000;
+
+/// A timer wake-up later than this after its deadline is not a wake-up
+/// cost but a preemption (the core was busy with something else); it is
+/// not learned from.
+const WAKE_SAMPLE_MAX_NS: u64 = 2_000_000;
+
+/// Measure what a sleep-and-wake costs on this core: sleep on a timerfd
+/// in an epoll set (as the reactor does) and see how late and at what CPU
+/// cost the thread runs again. The medians of a few sleeps.
+fn calibrate_wake_cost() -> WakeCost {
+    let measure = || -> std::io::Result<(u64, u64)> {
+        let epoll = Epoll::new()?;
+        let timer = sys::TimerFd::new()?;
+        epoll.add(
+            std::os::fd::AsRawFd::as_raw_fd(&timer),
+            Interest::READABLE,
+            0,
+        )?;
+        let mut events = event_buffer(1);
+        let cpu0 = sys::thread_cpu_ns();
+        let start = std::time::Instant::now();
+        timer.arm(CALIBRATION_DELAY_NS)?;
+        epoll.wait(&mut events, -1)?;
+        let late = (start.elapsed().as_nanos() as u64).saturating_sub(CALIBRATION_DELAY_NS);
+        let cpu = sys::thread_cpu_ns().saturating_sub(cpu0);
+        timer.drain();
+        Ok((late, cpu))
+    };
+    let mut lat = Vec::new();
+    let mut cpu = Vec::new();
+    for _ in 0..CALIBRATION_SLEEPS {
+        if let Ok((l, c)) = measure() {
+            lat.push(l);
+            cpu.push(c);
+        }
+    }
+    lat.sort_unstable();
+    cpu.sort_unstable();
+    WakeCost {
+        latency_ns: lat
+            .get(lat.len() / 2)
+            .copied()
+            .unwrap_or(DEFAULT_WAKE_LATENCY_NS),
+        cpu_ns: cpu.get(cpu.len() / 2).copied().unwrap_or(0),
+    }
+}
+
+/// The wake-up latency assumed if it cannot be measured: what it was on the
+/// VMs lull is developed on.
+const DEFAULT_WAKE_LATENCY_NS: u64 = 30_000;
 
 impl Reactor {
     fn new(
@@ -630,17 +690,27 @@ impl Reactor {
             .counters
             .tid
             .store(sys::gettid() as u64, Ordering::Relaxed);
+        let wake = calibrate_wake_cost();
+        tracing::info!(
+            reactor = shared.index,
+            core = shared.core,
+            wake_latency_us = wake.latency_ns as f64 / 1000.0,
+            wake_cpu_us = wake.cpu_ns as f64 / 1000.0,
+            "measured what a sleep and wake-up costs"
+        );
         Ok(Reactor {
             shared,
             framework,
             mode,
             ioq_poll_period_us,
+            adaptive: Adaptive::new(wake),
             spin: None,
-            awake_since_ns: 0,
-            busy_at_wake_ns: 0,
+            slept_while_idle: false,
             spins_with_work: 0,
             spins_idle: 0,
-            spin_ns: 0,
+            spin_ns_with_work: 0,
+            spin_ns_idle: 0,
+            ready_events: 0,
             epoll,
             threads: Vec::new(),
             ready: Vec::new(),
@@ -659,6 +729,12 @@ impl Reactor {
         self.framework.shared.clock.now_ns()
     }
 
+    /// One iteration: control commands, readiness (an `epoll_wait` on the
+    /// reactor's set, which holds each thread's set: without blocking while
+    /// there is work or a spin, blocking otherwise), then the threads with
+    /// work. Its cost is the sources with work plus an O(1) check per
+    /// thread; connections are sources inside poll-group threads, so it
+    /// does not grow with idle connections.
     fn run(&mut self) {
         loop {
             let now = self.clock_now();
@@ -667,78 +743,75 @@ impl Reactor {
                 self.shutdown();
                 return;
             }
-            // Adaptive mode polls like poll mode while work keeps coming
-            // (no epoll syscalls on the busy path); it turns to epoll only
-            // when idle: to spin over every fd at once, then to sleep.
-            let polling =
-                self.mode == Mode::Poll || (self.mode == Mode::Adaptive && self.last_busy);
-            let mut scope = if polling { Scope::All } else { Scope::Ready };
-            if !polling {
-                let (control, epolled) = self.wait_events(now);
-                busy |= control;
-                if self.spin.is_some() {
-                    scope = Scope::Spin { epoll: epolled };
-                }
-            }
+            busy |= self.wait_events(now);
             let now = self.clock_now();
-            busy |= self.poll_threads(now, scope);
+            busy |= self.poll_threads(now);
+            self.reap_exited();
+            let end = self.clock_now();
             if busy {
                 if let Some(spin) = self.spin.take() {
                     self.spins_with_work += 1;
-                    self.spin_ns += now.saturating_sub(spin.start_ns);
+                    self.spin_ns_with_work += now.saturating_sub(spin.start_ns);
                 }
+                self.adaptive.found_work(now, self.slept_while_idle);
+                self.slept_while_idle = false;
+            } else if self.mode == Mode::Adaptive {
+                self.adaptive.went_idle(end);
             }
-            self.reap_exited();
-            let end = self.clock_now();
             self.account(busy, end.saturating_sub(now), end);
             self.last_busy = busy;
         }
     }
 
-    /// Run each thread once: every poller in poll mode, the ready ones in
-    /// event-driven modes.
-    fn poll_threads(&mut self, now: u64, scope: Scope) -> bool {
+    /// Run each thread that has work: ready fds (seen through the
+    /// reactor's epoll), messages, woken pollers, due timers; in poll mode
+    /// also the threads with fd-less pollers.
+    fn poll_threads(&mut self, now: u64) -> bool {
         let clock = self.framework.shared.clock.clone();
+        let scope = if self.mode == Mode::Poll {
+            Scope::All
+        } else {
+            Scope::Ready
+        };
         let mut busy = false;
         for i in 0..self.threads.len() {
             let ready = std::mem::take(&mut self.ready[i]);
             let Some(t) = self.threads[i].as_mut() else {
                 continue;
             };
-            let thread_scope = match scope {
-                Scope::All => Scope::All,
-                Scope::Ready if ready || t.has_immediate_work(now) => Scope::Ready,
-                Scope::Spin { .. } if ready || t.has_hot_pollers() || t.has_immediate_work(now) => {
-                    Scope::Spin { epoll: ready }
-                }
-                _ => continue,
-            };
+            let run = ready
+                || t.has_immediate_work(now)
+                || (scope == Scope::All && t.has_fdless_pollers());
+            if !run {
+                continue;
+            }
             let t_now = clock.now_ns();
-            if t.poll(t_now, thread_scope, &*clock) == PollStatus::Busy {
+            if t.poll_ready(t_now, scope, ready, &*clock) == PollStatus::Busy {
                 busy = true;
             }
         }
         busy
     }
 
-    /// Event-driven wait: check readiness without blocking while work keeps
-    /// coming; when the last iteration found nothing, arm every doorbell and
-    /// timer and block until an fd is ready. Returns whether control work
-    /// ran, and whether epoll was asked (a spin skips it on most iterations).
-    fn wait_events(&mut self, now: u64) -> (bool, bool) {
+    /// Ask the reactor's epoll set which threads have ready fds: without
+    /// blocking while work keeps coming (and in poll mode, and during an
+    /// adaptive spin); when the last iteration found nothing, arm every
+    /// doorbell and timer and block until an fd is ready. Returns whether
+    /// control work ran.
+    fn wait_events(&mut self, now: u64) -> bool {
         let mut timeout = 0;
-        if !self.last_busy {
+        let mut deadline = None;
+        if !self.last_busy && self.mode != Mode::Poll {
             if self.keep_spinning(now) {
-                let spin = self.spin.as_mut().expect("spinning");
-                spin.iterations += 1;
-                if !spin.iterations.is_multiple_of(SPIN_EPOLL_EVERY) {
-                    return (false, false);
-                }
-            } else if self.prepare_sleep(now) {
+                timeout = 0;
+            } else if let Some(d) = self.prepare_sleep(now) {
                 timeout = -1;
+                deadline = d;
             }
         }
-        self.publish_usage(now, timeout == -1);
+        let sleeping = timeout == -1;
+        self.publish_usage(now, sleeping);
+        let cpu_before = if sleeping { sys::thread_cpu_ns() } else { 0 };
         let n = self
             .epoll
             .wait(&mut self.events, timeout)
@@ -746,17 +819,22 @@ impl Reactor {
                 tracing::error!(reactor = self.shared.index, error = %e, "epoll_wait failed");
                 0
             });
-        if timeout == -1 {
-            self.finish_sleep(n > 0);
+        if sleeping {
             let woke_at = self.clock_now();
-            for t in self.threads.iter_mut().flatten() {
-                t.note_wake(woke_at);
-            }
-            self.awake_since_ns = woke_at;
-            self.busy_at_wake_ns = self.busy_ns;
-            let slept = self.clock_now().saturating_sub(now);
-            self.idle_ns += slept;
+            let cpu = sys::thread_cpu_ns().saturating_sub(cpu_before);
+            self.finish_sleep(n > 0);
+            // A wake-up by the timer tells how late a sleeper runs after its
+            // event: the wake-up latency.
+            let latency = deadline
+                .filter(|&d| woke_at >= d)
+                .map(|d| woke_at - d)
+                .filter(|&l| l <= WAKE_SAMPLE_MAX_NS);
+            self.adaptive
+                .measured_wake(latency, (cpu > 0).then_some(cpu));
+            self.slept_while_idle = true;
+            self.idle_ns += woke_at.saturating_sub(now);
         }
+        self.ready_events += n as u64;
         let mut control = false;
         for i in 0..n {
             let token = self.events[i].u64;
@@ -767,54 +845,45 @@ impl Reactor {
                 *r = true;
             }
         }
-        (control && self.handle_control(), true)
+        control && self.handle_control()
     }
 
-    /// Adaptive mode: whether to poll (epoll_wait without sleeping) once
-    /// more. A spin starts when the reactor goes idle and some event source
-    /// predicts an event within the cap; it ends with work (counted in the
-    /// run loop) or when its window closes.
+    /// Adaptive mode: whether to look for events once more without
+    /// sleeping. The window comes from [`Adaptive::went_idle`]; a timer due
+    /// sooner than a wake-up would take is waited for spinning too.
     fn keep_spinning(&mut self, now: u64) -> bool {
         if self.mode != Mode::Adaptive {
             return false;
         }
-        match self.spin {
-            None => {
-                let window = self
-                    .threads
-                    .iter()
-                    .flatten()
-                    .map(|t| t.spin_window_ns(now, ADAPTIVE_SPIN_CAP_NS))
-                    .max()
-                    .unwrap_or(0);
-                if window == 0 {
-                    return false;
-                }
-                let awake = now.saturating_sub(self.awake_since_ns);
-                let busy = self.busy_ns.saturating_sub(self.busy_at_wake_ns);
-                let window = if awake >= LOADED_AFTER_NS && busy.saturating_mul(2) >= awake {
-                    window.max(LOADED_SPIN_CAP_NS)
-                } else {
-                    window
-                };
-                self.spin = Some(Spin {
-                    start_ns: now,
-                    deadline_ns: now + window,
-                    iterations: 0,
-                });
-                true
-            }
-            Some(spin) if now < spin.deadline_ns => true,
-            Some(spin) => {
+        let wake = self.adaptive.wake_cost();
+        let timer_soon = self
+            .next_deadline()
+            .is_some_and(|d| d.saturating_sub(now) <= wake.latency_ns + wake.cpu_ns);
+        let spin = timer_soon || self.adaptive.keep_spinning(now);
+        match (spin, self.spin) {
+            (true, None) => self.spin = Some(Spin { start_ns: now }),
+            (false, Some(s)) => {
                 self.spin = None;
                 self.spins_idle += 1;
-                self.spin_ns += now.saturating_sub(spin.start_ns);
-                false
+                self.spin_ns_idle += now.saturating_sub(s.start_ns);
             }
+            _ => {}
         }
+        spin
     }
 
-    fn prepare_sleep(&mut self, now: u64) -> bool {
+    /// The earliest timer of any thread (O(threads), when going idle).
+    fn next_deadline(&self) -> Option<u64> {
+        self.threads
+            .iter()
+            .flatten()
+            .filter_map(|t| t.next_deadline())
+            .min()
+    }
+
+    /// Arm doorbells and timers. `Some(deadline)` when the reactor may
+    /// sleep (until `deadline`, or an fd); `None` when work arrived.
+    fn prepare_sleep(&mut self, now: u64) -> Option<Option<u64>> {
         self.shared.control.arm();
         let mut sleep = self.shared.control.is_empty();
         for t in self.threads.iter_mut().flatten() {
@@ -824,8 +893,9 @@ impl Reactor {
         }
         if !sleep {
             self.finish_sleep(false);
+            return None;
         }
-        sleep
+        Some(self.next_deadline())
     }
 
     fn finish_sleep(&mut self, woke: bool) {
@@ -856,7 +926,6 @@ impl Reactor {
 
     fn configure_thread(&self, t: &mut Thread) {
         t.set_event_driven(self.mode.event_driven());
-        t.set_spin_cap(ADAPTIVE_SPIN_CAP_NS);
         let hybrid = (self.mode == Mode::Hybrid).then_some(self.ioq_poll_period_us * 1000);
         t.set_initiator_period(hybrid);
     }
@@ -910,7 +979,8 @@ impl Reactor {
         }
         self.threads = threads;
         if let Some(spin) = self.spin.take() {
-            self.spin_ns += self.clock_now().saturating_sub(spin.start_ns);
+            self.spins_idle += 1;
+            self.spin_ns_idle += self.clock_now().saturating_sub(spin.start_ns);
         }
         // Every thread runs on the next iteration, so nothing that was ready
         // under the old mode is left waiting.
@@ -991,7 +1061,15 @@ impl Reactor {
         c.spins_with_work
             .store(self.spins_with_work, Ordering::Relaxed);
         c.spins_idle.store(self.spins_idle, Ordering::Relaxed);
-        c.spin_ns.store(self.spin_ns, Ordering::Relaxed);
+        c.spin_ns_with_work
+            .store(self.spin_ns_with_work, Ordering::Relaxed);
+        c.spin_ns_idle.store(self.spin_ns_idle, Ordering::Relaxed);
+        c.spin_window_ns
+            .store(self.adaptive.spin_window_ns(), Ordering::Relaxed);
+        let wake = self.adaptive.wake_cost();
+        c.wake_latency_ns.store(wake.latency_ns, Ordering::Relaxed);
+        c.wake_cpu_ns.store(wake.cpu_ns, Ordering::Relaxed);
+        c.ready_events.store(self.ready_events, Ordering::Relaxed);
         self.publish_usage(now, false);
     }
 

@@ -301,3 +301,19 @@ pub fn thread_usage() -> ThreadUsage {
         major_faults: ru.ru_majflt as u64,
     }
 }
+
+/// CPU time the calling OS thread has used, in ns (0 if the clock is
+/// unavailable). A syscall (the vDSO does not serve thread CPU clocks):
+/// the adaptive mode reads it only around a sleep, to measure what a
+/// sleep-and-wake costs.
+pub fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -219,37 +219,6 @@ fn ready_scope_runs_only_woken_pollers() {
     t.check_invariants();
 }
 
-#[test]
-fn spin_window_grows_on_near_misses_and_shrinks_on_long_gaps() {
-    const CAP: u64 = crate::ADAPTIVE_SPIN_CAP_NS;
-    let mut w = crate::SpinWindow::default();
-    w.event(1_000, true, CAP);
-    assert_eq!(w.window_ns(), 0, "no work seen yet: nothing to learn");
-    let mut now = 10_000;
-    let mut seen = Vec::new();
-    for _ in 0..6 {
-        w.busy(now);
-        now += 40_000; // an event 40 µs later, after a sleep: a near miss
-        w.event(now, true, CAP);
-        seen.push(w.window_ns());
-    }
-    assert_eq!(seen, vec![4_000, 8_000, 16_000, 32_000, CAP, CAP]);
-    // Caught while spinning: stays.
-    w.busy(now);
-    now += 30_000;
-    w.event(now, false, CAP);
-    assert_eq!(w.window_ns(), CAP);
-    // Long gaps halve it, down to nothing.
-    let mut seen = Vec::new();
-    for _ in 0..6 {
-        w.busy(now);
-        now += 5_000_000;
-        w.event(now, true, CAP);
-        seen.push(w.window_ns());
-    }
-    assert_eq!(seen, vec![25_000, 12_500, 6_250, 0, 0, 0]);
-}
-
 /// A poller whose readiness the test controls through an eventfd.
 fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
     use std::os::fd::AsRawFd;
@@ -270,51 +239,6 @@ fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
         )
         .unwrap();
     (id, efd)
-}
-
-#[test]
-fn spin_window_is_decided_per_event_source() {
-    const CAP: u64 = crate::ADAPTIVE_SPIN_CAP_NS;
-    let clock = FakeClock::new(1);
-    let mut t = thread();
-    t.set_event_driven(true);
-    let (_fast, fast_fd) = evented(&mut t, "fast");
-    let (_slow, slow_fd) = evented(&mut t, "slow");
-    let mut now = 1_000u64;
-    assert_eq!(t.spin_window_ns(now, CAP), 0, "no history: sleep");
-    // Both sources wake a sleeping reactor: the fast one 30 µs after it
-    // last worked, the slow one every 5 ms (a slow disk).
-    for i in 0..40u64 {
-        t.note_wake(now);
-        fast_fd.notify();
-        if i % 8 == 0 {
-            slow_fd.notify();
-        }
-        t.poll(now, Scope::Ready, &clock);
-        now += 30_000;
-        if i % 8 == 7 {
-            now += 5_000_000;
-        }
-    }
-    assert_eq!(
-        t.spin_window_ns(now, CAP),
-        CAP,
-        "the slow source does not switch spinning off for the fast one"
-    );
-
-    // A thread with only the slow source never spins.
-    let mut t2 = thread();
-    t2.set_event_driven(true);
-    let (_s, s_fd) = evented(&mut t2, "slow");
-    let mut now = 1_000u64;
-    for _ in 0..10 {
-        t2.note_wake(now);
-        s_fd.notify();
-        t2.poll(now, Scope::Ready, &clock);
-        now += 5_000_000;
-    }
-    assert_eq!(t2.spin_window_ns(now, CAP), 0);
-    t.check_invariants();
 }
 
 #[test]

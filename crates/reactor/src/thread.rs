@@ -17,7 +17,8 @@
 //! can later move between reactors whole (its epoll set is one fd in the
 //! reactor's epoll set).
 
-use std::collections::HashSet;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -41,12 +42,18 @@ pub const MSG_BATCH: usize = 8;
 /// receive a few wake-ups ask for less ([`Thread::with_mailbox`]).
 pub const MSG_QUEUE_CAPACITY: usize = 65536;
 
-/// Pollers one thread may own. A connection needs one or two; this bound
-/// catches a registration leak long before it hurts the iteration time.
-pub const MAX_POLLERS_PER_THREAD: usize = 1024;
+/// Pollers one thread may own. A poll group holds two per connection (the
+/// connection and, until the greeting is done, its deadline), and serves
+/// up to a few thousand connections; an iteration costs only the pollers
+/// with work, so the bound is about memory (~150 bytes a poller) and about
+/// catching a registration leak.
+pub const MAX_POLLERS_PER_THREAD: usize = 32_768;
 
-/// Epoll events taken per `epoll_wait` of a thread's own set.
-const THREAD_EVENT_BATCH: usize = 64;
+/// Epoll events taken per `epoll_wait` of a thread's own set: the sources
+/// served in one iteration. More stay ready (epoll is level-triggered)
+/// and are served next iteration, so a burst of connections cannot hold
+/// the reactor for long.
+const THREAD_EVENT_BATCH: usize = 128;
 
 const TOKEN_DOORBELL: u64 = u64::MAX;
 const TOKEN_TIMER: u64 = u64::MAX - 1;
@@ -189,6 +196,7 @@ pub(crate) struct ThreadCounters {
     pub pollers_active: AtomicU64,
     pub pollers_timed: AtomicU64,
     pub pollers_paused: AtomicU64,
+    pub ready_events: AtomicU64,
     pub reactor: AtomicU64,
 }
 
@@ -206,6 +214,8 @@ pub struct ThreadStats {
     pub pollers_active: u64,
     pub pollers_timed: u64,
     pub pollers_paused: u64,
+    /// Fds its epoll set reported ready (sources with work), in total.
+    pub ready_events: u64,
 }
 
 pub(crate) struct ThreadShared {
@@ -287,6 +297,7 @@ impl ThreadHandle {
             pollers_active: r(&c.pollers_active),
             pollers_timed: r(&c.pollers_timed),
             pollers_paused: r(&c.pollers_paused),
+            ready_events: r(&c.ready_events),
         }
     }
 }
@@ -301,73 +312,11 @@ struct PollerEntry {
     /// An initiator-side source (replica connections): in hybrid mode it is
     /// drained by the thread's periodic initiator poll, not by its fds.
     initiator: bool,
-    /// The adaptive mode's spin window for this event source.
-    gap: SpinWindow,
+    /// A timed poller's entry in the timer heap (heap items with another
+    /// sequence number are stale).
+    timer_seq: u64,
     /// `None` while the poller runs (it is out of its slot) .
     f: Option<PollFn>,
-}
-
-/// After a sleep, an event's observed gap includes the wake-up latency
-/// (~30 µs on the VMs lull is measured on, with a longer tail), so a gap
-/// up to `cap + WAKE_ALLOWANCE_NS` is a near miss: a spin of the full cap
-/// would probably have caught it.
-pub const WAKE_ALLOWANCE_NS: u64 = 50_000;
-
-/// The smallest non-zero spin window (QEMU starts its window at 4 µs).
-pub const MIN_SPIN_WINDOW_NS: u64 = 4_000;
-
-/// The adaptive mode's spin window for one event source, adapted the way
-/// QEMU adapts its poll-ns (grow on a near miss, shrink when events come
-/// much later) but kept per source, so that a slow source (a far replica,
-/// a slow disk) shrinks only its own window and never switches spinning
-/// off for a fast one (the problem QEMU met in 2025 with one window per
-/// AioContext).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SpinWindow {
-    last_busy_ns: u64,
-    window_ns: u64,
-}
-
-impl SpinWindow {
-    /// The source did work at `now`.
-    pub fn busy(&mut self, now: u64) {
-        self.last_busy_ns = now;
-    }
-
-    /// The source's next event was seen at `now`; `slept` says whether the
-    /// reactor slept since the source last did work (so the event was not
-    /// caught by spinning).
-    pub fn event(&mut self, now: u64, slept: bool, cap_ns: u64) {
-        if self.last_busy_ns == 0 {
-            return;
-        }
-        let gap = now.saturating_sub(self.last_busy_ns);
-        if !slept {
-            // Caught while spinning (or busy): the window works; keep it.
-            // Shrinking it here would make a busy source (many events per
-            // window) oscillate between spinning and sleeping; the price
-            // of keeping it is one spin of at most the cap when the source
-            // stops.
-        } else if gap <= cap_ns + WAKE_ALLOWANCE_NS {
-            // A near miss: grow, as QEMU does, up to the cap.
-            self.window_ns = (self.window_ns * 2).clamp(MIN_SPIN_WINDOW_NS, cap_ns);
-        } else {
-            // The source is slow (or stopped): halve, and let go below the
-            // minimum.
-            self.window_ns /= 2;
-            if self.window_ns < MIN_SPIN_WINDOW_NS {
-                self.window_ns = 0;
-            }
-        }
-    }
-
-    pub fn window_ns(&self) -> u64 {
-        self.window_ns
-    }
-
-    pub fn last_busy_ns(&self) -> u64 {
-        self.last_busy_ns
-    }
 }
 
 struct PollerSlot {
@@ -375,18 +324,19 @@ struct PollerSlot {
     entry: Option<PollerEntry>,
 }
 
-/// Which pollers an iteration runs.
+/// Which pollers an iteration runs. In both, a poller with fds runs only
+/// when one of its fds is ready or it was woken: the cost of an iteration
+/// is the sources with work, not the sources.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
-    /// Every active poller (poll mode, and the spinning phase of adaptive).
+    /// Poll mode: also every active poller without an fd, every iteration.
     All,
-    /// Only pollers whose fd is ready or that were woken (event-driven modes).
+    /// Event-driven modes: only pollers whose fd is ready or that were woken.
     Ready,
-    /// The adaptive mode's spin: the hot pollers (a spin window > 0) and the
-    /// woken ones, polled directly; with `epoll` the thread's fds were
-    /// reported ready too.
-    Spin { epoll: bool },
 }
+
+/// A timed poller's place in the heap: due time, sequence number, slot.
+type TimerItem = Reverse<(u64, u64, u32)>;
 
 /// A lull thread. Pollers and messages receive `&mut Thread` to register,
 /// pause, resume and unregister pollers (their own included), wake pollers,
@@ -400,19 +350,30 @@ pub struct Thread {
     timer: TimerFd,
     timer_armed_ns: Option<u64>,
     events: Vec<libc::epoll_event>,
+    /// Pollers with `woken` set (and possibly stale ids: each is checked
+    /// when its turn comes); `woken` counts the set flags.
+    woken_list: Vec<PollerId>,
     woken: usize,
+    /// Active pollers without an fd, run every iteration in poll mode.
+    fdless: Vec<PollerId>,
+    /// Initiator pollers, drained on a period in hybrid mode.
+    initiators: Vec<PollerId>,
+    /// Timed pollers by due time (SPDK keeps an RB tree and caches its
+    /// first element; a heap with lazy deletion does the same job).
+    timers: BinaryHeap<TimerItem>,
+    next_timer_seq: u64,
+    /// Reused lists, so an iteration does not allocate.
+    scratch_ids: Vec<PollerId>,
+    scratch_due: Vec<TimerItem>,
+    n_active: u64,
+    n_timed: u64,
+    n_paused: u64,
+    ready_events: u64,
     current: Option<PollerId>,
     event_driven: bool,
     /// Hybrid mode: initiator pollers run every this many ns.
     initiator_period_ns: Option<u64>,
     next_initiator_ns: u64,
-    /// The adaptive mode's cap on spinning.
-    spin_cap_ns: u64,
-    /// When the reactor last woke from a sleep.
-    last_wake_ns: u64,
-    /// The message queue is an event source too (cross-reactor traffic,
-    /// e.g. NBD connections and their volume's engine).
-    mailbox_window: SpinWindow,
     exit_requested: bool,
     now_ns: u64,
     // Local accumulators, published to `shared.counters` after each iteration.
@@ -465,14 +426,22 @@ impl Thread {
             timer,
             timer_armed_ns: None,
             events: event_buffer(THREAD_EVENT_BATCH),
+            woken_list: Vec::new(),
             woken: 0,
+            fdless: Vec::new(),
+            initiators: Vec::new(),
+            timers: BinaryHeap::new(),
+            next_timer_seq: 0,
+            scratch_ids: Vec::new(),
+            scratch_due: Vec::new(),
+            n_active: 0,
+            n_timed: 0,
+            n_paused: 0,
+            ready_events: 0,
             current: None,
             event_driven: false,
             initiator_period_ns: None,
             next_initiator_ns: 0,
-            spin_cap_ns: crate::reactor::ADAPTIVE_SPIN_CAP_NS,
-            last_wake_ns: 0,
-            mailbox_window: SpinWindow::default(),
             exit_requested: false,
             now_ns: 0,
             busy_ns: 0,
@@ -593,11 +562,61 @@ impl Thread {
             woken: false,
             fds: fds.to_vec(),
             initiator: false,
-            gap: SpinWindow::default(),
+            timer_seq: 0,
             f: Some(f),
         });
+        match kind {
+            PollerKind::Active => {
+                self.n_active += 1;
+                if fds.is_empty() {
+                    self.fdless.push(id);
+                }
+            }
+            PollerKind::Timed { .. } => {
+                self.n_timed += 1;
+                self.schedule_timer(id, next_ns);
+            }
+        }
         self.publish_poller_counts();
         Ok(id)
+    }
+
+    /// (Re)place a timed poller in the heap, due at `due_ns`.
+    fn schedule_timer(&mut self, id: PollerId, due_ns: u64) {
+        let seq = self.next_timer_seq;
+        self.next_timer_seq += 1;
+        if let Some(e) = self.entry_mut(id) {
+            e.next_ns = due_ns;
+            e.timer_seq = seq;
+            self.timers.push(Reverse((due_ns, seq, id.index)));
+        }
+    }
+
+    /// Whether a heap item still stands for a live, unpaused timed poller.
+    fn timer_item_live(&self, item: &TimerItem) -> bool {
+        let Reverse((_, seq, index)) = *item;
+        self.pollers
+            .get(index as usize)
+            .and_then(|s| s.entry.as_ref())
+            .is_some_and(|e| !e.paused && e.timer_seq == seq)
+    }
+
+    /// Drop stale items from the top of the heap, so that its first item is
+    /// the next due timer (SPDK's cached `first_timed_poller`).
+    fn prune_timers(&mut self) {
+        while let Some(top) = self.timers.peek() {
+            if self.timer_item_live(top) {
+                break;
+            }
+            self.timers.pop();
+        }
+        // Stale items deeper in the heap are dropped as they surface; if
+        // churn lets them pile up, rebuild from the live ones.
+        if self.timers.len() > 2 * self.n_timed as usize + 64 {
+            let items = std::mem::take(&mut self.timers).into_vec();
+            let live = items.into_iter().filter(|i| self.timer_item_live(i));
+            self.timers = live.collect();
+        }
     }
 
     fn entry_mut(&mut self, id: PollerId) -> Option<&mut PollerEntry> {
@@ -632,6 +651,25 @@ impl Thread {
             if entry.woken {
                 self.woken -= 1;
             }
+            if entry.paused {
+                self.n_paused -= 1;
+            } else if entry.kind == PollerKind::Active {
+                self.n_active -= 1;
+            } else {
+                self.n_timed -= 1;
+            }
+            if entry.kind == PollerKind::Active && entry.fds.is_empty() {
+                self.fdless.retain(|&p| p != id);
+            }
+            if entry.initiator {
+                self.initiators.retain(|&p| p != id);
+            }
+            if matches!(entry.kind, PollerKind::Timed { .. }) {
+                self.prune_timers();
+            }
+        }
+        if self.woken == 0 {
+            self.woken_list.clear();
         }
         self.publish_poller_counts();
         true
@@ -643,26 +681,57 @@ impl Thread {
         self.current
     }
 
-    /// Stop running a poller until `resume_poller`.
+    /// Stop running a poller until `resume_poller`. A wake-up it had is
+    /// dropped (resuming runs it once).
     pub fn pause_poller(&mut self, id: PollerId) -> bool {
         let Some(e) = self.entry_mut(id) else {
             return false;
         };
+        if e.paused {
+            return true;
+        }
         e.paused = true;
+        let (kind, woken) = (e.kind, std::mem::take(&mut e.woken));
+        if woken {
+            self.woken -= 1;
+        }
+        if kind == PollerKind::Active {
+            self.n_active -= 1;
+        } else {
+            self.n_timed -= 1;
+            self.prune_timers();
+        }
+        self.n_paused += 1;
         self.publish_poller_counts();
         true
     }
 
-    /// Resume a paused poller. A timed poller's next run is a full period
-    /// from now, as in SPDK.
+    /// Resume a paused poller: an active one with fds runs in the next
+    /// iteration (it may have missed events while paused); a timed one a full period from
+    /// now, as in SPDK.
     pub fn resume_poller(&mut self, id: PollerId) -> bool {
         let now = self.now_ns;
         let Some(e) = self.entry_mut(id) else {
             return false;
         };
+        if !e.paused {
+            return true;
+        }
         e.paused = false;
-        if let PollerKind::Timed { period_ns } = e.kind {
-            e.next_ns = now.saturating_add(period_ns);
+        let (kind, fdless) = (e.kind, e.fds.is_empty());
+        self.n_paused -= 1;
+        match kind {
+            PollerKind::Active => {
+                self.n_active += 1;
+                // One without an fd runs every poll-mode iteration anyway.
+                if !fdless {
+                    self.wake_poller(id);
+                }
+            }
+            PollerKind::Timed { period_ns } => {
+                self.n_timed += 1;
+                self.schedule_timer(id, now.saturating_add(period_ns));
+            }
         }
         self.publish_poller_counts();
         true
@@ -675,11 +744,12 @@ impl Thread {
         let Some(e) = self.entry_mut(id) else {
             return false;
         };
-        if e.woken {
+        if e.woken || e.paused {
             return true;
         }
         e.woken = true;
         self.woken += 1;
+        self.woken_list.push(id);
         true
     }
 
@@ -731,7 +801,11 @@ impl Thread {
             .add(fd, interest, token)
             .map_err(ReactorError::Sys)?;
         if let Some(e) = self.entry_mut(id) {
+            let was_fdless = e.kind == PollerKind::Active && e.fds.is_empty();
             e.fds.push((fd, interest));
+            if was_fdless {
+                self.fdless.retain(|&p| p != id);
+            }
         }
         Ok(())
     }
@@ -751,35 +825,32 @@ impl Thread {
 
     /// Whether the next iteration has work without any fd becoming ready:
     /// queued messages, woken pollers or a due timed poller.
+    /// O(1): a queue check, a counter and the first timer.
     pub fn has_immediate_work(&self, now: u64) -> bool {
         !self.shared.mailbox.is_empty()
             || self.woken > 0
             || self.next_deadline().is_some_and(|d| d <= now)
     }
 
-    fn next_deadline(&self) -> Option<u64> {
-        let timed = self
-            .pollers
-            .iter()
-            .filter_map(|s| s.entry.as_ref())
-            .filter(|e| !e.paused && matches!(e.kind, PollerKind::Timed { .. }))
-            .map(|e| e.next_ns)
-            .min();
+    /// Whether poll mode must run this thread every iteration (it has
+    /// active pollers without an fd).
+    pub fn has_fdless_pollers(&self) -> bool {
+        !self.fdless.is_empty()
+    }
+
+    /// The earliest time a timed poller (or hybrid mode's initiator poll)
+    /// is due. O(1): the heap's first item (pruned of stale items whenever
+    /// a timer is removed).
+    pub fn next_deadline(&self) -> Option<u64> {
+        let timed = self.timers.peek().map(|Reverse((due, _, _))| *due);
         let initiator = self
             .initiator_period_ns
-            .filter(|_| self.has_initiators())
+            .filter(|_| !self.initiators.is_empty())
             .map(|_| self.next_initiator_ns);
         match (timed, initiator) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
-    }
-
-    fn has_initiators(&self) -> bool {
-        self.pollers
-            .iter()
-            .filter_map(|s| s.entry.as_ref())
-            .any(|e| e.initiator && !e.paused)
     }
 
     /// Mark a poller as an initiator-side event source (a connection to a
@@ -791,8 +862,12 @@ impl Thread {
         let Some(e) = self.entry_mut(id) else {
             return Err(ReactorError::NoSuchPoller);
         };
+        if e.initiator {
+            return Ok(());
+        }
         e.initiator = true;
         let fds = e.fds.clone();
+        self.initiators.push(id);
         if hybrid {
             for (fd, _) in fds {
                 self.epoll
@@ -840,47 +915,6 @@ impl Thread {
         }
     }
 
-    pub(crate) fn set_spin_cap(&mut self, cap_ns: u64) {
-        self.spin_cap_ns = cap_ns;
-    }
-
-    /// How long the adaptive mode should spin before sleeping, for this
-    /// thread: the longest window of any of its event sources (see
-    /// [`SpinWindow`]), at most `cap_ns`. A timed poller due within the cap
-    /// counts too: spinning until it is cheaper than a timer wake-up.
-    pub fn spin_window_ns(&self, now: u64, cap_ns: u64) -> u64 {
-        let mut window = self.mailbox_window.window_ns().min(cap_ns);
-        for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
-            if e.paused {
-                continue;
-            }
-            match e.kind {
-                PollerKind::Active => {
-                    if e.initiator && self.initiator_period_ns.is_some() {
-                        continue;
-                    }
-                    window = window.max(e.gap.window_ns().min(cap_ns));
-                }
-                PollerKind::Timed { .. } => {
-                    let due = e.next_ns.saturating_sub(now);
-                    if due <= cap_ns {
-                        window = window.max(due);
-                    }
-                }
-            }
-        }
-        window
-    }
-
-    /// Whether some active poller has a spin window (the adaptive spin
-    /// polls it directly).
-    pub fn has_hot_pollers(&self) -> bool {
-        self.pollers
-            .iter()
-            .filter_map(|s| s.entry.as_ref())
-            .any(|e| e.kind == PollerKind::Active && !e.paused && e.gap.window_ns() > 0)
-    }
-
     /// Active pollers that have no fd (they make event-driven mode impossible).
     pub(crate) fn pollers_without_event_source(&self) -> Vec<String> {
         self.pollers
@@ -921,88 +955,136 @@ impl Thread {
         }
     }
 
-    /// The reactor woke from a sleep at `now`: events seen from here on were
-    /// not caught by spinning.
-    pub(crate) fn note_wake(&mut self, now: u64) {
-        self.last_wake_ns = now;
-    }
-
     /// One iteration: up to `MSG_BATCH` messages, then the active pollers in
     /// `scope`, then the due timed pollers. `now` drives every decision;
     /// `clock` is read once at the end to account the iteration as busy or
-    /// idle.
+    /// idle. The thread's epoll set is asked which fds are ready.
     pub fn poll(&mut self, now: u64, scope: Scope, clock: &dyn Clock) -> PollStatus {
-        let status = self.run_iteration(now, scope);
+        self.poll_ready(now, scope, true, clock)
+    }
+
+    /// `poll`, told whether the thread's epoll set may have ready fds (the
+    /// reactor's own epoll said so): when not, no syscall is made for it.
+    pub(crate) fn poll_ready(
+        &mut self,
+        now: u64,
+        scope: Scope,
+        epoll_ready: bool,
+        clock: &dyn Clock,
+    ) -> PollStatus {
+        let status = self.run_iteration(now, scope, epoll_ready);
         let end = clock.now_ns();
         self.account(status, end.saturating_sub(now));
         status
     }
 
-    fn run_iteration(&mut self, now: u64, scope: Scope) -> PollStatus {
+    fn run_iteration(&mut self, now: u64, scope: Scope, epoll_ready: bool) -> PollStatus {
         self.now_ns = now;
         let mut status = PollStatus::Idle;
 
-        for i in 0..MSG_BATCH {
+        for _ in 0..MSG_BATCH {
             let Some(msg) = self.shared.mailbox.pop() else {
                 break;
             };
-            if i == 0 {
-                let slept = self.last_wake_ns > self.mailbox_window.last_busy_ns();
-                self.mailbox_window.event(now, slept, self.spin_cap_ns);
-                self.mailbox_window.busy(now);
-            }
             msg(self);
             self.messages += 1;
             status = PollStatus::Busy;
         }
 
-        if matches!(scope, Scope::Ready | Scope::Spin { epoll: true }) {
+        if epoll_ready {
             self.collect_ready();
         }
-        let hot = matches!(scope, Scope::Spin { .. });
-        let initiators_due = scope != Scope::All
-            && self.initiator_period_ns.is_some()
-            && self.next_initiator_ns <= now;
-        if initiators_due {
-            self.next_initiator_ns = now.saturating_add(self.initiator_period_ns.unwrap_or(0));
-        }
-        for index in 0..self.pollers.len() {
-            let run = match &mut self.pollers[index].entry {
-                Some(e) if e.kind == PollerKind::Active && !e.paused => {
-                    let run = scope == Scope::All
-                        || e.woken
-                        || (initiators_due && e.initiator)
-                        || (hot
-                            && e.gap.window_ns() > 0
-                            && !(e.initiator && self.initiator_period_ns.is_some()));
-                    if e.woken {
-                        e.woken = false;
-                        self.woken -= 1;
-                    }
-                    run
-                }
-                _ => false,
-            };
-            if run {
-                status = status.or(self.run_poller(index, now));
-            }
-        }
 
-        for index in 0..self.pollers.len() {
-            let due = match &mut self.pollers[index].entry {
-                Some(e) if !e.paused => match e.kind {
-                    PollerKind::Timed { period_ns } if e.next_ns <= now => {
-                        e.next_ns = now.saturating_add(period_ns);
+        // Poll mode: the pollers no fd can wake, every iteration.
+        if scope == Scope::All && !self.fdless.is_empty() {
+            let mut ids = std::mem::take(&mut self.scratch_ids);
+            ids.extend_from_slice(&self.fdless);
+            for &id in &ids {
+                let runnable = match self.entry_mut(id) {
+                    Some(e) if !e.paused => {
+                        if std::mem::take(&mut e.woken) {
+                            self.woken -= 1;
+                        }
                         true
                     }
                     _ => false,
-                },
-                _ => false,
-            };
-            if due {
-                status = status.or(self.run_poller(index, now));
+                };
+                if runnable {
+                    status = status.or(self.run_poller(id));
+                }
+            }
+            ids.clear();
+            self.scratch_ids = ids;
+        }
+
+        // Hybrid mode: initiator sources are drained on a period.
+        let initiators_due = self.initiator_period_ns.is_some()
+            && !self.initiators.is_empty()
+            && self.next_initiator_ns <= now;
+        if initiators_due {
+            self.next_initiator_ns = now.saturating_add(self.initiator_period_ns.unwrap_or(0));
+            let mut ids = std::mem::take(&mut self.scratch_ids);
+            ids.extend_from_slice(&self.initiators);
+            for &id in &ids {
+                if self.entry_mut(id).is_some_and(|e| !e.paused) {
+                    self.wake_poller(id);
+                }
+            }
+            ids.clear();
+            self.scratch_ids = ids;
+        }
+
+        // The woken pollers (by their fds or by `wake_poller`). Those woken
+        // while these run go in the next iteration.
+        if self.woken > 0 {
+            let mut ids =
+                std::mem::replace(&mut self.woken_list, std::mem::take(&mut self.scratch_ids));
+            for &id in &ids {
+                let runnable = match self.entry_mut(id) {
+                    Some(e) if e.woken => {
+                        e.woken = false;
+                        self.woken -= 1;
+                        true
+                    }
+                    _ => false,
+                };
+                if runnable {
+                    status = status.or(self.run_poller(id));
+                }
+            }
+            ids.clear();
+            self.scratch_ids = ids;
+        } else {
+            self.woken_list.clear();
+        }
+
+        // The due timed pollers, each once per iteration.
+        let mut due = std::mem::take(&mut self.scratch_due);
+        while let Some(&top) = self.timers.peek() {
+            let Reverse((at, _, _)) = top;
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            if self.timer_item_live(&top) {
+                due.push(top);
             }
         }
+        for &Reverse((_, _, index)) in &due {
+            let slot = &self.pollers[index as usize];
+            let id = PollerId {
+                index,
+                generation: slot.generation,
+            };
+            let Some(PollerKind::Timed { period_ns }) = slot.entry.as_ref().map(|e| e.kind) else {
+                continue;
+            };
+            self.schedule_timer(id, now.saturating_add(period_ns.max(1)));
+            status = status.or(self.run_poller(id));
+        }
+        due.clear();
+        self.scratch_due = due;
+        self.prune_timers();
         status
     }
 
@@ -1010,6 +1092,7 @@ impl Thread {
     /// and timer fds.
     fn collect_ready(&mut self) {
         let n = self.epoll.wait(&mut self.events, 0).unwrap_or(0);
+        self.ready_events += n as u64;
         for i in 0..n {
             let token = self.events[i].u64;
             match token {
@@ -1025,40 +1108,17 @@ impl Thread {
         }
     }
 
-    fn run_poller(&mut self, index: usize, now: u64) -> PollStatus {
-        let slot = &mut self.pollers[index];
-        let generation = slot.generation;
-        let Some(mut f) = slot.entry.as_mut().and_then(|e| e.f.take()) else {
+    fn run_poller(&mut self, id: PollerId) -> PollStatus {
+        let now = self.now_ns;
+        let Some(mut f) = self.entry_mut(id).and_then(|e| e.f.take()) else {
             return PollStatus::Idle;
         };
-        let previous = self.current.replace(PollerId {
-            index: index as u32,
-            generation,
-        });
+        let previous = self.current.replace(id);
         let status = f(self, now);
         self.current = previous;
-        if status.is_busy() {
-            // Work found is the source's next event: learn the gap since
-            // its last work, and whether a sleep came in between.
-            let (cap, last_wake) = (self.spin_cap_ns, self.last_wake_ns);
-            if let Some(e) = self
-                .pollers
-                .get_mut(index)
-                .filter(|s| s.generation == generation)
-                .and_then(|s| s.entry.as_mut())
-            {
-                let slept = last_wake > e.gap.last_busy_ns();
-                e.gap.event(now, slept, cap);
-                e.gap.busy(now);
-            }
-        }
         // The poller may have unregistered itself (and its slot been reused).
-        if let Some(slot) = self.pollers.get_mut(index) {
-            if slot.generation == generation {
-                if let Some(e) = slot.entry.as_mut() {
-                    e.f = Some(f);
-                }
-            }
+        if let Some(e) = self.entry_mut(id) {
+            e.f = Some(f);
         }
         status
     }
@@ -1075,23 +1135,14 @@ impl Thread {
         c.iterations.store(self.iterations, Ordering::Relaxed);
         c.wakeups.store(self.wakeups, Ordering::Relaxed);
         c.messages.store(self.messages, Ordering::Relaxed);
+        c.ready_events.store(self.ready_events, Ordering::Relaxed);
     }
 
     fn publish_poller_counts(&self) {
-        let (mut active, mut timed, mut paused) = (0, 0, 0);
-        for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
-            if e.paused {
-                paused += 1;
-            } else if e.kind == PollerKind::Active {
-                active += 1;
-            } else {
-                timed += 1;
-            }
-        }
         let c = &self.shared.counters;
-        c.pollers_active.store(active, Ordering::Relaxed);
-        c.pollers_timed.store(timed, Ordering::Relaxed);
-        c.pollers_paused.store(paused, Ordering::Relaxed);
+        c.pollers_active.store(self.n_active, Ordering::Relaxed);
+        c.pollers_timed.store(self.n_timed, Ordering::Relaxed);
+        c.pollers_paused.store(self.n_paused, Ordering::Relaxed);
     }
 
     /// Tear down: run nothing more, drop every poller and queued message.
@@ -1144,6 +1195,53 @@ impl Thread {
             .filter(|e| e.woken)
             .count();
         assert_eq!(woken, self.woken, "woken count");
+        for e in self.pollers.iter().filter_map(|s| s.entry.as_ref()) {
+            if e.woken {
+                assert!(!e.paused, "{}: paused and woken", e.name);
+            }
+        }
+        let (mut active, mut timed, mut paused) = (0, 0, 0);
+        for (i, e) in self.pollers.iter().enumerate() {
+            let Some(e) = e.entry.as_ref() else { continue };
+            let id = PollerId {
+                index: i as u32,
+                generation: self.pollers[i].generation,
+            };
+            if e.woken {
+                assert!(
+                    self.woken_list.contains(&id),
+                    "{}: woken but not listed",
+                    e.name
+                );
+            }
+            if e.kind == PollerKind::Active && e.fds.is_empty() {
+                assert!(self.fdless.contains(&id), "{}: fdless not listed", e.name);
+            }
+            if e.paused {
+                paused += 1;
+            } else if e.kind == PollerKind::Active {
+                active += 1;
+            } else {
+                timed += 1;
+                assert!(
+                    self.timers
+                        .iter()
+                        .any(|Reverse((at, seq, idx))| *idx == id.index
+                            && *seq == e.timer_seq
+                            && *at == e.next_ns),
+                    "{}: timed poller not in the heap",
+                    e.name
+                );
+            }
+        }
+        assert_eq!(
+            (active, timed, paused),
+            (self.n_active, self.n_timed, self.n_paused),
+            "poller counts"
+        );
+        if let Some(top) = self.timers.peek() {
+            assert!(self.timer_item_live(top), "stale first timer");
+        }
         let free: HashSet<u32> = self.free.iter().copied().collect();
         assert_eq!(free.len(), self.free.len(), "free list has duplicates");
         for (i, s) in self.pollers.iter().enumerate() {

@@ -1,5 +1,5 @@
-//! One engine connection to the replica, run by one poller on its own lull
-//! thread (the shape of `lull-nbd`'s connection).
+//! One engine connection to the replica, run by its poller in a poll group
+//! (the shape of `lull-nbd`'s connection).
 //!
 //! Each run of the poller goes round: reap file-channel completions into
 //! replies, write replies, read frames and submit them, until a round makes
@@ -284,12 +284,12 @@ impl Conn {
             }
             status = PollStatus::Busy;
         }
+        self.inb.release();
         if let Some(me) = t.current_poller() {
             if self.finished() {
                 // Unregister before the fds close (the stream and channel
                 // drop with this connection, when the poller closure is).
                 t.unregister_poller(me);
-                t.exit();
                 return PollStatus::Busy;
             }
             #[cfg(debug_assertions)]

@@ -250,6 +250,12 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "spins_with_work": r.spins_with_work,
                 "spins_idle": r.spins_idle,
                 "spin_ns": r.spin_ns,
+                "spin_ns_with_work": r.spin_ns_with_work,
+                "spin_ns_idle": r.spin_ns_idle,
+                "spin_window_ns": r.spin_window_ns,
+                "wake_latency_ns": r.wake_latency_ns,
+                "wake_cpu_ns": r.wake_cpu_ns,
+                "ready_events": r.ready_events,
                 "usr": r.user_ns,
                 "sys": r.system_ns,
                 "voluntary_ctxsw": r.voluntary_ctxsw,
@@ -281,6 +287,9 @@ pub fn thread_get_stats(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "active_pollers_count": t.pollers_active,
                 "timed_pollers_count": t.pollers_timed,
                 "paused_pollers_count": t.pollers_paused,
+                // Event sources: a poll group's connections.
+                "sources": t.pollers_active,
+                "ready_events": t.ready_events,
             })
         })
         .collect();

@@ -96,6 +96,14 @@ pub struct ReactorMetrics {
     pub spins_with_work: u64,
     pub spins_idle: u64,
     pub spin_ns: u64,
+    /// Of `spin_ns`, the time in spins that found work.
+    pub spin_ns_with_work: u64,
+    /// The spin window last chosen, and the measured cost of a wake-up.
+    pub spin_window_ns: u64,
+    pub wake_latency_ns: u64,
+    pub wake_cpu_ns: u64,
+    /// Lull threads reported ready by the reactor's epoll.
+    pub ready_events: u64,
 }
 
 impl ReactorMetrics {
@@ -112,6 +120,11 @@ impl ReactorMetrics {
             spins_with_work: s.spins_with_work,
             spins_idle: s.spins_idle,
             spin_ns: s.spin_ns,
+            spin_ns_with_work: s.spin_ns_with_work,
+            spin_window_ns: s.spin_window_ns,
+            wake_latency_ns: s.wake_latency_ns,
+            wake_cpu_ns: s.wake_cpu_ns,
+            ready_events: s.ready_events,
         }
     }
 }
@@ -330,6 +343,48 @@ impl Collector for SnapshotCollector {
             r,
             reactor_labels,
             |x| ns_to_s(x.spin_ns),
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_spin_with_work",
+            "Time spent in adaptive spins that found work (the rest found none).",
+            Some(&secs),
+            r,
+            reactor_labels,
+            |x| ns_to_s(x.spin_ns_with_work),
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_ready_events",
+            "Lull threads the reactor's epoll reported ready.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.ready_events,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_spin_window_ns",
+            "The adaptive spin window last chosen (0: sleep at once).",
+            r,
+            reactor_labels,
+            |x| x.spin_window_ns as i64,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_wake_latency_ns",
+            "Measured latency of a sleep-and-wake on the reactor's core.",
+            r,
+            reactor_labels,
+            |x| x.wake_latency_ns as i64,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_wake_cpu_ns",
+            "Measured CPU cost of a sleep-and-wake on the reactor's core.",
+            r,
+            reactor_labels,
+            |x| x.wake_cpu_ns as i64,
         )?;
         gauges(
             &mut enc,
