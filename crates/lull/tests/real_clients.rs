@@ -7,21 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{pattern, Server};
-
-/// Fails the test with the Debian package to install when a tool is missing.
-fn require(tool: &str, package: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    assert!(
-        found,
-        "{tool} not found: install the Debian package {package} (scripts/test does)"
-    );
-}
+use common::{pattern, require, Server};
 
 fn run(cmd: &mut Command) -> Output {
     let out = cmd

@@ -21,7 +21,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assert_good_client_works, pattern, NbdClient, Server, IO_TIMEOUT};
+use common::{assert_good_client_works, pattern, require, NbdClient, Server, IO_TIMEOUT};
 use lull_proto::nbd;
 
 /// The figure: enough connections that a per-connection cost of a
@@ -69,20 +69,6 @@ const LOG_DIGEST_LINES: usize = 20;
 
 /// Every mode, one server each; each takes a few seconds.
 const MODES: [&str; 3] = ["poll", "interrupt", "adaptive"];
-
-/// Fails the test with the Debian package to install when a tool is missing.
-fn require(tool: &str, package: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    assert!(
-        found,
-        "{tool} not found: install the Debian package {package} (scripts/test does)"
-    );
-}
 
 /// Runs `cmd` to completion within `limit`, its output in files under
 /// `dir`; panics when it fails or overruns. Returns its stdout.

@@ -268,3 +268,152 @@ fn hybrid_drains_initiators_on_a_period_not_on_their_fds() {
     assert!(t.poll(110_000, Scope::Ready, &clock).is_busy());
     t.check_invariants();
 }
+
+#[test]
+fn an_iteration_runs_only_the_sources_with_work() {
+    // A poll group: 1,000 connections, three of which have bytes to read,
+    // and one fd-less poller (poll mode runs it every iteration).
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut fds = Vec::new();
+    for i in 0..1_000 {
+        use std::os::fd::AsRawFd;
+        let efd = Arc::new(crate::sys::EventFd::new().unwrap());
+        let (e, r) = (efd.clone(), runs.clone());
+        t.register_poller(
+            &format!("conn-{i}"),
+            PollerKind::Active,
+            &[(efd.as_raw_fd(), crate::Interest::READABLE)],
+            Box::new(move |_, _| {
+                r.fetch_add(1, Ordering::SeqCst);
+                if e.drain() {
+                    PollStatus::Busy
+                } else {
+                    PollStatus::Idle
+                }
+            }),
+        )
+        .unwrap();
+        fds.push(efd);
+    }
+    let spins = Arc::new(AtomicUsize::new(0));
+    let s = spins.clone();
+    t.register_poller(
+        "fdless",
+        PollerKind::Active,
+        &[],
+        Box::new(move |_, _| {
+            s.fetch_add(1, Ordering::SeqCst);
+            PollStatus::Idle
+        }),
+    )
+    .unwrap();
+    for scope in [Scope::All, Scope::Ready] {
+        runs.store(0, Ordering::SeqCst);
+        spins.store(0, Ordering::SeqCst);
+        assert!(!t.poll(0, scope, &clock).is_busy());
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "{scope:?}: nothing ready");
+        for i in [3, 500, 999] {
+            fds[i].notify();
+        }
+        assert!(t.poll(0, scope, &clock).is_busy());
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{scope:?}: the ready ones");
+        assert!(!t.poll(0, scope, &clock).is_busy());
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{scope:?}: drained");
+        let want = if scope == Scope::All { 3 } else { 0 };
+        assert_eq!(spins.load(Ordering::SeqCst), want, "{scope:?}: fd-less");
+        t.check_invariants();
+    }
+    assert_eq!(t.handle().stats().ready_events, 3 * 2);
+}
+
+#[test]
+fn timers_fire_on_time_through_pause_resume_and_unregister_churn() {
+    // 64 timed pollers with periods of 10..=640 µs; a deterministic script
+    // pauses, resumes, unregisters and re-registers them while the clock
+    // steps by 10 µs. Each must fire exactly when due: at `next`, then
+    // every period, never while paused or after unregistering.
+    struct Timer {
+        id: Option<PollerId>,
+        period_ns: u64,
+        next_ns: u64,
+        paused: bool,
+        fired: Arc<Mutex<Vec<u64>>>,
+    }
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let register = |t: &mut Thread, period_ns: u64, fired: &Arc<Mutex<Vec<u64>>>| {
+        let f = fired.clone();
+        t.register_poller(
+            "timer",
+            PollerKind::Timed { period_ns },
+            &[],
+            Box::new(move |_, now| {
+                f.lock().unwrap().push(now);
+                PollStatus::Busy
+            }),
+        )
+        .unwrap()
+    };
+    let mut timers: Vec<Timer> = (0..64u64)
+        .map(|i| {
+            let period_ns = (i % 64 + 1) * 10_000;
+            let fired = Arc::new(Mutex::new(Vec::new()));
+            Timer {
+                id: Some(register(&mut t, period_ns, &fired)),
+                period_ns,
+                next_ns: period_ns,
+                paused: false,
+                fired,
+            }
+        })
+        .collect();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut now = 0;
+    for _ in 0..2_000 {
+        now += 10_000;
+        clock.set(now);
+        t.poll(now, Scope::Ready, &clock);
+        for tm in &mut timers {
+            let fired = std::mem::take(&mut *tm.fired.lock().unwrap());
+            let due = tm.id.is_some() && !tm.paused && tm.next_ns <= now;
+            assert_eq!(fired, if due { vec![now] } else { vec![] }, "at {now}");
+            if due {
+                tm.next_ns = now + tm.period_ns;
+            }
+        }
+        // Churn: one random action on one random timer.
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let tm = &mut timers[(rng % 64) as usize];
+        match (rng >> 8) % 4 {
+            0 if tm.id.is_some() && !tm.paused => {
+                assert!(t.pause_poller(tm.id.unwrap()));
+                tm.paused = true;
+            }
+            1 if tm.paused => {
+                assert!(t.resume_poller(tm.id.unwrap()));
+                tm.paused = false;
+                tm.next_ns = now + tm.period_ns;
+            }
+            2 if tm.id.is_some() => {
+                assert!(t.unregister_poller(tm.id.take().unwrap()));
+                tm.paused = false;
+            }
+            3 if tm.id.is_none() => {
+                tm.id = Some(register(&mut t, tm.period_ns, &tm.fired));
+                tm.next_ns = now + tm.period_ns;
+            }
+            _ => {}
+        }
+        t.check_invariants();
+        let next = timers
+            .iter()
+            .filter(|tm| tm.id.is_some() && !tm.paused)
+            .map(|tm| tm.next_ns)
+            .min();
+        assert_eq!(t.next_deadline(), next, "the first timer is the next due");
+    }
+}

@@ -999,20 +999,7 @@ impl Thread {
         if scope == Scope::All && !self.fdless.is_empty() {
             let mut ids = std::mem::take(&mut self.scratch_ids);
             ids.extend_from_slice(&self.fdless);
-            for &id in &ids {
-                let runnable = match self.entry_mut(id) {
-                    Some(e) if !e.paused => {
-                        if std::mem::take(&mut e.woken) {
-                            self.woken -= 1;
-                        }
-                        true
-                    }
-                    _ => false,
-                };
-                if runnable {
-                    status = status.or(self.run_poller(id));
-                }
-            }
+            status = status.or(self.run_each(&ids, false));
             ids.clear();
             self.scratch_ids = ids;
         }
@@ -1023,15 +1010,11 @@ impl Thread {
             && self.next_initiator_ns <= now;
         if initiators_due {
             self.next_initiator_ns = now.saturating_add(self.initiator_period_ns.unwrap_or(0));
-            let mut ids = std::mem::take(&mut self.scratch_ids);
-            ids.extend_from_slice(&self.initiators);
-            for &id in &ids {
-                if self.entry_mut(id).is_some_and(|e| !e.paused) {
-                    self.wake_poller(id);
-                }
+            // (`wake_poller` leaves paused ones alone.)
+            for i in 0..self.initiators.len() {
+                let id = self.initiators[i];
+                self.wake_poller(id);
             }
-            ids.clear();
-            self.scratch_ids = ids;
         }
 
         // The woken pollers (by their fds or by `wake_poller`). Those woken
@@ -1039,19 +1022,7 @@ impl Thread {
         if self.woken > 0 {
             let mut ids =
                 std::mem::replace(&mut self.woken_list, std::mem::take(&mut self.scratch_ids));
-            for &id in &ids {
-                let runnable = match self.entry_mut(id) {
-                    Some(e) if e.woken => {
-                        e.woken = false;
-                        self.woken -= 1;
-                        true
-                    }
-                    _ => false,
-                };
-                if runnable {
-                    status = status.or(self.run_poller(id));
-                }
-            }
+            status = status.or(self.run_each(&ids, true));
             ids.clear();
             self.scratch_ids = ids;
         } else {
@@ -1085,6 +1056,28 @@ impl Thread {
         due.clear();
         self.scratch_due = due;
         self.prune_timers();
+        status
+    }
+
+    /// Run each listed poller that is live and not paused (with
+    /// `woken_only`, that is still woken: the list may hold stale ids),
+    /// clearing its wake-up.
+    fn run_each(&mut self, ids: &[PollerId], woken_only: bool) -> PollStatus {
+        let mut status = PollStatus::Idle;
+        for &id in ids {
+            let runnable = match self.entry_mut(id) {
+                Some(e) if !e.paused && (e.woken || !woken_only) => {
+                    if std::mem::take(&mut e.woken) {
+                        self.woken -= 1;
+                    }
+                    true
+                }
+                _ => false,
+            };
+            if runnable {
+                status = status.or(self.run_poller(id));
+            }
+        }
         status
     }
 

@@ -532,6 +532,21 @@ impl Server {
     }
 }
 
+/// Fails the test, naming the Debian package to install, when `tool` is
+/// not on the PATH (scripts/test installs them all).
+pub fn require(tool: &str, package: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{tool} not found: install the Debian package {package} (scripts/test does)"
+    );
+}
+
 /// CPU time (utime + stime, all threads) of a process, in clock ticks
 /// (USER_HZ, 100 per second on Linux).
 pub fn process_cpu_ticks(pid: u32) -> u64 {
