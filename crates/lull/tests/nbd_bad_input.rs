@@ -591,55 +591,6 @@ fn misbehaving_client_does_not_disturb_a_good_one() {
     server.assert_healthy();
 }
 
-/// Resident memory of a process, KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/PID/status")
-}
-
-/// Idle connections after the handshake must be cheap: 300 of them may
-/// not grow the server's resident memory by 64 KiB each (each used to
-/// carry a 1.5 MiB message queue), and a client still works among them.
-#[test]
-fn idle_connections_cost_little_memory() {
-    const IDLE: usize = 300;
-    const MAX_KIB_PER_CONNECTION: u64 = 64;
-    let mut server = start();
-    let before = rss_kib(server.pid());
-    let mut idle = Vec::with_capacity(IDLE);
-    for _ in 0..IDLE {
-        let mut sock = negotiating(&server);
-        sock.write_all(&encode_go(EXPORT)).expect("send NBD_OPT_GO");
-        loop {
-            let (_, reply, _) = read_option_reply(&mut sock).expect("option reply");
-            if reply == nbd::NBD_REP_ACK {
-                break;
-            }
-            assert_eq!(
-                reply,
-                nbd::NBD_REP_INFO,
-                "unexpected option reply {reply:#x}"
-            );
-        }
-        idle.push(sock);
-    }
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let grown = rss_kib(server.pid()).saturating_sub(before);
-    assert!(
-        grown < IDLE as u64 * MAX_KIB_PER_CONNECTION,
-        "{IDLE} idle connections grew the server by {grown} KiB ({} KiB each)",
-        grown / IDLE as u64
-    );
-    assert_good_client_works(server.addr(), EXPORT, 0);
-    drop(idle);
-    server.assert_healthy();
-}
-
 /// Out of file descriptors: the limit is lowered under the running server
 /// (`prlimit`) to the descriptors it already holds, so every new connection
 /// fails at accept. Connections are then closed at once with a log line,

@@ -168,7 +168,7 @@ pub(crate) struct Conn {
     session: Option<u64>,
     /// This connection's count of modifying requests in flight.
     fence: Arc<ConnFence>,
-    /// This connection's thread and poller, learnt on the first run; a
+    /// This connection's poll group and poller, learnt on the first run; a
     /// metadata helper, the intent persister or a takeover wakes the
     /// poller through them.
     me: Option<(ThreadHandle, PollerId)>,

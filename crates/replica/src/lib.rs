@@ -22,10 +22,10 @@
 //! write-intent record, see [`intent`]) and `lock` (an exclusive advisory
 //! lock, so two replicas never share a directory).
 //!
-//! Threads: one acceptor thread on the main reactor; each connection gets
-//! its own lull thread (round-robin over the reactors) with one poller that
-//! owns the socket and the connection's file channel (the scaffolding is
-//! `lull_net::server`, shared with `lull-nbd`).
+//! Threads: one acceptor thread on the main reactor; each connection is a
+//! poller in one of the server's poll groups (one lull thread per reactor,
+//! connections round-robin), owning the socket and the connection's file
+//! channel (the scaffolding is `lull_net::server`, shared with `lull-nbd`).
 //! Metadata writes (two fsyncs) run on short-lived helper OS threads and
 //! report back with a message; write-intent stores run on one long-lived
 //! thread ("lull-replica-intent") that group-commits them. No reactor ever
