@@ -152,7 +152,8 @@ pub(crate) fn open_device(
 ) -> Result<Arc<dyn BlockDevice>, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
-            // Engines are spread over the reactors like connections.
+            // Every engine goes on the last reactor (with one reactor, the
+            // main one); spreading them is the scheduler's work (issue 11).
             let reactor = fw.reactor_count().saturating_sub(1);
             lull_engine::ReplicatedDev::start(
                 fw,

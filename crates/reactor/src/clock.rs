@@ -1,5 +1,7 @@
-//! Time as an argument: the reactor reads a `Clock` once per iteration and
-//! passes `now` down; tests drive everything with a `FakeClock`.
+//! Time as an argument: the reactor reads a `Clock` at the start of an
+//! iteration and before each lull thread it runs, and passes `now` down;
+//! pollers and state machines take `now` as an argument, so tests drive
+//! everything with a `FakeClock`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};

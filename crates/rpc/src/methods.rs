@@ -423,7 +423,8 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
 }
 
 /// A size in bytes: a positive integer, or a string of digits with an
-/// optional binary suffix K, M, G, T or P (also KiB, KB, ... ; any case).
+/// optional binary suffix K, M, G or T (also KiB, KB, ... ; any case), as
+/// `lull_bdev::parse_size_bytes` accepts.
 pub fn parse_size(v: &Value) -> Result<u64, String> {
     let bytes = match v {
         Value::Number(n) => n
