@@ -89,9 +89,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use lull_bdev::{BdevError, BufPool, IoBuf, IoOp, IoRequest};
+use lull_net::slots::SlotTable;
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
 
-use crate::slots::SlotTable;
 use crate::{EngineOptions, ReplicaState, ReplicaStatus};
 
 /// Replicas one volume may have (configured plus added). Longhorn runs 3;
@@ -165,7 +165,8 @@ pub struct ConnRef {
 /// A client request as the channel submitted it, and which channel.
 #[derive(Debug)]
 pub struct ClientReq {
-    pub channel: u32,
+    /// The shell's id for the channel, given back in the completion.
+    pub channel: u64,
     pub io: IoRequest,
 }
 
@@ -234,7 +235,7 @@ pub enum Action {
         payload: Payload,
     },
     Complete {
-        channel: u32,
+        channel: u64,
         tag: u64,
         result: Result<(), BdevError>,
         buf: Option<IoBuf>,
@@ -358,7 +359,7 @@ enum IoData {
 }
 
 struct ClientIo {
-    channel: u32,
+    channel: u64,
     tag: u64,
     op: IoOp,
     offset: u64,
