@@ -89,9 +89,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use lull_bdev::{BdevError, BufPool, IoBuf, IoOp, IoRequest};
+use lull_net::slots::{SlotId, SlotTable};
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
 
-use crate::slots::SlotTable;
 use crate::{EngineOptions, ReplicaState, ReplicaStatus};
 
 /// Replicas one volume may have (configured plus added). Longhorn runs 3;
@@ -103,6 +103,11 @@ pub const MAX_REPLICAS: usize = 16;
 /// Requests beyond it are refused with EAGAIN-style back-pressure at the
 /// channel (see `shell::MAX_CHANNELS`).
 pub const MAX_CLIENT_IOS: usize = crate::shell::MAX_CHANNELS * crate::shell::CHANNEL_DEPTH;
+
+/// A client request's id: its wire id in the engine's request table. It
+/// never leaves the process; the generation makes a late reference to a
+/// finished request find nothing instead of its slot's next tenant.
+type IoId = u64;
 
 /// Bytes copied per rebuild step. 1 MiB amortises the round trips while
 /// keeping the range held from client writes short (a few ms).
@@ -165,7 +170,8 @@ pub struct ConnRef {
 /// A client request as the channel submitted it, and which channel.
 #[derive(Debug)]
 pub struct ClientReq {
-    pub channel: u32,
+    /// The shell's id for the channel, given back in the completion.
+    pub channel: u64,
     pub io: IoRequest,
 }
 
@@ -234,7 +240,7 @@ pub enum Action {
         payload: Payload,
     },
     Complete {
-        channel: u32,
+        channel: u64,
         tag: u64,
         result: Result<(), BdevError>,
         buf: Option<IoBuf>,
@@ -276,7 +282,7 @@ enum CState {
 
 #[derive(Debug, Clone, Copy)]
 enum SubKind {
-    Client(u32),
+    Client(IoId),
     Probe,
     /// INTENT_GET after the probe.
     IntentGet,
@@ -358,7 +364,7 @@ enum IoData {
 }
 
 struct ClientIo {
-    channel: u32,
+    channel: u64,
     tag: u64,
     op: IoOp,
     offset: u64,
@@ -484,11 +490,10 @@ pub struct Engine {
     size_bytes: u64,
     opts: EngineOptions,
     replicas: Vec<Replica>,
-    ios: Vec<Option<ClientIo>>,
-    io_free: Vec<u32>,
-    pending: VecDeque<u32>,
-    writes_in_flight: Vec<u32>,
-    deferred: Vec<u32>,
+    ios: SlotTable<ClientIo>,
+    pending: VecDeque<IoId>,
+    writes_in_flight: Vec<IoId>,
+    deferred: Vec<IoId>,
     generation: u64,
     bump: Option<Bump>,
     rebuild: Option<Rebuild>,
@@ -542,8 +547,7 @@ impl Engine {
             size_bytes,
             opts,
             replicas: Vec::new(),
-            ios: Vec::new(),
-            io_free: Vec::new(),
+            ios: SlotTable::new(MAX_CLIENT_IOS),
             pending: VecDeque::new(),
             writes_in_flight: Vec::new(),
             deferred: Vec::new(),
@@ -1007,7 +1011,7 @@ impl Engine {
     fn sub_failed(&mut self, r: usize, sub: Sub) {
         match sub.what {
             SubKind::Client(id) => {
-                let Some(io) = self.ios[id as usize].as_mut() else {
+                let Some(io) = self.ios.get_mut(id) else {
                     return;
                 };
                 io.outstanding -= 1;
@@ -1325,22 +1329,22 @@ impl Engine {
     }
 
     /// Count client request `id` in the regions it writes (at dispatch).
-    fn hold_regions(&mut self, id: u32) {
-        let Some(io) = self.ios[id as usize].as_ref() else {
+    fn hold_regions(&mut self, id: IoId) {
+        let Some(io) = self.ios.get(id) else {
             return;
         };
         let (first, last) = self.region_span(io.offset, u64::from(io.len));
         for x in &mut self.regions[first..=last] {
             x.writes += 1;
         }
-        if let Some(io) = self.ios[id as usize].as_mut() {
+        if let Some(io) = self.ios.get_mut(id) {
             io.in_regions = true;
         }
     }
 
     /// Uncount it once every replica answered it.
-    fn release_regions(&mut self, id: u32) {
-        let Some(io) = self.ios[id as usize].as_mut() else {
+    fn release_regions(&mut self, id: IoId) {
+        let Some(io) = self.ios.get_mut(id) else {
             return;
         };
         if !std::mem::take(&mut io.in_regions) {
@@ -1521,7 +1525,7 @@ impl Engine {
             });
             return;
         }
-        let Some(id) = self.alloc_io() else {
+        if self.ios.is_full() {
             let buf = req.buf.take();
             let e = BdevError::Full {
                 capacity: MAX_CLIENT_IOS,
@@ -1533,7 +1537,7 @@ impl Engine {
                 buf,
             });
             return;
-        };
+        }
         let data = match req.op {
             IoOp::Read => IoData::Read(req.buf.take()),
             IoOp::Write { .. } => match req.buf.take() {
@@ -1543,7 +1547,7 @@ impl Engine {
             _ => IoData::None,
         };
         let flush_after = matches!(req.op, IoOp::WriteZeroes { fua: true, .. });
-        self.ios[id as usize] = Some(ClientIo {
+        let Some(id) = self.ios.insert(ClientIo {
             channel,
             tag: req.tag,
             op: req.op,
@@ -1554,28 +1558,19 @@ impl Engine {
             acked: 0,
             flush_after,
             in_regions: false,
-        });
-        self.pending.push_back(id);
-    }
-
-    fn alloc_io(&mut self) -> Option<u32> {
-        if let Some(id) = self.io_free.pop() {
-            return Some(id);
-        }
-        if self.ios.len() >= MAX_CLIENT_IOS {
-            return None;
-        }
-        self.ios.push(None);
-        Some((self.ios.len() - 1) as u32)
+        }) else {
+            debug_assert!(false, "checked for room above");
+            return;
+        };
+        self.pending.push_back(id.to_wire());
     }
 
     /// Complete client request `id` and free its entry.
-    fn finish_io(&mut self, id: u32, result: Result<(), BdevError>) {
+    fn finish_io(&mut self, id: IoId, result: Result<(), BdevError>) {
         self.release_regions(id);
-        let Some(io) = self.ios[id as usize].take() else {
+        let Some(io) = self.ios.take(id) else {
             return;
         };
-        self.io_free.push(id);
         if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
             self.writes_in_flight.swap_remove(p);
         }
@@ -1604,12 +1599,12 @@ impl Engine {
     }
 
     /// Every replica answered (or failed) a write-like request or FLUSH.
-    fn io_subs_done(&mut self, id: u32) {
+    fn io_subs_done(&mut self, id: IoId) {
         // Every replica it went to has answered: nothing of it is in
         // flight in its regions any more.
         self.release_regions(id);
         let healthy = self.healthy_mask();
-        let Some(io) = self.ios[id as usize].as_mut() else {
+        let Some(io) = self.ios.get_mut(id) else {
             return;
         };
         if io.acked & healthy == 0 {
@@ -1639,13 +1634,13 @@ impl Engine {
     /// Try to send pending request `id`: done (sent or finished), or it
     /// must wait (slots full, overlap with a write in flight or the rebuild
     /// lock), or it waits only for its regions' MARKs.
-    fn dispatch(&mut self, id: u32) -> Dispatch {
+    fn dispatch(&mut self, id: IoId) -> Dispatch {
         let healthy = self.healthy_mask();
         if healthy == 0 {
             self.finish_io(id, Err(eio("no healthy replica")));
             return Dispatch::Done;
         }
-        let Some(io) = self.ios[id as usize].as_ref() else {
+        let Some(io) = self.ios.get(id) else {
             return Dispatch::Done;
         };
         let (op, offset, len) = (io.op, io.offset, io.len);
@@ -1665,7 +1660,7 @@ impl Engine {
                     Payload::None,
                 ) {
                     self.read_rr = (r + 1) % n;
-                    if let Some(io) = self.ios[id as usize].as_mut() {
+                    if let Some(io) = self.ios.get_mut(id) {
                         io.outstanding = 1;
                     }
                     return Dispatch::Done;
@@ -1685,7 +1680,7 @@ impl Engine {
                 return Dispatch::Wait;
             }
             for &w in &self.writes_in_flight {
-                if let Some(other) = &self.ios[w as usize] {
+                if let Some(other) = self.ios.get(w) {
                     if overlaps((other.offset, other.end()), io_range) {
                         return Dispatch::Wait;
                     }
@@ -1709,7 +1704,7 @@ impl Engine {
                 }
             }
         }
-        let (kind, payload_buf) = match (&self.ios[id as usize].as_ref().map(|i| &i.data), op) {
+        let (kind, payload_buf) = match (&self.ios.get(id).map(|i| &i.data), op) {
             (Some(IoData::Write(b)), IoOp::Write { fua }) => (
                 if fua { Kind::WriteFua } else { Kind::Write },
                 Some(b.clone()),
@@ -1743,7 +1738,7 @@ impl Engine {
                 sent += 1;
             }
         }
-        if let Some(io) = self.ios[id as usize].as_mut() {
+        if let Some(io) = self.ios.get_mut(id) {
             io.outstanding = sent;
             io.acked = 0;
         }
@@ -1914,8 +1909,8 @@ impl Engine {
         }
     }
 
-    fn on_client_reply(&mut self, r: usize, sub: Sub, id: u32, h: Header, payload: Option<IoBuf>) {
-        if self.ios[id as usize].is_none() {
+    fn on_client_reply(&mut self, r: usize, sub: Sub, id: IoId, h: Header, payload: Option<IoBuf>) {
+        if self.ios.get(id).is_none() {
             debug_assert!(false, "reply for a finished client request");
             return;
         }
@@ -1939,7 +1934,7 @@ impl Engine {
                 return self.protocol_error(r, Some(sub), "READ reply of the wrong length".into());
             }
             data.set_len(sub.length as usize);
-            if let Some(io) = self.ios[id as usize].as_mut() {
+            if let Some(io) = self.ios.get_mut(id) {
                 io.outstanding = 0;
                 // Hand the received buffer to the client; recycle theirs.
                 if let IoData::Read(slot) = &mut io.data {
@@ -1953,7 +1948,7 @@ impl Engine {
         if let Some(b) = payload {
             self.pool.put(b);
         }
-        let Some(io) = self.ios[id as usize].as_mut() else {
+        let Some(io) = self.ios.get_mut(id) else {
             return;
         };
         io.acked |= 1 << r;
@@ -2080,8 +2075,8 @@ impl Engine {
                     };
                     let range = (seg.offset, seg.end());
                     let busy = self.writes_in_flight.iter().any(|&w| {
-                        self.ios[w as usize]
-                            .as_ref()
+                        self.ios
+                            .get(w)
                             .is_some_and(|io| overlaps((io.offset, io.end()), range))
                     });
                     if busy {
@@ -2402,11 +2397,11 @@ impl Engine {
         // it, as long as they overlap no parked request and are not a
         // FLUSH: overlapping writes keep their order, and a new volume's
         // first writes do not all queue behind one fdatasync.
-        let mut parked: Vec<u32> = Vec::new();
+        let mut parked: Vec<IoId> = Vec::new();
         let mut parked_ranges: Vec<(u64, u64)> = Vec::new();
         let mut waits_for_marks = false;
         while let Some(&id) = self.pending.front() {
-            let Some(io) = self.ios[id as usize].as_ref() else {
+            let Some(io) = self.ios.get(id) else {
                 debug_assert!(false, "pending request {id} has no entry");
                 self.pending.pop_front();
                 continue;
@@ -2458,7 +2453,7 @@ impl Engine {
             .iter()
             .skip(1)
             .take(MARK_LOOKAHEAD)
-            .filter_map(|&id| self.ios[id as usize].as_ref())
+            .filter_map(|&id| self.ios.get(id))
             .filter(|io| io.modifies())
             .map(|io| (io.offset, u64::from(io.len)))
             .collect();
@@ -2615,7 +2610,7 @@ impl Engine {
 
     /// Client requests held by the engine (queued, in flight or deferred).
     pub fn client_ios(&self) -> usize {
-        self.ios.iter().filter(|i| i.is_some()).count()
+        self.ios.in_flight()
     }
 
     pub fn generation(&self) -> u64 {
@@ -2629,7 +2624,9 @@ impl Engine {
     /// Every client request is in exactly one place, every slot belongs to
     /// a live connection, replica states agree with their connections.
     pub fn check_invariants(&self) {
-        let mut subs_of = vec![0u32; self.ios.len()];
+        self.ios.check_invariants();
+        let slot = |id: IoId| SlotId::from_wire(id).index();
+        let mut subs_of = vec![0u32; self.ios.allocated()];
         for (ri, r) in self.replicas.iter().enumerate() {
             for c in &r.conns {
                 c.slots.check_invariants();
@@ -2642,11 +2639,8 @@ impl Engine {
                 }
                 for (_, s) in c.slots.iter() {
                     if let SubKind::Client(id) = s.what {
-                        assert!(
-                            self.ios[id as usize].is_some(),
-                            "slot names a finished request"
-                        );
-                        subs_of[id as usize] += 1;
+                        assert!(self.ios.get(id).is_some(), "slot names a finished request");
+                        subs_of[slot(id)] += 1;
                     }
                 }
             }
@@ -2661,26 +2655,22 @@ impl Engine {
                 assert!(r.conns.iter().all(|c| c.state == CState::Down));
             }
         }
-        let live = self.ios.iter().filter(|i| i.is_some()).count();
-        assert_eq!(
-            live + self.io_free.len(),
-            self.ios.len(),
-            "client request table leaked an entry"
-        );
-        let mut place = vec![0u8; self.ios.len()];
+        let mut place = vec![0u8; self.ios.allocated()];
         for &id in self.pending.iter().chain(self.deferred.iter()) {
-            place[id as usize] += 1;
+            assert!(
+                self.ios.get(id).is_some(),
+                "finished request {id} still queued"
+            );
+            place[slot(id)] += 1;
         }
-        for (id, io) in self.ios.iter().enumerate() {
-            let Some(io) = io else {
-                assert_eq!(place[id], 0, "finished request {id} still queued");
-                continue;
-            };
+        for (sid, io) in self.ios.iter() {
+            let id = sid.to_wire();
             assert_eq!(
-                subs_of[id], io.outstanding,
+                subs_of[sid.index()],
+                io.outstanding,
                 "request {id}: outstanding count"
             );
-            let queued = place[id];
+            let queued = place[sid.index()];
             assert!(queued <= 1, "request {id} queued twice");
             assert!(
                 queued == 1 || io.outstanding > 0,
@@ -2690,7 +2680,7 @@ impl Engine {
                 assert_eq!(io.outstanding, 0, "request {id} both queued and in flight");
             }
             if io.modifies() && io.outstanding > 0 {
-                assert!(self.writes_in_flight.contains(&(id as u32)));
+                assert!(self.writes_in_flight.contains(&id));
             }
         }
         if let Some(rb) = &self.rebuild {
@@ -2709,7 +2699,7 @@ impl Engine {
         // exactly the dispatched writes over the region.
         let live = self.write_mask();
         let mut writes = vec![0u32; self.regions.len()];
-        for io in self.ios.iter().flatten().filter(|io| io.in_regions) {
+        for (_, io) in self.ios.iter().filter(|(_, io)| io.in_regions) {
             let (first, last) = self.region_span(io.offset, u64::from(io.len));
             for w in &mut writes[first..=last] {
                 *w += 1;
@@ -2741,7 +2731,7 @@ impl Engine {
                     let SubKind::Client(id) = s.what else {
                         continue;
                     };
-                    let Some(io) = self.ios[id as usize].as_ref().filter(|io| io.modifies()) else {
+                    let Some(io) = self.ios.get(id).filter(|io| io.modifies()) else {
                         continue;
                     };
                     let (first, last) = self.region_span(io.offset, u64::from(io.len));

@@ -12,7 +12,7 @@
 //! for r in dev.replica_status() { println!("{} {:?}", r.addr, r.state); }
 //! ```
 //!
-//! Layout: [`slots`] is the slot table; [`core`] the engine as a pure state
+//! Layout: `lull_net::slots` is the slot table; [`core`] the engine as a pure state
 //! machine (events in, actions out, time an argument); [`shell`] runs it on
 //! one lull thread per volume (sockets, timers, channels); `sim` (tests)
 //! drives the core against in-memory replicas from a seed.
@@ -21,7 +21,6 @@
 
 pub mod core;
 mod shell;
-pub mod slots;
 
 #[cfg(test)]
 mod sim;

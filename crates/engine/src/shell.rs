@@ -20,12 +20,13 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
+use lull_net::slots::SlotTable;
 use lull_net::{read_into, Fill, InBuf, OutQueue};
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
@@ -33,7 +34,7 @@ use lull_reactor::{
     FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
 };
 
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload};
+use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, MAX_CLIENT_IOS};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
 
 /// Channels (NBD connections) one volume serves at once. Bounds the
@@ -46,6 +47,13 @@ pub const MAX_CHANNELS: usize = 64;
 /// channel at its depth returns `BdevError::Full` and retries after its own
 /// next completion (which always comes: the count only counts its own).
 pub const CHANNEL_DEPTH: usize = 256;
+
+/// Entries in the shell's channel table: each open channel
+/// (`MAX_CHANNELS`) plus each closed one that still has requests in the
+/// engine (every such entry holds at least one of `MAX_CLIENT_IOS`).
+/// Closed, drained entries are reclaimed every tick, and at once when the
+/// table is full, so the bound is not reached in practice.
+const CHANNEL_ENTRIES_MAX: usize = MAX_CHANNELS + MAX_CLIENT_IOS;
 
 /// Tick period: the resolution of timeouts, keep-alives and reconnects.
 /// 100 ms is fine against second-scale timeouts and costs ~10 wake-ups/s.
@@ -77,11 +85,14 @@ struct ChannelShared {
     /// when it was written: a spinning reactor reaps without syscalls.
     event: EventFd,
     rung: AtomicBool,
-    /// Index in the shell's channel table (engine thread only).
-    slot: AtomicU32,
+    /// Wire id of the channel's entry in the shell's table (engine thread
+    /// only); the core carries it in each request and its completion.
+    slot: AtomicU64,
 }
 
-const NO_SLOT: u32 = u32::MAX;
+/// No entry yet: index `u32::MAX` is beyond any table's capacity, so this
+/// is never a wire id.
+const NO_SLOT: u64 = u64::MAX;
 
 impl ChannelShared {
     /// After pushing completions: ring the doorbell unless it is already
@@ -341,9 +352,8 @@ struct Shell {
     tick: Option<PollerId>,
     this: std::sync::Weak<Mutex<Shell>>,
     socks: Vec<Vec<Option<Sock>>>,
-    channels: Vec<Option<ChanEntry>>,
-    chan_free: Vec<u32>,
-    to_notify: Vec<u32>,
+    channels: SlotTable<ChanEntry>,
+    to_notify: Vec<u64>,
     dirty: Vec<ConnRef>,
     actions: Vec<Action>,
     followups: VecDeque<Event>,
@@ -379,7 +389,7 @@ impl Shell {
             self.flush_dirty(t);
         }
         for ch in self.to_notify.drain(..) {
-            if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
+            if let Some(e) = self.channels.get_mut(ch) {
                 e.notify = false;
                 e.shared.ring();
             }
@@ -408,7 +418,7 @@ impl Shell {
                 result,
                 buf,
             } => {
-                let Some(Some(e)) = self.channels.get_mut(channel as usize) else {
+                let Some(e) = self.channels.get_mut(channel) else {
                     debug_assert!(false, "completion for an unknown channel");
                     return;
                 };
@@ -666,21 +676,32 @@ impl Shell {
                 in_engine: 0,
                 notify: false,
             };
-            slot = match self.chan_free.pop() {
-                Some(s) => {
-                    self.channels[s as usize] = Some(entry);
-                    s
+            if self.channels.is_full() {
+                self.reclaim_channels();
+            }
+            let Some(id) = self.channels.insert(entry) else {
+                // Cannot happen (see CHANNEL_ENTRIES_MAX); fail the batch
+                // rather than leave it waiting.
+                debug_assert!(false, "channel table full");
+                tracing::error!(volume = %self.volume, "channel table full");
+                while let Some(r) = shared.submissions.pop() {
+                    let _ = shared.completions.push(IoCompletion {
+                        tag: r.io.tag,
+                        result: Err(BdevError::Full {
+                            capacity: CHANNEL_ENTRIES_MAX,
+                        }),
+                        buf: r.io.buf,
+                    });
                 }
-                None => {
-                    self.channels.push(Some(entry));
-                    (self.channels.len() - 1) as u32
-                }
+                shared.ring();
+                return;
             };
+            slot = id.to_wire();
             shared.slot.store(slot, Ordering::Relaxed);
         }
         while let Some(mut req) = shared.submissions.pop() {
             req.channel = slot;
-            if let Some(Some(e)) = self.channels.get_mut(slot as usize) {
+            if let Some(e) = self.channels.get_mut(slot) {
                 e.in_engine += 1;
             }
             self.core.apply(Event::Client(req), now, &mut self.actions);
@@ -701,7 +722,7 @@ impl Shell {
             self.run(t, ev, now);
         }
         for ch in self.to_notify.drain(..) {
-            if let Some(Some(e)) = self.channels.get_mut(ch as usize) {
+            if let Some(e) = self.channels.get_mut(ch) {
                 e.notify = false;
                 e.shared.ring();
             }
@@ -710,16 +731,15 @@ impl Shell {
 
     fn on_tick(&mut self, t: &mut Thread, now: u64) -> PollStatus {
         self.run(t, Event::Tick, now);
-        // Free the entries of channels that are closed and drained.
-        for i in 0..self.channels.len() {
-            let gone = matches!(&self.channels[i], Some(e) if e.in_engine == 0 && Arc::strong_count(&e.shared) == 1);
-            if gone {
-                self.channels[i] = None;
-                self.chan_free.push(i as u32);
-            }
-        }
+        self.reclaim_channels();
         self.publish_status();
         PollStatus::Idle
+    }
+
+    /// Free the entries of channels that are closed and drained.
+    fn reclaim_channels(&mut self) {
+        self.channels
+            .retain(|_, e| e.in_engine != 0 || Arc::strong_count(&e.shared) != 1);
     }
 
     fn publish_status(&mut self) {
@@ -823,8 +843,7 @@ impl ReplicatedDev {
                 tick: None,
                 this: weak.clone(),
                 socks: Vec::new(),
-                channels: Vec::new(),
-                chan_free: Vec::new(),
+                channels: SlotTable::new(CHANNEL_ENTRIES_MAX),
                 to_notify: Vec::new(),
                 dirty: Vec::new(),
                 actions: Vec::new(),
@@ -994,7 +1013,7 @@ impl BlockDevice for ReplicatedDev {
             scheduled: AtomicBool::new(false),
             rung: AtomicBool::new(false),
             event: EventFd::new().map_err(BdevError::Io)?,
-            slot: AtomicU32::new(NO_SLOT),
+            slot: AtomicU64::new(NO_SLOT),
         });
         Ok(Box::new(ReplicaChannel {
             shared,

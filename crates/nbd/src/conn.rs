@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
+use lull_net::slots::{SlotId, SlotTable};
 use lull_net::{bufs, read_into, Fill, InBuf, OutQueue, Payload};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
@@ -62,7 +63,7 @@ enum Recv {
     Header,
     /// Receiving the payload of the write in `slot` into `buf`.
     Payload {
-        slot: u32,
+        slot: SlotId,
         req: Request,
         buf: IoBuf,
         filled: usize,
@@ -93,11 +94,11 @@ pub(crate) struct Conn {
     phase: Phase,
     inb: InBuf,
     out: OutQueue<Payload>,
-    /// Requests in flight by slot. Grows to the connection's deepest queue
-    /// (at most `MAX_IN_FLIGHT`), so an idle or QD1 connection keeps a few
-    /// slots, not 128.
-    slots: Vec<Option<InFlight>>,
-    free: Vec<u32>,
+    /// Requests in flight; a slot's wire id is the device tag (the
+    /// client's cookie stays in the slot). Grows to the connection's
+    /// deepest queue (at most `MAX_IN_FLIGHT`), so an idle or QD1
+    /// connection keeps a few slots, not 128.
+    slots: SlotTable<InFlight>,
     recv: Recv,
     /// A request the device refused as full; retried before reading more.
     retry: Option<IoRequest>,
@@ -158,8 +159,7 @@ impl Conn {
             phase: Phase::Handshake(hs),
             inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             out,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
             closing: None,
@@ -189,22 +189,7 @@ impl Conn {
     }
 
     fn in_flight(&self) -> usize {
-        self.slots.len() - self.free.len()
-    }
-
-    fn has_free_slot(&self) -> bool {
-        !self.free.is_empty() || self.slots.len() < MAX_IN_FLIGHT
-    }
-
-    fn alloc_slot(&mut self) -> Option<u32> {
-        if let Some(slot) = self.free.pop() {
-            return Some(slot);
-        }
-        if self.slots.len() < MAX_IN_FLIGHT {
-            self.slots.push(None);
-            return Some((self.slots.len() - 1) as u32);
-        }
-        None
+        self.slots.in_flight()
     }
 
     /// The poller body. Returns Busy when anything moved.
@@ -299,12 +284,10 @@ impl Conn {
     }
 
     fn complete(&mut self, c: IoCompletion) {
-        let slot = c.tag as usize;
-        let Some(inflight) = self.slots.get_mut(slot).and_then(Option::take) else {
+        let Some(inflight) = self.slots.take(c.tag) else {
             tracing::error!(peer = %self.peer, tag = c.tag, "completion for an unknown slot");
             return;
         };
-        self.free.push(slot as u32);
         if let Phase::Transmission { volume, .. } = &self.phase {
             let op = match inflight.command {
                 Command::Read => Some(OpKind::Read),
@@ -394,7 +377,7 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        self.has_free_slot() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.slots.is_full() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -636,16 +619,16 @@ impl Conn {
                 return;
             }
         };
-        let Some(slot) = self.alloc_slot() else {
-            debug_assert!(false, "take_request checked for a free slot");
-            return;
-        };
-        self.slots[slot as usize] = Some(InFlight {
+        let start_ns = self.clock_ns();
+        let Some(slot) = self.slots.insert(InFlight {
             cookie: req.cookie,
             command: req.command,
             length: req.length,
-            start_ns: self.clock_ns(),
-        });
+            start_ns,
+        }) else {
+            debug_assert!(false, "take_request checked for a free slot");
+            return;
+        };
         match op {
             IoOp::Read => {
                 let buf = bufs::get(req.length as usize);
@@ -664,15 +647,13 @@ impl Conn {
         }
     }
 
-    fn release_slot(&mut self, slot: u32) {
-        if self.slots[slot as usize].take().is_some() {
-            self.free.push(slot);
-        }
+    fn release_slot(&mut self, slot: SlotId) {
+        self.slots.take(slot.to_wire());
     }
 
-    fn submit(&mut self, slot: u32, req: &Request, op: IoOp, buf: Option<IoBuf>) {
+    fn submit(&mut self, slot: SlotId, req: &Request, op: IoOp, buf: Option<IoBuf>) {
         let io = IoRequest {
-            tag: u64::from(slot),
+            tag: slot.to_wire(),
             op,
             offset: req.offset,
             len: req.length,

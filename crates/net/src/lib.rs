@@ -19,10 +19,12 @@
 //! Nothing here blocks: both work on non-blocking sockets and report
 //! "would block" as no progress.
 //!
-//! [`server`] holds the acceptor and connection table the servers share.
+//! [`server`] holds the acceptor and connection table the servers share;
+//! [`slots`] the table of requests in flight every connection keeps.
 
 pub mod bufs;
 pub mod server;
+pub mod slots;
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};

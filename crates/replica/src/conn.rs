@@ -42,6 +42,7 @@ use std::sync::{mpsc, Arc};
 
 use lull_bdev::{BdevError, BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
+use lull_net::slots::{SlotId, SlotTable};
 use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
 use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
@@ -84,7 +85,7 @@ enum Recv {
     Header,
     /// Receiving the payload of the write in `slot` into `buf`.
     Payload {
-        slot: u32,
+        slot: SlotId,
         req: Header,
         buf: IoBuf,
         filled: usize,
@@ -152,9 +153,9 @@ pub(crate) struct Conn {
     inb: InBuf,
     out: OutQueue<Payload>,
     pool: BufPool,
-    /// Request header of each in-flight slot; indexed by the I/O tag.
-    slots: Vec<Option<Header>>,
-    free: Vec<u32>,
+    /// Request header of each request in flight; a slot's wire id is the
+    /// I/O tag. Grows to the deepest queue the peer has used.
+    slots: SlotTable<Header>,
     recv: Recv,
     /// A request the channel refused as full; retried before reading more.
     retry: Option<IoRequest>,
@@ -220,8 +221,7 @@ impl Conn {
             inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             out: OutQueue::with_capacity(MAX_IN_FLIGHT + 4),
             pool: BufPool::new(BUFFER_CACHE_BYTES),
-            slots: (0..MAX_IN_FLIGHT).map(|_| None).collect(),
-            free: (0..MAX_IN_FLIGHT as u32).rev().collect(),
+            slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
             closing: None,
@@ -246,7 +246,7 @@ impl Conn {
     }
 
     fn in_flight(&self) -> usize {
-        MAX_IN_FLIGHT - self.free.len()
+        self.slots.in_flight()
     }
 
     /// The poller body. Returns Busy when anything moved.
@@ -305,22 +305,8 @@ impl Conn {
     /// Slot table and output accounting agree (debug builds, every run).
     #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn check_invariants(&self) {
-        let busy = self.slots.iter().filter(|s| s.is_some()).count();
-        assert_eq!(
-            busy + self.free.len(),
-            MAX_IN_FLIGHT,
-            "slots leaked or double-freed"
-        );
-        let mut free = self.free.clone();
-        free.sort_unstable();
-        free.dedup();
-        assert_eq!(free.len(), self.free.len(), "free list has duplicates");
-        let modifying = self
-            .slots
-            .iter()
-            .flatten()
-            .filter(|h| h.kind.modifies())
-            .count();
+        self.slots.check_invariants();
+        let modifying = self.slots.iter().filter(|(_, h)| h.kind.modifies()).count();
         let waiting = usize::from(self.wait.as_ref().is_some_and(Wait::counted));
         assert_eq!(
             self.fence.modifying(),
@@ -580,12 +566,10 @@ impl Conn {
     }
 
     fn complete(&mut self, c: IoCompletion) {
-        let slot = c.tag as usize;
-        let Some(req) = self.slots.get_mut(slot).and_then(Option::take) else {
+        let Some(req) = self.slots.take(c.tag) else {
             tracing::error!(peer = %self.peer, tag = c.tag, "completion for an unknown slot");
             return;
         };
-        self.free.push(slot as u32);
         match c.result {
             Ok(()) if req.kind == Kind::Read => match c.buf {
                 Some(buf) if buf.len() == req.length as usize => {
@@ -701,7 +685,7 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.free.is_empty() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.slots.is_full() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -773,7 +757,7 @@ impl Conn {
 
     fn receive_payload(
         &mut self,
-        slot: u32,
+        slot: SlotId,
         req: Header,
         mut buf: IoBuf,
         mut filled: usize,
@@ -1088,7 +1072,9 @@ impl Conn {
                 return;
             }
         };
-        let Some(slot) = self.free.pop() else {
+        // From here the slot holds the fence count, until `complete` or
+        // `release_slot`.
+        let Some(slot) = self.slots.insert(req) else {
             debug_assert!(false, "take_frame checked for a free slot");
             if counted {
                 self.fence_exit();
@@ -1096,9 +1082,6 @@ impl Conn {
             self.push_error(req, libc::EAGAIN);
             return;
         };
-        // From here the slot holds the fence count, until `complete` or
-        // `release_slot`.
-        self.slots[slot as usize] = Some(req);
         match op {
             IoOp::Read => {
                 let buf = self.pool.get(req.length as usize);
@@ -1219,18 +1202,17 @@ impl Conn {
 
     /// Frees a slot whose request is abandoned (a write whose payload
     /// never fully arrived).
-    fn release_slot(&mut self, slot: u32) {
-        if let Some(req) = self.slots[slot as usize].take() {
-            self.free.push(slot);
+    fn release_slot(&mut self, slot: SlotId) {
+        if let Some(req) = self.slots.take(slot.to_wire()) {
             if req.kind.modifies() {
                 self.fence_exit();
             }
         }
     }
 
-    fn submit(&mut self, slot: u32, req: &Header, op: IoOp, buf: Option<IoBuf>) {
+    fn submit(&mut self, slot: SlotId, req: &Header, op: IoOp, buf: Option<IoBuf>) {
         let io = IoRequest {
-            tag: u64::from(slot),
+            tag: slot.to_wire(),
             op,
             offset: req.offset,
             len: req.length,
