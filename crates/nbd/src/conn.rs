@@ -14,7 +14,8 @@ use std::sync::Arc;
 use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
-use lull_net::{bufs, read_into, Fill, InBuf, OutQueue, Payload};
+use lull_net::wire::Wire;
+use lull_net::{bufs, read_into, Fill, Payload};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
@@ -87,13 +88,11 @@ enum Phase {
 }
 
 pub(crate) struct Conn {
-    peer: String,
-    stream: Stream,
-    fd: RawFd,
+    /// The socket, its buffers and the closing/broken state
+    /// (`lull_net::wire`, shared with the replica server).
+    link: Wire<Stream>,
     server: Arc<ServerShared>,
     phase: Phase,
-    inb: InBuf,
-    out: OutQueue<Payload>,
     /// Requests in flight; a slot's wire id is the device tag (the
     /// client's cookie stays in the slot). Grows to the connection's
     /// deepest queue (at most `MAX_IN_FLIGHT`), so an idle or QD1
@@ -102,13 +101,7 @@ pub(crate) struct Conn {
     recv: Recv,
     /// A request the device refused as full; retried before reading more.
     retry: Option<IoRequest>,
-    /// Why the connection is closing; no new requests are read.
-    closing: Option<String>,
-    /// The peer is gone or the stream is broken: replies are dropped.
-    broken: bool,
     pub(crate) handshake_done: Arc<AtomicBool>,
-    interest: Interest,
-    channel_fd_added: bool,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
     /// `now` of the current poller run.
@@ -121,11 +114,11 @@ pub(crate) struct Conn {
 
 impl Connection for Conn {
     fn fd(&self) -> RawFd {
-        self.fd
+        self.link.fd()
     }
 
     fn interest(&self) -> Interest {
-        self.interest
+        self.link.interest()
     }
 
     fn greeted(&self) -> Arc<AtomicBool> {
@@ -149,25 +142,19 @@ impl Conn {
     pub(crate) fn new(stream: Stream, server: Arc<ServerShared>) -> Conn {
         let mut greeting = Vec::new();
         let hs = ServerHandshake::new(&mut greeting);
-        let mut out = OutQueue::default();
-        out.push(&[], Payload::Bytes(greeting));
+        let (fd, peer) = (stream.as_raw_fd(), stream.peer());
+        // It waits for both directions at first, so the greeting goes out
+        // at once.
+        let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "NBD", peer);
+        link.push(&[], Payload::Bytes(greeting));
         Conn {
-            peer: stream.peer(),
-            fd: stream.as_raw_fd(),
-            stream,
+            link,
             server,
             phase: Phase::Handshake(hs),
-            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
-            out,
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
-            closing: None,
-            broken: false,
             handshake_done: Arc::new(AtomicBool::new(false)),
-            // Registered with BOTH so the greeting goes out at once.
-            interest: Interest::BOTH,
-            channel_fd_added: false,
             completions: Vec::new(),
             now_ns: 0,
             clock: None,
@@ -180,12 +167,7 @@ impl Conn {
     }
 
     fn close(&mut self, reason: impl Into<String>) {
-        if self.closing.is_none() {
-            let reason = reason.into();
-            let export = self.volume_name().unwrap_or("-");
-            tracing::info!(peer = %self.peer, export, reason = %reason, "closing NBD connection");
-            self.closing = Some(reason);
-        }
+        self.link.close(reason);
     }
 
     fn in_flight(&self) -> usize {
@@ -199,7 +181,7 @@ impl Conn {
         if deadline_passed && self.handshake_timed_out() {
             self.close("handshake timed out");
         }
-        if self.closing.is_none() && self.server.conns.stopping() {
+        if !self.link.is_closing() && self.server.conns.stopping() {
             self.close("server shutting down");
         }
         let mut progressed_last = false;
@@ -208,7 +190,7 @@ impl Conn {
             progress |= self.reap();
             progress |= self.retry_submit();
             progress |= self.flush_out();
-            if self.closing.is_none() {
+            if !self.link.is_closing() {
                 progress |= self.read_and_dispatch();
                 progress |= self.reap();
                 progress |= self.flush_out();
@@ -219,9 +201,6 @@ impl Conn {
             }
             status = PollStatus::Busy;
         }
-        // Everything read was parsed: the input buffer goes back to the
-        // reactor's cache until the next bytes arrive.
-        self.inb.release();
         if let Some(me) = t.current_poller() {
             if self.finished() {
                 self.finish(t, me);
@@ -237,7 +216,7 @@ impl Conn {
 
     /// Closing, and nothing left in flight or to send.
     fn finished(&self) -> bool {
-        self.closing.is_some() && self.in_flight() == 0 && (self.out.is_empty() || self.broken)
+        self.link.finished(self.in_flight() > 0)
     }
 
     fn finish(&mut self, t: &mut Thread, me: PollerId) {
@@ -248,25 +227,11 @@ impl Conn {
     }
 
     fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
-        if let Phase::Transmission { channel, .. } = &self.phase {
-            if !self.channel_fd_added {
-                self.channel_fd_added = true;
-                if let Some(fd) = channel.event_fd() {
-                    if let Err(e) = t.add_poller_fd(me, fd, Interest::READABLE) {
-                        tracing::error!(peer = %self.peer, error = %e, "cannot watch device completions");
-                        self.close("internal error");
-                    }
-                }
-            }
-        }
-        let want = if !self.out.is_empty() && !self.broken {
-            Interest::BOTH
-        } else {
-            Interest::READABLE
+        let completions_fd = match &self.phase {
+            Phase::Transmission { channel, .. } => channel.event_fd(),
+            Phase::Handshake(_) => None,
         };
-        if want != self.interest && t.set_interest(me, self.fd, want).is_ok() {
-            self.interest = want;
-        }
+        self.link.update_interest(t, me, completions_fd);
     }
 
     /// Move device completions into the reply queue.
@@ -285,7 +250,7 @@ impl Conn {
 
     fn complete(&mut self, c: IoCompletion) {
         let Some(inflight) = self.slots.take(c.tag) else {
-            tracing::error!(peer = %self.peer, tag = c.tag, "completion for an unknown slot");
+            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
             return;
         };
         if let Phase::Transmission { volume, .. } = &self.phase {
@@ -313,7 +278,7 @@ impl Conn {
                 (0, None)
             }
             Err(e) => {
-                tracing::warn!(peer = %self.peer, cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
+                tracing::warn!(peer = %self.link.peer(), cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
                     bufs::put(b);
                 }
@@ -324,67 +289,40 @@ impl Conn {
     }
 
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {
-        if self.broken {
-            if let Some(b) = data {
-                bufs::put(b);
-            }
-            return;
-        }
         let mut header = [0u8; SIMPLE_REPLY_LEN];
         nbd::encode_simple_reply(&mut header, error, cookie);
-        self.out
+        self.link
             .push(&header, data.map_or(Payload::None, Payload::Buf));
     }
 
     /// Write queued output; returns whether any byte went out.
     fn flush_out(&mut self) -> bool {
-        if self.broken {
-            return false;
-        }
-        match bufs::with_pool(|pool| self.out.write_pooled(&mut self.stream, pool)) {
-            Ok(n) => n > 0,
-            Err(e) => {
-                self.broken = true;
-                bufs::with_pool(|pool| self.out.clear_pooled(pool));
-                self.close(e.to_string());
-                true
-            }
-        }
+        bufs::with_pool(|pool| self.link.flush(pool))
     }
 
     fn buffered(&self) -> usize {
-        self.inb.buffered()
+        self.link.inb.buffered()
     }
 
-    /// Read what the socket has (within the budget) into the input buffer.
-    /// Returns bytes read; EOF and errors close the connection.
+    /// Read what the socket has into the input buffer. Returns bytes read;
+    /// EOF and errors close the connection.
     fn fill(&mut self) -> usize {
-        match self.inb.fill(&mut self.stream) {
-            Ok(Fill::Read(n)) => n,
-            Ok(Fill::Nothing) => 0,
-            Ok(Fill::Eof) => {
-                self.broken = self.in_flight() == 0 && self.out.is_empty();
-                self.close("client disconnected");
-                0
-            }
-            Err(e) => {
-                self.broken = true;
-                self.close(format!("read failed: {e}"));
-                0
-            }
-        }
+        let in_flight = self.in_flight();
+        self.link.fill(in_flight, "client disconnected")
     }
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.slots.is_full() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.slots.is_full()
+            && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+            && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
-            if self.closing.is_some() {
+            if self.link.is_closing() {
                 break;
             }
             let moved = match self.phase {
@@ -421,25 +359,25 @@ impl Conn {
         let Phase::Handshake(hs) = &mut self.phase else {
             return false;
         };
-        if self.inb.buffered() == 0 {
+        if self.link.inb.buffered() == 0 {
             return false;
         }
         let mut reply = Vec::new();
         let exports = self.server.volumes.exports();
-        let result = hs.feed(self.inb.peek(), &exports, &mut reply);
+        let result = hs.feed(self.link.inb.peek(), &exports, &mut reply);
         if !reply.is_empty() {
-            self.out.push(&[], Payload::Bytes(reply));
+            self.link.out.push(&[], Payload::Bytes(reply));
         }
         match result {
             Ok((used, HandshakeStatus::NeedMore)) => {
-                self.inb.consume(used);
-                if used == 0 && self.inb.buffered() >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
+                self.link.inb.consume(used);
+                if used == 0 && self.link.inb.buffered() >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
                     self.close("handshake message too long");
                 }
                 used > 0
             }
             Ok((used, HandshakeStatus::Done { export_name, info })) => {
-                self.inb.consume(used);
+                self.link.inb.consume(used);
                 self.handshake_done.store(true, Ordering::Relaxed);
                 let Some(volume) = self.server.volumes.get(&export_name) else {
                     self.close(format!(
@@ -449,7 +387,8 @@ impl Conn {
                 };
                 match volume.dev.open_channel() {
                     Ok(channel) => {
-                        tracing::info!(peer = %self.peer, export = %volume.name, "client connected");
+                        tracing::info!(peer = %self.link.peer(), export = %volume.name, "client connected");
+                        self.link.set_context(&volume.name);
                         self.phase = Phase::Transmission {
                             channel,
                             size: info.size_bytes,
@@ -458,19 +397,19 @@ impl Conn {
                         };
                     }
                     Err(e) => {
-                        tracing::error!(peer = %self.peer, export = %volume.name, error = %e, "cannot open device channel");
+                        tracing::error!(peer = %self.link.peer(), export = %volume.name, error = %e, "cannot open device channel");
                         self.close("cannot open device channel");
                     }
                 }
                 true
             }
             Ok((used, HandshakeStatus::Aborted)) => {
-                self.inb.consume(used);
+                self.link.inb.consume(used);
                 self.close("client aborted the handshake");
                 true
             }
             Err(e) => {
-                tracing::warn!(peer = %self.peer, error = %e, "bad handshake");
+                tracing::warn!(peer = %self.link.peer(), error = %e, "bad handshake");
                 self.close(format!("bad handshake: {e}"));
                 true
             }
@@ -488,13 +427,16 @@ impl Conn {
                 mut filled,
             } => {
                 let len = req.length as usize;
-                let copied = self.inb.take_into(&mut buf.as_mut_slice()[filled..len]);
+                let copied = self
+                    .link
+                    .inb
+                    .take_into(&mut buf.as_mut_slice()[filled..len]);
                 filled += copied;
                 let mut progress = copied > 0;
                 // Large payloads go straight from the socket to the buffer.
-                if filled < len && self.inb.buffered() == 0 {
+                if filled < len && self.link.inb.buffered() == 0 {
                     match read_into(
-                        &mut self.stream,
+                        &mut self.link.stream,
                         &mut buf.as_mut_slice()[..len],
                         &mut filled,
                     ) {
@@ -503,14 +445,16 @@ impl Conn {
                         Ok(Fill::Eof) => {
                             bufs::put(buf);
                             self.release_slot(slot);
-                            self.broken = self.in_flight() == 0;
+                            if self.in_flight() == 0 {
+                                self.link.set_broken();
+                            }
                             self.close("client disconnected in the middle of a write payload");
                             return true;
                         }
                         Err(e) => {
                             bufs::put(buf);
                             self.release_slot(slot);
-                            self.broken = true;
+                            self.link.set_broken();
                             self.close(format!("read failed: {e}"));
                             return true;
                         }
@@ -536,7 +480,7 @@ impl Conn {
                 error,
             } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.inb.consume(n as usize);
+                self.link.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_reply(cookie, error, None);
@@ -561,28 +505,28 @@ impl Conn {
         };
         let (size, tflags) = (*size, *tflags);
         let mut header = [0u8; REQUEST_LEN];
-        let Some(raw) = self.inb.take(REQUEST_LEN) else {
+        let Some(raw) = self.link.inb.take(REQUEST_LEN) else {
             return false;
         };
         header.copy_from_slice(raw);
         let req = match nbd::decode_request(&header) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(peer = %self.peer, error = %e, "bad request header");
+                tracing::warn!(peer = %self.link.peer(), error = %e, "bad request header");
                 self.close(format!("bad request: {e}"));
                 return true;
             }
         };
         match nbd::validate(&req, size, tflags) {
             Verdict::Disconnect(why) => {
-                tracing::warn!(peer = %self.peer, ?req, why, "request cannot be answered; disconnecting");
+                tracing::warn!(peer = %self.link.peer(), ?req, why, "request cannot be answered; disconnecting");
                 self.close(why);
             }
             Verdict::Error {
                 nbd_error,
                 drain_bytes,
             } => {
-                tracing::warn!(peer = %self.peer, ?req, nbd_error, "refused request");
+                tracing::warn!(peer = %self.link.peer(), ?req, nbd_error, "refused request");
                 if drain_bytes > 0 {
                     self.recv = Recv::Drain {
                         remaining: u64::from(drain_bytes),
@@ -686,13 +630,6 @@ impl Conn {
                 self.retry.is_none()
             }
             None => false,
-        }
-    }
-
-    pub(crate) fn volume_name(&self) -> Option<&str> {
-        match &self.phase {
-            Phase::Transmission { volume, .. } => Some(&volume.name),
-            Phase::Handshake(_) => None,
         }
     }
 }

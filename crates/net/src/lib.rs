@@ -25,6 +25,7 @@
 pub mod bufs;
 pub mod server;
 pub mod slots;
+pub mod wire;
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};

@@ -40,10 +40,11 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
-use lull_bdev::{BdevError, BufPool, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
-use lull_net::{read_into, Fill, InBuf, OutQueue, Payload};
+use lull_net::wire::Wire;
+use lull_net::{bufs, read_into, Fill, Payload};
 use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
     INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
@@ -75,10 +76,6 @@ const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 /// Rounds per poller run (see the module doc); more work wakes the poller
 /// again instead of looping here.
 const MAX_ROUNDS: usize = 8;
-
-/// Buffers cached per connection for reuse: a full queue of 128 KiB
-/// requests without allocation.
-const BUFFER_CACHE_BYTES: usize = 32 * 1024 * 1024;
 
 enum Recv {
     /// Waiting for a frame header.
@@ -145,24 +142,17 @@ impl Wait {
 }
 
 pub(crate) struct Conn {
-    peer: SocketAddr,
-    stream: TcpStream,
-    fd: RawFd,
+    /// The socket, its buffers and the closing/broken state
+    /// (`lull_net::wire`, shared with the NBD server).
+    link: Wire<TcpStream>,
     server: Arc<Shared>,
     phase: Phase,
-    inb: InBuf,
-    out: OutQueue<Payload>,
-    pool: BufPool,
     /// Request header of each request in flight; a slot's wire id is the
     /// I/O tag. Grows to the deepest queue the peer has used.
     slots: SlotTable<Header>,
     recv: Recv,
     /// A request the channel refused as full; retried before reading more.
     retry: Option<IoRequest>,
-    /// Why the connection is closing; no new frames are read.
-    closing: Option<String>,
-    /// The peer is gone or the stream is broken: replies are dropped.
-    broken: bool,
     pub(crate) hello_done: Arc<AtomicBool>,
     wait: Option<Wait>,
     /// The session of the first HELLO; every later HELLO must carry it.
@@ -173,19 +163,17 @@ pub(crate) struct Conn {
     /// metadata helper, the intent persister or a takeover wakes the
     /// poller through them.
     me: Option<(ThreadHandle, PollerId)>,
-    interest: Interest,
-    channel_fd_added: bool,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
 }
 
 impl Connection for Conn {
     fn fd(&self) -> RawFd {
-        self.fd
+        self.link.fd()
     }
 
     fn interest(&self) -> Interest {
-        self.interest
+        self.link.interest()
     }
 
     fn greeted(&self) -> Arc<AtomicBool> {
@@ -209,40 +197,29 @@ impl Drop for Conn {
 impl Conn {
     pub(crate) fn new(stream: TcpStream, server: Arc<Shared>) -> Conn {
         let fence = server.fences.register();
+        // Unknown only if the peer is already gone; the first read says so.
+        let peer = stream
+            .peer_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let fd = stream.as_raw_fd();
         Conn {
-            // Unknown only if the peer is already gone; the first read says so.
-            peer: stream
-                .peer_addr()
-                .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))),
-            fd: stream.as_raw_fd(),
-            stream,
+            link: Wire::new(stream, fd, READ_BUFFER_BYTES, "replica", peer.to_string()),
             server,
             phase: Phase::AwaitHello,
-            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
-            out: OutQueue::with_capacity(MAX_IN_FLIGHT + 4),
-            pool: BufPool::new(BUFFER_CACHE_BYTES),
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
-            closing: None,
-            broken: false,
             hello_done: Arc::new(AtomicBool::new(false)),
             wait: None,
             session: None,
             fence,
             me: None,
-            interest: Interest::READABLE,
-            channel_fd_added: false,
-            completions: Vec::with_capacity(MAX_IN_FLIGHT),
+            completions: Vec::new(),
         }
     }
 
     fn close(&mut self, reason: impl Into<String>) {
-        if self.closing.is_none() {
-            let reason = reason.into();
-            tracing::info!(peer = %self.peer, reason = %reason, "closing replica connection");
-            self.closing = Some(reason);
-        }
+        self.link.close(reason);
     }
 
     fn in_flight(&self) -> usize {
@@ -261,7 +238,7 @@ impl Conn {
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
             self.close("no HELLO in time");
         }
-        if self.closing.is_none() && self.server.conns.stopping() {
+        if !self.link.is_closing() && self.server.conns.stopping() {
             self.close("replica shutting down");
         }
         self.check_fenced();
@@ -271,7 +248,7 @@ impl Conn {
             progress |= self.reap();
             progress |= self.retry_submit();
             progress |= self.flush_out();
-            if self.closing.is_none() {
+            if !self.link.is_closing() {
                 progress |= self.read_and_dispatch();
                 progress |= self.reap();
                 progress |= self.flush_out();
@@ -284,7 +261,6 @@ impl Conn {
             }
             status = PollStatus::Busy;
         }
-        self.inb.release();
         if let Some(me) = t.current_poller() {
             if self.finished() {
                 // Unregister before the fds close (the stream and channel
@@ -317,10 +293,8 @@ impl Conn {
 
     /// Closing, and nothing left in flight, being persisted or to send.
     fn finished(&self) -> bool {
-        self.closing.is_some()
-            && self.in_flight() == 0
-            && self.wait.is_none()
-            && (self.out.is_empty() || self.broken)
+        self.link
+            .finished(self.in_flight() > 0 || self.wait.is_some())
     }
 
     /// The session of an engine connection (non-zero), if known.
@@ -335,7 +309,7 @@ impl Conn {
             return;
         };
         let owner = self.server.fences.owner();
-        if owner != session && self.closing.is_none() {
+        if owner != session && !self.link.is_closing() {
             self.close(format!(
                 "fenced: engine session {owner:#x} took the replica over from {session:#x}"
             ));
@@ -348,25 +322,11 @@ impl Conn {
     }
 
     fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
-        if let Phase::Ready { channel } = &self.phase {
-            if !self.channel_fd_added {
-                self.channel_fd_added = true;
-                if let Some(fd) = channel.event_fd() {
-                    if let Err(e) = t.add_poller_fd(me, fd, Interest::READABLE) {
-                        tracing::error!(peer = %self.peer, error = %e, "cannot watch data file completions");
-                        self.close("internal error");
-                    }
-                }
-            }
-        }
-        let want = if !self.out.is_empty() && !self.broken {
-            Interest::BOTH
-        } else {
-            Interest::READABLE
+        let completions_fd = match &self.phase {
+            Phase::Ready { channel } => channel.event_fd(),
+            _ => None,
         };
-        if want != self.interest && t.set_interest(me, self.fd, want).is_ok() {
-            self.interest = want;
-        }
+        self.link.update_interest(t, me, completions_fd);
     }
 
     /// The HELLO reply payload: this replica's size, generation, flags
@@ -421,20 +381,20 @@ impl Conn {
             (Ok(generation), MetaFor::Attach(req)) => {
                 let payload = self.our_hello(generation);
                 self.push_reply(req.reply_with(0), Payload::Bytes(payload));
-                tracing::info!(peer = %self.peer, generation, "engine attached");
+                tracing::info!(peer = %self.link.peer(), generation, "engine attached");
             }
             (Ok(_), MetaFor::Detach(req)) => {
                 self.push_reply(req.reply_with(0), Payload::None);
-                tracing::info!(peer = %self.peer, "engine detached");
+                tracing::info!(peer = %self.link.peer(), "engine detached");
             }
             (Ok(_), MetaFor::Dirty) => {}
             (Err(e @ ReplicaError::DetachBusy { .. }), MetaFor::Detach(req)) => {
                 // Nothing changed: the engine may detach again later.
-                tracing::warn!(peer = %self.peer, error = %e, "DETACH refused");
+                tracing::warn!(peer = %self.link.peer(), error = %e, "DETACH refused");
                 self.push_error(req, e.errno());
             }
             (Err(e), what) => {
-                tracing::error!(peer = %self.peer, error = %e, "cannot persist the replica metadata");
+                tracing::error!(peer = %self.link.peer(), error = %e, "cannot persist the replica metadata");
                 match what {
                     MetaFor::Attach(req) => self.refuse_hello(req, e.errno()),
                     MetaFor::Detach(req) => self.push_error(req, e.errno()),
@@ -460,7 +420,7 @@ impl Conn {
         match started {
             Ok(rx) => self.wait = Some(Wait::Meta { what, rx }),
             Err(e) => {
-                tracing::error!(peer = %self.peer, error = %e, "cannot start a metadata write");
+                tracing::error!(peer = %self.link.peer(), error = %e, "cannot start a metadata write");
                 match what {
                     MetaFor::Attach(req) => {
                         self.fence_exit();
@@ -498,7 +458,7 @@ impl Conn {
     /// The write-intent record cannot be persisted: the engine must not
     /// write where the mark is not durable, so the connection ends.
     fn intent_failed(&mut self, req: Header, e: IntentError) {
-        tracing::error!(peer = %self.peer, ?req, error = %e, "write-intent record failed");
+        tracing::error!(peer = %self.link.peer(), ?req, error = %e, "write-intent record failed");
         self.push_error(req, libc::EIO);
         self.close(format!("write-intent record failed: {e}"));
     }
@@ -524,7 +484,7 @@ impl Conn {
             ));
             return true;
         }
-        if self.closing.is_some() {
+        if self.link.is_closing() {
             // The peer is gone or the replica is stopping: nobody to answer.
             self.wait = None;
             if let Some(me) = &self.me {
@@ -545,7 +505,7 @@ impl Conn {
         match self.server.dev.open_channel() {
             Ok(c) => Some(c),
             Err(e) => {
-                tracing::error!(peer = %self.peer, error = %e, "cannot open a data file channel");
+                tracing::error!(peer = %self.link.peer(), error = %e, "cannot open a data file channel");
                 None
             }
         }
@@ -567,7 +527,7 @@ impl Conn {
 
     fn complete(&mut self, c: IoCompletion) {
         let Some(req) = self.slots.take(c.tag) else {
-            tracing::error!(peer = %self.peer, tag = c.tag, "completion for an unknown slot");
+            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
             return;
         };
         match c.result {
@@ -576,24 +536,24 @@ impl Conn {
                     self.push_reply(req.reply_with(0), Payload::Buf(buf));
                 }
                 other => {
-                    tracing::error!(peer = %self.peer, id = req.id, "read completed without its buffer");
+                    tracing::error!(peer = %self.link.peer(), id = req.id, "read completed without its buffer");
                     if let Some(b) = other {
-                        self.pool.put(b);
+                        bufs::put(b);
                     }
                     self.push_reply(req.reply_with(libc::EIO as u32), Payload::None);
                 }
             },
             Ok(()) => {
                 if let Some(b) = c.buf {
-                    self.pool.put(b);
+                    bufs::put(b);
                 }
                 self.push_reply(req.reply_with(0), Payload::None);
             }
             Err(e) => {
-                tracing::warn!(peer = %self.peer, id = req.id, kind = ?req.kind, offset = req.offset,
+                tracing::warn!(peer = %self.link.peer(), id = req.id, kind = ?req.kind, offset = req.offset,
                     length = req.length, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
-                    self.pool.put(b);
+                    bufs::put(b);
                 }
                 self.push_reply(req.reply_with(e.errno().unsigned_abs()), Payload::None);
             }
@@ -606,19 +566,17 @@ impl Conn {
     fn push_reply(&mut self, reply: Header, payload: Payload) {
         let mut header = [0u8; HEADER_LEN];
         let encoded = wire::encode_header(&reply, &mut header);
-        if self.broken || encoded.is_err() {
-            if let Err(e) = encoded {
-                // Our own reply broke a protocol limit: a bug, not input.
-                tracing::error!(peer = %self.peer, ?reply, error = %e, "cannot encode reply");
-                self.close("internal error");
-            }
+        if let Err(e) = encoded {
+            // Our own reply broke a protocol limit: a bug, not input.
+            tracing::error!(peer = %self.link.peer(), ?reply, error = %e, "cannot encode reply");
+            self.close("internal error");
             if let Payload::Buf(b) = payload {
-                self.pool.put(b);
+                bufs::put(b);
             }
             return;
         }
         debug_assert_eq!(wire::payload_len(&reply), payload.as_ref().len());
-        self.out.push(&header, payload);
+        self.link.push(&header, payload);
     }
 
     fn push_error(&mut self, req: Header, errno: i32) {
@@ -627,41 +585,18 @@ impl Conn {
 
     /// Write queued output; returns whether any byte went out.
     fn flush_out(&mut self) -> bool {
-        if self.broken {
-            return false;
-        }
-        match self.out.write_pooled(&mut self.stream, &mut self.pool) {
-            Ok(n) => n > 0,
-            Err(e) => {
-                self.broken = true;
-                self.out.clear_pooled(&mut self.pool);
-                self.close(e.to_string());
-                true
-            }
-        }
+        bufs::with_pool(|pool| self.link.flush(pool))
     }
 
     fn buffered(&self) -> usize {
-        self.inb.buffered()
+        self.link.inb.buffered()
     }
 
     /// Read what the socket has into the input buffer. Returns bytes read;
     /// EOF and errors close the connection.
     fn fill(&mut self) -> usize {
-        match self.inb.fill(&mut self.stream) {
-            Ok(Fill::Read(n)) => n,
-            Ok(Fill::Nothing) => 0,
-            Ok(Fill::Eof) => {
-                self.broken = self.in_flight() == 0 && self.out.is_empty();
-                self.close("peer disconnected");
-                0
-            }
-            Err(e) => {
-                self.broken = true;
-                self.close(format!("read failed: {e}"));
-                0
-            }
-        }
+        let in_flight = self.in_flight();
+        self.link.fill(in_flight, "peer disconnected")
     }
 
     /// A closing connection reads nothing more, so a write whose payload
@@ -673,8 +608,8 @@ impl Conn {
     fn abandon_input(&mut self) -> bool {
         match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Payload { slot, req, buf, .. } => {
-                tracing::debug!(peer = %self.peer, ?req, "closing: write payload incomplete, dropped");
-                self.pool.put(buf);
+                tracing::debug!(peer = %self.link.peer(), ?req, "closing: write payload incomplete, dropped");
+                bufs::put(buf);
                 self.release_slot(slot);
                 true
             }
@@ -685,14 +620,16 @@ impl Conn {
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
-        !self.slots.is_full() && self.out.bytes() < MAX_REPLY_QUEUE_BYTES && self.retry.is_none()
+        !self.slots.is_full()
+            && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+            && self.retry.is_none()
     }
 
     fn read_and_dispatch(&mut self) -> bool {
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
-            if self.closing.is_some() {
+            if self.link.is_closing() {
                 break;
             }
             let moved = self.step();
@@ -739,7 +676,7 @@ impl Conn {
                 status,
             } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.inb.consume(n as usize);
+                self.link.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_error(req, status as i32);
@@ -763,29 +700,34 @@ impl Conn {
         mut filled: usize,
     ) -> bool {
         let len = req.length as usize;
-        let copied = self.inb.take_into(&mut buf.as_mut_slice()[filled..len]);
+        let copied = self
+            .link
+            .inb
+            .take_into(&mut buf.as_mut_slice()[filled..len]);
         filled += copied;
         let mut progress = copied > 0;
         // Large payloads go straight from the socket to the buffer.
-        if filled < len && self.inb.buffered() == 0 {
+        if filled < len && self.link.inb.buffered() == 0 {
             match read_into(
-                &mut self.stream,
+                &mut self.link.stream,
                 &mut buf.as_mut_slice()[..len],
                 &mut filled,
             ) {
                 Ok(Fill::Read(_)) => progress = true,
                 Ok(Fill::Nothing) => {}
                 Ok(Fill::Eof) => {
-                    self.pool.put(buf);
+                    bufs::put(buf);
                     self.release_slot(slot);
-                    self.broken = self.in_flight() == 0;
+                    if self.in_flight() == 0 {
+                        self.link.set_broken();
+                    }
                     self.close("peer disconnected in the middle of a write payload");
                     return true;
                 }
                 Err(e) => {
-                    self.pool.put(buf);
+                    bufs::put(buf);
                     self.release_slot(slot);
-                    self.broken = true;
+                    self.link.set_broken();
                     self.close(format!("read failed: {e}"));
                     return true;
                 }
@@ -819,16 +761,16 @@ impl Conn {
             return false;
         }
         let mut raw = [0u8; HEADER_LEN];
-        raw.copy_from_slice(&self.inb.peek()[..HEADER_LEN]);
+        raw.copy_from_slice(&self.link.inb.peek()[..HEADER_LEN]);
         let h = match wire::decode_header(&raw) {
             Ok(h) => h,
             Err(FrameError::BadVersion(version)) => {
-                self.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.peer, version, ours = wire::PROTOCOL_VERSION, "peer speaks another protocol version");
+                self.link.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.link.peer(), version, ours = wire::PROTOCOL_VERSION, "peer speaks another protocol version");
                 let mut header = [0u8; HEADER_LEN];
                 wire::encode_refusal(wire::raw_id(&raw), libc::EPROTO as u32, &mut header);
                 let payload = self.our_hello(self.current_generation());
-                self.out.push(&header, Payload::Bytes(payload));
+                self.link.out.push(&header, Payload::Bytes(payload));
                 self.close(format!(
                     "protocol version {version} is not {}",
                     wire::PROTOCOL_VERSION
@@ -836,15 +778,15 @@ impl Conn {
                 return true;
             }
             Err(e) => {
-                self.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.peer, error = %e, "bad frame header");
+                self.link.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.link.peer(), error = %e, "bad frame header");
                 self.close(format!("bad frame: {e}"));
                 return true;
             }
         };
         if h.reply {
-            self.inb.consume(HEADER_LEN);
-            tracing::warn!(peer = %self.peer, ?h, "peer sent a reply frame");
+            self.link.inb.consume(HEADER_LEN);
+            tracing::warn!(peer = %self.link.peer(), ?h, "peer sent a reply frame");
             self.close("unexpected reply frame");
             return true;
         }
@@ -854,25 +796,25 @@ impl Conn {
                     return false;
                 }
                 let hello =
-                    wire::decode_hello(&self.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
-                self.inb.consume(HEADER_LEN + HELLO_LEN);
+                    wire::decode_hello(&self.link.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
+                self.link.inb.consume(HEADER_LEN + HELLO_LEN);
                 match hello {
                     Ok(hello) => self.handle_hello(h, hello),
                     Err(e) => {
-                        tracing::warn!(peer = %self.peer, error = %e, "bad HELLO");
+                        tracing::warn!(peer = %self.link.peer(), error = %e, "bad HELLO");
                         self.close(format!("bad HELLO: {e}"));
                     }
                 }
             }
             (Phase::AwaitHello, kind) => {
-                self.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.peer, ?kind, "first frame is not HELLO");
+                self.link.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.link.peer(), ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
             (_, kind) if kind.modifies() || kind == Kind::Detach => {
                 // Counted before anything is taken (see `crate::fence`).
                 if let Err(owner) = self.server.fences.enter(&self.fence) {
-                    self.inb.consume(HEADER_LEN);
+                    self.link.inb.consume(HEADER_LEN);
                     self.fenced_request(h, owner);
                     return true;
                 }
@@ -883,11 +825,11 @@ impl Conn {
                     self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
                     return true;
                 }
-                self.inb.consume(HEADER_LEN);
+                self.link.inb.consume(HEADER_LEN);
                 self.start_request(h);
             }
             _ => {
-                self.inb.consume(HEADER_LEN);
+                self.link.inb.consume(HEADER_LEN);
                 self.start_request(h);
             }
         }
@@ -904,7 +846,7 @@ impl Conn {
             ));
             return;
         }
-        tracing::warn!(peer = %self.peer, ?req, owner, session = self.session.unwrap_or(0),
+        tracing::warn!(peer = %self.link.peer(), ?req, owner, session = self.session.unwrap_or(0),
             "refused: the replica is owned by another session");
         self.refuse(req, libc::ESTALE);
     }
@@ -929,7 +871,7 @@ impl Conn {
     fn handle_hello(&mut self, req: Header, hello: Hello) {
         self.hello_done.store(true, Ordering::Relaxed);
         if hello.volume_size != self.server.size_bytes {
-            tracing::warn!(peer = %self.peer, theirs = hello.volume_size, ours = self.server.size_bytes,
+            tracing::warn!(peer = %self.link.peer(), theirs = hello.volume_size, ours = self.server.size_bytes,
                 "HELLO with another volume size");
             self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
@@ -937,7 +879,7 @@ impl Conn {
         }
         match self.session {
             Some(s) if s != hello.session => {
-                tracing::warn!(peer = %self.peer, first = s, now = hello.session, "HELLO with another session");
+                tracing::warn!(peer = %self.link.peer(), first = s, now = hello.session, "HELLO with another session");
                 self.close("HELLO with another session on the same connection");
                 return;
             }
@@ -950,7 +892,7 @@ impl Conn {
         if hello.session != 0 {
             match self.server.fences.claim(hello.session) {
                 Claim::Stale { owner } => {
-                    tracing::info!(peer = %self.peer, session = hello.session, owner,
+                    tracing::info!(peer = %self.link.peer(), session = hello.session, owner,
                         "HELLO of an older engine session refused");
                     self.refuse_hello(req, libc::ESTALE);
                     self.close(format!(
@@ -960,7 +902,7 @@ impl Conn {
                     return;
                 }
                 Claim::Owner { previous } if previous != hello.session => {
-                    tracing::info!(peer = %self.peer, old = previous, new = hello.session,
+                    tracing::info!(peer = %self.link.peer(), old = previous, new = hello.session,
                         "engine session took the replica over");
                     self.server.fences.wake_others(hello.session);
                 }
@@ -994,7 +936,7 @@ impl Conn {
             return;
         }
         if let Err(owner) = self.server.fences.enter(&self.fence) {
-            tracing::warn!(peer = %self.peer, session = hello.session, owner,
+            tracing::warn!(peer = %self.link.peer(), session = hello.session, owner,
                 "attach refused: the replica is owned by another session");
             self.refuse_hello(req, libc::ESTALE);
             return;
@@ -1031,7 +973,7 @@ impl Conn {
             .checked_add(u64::from(req.length))
             .is_some_and(|end| end <= size);
         if !in_range && req.kind != Kind::Flush {
-            tracing::warn!(peer = %self.peer, ?req, "refused request: out of range");
+            tracing::warn!(peer = %self.link.peer(), ?req, "refused request: out of range");
             if counted {
                 self.fence_exit();
             }
@@ -1084,11 +1026,11 @@ impl Conn {
         };
         match op {
             IoOp::Read => {
-                let buf = self.pool.get(req.length as usize);
+                let buf = bufs::get(req.length as usize);
                 self.submit(slot, &req, op, Some(buf));
             }
             IoOp::Write { .. } => {
-                let buf = self.pool.get(req.length as usize);
+                let buf = bufs::get(req.length as usize);
                 self.recv = Recv::Payload {
                     slot,
                     req,
@@ -1111,7 +1053,7 @@ impl Conn {
             .checked_add(u64::from(req.length))
             .is_some_and(|end| end <= u64::from(regions));
         if !in_range {
-            tracing::warn!(peer = %self.peer, ?req, regions, "refused request: regions out of range");
+            tracing::warn!(peer = %self.link.peer(), ?req, regions, "refused request: regions out of range");
             self.fence_exit();
             self.push_error(req, libc::EINVAL);
             return;
@@ -1145,7 +1087,7 @@ impl Conn {
         let flags = if lost { INTENT_FLAG_LOST } else { 0 };
         let mut payload = Vec::with_capacity(wire::INTENT_HEADER_LEN + bitmap.len());
         if let Err(e) = wire::encode_intent(flags, &bitmap, &mut payload) {
-            tracing::error!(peer = %self.peer, error = %e, "cannot encode the write-intent record");
+            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode the write-intent record");
             self.push_error(req, libc::EIO);
             return;
         }
@@ -1182,7 +1124,7 @@ impl Conn {
                 }
                 Ok(_) => pos = end,
                 Err(e) => {
-                    tracing::warn!(peer = %self.peer, offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
+                    tracing::warn!(peer = %self.link.peer(), offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
                     self.push_error(req, e.raw_os_error().unwrap_or(libc::EIO));
                     return;
                 }
@@ -1190,7 +1132,7 @@ impl Conn {
         }
         let mut payload = Vec::with_capacity(found.len() * wire::EXTENT_LEN);
         if let Err(e) = wire::encode_extents(&found, &mut payload) {
-            tracing::error!(peer = %self.peer, error = %e, "cannot encode extents");
+            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode extents");
             self.push_error(req, libc::EIO);
             return;
         }

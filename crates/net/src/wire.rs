@@ -1,0 +1,363 @@
+//! The transport half of a server connection, shared by the NBD and the
+//! replica server (nbdkit splits `connections.c` from `protocol.c` the
+//! same way): the stream, the bytes read and not yet parsed, the framed
+//! output, the poller's interest, and whether the connection is closing or
+//! broken. The protocol half parses frames out of [`Wire::inb`], starts
+//! requests and pushes replies; it never touches the socket itself.
+//!
+//! ```
+//! use lull_net::wire::Wire;
+//! use lull_net::Payload;
+//! // Any Read + Write works; a real connection uses a non-blocking socket.
+//! let mut w = Wire::new(std::io::Cursor::new(b"ping".to_vec()), -1, 64, "echo", "test".into());
+//! assert_eq!(w.fill(0, "peer left"), 4);
+//! assert_eq!(w.inb.take(4), Some(&b"ping"[..]));
+//! w.push(&[], Payload::Bytes(b"pong".to_vec()));
+//! lull_net::bufs::with_pool(|pool| assert!(w.flush(pool)));
+//! assert!(w.out.is_empty());
+//! ```
+//!
+//! States: open → closing (a reason is kept and logged once; no new
+//! request is read, what is in flight finishes and its replies are sent)
+//! → finished (nothing in flight and nothing to send, or broken). *Broken*
+//! means the peer is gone or the stream failed: queued replies are dropped.
+
+use std::io::{Read, Write};
+use std::os::fd::RawFd;
+
+use lull_reactor::{Interest, PollerId, Thread};
+use lull_uring::BufPool;
+
+use crate::{Fill, InBuf, OutQueue, Payload};
+
+/// A connection's stream and its buffers.
+pub struct Wire<S> {
+    pub stream: S,
+    fd: RawFd,
+    /// Bytes read and not yet parsed (held only while non-empty).
+    pub inb: InBuf,
+    /// Replies framed and not yet written.
+    pub out: OutQueue<Payload>,
+    closing: Option<String>,
+    broken: bool,
+    interest: Interest,
+    /// An extra fd the poller waits on (the device's completions), once
+    /// registered.
+    extra_fd_added: bool,
+    /// For log lines: what this is ("NBD", "replica"), the peer, and a
+    /// context the protocol sets (the export).
+    kind: &'static str,
+    peer: String,
+    context: Option<String>,
+}
+
+impl<S: Read + Write> Wire<S> {
+    /// A wire over `stream` (whose fd is `fd`), with an input buffer of
+    /// `inbuf_bytes`. It starts waiting for both directions, so that a
+    /// greeting queued before the first run goes out at once.
+    pub fn new(stream: S, fd: RawFd, inbuf_bytes: usize, kind: &'static str, peer: String) -> Self {
+        Wire {
+            stream,
+            fd,
+            inb: InBuf::with_capacity(inbuf_bytes),
+            out: OutQueue::default(),
+            closing: None,
+            broken: false,
+            interest: Interest::BOTH,
+            extra_fd_added: false,
+            kind,
+            peer,
+            context: None,
+        }
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// What the poller currently waits for on the socket.
+    pub fn interest(&self) -> Interest {
+        self.interest
+    }
+
+    /// Name the connection in later log lines (e.g. its export).
+    pub fn set_context(&mut self, context: &str) {
+        self.context = Some(context.to_string());
+    }
+
+    pub fn is_closing(&self) -> bool {
+        self.closing.is_some()
+    }
+
+    pub fn closing_reason(&self) -> Option<&str> {
+        self.closing.as_deref()
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// The stream can no longer carry replies (queued ones are dropped).
+    pub fn set_broken(&mut self) {
+        self.broken = true;
+    }
+
+    /// Start closing, with a log line; later calls keep the first reason.
+    pub fn close(&mut self, reason: impl Into<String>) {
+        if self.closing.is_none() {
+            let reason = reason.into();
+            let context = self.context.as_deref().unwrap_or("-");
+            tracing::info!(conn = self.kind, peer = %self.peer, context, reason = %reason, "closing connection");
+            self.closing = Some(reason);
+        }
+    }
+
+    /// Queue a frame, unless the stream is broken (then the payload goes
+    /// back to `pool`).
+    pub fn push(&mut self, header: &[u8], payload: Payload) {
+        if self.broken {
+            if let Payload::Buf(b) = payload {
+                crate::bufs::put(b);
+            }
+            return;
+        }
+        self.out.push(header, payload);
+    }
+
+    /// Write queued output; returns whether anything moved. A write error
+    /// breaks the stream and closes the connection.
+    pub fn flush(&mut self, pool: &mut BufPool) -> bool {
+        if self.broken {
+            return false;
+        }
+        match self.out.write_pooled(&mut self.stream, pool) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                self.broken = true;
+                self.out.clear_pooled(pool);
+                self.close(e.to_string());
+                true
+            }
+        }
+    }
+
+    /// Read what the stream has into the input buffer; returns the bytes
+    /// read. End of stream closes the connection with `eof_reason` (broken
+    /// too if nothing is `in_flight` and nothing is queued: no reply can
+    /// be owed); a read error breaks and closes it.
+    pub fn fill(&mut self, in_flight: usize, eof_reason: &str) -> usize {
+        match self.inb.fill(&mut self.stream) {
+            Ok(Fill::Read(n)) => n,
+            Ok(Fill::Nothing) => 0,
+            Ok(Fill::Eof) => {
+                if in_flight == 0 && self.out.is_empty() {
+                    self.broken = true;
+                }
+                self.close(eof_reason);
+                0
+            }
+            Err(e) => {
+                self.broken = true;
+                self.close(format!("read failed: {e}"));
+                0
+            }
+        }
+    }
+
+    /// Closing, nothing `busy` (in flight, being persisted) and nothing
+    /// left to send: the connection can go.
+    pub fn finished(&self, busy: bool) -> bool {
+        self.closing.is_some() && !busy && (self.out.is_empty() || self.broken)
+    }
+
+    /// After a run: give the input buffer back if it is empty (everything
+    /// read was parsed; it returns to the reactor's cache until the next
+    /// bytes arrive), watch
+    /// `extra_fd` (once it exists) and wait for writability only while
+    /// output is queued.
+    pub fn update_interest(&mut self, t: &mut Thread, me: PollerId, extra_fd: Option<RawFd>) {
+        self.inb.release();
+        if let (false, Some(fd)) = (self.extra_fd_added, extra_fd) {
+            self.extra_fd_added = true;
+            if let Err(e) = t.add_poller_fd(me, fd, Interest::READABLE) {
+                tracing::error!(conn = self.kind, peer = %self.peer, error = %e, "cannot watch device completions");
+                self.close("internal error");
+            }
+        }
+        let want = if !self.out.is_empty() && !self.broken {
+            Interest::BOTH
+        } else {
+            Interest::READABLE
+        };
+        if want != self.interest && t.set_interest(me, self.fd, want).is_ok() {
+            self.interest = want;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The wire against a model: a peer that delivers its bytes in random
+    //! pieces with "would block" in between, accepts writes in random short
+    //! pieces, and may reset the connection at any point.
+    use super::*;
+    use proptest::prelude::*;
+    use std::io;
+
+    /// A scripted peer: `input` is what it sent, handed out in `reads`-sized
+    /// pieces (0 = would block); writes are accepted `writes`-sized pieces
+    /// at a time (0 = would block); `reset_after` bytes of traffic either
+    /// way, it resets.
+    struct Peer {
+        input: Vec<u8>,
+        pos: usize,
+        reads: Vec<usize>,
+        writes: Vec<usize>,
+        step: usize,
+        written: Vec<u8>,
+        traffic: usize,
+        reset_after: Option<usize>,
+    }
+
+    impl Peer {
+        fn piece(&mut self, sizes: &[usize]) -> usize {
+            self.step += 1;
+            sizes[self.step % sizes.len()]
+        }
+        fn reset(&self) -> bool {
+            self.reset_after.is_some_and(|r| self.traffic >= r)
+        }
+    }
+
+    impl Read for Peer {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.reset() {
+                return Err(io::ErrorKind::ConnectionReset.into());
+            }
+            if self.pos == self.input.len() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let sizes = self.reads.clone();
+            let n = self
+                .piece(&sizes)
+                .min(buf.len())
+                .min(self.input.len() - self.pos);
+            if n == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            buf[..n].copy_from_slice(&self.input[self.pos..self.pos + n]);
+            self.pos += n;
+            self.traffic += n;
+            Ok(n)
+        }
+    }
+
+    impl Write for Peer {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            if self.reset() {
+                return Err(io::ErrorKind::ConnectionReset.into());
+            }
+            let sizes = self.writes.clone();
+            let n = self.piece(&sizes).min(buf.len());
+            if n == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            self.written.extend_from_slice(&buf[..n]);
+            self.traffic += n;
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A toy protocol on the wire: frames are a 2-byte big-endian length and
+    /// that many bytes; each is answered with an 8-byte header and the
+    /// frame's bytes reversed.
+    fn serve(w: &mut Wire<Peer>, pool: &mut BufPool, got: &mut Vec<Vec<u8>>) -> bool {
+        let mut progress = false;
+        loop {
+            let buffered = w.inb.peek();
+            if buffered.len() >= 2 {
+                let len = usize::from(u16::from_be_bytes([buffered[0], buffered[1]]));
+                if buffered.len() >= 2 + len {
+                    let frame = w.inb.take(2 + len).expect("buffered")[2..].to_vec();
+                    let mut reply = frame.clone();
+                    reply.reverse();
+                    w.push(&(frame.len() as u64).to_be_bytes(), Payload::Bytes(reply));
+                    got.push(frame);
+                    progress = true;
+                    continue;
+                }
+            }
+            if w.is_closing() || w.fill(0, "peer left") == 0 {
+                break;
+            }
+            progress = true;
+        }
+        progress | w.flush(pool)
+    }
+
+    proptest! {
+        #[test]
+        fn frames_survive_any_split_and_a_reset_breaks_cleanly(
+            frames in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..40),
+            reads in prop::collection::vec(0usize..50, 1..8)
+                .prop_filter("the peer sends at some point", |v| v.iter().any(|&n| n > 0)),
+            writes in prop::collection::vec(0usize..70, 1..8)
+                .prop_filter("the peer reads at some point", |v| v.iter().any(|&n| n > 0)),
+            reset_at in prop::option::of(0usize..4000),
+        ) {
+            let mut input = Vec::new();
+            for f in &frames {
+                input.extend_from_slice(&(f.len() as u16).to_be_bytes());
+                input.extend_from_slice(f);
+            }
+            let peer = Peer {
+                input: input.clone(), pos: 0, reads, writes, step: 0,
+                written: Vec::new(), traffic: 0, reset_after: reset_at,
+            };
+            let mut w = Wire::new(peer, -1, 1024, "test", "peer".into());
+            let mut pool = BufPool::new(1 << 20);
+            let mut got = Vec::new();
+            // Enough runs for every piece to move (each run moves at least
+            // one piece unless the peer would block on both sides).
+            for _ in 0..20_000 {
+                let _ = serve(&mut w, &mut pool, &mut got);
+                if w.is_broken() || (got.len() == frames.len() && w.out.is_empty()) {
+                    break;
+                }
+            }
+            // What was parsed is a prefix of what was sent, in order.
+            prop_assert!(got.len() <= frames.len());
+            prop_assert_eq!(&got[..], &frames[..got.len()]);
+            // What was written is a prefix of the replies to what was parsed.
+            let mut expect = Vec::new();
+            for f in &got {
+                expect.extend_from_slice(&(f.len() as u64).to_be_bytes());
+                expect.extend(f.iter().rev());
+            }
+            let written = &w.stream.written;
+            prop_assert!(written.len() <= expect.len());
+            prop_assert_eq!(&written[..], &expect[..written.len()]);
+            if w.is_broken() {
+                // Only a reset breaks it, with a reason; nothing more is
+                // written and the connection can go at once.
+                prop_assert!(reset_at.is_some());
+                prop_assert!(w.is_closing());
+                prop_assert!(w.finished(false));
+                prop_assert!(!w.flush(&mut pool));
+            } else {
+                // Without a reset everything arrives and is answered.
+                prop_assert_eq!(got.len(), frames.len());
+                prop_assert_eq!(written.len(), expect.len());
+                w.inb.release();
+                prop_assert!(!w.inb.is_held(), "an idle wire holds no input buffer");
+            }
+        }
+    }
+}
