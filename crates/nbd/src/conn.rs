@@ -14,13 +14,13 @@ use std::sync::Arc;
 use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
-use lull_net::wire::Wire;
+use lull_net::wire::{self, Wire};
 use lull_net::{bufs, read_into, Fill, Payload};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
 };
-use lull_reactor::{Clock, Interest, PollStatus, PollerId, Thread};
+use lull_reactor::{Clock, Interest, PollStatus, Thread};
 
 use crate::stats::OpKind;
 use crate::stream::Stream;
@@ -130,6 +130,34 @@ impl Connection for Conn {
     }
 }
 
+impl wire::Protocol for Conn {
+    type Stream = Stream;
+
+    fn link(&mut self) -> &mut Wire<Stream> {
+        &mut self.link
+    }
+
+    fn advance(&mut self) -> bool {
+        let reaped = self.reap();
+        reaped | self.retry_submit()
+    }
+
+    fn read_and_dispatch(&mut self) -> bool {
+        Conn::read_and_dispatch(self)
+    }
+
+    fn busy(&self) -> bool {
+        self.in_flight() > 0
+    }
+
+    fn completions_fd(&self) -> Option<RawFd> {
+        match &self.phase {
+            Phase::Transmission { channel, .. } => channel.event_fd(),
+            Phase::Handshake(_) => None,
+        }
+    }
+}
+
 impl Conn {
     pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
         self.clock = Some(clock);
@@ -174,64 +202,17 @@ impl Conn {
         self.slots.in_flight()
     }
 
-    /// The poller body. Returns Busy when anything moved.
+    /// The poller body: the deadline and shutdown checks, then the shared
+    /// pump (`lull_net::wire::pump`). Returns Busy when anything moved.
     fn run(&mut self, t: &mut Thread, now: u64, deadline_passed: bool) -> PollStatus {
         self.now_ns = now;
-        let mut status = PollStatus::Idle;
         if deadline_passed && self.handshake_timed_out() {
             self.close("handshake timed out");
         }
         if !self.link.is_closing() && self.server.conns.stopping() {
             self.close("server shutting down");
         }
-        let mut progressed_last = false;
-        for _ in 0..MAX_ROUNDS {
-            let mut progress = false;
-            progress |= self.reap();
-            progress |= self.retry_submit();
-            progress |= self.flush_out();
-            if !self.link.is_closing() {
-                progress |= self.read_and_dispatch();
-                progress |= self.reap();
-                progress |= self.flush_out();
-            }
-            progressed_last = progress;
-            if !progress {
-                break;
-            }
-            status = PollStatus::Busy;
-        }
-        if let Some(me) = t.current_poller() {
-            if self.finished() {
-                self.finish(t, me);
-                return PollStatus::Busy;
-            }
-            self.update_interest(t, me);
-            if progressed_last {
-                t.wake_poller(me);
-            }
-        }
-        status
-    }
-
-    /// Closing, and nothing left in flight or to send.
-    fn finished(&self) -> bool {
-        self.link.finished(self.in_flight() > 0)
-    }
-
-    fn finish(&mut self, t: &mut Thread, me: PollerId) {
-        // Unregister before the fds close (the stream and channel drop with
-        // this connection, when the poller closure is dropped).
-        // The group goes on serving its other connections.
-        t.unregister_poller(me);
-    }
-
-    fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
-        let completions_fd = match &self.phase {
-            Phase::Transmission { channel, .. } => channel.event_fd(),
-            Phase::Handshake(_) => None,
-        };
-        self.link.update_interest(t, me, completions_fd);
+        wire::pump(self, t, MAX_ROUNDS)
     }
 
     /// Move device completions into the reply queue.
@@ -293,11 +274,6 @@ impl Conn {
         nbd::encode_simple_reply(&mut header, error, cookie);
         self.link
             .push(&header, data.map_or(Payload::None, Payload::Buf));
-    }
-
-    /// Write queued output; returns whether any byte went out.
-    fn flush_out(&mut self) -> bool {
-        bufs::with_pool(|pool| self.link.flush(pool))
     }
 
     fn buffered(&self) -> usize {

@@ -25,7 +25,7 @@
 use std::io::{Read, Write};
 use std::os::fd::RawFd;
 
-use lull_reactor::{Interest, PollerId, Thread};
+use lull_reactor::{Interest, PollStatus, PollerId, Thread};
 use lull_uring::BufPool;
 
 use crate::{Fill, InBuf, OutQueue, Payload};
@@ -197,6 +197,76 @@ impl<S: Read + Write> Wire<S> {
             self.interest = want;
         }
     }
+}
+
+/// The protocol half of a server connection: what [`pump`] asks of it.
+pub trait Protocol {
+    type Stream: Read + Write;
+    fn link(&mut self) -> &mut Wire<Self::Stream>;
+    /// Work that needs no new input (device completions into replies,
+    /// retries of refused requests, finished waits); whether any moved.
+    fn advance(&mut self) -> bool;
+    /// Parse and start what has arrived, reading more while the protocol
+    /// can take it (back-pressure is the protocol's: a full slot table or
+    /// reply queue stops reading); whether anything moved.
+    fn read_and_dispatch(&mut self) -> bool;
+    /// Closing: drop input that can no longer complete (a half-received
+    /// payload); whether anything changed.
+    fn abandon_input(&mut self) -> bool {
+        false
+    }
+    /// Whether anything must still finish before the connection can go
+    /// (requests in flight, a wait for a helper).
+    fn busy(&self) -> bool;
+    /// An extra fd whose readiness means work (device completions).
+    fn completions_fd(&self) -> Option<RawFd>;
+    /// Internal consistency, checked after every run in debug builds.
+    fn check_invariants(&self) {}
+}
+
+/// One poller run of a connection: rounds of (advance, write, read and
+/// dispatch, advance, write) until a round moves nothing or `max_rounds`
+/// are spent (then the poller wakes itself: more work stays in user
+/// space and other connections get their turn). A connection that is
+/// finished unregisters its poller, which drops it (and closes it).
+pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollStatus {
+    let flush = |p: &mut P| crate::bufs::with_pool(|pool| p.link().flush(pool));
+    let mut status = PollStatus::Idle;
+    let mut progressed_last = false;
+    for _ in 0..max_rounds {
+        let mut progress = p.advance();
+        progress |= flush(p);
+        if !p.link().is_closing() {
+            progress |= p.read_and_dispatch();
+            progress |= p.advance();
+            progress |= flush(p);
+        } else {
+            progress |= p.abandon_input();
+        }
+        progressed_last = progress;
+        if !progress {
+            break;
+        }
+        status = PollStatus::Busy;
+    }
+    let Some(me) = t.current_poller() else {
+        return status;
+    };
+    let busy = p.busy();
+    if p.link().finished(busy) {
+        // Unregister before the fds close (the stream and the device
+        // channel drop with the connection, when the poller closure is).
+        t.unregister_poller(me);
+        return PollStatus::Busy;
+    }
+    #[cfg(debug_assertions)]
+    p.check_invariants();
+    let fd = p.completions_fd();
+    p.link().update_interest(t, me, fd);
+    if progressed_last {
+        t.wake_poller(me);
+    }
+    status
 }
 
 #[cfg(test)]

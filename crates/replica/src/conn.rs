@@ -43,7 +43,7 @@ use std::sync::{mpsc, Arc};
 use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
-use lull_net::wire::Wire;
+use lull_net::wire::{self as link, Wire};
 use lull_net::{bufs, read_into, Fill, Payload};
 use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
@@ -185,6 +185,45 @@ impl Connection for Conn {
     }
 }
 
+impl link::Protocol for Conn {
+    type Stream = TcpStream;
+
+    fn link(&mut self) -> &mut Wire<TcpStream> {
+        &mut self.link
+    }
+
+    fn advance(&mut self) -> bool {
+        let waited = self.check_wait();
+        let reaped = self.reap();
+        waited | reaped | self.retry_submit()
+    }
+
+    fn read_and_dispatch(&mut self) -> bool {
+        Conn::read_and_dispatch(self)
+    }
+
+    fn abandon_input(&mut self) -> bool {
+        Conn::abandon_input(self)
+    }
+
+    /// Requests in flight, or a wait for a metadata write, an intent store
+    /// or a takeover.
+    fn busy(&self) -> bool {
+        self.in_flight() > 0 || self.wait.is_some()
+    }
+
+    fn completions_fd(&self) -> Option<RawFd> {
+        match &self.phase {
+            Phase::Ready { channel } => channel.event_fd(),
+            _ => None,
+        }
+    }
+
+    fn check_invariants(&self) {
+        Conn::check_invariants(self);
+    }
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
         // A takeover may be waiting for this connection's requests; they
@@ -234,7 +273,6 @@ impl Conn {
                 self.fence.set_waiter(me.clone());
             }
         }
-        let mut status = PollStatus::Idle;
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
             self.close("no HELLO in time");
         }
@@ -242,40 +280,7 @@ impl Conn {
             self.close("replica shutting down");
         }
         self.check_fenced();
-        let mut progressed_last = false;
-        for _ in 0..MAX_ROUNDS {
-            let mut progress = self.check_wait();
-            progress |= self.reap();
-            progress |= self.retry_submit();
-            progress |= self.flush_out();
-            if !self.link.is_closing() {
-                progress |= self.read_and_dispatch();
-                progress |= self.reap();
-                progress |= self.flush_out();
-            } else {
-                progress |= self.abandon_input();
-            }
-            progressed_last = progress;
-            if !progress {
-                break;
-            }
-            status = PollStatus::Busy;
-        }
-        if let Some(me) = t.current_poller() {
-            if self.finished() {
-                // Unregister before the fds close (the stream and channel
-                // drop with this connection, when the poller closure is).
-                t.unregister_poller(me);
-                return PollStatus::Busy;
-            }
-            #[cfg(debug_assertions)]
-            self.check_invariants();
-            self.update_interest(t, me);
-            if progressed_last {
-                t.wake_poller(me);
-            }
-        }
-        status
+        link::pump(self, t, MAX_ROUNDS)
     }
 
     /// Slot table and output accounting agree (debug builds, every run).
@@ -289,12 +294,6 @@ impl Conn {
             modifying + waiting,
             "fence count out of step with the modifying requests in flight"
         );
-    }
-
-    /// Closing, and nothing left in flight, being persisted or to send.
-    fn finished(&self) -> bool {
-        self.link
-            .finished(self.in_flight() > 0 || self.wait.is_some())
     }
 
     /// The session of an engine connection (non-zero), if known.
@@ -319,14 +318,6 @@ impl Conn {
     /// A request counted by `fences.enter` is answered or abandoned.
     fn fence_exit(&self) {
         self.server.fences.exit(&self.fence);
-    }
-
-    fn update_interest(&mut self, t: &mut Thread, me: PollerId) {
-        let completions_fd = match &self.phase {
-            Phase::Ready { channel } => channel.event_fd(),
-            _ => None,
-        };
-        self.link.update_interest(t, me, completions_fd);
     }
 
     /// The HELLO reply payload: this replica's size, generation, flags
@@ -581,11 +572,6 @@ impl Conn {
 
     fn push_error(&mut self, req: Header, errno: i32) {
         self.push_reply(req.reply_with(errno as u32), Payload::None);
-    }
-
-    /// Write queued output; returns whether any byte went out.
-    fn flush_out(&mut self) -> bool {
-        bufs::with_pool(|pool| self.link.flush(pool))
     }
 
     fn buffered(&self) -> usize {
