@@ -238,10 +238,15 @@ impl Adaptive {
     /// running again (a timer wake-up), `cpu_ns` the CPU the sleep cost.
     /// Either may be unknown for a given sleep.
     pub fn measured_wake(&mut self, latency_ns: Option<u64>, cpu_ns: Option<u64>) {
+        // One sample moves the estimate by at most 1/8 of the way to at
+        // most twice (or half) of it: a preempted or interrupted sleep (a
+        // softirq charged to the thread, a migration) reads as a wake-up
+        // several times too dear, and must not flip the decision alone.
         let ewma = |old: u64, new: u64| -> u64 {
             if old == 0 {
                 new
             } else {
+                let new = new.clamp(old / 2, old.saturating_mul(2));
                 old - (old >> WAKE_EWMA_SHIFT) + (new >> WAKE_EWMA_SHIFT)
             }
         };
@@ -373,6 +378,22 @@ mod tests {
         assert!(a.wake_cost().latency_ns > 70_000);
         now += 1_000;
         assert!(a.went_idle(now) >= 40_000);
+    }
+
+    #[test]
+    fn one_dear_wake_up_does_not_flip_the_decision() {
+        // 40 µs gaps do not pay for a 33 µs wake-up; a single sleep that
+        // read as 500 µs of CPU (preempted, a softirq charged to it) moves
+        // the estimate by at most an eighth of a doubling.
+        let mut a = Adaptive::new(VM);
+        let mut now = 1_000;
+        feed(&mut a, &mut now, std::iter::repeat_n(40_000, 200));
+        a.measured_wake(Some(500_000), Some(500_000));
+        let w = a.wake_cost();
+        assert!(w.latency_ns <= VM.latency_ns * 9 / 8 + 1, "{w:?}");
+        assert!(w.cpu_ns <= VM.cpu_ns * 9 / 8 + 1, "{w:?}");
+        a.found_work(now, false);
+        assert_eq!(a.went_idle(now + 1), 0);
     }
 
     #[test]

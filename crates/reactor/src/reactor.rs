@@ -614,8 +614,15 @@ struct Reactor {
 }
 
 /// Sleeps timed at start to measure what a wake-up costs on this machine
-/// (the median is kept): ~1 ms per reactor at start.
-const CALIBRATION_SLEEPS: usize = 9;
+/// (the median is kept): ~3 ms per reactor at start. Fewer gave medians
+/// from 7 to 30 µs on the same VM from one start to the next, enough to
+/// flip the adaptive decision at moderate load.
+const CALIBRATION_SLEEPS: usize = 21;
+
+/// Sleeps done first and not counted: the first wake-ups of a new thread
+/// (its stack and the timer's pages faulting in, the core leaving a deep
+/// idle state) are not what later ones cost.
+const CALIBRATION_WARMUP: usize = 3;
 
 /// The timer delay of each calibration sleep: long enough that the CPU is
 /// really idle (halted) when the timer fires, as it is in service.
@@ -639,9 +646,10 @@ fn calibrate_wake_cost() -> WakeCost {
             0,
         )?;
         let mut events = event_buffer(1);
-        let cpu0 = sys::thread_cpu_ns();
         let start = std::time::Instant::now();
         timer.arm(CALIBRATION_DELAY_NS)?;
+        // As in service: the CPU of the wait itself, not of arming.
+        let cpu0 = sys::thread_cpu_ns();
         epoll.wait(&mut events, -1)?;
         let late = (start.elapsed().as_nanos() as u64).saturating_sub(CALIBRATION_DELAY_NS);
         let cpu = sys::thread_cpu_ns().saturating_sub(cpu0);
@@ -650,6 +658,9 @@ fn calibrate_wake_cost() -> WakeCost {
     };
     let mut lat = Vec::new();
     let mut cpu = Vec::new();
+    for _ in 0..CALIBRATION_WARMUP {
+        let _ = measure();
+    }
     for _ in 0..CALIBRATION_SLEEPS {
         if let Ok((l, c)) = measure() {
             lat.push(l);
