@@ -417,3 +417,29 @@ fn timers_fire_on_time_through_pause_resume_and_unregister_churn() {
         assert_eq!(t.next_deadline(), next, "the first timer is the next due");
     }
 }
+
+#[test]
+fn a_paused_pollers_ready_fd_does_not_keep_the_thread_awake() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    t.set_event_driven(true);
+    let (id, fd) = evented(&mut t, "paused");
+    fd.notify();
+    assert!(t.pause_poller(id));
+    // Its fd is ready, but the thread's epoll set does not report it.
+    let probe = crate::sys::Epoll::new().unwrap();
+    probe
+        .add(t.epoll_fd(), crate::Interest::READABLE, 0)
+        .unwrap();
+    let mut events = crate::sys::event_buffer(4);
+    t.poll(0, Scope::Ready, &clock);
+    assert_eq!(probe.wait(&mut events, 0).unwrap(), 0, "paused: silent");
+    assert!(t.resume_poller(id));
+    assert_eq!(
+        probe.wait(&mut events, 0).unwrap(),
+        1,
+        "resumed: ready again"
+    );
+    assert!(t.poll(0, Scope::Ready, &clock).is_busy(), "and it runs");
+    t.check_invariants();
+}

@@ -695,6 +695,9 @@ impl Thread {
         if woken {
             self.woken -= 1;
         }
+        // Its fds stop waking the thread: a ready fd nobody reads would
+        // otherwise keep an event-driven reactor from sleeping.
+        self.apply_interest(id);
         if kind == PollerKind::Active {
             self.n_active -= 1;
         } else {
@@ -720,6 +723,7 @@ impl Thread {
         e.paused = false;
         let (kind, fdless) = (e.kind, e.fds.is_empty());
         self.n_paused -= 1;
+        self.apply_interest(id);
         match kind {
             PollerKind::Active => {
                 self.n_active += 1;
@@ -766,7 +770,7 @@ impl Thread {
         let Some(e) = self.entry_mut(id) else {
             return Err(ReactorError::NoSuchPoller);
         };
-        let initiator = e.initiator;
+        let (initiator, paused) = (e.initiator, e.paused);
         let Some(slot) = e.fds.iter_mut().find(|(f, _)| *f == fd) else {
             return Err(ReactorError::NoSuchPoller);
         };
@@ -774,9 +778,9 @@ impl Thread {
             return Ok(());
         }
         slot.1 = interest;
-        // In hybrid mode an initiator's fds stay silent; the interest is
-        // remembered for when the mode changes.
-        let effective = if initiator && hybrid {
+        // In hybrid mode an initiator's fds stay silent, and a paused
+        // poller's; the interest is remembered for later.
+        let effective = if (initiator && hybrid) || paused {
             Interest::NONE
         } else {
             interest
@@ -784,6 +788,24 @@ impl Thread {
         self.epoll
             .modify(fd, effective, token)
             .map_err(ReactorError::Sys)
+    }
+
+    /// Set a poller's fds in the epoll set to what they should wait for
+    /// now: nothing while paused or (an initiator) in hybrid mode, else
+    /// their interest.
+    fn apply_interest(&mut self, id: PollerId) {
+        let hybrid = self.initiator_period_ns.is_some();
+        let Some(e) = self.entry_mut(id) else {
+            return;
+        };
+        let silent = e.paused || (e.initiator && hybrid);
+        let fds = e.fds.clone();
+        for (fd, interest) in fds {
+            let want = if silent { Interest::NONE } else { interest };
+            if let Err(err) = self.epoll.modify(fd, want, id.token()) {
+                tracing::error!(thread = %self.shared.name, fd, error = %err, "cannot change fd interest");
+            }
+        }
     }
 
     /// Add another fd that signals this poller's work.
@@ -903,7 +925,7 @@ impl Thread {
             }
             .token();
             for &(fd, interest) in &e.fds {
-                let want = if period_ns.is_some() {
+                let want = if period_ns.is_some() || e.paused {
                     Interest::NONE
                 } else {
                     interest
