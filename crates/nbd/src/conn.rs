@@ -15,7 +15,7 @@ use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
-use lull_net::{bufs, read_into, Fill, Payload};
+use lull_net::{bufs, Payload};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
@@ -403,39 +403,23 @@ impl Conn {
                 mut filled,
             } => {
                 let len = req.length as usize;
-                let copied = self
+                let progress = match self
                     .link
-                    .inb
-                    .take_into(&mut buf.as_mut_slice()[filled..len]);
-                filled += copied;
-                let mut progress = copied > 0;
-                // Large payloads go straight from the socket to the buffer.
-                if filled < len && self.link.inb.buffered() == 0 {
-                    match read_into(
-                        &mut self.link.stream,
-                        &mut buf.as_mut_slice()[..len],
-                        &mut filled,
-                    ) {
-                        Ok(Fill::Read(_)) => progress = true,
-                        Ok(Fill::Nothing) => {}
-                        Ok(Fill::Eof) => {
-                            bufs::put(buf);
-                            self.release_slot(slot);
-                            if self.in_flight() == 0 {
-                                self.link.set_broken();
-                            }
-                            self.close("client disconnected in the middle of a write payload");
-                            return true;
-                        }
-                        Err(e) => {
-                            bufs::put(buf);
-                            self.release_slot(slot);
-                            self.link.set_broken();
-                            self.close(format!("read failed: {e}"));
-                            return true;
-                        }
+                    .receive(&mut buf.as_mut_slice()[..len], &mut filled)
+                {
+                    Ok(progress) => progress,
+                    Err(ended) => {
+                        bufs::put(buf);
+                        self.release_slot(slot);
+                        let in_flight = self.in_flight();
+                        self.link.ended(
+                            ended,
+                            in_flight,
+                            "client disconnected in the middle of a write payload",
+                        );
+                        return true;
                     }
-                }
+                };
                 if filled == req.length as usize {
                     let fua = req.flags & nbd::NBD_CMD_FLAG_FUA != 0;
                     self.submit(slot, &req, IoOp::Write { fua }, Some(buf));

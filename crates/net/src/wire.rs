@@ -30,6 +30,13 @@ use lull_uring::BufPool;
 
 use crate::{Fill, InBuf, OutQueue, Payload};
 
+/// How a stream ended in the middle of a payload.
+#[derive(Debug)]
+pub enum Ended {
+    Eof,
+    Failed(std::io::Error),
+}
+
 /// A connection's stream and its buffers.
 pub struct Wire<S> {
     pub stream: S,
@@ -164,6 +171,46 @@ impl<S: Read + Write> Wire<S> {
                 self.broken = true;
                 self.close(format!("read failed: {e}"));
                 0
+            }
+        }
+    }
+
+    /// Move a payload into `dst` (`filled` bytes of it are there): first
+    /// what the input buffer holds, then, once it is empty, straight from
+    /// the stream (a large write is not copied twice). `Ok(progress)`, or
+    /// the stream ended: give the payload's buffer and slot back, then
+    /// call [`Wire::ended`].
+    pub fn receive(&mut self, dst: &mut [u8], filled: &mut usize) -> Result<bool, Ended> {
+        let len = dst.len();
+        let copied = self.inb.take_into(&mut dst[*filled..len]);
+        *filled += copied;
+        let mut progress = copied > 0;
+        if *filled < len && self.inb.buffered() == 0 {
+            match crate::read_into(&mut self.stream, dst, filled) {
+                Ok(Fill::Read(_)) => progress = true,
+                Ok(Fill::Nothing) => {}
+                Ok(Fill::Eof) => return Err(Ended::Eof),
+                Err(e) => return Err(Ended::Failed(e)),
+            }
+        }
+        Ok(progress)
+    }
+
+    /// The stream ended in the middle of a payload: close (with
+    /// `eof_reason` at end of stream) and break it if no reply is owed
+    /// (`in_flight` counted after the payload's slot was released) or the
+    /// read failed.
+    pub fn ended(&mut self, how: Ended, in_flight: usize, eof_reason: &str) {
+        match how {
+            Ended::Eof => {
+                if in_flight == 0 {
+                    self.broken = true;
+                }
+                self.close(eof_reason);
+            }
+            Ended::Failed(e) => {
+                self.broken = true;
+                self.close(format!("read failed: {e}"));
             }
         }
     }
