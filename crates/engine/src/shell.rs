@@ -377,10 +377,14 @@ impl Shell {
     }
 
     /// Feed one event to the core and perform everything that follows.
-    fn run(&mut self, t: &mut Thread, event: Event, now: u64) {
+    /// Apply `event` (and the follow-ups it causes) to the core and perform
+    /// the actions. Returns whether there was any action (work done).
+    fn run(&mut self, t: &mut Thread, event: Event, now: u64) -> bool {
+        let mut acted = false;
         self.followups.push_back(event);
         while let Some(ev) = self.followups.pop_front() {
             self.core.apply(ev, now, &mut self.actions);
+            acted |= !self.actions.is_empty();
             let mut actions = std::mem::take(&mut self.actions);
             for a in actions.drain(..) {
                 self.perform(t, a);
@@ -397,6 +401,7 @@ impl Shell {
         if self.status_dirty {
             self.publish_status();
         }
+        acted
     }
 
     fn perform(&mut self, t: &mut Thread, a: Action) {
@@ -495,14 +500,15 @@ impl Shell {
         let stream = match result {
             Ok(s) => s,
             Err(e) => {
-                return self.run(
+                self.run(
                     t,
                     Event::ConnDown {
                         conn,
                         reason: format!("connect failed: {e}"),
                     },
                     now,
-                )
+                );
+                return;
             }
         };
         let Some(shell) = self.this.upgrade() else {
@@ -519,14 +525,15 @@ impl Shell {
         let poller = match poller {
             Ok(p) => p,
             Err(e) => {
-                return self.run(
+                self.run(
                     t,
                     Event::ConnDown {
                         conn,
                         reason: format!("cannot poll the socket: {e}"),
                     },
                     now,
-                )
+                );
+                return;
             }
         };
         // The initiator side: in hybrid mode drained every
@@ -729,11 +736,17 @@ impl Shell {
         }
     }
 
+    /// Busy when the tick made the core act (a keep-alive ping, a
+    /// timeout, a reconnect, an intent CLEAR), Idle when it only looked.
     fn on_tick(&mut self, t: &mut Thread, now: u64) -> PollStatus {
-        self.run(t, Event::Tick, now);
+        let acted = self.run(t, Event::Tick, now);
         self.reclaim_channels();
         self.publish_status();
-        PollStatus::Idle
+        if acted {
+            PollStatus::Busy
+        } else {
+            PollStatus::Idle
+        }
     }
 
     /// Free the entries of channels that are closed and drained.
