@@ -1158,6 +1158,13 @@ impl Engine {
             self.replicas[source].generation,
             self.replicas[source].clean,
         );
+        // From here on the engine knows acknowledged writes may have reached
+        // generation `sgen`: should every healthy replica fail before the
+        // bump that follows completes, a later election must not pick a
+        // replica below it (sim seed 44314: a half-rebuilt replica of
+        // generation 1 was elected while the generation-3 source was away,
+        // and reads went back to old data).
+        self.generation = self.generation.max(sgen);
         // Equal generations hold the same acknowledged writes. Only if every
         // one of them was detached cleanly are they also equal everywhere
         // else; otherwise a dead engine may have left a write on some of

@@ -1330,9 +1330,16 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
 ///   restarted engine reconciled from the replica that lacked the TRIM:
 ///   an acknowledged TRIM was lost. The bump now starts before the failed
 ///   replica's requests are drained.
+/// - 44314: a restarted engine elected the generation-3 replica and began
+///   rebuilding the other (generation 1, intent record lost); the source
+///   crashed before the election's bump completed, so the engine still
+///   thought it knew generation 0, and three seconds later it elected the
+///   half-rebuilt generation-1 replica: reads returned data older than
+///   acknowledged writes. An election now raises the known generation to
+///   the source's at once.
 #[test]
 fn sim_regression_seeds() {
-    const SEEDS: &[u64] = &[1320];
+    const SEEDS: &[u64] = &[1320, 44314];
     let mut cov = Coverage::default();
     for &seed in SEEDS {
         run_seed(seed, &mut cov);
