@@ -50,7 +50,8 @@ pub const DEFAULT_IOQ_POLL_PERIOD_US: u64 = 100;
 /// What a reactor does when it has no work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
-    /// Spin over every poller forever (lowest latency, a full core).
+    /// Never sleep: every iteration looks for ready fds (`epoll_wait(0)`)
+    /// and runs the pollers that have no fd (lowest latency, a full core).
     Poll,
     /// Block in epoll_wait on the fds of its threads' pollers.
     Interrupt,
