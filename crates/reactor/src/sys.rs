@@ -105,10 +105,10 @@ impl Epoll {
     /// number of entries of `events` filled. EINTR is reported as 0 events.
     pub fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: i32) -> io::Result<usize> {
         let max = events.len().min(i32::MAX as usize) as libc::c_int;
+        let fd = self.fd.as_raw_fd();
         // SAFETY: `events` is a valid writable buffer of `max` entries for the
         // duration of the call.
-        let ret =
-            unsafe { libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), max, timeout_ms) };
+        let ret = unsafe { libc::epoll_wait(fd, events.as_mut_ptr(), max, timeout_ms) };
         if ret < 0 {
             let err = io::Error::last_os_error();
             if err.kind() == io::ErrorKind::Interrupted {
