@@ -296,11 +296,6 @@ impl Acceptor {
         })
     }
 
-    /// The server's poll groups (one lull thread per reactor).
-    pub fn groups(&self) -> &[ThreadHandle] {
-        &self.groups
-    }
-
     pub fn connections(&self) -> &Arc<Connections> {
         &self.conns
     }

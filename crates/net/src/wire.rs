@@ -100,10 +100,6 @@ impl<S: Read + Write> Wire<S> {
         self.closing.is_some()
     }
 
-    pub fn closing_reason(&self) -> Option<&str> {
-        self.closing.as_deref()
-    }
-
     pub fn is_broken(&self) -> bool {
         self.broken
     }

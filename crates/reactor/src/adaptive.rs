@@ -171,7 +171,6 @@ pub struct Adaptive {
     idle_since_ns: Option<u64>,
     /// The window chosen for the current idle period, cached.
     window_ns: u64,
-    samples: u64,
 }
 
 impl Adaptive {
@@ -181,7 +180,6 @@ impl Adaptive {
             gaps: GapHistogram::new(),
             idle_since_ns: None,
             window_ns: 0,
-            samples: 0,
         }
     }
 
@@ -231,7 +229,6 @@ impl Adaptive {
             seen
         };
         self.gaps.add(gap);
-        self.samples += 1;
     }
 
     /// A measured sleep-and-wake: `latency_ns` from the armed deadline to
@@ -256,11 +253,6 @@ impl Adaptive {
         if let Some(c) = cpu_ns {
             self.wake.cpu_ns = ewma(self.wake.cpu_ns, c);
         }
-    }
-
-    /// Idle periods learned so far.
-    pub fn samples(&self) -> u64 {
-        self.samples
     }
 
     /// Check the internal bookkeeping (tests).

@@ -594,6 +594,9 @@ struct Reactor {
     /// measured wake-up cost is known before a switch to adaptive).
     adaptive: Adaptive,
     spin: Option<Spin>,
+    /// The earliest timer of any thread, found once while no thread runs
+    /// (a spin looks at it every iteration); forgotten when one runs.
+    idle_deadline: Option<Option<u64>>,
     /// The reactor slept in the current idle period.
     slept_while_idle: bool,
     spins_with_work: u64,
@@ -717,6 +720,7 @@ impl Reactor {
             ioq_poll_period_us,
             adaptive: Adaptive::new(wake),
             spin: None,
+            idle_deadline: None,
             slept_while_idle: false,
             spins_with_work: 0,
             spins_idle: 0,
@@ -798,6 +802,8 @@ impl Reactor {
                 continue;
             }
             let t_now = clock.now_ns();
+            // Its timers may have moved.
+            self.idle_deadline = None;
             if t.poll_ready(t_now, scope, ready, &*clock) == PollStatus::Busy {
                 busy = true;
             }
@@ -868,9 +874,12 @@ impl Reactor {
             return false;
         }
         let wake = self.adaptive.wake_cost();
-        let timer_soon = self
-            .next_deadline()
-            .is_some_and(|d| d.saturating_sub(now) <= wake.latency_ns + wake.cpu_ns);
+        let deadline = match self.idle_deadline {
+            Some(d) => d,
+            None => *self.idle_deadline.insert(self.next_deadline()),
+        };
+        let timer_soon =
+            deadline.is_some_and(|d| d.saturating_sub(now) <= wake.latency_ns + wake.cpu_ns);
         let spin = timer_soon || self.adaptive.keep_spinning(now);
         match (spin, self.spin) {
             (true, None) => self.spin = Some(Spin { start_ns: now }),

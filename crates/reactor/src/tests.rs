@@ -221,6 +221,15 @@ fn ready_scope_runs_only_woken_pollers() {
 
 /// A poller whose readiness the test controls through an eventfd.
 fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
+    evented_counted(t, name, Arc::new(AtomicUsize::new(0)))
+}
+
+/// `evented`, counting its runs in `runs`.
+fn evented_counted(
+    t: &mut Thread,
+    name: &str,
+    runs: Arc<AtomicUsize>,
+) -> (PollerId, Arc<crate::sys::EventFd>) {
     use std::os::fd::AsRawFd;
     let efd = Arc::new(crate::sys::EventFd::new().unwrap());
     let e = efd.clone();
@@ -230,6 +239,7 @@ fn evented(t: &mut Thread, name: &str) -> (PollerId, Arc<crate::sys::EventFd>) {
             PollerKind::Active,
             &[(efd.as_raw_fd(), crate::Interest::READABLE)],
             Box::new(move |_, _| {
+                runs.fetch_add(1, Ordering::SeqCst);
                 if e.drain() {
                     PollStatus::Busy
                 } else {
@@ -278,23 +288,7 @@ fn an_iteration_runs_only_the_sources_with_work() {
     let runs = Arc::new(AtomicUsize::new(0));
     let mut fds = Vec::new();
     for i in 0..1_000 {
-        use std::os::fd::AsRawFd;
-        let efd = Arc::new(crate::sys::EventFd::new().unwrap());
-        let (e, r) = (efd.clone(), runs.clone());
-        t.register_poller(
-            &format!("conn-{i}"),
-            PollerKind::Active,
-            &[(efd.as_raw_fd(), crate::Interest::READABLE)],
-            Box::new(move |_, _| {
-                r.fetch_add(1, Ordering::SeqCst);
-                if e.drain() {
-                    PollStatus::Busy
-                } else {
-                    PollStatus::Idle
-                }
-            }),
-        )
-        .unwrap();
+        let (_, efd) = evented_counted(&mut t, &format!("conn-{i}"), runs.clone());
         fds.push(efd);
     }
     let spins = Arc::new(AtomicUsize::new(0));
