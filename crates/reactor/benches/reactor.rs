@@ -30,6 +30,7 @@ fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
         mode,
         pin,
         ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
+        scheduler: Default::default(),
     })
     .unwrap();
     let h = fw.handle().clone();

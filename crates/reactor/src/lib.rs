@@ -29,14 +29,17 @@
 pub mod adaptive;
 mod clock;
 mod cores;
+pub mod governor;
 mod reactor;
+pub mod scheduler;
 pub mod sys;
 mod thread;
 
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use cores::{parse_core_list, MAX_CORE};
 pub use reactor::{
-    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, DEFAULT_IOQ_POLL_PERIOD_US,
+    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, SchedulerConfig,
+    SchedulerInfo, DEFAULT_IOQ_POLL_PERIOD_US,
 };
 pub use sys::Interest;
 pub use thread::{

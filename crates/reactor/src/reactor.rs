@@ -9,13 +9,15 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::adaptive::{Adaptive, WakeCost};
 use crate::clock::{Clock, MonotonicClock};
+use crate::governor::{Cpufreq, Governor};
+use crate::scheduler::{self, CoreLoad, DynamicParams, Policy, ThreadLoad};
 use crate::sys::{self, event_buffer, Epoll, Interest, ThreadUsage};
 use crate::thread::{Mailbox, PollStatus, Scope, Thread, ThreadHandle, ThreadShared, ThreadStats};
 use crate::ReactorError;
@@ -127,6 +129,55 @@ pub struct FrameworkConfig {
     pub pin: bool,
     /// Hybrid mode's initiator poll period (≥ 1).
     pub ioq_poll_period_us: u64,
+    /// Which scheduler runs, and how often.
+    pub scheduler: SchedulerConfig,
+}
+
+/// The scheduler and its period.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulerConfig {
+    pub policy: Policy,
+    pub period_us: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            policy: Policy::Static,
+            period_us: scheduler::DEFAULT_PERIOD_US,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), ReactorError> {
+        if !(scheduler::MIN_PERIOD_US..=scheduler::MAX_PERIOD_US).contains(&self.period_us) {
+            return Err(ReactorError::Config(format!(
+                "scheduler period {} µs is outside {}..={} µs",
+                self.period_us,
+                scheduler::MIN_PERIOD_US,
+                scheduler::MAX_PERIOD_US
+            )));
+        }
+        if let Policy::Dynamic(p) = &self.policy {
+            p.validate().map_err(ReactorError::Config)?;
+        }
+        Ok(())
+    }
+}
+
+/// What `framework_get_scheduler` reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerInfo {
+    pub config: SchedulerConfig,
+    /// The dynamic scheduler's tunables (kept while `static` runs, so a
+    /// switch back finds them).
+    pub dynamic: DynamicParams,
+    /// "cpufreq", or "unsupported: why".
+    pub governor: String,
+    /// Scheduling periods completed, and threads moved in total.
+    pub rounds: u64,
+    pub moves: u64,
 }
 
 impl FrameworkConfig {
@@ -136,6 +187,7 @@ impl FrameworkConfig {
             mode,
             pin: true,
             ioq_poll_period_us: DEFAULT_IOQ_POLL_PERIOD_US,
+            scheduler: SchedulerConfig::default(),
         }
     }
 }
@@ -144,6 +196,11 @@ type ModeReply = Box<dyn FnOnce(Result<(), ReactorError>) + Send>;
 
 enum Control {
     AddThread(Box<Thread>),
+    /// The scheduler's decision: hand thread `id` to reactor `to`.
+    MoveThread {
+        id: u64,
+        to: usize,
+    },
     SetMode(Mode, u64, ModeReply),
     Stop,
 }
@@ -172,6 +229,9 @@ struct ReactorCounters {
     involuntary_ctxsw: AtomicU64,
     minor_faults: AtomicU64,
     major_faults: AtomicU64,
+    sleeping: AtomicBool,
+    threads_moved_in: AtomicU64,
+    threads_moved_out: AtomicU64,
 }
 
 /// A snapshot of one reactor's counters.
@@ -213,6 +273,11 @@ pub struct ReactorStats {
     pub involuntary_ctxsw: u64,
     pub minor_faults: u64,
     pub major_faults: u64,
+    /// No thread: blocked until one arrives (≈ 0 CPU, in any mode).
+    pub sleeping: bool,
+    /// Threads the scheduler moved here and away.
+    pub threads_moved_in: u64,
+    pub threads_moved_out: u64,
 }
 
 impl ReactorStats {
@@ -234,6 +299,19 @@ struct FrameworkShared {
     next_thread_id: AtomicU64,
     threads: Mutex<HashMap<u64, Arc<ThreadShared>>>,
     clock: Arc<dyn Clock>,
+    sched: Mutex<SchedState>,
+    sched_wake: Condvar,
+}
+
+struct SchedState {
+    config: SchedulerConfig,
+    dynamic: DynamicParams,
+    governor: String,
+    rounds: u64,
+    moves: u64,
+    /// The config changed: start a new period.
+    changed: bool,
+    stop: bool,
 }
 
 /// A cloneable reference to the running framework, for spawning threads,
@@ -411,9 +489,42 @@ impl FrameworkHandle {
                     involuntary_ctxsw: g(&c.involuntary_ctxsw),
                     minor_faults: g(&c.minor_faults),
                     major_faults: g(&c.major_faults),
+                    sleeping: c.sleeping.load(Ordering::Relaxed),
+                    threads_moved_in: g(&c.threads_moved_in),
+                    threads_moved_out: g(&c.threads_moved_out),
                 }
             })
             .collect()
+    }
+
+    /// Switch the scheduler or its period (at once: a new period starts).
+    pub fn set_scheduler(&self, config: SchedulerConfig) -> Result<(), ReactorError> {
+        config.validate()?;
+        let mut st = lock(&self.shared.sched);
+        if let Policy::Dynamic(p) = config.policy {
+            st.dynamic = p;
+        }
+        st.config = config;
+        st.changed = true;
+        drop(st);
+        self.shared.sched_wake.notify_all();
+        tracing::info!(
+            scheduler = config.policy.name(),
+            period_us = config.period_us,
+            "scheduler set"
+        );
+        Ok(())
+    }
+
+    pub fn scheduler_info(&self) -> SchedulerInfo {
+        let st = lock(&self.shared.sched);
+        SchedulerInfo {
+            config: st.config,
+            dynamic: st.dynamic,
+            governor: st.governor.clone(),
+            rounds: st.rounds,
+            moves: st.moves,
+        }
     }
 
     pub fn thread_stats(&self) -> Vec<ThreadStats> {
@@ -431,10 +542,15 @@ impl FrameworkHandle {
     }
 }
 
-/// The running framework: owns the reactor OS threads.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The running framework: owns the reactor OS threads and the scheduler's.
 pub struct Framework {
     handle: FrameworkHandle,
     joins: Vec<JoinHandle<()>>,
+    scheduler: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Framework {
@@ -461,6 +577,7 @@ impl Framework {
                 "nvme_ioq_poll_period_us must be at least 1".into(),
             ));
         }
+        config.scheduler.validate()?;
         let mut seen = std::collections::HashSet::new();
         if let Some(dup) = config.cores.iter().find(|c| !seen.insert(**c)) {
             return Err(ReactorError::Config(format!("core {dup} is listed twice")));
@@ -497,6 +614,19 @@ impl Framework {
                 next_thread_id: AtomicU64::new(1),
                 threads: Mutex::new(HashMap::new()),
                 clock,
+                sched: Mutex::new(SchedState {
+                    config: config.scheduler,
+                    dynamic: match config.scheduler.policy {
+                        Policy::Dynamic(p) => p,
+                        Policy::Static => DynamicParams::default(),
+                    },
+                    governor: String::new(),
+                    rounds: 0,
+                    moves: 0,
+                    changed: false,
+                    stop: false,
+                }),
+                sched_wake: Condvar::new(),
             }),
         };
         let mut joins = Vec::new();
@@ -530,7 +660,11 @@ impl Framework {
             joins.push(join);
         }
         drop(ready_tx);
-        let mut fw = Framework { handle, joins };
+        let mut fw = Framework {
+            handle,
+            joins,
+            scheduler: None,
+        };
         for _ in 0..fw.joins.len() {
             match ready_rx.recv() {
                 Ok(Ok(())) => {}
@@ -544,6 +678,17 @@ impl Framework {
                 }
             }
         }
+        let sched_fw = fw.handle.clone();
+        match std::thread::Builder::new()
+            .name("lull_scheduler".into())
+            .spawn(move || run_scheduler(sched_fw))
+        {
+            Ok(j) => fw.scheduler = Some(j),
+            Err(e) => {
+                fw.stop();
+                return Err(ReactorError::Sys(e));
+            }
+        }
         Ok(fw)
     }
 
@@ -554,6 +699,13 @@ impl Framework {
     /// Stop every reactor: queued messages run, threads are destroyed, the
     /// OS threads joined.
     pub fn stop(&mut self) {
+        // The scheduler first, so that no thread is in flight between two
+        // reactors when they stop.
+        lock(&self.handle.shared.sched).stop = true;
+        self.handle.shared.sched_wake.notify_all();
+        if let Some(j) = self.scheduler.take() {
+            let _ = j.join();
+        }
         for r in &self.handle.shared.reactors {
             // A full control queue still drains; retry until Stop fits.
             let mut cmd = Control::Stop;
@@ -606,6 +758,8 @@ struct Reactor {
     ready_events: u64,
     epoll: Epoll,
     threads: Vec<Option<Box<Thread>>>,
+    /// Threads in `threads` (none: the reactor sleeps, in any mode).
+    n_threads: usize,
     ready: Vec<bool>,
     events: Vec<libc::epoll_event>,
     stopping: bool,
@@ -729,6 +883,7 @@ impl Reactor {
             ready_events: 0,
             epoll,
             threads: Vec::new(),
+            n_threads: 0,
             ready: Vec::new(),
             events: event_buffer(REACTOR_EVENT_BATCH),
             stopping: false,
@@ -819,8 +974,11 @@ impl Reactor {
     fn wait_events(&mut self, now: u64) -> bool {
         let mut timeout = 0;
         let mut deadline = None;
-        if !self.last_busy && self.mode != Mode::Poll {
-            if self.keep_spinning(now) {
+        // A reactor without threads sleeps in every mode (poll too): the
+        // scheduler emptied it, and a thread moved here wakes it.
+        let empty = self.n_threads == 0;
+        if !self.last_busy && (self.mode != Mode::Poll || empty) {
+            if !empty && self.keep_spinning(now) {
                 timeout = 0;
             } else if let Some(d) = self.prepare_sleep(now) {
                 timeout = -1;
@@ -829,6 +987,9 @@ impl Reactor {
         }
         let sleeping = timeout == -1;
         self.publish_usage(now, sleeping);
+        if empty && sleeping {
+            self.shared.counters.sleeping.store(true, Ordering::Relaxed);
+        }
         let cpu_before = if sleeping { sys::thread_cpu_ns() } else { 0 };
         let n = self
             .epoll
@@ -838,6 +999,10 @@ impl Reactor {
                 0
             });
         if sleeping {
+            self.shared
+                .counters
+                .sleeping
+                .store(false, Ordering::Relaxed);
             let woke_at = self.clock_now();
             let cpu = sys::thread_cpu_ns().saturating_sub(cpu_before);
             self.finish_sleep(n > 0);
@@ -938,6 +1103,7 @@ impl Reactor {
             did = true;
             match cmd {
                 Control::AddThread(t) => self.add_thread(t),
+                Control::MoveThread { id, to } => self.move_thread(id, to),
                 Control::SetMode(mode, period, reply) => reply(self.set_mode(mode, period)),
                 Control::Stop => self.stopping = true,
             }
@@ -970,13 +1136,84 @@ impl Reactor {
             self.framework.forget_thread(t.id());
             return;
         }
-        // Its first message (init) is queued: run it promptly.
+        // Its first message (init) is queued, or it arrived from another
+        // reactor with work pending: run it promptly.
         self.ready[slot] = true;
         self.threads[slot] = Some(t);
-        self.shared.counters.threads.store(
-            self.threads.iter().flatten().count() as u64,
-            Ordering::Relaxed,
-        );
+        self.n_threads += 1;
+        self.shared
+            .counters
+            .threads
+            .store(self.n_threads as u64, Ordering::Relaxed);
+    }
+
+    /// Hand thread `id` to reactor `to` between two iterations: out of this
+    /// reactor's epoll set and slots, into `to`'s control queue. Its
+    /// pollers, fds, timers, queued messages and in-flight I/O (rings and
+    /// eventfds are the thread's) go with it; `to` runs it at once.
+    fn move_thread(&mut self, id: u64, to: usize) {
+        let Some(slot) = self
+            .threads
+            .iter()
+            .position(|t| t.as_ref().is_some_and(|t| t.id() == id))
+        else {
+            // Exited, or moved already: the scheduler's view was a period old.
+            tracing::debug!(
+                reactor = self.shared.index,
+                thread = id,
+                "thread to move is not here"
+            );
+            return;
+        };
+        let reactors = &self.framework.shared.reactors;
+        let Some(target) = reactors.get(to).cloned() else {
+            return;
+        };
+        if to == self.shared.index || self.stopping {
+            return;
+        }
+        let target_mode = Mode::from_u8(target.counters.mode.load(Ordering::Relaxed));
+        if let Some(t) = self.threads[slot].as_ref() {
+            let bad = t.pollers_without_event_source();
+            if target_mode.event_driven() && !bad.is_empty() {
+                tracing::warn!(
+                    thread = t.name(),
+                    to,
+                    pollers = %bad.join(", "),
+                    "not moving thread: pollers without an fd cannot run on an event-driven reactor"
+                );
+                return;
+            }
+        }
+        let Some(t) = self.threads[slot].take() else {
+            return;
+        };
+        let _ = self.epoll.delete(t.epoll_fd());
+        self.ready[slot] = false;
+        self.n_threads -= 1;
+        let name = t.name().to_string();
+        match target.control.push(Control::AddThread(t)) {
+            Ok(()) => {
+                self.shared
+                    .counters
+                    .threads_moved_out
+                    .fetch_add(1, Ordering::Relaxed);
+                target
+                    .counters
+                    .threads_moved_in
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(thread = %name, from = self.shared.index, to, "thread moved");
+            }
+            Err(Control::AddThread(t)) => {
+                tracing::warn!(thread = %name, to, "not moving thread: target's control queue is full");
+                self.add_thread(t);
+            }
+            Err(_) => {}
+        }
+        self.shared
+            .counters
+            .threads
+            .store(self.n_threads as u64, Ordering::Relaxed);
     }
 
     fn set_mode(&mut self, mode: Mode, ioq_poll_period_us: u64) -> Result<(), ReactorError> {
@@ -1038,6 +1275,7 @@ impl Reactor {
 
     fn remove_thread(&mut self, t: &mut Thread) {
         let _ = self.epoll.delete(t.epoll_fd());
+        self.n_threads = self.n_threads.saturating_sub(1);
         let dropped = t.destroy();
         if dropped > 0 {
             tracing::warn!(
@@ -1047,10 +1285,10 @@ impl Reactor {
             );
         }
         self.framework.forget_thread(t.id());
-        self.shared.counters.threads.store(
-            self.threads.iter().flatten().count() as u64,
-            Ordering::Relaxed,
-        );
+        self.shared
+            .counters
+            .threads
+            .store(self.n_threads as u64, Ordering::Relaxed);
     }
 
     fn shutdown(&mut self) {
@@ -1109,5 +1347,157 @@ impl Reactor {
             .store(u.involuntary_ctxsw, Ordering::Relaxed);
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
+    }
+}
+
+/// What the scheduler remembers of a thread between periods.
+struct Seen {
+    busy_ns: u64,
+    periods_since_move: u32,
+}
+
+/// The scheduler's OS thread: every period, gather, balance, apply (SPDK
+/// runs this on the main reactor; here it is a thread of its own that
+/// sleeps between periods, so no reactor blocks or carries it). Reads
+/// only the counters threads and reactors publish; moves go through the
+/// reactors' control queues.
+fn run_scheduler(fw: FrameworkHandle) {
+    let shared = &fw.shared;
+    let main = 0;
+    let main_core = shared.reactors[main].core;
+    let mut governor: Option<Box<dyn Governor>> = match Cpufreq::probe(&[main_core]) {
+        Ok(g) => {
+            lock(&shared.sched).governor = g.name().to_string();
+            Some(Box::new(g))
+        }
+        Err(why) => {
+            tracing::info!(core = main_core, reason = %why, "scheduler: frequency governor unsupported; scheduling without it");
+            lock(&shared.sched).governor = format!("unsupported: {why}");
+            None
+        }
+    };
+    let mut seen: HashMap<u64, Seen> = HashMap::new();
+    let mut reactor_busy: Vec<u64> = Vec::new();
+    let mut since = Instant::now();
+    loop {
+        let config = {
+            let mut st = lock(&shared.sched);
+            let period = Duration::from_micros(st.config.period_us);
+            let deadline = Instant::now() + period;
+            while !st.stop && !st.changed {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                st = shared
+                    .sched_wake
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            if st.stop {
+                return;
+            }
+            if std::mem::take(&mut st.changed) {
+                // A new config: measure a whole period under it.
+                seen.clear();
+                reactor_busy.clear();
+                since = Instant::now();
+                continue;
+            }
+            st.config
+        };
+        let elapsed_ns = (since.elapsed().as_nanos() as u64).max(1);
+        since = Instant::now();
+        let pct = |ns: u64| ns as f64 * 100.0 / elapsed_ns as f64;
+
+        // Gather.
+        let stats = fw.reactor_stats();
+        let cores: Vec<CoreLoad> = stats
+            .iter()
+            .enumerate()
+            .map(|(i, r)| CoreLoad {
+                busy: pct(r
+                    .busy_ns
+                    .saturating_sub(reactor_busy.get(i).copied().unwrap_or(r.busy_ns))),
+            })
+            .collect();
+        reactor_busy = stats.iter().map(|r| r.busy_ns).collect();
+        let threads: Vec<(u64, Arc<ThreadShared>)> = lock(&shared.threads)
+            .iter()
+            .map(|(id, t)| (*id, t.clone()))
+            .collect();
+        let mut ids = Vec::with_capacity(threads.len());
+        let mut loads = Vec::with_capacity(threads.len());
+        for (id, t) in &threads {
+            if t.exited.load(Ordering::Acquire) {
+                continue;
+            }
+            let busy_ns = t.counters.busy_ns.load(Ordering::Relaxed);
+            let entry = seen.entry(*id).or_insert(Seen {
+                busy_ns,
+                // New this period: its load is not known yet; it stays.
+                periods_since_move: 0,
+            });
+            loads.push(ThreadLoad {
+                reactor: t.counters.reactor.load(Ordering::Relaxed) as usize,
+                load: pct(busy_ns.saturating_sub(entry.busy_ns)),
+                pinned: t.pinned.load(Ordering::Relaxed),
+                periods_since_move: entry.periods_since_move,
+            });
+            entry.busy_ns = busy_ns;
+            ids.push(*id);
+        }
+        let live: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        seen.retain(|id, _| live.contains(id));
+
+        // Balance and apply.
+        let mut moves = 0;
+        if let Policy::Dynamic(params) = config.policy {
+            let plan = scheduler::balance(&params, main, &cores, &loads);
+            for ((id, t), &to) in ids.iter().zip(&loads).zip(&plan.targets) {
+                let s = seen.get_mut(id).expect("seen holds every gathered thread");
+                if to != t.reactor && t.reactor < shared.reactors.len() {
+                    let cmd = Control::MoveThread { id: *id, to };
+                    if shared.reactors[t.reactor].control.push(cmd).is_ok() {
+                        moves += 1;
+                        s.periods_since_move = 0;
+                        continue;
+                    }
+                }
+                s.periods_since_move = s.periods_since_move.saturating_add(1);
+            }
+            if let Some(g) = governor.as_mut() {
+                // SPDK's policy: full speed while busy threads run off the
+                // main core; otherwise step the main core up when it is
+                // busier than idle, down when not.
+                let busy_elsewhere = plan.targets.iter().any(|&r| r != main);
+                let main_busy = cores.get(main).map_or(0.0, |c| c.busy);
+                let r = if busy_elsewhere {
+                    g.core_freq_max(main_core)
+                } else if main_busy > 50.0 {
+                    g.core_freq_up(main_core)
+                } else {
+                    g.core_freq_down(main_core)
+                };
+                if let Err(e) = r {
+                    tracing::warn!(core = main_core, error = %e, "scheduler: governor failed; turning it off");
+                    lock(&shared.sched).governor = format!("unsupported: {e}");
+                    governor = None;
+                }
+            }
+        } else {
+            for id in &ids {
+                if let Some(s) = seen.get_mut(id) {
+                    s.periods_since_move = s.periods_since_move.saturating_add(1);
+                }
+            }
+        }
+        let mut st = lock(&shared.sched);
+        st.rounds += 1;
+        st.moves += moves;
+        if moves > 0 {
+            tracing::debug!(moves, round = st.rounds, "scheduler moved threads");
+        }
     }
 }

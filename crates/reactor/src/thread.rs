@@ -216,6 +216,8 @@ pub struct ThreadStats {
     pub pollers_paused: u64,
     /// Fds its epoll set reported ready (sources with work), in total.
     pub ready_events: u64,
+    /// Never moved by the scheduler.
+    pub pinned: bool,
 }
 
 pub(crate) struct ThreadShared {
@@ -224,6 +226,7 @@ pub(crate) struct ThreadShared {
     pub mailbox: Mailbox<Message>,
     pub counters: ThreadCounters,
     pub exited: AtomicBool,
+    pub pinned: AtomicBool,
 }
 
 /// Why a message could not be sent.
@@ -282,6 +285,12 @@ impl ThreadHandle {
         self.shared.exited.load(Ordering::Acquire)
     }
 
+    /// Keep the thread on its reactor: the scheduler never moves a pinned
+    /// thread (SPDK: a thread whose cpumask holds one core).
+    pub fn set_pinned(&self, pinned: bool) {
+        self.shared.pinned.store(pinned, Ordering::Relaxed);
+    }
+
     pub fn stats(&self) -> ThreadStats {
         let c = &self.shared.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -298,6 +307,7 @@ impl ThreadHandle {
             pollers_timed: r(&c.pollers_timed),
             pollers_paused: r(&c.pollers_paused),
             ready_events: r(&c.ready_events),
+            pinned: self.shared.pinned.load(Ordering::Relaxed),
         }
     }
 }
@@ -404,6 +414,7 @@ impl Thread {
             mailbox: Mailbox::new(capacity.max(1)).map_err(ReactorError::Sys)?,
             counters: ThreadCounters::default(),
             exited: AtomicBool::new(false),
+            pinned: AtomicBool::new(false),
         });
         let epoll = Epoll::new().map_err(ReactorError::Sys)?;
         let timer = TimerFd::new().map_err(ReactorError::Sys)?;

@@ -25,6 +25,7 @@ fn framework(n: usize, mode: Mode) -> Framework {
         mode,
         pin,
         ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
+        scheduler: Default::default(),
     })
     .expect("framework")
 }
@@ -288,4 +289,156 @@ fn stop_runs_queued_messages_and_destroys_threads() {
     assert!(t.has_exited());
     assert!(t.send(|_| {}).is_err());
     assert!(h.thread_stats().is_empty());
+}
+
+/// Poll until `cond` holds or `secs` pass.
+fn wait_for(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cond()
+}
+
+/// The dynamic scheduler in poll mode: idle threads gather on the main
+/// reactor and the other sleeps; a busy thread then moves off the main
+/// reactor; messages sent to the threads throughout all run, in order.
+#[test]
+fn dynamic_scheduler_packs_idle_threads_and_spreads_a_busy_one() {
+    use lull_reactor::scheduler::{DynamicParams, Policy};
+    use lull_reactor::SchedulerConfig;
+    let fw = framework(2, Mode::Poll);
+    let h = fw.handle().clone();
+    let idle: Vec<ThreadHandle> = (0..4)
+        .map(|i| h.spawn_thread(i % 2, &format!("idle{i}"), |_| {}).unwrap())
+        .collect();
+    // The busy thread: a poller that works ~50 µs per call while `on`.
+    let on = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let o = on.clone();
+    let busy = h
+        .spawn_thread(1, "busy", move |t| {
+            t.register_poller(
+                "work",
+                PollerKind::Active,
+                &[],
+                Box::new(move |_, _| {
+                    if !o.load(Ordering::Relaxed) {
+                        return PollStatus::Idle;
+                    }
+                    let end = Instant::now() + Duration::from_micros(50);
+                    while Instant::now() < end {
+                        std::hint::spin_loop();
+                    }
+                    PollStatus::Busy
+                }),
+            )
+            .unwrap();
+        })
+        .unwrap();
+    h.set_scheduler(SchedulerConfig {
+        policy: Policy::Dynamic(DynamicParams::default()),
+        period_us: 50_000,
+    })
+    .unwrap();
+    // Messages keep flowing to every thread while they move.
+    let sent = Arc::new(AtomicU64::new(0));
+    let ran = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sender = {
+        let targets: Vec<ThreadHandle> = idle.iter().cloned().chain([busy.clone()]).collect();
+        let (sent, ran, stop) = (sent.clone(), ran.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut next = vec![0u64; targets.len()];
+            let seen = Arc::new(std::sync::Mutex::new(vec![0u64; targets.len()]));
+            while !stop.load(Ordering::Relaxed) {
+                for (i, t) in targets.iter().enumerate() {
+                    let (ran, seen, n) = (ran.clone(), seen.clone(), next[i]);
+                    if t.send(move |_| {
+                        let mut s = seen.lock().unwrap();
+                        assert_eq!(s[i], n, "messages to one thread run in order");
+                        s[i] += 1;
+                        ran.fetch_add(1, Ordering::Relaxed);
+                    })
+                    .is_ok()
+                    {
+                        next[i] += 1;
+                        sent.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+    };
+    let on_reactor = |name: &str| {
+        h.thread_stats()
+            .into_iter()
+            .find(|s| s.name == name)
+            .map(|s| s.reactor)
+    };
+    assert!(
+        wait_for(10, || {
+            let r = h.reactor_stats();
+            r[1].sleeping && h.thread_stats().iter().all(|s| s.reactor == 0)
+        }),
+        "idle threads gather on reactor 0 and reactor 1 sleeps: {:?} {:?}",
+        h.thread_stats(),
+        h.reactor_stats()
+    );
+    on.store(true, Ordering::Relaxed);
+    assert!(
+        wait_for(10, || on_reactor("busy") == Some(1)),
+        "the busy thread leaves the main reactor: {:?}",
+        h.thread_stats()
+    );
+    assert!(!h.reactor_stats()[1].sleeping);
+    // Idle threads stay on main.
+    for i in 0..4 {
+        assert_eq!(on_reactor(&format!("idle{i}")), Some(0));
+    }
+    on.store(false, Ordering::Relaxed);
+    assert!(
+        wait_for(10, || on_reactor("busy") == Some(0)
+            && h.reactor_stats()[1].sleeping),
+        "idle again, it comes back and reactor 1 sleeps: {:?}",
+        h.thread_stats()
+    );
+    stop.store(true, Ordering::Relaxed);
+    sender.join().unwrap();
+    assert!(
+        wait_for(10, || ran.load(Ordering::Relaxed)
+            == sent.load(Ordering::Relaxed)),
+        "every message ran: sent {} ran {}",
+        sent.load(Ordering::Relaxed),
+        ran.load(Ordering::Relaxed)
+    );
+    let info = h.scheduler_info();
+    assert!(info.moves >= 4, "{info:?}");
+    assert!(h.reactor_stats()[0].threads_moved_in >= 3);
+}
+
+#[test]
+fn set_scheduler_rejects_bad_settings() {
+    use lull_reactor::scheduler::{DynamicParams, Policy};
+    use lull_reactor::SchedulerConfig;
+    let fw = framework(1, Mode::Interrupt);
+    let h = fw.handle();
+    let bad_period = SchedulerConfig {
+        policy: Policy::Static,
+        period_us: 1,
+    };
+    assert!(h.set_scheduler(bad_period).is_err());
+    let bad_limits = SchedulerConfig {
+        policy: Policy::Dynamic(DynamicParams {
+            load_limit: 90,
+            core_limit: 80,
+            core_busy: 95,
+        }),
+        period_us: 1_000_000,
+    };
+    assert!(h.set_scheduler(bad_limits).is_err());
+    assert_eq!(h.scheduler_info().config.policy, Policy::Static);
+    assert!(!h.scheduler_info().governor.is_empty() || h.scheduler_info().rounds == 0);
 }
