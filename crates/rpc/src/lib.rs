@@ -23,8 +23,11 @@ mod framing;
 mod http;
 mod methods;
 mod metrics;
+mod scheduler;
 mod server;
 pub mod testing;
+
+pub use scheduler::{framework_get_scheduler, register_scheduler_methods};
 
 use std::io;
 use std::path::PathBuf;

@@ -80,6 +80,8 @@ impl std::fmt::Debug for LullContext {
 
 /// The methods `register_lull_methods` adds.
 pub const LULL_METHODS: &[&str] = &[
+    "framework_set_scheduler",
+    "framework_get_scheduler",
     "framework_get_reactors",
     "thread_get_stats",
     "engine_get_options",
@@ -98,6 +100,7 @@ pub fn register_lull_methods(
     registry: &mut MethodRegistry,
     ctx: LullContext,
 ) -> Result<(), RpcError> {
+    crate::register_scheduler_methods(registry, ctx.fw.clone())?;
     let c = ctx.clone();
     registry.register(
         "framework_get_reactors",
@@ -262,6 +265,9 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "involuntary_ctxsw": r.involuntary_ctxsw,
                 "minor_faults": r.minor_faults,
                 "major_faults": r.major_faults,
+                "sleeping": r.sleeping,
+                "threads_moved_in": r.threads_moved_in,
+                "threads_moved_out": r.threads_moved_out,
                 "lw_threads": lw_threads,
             })
         })
@@ -290,6 +296,7 @@ pub fn thread_get_stats(fw: &lull_reactor::FrameworkHandle) -> Value {
                 // Event sources: a poll group's connections.
                 "sources": t.pollers_active,
                 "ready_events": t.ready_events,
+                "pinned": t.pinned,
             })
         })
         .collect();

@@ -395,6 +395,63 @@ fn every_method() {
 }
 
 #[test]
+fn scheduler_methods() {
+    let t = setup();
+    let s = t.ok("framework_get_scheduler", Value::Null);
+    assert_eq!(s["scheduler_name"], json!("static"));
+    assert_eq!(s["scheduler_period"], json!(1_000_000));
+    assert_eq!(
+        (&s["load_limit"], &s["core_limit"], &s["core_busy"]),
+        (&json!(20), &json!(80), &json!(95))
+    );
+    assert!(s["governor_name"].is_string(), "{s}");
+
+    // SPDK's parameter names; unset tunables keep their values.
+    t.ok(
+        "framework_set_scheduler",
+        json!({"name": "dynamic", "period": 200_000, "core_limit": 70}),
+    );
+    let s = t.ok("framework_get_scheduler", Value::Null);
+    assert_eq!(s["scheduler_name"], json!("dynamic"));
+    assert_eq!(s["scheduler_period"], json!(200_000));
+    assert_eq!(s["core_limit"], json!(70));
+    assert_eq!(s["load_limit"], json!(20));
+    t.ok(
+        "framework_set_scheduler",
+        json!({"name": "static", "period_us": 500_000}),
+    );
+    let s = t.ok("framework_get_scheduler", Value::Null);
+    assert_eq!(s["scheduler_name"], json!("static"));
+    assert_eq!(s["core_limit"], json!(70), "tunables are kept for later");
+
+    for bad in [
+        json!({"name": "round-robin"}),
+        json!({"name": "dynamic", "period_us": 1}),
+        json!({"name": "dynamic", "load_limit": 90, "core_limit": 80}),
+        json!({"name": "dynamic", "core_busy": 300}),
+        json!({"name": "static", "core_limit": 50}),
+        json!({"name": "dynamic", "bogus": 1}),
+        json!({}),
+    ] {
+        assert_eq!(
+            t.code("framework_set_scheduler", bad.clone()),
+            -32602,
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        t.ok("framework_get_scheduler", Value::Null)["scheduler_name"],
+        json!("static")
+    );
+
+    let r = t.ok("framework_get_reactors", Value::Null);
+    assert_eq!(r["reactors"][0]["sleeping"], json!(false), "{r}");
+    assert!(r["reactors"][0]["threads_moved_in"].is_u64());
+    let th = t.ok("thread_get_stats", Value::Null);
+    assert_eq!(th["threads"][0]["pinned"], json!(false), "{th}");
+}
+
+#[test]
 fn malformed_input() {
     let t = setup();
     let p = &t.sock;
