@@ -10,6 +10,10 @@
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
 //! connections_per_replica = 2
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
+//! scheduler = "static"             # static | dynamic (moves threads between cores)
+//! scheduler_period_us = 1000000    # how often the scheduler balances
+//! # dynamic's tunables (SPDK's, percent): scheduler_load_limit = 20,
+//! # scheduler_core_limit = 80, scheduler_core_busy = 95
 //! # Longhorn's names are accepted as aliases:
 //! # data-engine-interrupt-mode-enabled = true   (true = interrupt, false = poll)
 //! # data-engine-nvme-ioq-poll-period-us = 100
@@ -23,7 +27,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use lull_reactor::Mode;
+use lull_reactor::scheduler::{DynamicParams, Policy};
+use lull_reactor::{Mode, SchedulerConfig};
 use serde::Deserialize;
 
 /// A configuration error: the message names the setting.
@@ -68,6 +73,7 @@ pub struct ServeSettings {
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<SocketAddr>,
     pub engine: lull_engine::EngineOptions,
+    pub scheduler: SchedulerConfig,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -97,6 +103,11 @@ pub struct ConfigFile {
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
     pub connections_per_replica: Option<usize>,
+    pub scheduler: Option<String>,
+    pub scheduler_period_us: Option<u64>,
+    pub scheduler_load_limit: Option<u8>,
+    pub scheduler_core_limit: Option<u8>,
+    pub scheduler_core_busy: Option<u8>,
     #[serde(default)]
     pub volume: Vec<VolumeTable>,
 }
@@ -129,6 +140,8 @@ pub struct Overrides {
     pub metrics: Option<String>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
+    pub scheduler: Option<String>,
+    pub scheduler_period_us: Option<u64>,
 }
 
 /// Parse a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
@@ -303,6 +316,40 @@ pub fn resolve(
         engine.connections_per_replica = c;
     }
     engine.validate().map_err(|e| ConfigError(e.to_string()))?;
+    let dynamic = DynamicParams {
+        load_limit: file
+            .scheduler_load_limit
+            .unwrap_or(lull_reactor::scheduler::DEFAULT_LOAD_LIMIT),
+        core_limit: file
+            .scheduler_core_limit
+            .unwrap_or(lull_reactor::scheduler::DEFAULT_CORE_LIMIT),
+        core_busy: file
+            .scheduler_core_busy
+            .unwrap_or(lull_reactor::scheduler::DEFAULT_CORE_BUSY),
+    };
+    let scheduler = SchedulerConfig {
+        policy: match flags.scheduler.or(file.scheduler).as_deref() {
+            None | Some("static") => Policy::Static,
+            Some("dynamic") => Policy::Dynamic(dynamic),
+            Some(other) => {
+                return err(format!(
+                    "unknown scheduler {other:?} (expected static or dynamic)"
+                ))
+            }
+        },
+        period_us: flags
+            .scheduler_period_us
+            .or(file.scheduler_period_us)
+            .unwrap_or(lull_reactor::scheduler::DEFAULT_PERIOD_US),
+    };
+    scheduler
+        .validate()
+        .map_err(|e| ConfigError(e.to_string()))?;
+    if matches!(scheduler.policy, Policy::Dynamic(_)) && cores.len() < 2 {
+        tracing::warn!(
+            "scheduler = dynamic with one reactor core: nothing to move; give --cores a list"
+        );
+    }
     Ok(ServeSettings {
         listen,
         socket,
@@ -313,6 +360,7 @@ pub fn resolve(
         rpc_socket,
         metrics,
         engine,
+        scheduler,
     })
 }
 
@@ -359,6 +407,45 @@ mod tests {
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn scheduler_settings() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0, 1]).unwrap();
+        assert_eq!(s.scheduler, SchedulerConfig::default());
+        let file = ConfigFile::parse(
+            "cores = \"0-1\"\nscheduler = \"dynamic\"\nscheduler_period_us = 500000\nscheduler_core_limit = 70\n",
+        )
+        .unwrap();
+        let s = resolve(file, Overrides::default(), &[0, 1]).unwrap();
+        assert_eq!(s.scheduler.period_us, 500_000);
+        assert_eq!(
+            s.scheduler.policy,
+            Policy::Dynamic(DynamicParams {
+                core_limit: 70,
+                ..DynamicParams::default()
+            })
+        );
+        let flags = Overrides {
+            scheduler: Some("static".into()),
+            ..Default::default()
+        };
+        let file = ConfigFile::parse("scheduler = \"dynamic\"\n").unwrap();
+        assert_eq!(
+            resolve(file, flags, &[0, 1]).unwrap().scheduler.policy,
+            Policy::Static
+        );
+        for bad in [
+            "scheduler = \"fair\"\n",
+            "scheduler_period_us = 5\n",
+            "scheduler = \"dynamic\"\nscheduler_load_limit = 90\n",
+        ] {
+            let file = ConfigFile::parse(bad).unwrap();
+            assert!(
+                resolve(file, Overrides::default(), &[0, 1]).is_err(),
+                "{bad}"
+            );
         }
     }
 

@@ -77,6 +77,14 @@ struct ServeArgs {
     /// Replicated volumes: TCP connections per replica [default: 2].
     #[arg(long, value_name = "N")]
     connections_per_replica: Option<usize>,
+    /// Scheduler: static (threads stay where they start) or dynamic (idle
+    /// work packed onto the first core, busy work spread; use with
+    /// several --cores) [default: static].
+    #[arg(long, value_name = "NAME")]
+    scheduler: Option<String>,
+    /// How often the scheduler balances, in µs [default: 1000000].
+    #[arg(long, value_name = "US")]
+    scheduler_period_us: Option<u64>,
     /// TOML configuration file; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -127,6 +135,8 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         metrics: args.metrics,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
+        scheduler: args.scheduler,
+        scheduler_period_us: args.scheduler_period_us,
     };
     let allowed =
         lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
@@ -152,9 +162,9 @@ pub(crate) fn open_device(
 ) -> Result<Arc<dyn BlockDevice>, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
-            // Every engine goes on the last reactor (with one reactor, the
-            // main one); spreading them is the scheduler's work (issue 11).
-            let reactor = fw.reactor_count().saturating_sub(1);
+            // Engines are spread over the reactors at start (round robin);
+            // the dynamic scheduler moves them later as their load asks.
+            let reactor = fw.next_reactor();
             lull_engine::ReplicatedDev::start(
                 fw,
                 reactor,
@@ -282,6 +292,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     lull_net::server::raise_fd_limit("nbd");
     let mut fw = match Framework::start(FrameworkConfig {
         ioq_poll_period_us: s.ioq_poll_period_us,
+        scheduler: s.scheduler,
         ..FrameworkConfig::new(s.cores.clone(), s.mode)
     }) {
         Ok(fw) => fw,

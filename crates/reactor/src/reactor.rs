@@ -134,7 +134,7 @@ pub struct FrameworkConfig {
 }
 
 /// The scheduler and its period.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerConfig {
     pub policy: Policy,
     pub period_us: u64,
@@ -297,6 +297,8 @@ struct ReactorShared {
 struct FrameworkShared {
     reactors: Vec<Arc<ReactorShared>>,
     next_thread_id: AtomicU64,
+    /// Round-robin placement of new threads ([`FrameworkHandle::next_reactor`]).
+    next_placement: AtomicU64,
     threads: Mutex<HashMap<u64, Arc<ThreadShared>>>,
     clock: Arc<dyn Clock>,
     sched: Mutex<SchedState>,
@@ -334,6 +336,13 @@ impl std::fmt::Debug for FrameworkHandle {
 impl FrameworkHandle {
     pub fn reactor_count(&self) -> usize {
         self.shared.reactors.len()
+    }
+
+    /// Where to start the next thread that may go anywhere: the reactors
+    /// in turn (SPDK places new threads round robin too).
+    pub fn next_reactor(&self) -> usize {
+        let n = self.shared.reactors.len() as u64;
+        (self.shared.next_placement.fetch_add(1, Ordering::Relaxed) % n) as usize
     }
 
     pub fn clock(&self) -> Arc<dyn Clock> {
@@ -612,6 +621,7 @@ impl Framework {
             shared: Arc::new(FrameworkShared {
                 reactors,
                 next_thread_id: AtomicU64::new(1),
+                next_placement: AtomicU64::new(0),
                 threads: Mutex::new(HashMap::new()),
                 clock,
                 sched: Mutex::new(SchedState {
@@ -1398,15 +1408,22 @@ fn run_scheduler(fw: FrameworkHandle) {
             if st.stop {
                 return;
             }
-            if std::mem::take(&mut st.changed) {
-                // A new config: measure a whole period under it.
-                seen.clear();
-                reactor_busy.clear();
-                since = Instant::now();
-                continue;
-            }
-            st.config
+            let changed = std::mem::take(&mut st.changed);
+            (st.config, changed)
         };
+        let (config, changed) = config;
+        if changed {
+            // A new config: measure a whole period under it (threads keep
+            // their move history).
+            for (id, t) in lock(&shared.threads).iter() {
+                if let Some(s) = seen.get_mut(id) {
+                    s.busy_ns = t.counters.busy_ns.load(Ordering::Relaxed);
+                }
+            }
+            reactor_busy.clear();
+            since = Instant::now();
+            continue;
+        }
         let elapsed_ns = (since.elapsed().as_nanos() as u64).max(1);
         since = Instant::now();
         let pct = |ns: u64| ns as f64 * 100.0 / elapsed_ns as f64;
@@ -1436,8 +1453,9 @@ fn run_scheduler(fw: FrameworkHandle) {
             let busy_ns = t.counters.busy_ns.load(Ordering::Relaxed);
             let entry = seen.entry(*id).or_insert(Seen {
                 busy_ns,
-                // New this period: its load is not known yet; it stays.
-                periods_since_move: 0,
+                // New: its load is not known yet, so it stays this round
+                // (and may move from the next).
+                periods_since_move: scheduler::MOVE_COOLDOWN_PERIODS - 1,
             });
             loads.push(ThreadLoad {
                 reactor: t.counters.reactor.load(Ordering::Relaxed) as usize,

@@ -54,7 +54,7 @@ pub const DEFAULT_CORE_BUSY: u8 = 95;
 /// Half-width of the band around `load_limit` (percentage points) inside
 /// which a thread keeps its class (idle on the main reactor, busy
 /// elsewhere): a thread whose load wobbles around the limit does not move
-/// every period.
+/// every period. At most half of `load_limit`.
 pub const LOAD_HYSTERESIS: f64 = 5.0;
 
 /// Periods after a move during which a thread is not consolidated again:
@@ -68,7 +68,7 @@ pub const MOVE_COOLDOWN_PERIODS: u32 = 2;
 pub const CONSOLIDATE_MARGIN: f64 = 10.0;
 
 /// The dynamic scheduler's tunables, in percent of one core.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DynamicParams {
     /// Threads busy less than this are idle: they go to the main reactor.
     pub load_limit: u8,
@@ -118,7 +118,7 @@ impl DynamicParams {
 }
 
 /// Which scheduler runs.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     /// Threads stay where they were created.
     Static,
@@ -253,10 +253,13 @@ pub fn balance(
     let mut targets: Vec<usize> = fixed.iter().map(|f| f.unwrap_or(usize::MAX)).collect();
     let idle = |t: &ThreadLoad| {
         let ll = f64::from(params.load_limit);
+        // The band narrows for small limits, so that a thread can still
+        // count as idle away from main.
+        let band = LOAD_HYSTERESIS.min(ll / 2.0);
         if t.reactor == main {
-            t.load < ll + LOAD_HYSTERESIS
+            t.load < ll + band
         } else {
-            t.load < (ll - LOAD_HYSTERESIS).max(0.0)
+            t.load < ll - band
         }
     };
     // Idle threads first (SPDK's first pass), so that busy ones see the
