@@ -8,12 +8,16 @@
 //! load traces over up to 256 reactors and 10,000 threads).
 //!
 //! `dynamic` follows SPDK's dynamic scheduler (`scheduler_dynamic.c`):
-//! threads under `load_limit` go to the main reactor; a busy thread stays
-//! where it fits, moves to the main or a lower-numbered reactor that fits
-//! (consolidation, so the others can sleep), else to any reactor that
-//! fits, else to the least loaded; a reactor measured at or above
-//! `core_busy` takes no thread from others in that round (its threads'
-//! loads understate what they would use). Beyond SPDK:
+//! threads under `load_limit` go to the main reactor; a reactor over
+//! `core_limit` sheds busy threads to the first reactor (main first, then
+//! by index) that fits them, else to an empty one; threads consolidate
+//! onto lower-numbered reactors so the others can sleep; a reactor
+//! measured at or above `core_busy` takes no thread from others in that
+//! round (its threads' loads understate what they would use). It differs
+//! from SPDK in changing as little as it can each period (a thread moves
+//! only to relieve an overload, to join an idle main reactor, or to empty
+//! a whole reactor), so wobbling load does not reshuffle threads.
+//! Beyond SPDK:
 //!
 //! - **No ping-pong.** A thread's class has a hysteresis band: one on the
 //!   main reactor counts as busy only from `load_limit` + [`LOAD_HYSTERESIS`],
@@ -25,8 +29,8 @@
 //!   the machine is overloaded whatever the placement, threads move only
 //!   if that cuts the overload by more than the same margin. Under steady
 //!   load a placement is reached and kept (tested: no A → B → A).
-//! - **Packing that holds.** When the greedy, placement-keeping pass leaves
-//!   a reactor projected over `core_limit`, a first-fit-decreasing packing
+//! - **Packing that holds.** When the placement-keeping pass leaves a
+//!   reactor projected over `core_limit`, a first-fit-decreasing packing
 //!   of every movable thread is tried, and kept if it overloads less.
 //!   First fit never overloads when every thread fits in half a core's
 //!   limit and the total fits in half of all cores' limits (two reactors
@@ -189,6 +193,14 @@ impl Plan {
 /// hysteresis and packing described in the module doc). `main` is the main
 /// reactor; `cores[i]` is reactor `i`. A thread whose reactor is out of
 /// range is left where it is.
+///
+/// The first pass changes as little as it can, so that load that wobbles
+/// from period to period does not reshuffle threads: idle threads join
+/// the main reactor while it has room; a reactor over the limit sheds its
+/// largest movable threads to the first reactor that fits them; a reactor
+/// whose threads all fit on lower-numbered ones (with margin) is emptied,
+/// so it can sleep. Only when that leaves an avoidable overload does a
+/// first-fit-decreasing packing replace it.
 pub fn balance(
     params: &DynamicParams,
     main: usize,
@@ -196,11 +208,18 @@ pub fn balance(
     threads: &[ThreadLoad],
 ) -> Plan {
     let n = cores.len();
+    let stay = Plan {
+        targets: threads.iter().map(|t| t.reactor).collect(),
+        projected: {
+            let mut p = vec![0.0; n];
+            for t in threads.iter().filter(|t| t.reactor < n) {
+                p[t.reactor] += t.load.max(0.0);
+            }
+            p
+        },
+    };
     if n == 0 || main >= n {
-        return Plan {
-            targets: threads.iter().map(|t| t.reactor).collect(),
-            projected: Vec::new(),
-        };
+        return stay;
     }
     let limit = f64::from(params.core_limit);
     let saturated: Vec<bool> = cores
@@ -218,40 +237,15 @@ pub fn balance(
         }
         r
     };
+    let load = |i: usize| threads[i].load.max(0.0);
     // A thread moved in the last periods stays put (never back and forth
     // on one period's guess), like a pinned one.
-    let movable = |t: &ThreadLoad| {
+    let movable = |i: usize| {
+        let t = &threads[i];
         !t.pinned && t.reactor < n && t.periods_since_move >= MOVE_COOLDOWN_PERIODS
     };
-    let load = |t: &ThreadLoad| t.load.max(0.0);
-
-    // Pinned threads, just-moved ones and ones on unknown reactors stay.
-    let mut base = vec![0.0; n];
-    let mut base_count = vec![0usize; n];
-    let mut fixed: Vec<Option<usize>> = vec![None; threads.len()];
-    for (i, t) in threads.iter().enumerate() {
-        if !movable(t) {
-            fixed[i] = Some(t.reactor);
-            if t.reactor < n {
-                base[t.reactor] += load(t);
-                base_count[t.reactor] += 1;
-            }
-        }
-    }
-    // Movable threads by decreasing load (ties by input order, so the
-    // result is deterministic).
-    let mut by_load: Vec<usize> = (0..threads.len()).filter(|&i| fixed[i].is_none()).collect();
-    by_load.sort_by(|&a, &b| {
-        load(&threads[b])
-            .total_cmp(&load(&threads[a]))
-            .then(a.cmp(&b))
-    });
-
-    // Pass 1: keep placements that hold, consolidate what fits.
-    let mut proj = base.clone();
-    let mut count = base_count.clone();
-    let mut targets: Vec<usize> = fixed.iter().map(|f| f.unwrap_or(usize::MAX)).collect();
-    let idle = |t: &ThreadLoad| {
+    let idle = |i: usize| {
+        let t = &threads[i];
         let ll = f64::from(params.load_limit);
         // The band narrows for small limits, so that a thread can still
         // count as idle away from main.
@@ -262,85 +256,135 @@ pub fn balance(
             t.load < ll - band
         }
     };
-    // Idle threads first (SPDK's first pass), so that busy ones see the
-    // main reactor as it will be.
-    let (idle_first, busy): (Vec<usize>, Vec<usize>) =
-        by_load.iter().partition(|&&i| idle(&threads[i]));
-    for &i in idle_first.iter().chain(&busy) {
-        let t = &threads[i];
-        let l = load(t);
-        let cur = t.reactor;
-        let accepts = |c: usize, p: &[f64], room: f64| {
-            (c == cur || !saturated[c]) && p[c] + l <= limit - room
-        };
-        let first_fit = |p: &[f64], room: f64, before: usize| {
-            order[..before]
+    // Threads by decreasing load (ties by input order: deterministic).
+    let mut by_load: Vec<usize> = (0..threads.len()).collect();
+    by_load.sort_by(|&a, &b| load(b).total_cmp(&load(a)).then(a.cmp(&b)));
+
+    // Pass 1, starting from where every thread is.
+    let mut plan = stay.clone();
+    let mut count = vec![0usize; n];
+    for t in threads.iter().filter(|t| t.reactor < n) {
+        count[t.reactor] += 1;
+    }
+    let mv = |plan: &mut Plan, count: &mut [usize], i: usize, to: usize| {
+        let from = plan.targets[i];
+        let l = load(i);
+        plan.projected[from] -= l;
+        count[from] -= 1;
+        plan.projected[to] += l;
+        count[to] += 1;
+        plan.targets[i] = to;
+    };
+    // a. Idle threads join the main reactor while it has room.
+    for &i in by_load.iter().rev() {
+        if movable(i)
+            && idle(i)
+            && threads[i].reactor != main
+            && !saturated[main]
+            && plan.projected[main] + load(i) <= limit
+        {
+            mv(&mut plan, &mut count, i, main);
+        }
+    }
+    // b. A reactor over the limit sheds its largest movable threads.
+    for c in 0..n {
+        for &i in &by_load {
+            if plan.projected[c] <= limit || count[c] <= 1 {
+                break;
+            }
+            if plan.targets[i] != c || !movable(i) {
+                continue;
+            }
+            let l = load(i);
+            let fit = order
                 .iter()
                 .copied()
-                .find(|&c| accepts(c, p, room))
-        };
-        let to = if idle(t) && accepts(main, &proj, 0.0) {
-            main
-        } else if let Some(c) = first_fit(&proj, CONSOLIDATE_MARGIN, rank[cur]) {
-            c
-        } else if accepts(cur, &proj, 0.0) {
-            cur
-        } else if let Some(c) = first_fit(&proj, 0.0, n) {
-            c
-        } else {
-            no_fit(&proj, &count, &saturated, &order, cur)
-        };
-        proj[to] += l;
-        count[to] += 1;
-        targets[i] = to;
+                .find(|&d| d != c && !saturated[d] && plan.projected[d] + l <= limit);
+            let to = fit.unwrap_or_else(|| {
+                // Fits nowhere: alone on an empty reactor it delays no one.
+                order
+                    .iter()
+                    .copied()
+                    .find(|&d| count[d] == 0 && !saturated[d])
+                    .unwrap_or(c)
+            });
+            if to != c {
+                mv(&mut plan, &mut count, i, to);
+            }
+        }
     }
-    let kept = Plan {
-        targets,
-        projected: proj,
-    };
+    // c. Empty the highest reactors whose threads fit lower down.
+    for &c in order.iter().skip(1).rev() {
+        let on_c: Vec<usize> = by_load
+            .iter()
+            .copied()
+            .filter(|&i| plan.targets[i] == c)
+            .collect();
+        if on_c.is_empty() || !on_c.iter().all(|&i| movable(i)) {
+            continue;
+        }
+        let mut trial = plan.clone();
+        let mut trial_count = count.clone();
+        let emptied =
+            on_c.iter().all(|&i| {
+                let l = load(i);
+                match order[..rank[c]].iter().copied().find(|&d| {
+                    !saturated[d] && trial.projected[d] + l <= limit - CONSOLIDATE_MARGIN
+                }) {
+                    Some(d) => {
+                        mv(&mut trial, &mut trial_count, i, d);
+                        true
+                    }
+                    None => false,
+                }
+            });
+        if emptied {
+            plan = trial;
+            count = trial_count;
+        }
+    }
     let over_of = |p: &Plan| overload(&p.projected, &largest(n, threads, &p.targets), limit);
-    let over = over_of(&kept);
+    let over = over_of(&plan);
     if over <= 0.0 {
-        return kept;
+        return plan;
     }
 
-    // Pass 2: first fit decreasing from scratch.
-    let mut proj = base;
-    let mut count = base_count;
-    let mut targets: Vec<usize> = fixed.iter().map(|f| f.unwrap_or(usize::MAX)).collect();
-    for &i in &by_load {
-        let t = &threads[i];
-        let l = load(t);
-        // Placement-blind (no current reactor, no saturation), so that
-        // the packing is the same whatever the placement it starts from.
+    // Pass 2: first fit decreasing from scratch, placement-blind (no
+    // current reactor, no saturation) so that the packing is the same
+    // whatever placement it starts from; fixed threads stay.
+    let mut packed = Plan {
+        targets: vec![usize::MAX; threads.len()],
+        projected: vec![0.0; n],
+    };
+    let mut count = vec![0usize; n];
+    for i in (0..threads.len()).filter(|&i| !movable(i)) {
+        packed.targets[i] = threads[i].reactor;
+        if threads[i].reactor < n {
+            packed.projected[threads[i].reactor] += load(i);
+            count[threads[i].reactor] += 1;
+        }
+    }
+    for &i in by_load.iter().filter(|&&i| movable(i)) {
+        let l = load(i);
         let to = order
             .iter()
             .copied()
-            .find(|&c| proj[c] + l <= limit)
-            .unwrap_or_else(|| no_fit(&proj, &count, &vec![false; n], &order, main));
-        proj[to] += l;
+            .find(|&c| packed.projected[c] + l <= limit)
+            .or_else(|| order.iter().copied().find(|&c| count[c] == 0))
+            .unwrap_or_else(|| least_loaded(&packed.projected, main));
+        packed.projected[to] += l;
         count[to] += 1;
-        targets[i] = to;
+        packed.targets[i] = to;
     }
-    let packed = Plan {
-        targets,
-        projected: proj,
-    };
     let best = if over_of(&packed) < over {
         packed
     } else {
-        kept
+        plan
     };
-    // Overloaded either way: move only for a clear gain over staying put
-    // (moving threads around an overloaded machine only adds churn).
-    let mut stay = Plan {
-        targets: threads.iter().map(|t| t.reactor).collect(),
-        projected: vec![0.0; n],
-    };
-    for t in threads.iter().filter(|t| t.reactor < n) {
-        stay.projected[t.reactor] += load(t);
-    }
-    if over_of(&best) < over_of(&stay) - CONSOLIDATE_MARGIN {
+    // An avoidable overload is avoided; an unavoidable one (the machine is
+    // full whatever the placement) moves threads only for a clear gain
+    // over staying put: shuffling a full machine only adds churn.
+    if over_of(&best) <= 0.0 || over_of(&best) < over_of(&stay) - CONSOLIDATE_MARGIN {
         best
     } else {
         stay
@@ -369,27 +413,11 @@ fn largest(n: usize, threads: &[ThreadLoad], targets: &[usize]) -> Vec<f64> {
     big
 }
 
-/// Where a thread that fits nowhere goes (its load alone passes the
-/// limit, or every reactor is full): a reactor with no thread yet if there
-/// is one (SPDK moves a busy thread off a core over the limit; alone, it
-/// delays no one), else the least loaded.
-fn no_fit(proj: &[f64], count: &[usize], saturated: &[bool], order: &[usize], cur: usize) -> usize {
-    if count.get(cur) == Some(&0) {
-        return cur;
-    }
-    order
-        .iter()
-        .copied()
-        .find(|&c| count[c] == 0 && !saturated[c])
-        .unwrap_or_else(|| least_loaded(proj, saturated, cur))
-}
-
-/// The least loaded reactor that may take a thread now on `cur` (`cur`
-/// itself wins ties, so a thread is not moved for nothing).
-fn least_loaded(proj: &[f64], saturated: &[bool], cur: usize) -> usize {
-    let mut best = cur.min(proj.len() - 1);
+/// The least loaded reactor (`pref` wins ties).
+fn least_loaded(proj: &[f64], pref: usize) -> usize {
+    let mut best = pref.min(proj.len() - 1);
     for (c, &p) in proj.iter().enumerate() {
-        if (c == cur || !saturated[c]) && p < proj[best] {
+        if p < proj[best] {
             best = c;
         }
     }
