@@ -194,3 +194,76 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
     assert!(s["threads_moved"].as_u64().unwrap() >= 2, "{s}");
     server.assert_healthy();
 }
+
+/// Connections of one volume are spread over the poll groups once their
+/// handshake names the volume: eight connections to two volumes opened
+/// alternately (which round-robin placement puts each volume's all in one
+/// group of two) end two per volume in each group; every
+/// connection, moved or not, reads back what it wrote; and fio verify
+/// with four connections to one volume passes.
+#[test]
+fn a_volumes_connections_spread_over_poll_groups() {
+    require("fio", "fio");
+    let mut server = Server::start(&["--cores", "0-1", "--volume", "a:64M", "--volume", "b:64M"]);
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        for export in ["a", "b"] {
+            let c = common::NbdClient::connect(server.addr(), export).expect("handshake");
+            clients.push((export, i, c));
+        }
+    }
+    let moved = |s: &Server| {
+        s.stderr()
+            .matches("connection moved to spread its volume")
+            .count()
+    };
+    let end = Instant::now() + Duration::from_secs(10);
+    while moved(&server) < 2 && Instant::now() < end {
+        // The moves trail the handshakes by a group iteration.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Round robin puts each volume's four in one group; spreading moves
+    // two of them (four when round robin started on the other group,
+    // which the server's start-up probe decides).
+    std::thread::sleep(Duration::from_millis(200));
+    let n = moved(&server);
+    assert!(n == 2 || n == 4, "{n} moves; log:\n{}", server.stderr());
+    for (export, i, c) in &mut clients {
+        let data = common::pattern(*i as u64 + 1, 64 << 10);
+        let offset = (*i as u64) << 20;
+        assert_eq!(c.write(offset, &data).expect("write"), 0, "{export}{i}");
+        assert_eq!(
+            c.read(offset, data.len() as u32).expect("read"),
+            Ok(data),
+            "{export}{i}"
+        );
+    }
+    for (_, _, c) in clients {
+        c.disconnect();
+    }
+    let out = Command::new("fio")
+        .args([
+            "--name=spread",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/a", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            "--numjobs=4",
+            "--size=8M",
+            "--offset_increment=8M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+        ])
+        .output()
+        .expect("run fio");
+    assert!(
+        out.status.success(),
+        "fio verify failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.assert_healthy();
+}

@@ -128,6 +128,17 @@ impl Connection for Conn {
     fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus {
         self.run(t, now, greeting_expired)
     }
+
+    /// The export, once the handshake chose it: a volume's connections are
+    /// spread over the poll groups.
+    fn affinity(&self) -> Option<String> {
+        match &self.phase {
+            Phase::Transmission { volume, .. } if !self.link.is_closing() => {
+                Some(volume.name.clone())
+            }
+            _ => None,
+        }
+    }
 }
 
 impl wire::Protocol for Conn {

@@ -121,6 +121,13 @@ pub trait Connection: Send + 'static {
     /// is dropped when the call returns. Never `t.exit()`: the thread is
     /// the group's.
     fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus;
+    /// What the connection serves, once it is known (an NBD export after
+    /// the handshake): connections of one volume are spread over the poll
+    /// groups, so that a busy volume can use several cores. `None` keeps
+    /// the connection where it was placed.
+    fn affinity(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A server's name (for threads, pollers and log lines) and its limits.
@@ -135,9 +142,13 @@ pub struct Limits {
 }
 
 struct Entry {
-    /// The poll group the connection is in.
+    /// The poll group the connection is in (or moving to), and its index.
     group: ThreadHandle,
+    group_index: usize,
+    /// `None` while it starts or moves between groups.
     poller: Option<PollerId>,
+    /// What it serves ([`Connection::affinity`]), once known.
+    key: Option<String>,
 }
 
 /// The live connections of one server.
@@ -351,7 +362,7 @@ fn accept_some<L: Listener, C: Connection>(
     t: &mut Thread,
     listener: &L,
     conns: &Arc<Connections>,
-    groups: &[ThreadHandle],
+    groups: &Arc<Vec<ThreadHandle>>,
     make: &(dyn Fn(L::Stream) -> C + Send + Sync),
 ) -> PollStatus {
     let name = conns.limits.name;
@@ -410,25 +421,29 @@ fn place_connection<C: Connection>(
     conn: C,
     peer: String,
     conns: &Arc<Connections>,
-    groups: &[ThreadHandle],
+    groups: &Arc<Vec<ThreadHandle>>,
 ) -> Result<(), lull_reactor::SendError> {
     let n = conns.accepted.fetch_add(1, Ordering::Relaxed);
     let id = n as u64;
-    let group = &groups[n % groups.len()];
+    let group_index = n % groups.len();
+    let group = &groups[group_index];
     // In the table before it runs, so that a stop sees it; the registration
     // takes it out again on every path, a refused start included.
     conns.lock().insert(
         id,
         Entry {
             group: group.clone(),
+            group_index,
             poller: None,
+            key: None,
         },
     );
     let registration = Registration {
         conns: conns.clone(),
         id,
     };
-    group.send(move |t| start_connection(t, conn, peer, registration))
+    let groups = groups.clone();
+    group.send(move |t| start_connection(t, conn, peer, registration, groups))
 }
 
 fn start_connection<C: Connection>(
@@ -436,6 +451,7 @@ fn start_connection<C: Connection>(
     mut conn: C,
     peer: String,
     registration: Registration,
+    groups: Arc<Vec<ThreadHandle>>,
 ) {
     let conns = registration.conns.clone();
     let conn_id = registration.id;
@@ -445,13 +461,20 @@ fn start_connection<C: Connection>(
     let greeted = conn.greeted();
     let expired = Arc::new(AtomicBool::new(false));
     let expired_seen = expired.clone();
+    let mut spread = false;
     let poller = t.register_poller(
         &format!("{name}-conn"),
         PollerKind::Active,
         &[(fd, interest)],
         Box::new(move |t, now| {
-            let _keep = &registration;
-            conn.poll(t, now, expired_seen.load(Ordering::Relaxed))
+            let status = conn.poll(t, now, expired_seen.load(Ordering::Relaxed));
+            if !spread {
+                if let Some(key) = conn.affinity() {
+                    spread = true;
+                    spread_by_affinity(t, &registration, key, &groups);
+                }
+            }
+            status
         }),
     );
     let id = match poller {
@@ -487,4 +510,119 @@ fn start_connection<C: Connection>(
         tracing::warn!(server = name, peer = %peer, error = %e, "no greeting deadline for this connection");
     }
     tracing::debug!(server = name, peer = %peer, group = t.name(), conn = conn_id, "connection accepted");
+}
+
+/// A connection learnt what it serves: if its group holds more of that
+/// volume's connections than another group does, move it there (between
+/// two runs of its group, by a message to the group itself). Groups sit on
+/// different reactors, or can be moved apart by the scheduler when they
+/// get busy; connections of one volume in one group could never be.
+fn spread_by_affinity(
+    t: &mut Thread,
+    registration: &Registration,
+    key: String,
+    groups: &Arc<Vec<ThreadHandle>>,
+) {
+    let Some(me) = t.current_poller() else {
+        return;
+    };
+    let conns = registration.conns.clone();
+    let conn_id = registration.id;
+    let mut table = conns.lock();
+    let mut counts = vec![0usize; groups.len()];
+    for (id, e) in table.iter() {
+        if *id != conn_id && e.key.as_deref() == Some(key.as_str()) {
+            counts[e.group_index] += 1;
+        }
+    }
+    let Some(entry) = table.get_mut(&conn_id) else {
+        return;
+    };
+    entry.key = Some(key);
+    let here = entry.group_index;
+    // The emptiest group; staying wins ties.
+    let best = (0..groups.len())
+        .min_by_key(|&g| (counts[g], g != here))
+        .unwrap_or(here);
+    if counts[best] >= counts[here] || conns.stopping() {
+        return;
+    }
+    // Counted in its new group at once, so that connections deciding
+    // meanwhile see it there.
+    entry.group_index = best;
+    entry.group = groups[best].clone();
+    entry.poller = None;
+    drop(table);
+    let target = groups[best].clone();
+    let back = t.handle();
+    let sent = back.send(move |t| move_connection(t, me, here, best, target, conns, conn_id));
+    if sent.is_err() {
+        tracing::warn!(group = t.name(), "cannot queue a connection move; it stays");
+    }
+}
+
+/// Detach the connection's poller from this group and attach it to
+/// `target` (group `to`); if `target` cannot take it, it stays (group
+/// `from`).
+fn move_connection(
+    t: &mut Thread,
+    poller: PollerId,
+    from: usize,
+    to: usize,
+    target: ThreadHandle,
+    conns: Arc<Connections>,
+    conn_id: u64,
+) {
+    let Some(p) = t.detach_poller(poller) else {
+        // It finished meanwhile (its registration is gone with it).
+        return;
+    };
+    let slot = Arc::new(Mutex::new(Some(p)));
+    let taken = slot.clone();
+    let c = conns.clone();
+    let sent = target.send(move |t| {
+        let Some(p) = taken.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return;
+        };
+        attach_connection(t, p, &c, conn_id, to);
+    });
+    if sent.is_err() {
+        let p = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(p) = p {
+            if let Some(e) = conns.lock().get_mut(&conn_id) {
+                e.group_index = from;
+                e.group = t.handle();
+            }
+            attach_connection(t, p, &conns, conn_id, from);
+        }
+    } else {
+        tracing::info!(
+            server = conns.limits.name,
+            conn = conn_id,
+            from,
+            to,
+            "connection moved to spread its volume over poll groups"
+        );
+    }
+}
+
+fn attach_connection(
+    t: &mut Thread,
+    p: lull_reactor::DetachedPoller,
+    conns: &Arc<Connections>,
+    conn_id: u64,
+    group_index: usize,
+) {
+    match t.attach_poller(p) {
+        Ok(id) => {
+            if let Some(e) = conns.lock().get_mut(&conn_id) {
+                e.poller = Some(id);
+                e.group_index = group_index;
+            }
+        }
+        // The poller (and the connection) is dropped: it closes.
+        Err(e) => {
+            tracing::error!(server = conns.limits.name, error = %e, "cannot attach a moved connection; closing it")
+        }
+    }
 }

@@ -43,8 +43,8 @@ pub use reactor::{
 };
 pub use sys::Interest;
 pub use thread::{
-    Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread, ThreadHandle,
-    ThreadStats, MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
+    DetachedPoller, Message, PollFn, PollStatus, PollerId, PollerKind, Scope, SendError, Thread,
+    ThreadHandle, ThreadStats, MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
 };
 
 /// Errors of the reactor framework.

@@ -334,6 +334,21 @@ struct PollerSlot {
     entry: Option<PollerEntry>,
 }
 
+/// A poller between two threads ([`Thread::detach_poller`]); dropping it
+/// drops its closure (and what the closure owns).
+pub struct DetachedPoller {
+    name: String,
+    kind: PollerKind,
+    fds: Vec<(RawFd, Interest)>,
+    f: PollFn,
+}
+
+impl std::fmt::Debug for DetachedPoller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DetachedPoller({})", self.name)
+    }
+}
+
 /// Which pollers an iteration runs. In both, a poller with fds runs only
 /// when one of its fds is ready or it was woken: the cost of an iteration
 /// is the sources with work, not the sources.
@@ -684,6 +699,34 @@ impl Thread {
         }
         self.publish_poller_counts();
         true
+    }
+
+    /// Take a poller out of this thread, with its closure and its fds'
+    /// registrations, to [`Thread::attach_poller`] it to another (a
+    /// connection moving between poll groups). Not while it runs, is
+    /// paused or is an initiator: `None` then (and for a stale id).
+    pub fn detach_poller(&mut self, id: PollerId) -> Option<DetachedPoller> {
+        let e = self.entry_mut(id)?;
+        if e.f.is_none() || e.paused || e.initiator {
+            return None;
+        }
+        let f = e.f.take()?;
+        let detached = DetachedPoller {
+            name: std::mem::take(&mut e.name),
+            kind: e.kind,
+            fds: e.fds.clone(),
+            f,
+        };
+        self.unregister_poller(id);
+        Some(detached)
+    }
+
+    /// Register a poller taken from another thread; it runs at once (work
+    /// may have arrived while it moved).
+    pub fn attach_poller(&mut self, p: DetachedPoller) -> Result<PollerId, ReactorError> {
+        let id = self.register_poller(&p.name, p.kind, &p.fds, p.f)?;
+        self.wake_poller(id);
+        Ok(id)
     }
 
     /// The poller now running, for a callback that needs its own id (to wake
