@@ -34,19 +34,11 @@ use lull_reactor::{
     FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
 };
 
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, MAX_CLIENT_IOS};
+use crate::core::{
+    Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, CHANNEL_DEPTH, MAX_CHANNELS,
+    MAX_CLIENT_IOS,
+};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
-
-/// Channels (NBD connections) one volume serves at once. Bounds the
-/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
-/// open 1 to 16 connections per export.
-pub const MAX_CHANNELS: usize = 64;
-
-/// Requests one channel may have in the engine. At least the NBD
-/// connection's own limit (128), so the engine is never its bottleneck; a
-/// channel at its depth returns `BdevError::Full` and retries after its own
-/// next completion (which always comes: the count only counts its own).
-pub const CHANNEL_DEPTH: usize = 256;
 
 /// Entries in the shell's channel table: each open channel
 /// (`MAX_CHANNELS`) plus each closed one that still has requests in the
