@@ -34,6 +34,7 @@ use lull_reactor::{
     FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
 };
 
+use crate::core::ids::{ConnData, ReplicaData};
 use crate::core::{
     Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, CHANNEL_DEPTH, MAX_CHANNELS,
     MAX_CLIENT_IOS,
@@ -343,7 +344,8 @@ struct Shell {
     /// The timed poller driving timeouts, keep-alives and reconnects.
     tick: Option<PollerId>,
     this: std::sync::Weak<Mutex<Shell>>,
-    socks: Vec<Vec<Option<Sock>>>,
+    /// Each replica connection's socket, once connected.
+    socks: ReplicaData<ConnData<Option<Sock>>>,
     channels: SlotTable<ChanEntry>,
     to_notify: Vec<u64>,
     dirty: Vec<ConnRef>,
@@ -362,10 +364,7 @@ fn lock(m: &Mutex<Shell>) -> MutexGuard<'_, Shell> {
 
 impl Shell {
     fn sock(&mut self, c: ConnRef) -> Option<&mut Sock> {
-        self.socks
-            .get_mut(c.replica as usize)?
-            .get_mut(c.conn as usize)?
-            .as_mut()
+        self.socks.get_mut(c.replica)?.get_mut(c.conn)?.as_mut()
     }
 
     /// Feed one event to the core and perform everything that follows.
@@ -533,11 +532,11 @@ impl Shell {
         if let Err(e) = t.mark_initiator(poller) {
             tracing::warn!(volume = %self.volume, error = %e, "cannot mark a replica connection as initiator");
         }
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
-        while self.socks.len() <= r {
-            self.socks.push(Vec::new());
+        let (r, c) = (conn.replica, conn.conn);
+        while self.socks.len() <= r.get() {
+            self.socks.push(ConnData::new());
         }
-        while self.socks[r].len() <= c {
+        while self.socks[r].len() <= c.get() {
             self.socks[r].push(None);
         }
         if let Some(old) = self.socks[r][c].take() {
@@ -555,7 +554,7 @@ impl Shell {
     }
 
     fn close(&mut self, t: &mut Thread, conn: ConnRef) {
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let (r, c) = (conn.replica, conn.conn);
         let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else {
             return;
         };
@@ -622,7 +621,7 @@ impl Shell {
 
     fn on_socket(&mut self, t: &mut Thread, conn: ConnRef, now: u64) -> PollStatus {
         let mut frames = std::mem::take(&mut self.frames);
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let (r, c) = (conn.replica, conn.conn);
         let read = match self
             .socks
             .get_mut(r)
@@ -766,11 +765,9 @@ impl Shell {
     }
 
     fn shutdown(&mut self, t: &mut Thread) {
-        for r in 0..self.socks.len() {
-            for c in 0..self.socks[r].len() {
-                if let Some(sock) = self.socks[r][c].take() {
-                    t.unregister_poller(sock.poller);
-                }
+        for conns in &mut self.socks {
+            for sock in conns.iter_mut().filter_map(Option::take) {
+                t.unregister_poller(sock.poller);
             }
         }
         t.exit();
@@ -847,7 +844,7 @@ impl ReplicatedDev {
                 me: None,
                 tick: None,
                 this: weak.clone(),
-                socks: Vec::new(),
+                socks: ReplicaData::new(),
                 channels: SlotTable::new(CHANNEL_ENTRIES_MAX),
                 to_notify: Vec::new(),
                 dirty: Vec::new(),

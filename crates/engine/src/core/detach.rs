@@ -3,6 +3,7 @@
 
 use lull_proto::replica::{Header, Kind};
 
+use super::ids::{ReplicaId, ReplicaSet};
 use super::replicas::{RState, SubKind};
 use super::{Engine, LogLevel, Payload};
 
@@ -10,10 +11,10 @@ use super::{Engine, LogLevel, Payload};
 pub(super) enum Detach {
     /// Waiting for every request (client, MARK, CLEAR, rebuild) to finish.
     Draining,
-    /// FLUSH sent to the replicas in the mask.
-    Flushing(u32),
-    /// DETACH sent to the replicas in the mask.
-    Detaching(u32),
+    /// FLUSH sent to these replicas, not yet answered.
+    Flushing(ReplicaSet),
+    /// DETACH sent to these replicas, not yet answered.
+    Detaching(ReplicaSet),
     Done,
 }
 
@@ -52,20 +53,22 @@ impl Engine {
                 if self.client_ios() != 0 || self.bump.is_some() || busy {
                     return;
                 }
-                let mask = self.send_to_healthy(Kind::Flush);
-                self.detach = Some(Detach::Flushing(mask));
+                let sent = self.send_to_healthy(Kind::Flush);
+                self.detach = Some(Detach::Flushing(sent));
                 self.progress_detach();
             }
-            Detach::Flushing(0) if self.bump.is_none() => {
-                let mask = self.send_to_healthy(Kind::Detach);
-                self.detach = Some(Detach::Detaching(mask));
+            Detach::Flushing(waiting) if waiting.is_empty() && self.bump.is_none() => {
+                let sent = self.send_to_healthy(Kind::Detach);
+                self.detach = Some(Detach::Detaching(sent));
                 self.progress_detach();
             }
-            Detach::Detaching(0) => {
+            Detach::Detaching(waiting) if waiting.is_empty() => {
                 self.detach = Some(Detach::Done);
-                let clean: Vec<String> = (0..self.replicas.len())
-                    .filter(|&i| self.replicas[i].state == RState::Healthy)
-                    .map(|i| self.replicas[i].addr.to_string())
+                let clean: Vec<String> = self
+                    .replicas
+                    .iter()
+                    .filter(|r| r.state == RState::Healthy)
+                    .map(|r| r.addr.to_string())
                     .collect();
                 if clean.is_empty() {
                     self.log(
@@ -87,25 +90,25 @@ impl Engine {
         }
     }
 
-    /// Send `kind` (FLUSH or DETACH) to every healthy replica; the mask of
+    /// Send `kind` (FLUSH or DETACH) to every healthy replica; the set of
     /// those it went to (one without a free slot is failed: nothing else
     /// is in flight at this point, so that cannot happen to a live one).
-    fn send_to_healthy(&mut self, kind: Kind) -> u32 {
-        let mut mask = 0;
-        for r in 0..self.replicas.len() {
+    fn send_to_healthy(&mut self, kind: Kind) -> ReplicaSet {
+        let mut sent = ReplicaSet::EMPTY;
+        for r in self.replicas.ids() {
             if self.replicas[r].state != RState::Healthy {
                 continue;
             }
             if self.send_any(r, SubKind::Detach, kind, 0, 0, Payload::None) {
-                mask |= 1 << r;
+                sent.insert(r);
             } else {
                 self.fail_replica(r, &format!("no slot for {kind:?} at detach"), false);
             }
         }
-        mask
+        sent
     }
 
-    pub(super) fn on_detach_reply(&mut self, r: usize, h: Header) {
+    pub(super) fn on_detach_reply(&mut self, r: ReplicaId, h: Header) {
         if h.status != 0 {
             return self.fail_replica(
                 r,
@@ -114,7 +117,7 @@ impl Engine {
             );
         }
         if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
-            *m &= !(1u32 << r);
+            m.remove(r);
         }
     }
 

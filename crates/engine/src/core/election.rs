@@ -4,6 +4,7 @@
 
 use lull_proto::replica::{self as wire, Hello, Kind, HELLO_LEN};
 
+use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::{count_bits, has_bit};
 use super::replicas::{RState, SubKind};
 use super::{Engine, LogLevel, Payload};
@@ -48,7 +49,7 @@ impl Engine {
         let Some(b) = &self.bump else { return };
         let generation = b.generation;
         let mut done = true;
-        for r in 0..self.replicas.len() {
+        for r in self.replicas.ids() {
             let rep = &self.replicas[r];
             if rep.state != RState::Healthy || rep.attached_gen >= generation {
                 continue;
@@ -89,14 +90,16 @@ impl Engine {
     }
 
     pub(super) fn maybe_elect(&mut self) {
-        if self.healthy_mask() != 0 {
+        if !self.healthy_set().is_empty() {
             self.election_start_ns = None;
             return;
         }
-        let live: Vec<usize> = (0..self.replicas.len())
+        let live: Vec<ReplicaId> = self
+            .replicas
+            .ids()
             .filter(|&i| self.replicas[i].state != RState::Removed)
             .collect();
-        let candidates: Vec<usize> = live
+        let candidates: Vec<ReplicaId> = live
             .iter()
             .copied()
             .filter(|&i| {
@@ -160,15 +163,15 @@ impl Engine {
         // one of them was detached cleanly are they also equal everywhere
         // else; otherwise a dead engine may have left a write on some of
         // them, inside the union of their write-intent bitmaps.
-        let peers: Vec<usize> = live
+        let peers: ReplicaSet = live
             .iter()
             .copied()
             .filter(|&i| {
                 self.replicas[i].state == RState::Probed && self.replicas[i].generation == sgen
             })
             .collect();
-        let all_clean = peers.iter().all(|&i| self.replicas[i].clean);
-        let union = (!all_clean).then(|| self.intent_union(&peers));
+        let all_clean = peers.iter().all(|i| self.replicas[i].clean);
+        let union = (!all_clean).then(|| self.intent_union(peers));
         let mut healthy = Vec::new();
         let mut reconciling = Vec::new();
         for &i in &live {
@@ -176,12 +179,12 @@ impl Engine {
                 continue;
             }
             self.replicas[i].intent = None;
-            if i == source || (all_clean && peers.contains(&i)) {
+            if i == source || (all_clean && peers.contains(i)) {
                 self.replicas[i].state = RState::Healthy;
                 healthy.push(self.replicas[i].addr.to_string());
             } else {
                 self.replicas[i].state = RState::Rebuilding;
-                if peers.contains(&i) {
+                if peers.contains(i) {
                     self.replicas[i].reconcile = union.clone();
                     reconciling.push(self.replicas[i].addr.to_string());
                 }
@@ -216,12 +219,11 @@ impl Engine {
     /// The union of the write-intent bitmaps of `peers` (a missing or lost
     /// record counts as every region), and the region masks set from it:
     /// each region's bit is durable on the peers that reported it.
-    fn intent_union(&mut self, peers: &[usize]) -> Vec<u8> {
+    fn intent_union(&mut self, peers: ReplicaSet) -> Vec<u8> {
         let n = self.regions.len();
         let mut union = vec![0u8; n.div_ceil(8)];
         let now = self.now;
-        for &i in peers {
-            let bit = 1u32 << i;
+        for i in peers.iter() {
             let addr = self.replicas[i].addr;
             let lost = self.replicas[i].intent_lost
                 || self.replicas[i]
@@ -244,7 +246,7 @@ impl Engine {
                     union[g / 8] |= 1 << (g % 8);
                     // A lost record is all ones in the replica's memory
                     // and again after its restart: as good as durable.
-                    region.marked |= bit;
+                    region.marked.insert(i);
                     region.last_write_ns = now;
                 }
             }

@@ -6,6 +6,7 @@
 use lull_bdev::IoBuf;
 use lull_proto::replica::{self as wire, Header, Kind};
 
+use super::ids::{ReplicaId, ReplicaSet};
 use super::io::IoId;
 use super::replicas::{RState, Sub, SubKind};
 use super::{Engine, LogLevel, Payload};
@@ -27,12 +28,12 @@ pub const MAX_CLEARS_PER_TICK: usize = 32;
 pub(super) struct Region {
     /// Replicas whose bit for this region is durable (MARK answered, or
     /// reported by INTENT_GET before the election).
-    pub(super) marked: u32,
+    pub(super) marked: ReplicaSet,
     /// Replicas with a MARK of it in flight.
-    pub(super) marking: u32,
+    pub(super) marking: ReplicaSet,
     /// Replicas with a CLEAR of it in flight; writes to it wait meanwhile,
     /// or a CLEAR overtaken by a write's MARK could erase that MARK.
-    pub(super) clearing: u32,
+    pub(super) clearing: ReplicaSet,
     /// Modifying client requests in flight over it.
     pub(super) writes: u32,
     /// When the last of them finished.
@@ -84,7 +85,7 @@ impl Engine {
 
     /// INTENT_MARK or INTENT_CLEAR of regions `[start, end)` to replica `r`;
     /// false when it has no free slot.
-    fn send_intent(&mut self, r: usize, kind: Kind, start: usize, end: usize) -> bool {
+    fn send_intent(&mut self, r: ReplicaId, kind: Kind, start: usize, end: usize) -> bool {
         let count = (end - start) as u32;
         self.send_any(r, SubKind::Intent, kind, start as u64, count, Payload::None)
     }
@@ -92,21 +93,18 @@ impl Engine {
     /// Whether regions `first..=last` have a durable write-intent bit on
     /// every replica of `need` and no CLEAR in flight. If not, sends the
     /// MARKs that are missing (once; their replies call `progress` again).
-    pub(super) fn ensure_marked(&mut self, first: usize, last: usize, need: u32) -> bool {
+    pub(super) fn ensure_marked(&mut self, first: usize, last: usize, need: ReplicaSet) -> bool {
         if self.regions[first..=last]
             .iter()
-            .all(|x| x.clearing == 0 && x.marked & need == need)
+            .all(|x| x.clearing.is_empty() && x.marked.contains_all(need))
         {
             return true;
         }
-        for r in 0..self.replicas.len() {
-            let bit = 1u32 << r;
-            if need & bit == 0 {
-                continue;
-            }
+        for r in need.iter() {
             // A region being cleared is marked only once the CLEAR is
             // answered: on another connection the MARK could overtake it.
-            let missing = |x: &Region| (x.marked | x.marking) & bit == 0 && x.clearing == 0;
+            let missing =
+                |x: &Region| !x.marked.union(x.marking).contains(r) && x.clearing.is_empty();
             let mut from = first;
             while let Some((start, end)) = self.region_run(from, last + 1, missing) {
                 if !self.send_intent(r, Kind::IntentMark, start, end) {
@@ -114,7 +112,7 @@ impl Engine {
                     return false;
                 }
                 for x in &mut self.regions[start..end] {
-                    x.marking |= bit;
+                    x.marking.insert(r);
                 }
                 from = end;
             }
@@ -166,15 +164,14 @@ impl Engine {
         }
         let now = self.now;
         let n = self.regions.len();
-        for r in 0..self.replicas.len() {
+        for r in self.replicas.ids() {
             if self.replicas[r].state != RState::Healthy {
                 continue;
             }
-            let bit = 1u32 << r;
             let quiet = |x: &Region| {
-                x.marked & bit != 0
+                x.marked.contains(r)
                     && x.writes == 0
-                    && x.marking == 0
+                    && x.marking.is_empty()
                     && now.saturating_sub(x.last_write_ns) >= INTENT_CLEAR_IDLE_NS
             };
             let mut from = 0;
@@ -186,15 +183,15 @@ impl Engine {
                     break;
                 }
                 for x in &mut self.regions[start..end] {
-                    x.marked &= !bit;
-                    x.clearing |= bit;
+                    x.marked.remove(r);
+                    x.clearing.insert(r);
                 }
                 from = end;
             }
         }
     }
 
-    pub(super) fn on_intent_reply(&mut self, r: usize, sub: Sub, h: Header) {
+    pub(super) fn on_intent_reply(&mut self, r: ReplicaId, sub: Sub, h: Header) {
         if h.status != 0 {
             return self.fail_replica(
                 r,
@@ -205,21 +202,20 @@ impl Engine {
                 false,
             );
         }
-        let bit = 1u32 << r;
         let (first, count) = (sub.offset as usize, sub.length as usize);
         let end = first.saturating_add(count).min(self.regions.len());
         for x in &mut self.regions[first.min(end)..end] {
             if sub.kind == Kind::IntentMark {
-                x.marking &= !bit;
-                x.marked |= bit;
+                x.marking.remove(r);
+                x.marked.insert(r);
             } else {
-                x.clearing &= !bit;
+                x.clearing.remove(r);
             }
         }
     }
 
     /// The INTENT_GET reply that completes a probe.
-    pub(super) fn on_intent_get_reply(&mut self, r: usize, h: Header, payload: Option<IoBuf>) {
+    pub(super) fn on_intent_get_reply(&mut self, r: ReplicaId, h: Header, payload: Option<IoBuf>) {
         if h.status != 0 {
             if let Some(b) = payload {
                 self.pool.put(b);
@@ -254,7 +250,7 @@ impl Engine {
         let (addr, generation, clean, lost) =
             (rep.addr, rep.generation, rep.clean, rep.intent_lost);
         let marked = self.replicas[r].intent.as_deref().map_or(0, count_bits);
-        if self.healthy_mask() != 0 {
+        if !self.healthy_set().is_empty() {
             self.replicas[r].state = RState::Rebuilding;
             self.replicas[r].reconcile = None;
             self.log(

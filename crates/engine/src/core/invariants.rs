@@ -14,7 +14,7 @@ impl Engine {
         self.ios.check_invariants();
         let slot = |id: IoId| SlotId::from_wire(id).index();
         let mut subs_of = vec![0u32; self.ios.allocated()];
-        for (ri, r) in self.replicas.iter().enumerate() {
+        for (ri, r) in self.replicas.iter_with_ids() {
             for c in &r.conns {
                 c.slots.check_invariants();
                 if c.state == CState::Down {
@@ -75,7 +75,7 @@ impl Engine {
             assert_eq!(self.replicas[rb.source].state, RState::Healthy);
             assert!(rb.cursor <= self.size_bytes);
         }
-        if self.healthy_mask() == 0 {
+        if self.healthy_set().is_empty() {
             assert!(
                 self.deferred.is_empty(),
                 "acks deferred with no healthy replica"
@@ -84,7 +84,7 @@ impl Engine {
         // Write intent: masks only name live replicas; a bit is marked,
         // being marked or being cleared, one at a time; `writes` counts
         // exactly the dispatched writes over the region.
-        let live = self.write_mask();
+        let live = self.write_set();
         let mut writes = vec![0u32; self.regions.len()];
         for (_, io) in self.ios.iter().filter(|(_, io)| io.in_regions) {
             let (first, last) = self.region_span(io.offset, u64::from(io.len));
@@ -93,26 +93,23 @@ impl Engine {
             }
         }
         for (g, x) in self.regions.iter().enumerate() {
-            assert_eq!(
-                (x.marked | x.marking | x.clearing) & !live,
-                0,
+            assert!(
+                live.contains_all(x.marked.union(x.marking).union(x.clearing)),
                 "region {g}: bit of a replica outside the write set"
             );
-            assert_eq!(
-                x.marked & x.marking,
-                0,
+            assert!(
+                !x.marked.intersects(x.marking),
                 "region {g}: marked and being marked"
             );
-            assert_eq!(
-                x.marked & x.clearing,
-                0,
+            assert!(
+                !x.marked.intersects(x.clearing),
                 "region {g}: marked and being cleared"
             );
             assert_eq!(x.writes, writes[g], "region {g}: write count");
         }
         // Every write in flight to a replica lies in regions whose bit is
         // durable on that replica: the property reconcile relies on.
-        for (ri, r) in self.replicas.iter().enumerate() {
+        for (ri, r) in self.replicas.iter_with_ids() {
             for c in &r.conns {
                 for (_, s) in c.slots.iter() {
                     let SubKind::Client(id) = s.what else {
@@ -124,7 +121,7 @@ impl Engine {
                     let (first, last) = self.region_span(io.offset, u64::from(io.len));
                     for (g, x) in self.regions[first..=last].iter().enumerate() {
                         assert!(
-                            x.marked & (1 << ri) != 0,
+                            x.marked.contains(ri),
                             "write to replica {ri} in region {} without its intent bit",
                             first + g
                         );

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use lull_bdev::{BdevError, IoBuf, IoOp};
 use lull_proto::replica::{self as wire, Header, Kind};
 
+use super::ids::{ConnId, ReplicaId, ReplicaSet};
 use super::rebuild::Rebuild;
 use super::replicas::{Sub, SubKind};
 use super::{Action, ClientReq, Engine, Payload, MAX_CLIENT_IOS, MAX_REPLICAS};
@@ -37,7 +38,7 @@ pub(super) struct ClientIo {
     pub(super) len: u32,
     data: IoData,
     pub(super) outstanding: u32,
-    pub(super) acked: u32,
+    pub(super) acked: ReplicaSet,
     /// WRITE_ZEROES with FUA: a FLUSH follows (the wire has no FUA for it).
     pub(super) flush_after: bool,
     /// Counted in its regions' `writes` (from dispatch to its last reply).
@@ -153,7 +154,7 @@ impl Engine {
             len: req.len,
             data,
             outstanding: 0,
-            acked: 0,
+            acked: ReplicaSet::EMPTY,
             flush_after,
             in_regions: false,
         }) else {
@@ -201,18 +202,18 @@ impl Engine {
         // Every replica it went to has answered: nothing of it is in
         // flight in its regions any more.
         self.release_regions(id);
-        let healthy = self.healthy_mask();
+        let healthy = self.healthy_set();
         let Some(io) = self.ios.get_mut(id) else {
             return;
         };
-        if io.acked & healthy == 0 {
+        if !io.acked.intersects(healthy) {
             self.finish_io(id, Err(eio("no healthy replica acknowledged the request")));
             return;
         }
         if io.flush_after {
             io.flush_after = false;
             io.op = IoOp::Flush;
-            io.acked = 0;
+            io.acked = ReplicaSet::EMPTY;
             if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
                 self.writes_in_flight.swap_remove(p);
             }
@@ -233,8 +234,8 @@ impl Engine {
     /// must wait (slots full, overlap with a write in flight or the rebuild
     /// lock), or it waits only for its regions' MARKs.
     fn dispatch(&mut self, id: IoId) -> Dispatch {
-        let healthy = self.healthy_mask();
-        if healthy == 0 {
+        let healthy = self.healthy_set();
+        if healthy.is_empty() {
             self.finish_io(id, Err(eio("no healthy replica")));
             return Dispatch::Done;
         }
@@ -245,8 +246,8 @@ impl Engine {
         if matches!(op, IoOp::Read) {
             let n = self.replicas.len();
             for k in 0..n {
-                let r = (self.read_rr + k) % n;
-                if healthy & (1 << r) == 0 {
+                let r = ReplicaId::new((self.read_rr + k) % n);
+                if !healthy.contains(r) {
                     continue;
                 }
                 if self.send_any(
@@ -257,7 +258,7 @@ impl Engine {
                     len,
                     Payload::None,
                 ) {
-                    self.read_rr = (r + 1) % n;
+                    self.read_rr = (r.get() + 1) % n;
                     if let Some(io) = self.ios.get_mut(id) {
                         io.outstanding = 1;
                     }
@@ -285,7 +286,7 @@ impl Engine {
                 }
             }
         }
-        let targets = self.write_mask();
+        let targets = self.write_set();
         if modifies {
             let (first, last) = self.region_span(offset, u64::from(len));
             if !self.ensure_marked(first, last, targets) {
@@ -293,13 +294,11 @@ impl Engine {
             }
         }
         // All or nothing: every target needs a free slot now.
-        let mut conns = [usize::MAX; MAX_REPLICAS];
-        for (r, slot) in conns.iter_mut().enumerate().take(self.replicas.len()) {
-            if targets & (1 << r) != 0 {
-                match self.pick_conn(r) {
-                    Some(c) => *slot = c,
-                    None => return Dispatch::Wait,
-                }
+        let mut conns: [Option<ConnId>; MAX_REPLICAS] = [None; MAX_REPLICAS];
+        for r in targets.iter() {
+            match self.pick_conn(r) {
+                Some(c) => conns[r.get()] = Some(c),
+                None => return Dispatch::Wait,
             }
         }
         let (kind, payload_buf) = match (&self.ios.get(id).map(|i| &i.data), op) {
@@ -321,10 +320,10 @@ impl Engine {
             (offset, len)
         };
         let mut sent = 0;
-        for (r, &c) in conns.iter().enumerate().take(self.replicas.len()) {
-            if c == usize::MAX {
+        for r in targets.iter() {
+            let Some(c) = conns[r.get()] else {
                 continue;
-            }
+            };
             let payload = match &payload_buf {
                 Some(b) => Payload::Data {
                     buf: b.clone(),
@@ -338,7 +337,7 @@ impl Engine {
         }
         if let Some(io) = self.ios.get_mut(id) {
             io.outstanding = sent;
-            io.acked = 0;
+            io.acked = ReplicaSet::EMPTY;
         }
         if modifies {
             self.writes_in_flight.push(id);
@@ -352,7 +351,7 @@ impl Engine {
 
     pub(super) fn on_client_reply(
         &mut self,
-        r: usize,
+        r: ReplicaId,
         sub: Sub,
         id: IoId,
         h: Header,
@@ -399,7 +398,7 @@ impl Engine {
         let Some(io) = self.ios.get_mut(id) else {
             return;
         };
-        io.acked |= 1 << r;
+        io.acked.insert(r);
         io.outstanding -= 1;
         if io.outstanding == 0 {
             self.io_subs_done(id);
@@ -409,7 +408,7 @@ impl Engine {
     /// The first pending write waits for MARKs: send those of the writes
     /// queued behind it too, so the replicas persist them in one go.
     fn mark_ahead(&mut self) {
-        let targets = self.write_mask();
+        let targets = self.write_set();
         let ahead: Vec<(u64, u64)> = self
             .pending
             .iter()

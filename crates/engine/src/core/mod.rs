@@ -117,6 +117,7 @@ use crate::{EngineOptions, ReplicaState, ReplicaStatus};
 
 use detach::Detach;
 use election::Bump;
+use ids::ReplicaData;
 use intent::Region;
 use io::{ClientIo, IoId};
 use rebuild::Rebuild;
@@ -131,7 +132,7 @@ pub use rebuild::{
 };
 
 /// Replicas one volume may have (configured plus added). Longhorn runs 3;
-/// the bound keeps replica sets in a `u32` bit mask.
+/// the bound keeps a [`ids::ReplicaSet`] in one `u32`.
 pub const MAX_REPLICAS: usize = 16;
 
 /// Channels (NBD connections) one volume serves at once. Bounds the
@@ -247,7 +248,7 @@ pub struct Engine {
     volume: String,
     size_bytes: u64,
     opts: EngineOptions,
-    replicas: Vec<Replica>,
+    replicas: ReplicaData<Replica>,
     ios: SlotTable<ClientIo>,
     pending: VecDeque<IoId>,
     writes_in_flight: Vec<IoId>,
@@ -296,7 +297,7 @@ impl Engine {
             volume: volume.to_string(),
             size_bytes,
             opts,
-            replicas: Vec::new(),
+            replicas: ReplicaData::new(),
             ios: SlotTable::new(MAX_CLIENT_IOS),
             pending: VecDeque::new(),
             writes_in_flight: Vec::new(),
@@ -354,7 +355,7 @@ impl Engine {
     pub fn start(&mut self, now_ns: u64, out: &mut Vec<Action>) {
         self.now = now_ns;
         self.started = true;
-        for r in 0..self.replicas.len() {
+        for r in self.replicas.ids() {
             self.connect(r);
         }
         out.append(&mut self.out);
@@ -411,8 +412,7 @@ impl Engine {
 
     pub fn status(&self) -> Vec<ReplicaStatus> {
         self.replicas
-            .iter()
-            .enumerate()
+            .iter_with_ids()
             .filter(|(_, r)| r.state != RState::Removed)
             .map(|(i, r)| ReplicaStatus {
                 addr: r.addr,
@@ -444,7 +444,7 @@ impl Engine {
     }
 
     pub fn healthy_count(&self) -> usize {
-        self.healthy_mask().count_ones() as usize
+        self.healthy_set().len()
     }
 
     /// Client requests held by the engine (queued, in flight or deferred).

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use lull_bdev::IoBuf;
 use lull_proto::replica::{self as wire, Header, Kind};
 
+use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::has_bit;
 use super::io::overlaps;
 use super::replicas::{RState, Sub, SubKind};
@@ -59,8 +60,8 @@ enum Step {
 
 pub(super) struct Rebuild {
     pub(super) run: u64,
-    pub(super) target: usize,
-    pub(super) source: usize,
+    pub(super) target: ReplicaId,
+    pub(super) source: ReplicaId,
     /// Reconcile: only these regions are copied (bitmap over write-intent
     /// regions); `None` copies the whole volume.
     pub(super) regions: Option<Vec<u8>>,
@@ -94,15 +95,10 @@ impl Engine {
         if self.rebuild.is_some() {
             return;
         }
-        let Some(target) = self
-            .replicas
-            .iter()
-            .position(|r| r.state == RState::Rebuilding)
-        else {
+        let Some(target) = self.replicas.position(|r| r.state == RState::Rebuilding) else {
             return;
         };
-        let healthy = self.healthy_mask();
-        let Some(source) = (0..self.replicas.len()).find(|&i| healthy & (1 << i) != 0) else {
+        let Some(source) = self.healthy_set().iter().next() else {
             return;
         };
         self.rebuild_runs += 1;
@@ -220,7 +216,7 @@ impl Engine {
                     // rebuilt in full anyway; one rule is simpler to
                     // check, and costs one MARK per region copied.)
                     let (first, last) = self.region_span(seg.offset, seg.len);
-                    if !self.ensure_marked(first, last, 1 << target) {
+                    if !self.ensure_marked(first, last, ReplicaSet::only(target)) {
                         return;
                     }
                     // The scan may be stale by now (a write may have landed in a
@@ -274,7 +270,7 @@ impl Engine {
 
     pub(super) fn on_rebuild_reply(
         &mut self,
-        r: usize,
+        r: ReplicaId,
         sub: Sub,
         run: u64,
         h: Header,
@@ -372,7 +368,7 @@ impl Engine {
     /// Turn an EXTENTS reply into hole and data segments over the scanned
     /// range. Every field is untrusted: ranges must be sorted, inside the
     /// scan, and the scan must move forward.
-    fn on_extents(&mut self, r: usize, sub: Sub, h: Header, ext: &[(u64, u64)]) {
+    fn on_extents(&mut self, r: ReplicaId, sub: Sub, h: Header, ext: &[(u64, u64)]) {
         let start = sub.offset;
         let end_req = sub.offset + u64::from(sub.length);
         let scan_end = h.offset;

@@ -10,6 +10,7 @@ use lull_net::slots::SlotTable;
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
 
 use super::detach::Detach;
+use super::ids::{ConnData, ConnId, ReplicaId, ReplicaSet};
 use super::io::{eio, IoId};
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
 use super::{Action, ConnRef, Engine, LogLevel, Payload, MAX_REPLICAS};
@@ -74,7 +75,7 @@ pub(super) struct Conn {
 pub(super) struct Replica {
     pub(super) addr: SocketAddr,
     pub(super) state: RState,
-    pub(super) conns: Vec<Conn>,
+    pub(super) conns: ConnData<Conn>,
     /// Last generation the replica reported or persisted for us.
     pub(super) generation: u64,
     pub(super) clean: bool,
@@ -95,7 +96,7 @@ pub(super) struct Replica {
 }
 
 impl Engine {
-    pub(super) fn push_replica(&mut self, addr: SocketAddr) -> usize {
+    pub(super) fn push_replica(&mut self, addr: SocketAddr) -> ReplicaId {
         let conns = (0..self.opts.connections_per_replica.max(1))
             .map(|_| Conn {
                 state: CState::Down,
@@ -123,11 +124,7 @@ impl Engine {
             intent_lost: false,
             reconcile: None,
         };
-        if let Some(i) = self
-            .replicas
-            .iter()
-            .position(|r| r.state == RState::Removed)
-        {
+        if let Some(i) = self.replicas.position(|r| r.state == RState::Removed) {
             let epochs: Vec<u32> = self.replicas[i].conns.iter().map(|c| c.epoch).collect();
             self.replicas[i] = r;
             for (c, e) in self.replicas[i].conns.iter_mut().zip(epochs) {
@@ -135,24 +132,23 @@ impl Engine {
             }
             i
         } else {
-            self.replicas.push(r);
-            self.replicas.len() - 1
+            self.replicas.push(r)
         }
     }
 
     // ---- replicas and connections ------------------------------------
 
-    pub(super) fn live_conn(&self, c: ConnRef) -> Option<usize> {
-        let r = self.replicas.get(c.replica as usize)?;
-        let conn = r.conns.get(c.conn as usize)?;
-        (conn.epoch == c.epoch && conn.state != CState::Down).then_some(c.replica as usize)
+    pub(super) fn live_conn(&self, c: ConnRef) -> Option<ReplicaId> {
+        let r = self.replicas.get(c.replica)?;
+        let conn = r.conns.get(c.conn)?;
+        (conn.epoch == c.epoch && conn.state != CState::Down).then_some(c.replica)
     }
 
     /// Whether the engine waits for this connection attempt (the shell
     /// drops sockets of attempts it gave up on).
     pub fn conn_connecting(&self, c: ConnRef) -> bool {
         self.live_conn(c).is_some()
-            && self.replicas[c.replica as usize].conns[c.conn as usize].state == CState::Connecting
+            && self.replicas[c.replica].conns[c.conn].state == CState::Connecting
     }
 
     /// Whether this connection is still in use.
@@ -160,19 +156,19 @@ impl Engine {
         self.live_conn(c).is_some()
     }
 
-    fn conn_ref(&self, r: usize, c: usize) -> ConnRef {
+    fn conn_ref(&self, r: ReplicaId, c: ConnId) -> ConnRef {
         ConnRef {
-            replica: r as u32,
-            conn: c as u32,
+            replica: r,
+            conn: c,
             epoch: self.replicas[r].conns[c].epoch,
         }
     }
 
-    pub(super) fn connect(&mut self, r: usize) {
+    pub(super) fn connect(&mut self, r: ReplicaId) {
         let now = self.now;
         let addr = self.replicas[r].addr;
         self.replicas[r].state = RState::Connecting;
-        for c in 0..self.replicas[r].conns.len() {
+        for c in self.replicas[r].conns.ids() {
             let conn = &mut self.replicas[r].conns[c];
             conn.epoch = conn.epoch.wrapping_add(1);
             conn.state = CState::Connecting;
@@ -219,7 +215,6 @@ impl Engine {
     pub(super) fn remove_replica(&mut self, addr: SocketAddr) {
         match self
             .replicas
-            .iter()
             .position(|r| r.addr == addr && r.state != RState::Removed)
         {
             Some(r) => self.fail_replica(r, "removed by the operator", true),
@@ -230,25 +225,25 @@ impl Engine {
         }
     }
 
-    pub(super) fn healthy_mask(&self) -> u32 {
-        self.mask_of(|s| s == RState::Healthy)
+    pub(super) fn healthy_set(&self) -> ReplicaSet {
+        self.set_of(|s| s == RState::Healthy)
     }
 
-    pub(super) fn write_mask(&self) -> u32 {
-        self.mask_of(|s| matches!(s, RState::Healthy | RState::Rebuilding))
+    pub(super) fn write_set(&self) -> ReplicaSet {
+        self.set_of(|s| matches!(s, RState::Healthy | RState::Rebuilding))
     }
 
-    fn mask_of(&self, f: impl Fn(RState) -> bool) -> u32 {
+    fn set_of(&self, f: impl Fn(RState) -> bool) -> ReplicaSet {
         self.replicas
-            .iter()
-            .enumerate()
+            .iter_with_ids()
             .filter(|(_, r)| f(r.state))
-            .fold(0, |m, (i, _)| m | (1 << i))
+            .map(|(i, _)| i)
+            .collect()
     }
 
     pub(super) fn on_conn_up(&mut self, c: ConnRef) {
         let Some(r) = self.live_conn(c) else { return };
-        let ci = c.conn as usize;
+        let ci = c.conn;
         if self.replicas[r].conns[ci].state != CState::Connecting {
             return;
         }
@@ -278,8 +273,8 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn send(
         &mut self,
-        r: usize,
-        c: usize,
+        r: ReplicaId,
+        c: ConnId,
         what: SubKind,
         kind: Kind,
         offset: u64,
@@ -317,13 +312,13 @@ impl Engine {
     }
 
     /// A connection of `r` (Up) with a free slot, spreading load round-robin.
-    pub(super) fn pick_conn(&mut self, r: usize) -> Option<usize> {
+    pub(super) fn pick_conn(&mut self, r: ReplicaId) -> Option<ConnId> {
         let rep = &mut self.replicas[r];
         let n = rep.conns.len();
         for k in 0..n {
-            let c = (rep.next_conn + k) % n;
+            let c = ConnId::new((rep.next_conn + k) % n);
             if rep.conns[c].state == CState::Up && !rep.conns[c].slots.is_full() {
-                rep.next_conn = (c + 1) % n;
+                rep.next_conn = (c.get() + 1) % n;
                 return Some(c);
             }
         }
@@ -332,7 +327,7 @@ impl Engine {
 
     pub(super) fn send_any(
         &mut self,
-        r: usize,
+        r: ReplicaId,
         what: SubKind,
         kind: Kind,
         offset: u64,
@@ -348,7 +343,7 @@ impl Engine {
     /// Fail replica `r`: close its connections, finish everything it had in
     /// flight (reads go to another replica, writes count it as not having
     /// the data), and leave the healthy set. No slot survives this.
-    pub(super) fn fail_replica(&mut self, r: usize, reason: &str, remove: bool) {
+    pub(super) fn fail_replica(&mut self, r: ReplicaId, reason: &str, remove: bool) {
         let was = self.replicas[r].state;
         if was == RState::Removed || (was == RState::Failed && !remove) {
             return;
@@ -375,25 +370,24 @@ impl Engine {
         }
         // Its bits are no longer known: a replica that comes back is
         // rebuilt in full, and marked again before it is written.
-        let bit = !(1u32 << r);
         for g in &mut self.regions {
-            g.marked &= bit;
-            g.marking &= bit;
-            g.clearing &= bit;
+            g.marked.remove(r);
+            g.marking.remove(r);
+            g.clearing.remove(r);
         }
         if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
-            *m &= bit;
+            m.remove(r);
         }
         // The healthy set shrank: acknowledgements wait for a new
         // generation on the replicas left, and that must hold before the
         // failed replica's requests are drained below, or a write that
         // completes by this very failure would be acknowledged while the
         // failed replica, which lacks it, still has the same generation.
-        if was == RState::Healthy && self.healthy_mask() != 0 {
+        if was == RState::Healthy && !self.healthy_set().is_empty() {
             self.start_bump();
         }
         let mut drained = Vec::new();
-        for c in 0..self.replicas[r].conns.len() {
+        for c in self.replicas[r].conns.ids() {
             if self.replicas[r].conns[c].state != CState::Down {
                 let cref = self.conn_ref(r, c);
                 self.out.push(Action::Close { conn: cref });
@@ -429,7 +423,7 @@ impl Engine {
             }
         }
         if was == RState::Healthy {
-            let healthy = self.healthy_mask().count_ones();
+            let healthy = self.healthy_set().len();
             if healthy == 0 {
                 self.on_no_healthy();
             } else {
@@ -450,7 +444,9 @@ impl Engine {
         for id in std::mem::take(&mut self.deferred) {
             self.finish_io(id, Err(eio("no healthy replica")));
         }
-        let rebuilding: Vec<usize> = (0..self.replicas.len())
+        let rebuilding: Vec<ReplicaId> = self
+            .replicas
+            .ids()
             .filter(|&i| self.replicas[i].state == RState::Rebuilding)
             .collect();
         for i in rebuilding {
@@ -459,7 +455,7 @@ impl Engine {
     }
 
     /// A request of replica `r` ended without a good reply.
-    pub(super) fn sub_failed(&mut self, r: usize, sub: Sub) {
+    pub(super) fn sub_failed(&mut self, r: ReplicaId, sub: Sub) {
         match sub.what {
             SubKind::Client(id) => {
                 let Some(io) = self.ios.get_mut(id) else {
@@ -492,7 +488,7 @@ impl Engine {
 
     // ---- frames ----------------------------------------------------------
 
-    pub(super) fn protocol_error(&mut self, r: usize, sub: Option<Sub>, why: String) {
+    pub(super) fn protocol_error(&mut self, r: ReplicaId, sub: Option<Sub>, why: String) {
         if let Some(sub) = sub {
             self.sub_failed(r, sub);
         }
@@ -506,7 +502,7 @@ impl Engine {
             }
             return;
         };
-        let ci = c.conn as usize;
+        let ci = c.conn;
         self.replicas[r].conns[ci].last_rx_ns = self.now;
         if !h.reply {
             return self.protocol_error(r, None, format!("replica sent a request ({:?})", h.kind));
@@ -571,7 +567,7 @@ impl Engine {
         }
     }
 
-    fn on_probe_reply(&mut self, r: usize, ci: usize, h: Header, payload: Option<IoBuf>) {
+    fn on_probe_reply(&mut self, r: ReplicaId, ci: ConnId, h: Header, payload: Option<IoBuf>) {
         let hello = match payload.as_ref().map(|b| wire::decode_hello(b.as_slice())) {
             Some(Ok(hello)) => hello,
             Some(Err(e)) => return self.protocol_error(r, None, format!("bad HELLO reply: {e}")),
@@ -653,7 +649,7 @@ impl Engine {
         let now = self.now;
         let timeout = self.opts.replica_timeout_ms.saturating_mul(1_000_000);
         let keepalive = self.opts.keepalive_interval_ms.saturating_mul(1_000_000);
-        for r in 0..self.replicas.len() {
+        for r in self.replicas.ids() {
             match self.replicas[r].state {
                 RState::Removed => continue,
                 RState::Failed => {
@@ -665,7 +661,7 @@ impl Engine {
                 _ => {}
             }
             let mut why = None;
-            for (ci, conn) in self.replicas[r].conns.iter().enumerate() {
+            for (ci, conn) in self.replicas[r].conns.iter_with_ids() {
                 if let Some((_, sub)) = conn
                     .slots
                     .iter()
@@ -689,7 +685,7 @@ impl Engine {
                 self.fail_replica(r, &why, false);
                 continue;
             }
-            for ci in 0..self.replicas[r].conns.len() {
+            for ci in self.replicas[r].conns.ids() {
                 let conn = &self.replicas[r].conns[ci];
                 if conn.state == CState::Up
                     && !conn.ping_out
