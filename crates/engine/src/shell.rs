@@ -25,14 +25,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
+use lull_bdev::{BdevError, BlockDevice, BufPool, Channel, IoBuf, IoCompletion, IoRequest};
 use lull_net::slots::SlotTable;
-use lull_net::{read_into, Fill, InBuf, OutQueue};
+use lull_net::wire::{Ended, Wire};
+use lull_net::OutPayload;
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
-use lull_reactor::{
-    FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
-};
+use lull_reactor::{FrameworkHandle, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
 
 use crate::core::ids::{ConnData, ReplicaData};
 use crate::core::{
@@ -51,6 +50,9 @@ const CHANNEL_ENTRIES_MAX: usize = MAX_CHANNELS + MAX_CLIENT_IOS;
 /// Tick period: the resolution of timeouts, keep-alives and reconnects.
 /// 100 ms is fine against second-scale timeouts and costs ~10 wake-ups/s.
 const TICK_US: u64 = 100_000;
+
+/// Why a replica connection ended when the replica closed it.
+const REPLICA_CLOSED: &str = "replica closed the connection";
 
 /// Socket input buffer: many small replies per read syscall; large read
 /// payloads go straight from the socket into their buffer.
@@ -228,16 +230,29 @@ enum Recv {
     },
 }
 
+/// A replica connection: the transport half is the servers' [`Wire`] (input
+/// buffer, framed output, interest, closing state) carrying the core's
+/// payloads; the frames it reads are events for the core, which decides
+/// about failures and reconnects (so it is not run by `wire::pump`).
 struct Sock {
-    stream: TcpStream,
+    link: Wire<TcpStream, Payload>,
     poller: PollerId,
-    inb: InBuf,
     recv: Recv,
-    out: OutQueue<Payload>,
-    interest: Interest,
+}
+
+/// The engine's frames carry shared write buffers or inline bytes: once
+/// written they are only dropped (the core returns client buffers on
+/// completion).
+impl OutPayload for Payload {
+    fn recycle(self, _: &mut BufPool) {}
 }
 
 impl Sock {
+    /// The reason this connection failed, once it has.
+    fn failed(&self) -> Option<String> {
+        self.link.closing_reason().map(str::to_string)
+    }
+
     /// Read and decode what the socket has, within the budget. Frames go to
     /// `frames`; an error (EOF, bad frame) ends the connection.
     fn read_frames(
@@ -245,6 +260,9 @@ impl Sock {
         engine: &mut Engine,
         frames: &mut Vec<(Header, Option<IoBuf>)>,
     ) -> Result<bool, String> {
+        if let Some(reason) = self.failed() {
+            return Err(reason);
+        }
         let mut budget = READ_BUDGET_BYTES;
         let mut progress = false;
         loop {
@@ -252,7 +270,7 @@ impl Sock {
             loop {
                 match &mut self.recv {
                     Recv::Header => {
-                        let Some(bytes) = self.inb.take(HEADER_LEN) else {
+                        let Some(bytes) = self.link.inb.take(HEADER_LEN) else {
                             break;
                         };
                         let mut raw = [0u8; HEADER_LEN];
@@ -276,19 +294,19 @@ impl Sock {
                         }
                     }
                     Recv::Payload { buf, filled, .. } => {
+                        // Buffered bytes first, then large payloads straight
+                        // from the socket; only the latter count against the
+                        // budget (buffered ones did when they were read).
                         let len = buf.len();
-                        *filled += self.inb.take_into(&mut buf.as_mut_slice()[*filled..len]);
-                        // Large payloads: straight from the socket.
-                        if *filled < len && self.inb.buffered() == 0 {
-                            match read_into(&mut self.stream, buf.as_mut_slice(), filled) {
-                                Ok(Fill::Read(n)) => {
-                                    progress = true;
-                                    budget = budget.saturating_sub(n);
-                                }
-                                Ok(Fill::Nothing) => {}
-                                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
-                                Err(e) => return Err(format!("read failed: {e}")),
+                        let direct = *filled + self.link.inb.buffered().min(len - *filled);
+                        match self.link.receive(buf.as_mut_slice(), filled) {
+                            Ok(_) if *filled > direct => {
+                                progress = true;
+                                budget = budget.saturating_sub(*filled - direct);
                             }
+                            Ok(_) => {}
+                            Err(Ended::Eof) => return Err(REPLICA_CLOSED.into()),
+                            Err(Ended::Failed(e)) => return Err(format!("read failed: {e}")),
                         }
                         if *filled < len {
                             break;
@@ -304,26 +322,27 @@ impl Sock {
             if budget == 0 {
                 return Ok(progress);
             }
-            match self.inb.fill(&mut self.stream) {
-                Ok(Fill::Read(n)) => {
-                    progress = true;
-                    budget = budget.saturating_sub(n);
-                }
-                Ok(Fill::Nothing) => return Ok(progress),
-                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
-                Err(e) => return Err(format!("read failed: {e}")),
+            let n = self.link.fill(0, REPLICA_CLOSED);
+            if let Some(reason) = self.failed() {
+                return Err(reason);
             }
+            if n == 0 {
+                return Ok(progress);
+            }
+            progress = true;
+            budget = budget.saturating_sub(n);
         }
     }
 
-    /// Write queued frames; an error ends the connection.
-    fn flush(&mut self) -> Result<bool, String> {
-        // Payloads are shared write buffers or inline bytes: nothing to
-        // recycle here (the core returns client buffers on completion).
-        self.out
-            .write_to(&mut self.stream, drop)
-            .map(|n| n > 0)
-            .map_err(|e| e.to_string())
+    /// Write queued frames; an error ends the connection. Then wait for
+    /// writability only while output is queued.
+    fn flush(&mut self, t: &mut Thread) -> Result<bool, String> {
+        let moved = lull_net::bufs::with_pool(|pool| self.link.flush(pool));
+        self.link.update_interest(t, self.poller, None);
+        match self.failed() {
+            Some(reason) if self.link.is_broken() => Err(reason),
+            _ => Ok(moved),
+        }
     }
 }
 
@@ -403,7 +422,7 @@ impl Shell {
                 payload,
             } => {
                 let Some(sock) = self.sock(conn) else { return };
-                sock.out.push(&header, payload);
+                sock.link.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
                 }
@@ -507,10 +526,15 @@ impl Shell {
         };
         let fd = stream.as_raw_fd();
         let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
+        let peer = stream
+            .peer_addr()
+            .map_or_else(|_| "-".to_string(), |a| a.to_string());
+        let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
+        link.set_context(&name);
         let poller = t.register_poller(
             &name,
             PollerKind::Active,
-            &[(fd, Interest::READABLE)],
+            &[(fd, link.interest())],
             Box::new(move |t, now| lock(&shell).on_socket(t, conn, now)),
         );
         let poller = match poller {
@@ -543,12 +567,9 @@ impl Shell {
             t.unregister_poller(old.poller);
         }
         self.socks[r][c] = Some(Sock {
-            stream,
+            link,
             poller,
-            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             recv: Recv::Header,
-            out: OutQueue::default(),
-            interest: Interest::READABLE,
         });
         self.run(t, Event::ConnUp(conn), now);
     }
@@ -561,7 +582,7 @@ impl Shell {
         if let Some(sock) = slot.take() {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
-            let _ = sock.stream.shutdown(std::net::Shutdown::Both);
+            let _ = sock.link.stream.shutdown(std::net::Shutdown::Both);
             drop(sock);
         }
     }
@@ -598,19 +619,7 @@ impl Shell {
         let Some(sock) = self.sock(conn) else {
             return false;
         };
-        let res = sock.flush();
-        let want = if sock.out.is_empty() {
-            Interest::READABLE
-        } else {
-            Interest::BOTH
-        };
-        let (poller, fd, had) = (sock.poller, sock.stream.as_raw_fd(), sock.interest);
-        if want != had && t.set_interest(poller, fd, want).is_ok() {
-            if let Some(s) = self.sock(conn) {
-                s.interest = want;
-            }
-        }
-        match res {
+        match sock.flush(t) {
             Ok(p) => p,
             Err(reason) => {
                 self.followups.push_back(Event::ConnDown { conn, reason });
