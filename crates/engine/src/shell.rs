@@ -566,11 +566,13 @@ impl Shell {
         if let Some(old) = self.socks[r][c].take() {
             t.unregister_poller(old.poller);
         }
-        self.socks[r][c] = Some(Sock {
+        let sock = self.socks[r][c].insert(Sock {
             link,
             poller,
             recv: Recv::Header,
         });
+        // A new wire waits for writability too; nothing is queued yet.
+        sock.link.update_interest(t, poller, None);
         self.run(t, Event::ConnUp(conn), now);
     }
 

@@ -334,23 +334,27 @@ mod tests {
     /// A scripted peer: `input` is what it sent, handed out in `reads`-sized
     /// pieces (0 = would block); writes are accepted `writes`-sized pieces
     /// at a time (0 = would block); `reset_after` bytes of traffic either
-    /// way, it resets.
+    /// way, it resets. Reads and writes walk their sizes separately (one
+    /// shared step let reads [1, 0] and writes [0, 1] always land on the
+    /// zeros: a peer that never moves, not a wire that hangs).
     struct Peer {
         input: Vec<u8>,
         pos: usize,
         reads: Vec<usize>,
         writes: Vec<usize>,
-        step: usize,
+        read_step: usize,
+        write_step: usize,
         written: Vec<u8>,
         traffic: usize,
         reset_after: Option<usize>,
     }
 
+    fn piece(sizes: &[usize], step: &mut usize) -> usize {
+        *step += 1;
+        sizes[*step % sizes.len()]
+    }
+
     impl Peer {
-        fn piece(&mut self, sizes: &[usize]) -> usize {
-            self.step += 1;
-            sizes[self.step % sizes.len()]
-        }
         fn reset(&self) -> bool {
             self.reset_after.is_some_and(|r| self.traffic >= r)
         }
@@ -364,9 +368,7 @@ mod tests {
             if self.pos == self.input.len() {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            let sizes = self.reads.clone();
-            let n = self
-                .piece(&sizes)
+            let n = piece(&self.reads, &mut self.read_step)
                 .min(buf.len())
                 .min(self.input.len() - self.pos);
             if n == 0 {
@@ -384,8 +386,7 @@ mod tests {
             if self.reset() {
                 return Err(io::ErrorKind::ConnectionReset.into());
             }
-            let sizes = self.writes.clone();
-            let n = self.piece(&sizes).min(buf.len());
+            let n = piece(&self.writes, &mut self.write_step).min(buf.len());
             if n == 0 {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
@@ -469,7 +470,8 @@ mod tests {
             pos: 0,
             reads,
             writes,
-            step: 0,
+            read_step: 0,
+            write_step: 0,
             written: Vec::new(),
             traffic: 0,
             reset_after: reset_at,

@@ -268,3 +268,36 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EngineOptions;
+
+    #[test]
+    fn region_spans_runs_and_bitmap_bytes() {
+        let mut e = Engine::new(
+            "v",
+            10 * 4096 + 512,
+            Vec::new(),
+            EngineOptions::default(),
+            1,
+        );
+        e.set_region_bytes(4096);
+        assert_eq!(e.regions.len(), 11);
+        assert_eq!(e.region_span(0, 1), (0, 0));
+        assert_eq!(e.region_span(4095, 2), (0, 1));
+        assert_eq!(e.region_span(10 * 4096, 512), (10, 10));
+        // The last region is short: it ends with the volume.
+        assert_eq!(e.region_end(10), 10 * 4096 + 512);
+        assert_eq!(e.bitmap_bytes(&[0b0000_0011, 0b0000_0100]), 2 * 4096 + 512);
+        let r = ReplicaId::new(0);
+        for g in [2, 3, 4, 7] {
+            e.regions[g].marked.insert(r);
+        }
+        let marked = |x: &Region| x.marked.contains(r);
+        assert_eq!(e.region_run(0, 11, marked), Some((2, 5)));
+        assert_eq!(e.region_run(5, 11, marked), Some((7, 8)));
+        assert_eq!(e.region_run(8, 11, marked), None);
+    }
+}

@@ -465,3 +465,24 @@ fn push_segments(segs: &mut VecDeque<Segment>, from: u64, to: u64, data: bool) {
         pos += len;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_cut_at_the_chunk_of_their_kind() {
+        let mut segs = VecDeque::new();
+        push_segments(&mut segs, 0, 2 * REBUILD_CHUNK_BYTES + 5, true);
+        let lens: Vec<u64> = segs.iter().map(|s| s.len).collect();
+        assert_eq!(lens, [REBUILD_CHUNK_BYTES, REBUILD_CHUNK_BYTES, 5]);
+        assert_eq!(segs[2].end(), 2 * REBUILD_CHUNK_BYTES + 5);
+        assert!(segs.iter().all(|s| s.data && !s.verified));
+        segs.clear();
+        push_segments(&mut segs, 7, 7, false);
+        assert!(segs.is_empty());
+        push_segments(&mut segs, 0, REBUILD_TRIM_BYTES + 1, false);
+        let holes: Vec<(u64, u64)> = segs.iter().map(|s| (s.offset, s.len)).collect();
+        assert_eq!(holes, [(0, REBUILD_TRIM_BYTES), (REBUILD_TRIM_BYTES, 1)]);
+    }
+}
