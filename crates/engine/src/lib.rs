@@ -27,7 +27,8 @@ mod sim;
 
 use std::net::SocketAddr;
 
-pub use shell::{ReplicatedDev, CHANNEL_DEPTH, MAX_CHANNELS};
+pub use core::{CHANNEL_DEPTH, MAX_CHANNELS};
+pub use shell::ReplicatedDev;
 
 /// Engine settings. Defaults follow Longhorn where it has a setting.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -25,28 +25,20 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use lull_bdev::{BdevError, BlockDevice, Channel, IoBuf, IoCompletion, IoRequest};
+use lull_bdev::{BdevError, BlockDevice, BufPool, Channel, IoBuf, IoCompletion, IoRequest};
 use lull_net::slots::SlotTable;
-use lull_net::{read_into, Fill, InBuf, OutQueue};
+use lull_net::wire::{Ended, Wire};
+use lull_net::OutPayload;
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
-use lull_reactor::{
-    FrameworkHandle, Interest, PollStatus, PollerId, PollerKind, Thread, ThreadHandle,
+use lull_reactor::{FrameworkHandle, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
+
+use crate::core::ids::{ConnData, ReplicaData};
+use crate::core::{
+    Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, CHANNEL_DEPTH, MAX_CHANNELS,
+    MAX_CLIENT_IOS,
 };
-
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, MAX_CLIENT_IOS};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
-
-/// Channels (NBD connections) one volume serves at once. Bounds the
-/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
-/// open 1 to 16 connections per export.
-pub const MAX_CHANNELS: usize = 64;
-
-/// Requests one channel may have in the engine. At least the NBD
-/// connection's own limit (128), so the engine is never its bottleneck; a
-/// channel at its depth returns `BdevError::Full` and retries after its own
-/// next completion (which always comes: the count only counts its own).
-pub const CHANNEL_DEPTH: usize = 256;
 
 /// Entries in the shell's channel table: each open channel
 /// (`MAX_CHANNELS`) plus each closed one that still has requests in the
@@ -58,6 +50,9 @@ const CHANNEL_ENTRIES_MAX: usize = MAX_CHANNELS + MAX_CLIENT_IOS;
 /// Tick period: the resolution of timeouts, keep-alives and reconnects.
 /// 100 ms is fine against second-scale timeouts and costs ~10 wake-ups/s.
 const TICK_US: u64 = 100_000;
+
+/// Why a replica connection ended when the replica closed it.
+const REPLICA_CLOSED: &str = "replica closed the connection";
 
 /// Socket input buffer: many small replies per read syscall; large read
 /// payloads go straight from the socket into their buffer.
@@ -235,16 +230,29 @@ enum Recv {
     },
 }
 
+/// A replica connection: the transport half is the servers' [`Wire`] (input
+/// buffer, framed output, interest, closing state) carrying the core's
+/// payloads; the frames it reads are events for the core, which decides
+/// about failures and reconnects (so it is not run by `wire::pump`).
 struct Sock {
-    stream: TcpStream,
+    link: Wire<TcpStream, Payload>,
     poller: PollerId,
-    inb: InBuf,
     recv: Recv,
-    out: OutQueue<Payload>,
-    interest: Interest,
+}
+
+/// The engine's frames carry shared write buffers or inline bytes: once
+/// written they are only dropped (the core returns client buffers on
+/// completion).
+impl OutPayload for Payload {
+    fn recycle(self, _: &mut BufPool) {}
 }
 
 impl Sock {
+    /// The reason this connection failed, once it has.
+    fn failed(&self) -> Option<String> {
+        self.link.closing_reason().map(str::to_string)
+    }
+
     /// Read and decode what the socket has, within the budget. Frames go to
     /// `frames`; an error (EOF, bad frame) ends the connection.
     fn read_frames(
@@ -252,6 +260,9 @@ impl Sock {
         engine: &mut Engine,
         frames: &mut Vec<(Header, Option<IoBuf>)>,
     ) -> Result<bool, String> {
+        if let Some(reason) = self.failed() {
+            return Err(reason);
+        }
         let mut budget = READ_BUDGET_BYTES;
         let mut progress = false;
         loop {
@@ -259,7 +270,7 @@ impl Sock {
             loop {
                 match &mut self.recv {
                     Recv::Header => {
-                        let Some(bytes) = self.inb.take(HEADER_LEN) else {
+                        let Some(bytes) = self.link.inb.take(HEADER_LEN) else {
                             break;
                         };
                         let mut raw = [0u8; HEADER_LEN];
@@ -283,19 +294,19 @@ impl Sock {
                         }
                     }
                     Recv::Payload { buf, filled, .. } => {
+                        // Buffered bytes first, then large payloads straight
+                        // from the socket; only the latter count against the
+                        // budget (buffered ones did when they were read).
                         let len = buf.len();
-                        *filled += self.inb.take_into(&mut buf.as_mut_slice()[*filled..len]);
-                        // Large payloads: straight from the socket.
-                        if *filled < len && self.inb.buffered() == 0 {
-                            match read_into(&mut self.stream, buf.as_mut_slice(), filled) {
-                                Ok(Fill::Read(n)) => {
-                                    progress = true;
-                                    budget = budget.saturating_sub(n);
-                                }
-                                Ok(Fill::Nothing) => {}
-                                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
-                                Err(e) => return Err(format!("read failed: {e}")),
+                        let direct = *filled + self.link.inb.buffered().min(len - *filled);
+                        match self.link.receive(buf.as_mut_slice(), filled) {
+                            Ok(_) if *filled > direct => {
+                                progress = true;
+                                budget = budget.saturating_sub(*filled - direct);
                             }
+                            Ok(_) => {}
+                            Err(Ended::Eof) => return Err(REPLICA_CLOSED.into()),
+                            Err(Ended::Failed(e)) => return Err(format!("read failed: {e}")),
                         }
                         if *filled < len {
                             break;
@@ -311,26 +322,27 @@ impl Sock {
             if budget == 0 {
                 return Ok(progress);
             }
-            match self.inb.fill(&mut self.stream) {
-                Ok(Fill::Read(n)) => {
-                    progress = true;
-                    budget = budget.saturating_sub(n);
-                }
-                Ok(Fill::Nothing) => return Ok(progress),
-                Ok(Fill::Eof) => return Err("replica closed the connection".into()),
-                Err(e) => return Err(format!("read failed: {e}")),
+            let n = self.link.fill(0, REPLICA_CLOSED);
+            if let Some(reason) = self.failed() {
+                return Err(reason);
             }
+            if n == 0 {
+                return Ok(progress);
+            }
+            progress = true;
+            budget = budget.saturating_sub(n);
         }
     }
 
-    /// Write queued frames; an error ends the connection.
-    fn flush(&mut self) -> Result<bool, String> {
-        // Payloads are shared write buffers or inline bytes: nothing to
-        // recycle here (the core returns client buffers on completion).
-        self.out
-            .write_to(&mut self.stream, drop)
-            .map(|n| n > 0)
-            .map_err(|e| e.to_string())
+    /// Write queued frames; an error ends the connection. Then wait for
+    /// writability only while output is queued.
+    fn flush(&mut self, t: &mut Thread) -> Result<bool, String> {
+        let moved = lull_net::bufs::with_pool(|pool| self.link.flush(pool));
+        self.link.update_interest(t, self.poller, None);
+        match self.failed() {
+            Some(reason) if self.link.is_broken() => Err(reason),
+            _ => Ok(moved),
+        }
     }
 }
 
@@ -351,7 +363,8 @@ struct Shell {
     /// The timed poller driving timeouts, keep-alives and reconnects.
     tick: Option<PollerId>,
     this: std::sync::Weak<Mutex<Shell>>,
-    socks: Vec<Vec<Option<Sock>>>,
+    /// Each replica connection's socket, once connected.
+    socks: ReplicaData<ConnData<Option<Sock>>>,
     channels: SlotTable<ChanEntry>,
     to_notify: Vec<u64>,
     dirty: Vec<ConnRef>,
@@ -370,10 +383,7 @@ fn lock(m: &Mutex<Shell>) -> MutexGuard<'_, Shell> {
 
 impl Shell {
     fn sock(&mut self, c: ConnRef) -> Option<&mut Sock> {
-        self.socks
-            .get_mut(c.replica as usize)?
-            .get_mut(c.conn as usize)?
-            .as_mut()
+        self.socks.get_mut(c.replica)?.get_mut(c.conn)?.as_mut()
     }
 
     /// Feed one event to the core and perform everything that follows.
@@ -412,7 +422,7 @@ impl Shell {
                 payload,
             } => {
                 let Some(sock) = self.sock(conn) else { return };
-                sock.out.push(&header, payload);
+                sock.link.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
                 }
@@ -516,10 +526,15 @@ impl Shell {
         };
         let fd = stream.as_raw_fd();
         let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
+        let peer = stream
+            .peer_addr()
+            .map_or_else(|_| "-".to_string(), |a| a.to_string());
+        let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
+        link.set_context(&name);
         let poller = t.register_poller(
             &name,
             PollerKind::Active,
-            &[(fd, Interest::READABLE)],
+            &[(fd, link.interest())],
             Box::new(move |t, now| lock(&shell).on_socket(t, conn, now)),
         );
         let poller = match poller {
@@ -541,36 +556,35 @@ impl Shell {
         if let Err(e) = t.mark_initiator(poller) {
             tracing::warn!(volume = %self.volume, error = %e, "cannot mark a replica connection as initiator");
         }
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
-        while self.socks.len() <= r {
-            self.socks.push(Vec::new());
+        let (r, c) = (conn.replica, conn.conn);
+        while self.socks.len() <= r.get() {
+            self.socks.push(ConnData::new());
         }
-        while self.socks[r].len() <= c {
+        while self.socks[r].len() <= c.get() {
             self.socks[r].push(None);
         }
         if let Some(old) = self.socks[r][c].take() {
             t.unregister_poller(old.poller);
         }
-        self.socks[r][c] = Some(Sock {
-            stream,
+        let sock = self.socks[r][c].insert(Sock {
+            link,
             poller,
-            inb: InBuf::with_capacity(READ_BUFFER_BYTES),
             recv: Recv::Header,
-            out: OutQueue::default(),
-            interest: Interest::READABLE,
         });
+        // A new wire waits for writability too; nothing is queued yet.
+        sock.link.update_interest(t, poller, None);
         self.run(t, Event::ConnUp(conn), now);
     }
 
     fn close(&mut self, t: &mut Thread, conn: ConnRef) {
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let (r, c) = (conn.replica, conn.conn);
         let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else {
             return;
         };
         if let Some(sock) = slot.take() {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
-            let _ = sock.stream.shutdown(std::net::Shutdown::Both);
+            let _ = sock.link.stream.shutdown(std::net::Shutdown::Both);
             drop(sock);
         }
     }
@@ -607,19 +621,7 @@ impl Shell {
         let Some(sock) = self.sock(conn) else {
             return false;
         };
-        let res = sock.flush();
-        let want = if sock.out.is_empty() {
-            Interest::READABLE
-        } else {
-            Interest::BOTH
-        };
-        let (poller, fd, had) = (sock.poller, sock.stream.as_raw_fd(), sock.interest);
-        if want != had && t.set_interest(poller, fd, want).is_ok() {
-            if let Some(s) = self.sock(conn) {
-                s.interest = want;
-            }
-        }
-        match res {
+        match sock.flush(t) {
             Ok(p) => p,
             Err(reason) => {
                 self.followups.push_back(Event::ConnDown { conn, reason });
@@ -630,7 +632,7 @@ impl Shell {
 
     fn on_socket(&mut self, t: &mut Thread, conn: ConnRef, now: u64) -> PollStatus {
         let mut frames = std::mem::take(&mut self.frames);
-        let (r, c) = (conn.replica as usize, conn.conn as usize);
+        let (r, c) = (conn.replica, conn.conn);
         let read = match self
             .socks
             .get_mut(r)
@@ -774,11 +776,9 @@ impl Shell {
     }
 
     fn shutdown(&mut self, t: &mut Thread) {
-        for r in 0..self.socks.len() {
-            for c in 0..self.socks[r].len() {
-                if let Some(sock) = self.socks[r][c].take() {
-                    t.unregister_poller(sock.poller);
-                }
+        for conns in &mut self.socks {
+            for sock in conns.iter_mut().filter_map(Option::take) {
+                t.unregister_poller(sock.poller);
             }
         }
         t.exit();
@@ -855,7 +855,7 @@ impl ReplicatedDev {
                 me: None,
                 tick: None,
                 this: weak.clone(),
-                socks: Vec::new(),
+                socks: ReplicaData::new(),
                 channels: SlotTable::new(CHANNEL_ENTRIES_MAX),
                 to_notify: Vec::new(),
                 dirty: Vec::new(),

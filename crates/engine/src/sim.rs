@@ -28,6 +28,7 @@ use std::net::SocketAddr;
 use lull_bdev::{IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
 
+use crate::core::ids::{ConnId, ReplicaId};
 use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Payload};
 use crate::{EngineOptions, ReplicaState};
 
@@ -469,7 +470,7 @@ impl Sim {
                     tag, result, buf, ..
                 } => self.on_complete(tag, result.is_ok(), buf),
                 Action::Connect { conn, .. } => {
-                    let up = self.replicas[conn.replica as usize].up;
+                    let up = self.replicas[conn.replica.get()].up;
                     let d = self.rng.below(20 * MS);
                     self.schedule(d, Sched::ConnResult(conn, up));
                 }
@@ -502,14 +503,14 @@ impl Sim {
         ));
         // Frames in transit to and from it are lost.
         self.queue
-            .retain(|_, s| !matches!(s, Sched::Net(m) if m.conn.replica as usize == r));
+            .retain(|_, s| !matches!(s, Sched::Net(m) if m.conn.replica.get() == r));
         // Half the time the engine sees the resets at once; otherwise it
         // finds out by the keep-alive timeout.
-        for c in 0..2u32 {
+        for c in 0..2 {
             for e in 0..=self.max_epoch() {
                 let conn = ConnRef {
-                    replica: r as u32,
-                    conn: c,
+                    replica: ReplicaId::new(r),
+                    conn: ConnId::new(c),
                     epoch: e,
                 };
                 if self.engine.conn_live(conn) && self.rng.chance(500_000) {
@@ -530,7 +531,7 @@ impl Sim {
     fn deliver(&mut self, s: Sched) {
         match s {
             Sched::ConnResult(conn, ok) => {
-                let ok = ok && self.replicas[conn.replica as usize].up;
+                let ok = ok && self.replicas[conn.replica.get()].up;
                 if ok {
                     self.apply(Event::ConnUp(conn));
                 } else {
@@ -542,7 +543,7 @@ impl Sim {
             }
             Sched::Net(m) => match m.dir {
                 Dir::ToReplica => {
-                    let r = m.conn.replica as usize;
+                    let r = m.conn.replica.get();
                     if !self.replicas[r].up {
                         return;
                     }
@@ -1036,7 +1037,7 @@ impl Sim {
                 if matches!(m.dir, Dir::ToReplica) && m.session == self.session {
                     if let Ok(h) = wire::decode_header(&m.header) {
                         if h.kind.is_write() {
-                            *to.entry(h.offset).or_default() |= 1 << m.conn.replica;
+                            *to.entry(h.offset).or_default() |= 1 << m.conn.replica.get();
                         }
                     }
                 }

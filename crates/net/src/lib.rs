@@ -214,27 +214,36 @@ impl AsRef<[u8]> for Payload {
     }
 }
 
-impl OutQueue<Payload> {
-    /// [`OutQueue::write_to`], returning sent buffers to `pool`.
+/// A payload an [`OutQueue`] (or a [`wire::Wire`]) can carry: its bytes,
+/// and what becomes of it once written or dropped. The servers' replies
+/// ([`Payload`]) give pooled buffers back; the engine's requests share
+/// their write buffers and only drop them.
+pub trait OutPayload: AsRef<[u8]> {
+    /// Done with: fully written, or dropped with the stream.
+    fn recycle(self, pool: &mut BufPool);
+}
+
+impl OutPayload for Payload {
+    fn recycle(self, pool: &mut BufPool) {
+        if let Payload::Buf(b) = self {
+            pool.put(b);
+        }
+    }
+}
+
+impl<P: OutPayload> OutQueue<P> {
+    /// [`OutQueue::write_to`], recycling sent payloads into `pool`.
     pub fn write_pooled(
         &mut self,
         w: &mut impl Write,
         pool: &mut BufPool,
     ) -> Result<usize, WriteError> {
-        self.write_to(w, |p| {
-            if let Payload::Buf(b) = p {
-                pool.put(b);
-            }
-        })
+        self.write_to(w, |p| p.recycle(pool))
     }
 
-    /// [`OutQueue::clear`], returning buffers to `pool`.
+    /// [`OutQueue::clear`], recycling payloads into `pool`.
     pub fn clear_pooled(&mut self, pool: &mut BufPool) {
-        self.clear(|p| {
-            if let Payload::Buf(b) = p {
-                pool.put(b);
-            }
-        })
+        self.clear(|p| p.recycle(pool))
     }
 }
 

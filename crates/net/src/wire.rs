@@ -3,7 +3,10 @@
 //! same way): the stream, the bytes read and not yet parsed, the framed
 //! output, the poller's interest, and whether the connection is closing or
 //! broken. The protocol half parses frames out of [`Wire::inb`], starts
-//! requests and pushes replies; it never touches the socket itself.
+//! requests and pushes replies; it never touches the socket itself. The
+//! engine's replica client uses the same wire with its own payload type
+//! (request frames sharing the client's write buffer), driven by the
+//! engine core rather than by [`pump`].
 //!
 //! ```
 //! use lull_net::wire::Wire;
@@ -28,7 +31,7 @@ use std::os::fd::RawFd;
 use lull_reactor::{Interest, PollStatus, PollerId, Thread};
 use lull_uring::BufPool;
 
-use crate::{Fill, InBuf, OutQueue, Payload};
+use crate::{Fill, InBuf, OutPayload, OutQueue, Payload};
 
 /// How a stream ended in the middle of a payload.
 #[derive(Debug)]
@@ -37,14 +40,15 @@ pub enum Ended {
     Failed(std::io::Error),
 }
 
-/// A connection's stream and its buffers.
-pub struct Wire<S> {
+/// A connection's stream and its buffers; `P` is what follows a frame
+/// header in the output (a server's [`Payload`] by default).
+pub struct Wire<S, P = Payload> {
     pub stream: S,
     fd: RawFd,
     /// Bytes read and not yet parsed (held only while non-empty).
     pub inb: InBuf,
-    /// Replies framed and not yet written.
-    pub out: OutQueue<Payload>,
+    /// Frames queued and not yet written.
+    pub out: OutQueue<P>,
     closing: Option<String>,
     broken: bool,
     interest: Interest,
@@ -58,7 +62,7 @@ pub struct Wire<S> {
     context: Option<String>,
 }
 
-impl<S: Read + Write> Wire<S> {
+impl<S: Read + Write, P: OutPayload> Wire<S, P> {
     /// A wire over `stream` (whose fd is `fd`), with an input buffer of
     /// `inbuf_bytes`. It starts waiting for both directions, so that a
     /// greeting queued before the first run goes out at once.
@@ -100,6 +104,11 @@ impl<S: Read + Write> Wire<S> {
         self.closing.is_some()
     }
 
+    /// Why the connection is closing (the first reason given).
+    pub fn closing_reason(&self) -> Option<&str> {
+        self.closing.as_deref()
+    }
+
     pub fn is_broken(&self) -> bool {
         self.broken
     }
@@ -119,13 +128,11 @@ impl<S: Read + Write> Wire<S> {
         }
     }
 
-    /// Queue a frame, unless the stream is broken (then the payload goes
-    /// back to `pool`).
-    pub fn push(&mut self, header: &[u8], payload: Payload) {
+    /// Queue a frame, unless the stream is broken (then the payload is
+    /// recycled into the thread's buffer cache).
+    pub fn push(&mut self, header: &[u8], payload: P) {
         if self.broken {
-            if let Payload::Buf(b) = payload {
-                crate::bufs::put(b);
-            }
+            crate::bufs::with_pool(|pool| payload.recycle(pool));
             return;
         }
         self.out.push(header, payload);
@@ -319,28 +326,35 @@ mod tests {
     //! pieces, and may reset the connection at any point.
     use super::*;
     use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+    use std::cell::Cell;
     use std::io;
+    use std::rc::Rc;
 
     /// A scripted peer: `input` is what it sent, handed out in `reads`-sized
     /// pieces (0 = would block); writes are accepted `writes`-sized pieces
     /// at a time (0 = would block); `reset_after` bytes of traffic either
-    /// way, it resets.
+    /// way, it resets. Reads and writes walk their sizes separately (one
+    /// shared step let reads [1, 0] and writes [0, 1] always land on the
+    /// zeros: a peer that never moves, not a wire that hangs).
     struct Peer {
         input: Vec<u8>,
         pos: usize,
         reads: Vec<usize>,
         writes: Vec<usize>,
-        step: usize,
+        read_step: usize,
+        write_step: usize,
         written: Vec<u8>,
         traffic: usize,
         reset_after: Option<usize>,
     }
 
+    fn piece(sizes: &[usize], step: &mut usize) -> usize {
+        *step += 1;
+        sizes[*step % sizes.len()]
+    }
+
     impl Peer {
-        fn piece(&mut self, sizes: &[usize]) -> usize {
-            self.step += 1;
-            sizes[self.step % sizes.len()]
-        }
         fn reset(&self) -> bool {
             self.reset_after.is_some_and(|r| self.traffic >= r)
         }
@@ -354,9 +368,7 @@ mod tests {
             if self.pos == self.input.len() {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            let sizes = self.reads.clone();
-            let n = self
-                .piece(&sizes)
+            let n = piece(&self.reads, &mut self.read_step)
                 .min(buf.len())
                 .min(self.input.len() - self.pos);
             if n == 0 {
@@ -374,8 +386,7 @@ mod tests {
             if self.reset() {
                 return Err(io::ErrorKind::ConnectionReset.into());
             }
-            let sizes = self.writes.clone();
-            let n = self.piece(&sizes).min(buf.len());
+            let n = piece(&self.writes, &mut self.write_step).min(buf.len());
             if n == 0 {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
@@ -388,10 +399,34 @@ mod tests {
         }
     }
 
+    /// A payload that counts how often it was recycled (an engine-style
+    /// payload: not a server `Payload`).
+    struct Tracked {
+        bytes: Vec<u8>,
+        recycled: Rc<Cell<usize>>,
+    }
+
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.bytes
+        }
+    }
+
+    impl OutPayload for Tracked {
+        fn recycle(self, _: &mut BufPool) {
+            self.recycled.set(self.recycled.get() + 1);
+        }
+    }
+
     /// A toy protocol on the wire: frames are a 2-byte big-endian length and
     /// that many bytes; each is answered with an 8-byte header and the
-    /// frame's bytes reversed.
-    fn serve(w: &mut Wire<Peer>, pool: &mut BufPool, got: &mut Vec<Vec<u8>>) -> bool {
+    /// frame's bytes reversed (as the payload `make` builds).
+    fn serve<P: OutPayload>(
+        w: &mut Wire<Peer, P>,
+        pool: &mut BufPool,
+        got: &mut Vec<Vec<u8>>,
+        make: &impl Fn(Vec<u8>) -> P,
+    ) -> bool {
         let mut progress = false;
         loop {
             let buffered = w.inb.peek();
@@ -401,7 +436,7 @@ mod tests {
                     let frame = w.inb.take(2 + len).expect("buffered")[2..].to_vec();
                     let mut reply = frame.clone();
                     reply.reverse();
-                    w.push(&(frame.len() as u64).to_be_bytes(), Payload::Bytes(reply));
+                    w.push(&(frame.len() as u64).to_be_bytes(), make(reply));
                     got.push(frame);
                     progress = true;
                     continue;
@@ -415,61 +450,115 @@ mod tests {
         progress | w.flush(pool)
     }
 
+    /// Serve `frames` from a scripted peer over a wire carrying payloads
+    /// built by `make`, and check the outcome against the model. Returns
+    /// the wire for payload-specific checks.
+    fn check_wire<P: OutPayload>(
+        frames: &[Vec<u8>],
+        reads: Vec<usize>,
+        writes: Vec<usize>,
+        reset_at: Option<usize>,
+        make: impl Fn(Vec<u8>) -> P,
+    ) -> Result<(Wire<Peer, P>, usize), TestCaseError> {
+        let mut input = Vec::new();
+        for f in frames {
+            input.extend_from_slice(&(f.len() as u16).to_be_bytes());
+            input.extend_from_slice(f);
+        }
+        let peer = Peer {
+            input,
+            pos: 0,
+            reads,
+            writes,
+            read_step: 0,
+            write_step: 0,
+            written: Vec::new(),
+            traffic: 0,
+            reset_after: reset_at,
+        };
+        let mut w = Wire::new(peer, -1, 1024, "test", "peer".into());
+        let mut pool = BufPool::new(1 << 20);
+        let mut got = Vec::new();
+        // Enough runs for every piece to move (each run moves at least
+        // one piece unless the peer would block on both sides).
+        for _ in 0..20_000 {
+            let _ = serve(&mut w, &mut pool, &mut got, &make);
+            if w.is_broken() || (got.len() == frames.len() && w.out.is_empty()) {
+                break;
+            }
+        }
+        // What was parsed is a prefix of what was sent, in order.
+        prop_assert!(got.len() <= frames.len());
+        prop_assert_eq!(&got[..], &frames[..got.len()]);
+        // What was written is a prefix of the replies to what was parsed.
+        let mut expect = Vec::new();
+        for f in &got {
+            expect.extend_from_slice(&(f.len() as u64).to_be_bytes());
+            expect.extend(f.iter().rev());
+        }
+        let written = &w.stream.written;
+        prop_assert!(written.len() <= expect.len());
+        prop_assert_eq!(&written[..], &expect[..written.len()]);
+        if w.is_broken() {
+            // Only a reset breaks it, with a reason; nothing more is
+            // written and the connection can go at once.
+            prop_assert!(reset_at.is_some());
+            prop_assert!(w.is_closing());
+            prop_assert!(w.closing_reason().is_some());
+            prop_assert!(w.finished(false));
+            prop_assert!(!w.flush(&mut pool));
+        } else {
+            // Without a reset everything arrives and is answered.
+            prop_assert_eq!(got.len(), frames.len());
+            prop_assert_eq!(written.len(), expect.len());
+            w.inb.release();
+            prop_assert!(!w.inb.is_held(), "an idle wire holds no input buffer");
+        }
+        Ok((w, got.len()))
+    }
+
+    fn frames() -> impl Strategy<Value = Vec<Vec<u8>>> {
+        prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..40)
+    }
+    fn reads() -> impl Strategy<Value = Vec<usize>> {
+        prop::collection::vec(0usize..50, 1..8)
+            .prop_filter("the peer sends at some point", |v| v.iter().any(|&n| n > 0))
+    }
+    fn writes() -> impl Strategy<Value = Vec<usize>> {
+        prop::collection::vec(0usize..70, 1..8)
+            .prop_filter("the peer reads at some point", |v| v.iter().any(|&n| n > 0))
+    }
+
     proptest! {
         #[test]
         fn frames_survive_any_split_and_a_reset_breaks_cleanly(
-            frames in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..40),
-            reads in prop::collection::vec(0usize..50, 1..8)
-                .prop_filter("the peer sends at some point", |v| v.iter().any(|&n| n > 0)),
-            writes in prop::collection::vec(0usize..70, 1..8)
-                .prop_filter("the peer reads at some point", |v| v.iter().any(|&n| n > 0)),
+            frames in frames(),
+            reads in reads(),
+            writes in writes(),
             reset_at in prop::option::of(0usize..4000),
         ) {
-            let mut input = Vec::new();
-            for f in &frames {
-                input.extend_from_slice(&(f.len() as u16).to_be_bytes());
-                input.extend_from_slice(f);
-            }
-            let peer = Peer {
-                input: input.clone(), pos: 0, reads, writes, step: 0,
-                written: Vec::new(), traffic: 0, reset_after: reset_at,
-            };
-            let mut w = Wire::new(peer, -1, 1024, "test", "peer".into());
-            let mut pool = BufPool::new(1 << 20);
-            let mut got = Vec::new();
-            // Enough runs for every piece to move (each run moves at least
-            // one piece unless the peer would block on both sides).
-            for _ in 0..20_000 {
-                let _ = serve(&mut w, &mut pool, &mut got);
-                if w.is_broken() || (got.len() == frames.len() && w.out.is_empty()) {
-                    break;
-                }
-            }
-            // What was parsed is a prefix of what was sent, in order.
-            prop_assert!(got.len() <= frames.len());
-            prop_assert_eq!(&got[..], &frames[..got.len()]);
-            // What was written is a prefix of the replies to what was parsed.
-            let mut expect = Vec::new();
-            for f in &got {
-                expect.extend_from_slice(&(f.len() as u64).to_be_bytes());
-                expect.extend(f.iter().rev());
-            }
-            let written = &w.stream.written;
-            prop_assert!(written.len() <= expect.len());
-            prop_assert_eq!(&written[..], &expect[..written.len()]);
-            if w.is_broken() {
-                // Only a reset breaks it, with a reason; nothing more is
-                // written and the connection can go at once.
-                prop_assert!(reset_at.is_some());
-                prop_assert!(w.is_closing());
-                prop_assert!(w.finished(false));
-                prop_assert!(!w.flush(&mut pool));
-            } else {
-                // Without a reset everything arrives and is answered.
-                prop_assert_eq!(got.len(), frames.len());
-                prop_assert_eq!(written.len(), expect.len());
-                w.inb.release();
-                prop_assert!(!w.inb.is_held(), "an idle wire holds no input buffer");
+            check_wire(&frames, reads, writes, reset_at, Payload::Bytes)?;
+        }
+
+        /// The same with another payload type (the engine's replica client
+        /// has its own): every payload pushed is recycled exactly once,
+        /// when written or when the broken stream drops it, or is still
+        /// queued.
+        #[test]
+        fn any_payload_type_is_written_or_recycled_once(
+            frames in frames(),
+            reads in reads(),
+            writes in writes(),
+            reset_at in prop::option::of(0usize..4000),
+        ) {
+            let recycled = Rc::new(Cell::new(0));
+            let make = |bytes| Tracked { bytes, recycled: recycled.clone() };
+            let (mut w, pushed) = check_wire(&frames, reads, writes, reset_at, make)?;
+            let mut queued = 0;
+            w.out.clear(|_| queued += 1);
+            prop_assert_eq!(recycled.get() + queued, pushed);
+            if !w.is_broken() {
+                prop_assert_eq!(recycled.get(), pushed);
             }
         }
     }

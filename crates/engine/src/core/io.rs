@@ -1,0 +1,476 @@
+//! Client requests: the request table, the pending queue, overlap
+//! tracking (overlapping writes are serialised), dispatch to the replicas
+//! and completion.
+
+use std::sync::Arc;
+
+use lull_bdev::{BdevError, IoBuf, IoOp};
+use lull_proto::replica::{self as wire, Header, Kind};
+
+use super::ids::{ConnId, ReplicaId, ReplicaSet};
+use super::rebuild::Rebuild;
+use super::replicas::{Sub, SubKind};
+use super::{Action, ClientReq, Engine, Payload, MAX_CLIENT_IOS, MAX_REPLICAS};
+
+/// A client request's id: its wire id in the engine's request table. It
+/// never leaves the process; the generation makes a late reference to a
+/// finished request find nothing instead of its slot's next tenant.
+pub(super) type IoId = u64;
+
+/// Requests that wait for their regions' MARKs and that later requests
+/// may pass, and pending requests looked at past them to send their MARKs
+/// too, so that the replicas persist a burst of newly written regions in
+/// one fsync instead of one after the other. 64 is the queue depth of a
+/// busy client; the bound keeps each pass over the queue short.
+pub const MARK_LOOKAHEAD: usize = 64;
+
+enum IoData {
+    None,
+    Read(Option<IoBuf>),
+    Write(Arc<IoBuf>),
+}
+
+pub(super) struct ClientIo {
+    pub(super) channel: u64,
+    pub(super) tag: u64,
+    pub(super) op: IoOp,
+    pub(super) offset: u64,
+    pub(super) len: u32,
+    data: IoData,
+    pub(super) outstanding: u32,
+    pub(super) acked: ReplicaSet,
+    /// WRITE_ZEROES with FUA: a FLUSH follows (the wire has no FUA for it).
+    pub(super) flush_after: bool,
+    /// Counted in its regions' `writes` (from dispatch to its last reply).
+    pub(super) in_regions: bool,
+}
+
+impl ClientIo {
+    pub(super) fn modifies(&self) -> bool {
+        matches!(
+            self.op,
+            IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. }
+        )
+    }
+    pub(super) fn end(&self) -> u64 {
+        self.offset + u64::from(self.len)
+    }
+}
+
+/// What `dispatch` did with a pending request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dispatch {
+    /// Sent, or finished (failed or nothing to do): off the queue.
+    Done,
+    /// Must wait for slots, an overlapping write or the rebuild lock.
+    Wait,
+    /// Waits only for its regions' MARKs (sent): later requests may pass.
+    WaitMarks,
+}
+
+pub(super) fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+pub(super) fn eio(why: &str) -> BdevError {
+    BdevError::Failed(why.to_string())
+}
+
+impl Engine {
+    // ---- client requests -----------------------------------------------
+
+    pub(super) fn on_client(&mut self, req: ClientReq) {
+        let (channel, mut req) = (req.channel, req.io);
+        if self.detach.is_some() {
+            let buf = req.buf.take();
+            let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
+            return;
+        }
+        if let Err(e) = lull_bdev::validate_request(&req, self.size_bytes) {
+            let buf = req.buf.take();
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
+            return;
+        }
+        if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > wire::MAX_IO_BYTES {
+            let buf = req.buf.take();
+            let e =
+                BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
+            return;
+        }
+        if req.len == 0 && !matches!(req.op, IoOp::Flush) {
+            let buf = req.buf.take();
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Ok(()),
+                buf,
+            });
+            return;
+        }
+        if self.ios.is_full() {
+            let buf = req.buf.take();
+            let e = BdevError::Full {
+                capacity: MAX_CLIENT_IOS,
+            };
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(e),
+                buf,
+            });
+            return;
+        }
+        let data = match req.op {
+            IoOp::Read => IoData::Read(req.buf.take()),
+            IoOp::Write { .. } => match req.buf.take() {
+                Some(b) => IoData::Write(Arc::new(b)),
+                None => IoData::None,
+            },
+            _ => IoData::None,
+        };
+        let flush_after = matches!(req.op, IoOp::WriteZeroes { fua: true, .. });
+        let Some(id) = self.ios.insert(ClientIo {
+            channel,
+            tag: req.tag,
+            op: req.op,
+            offset: req.offset,
+            len: req.len,
+            data,
+            outstanding: 0,
+            acked: ReplicaSet::EMPTY,
+            flush_after,
+            in_regions: false,
+        }) else {
+            debug_assert!(false, "checked for room above");
+            return;
+        };
+        self.pending.push_back(id.to_wire());
+    }
+
+    /// Complete client request `id` and free its entry.
+    pub(super) fn finish_io(&mut self, id: IoId, result: Result<(), BdevError>) {
+        self.release_regions(id);
+        let Some(io) = self.ios.take(id) else {
+            return;
+        };
+        if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
+            self.writes_in_flight.swap_remove(p);
+        }
+        let buf = match io.data {
+            IoData::None => None,
+            IoData::Read(b) => b,
+            IoData::Write(arc) => match Arc::try_unwrap(arc) {
+                Ok(b) => Some(b),
+                Err(arc) => {
+                    // A send queue still holds the buffer (cannot happen: a
+                    // replica answers only after the whole frame, and a
+                    // failed connection's queue is closed first). Copy so
+                    // the client still gets a buffer back.
+                    let mut b = self.pool.get(arc.len());
+                    b.as_mut_slice().copy_from_slice(arc.as_slice());
+                    Some(b)
+                }
+            },
+        };
+        self.out.push(Action::Complete {
+            channel: io.channel,
+            tag: io.tag,
+            result,
+            buf,
+        });
+    }
+
+    /// Every replica answered (or failed) a write-like request or FLUSH.
+    pub(super) fn io_subs_done(&mut self, id: IoId) {
+        // Every replica it went to has answered: nothing of it is in
+        // flight in its regions any more.
+        self.release_regions(id);
+        let healthy = self.healthy_set();
+        let Some(io) = self.ios.get_mut(id) else {
+            return;
+        };
+        if !io.acked.intersects(healthy) {
+            self.finish_io(id, Err(eio("no healthy replica acknowledged the request")));
+            return;
+        }
+        if io.flush_after {
+            io.flush_after = false;
+            io.op = IoOp::Flush;
+            io.acked = ReplicaSet::EMPTY;
+            if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
+                self.writes_in_flight.swap_remove(p);
+            }
+            self.pending.push_front(id);
+            return;
+        }
+        if self.bump.is_some() {
+            if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
+                self.writes_in_flight.swap_remove(p);
+            }
+            self.deferred.push(id);
+        } else {
+            self.finish_io(id, Ok(()));
+        }
+    }
+
+    /// Try to send pending request `id`: done (sent or finished), or it
+    /// must wait (slots full, overlap with a write in flight or the rebuild
+    /// lock), or it waits only for its regions' MARKs.
+    fn dispatch(&mut self, id: IoId) -> Dispatch {
+        let healthy = self.healthy_set();
+        if healthy.is_empty() {
+            self.finish_io(id, Err(eio("no healthy replica")));
+            return Dispatch::Done;
+        }
+        let Some(io) = self.ios.get(id) else {
+            return Dispatch::Done;
+        };
+        let (op, offset, len) = (io.op, io.offset, io.len);
+        if matches!(op, IoOp::Read) {
+            let n = self.replicas.len();
+            for k in 0..n {
+                let r = ReplicaId::new((self.read_rr + k) % n);
+                if !healthy.contains(r) {
+                    continue;
+                }
+                if self.send_any(
+                    r,
+                    SubKind::Client(id),
+                    Kind::Read,
+                    offset,
+                    len,
+                    Payload::None,
+                ) {
+                    self.read_rr = (r.get() + 1) % n;
+                    if let Some(io) = self.ios.get_mut(id) {
+                        io.outstanding = 1;
+                    }
+                    return Dispatch::Done;
+                }
+            }
+            return Dispatch::Wait;
+        }
+        let io_range = (offset, offset + u64::from(len));
+        let modifies = !matches!(op, IoOp::Flush);
+        if modifies {
+            if self
+                .rebuild
+                .as_ref()
+                .and_then(Rebuild::lock)
+                .is_some_and(|l| overlaps(l, io_range))
+            {
+                return Dispatch::Wait;
+            }
+            for &w in &self.writes_in_flight {
+                if let Some(other) = self.ios.get(w) {
+                    if overlaps((other.offset, other.end()), io_range) {
+                        return Dispatch::Wait;
+                    }
+                }
+            }
+        }
+        let targets = self.write_set();
+        if modifies {
+            let (first, last) = self.region_span(offset, u64::from(len));
+            if !self.ensure_marked(first, last, targets) {
+                return Dispatch::WaitMarks;
+            }
+        }
+        // All or nothing: every target needs a free slot now.
+        let mut conns: [Option<ConnId>; MAX_REPLICAS] = [None; MAX_REPLICAS];
+        for r in targets.iter() {
+            match self.pick_conn(r) {
+                Some(c) => conns[r.get()] = Some(c),
+                None => return Dispatch::Wait,
+            }
+        }
+        let (kind, payload_buf) = match (&self.ios.get(id).map(|i| &i.data), op) {
+            (Some(IoData::Write(b)), IoOp::Write { fua }) => (
+                if fua { Kind::WriteFua } else { Kind::Write },
+                Some(b.clone()),
+            ),
+            (_, IoOp::Trim) => (Kind::Trim, None),
+            (_, IoOp::WriteZeroes { .. }) => (Kind::WriteZeroes, None),
+            (_, IoOp::Flush) => (Kind::Flush, None),
+            _ => {
+                self.finish_io(id, Err(BdevError::BadRequest("write without a buffer")));
+                return Dispatch::Done;
+            }
+        };
+        let (w_off, w_len) = if kind == Kind::Flush {
+            (0, 0)
+        } else {
+            (offset, len)
+        };
+        let mut sent = 0;
+        for r in targets.iter() {
+            let Some(c) = conns[r.get()] else {
+                continue;
+            };
+            let payload = match &payload_buf {
+                Some(b) => Payload::Data {
+                    buf: b.clone(),
+                    len: len as usize,
+                },
+                None => Payload::None,
+            };
+            if self.send(r, c, SubKind::Client(id), kind, w_off, w_len, payload) {
+                sent += 1;
+            }
+        }
+        if let Some(io) = self.ios.get_mut(id) {
+            io.outstanding = sent;
+            io.acked = ReplicaSet::EMPTY;
+        }
+        if modifies {
+            self.writes_in_flight.push(id);
+            self.hold_regions(id);
+        }
+        if sent == 0 {
+            self.io_subs_done(id);
+        }
+        Dispatch::Done
+    }
+
+    pub(super) fn on_client_reply(
+        &mut self,
+        r: ReplicaId,
+        sub: Sub,
+        id: IoId,
+        h: Header,
+        payload: Option<IoBuf>,
+    ) {
+        if self.ios.get(id).is_none() {
+            debug_assert!(false, "reply for a finished client request");
+            return;
+        }
+        if h.status != 0 {
+            if let Some(b) = payload {
+                self.pool.put(b);
+            }
+            self.sub_failed(r, sub);
+            let why = format!(
+                "{:?} [{}, +{}) failed with errno {}",
+                h.kind, h.offset, h.length, h.status
+            );
+            return self.fail_replica(r, &why, false);
+        }
+        if h.kind == Kind::Read {
+            let Some(mut data) = payload else {
+                return self.protocol_error(r, Some(sub), "READ reply without data".into());
+            };
+            if data.len() != sub.length as usize {
+                self.pool.put(data);
+                return self.protocol_error(r, Some(sub), "READ reply of the wrong length".into());
+            }
+            data.set_len(sub.length as usize);
+            if let Some(io) = self.ios.get_mut(id) {
+                io.outstanding = 0;
+                // Hand the received buffer to the client; recycle theirs.
+                if let IoData::Read(slot) = &mut io.data {
+                    if let Some(old) = slot.replace(data) {
+                        self.pool.put(old);
+                    }
+                }
+            }
+            return self.finish_io(id, Ok(()));
+        }
+        if let Some(b) = payload {
+            self.pool.put(b);
+        }
+        let Some(io) = self.ios.get_mut(id) else {
+            return;
+        };
+        io.acked.insert(r);
+        io.outstanding -= 1;
+        if io.outstanding == 0 {
+            self.io_subs_done(id);
+        }
+    }
+
+    /// The first pending write waits for MARKs: send those of the writes
+    /// queued behind it too, so the replicas persist them in one go.
+    fn mark_ahead(&mut self) {
+        let targets = self.write_set();
+        let ahead: Vec<(u64, u64)> = self
+            .pending
+            .iter()
+            .skip(1)
+            .take(MARK_LOOKAHEAD)
+            .filter_map(|&id| self.ios.get(id))
+            .filter(|io| io.modifies())
+            .map(|io| (io.offset, u64::from(io.len)))
+            .collect();
+        for (offset, len) in ahead {
+            let (first, last) = self.region_span(offset, len);
+            self.ensure_marked(first, last, targets);
+        }
+    }
+
+    /// Send what can go of the pending requests.
+    pub(super) fn dispatch_pending(&mut self) {
+        // Requests go in order, except that one waiting only for its
+        // regions' MARKs is set aside (parked) and those behind it may pass
+        // it, as long as they overlap no parked request and are not a
+        // FLUSH: overlapping writes keep their order, and a new volume's
+        // first writes do not all queue behind one fdatasync.
+        let mut parked: Vec<IoId> = Vec::new();
+        let mut parked_ranges: Vec<(u64, u64)> = Vec::new();
+        let mut waits_for_marks = false;
+        while let Some(&id) = self.pending.front() {
+            let Some(io) = self.ios.get(id) else {
+                debug_assert!(false, "pending request {id} has no entry");
+                self.pending.pop_front();
+                continue;
+            };
+            let range = (io.offset, io.end());
+            if !parked.is_empty()
+                && (matches!(io.op, IoOp::Flush)
+                    || parked_ranges.iter().any(|&p| overlaps(p, range)))
+            {
+                break;
+            }
+            match self.dispatch(id) {
+                Dispatch::Done => {
+                    // dispatch may have pushed the id back (no: only
+                    // failures do); pop exactly the entry we looked at.
+                    if self.pending.front() == Some(&id) {
+                        self.pending.pop_front();
+                    }
+                    continue;
+                }
+                Dispatch::Wait => break,
+                Dispatch::WaitMarks => waits_for_marks = true,
+            }
+            if parked.len() >= MARK_LOOKAHEAD {
+                break;
+            }
+            self.pending.pop_front();
+            parked.push(id);
+            parked_ranges.push(range);
+        }
+        for id in parked.into_iter().rev() {
+            self.pending.push_front(id);
+        }
+        if waits_for_marks {
+            self.mark_ahead();
+        }
+    }
+}

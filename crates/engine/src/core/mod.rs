@@ -1,0 +1,462 @@
+//! The engine core: a pure state machine. Events in (client requests,
+//! replica frames, connections up and down, clock ticks), actions out
+//! (frames to send, completions, connects, closes, log lines). It never
+//! reads a clock or touches a socket, so the simulation (`crate::sim`)
+//! drives it deterministically and the reactor shell (`crate::shell`) only
+//! moves bytes.
+//!
+//! ```ignore
+//! let mut e = Engine::new("vol0", 1 << 30, vec![a, b], EngineOptions::default());
+//! let mut out = Vec::new();
+//! e.start(0, &mut out);                       // Connect{..} for every connection
+//! e.apply(Event::ConnUp(conn), now, &mut out); // HELLO probe goes out
+//! e.check_invariants();
+//! ```
+//!
+//! # Data path
+//!
+//! A write (also TRIM, WRITE_ZEROES) goes to every Healthy and Rebuilding
+//! replica and completes when every one of them has answered; it succeeds
+//! when at least one replica that is still Healthy acknowledged it (a
+//! replica that fails it is failed and leaves the healthy set). A read goes
+//! to one Healthy replica, round-robin; a failed read is retried on another.
+//! FLUSH goes to every Healthy and Rebuilding replica.
+//!
+//! Overlapping writes are serialised: a write that overlaps one in flight
+//! waits, so two replicas can never apply two overlapping writes in
+//! different orders (they travel on different TCP connections).
+//!
+//! # Generations
+//!
+//! Each replica persists a generation. Whenever the healthy set changes
+//! (attach, a replica failed, a rebuild finished) the engine bumps the
+//! generation on every healthy replica (HELLO with the attach flag) and
+//! holds write acknowledgements until all of them persisted it. A replica
+//! that missed acknowledged writes therefore always has a lower generation
+//! than the ones that have them, and the election after a restart picks
+//! the freshest. That election waits for every replica of the volume (one
+//! that is away may be the freshest; see `ELECTION_WAIT_NS`).
+//!
+//! # Rebuild and the copy/write race
+//!
+//! A replica that comes back is Rebuilding: it receives every new write but
+//! serves no read. The copy walks the volume in order: EXTENTS on the
+//! source gives data and hole segments; each segment (at most
+//! `REBUILD_CHUNK_BYTES`) is *locked*: new client writes overlapping it
+//! wait, writes already in flight over it drain, and only then is the
+//! segment read from the source (so the read sees every acknowledged
+//! write) and written to the target (holes are trimmed on the target).
+//! Writes outside the lock go to both replicas; those beyond the copy
+//! cursor are later overwritten by the copy with the same data.
+//!
+//! # Engine crashes: clean detach, write intent, reconcile
+//!
+//! An engine that dies may leave a write on some replicas and not on
+//! others, at equal generations. Three things keep reads from ever
+//! alternating between old and new data afterwards:
+//!
+//! - **Sessions.** Each engine process has a session (from the clock, so
+//!   later engines have larger ones), sent in every HELLO; a replica
+//!   answers a newer session's HELLO only once the writes of older
+//!   sessions it already took have completed, and refuses older sessions
+//!   from then on (see `lull_proto::replica`). Nothing of a dead engine
+//!   lands after the new one has looked.
+//! - **Clean detach.** A replica is clean only when the last engine
+//!   detached from it after a FLUSH with nothing in flight ([`Event::Detach`]).
+//!   Replicas of one generation that are all clean are identical.
+//! - **Write intent** (md's write-intent bitmap, one bit per region of
+//!   `wire::intent_region_bytes`): before the first write to a region, the
+//!   engine sets the region's bit on every replica it writes to
+//!   (INTENT_MARK, durable before the reply) and holds the write until all
+//!   of them answered; it clears the bit (INTENT_CLEAR) once the region has
+//!   had no write for `INTENT_CLEAR_IDLE_NS`. A write sent to any replica
+//!   therefore lies in a region whose bit is durable on that replica, so
+//!   the union of the bitmaps covers every block where replicas of one
+//!   generation may differ. Cost per write: a bit test per region it spans;
+//!   per region, one MARK round trip (an fdatasync on each replica, shared
+//!   by every MARK that arrives meanwhile) when it turns from quiet to busy.
+//!   Rebuild and reconcile copies obey the same rule on their target.
+//!
+//! After an election where the replicas of the freshest generation are not
+//! all clean, the source serves alone while each other replica of that
+//! generation is **reconciled**: a rebuild restricted to the union of the
+//! bitmaps (a replica whose record was lost reports every region, so that
+//! is a full copy). Until then it takes writes but serves no read, so every
+//! read comes from one copy.
+
+//! # Layout
+//!
+//! Split along its seams as crucible's upstairs is: this file holds the
+//! events, the actions, the [`Engine`] and `apply` with the loop that runs
+//! after every event; [`ids`] the typed replica and connection ids and the
+//! per-replica array and set; `replicas` the replicas, their connections,
+//! frames and time (timeouts, keep-alives, reconnects); `election`
+//! generations and elections; `intent` the write-intent regions; `io` the
+//! client request table, overlap tracking and dispatch; `rebuild` rebuild
+//! and reconcile; `detach` the clean detach; `invariants`
+//! [`Engine::check_invariants`].
+
+mod detach;
+mod election;
+pub mod ids;
+mod intent;
+mod invariants;
+mod io;
+mod rebuild;
+mod replicas;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use lull_bdev::{BdevError, BufPool, IoBuf, IoRequest};
+use lull_net::slots::SlotTable;
+use lull_proto::replica::{self as wire, Header, HEADER_LEN, HELLO_LEN};
+
+use crate::{EngineOptions, ReplicaState, ReplicaStatus};
+
+use detach::Detach;
+use election::Bump;
+use ids::ReplicaData;
+use intent::Region;
+use io::{ClientIo, IoId};
+use rebuild::Rebuild;
+use replicas::{RState, Replica};
+
+pub use election::{ELECTION_LOG_INTERVAL_NS, ELECTION_WAIT_NS};
+pub use ids::ConnRef;
+pub use intent::{INTENT_CLEAR_IDLE_NS, MAX_CLEARS_PER_TICK};
+pub use io::MARK_LOOKAHEAD;
+pub use rebuild::{
+    REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
+};
+
+/// Replicas one volume may have (configured plus added). Longhorn runs 3;
+/// the bound keeps a [`ids::ReplicaSet`] in one `u32`.
+pub const MAX_REPLICAS: usize = 16;
+
+/// Channels (NBD connections) one volume serves at once. Bounds the
+/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
+/// open 1 to 16 connections per export.
+pub const MAX_CHANNELS: usize = 64;
+
+/// Requests one channel may have in the engine. At least the NBD
+/// connection's own limit (128), so the engine is never its bottleneck; a
+/// channel at its depth returns `BdevError::Full` and retries after its own
+/// next completion (which always comes: the count only counts its own).
+pub const CHANNEL_DEPTH: usize = 256;
+
+/// Client requests the engine holds at once (queued, in flight or waiting
+/// for a generation bump): channels × `CHANNEL_DEPTH` with room to spare.
+/// Requests beyond it are refused with EAGAIN-style back-pressure at the
+/// channel.
+pub const MAX_CLIENT_IOS: usize = MAX_CHANNELS * CHANNEL_DEPTH;
+
+/// A client request as the channel submitted it, and which channel.
+#[derive(Debug)]
+pub struct ClientReq {
+    /// The shell's id for the channel, given back in the completion.
+    pub channel: u64,
+    pub io: IoRequest,
+}
+
+/// What happened.
+#[derive(Debug)]
+pub enum Event {
+    Client(ClientReq),
+    /// A connection the engine asked for is established.
+    ConnUp(ConnRef),
+    /// A connection failed to connect, broke, or sent an undecodable frame.
+    ConnDown {
+        conn: ConnRef,
+        reason: String,
+    },
+    /// A decoded frame (payload of `payload_len(&header)` bytes, if any).
+    Frame {
+        conn: ConnRef,
+        header: Header,
+        payload: Option<IoBuf>,
+    },
+    /// Time passed (timeouts, keep-alives, reconnects, progress logs).
+    Tick,
+    AddReplica(SocketAddr),
+    RemoveReplica(SocketAddr),
+    /// Detach cleanly: refuse new requests, let those in flight finish,
+    /// FLUSH and DETACH every healthy replica (they become clean).
+    Detach,
+}
+
+/// Bytes that follow a header on the wire.
+#[derive(Debug)]
+pub enum Payload {
+    None,
+    Hello([u8; HELLO_LEN]),
+    /// The first `len` bytes of a shared write buffer (shared by every
+    /// replica the write goes to; returned to the client afterwards).
+    Data {
+        buf: Arc<IoBuf>,
+        len: usize,
+    },
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Hello(h) => h,
+            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Info,
+    Warn,
+    Error,
+}
+
+/// What to do.
+#[derive(Debug)]
+pub enum Action {
+    Send {
+        conn: ConnRef,
+        header: [u8; HEADER_LEN],
+        payload: Payload,
+    },
+    Complete {
+        channel: u64,
+        tag: u64,
+        result: Result<(), BdevError>,
+        buf: Option<IoBuf>,
+    },
+    Connect {
+        conn: ConnRef,
+        addr: SocketAddr,
+    },
+    Close {
+        conn: ConnRef,
+    },
+    Log {
+        level: LogLevel,
+        msg: String,
+    },
+}
+
+/// The engine of one volume.
+pub struct Engine {
+    volume: String,
+    size_bytes: u64,
+    opts: EngineOptions,
+    replicas: ReplicaData<Replica>,
+    ios: SlotTable<ClientIo>,
+    pending: VecDeque<IoId>,
+    writes_in_flight: Vec<IoId>,
+    deferred: Vec<IoId>,
+    generation: u64,
+    bump: Option<Bump>,
+    rebuild: Option<Rebuild>,
+    rebuild_runs: u64,
+    read_rr: usize,
+    election_start_ns: Option<u64>,
+    /// An election has run in this process (so `generation` is known).
+    elected_once: bool,
+    election_logged_ns: Option<u64>,
+    /// This engine process's session (non-zero), sent in every HELLO.
+    session: u64,
+    region_bytes: u64,
+    regions: Vec<Region>,
+    detach: Option<Detach>,
+    pool: BufPool,
+    now: u64,
+    out: Vec<Action>,
+    started: bool,
+}
+
+/// Buffers the engine caches (read replies, rebuild chunks).
+const ENGINE_BUF_CACHE_BYTES: usize = 64 << 20;
+
+impl Engine {
+    /// Change the keep-alive interval at run time (kept below the replica
+    /// timeout, or idle replicas would time out).
+    pub fn set_keepalive_interval_ms(&mut self, ms: u64) {
+        self.opts.keepalive_interval_ms =
+            ms.clamp(1, self.opts.replica_timeout_ms.saturating_sub(1).max(1));
+    }
+
+    /// `session` identifies this engine process to the replicas: non-zero,
+    /// and larger than any earlier engine's (the shell takes the clock).
+    pub fn new(
+        volume: &str,
+        size_bytes: u64,
+        replicas: Vec<SocketAddr>,
+        opts: EngineOptions,
+        session: u64,
+    ) -> Engine {
+        let mut e = Engine {
+            volume: volume.to_string(),
+            size_bytes,
+            opts,
+            replicas: ReplicaData::new(),
+            ios: SlotTable::new(MAX_CLIENT_IOS),
+            pending: VecDeque::new(),
+            writes_in_flight: Vec::new(),
+            deferred: Vec::new(),
+            generation: 0,
+            bump: None,
+            rebuild: None,
+            rebuild_runs: 0,
+            read_rr: 0,
+            election_start_ns: None,
+            elected_once: false,
+            election_logged_ns: None,
+            session: session.max(1),
+            region_bytes: wire::intent_region_bytes(size_bytes),
+            regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
+            detach: None,
+            pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
+            now: 0,
+            out: Vec::new(),
+            started: false,
+        };
+        for addr in replicas.into_iter().take(MAX_REPLICAS) {
+            e.push_replica(addr);
+        }
+        e
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    /// The simulation's volume is smaller than one protocol region; it
+    /// uses smaller regions (its replicas too) to exercise partial
+    /// reconciles. Only before `start`.
+    #[cfg(test)]
+    pub(crate) fn set_region_bytes(&mut self, region_bytes: u64) {
+        assert!(!self.started && region_bytes > 0);
+        self.region_bytes = region_bytes;
+        let n = self.size_bytes.div_ceil(region_bytes) as usize;
+        assert!(n <= wire::MAX_INTENT_REGIONS as usize);
+        self.regions = vec![Region::default(); n];
+    }
+
+    /// Buffer for an incoming payload of `len` bytes (read replies land in
+    /// it and are handed to the client without a copy).
+    pub fn get_buf(&mut self, len: usize) -> IoBuf {
+        self.pool.get(len)
+    }
+
+    pub fn put_buf(&mut self, buf: IoBuf) {
+        self.pool.put(buf);
+    }
+
+    /// Start connecting to every replica.
+    pub fn start(&mut self, now_ns: u64, out: &mut Vec<Action>) {
+        self.now = now_ns;
+        self.started = true;
+        for r in self.replicas.ids() {
+            self.connect(r);
+        }
+        out.append(&mut self.out);
+    }
+
+    /// Apply one event; the actions to perform are appended to `out`.
+    pub fn apply(&mut self, event: Event, now_ns: u64, out: &mut Vec<Action>) {
+        self.now = now_ns;
+        match event {
+            Event::Client(req) => self.on_client(req),
+            Event::ConnUp(c) => self.on_conn_up(c),
+            Event::ConnDown { conn, reason } => {
+                if let Some(r) = self.live_conn(conn) {
+                    self.fail_replica(r, &reason, false);
+                }
+            }
+            Event::Frame {
+                conn,
+                header,
+                payload,
+            } => self.on_frame(conn, header, payload),
+            Event::Tick => self.on_tick(),
+            Event::AddReplica(addr) => self.add_replica(addr),
+            Event::RemoveReplica(addr) => self.remove_replica(addr),
+            Event::Detach => self.start_detach(),
+        }
+        self.progress();
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+        out.append(&mut self.out);
+    }
+
+    fn log(&mut self, level: LogLevel, msg: String) {
+        self.out.push(Action::Log {
+            level,
+            msg: format!("volume {}: {msg}", self.volume),
+        });
+    }
+
+    // ---- the loop after every event -----------------------------------------
+
+    fn progress(&mut self) {
+        self.maybe_elect();
+        self.progress_bump();
+        self.progress_rebuild();
+        self.dispatch_pending();
+        // Sending may have freed the rebuild to move (and vice versa).
+        self.progress_rebuild();
+        self.progress_bump();
+        self.progress_detach();
+    }
+
+    // ---- observation -------------------------------------------------------------
+
+    pub fn status(&self) -> Vec<ReplicaStatus> {
+        self.replicas
+            .iter_with_ids()
+            .filter(|(_, r)| r.state != RState::Removed)
+            .map(|(i, r)| ReplicaStatus {
+                addr: r.addr,
+                state: match r.state {
+                    RState::Connecting | RState::Probed => ReplicaState::Connecting,
+                    RState::Healthy => ReplicaState::Healthy,
+                    RState::Failed | RState::Removed => ReplicaState::Failed,
+                    RState::Rebuilding => {
+                        let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
+                        let done_bytes = run.map_or(0, |rb| rb.done_bytes);
+                        match &r.reconcile {
+                            Some(bits) => ReplicaState::Reconciling {
+                                done_bytes,
+                                total_bytes: self.bitmap_bytes(bits),
+                            },
+                            None => ReplicaState::Rebuilding {
+                                done_bytes,
+                                total_bytes: self.size_bytes,
+                            },
+                        }
+                    }
+                },
+                generation: r.generation,
+                in_flight: r.conns.iter().map(|c| c.slots.in_flight()).sum(),
+                errors: r.errors,
+                last_error: r.last_error.clone(),
+            })
+            .collect()
+    }
+
+    pub fn healthy_count(&self) -> usize {
+        self.healthy_set().len()
+    }
+
+    /// Client requests held by the engine (queued, in flight or deferred).
+    pub fn client_ios(&self) -> usize {
+        self.ios.in_flight()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn rebuilding(&self) -> bool {
+        self.rebuild.is_some()
+    }
+}

@@ -1,0 +1,488 @@
+//! Rebuild and reconcile: copy the volume (or the regions a crash may
+//! have left different) from the source to a replica that came back,
+//! segment by segment under a lock that holds overlapping client writes.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use lull_bdev::IoBuf;
+use lull_proto::replica::{self as wire, Header, Kind};
+
+use super::ids::{ReplicaId, ReplicaSet};
+use super::intent::has_bit;
+use super::io::overlaps;
+use super::replicas::{RState, Sub, SubKind};
+use super::{Engine, LogLevel, Payload};
+
+/// Bytes copied per rebuild step. 1 MiB amortises the round trips while
+/// keeping the range held from client writes short (a few ms).
+pub const REBUILD_CHUNK_BYTES: u64 = 1 << 20;
+
+/// Largest hole trimmed on the rebuild target in one request: TRIM carries
+/// a u32 length; 1 GiB keeps each request well inside it.
+pub const REBUILD_TRIM_BYTES: u64 = 1 << 30;
+
+/// Range scanned per EXTENTS request. The replica stops earlier when it has
+/// `MAX_EXTENTS_PER_REPLY` extents; 1 GiB fits the u32 length field.
+pub const REBUILD_SCAN_BYTES: u64 = 1 << 30;
+
+/// Rebuild progress is logged at least this often.
+pub const REBUILD_LOG_INTERVAL_NS: u64 = 5_000_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Segment {
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) data: bool,
+    /// A hole confirmed by an EXTENTS of the source while the segment was
+    /// held; only such a hole may be trimmed on the target.
+    pub(super) verified: bool,
+}
+
+impl Segment {
+    pub(super) fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+enum Step {
+    Idle,
+    Scanning,
+    /// Holding the front segment: waiting for overlapping writes to drain.
+    Draining,
+    /// Asking the source again, under the lock, whether a hole is still one.
+    Rechecking,
+    Reading,
+    /// Data read from the source, waiting for a slot on the target.
+    ReadDone(Arc<IoBuf>),
+    Writing,
+}
+
+pub(super) struct Rebuild {
+    pub(super) run: u64,
+    pub(super) target: ReplicaId,
+    pub(super) source: ReplicaId,
+    /// Reconcile: only these regions are copied (bitmap over write-intent
+    /// regions); `None` copies the whole volume.
+    pub(super) regions: Option<Vec<u8>>,
+    /// Bytes the run covers (the volume, or its regions to reconcile), and
+    /// how many of them are done.
+    pub(super) total_bytes: u64,
+    pub(super) done_bytes: u64,
+    /// Everything below is copied.
+    pub(super) cursor: u64,
+    segments: VecDeque<Segment>,
+    step: Step,
+    pub(super) started_ns: u64,
+    pub(super) copied_bytes: u64,
+    pub(super) last_log_ns: u64,
+    pub(super) last_log_pct: u64,
+}
+
+impl Rebuild {
+    pub(super) fn lock(&self) -> Option<(u64, u64)> {
+        match self.step {
+            Step::Idle | Step::Scanning => None,
+            _ => self.segments.front().map(|s| (s.offset, s.end())),
+        }
+    }
+}
+
+impl Engine {
+    // ---- rebuild -----------------------------------------------------------
+
+    fn start_rebuild_if_needed(&mut self) {
+        if self.rebuild.is_some() {
+            return;
+        }
+        let Some(target) = self.replicas.position(|r| r.state == RState::Rebuilding) else {
+            return;
+        };
+        let Some(source) = self.healthy_set().iter().next() else {
+            return;
+        };
+        self.rebuild_runs += 1;
+        let regions = self.replicas[target].reconcile.clone();
+        let total_bytes = regions
+            .as_deref()
+            .map_or(self.size_bytes, |b| self.bitmap_bytes(b));
+        self.rebuild = Some(Rebuild {
+            run: self.rebuild_runs,
+            target,
+            source,
+            regions,
+            total_bytes,
+            done_bytes: 0,
+            cursor: 0,
+            segments: VecDeque::new(),
+            step: Step::Idle,
+            started_ns: self.now,
+            copied_bytes: 0,
+            last_log_ns: self.now,
+            last_log_pct: 0,
+        });
+        let (t, s) = (self.replicas[target].addr, self.replicas[source].addr);
+        let what = if self.replicas[target].reconcile.is_some() {
+            "reconcile"
+        } else {
+            "rebuild"
+        };
+        self.log(
+            LogLevel::Info,
+            format!("{what} of replica {t} from {s} started ({total_bytes} bytes)"),
+        );
+    }
+
+    /// The next range `[start, end)` the run copies from `cursor` on: the
+    /// rest of the volume, or for a reconcile the next run of regions to
+    /// reconcile. `None` when nothing is left.
+    fn next_copy_range(&self, rb: &Rebuild) -> Option<(u64, u64)> {
+        if rb.cursor >= self.size_bytes {
+            return None;
+        }
+        let Some(bits) = rb.regions.as_deref() else {
+            return Some((rb.cursor, self.size_bytes));
+        };
+        let n = self.regions.len();
+        let mut g = (rb.cursor / self.region_bytes) as usize;
+        while g < n && !has_bit(bits, g) {
+            g += 1;
+        }
+        if g == n {
+            return None;
+        }
+        let start = rb.cursor.max(g as u64 * self.region_bytes);
+        while g < n && has_bit(bits, g) {
+            g += 1;
+        }
+        Some((start, self.region_end(g - 1)))
+    }
+
+    pub(super) fn progress_rebuild(&mut self) {
+        self.start_rebuild_if_needed();
+        loop {
+            let Some(rb) = self.rebuild.as_mut() else {
+                return;
+            };
+            let (run, source, target) = (rb.run, rb.source, rb.target);
+            match &rb.step {
+                Step::Idle => {
+                    if let Some(_seg) = rb.segments.front() {
+                        rb.step = Step::Draining;
+                        continue;
+                    }
+                    let Some((start, end)) = self
+                        .rebuild
+                        .as_ref()
+                        .and_then(|rb| self.next_copy_range(rb))
+                    else {
+                        return self.finish_rebuild();
+                    };
+                    let len = REBUILD_SCAN_BYTES.min(end - start) as u32;
+                    if self.send_any(
+                        source,
+                        SubKind::Rebuild(run),
+                        Kind::Extents,
+                        start,
+                        len,
+                        Payload::None,
+                    ) {
+                        if let Some(rb) = self.rebuild.as_mut() {
+                            rb.cursor = start;
+                            rb.step = Step::Scanning;
+                        }
+                    }
+                    return;
+                }
+                Step::Draining => {
+                    let Some(seg) = rb.segments.front().copied() else {
+                        rb.step = Step::Idle;
+                        continue;
+                    };
+                    let range = (seg.offset, seg.end());
+                    let busy = self.writes_in_flight.iter().any(|&w| {
+                        self.ios
+                            .get(w)
+                            .is_some_and(|io| overlaps((io.offset, io.end()), range))
+                    });
+                    if busy {
+                        return;
+                    }
+                    // Every change to a replica happens under its intent
+                    // bit, copies too: a reconcile writes the target at
+                    // its own generation, and should this engine die as
+                    // well, the target's bit must still say the region
+                    // may differ. (A full rebuild's target is behind and
+                    // rebuilt in full anyway; one rule is simpler to
+                    // check, and costs one MARK per region copied.)
+                    let (first, last) = self.region_span(seg.offset, seg.len);
+                    if !self.ensure_marked(first, last, ReplicaSet::only(target)) {
+                        return;
+                    }
+                    // The scan may be stale by now (a write may have landed in a
+                    // hole): a hole is re-checked under the lock before the
+                    // target's copy of it is trimmed.
+                    let (who, kind, next) = match (seg.data, seg.verified) {
+                        (true, _) => (source, Kind::Read, Step::Reading),
+                        (false, true) => (target, Kind::Trim, Step::Writing),
+                        (false, false) => (source, Kind::Extents, Step::Rechecking),
+                    };
+                    if self.send_any(
+                        who,
+                        SubKind::Rebuild(run),
+                        kind,
+                        seg.offset,
+                        seg.len as u32,
+                        Payload::None,
+                    ) {
+                        if let Some(rb) = self.rebuild.as_mut() {
+                            rb.step = next;
+                        }
+                    }
+                    return;
+                }
+                Step::ReadDone(buf) => {
+                    let Some(seg) = rb.segments.front().copied() else {
+                        return;
+                    };
+                    let payload = Payload::Data {
+                        buf: buf.clone(),
+                        len: seg.len as usize,
+                    };
+                    if self.send_any(
+                        target,
+                        SubKind::Rebuild(run),
+                        Kind::Write,
+                        seg.offset,
+                        seg.len as u32,
+                        payload,
+                    ) {
+                        if let Some(rb) = self.rebuild.as_mut() {
+                            rb.step = Step::Writing;
+                        }
+                    }
+                    return;
+                }
+                Step::Scanning | Step::Rechecking | Step::Reading | Step::Writing => return,
+            }
+        }
+    }
+
+    pub(super) fn on_rebuild_reply(
+        &mut self,
+        r: ReplicaId,
+        sub: Sub,
+        run: u64,
+        h: Header,
+        payload: Option<IoBuf>,
+    ) {
+        let current = self.rebuild.as_ref().is_some_and(|rb| rb.run == run);
+        if !current {
+            if let Some(b) = payload {
+                self.pool.put(b);
+            }
+            return;
+        }
+        if h.status != 0 {
+            if let Some(b) = payload {
+                self.pool.put(b);
+            }
+            let why = format!(
+                "rebuild {:?} [{}, +{}) failed with errno {}",
+                h.kind, h.offset, h.length, h.status
+            );
+            return self.fail_replica(r, &why, false);
+        }
+        match h.kind {
+            Kind::Extents => {
+                let Some(buf) = payload else {
+                    // Zero extents: payload_len is 0 and no buffer comes.
+                    return self.on_extents(r, sub, h, &[]);
+                };
+                let parsed = wire::decode_extents(buf.as_slice());
+                self.pool.put(buf);
+                match parsed {
+                    Ok(ext) => self.on_extents(r, sub, h, &ext),
+                    Err(e) => self.protocol_error(r, None, format!("bad EXTENTS reply: {e}")),
+                }
+            }
+            Kind::Read => {
+                let Some(buf) = payload else {
+                    return self.protocol_error(r, None, "READ reply without data".into());
+                };
+                if let Some(rb) = self.rebuild.as_mut() {
+                    rb.step = Step::ReadDone(Arc::new(buf));
+                }
+            }
+            Kind::Write | Kind::Trim => {
+                let Some(rb) = self.rebuild.as_mut() else {
+                    return;
+                };
+                if let Some(seg) = rb.segments.pop_front() {
+                    rb.cursor = seg.end();
+                    rb.done_bytes += seg.len;
+                    if seg.data {
+                        rb.copied_bytes += seg.len;
+                    }
+                }
+                rb.step = Step::Idle;
+                let pct = rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1);
+                let due = self.now.saturating_sub(rb.last_log_ns) >= REBUILD_LOG_INTERVAL_NS;
+                if pct >= rb.last_log_pct + 10 || due {
+                    rb.last_log_pct = pct;
+                    rb.last_log_ns = self.now;
+                    let msg = self.rebuild_progress_line();
+                    self.log(LogLevel::Info, msg);
+                }
+            }
+            _ => self.protocol_error(
+                r,
+                None,
+                format!("unexpected {:?} reply during rebuild", h.kind),
+            ),
+        }
+    }
+
+    pub(super) fn rebuild_progress_line(&self) -> String {
+        let Some(rb) = &self.rebuild else {
+            return String::new();
+        };
+        let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
+        let mib_s = rb.copied_bytes as f64 / (1 << 20) as f64 / secs;
+        format!(
+            "{} of replica {}: {}% ({} of {} bytes scanned, {:.1} MiB copied, {:.1} MiB/s)",
+            if rb.regions.is_some() {
+                "reconcile"
+            } else {
+                "rebuild"
+            },
+            self.replicas[rb.target].addr,
+            rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1),
+            rb.done_bytes,
+            rb.total_bytes,
+            rb.copied_bytes as f64 / (1 << 20) as f64,
+            mib_s
+        )
+    }
+
+    /// Turn an EXTENTS reply into hole and data segments over the scanned
+    /// range. Every field is untrusted: ranges must be sorted, inside the
+    /// scan, and the scan must move forward.
+    fn on_extents(&mut self, r: ReplicaId, sub: Sub, h: Header, ext: &[(u64, u64)]) {
+        let start = sub.offset;
+        let end_req = sub.offset + u64::from(sub.length);
+        let scan_end = h.offset;
+        if scan_end <= start || scan_end > end_req {
+            return self.protocol_error(
+                r,
+                None,
+                format!("EXTENTS scan end {scan_end} outside ({start}, {end_req}]"),
+            );
+        }
+        let mut segs = VecDeque::new();
+        let mut pos = start;
+        for &(off, len) in ext {
+            let Some(e_end) = off.checked_add(len) else {
+                return self.protocol_error(r, None, "EXTENTS record overflows".into());
+            };
+            if len == 0 || off < pos || e_end > scan_end {
+                return self.protocol_error(
+                    r,
+                    None,
+                    "EXTENTS records unsorted or outside the scan".into(),
+                );
+            }
+            push_segments(&mut segs, pos, off, false);
+            push_segments(&mut segs, off, e_end, true);
+            pos = e_end;
+        }
+        push_segments(&mut segs, pos, scan_end, false);
+        let Some(rb) = self.rebuild.as_mut() else {
+            return;
+        };
+        if matches!(rb.step, Step::Rechecking) {
+            // Refine the held segment; its first piece stayed locked all
+            // along, so what the source said about it still holds.
+            let Some(held) = rb.segments.pop_front() else {
+                return;
+            };
+            if let Some(first) = segs.front_mut() {
+                first.verified = true;
+            }
+            push_segments(&mut segs, scan_end, held.end(), false);
+            while let Some(s) = segs.pop_back() {
+                rb.segments.push_front(s);
+            }
+            rb.step = Step::Draining;
+        } else {
+            rb.segments = segs;
+            rb.step = Step::Idle;
+        }
+    }
+
+    fn finish_rebuild(&mut self) {
+        let Some(rb) = self.rebuild.take() else {
+            return;
+        };
+        let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
+        let addr = self.replicas[rb.target].addr;
+        self.replicas[rb.target].state = RState::Healthy;
+        self.replicas[rb.target].reconcile = None;
+        self.log(
+            LogLevel::Info,
+            format!(
+                "{} complete: replica {addr} is healthy ({:.1} MiB copied in {:.1} s, {:.1} MiB/s)",
+                if rb.regions.is_some() {
+                    "reconcile"
+                } else {
+                    "rebuild"
+                },
+                rb.copied_bytes as f64 / (1 << 20) as f64,
+                secs,
+                rb.copied_bytes as f64 / (1 << 20) as f64 / secs
+            ),
+        );
+        self.start_bump();
+    }
+}
+
+/// Append [from, to) as segments of at most the chunk size for its kind.
+fn push_segments(segs: &mut VecDeque<Segment>, from: u64, to: u64, data: bool) {
+    let chunk = if data {
+        REBUILD_CHUNK_BYTES
+    } else {
+        REBUILD_TRIM_BYTES
+    };
+    let mut pos = from;
+    while pos < to {
+        let len = chunk.min(to - pos);
+        segs.push_back(Segment {
+            offset: pos,
+            len,
+            data,
+            verified: false,
+        });
+        pos += len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_cut_at_the_chunk_of_their_kind() {
+        let mut segs = VecDeque::new();
+        push_segments(&mut segs, 0, 2 * REBUILD_CHUNK_BYTES + 5, true);
+        let lens: Vec<u64> = segs.iter().map(|s| s.len).collect();
+        assert_eq!(lens, [REBUILD_CHUNK_BYTES, REBUILD_CHUNK_BYTES, 5]);
+        assert_eq!(segs[2].end(), 2 * REBUILD_CHUNK_BYTES + 5);
+        assert!(segs.iter().all(|s| s.data && !s.verified));
+        segs.clear();
+        push_segments(&mut segs, 7, 7, false);
+        assert!(segs.is_empty());
+        push_segments(&mut segs, 0, REBUILD_TRIM_BYTES + 1, false);
+        let holes: Vec<(u64, u64)> = segs.iter().map(|s| (s.offset, s.len)).collect();
+        assert_eq!(holes, [(0, REBUILD_TRIM_BYTES), (REBUILD_TRIM_BYTES, 1)]);
+    }
+}
