@@ -1157,4 +1157,27 @@ pub(crate) mod tests {
         );
         assert_eq!(cpu_model("processor: 0\n"), None);
     }
+
+    /// report.md and report.json of a fixed report, byte for byte, so that
+    /// the rendering does not change by accident (`LULL_BLESS=1` rewrites
+    /// the files after a change meant to show).
+    #[test]
+    fn golden_report() {
+        let r = fake_report(3);
+        let md = render_markdown(&r);
+        let json = serde_json::to_string_pretty(&r).unwrap();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+        for (file, text) in [("report_golden.md", &md), ("report_golden.json", &json)] {
+            let path = dir.join(file);
+            if std::env::var_os("LULL_BLESS").is_some() {
+                std::fs::write(&path, text).unwrap();
+            }
+            let want = std::fs::read_to_string(&path).unwrap();
+            assert!(
+                want == *text,
+                "{} differs from the rendering:\n{text}",
+                path.display()
+            );
+        }
+    }
 }
