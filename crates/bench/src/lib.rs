@@ -26,13 +26,12 @@
 //! `--out`.
 
 pub mod args;
+pub mod env;
 pub mod fio;
 pub mod plan;
 pub mod plot;
-pub mod procstat;
 pub mod report;
 pub mod server;
-pub mod stats;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -43,8 +42,9 @@ pub use args::{BenchArgs, Mode, PeerChoice, Settings, VolumeKind};
 pub use fio::JobKind;
 pub use report::Report;
 
+use env::procstat;
 use plan::Target;
-use report::{Environment, Sample, TargetReport, TargetStatus};
+use report::{analysis, render, stats, Sample, TargetReport, TargetStatus};
 use server::{Group, Ports, Proc, WorkDir};
 use stats::ServerCost;
 
@@ -219,11 +219,11 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
     for r in &mut reports {
         r.idle_cpu_pct = stats::spread(&r.idle_cpu_pct_samples);
     }
-    let results = report::aggregate(&settings.jobs, &reports, &samples);
-    let modes_summary = report::modes_summary(&settings.jobs, &reports, &results);
-    let adaptive_vs_poll = report::adaptive_vs_poll(&modes_summary, &samples);
+    let results = analysis::aggregate(&settings.jobs, &reports, &samples);
+    let modes_summary = analysis::modes_summary(&settings.jobs, &reports, &results);
+    let adaptive_vs_poll = analysis::adaptive_vs_poll(&modes_summary, &samples);
     let mut report = Report {
-        environment: environment(&targets),
+        environment: env::environment(&targets),
         settings,
         targets: reports,
         results,
@@ -247,7 +247,7 @@ pub fn write_reports(report: &Report, dir: &Path) -> Result<(), BenchError> {
     let path = dir.join("report.json");
     std::fs::write(&path, json + "\n").map_err(io_err(format!("writing {}", path.display())))?;
     let path = dir.join("report.md");
-    std::fs::write(&path, report::render_markdown(report))
+    std::fs::write(&path, render::render_markdown(report))
         .map_err(io_err(format!("writing {}", path.display())))?;
     Ok(())
 }
@@ -287,46 +287,6 @@ fn fill_file(path: &Path, size_bytes: u64) -> std::io::Result<()> {
         left -= n as u64;
     }
     f.sync_all()
-}
-
-fn environment(targets: &[Target]) -> Environment {
-    let mut tools = std::collections::BTreeMap::new();
-    let mut names = vec!["fio"];
-    for t in targets {
-        if let Some((bin, _)) = t.peer_binary() {
-            if !names.contains(&bin) {
-                names.push(bin);
-            }
-        }
-    }
-    for name in names {
-        if let Some(v) = server::tool_version(name) {
-            tools.insert(name.to_string(), v);
-        }
-    }
-    let unix_secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    Environment {
-        date_utc: report::rfc3339_utc(unix_secs),
-        nproc: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        cpu_model: std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|c| report::cpu_model(&c))
-            .unwrap_or_else(|| "unknown".into()),
-        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "unknown".into()),
-        command: std::env::args()
-            .map(|a| report::shell_quote(&a))
-            .collect::<Vec<_>>()
-            .join(" "),
-        clk_tck: procstat::clk_tck(),
-        tools,
-    }
 }
 
 /// Size as lull's `--volume`/`--size` take it: `1G`, `256M`, or bytes.
