@@ -10,7 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use crate::args::PORT_SPAN;
+use crate::config::PORT_SPAN;
 
 /// How long a server may take to accept its first TCP connection.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(10);

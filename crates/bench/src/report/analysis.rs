@@ -2,7 +2,9 @@
 //! ratios against lull's poll mode and the best peer, the modes summary
 //! and adaptive ÷ poll. The statistics themselves are in [`super::stats`].
 
-use crate::args::{Mode, VolumeKind};
+use lull_reactor::Mode;
+
+use crate::config::VolumeKind;
 use crate::fio::{FioMetrics, JobKind};
 use crate::plan::Target;
 use crate::report::stats::{self, CellMedians, ServerCost, Spread};

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::args::{Mode, Settings, VolumeKind};
+use lull_reactor::Mode;
+
+use crate::config::{Settings, VolumeKind};
 use crate::fio::{FioMetrics, JobKind};
 use crate::plan::Target;
 use stats::{CellMedians, Ratio, ServerCost, Spread};
@@ -178,7 +180,7 @@ pub(crate) mod tests {
     use super::analysis::{adaptive_vs_poll, aggregate, modes_summary};
     use super::render::render_markdown;
     use super::*;
-    use crate::args::Settings;
+    use crate::config::Settings;
     use crate::env::procstat::ProcCounters;
     use crate::env::rfc3339_utc;
 
