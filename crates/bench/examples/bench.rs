@@ -1,24 +1,29 @@
-//! Runs the benchmark without the `lull` binary's CLI wiring:
-//! `cargo run -p lull-bench --example bench -- --lull-exe target/release/lull --quick`.
+//! Runs the benchmark through the library, without the `lull` binary's
+//! command line: a quick run with the default modes and peers,
+//! `cargo run -p lull-bench --example bench -- target/release/lull [OUT_DIR]`.
+//! `lull bench --help` lists what a full run can be asked for.
 
-use clap::Parser;
+use std::path::PathBuf;
 
-#[derive(Parser, Debug)]
-struct Cli {
-    /// The lull executable to benchmark.
-    #[arg(long, default_value = "target/release/lull")]
-    lull_exe: std::path::PathBuf,
-    #[command(flatten)]
-    bench: lull_bench::BenchArgs,
-}
+use lull_bench::BenchConfig;
 
 fn main() {
-    let cli = Cli::parse();
-    match lull_bench::run(&cli.bench, &cli.lull_exe) {
+    let mut args = std::env::args_os().skip(1);
+    let lull_exe = args
+        .next()
+        .map_or_else(|| PathBuf::from("target/release/lull"), PathBuf::from);
+    let config = BenchConfig {
+        quick: true,
+        out: args
+            .next()
+            .map_or(BenchConfig::default().out, PathBuf::from),
+        ..BenchConfig::default()
+    };
+    match lull_bench::run(&config, &lull_exe) {
         Ok(report) => println!(
             "{} results written to {}",
             report.results.len(),
-            cli.bench.out.display()
+            config.out.display()
         ),
         Err(e) => {
             eprintln!("lull bench: {e}");

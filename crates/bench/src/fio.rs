@@ -13,7 +13,6 @@
 
 use std::collections::BTreeMap;
 
-use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
 /// Largest fio output we parse; a real report is a few KiB. Guards against
@@ -21,9 +20,7 @@ use serde::{Deserialize, Serialize};
 pub const FIO_OUTPUT_BYTES_MAX: usize = 64 << 20;
 
 /// One job of the kbench profile.
-#[derive(
-    ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]
 pub enum JobKind {
     /// 4 KiB random read IOPS at QD64.

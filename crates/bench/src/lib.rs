@@ -3,14 +3,15 @@
 //! sampled from /proc (DESIGN §7).
 //!
 //! ```no_run
-//! use clap::Parser;
-//! #[derive(Parser)]
-//! struct Cli {
-//!     #[command(flatten)]
-//!     bench: lull_bench::BenchArgs,
-//! }
-//! let cli = Cli::parse_from(["lull", "--quick", "--modes", "poll", "--peers", "none"]);
-//! let report = lull_bench::run(&cli.bench, &std::env::current_exe().unwrap()).unwrap();
+//! use lull_bench::{BenchConfig, PeerChoice};
+//! use lull_reactor::Mode;
+//! let config = BenchConfig {
+//!     quick: true,
+//!     modes: vec![Mode::Poll],
+//!     peers: vec![PeerChoice::None],
+//!     ..BenchConfig::default()
+//! };
+//! let report = lull_bench::run(&config, &std::env::current_exe().unwrap()).unwrap();
 //! println!("{} cells", report.results.len());
 //! ```
 //!
@@ -25,26 +26,26 @@
 //! Output: `report.json` (the [`Report`]), `report.md` and PNG plots in
 //! `--out`.
 
-pub mod args;
+pub mod config;
+pub mod env;
 pub mod fio;
 pub mod plan;
 pub mod plot;
-pub mod procstat;
 pub mod report;
 pub mod server;
-pub mod stats;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-pub use args::{BenchArgs, Mode, PeerChoice, Settings, VolumeKind};
+pub use config::{BenchConfig, PeerChoice, Settings, VolumeKind};
 pub use fio::JobKind;
 pub use report::Report;
 
+use env::procstat;
 use plan::Target;
-use report::{Environment, Sample, TargetReport, TargetStatus};
+use report::{analysis, render, stats, Sample, TargetReport, TargetStatus};
 use server::{Group, Ports, Proc, WorkDir};
 use stats::ServerCost;
 
@@ -72,7 +73,7 @@ pub enum BenchError {
     },
     #[error("writing report.json: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("no free TCP port in {base}..{base}+{span}", span = args::PORT_SPAN)]
+    #[error("no free TCP port in {base}..{base}+{span}", span = config::PORT_SPAN)]
     NoPort { base: u16 },
 }
 
@@ -81,13 +82,13 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError 
     move |source| BenchError::Io { what, source }
 }
 
-/// Runs the benchmark and writes the report files into `args.out`.
+/// Runs the benchmark and writes the report files into `config.out`.
 /// `lull_exe` is the lull binary (`std::env::current_exe()` from `lull`).
-pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
+pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<Report, BenchError> {
     let nproc = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let settings = Settings::resolve(args, nproc)?;
+    let settings = Settings::resolve(config, nproc)?;
     if nproc < 2 || settings.server_cpu == settings.client_cpu {
         tracing::warn!(
             server_cpu = settings.server_cpu,
@@ -105,19 +106,19 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
         }
     }
     let targets = plan::targets(
-        !args.no_lull,
-        &args.modes,
+        !config.no_lull,
+        &config.modes,
         &settings.hybrid_periods_us,
-        &args.volumes,
-        &args.peers,
+        &config.volumes,
+        &config.peers,
     );
     if targets.is_empty() {
         return Err(BenchError::BadArgs(
             "nothing to measure: no lull targets and no peers".into(),
         ));
     }
-    std::fs::create_dir_all(&args.out)
-        .map_err(io_err(format!("creating {}", args.out.display())))?;
+    std::fs::create_dir_all(&config.out)
+        .map_err(io_err(format!("creating {}", config.out.display())))?;
     let work = WorkDir::new(&std::env::temp_dir()).map_err(io_err("creating a work dir"))?;
 
     let mut reports: Vec<TargetReport> = targets
@@ -219,11 +220,11 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
     for r in &mut reports {
         r.idle_cpu_pct = stats::spread(&r.idle_cpu_pct_samples);
     }
-    let results = report::aggregate(&settings.jobs, &reports, &samples);
-    let modes_summary = report::modes_summary(&settings.jobs, &reports, &results);
-    let adaptive_vs_poll = report::adaptive_vs_poll(&modes_summary, &samples);
+    let results = analysis::aggregate(&settings.jobs, &reports, &samples);
+    let modes_summary = analysis::modes_summary(&settings.jobs, &reports, &results);
+    let adaptive_vs_poll = analysis::adaptive_vs_poll(&modes_summary, &samples);
     let mut report = Report {
-        environment: environment(&targets),
+        environment: env::environment(&targets),
         settings,
         targets: reports,
         results,
@@ -232,12 +233,12 @@ pub fn run(args: &BenchArgs, lull_exe: &Path) -> Result<Report, BenchError> {
         samples,
         plots: Vec::new(),
     };
-    match plot::write_plots(&report, &args.out, plot::font_available()) {
+    match plot::write_plots(&report, &config.out, plot::font_available()) {
         Ok(files) => report.plots = files,
         // The numbers matter more than the pictures: keep going.
         Err(e) => tracing::error!(error = %e, "plotting failed"),
     }
-    write_reports(&report, &args.out)?;
+    write_reports(&report, &config.out)?;
     Ok(report)
 }
 
@@ -247,7 +248,7 @@ pub fn write_reports(report: &Report, dir: &Path) -> Result<(), BenchError> {
     let path = dir.join("report.json");
     std::fs::write(&path, json + "\n").map_err(io_err(format!("writing {}", path.display())))?;
     let path = dir.join("report.md");
-    std::fs::write(&path, report::render_markdown(report))
+    std::fs::write(&path, render::render_markdown(report))
         .map_err(io_err(format!("writing {}", path.display())))?;
     Ok(())
 }
@@ -287,46 +288,6 @@ fn fill_file(path: &Path, size_bytes: u64) -> std::io::Result<()> {
         left -= n as u64;
     }
     f.sync_all()
-}
-
-fn environment(targets: &[Target]) -> Environment {
-    let mut tools = std::collections::BTreeMap::new();
-    let mut names = vec!["fio"];
-    for t in targets {
-        if let Some((bin, _)) = t.peer_binary() {
-            if !names.contains(&bin) {
-                names.push(bin);
-            }
-        }
-    }
-    for name in names {
-        if let Some(v) = server::tool_version(name) {
-            tools.insert(name.to_string(), v);
-        }
-    }
-    let unix_secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    Environment {
-        date_utc: report::rfc3339_utc(unix_secs),
-        nproc: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        cpu_model: std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|c| report::cpu_model(&c))
-            .unwrap_or_else(|| "unknown".into()),
-        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "unknown".into()),
-        command: std::env::args()
-            .map(|a| report::shell_quote(&a))
-            .collect::<Vec<_>>()
-            .join(" "),
-        clk_tck: procstat::clk_tck(),
-        tools,
-    }
 }
 
 /// Size as lull's `--volume`/`--size` take it: `1G`, `256M`, or bytes.
@@ -621,6 +582,7 @@ impl Ctx<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lull_reactor::Mode;
 
     #[test]
     fn size_args() {

@@ -18,7 +18,9 @@
 
 use serde::Serialize;
 
-use crate::args::{Mode, PeerChoice, VolumeKind};
+use lull_reactor::Mode;
+
+use crate::config::{PeerChoice, VolumeKind};
 use crate::fio::JobKind;
 
 /// A server under test.

@@ -194,11 +194,11 @@ fn job_plot(report: &Report, job: JobKind, path: &Path, text: bool) -> Result<bo
     if cells.is_empty() {
         return Ok(false);
     }
-    let (merit_name, merit): (&str, fn(&JobResult) -> Option<crate::stats::Spread>) =
+    let (merit_name, merit): (&str, fn(&JobResult) -> Option<crate::report::stats::Spread>) =
         match job.primary() {
             Primary::Iops => ("IOPS", |c| c.iops),
             Primary::Bandwidth => ("MiB/s", |c| {
-                c.bw_bytes_per_sec.map(|s| crate::stats::Spread {
+                c.bw_bytes_per_sec.map(|s| crate::report::stats::Spread {
                     median: s.median / 1048576.0,
                     min: s.min / 1048576.0,
                     max: s.max / 1048576.0,
@@ -227,7 +227,8 @@ fn job_plot(report: &Report, job: JobKind, path: &Path, text: bool) -> Result<bo
         (merit_name, merit),
         ("server CPU, %", cpu as fn(&JobResult) -> _),
     ]) {
-        let vals: Vec<Option<crate::stats::Spread>> = cells.iter().map(|(_, c)| value(c)).collect();
+        let vals: Vec<Option<crate::report::stats::Spread>> =
+            cells.iter().map(|(_, c)| value(c)).collect();
         let x_max = vals.iter().flatten().map(|s| s.max).fold(1e-9, f64::max) * 1.1;
         let mut b = ChartBuilder::on(panel);
         b.margin(12)
@@ -250,7 +251,7 @@ fn job_plot(report: &Report, job: JobKind, path: &Path, text: bool) -> Result<bo
                     .unwrap_or_default(),
                 _ => String::new(),
             };
-            let x_label = |v: &f64| crate::report::si(*v);
+            let x_label = |v: &f64| crate::report::render::si(*v);
             mesh.x_desc(desc)
                 .y_labels(n as usize)
                 .y_label_formatter(&label)

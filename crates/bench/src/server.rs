@@ -10,8 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use crate::args::PORT_SPAN;
-use crate::report::shell_quote;
+use crate::config::PORT_SPAN;
 
 /// How long a server may take to accept its first TCP connection.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -304,6 +303,19 @@ pub fn tool_version(tool: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// Quotes a command-line word for a POSIX shell when needed.
+pub fn shell_quote(word: &str) -> String {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+    {
+        word.into()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -381,5 +393,12 @@ mod tests {
         }
         assert!(which("sh").is_some());
         assert!(which("definitely-not-a-tool-xyz").is_none());
+    }
+
+    #[test]
+    fn shell_quoting() {
+        assert_eq!(shell_quote("--jobs=a,b"), "--jobs=a,b");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote(""), "''");
     }
 }

@@ -6,13 +6,8 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
-use clap::Parser;
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    bench: lull_bench::BenchArgs,
-}
+use lull_bench::{BenchConfig, JobKind, PeerChoice, VolumeKind};
+use lull_reactor::Mode;
 
 const FAKE_LULL: &str = r#"#!/bin/sh
 # fake lull: serve|replica --listen 127.0.0.1:PORT ... --mode MODE
@@ -51,32 +46,29 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
     std::fs::write(&exe, FAKE_LULL).unwrap();
     std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = dir.join("out");
-    let out_s = out.to_str().unwrap();
-    let cli = Cli::parse_from([
-        "lull",
-        "--quick",
-        "--jobs",
-        "randread-iops,randwrite-lat",
-        "--modes",
-        "poll,hybrid",
-        "--hybrid-periods",
-        "10,1000",
-        "--volumes",
-        "malloc,replica1,replica2",
-        "--peers",
-        "none",
-        "--ramp-secs",
-        "0.3",
-        "--idle-secs",
-        "0.3",
-        "--size",
-        "64M",
-        "--port-base",
-        "23400",
-        "--out",
-        out_s,
-    ]);
-    let report = lull_bench::run(&cli.bench, &exe).unwrap();
+    // As `lull bench --quick --jobs randread-iops,randwrite-lat --modes
+    // poll,hybrid --hybrid-periods 10,1000 --volumes malloc,replica1,replica2
+    // --peers none --ramp-secs 0.3 --idle-secs 0.3 --size 64M --port-base
+    // 23400 --out OUT`.
+    let config = BenchConfig {
+        quick: true,
+        jobs: vec![JobKind::RandreadIops, JobKind::RandwriteLat],
+        modes: vec![Mode::Poll, Mode::Hybrid],
+        hybrid_periods: vec![10, 1000],
+        volumes: vec![
+            VolumeKind::Malloc,
+            VolumeKind::Replica1,
+            VolumeKind::Replica2,
+        ],
+        peers: vec![PeerChoice::None],
+        ramp_secs: Some(0.3),
+        idle_secs: Some(0.3),
+        size: Some("64M".into()),
+        port_base: 23400,
+        out: out.clone(),
+        ..BenchConfig::default()
+    };
+    let report = lull_bench::run(&config, &exe).unwrap();
 
     let names: Vec<&str> = report.targets.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
@@ -107,9 +99,9 @@ fn quick_run_with_fake_lull_writes_parseable_reports() {
         assert!(!cmd.contains("--nvme-ioq-poll-period-us"), "{cmd}");
     }
     for (t, job) in [
-        ("lull-poll-malloc", lull_bench::JobKind::RandreadIops),
-        ("lull-poll-replica1", lull_bench::JobKind::RandreadIops),
-        ("lull-poll-replica2", lull_bench::JobKind::RandwriteLat),
+        ("lull-poll-malloc", JobKind::RandreadIops),
+        ("lull-poll-replica1", JobKind::RandreadIops),
+        ("lull-poll-replica2", JobKind::RandwriteLat),
     ] {
         let c = report
             .results

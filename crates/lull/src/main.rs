@@ -1,6 +1,7 @@
 //! `lull`: the binary. `lull serve` with no argument serves a 1 GiB memory
 //! volume `vol0` on 127.0.0.1:10809.
 
+mod cli;
 mod config;
 mod control;
 
@@ -14,6 +15,7 @@ use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
 use lull_nbd::{ListenAddr, NbdServer, Volume, Volumes};
 use lull_reactor::{Framework, FrameworkConfig};
 
+use crate::cli::usage_error;
 use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
 
 /// How long a stop waits for connections to finish their in-flight I/O.
@@ -35,11 +37,11 @@ enum Command {
     /// Serve volumes over NBD.
     Serve(ServeArgs),
     /// Serve one replica of a replicated volume.
-    Replica(lull_replica::ReplicaArgs),
+    Replica(cli::replica::ReplicaArgs),
     /// Call a JSON-RPC method of a running server.
-    Rpc(lull_rpc::RpcArgs),
+    Rpc(cli::rpc::RpcArgs),
     /// Measure lull in each mode against peer NBD servers with fio.
-    Bench(lull_bench::BenchArgs),
+    Bench(cli::bench::BenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -101,18 +103,10 @@ fn main() -> ExitCode {
         .init();
     match cli.command {
         Command::Serve(args) => serve(args),
-        Command::Replica(args) => lull_replica::run(&args),
-        Command::Rpc(args) => lull_rpc::run_client(&args),
-        Command::Bench(args) => bench(&args),
+        Command::Replica(args) => cli::replica::run(&args),
+        Command::Rpc(args) => cli::rpc::run(&args),
+        Command::Bench(args) => cli::bench::run(&args),
     }
-}
-
-/// Exit code for bad flags or configuration (as clap uses for bad flags).
-const EXIT_USAGE: u8 = 2;
-
-fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
-    eprintln!("lull: error: {msg}");
-    ExitCode::from(EXIT_USAGE)
 }
 
 fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
@@ -239,32 +233,6 @@ fn start_rpc(
     }
 }
 
-fn bench(args: &lull_bench::BenchArgs) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("lull: error: cannot find the lull binary: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match lull_bench::run(args, &exe) {
-        Ok(report) => {
-            println!(
-                "bench: {} targets, {} results, report in {}",
-                report.targets.len(),
-                report.results.len(),
-                args.out.display()
-            );
-            ExitCode::SUCCESS
-        }
-        Err(lull_bench::BenchError::BadArgs(m)) => usage_error(m),
-        Err(e) => {
-            eprintln!("lull: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
 fn serve(args: ServeArgs) -> ExitCode {
     let s = match settings(args) {
         Ok(s) => s,
@@ -277,17 +245,9 @@ fn serve(args: ServeArgs) -> ExitCode {
     if let Some(p) = &s.socket {
         listen.push(ListenAddr::Unix(p.clone()));
     }
-    // Block the stop signals before any thread starts, so every thread
-    // inherits the mask and only the waiter below sees them.
-    let mut signals = match signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-    ]) {
+    let mut signals = match cli::signals::stop_signals() {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: cannot install signal handlers: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     lull_net::server::raise_fd_limit("nbd");
     let mut fw = match Framework::start(FrameworkConfig {

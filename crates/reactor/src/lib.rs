@@ -47,6 +47,15 @@ pub use thread::{
     ThreadHandle, ThreadStats, MAX_POLLERS_PER_THREAD, MSG_BATCH, MSG_QUEUE_CAPACITY,
 };
 
+/// A mode serializes as its name (`"poll"`, `"adaptive"`, ...), as
+/// `lull bench` writes it in report.json.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Mode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 /// Errors of the reactor framework.
 #[derive(Debug, thiserror::Error)]
 pub enum ReactorError {

@@ -70,16 +70,13 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use lull_bdev::{BdevError, BlockDevice, FileDev, FileOptions};
 use lull_net::server::{Acceptor, Connections, Limits};
-use lull_reactor::{
-    Framework, FrameworkConfig, FrameworkHandle, Mode, PollerId, ReactorError, ThreadHandle,
-};
+use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
@@ -105,19 +102,9 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// once; 10 s matches the NBD handshake limit.
 pub const HELLO_TIMEOUT_US: u64 = 10_000_000;
 
-/// How long `run` waits at shutdown for connections to finish their
-/// in-flight I/O before giving up (with an error; the data file is then
-/// not synced by the stop).
-pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Exit code for bad arguments or a directory that does not match them.
-const EXIT_USAGE: u8 = 2;
-
 /// Errors of the replica server.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
-    #[error("{0}")]
-    BadArgs(String),
     #[error("{dir}: holds a volume of {meta_size} bytes, not the {size} bytes asked for (refusing to resize a replica)")]
     SizeMismatch {
         dir: PathBuf,
@@ -154,7 +141,7 @@ impl ReplicaError {
     /// The errno a peer is told (HELLO reply status) for this error.
     pub fn errno(&self) -> i32 {
         match self {
-            ReplicaError::BadArgs(_) | ReplicaError::SizeMismatch { .. } => libc::EINVAL,
+            ReplicaError::SizeMismatch { .. } => libc::EINVAL,
             ReplicaError::Meta(e) => e.errno(),
             ReplicaError::Locked { .. } => libc::EBUSY,
             ReplicaError::Io { source, .. }
@@ -167,40 +154,6 @@ impl ReplicaError {
             ReplicaError::DetachBusy { .. } => libc::EBUSY,
         }
     }
-
-    /// Process exit code: 2 for arguments that do not fit (as clap), 1 else.
-    pub fn exit_code(&self) -> ExitCode {
-        match self {
-            ReplicaError::BadArgs(_) | ReplicaError::SizeMismatch { .. } => {
-                ExitCode::from(EXIT_USAGE)
-            }
-            _ => ExitCode::FAILURE,
-        }
-    }
-}
-
-/// `lull replica` arguments.
-#[derive(clap::Args, Debug, Clone)]
-pub struct ReplicaArgs {
-    /// TCP address to serve the replica protocol on.
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub listen: String,
-    /// Directory holding data.img and meta.json (created if missing).
-    #[arg(long, value_name = "DIR")]
-    pub dir: PathBuf,
-    /// Volume size, with an optional K/M/G/T (binary) suffix; must match an
-    /// existing replica's size.
-    #[arg(long, value_name = "SIZE")]
-    pub size: String,
-    /// Reactor cores, e.g. "1" or "0,2-3" [default: the last allowed core].
-    #[arg(long, value_name = "LIST")]
-    pub cores: Option<String>,
-    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive.
-    #[arg(long, value_name = "MODE", default_value = "adaptive")]
-    pub mode: String,
-    /// Open the data file with O_DIRECT.
-    #[arg(long)]
-    pub direct: bool,
 }
 
 /// What a replica server needs, resolved and checked.
@@ -210,141 +163,6 @@ pub struct ReplicaConfig {
     pub dir: PathBuf,
     pub size_bytes: u64,
     pub direct: bool,
-}
-
-/// Resolved `lull replica` settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaSettings {
-    pub config: ReplicaConfig,
-    pub cores: Vec<usize>,
-    pub mode: Mode,
-}
-
-impl ReplicaArgs {
-    /// Checks the arguments; `allowed_cpus` gives the default core.
-    pub fn resolve(&self, allowed_cpus: &[usize]) -> Result<ReplicaSettings, ReplicaError> {
-        let listen = self.listen.parse().map_err(|_| {
-            ReplicaError::BadArgs(format!(
-                "invalid listen address {:?}: expected ADDR:PORT",
-                self.listen
-            ))
-        })?;
-        let size_bytes = parse_size(&self.size)?;
-        let cores = match &self.cores {
-            Some(c) => parse_cores(c)?,
-            // The last core: core 0 takes most interrupts and housekeeping.
-            None => vec![*allowed_cpus
-                .last()
-                .ok_or_else(|| ReplicaError::BadArgs("no CPU available".into()))?],
-        };
-        if let Some(bad) = cores.iter().find(|c| !allowed_cpus.contains(c)) {
-            return Err(ReplicaError::BadArgs(format!(
-                "core {bad} is not available to this process (allowed: {allowed_cpus:?})"
-            )));
-        }
-        let mode = self.mode.parse::<Mode>().map_err(ReplicaError::BadArgs)?;
-        if self.dir.as_os_str().is_empty() {
-            return Err(ReplicaError::BadArgs("--dir must not be empty".into()));
-        }
-        Ok(ReplicaSettings {
-            config: ReplicaConfig {
-                listen,
-                dir: self.dir.clone(),
-                size_bytes,
-                direct: self.direct,
-            },
-            cores,
-            mode,
-        })
-    }
-}
-
-/// Parses a size with an optional binary suffix: `4096`, `64K`, `1G`, `2TiB`.
-pub fn parse_size(s: &str) -> Result<u64, ReplicaError> {
-    lull_bdev::parse_size_bytes(s).map_err(ReplicaError::BadArgs)
-}
-
-/// Parses a core list: `3`, `0,2`, `0-3`, `0-1,4`.
-pub fn parse_cores(s: &str) -> Result<Vec<usize>, ReplicaError> {
-    lull_reactor::parse_core_list(s).map_err(ReplicaError::BadArgs)
-}
-
-/// `lull replica`: serve until SIGINT/SIGTERM, then stop cleanly (stop
-/// accepting, finish in-flight I/O, fdatasync, persist the write-intent
-/// record). The replica is clean afterwards only if it was: the last
-/// engine attached to it detached (DETACH); with an engine still attached
-/// it stays dirty, since that engine may have written to other replicas
-/// what this one has not. Exit code 0 on a clean stop, 2 for bad arguments
-/// (or a directory that does not match them), 1 for other failures.
-pub fn run(args: &ReplicaArgs) -> ExitCode {
-    let allowed = match lull_reactor::sys::allowed_cpus() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("lull: error: cannot read CPU affinity: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let settings = match args.resolve(&allowed) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: {e}");
-            return e.exit_code();
-        }
-    };
-    // Block the stop signals before any thread starts, so every thread
-    // inherits the mask and only the waiter below sees them.
-    let mut signals = match signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-    ]) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: cannot install signal handlers: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    lull_net::server::raise_fd_limit("replica");
-    let mut fw = match Framework::start(FrameworkConfig::new(settings.cores.clone(), settings.mode))
-    {
-        Ok(fw) => fw,
-        Err(e) => {
-            eprintln!("lull: error: cannot start reactors: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let server = match ReplicaServer::start(fw.handle(), &settings.config) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: {e}");
-            fw.stop();
-            return e.exit_code();
-        }
-    };
-    println!(
-        "replica listening on {} (size {}, generation {}, dir {})",
-        server.local_addr(),
-        lull_bdev::human_bytes(settings.config.size_bytes),
-        server.generation(),
-        settings.config.dir.display()
-    );
-    let signal = signals.forever().next();
-    tracing::info!(
-        ?signal,
-        "stopping: no new connections, finishing in-flight I/O"
-    );
-    let result = server.shutdown(SHUTDOWN_TIMEOUT);
-    fw.stop();
-    match result {
-        Ok(()) => {
-            tracing::info!("stopped cleanly");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "unclean stop");
-            eprintln!("lull: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }
 
 /// The metadata record as the server knows it, behind one lock that the
@@ -740,41 +558,5 @@ impl Drop for ReplicaServer {
     fn drop(&mut self) {
         self.acceptor.stop();
         self.shared.intent.stop();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resolve_args() {
-        let args = ReplicaArgs {
-            listen: "127.0.0.1:0".into(),
-            dir: "/tmp/x".into(),
-            size: "1M".into(),
-            cores: None,
-            mode: "adaptive".into(),
-            direct: false,
-        };
-        let s = args.resolve(&[0, 1]).unwrap();
-        assert_eq!(s.cores, vec![1]);
-        assert_eq!(s.mode, Mode::Adaptive);
-        assert_eq!(s.config.size_bytes, 1 << 20);
-        let bad = ReplicaArgs {
-            mode: "spin".into(),
-            ..args.clone()
-        };
-        assert!(matches!(bad.resolve(&[0]), Err(ReplicaError::BadArgs(_))));
-        let bad = ReplicaArgs {
-            listen: "nowhere".into(),
-            ..args.clone()
-        };
-        assert!(bad.resolve(&[0]).is_err());
-        let bad = ReplicaArgs {
-            cores: Some("7".into()),
-            ..args
-        };
-        assert!(bad.resolve(&[0]).is_err());
     }
 }

@@ -1,5 +1,5 @@
-//! The client side: one call per connection, as SPDK's rpc.py does, and the
-//! `lull rpc METHOD [PARAMS]` command.
+//! The client side: one call per connection, as SPDK's rpc.py does (the
+//! `lull rpc METHOD [PARAMS]` command is this call in the binary).
 //!
 //! ```ignore
 //! let reactors = call(Path::new(DEFAULT_RPC_SOCKET), "framework_get_reactors", None, Duration::from_secs(5))?;
@@ -8,7 +8,6 @@
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -26,9 +25,6 @@ pub const MAX_RESPONSE_BYTES: usize = 16 << 20;
 
 /// Default for `lull rpc --timeout`, as rpc.py's.
 pub const DEFAULT_CLIENT_TIMEOUT_S: f64 = 60.0;
-
-/// Exit code for a bad command line (as clap uses).
-const EXIT_USAGE: u8 = 2;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -130,70 +126,4 @@ fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RpcClient
         return Err(RpcClientError::Timeout(timeout));
     }
     Ok(left)
-}
-
-/// `lull rpc`: call one method and print its result.
-#[derive(clap::Args, Debug, Clone)]
-pub struct RpcArgs {
-    /// The server's Unix socket.
-    #[arg(short = 's', long, default_value = DEFAULT_RPC_SOCKET)]
-    pub socket: PathBuf,
-    /// Seconds to wait for the response.
-    #[arg(short = 't', long = "timeout", default_value_t = DEFAULT_CLIENT_TIMEOUT_S, value_name = "SECONDS")]
-    pub timeout_s: f64,
-    /// Method name, e.g. framework_get_reactors (rpc_get_methods lists them).
-    pub method: String,
-    /// Parameters as a JSON object, e.g. '{"name": "vol1", "size": "1G"}'.
-    pub params: Option<String>,
-}
-
-/// Run `lull rpc`: the result as pretty JSON on stdout and exit 0; an error
-/// response (as JSON) or an unreachable server on stderr and exit 1; params
-/// that are not JSON, or a bad --timeout, exit 2.
-pub fn run_client(args: &RpcArgs) -> ExitCode {
-    let params = match &args.params {
-        None => None,
-        Some(text) => match serde_json::from_str::<Value>(text) {
-            Ok(v) => Some(v),
-            Err(e) => {
-                eprintln!("lull rpc: error: params are not valid JSON: {e}");
-                return ExitCode::from(EXIT_USAGE);
-            }
-        },
-    };
-    let timeout = match Duration::try_from_secs_f64(args.timeout_s) {
-        Ok(t) if !t.is_zero() => t,
-        _ => {
-            eprintln!("lull rpc: error: --timeout must be a positive number of seconds");
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
-    match call(&args.socket, &args.method, params, timeout) {
-        Ok(result) => {
-            use std::io::Write;
-            // A closed pipe (`lull rpc ... | head`) is not an error of ours.
-            let _ = writeln!(std::io::stdout(), "{}", pretty(&result));
-            ExitCode::SUCCESS
-        }
-        Err(RpcClientError::Rpc {
-            code,
-            message,
-            data,
-        }) => {
-            let mut err = json!({"code": code, "message": message});
-            if let Some(d) = data {
-                err["data"] = d;
-            }
-            eprintln!("{}", pretty(&err));
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("lull rpc: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn pretty(v: &Value) -> String {
-    serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
 }

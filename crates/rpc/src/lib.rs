@@ -1,5 +1,5 @@
 //! lull's control plane: JSON-RPC 2.0 over a Unix socket (SPDK's
-//! convention, method names after SPDK's), a `lull rpc` client, and
+//! convention, method names after SPDK's), the client `lull rpc` uses, and
 //! Prometheus metrics over HTTP.
 //!
 //! ```ignore
@@ -33,8 +33,7 @@ use std::io;
 use std::path::PathBuf;
 
 pub use client::{
-    call, run_client, RpcArgs, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET,
-    MAX_RESPONSE_BYTES,
+    call, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
 };
 pub use methods::{
     framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, EngineControl,

@@ -5,7 +5,6 @@ use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -639,55 +638,26 @@ fn connection_cap() {
 }
 
 #[test]
-fn client_command() {
+fn client_calls() {
     let t = setup();
-    let args = |method: &str, params: Option<&str>| RpcArgs {
-        socket: t.sock.clone(),
-        timeout_s: 30.0,
-        method: method.into(),
-        params: params.map(String::from),
-    };
-    assert_eq!(run_client(&args("volume_list", None)), ExitCode::SUCCESS);
-    assert_eq!(
-        run_client(&args("volume_get_stats", Some(r#"{"name": "vol0"}"#))),
-        ExitCode::SUCCESS
-    );
-    assert_eq!(run_client(&args("no_such", None)), ExitCode::FAILURE);
-    assert_eq!(
-        run_client(&args("volume_list", Some("{not json"))),
-        ExitCode::from(2)
-    );
-    let mut bad_timeout = args("volume_list", None);
-    bad_timeout.timeout_s = -1.0;
-    assert_eq!(run_client(&bad_timeout), ExitCode::from(2));
-    let mut gone = args("volume_list", None);
-    gone.socket = t.sock.with_file_name("nobody-home.sock");
-    assert_eq!(run_client(&gone), ExitCode::FAILURE);
-
-    // The clap definition parses as `lull rpc` will use it.
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        rpc: RpcArgs,
+    let timeout = Duration::from_secs(30);
+    assert!(call(&t.sock, "volume_list", None, timeout).is_ok());
+    assert!(call(
+        &t.sock,
+        "volume_get_stats",
+        Some(serde_json::json!({"name": "vol0"})),
+        timeout
+    )
+    .is_ok());
+    match call(&t.sock, "no_such", None, timeout) {
+        Err(RpcClientError::Rpc { code, .. }) => assert_eq!(code, METHOD_NOT_FOUND),
+        other => panic!("{other:?}"),
     }
-    let cli = Cli::try_parse_from([
-        "lull-rpc",
-        "-s",
-        "/tmp/x.sock",
-        "volume_create",
-        r#"{"name":"a","size":"1G"}"#,
-    ])
-    .unwrap();
-    assert_eq!(cli.rpc.socket, PathBuf::from("/tmp/x.sock"));
-    assert_eq!(cli.rpc.method, "volume_create");
-    assert_eq!(
-        cli.rpc.params.as_deref(),
-        Some(r#"{"name":"a","size":"1G"}"#)
-    );
-    let cli = Cli::try_parse_from(["lull-rpc", "rpc_get_methods"]).unwrap();
-    assert_eq!(cli.rpc.socket, PathBuf::from(DEFAULT_RPC_SOCKET));
-    assert_eq!(cli.rpc.timeout_s, DEFAULT_CLIENT_TIMEOUT_S);
+    let gone = t.sock.with_file_name("nobody-home.sock");
+    assert!(matches!(
+        call(&gone, "volume_list", None, timeout),
+        Err(RpcClientError::Connect { .. })
+    ));
 }
 
 /// One unpinned reactor on core 0 (tests share the machine), interrupt mode

@@ -1,9 +1,10 @@
-//! Command-line arguments of `lull bench` and the resolved settings derived
-//! from them (quick-mode defaults, core choice, sizes).
+//! What a `lull bench` run is asked to measure ([`BenchConfig`], which the
+//! binary fills from its flags) and the settings resolved from it
+//! (quick-mode defaults, core choice, sizes).
 
 use std::path::PathBuf;
 
-use clap::ValueEnum;
+use lull_reactor::Mode;
 use serde::Serialize;
 
 use crate::fio::JobKind;
@@ -25,112 +26,97 @@ pub const DEFAULT_HYBRID_PERIOD_US: u32 = 100;
 /// the replica connections for a whole job.
 pub const HYBRID_PERIOD_US_MAX: u32 = 10_000_000;
 
-/// `lull bench`: fio's nbd engine with the kbench profile against lull in each
-/// event mode and against peer NBD servers.
-#[derive(clap::Args, Debug, Clone)]
-pub struct BenchArgs {
+/// Default `repeat`: one pass over the schedule.
+pub const DEFAULT_REPEAT: u32 = 1;
+
+/// Most repeats a run takes: each repeat runs every job on every target, so
+/// 100 already means hours.
+pub const REPEAT_MAX: u32 = 100;
+
+/// Default directory for report.md, report.json and the plots.
+pub const DEFAULT_OUT_DIR: &str = "bench-out";
+
+/// The default run order of the modes: poll and adaptive back to back, so
+/// that their per-repeat (paired) ratio compares runs a few seconds apart.
+pub const DEFAULT_MODE_ORDER: [Mode; 4] =
+    [Mode::Poll, Mode::Adaptive, Mode::Interrupt, Mode::Hybrid];
+
+/// Default volume kinds measured.
+pub const DEFAULT_VOLUMES: [VolumeKind; 1] = [VolumeKind::Malloc];
+
+/// Default peers measured beside lull.
+pub const DEFAULT_PEERS: [PeerChoice; 2] = [PeerChoice::Nbdkit, PeerChoice::QemuNbd];
+
+/// What a `lull bench` run measures, as given: [`Settings::resolve`] fills
+/// in the quick-mode defaults and checks it. `lull bench`'s flags map one
+/// to one onto these fields; [`Default`] is a run with no flag.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchConfig {
     /// Short jobs (1 s, small volume, short idle window) for smoke runs.
-    #[arg(long)]
     pub quick: bool,
-
-    /// Jobs to run, comma separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = JobKind::ALL.to_vec())]
+    /// Jobs to run.
     pub jobs: Vec<JobKind>,
-
     /// lull event modes to measure, run in this order within each repeat; a
     /// mode the server refuses is reported as skipped with the server's
     /// error line.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Mode::DEFAULT_ORDER.to_vec())]
     pub modes: Vec<Mode>,
-
-    /// Replica-connection poll periods of the hybrid mode, in µs, comma
-    /// separated: hybrid is measured once per period, as
-    /// `lull-hybrid@<period>-<volume>`, with `--nvme-ioq-poll-period-us`.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![DEFAULT_HYBRID_PERIOD_US],
-          value_parser = clap::value_parser!(u32).range(1..=HYBRID_PERIOD_US_MAX as i64))]
+    /// Replica-connection poll periods of the hybrid mode, in µs: hybrid is
+    /// measured once per period, as `lull-hybrid@<period>-<volume>`, with
+    /// `--nvme-ioq-poll-period-us`.
     pub hybrid_periods: Vec<u32>,
-
     /// lull volume kinds to measure.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![VolumeKind::Malloc])]
     pub volumes: Vec<VolumeKind>,
-
-    /// Peer servers to measure beside lull (`none` for lull only). A peer
-    /// whose binary is missing is reported as skipped.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![PeerChoice::Nbdkit, PeerChoice::QemuNbd])]
+    /// Peer servers to measure beside lull. A peer whose binary is missing
+    /// is reported as skipped.
     pub peers: Vec<PeerChoice>,
-
     /// Skip lull itself (peers only); useful to check the harness.
-    #[arg(long)]
     pub no_lull: bool,
-
     /// Repeat the whole interleaved schedule N times; the report gives the
     /// median and the min–max spread.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
-
     /// Measured seconds per job [default: 10, quick: 1].
-    #[arg(long)]
     pub runtime_secs: Option<u64>,
-
     /// Warm-up seconds per job before measuring [default: 2, quick: 0.5].
-    #[arg(long)]
     pub ramp_secs: Option<f64>,
-
     /// Idle window for the server's idle CPU, in seconds [default: 2, quick: 1].
-    #[arg(long)]
     pub idle_secs: Option<f64>,
-
     /// Core the server under test is pinned to [default: the last core].
-    #[arg(long)]
     pub server_cpu: Option<usize>,
-
     /// Core fio is pinned to [default: 0].
-    #[arg(long)]
     pub client_cpu: Option<usize>,
-
     /// Volume size, e.g. 1G, 256M [default: 1G, quick: 256M].
-    #[arg(long)]
     pub size: Option<String>,
-
     /// Directory for report.md, report.json and the plots.
-    #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
-
     /// First TCP port used for servers; each start takes the next free one.
-    #[arg(long, default_value_t = DEFAULT_PORT_BASE)]
     pub port_base: u16,
 }
 
-/// A lull reactor event mode (DESIGN §2).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
-#[serde(rename_all = "kebab-case")]
-pub enum Mode {
-    Poll,
-    Interrupt,
-    Hybrid,
-    Adaptive,
-}
-
-impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::Poll, Mode::Interrupt, Mode::Hybrid, Mode::Adaptive];
-
-    /// The default run order: poll and adaptive back to back, so that their
-    /// per-repeat (paired) ratio compares runs a few seconds apart.
-    pub const DEFAULT_ORDER: [Mode; 4] =
-        [Mode::Poll, Mode::Adaptive, Mode::Interrupt, Mode::Hybrid];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Poll => "poll",
-            Mode::Interrupt => "interrupt",
-            Mode::Hybrid => "hybrid",
-            Mode::Adaptive => "adaptive",
+impl Default for BenchConfig {
+    fn default() -> BenchConfig {
+        BenchConfig {
+            quick: false,
+            jobs: JobKind::ALL.to_vec(),
+            modes: DEFAULT_MODE_ORDER.to_vec(),
+            hybrid_periods: vec![DEFAULT_HYBRID_PERIOD_US],
+            volumes: DEFAULT_VOLUMES.to_vec(),
+            peers: DEFAULT_PEERS.to_vec(),
+            no_lull: false,
+            repeat: DEFAULT_REPEAT,
+            runtime_secs: None,
+            ramp_secs: None,
+            idle_secs: None,
+            server_cpu: None,
+            client_cpu: None,
+            size: None,
+            out: PathBuf::from(DEFAULT_OUT_DIR),
+            port_base: DEFAULT_PORT_BASE,
         }
     }
 }
 
 /// The kind of volume lull serves.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]
 pub enum VolumeKind {
     /// Memory backend.
@@ -144,6 +130,13 @@ pub enum VolumeKind {
 }
 
 impl VolumeKind {
+    pub const ALL: [VolumeKind; 4] = [
+        VolumeKind::Malloc,
+        VolumeKind::File,
+        VolumeKind::Replica1,
+        VolumeKind::Replica2,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             VolumeKind::Malloc => "malloc",
@@ -164,7 +157,7 @@ impl VolumeKind {
 }
 
 /// A peer NBD server the harness can start itself.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PeerChoice {
     /// `nbdkit memory`.
@@ -173,6 +166,18 @@ pub enum PeerChoice {
     QemuNbd,
     /// No peers.
     None,
+}
+
+impl PeerChoice {
+    pub const ALL: [PeerChoice; 3] = [PeerChoice::Nbdkit, PeerChoice::QemuNbd, PeerChoice::None];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerChoice::Nbdkit => "nbdkit",
+            PeerChoice::QemuNbd => "qemu-nbd",
+            PeerChoice::None => "none",
+        }
+    }
 }
 
 /// Settings after quick-mode defaults and core detection are applied.
@@ -194,7 +199,7 @@ pub struct Settings {
 
 impl Settings {
     /// Resolves defaults; `nproc` is the number of usable cores.
-    pub fn resolve(args: &BenchArgs, nproc: usize) -> Result<Settings, BenchError> {
+    pub fn resolve(args: &BenchConfig, nproc: usize) -> Result<Settings, BenchError> {
         let quick = args.quick;
         let size_text = args
             .size
@@ -290,13 +295,6 @@ pub fn parse_size(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser, Debug)]
-    struct Cli {
-        #[command(flatten)]
-        bench: BenchArgs,
-    }
 
     #[test]
     fn sizes() {
@@ -313,83 +311,61 @@ mod tests {
 
     #[test]
     fn defaults_and_quick() {
-        let cli = Cli::parse_from(["bench"]);
-        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        let s = Settings::resolve(&BenchConfig::default(), 2).unwrap();
         assert_eq!(s.jobs.len(), 6);
         assert_eq!(s.size_bytes, 1 << 30);
         assert_eq!((s.server_cpu, s.client_cpu), (1, 0));
-        assert_eq!(cli.bench.modes, Mode::DEFAULT_ORDER);
-        assert_eq!(cli.bench.volumes, vec![VolumeKind::Malloc]);
         assert_eq!(s.hybrid_periods_us, vec![DEFAULT_HYBRID_PERIOD_US]);
-        assert_eq!(
-            cli.bench.peers,
-            vec![PeerChoice::Nbdkit, PeerChoice::QemuNbd]
-        );
 
-        let cli = Cli::parse_from([
-            "bench",
-            "--quick",
-            "--jobs",
-            "randread-lat,randread-lat",
-            "--peers",
-            "none",
-            "--modes",
-            "poll",
-        ]);
-        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        let config = BenchConfig {
+            quick: true,
+            jobs: vec![JobKind::RandreadLat, JobKind::RandreadLat],
+            ..BenchConfig::default()
+        };
+        let s = Settings::resolve(&config, 2).unwrap();
         assert_eq!(s.jobs, vec![JobKind::RandreadLat]);
         assert_eq!(s.runtime_secs, 1);
         assert_eq!(s.size_bytes, 256 << 20);
-        assert_eq!(cli.bench.peers, vec![PeerChoice::None]);
     }
 
     #[test]
     fn rejects_bad_cores_and_sizes() {
-        let cli = Cli::parse_from(["bench", "--server-cpu", "5"]);
-        assert!(Settings::resolve(&cli.bench, 2).is_err());
-        let cli = Cli::parse_from(["bench", "--size", "1000"]);
-        assert!(Settings::resolve(&cli.bench, 2).is_err());
-        assert!(Cli::try_parse_from(["bench", "--jobs", "nope"]).is_err());
-        assert!(Cli::try_parse_from(["bench", "--repeat", "0"]).is_err());
+        let config = BenchConfig {
+            server_cpu: Some(5),
+            ..BenchConfig::default()
+        };
+        assert!(Settings::resolve(&config, 2).is_err());
+        let config = BenchConfig {
+            size: Some("1000".into()),
+            ..BenchConfig::default()
+        };
+        assert!(Settings::resolve(&config, 2).is_err());
     }
 
     #[test]
     fn hybrid_periods_and_replica1() {
-        let cli = Cli::parse_from([
-            "bench",
-            "--hybrid-periods",
-            "10,1000,10",
-            "--volumes",
-            "replica1,replica2",
-        ]);
-        assert_eq!(cli.bench.hybrid_periods, vec![10, 1000, 10]);
-        let s = Settings::resolve(&cli.bench, 2).unwrap();
+        let config = BenchConfig {
+            hybrid_periods: vec![10, 1000, 10],
+            volumes: vec![VolumeKind::Replica1, VolumeKind::Replica2],
+            ..BenchConfig::default()
+        };
+        let s = Settings::resolve(&config, 2).unwrap();
         assert_eq!(s.hybrid_periods_us, vec![10, 1000]);
         assert_eq!(
-            cli.bench.volumes,
-            vec![VolumeKind::Replica1, VolumeKind::Replica2]
-        );
-        assert_eq!(
-            cli.bench
+            config
                 .volumes
                 .iter()
                 .map(|v| v.replica_count())
                 .collect::<Vec<_>>(),
             [1, 2]
         );
-        let cli = Cli::parse_from(["bench", "--hybrid-periods", "1"]);
-        assert_eq!(cli.bench.hybrid_periods, vec![1]);
-        for bad in ["0", "-5", "x", "10,", "10000001"] {
-            assert!(
-                Cli::try_parse_from(["bench", "--hybrid-periods", bad]).is_err(),
-                "{bad}"
-            );
+        // Not parsed from flags (as a library caller may): still checked.
+        for bad in [vec![], vec![0]] {
+            let config = BenchConfig {
+                hybrid_periods: bad,
+                ..BenchConfig::default()
+            };
+            assert!(Settings::resolve(&config, 2).is_err());
         }
-        // Built without clap (as a library caller may): still checked.
-        let mut args = Cli::parse_from(["bench"]).bench;
-        args.hybrid_periods = vec![];
-        assert!(Settings::resolve(&args, 2).is_err());
-        args.hybrid_periods = vec![0];
-        assert!(Settings::resolve(&args, 2).is_err());
     }
 }

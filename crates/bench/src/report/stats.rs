@@ -1,15 +1,15 @@
 //! Median and spread over repeats, per-run derived metrics and ratios.
 //!
 //! ```
-//! use lull_bench::stats::spread;
+//! use lull_bench::report::stats::spread;
 //! let s = spread(&[3.0, 1.0, 10.0, 2.0]).unwrap();
 //! assert_eq!((s.median, s.min, s.max, s.n), (2.5, 1.0, 10.0, 4));
 //! ```
 
 use serde::Serialize;
 
+use crate::env::procstat::ProcCounters;
 use crate::fio::{FioMetrics, JobKind, Primary};
-use crate::procstat::ProcCounters;
 
 /// Median and range of one metric over the repeats.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]

@@ -7,7 +7,7 @@
 //! live as long as the server).
 //!
 //! ```
-//! use lull_bench::procstat::parse_stat;
+//! use lull_bench::env::procstat::parse_stat;
 //! let s = parse_stat("42 (lull reactor 0) S 1 42 42 0 -1 4194560 7 0 1 0 30 12 0 0 20 0 3 0").unwrap();
 //! assert_eq!((s.utime_ticks, s.stime_ticks, s.minor_faults, s.major_faults), (30, 12, 7, 1));
 //! ```

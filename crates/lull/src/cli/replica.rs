@@ -1,0 +1,236 @@
+//! `lull replica`: its flags, their resolution into a
+//! [`lull_replica::ReplicaConfig`], and the process around a
+//! [`ReplicaServer`] (reactors, signals, clean stop, exit codes).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use lull_reactor::{Framework, FrameworkConfig, Mode};
+use lull_replica::{ReplicaConfig, ReplicaError, ReplicaServer};
+
+use crate::cli::{signals, EXIT_USAGE};
+
+/// How long `run` waits at shutdown for connections to finish their
+/// in-flight I/O before giving up (with an error; the data file is then
+/// not synced by the stop).
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `lull replica` arguments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReplicaArgs {
+    /// TCP address to serve the replica protocol on.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: String,
+    /// Directory holding data.img and meta.json (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Volume size, with an optional K/M/G/T (binary) suffix; must match an
+    /// existing replica's size.
+    #[arg(long, value_name = "SIZE")]
+    pub size: String,
+    /// Reactor cores, e.g. "1" or "0,2-3" [default: the last allowed core].
+    #[arg(long, value_name = "LIST")]
+    pub cores: Option<String>,
+    /// Event mode of the reactors: poll, interrupt, hybrid or adaptive.
+    #[arg(long, value_name = "MODE", default_value = "adaptive")]
+    pub mode: String,
+    /// Open the data file with O_DIRECT.
+    #[arg(long)]
+    pub direct: bool,
+}
+
+/// Resolved `lull replica` settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaSettings {
+    pub config: ReplicaConfig,
+    pub cores: Vec<usize>,
+    pub mode: Mode,
+}
+
+impl ReplicaArgs {
+    /// Checks the arguments; `allowed_cpus` gives the default core. The
+    /// error is the message for a usage error (exit code 2).
+    pub fn resolve(&self, allowed_cpus: &[usize]) -> Result<ReplicaSettings, String> {
+        let listen = self.listen.parse().map_err(|_| {
+            format!(
+                "invalid listen address {:?}: expected ADDR:PORT",
+                self.listen
+            )
+        })?;
+        let size_bytes = lull_bdev::parse_size_bytes(&self.size)?;
+        let cores = match &self.cores {
+            Some(c) => lull_reactor::parse_core_list(c)?,
+            // The last core: core 0 takes most interrupts and housekeeping.
+            None => vec![*allowed_cpus.last().ok_or("no CPU available")?],
+        };
+        if let Some(bad) = cores.iter().find(|c| !allowed_cpus.contains(c)) {
+            return Err(format!(
+                "core {bad} is not available to this process (allowed: {allowed_cpus:?})"
+            ));
+        }
+        let mode = self.mode.parse::<Mode>()?;
+        if self.dir.as_os_str().is_empty() {
+            return Err("--dir must not be empty".into());
+        }
+        Ok(ReplicaSettings {
+            config: ReplicaConfig {
+                listen,
+                dir: self.dir.clone(),
+                size_bytes,
+                direct: self.direct,
+            },
+            cores,
+            mode,
+        })
+    }
+}
+
+/// Process exit code for a replica server that failed: 2 for a directory
+/// that does not match the arguments (as clap for bad arguments), 1 else.
+fn exit_code(e: &ReplicaError) -> ExitCode {
+    match e {
+        ReplicaError::SizeMismatch { .. } => ExitCode::from(EXIT_USAGE),
+        _ => ExitCode::FAILURE,
+    }
+}
+
+/// `lull replica`: serve until SIGINT/SIGTERM, then stop cleanly (stop
+/// accepting, finish in-flight I/O, fdatasync, persist the write-intent
+/// record). The replica is clean afterwards only if it was: the last
+/// engine attached to it detached (DETACH); with an engine still attached
+/// it stays dirty, since that engine may have written to other replicas
+/// what this one has not. Exit code 0 on a clean stop, 2 for bad arguments
+/// (or a directory that does not match them), 1 for other failures.
+///
+/// Its log lines keep the `lull_replica` target they had when this lived
+/// in that crate, so `RUST_LOG` filters and log readers see no change.
+pub fn run(args: &ReplicaArgs) -> ExitCode {
+    let allowed = match lull_reactor::sys::allowed_cpus() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("lull: error: cannot read CPU affinity: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let settings = match args.resolve(&allowed) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let mut signals = match signals::stop_signals() {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    lull_net::server::raise_fd_limit("replica");
+    let mut fw = match Framework::start(FrameworkConfig::new(settings.cores.clone(), settings.mode))
+    {
+        Ok(fw) => fw,
+        Err(e) => {
+            eprintln!("lull: error: cannot start reactors: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = match ReplicaServer::start(fw.handle(), &settings.config) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            fw.stop();
+            return exit_code(&e);
+        }
+    };
+    println!(
+        "replica listening on {} (size {}, generation {}, dir {})",
+        server.local_addr(),
+        lull_bdev::human_bytes(settings.config.size_bytes),
+        server.generation(),
+        settings.config.dir.display()
+    );
+    let signal = signals.forever().next();
+    tracing::info!(
+        target: "lull_replica",
+        ?signal,
+        "stopping: no new connections, finishing in-flight I/O"
+    );
+    let result = server.shutdown(SHUTDOWN_TIMEOUT);
+    fw.stop();
+    match result {
+        Ok(()) => {
+            tracing::info!(target: "lull_replica", "stopped cleanly");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(target: "lull_replica", error = %e, "unclean stop");
+            eprintln!("lull: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_args() {
+        let args = ReplicaArgs {
+            listen: "127.0.0.1:0".into(),
+            dir: "/tmp/x".into(),
+            size: "1M".into(),
+            cores: None,
+            mode: "adaptive".into(),
+            direct: false,
+        };
+        let s = args.resolve(&[0, 1]).unwrap();
+        assert_eq!(s.cores, vec![1]);
+        assert_eq!(s.mode, Mode::Adaptive);
+        assert_eq!(s.config.size_bytes, 1 << 20);
+        let bad = ReplicaArgs {
+            mode: "spin".into(),
+            ..args.clone()
+        };
+        assert!(bad.resolve(&[0]).unwrap_err().contains("unknown mode"));
+        let bad = ReplicaArgs {
+            listen: "nowhere".into(),
+            ..args.clone()
+        };
+        assert!(bad.resolve(&[0]).is_err());
+        let bad = ReplicaArgs {
+            cores: Some("7".into()),
+            ..args
+        };
+        assert!(bad.resolve(&[0]).is_err());
+    }
+
+    #[test]
+    fn run_rejects_bad_arguments_with_exit_2() {
+        let args = ReplicaArgs {
+            listen: "not-an-address".into(),
+            dir: "/nonexistent".into(),
+            size: "1G".into(),
+            cores: None,
+            mode: "interrupt".into(),
+            direct: false,
+        };
+        assert_eq!(run(&args), ExitCode::from(2));
+        let args = ReplicaArgs {
+            listen: "127.0.0.1:0".into(),
+            size: "12Q".into(),
+            ..args
+        };
+        assert_eq!(run(&args), ExitCode::from(2));
+    }
+
+    #[test]
+    fn a_directory_that_does_not_match_exits_2() {
+        let mismatch = ReplicaError::SizeMismatch {
+            dir: "/tmp/x".into(),
+            meta_size: 1 << 20,
+            size: 2 << 20,
+        };
+        assert_eq!(exit_code(&mismatch), ExitCode::from(2));
+        assert_eq!(exit_code(&ReplicaError::ShuttingDown), ExitCode::FAILURE);
+    }
+}
