@@ -4,9 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use lull_nbd::{bucket_le_ns, Volume, Volumes, LATENCY_BUCKETS};
 use lull_reactor::FrameworkHandle;
 use lull_rpc::{EngineControl, MetricsSnapshot, MetricsSource, VolumeMetrics};
+use lull_volume::{bucket_le_ns, Storage, Volume, Volumes, LATENCY_BUCKETS};
 use serde_json::{json, Value};
 
 use crate::config;
@@ -46,7 +46,7 @@ impl Control {
             self.engine.keepalive_interval_ms * 1000
         };
         for v in self.volumes.list() {
-            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+            if let Some(dev) = v.storage.replicated() {
                 if let Err(e) = dev.set_keepalive_period_us(period_us) {
                     tracing::warn!(volume = %v.name, error = %e, "cannot set the keep-alive period");
                 }
@@ -55,16 +55,11 @@ impl Control {
     }
 
     /// The replicated device behind a volume, if it is one.
-    fn replicated(&self, volume: &str) -> Result<Arc<Volume>, String> {
-        let v = self.volume(volume)?;
-        if v.dev
-            .as_any()
-            .downcast_ref::<lull_engine::ReplicatedDev>()
-            .is_none()
-        {
-            return Err(format!("volume {volume:?} is not replicated"));
+    fn replicated(&self, volume: &str) -> Result<Arc<lull_engine::ReplicatedDev>, String> {
+        match &self.volume(volume)?.storage {
+            Storage::Replicated(dev) => Ok(dev.clone()),
+            Storage::Local(_) => Err(format!("volume {volume:?} is not replicated")),
         }
-        Ok(v)
     }
 
     fn volume(&self, name: &str) -> Result<Arc<Volume>, String> {
@@ -147,7 +142,7 @@ impl EngineControl for Control {
         let v = self.volumes.remove(name).map_err(|e| e.to_string())?;
         // Connected clients keep the device until they disconnect; flush
         // what is there now.
-        if let Err(e) = v.dev.sync() {
+        if let Err(e) = v.dev().sync() {
             tracing::warn!(volume = name, error = %e, "flush of a deleted volume failed");
         }
         tracing::info!(volume = name, "volume deleted over RPC");
@@ -177,34 +172,23 @@ impl EngineControl for Control {
     }
 
     fn replica_list(&self, volume: &str) -> Result<Value, String> {
-        let v = self.replicated(volume)?;
-        let dev = engine_of(&v);
+        let dev = self.replicated(volume)?;
         Ok(Value::Array(
             dev.replica_status().iter().map(replica_json).collect(),
         ))
     }
 
     fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
-        let v = self.replicated(volume)?;
+        let dev = self.replicated(volume)?;
         let addr = parse_addr(addr)?;
-        engine_of(&v).add_replica(addr).map_err(|e| e.to_string())
+        dev.add_replica(addr).map_err(|e| e.to_string())
     }
 
     fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String> {
-        let v = self.replicated(volume)?;
+        let dev = self.replicated(volume)?;
         let addr = parse_addr(addr)?;
-        engine_of(&v)
-            .remove_replica(addr)
-            .map_err(|e| e.to_string())
+        dev.remove_replica(addr).map_err(|e| e.to_string())
     }
-}
-
-fn engine_of(v: &Volume) -> &lull_engine::ReplicatedDev {
-    // `replicated()` checked the type.
-    v.dev
-        .as_any()
-        .downcast_ref::<lull_engine::ReplicatedDev>()
-        .expect("a replicated volume")
 }
 
 fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
@@ -247,7 +231,7 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
 }
 
 pub fn volume_json(v: &Volume) -> Value {
-    json!({ "name": v.name, "size_bytes": v.dev.size_bytes(), "backend": v.dev.describe() })
+    json!({ "name": v.name, "size_bytes": v.dev().size_bytes(), "backend": v.dev().describe() })
 }
 
 impl MetricsSource for Control {
@@ -274,7 +258,7 @@ impl MetricsSource for Control {
             .collect();
         let mut replicas = Vec::new();
         for v in self.volumes.list() {
-            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+            if let Some(dev) = v.storage.replicated() {
                 for r in dev.replica_status() {
                     replicas.push(lull_rpc::ReplicaMetrics {
                         volume: v.name.clone(),

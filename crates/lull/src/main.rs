@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
-use lull_nbd::{ListenAddr, NbdServer, Volume, Volumes};
+use lull_nbd::{ListenAddr, NbdServer};
 use lull_reactor::{Framework, FrameworkConfig};
+use lull_volume::{Storage, Volume, Volumes};
 
 use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
 
@@ -149,13 +150,13 @@ pub(crate) fn open_device(
     spec: &config::VolumeSpec,
     fw: &lull_reactor::FrameworkHandle,
     engine: &lull_engine::EngineOptions,
-) -> Result<Arc<dyn BlockDevice>, String> {
+) -> Result<Storage, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
             // Every engine goes on the last reactor (with one reactor, the
             // main one); spreading them is the scheduler's work (issue 11).
             let reactor = fw.reactor_count().saturating_sub(1);
-            lull_engine::ReplicatedDev::start(
+            return lull_engine::ReplicatedDev::start(
                 fw,
                 reactor,
                 &spec.name,
@@ -163,7 +164,8 @@ pub(crate) fn open_device(
                 spec.size_bytes,
                 engine.clone(),
             )
-            .map_err(|e| e.to_string())?
+            .map(Storage::Replicated)
+            .map_err(|e| e.to_string());
         }
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
@@ -178,7 +180,7 @@ pub(crate) fn open_device(
             .map_err(|e| format!("{}: {e}", path.display()))?,
         ),
     };
-    Ok(dev)
+    Ok(Storage::Local(dev))
 }
 
 /// Wait (all volumes together, bounded) for replicated volumes to have a
@@ -186,7 +188,7 @@ pub(crate) fn open_device(
 fn wait_for_replicas(volumes: &Volumes) {
     let deadline = std::time::Instant::now() + REPLICA_READY_TIMEOUT;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+        let Some(dev) = v.storage.replicated() else {
             continue;
         };
         if !dev.wait_ready(deadline.saturating_duration_since(std::time::Instant::now())) {
@@ -351,8 +353,8 @@ fn serve(args: ServeArgs) -> ExitCode {
         println!(
             "volume {}: {} ({})",
             v.name,
-            lull_bdev::human_bytes(v.dev.size_bytes()),
-            v.dev.describe()
+            lull_bdev::human_bytes(v.dev().size_bytes()),
+            v.dev().describe()
         );
     }
     for a in server.local_addrs() {
@@ -394,7 +396,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     // their replicas are clean and the next start reconciles nothing.
     let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+        let Some(dev) = v.storage.replicated() else {
             continue;
         };
         match dev.detach(DETACH_TIMEOUT) {
@@ -425,7 +427,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     }
     fw.stop();
     for v in volumes.list() {
-        if let Err(e) = v.dev.sync() {
+        if let Err(e) = v.dev().sync() {
             tracing::error!(volume = %v.name, error = %e, "flush at shutdown failed");
             code = ExitCode::FAILURE;
         }

@@ -65,7 +65,7 @@ pub trait EngineControl: Send + Sync {
 #[derive(Clone)]
 pub struct LullContext {
     pub fw: lull_reactor::FrameworkHandle,
-    pub volumes: Arc<lull_nbd::Volumes>,
+    pub volumes: Arc<lull_volume::Volumes>,
     pub engine: Arc<dyn EngineControl>,
 }
 
@@ -141,7 +141,7 @@ pub fn register_lull_methods(
                 .volumes
                 .list()
                 .iter()
-                .map(|v| json!({"name": v.name, "size_bytes": v.dev.size_bytes(), "backend": v.dev.describe()}))
+                .map(|v| json!({"name": v.name, "size_bytes": v.dev().size_bytes(), "backend": v.dev().describe()}))
                 .collect();
             Ok(Value::Array(list))
         }),

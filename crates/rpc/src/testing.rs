@@ -27,13 +27,13 @@ struct State {
 /// volumes in a `Volumes` registry.
 #[derive(Debug)]
 pub struct FakeEngine {
-    volumes: Arc<lull_nbd::Volumes>,
+    volumes: Arc<lull_volume::Volumes>,
     state: Mutex<State>,
 }
 
 impl FakeEngine {
     /// Starts in interrupt mode with Longhorn's default periods.
-    pub fn new(volumes: Arc<lull_nbd::Volumes>) -> FakeEngine {
+    pub fn new(volumes: Arc<lull_volume::Volumes>) -> FakeEngine {
         FakeEngine {
             volumes,
             state: Mutex::new(State {
@@ -100,7 +100,10 @@ impl EngineControl for FakeEngine {
         }
         let dev = lull_bdev::MallocDev::new(size_bytes).map_err(|e| e.to_string())?;
         self.volumes
-            .add(lull_nbd::Volume::new(name, Arc::new(dev)))
+            .add(lull_volume::Volume::new(
+                name,
+                lull_volume::Storage::Local(Arc::new(dev)),
+            ))
             .map_err(|e| e.to_string())?;
         Ok(json!({"name": name, "size_bytes": size_bytes, "backend": backend}))
     }

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lull_nbd::{Volume, Volumes};
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_rpc::testing::FakeEngine;
 use lull_rpc::*;
+use lull_volume::{Storage, Volume, Volumes};
 use serde_json::{json, Value};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -58,7 +58,7 @@ fn setup() -> Setup {
     volumes
         .add(Volume::new(
             "vol0",
-            Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap()),
+            Storage::Local(Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap())),
         ))
         .unwrap();
     let engine = Arc::new(FakeEngine::new(volumes.clone()));
