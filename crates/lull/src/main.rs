@@ -214,7 +214,7 @@ fn start_rpc(
     let ctx = lull_rpc::LullContext {
         fw: fw.handle().clone(),
         volumes: volumes.clone(),
-        engine: control.clone(),
+        control: control.clone(),
     };
     lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
     let (path, explicit) = match &s.rpc_socket {
