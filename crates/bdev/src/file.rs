@@ -223,10 +223,6 @@ impl FileDev {
 }
 
 impl BlockDevice for FileDev {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
     fn size_bytes(&self) -> u64 {
         self.size_bytes
     }

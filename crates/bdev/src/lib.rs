@@ -150,9 +150,6 @@ pub trait BlockDevice: Send + Sync {
     fn sync(&self) -> Result<(), BdevError> {
         Ok(())
     }
-    /// For control paths that need the concrete device (replica management
-    /// of a replicated volume).
-    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A per-thread I/O queue to a device. Used from one thread only.

@@ -184,10 +184,6 @@ impl Inner {
 }
 
 impl BlockDevice for MallocDev {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes
     }

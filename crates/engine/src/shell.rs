@@ -997,10 +997,6 @@ impl ReplicatedDev {
 }
 
 impl BlockDevice for ReplicatedDev {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
     fn size_bytes(&self) -> u64 {
         self.size_bytes
     }

@@ -4,9 +4,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use lull_nbd::{bucket_le_ns, Volume, Volumes, LATENCY_BUCKETS};
 use lull_reactor::FrameworkHandle;
-use lull_rpc::{EngineControl, MetricsSnapshot, MetricsSource, VolumeMetrics};
+use lull_rpc::{
+    ControlError, ControlPlane, MetricsSnapshot, MetricsSource, NewVolume, Options, OptionsChange,
+    ReplicaAddr, ReplicaVolume, VolumeInfo, VolumeMetrics, VolumeName,
+};
+use lull_volume::{bucket_le_ns, Storage, Volume, Volumes, LATENCY_BUCKETS};
 use serde_json::{json, Value};
 
 use crate::config;
@@ -46,7 +49,7 @@ impl Control {
             self.engine.keepalive_interval_ms * 1000
         };
         for v in self.volumes.list() {
-            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+            if let Some(dev) = v.storage.replicated() {
                 if let Err(e) = dev.set_keepalive_period_us(period_us) {
                     tracing::warn!(volume = %v.name, error = %e, "cannot set the keep-alive period");
                 }
@@ -55,29 +58,16 @@ impl Control {
     }
 
     /// The replicated device behind a volume, if it is one.
-    fn replicated(&self, volume: &str) -> Result<Arc<Volume>, String> {
-        let v = self.volume(volume)?;
-        if v.dev
-            .as_any()
-            .downcast_ref::<lull_engine::ReplicatedDev>()
-            .is_none()
-        {
-            return Err(format!("volume {volume:?} is not replicated"));
+    fn replicated(&self, volume: &str) -> Result<Arc<lull_engine::ReplicatedDev>, ControlError> {
+        match &self.volumes.named(volume)?.storage {
+            Storage::Replicated(dev) => Ok(dev.clone()),
+            Storage::Local(_) => Err(ControlError::NotReplicated(volume.into())),
         }
-        Ok(v)
-    }
-
-    fn volume(&self, name: &str) -> Result<Arc<Volume>, String> {
-        self.volumes
-            .list()
-            .into_iter()
-            .find(|v| v.name == name)
-            .ok_or_else(|| format!("no volume {name:?}"))
     }
 }
 
-impl EngineControl for Control {
-    fn get_options(&self) -> Value {
+impl ControlPlane for Control {
+    fn get_options(&self) -> Options {
         let reactors = self.fw.reactor_stats();
         let (mode, period) = reactors
             .first()
@@ -86,39 +76,27 @@ impl EngineControl for Control {
                 config::DEFAULT_MODE,
                 lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
             ));
-        json!({
-            "mode": mode.as_str(),
-            "nvme_ioq_poll_period_us": period,
-            "nvme_adminq_poll_period_us": self.adminq_poll_period_us.load(Ordering::Relaxed),
-            "interrupt_mode_enabled": reactors.iter().all(|r| r.interrupt_mode_enabled()),
-        })
+        Options {
+            mode: mode.as_str().into(),
+            nvme_ioq_poll_period_us: period,
+            nvme_adminq_poll_period_us: self.adminq_poll_period_us.load(Ordering::Relaxed),
+            interrupt_mode_enabled: reactors.iter().all(|r| r.interrupt_mode_enabled()),
+        }
     }
 
-    fn set_options(&self, params: &Value) -> Result<Value, String> {
+    fn set_options(&self, change: &OptionsChange) -> Result<Options, ControlError> {
         let current = self.get_options();
-        let mode = match params.get("mode").and_then(Value::as_str) {
-            Some(m) => config::parse_mode(m).map_err(|e| e.to_string())?,
-            None => config::parse_mode(
-                current["mode"]
-                    .as_str()
-                    .unwrap_or(config::DEFAULT_MODE.as_str()),
-            )
-            .map_err(|e| e.to_string())?,
-        };
-        let period = params
-            .get("nvme_ioq_poll_period_us")
-            .and_then(Value::as_u64)
-            .or_else(|| current["nvme_ioq_poll_period_us"].as_u64())
-            .unwrap_or(lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US);
-        if let Some(a) = params
-            .get("nvme_adminq_poll_period_us")
-            .and_then(Value::as_u64)
-        {
+        let mode = config::parse_mode(change.mode.as_deref().unwrap_or(&current.mode))
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        let period = change
+            .nvme_ioq_poll_period_us
+            .unwrap_or(current.nvme_ioq_poll_period_us);
+        if let Some(a) = change.nvme_adminq_poll_period_us {
             self.adminq_poll_period_us.store(a, Ordering::Relaxed);
         }
         self.fw
             .set_mode_all(mode, period)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ControlError::Failed(e.into()))?;
         self.apply_keepalive(mode);
         tracing::info!(
             mode = mode.as_str(),
@@ -128,34 +106,38 @@ impl EngineControl for Control {
         Ok(self.get_options())
     }
 
-    fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String> {
+    fn volume_create(&self, volume: &NewVolume) -> Result<VolumeInfo, ControlError> {
+        let NewVolume {
+            name,
+            size_bytes,
+            backend,
+        } = volume;
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}"))
-            .map_err(|e| e.to_string())?;
-        let dev = crate::open_device(&spec, &self.fw, &self.engine)?;
-        let v = self
-            .volumes
-            .add(Volume::new(&spec.name, dev))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        let dev = crate::open_device(&spec, &self.fw, &self.engine)
+            .map_err(|e| ControlError::Failed(e.into()))?;
+        let v = self.volumes.add(Volume::new(&spec.name, dev))?;
         if let Some(r) = self.fw.reactor_stats().first() {
             self.apply_keepalive(r.mode);
         }
         tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
-        Ok(volume_json(&v))
+        Ok(VolumeInfo::of(&v))
     }
 
-    fn volume_delete(&self, name: &str) -> Result<(), String> {
-        let v = self.volumes.remove(name).map_err(|e| e.to_string())?;
+    fn volume_delete(&self, volume: &VolumeName) -> Result<(), ControlError> {
+        let name = volume.name.as_str();
+        let v = self.volumes.remove(name)?;
         // Connected clients keep the device until they disconnect; flush
         // what is there now.
-        if let Err(e) = v.dev.sync() {
+        if let Err(e) = v.dev().sync() {
             tracing::warn!(volume = name, error = %e, "flush of a deleted volume failed");
         }
         tracing::info!(volume = name, "volume deleted over RPC");
         Ok(())
     }
 
-    fn volume_stats(&self, name: &str) -> Result<Value, String> {
-        let v = self.volume(name)?;
+    fn volume_stats(&self, volume: &VolumeName) -> Result<Value, ControlError> {
+        let v = self.volumes.named(&volume.name)?;
         let s = v.stats.snapshot();
         Ok(json!({
             "name": v.name,
@@ -176,42 +158,36 @@ impl EngineControl for Control {
         }))
     }
 
-    fn replica_list(&self, volume: &str) -> Result<Value, String> {
-        let v = self.replicated(volume)?;
-        let dev = engine_of(&v);
+    fn replica_list(&self, volume: &ReplicaVolume) -> Result<Value, ControlError> {
+        let dev = self.replicated(&volume.volume)?;
         Ok(Value::Array(
             dev.replica_status().iter().map(replica_json).collect(),
         ))
     }
 
-    fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
-        let v = self.replicated(volume)?;
-        let addr = parse_addr(addr)?;
-        engine_of(&v).add_replica(addr).map_err(|e| e.to_string())
+    fn replica_add(&self, replica: &ReplicaAddr) -> Result<(), ControlError> {
+        let dev = self.replicated(&replica.volume)?;
+        let addr = parse_addr(&replica.addr)?;
+        dev.add_replica(addr)
+            .map_err(|e| ControlError::Failed(e.into()))
     }
 
-    fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String> {
-        let v = self.replicated(volume)?;
-        let addr = parse_addr(addr)?;
-        engine_of(&v)
-            .remove_replica(addr)
-            .map_err(|e| e.to_string())
+    fn replica_remove(&self, replica: &ReplicaAddr) -> Result<(), ControlError> {
+        let dev = self.replicated(&replica.volume)?;
+        let addr = parse_addr(&replica.addr)?;
+        dev.remove_replica(addr)
+            .map_err(|e| ControlError::Failed(e.into()))
     }
 }
 
-fn engine_of(v: &Volume) -> &lull_engine::ReplicatedDev {
-    // `replicated()` checked the type.
-    v.dev
-        .as_any()
-        .downcast_ref::<lull_engine::ReplicatedDev>()
-        .expect("a replicated volume")
-}
-
-fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, String> {
-    let addrs = lull_engine::parse_replicas(addr).map_err(|e| e.to_string())?;
+fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, ControlError> {
+    let addrs =
+        lull_engine::parse_replicas(addr).map_err(|e| ControlError::Refused(e.to_string()))?;
     match addrs.as_slice() {
         [one] => Ok(*one),
-        _ => Err(format!("expected one HOST:PORT, got {addr:?}")),
+        _ => Err(ControlError::Refused(format!(
+            "expected one HOST:PORT, got {addr:?}"
+        ))),
     }
 }
 
@@ -246,10 +222,6 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
     })
 }
 
-pub fn volume_json(v: &Volume) -> Value {
-    json!({ "name": v.name, "size_bytes": v.dev.size_bytes(), "backend": v.dev.describe() })
-}
-
 impl MetricsSource for Control {
     fn snapshot(&self) -> MetricsSnapshot {
         let volumes = self
@@ -274,7 +246,7 @@ impl MetricsSource for Control {
             .collect();
         let mut replicas = Vec::new();
         for v in self.volumes.list() {
-            if let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() {
+            if let Some(dev) = v.storage.replicated() {
                 for r in dev.replica_status() {
                     replicas.push(lull_rpc::ReplicaMetrics {
                         volume: v.name.clone(),

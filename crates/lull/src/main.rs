@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
-use lull_nbd::{ListenAddr, NbdServer, Volume, Volumes};
+use lull_nbd::{ListenAddr, NbdServer};
 use lull_reactor::{Framework, FrameworkConfig};
+use lull_volume::{Storage, Volume, Volumes};
 
 use crate::cli::usage_error;
 use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
@@ -153,13 +154,13 @@ pub(crate) fn open_device(
     spec: &config::VolumeSpec,
     fw: &lull_reactor::FrameworkHandle,
     engine: &lull_engine::EngineOptions,
-) -> Result<Arc<dyn BlockDevice>, String> {
+) -> Result<Storage, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
             // Engines are spread over the reactors at start (round robin);
             // the dynamic scheduler moves them later as their load asks.
             let reactor = fw.next_reactor();
-            lull_engine::ReplicatedDev::start(
+            return lull_engine::ReplicatedDev::start(
                 fw,
                 reactor,
                 &spec.name,
@@ -167,7 +168,8 @@ pub(crate) fn open_device(
                 spec.size_bytes,
                 engine.clone(),
             )
-            .map_err(|e| e.to_string())?
+            .map(Storage::Replicated)
+            .map_err(|e| e.to_string());
         }
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
@@ -182,7 +184,7 @@ pub(crate) fn open_device(
             .map_err(|e| format!("{}: {e}", path.display()))?,
         ),
     };
-    Ok(dev)
+    Ok(Storage::Local(dev))
 }
 
 /// Wait (all volumes together, bounded) for replicated volumes to have a
@@ -190,7 +192,7 @@ pub(crate) fn open_device(
 fn wait_for_replicas(volumes: &Volumes) {
     let deadline = std::time::Instant::now() + REPLICA_READY_TIMEOUT;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+        let Some(dev) = v.storage.replicated() else {
             continue;
         };
         if !dev.wait_ready(deadline.saturating_duration_since(std::time::Instant::now())) {
@@ -216,7 +218,7 @@ fn start_rpc(
     let ctx = lull_rpc::LullContext {
         fw: fw.handle().clone(),
         volumes: volumes.clone(),
-        engine: control.clone(),
+        control: control.clone(),
     };
     lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
     let (path, explicit) = match &s.rpc_socket {
@@ -322,8 +324,8 @@ fn serve(args: ServeArgs) -> ExitCode {
         println!(
             "volume {}: {} ({})",
             v.name,
-            lull_bdev::human_bytes(v.dev.size_bytes()),
-            v.dev.describe()
+            lull_bdev::human_bytes(v.dev().size_bytes()),
+            v.dev().describe()
         );
     }
     for a in server.local_addrs() {
@@ -365,7 +367,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     // their replicas are clean and the next start reconciles nothing.
     let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {
-        let Some(dev) = v.dev.as_any().downcast_ref::<lull_engine::ReplicatedDev>() else {
+        let Some(dev) = v.storage.replicated() else {
             continue;
         };
         match dev.detach(DETACH_TIMEOUT) {
@@ -396,7 +398,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     }
     fw.stop();
     for v in volumes.list() {
-        if let Err(e) = v.dev.sync() {
+        if let Err(e) = v.dev().sync() {
             tracing::error!(volume = %v.name, error = %e, "flush at shutdown failed");
             code = ExitCode::FAILURE;
         }

@@ -21,10 +21,10 @@ use lull_proto::nbd::{
     SIMPLE_REPLY_LEN,
 };
 use lull_reactor::{Clock, Interest, PollStatus, Thread};
+use lull_volume::{OpKind, Volume};
 
-use crate::stats::OpKind;
 use crate::stream::Stream;
-use crate::{ServerShared, Volume};
+use crate::{ExportList, ServerShared};
 
 /// Requests in flight per connection. Bounds the slot table, the buffers a
 /// client can pin (with `MAX_REPLY_QUEUE_BYTES`) and the device queue share
@@ -54,8 +54,10 @@ struct InFlight {
     cookie: u64,
     command: Command,
     length: u32,
-    /// The iteration time at which the request was taken (time is an
-    /// argument: the connection never reads a clock).
+    /// When the request was taken, for the latency histogram: read from
+    /// the framework's clock (`clock_ns`), which falls back to the run's
+    /// `now` only when no clock was set. The protocol logic itself takes
+    /// time as an argument; only these latency stamps read the clock.
     start_ns: u64,
 }
 
@@ -350,7 +352,7 @@ impl Conn {
             return false;
         }
         let mut reply = Vec::new();
-        let exports = self.server.volumes.exports();
+        let exports = ExportList::of(&self.server.volumes);
         let result = hs.feed(self.link.inb.peek(), &exports, &mut reply);
         if !reply.is_empty() {
             self.link.out.push(&[], Payload::Bytes(reply));
@@ -372,7 +374,7 @@ impl Conn {
                     ));
                     return true;
                 };
-                match volume.dev.open_channel() {
+                match volume.dev().open_channel() {
                     Ok(channel) => {
                         tracing::info!(peer = %self.link.peer(), export = %volume.name, "client connected");
                         self.link.set_context(&volume.name);

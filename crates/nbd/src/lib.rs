@@ -2,8 +2,8 @@
 //! socket, from lull threads on the reactor framework.
 //!
 //! ```ignore
-//! let volumes = Arc::new(Volumes::default());
-//! volumes.add(Volume::new("vol0", Arc::new(MallocDev::new(1 << 30)?)))?;
+//! let volumes = Arc::new(lull_volume::Volumes::default());
+//! volumes.add(Volume::new("vol0", Storage::Local(Arc::new(MallocDev::new(1 << 30)?))))?;
 //! let server = NbdServer::start(fw.handle(), volumes, &[ListenAddr::Tcp("127.0.0.1:10809".parse()?)])?;
 //! // nbdinfo nbd://127.0.0.1:10809/vol0
 //! server.shutdown(Duration::from_secs(30));
@@ -13,10 +13,10 @@
 //! lull thread (placed round-robin over the reactors) with one poller that
 //! owns the socket and the connection's device channel. That scaffolding
 //! (acceptor, connection table and limit, handshake deadline, drain) is
-//! `lull_net::server`; the protocol is in `conn`.
+//! `lull_net::server`; the protocol is in `conn`. Volumes (and their I/O
+//! counters) come from the `lull_volume` registry; an export is a volume.
 
 mod conn;
-mod stats;
 mod stream;
 
 use std::io;
@@ -24,16 +24,19 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use lull_bdev::BlockDevice;
 use lull_net::server::{self, Acceptor, Connections, Limits};
 use lull_proto::nbd::{self, ExportInfo, Exports};
 use lull_reactor::{FrameworkHandle, ReactorError};
+use lull_volume::{Volume, Volumes};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
-pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
+
+// A volume's name is its export name: every name the registry accepts must
+// fit on the wire.
+const _: () = assert!(lull_volume::MAX_VOLUME_NAME_LEN <= nbd::MAX_EXPORT_NAME_LEN);
 
 use crate::conn::Conn;
 use crate::stream::Stream;
@@ -65,98 +68,18 @@ pub const EXPORT_FLAGS: u16 = nbd::NBD_FLAG_HAS_FLAGS
 pub enum NbdError {
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: io::Error },
-    #[error("volume {0:?} already exists")]
-    DuplicateVolume(String),
-    #[error("invalid volume name {0:?}: 1 to 4096 bytes, no NUL")]
-    BadVolumeName(String),
-    #[error("no volume {0:?}")]
-    NoSuchVolume(String),
     #[error(transparent)]
     Reactor(#[from] ReactorError),
 }
 
-/// A named volume served as an NBD export.
-pub struct Volume {
-    pub name: String,
-    pub dev: Arc<dyn BlockDevice>,
-    pub stats: VolumeStats,
-}
-
-impl Volume {
-    pub fn new(name: &str, dev: Arc<dyn BlockDevice>) -> Volume {
-        Volume {
-            name: name.to_string(),
-            dev,
-            stats: VolumeStats::default(),
-        }
-    }
-}
-
-impl std::fmt::Debug for Volume {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Volume({}, {} bytes, {})",
-            self.name,
-            self.dev.size_bytes(),
-            self.dev.describe()
-        )
-    }
-}
-
-/// The volumes a server exports. The empty export name means the first.
-#[derive(Debug, Default)]
-pub struct Volumes {
-    list: RwLock<Vec<Arc<Volume>>>,
-}
-
-impl Volumes {
-    pub fn add(&self, volume: Volume) -> Result<Arc<Volume>, NbdError> {
-        if volume.name.is_empty()
-            || volume.name.len() > nbd::MAX_EXPORT_NAME_LEN
-            || volume.name.contains('\0')
-        {
-            return Err(NbdError::BadVolumeName(volume.name));
-        }
-        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
-        if list.iter().any(|v| v.name == volume.name) {
-            return Err(NbdError::DuplicateVolume(volume.name));
-        }
-        let v = Arc::new(volume);
-        list.push(v.clone());
-        Ok(v)
-    }
-
-    /// Remove a volume from the export list; connected clients keep using it
-    /// until they disconnect.
-    pub fn remove(&self, name: &str) -> Result<Arc<Volume>, NbdError> {
-        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
-        let pos = list
-            .iter()
-            .position(|v| v.name == name)
-            .ok_or_else(|| NbdError::NoSuchVolume(name.into()))?;
-        Ok(list.remove(pos))
-    }
-
-    /// A volume by export name; `""` is the default (first) volume.
-    pub fn get(&self, name: &str) -> Option<Arc<Volume>> {
-        let list = self.list.read().unwrap_or_else(|p| p.into_inner());
-        if name.is_empty() {
-            return list.first().cloned();
-        }
-        list.iter().find(|v| v.name == name).cloned()
-    }
-
-    pub fn list(&self) -> Vec<Arc<Volume>> {
-        self.list.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    fn exports(&self) -> ExportList {
-        ExportList(self.list())
-    }
-}
-
+/// The export list of a handshake: the volumes as they are when it starts.
 struct ExportList(Vec<Arc<Volume>>);
+
+impl ExportList {
+    fn of(volumes: &Volumes) -> ExportList {
+        ExportList(volumes.list())
+    }
+}
 
 impl Exports for ExportList {
     fn names(&self) -> Vec<String> {
@@ -170,9 +93,9 @@ impl Exports for ExportList {
             self.0.iter().find(|v| v.name == name)
         }?;
         Some(ExportInfo {
-            size_bytes: v.dev.size_bytes(),
+            size_bytes: v.dev().size_bytes(),
             transmission_flags: EXPORT_FLAGS,
-            description: Some(v.dev.describe()),
+            description: Some(v.dev().describe()),
         })
     }
 }

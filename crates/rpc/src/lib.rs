@@ -5,7 +5,7 @@
 //! ```ignore
 //! use lull_rpc::*;
 //! let mut reg = MethodRegistry::new();
-//! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, engine })?;
+//! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, control })?;
 //! let rpc = RpcServer::start(Path::new(DEFAULT_RPC_SOCKET), Arc::new(reg))?;
 //! let metrics = MetricsServer::start("127.0.0.1:9555".parse()?, source)?;
 //! // $ lull rpc framework_get_reactors
@@ -36,9 +36,10 @@ pub use client::{
     call, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
 };
 pub use methods::{
-    framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, EngineControl,
-    LullContext, LULL_METHODS, MAX_BACKEND_LEN, MAX_MODE_NAME_LEN, MAX_POLL_PERIOD_US,
-    MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN, TICK_RATE_HZ,
+    framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, ControlError,
+    ControlPlane, LullContext, NewVolume, NoParams, Options, OptionsChange, ReplicaAddr,
+    ReplicaVolume, VolumeInfo, VolumeName, LULL_METHODS, MAX_BACKEND_LEN, MAX_MODE_NAME_LEN,
+    MAX_POLL_PERIOD_US, MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN, TICK_RATE_HZ,
 };
 pub use metrics::{
     encode_snapshot, reactor_metrics, MetricsError, MetricsServer, MetricsSnapshot, MetricsSource,

@@ -2,25 +2,28 @@
 //!
 //! ```ignore
 //! let mut reg = MethodRegistry::new();
-//! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, engine })?;
+//! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, control })?;
 //! // lull rpc engine_set_options '{"data-engine-interrupt-mode-enabled": false}'
 //! ```
 //!
 //! Parameters are validated here, at the edge, with `deny_unknown_fields`
-//! structs (bad → -32602 naming the field); what the engine does with valid
-//! ones is behind [`EngineControl`], which the binary implements.
+//! structs (bad → -32602 naming the field); what the server does with valid
+//! ones is behind [`ControlPlane`], which the binary implements. Its
+//! errors are [`ControlError`]s, and [`ControlError::code`] is the one
+//! place that gives each a JSON-RPC code.
 
 use std::sync::Arc;
 
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 
-use crate::server::{no_params, parse_params, MethodRegistry, RpcMethodError};
+use crate::server::{parse_params, MethodRegistry, RpcMethodError, INTERNAL_ERROR, INVALID_PARAMS};
 use crate::RpcError;
 
-/// Longest volume name accepted: the NBD export name limit (the name is the
-/// export name).
-pub const MAX_VOLUME_NAME_LEN: usize = 4096;
+/// Longest volume name accepted: the volume registry's limit (a volume's
+/// name is its NBD export name).
+pub const MAX_VOLUME_NAME_LEN: usize = lull_volume::MAX_VOLUME_NAME_LEN;
 
 /// Longest replica address ("host:port"; a bracketed IPv6 address with a
 /// zone is under 64 bytes, a DNS name under 254).
@@ -41,32 +44,153 @@ pub const MAX_POLL_PERIOD_US: u64 = 10_000_000;
 /// tick rate beside them, so tools that divide by `tick_rate` get seconds.
 pub const TICK_RATE_HZ: u64 = 1_000_000_000;
 
-/// What the RPC layer asks of the engine. Errors are messages for the
-/// operator; they become JSON-RPC -32603 errors.
-pub trait EngineControl: Send + Sync {
-    /// `{"mode": "...", "nvme_ioq_poll_period_us": 100,
-    /// "nvme_adminq_poll_period_us": 10000, "interrupt_mode_enabled": bool}`
-    fn get_options(&self) -> Value;
-    /// Apply options. `params` is already validated and normalized: an object
-    /// with any of `mode` (string), `nvme_ioq_poll_period_us` and
-    /// `nvme_adminq_poll_period_us` (1..=`MAX_POLL_PERIOD_US`); Longhorn's
-    /// aliases have been mapped onto these names. Returns the new options.
-    fn set_options(&self, params: &Value) -> Result<Value, String>;
-    fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String>;
-    fn volume_delete(&self, name: &str) -> Result<(), String>;
-    /// Ops, bytes, latency summary.
-    fn volume_stats(&self, name: &str) -> Result<Value, String>;
-    fn replica_list(&self, volume: &str) -> Result<Value, String>;
-    fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String>;
-    fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String>;
+/// The server's control plane: what the RPC methods ask of the running
+/// server (event modes, volumes, replicas). Parameters arrive checked
+/// (names within their limits, sizes parsed, options normalized); what
+/// only the server can judge (a mode it does not know, a backend it does
+/// not have, a volume that does not exist) is its to refuse.
+pub trait ControlPlane: Send + Sync {
+    /// `engine_get_options`.
+    fn get_options(&self) -> Options;
+    /// `engine_set_options`: apply the given options, return the new ones.
+    fn set_options(&self, change: &OptionsChange) -> Result<Options, ControlError>;
+    /// `volume_create`.
+    fn volume_create(&self, volume: &NewVolume) -> Result<VolumeInfo, ControlError>;
+    /// `volume_delete`.
+    fn volume_delete(&self, volume: &VolumeName) -> Result<(), ControlError>;
+    /// `volume_get_stats`: ops, bytes, latency summary (the shape is the
+    /// implementation's).
+    fn volume_stats(&self, volume: &VolumeName) -> Result<Value, ControlError>;
+    /// `replica_list`: one object per replica (the shape is the
+    /// implementation's).
+    fn replica_list(&self, volume: &ReplicaVolume) -> Result<Value, ControlError>;
+    /// `replica_add`.
+    fn replica_add(&self, replica: &ReplicaAddr) -> Result<(), ControlError>;
+    /// `replica_remove`.
+    fn replica_remove(&self, replica: &ReplicaAddr) -> Result<(), ControlError>;
+}
+
+/// Why a control-plane request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The parameters do not fit the method (the edge checks here).
+    #[error("{0}")]
+    InvalidParams(String),
+    /// The volume registry refused: no such volume, a name taken, a bad
+    /// name.
+    #[error(transparent)]
+    Volume(#[from] lull_volume::VolumeError),
+    /// A replica method on a volume that has no replicas.
+    #[error("volume {0:?} is not replicated")]
+    NotReplicated(String),
+    #[error("replica {addr} is already in {volume}")]
+    DuplicateReplica { volume: String, addr: String },
+    #[error("no replica {addr} in {volume}")]
+    NoSuchReplica { volume: String, addr: String },
+    /// Well-formed parameters this server does not accept: a mode it does
+    /// not know, a backend it does not have, an address that is not one
+    /// HOST:PORT. The message is for the operator.
+    #[error("{0}")]
+    Refused(String),
+    /// The server could not carry out a valid request (reactors, engine,
+    /// device).
+    #[error(transparent)]
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ControlError {
+    /// The JSON-RPC error code: the one place that decides it.
+    pub fn code(&self) -> i64 {
+        match self {
+            ControlError::InvalidParams(_) => INVALID_PARAMS,
+            // A well-formed request the server refused or could not carry
+            // out. Not-found and conflicts answer -32603 as well: clients
+            // (and the tests) have seen that code since these methods
+            // exist, and a code of their own in -32000..-32099 would change
+            // the wire.
+            ControlError::Volume(_)
+            | ControlError::NotReplicated(_)
+            | ControlError::DuplicateReplica { .. }
+            | ControlError::NoSuchReplica { .. }
+            | ControlError::Refused(_)
+            | ControlError::Failed(_) => INTERNAL_ERROR,
+        }
+    }
+}
+
+impl From<ControlError> for RpcMethodError {
+    fn from(e: ControlError) -> RpcMethodError {
+        if let ControlError::Failed(source) = &e {
+            // The reply carries the message only; keep the whole error here.
+            tracing::warn!(error = ?source, "control request failed");
+        }
+        match (e.code(), e) {
+            (_, ControlError::InvalidParams(m)) => RpcMethodError::InvalidParams(m),
+            (INTERNAL_ERROR, e) => RpcMethodError::Internal(e.to_string()),
+            (code, e) => RpcMethodError::Custom {
+                code,
+                message: e.to_string(),
+            },
+        }
+    }
+}
+
+/// `engine_get_options` and `engine_set_options` results.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    pub mode: String,
+    pub nvme_ioq_poll_period_us: u64,
+    pub nvme_adminq_poll_period_us: u64,
+    /// Longhorn's `InterruptModeEnabled`: every reactor is in interrupt mode.
+    pub interrupt_mode_enabled: bool,
+}
+
+/// `engine_set_options` parameters, checked and with Longhorn's aliases
+/// mapped onto lull's names; at least one is set. The mode is a word, not
+/// yet known to be a mode; the periods are 1..=[`MAX_POLL_PERIOD_US`].
+#[derive(Serialize, Debug, Clone, Default, PartialEq, Eq)]
+pub struct OptionsChange {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_ioq_poll_period_us: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_adminq_poll_period_us: Option<u64>,
+}
+
+/// `volume_create` parameters, checked: the size parsed, the backend
+/// defaulted to `malloc`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewVolume {
+    pub name: String,
+    pub size_bytes: u64,
+    pub backend: String,
+}
+
+/// A volume as `volume_list` and `volume_create` show it.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub name: String,
+    pub size_bytes: u64,
+    pub backend: String,
+}
+
+impl VolumeInfo {
+    pub fn of(v: &lull_volume::Volume) -> VolumeInfo {
+        VolumeInfo {
+            name: v.name.clone(),
+            size_bytes: v.dev().size_bytes(),
+            backend: v.dev().describe(),
+        }
+    }
 }
 
 /// What the lull methods act on.
 #[derive(Clone)]
 pub struct LullContext {
     pub fw: lull_reactor::FrameworkHandle,
-    pub volumes: Arc<lull_nbd::Volumes>,
-    pub engine: Arc<dyn EngineControl>,
+    pub volumes: Arc<lull_volume::Volumes>,
+    pub control: Arc<dyn ControlPlane>,
 }
 
 impl std::fmt::Debug for LullContext {
@@ -95,6 +219,16 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_remove",
 ];
 
+/// Register one method: its parameters decode into `P` (bad → -32602),
+/// its errors become JSON-RPC errors through [`ControlError::code`].
+fn method<P, F>(registry: &mut MethodRegistry, name: &str, f: F) -> Result<(), RpcError>
+where
+    P: DeserializeOwned,
+    F: Fn(P) -> Result<Value, ControlError> + Send + Sync + 'static,
+{
+    registry.register(name, Box::new(move |p| Ok(f(parse_params(p)?)?)))
+}
+
 /// Register every lull method (see [`LULL_METHODS`]).
 pub fn register_lull_methods(
     registry: &mut MethodRegistry,
@@ -102,125 +236,60 @@ pub fn register_lull_methods(
 ) -> Result<(), RpcError> {
     crate::register_scheduler_methods(registry, ctx.fw.clone())?;
     let c = ctx.clone();
-    registry.register(
-        "framework_get_reactors",
-        Box::new(move |p| {
-            no_params(p)?;
-            Ok(framework_get_reactors(&c.fw))
-        }),
-    )?;
+    method(registry, "framework_get_reactors", move |NoParams {}| {
+        Ok(framework_get_reactors(&c.fw))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "thread_get_stats",
-        Box::new(move |p| {
-            no_params(p)?;
-            Ok(thread_get_stats(&c.fw))
-        }),
-    )?;
+    method(registry, "thread_get_stats", move |NoParams {}| {
+        Ok(thread_get_stats(&c.fw))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "engine_get_options",
-        Box::new(move |p| {
-            no_params(p)?;
-            Ok(c.engine.get_options())
-        }),
-    )?;
+    method(registry, "engine_get_options", move |NoParams {}| {
+        Ok(json!(c.control.get_options()))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "engine_set_options",
-        Box::new(move |p| {
-            let normalized = normalize_options(parse_params(p)?)?;
-            c.engine
-                .set_options(&normalized)
-                .map_err(RpcMethodError::Internal)
-        }),
-    )?;
+    method(registry, "engine_set_options", move |p: SetOptions| {
+        let change = normalize_options(p)?;
+        Ok(json!(c.control.set_options(&change)?))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "volume_list",
-        Box::new(move |p| {
-            no_params(p)?;
-            let list: Vec<Value> = c
-                .volumes
-                .list()
-                .iter()
-                .map(|v| json!({"name": v.name, "size_bytes": v.dev.size_bytes(), "backend": v.dev.describe()}))
-                .collect();
-            Ok(Value::Array(list))
-        }),
-    )?;
+    method(registry, "volume_list", move |NoParams {}| {
+        let list: Vec<VolumeInfo> = c.volumes.list().iter().map(|v| VolumeInfo::of(v)).collect();
+        Ok(json!(list))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "volume_create",
-        Box::new(move |p| {
-            let p: VolumeCreate = parse_params(p)?;
-            check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
-            let backend = p.backend.as_deref().unwrap_or("malloc");
-            check_name("backend", backend, MAX_BACKEND_LEN)?;
-            let size_bytes = parse_size(&p.size).map_err(RpcMethodError::InvalidParams)?;
-            c.engine
-                .volume_create(&p.name, size_bytes, backend)
-                .map_err(RpcMethodError::Internal)
-        }),
-    )?;
+    method(registry, "volume_create", move |p: VolumeCreate| {
+        let volume = p.check()?;
+        Ok(json!(c.control.volume_create(&volume)?))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "volume_delete",
-        Box::new(move |p| {
-            let p: VolumeName = parse_params(p)?;
-            check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
-            c.engine
-                .volume_delete(&p.name)
-                .map_err(RpcMethodError::Internal)?;
-            Ok(Value::Bool(true))
-        }),
-    )?;
+    method(registry, "volume_delete", move |p: VolumeName| {
+        p.check()?;
+        c.control.volume_delete(&p)?;
+        Ok(Value::Bool(true))
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "volume_get_stats",
-        Box::new(move |p| {
-            let p: VolumeName = parse_params(p)?;
-            check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
-            c.engine
-                .volume_stats(&p.name)
-                .map_err(RpcMethodError::Internal)
-        }),
-    )?;
+    method(registry, "volume_get_stats", move |p: VolumeName| {
+        p.check()?;
+        c.control.volume_stats(&p)
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "replica_list",
-        Box::new(move |p| {
-            let p: ReplicaVolume = parse_params(p)?;
-            check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
-            c.engine
-                .replica_list(&p.volume)
-                .map_err(RpcMethodError::Internal)
-        }),
-    )?;
+    method(registry, "replica_list", move |p: ReplicaVolume| {
+        check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
+        c.control.replica_list(&p)
+    })?;
     let c = ctx.clone();
-    registry.register(
-        "replica_add",
-        Box::new(move |p| {
-            let p: ReplicaAddr = parse_params(p)?;
-            p.check()?;
-            c.engine
-                .replica_add(&p.volume, &p.addr)
-                .map_err(RpcMethodError::Internal)?;
-            Ok(Value::Bool(true))
-        }),
-    )?;
+    method(registry, "replica_add", move |p: ReplicaAddr| {
+        p.check()?;
+        c.control.replica_add(&p)?;
+        Ok(Value::Bool(true))
+    })?;
     let c = ctx;
-    registry.register(
-        "replica_remove",
-        Box::new(move |p| {
-            let p: ReplicaAddr = parse_params(p)?;
-            p.check()?;
-            c.engine
-                .replica_remove(&p.volume, &p.addr)
-                .map_err(RpcMethodError::Internal)?;
-            Ok(Value::Bool(true))
-        }),
-    )?;
+    method(registry, "replica_remove", move |p: ReplicaAddr| {
+        p.check()?;
+        c.control.replica_remove(&p)?;
+        Ok(Value::Bool(true))
+    })?;
     Ok(())
 }
 
@@ -303,7 +372,13 @@ pub fn thread_get_stats(fw: &lull_reactor::FrameworkHandle) -> Value {
     json!({"tick_rate": TICK_RATE_HZ, "threads": threads})
 }
 
-#[derive(Deserialize)]
+/// The parameters of a method that takes none (absent, `null` or `{}`).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+/// `volume_create` parameters as they come.
+#[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct VolumeCreate {
     name: String,
@@ -312,42 +387,67 @@ struct VolumeCreate {
     backend: Option<String>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VolumeName {
-    name: String,
+impl VolumeCreate {
+    fn check(self) -> Result<NewVolume, ControlError> {
+        check_name("name", &self.name, MAX_VOLUME_NAME_LEN)?;
+        let backend = self.backend.unwrap_or_else(|| "malloc".into());
+        check_name("backend", &backend, MAX_BACKEND_LEN)?;
+        let size_bytes = parse_size(&self.size).map_err(ControlError::InvalidParams)?;
+        Ok(NewVolume {
+            name: self.name,
+            size_bytes,
+            backend,
+        })
+    }
 }
 
-#[derive(Deserialize)]
+/// `volume_delete` and `volume_get_stats` parameters.
+#[derive(Deserialize, Debug, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-struct ReplicaVolume {
-    volume: String,
+pub struct VolumeName {
+    pub name: String,
 }
 
-#[derive(Deserialize)]
+impl VolumeName {
+    fn check(&self) -> Result<(), ControlError> {
+        check_name("name", &self.name, MAX_VOLUME_NAME_LEN)
+    }
+}
+
+/// `replica_list` parameters.
+#[derive(Deserialize, Debug, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-struct ReplicaAddr {
-    volume: String,
-    addr: String,
+pub struct ReplicaVolume {
+    pub volume: String,
+}
+
+/// `replica_add` and `replica_remove` parameters.
+#[derive(Deserialize, Debug, Clone, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaAddr {
+    pub volume: String,
+    /// HOST:PORT, as the operator wrote it (the server resolves it).
+    pub addr: String,
 }
 
 impl ReplicaAddr {
-    fn check(&self) -> Result<(), RpcMethodError> {
+    fn check(&self) -> Result<(), ControlError> {
         check_name("volume", &self.volume, MAX_VOLUME_NAME_LEN)?;
         check_name("addr", &self.addr, MAX_REPLICA_ADDR_LEN)
     }
 }
 
-fn check_name(field: &str, value: &str, max: usize) -> Result<(), RpcMethodError> {
+fn check_name(field: &str, value: &str, max: usize) -> Result<(), ControlError> {
     if value.is_empty() || value.len() > max || value.contains('\0') {
-        return Err(RpcMethodError::InvalidParams(format!(
+        return Err(ControlError::InvalidParams(format!(
             "{field} must be 1 to {max} bytes, without NUL"
         )));
     }
     Ok(())
 }
 
-/// `engine_set_options` parameters: lull's names and Longhorn's aliases.
+/// `engine_set_options` parameters as they come: lull's names and
+/// Longhorn's aliases.
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 struct SetOptions {
@@ -367,9 +467,9 @@ struct SetOptions {
 }
 
 /// Check `engine_set_options` parameters and map them onto lull's names.
-fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
-    let bad = |m: String| Err(RpcMethodError::InvalidParams(m));
-    let mut out = Map::new();
+fn normalize_options(o: SetOptions) -> Result<OptionsChange, ControlError> {
+    let bad = |m: String| Err(ControlError::InvalidParams(m));
+    let mut out = OptionsChange::default();
     let implied = o
         .interrupt_mode_enabled
         .map(|on| if on { "interrupt" } else { "poll" });
@@ -391,11 +491,9 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
                     "mode must be a mode name such as \"poll\" or \"interrupt\", got {m:?}"
                 ));
             }
-            out.insert("mode".into(), Value::String(m));
+            out.mode = Some(m);
         }
-        (None, Some(i)) => {
-            out.insert("mode".into(), Value::String(i.into()));
-        }
+        (None, Some(i)) => out.mode = Some(i.into()),
         (None, None) => {}
     }
     let ioq = match (o.nvme_ioq_poll_period_us, o.longhorn_ioq_poll_period_us) {
@@ -406,9 +504,17 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
         }
         (a, b) => a.or(b),
     };
-    for (name, v) in [
-        ("nvme_ioq_poll_period_us", ioq),
-        ("nvme_adminq_poll_period_us", o.nvme_adminq_poll_period_us),
+    for (name, v, field) in [
+        (
+            "nvme_ioq_poll_period_us",
+            ioq,
+            &mut out.nvme_ioq_poll_period_us,
+        ),
+        (
+            "nvme_adminq_poll_period_us",
+            o.nvme_adminq_poll_period_us,
+            &mut out.nvme_adminq_poll_period_us,
+        ),
     ] {
         if let Some(us) = v {
             if !(1..=MAX_POLL_PERIOD_US).contains(&us) {
@@ -416,17 +522,17 @@ fn normalize_options(o: SetOptions) -> Result<Value, RpcMethodError> {
                     "{name} must be 1 to {MAX_POLL_PERIOD_US}, got {us}"
                 ));
             }
-            out.insert(name.into(), json!(us));
+            *field = Some(us);
         }
     }
-    if out.is_empty() {
+    if out == OptionsChange::default() {
         return bad(
             "no options given (mode, nvme_ioq_poll_period_us, nvme_adminq_poll_period_us, \
                     data-engine-interrupt-mode-enabled, data-engine-nvme-ioq-poll-period-us)"
                 .into(),
         );
     }
-    Ok(Value::Object(out))
+    Ok(out)
 }
 
 /// A size in bytes: a positive integer, or a string of digits with an
@@ -476,10 +582,13 @@ mod tests {
         }
     }
 
+    /// The normalized options as JSON, errors as the client sees them.
     fn norm(v: Value) -> Result<Value, RpcMethodError> {
         normalize_options(
-            serde_json::from_value(v).map_err(|e| RpcMethodError::InvalidParams(e.to_string()))?,
+            serde_json::from_value(v).map_err(|e| ControlError::InvalidParams(e.to_string()))?,
         )
+        .map(|o| json!(o))
+        .map_err(RpcMethodError::from)
     }
 
     #[test]

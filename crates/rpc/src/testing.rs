@@ -1,45 +1,50 @@
-//! Stand-ins for the engine and the metrics source, for tests of this crate
-//! and of the binary's wiring.
+//! Stand-ins for the control plane and the metrics source, for tests of
+//! this crate and of the binary's wiring.
 //!
 //! ```ignore
 //! let volumes = Arc::new(Volumes::default());
-//! let engine = Arc::new(FakeEngine::new(volumes.clone()));
-//! register_lull_methods(&mut reg, LullContext { fw, volumes, engine })?;
+//! let control = Arc::new(FakeControl::new(volumes.clone()));
+//! register_lull_methods(&mut reg, LullContext { fw, volumes, control })?;
 //! ```
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use lull_volume::{Storage, Volume, Volumes};
 use serde_json::{json, Value};
 
-use crate::methods::EngineControl;
+use crate::methods::{
+    ControlError, ControlPlane, NewVolume, Options, OptionsChange, ReplicaAddr, ReplicaVolume,
+    VolumeInfo, VolumeName,
+};
 use crate::metrics::{MetricsSnapshot, MetricsSource};
 
 #[derive(Debug)]
 struct State {
-    mode: String,
-    ioq_poll_period_us: u64,
-    adminq_poll_period_us: u64,
+    options: Options,
     replicas: BTreeMap<String, Vec<String>>,
 }
 
-/// An engine that keeps options and replicas in memory and creates `malloc`
-/// volumes in a `Volumes` registry.
+/// A control plane that keeps options and replicas in memory and creates
+/// `malloc` volumes in a `Volumes` registry.
 #[derive(Debug)]
-pub struct FakeEngine {
-    volumes: Arc<lull_nbd::Volumes>,
+pub struct FakeControl {
+    volumes: Arc<Volumes>,
     state: Mutex<State>,
 }
 
-impl FakeEngine {
+impl FakeControl {
     /// Starts in interrupt mode with Longhorn's default periods.
-    pub fn new(volumes: Arc<lull_nbd::Volumes>) -> FakeEngine {
-        FakeEngine {
+    pub fn new(volumes: Arc<Volumes>) -> FakeControl {
+        FakeControl {
             volumes,
             state: Mutex::new(State {
-                mode: "interrupt".into(),
-                ioq_poll_period_us: 100,
-                adminq_poll_period_us: 10_000,
+                options: Options {
+                    mode: "interrupt".into(),
+                    nvme_ioq_poll_period_us: 100,
+                    nvme_adminq_poll_period_us: 10_000,
+                    interrupt_mode_enabled: true,
+                },
                 replicas: BTreeMap::new(),
             }),
         }
@@ -49,80 +54,68 @@ impl FakeEngine {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn options(s: &State) -> Value {
-        json!({
-            "mode": s.mode,
-            "nvme_ioq_poll_period_us": s.ioq_poll_period_us,
-            "nvme_adminq_poll_period_us": s.adminq_poll_period_us,
-            "interrupt_mode_enabled": s.mode == "interrupt",
-        })
-    }
-
-    fn has_volume(&self, name: &str) -> Result<(), String> {
-        if name.is_empty() || self.volumes.get(name).is_none() {
-            return Err(format!("no volume {name:?}"));
-        }
+    fn has_volume(&self, name: &str) -> Result<(), ControlError> {
+        self.volumes.named(name)?;
         Ok(())
     }
 }
 
-impl EngineControl for FakeEngine {
-    fn get_options(&self) -> Value {
-        Self::options(&self.state())
+impl ControlPlane for FakeControl {
+    fn get_options(&self) -> Options {
+        self.state().options.clone()
     }
 
-    fn set_options(&self, params: &Value) -> Result<Value, String> {
+    fn set_options(&self, change: &OptionsChange) -> Result<Options, ControlError> {
         let mut s = self.state();
-        if let Some(m) = params.get("mode").and_then(Value::as_str) {
+        if let Some(m) = &change.mode {
             if m != "poll" && m != "interrupt" {
-                return Err(format!("unknown mode {m:?}"));
+                return Err(ControlError::Refused(format!("unknown mode {m:?}")));
             }
-            s.mode = m.into();
+            s.options.mode = m.clone();
+            s.options.interrupt_mode_enabled = m == "interrupt";
         }
-        if let Some(us) = params
-            .get("nvme_ioq_poll_period_us")
-            .and_then(Value::as_u64)
-        {
-            s.ioq_poll_period_us = us;
+        if let Some(us) = change.nvme_ioq_poll_period_us {
+            s.options.nvme_ioq_poll_period_us = us;
         }
-        if let Some(us) = params
-            .get("nvme_adminq_poll_period_us")
-            .and_then(Value::as_u64)
-        {
-            s.adminq_poll_period_us = us;
+        if let Some(us) = change.nvme_adminq_poll_period_us {
+            s.options.nvme_adminq_poll_period_us = us;
         }
-        Ok(Self::options(&s))
+        Ok(s.options.clone())
     }
 
-    fn volume_create(&self, name: &str, size_bytes: u64, backend: &str) -> Result<Value, String> {
-        if backend != "malloc" {
-            return Err(format!("unsupported backend {backend:?}"));
+    fn volume_create(&self, volume: &NewVolume) -> Result<VolumeInfo, ControlError> {
+        if volume.backend != "malloc" {
+            return Err(ControlError::Refused(format!(
+                "unsupported backend {:?}",
+                volume.backend
+            )));
         }
-        let dev = lull_bdev::MallocDev::new(size_bytes).map_err(|e| e.to_string())?;
-        self.volumes
-            .add(lull_nbd::Volume::new(name, Arc::new(dev)))
-            .map_err(|e| e.to_string())?;
-        Ok(json!({"name": name, "size_bytes": size_bytes, "backend": backend}))
+        let dev = lull_bdev::MallocDev::new(volume.size_bytes)
+            .map_err(|e| ControlError::Failed(e.into()))?;
+        let v = self
+            .volumes
+            .add(Volume::new(&volume.name, Storage::Local(Arc::new(dev))))?;
+        Ok(VolumeInfo::of(&v))
     }
 
-    fn volume_delete(&self, name: &str) -> Result<(), String> {
-        self.volumes.remove(name).map_err(|e| e.to_string())?;
-        self.state().replicas.remove(name);
+    fn volume_delete(&self, volume: &VolumeName) -> Result<(), ControlError> {
+        self.volumes.remove(&volume.name)?;
+        self.state().replicas.remove(&volume.name);
         Ok(())
     }
 
-    fn volume_stats(&self, name: &str) -> Result<Value, String> {
-        self.has_volume(name)?;
+    fn volume_stats(&self, volume: &VolumeName) -> Result<Value, ControlError> {
+        self.has_volume(&volume.name)?;
         Ok(
-            json!({"name": name, "reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0,
+            json!({"name": volume.name, "reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0,
                   "latency_ns": {"count": 0, "mean": 0, "p99": 0}}),
         )
     }
 
-    fn replica_list(&self, volume: &str) -> Result<Value, String> {
-        self.has_volume(volume)?;
+    fn replica_list(&self, volume: &ReplicaVolume) -> Result<Value, ControlError> {
+        self.has_volume(&volume.volume)?;
         let s = self.state();
-        let list = s.replicas.get(volume).cloned().unwrap_or_default();
+        let list = s.replicas.get(&volume.volume).cloned().unwrap_or_default();
         Ok(Value::Array(
             list.into_iter()
                 .map(|a| json!({"addr": a, "healthy": true}))
@@ -130,23 +123,29 @@ impl EngineControl for FakeEngine {
         ))
     }
 
-    fn replica_add(&self, volume: &str, addr: &str) -> Result<(), String> {
-        self.has_volume(volume)?;
+    fn replica_add(&self, r: &ReplicaAddr) -> Result<(), ControlError> {
+        self.has_volume(&r.volume)?;
         let mut s = self.state();
-        let list = s.replicas.entry(volume.to_string()).or_default();
-        if list.iter().any(|a| a == addr) {
-            return Err(format!("replica {addr} is already in {volume}"));
+        let list = s.replicas.entry(r.volume.clone()).or_default();
+        if list.contains(&r.addr) {
+            return Err(ControlError::DuplicateReplica {
+                volume: r.volume.clone(),
+                addr: r.addr.clone(),
+            });
         }
-        list.push(addr.to_string());
+        list.push(r.addr.clone());
         Ok(())
     }
 
-    fn replica_remove(&self, volume: &str, addr: &str) -> Result<(), String> {
-        self.has_volume(volume)?;
+    fn replica_remove(&self, r: &ReplicaAddr) -> Result<(), ControlError> {
+        self.has_volume(&r.volume)?;
         let mut s = self.state();
-        let list = s.replicas.entry(volume.to_string()).or_default();
-        let Some(pos) = list.iter().position(|a| a == addr) else {
-            return Err(format!("no replica {addr} in {volume}"));
+        let list = s.replicas.entry(r.volume.clone()).or_default();
+        let Some(pos) = list.iter().position(|a| *a == r.addr) else {
+            return Err(ControlError::NoSuchReplica {
+                volume: r.volume.clone(),
+                addr: r.addr.clone(),
+            });
         };
         list.remove(pos);
         Ok(())

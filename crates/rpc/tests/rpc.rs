@@ -1,5 +1,5 @@
 //! The JSON-RPC server over a real Unix socket: every lull method against a
-//! real one-reactor framework and the fake engine, and malformed input.
+//! real one-reactor framework and the fake control plane, and malformed input.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lull_nbd::{Volume, Volumes};
 use lull_reactor::{Framework, FrameworkConfig, Mode};
-use lull_rpc::testing::FakeEngine;
+use lull_rpc::testing::FakeControl;
 use lull_rpc::*;
+use lull_volume::{Storage, Volume, Volumes};
 use serde_json::{json, Value};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,17 +57,17 @@ fn setup() -> Setup {
     volumes
         .add(Volume::new(
             "vol0",
-            Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap()),
+            Storage::Local(Arc::new(lull_bdev::MallocDev::new(1 << 20).unwrap())),
         ))
         .unwrap();
-    let engine = Arc::new(FakeEngine::new(volumes.clone()));
+    let control = Arc::new(FakeControl::new(volumes.clone()));
     let mut reg = MethodRegistry::new();
     register_lull_methods(
         &mut reg,
         LullContext {
             fw: fw.handle().clone(),
             volumes: volumes.clone(),
-            engine,
+            control,
         },
     )
     .unwrap();

@@ -1,0 +1,213 @@
+//! Volumes: what a frontend serves and the control plane manages. The
+//! registry knows nothing of any protocol; the NBD frontend (and a future
+//! NVMe/TCP one) look volumes up here by name.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use lull_volume::{Storage, Volume, Volumes};
+//! let volumes = Volumes::default();
+//! let dev = Arc::new(lull_bdev::MallocDev::new(1 << 20)?);
+//! volumes.add(Volume::new("vol0", Storage::Local(dev)))?;
+//! let v = volumes.get("").expect("the empty name is the first volume");
+//! assert_eq!(v.dev().size_bytes(), 1 << 20);
+//! // Replica management asks for the engine by matching, not by downcasting.
+//! assert!(v.storage.replicated().is_none());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod stats;
+
+use std::sync::{Arc, RwLock};
+
+use lull_bdev::BlockDevice;
+use lull_engine::ReplicatedDev;
+
+pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
+
+/// Longest volume name, in bytes. A volume's name is its NBD export name,
+/// and NBD caps export names at 4096 bytes (`lull_proto::nbd::MAX_EXPORT_NAME_LEN`;
+/// the NBD frontend asserts the two agree).
+pub const MAX_VOLUME_NAME_LEN: usize = 4096;
+
+/// Errors of the volume registry.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("volume {0:?} already exists")]
+    DuplicateVolume(String),
+    #[error("invalid volume name {0:?}: 1 to 4096 bytes, no NUL")]
+    BadVolumeName(String),
+    #[error("no volume {0:?}")]
+    NoSuchVolume(String),
+}
+
+/// Where a volume's blocks live. Control paths match on it to reach what
+/// only one kind has (the replicas of a replicated volume); the data path
+/// uses [`Storage::dev`] for either.
+#[derive(Clone)]
+pub enum Storage {
+    /// A device in this process: memory or a local file.
+    Local(Arc<dyn BlockDevice>),
+    /// A volume replicated to replica servers by its engine.
+    Replicated(Arc<ReplicatedDev>),
+}
+
+impl Storage {
+    /// The block device, whatever the kind.
+    pub fn dev(&self) -> &dyn BlockDevice {
+        match self {
+            Storage::Local(dev) => dev.as_ref(),
+            Storage::Replicated(dev) => dev.as_ref(),
+        }
+    }
+
+    /// The engine of a replicated volume; `None` for local storage.
+    pub fn replicated(&self) -> Option<&Arc<ReplicatedDev>> {
+        match self {
+            Storage::Local(_) => None,
+            Storage::Replicated(dev) => Some(dev),
+        }
+    }
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            Storage::Local(_) => "Local",
+            Storage::Replicated(_) => "Replicated",
+        };
+        write!(f, "{kind}({})", self.dev().describe())
+    }
+}
+
+/// A named volume: its storage and its I/O counters.
+pub struct Volume {
+    pub name: String,
+    pub storage: Storage,
+    pub stats: VolumeStats,
+}
+
+impl Volume {
+    pub fn new(name: &str, storage: Storage) -> Volume {
+        Volume {
+            name: name.to_string(),
+            storage,
+            stats: VolumeStats::default(),
+        }
+    }
+
+    /// The volume's block device (see [`Storage::dev`]).
+    pub fn dev(&self) -> &dyn BlockDevice {
+        self.storage.dev()
+    }
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Volume({}, {} bytes, {})",
+            self.name,
+            self.dev().size_bytes(),
+            self.dev().describe()
+        )
+    }
+}
+
+/// The volumes a server serves, in the order they were added. The empty
+/// name means the first (NBD's default export).
+#[derive(Debug, Default)]
+pub struct Volumes {
+    list: RwLock<Vec<Arc<Volume>>>,
+}
+
+impl Volumes {
+    pub fn add(&self, volume: Volume) -> Result<Arc<Volume>, VolumeError> {
+        if volume.name.is_empty()
+            || volume.name.len() > MAX_VOLUME_NAME_LEN
+            || volume.name.contains('\0')
+        {
+            return Err(VolumeError::BadVolumeName(volume.name));
+        }
+        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
+        if list.iter().any(|v| v.name == volume.name) {
+            return Err(VolumeError::DuplicateVolume(volume.name));
+        }
+        let v = Arc::new(volume);
+        list.push(v.clone());
+        Ok(v)
+    }
+
+    /// Remove a volume from the list; connected clients keep using it
+    /// until they disconnect.
+    pub fn remove(&self, name: &str) -> Result<Arc<Volume>, VolumeError> {
+        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
+        let pos = list
+            .iter()
+            .position(|v| v.name == name)
+            .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))?;
+        Ok(list.remove(pos))
+    }
+
+    /// A volume by name; `""` is the default (first) volume.
+    pub fn get(&self, name: &str) -> Option<Arc<Volume>> {
+        if name.is_empty() {
+            return self.read().first().cloned();
+        }
+        self.named(name).ok()
+    }
+
+    /// The volume with exactly this name (`""` names none), for control
+    /// paths that must not fall back to the default volume.
+    pub fn named(&self, name: &str) -> Result<Arc<Volume>, VolumeError> {
+        self.read()
+            .iter()
+            .find(|v| v.name == name)
+            .cloned()
+            .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))
+    }
+
+    pub fn list(&self) -> Vec<Arc<Volume>> {
+        self.read().clone()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Volume>>> {
+        self.list.read().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn malloc(name: &str) -> Volume {
+        let dev = lull_bdev::MallocDev::new(4096).expect("malloc");
+        Volume::new(name, Storage::Local(Arc::new(dev)))
+    }
+
+    #[test]
+    fn registry_names() {
+        let vs = Volumes::default();
+        assert!(vs.get("").is_none());
+        vs.add(malloc("a")).expect("add a");
+        vs.add(malloc("b")).expect("add b");
+        assert!(matches!(
+            vs.add(malloc("a")),
+            Err(VolumeError::DuplicateVolume(_))
+        ));
+        for bad in ["", "x\0y", &"n".repeat(MAX_VOLUME_NAME_LEN + 1)] {
+            assert!(matches!(
+                vs.add(malloc(bad)),
+                Err(VolumeError::BadVolumeName(_))
+            ));
+        }
+        assert_eq!(vs.get("").map(|v| v.name.clone()), Some("a".into()));
+        assert_eq!(vs.get("b").map(|v| v.name.clone()), Some("b".into()));
+        assert!(matches!(vs.named(""), Err(VolumeError::NoSuchVolume(_))));
+        vs.remove("a").expect("remove a");
+        assert!(matches!(vs.remove("a"), Err(VolumeError::NoSuchVolume(_))));
+        assert_eq!(vs.get("").map(|v| v.name.clone()), Some("b".into()));
+        assert!(vs.list()[0].storage.replicated().is_none());
+    }
+}
