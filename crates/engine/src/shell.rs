@@ -119,7 +119,10 @@ impl ChannelShared {
     }
 }
 
-struct ReplicaChannel {
+/// A frontend connection's channel into the engine thread (an NBD
+/// connection's `Channel` for a replicated volume), not a channel to a
+/// replica.
+struct EngineChannel {
     shared: Arc<ChannelShared>,
     engine: ThreadHandle,
     shell: Arc<Mutex<Shell>>,
@@ -127,7 +130,7 @@ struct ReplicaChannel {
     open: Arc<AtomicUsize>,
 }
 
-impl Channel for ReplicaChannel {
+impl Channel for EngineChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
         if self.in_flight >= CHANNEL_DEPTH {
             return Err((
@@ -206,7 +209,7 @@ impl Channel for ReplicaChannel {
     }
 }
 
-impl Drop for ReplicaChannel {
+impl Drop for EngineChannel {
     fn drop(&mut self) {
         self.open.fetch_sub(1, Ordering::AcqRel);
     }
@@ -1024,7 +1027,7 @@ impl BlockDevice for ReplicatedDev {
             event: EventFd::new().map_err(BdevError::Io)?,
             slot: AtomicU64::new(NO_SLOT),
         });
-        Ok(Box::new(ReplicaChannel {
+        Ok(Box::new(EngineChannel {
             shared,
             engine: self.engine.clone(),
             shell: self.shell.clone(),

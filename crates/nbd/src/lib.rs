@@ -9,9 +9,10 @@
 //! server.shutdown(Duration::from_secs(30));
 //! ```
 //!
-//! One acceptor thread on the main reactor; each connection gets its own
-//! lull thread (placed round-robin over the reactors) with one poller that
-//! owns the socket and the connection's device channel. That scaffolding
+//! One acceptor thread on the main reactor; each connection is a poller
+//! (owning the socket and the connection's device channel) in one of the
+//! server's poll groups, one lull thread per reactor, placed round-robin
+//! and then spread so a volume's connections sit in different groups. That scaffolding
 //! (acceptor, connection table and limit, handshake deadline, drain) is
 //! `lull_net::server`; the protocol is in `conn`. Volumes (and their I/O
 //! counters) come from the `lull_volume` registry; an export is a volume.

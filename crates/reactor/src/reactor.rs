@@ -19,7 +19,9 @@ use crate::clock::{Clock, MonotonicClock};
 use crate::governor::{Cpufreq, Governor};
 use crate::scheduler::{self, CoreLoad, DynamicParams, Policy, ThreadLoad};
 use crate::sys::{self, event_buffer, Epoll, Interest, ThreadUsage};
-use crate::thread::{Mailbox, PollStatus, Scope, Thread, ThreadHandle, ThreadShared, ThreadStats};
+use crate::thread::{
+    Host, Mailbox, Message, PollStatus, Scope, Thread, ThreadHandle, ThreadShared, ThreadStats,
+};
 use crate::ReactorError;
 
 /// Control commands queued per reactor. Few are ever in flight (spawns, mode
@@ -376,7 +378,7 @@ impl FrameworkHandle {
             .ok_or(ReactorError::NoSuchReactor(reactor))?;
         let id = self.shared.next_thread_id.fetch_add(1, Ordering::Relaxed);
         let mut thread = Thread::with_mailbox(id, name, capacity)?;
-        thread.attach(self.clone());
+        thread.attach(Arc::new(self.clone()));
         let handle = thread.handle();
         handle
             .send(init)
@@ -553,6 +555,17 @@ impl FrameworkHandle {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Host for FrameworkHandle {
+    fn spawn(
+        &self,
+        reactor: usize,
+        name: &str,
+        init: Message,
+    ) -> Result<ThreadHandle, ReactorError> {
+        self.spawn_thread(reactor, name, init)
+    }
 }
 
 /// The running framework: owns the reactor OS threads and the scheduler's.

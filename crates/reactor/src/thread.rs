@@ -26,7 +26,6 @@ use std::sync::Arc;
 use crossbeam_queue::ArrayQueue;
 
 use crate::clock::Clock;
-use crate::reactor::FrameworkHandle;
 use crate::sys::{event_buffer, Epoll, EventFd, Interest, TimerFd};
 use crate::ReactorError;
 
@@ -334,6 +333,18 @@ struct PollerSlot {
     entry: Option<PollerEntry>,
 }
 
+/// What a thread asks of the framework that runs it (the reactor module's
+/// `FrameworkHandle` implements it): a trait here, so that this module
+/// does not depend on the reactor's, which depends on it.
+pub(crate) trait Host: Send + Sync {
+    fn spawn(
+        &self,
+        reactor: usize,
+        name: &str,
+        init: Message,
+    ) -> Result<ThreadHandle, ReactorError>;
+}
+
 /// A poller between two threads ([`Thread::detach_poller`]); dropping it
 /// drops its closure (and what the closure owns).
 pub struct DetachedPoller {
@@ -368,7 +379,7 @@ type TimerItem = Reverse<(u64, u64, u32)>;
 /// spawn threads and send messages.
 pub struct Thread {
     shared: Arc<ThreadShared>,
-    framework: Option<FrameworkHandle>,
+    host: Option<Arc<dyn Host>>,
     pollers: Vec<PollerSlot>,
     free: Vec<u32>,
     epoll: Epoll,
@@ -445,7 +456,7 @@ impl Thread {
             .map_err(ReactorError::Sys)?;
         Ok(Thread {
             shared,
-            framework: None,
+            host: None,
             pollers: Vec::new(),
             free: Vec::new(),
             epoll,
@@ -492,13 +503,9 @@ impl Thread {
         }
     }
 
-    /// The framework this thread runs in (`None` for a detached test thread).
-    pub fn framework(&self) -> Option<&FrameworkHandle> {
-        self.framework.as_ref()
-    }
-
-    pub(crate) fn attach(&mut self, framework: FrameworkHandle) {
-        self.framework = Some(framework);
+    /// Join the framework that runs it (a detached test thread has none).
+    pub(crate) fn attach(&mut self, host: Arc<dyn Host>) {
+        self.host = Some(host);
     }
 
     /// The `now` of the current (or last) iteration.
@@ -893,8 +900,8 @@ impl Thread {
         name: &str,
         init: impl FnOnce(&mut Thread) + Send + 'static,
     ) -> Result<ThreadHandle, ReactorError> {
-        match &self.framework {
-            Some(fw) => fw.spawn_thread(reactor, name, init),
+        match &self.host {
+            Some(host) => host.spawn(reactor, name, Box::new(init)),
             None => Err(ReactorError::Detached),
         }
     }
