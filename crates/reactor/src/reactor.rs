@@ -1214,6 +1214,8 @@ impl Reactor {
         let _ = self.epoll.delete(t.epoll_fd());
         self.ready[slot] = false;
         self.n_threads -= 1;
+        // Its timers were in the cached earliest deadline.
+        self.idle_deadline = None;
         let name = t.name().to_string();
         match target.control.push(Control::AddThread(t)) {
             Ok(()) => {
