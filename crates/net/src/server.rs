@@ -574,7 +574,15 @@ fn move_connection(
     conn_id: u64,
 ) {
     let Some(p) = t.detach_poller(poller) else {
-        // It finished meanwhile (its registration is gone with it).
+        if t.has_poller(poller) {
+            // Paused: it cannot move now; it stays where it is.
+            if let Some(e) = conns.lock().get_mut(&conn_id) {
+                e.group_index = from;
+                e.group = t.handle();
+                e.poller = Some(poller);
+            }
+        }
+        // Otherwise it finished meanwhile (its registration is gone with it).
         return;
     };
     let slot = Arc::new(Mutex::new(Some(p)));

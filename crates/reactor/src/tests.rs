@@ -437,3 +437,42 @@ fn a_paused_pollers_ready_fd_does_not_keep_the_thread_awake() {
     assert!(t.poll(0, Scope::Ready, &clock).is_busy(), "and it runs");
     t.check_invariants();
 }
+
+#[test]
+fn a_detached_poller_runs_in_its_new_thread_on_its_fd() {
+    let clock = FakeClock::new(0);
+    let mut a = thread();
+    let mut b = Thread::new(2, "other").expect("thread");
+    for t in [&mut a, &mut b] {
+        t.set_event_driven(true);
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (id, fd) = evented_counted(&mut a, "conn", runs.clone());
+    let p = a.detach_poller(id).expect("detachable");
+    assert!(!a.has_poller(id));
+    assert!(a.detach_poller(id).is_none(), "stale id");
+    // Its fd left `a`'s epoll set: a ready fd does not run anything there.
+    fd.notify();
+    assert_eq!(
+        a.poll_ready(0, Scope::Ready, true, &clock),
+        PollStatus::Idle
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let new_id = b.attach_poller(p).expect("attach");
+    assert!(b.has_poller(new_id));
+    // It runs at once in `b` (work may have arrived while it moved) and
+    // then on its fd.
+    assert_eq!(
+        b.poll_ready(0, Scope::Ready, false, &clock),
+        PollStatus::Busy
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    fd.notify();
+    assert_eq!(
+        b.poll_ready(0, Scope::Ready, true, &clock),
+        PollStatus::Busy
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    a.check_invariants();
+    b.check_invariants();
+}

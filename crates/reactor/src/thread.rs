@@ -728,6 +728,13 @@ impl Thread {
         Some(detached)
     }
 
+    /// Whether `id` names a live poller of this thread.
+    pub fn has_poller(&self, id: PollerId) -> bool {
+        self.pollers
+            .get(id.index as usize)
+            .is_some_and(|s| s.generation == id.generation && s.entry.is_some())
+    }
+
     /// Register a poller taken from another thread; it runs at once (work
     /// may have arrived while it moved).
     pub fn attach_poller(&mut self, p: DetachedPoller) -> Result<PollerId, ReactorError> {
