@@ -208,8 +208,8 @@ pub trait BlockDevice: Send + Sync {
     fn sync(&self) -> Result<(), BdevError> {
         Ok(())
     }
-    /// The allocation of `[offset, offset + len)` (inside the device, `len`
-    /// > 0): at most `max_extents` (>= 1) extents, in order, adjacent ones
+    /// The allocation of `[offset, offset + len)` (inside the device, with
+    /// `len` above 0): at most `max_extents` (>= 1) extents, in order, adjacent ones
     /// in different states, covering a non-empty prefix of the range (the
     /// caller asks again for the rest). Called on a reactor, so it must
     /// not block on I/O: a metadata lookup at most. The default, for

@@ -224,7 +224,7 @@ pub fn decode_block_status(payload: &[u8]) -> Option<(u32, Vec<BlockExtent>)> {
     let mut r = super::Reader::new(payload);
     let id = r.u32()?;
     let rest = r.rest();
-    if rest.is_empty() || rest.len() % 8 != 0 {
+    if rest.is_empty() || !rest.len().is_multiple_of(8) {
         return None;
     }
     let extents = rest
