@@ -204,8 +204,9 @@ fn libnbd_fast_zero_is_refused_where_the_filesystem_cannot() {
 
 /// qemu-img convert of a sparse 1 GiB volume to a sparse file moves only
 /// the data: the destination's allocation is what was written.
-fn convert_stays_sparse(args: &[&str]) {
-    let dir = tempdir("convert");
+fn convert_stays_sparse(name: &str, args: &[&str]) {
+    // Each test its own directory: tests run in parallel.
+    let dir = tempdir(name);
     let mut server = Server::start(args);
     qemu_io(
         &server,
@@ -240,12 +241,12 @@ fn convert_stays_sparse(args: &[&str]) {
 
 #[test]
 fn qemu_img_convert_of_a_sparse_malloc_volume_stays_sparse() {
-    convert_stays_sparse(&["--volume", "v:1G"]);
+    convert_stays_sparse("convert-malloc-dest", &["--volume", "v:1G"]);
 }
 
 #[test]
 fn qemu_img_convert_of_a_sparse_file_volume_stays_sparse() {
     let dir = tempdir("convert-file");
     let spec = format!("v:1G:file={}", dir.join("v.img").display());
-    convert_stays_sparse(&["--volume", &spec]);
+    convert_stays_sparse("convert-file-dest", &["--volume", &spec]);
 }

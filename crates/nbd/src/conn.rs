@@ -338,8 +338,9 @@ impl Conn {
             return;
         };
         let mut zero_ranges = Vec::new();
-        // Shorter reads cannot hold a hole worth a chunk: skip the lookup.
-        if len >= structured::MIN_HOLE_BYTES {
+        let data = buf.as_slice().get(..len as usize).unwrap_or_default();
+        // Ask the device only when the data could hold a hole at all.
+        if structured::may_hold_hole(data) {
             if let Ok(extents) =
                 volume
                     .dev()
@@ -355,7 +356,6 @@ impl Conn {
                 }
             }
         }
-        let data = buf.as_slice().get(..len as usize).unwrap_or_default();
         let pieces = structured::plan_read(data, &zero_ranges, structured::MAX_READ_CHUNKS);
         if let [ReadPiece::Data { .. }] = pieces[..] {
             let header = structured::encode_offset_data_header(

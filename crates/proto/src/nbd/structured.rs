@@ -297,6 +297,17 @@ pub fn plan_read(data: &[u8], zero_ranges: &[(u32, u32)], max_chunks: usize) -> 
     pieces
 }
 
+/// Whether a read buffer could hold a hole worth sending: some
+/// [`MIN_HOLE_BYTES`]-sized block of it (counted from its start) is all
+/// zeros. A buffer of data fails on the first byte of each block, so this
+/// spares the device's extent lookup (syscalls, for a file) on nearly
+/// every read of written data; the price is that a zero run long enough
+/// for a hole but covering no whole block goes as data, which is correct.
+pub fn may_hold_hole(data: &[u8]) -> bool {
+    data.chunks_exact(MIN_HOLE_BYTES as usize)
+        .any(|block| block.iter().all(|&b| b == 0))
+}
+
 /// A parsed `NBD_OPT_LIST_META_CONTEXT`/`NBD_OPT_SET_META_CONTEXT`
 /// payload: export name length, name, query count, queries.
 #[derive(Debug)]
@@ -441,6 +452,17 @@ mod tests {
             plan_read(&zeros, &[(0, 100)], MAX_READ_CHUNKS),
             [ReadPiece::Data { at: 0, len: 16384 }]
         );
+    }
+
+    #[test]
+    fn only_buffers_with_a_zero_block_may_hold_a_hole() {
+        let mut data = vec![1u8; 3 * 4096];
+        assert!(!may_hold_hole(&data));
+        data[100..4196].fill(0); // a zero run of 4096 across two blocks
+        assert!(!may_hold_hole(&data));
+        data[4096..8192].fill(0);
+        assert!(may_hold_hole(&data));
+        assert!(!may_hold_hole(&[0u8; 4095]));
     }
 
     #[test]
