@@ -1,5 +1,6 @@
 //! Feeds arbitrary client bytes to the NBD server handshake in arbitrary
-//! chunks and checks that chunking never changes the result.
+//! chunks and checks that chunking never changes the result (replies,
+//! status, and what was negotiated: structured replies, base:allocation).
 //!
 //! Input layout: byte 0 (low 3 bits) says how many chunk-size bytes follow;
 //! the rest is the client stream. No chunk sizes means one byte at a time.
@@ -41,7 +42,12 @@ impl Exports for FuzzExports {
 #[derive(Debug, PartialEq)]
 enum Outcome {
     NeedMore { consumed: usize },
-    Ended { end: usize, status: HandshakeStatus },
+    Ended {
+        end: usize,
+        status: HandshakeStatus,
+        /// Structured replies and metadata contexts agreed on.
+        negotiated: nbd::Negotiated,
+    },
     Failed(HandshakeError),
 }
 
@@ -80,6 +86,7 @@ fn drive(input: &[u8], sizes: &[usize]) -> (Outcome, Vec<u8>) {
                     Outcome::Ended {
                         end: pending_start + used,
                         status,
+                        negotiated: handshake.negotiated(),
                     },
                     out,
                 );

@@ -29,7 +29,12 @@ fuzz_target!(|data: &[u8]| {
 
     match nbd::validate(&request, size, tflags) {
         Verdict::Ok => match request.command {
-            Command::Read | Command::Write | Command::Trim | Command::WriteZeroes => {
+            Command::Read
+            | Command::Write
+            | Command::Trim
+            | Command::WriteZeroes
+            | Command::Cache
+            | Command::BlockStatus => {
                 assert!(request.length > 0);
                 let end = request.offset.checked_add(u64::from(request.length));
                 assert!(end.is_some_and(|end| end <= size));

@@ -29,7 +29,12 @@
 //!   KEEP_SIZE)`; WriteZeroes with `no_hole`: `fallocate(ZERO_RANGE |
 //!   KEEP_SIZE)`. If the filesystem refuses the mode (EOPNOTSUPP; tmpfs has
 //!   no ZERO_RANGE) the range is written with zeros instead, and the channel
-//!   remembers not to try that mode again.
+//!   remembers not to try that mode again; a *fast* WriteZeroes fails with
+//!   `Unsupported` instead of writing zeros (NBD's fast zero).
+//! - Block status (`BlockDevice::extents`): `lseek(SEEK_DATA/SEEK_HOLE)` on
+//!   the main descriptor; holes read as zeros.
+//! - Cache (`BlockDevice::prefetch`): `posix_fadvise(WILLNEED)` on the
+//!   buffered descriptor, at most `MAX_PREFETCH_BYTES` per call.
 //!
 //! # O_DIRECT and unaligned requests
 //!
@@ -60,6 +65,13 @@ use crate::{validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoO
 /// ring). 256 matches an NBD connection's useful queue depth (fio and qemu
 /// rarely go past 128) while keeping the ring and slot table a few KiB.
 pub const FILE_CHANNEL_DEPTH: u32 = 256;
+
+/// Most bytes one `prefetch` asks the kernel to read ahead. NBD_CMD_CACHE
+/// may name up to 4 GiB; the advice is only advice, so a prefix is as
+/// valid as the whole, and this bounds the page cache one request can
+/// fill and the time `fadvise` spends starting readahead on the reactor.
+/// 32 MiB is the largest read lull serves.
+pub const MAX_PREFETCH_BYTES: u64 = 32 << 20;
 
 /// Size of the zero buffer used when the filesystem cannot zero a range by
 /// itself: big enough that writing zeros is not syscall-bound, small enough
@@ -242,6 +254,64 @@ impl BlockDevice for FileDev {
 
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
         Ok(Box::new(self.open_file_channel()?))
+    }
+
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<crate::Extent>, BdevError> {
+        use crate::{push_extent, Extent};
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.size_bytes && len > 0)
+            .ok_or(BdevError::OutOfRange {
+                offset,
+                len,
+                size: self.size_bytes,
+            })?;
+        let max = max_extents.max(1);
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            // (data_start, hole_start) of the next data at or after pos.
+            let (data, hole) = match lull_uring::seek_data_hole(&self.main, pos)? {
+                Some((data, hole)) => (data.min(end), hole.min(end)),
+                None => (end, end),
+            };
+            if !push_extent(&mut out, Extent::hole(data.saturating_sub(pos)), max) {
+                break;
+            }
+            if !push_extent(&mut out, Extent::data(hole.saturating_sub(data)), max) {
+                break;
+            }
+            if hole <= pos {
+                // The kernel said nothing new; never loop on it.
+                push_extent(&mut out, Extent::data(end - pos), max);
+                break;
+            }
+            pos = hole;
+        }
+        if out.is_empty() {
+            out.push(Extent::data(len));
+        }
+        Ok(out)
+    }
+
+    /// Zeroing is `fallocate`; a filesystem that refuses it makes the
+    /// fast request fail (see the module doc), not slow.
+    fn zeroes_fast(&self) -> bool {
+        true
+    }
+
+    fn prefetch(&self, offset: u64, len: u64) -> Result<(), BdevError> {
+        let len = len.min(MAX_PREFETCH_BYTES);
+        // Readahead fills the page cache, which only buffered reads use:
+        // with O_DIRECT only unaligned requests would see it.
+        let file = self.buffered.as_ref().unwrap_or(&self.main);
+        lull_uring::fadvise_willneed(file, offset, len)?;
+        Ok(())
     }
 }
 
@@ -475,6 +545,17 @@ impl FileChannel {
             KIND_SYNC if c.result == -libc::ECANCELED => {}
             KIND_SYNC if c.result < 0 => set_error(op, cqe_error(c.result)),
             KIND_SYNC => op.synced = true,
+            KIND_FALLOC
+                if c.result == -libc::EOPNOTSUPP
+                    && matches!(op.op, IoOp::WriteZeroes { fast: true, .. }) =>
+            {
+                set_error(
+                    op,
+                    BdevError::Unsupported(
+                        "fast zero: this filesystem cannot zero a range without writing",
+                    ),
+                )
+            }
             KIND_FALLOC if c.result == -libc::EOPNOTSUPP => {
                 if let Kind::Falloc { mode } = op.kind {
                     fallback = Some(mode);
@@ -571,13 +652,16 @@ impl Channel for FileChannel {
             IoOp::WriteZeroes {
                 no_hole: false,
                 fua,
+                ..
             } => (
                 Kind::Falloc {
                     mode: libc::FALLOC_FL_PUNCH_HOLE,
                 },
                 fua,
             ),
-            IoOp::WriteZeroes { no_hole: true, fua } => (
+            IoOp::WriteZeroes {
+                no_hole: true, fua, ..
+            } => (
                 Kind::Falloc {
                     mode: libc::FALLOC_FL_ZERO_RANGE,
                 },
@@ -600,6 +684,13 @@ impl Channel for FileChannel {
                 }
             }
             k => k,
+        };
+        let fast = matches!(op, IoOp::WriteZeroes { fast: true, .. });
+        let error = match kind {
+            Kind::WriteZeros if fast && error.is_none() => Some(BdevError::Unsupported(
+                "fast zero: this filesystem cannot zero a range without writing",
+            )),
+            _ => error,
         };
         let (slot_buf, spare_buf) = match kind {
             Kind::Read | Kind::Write => (buf, None),
@@ -901,6 +992,7 @@ mod tests {
                 IoOp::WriteZeroes {
                     no_hole: false,
                     fua: false,
+                    fast: false,
                 },
                 65536,
                 65536,
@@ -909,6 +1001,7 @@ mod tests {
                 IoOp::WriteZeroes {
                     no_hole: true,
                     fua: true,
+                    fast: false,
                 },
                 200_001,
                 1_500_000,
@@ -917,6 +1010,7 @@ mod tests {
                 IoOp::WriteZeroes {
                     no_hole: true,
                     fua: false,
+                    fast: false,
                 },
                 3 << 20,
                 4096,
@@ -971,6 +1065,7 @@ mod tests {
         let op = IoOp::WriteZeroes {
             no_hole: true,
             fua: true,
+            fast: false,
         };
         run(&mut ch, op, 100, 5000, None)
             .result
@@ -985,6 +1080,103 @@ mod tests {
             "tmpfs zero_range_ok after the request: {}",
             ch.zero_range_ok
         );
+    }
+
+    #[test]
+    fn extents_show_holes_and_data() {
+        use crate::Extent;
+        let dir = TempDir::new("ext");
+        let dev = open(&dir, 8 << 20, false).expect("open");
+        let size = dev.size_bytes();
+        assert_eq!(dev.extents(0, size, 16).unwrap(), [Extent::hole(size)]);
+        let mut ch = dev.open_channel().expect("channel");
+        let mut pool = BufPool::new(8 << 20);
+        write(&mut *ch, &mut pool, 1 << 20, &[7u8; 1 << 20], false);
+        write(&mut *ch, &mut pool, 5 << 20, &[7u8; 4096], false);
+        let map = dev.extents(0, size, 16).unwrap();
+        // Filesystems allocate in blocks; 1 MiB and 4 KiB aligned writes
+        // are whole blocks everywhere lull runs.
+        assert_eq!(
+            map,
+            [
+                Extent::hole(1 << 20),
+                Extent::data(1 << 20),
+                Extent::hole(3 << 20),
+                Extent::data(4096),
+                Extent::hole((3 << 20) - 4096),
+            ]
+        );
+        assert_eq!(map.iter().map(|e| e.length_bytes).sum::<u64>(), size);
+        assert_eq!(dev.extents(0, size, 2).unwrap(), map[..2]);
+        assert_eq!(
+            dev.extents((1 << 20) + 1, 10, 16).unwrap(),
+            [Extent::data(10)]
+        );
+        assert!(dev.extents(size - 1, 2, 16).is_err());
+        // Punching makes it a hole again; prefetch is only advice.
+        let zero = IoOp::WriteZeroes {
+            no_hole: false,
+            fua: false,
+            fast: true,
+        };
+        run(&mut *ch, zero, 1 << 20, 1 << 20, None)
+            .result
+            .expect("fast zero");
+        assert_eq!(
+            dev.extents(0, 4 << 20, 16).unwrap(),
+            [Extent::hole(4 << 20)]
+        );
+        dev.prefetch(0, u64::from(u32::MAX)).expect("prefetch");
+        assert!(dev.zeroes_fast());
+    }
+
+    #[test]
+    fn fast_zero_never_writes_zeros() {
+        // tmpfs has no ZERO_RANGE: a fast NO_HOLE zero fails, before and
+        // after the channel learnt it.
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            eprintln!("note: no /dev/shm; skipping the tmpfs fast zero case");
+            return;
+        }
+        let dir = TempDir(shm.join(format!("lull-bdev-fz-{}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).expect("mkdir in /dev/shm");
+        let dev = open(&dir, 1 << 20, false).expect("open");
+        let mut ch = dev.open_file_channel().expect("channel");
+        let mut pool = BufPool::new(8 << 20);
+        write(&mut ch, &mut pool, 0, &[5u8; 8192], false);
+        let fast = IoOp::WriteZeroes {
+            no_hole: true,
+            fua: false,
+            fast: true,
+        };
+        for _ in 0..2 {
+            let c = run(&mut ch, fast, 0, 4096, None);
+            assert!(
+                matches!(c.result, Err(BdevError::Unsupported(_))),
+                "{:?}",
+                c.result
+            );
+            assert!(read(&mut ch, &mut pool, 0, 4096).iter().all(|&b| b == 5));
+            let slow = IoOp::WriteZeroes {
+                no_hole: true,
+                fua: false,
+                fast: false,
+            };
+            run(&mut ch, slow, 8000, 10, None)
+                .result
+                .expect("slow zero");
+        }
+        // Punching a hole is fast on tmpfs.
+        let punch = IoOp::WriteZeroes {
+            no_hole: false,
+            fua: false,
+            fast: true,
+        };
+        run(&mut ch, punch, 0, 4096, None)
+            .result
+            .expect("fast punch");
+        assert!(read(&mut ch, &mut pool, 0, 4096).iter().all(|&b| b == 0));
     }
 
     #[test]
@@ -1350,6 +1542,7 @@ mod tests {
                     let op = IoOp::WriteZeroes {
                         no_hole,
                         fua: false,
+                        fast: false,
                     };
                     run(&mut *ch, op, offset, len as u32, None)
                         .result

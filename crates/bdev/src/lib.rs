@@ -30,7 +30,7 @@ pub mod file;
 pub mod malloc;
 pub mod units;
 
-pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH};
+pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, MAX_PREFETCH_BYTES};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
 pub use units::{human_bytes, parse_size_bytes};
 
@@ -47,8 +47,15 @@ pub enum IoOp {
     Flush,
     /// Discard the range; it reads back as zeros afterwards.
     Trim,
-    /// Zero the range. With `no_hole` the range must stay allocated.
-    WriteZeroes { no_hole: bool, fua: bool },
+    /// Zero the range. With `no_hole` the range must stay allocated. With
+    /// `fast` the device must not fall back to writing zeros: it fails
+    /// with `BdevError::Unsupported` instead (NBD's fast zero; callers ask
+    /// only when [`BlockDevice::zeroes_fast`] says it can).
+    WriteZeroes {
+        no_hole: bool,
+        fua: bool,
+        fast: bool,
+    },
 }
 
 /// One request handed to a channel. `buf` is `Some` for `Read` (length at
@@ -137,6 +144,57 @@ pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevErro
     Ok(())
 }
 
+/// A run of bytes with one allocation state, from [`BlockDevice::extents`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub length_bytes: u64,
+    /// Not allocated (sparse). A hole always reads as zeros here.
+    pub hole: bool,
+    /// Known to read as zeros.
+    pub zero: bool,
+}
+
+impl Extent {
+    /// `length_bytes` of allocated data, contents unknown: what a device
+    /// that cannot tell reports.
+    pub fn data(length_bytes: u64) -> Extent {
+        Extent {
+            length_bytes,
+            hole: false,
+            zero: false,
+        }
+    }
+
+    /// `length_bytes` of unallocated space reading as zeros.
+    pub fn hole(length_bytes: u64) -> Extent {
+        Extent {
+            length_bytes,
+            hole: true,
+            zero: true,
+        }
+    }
+}
+
+/// Appends `e` to `out`, merging it into the last extent when their states
+/// match. Returns false (leaving `out` alone) when that would need a new
+/// extent beyond `max`.
+pub fn push_extent(out: &mut Vec<Extent>, e: Extent, max: usize) -> bool {
+    if e.length_bytes == 0 {
+        return true;
+    }
+    if let Some(last) = out.last_mut() {
+        if last.hole == e.hole && last.zero == e.zero {
+            last.length_bytes += e.length_bytes;
+            return true;
+        }
+    }
+    if out.len() >= max {
+        return false;
+    }
+    out.push(e);
+    true
+}
+
 /// A volume's storage, shared by all its connections.
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes.
@@ -148,6 +206,30 @@ pub trait BlockDevice: Send + Sync {
     /// Make everything written so far durable, blocking. For shutdown and
     /// tools, never for a reactor (the data path flushes with `IoOp::Flush`).
     fn sync(&self) -> Result<(), BdevError> {
+        Ok(())
+    }
+    /// The allocation of `[offset, offset + len)` (inside the device, with
+    /// `len` above 0): at most `max_extents` (>= 1) extents, in order, adjacent ones
+    /// in different states, covering a non-empty prefix of the range (the
+    /// caller asks again for the rest). Called on a reactor, so it must
+    /// not block on I/O: a metadata lookup at most. The default, for
+    /// devices that cannot tell, is "all data", which is always true.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
+        let _ = (offset, max_extents);
+        Ok(vec![Extent::data(len)])
+    }
+    /// Whether `IoOp::WriteZeroes { fast: true, .. }` can succeed: the
+    /// device zeroes without writing zeros (freeing memory, punching or
+    /// zeroing a file range). Default: no, so a fast zero is refused at
+    /// once and the client falls back to what it would do anyway.
+    fn zeroes_fast(&self) -> bool {
+        false
+    }
+    /// Advises that `[offset, offset + len)` will be read soon (NBD_CMD_CACHE).
+    /// Advisory: it may do nothing, or only part; it must not block on I/O.
+    /// Default: nothing to prefetch.
+    fn prefetch(&self, offset: u64, len: u64) -> Result<(), BdevError> {
+        let _ = (offset, len);
         Ok(())
     }
 }

@@ -23,7 +23,10 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use crate::{validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest};
+use crate::{
+    push_extent, validate_request, BdevError, BlockDevice, Channel, Extent, IoCompletion, IoOp,
+    IoRequest,
+};
 
 /// Allocation and locking granularity. 1 MiB keeps the chunk table small
 /// (about 24 bytes of metadata per MiB, 24 MiB per TiB of volume) while
@@ -192,6 +195,46 @@ impl BlockDevice for MallocDev {
         "malloc".to_string()
     }
 
+    /// Chunk-granular: a chunk never written (or trimmed or zeroed whole)
+    /// is a hole; an allocated one is data, even if it holds zeros.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
+        let inner = &self.inner;
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= inner.size_bytes && len > 0)
+            .ok_or(BdevError::OutOfRange {
+                offset,
+                len,
+                size: inner.size_bytes,
+            })?;
+        let chunk = MALLOC_CHUNK_BYTES as u64;
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let index = (pos / chunk) as usize;
+            let piece = ((index as u64 + 1) * chunk).min(end) - pos;
+            let allocated = inner
+                .chunks
+                .get(index)
+                .is_some_and(|c| c.read().unwrap_or_else(PoisonError::into_inner).is_some());
+            let e = if allocated {
+                Extent::data(piece)
+            } else {
+                Extent::hole(piece)
+            };
+            if !push_extent(&mut out, e, max_extents.max(1)) {
+                break;
+            }
+            pos += piece;
+        }
+        Ok(out)
+    }
+
+    /// Zeroing whole chunks drops them; parts are a memset. Never slow.
+    fn zeroes_fast(&self) -> bool {
+        true
+    }
+
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
         Ok(Box::new(MallocChannel {
             inner: Arc::clone(&self.inner),
@@ -353,6 +396,7 @@ mod tests {
             IoOp::WriteZeroes {
                 no_hole: true,
                 fua: true,
+                fast: true,
             },
             5,
             7,
@@ -362,6 +406,43 @@ mod tests {
         assert_eq!(
             read(&mut *ch, &mut pool, 4, 9),
             [0xaa, 0, 0, 0, 0, 0, 0, 0, 0xaa]
+        );
+    }
+
+    #[test]
+    fn extents_follow_allocated_chunks() {
+        let dev = MallocDev::new(4 * CHUNK + 100).unwrap();
+        let size = dev.size_bytes();
+        assert_eq!(dev.extents(0, size, 8).unwrap(), [Extent::hole(size)]);
+        let mut ch = dev.open_channel().unwrap();
+        let mut pool = BufPool::new(64 << 20);
+        write(&mut *ch, &mut pool, CHUNK + 5, &[1; 10]);
+        write(&mut *ch, &mut pool, 4 * CHUNK + 1, &[1; 10]);
+        assert_eq!(
+            dev.extents(10, size - 10, 8).unwrap(),
+            [
+                Extent::hole(CHUNK - 10),
+                Extent::data(CHUNK),
+                Extent::hole(2 * CHUNK),
+                Extent::data(100),
+            ]
+        );
+        // A cap describes a prefix.
+        assert_eq!(dev.extents(0, size, 1).unwrap(), [Extent::hole(CHUNK)]);
+        assert_eq!(dev.extents(CHUNK, 3, 1).unwrap(), [Extent::data(3)]);
+        assert!(dev.extents(size, 1, 1).is_err());
+        // Zeroing a whole chunk makes it a hole again.
+        let zero = IoOp::WriteZeroes {
+            no_hole: false,
+            fua: false,
+            fast: true,
+        };
+        run(&mut *ch, 3, zero, CHUNK, CHUNK as u32, None)
+            .result
+            .unwrap();
+        assert_eq!(
+            dev.extents(0, 4 * CHUNK, 8).unwrap(),
+            [Extent::hole(4 * CHUNK)]
         );
     }
 
@@ -517,7 +598,7 @@ mod tests {
                         oracle[offset as usize..offset as usize + len].fill(0);
                     }
                     Step::Zero { offset, len } => {
-                        let op = IoOp::WriteZeroes { no_hole: len % 2 == 0, fua: false };
+                        let op = IoOp::WriteZeroes { no_hole: len % 2 == 0, fua: false, fast: len % 3 == 0 };
                         run(&mut *ch, 4, op, offset, len as u32, None).result.unwrap();
                         oracle[offset as usize..offset as usize + len].fill(0);
                     }

@@ -640,6 +640,7 @@ impl Sim {
             90..=93 => IoOp::WriteZeroes {
                 no_hole: false,
                 fua: pick.is_multiple_of(2),
+                fast: false,
             },
             _ => IoOp::Flush,
         };

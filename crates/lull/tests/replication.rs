@@ -868,3 +868,62 @@ fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
         "a clean restart reconciled or rebuilt:\n{log}"
     );
 }
+
+// ---- block status and fast zero on a replicated volume (issue 12) ---------
+
+/// The replica protocol has no block status request yet: a replicated
+/// volume reports all data (true, just not sparse) and refuses fast zeros
+/// with NBD_ENOTSUP (the client writes zeros itself), while plain zeros
+/// and structured reads work.
+#[test]
+fn replicated_volume_reports_all_data_and_refuses_fast_zero() {
+    require("nbdinfo", "libnbd-bin");
+    let a = free_port();
+    let _ra = Replica::start(a, &scratch("bs-a"));
+    let mut server = serve(&[spec("vol0", &[a])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let uri = format!("nbd://{}/vol0", server.addr());
+    let out = Command::new("nbdinfo")
+        .args(["--map", &uri])
+        .output()
+        .expect("nbdinfo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "nbdinfo --map: {text}");
+    let lines: Vec<Vec<&str>> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        lines,
+        [vec!["0", &VOLUME_BYTES.to_string(), "0", "data"]],
+        "{text}"
+    );
+    let script = r#"
+import sys, nbd
+h = nbd.NBD()
+h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+h.connect_uri(sys.argv[1])
+h.pwrite(b"\x7f" * 65536, 0)
+try:
+    h.zero(65536, 0, nbd.CMD_FLAG_FAST_ZERO)
+    sys.exit("fast zero succeeded on a replicated volume")
+except nbd.Error as e:
+    assert e.errno in ("ENOTSUP", "EOPNOTSUPP"), e.errno
+assert h.pread(65536, 0) == b"\x7f" * 65536
+h.zero(65536, 0)
+assert h.pread_structured(65536, 0, lambda *a: 0) == bytearray(65536)
+h.shutdown()
+print("ok")
+"#;
+    let out = Command::new("/usr/bin/python3")
+        .args(["-c", script, &uri])
+        .output()
+        .expect("python3 (install python3-libnbd)");
+    assert!(
+        out.status.success(),
+        "libnbd checks failed (python3-libnbd installed?):\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.assert_healthy();
+}

@@ -16,6 +16,7 @@ use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
 use lull_net::{bufs, Payload};
+use lull_proto::nbd::structured::{self, BlockExtent, ReadPiece};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
@@ -53,7 +54,10 @@ const MAX_ROUNDS: usize = 8;
 struct InFlight {
     cookie: u64,
     command: Command,
+    offset: u64,
     length: u32,
+    /// A WriteZeroes with `NBD_CMD_FLAG_FAST_ZERO`: a refusal is `NBD_ENOTSUP`.
+    fast_zero: bool,
     /// When the request was taken, for the latency histogram: read from
     /// the framework's clock (`clock_ns`), which falls back to the run's
     /// `now` only when no clock was set. The protocol logic itself takes
@@ -86,6 +90,10 @@ enum Phase {
         channel: Box<dyn Channel>,
         size: u64,
         tflags: u16,
+        /// Reads (and block status) answer in structured chunks.
+        structured: bool,
+        /// `base:allocation` was negotiated: block status is served.
+        base_allocation: bool,
     },
 }
 
@@ -254,7 +262,7 @@ impl Conn {
                 Command::Flush => Some(OpKind::Flush),
                 Command::Trim => Some(OpKind::Trim),
                 Command::WriteZeroes => Some(OpKind::WriteZeroes),
-                Command::Disc | Command::Unknown(_) => None,
+                Command::Disc | Command::Cache | Command::BlockStatus | Command::Unknown(_) => None,
             };
             if let Some(op) = op {
                 let latency = self.clock_ns().saturating_sub(inflight.start_ns);
@@ -263,23 +271,199 @@ impl Conn {
                     .record(op, u64::from(inflight.length), latency, c.result.is_ok());
             }
         }
-        let (error, data) = match c.result {
-            Ok(()) if inflight.command == Command::Read => (0, c.buf),
+        match c.result {
+            Ok(()) if inflight.command == Command::Read => match c.buf {
+                Some(buf) if self.structured() => self.push_read_structured(
+                    inflight.cookie,
+                    inflight.offset,
+                    buf,
+                    inflight.length,
+                ),
+                data => self.push_reply(inflight.cookie, 0, data),
+            },
             Ok(()) => {
                 if let Some(b) = c.buf {
                     bufs::put(b);
                 }
-                (0, None)
+                self.push_reply(inflight.cookie, 0, None);
             }
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
                     bufs::put(b);
                 }
-                (nbd::errno_to_nbd(e.errno()), None)
+                let errno = e.errno();
+                let error = if inflight.fast_zero && errno == libc::EOPNOTSUPP {
+                    // The one place the spec wants NBD_ENOTSUP: the
+                    // client falls back to writing zeros itself.
+                    tracing::debug!(peer = %self.link.peer(), cookie = inflight.cookie, error = %e, "fast zero refused");
+                    nbd::NBD_ENOTSUP
+                } else {
+                    tracing::warn!(peer = %self.link.peer(), cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
+                    nbd::errno_to_nbd(errno)
+                };
+                self.push_error(inflight.cookie, inflight.command, error, &e.to_string());
             }
+        }
+    }
+
+    fn structured(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Transmission {
+                structured: true,
+                ..
+            }
+        )
+    }
+
+    /// An error reply: an error chunk for reads and block status when
+    /// structured replies were negotiated (the spec lets every other
+    /// command keep simple replies, as qemu-nbd does), else simple.
+    fn push_error(&mut self, cookie: u64, command: Command, error: u32, message: &str) {
+        if self.structured() && matches!(command, Command::Read | Command::BlockStatus) {
+            let chunk = structured::encode_error(cookie, error, message);
+            self.link.push(&[], Payload::Bytes(chunk));
+        } else {
+            self.push_reply(cookie, error, None);
+        }
+    }
+
+    /// A successful read as structured chunks: holes the device knows of
+    /// (and that did read as zeros) go as hole chunks, the rest as data.
+    /// A read with no hole goes as one data chunk from its buffer, with
+    /// no copy.
+    fn push_read_structured(&mut self, cookie: u64, offset: u64, buf: IoBuf, len: u32) {
+        let Phase::Transmission { volume, .. } = &self.phase else {
+            bufs::put(buf);
+            return;
         };
-        self.push_reply(inflight.cookie, error, data);
+        let mut zero_ranges = Vec::new();
+        let data = buf.as_slice().get(..len as usize).unwrap_or_default();
+        // Ask the device only when the data could hold a hole at all.
+        if structured::may_hold_hole(data) {
+            if let Ok(extents) =
+                volume
+                    .dev()
+                    .extents(offset, u64::from(len), structured::MAX_READ_CHUNKS)
+            {
+                let mut at = 0u64;
+                for e in extents {
+                    if e.zero {
+                        // Both fit: the extents lie inside the read.
+                        zero_ranges.push((at as u32, e.length_bytes as u32));
+                    }
+                    at += e.length_bytes;
+                }
+            }
+        }
+        let pieces = structured::plan_read(data, &zero_ranges, structured::MAX_READ_CHUNKS);
+        if let [ReadPiece::Data { .. }] = pieces[..] {
+            let header = structured::encode_offset_data_header(
+                cookie,
+                nbd::NBD_REPLY_FLAG_DONE,
+                offset,
+                len,
+            );
+            self.link.push(&header, Payload::Buf(buf));
+            return;
+        }
+        let last = pieces.len().saturating_sub(1);
+        for (i, piece) in pieces.iter().enumerate() {
+            let flags = if i == last {
+                nbd::NBD_REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            match *piece {
+                ReadPiece::Data { at, len } => {
+                    let header = structured::encode_offset_data_header(
+                        cookie,
+                        flags,
+                        offset + u64::from(at),
+                        len,
+                    );
+                    let bytes = data
+                        .get(at as usize..(at + len) as usize)
+                        .unwrap_or_default()
+                        .to_vec();
+                    self.link.push(&header, Payload::Bytes(bytes));
+                }
+                ReadPiece::Hole { at, len } => {
+                    let chunk =
+                        structured::encode_offset_hole(cookie, flags, offset + u64::from(at), len);
+                    self.link.push(&chunk, Payload::None);
+                }
+            }
+        }
+        bufs::put(buf);
+    }
+
+    /// Answers `NBD_CMD_BLOCK_STATUS` for `base:allocation` from the
+    /// device's extents: at most one extent with `REQ_ONE`, else at most
+    /// `MAX_BLOCK_STATUS_EXTENTS` (a prefix of the range; the client asks
+    /// again for the rest).
+    fn block_status(&mut self, req: &Request) {
+        let Phase::Transmission {
+            volume,
+            base_allocation,
+            ..
+        } = &self.phase
+        else {
+            return;
+        };
+        if !base_allocation {
+            self.push_error(
+                req.cookie,
+                req.command,
+                nbd::NBD_EINVAL,
+                "no metadata context was negotiated",
+            );
+            return;
+        }
+        let max = if req.flags & nbd::NBD_CMD_FLAG_REQ_ONE != 0 {
+            1
+        } else {
+            structured::MAX_BLOCK_STATUS_EXTENTS
+        };
+        match volume.dev().extents(req.offset, u64::from(req.length), max) {
+            Ok(extents) if !extents.is_empty() => {
+                let extents: Vec<BlockExtent> = extents
+                    .iter()
+                    .take(max)
+                    .map(|e| BlockExtent {
+                        // Inside the request, whose length is a u32.
+                        length: e.length_bytes.min(u64::from(req.length)) as u32,
+                        flags: if e.hole {
+                            structured::NBD_STATE_HOLE
+                        } else {
+                            0
+                        } | if e.zero {
+                            structured::NBD_STATE_ZERO
+                        } else {
+                            0
+                        },
+                    })
+                    .collect();
+                let mut out =
+                    Vec::with_capacity(structured::CHUNK_HEADER_LEN + 4 + 8 * extents.len());
+                structured::encode_block_status(
+                    &mut out,
+                    req.cookie,
+                    structured::BASE_ALLOCATION_ID,
+                    &extents,
+                );
+                self.link.push(&[], Payload::Bytes(out));
+            }
+            Ok(_) => {
+                debug_assert!(false, "a device reported no extents");
+                self.push_error(req.cookie, req.command, nbd::NBD_EIO, "no extents");
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "block status failed");
+                let error = nbd::errno_to_nbd(e.errno());
+                self.push_error(req.cookie, req.command, error, &e.to_string());
+            }
+        }
     }
 
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {
@@ -354,6 +538,7 @@ impl Conn {
         let mut reply = Vec::new();
         let exports = ExportList::of(&self.server.volumes);
         let result = hs.feed(self.link.inb.peek(), &exports, &mut reply);
+        let negotiated = hs.negotiated();
         if !reply.is_empty() {
             self.link.out.push(&[], Payload::Bytes(reply));
         }
@@ -382,6 +567,8 @@ impl Conn {
                             channel,
                             size: info.size_bytes,
                             tflags: info.transmission_flags,
+                            structured: negotiated.structured_replies,
+                            base_allocation: negotiated.base_allocation,
                             volume,
                         };
                     }
@@ -507,7 +694,7 @@ impl Conn {
                         error: nbd_error,
                     };
                 } else {
-                    self.push_reply(req.cookie, nbd_error, None);
+                    self.push_error(req.cookie, req.command, nbd_error, "request refused");
                 }
             }
             Verdict::Ok => self.start_request(req),
@@ -526,10 +713,28 @@ impl Conn {
             Command::Write => IoOp::Write { fua },
             Command::Flush => IoOp::Flush,
             Command::Trim => IoOp::Trim,
-            Command::WriteZeroes => IoOp::WriteZeroes {
-                no_hole: req.flags & nbd::NBD_CMD_FLAG_NO_HOLE != 0,
-                fua,
-            },
+            Command::WriteZeroes => {
+                let fast = req.flags & nbd::NBD_CMD_FLAG_FAST_ZERO != 0;
+                if fast && !self.zeroes_fast() {
+                    // Refused before any work, as the spec asks: the
+                    // client will write the zeros itself.
+                    self.push_reply(req.cookie, nbd::NBD_ENOTSUP, None);
+                    return;
+                }
+                IoOp::WriteZeroes {
+                    no_hole: req.flags & nbd::NBD_CMD_FLAG_NO_HOLE != 0,
+                    fua,
+                    fast,
+                }
+            }
+            Command::BlockStatus => {
+                self.block_status(&req);
+                return;
+            }
+            Command::Cache => {
+                self.cache(&req);
+                return;
+            }
             Command::Unknown(_) => {
                 // validate() refuses unknown commands; answer anyway.
                 self.push_reply(req.cookie, nbd::NBD_EINVAL, None);
@@ -540,7 +745,9 @@ impl Conn {
         let Some(slot) = self.slots.insert(InFlight {
             cookie: req.cookie,
             command: req.command,
+            offset: req.offset,
             length: req.length,
+            fast_zero: matches!(op, IoOp::WriteZeroes { fast: true, .. }),
             start_ns,
         }) else {
             debug_assert!(false, "take_request checked for a free slot");
@@ -562,6 +769,29 @@ impl Conn {
             }
             _ => self.submit(slot, &req, op, None),
         }
+    }
+
+    fn zeroes_fast(&self) -> bool {
+        match &self.phase {
+            Phase::Transmission { volume, .. } => volume.dev().zeroes_fast(),
+            Phase::Handshake(_) => false,
+        }
+    }
+
+    /// `NBD_CMD_CACHE`: advice to the device (a prefetch for file
+    /// volumes, nothing elsewhere); answered at once.
+    fn cache(&mut self, req: &Request) {
+        let Phase::Transmission { volume, .. } = &self.phase else {
+            return;
+        };
+        let error = match volume.dev().prefetch(req.offset, u64::from(req.length)) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "cache (prefetch) failed");
+                nbd::errno_to_nbd(e.errno())
+            }
+        };
+        self.push_reply(req.cookie, error, None);
     }
 
     fn release_slot(&mut self, slot: SlotId) {

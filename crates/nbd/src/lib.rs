@@ -56,13 +56,21 @@ pub const MAX_CONNECTIONS: usize = 16_384;
 /// milliseconds.
 pub const HANDSHAKE_TIMEOUT_US: u64 = 10_000_000;
 
-/// Transmission flags of every lull export.
+/// Transmission flags of every lull export. `SEND_FAST_ZERO` on every
+/// export: a device that cannot zero fast refuses such requests at once
+/// with `NBD_ENOTSUP`, which is the flag's whole contract. `CACHE` on
+/// every export: a prefetch for file volumes, a successful no-op
+/// elsewhere. No `ROTATIONAL`: lull's backends are memory, files (whose
+/// own layout the kernel schedules) and replicas over the network, none
+/// of which gains from elevator ordering by the client.
 pub const EXPORT_FLAGS: u16 = nbd::NBD_FLAG_HAS_FLAGS
     | nbd::NBD_FLAG_SEND_FLUSH
     | nbd::NBD_FLAG_SEND_FUA
     | nbd::NBD_FLAG_SEND_TRIM
     | nbd::NBD_FLAG_SEND_WRITE_ZEROES
-    | nbd::NBD_FLAG_CAN_MULTI_CONN;
+    | nbd::NBD_FLAG_CAN_MULTI_CONN
+    | nbd::NBD_FLAG_SEND_CACHE
+    | nbd::NBD_FLAG_SEND_FAST_ZERO;
 
 /// Errors of the NBD frontend.
 #[derive(Debug, thiserror::Error)]

@@ -2,8 +2,10 @@
 //! replies out, no sockets. The frontend in `lull-nbd` owns the I/O; this
 //! module decides what every byte means and what to answer.
 //!
-//! Only the fixed newstyle handshake is served (no oldstyle, no TLS, no
-//! structured replies). The reference is the NBD protocol document,
+//! Only the fixed newstyle handshake is served (no oldstyle, no TLS).
+//! Structured replies and the `base:allocation` metadata context are
+//! negotiated on request ([`structured`]); clients that do not ask get
+//! simple replies. The reference is the NBD protocol document,
 //! `doc/proto.md` in the NetworkBlockDevice/nbd repository; caps on
 //! negotiation follow nbdkit's `server/protocol-handshake-newstyle.c`.
 //!
@@ -85,6 +87,8 @@
 
 use thiserror::Error;
 
+pub mod structured;
+
 // ---------------------------------------------------------------------------
 // Magics.
 
@@ -104,7 +108,7 @@ pub const NBD_REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const NBD_EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
 /// Opens a simple reply (formerly `NBD_REPLY_MAGIC`).
 pub const NBD_SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-/// Opens a structured reply chunk (not negotiated by lull).
+/// Opens a structured reply chunk (see [`structured`]).
 pub const NBD_STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 /// Opens an extended reply chunk (not negotiated by lull).
 pub const NBD_EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
@@ -205,7 +209,7 @@ pub const NBD_CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 pub const NBD_CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 
 // ---------------------------------------------------------------------------
-// Structured replies (not negotiated by lull; listed for captures and tools).
+// Structured replies (the encoders are in [`structured`]).
 
 pub const NBD_REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const NBD_REPLY_TYPE_NONE: u16 = 0;
@@ -242,7 +246,8 @@ pub const NBD_ESHUTDOWN: u32 = 108;
 ///
 /// `EOPNOTSUPP` and `EOVERFLOW` become `NBD_EINVAL`: the spec says a server
 /// SHOULD NOT send `NBD_ENOTSUP` or `NBD_EOVERFLOW` except for the
-/// fast-zero and don't-fragment flags, which lull does not negotiate.
+/// fast-zero and don't-fragment flags; the connection answers a refused
+/// fast zero with `NBD_ENOTSUP` itself.
 pub fn errno_to_nbd(errno: i32) -> u32 {
     match errno.saturating_abs() {
         0 => NBD_SUCCESS,
@@ -441,6 +446,24 @@ pub struct ServerHandshake {
     no_zeroes: bool,
     /// Options consumed so far, the final one included.
     options_seen: u32,
+    /// The client sent `NBD_OPT_STRUCTURED_REPLY` (and was acknowledged).
+    structured: bool,
+    /// The export the last `NBD_OPT_SET_META_CONTEXT` selected
+    /// `base:allocation` for; `None` when the selection is empty.
+    meta_export: Option<String>,
+    /// Whether the export chosen at the end selected `base:allocation`.
+    base_allocation: bool,
+}
+
+/// What a finished handshake agreed to besides the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Negotiated {
+    /// Replies use structured chunks for reads and block status.
+    pub structured_replies: bool,
+    /// `base:allocation` was selected for the chosen export: block status
+    /// requests are served with context id
+    /// [`structured::BASE_ALLOCATION_ID`].
+    pub base_allocation: bool,
 }
 
 /// What one whole option did to the negotiation.
@@ -464,6 +487,25 @@ impl ServerHandshake {
             phase: Phase::ClientFlags,
             no_zeroes: false,
             options_seen: 0,
+            structured: false,
+            meta_export: None,
+            base_allocation: false,
+        }
+    }
+
+    /// What the client negotiated; meaningful once `feed` returned `Done`.
+    pub fn negotiated(&self) -> Negotiated {
+        Negotiated {
+            structured_replies: self.structured,
+            base_allocation: self.structured && self.base_allocation,
+        }
+    }
+
+    /// Records the export the negotiation ended with: its metadata
+    /// contexts hold only if they were selected for that export.
+    fn finish_with(&mut self, status: &HandshakeStatus) {
+        if let HandshakeStatus::Done { export_name, .. } = status {
+            self.base_allocation = self.meta_export.as_deref() == Some(export_name.as_str());
         }
     }
 
@@ -509,6 +551,12 @@ impl ServerHandshake {
                 "options handled before the client flags"
             );
             assert!(!self.no_zeroes, "NO_ZEROES set before the client flags");
+        }
+        if self.meta_export.is_some() {
+            assert!(
+                self.structured,
+                "a metadata context without structured replies"
+            );
         }
     }
 
@@ -588,6 +636,9 @@ impl ServerHandshake {
         let used = OPTION_HEADER_LEN + payload.len();
         let status = self.handle_option(option, payload, exports, out)?;
         self.options_seen += 1;
+        if let Some(status) = &status {
+            self.finish_with(status);
+        }
         Ok(match status {
             None => Step::Continue(used),
             Some(status) => Step::Finish(used, status),
@@ -623,7 +674,25 @@ impl ServerHandshake {
                 Ok(None)
             }
             NBD_OPT_INFO | NBD_OPT_GO => Ok(info_or_go(option, payload, exports, out)),
-            // Everything else, STARTTLS and STRUCTURED_REPLY included, is
+            NBD_OPT_STRUCTURED_REPLY => {
+                if payload.is_empty() {
+                    self.structured = true;
+                    put_reply(out, option, NBD_REP_ACK, &[]);
+                } else {
+                    put_reply(
+                        out,
+                        option,
+                        NBD_REP_ERR_INVALID,
+                        &[b"NBD_OPT_STRUCTURED_REPLY takes no data"],
+                    );
+                }
+                Ok(None)
+            }
+            NBD_OPT_LIST_META_CONTEXT | NBD_OPT_SET_META_CONTEXT => {
+                self.meta_context(option, payload, exports, out);
+                Ok(None)
+            }
+            // Everything else, STARTTLS and EXTENDED_HEADERS included, is
             // unsupported; the length told us where the next option starts.
             _ => {
                 put_reply(
@@ -635,6 +704,68 @@ impl ServerHandshake {
                 Ok(None)
             }
         }
+    }
+
+    /// Answers `NBD_OPT_LIST_META_CONTEXT` or `NBD_OPT_SET_META_CONTEXT`:
+    /// one `NBD_REP_META_CONTEXT` for `base:allocation` if a query names it
+    /// (or, for LIST, if there are no queries), then ACK. SET replaces the
+    /// selection, even when it fails.
+    fn meta_context(
+        &mut self,
+        option: u32,
+        payload: &[u8],
+        exports: &dyn Exports,
+        out: &mut Vec<u8>,
+    ) {
+        let setting = option == NBD_OPT_SET_META_CONTEXT;
+        if setting {
+            self.meta_export = None;
+            if !self.structured {
+                // The spec: SET before structured replies is invalid.
+                put_reply(
+                    out,
+                    option,
+                    NBD_REP_ERR_INVALID,
+                    &[b"negotiate NBD_OPT_STRUCTURED_REPLY first"],
+                );
+                return;
+            }
+        }
+        let request = match structured::parse_meta_request(payload) {
+            Ok(request) => request,
+            Err((reply_type, message)) => {
+                put_reply(out, option, reply_type, &[message.as_bytes()]);
+                return;
+            }
+        };
+        if exports.lookup(request.export).is_none() {
+            put_reply(out, option, NBD_REP_ERR_UNKNOWN, &[b"unknown export"]);
+            return;
+        }
+        let selected = if request.queries.is_empty() {
+            // LIST with no query lists everything; SET with none selects
+            // nothing.
+            !setting
+        } else {
+            request
+                .queries
+                .iter()
+                .any(|q| structured::query_matches(q, !setting))
+        };
+        if selected {
+            let id = structured::BASE_ALLOCATION_ID.to_be_bytes();
+            // LIST may send id 0; the spec lets it be anything there.
+            put_reply(
+                out,
+                option,
+                NBD_REP_META_CONTEXT,
+                &[&id, structured::BASE_ALLOCATION.as_bytes()],
+            );
+            if setting {
+                self.meta_export = Some(request.export.to_owned());
+            }
+        }
+        put_reply(out, option, NBD_REP_ACK, &[]);
     }
 
     fn export_name(
@@ -894,8 +1025,9 @@ pub enum Command {
     Flush,
     Trim,
     WriteZeroes,
-    /// Any other type, `NBD_CMD_CACHE` and `NBD_CMD_BLOCK_STATUS` included
-    /// (lull does not advertise them). Never holds a value listed above.
+    Cache,
+    BlockStatus,
+    /// Any other type. Never holds a value listed above.
     Unknown(u16),
 }
 
@@ -908,6 +1040,8 @@ impl Command {
             NBD_CMD_FLUSH => Command::Flush,
             NBD_CMD_TRIM => Command::Trim,
             NBD_CMD_WRITE_ZEROES => Command::WriteZeroes,
+            NBD_CMD_CACHE => Command::Cache,
+            NBD_CMD_BLOCK_STATUS => Command::BlockStatus,
             other => Command::Unknown(other),
         }
     }
@@ -920,6 +1054,8 @@ impl Command {
             Command::Flush => NBD_CMD_FLUSH,
             Command::Trim => NBD_CMD_TRIM,
             Command::WriteZeroes => NBD_CMD_WRITE_ZEROES,
+            Command::Cache => NBD_CMD_CACHE,
+            Command::BlockStatus => NBD_CMD_BLOCK_STATUS,
             Command::Unknown(other) => other,
         }
     }
@@ -1053,14 +1189,18 @@ pub enum Verdict {
 ///    `NBD_EINVAL`. FUA is accepted on every command when `SEND_FUA` was
 ///    advertised (the spec says the server MUST then accept it, even by
 ///    ignoring it); `NO_HOLE` and `FAST_ZERO` only on `WriteZeroes`, `DF`
-///    only on `Read`, each only if the flag exposing it was advertised.
-/// 4. `Flush`, `Trim` or `WriteZeroes` not advertised: `NBD_EINVAL`.
+///    only on `Read`, each only if the flag exposing it was advertised;
+///    `REQ_ONE` only on `BlockStatus`.
+/// 4. `Flush`, `Trim`, `WriteZeroes` or `Cache` not advertised:
+///    `NBD_EINVAL`. (`BlockStatus` needs a negotiated metadata context,
+///    which the connection checks.)
 /// 5. `Write`, `Trim` or `WriteZeroes` on a read-only export: `NBD_EPERM`.
 /// 6. `Flush` with a nonzero offset or length (reserved, MUST be zero):
 ///    `NBD_EINVAL`.
 /// 7. `Read`/`Write` longer than [`MAX_PAYLOAD_BYTES`], the advertised
-///    maximum block size: `NBD_EINVAL`. `Trim` and `WriteZeroes` carry no
-///    payload, so any length inside the export is accepted.
+///    maximum block size: `NBD_EINVAL`. `Trim`, `WriteZeroes`, `Cache` and
+///    `BlockStatus` carry no payload, so any length inside the export is
+///    accepted.
 /// 8. Zero length: `NBD_EINVAL`. The spec leaves the behaviour to the
 ///    server but says not to disconnect; nbdkit refuses it the same way,
 ///    and refusing here keeps zero-length I/O away from the devices.
@@ -1078,7 +1218,13 @@ pub fn validate(request: &Request, export_size: u64, transmission_flags: u16) ->
     match command {
         Command::Unknown(_) => return refuse(NBD_EINVAL),
         Command::Disc => return Verdict::Ok,
-        Command::Read | Command::Write | Command::Flush | Command::Trim | Command::WriteZeroes => {}
+        Command::Read
+        | Command::Write
+        | Command::Flush
+        | Command::Trim
+        | Command::WriteZeroes
+        | Command::Cache
+        | Command::BlockStatus => {}
     }
     if request.flags & !allowed_flags(command, tflags) != 0 {
         return refuse(NBD_EINVAL);
@@ -1087,6 +1233,9 @@ pub fn validate(request: &Request, export_size: u64, transmission_flags: u16) ->
         Command::Flush => tflags & NBD_FLAG_SEND_FLUSH != 0,
         Command::Trim => tflags & NBD_FLAG_SEND_TRIM != 0,
         Command::WriteZeroes => tflags & NBD_FLAG_SEND_WRITE_ZEROES != 0,
+        Command::Cache => tflags & NBD_FLAG_SEND_CACHE != 0,
+        // Whether a metadata context was negotiated is the connection's
+        // to check (it is not in the transmission flags).
         _ => true,
     };
     if !advertised {
@@ -1130,7 +1279,8 @@ fn allowed_flags(command: Command, tflags: u16) -> u16 {
         Command::WriteZeroes => {
             fua | NBD_CMD_FLAG_NO_HOLE | when(NBD_CMD_FLAG_FAST_ZERO, NBD_FLAG_SEND_FAST_ZERO)
         }
-        Command::Write | Command::Flush | Command::Trim | Command::Disc => fua,
+        Command::BlockStatus => fua | NBD_CMD_FLAG_REQ_ONE,
+        Command::Write | Command::Flush | Command::Trim | Command::Disc | Command::Cache => fua,
         Command::Unknown(_) => 0,
     }
 }

@@ -973,6 +973,7 @@ impl Conn {
             Kind::WriteZeroes => IoOp::WriteZeroes {
                 no_hole: false,
                 fua: false,
+                fast: false,
             },
             Kind::Ping
             | Kind::Hello

@@ -28,7 +28,7 @@ pub use buf::{
     BufPool, BufPoolStats, IoBuf, IO_BUF_ALIGN_BYTES, POOL_BUFS_PER_CLASS_MAX,
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
 };
-pub use probe::seek_data_hole;
+pub use probe::{fadvise_willneed, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{wait_readable, Ring, RingError, RingOp, SqFull, Target, CHAIN_OPS_MAX};
 

@@ -68,3 +68,20 @@ pub fn seek_data_hole(file: &std::fs::File, offset: u64) -> std::io::Result<Opti
     // Both are non-negative offsets returned by the kernel.
     Ok(Some((data as u64, hole as u64)))
 }
+
+/// `posix_fadvise(POSIX_FADV_WILLNEED)` on `[offset, offset + len)`: starts
+/// readahead into the page cache and returns (NBD_CMD_CACHE).
+pub fn fadvise_willneed(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    let (Ok(start), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Ok(());
+    };
+    // SAFETY: fadvise takes no pointers; the descriptor is open for the
+    // borrow of `file`.
+    let rc =
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), start, len, libc::POSIX_FADV_WILLNEED) };
+    // posix_fadvise returns the error number instead of setting errno.
+    match rc {
+        0 => Ok(()),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}

@@ -471,7 +471,7 @@ fn abort_ignores_its_data() {
 }
 
 #[test]
-fn unsupported_options_get_err_unsup() {
+fn unsupported_and_malformed_options_get_errors() {
     let input = client(
         1,
         &[
@@ -487,9 +487,10 @@ fn unsupported_options_get_err_unsup() {
     assert_eq!(
         pairs,
         [
-            (NBD_OPT_STRUCTURED_REPLY, NBD_REP_ERR_UNSUP),
+            (NBD_OPT_STRUCTURED_REPLY, NBD_REP_ACK),
             (NBD_OPT_STARTTLS, NBD_REP_ERR_UNSUP),
-            (NBD_OPT_SET_META_CONTEXT, NBD_REP_ERR_UNSUP),
+            // Structured replies are on, but the option is cut short.
+            (NBD_OPT_SET_META_CONTEXT, NBD_REP_ERR_INVALID),
             (0xdead_beef, NBD_REP_ERR_UNSUP),
         ]
     );
@@ -637,9 +638,9 @@ fn decode_request_keeps_unknown_commands() {
         (2, Command::Disc),
         (3, Command::Flush),
         (4, Command::Trim),
-        (5, Command::Unknown(5)),
+        (5, Command::Cache),
         (6, Command::WriteZeroes),
-        (7, Command::Unknown(7)),
+        (7, Command::BlockStatus),
         (0xffff, Command::Unknown(0xffff)),
     ] {
         assert_eq!(Command::from_wire(wire), command);
@@ -925,7 +926,7 @@ fn flag_rules() {
 
 #[test]
 fn unknown_commands_are_einval_and_disc_is_ok() {
-    for wire in [NBD_CMD_CACHE, NBD_CMD_BLOCK_STATUS, NBD_CMD_RESIZE, 0xffff] {
+    for wire in [NBD_CMD_RESIZE, 0xffff] {
         let unknown = req(Command::Unknown(wire), 0, 0, 1);
         assert_eq!(validate(&unknown, SIZE, u16::MAX), error(NBD_EINVAL));
     }
@@ -1100,7 +1101,8 @@ proptest! {
         let command = request.command;
         match validate(&request, size, tflags) {
             Verdict::Ok => match command {
-                Command::Read | Command::Write | Command::Trim | Command::WriteZeroes => {
+                Command::Read | Command::Write | Command::Trim | Command::WriteZeroes
+                | Command::Cache | Command::BlockStatus => {
                     prop_assert!(length > 0);
                     let end = offset.checked_add(u64::from(length));
                     prop_assert!(end.is_some_and(|end| end <= size));
@@ -1130,4 +1132,153 @@ proptest! {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Structured replies and metadata contexts.
+
+fn meta_payload(export: &[u8], queries: &[&str]) -> Vec<u8> {
+    let mut p = (export.len() as u32).to_be_bytes().to_vec();
+    p.extend_from_slice(export);
+    p.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        p.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        p.extend_from_slice(q.as_bytes());
+    }
+    p
+}
+
+fn negotiate(options: &[Vec<u8>]) -> (Vec<(u32, u32)>, Negotiated, bool) {
+    let input = client(1, options);
+    let mut out = Vec::new();
+    let mut hs = ServerHandshake::new(&mut out);
+    out.clear();
+    let (_, status) = hs.feed(&input, &TestExports, &mut out).expect("handshake");
+    let pairs = replies(&out)
+        .iter()
+        .map(|r| (r.option, r.reply_type))
+        .collect();
+    let done = matches!(status, HandshakeStatus::Done { .. });
+    (pairs, hs.negotiated(), done)
+}
+
+#[test]
+fn base_allocation_is_negotiated_after_structured_replies() {
+    let (pairs, negotiated, done) = negotiate(&[
+        option(NBD_OPT_STRUCTURED_REPLY, &[]),
+        option(
+            NBD_OPT_SET_META_CONTEXT,
+            &meta_payload(b"disk", &["qemu:dirty-bitmap:a", "base:allocation"]),
+        ),
+        option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+    ]);
+    assert!(done);
+    assert_eq!(
+        &pairs[..3],
+        &[
+            (NBD_OPT_STRUCTURED_REPLY, NBD_REP_ACK),
+            (NBD_OPT_SET_META_CONTEXT, NBD_REP_META_CONTEXT),
+            (NBD_OPT_SET_META_CONTEXT, NBD_REP_ACK),
+        ]
+    );
+    assert_eq!(
+        negotiated,
+        Negotiated {
+            structured_replies: true,
+            base_allocation: true
+        }
+    );
+}
+
+#[test]
+fn meta_context_needs_structured_replies_and_the_same_export() {
+    // SET before STRUCTURED_REPLY is invalid.
+    let (pairs, negotiated, _) = negotiate(&[
+        option(
+            NBD_OPT_SET_META_CONTEXT,
+            &meta_payload(b"disk", &["base:allocation"]),
+        ),
+        option(NBD_OPT_STRUCTURED_REPLY, &[]),
+        option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+    ]);
+    assert_eq!(pairs[0], (NBD_OPT_SET_META_CONTEXT, NBD_REP_ERR_INVALID));
+    assert!(negotiated.structured_replies && !negotiated.base_allocation);
+    // Selected for one export, GO for another: no context.
+    let (_, negotiated, _) = negotiate(&[
+        option(NBD_OPT_STRUCTURED_REPLY, &[]),
+        option(
+            NBD_OPT_SET_META_CONTEXT,
+            &meta_payload(b"disk", &["base:allocation"]),
+        ),
+        option(NBD_OPT_GO, &info_payload(b"", &[])),
+    ]);
+    assert!(!negotiated.base_allocation);
+    // Unknown export.
+    let (pairs, _, _) = negotiate(&[
+        option(NBD_OPT_STRUCTURED_REPLY, &[]),
+        option(
+            NBD_OPT_SET_META_CONTEXT,
+            &meta_payload(b"nope", &["base:allocation"]),
+        ),
+    ]);
+    assert_eq!(pairs[1], (NBD_OPT_SET_META_CONTEXT, NBD_REP_ERR_UNKNOWN));
+    // A later SET with no queries clears the selection.
+    let (_, negotiated, _) = negotiate(&[
+        option(NBD_OPT_STRUCTURED_REPLY, &[]),
+        option(
+            NBD_OPT_SET_META_CONTEXT,
+            &meta_payload(b"disk", &["base:allocation"]),
+        ),
+        option(NBD_OPT_SET_META_CONTEXT, &meta_payload(b"disk", &[])),
+        option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+    ]);
+    assert!(!negotiated.base_allocation);
+}
+
+#[test]
+fn list_meta_context_lists_base_allocation() {
+    for queries in [&[][..], &["base:"][..], &["base:allocation"][..]] {
+        let (pairs, _, _) = negotiate(&[option(
+            NBD_OPT_LIST_META_CONTEXT,
+            &meta_payload(b"disk", queries),
+        )]);
+        assert_eq!(
+            pairs,
+            [
+                (NBD_OPT_LIST_META_CONTEXT, NBD_REP_META_CONTEXT),
+                (NBD_OPT_LIST_META_CONTEXT, NBD_REP_ACK)
+            ],
+            "{queries:?}"
+        );
+    }
+    let (pairs, _, _) = negotiate(&[option(
+        NBD_OPT_LIST_META_CONTEXT,
+        &meta_payload(b"disk", &["qemu:"]),
+    )]);
+    assert_eq!(pairs, [(NBD_OPT_LIST_META_CONTEXT, NBD_REP_ACK)]);
+}
+
+#[test]
+fn block_status_and_cache_validate() {
+    let bs = req(Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 0, SIZE as u32);
+    assert_eq!(validate(&bs, SIZE, ALL), Verdict::Ok);
+    assert_eq!(
+        validate(&req(Command::BlockStatus, 0, SIZE - 1, 2), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    assert_eq!(
+        validate(&req(Command::Read, NBD_CMD_FLAG_REQ_ONE, 0, 1), SIZE, ALL),
+        error(NBD_EINVAL)
+    );
+    let cache = req(Command::Cache, 0, 0, SIZE as u32);
+    assert_eq!(validate(&cache, SIZE, ALL), error(NBD_EINVAL));
+    assert_eq!(
+        validate(&cache, SIZE, ALL | NBD_FLAG_SEND_CACHE),
+        Verdict::Ok
+    );
+    // Cache reads, so a read-only export serves it.
+    assert_eq!(
+        validate(&cache, SIZE, ALL | NBD_FLAG_SEND_CACHE | NBD_FLAG_READ_ONLY),
+        Verdict::Ok
+    );
 }
