@@ -28,9 +28,12 @@ pub use nbd::{nbd_handshake, nbd_request};
 pub use replica::{replica_frame, replica_meta, replica_reply};
 pub use rpc::{metrics_http, rpc_request};
 
+/// A target's check: panics on a finding.
+pub type Check = fn(&[u8]);
+
 /// Every target: its name (the corpus directory under `fuzz/corpus/`) and
 /// its check.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("nbd_handshake", nbd_handshake),
     ("nbd_request", nbd_request),
     ("replica_frame", replica_frame),

@@ -117,7 +117,7 @@ pub fn nbd_request(data: &[u8]) {
     };
     let tflags = match rest.split_first_chunk::<2>() {
         Some((tflags, _)) => u16::from_be_bytes(*tflags),
-        None => u16::MAX & !nbd::NBD_FLAG_READ_ONLY,
+        None => !nbd::NBD_FLAG_READ_ONLY,
     };
 
     let Ok(request) = nbd::decode_request(header) else {
