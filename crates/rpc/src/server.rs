@@ -626,6 +626,35 @@ mod tests {
         assert_eq!(r.names(), vec!["boom", "echo", "rpc_get_methods"]);
     }
 
+    /// Found by fuzzing (`fuzz/corpus/rpc_request/crash-float-id-echo`):
+    /// serde_json's default float parsing can be one ULP off, so an id
+    /// that is not an integer of 64 bits came back as another number.
+    #[test]
+    fn ids_echo_the_number_the_client_sent() {
+        let r = registry();
+        for frame in [
+            &br#"{"jsonrpc":"2.0","method":"echo","id":1222222222222222222222222222222}"#[..],
+            br#"{"sonrpc":"3.0","id":1222222222222222222222222222222}"#,
+            br#"{"jsonrpc":"2.0","method":"echo","id":0.30000000000000004441}"#,
+        ] {
+            let resp = answer_frame(&r, frame).unwrap().unwrap();
+            let sent: Value = serde_json::from_slice(frame).unwrap();
+            let want: f64 = std::str::from_utf8(frame)
+                .unwrap()
+                .split("\"id\":")
+                .nth(1)
+                .unwrap()
+                .trim_end_matches('}')
+                .parse()
+                .unwrap();
+            assert_eq!(sent["id"].as_f64(), Some(want));
+            assert_eq!(resp["id"].as_f64(), Some(want));
+            let text = serde_json::to_string(&resp).unwrap();
+            let again: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(serde_json::to_string(&again).unwrap(), text);
+        }
+    }
+
     #[test]
     fn request_rules() {
         let r = registry();
