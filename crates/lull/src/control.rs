@@ -12,7 +12,7 @@ use lull_rpc::{
 use lull_volume::{bucket_le_ns, Storage, Volume, Volumes, LATENCY_BUCKETS};
 use serde_json::{json, Value};
 
-use crate::config;
+use lull_config as config;
 
 /// Default keep-alive poll period of replica connections (Longhorn's
 /// `nvme_adminq_poll_period_us` default, 10 ms).

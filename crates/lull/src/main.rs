@@ -2,7 +2,6 @@
 //! volume `vol0` on 127.0.0.1:10809.
 
 mod cli;
-mod config;
 mod control;
 
 use std::path::PathBuf;
@@ -16,8 +15,10 @@ use lull_nbd::{ListenAddr, NbdServer};
 use lull_reactor::{Framework, FrameworkConfig};
 use lull_volume::{Storage, Volume, Volumes};
 
+use lull_config as config;
+use lull_config::{Backend, ConfigFile, Overrides, ServeSettings};
+
 use crate::cli::usage_error;
-use crate::config::{Backend, ConfigFile, Overrides, ServeSettings};
 
 /// How long a stop waits for connections to finish their in-flight I/O.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);

@@ -80,7 +80,7 @@ use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
-pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION};
+pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION, META_MAX_BYTES};
 
 use crate::conn::Conn;
 use crate::fence::Fences;

@@ -25,7 +25,7 @@ const META_TMP_FILE: &str = "meta.json.tmp";
 
 /// Largest metadata file accepted. The record is ~100 bytes; anything much
 /// larger is not ours, and reading it whole must stay cheap.
-const META_MAX_BYTES: u64 = 64 * 1024;
+pub const META_MAX_BYTES: u64 = 64 * 1024;
 
 /// Errors reading or writing the record.
 #[derive(Debug, thiserror::Error)]
@@ -92,23 +92,37 @@ impl Meta {
         file.take(META_MAX_BYTES + 1)
             .read_to_string(&mut text)
             .map_err(io_err)?;
+        Meta::parse(&path, &text).map(Some)
+    }
+
+    /// Checks and decodes the text of a record read from `path` (named in
+    /// errors only): at most `META_MAX_BYTES`, JSON of this shape, this
+    /// format version. What [`Meta::load`] does once it has the text.
+    pub fn parse(path: &Path, text: &str) -> Result<Meta, MetaError> {
         if text.len() as u64 > META_MAX_BYTES {
             return Err(MetaError::Corrupt {
-                path,
+                path: path.to_path_buf(),
                 reason: format!("larger than {META_MAX_BYTES} bytes"),
             });
         }
-        let meta: Meta = serde_json::from_str(&text).map_err(|e| MetaError::Corrupt {
-            path: path.clone(),
+        let meta: Meta = serde_json::from_str(text).map_err(|e| MetaError::Corrupt {
+            path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
         if meta.format_version != META_FORMAT_VERSION {
             return Err(MetaError::Version {
-                path,
+                path: path.to_path_buf(),
                 found: meta.format_version,
             });
         }
-        Ok(Some(meta))
+        Ok(meta)
+    }
+
+    /// The text [`Meta::store`] writes: pretty JSON and a newline.
+    pub fn encode(&self) -> Result<String, serde_json::Error> {
+        let mut text = serde_json::to_string_pretty(self)?;
+        text.push('\n');
+        Ok(text)
     }
 
     /// Replaces `dir/meta.json` atomically and durably. Blocking (two
@@ -117,7 +131,7 @@ impl Meta {
     pub fn store(&self, dir: &Path) -> Result<(), MetaError> {
         let tmp = dir.join(META_TMP_FILE);
         let path = dir.join(META_FILE);
-        let text = serde_json::to_string_pretty(self).map_err(|e| MetaError::Corrupt {
+        let text = self.encode().map_err(|e| MetaError::Corrupt {
             path: path.clone(),
             reason: e.to_string(),
         })?;
@@ -128,7 +142,6 @@ impl Meta {
                 .truncate(true)
                 .open(&tmp)?;
             f.write_all(text.as_bytes())?;
-            f.write_all(b"\n")?;
             f.sync_all()?;
             Ok(())
         };

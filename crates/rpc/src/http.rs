@@ -8,7 +8,7 @@
 
 /// Why no request could be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum HttpError {
+pub enum HttpError {
     #[error("malformed request: {0}")]
     Malformed(&'static str),
     #[error("request head too large")]
@@ -20,7 +20,7 @@ pub(crate) enum HttpError {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct RequestHead {
+pub struct RequestHead {
     pub method: String,
     pub target: String,
 }
@@ -34,7 +34,7 @@ impl RequestHead {
 
 /// Parse a request head from the start of `buf`: `Ok(None)` until the blank
 /// line that ends it has arrived. Headers are not interpreted.
-pub(crate) fn parse_head(buf: &[u8], limit: usize) -> Result<Option<RequestHead>, HttpError> {
+pub fn parse_head(buf: &[u8], limit: usize) -> Result<Option<RequestHead>, HttpError> {
     let end = buf
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

@@ -35,6 +35,8 @@ use std::path::PathBuf;
 pub use client::{
     call, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
 };
+pub use framing::{FrameError, JsonFramer};
+pub use http::{parse_head, HttpError, RequestHead};
 pub use methods::{
     framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, ControlError,
     ControlPlane, LullContext, NewVolume, NoParams, Options, OptionsChange, ReplicaAddr,
@@ -42,15 +44,15 @@ pub use methods::{
     MAX_POLL_PERIOD_US, MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN, TICK_RATE_HZ,
 };
 pub use metrics::{
-    encode_snapshot, reactor_metrics, MetricsError, MetricsServer, MetricsSnapshot, MetricsSource,
-    ReactorMetrics, ReplicaMetrics, VolumeMetrics, HTTP_IO_TIMEOUT, MAX_HTTP_REQUEST_BYTES,
-    MAX_METRICS_CONNECTIONS, METRICS_PATH, OPENMETRICS_CONTENT_TYPE,
+    encode_snapshot, metrics_response, reactor_metrics, MetricsError, MetricsServer,
+    MetricsSnapshot, MetricsSource, ReactorMetrics, ReplicaMetrics, VolumeMetrics, HTTP_IO_TIMEOUT,
+    MAX_HTTP_REQUEST_BYTES, MAX_METRICS_CONNECTIONS, METRICS_PATH, OPENMETRICS_CONTENT_TYPE,
 };
 pub use server::{
-    error_response, handle_value, no_params, parse_params, MethodRegistry, RpcHandler,
-    RpcMethodError, RpcServer, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, MAX_BATCH_LEN,
-    MAX_METHOD_NAME_LEN, MAX_REQUEST_BYTES, MAX_RPC_CONNECTIONS, METHOD_NOT_FOUND, PARSE_ERROR,
-    REQUEST_IO_TIMEOUT, RPC_GET_METHODS, SERVER_BUSY,
+    answer_frame, error_response, frame_error_response, handle_value, no_params, parse_params,
+    MethodRegistry, RpcHandler, RpcMethodError, RpcServer, INTERNAL_ERROR, INVALID_PARAMS,
+    INVALID_REQUEST, MAX_BATCH_LEN, MAX_METHOD_NAME_LEN, MAX_REQUEST_BYTES, MAX_RPC_CONNECTIONS,
+    METHOD_NOT_FOUND, PARSE_ERROR, REQUEST_IO_TIMEOUT, RPC_GET_METHODS, SERVER_BUSY,
 };
 
 /// Errors of the RPC server and registry.

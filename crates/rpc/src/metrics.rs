@@ -670,6 +670,28 @@ fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<T
     if stream.set_write_timeout(Some(HTTP_IO_TIMEOUT)).is_err() {
         return;
     }
+    let Some(response) = respond(read_head(&stream), source) else {
+        return;
+    };
+    let _ = (&stream).write_all(&response);
+    linger(&stream);
+}
+
+/// The response to a request whose head is `buf` (the bytes read so far),
+/// as a connection would send it: `None` while the head is incomplete.
+/// Parses with [`http::parse_head`] and answers like the server does.
+pub fn metrics_response(buf: &[u8], source: &dyn MetricsSource) -> Option<Vec<u8>> {
+    http::parse_head(buf, MAX_HTTP_REQUEST_BYTES)
+        .transpose()
+        .and_then(|head| respond(head, source))
+}
+
+/// The response to a request head, or to why none could be read; `None`:
+/// close without one (the client left or stalled).
+fn respond(
+    head: Result<http::RequestHead, HttpError>,
+    source: &dyn MetricsSource,
+) -> Option<Vec<u8>> {
     let text = |code: u16, reason: &str, extra: &[(&str, &str)], body: &str| {
         http::response(
             code,
@@ -680,8 +702,8 @@ fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<T
             true,
         )
     };
-    let response = match read_head(&stream) {
-        Err(HttpError::Closed | HttpError::Timeout) => return,
+    Some(match head {
+        Err(HttpError::Closed | HttpError::Timeout) => return None,
         Err(HttpError::TooLarge) => text(
             431,
             "Request Header Fields Too Large",
@@ -717,9 +739,7 @@ fn serve_connection(stream: TcpStream, source: &dyn MetricsSource, _slot: Slot<T
                 }
             }
         }
-    };
-    let _ = (&stream).write_all(&response);
-    linger(&stream);
+    })
 }
 
 /// Close gracefully: a TCP close with unread input sends a reset, which can

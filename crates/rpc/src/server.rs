@@ -539,40 +539,57 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
             }
             Err(FrameError::Io(_)) => return,
             Err(e) => {
-                let code = match e {
-                    FrameError::TooLarge { .. } | FrameError::NotStructured(_) => INVALID_REQUEST,
-                    _ => PARSE_ERROR,
-                };
-                let prefix = if code == PARSE_ERROR {
-                    "Parse error"
-                } else {
-                    "Invalid Request"
-                };
                 tracing::debug!(error = %e, "bad RPC framing; closing the connection");
-                let _ = send(
-                    &stream,
-                    &error_response(Value::Null, code, &format!("{prefix}: {e}")),
-                );
+                let _ = send(&stream, &frame_error_response(&e));
                 return;
             }
         };
-        let value: Value = match serde_json::from_slice(&frame) {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::debug!(error = %e, "malformed JSON-RPC request; closing the connection");
-                let _ = send(
-                    &stream,
-                    &error_response(Value::Null, PARSE_ERROR, &format!("Parse error: {e}")),
-                );
-                return;
+        match answer_frame(registry, &frame) {
+            Ok(Some(response)) => {
+                if send(&stream, &response).is_err() {
+                    return;
+                }
             }
-        };
-        if let Some(response) = handle_value(registry, value) {
-            if send(&stream, &response).is_err() {
+            Ok(None) => {}
+            Err(refusal) => {
+                let _ = send(&stream, &refusal);
                 return;
             }
         }
     }
+}
+
+/// The error a connection sends before it closes on a framing error (any
+/// `FrameError` but `Io`, which closes without a word).
+pub fn frame_error_response(e: &FrameError) -> Value {
+    let code = match e {
+        FrameError::TooLarge { .. } | FrameError::NotStructured(_) => INVALID_REQUEST,
+        _ => PARSE_ERROR,
+    };
+    let prefix = if code == PARSE_ERROR {
+        "Parse error"
+    } else {
+        "Invalid Request"
+    };
+    error_response(Value::Null, code, &format!("{prefix}: {e}"))
+}
+
+/// Answer one framed request (what [`JsonFramer`] returned): `Ok(Some)` is
+/// the response, `Ok(None)` nothing to send (notifications only), `Err` a
+/// parse error to send before closing the connection.
+pub fn answer_frame(registry: &MethodRegistry, frame: &[u8]) -> Result<Option<Value>, Value> {
+    let value: Value = match serde_json::from_slice(frame) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::debug!(error = %e, "malformed JSON-RPC request; closing the connection");
+            return Err(error_response(
+                Value::Null,
+                PARSE_ERROR,
+                &format!("Parse error: {e}"),
+            ));
+        }
+    };
+    Ok(handle_value(registry, value))
 }
 
 #[cfg(test)]
@@ -607,6 +624,35 @@ mod tests {
             Err(RpcError::BadMethodName(_))
         ));
         assert_eq!(r.names(), vec!["boom", "echo", "rpc_get_methods"]);
+    }
+
+    /// Found by fuzzing (`fuzz/corpus/rpc_request/crash-float-id-echo`):
+    /// serde_json's default float parsing can be one ULP off, so an id
+    /// that is not an integer of 64 bits came back as another number.
+    #[test]
+    fn ids_echo_the_number_the_client_sent() {
+        let r = registry();
+        for frame in [
+            &br#"{"jsonrpc":"2.0","method":"echo","id":1222222222222222222222222222222}"#[..],
+            br#"{"sonrpc":"3.0","id":1222222222222222222222222222222}"#,
+            br#"{"jsonrpc":"2.0","method":"echo","id":0.30000000000000004441}"#,
+        ] {
+            let resp = answer_frame(&r, frame).unwrap().unwrap();
+            let sent: Value = serde_json::from_slice(frame).unwrap();
+            let want: f64 = std::str::from_utf8(frame)
+                .unwrap()
+                .split("\"id\":")
+                .nth(1)
+                .unwrap()
+                .trim_end_matches('}')
+                .parse()
+                .unwrap();
+            assert_eq!(sent["id"].as_f64(), Some(want));
+            assert_eq!(resp["id"].as_f64(), Some(want));
+            let text = serde_json::to_string(&resp).unwrap();
+            let again: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(serde_json::to_string(&again).unwrap(), text);
+        }
     }
 
     #[test]

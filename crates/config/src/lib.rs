@@ -1,4 +1,7 @@
-//! Settings: embedded defaults, then a TOML file, then command-line flags.
+//! `lull serve`'s settings: embedded defaults, then a TOML file, then
+//! command-line flags. Pure parsing and merging (no clap, no file I/O), in
+//! a crate of its own so the fuzz targets and their corpus replay reach the
+//! same `ConfigFile::parse` and `resolve` the binary calls.
 //!
 //! ```toml
 //! listen = "127.0.0.1:10809"

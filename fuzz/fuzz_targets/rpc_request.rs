@@ -1,0 +1,9 @@
+//! A JSON-RPC client stream: framer and request handling (see lull_fuzzcheck::rpc_request).
+//! The check lives in `crates/fuzzcheck` so that `cargo test` replays this
+//! target's corpus on stable; its docs give the input layout.
+
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| lull_fuzzcheck::rpc_request(data));
