@@ -264,7 +264,7 @@ pub fn identify_controller(c: &ControllerInfo<'_>) -> Vec<u8> {
     b[513] = 0x44; // CQES: 16 bytes
     put16(&mut b, 514, crate::limits::MAX_QUEUE_ENTRIES as u16); // MAXCMD
     put32(&mut b, 516, c.nn);
-    put16(&mut b, 520, (1 << 2) | (1 << 3)); // ONCS: DSM, Write Zeroes
+    put16(&mut b, 520, 1 << 3); // ONCS: Write Zeroes (no DSM yet)
     b[525] = 1; // VWC: a volatile write cache (Flush does something)
                 // SGLS: SGLs supported, address as offset, transport SGL data block.
     put32(&mut b, 536, 1 | (1 << 20) | (1 << 21));
