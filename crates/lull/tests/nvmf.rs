@@ -11,7 +11,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -68,7 +68,7 @@ fn trid(addr: SocketAddr) -> String {
 }
 
 /// Run an SPDK tool; panics with its output unless it exits 0.
-fn spdk(tools: &PathBuf, bin: &str, args: &[&str]) -> String {
+fn spdk(tools: &Path, bin: &str, args: &[&str]) -> String {
     let out = Command::new(tools.join("bin").join(bin))
         .args(args)
         .output()
@@ -113,9 +113,52 @@ fn spdk_identify_sees_the_controller_and_the_volume() {
     server.assert_logged("controller removed");
 }
 
+#[test]
+fn spdk_identify_reads_the_discovery_log() {
+    let Some(tools) = spdk_tools("spdk_identify_reads_the_discovery_log") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let mut server = Server::start(&[
+        "--volume",
+        "a:16M",
+        "--volume",
+        "b:16M",
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    // spdk_nvme_discover needs hugepages; identify on the discovery NQN
+    // prints the same log.
+    let tr = format!(
+        "trtype:TCP adrfam:IPv4 traddr:{} trsvcid:{} subnqn:{}",
+        addr.ip(),
+        addr.port(),
+        lull_nvmf::spec::DISCOVERY_NQN
+    );
+    let out = spdk(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &tr],
+    );
+    assert!(
+        out.contains("Number of Records:                     2"),
+        "{out}"
+    );
+    for v in ["a", "b"] {
+        let want = format!("NVM Subsystem Qualified Name:          nqn.2026-11.io.lull:{v}");
+        assert!(out.contains(&want), "discovery log lacks {want:?}:\n{out}");
+    }
+    assert!(out.contains(&format!(
+        "Transport Service Identifier:          {}",
+        addr.port()
+    )));
+    server.assert_healthy();
+}
+
 /// One spdk_nvme_perf run; returns its "Total" line.
 fn perf(
-    tools: &PathBuf,
+    tools: &Path,
     addr: SocketAddr,
     workload: &str,
     qd: u32,

@@ -384,11 +384,11 @@ impl<S: Read + Write> Conn<S> {
                 true
             }
             Err(err) => {
-                let n = buffered.len().min(pdu::TERM_REQ_MAX_COPY).min(
-                    usize::from(ch.hlen)
-                        .max(pdu::CH_LEN)
-                        .min(pdu::TERM_REQ_MAX_COPY),
-                );
+                // Echo the offending header (at least the common header,
+                // at most what a TermReq carries, at most what arrived).
+                let n = usize::from(ch.hlen)
+                    .clamp(pdu::CH_LEN, pdu::TERM_REQ_MAX_COPY)
+                    .min(buffered.len());
                 let head = buffered[..n].to_vec();
                 self.fatal(&err, &head);
                 true
@@ -720,17 +720,23 @@ impl<S: Read + Write> Conn<S> {
             Err(off) => return invalid(true, off),
         };
         let peer = self.link.peer().to_string();
-        if d.subnqn == spec::DISCOVERY_NQN {
-            tracing::warn!(peer = %peer, "discovery controller asked for; not served yet");
-            return invalid(true, 256);
-        }
-        let Some(volume) = d
-            .subnqn
-            .strip_prefix(spec::NQN_PREFIX)
-            .and_then(|name| self.shared.volumes.named(name).ok())
-        else {
-            tracing::warn!(peer = %peer, subnqn = %d.subnqn, "Connect to an unknown subsystem");
-            return invalid(true, 256);
+        let discovery = d.subnqn == spec::DISCOVERY_NQN;
+        // A discovery controller has no volume (and no I/O queues).
+        let volume = if discovery {
+            if qid != 0 {
+                return invalid(false, 42);
+            }
+            None
+        } else {
+            let Some(v) = d
+                .subnqn
+                .strip_prefix(spec::NQN_PREFIX)
+                .and_then(|name| self.shared.volumes.named(name).ok())
+            else {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, "Connect to an unknown subsystem");
+                return invalid(true, 256);
+            };
+            Some(v)
         };
         let ctrl = if qid == 0 {
             if d.cntlid != 0xFFFF {
@@ -756,7 +762,7 @@ impl<S: Read + Write> Conn<S> {
             }
             c
         };
-        let ns = if qid > 0 {
+        let ns = if let (true, Some(volume)) = (qid > 0, &volume) {
             let channel = match volume.dev().open_channel() {
                 Ok(ch) => ch,
                 Err(e) => {
@@ -776,8 +782,9 @@ impl<S: Read + Write> Conn<S> {
         };
         let cntlid = ctrl.cntlid;
         tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, "queue connected");
+        let what = volume.as_ref().map_or("discovery", |v| v.name.as_str());
         self.link
-            .set_context(&format!("{} ctrl {cntlid} q{qid}", volume.name));
+            .set_context(&format!("{what} ctrl {cntlid} q{qid}"));
         self.phase = Phase::Connected(Queue {
             qid,
             entries: (sqsize + 1) as u16,
@@ -804,21 +811,24 @@ impl<S: Read + Write> Conn<S> {
             spec::ADMIN_IDENTIFY => {
                 let cns = (sqe.dword(10) & 0xFF) as u8;
                 let nsid = sqe.nsid();
-                match cns {
-                    spec::CNS_CONTROLLER => fit(self.shared.identify_controller(ctrl)),
-                    spec::CNS_NAMESPACE if nsid == 1 => fit(self.shared.identify_namespace(ctrl)),
-                    spec::CNS_NS_ID_DESCRIPTORS if nsid == 1 => {
-                        fit(spec::ns_id_descriptors(&spec::name_guid(&ctrl.volume.name)))
+                let volume = ctrl.volume.as_ref();
+                match (cns, volume) {
+                    (spec::CNS_CONTROLLER, _) => fit(self.shared.identify_controller(ctrl)),
+                    (spec::CNS_NAMESPACE, Some(v)) if nsid == 1 => {
+                        fit(self.shared.identify_namespace(v))
                     }
-                    spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS => {
+                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 => {
+                        fit(spec::ns_id_descriptors(&spec::name_guid(&v.name)))
+                    }
+                    (spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS, _) => {
                         Reply::status(Status::INVALID_NAMESPACE)
                     }
-                    spec::CNS_ACTIVE_NS_LIST => {
+                    (spec::CNS_ACTIVE_NS_LIST, _) => {
                         if nsid >= 0xFFFF_FFFE {
                             return Reply::status(Status::INVALID_NAMESPACE);
                         }
                         let mut v = vec![0u8; spec::IDENTIFY_BYTES];
-                        if nsid < 1 {
+                        if nsid < 1 && volume.is_some() {
                             v[0] = 1;
                         }
                         fit(v)
@@ -828,7 +838,10 @@ impl<S: Read + Write> Conn<S> {
             }
             spec::ADMIN_GET_FEATURES => ctrl.get_feature(sqe),
             spec::ADMIN_SET_FEATURES => ctrl.set_feature(sqe),
-            spec::ADMIN_GET_LOG_PAGE => get_log_page(sqe),
+            spec::ADMIN_GET_LOG_PAGE => {
+                let discovery_log = ctrl.volume.is_none().then(|| self.shared.discovery_log());
+                get_log_page(sqe, discovery_log)
+            }
             spec::ADMIN_KEEP_ALIVE => Reply::ok(),
             // Nothing is ever aborted: dw0 bit 0 says "not aborted".
             spec::ADMIN_ABORT => Reply::dw0(1),
@@ -1076,13 +1089,21 @@ fn property_set(ctrl: &Controller, sqe: &Sqe) -> Reply {
     }
 }
 
-fn get_log_page(sqe: &Sqe) -> Reply {
+/// Get Log Page; `discovery_log` is the page a discovery controller
+/// serves (and the only one besides the generic ones).
+fn get_log_page(sqe: &Sqe, discovery_log: Option<Vec<u8>>) -> Reply {
     let dw10 = sqe.dword(10);
     let lid = (dw10 & 0xFF) as u8;
     let numd = ((u64::from(sqe.dword(11) & 0xFFFF) << 16) | u64::from(dw10 >> 16)) + 1;
     let len = (numd * 4) as usize;
     let offset = u64::from(sqe.dword(12)) | (u64::from(sqe.dword(13)) << 32);
+    let page_len = match (lid, &discovery_log) {
+        (spec::LOG_DISCOVERY, Some(d)) => d.len(),
+        (spec::LOG_DISCOVERY, None) => return Reply::status(Status::INVALID_FIELD),
+        _ => 0,
+    };
     let page_len = match lid {
+        spec::LOG_DISCOVERY => page_len,
         spec::LOG_ERROR => 64 * ERROR_LOG_ENTRIES,
         spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT => 512,
         spec::LOG_CHANGED_NS_LIST => 4096,
@@ -1091,7 +1112,10 @@ fn get_log_page(sqe: &Sqe) -> Reply {
     if offset % 4 != 0 || offset > page_len as u64 || len > sqe.sgl().length as usize {
         return Reply::status(Status::INVALID_FIELD);
     }
-    let mut page = vec![0u8; page_len];
+    let mut page = match discovery_log {
+        Some(d) if lid == spec::LOG_DISCOVERY => d,
+        _ => vec![0u8; page_len],
+    };
     if lid == spec::LOG_FIRMWARE_SLOT {
         page[0] = 1; // AFI: slot 1 active
         let fr = env!("CARGO_PKG_VERSION").as_bytes();

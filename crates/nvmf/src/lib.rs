@@ -85,7 +85,7 @@ impl NvmfServer {
             max_connections: limits::MAX_CONNECTIONS,
             greeting_timeout_us: limits::CONNECT_TIMEOUT_US,
         }));
-        let shared = Arc::new(Shared::new(volumes, conns.clone(), LBA_SHIFT));
+        let shared = Arc::new(Shared::new(volumes, conns.clone(), LBA_SHIFT, addr));
         let s = shared.clone();
         let clock = fw.clock();
         let acceptor = Acceptor::start(fw, &conns, vec![listener], move |stream: TcpStream| {

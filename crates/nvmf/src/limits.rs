@@ -67,8 +67,8 @@ pub const ERROR_LOG_ENTRIES: usize = 1;
 
 /// Reply bytes queued before a queue pair stops reading new commands: a
 /// host that does not read its completions cannot make the target buffer
-/// without bound. Two queues' worth of maximum reads.
-pub const MAX_REPLY_QUEUE_BYTES: usize = 2 * MAX_QUEUE_ENTRIES * MAX_TRANSFER_BYTES;
+/// without bound. A full queue of the largest reads.
+pub const MAX_REPLY_QUEUE_BYTES: usize = MAX_QUEUE_ENTRIES * MAX_TRANSFER_BYTES;
 
 /// Bytes read per poller run, so one busy queue pair cannot hold its
 /// reactor for long.

@@ -179,6 +179,7 @@ pub const LOG_ERROR: u8 = 0x01;
 pub const LOG_SMART: u8 = 0x02;
 pub const LOG_FIRMWARE_SLOT: u8 = 0x03;
 pub const LOG_CHANGED_NS_LIST: u8 = 0x04;
+pub const LOG_DISCOVERY: u8 = 0x70;
 
 // Identify CNS values.
 pub const CNS_NAMESPACE: u8 = 0x00;
@@ -238,6 +239,8 @@ pub struct ControllerInfo<'a> {
     pub elpe: u8,
     /// Keep-alive granularity supported (100 ms units); 0 for none.
     pub kas: u16,
+    /// A discovery controller (CNTRLTYPE 2, no namespaces, no I/O).
+    pub discovery: bool,
 }
 
 /// Identify Controller data (CNS 1), 4 KiB.
@@ -253,7 +256,7 @@ pub fn identify_controller(c: &ControllerInfo<'_>) -> Vec<u8> {
     put16(&mut b, 78, c.cntlid);
     put32(&mut b, 80, VERSION);
     put32(&mut b, 92, 1 << 8); // OAES: namespace attribute notices
-    b[111] = 1; // CNTRLTYPE: I/O controller
+    b[111] = if c.discovery { 2 } else { 1 }; // CNTRLTYPE
     b[258] = 3; // ACL: 4 aborts (0-based)
     b[259] = c.aerl;
     b[260] = 0b11; // FRMW: slot 1 read-only, one slot
@@ -336,6 +339,49 @@ pub fn name_guid(name: &str) -> [u8; 16] {
     g
 }
 
+/// One subsystem in a discovery log: its NQN, reachable over TCP at
+/// `addr`.
+#[derive(Debug, Clone)]
+pub struct DiscoveryEntry {
+    pub subnqn: String,
+    pub addr: std::net::SocketAddr,
+}
+
+/// Size of the discovery log header and of each entry.
+pub const DISCOVERY_RECORD_BYTES: usize = 1024;
+
+/// The discovery log page (NVMe-oF 1.1 §5.3): a 1 KiB header (generation
+/// counter, number of records, record format 0) and one 1 KiB record per
+/// subsystem (TCP, IPv4 or IPv6, NVM subsystem, no secure channel
+/// required, dynamic controllers, the address and port as text).
+pub fn discovery_log(genctr: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
+    let mut b = vec![0u8; DISCOVERY_RECORD_BYTES * (1 + entries.len())];
+    put64(&mut b, 0, genctr);
+    put64(&mut b, 8, entries.len() as u64);
+    for (i, e) in entries.iter().enumerate() {
+        let r = &mut b[DISCOVERY_RECORD_BYTES * (i + 1)..DISCOVERY_RECORD_BYTES * (i + 2)];
+        r[0] = 3; // TRTYPE: TCP
+        r[1] = if e.addr.is_ipv4() { 1 } else { 2 }; // ADRFAM
+        r[2] = 2; // SUBTYPE: NVM subsystem
+        r[3] = 0b10; // TREQ: secure channel not required
+        put16(r, 4, 0); // PORTID
+        put16(r, 6, 0xFFFF); // CNTLID: dynamic
+        put16(r, 8, crate::limits::MAX_QUEUE_ENTRIES as u16); // ASQSZ
+        let copy = |dst: &mut [u8], s: &str| {
+            let n = s.len().min(dst.len());
+            dst[..n].copy_from_slice(&s.as_bytes()[..n]);
+        };
+        // TRSVCID and TRADDR are ASCII, space padded.
+        r[32..64].fill(b' ');
+        copy(&mut r[32..64], &e.addr.port().to_string());
+        copy(&mut r[256..512], &e.subnqn);
+        r[512..768].fill(b' ');
+        copy(&mut r[512..768], &e.addr.ip().to_string());
+        // TSAS for TCP: SECTYPE 0 (no security).
+    }
+    b
+}
+
 /// The Fabrics Connect data (1,024 bytes) as far as the target reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectData {
@@ -396,6 +442,7 @@ mod tests {
             aerl: 3,
             elpe: 0,
             kas: 10,
+            discovery: false,
         });
         assert_eq!(&c[4..8], b"abc ");
         assert_eq!(u16::from_le_bytes([c[78], c[79]]), 7);
@@ -411,6 +458,25 @@ mod tests {
         assert_eq!(ns[130], 9);
         assert_ne!(name_guid("a"), name_guid("b"));
         assert_eq!(cap(128) & 0xFFFF, 127);
+    }
+
+    #[test]
+    fn discovery_log_records() {
+        let addr: std::net::SocketAddr = "127.0.0.1:4420".parse().unwrap();
+        let log = discovery_log(
+            3,
+            &[DiscoveryEntry {
+                subnqn: "nqn.x".into(),
+                addr,
+            }],
+        );
+        assert_eq!(log.len(), 2048);
+        assert_eq!(u64::from_le_bytes(log[8..16].try_into().unwrap()), 1);
+        let r = &log[1024..];
+        assert_eq!((r[0], r[1], r[2]), (3, 1, 2));
+        assert_eq!(&r[32..37], b"4420 ");
+        assert_eq!(&r[256..262], b"nqn.x\0");
+        assert_eq!(&r[512..522], b"127.0.0.1 ");
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub(crate) struct Shared {
     pub(crate) conns: Arc<Connections>,
     /// log2 of the LBA size every namespace reports.
     pub(crate) lba_shift: u8,
+    /// Where the target listens, for the discovery log.
+    pub(crate) listen: std::net::SocketAddr,
     ctrls: Mutex<Ctrls>,
 }
 
@@ -30,11 +32,17 @@ struct Ctrls {
 }
 
 impl Shared {
-    pub(crate) fn new(volumes: Arc<Volumes>, conns: Arc<Connections>, lba_shift: u8) -> Shared {
+    pub(crate) fn new(
+        volumes: Arc<Volumes>,
+        conns: Arc<Connections>,
+        lba_shift: u8,
+        listen: std::net::SocketAddr,
+    ) -> Shared {
         Shared {
             volumes,
             conns,
             lba_shift,
+            listen,
             ctrls: Mutex::new(Ctrls::default()),
         }
     }
@@ -48,7 +56,7 @@ impl Shared {
     pub(crate) fn new_controller(
         self: &Arc<Self>,
         d: &ConnectData,
-        volume: Arc<Volume>,
+        volume: Option<Arc<Volume>>,
         kato_ms: u32,
     ) -> Option<ControllerRef> {
         let mut c = self.lock();
@@ -97,19 +105,17 @@ impl Shared {
     }
 
     pub(crate) fn identify_controller(&self, c: &Controller) -> Vec<u8> {
+        let name = c.volume.as_ref().map_or(spec::DISCOVERY_NQN, |v| &v.name);
+        let guid = spec::name_guid(name);
         let serial = format!(
             "{:016x}",
-            u64::from_be_bytes(
-                spec::name_guid(&c.volume.name)[..8]
-                    .try_into()
-                    .unwrap_or([0; 8]),
-            )
+            u64::from_be_bytes(guid[..8].try_into().unwrap_or([0; 8]))
         );
         spec::identify_controller(&spec::ControllerInfo {
             cntlid: c.cntlid,
-            serial: &serial[..serial.len().min(20)],
+            serial: &serial,
             subnqn: &c.subnqn,
-            nn: 1,
+            nn: u32::from(c.volume.is_some()),
             ioccsz_bytes: 64 + MAX_IN_CAPSULE_DATA_BYTES,
             mdts: MDTS,
             aerl: (MAX_AERS - 1) as u8,
@@ -117,15 +123,32 @@ impl Shared {
             // Keep-alive is accepted; KATO is not enforced yet, so no
             // granularity is promised.
             kas: 0,
+            discovery: c.volume.is_none(),
         })
     }
 
-    pub(crate) fn identify_namespace(&self, c: &Controller) -> Vec<u8> {
+    pub(crate) fn identify_namespace(&self, v: &Volume) -> Vec<u8> {
         spec::identify_namespace(&spec::NamespaceInfo {
-            blocks: c.volume.dev().size_bytes() >> self.lba_shift,
+            blocks: v.dev().size_bytes() >> self.lba_shift,
             lba_shift: self.lba_shift,
-            nguid: spec::name_guid(&c.volume.name),
+            nguid: spec::name_guid(&v.name),
         })
+    }
+
+    /// The discovery log: every volume's subsystem at the target's
+    /// address. The generation counter is the number of volumes (a host
+    /// that sees it change reads the log again).
+    pub(crate) fn discovery_log(&self) -> Vec<u8> {
+        let entries: Vec<_> = self
+            .volumes
+            .list()
+            .iter()
+            .map(|v| spec::DiscoveryEntry {
+                subnqn: crate::subsystem_nqn(&v.name),
+                addr: self.listen,
+            })
+            .collect();
+        spec::discovery_log(entries.len() as u64, &entries)
     }
 }
 
@@ -157,7 +180,8 @@ pub(crate) struct Controller {
     pub(crate) cntlid: u16,
     pub(crate) subnqn: String,
     pub(crate) hostnqn: String,
-    pub(crate) volume: Arc<Volume>,
+    /// `None` for a discovery controller.
+    pub(crate) volume: Option<Arc<Volume>>,
     state: Mutex<CtrlState>,
 }
 

@@ -56,7 +56,12 @@ fn shared() -> Arc<Shared> {
         max_connections: 4,
         greeting_timeout_us: 1_000_000,
     }));
-    Arc::new(Shared::new(volumes, conns, 9))
+    Arc::new(Shared::new(
+        volumes,
+        conns,
+        9,
+        "127.0.0.1:4420".parse().unwrap(),
+    ))
 }
 
 /// Both digests on, as SPDK's perf may ask.
@@ -530,6 +535,47 @@ fn an_io_queue_before_enable_or_unknown_pdus_fail_cleanly() {
             fei: 0
         }]
     );
+}
+
+#[test]
+fn the_discovery_controller_lists_the_volumes() {
+    let shared = shared();
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    ok(&h.connect(0, 0xFFFF, spec::DISCOVERY_NQN));
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 2, 0, &[(10, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    assert!(matches!(&got[0], Got::Data { data, .. } if data[111] == 2));
+    // The header, then the one volume's record.
+    let numdl = (2048u32 / 4 - 1) << 16;
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 3, 0, &[(10, numdl | 0x70)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
+    let got = h.cmd(s, &[]);
+    let Got::Data { data, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(u64::from_le_bytes(data[8..16].try_into().unwrap()), 1);
+    assert_eq!(&data[1024 + 256..1024 + 256 + NQN.len()], NQN.as_bytes());
+    // No namespaces, and no I/O queue may join it.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 4, 1, &[(10, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    let mut io = Host::new(&shared);
+    io.ic(Digests::default());
+    assert_eq!(
+        status_of(&io.connect(1, 1, spec::DISCOVERY_NQN)),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+    // A volume's controller has no discovery log.
+    let mut a = Host::new(&shared);
+    admin(&mut a);
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 5, 0, &[(10, numdl | 0x70)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
+    assert_eq!(status_of(&a.cmd(s, &[])[0]), Status::INVALID_FIELD.field());
 }
 
 proptest! {
