@@ -218,7 +218,10 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
     let (mut server, addr) = serve();
     for workload in ["randwrite", "randread"] {
         for qd in [1, 32] {
-            let total = perf(&tools, addr, workload, qd, 4096, &[]);
+            // One run with a 1 s KATO for its 2 s: SPDK's keep-alives
+            // must keep the controller.
+            let extra: &[&str] = if qd == 1 { &["-k", "1000"] } else { &[] };
+            let total = perf(&tools, addr, workload, qd, 4096, extra);
             eprintln!("lull nvmf {workload} 4k QD{qd}: {total}");
         }
     }
@@ -232,6 +235,11 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
         &["-M", "50", "-H", "-I"],
     );
     eprintln!("lull nvmf randrw 128k QD32 digests: {total}");
+    assert!(
+        !server.stderr().contains("keep-alive timeout"),
+        "a host sending keep-alives timed out:\n{}",
+        server.stderr()
+    );
     server.assert_healthy();
 }
 
@@ -325,6 +333,98 @@ fn read_until_closed(sock: &mut TcpStream) -> Vec<u8> {
         }
     }
     types
+}
+
+/// A raw NVMe/TCP host: ICReq, then commands one at a time.
+struct RawHost {
+    sock: TcpStream,
+}
+
+impl RawHost {
+    fn connect(addr: SocketAddr) -> RawHost {
+        let mut sock = TcpStream::connect(addr).expect("connect");
+        sock.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        let ic = pdu::encode(
+            &Pdu::IcReq(IcReq {
+                pfv: 0,
+                hpda: 0,
+                digests: Digests::default(),
+                maxr2t: 0,
+            }),
+            Digests::default(),
+        );
+        sock.write_all(&ic).expect("ICReq");
+        let mut resp = [0u8; 128];
+        sock.read_exact(&mut resp).expect("ICResp");
+        assert_eq!(resp[0], pdu::TYPE_IC_RESP);
+        RawHost { sock }
+    }
+
+    /// Send a command (with in-capsule data) and read its CapsuleResp:
+    /// (status field, dw0).
+    fn command(&mut self, sqe: [u8; 64], data: &[u8]) -> (u16, u32) {
+        let bytes = pdu::encode(&Pdu::CapsuleCmd { sqe, data }, Digests::default());
+        self.sock.write_all(&bytes).expect("send a command");
+        let mut resp = [0u8; 24];
+        self.sock.read_exact(&mut resp).expect("CapsuleResp");
+        assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+        (
+            u16::from_le_bytes([resp[22], resp[23]]),
+            u32::from_le_bytes(resp[8..12].try_into().unwrap()),
+        )
+    }
+
+    /// Fabrics Connect of queue `qid` to `cntlid` with a KATO.
+    fn fabrics_connect(&mut self, qid: u16, cntlid: u16, kato_ms: u32) -> (u16, u32) {
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x7F;
+        sqe[2] = 1;
+        sqe[4] = 0x01;
+        sqe[32..36].copy_from_slice(&1024u32.to_le_bytes());
+        sqe[39] = 0x01; // in-capsule data
+        sqe[40..44].copy_from_slice(&(u32::from(qid) << 16).to_le_bytes());
+        sqe[44..48].copy_from_slice(&31u32.to_le_bytes());
+        sqe[48..52].copy_from_slice(&kato_ms.to_le_bytes());
+        let mut d = vec![0u8; 1024];
+        d[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        let nqn = lull_nvmf::subsystem_nqn(VOLUME);
+        d[256..256 + nqn.len()].copy_from_slice(nqn.as_bytes());
+        d[512..521].copy_from_slice(b"nqn.raw.1");
+        self.command(sqe, &d)
+    }
+
+    fn enable(&mut self) {
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x7F;
+        sqe[2] = 2;
+        sqe[4] = 0x00; // Property Set
+        sqe[44..48].copy_from_slice(&0x14u32.to_le_bytes()); // CC
+        sqe[48..52].copy_from_slice(&1u32.to_le_bytes()); // EN
+        assert_eq!(self.command(sqe, &[]).0, 0);
+    }
+}
+
+#[test]
+fn a_silent_host_is_torn_down_after_kato() {
+    let (mut server, addr) = serve();
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 1000);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut io = RawHost::connect(addr);
+    assert_eq!(io.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    // Nothing more is sent: after about a second both queues close.
+    for (what, sock) in [("admin", &mut admin.sock), ("I/O", &mut io.sock)] {
+        let mut b = [0u8; 64];
+        match sock.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("the {what} queue of a silent host stayed open: {other:?}"),
+        }
+    }
+    server.assert_logged("keep-alive timeout");
+    server.assert_logged("controller gone");
+    server.assert_healthy();
 }
 
 #[test]

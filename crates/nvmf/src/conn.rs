@@ -25,7 +25,7 @@ use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
 use lull_net::{bufs, Payload};
-use lull_reactor::{Clock, Interest, PollStatus, Thread};
+use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
 use lull_volume::{OpKind, Volume};
 
 use crate::limits::*;
@@ -124,6 +124,11 @@ pub(crate) struct Conn<S> {
     clock: Option<Arc<dyn Clock>>,
     /// Disconnect was asked: close once its response is out.
     disconnecting: bool,
+    /// Admin queue with a KATO: the timer that wakes it to check.
+    kato_timer: Option<PollerId>,
+    /// I/O queue: the poller registered with the controller for a wake-up
+    /// when it goes.
+    waker: Option<PollerId>,
 }
 
 impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> {
@@ -147,7 +152,21 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
         if !self.link.is_closing() && self.shared.conns.stopping() {
             self.link.close("server shutting down");
         }
-        wire::pump(self, t, MAX_ROUNDS)
+        self.watch_controller(t);
+        let status = wire::pump(self, t, MAX_ROUNDS);
+        // After the pump, so that a Keep Alive already received counts,
+        // and so that a queue connected in this run registers now (an
+        // idle queue may not run again until its controller goes).
+        self.check_keepalive(t, now);
+        self.watch_controller(t);
+        if self.link.is_closing() {
+            // The timer goes before the connection does (the pump may
+            // have finished it: it is dropped when this call returns).
+            if let Some(id) = self.kato_timer.take() {
+                t.unregister_poller(id);
+            }
+        }
+        status
     }
 
     fn affinity(&self) -> Option<String> {
@@ -253,6 +272,76 @@ impl<S: Read + Write> Conn<S> {
             now_ns: 0,
             clock: None,
             disconnecting: false,
+            kato_timer: None,
+            waker: None,
+        }
+    }
+
+    /// Keep-alive and controller teardown. An admin queue with a KATO
+    /// keeps a timer (every half KATO) that wakes it, and closes when no
+    /// command came for a whole KATO: its controller goes with it. An I/O
+    /// queue registers its poller with its controller, which wakes it when
+    /// it goes; it then closes.
+    fn watch_controller(&mut self, t: &mut Thread) {
+        let Phase::Connected(q) = &self.phase else {
+            return;
+        };
+        if self.link.is_closing() {
+            return;
+        }
+        let Some(me) = t.current_poller() else {
+            return;
+        };
+        if q.qid == 0 {
+            let kato_ms = q.ctrl.kato_ms();
+            if kato_ms == 0 {
+                return;
+            }
+            if self.kato_timer.is_none() {
+                let period_us = (u64::from(kato_ms) * 1000 / 2).max(1000);
+                let r = t.register_poller(
+                    "nvmf-kato",
+                    PollerKind::every_us(period_us),
+                    &[],
+                    Box::new(move |t, _now| {
+                        t.wake_poller(me);
+                        PollStatus::Idle
+                    }),
+                );
+                match r {
+                    Ok(id) => self.kato_timer = Some(id),
+                    Err(e) => {
+                        tracing::warn!(peer = %self.link.peer(), error = %e, "no keep-alive timer: KATO not enforced on this controller")
+                    }
+                }
+            }
+        } else if !q.ctrl.alive() {
+            self.link
+                .close("controller gone (its admin queue closed or timed out)");
+        } else if self.waker != Some(me) {
+            q.ctrl.add_io_waker(t.handle(), me);
+            self.waker = Some(me);
+        }
+    }
+
+    /// An admin queue silent for a whole KATO closes (its controller, and
+    /// so its I/O queues, go with it).
+    fn check_keepalive(&mut self, t: &mut Thread, now: u64) {
+        let Phase::Connected(q) = &self.phase else {
+            return;
+        };
+        if q.qid != 0 || self.link.is_closing() {
+            return;
+        }
+        let kato_ms = q.ctrl.kato_ms();
+        let idle_ns = now.saturating_sub(q.ctrl.last_keepalive_ns());
+        if kato_ms > 0 && idle_ns > u64::from(kato_ms) * 1_000_000 {
+            tracing::warn!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, kato_ms, "keep-alive timeout: tearing the controller down");
+            self.link
+                .close(format!("keep-alive timeout ({kato_ms} ms)"));
+            if let Some(me) = t.current_poller() {
+                t.wake_poller(me);
+            }
         }
     }
 
@@ -424,6 +513,11 @@ impl<S: Read + Write> Conn<S> {
     /// A command capsule arrived (with its in-capsule data, if any).
     fn on_capsule(&mut self, sqe: Sqe, data: Option<IoBuf>) {
         self.advance_sqhd();
+        if let Phase::Connected(q) = &self.phase {
+            if q.qid == 0 {
+                q.ctrl.touch(self.now_ns);
+            }
+        }
         let sgl = sqe.sgl();
         let cid = sqe.cid();
         let opc = sqe.opcode();
@@ -781,6 +875,9 @@ impl<S: Read + Write> Conn<S> {
             None
         };
         let cntlid = ctrl.cntlid;
+        if qid == 0 {
+            ctrl.touch(self.now_ns);
+        }
         tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, "queue connected");
         let what = volume.as_ref().map_or("discovery", |v| v.name.as_str());
         self.link

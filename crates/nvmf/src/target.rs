@@ -5,7 +5,10 @@
 //! features), behind a mutex; the data path never touches it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use lull_reactor::{PollerId, ThreadHandle};
 
 use lull_net::server::Connections;
 use lull_volume::{Volume, Volumes};
@@ -78,6 +81,9 @@ impl Shared {
             subnqn: d.subnqn.clone(),
             hostnqn: d.hostnqn.clone(),
             volume,
+            alive: AtomicBool::new(true),
+            last_keepalive_ns: AtomicU64::new(0),
+            io_wakers: Mutex::new(Vec::new()),
             state: Mutex::new(CtrlState {
                 kato_ms,
                 io_queues: MAX_IO_QUEUES,
@@ -120,9 +126,9 @@ impl Shared {
             mdts: MDTS,
             aerl: (MAX_AERS - 1) as u8,
             elpe: (ERROR_LOG_ENTRIES - 1) as u8,
-            // Keep-alive is accepted; KATO is not enforced yet, so no
-            // granularity is promised.
-            kas: 0,
+            // KATO is enforced with a timer at half of it: 100 ms
+            // granularity is plenty.
+            kas: 1,
             discovery: c.volume.is_none(),
         })
     }
@@ -171,6 +177,14 @@ impl Drop for ControllerRef {
     fn drop(&mut self) {
         if let Some(s) = self.shared.take() {
             s.lock().live.remove(&self.ctrl.cntlid);
+            // Its I/O queues close too: wake each so that it sees.
+            self.ctrl.alive.store(false, Ordering::SeqCst);
+            let wakers = std::mem::take(&mut *self.ctrl.wakers());
+            for (thread, poller) in wakers {
+                let _ = thread.send(move |t| {
+                    t.wake_poller(poller);
+                });
+            }
             tracing::info!(cntlid = self.ctrl.cntlid, hostnqn = %self.ctrl.hostnqn, "controller removed");
         }
     }
@@ -182,6 +196,12 @@ pub(crate) struct Controller {
     pub(crate) hostnqn: String,
     /// `None` for a discovery controller.
     pub(crate) volume: Option<Arc<Volume>>,
+    /// Cleared when the admin queue goes (closed, or KATO expired).
+    alive: AtomicBool,
+    /// When the admin queue last received a command (the poll's `now`).
+    last_keepalive_ns: AtomicU64,
+    /// The pollers of the I/O queues, woken when the controller goes.
+    io_wakers: Mutex<Vec<(ThreadHandle, PollerId)>>,
     state: Mutex<CtrlState>,
 }
 
@@ -204,6 +224,41 @@ const CSTS_SHST_COMPLETE: u32 = 2 << 2;
 impl Controller {
     fn st(&self) -> MutexGuard<'_, CtrlState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wakers(&self) -> MutexGuard<'_, Vec<(ThreadHandle, PollerId)>> {
+        self.io_wakers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the controller still exists (its admin queue is open).
+    pub(crate) fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// An I/O queue's poller, to wake when the controller goes. A queue
+    /// moved to another group registers again (the stale entry's wake is
+    /// ignored by its thread).
+    pub(crate) fn add_io_waker(&self, thread: ThreadHandle, poller: PollerId) {
+        let mut w = self.wakers();
+        // Bounded: I/O queues per controller, and a move or two each.
+        if w.len() < 4 * usize::from(MAX_IO_QUEUES) {
+            w.push((thread, poller));
+        }
+    }
+
+    /// The admin queue received a command at `now_ns`.
+    pub(crate) fn touch(&self, now_ns: u64) {
+        self.last_keepalive_ns.store(now_ns, Ordering::Relaxed);
+    }
+
+    pub(crate) fn last_keepalive_ns(&self) -> u64 {
+        self.last_keepalive_ns.load(Ordering::Relaxed)
+    }
+
+    /// The keep-alive timeout in ms (0: none), from Connect or Set
+    /// Features.
+    pub(crate) fn kato_ms(&self) -> u32 {
+        self.st().kato_ms
     }
 
     pub(crate) fn cc(&self) -> u32 {
