@@ -335,7 +335,8 @@ impl<S: Read + Write> Conn<S> {
         }
         let kato_ms = q.ctrl.kato_ms();
         let idle_ns = now.saturating_sub(q.ctrl.last_keepalive_ns());
-        if kato_ms > 0 && idle_ns > u64::from(kato_ms) * 1_000_000 {
+        let limit_ns = u64::from(kato_ms) * 1_000_000 * KATO_SLACK_PERCENT / 100;
+        if kato_ms > 0 && idle_ns > limit_ns {
             tracing::warn!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, kato_ms, "keep-alive timeout: tearing the controller down");
             self.link
                 .close(format!("keep-alive timeout ({kato_ms} ms)"));
