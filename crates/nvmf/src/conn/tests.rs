@@ -578,6 +578,25 @@ fn the_discovery_controller_lists_the_volumes() {
     assert_eq!(status_of(&a.cmd(s, &[])[0]), Status::INVALID_FIELD.field());
 }
 
+/// What an idle queue pair costs beyond its poller entry and socket:
+/// the connection struct (its input buffer is given back when idle, its
+/// slot table grows only with commands in flight).
+#[test]
+fn an_idle_queue_pair_is_small() {
+    let bytes = std::mem::size_of::<Conn<std::net::TcpStream>>();
+    eprintln!("Conn<TcpStream>: {bytes} bytes");
+    assert!(bytes < 1024, "{bytes} bytes");
+    let shared = shared();
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    ok(&h.connect(0, 0xFFFF, NQN));
+    h.conn.link.inb.release();
+    assert!(
+        !h.conn.link.inb.is_held(),
+        "an idle queue pair holds no input buffer"
+    );
+}
+
 proptest! {
     /// Garbage, before or after the IC exchange, never panics: the
     /// target waits for more bytes, or answers with a C2HTermReq and
