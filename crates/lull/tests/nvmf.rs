@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{pattern, Server, IO_TIMEOUT};
+use common::{pattern, NbdClient, Server, IO_TIMEOUT};
 use lull_nvmf::pdu::{self, Digests, IcReq, Pdu};
 
 /// SPDK processes run one at a time: each takes 256 MiB to 1 GiB of
@@ -244,8 +244,8 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
 }
 
 #[test]
-fn spdk_dd_round_trip_is_byte_identical() {
-    let Some(tools) = spdk_tools("spdk_dd_round_trip_is_byte_identical") else {
+fn spdk_dd_round_trip_is_byte_identical_and_nbd_agrees() {
+    let Some(tools) = spdk_tools("spdk_dd_round_trip_is_byte_identical_and_nbd_agrees") else {
         return;
     };
     let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
@@ -286,6 +286,24 @@ fn spdk_dd_round_trip_is_byte_identical() {
             "131072",
         ],
     );
+    // The same volume over NBD at once: it reads what NVMe/TCP wrote, and
+    // what it writes is what NVMe/TCP then reads.
+    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
+    let mut expect = data.clone();
+    for (i, chunk) in data.chunks(1 << 20).enumerate() {
+        let got = nbd
+            .read((i as u64) << 20, chunk.len() as u32)
+            .expect("NBD read")
+            .expect("NBD read status");
+        assert!(
+            got == chunk,
+            "NBD reads other bytes at MiB {i} than NVMe/TCP wrote"
+        );
+    }
+    let over = pattern(0xb0b, 1 << 20);
+    assert_eq!(nbd.write(4 << 20, &over).expect("NBD write"), 0);
+    expect[4 << 20..5 << 20].copy_from_slice(&over);
+    drop(nbd);
     spdk(
         &tools,
         "spdk_dd",
@@ -306,8 +324,11 @@ fn spdk_dd_round_trip_is_byte_identical() {
         ],
     );
     let back = std::fs::read(&output).expect("read the output");
-    assert_eq!(back.len(), data.len());
-    assert!(back == data, "spdk_dd read back different bytes");
+    assert_eq!(back.len(), expect.len());
+    assert!(
+        back == expect,
+        "spdk_dd read back other bytes than NVMe/TCP and NBD wrote"
+    );
     server.assert_healthy();
 }
 
