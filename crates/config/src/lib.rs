@@ -13,6 +13,7 @@
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
 //! connections_per_replica = 2
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
+//! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
 //! # dynamic's tunables (SPDK's, percent): scheduler_load_limit = 20,
@@ -75,6 +76,8 @@ pub struct ServeSettings {
     pub volumes: Vec<VolumeSpec>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<SocketAddr>,
+    /// The NVMe/TCP target's address; off when `None`.
+    pub nvmf_listen: Option<SocketAddr>,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
 }
@@ -102,6 +105,8 @@ pub struct ConfigFile {
     pub nvme_ioq_poll_period_us: Option<u64>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<String>,
+    /// The NVMe/TCP target's ADDR:PORT (4420 is the usual port).
+    pub nvmf_listen: Option<String>,
     /// Replicated volumes: a replica silent this long is failed.
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
@@ -141,6 +146,7 @@ pub struct Overrides {
     pub volumes: Vec<String>,
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<String>,
+    pub nvmf_listen: Option<String>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
     pub scheduler: Option<String>,
@@ -307,6 +313,14 @@ pub fn resolve(
         })?),
         None => None,
     };
+    let nvmf_listen = match flags.nvmf_listen.or(file.nvmf_listen) {
+        Some(a) => Some(a.parse().map_err(|_| {
+            ConfigError(format!(
+                "invalid nvmf_listen address {a:?}: expected ADDR:PORT"
+            ))
+        })?),
+        None => None,
+    };
     let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
     let mut engine = lull_engine::EngineOptions::default();
     if let Some(t) = flags.replica_timeout_ms.or(file.replica_timeout_ms) {
@@ -362,6 +376,7 @@ pub fn resolve(
         volumes,
         rpc_socket,
         metrics,
+        nvmf_listen,
         engine,
         scheduler,
     })
@@ -535,6 +550,30 @@ mod tests {
             .unwrap_err()
             .0
             .contains("contradicts"));
+    }
+
+    #[test]
+    fn nvmf_listen_is_off_unless_given() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.nvmf_listen, None);
+        let file = ConfigFile::parse("nvmf_listen = \"127.0.0.1:4420\"\n").unwrap();
+        let s = resolve(file, Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.nvmf_listen, Some("127.0.0.1:4420".parse().unwrap()));
+        let flags = Overrides {
+            nvmf_listen: Some("127.0.0.1:4421".into()),
+            ..Default::default()
+        };
+        let file = ConfigFile::parse("nvmf_listen = \"127.0.0.1:4420\"\n").unwrap();
+        let s = resolve(file, flags, &[0]).unwrap();
+        assert_eq!(s.nvmf_listen, Some("127.0.0.1:4421".parse().unwrap()));
+        let flags = Overrides {
+            nvmf_listen: Some("4420".into()),
+            ..Default::default()
+        };
+        assert!(resolve(ConfigFile::default(), flags, &[0])
+            .unwrap_err()
+            .0
+            .contains("nvmf_listen"));
     }
 
     #[test]

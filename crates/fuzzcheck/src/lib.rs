@@ -20,11 +20,13 @@
 
 mod config;
 mod nbd;
+mod nvmf;
 mod replica;
 mod rpc;
 
 pub use config::config_toml;
 pub use nbd::{nbd_handshake, nbd_request};
+pub use nvmf::nvmf_pdu;
 pub use replica::{replica_frame, replica_meta, replica_reply};
 pub use rpc::{metrics_http, rpc_request};
 
@@ -42,6 +44,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("rpc_request", rpc_request),
     ("metrics_http", metrics_http),
     ("config_toml", config_toml),
+    ("nvmf_pdu", nvmf_pdu),
 ];
 
 /// Chunk sizes taken from the front of an input: byte 0's low 3 bits say how

@@ -93,3 +93,8 @@ fn metrics_http() {
 fn config_toml() {
     replay("config_toml");
 }
+
+#[test]
+fn nvmf_pdu() {
+    replay("nvmf_pdu");
+}

@@ -36,7 +36,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve volumes over NBD.
+    /// Serve volumes over NBD (and NVMe/TCP with --nvmf-listen).
     Serve(ServeArgs),
     /// Serve one replica of a replicated volume.
     Replica(cli::replica::ReplicaArgs),
@@ -72,6 +72,10 @@ struct ServeArgs {
     /// by another server, RPC is off with a warning].
     #[arg(long, value_name = "PATH")]
     rpc_socket: Option<PathBuf>,
+    /// Serve the volumes over NVMe/TCP at ADDR:PORT too (4420 is the usual
+    /// port); subsystem NQN nqn.2026-11.io.lull:<volume> [default: off].
+    #[arg(long, value_name = "ADDR:PORT")]
+    nvmf_listen: Option<String>,
     /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
@@ -129,6 +133,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         volumes: args.volumes,
         rpc_socket: args.rpc_socket,
         metrics: args.metrics,
+        nvmf_listen: args.nvmf_listen,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
         scheduler: args.scheduler,
@@ -287,6 +292,27 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let nvmf = match s.nvmf_listen {
+        Some(addr) => match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                eprintln!("lull: error: {e}");
+                server.shutdown(SHUTDOWN_TIMEOUT);
+                fw.stop();
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
+    // Both frontends stop the same way: no new connections, in-flight
+    // I/O finished, then closed.
+    let stop_frontends = |server: &NbdServer, nvmf: &Option<lull_nvmf::NvmfServer>| {
+        let mut left = server.shutdown(SHUTDOWN_TIMEOUT);
+        if let Some(n) = nvmf {
+            left += n.shutdown(SHUTDOWN_TIMEOUT);
+        }
+        left
+    };
     let control = Arc::new(control::Control::new(
         fw.handle().clone(),
         volumes.clone(),
@@ -297,7 +323,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("lull: error: {e}");
-            server.shutdown(SHUTDOWN_TIMEOUT);
+            stop_frontends(&server, &nvmf);
             fw.stop();
             return ExitCode::FAILURE;
         }
@@ -307,7 +333,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             Ok(m) => Some(m),
             Err(e) => {
                 eprintln!("lull: error: metrics on {addr}: {e}");
-                server.shutdown(SHUTDOWN_TIMEOUT);
+                stop_frontends(&server, &nvmf);
                 fw.stop();
                 return ExitCode::FAILURE;
             }
@@ -328,6 +354,19 @@ fn serve(args: ServeArgs) -> ExitCode {
             lull_bdev::human_bytes(v.dev().size_bytes()),
             v.dev().describe()
         );
+    }
+    // Before NBD's "listening on": tools that wait for that line have
+    // seen everything else by then.
+    if let Some(n) = &nvmf {
+        println!("nvmf listening on {}", n.local_addr());
+        for v in volumes.list() {
+            println!(
+                "try: spdk_nvme_identify -r 'trtype:TCP adrfam:IPv4 traddr:{} trsvcid:{} subnqn:{}'",
+                n.local_addr().ip(),
+                n.local_addr().port(),
+                lull_nvmf::subsystem_nqn(&v.name)
+            );
+        }
     }
     for a in server.local_addrs() {
         println!("listening on {a}");
@@ -357,7 +396,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     );
     drop(rpc);
     drop(metrics);
-    let left = server.shutdown(SHUTDOWN_TIMEOUT);
+    let left = stop_frontends(&server, &nvmf);
     if left > 0 {
         tracing::warn!(
             connections = left,

@@ -43,6 +43,9 @@ pub struct Server {
     addr: SocketAddr,
     dir: PathBuf,
     stderr_path: PathBuf,
+    /// What the server printed before its NBD address (volumes, the
+    /// NVMe/TCP address).
+    startup: Vec<String>,
 }
 
 impl Server {
@@ -83,6 +86,7 @@ impl Server {
             }
         });
         let deadline = Instant::now() + START_TIMEOUT;
+        let mut startup = Vec::new();
         let addr = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
@@ -92,6 +96,7 @@ impl Server {
                             break addr;
                         }
                     }
+                    startup.push(line);
                 }
                 Err(e) => {
                     let _ = child.kill();
@@ -106,6 +111,7 @@ impl Server {
             addr,
             dir,
             stderr_path,
+            startup,
         };
         server.wait_until_connectable();
         server
@@ -132,6 +138,13 @@ impl Server {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The NVMe/TCP target's address, when started with `--nvmf-listen`.
+    pub fn nvmf_addr(&self) -> Option<SocketAddr> {
+        self.startup
+            .iter()
+            .find_map(|l| l.strip_prefix("nvmf listening on ")?.trim().parse().ok())
     }
 
     /// A scratch directory that lives as long as the test's build.

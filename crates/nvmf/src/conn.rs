@@ -1,0 +1,1234 @@
+//! One NVMe/TCP queue pair (a TCP connection), run by its poller in a
+//! poll group on the shared pump (`lull_net::wire`).
+//!
+//! The life of a queue pair: ICReq → ICResp (digests, alignment,
+//! MAXH2CDATA), then a Fabrics Connect names the subsystem and the queue:
+//! queue 0 creates a controller (dynamic model: the target picks its id),
+//! queues 1.. join an existing controller by id. Admin commands are
+//! answered at once from the controller's state; I/O commands go to the
+//! volume's device channel, one slot per command in flight. A write whose
+//! data is not in the capsule gets one R2T for all of it and its H2CData
+//! PDUs are copied into the command's buffer; a read is answered with one
+//! C2HData PDU and a CapsuleResp.
+//!
+//! PDUs are parsed whole from the input buffer (`limits::INBUF_BYTES`
+//! holds the largest). Anything malformed at the transport level ends in a
+//! C2HTermReq and a close, with a log line; a malformed command gets an
+//! NVMe error status.
+
+use std::io::{Read, Write};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_net::slots::{SlotId, SlotTable};
+use lull_net::wire::{self, Wire};
+use lull_net::{bufs, Payload};
+use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
+use lull_volume::{OpKind, Volume};
+
+use crate::limits::*;
+use crate::pdu::{self, DataHeader, Digests, IcResp, Pdu, PduError};
+use crate::spec::{self, Cqe, Sqe, Status};
+use crate::target::{Controller, ControllerRef, Shared};
+
+/// What a command in flight waits for.
+enum Stage {
+    /// Host data arriving through H2CData after our R2T: `filled` of the
+    /// buffer's `want` bytes are there.
+    Receiving { filled: usize, want: usize },
+    /// Submitted to the device.
+    Device,
+}
+
+struct Cmd {
+    sqe: Sqe,
+    buf: Option<IoBuf>,
+    stage: Stage,
+    start_ns: u64,
+}
+
+/// An I/O queue's view of its namespace.
+struct Namespace {
+    volume: Arc<Volume>,
+    channel: Box<dyn Channel>,
+    blocks: u64,
+    lba_shift: u8,
+}
+
+/// A connected queue.
+struct Queue {
+    qid: u16,
+    /// Queue entries (SQSIZE + 1): the SQ head wraps at this.
+    entries: u16,
+    ctrl: ControllerRef,
+    /// Set on I/O queues.
+    ns: Option<Namespace>,
+}
+
+enum Phase {
+    /// Waiting for ICReq.
+    Init,
+    /// IC done, waiting for Connect.
+    Connecting,
+    Connected(Queue),
+}
+
+/// How the result of an admin or fabrics command goes back.
+pub(crate) struct Reply {
+    pub(crate) status: Status,
+    pub(crate) dw0: u32,
+    pub(crate) dw1: u32,
+    pub(crate) data: Option<Vec<u8>>,
+}
+
+impl Reply {
+    pub(crate) fn status(status: Status) -> Reply {
+        Reply {
+            status,
+            dw0: 0,
+            dw1: 0,
+            data: None,
+        }
+    }
+    pub(crate) fn ok() -> Reply {
+        Reply::status(Status::SUCCESS)
+    }
+    pub(crate) fn dw0(dw0: u32) -> Reply {
+        Reply { dw0, ..Reply::ok() }
+    }
+    pub(crate) fn data(data: Vec<u8>) -> Reply {
+        Reply {
+            data: Some(data),
+            ..Reply::ok()
+        }
+    }
+}
+
+pub(crate) struct Conn<S> {
+    link: Wire<S>,
+    shared: Arc<Shared>,
+    phase: Phase,
+    dg: Digests,
+    /// Alignment of data in the PDUs we send ((HPDA + 1) * 4).
+    c2h_align: usize,
+    slots: SlotTable<Cmd>,
+    /// CIDs of held Asynchronous Event Requests (admin queue).
+    aers: Vec<u16>,
+    sqhd: u16,
+    retry: Option<IoRequest>,
+    greeted: Arc<AtomicBool>,
+    completions: Vec<IoCompletion>,
+    now_ns: u64,
+    clock: Option<Arc<dyn Clock>>,
+    /// Disconnect was asked: close once its response is out.
+    disconnecting: bool,
+    /// Admin queue with a KATO: the timer that wakes it to check.
+    kato_timer: Option<PollerId>,
+    /// I/O queue: the poller registered with the controller for a wake-up
+    /// when it goes.
+    waker: Option<PollerId>,
+}
+
+impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> {
+    fn fd(&self) -> RawFd {
+        self.link.fd()
+    }
+
+    fn interest(&self) -> Interest {
+        self.link.interest()
+    }
+
+    fn greeted(&self) -> Arc<AtomicBool> {
+        self.greeted.clone()
+    }
+
+    fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus {
+        self.now_ns = now;
+        if greeting_expired && !self.greeted.load(Ordering::Relaxed) {
+            self.link.close("no ICReq and Connect in time");
+        }
+        if !self.link.is_closing() && self.shared.conns.stopping() {
+            self.link.close("server shutting down");
+        }
+        self.watch_controller(t);
+        let status = wire::pump(self, t, MAX_ROUNDS);
+        // After the pump, so that a Keep Alive already received counts,
+        // and so that a queue connected in this run registers now (an
+        // idle queue may not run again until its controller goes).
+        self.check_keepalive(t, now);
+        self.watch_controller(t);
+        if self.link.is_closing() {
+            // The timer goes before the connection does (the pump may
+            // have finished it: it is dropped when this call returns).
+            if let Some(id) = self.kato_timer.take() {
+                t.unregister_poller(id);
+            }
+        }
+        status
+    }
+
+    fn affinity(&self) -> Option<String> {
+        match &self.phase {
+            Phase::Connected(Queue { ns: Some(ns), .. }) if !self.link.is_closing() => {
+                Some(ns.volume.name.clone())
+            }
+            _ => None,
+        }
+    }
+}
+
+impl<S: Read + Write> wire::Protocol for Conn<S> {
+    type Stream = S;
+
+    fn link(&mut self) -> &mut Wire<S> {
+        &mut self.link
+    }
+
+    fn advance(&mut self) -> bool {
+        let reaped = self.reap();
+        let retried = self.retry_submit();
+        if self.disconnecting && !self.link.is_closing() && self.slots.is_empty() {
+            self.link.close("host sent Disconnect");
+        }
+        reaped | retried
+    }
+
+    fn read_and_dispatch(&mut self) -> bool {
+        let mut progress = false;
+        let mut budget = READ_BUDGET_BYTES;
+        loop {
+            if self.link.is_closing() || self.disconnecting {
+                break;
+            }
+            let moved = self.step();
+            progress |= moved;
+            if moved {
+                continue;
+            }
+            if budget == 0 || !self.can_read() {
+                break;
+            }
+            let in_flight = self.slots.in_flight();
+            let n = self.link.fill(in_flight, "host disconnected");
+            if n == 0 {
+                break;
+            }
+            progress = true;
+            budget = budget.saturating_sub(n);
+        }
+        progress
+    }
+
+    fn abandon_input(&mut self) -> bool {
+        // Writes waiting for H2CData can no longer complete.
+        let mut dropped = false;
+        self.slots.retain(|_, c| {
+            if matches!(c.stage, Stage::Receiving { .. }) {
+                if let Some(b) = c.buf.take() {
+                    bufs::put(b);
+                }
+                dropped = true;
+                false
+            } else {
+                true
+            }
+        });
+        dropped
+    }
+
+    fn busy(&self) -> bool {
+        self.slots.in_flight() > 0 || self.retry.is_some()
+    }
+
+    fn completions_fd(&self) -> Option<RawFd> {
+        match &self.phase {
+            Phase::Connected(Queue { ns: Some(ns), .. }) => ns.channel.event_fd(),
+            _ => None,
+        }
+    }
+
+    fn check_invariants(&self) {
+        self.slots.check_invariants();
+        debug_assert!(self.aers.len() <= MAX_AERS);
+    }
+}
+
+impl<S: Read + Write> Conn<S> {
+    pub(crate) fn new(stream: S, fd: RawFd, peer: String, shared: Arc<Shared>) -> Conn<S> {
+        Conn {
+            link: Wire::new(stream, fd, INBUF_BYTES, "NVMe/TCP", peer),
+            shared,
+            phase: Phase::Init,
+            dg: Digests::default(),
+            c2h_align: 4,
+            slots: SlotTable::new(MAX_QUEUE_ENTRIES),
+            aers: Vec::new(),
+            sqhd: 0,
+            retry: None,
+            greeted: Arc::new(AtomicBool::new(false)),
+            completions: Vec::new(),
+            now_ns: 0,
+            clock: None,
+            disconnecting: false,
+            kato_timer: None,
+            waker: None,
+        }
+    }
+
+    /// Keep-alive and controller teardown. An admin queue with a KATO
+    /// keeps a timer (every half KATO) that wakes it, and closes when no
+    /// command came for a whole KATO: its controller goes with it. An I/O
+    /// queue registers its poller with its controller, which wakes it when
+    /// it goes; it then closes.
+    fn watch_controller(&mut self, t: &mut Thread) {
+        let Phase::Connected(q) = &self.phase else {
+            return;
+        };
+        if self.link.is_closing() {
+            return;
+        }
+        let Some(me) = t.current_poller() else {
+            return;
+        };
+        if q.qid == 0 {
+            let kato_ms = q.ctrl.kato_ms();
+            if kato_ms == 0 {
+                return;
+            }
+            if self.kato_timer.is_none() {
+                let period_us = (u64::from(kato_ms) * 1000 / 2).max(1000);
+                let r = t.register_poller(
+                    "nvmf-kato",
+                    PollerKind::every_us(period_us),
+                    &[],
+                    Box::new(move |t, _now| {
+                        t.wake_poller(me);
+                        PollStatus::Idle
+                    }),
+                );
+                match r {
+                    Ok(id) => self.kato_timer = Some(id),
+                    Err(e) => {
+                        tracing::warn!(peer = %self.link.peer(), error = %e, "no keep-alive timer: KATO not enforced on this controller")
+                    }
+                }
+            }
+        } else if !q.ctrl.alive() {
+            self.link
+                .close("controller gone (its admin queue closed or timed out)");
+        } else if self.waker != Some(me) {
+            q.ctrl.add_io_waker(t.handle(), me);
+            self.waker = Some(me);
+        }
+    }
+
+    /// An admin queue silent for a whole KATO closes (its controller, and
+    /// so its I/O queues, go with it).
+    fn check_keepalive(&mut self, t: &mut Thread, now: u64) {
+        let Phase::Connected(q) = &self.phase else {
+            return;
+        };
+        if q.qid != 0 || self.link.is_closing() {
+            return;
+        }
+        let kato_ms = q.ctrl.kato_ms();
+        let idle_ns = now.saturating_sub(q.ctrl.last_keepalive_ns());
+        let limit_ns = u64::from(kato_ms) * 1_000_000 * KATO_SLACK_PERCENT / 100;
+        if kato_ms > 0 && idle_ns > limit_ns {
+            tracing::warn!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, kato_ms, "keep-alive timeout: tearing the controller down");
+            self.link
+                .close(format!("keep-alive timeout ({kato_ms} ms)"));
+            if let Some(me) = t.current_poller() {
+                t.wake_poller(me);
+            }
+        }
+    }
+
+    pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
+        self.clock = Some(clock);
+    }
+
+    fn clock_ns(&self) -> u64 {
+        self.clock.as_ref().map_or(self.now_ns, |c| c.now_ns())
+    }
+
+    /// Whether reading more input could make progress (back-pressure: a
+    /// retry pending, or too many reply bytes queued).
+    fn can_read(&self) -> bool {
+        self.retry.is_none() && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+    }
+
+    /// End the connection for a transport error: a C2HTermReq echoing the
+    /// offending header, a log line, and a close.
+    fn fatal(&mut self, err: &PduError, offending: &[u8]) {
+        tracing::warn!(peer = %self.link.peer(), error = %err, "fatal NVMe/TCP transport error; sending C2HTermReq");
+        let term = pdu::c2h_term_req(err, offending);
+        self.link.push(&[], Payload::Bytes(term));
+        self.link.close(format!("transport error: {err}"));
+    }
+
+    /// Parse and handle one whole PDU from the input buffer.
+    fn step(&mut self) -> bool {
+        if !self.can_read() {
+            return false;
+        }
+        let buffered = self.link.inb.peek();
+        let Some(ch) = pdu::common_header(buffered) else {
+            return false;
+        };
+        // A new command needs a free slot; wait for one (data PDUs for
+        // commands in flight go on).
+        if ch.pdu_type == pdu::TYPE_CAPSULE_CMD && self.slots.is_full() {
+            return false;
+        }
+        let ic_done = !matches!(self.phase, Phase::Init);
+        if !ic_done && ch.pdu_type != pdu::TYPE_IC_REQ {
+            let err = PduError::Sequence(ch.pdu_type);
+            let head = buffered[..pdu::CH_LEN].to_vec();
+            self.fatal(&err, &head);
+            return true;
+        }
+        let dg = self.dg;
+        let decoded = pdu::decode(buffered, dg);
+        match decoded {
+            Ok(None) => false,
+            Ok(Some((p, used))) => {
+                // Copy out what outlives the input buffer, then consume.
+                match p {
+                    Pdu::IcReq(r) if !ic_done => {
+                        self.link.inb.consume(used);
+                        self.on_icreq(r);
+                    }
+                    Pdu::CapsuleCmd { sqe, data } => {
+                        let data = if data.is_empty() {
+                            None
+                        } else {
+                            let mut b = bufs::get(data.len());
+                            b.as_mut_slice()[..data.len()].copy_from_slice(data);
+                            Some(b)
+                        };
+                        self.link.inb.consume(used);
+                        self.on_capsule(Sqe(sqe), data);
+                    }
+                    Pdu::H2CData { hdr, data } => {
+                        let r = Self::place_h2c(&mut self.slots, &hdr, data);
+                        self.link.inb.consume(used);
+                        match r {
+                            Ok(Some(slot)) => self.data_complete(slot),
+                            Ok(None) => {}
+                            Err(err) => {
+                                let mut head = [0u8; pdu::DATA_HLEN];
+                                head.copy_from_slice(
+                                    &pdu::encode(
+                                        &Pdu::H2CData { hdr, data: &[] },
+                                        Digests::default(),
+                                    )[..pdu::DATA_HLEN],
+                                );
+                                self.fatal(&err, &head);
+                            }
+                        }
+                    }
+                    Pdu::TermReq { fes, fei, .. } => {
+                        self.link.inb.consume(used);
+                        tracing::warn!(peer = %self.link.peer(), fes, fei, "host sent H2CTermReq");
+                        self.link.set_broken();
+                        self.link
+                            .close("host terminated the connection (H2CTermReq)");
+                    }
+                    Pdu::IcReq(..)
+                    | Pdu::IcResp(..)
+                    | Pdu::CapsuleResp { .. }
+                    | Pdu::C2HData { .. }
+                    | Pdu::R2t(..) => {
+                        let head = self.link.inb.peek()[..pdu::CH_LEN].to_vec();
+                        self.fatal(&PduError::Sequence(ch.pdu_type), &head);
+                    }
+                }
+                true
+            }
+            Err(PduError::DataDigest(t)) if t == pdu::TYPE_CAPSULE_CMD => {
+                // The command is intact (its header digest, if any, was
+                // good); its data is not: a retryable error for it alone.
+                let sqe = Sqe(buffered[8..72].try_into().unwrap_or([0; 64]));
+                self.link.inb.consume(ch.plen as usize);
+                self.advance_sqhd();
+                tracing::warn!(peer = %self.link.peer(), cid = sqe.cid(), "data digest error in a command capsule");
+                self.respond(sqe.cid(), Reply::status(Status::TRANSIENT_TRANSPORT_ERROR));
+                true
+            }
+            Err(PduError::DataDigest(t)) if t == pdu::TYPE_H2C_DATA => {
+                let cccid = u16::from_le_bytes([buffered[8], buffered[9]]);
+                let ttag = u16::from_le_bytes([buffered[10], buffered[11]]);
+                self.link.inb.consume(ch.plen as usize);
+                tracing::warn!(peer = %self.link.peer(), cid = cccid, "data digest error in H2CData");
+                if let Some(id) = self.find_receiving(ttag, cccid) {
+                    if let Some(mut c) = self.slots.take(id.to_wire()) {
+                        if let Some(b) = c.buf.take() {
+                            bufs::put(b);
+                        }
+                    }
+                    self.respond(cccid, Reply::status(Status::TRANSIENT_TRANSPORT_ERROR));
+                }
+                true
+            }
+            Err(err) => {
+                // Echo the offending header (at least the common header,
+                // at most what a TermReq carries, at most what arrived).
+                let n = usize::from(ch.hlen)
+                    .clamp(pdu::CH_LEN, pdu::TERM_REQ_MAX_COPY)
+                    .min(buffered.len());
+                let head = buffered[..n].to_vec();
+                self.fatal(&err, &head);
+                true
+            }
+        }
+    }
+
+    fn on_icreq(&mut self, r: pdu::IcReq) {
+        self.dg = r.digests;
+        self.c2h_align = (usize::from(r.hpda) + 1) * 4;
+        let resp = pdu::encode(
+            &Pdu::IcResp(IcResp {
+                pfv: pdu::PFV,
+                cpda: 0,
+                digests: r.digests,
+                maxh2cdata: MAX_H2C_DATA_BYTES as u32,
+            }),
+            Digests::default(),
+        );
+        self.link.push(&[], Payload::Bytes(resp));
+        self.phase = Phase::Connecting;
+        tracing::debug!(peer = %self.link.peer(), hdgst = r.digests.header, ddgst = r.digests.data, hpda = r.hpda, "ICReq");
+    }
+
+    fn advance_sqhd(&mut self) {
+        let entries = match &self.phase {
+            Phase::Connected(q) => q.entries,
+            _ => MAX_QUEUE_ENTRIES as u16,
+        };
+        self.sqhd = (self.sqhd + 1) % entries.max(1);
+    }
+
+    /// A command capsule arrived (with its in-capsule data, if any).
+    fn on_capsule(&mut self, sqe: Sqe, data: Option<IoBuf>) {
+        self.advance_sqhd();
+        if let Phase::Connected(q) = &self.phase {
+            if q.qid == 0 {
+                q.ctrl.touch(self.now_ns);
+            }
+        }
+        let sgl = sqe.sgl();
+        let cid = sqe.cid();
+        let opc = sqe.opcode();
+        let dir = if opc == spec::OPC_FABRICS {
+            sqe.fctype() & 3
+        } else {
+            opc & 3
+        };
+        let host_data = dir & 1 == 1 && sgl.length > 0;
+        if !host_data {
+            if let Some(b) = data {
+                // Data nobody asked for: ignore it, answer the command.
+                bufs::put(b);
+            }
+            return self.execute(sqe, None);
+        }
+        let len = sgl.length as usize;
+        match sgl.kind {
+            spec::SGL_IN_CAPSULE => {
+                let have = data.as_ref().map_or(0, |b| b.len());
+                let off = sgl.address as usize;
+                match data {
+                    Some(mut b) if sgl.address <= have as u64 && off + len <= have => {
+                        if off > 0 {
+                            b.as_mut_slice().copy_within(off..off + len, 0);
+                        }
+                        self.execute(sqe, Some(b));
+                    }
+                    other => {
+                        if let Some(b) = other {
+                            bufs::put(b);
+                        }
+                        self.respond(cid, Reply::status(Status::DATA_SGL_LENGTH_INVALID));
+                    }
+                }
+            }
+            spec::SGL_TRANSPORT => {
+                if let Some(b) = data {
+                    bufs::put(b);
+                }
+                if len > MAX_TRANSFER_BYTES {
+                    return self.respond(cid, Reply::status(Status::DATA_SGL_LENGTH_INVALID));
+                }
+                // Check a write before asking for its data.
+                if let Err(status) = self.check_io(&sqe) {
+                    return self.respond(cid, Reply::status(status));
+                }
+                let start_ns = self.clock_ns();
+                let Some(slot) = self.slots.insert(Cmd {
+                    sqe,
+                    buf: Some(bufs::get(len)),
+                    stage: Stage::Receiving {
+                        filled: 0,
+                        want: len,
+                    },
+                    start_ns,
+                }) else {
+                    // step() waits for a free slot before taking a capsule.
+                    return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+                };
+                let r2t = pdu::R2t {
+                    cccid: cid,
+                    ttag: slot.index() as u16,
+                    r2to: 0,
+                    r2tl: len as u32,
+                };
+                let h = pdu::encode(&Pdu::R2t(r2t), self.dg);
+                self.link.push(&h, Payload::None);
+            }
+            _ => {
+                if let Some(b) = data {
+                    bufs::put(b);
+                }
+                self.respond(cid, Reply::status(Status::SGL_DESCRIPTOR_TYPE_INVALID));
+            }
+        }
+    }
+
+    fn find_receiving(&self, ttag: u16, cccid: u16) -> Option<SlotId> {
+        self.slots
+            .iter()
+            .find(|(id, c)| {
+                id.index() == usize::from(ttag)
+                    && c.sqe.cid() == cccid
+                    && matches!(c.stage, Stage::Receiving { .. })
+            })
+            .map(|(id, _)| id)
+    }
+
+    /// Copy an H2CData PDU's data into its command's buffer. `Ok(Some)`:
+    /// the command has all its data.
+    fn place_h2c(
+        slots: &mut SlotTable<Cmd>,
+        hdr: &DataHeader,
+        data: &[u8],
+    ) -> Result<Option<SlotId>, PduError> {
+        let found = slots
+            .iter()
+            .find(|(id, c)| {
+                id.index() == usize::from(hdr.ttag)
+                    && c.sqe.cid() == hdr.cccid
+                    && matches!(c.stage, Stage::Receiving { .. })
+            })
+            .map(|(id, _)| id);
+        let Some(id) = found else {
+            return Err(PduError::Unsupported {
+                what: "H2CData transfer tag",
+                value: u32::from(hdr.ttag),
+            });
+        };
+        let Some(cmd) = slots.get_mut(id.to_wire()) else {
+            return Err(PduError::Unsupported {
+                what: "H2CData transfer tag",
+                value: u32::from(hdr.ttag),
+            });
+        };
+        let Stage::Receiving { filled, want } = &mut cmd.stage else {
+            return Ok(None);
+        };
+        let off = hdr.datao as usize;
+        // In order and inside what the R2T asked for (the host may split
+        // it into PDUs of at most MAXH2CDATA).
+        if off != *filled || off + data.len() > *want {
+            return Err(PduError::DataTooLong {
+                len: off + data.len(),
+                max: *want,
+            });
+        }
+        if let Some(b) = cmd.buf.as_mut() {
+            b.as_mut_slice()[off..off + data.len()].copy_from_slice(data);
+        }
+        *filled += data.len();
+        Ok((*filled == *want).then_some(id))
+    }
+
+    /// All host data of the command in `slot` arrived.
+    fn data_complete(&mut self, slot: SlotId) {
+        let Some(cmd) = self.slots.take(slot.to_wire()) else {
+            return;
+        };
+        self.execute_with_start(cmd.sqe, cmd.buf, cmd.start_ns);
+    }
+
+    fn execute(&mut self, sqe: Sqe, data: Option<IoBuf>) {
+        let start = self.clock_ns();
+        self.execute_with_start(sqe, data, start);
+    }
+
+    fn execute_with_start(&mut self, sqe: Sqe, data: Option<IoBuf>, start_ns: u64) {
+        let cid = sqe.cid();
+        if sqe.opcode() == spec::OPC_FABRICS {
+            let reply = self.fabrics(&sqe, data.as_ref());
+            if let Some(b) = data {
+                bufs::put(b);
+            }
+            return self.respond(cid, reply);
+        }
+        let (qid, is_io) = match &self.phase {
+            Phase::Connected(q) => (q.qid, q.ns.is_some()),
+            _ => {
+                if let Some(b) = data {
+                    bufs::put(b);
+                }
+                return self.respond(cid, Reply::status(Status::COMMAND_SEQUENCE_ERROR));
+            }
+        };
+        if qid == 0 {
+            if let Some(b) = data {
+                bufs::put(b);
+            }
+            if sqe.opcode() == spec::ADMIN_ASYNC_EVENT_REQUEST {
+                if self.aers.len() >= MAX_AERS {
+                    return self.respond(cid, Reply::status(Status::ASYNC_EVENT_LIMIT_EXCEEDED));
+                }
+                // Held until an event (none is raised yet) or the end.
+                self.aers.push(cid);
+                return;
+            }
+            let reply = self.admin(&sqe);
+            return self.respond(cid, reply);
+        }
+        debug_assert!(is_io);
+        self.io(sqe, data, start_ns);
+    }
+
+    /// Send a command's data (if any) in one C2HData PDU, then its
+    /// CapsuleResp.
+    fn respond(&mut self, cid: u16, r: Reply) {
+        if let Some(d) = r.data {
+            if r.status.is_success() && !d.is_empty() {
+                let mut b = bufs::get(d.len());
+                b.as_mut_slice()[..d.len()].copy_from_slice(&d);
+                self.send_c2h(cid, b, d.len());
+            }
+        }
+        self.send_resp(Cqe {
+            dw0: r.dw0,
+            dw1: r.dw1,
+            sqhd: self.sqhd,
+            cid,
+            status: r.status,
+        });
+    }
+
+    fn send_resp(&mut self, cqe: Cqe) {
+        let h = pdu::encode(&Pdu::CapsuleResp { cqe: cqe.encode() }, self.dg);
+        self.link.push(&h, Payload::None);
+    }
+
+    /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set.
+    fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize) {
+        let hdr = DataHeader {
+            cccid: cid,
+            ttag: 0,
+            datao: 0,
+            flags: pdu::FLAG_LAST_PDU,
+        };
+        let specific = pdu::data_specific(&hdr, len as u32);
+        let h = pdu::encode_header(
+            pdu::TYPE_C2H_DATA,
+            hdr.flags,
+            &specific,
+            len,
+            self.c2h_align,
+            self.dg,
+        );
+        let ddgst = self.dg.data.then(|| pdu::crc32c(&buf.as_slice()[..len]));
+        let mut buf = buf;
+        if buf.len() != len {
+            // The pooled buffer may be longer than the data it holds.
+            buf.set_len(len);
+        }
+        if h.bytes.len() <= lull_net::MAX_HEADER_LEN {
+            self.link.push(h.as_slice(), Payload::Buf(buf));
+        } else {
+            self.link.push(&[], Payload::Bytes(h.bytes));
+            self.link.push(&[], Payload::Buf(buf));
+        }
+        if let Some(d) = ddgst {
+            self.link.push(&d.to_le_bytes(), Payload::None);
+        }
+    }
+
+    // ---------------------------------------------------------------- fabrics
+
+    fn fabrics(&mut self, sqe: &Sqe, data: Option<&IoBuf>) -> Reply {
+        match sqe.fctype() {
+            spec::FCTYPE_CONNECT => self.connect(sqe, data),
+            spec::FCTYPE_PROPERTY_GET | spec::FCTYPE_PROPERTY_SET => match &self.phase {
+                Phase::Connected(q) if q.qid == 0 => {
+                    if sqe.fctype() == spec::FCTYPE_PROPERTY_GET {
+                        property_get(&q.ctrl, sqe)
+                    } else {
+                        property_set(&q.ctrl, sqe)
+                    }
+                }
+                Phase::Connected(_) => Reply::status(Status::INVALID_FIELD),
+                _ => Reply::status(Status::COMMAND_SEQUENCE_ERROR),
+            },
+            spec::FCTYPE_DISCONNECT => {
+                self.disconnecting = true;
+                Reply::ok()
+            }
+            _ => Reply::status(Status::INVALID_OPCODE),
+        }
+    }
+
+    fn connect(&mut self, sqe: &Sqe, data: Option<&IoBuf>) -> Reply {
+        // Invalid parameter: dw0 holds IATTR (1: in the data) and the
+        // byte offset of the field.
+        let invalid = |in_data: bool, offset: u16| Reply {
+            dw0: u32::from(in_data) | (u32::from(offset) << 16),
+            ..Reply::status(Status::CONNECT_INVALID_PARAMETERS)
+        };
+        if !matches!(self.phase, Phase::Connecting) {
+            return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+        }
+        let dw10 = sqe.dword(10);
+        let dw11 = sqe.dword(11);
+        if dw10 & 0xFFFF != 0 {
+            return Reply::status(Status::CONNECT_INCOMPATIBLE_FORMAT);
+        }
+        let qid = (dw10 >> 16) as u16;
+        let sqsize = (dw11 & 0xFFFF) as usize;
+        let kato_ms = sqe.dword(12);
+        if sqsize == 0 || sqsize + 1 > MAX_QUEUE_ENTRIES {
+            return invalid(false, 44);
+        }
+        let Some(data) = data else {
+            return invalid(false, 24);
+        };
+        let d = match spec::connect_data(&data.as_slice()[..data.len()]) {
+            Ok(d) => d,
+            Err(off) => return invalid(true, off),
+        };
+        let peer = self.link.peer().to_string();
+        let discovery = d.subnqn == spec::DISCOVERY_NQN;
+        // A discovery controller has no volume (and no I/O queues).
+        let volume = if discovery {
+            if qid != 0 {
+                return invalid(false, 42);
+            }
+            None
+        } else {
+            let Some(v) = d
+                .subnqn
+                .strip_prefix(spec::NQN_PREFIX)
+                .and_then(|name| self.shared.volumes.named(name).ok())
+            else {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, "Connect to an unknown subsystem");
+                return invalid(true, 256);
+            };
+            Some(v)
+        };
+        let ctrl = if qid == 0 {
+            if d.cntlid != 0xFFFF {
+                // Dynamic controller model: the host must let us choose.
+                return invalid(true, 16);
+            }
+            match self.shared.new_controller(&d, volume.clone(), kato_ms) {
+                Some(c) => c,
+                None => return Reply::status(Status::CONNECT_INVALID_HOST),
+            }
+        } else {
+            let Some(c) = self.shared.controller(d.cntlid) else {
+                return invalid(true, 16);
+            };
+            if c.subnqn != d.subnqn || c.hostnqn != d.hostnqn {
+                return invalid(true, 16);
+            }
+            if !c.ready() {
+                return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+            }
+            if qid > c.io_queues() {
+                return invalid(false, 42);
+            }
+            c
+        };
+        let ns = if let (true, Some(volume)) = (qid > 0, &volume) {
+            let channel = match volume.dev().open_channel() {
+                Ok(ch) => ch,
+                Err(e) => {
+                    tracing::error!(peer = %peer, volume = %volume.name, error = %e, "cannot open a device channel");
+                    return Reply::status(Status::INTERNAL_ERROR);
+                }
+            };
+            let lba_shift = self.shared.lba_shift;
+            Some(Namespace {
+                blocks: volume.dev().size_bytes() >> lba_shift,
+                lba_shift,
+                channel,
+                volume: volume.clone(),
+            })
+        } else {
+            None
+        };
+        let cntlid = ctrl.cntlid;
+        if qid == 0 {
+            ctrl.touch(self.now_ns);
+        }
+        tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, "queue connected");
+        let what = volume.as_ref().map_or("discovery", |v| v.name.as_str());
+        self.link
+            .set_context(&format!("{what} ctrl {cntlid} q{qid}"));
+        self.phase = Phase::Connected(Queue {
+            qid,
+            entries: (sqsize + 1) as u16,
+            ctrl,
+            ns,
+        });
+        self.greeted.store(true, Ordering::Relaxed);
+        Reply::dw0(u32::from(cntlid))
+    }
+
+    // ------------------------------------------------------------------ admin
+
+    fn admin(&self, sqe: &Sqe) -> Reply {
+        let Phase::Connected(q) = &self.phase else {
+            return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+        };
+        let ctrl: &Controller = &q.ctrl;
+        let host_len = sqe.sgl().length as usize;
+        let fit = |mut v: Vec<u8>| {
+            v.truncate(host_len);
+            Reply::data(v)
+        };
+        match sqe.opcode() {
+            spec::ADMIN_IDENTIFY => {
+                let cns = (sqe.dword(10) & 0xFF) as u8;
+                let nsid = sqe.nsid();
+                let volume = ctrl.volume.as_ref();
+                match (cns, volume) {
+                    (spec::CNS_CONTROLLER, _) => fit(self.shared.identify_controller(ctrl)),
+                    (spec::CNS_NAMESPACE, Some(v)) if nsid == 1 => {
+                        fit(self.shared.identify_namespace(v))
+                    }
+                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 => {
+                        fit(spec::ns_id_descriptors(&spec::name_guid(&v.name)))
+                    }
+                    (spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS, _) => {
+                        Reply::status(Status::INVALID_NAMESPACE)
+                    }
+                    (spec::CNS_ACTIVE_NS_LIST, _) => {
+                        if nsid >= 0xFFFF_FFFE {
+                            return Reply::status(Status::INVALID_NAMESPACE);
+                        }
+                        let mut v = vec![0u8; spec::IDENTIFY_BYTES];
+                        if nsid < 1 && volume.is_some() {
+                            v[0] = 1;
+                        }
+                        fit(v)
+                    }
+                    _ => Reply::status(Status::INVALID_FIELD),
+                }
+            }
+            spec::ADMIN_GET_FEATURES => ctrl.get_feature(sqe),
+            spec::ADMIN_SET_FEATURES => ctrl.set_feature(sqe),
+            spec::ADMIN_GET_LOG_PAGE => {
+                let discovery_log = ctrl.volume.is_none().then(|| self.shared.discovery_log());
+                get_log_page(sqe, discovery_log)
+            }
+            spec::ADMIN_KEEP_ALIVE => Reply::ok(),
+            // Nothing is ever aborted: dw0 bit 0 says "not aborted".
+            spec::ADMIN_ABORT => Reply::dw0(1),
+            op => {
+                tracing::debug!(peer = %self.link.peer(), opcode = op, "unsupported admin command");
+                Reply::status(Status::INVALID_OPCODE)
+            }
+        }
+    }
+
+    // --------------------------------------------------------------------- io
+
+    /// Check an I/O command before its data is asked for or it starts.
+    fn check_io(&self, sqe: &Sqe) -> Result<(), Status> {
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+            return Err(Status::INVALID_OPCODE);
+        };
+        match sqe.opcode() {
+            spec::NVM_FLUSH => {
+                if sqe.nsid() != 1 && sqe.nsid() != 0xFFFF_FFFF {
+                    return Err(Status::INVALID_NAMESPACE);
+                }
+                Ok(())
+            }
+            spec::NVM_READ | spec::NVM_WRITE | spec::NVM_WRITE_ZEROES => {
+                if sqe.nsid() != 1 {
+                    return Err(Status::INVALID_NAMESPACE);
+                }
+                let (slba, nlb) = lba_range(sqe);
+                match slba.checked_add(nlb) {
+                    Some(end) if end <= ns.blocks => {}
+                    _ => return Err(Status::LBA_OUT_OF_RANGE),
+                }
+                if sqe.opcode() != spec::NVM_WRITE_ZEROES {
+                    let bytes = (nlb << ns.lba_shift) as usize;
+                    if bytes > MAX_TRANSFER_BYTES {
+                        return Err(Status::INVALID_FIELD);
+                    }
+                    if sqe.sgl().length as usize != bytes {
+                        return Err(Status::DATA_SGL_LENGTH_INVALID);
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(Status::INVALID_OPCODE),
+        }
+    }
+
+    fn io(&mut self, sqe: Sqe, data: Option<IoBuf>, start_ns: u64) {
+        let cid = sqe.cid();
+        if let Err(status) = self.check_io(&sqe) {
+            if let Some(b) = data {
+                bufs::put(b);
+            }
+            return self.respond(cid, Reply::status(status));
+        }
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+            return;
+        };
+        let shift = ns.lba_shift;
+        let (slba, nlb) = lba_range(&sqe);
+        let offset = slba << shift;
+        let bytes = nlb << shift;
+        let fua = sqe.dword(12) & (1 << 30) != 0;
+        let (op, buf) = match sqe.opcode() {
+            spec::NVM_READ => (IoOp::Read, Some(bufs::get(bytes as usize))),
+            spec::NVM_WRITE => (IoOp::Write { fua }, data),
+            spec::NVM_FLUSH => (IoOp::Flush, None),
+            _ => (
+                IoOp::WriteZeroes {
+                    // DEAC: the range may be deallocated.
+                    no_hole: sqe.dword(12) & (1 << 25) == 0,
+                    fua,
+                    // NVMe's Write Zeroes may write zeros; it has no
+                    // "fail unless fast" (NBD's FAST_ZERO).
+                    fast: false,
+                },
+                None,
+            ),
+        };
+        let Some(slot) = self.slots.insert(Cmd {
+            sqe,
+            buf: None,
+            stage: Stage::Device,
+            start_ns,
+        }) else {
+            if let Some(b) = buf {
+                bufs::put(b);
+            }
+            return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+        };
+        let (offset, len) = if op == IoOp::Flush {
+            (0, 0)
+        } else {
+            (offset, bytes as u32)
+        };
+        self.submit_io(IoRequest {
+            tag: slot.to_wire(),
+            op,
+            offset,
+            len,
+            buf,
+        });
+    }
+
+    fn submit_io(&mut self, io: IoRequest) {
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase else {
+            return;
+        };
+        match ns.channel.submit(io) {
+            Ok(()) => ns.channel.flush_submissions(),
+            Err((io, BdevError::Full { .. })) => self.retry = Some(io),
+            Err((io, e)) => self.complete(IoCompletion {
+                tag: io.tag,
+                result: Err(e),
+                buf: io.buf,
+            }),
+        }
+    }
+
+    fn retry_submit(&mut self) -> bool {
+        match self.retry.take() {
+            Some(io) => {
+                self.submit_io(io);
+                self.retry.is_none()
+            }
+            None => false,
+        }
+    }
+
+    fn reap(&mut self) -> bool {
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase else {
+            return false;
+        };
+        let mut done = std::mem::take(&mut self.completions);
+        let n = ns.channel.reap(&mut |c| done.push(c));
+        for c in done.drain(..) {
+            self.complete(c);
+        }
+        self.completions = done;
+        n > 0
+    }
+
+    fn complete(&mut self, c: IoCompletion) {
+        let Some(cmd) = self.slots.take(c.tag) else {
+            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
+            return;
+        };
+        let cid = cmd.sqe.cid();
+        let opc = cmd.sqe.opcode();
+        if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
+            let op = match opc {
+                spec::NVM_READ => OpKind::Read,
+                spec::NVM_WRITE => OpKind::Write,
+                spec::NVM_FLUSH => OpKind::Flush,
+                _ => OpKind::WriteZeroes,
+            };
+            let len = if opc == spec::NVM_FLUSH {
+                0
+            } else {
+                lba_range(&cmd.sqe).1 << ns.lba_shift
+            };
+            let latency = self
+                .clock
+                .as_ref()
+                .map_or(self.now_ns, |k| k.now_ns())
+                .saturating_sub(cmd.start_ns);
+            ns.volume.stats.record(op, len, latency, c.result.is_ok());
+        }
+        match c.result {
+            Ok(()) => {
+                if opc == spec::NVM_READ {
+                    if let Some(b) = c.buf {
+                        let len = lba_range(&cmd.sqe).1 as usize;
+                        let shift = match &self.phase {
+                            Phase::Connected(Queue { ns: Some(ns), .. }) => ns.lba_shift,
+                            _ => 9,
+                        };
+                        self.send_c2h(cid, b, len << shift);
+                    }
+                } else if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                self.respond(cid, Reply::ok());
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.link.peer(), cid, opcode = opc, error = %e, "I/O failed");
+                if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                self.respond(cid, Reply::status(bdev_status(&e)));
+            }
+        }
+    }
+}
+
+/// (SLBA, NLB) of a Read, Write or Write Zeroes; NLB is 1-based here.
+fn lba_range(sqe: &Sqe) -> (u64, u64) {
+    let slba = u64::from(sqe.dword(10)) | (u64::from(sqe.dword(11)) << 32);
+    let nlb = u64::from(sqe.dword(12) & 0xFFFF) + 1;
+    (slba, nlb)
+}
+
+/// A device error as an NVMe status.
+fn bdev_status(e: &BdevError) -> Status {
+    match e {
+        BdevError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
+        BdevError::Unsupported(_) => Status::INVALID_OPCODE,
+        BdevError::BadRequest(_) => Status::INVALID_FIELD,
+        // A replicated volume with no healthy replica fails with Failed;
+        // the host may retry once one is back.
+        BdevError::Failed(_) => Status::NAMESPACE_NOT_READY,
+        BdevError::Full { .. } | BdevError::Io(_) => Status::INTERNAL_ERROR,
+    }
+}
+
+fn property_get(ctrl: &Controller, sqe: &Sqe) -> Reply {
+    let size8 = sqe.dword(10) & 7 == 1;
+    let offset = sqe.dword(11);
+    let value: u64 = match offset {
+        spec::PROP_CAP => spec::cap(MAX_QUEUE_ENTRIES),
+        spec::PROP_VS => u64::from(spec::VERSION),
+        spec::PROP_CC => u64::from(ctrl.cc()),
+        spec::PROP_CSTS => u64::from(ctrl.csts()),
+        _ => return Reply::status(Status::INVALID_FIELD),
+    };
+    // CAP is the one 8-byte property; a 4-byte read of it returns its low
+    // half, an 8-byte read of a 4-byte one is invalid.
+    if size8 && offset != spec::PROP_CAP {
+        return Reply::status(Status::INVALID_FIELD);
+    }
+    Reply {
+        dw0: value as u32,
+        dw1: if size8 { (value >> 32) as u32 } else { 0 },
+        ..Reply::ok()
+    }
+}
+
+fn property_set(ctrl: &Controller, sqe: &Sqe) -> Reply {
+    let offset = sqe.dword(11);
+    let value = sqe.dword(12);
+    match offset {
+        spec::PROP_CC => {
+            ctrl.set_cc(value);
+            Reply::ok()
+        }
+        _ => Reply::status(Status::INVALID_FIELD),
+    }
+}
+
+/// Get Log Page; `discovery_log` is the page a discovery controller
+/// serves (and the only one besides the generic ones).
+fn get_log_page(sqe: &Sqe, discovery_log: Option<Vec<u8>>) -> Reply {
+    let dw10 = sqe.dword(10);
+    let lid = (dw10 & 0xFF) as u8;
+    let numd = ((u64::from(sqe.dword(11) & 0xFFFF) << 16) | u64::from(dw10 >> 16)) + 1;
+    let len = (numd * 4) as usize;
+    let offset = u64::from(sqe.dword(12)) | (u64::from(sqe.dword(13)) << 32);
+    let page_len = match (lid, &discovery_log) {
+        (spec::LOG_DISCOVERY, Some(d)) => d.len(),
+        (spec::LOG_DISCOVERY, None) => return Reply::status(Status::INVALID_FIELD),
+        _ => 0,
+    };
+    let page_len = match lid {
+        spec::LOG_DISCOVERY => page_len,
+        spec::LOG_ERROR => 64 * ERROR_LOG_ENTRIES,
+        spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT => 512,
+        spec::LOG_CHANGED_NS_LIST => 4096,
+        _ => return Reply::status(Status::INVALID_FIELD),
+    };
+    if offset % 4 != 0 || offset > page_len as u64 || len > sqe.sgl().length as usize {
+        return Reply::status(Status::INVALID_FIELD);
+    }
+    let mut page = match discovery_log {
+        Some(d) if lid == spec::LOG_DISCOVERY => d,
+        _ => vec![0u8; page_len],
+    };
+    if lid == spec::LOG_FIRMWARE_SLOT {
+        page[0] = 1; // AFI: slot 1 active
+        let fr = env!("CARGO_PKG_VERSION").as_bytes();
+        let n = fr.len().min(8);
+        page[8..8 + n].copy_from_slice(&fr[..n]);
+        page[8 + n..16].fill(b' ');
+    }
+    let mut out = page.split_off(offset as usize);
+    // Past the end of the page the host reads zeros.
+    out.resize(len, 0);
+    Reply::data(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,627 @@
+//! A queue pair driven without a reactor: a scripted host writes PDUs
+//! into an in-memory stream, the protocol half runs the pump's steps, and
+//! the PDUs it wrote are decoded and checked. A memory volume completes
+//! inside `submit`, so one run answers everything.
+
+use std::io;
+
+use lull_bdev::MallocDev;
+use lull_net::server::{Connections, Limits};
+use lull_net::wire::Protocol;
+use lull_volume::{Storage, Volume, Volumes};
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Default)]
+struct Pipe {
+    input: Vec<u8>,
+    pos: usize,
+    out: Vec<u8>,
+}
+
+impl Read for Pipe {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.pos == self.input.len() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let n = buf.len().min(self.input.len() - self.pos);
+        buf[..n].copy_from_slice(&self.input[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+impl Write for Pipe {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+const VOLUME_BYTES: u64 = 1 << 20;
+const NQN: &str = "nqn.2026-11.io.lull:v";
+
+fn shared() -> Arc<Shared> {
+    let volumes = Arc::new(Volumes::default());
+    let dev = MallocDev::new(VOLUME_BYTES).expect("malloc");
+    volumes
+        .add(Volume::new("v", Storage::Local(Arc::new(dev))))
+        .expect("add");
+    let conns = Arc::new(Connections::new(Limits {
+        name: "nvmf-test",
+        max_connections: 4,
+        greeting_timeout_us: 1_000_000,
+    }));
+    Arc::new(Shared::new(
+        volumes,
+        conns,
+        9,
+        "127.0.0.1:4420".parse().unwrap(),
+    ))
+}
+
+/// Both digests on, as SPDK's perf may ask.
+const DG: Digests = Digests {
+    header: true,
+    data: true,
+};
+
+/// A decoded PDU the target sent, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Got {
+    IcResp(pdu::IcResp),
+    Resp {
+        cid: u16,
+        status: u16,
+        dw0: u32,
+        dw1: u32,
+        sqhd: u16,
+    },
+    Data {
+        cid: u16,
+        datao: u32,
+        data: Vec<u8>,
+        flags: u8,
+    },
+    R2t(pdu::R2t),
+    Term {
+        fes: u16,
+        fei: u32,
+    },
+}
+
+struct Host {
+    conn: Conn<Pipe>,
+    dg: Digests,
+    /// Output bytes already decoded.
+    seen: usize,
+}
+
+impl Host {
+    fn new(shared: &Arc<Shared>) -> Host {
+        Host {
+            conn: Conn::new(Pipe::default(), -1, "test".into(), shared.clone()),
+            dg: Digests::default(),
+            seen: 0,
+        }
+    }
+
+    fn run(&mut self) {
+        for _ in 0..100 {
+            let c = &mut self.conn;
+            let mut p = c.advance();
+            p |= bufs::with_pool(|pool| c.link.flush(pool));
+            if !c.link.is_closing() {
+                p |= Protocol::read_and_dispatch(c);
+                p |= c.advance();
+                p |= bufs::with_pool(|pool| c.link.flush(pool));
+            } else {
+                p |= c.abandon_input();
+            }
+            if !p {
+                break;
+            }
+        }
+        self.conn.check_invariants();
+    }
+
+    fn send_raw(&mut self, bytes: &[u8]) -> Vec<Got> {
+        self.conn.link.stream.input.extend_from_slice(bytes);
+        self.run();
+        self.take()
+    }
+
+    fn send(&mut self, p: &Pdu<'_>) -> Vec<Got> {
+        let dg = if matches!(p, Pdu::IcReq(_)) {
+            Digests::default()
+        } else {
+            self.dg
+        };
+        self.send_raw(&pdu::encode(p, dg))
+    }
+
+    /// Decode what the target wrote since the last call.
+    fn take(&mut self) -> Vec<Got> {
+        let mut got = Vec::new();
+        loop {
+            let out = &self.conn.link.stream.out[self.seen..];
+            let dg = if got.is_empty() && self.dg == Digests::default() {
+                Digests::default()
+            } else {
+                self.dg
+            };
+            // TermReqs carry no digests.
+            let dg = if out.first() == Some(&pdu::TYPE_C2H_TERM_REQ) {
+                Digests::default()
+            } else {
+                dg
+            };
+            let Some((p, used)) = pdu::decode(out, dg).expect("the target's PDUs decode") else {
+                break;
+            };
+            got.push(match p {
+                Pdu::IcResp(r) => Got::IcResp(r),
+                Pdu::CapsuleResp { cqe } => Got::Resp {
+                    dw0: u32::from_le_bytes(cqe[0..4].try_into().unwrap()),
+                    dw1: u32::from_le_bytes(cqe[4..8].try_into().unwrap()),
+                    sqhd: u16::from_le_bytes([cqe[8], cqe[9]]),
+                    cid: u16::from_le_bytes([cqe[12], cqe[13]]),
+                    status: u16::from_le_bytes([cqe[14], cqe[15]]),
+                },
+                Pdu::C2HData { hdr, data } => Got::Data {
+                    cid: hdr.cccid,
+                    datao: hdr.datao,
+                    data: data.to_vec(),
+                    flags: hdr.flags,
+                },
+                Pdu::R2t(r) => Got::R2t(r),
+                Pdu::TermReq { fes, fei, .. } => Got::Term { fes, fei },
+                other => panic!("the target sent {other:?}"),
+            });
+            self.seen += used;
+        }
+        got
+    }
+
+    fn ic(&mut self, dg: Digests) {
+        let got = self.send(&Pdu::IcReq(pdu::IcReq {
+            pfv: 0,
+            hpda: 0,
+            digests: dg,
+            maxr2t: 0,
+        }));
+        assert!(
+            matches!(&got[..], [Got::IcResp(r)] if r.digests == dg && r.maxh2cdata as usize == MAX_H2C_DATA_BYTES)
+        );
+        self.dg = dg;
+    }
+
+    fn cmd(&mut self, sqe: [u8; 64], data: &[u8]) -> Vec<Got> {
+        self.send(&Pdu::CapsuleCmd { sqe, data })
+    }
+
+    fn connect(&mut self, qid: u16, cntlid: u16, subnqn: &str) -> Got {
+        let mut d = vec![0u8; 1024];
+        d[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        d[256..256 + subnqn.len()].copy_from_slice(subnqn.as_bytes());
+        d[512..520].copy_from_slice(b"nqn.host");
+        let mut s = sqe(
+            spec::OPC_FABRICS,
+            1,
+            0,
+            &[(10, u32::from(qid) << 16), (11, 31)],
+        );
+        s[4] = spec::FCTYPE_CONNECT;
+        set_sgl(&mut s, spec::SGL_IN_CAPSULE, 1024);
+        let got = self.cmd(s, &d);
+        assert_eq!(got.len(), 1, "{got:?}");
+        got[0].clone()
+    }
+}
+
+fn sqe(opc: u8, cid: u16, nsid: u32, dwords: &[(usize, u32)]) -> [u8; 64] {
+    let mut s = [0u8; 64];
+    s[0] = opc;
+    s[2..4].copy_from_slice(&cid.to_le_bytes());
+    s[4..8].copy_from_slice(&nsid.to_le_bytes());
+    for &(i, v) in dwords {
+        s[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    s
+}
+
+fn set_sgl(s: &mut [u8; 64], kind: u8, len: u32) {
+    s[32..36].copy_from_slice(&len.to_le_bytes());
+    s[39] = kind;
+}
+
+fn status_of(g: &Got) -> u16 {
+    match g {
+        Got::Resp { status, .. } => *status,
+        other => panic!("expected a response, got {other:?}"),
+    }
+}
+
+fn ok(g: &Got) {
+    assert_eq!(status_of(g), 0, "{g:?}");
+}
+
+/// Admin queue connected and enabled; returns the controller id.
+fn admin(h: &mut Host) -> u16 {
+    h.ic(DG);
+    let r = h.connect(0, 0xFFFF, NQN);
+    ok(&r);
+    let Got::Resp { dw0, .. } = r else {
+        unreachable!()
+    };
+    let mut s = sqe(spec::OPC_FABRICS, 2, 0, &[(11, spec::PROP_CC), (12, 1)]);
+    s[4] = spec::FCTYPE_PROPERTY_SET;
+    ok(&h.cmd(s, &[])[0]);
+    dw0 as u16
+}
+
+#[test]
+fn admin_queue_answers_what_an_initiator_asks() {
+    let shared = shared();
+    let mut h = Host::new(&shared);
+    let cntlid = admin(&mut h);
+    assert_eq!(cntlid, 1);
+    assert_eq!(shared.controller_count(), 1);
+
+    // Properties.
+    let mut s = sqe(spec::OPC_FABRICS, 3, 0, &[(10, 1), (11, spec::PROP_CAP)]);
+    s[4] = spec::FCTYPE_PROPERTY_GET;
+    let got = h.cmd(s, &[]);
+    let Got::Resp { dw0, dw1, .. } = got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(
+        u64::from(dw0) | (u64::from(dw1) << 32),
+        spec::cap(MAX_QUEUE_ENTRIES)
+    );
+    let mut s = sqe(spec::OPC_FABRICS, 4, 0, &[(11, spec::PROP_CSTS)]);
+    s[4] = spec::FCTYPE_PROPERTY_GET;
+    assert!(matches!(
+        h.cmd(s, &[])[0],
+        Got::Resp {
+            dw0: 1,
+            status: 0,
+            ..
+        }
+    ));
+
+    // Identify controller and namespace.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 5, 0, &[(10, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    let Got::Data { data, cid: 5, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(u16::from_le_bytes([data[78], data[79]]), cntlid);
+    assert_eq!(&data[768..768 + NQN.len()], NQN.as_bytes());
+    ok(&got[1]);
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 6, 1, &[(10, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    let Got::Data { data, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(
+        u64::from_le_bytes(data[0..8].try_into().unwrap()),
+        VOLUME_BYTES / 512
+    );
+    // Namespace 2 does not exist.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 7, 2, &[(10, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+
+    // Logs: SMART is 512 zero bytes; an unknown page is an invalid field.
+    let numdl = (512u32 / 4 - 1) << 16;
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 8, 0xFFFF_FFFF, &[(10, numdl | 2)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    let got = h.cmd(s, &[]);
+    assert!(
+        matches!(&got[0], Got::Data { data, .. } if data.len() == 512 && data.iter().all(|&b| b == 0))
+    );
+    ok(&got[1]);
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 9, 0, &[(10, numdl | 0xC0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(status_of(&h.cmd(s, &[])[0]), Status::INVALID_FIELD.field());
+
+    // Features.
+    let s = sqe(
+        spec::ADMIN_SET_FEATURES,
+        10,
+        0,
+        &[(10, 7), (11, (3 << 16) | 3)],
+    );
+    assert!(matches!(
+        h.cmd(s, &[])[0],
+        Got::Resp {
+            dw0: 0x0003_0003,
+            status: 0,
+            ..
+        }
+    ));
+    let s = sqe(spec::ADMIN_SET_FEATURES, 11, 0, &[(10, 0x0F), (11, 10_000)]);
+    ok(&h.cmd(s, &[])[0]);
+    let s = sqe(spec::ADMIN_GET_FEATURES, 12, 0, &[(10, 0x0F)]);
+    assert!(matches!(h.cmd(s, &[])[0], Got::Resp { dw0: 10_000, .. }));
+    let s = sqe(spec::ADMIN_KEEP_ALIVE, 13, 0, &[]);
+    ok(&h.cmd(s, &[])[0]);
+    // An opcode the target does not know.
+    let s = sqe(0xEE, 14, 0, &[]);
+    assert_eq!(status_of(&h.cmd(s, &[])[0]), Status::INVALID_OPCODE.field());
+    // An AER is held, not answered.
+    let s = sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, 15, 0, &[]);
+    assert!(h.cmd(s, &[]).is_empty());
+
+    // The controller goes with its admin queue.
+    drop(h);
+    assert_eq!(shared.controller_count(), 0);
+}
+
+#[test]
+fn io_queue_reads_and_writes_the_volume() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut h = Host::new(&shared);
+    h.ic(DG);
+    ok(&h.connect(1, cntlid, NQN));
+    // A wrong controller id or subsystem is refused.
+    let mut bad = Host::new(&shared);
+    bad.ic(Digests::default());
+    assert_eq!(
+        status_of(&bad.connect(1, 77, NQN)),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+    let mut bad = Host::new(&shared);
+    bad.ic(Digests::default());
+    assert_eq!(
+        status_of(&bad.connect(0, 0xFFFF, "nqn.2026-11.io.lull:nope")),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+
+    // 4 KiB in the capsule at LBA 8.
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut s = sqe(spec::NVM_WRITE, 20, 1, &[(10, 8), (12, 7)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 4096);
+    ok(&h.cmd(s, &pattern)[0]);
+
+    // 64 KiB through R2T at LBA 64, sent as two H2CData PDUs.
+    let big: Vec<u8> = (0..65536u32).map(|i| (i % 253) as u8).collect();
+    let mut s = sqe(spec::NVM_WRITE, 21, 1, &[(10, 64), (12, 127)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 65536);
+    let got = h.cmd(s, &[]);
+    let [Got::R2t(r2t)] = got[..] else {
+        panic!("{got:?}")
+    };
+    assert_eq!((r2t.cccid, r2t.r2to, r2t.r2tl), (21, 0, 65536));
+    for (i, half) in big.chunks(32768).enumerate() {
+        let got = h.send(&Pdu::H2CData {
+            hdr: DataHeader {
+                cccid: 21,
+                ttag: r2t.ttag,
+                datao: (i * 32768) as u32,
+                flags: if i == 1 { pdu::FLAG_LAST_PDU } else { 0 },
+            },
+            data: half,
+        });
+        if i == 1 {
+            ok(&got[0]);
+        } else {
+            assert!(got.is_empty(), "{got:?}");
+        }
+    }
+
+    // Read both back.
+    let mut s = sqe(spec::NVM_READ, 22, 1, &[(10, 8), (12, 7)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    assert!(
+        matches!(&got[0], Got::Data { cid: 22, datao: 0, data, flags } if *data == pattern && flags & pdu::FLAG_LAST_PDU != 0)
+    );
+    ok(&got[1]);
+    let mut s = sqe(spec::NVM_READ, 23, 1, &[(10, 64), (12, 127)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 65536);
+    let got = h.cmd(s, &[]);
+    assert!(matches!(&got[0], Got::Data { data, .. } if *data == big));
+
+    // Errors: past the end, too long, wrong namespace, SGL length.
+    let blocks = (VOLUME_BYTES / 512) as u32;
+    let mut s = sqe(spec::NVM_READ, 24, 1, &[(10, blocks - 1), (12, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 1024);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    let mut s = sqe(spec::NVM_WRITE, 25, 1, &[(10, 0), (12, 511)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512 * 512);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    let mut s = sqe(spec::NVM_READ, 26, 2, &[(12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    let mut s = sqe(spec::NVM_READ, 27, 1, &[(12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    let s = sqe(0x99, 28, 1, &[]);
+    assert_eq!(status_of(&h.cmd(s, &[])[0]), Status::INVALID_OPCODE.field());
+
+    // Flush, then Write Zeroes over the first write reads back zeros.
+    ok(&h.cmd(sqe(spec::NVM_FLUSH, 29, 1, &[]), &[])[0]);
+    ok(&h.cmd(sqe(spec::NVM_WRITE_ZEROES, 30, 1, &[(10, 8), (12, 7)]), &[])[0]);
+    let mut s = sqe(spec::NVM_READ, 31, 1, &[(10, 8), (12, 7)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    assert!(matches!(&got[0], Got::Data { data, .. } if data.iter().all(|&b| b == 0)));
+
+    // Disconnect: answered, then closed.
+    let mut s = sqe(spec::OPC_FABRICS, 32, 0, &[]);
+    s[4] = spec::FCTYPE_DISCONNECT;
+    ok(&h.cmd(s, &[])[0]);
+    assert!(h.conn.link.is_closing());
+}
+
+#[test]
+fn an_io_queue_before_enable_or_unknown_pdus_fail_cleanly() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    a.ic(Digests::default());
+    let Got::Resp { dw0, status: 0, .. } = a.connect(0, 0xFFFF, NQN) else {
+        panic!()
+    };
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    assert_eq!(
+        status_of(&h.connect(1, dw0 as u16, NQN)),
+        Status::COMMAND_SEQUENCE_ERROR.field()
+    );
+    // A PDU type no host sends: C2HTermReq, then close.
+    let got = h.send_raw(&[0x42, 0, 24, 0, 24, 0, 0, 0]);
+    assert_eq!(
+        got,
+        vec![Got::Term {
+            fes: pdu::FES_INVALID_HEADER_FIELD,
+            fei: 0
+        }]
+    );
+    assert!(h.conn.link.is_closing());
+    // A command before ICReq: a sequence error.
+    let mut h = Host::new(&shared);
+    let got = h.send(&Pdu::CapsuleCmd {
+        sqe: [0; 64],
+        data: &[],
+    });
+    assert_eq!(
+        got,
+        vec![Got::Term {
+            fes: pdu::FES_PDU_SEQUENCE_ERROR,
+            fei: 0
+        }]
+    );
+    // A header digest that does not match.
+    let mut h = Host::new(&shared);
+    h.ic(DG);
+    let mut bytes = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: [0; 64],
+            data: &[],
+        },
+        DG,
+    );
+    bytes[72] ^= 1;
+    let got = h.send_raw(&bytes);
+    assert_eq!(
+        got,
+        vec![Got::Term {
+            fes: pdu::FES_HEADER_DIGEST_ERROR,
+            fei: 0
+        }]
+    );
+}
+
+#[test]
+fn the_discovery_controller_lists_the_volumes() {
+    let shared = shared();
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    ok(&h.connect(0, 0xFFFF, spec::DISCOVERY_NQN));
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 2, 0, &[(10, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = h.cmd(s, &[]);
+    assert!(matches!(&got[0], Got::Data { data, .. } if data[111] == 2));
+    // The header, then the one volume's record.
+    let numdl = (2048u32 / 4 - 1) << 16;
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 3, 0, &[(10, numdl | 0x70)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
+    let got = h.cmd(s, &[]);
+    let Got::Data { data, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_eq!(u64::from_le_bytes(data[8..16].try_into().unwrap()), 1);
+    assert_eq!(&data[1024 + 256..1024 + 256 + NQN.len()], NQN.as_bytes());
+    // No namespaces, and no I/O queue may join it.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 4, 1, &[(10, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    let mut io = Host::new(&shared);
+    io.ic(Digests::default());
+    assert_eq!(
+        status_of(&io.connect(1, 1, spec::DISCOVERY_NQN)),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+    // A volume's controller has no discovery log.
+    let mut a = Host::new(&shared);
+    admin(&mut a);
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, 5, 0, &[(10, numdl | 0x70)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
+    assert_eq!(status_of(&a.cmd(s, &[])[0]), Status::INVALID_FIELD.field());
+}
+
+/// What an idle queue pair costs beyond its poller entry and socket:
+/// the connection struct (its input buffer is given back when idle, its
+/// slot table grows only with commands in flight).
+#[test]
+fn an_idle_queue_pair_is_small() {
+    let bytes = std::mem::size_of::<Conn<std::net::TcpStream>>();
+    eprintln!("Conn<TcpStream>: {bytes} bytes");
+    assert!(bytes < 1024, "{bytes} bytes");
+    let shared = shared();
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    ok(&h.connect(0, 0xFFFF, NQN));
+    h.conn.link.inb.release();
+    assert!(
+        !h.conn.link.inb.is_held(),
+        "an idle queue pair holds no input buffer"
+    );
+}
+
+proptest! {
+    /// Garbage, before or after the IC exchange, never panics: the
+    /// target waits for more bytes, or answers with a C2HTermReq and
+    /// closes (or answers the commands it could parse).
+    #[test]
+    fn garbage_ends_in_a_term_req_or_waits(
+        bytes in prop::collection::vec(any::<u8>(), 0..2000),
+        after_ic in any::<bool>(),
+        connect in any::<bool>(),
+    ) {
+        let shared = shared();
+        let mut h = Host::new(&shared);
+        if after_ic {
+            h.ic(Digests::default());
+            if connect {
+                ok(&h.connect(0, 0xFFFF, NQN));
+            }
+        }
+        h.conn.link.stream.input.extend_from_slice(&bytes);
+        h.run();
+        let out = &h.conn.link.stream.out[h.seen..];
+        if h.conn.link.is_closing() && !h.conn.link.is_broken() {
+            // The last thing written is a TermReq.
+            let pos = out.iter().rposition(|&b| b == pdu::TYPE_C2H_TERM_REQ);
+            prop_assert!(pos.is_some(), "closed without a TermReq");
+        }
+    }
+}
