@@ -75,10 +75,10 @@ pub fn fadvise_willneed(file: &std::fs::File, offset: u64, len: u64) -> std::io:
     let (Ok(start), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
         return Ok(());
     };
+    let (fd, advice) = (file.as_raw_fd(), libc::POSIX_FADV_WILLNEED);
     // SAFETY: fadvise takes no pointers; the descriptor is open for the
     // borrow of `file`.
-    let rc =
-        unsafe { libc::posix_fadvise(file.as_raw_fd(), start, len, libc::POSIX_FADV_WILLNEED) };
+    let rc = unsafe { libc::posix_fadvise(fd, start, len, advice) };
     // posix_fadvise returns the error number instead of setting errno.
     match rc {
         0 => Ok(()),
