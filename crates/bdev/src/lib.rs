@@ -241,6 +241,24 @@ pub trait Channel: Send {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)>;
     /// Push queued requests to the device (one syscall for a batch).
     fn flush_submissions(&mut self);
+    /// Queue `req` and push it to the device, as a frontend connection
+    /// does: `Ok(None)` when queued; `Ok(Some(req))` when the channel is
+    /// full (hold it and retry once completions are reaped); `Err` with the
+    /// request's failed completion when the channel refused it.
+    fn submit_now(&mut self, req: IoRequest) -> Result<Option<IoRequest>, IoCompletion> {
+        match self.submit(req) {
+            Ok(()) => {
+                self.flush_submissions();
+                Ok(None)
+            }
+            Err((req, BdevError::Full { .. })) => Ok(Some(req)),
+            Err((req, e)) => Err(IoCompletion {
+                tag: req.tag,
+                result: Err(e),
+                buf: req.buf,
+            }),
+        }
+    }
     /// Deliver every available completion to `done`; returns how many.
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize;
     /// A file descriptor that becomes readable when completions are ready,

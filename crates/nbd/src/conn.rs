@@ -813,16 +813,10 @@ impl Conn {
         let Phase::Transmission { channel, .. } = &mut self.phase else {
             return;
         };
-        match channel.submit(io) {
-            Ok(()) => channel.flush_submissions(),
-            Err((io, lull_bdev::BdevError::Full { .. })) => self.retry = Some(io),
-            Err((io, e)) => {
-                self.complete(IoCompletion {
-                    tag: io.tag,
-                    result: Err(e),
-                    buf: io.buf,
-                });
-            }
+        match channel.submit_now(io) {
+            Ok(None) => {}
+            Ok(Some(io)) => self.retry = Some(io),
+            Err(done) => self.complete(done),
         }
     }
 

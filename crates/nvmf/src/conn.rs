@@ -1049,14 +1049,10 @@ impl<S: Read + Write> Conn<S> {
         let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase else {
             return;
         };
-        match ns.channel.submit(io) {
-            Ok(()) => ns.channel.flush_submissions(),
-            Err((io, BdevError::Full { .. })) => self.retry = Some(io),
-            Err((io, e)) => self.complete(IoCompletion {
-                tag: io.tag,
-                result: Err(e),
-                buf: io.buf,
-            }),
+        match ns.channel.submit_now(io) {
+            Ok(None) => {}
+            Ok(Some(io)) => self.retry = Some(io),
+            Err(done) => self.complete(done),
         }
     }
 

@@ -40,7 +40,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
-use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self as link, Wire};
@@ -1138,14 +1138,10 @@ impl Conn {
         let Phase::Ready { channel } = &mut self.phase else {
             return;
         };
-        match channel.submit(io) {
-            Ok(()) => channel.flush_submissions(),
-            Err((io, BdevError::Full { .. })) => self.retry = Some(io),
-            Err((io, e)) => self.complete(IoCompletion {
-                tag: io.tag,
-                result: Err(e),
-                buf: io.buf,
-            }),
+        match channel.submit_now(io) {
+            Ok(None) => {}
+            Ok(Some(io)) => self.retry = Some(io),
+            Err(done) => self.complete(done),
         }
     }
 
