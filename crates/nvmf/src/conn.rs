@@ -47,6 +47,9 @@ struct Cmd {
     buf: Option<IoBuf>,
     stage: Stage,
     start_ns: u64,
+    /// Dataset Management: the (offset, length) byte ranges still to
+    /// deallocate after the one in flight (one device request at a time).
+    trims: Vec<(u64, u64)>,
 }
 
 /// An I/O queue's view of its namespace.
@@ -575,6 +578,7 @@ impl<S: Read + Write> Conn<S> {
                         want: len,
                     },
                     start_ns,
+                    trims: Vec::new(),
                 }) else {
                     // step() waits for a free slot before taking a capsule.
                     return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
@@ -964,6 +968,18 @@ impl<S: Read + Write> Conn<S> {
                 }
                 Ok(())
             }
+            spec::NVM_DATASET_MANAGEMENT => {
+                if sqe.nsid() != 1 {
+                    return Err(Status::INVALID_NAMESPACE);
+                }
+                // NR is 0-based, so 1..=256 ranges of 16 bytes each.
+                let need = dsm_ranges(sqe) * spec::DSM_RANGE_BYTES;
+                let len = sqe.sgl().length as usize;
+                if len < need || len > spec::DSM_MAX_RANGES * spec::DSM_RANGE_BYTES {
+                    return Err(Status::DATA_SGL_LENGTH_INVALID);
+                }
+                Ok(())
+            }
             spec::NVM_READ | spec::NVM_WRITE | spec::NVM_WRITE_ZEROES => {
                 if sqe.nsid() != 1 {
                     return Err(Status::INVALID_NAMESPACE);
@@ -996,6 +1012,9 @@ impl<S: Read + Write> Conn<S> {
             }
             return self.respond(cid, Reply::status(status));
         }
+        if sqe.opcode() == spec::NVM_DATASET_MANAGEMENT {
+            return self.dataset_management(sqe, data, start_ns);
+        }
         let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
             return;
         };
@@ -1025,6 +1044,7 @@ impl<S: Read + Write> Conn<S> {
             buf: None,
             stage: Stage::Device,
             start_ns,
+            trims: Vec::new(),
         }) else {
             if let Some(b) = buf {
                 bufs::put(b);
@@ -1042,6 +1062,78 @@ impl<S: Read + Write> Conn<S> {
             offset,
             len,
             buf,
+        });
+    }
+
+    /// Dataset Management: with the Deallocate attribute, each range is
+    /// discarded (the device's Trim: it reads back as zeros, as DLFEAT
+    /// says), one device request at a time; without it the command is a
+    /// hint and completes at once. Every range is checked before any is
+    /// discarded.
+    fn dataset_management(&mut self, sqe: Sqe, data: Option<IoBuf>, start_ns: u64) {
+        let cid = sqe.cid();
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+            return;
+        };
+        let Some(data) = data else {
+            return self.respond(cid, Reply::status(Status::DATA_SGL_LENGTH_INVALID));
+        };
+        let n = dsm_ranges(&sqe);
+        let raw = &data.as_slice()[..data.len()];
+        let mut trims = Vec::with_capacity(n);
+        let mut bad = None;
+        for r in raw.chunks_exact(spec::DSM_RANGE_BYTES).take(n) {
+            let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
+            let slba = u64::from_le_bytes(r[8..16].try_into().unwrap_or([0xFF; 8]));
+            match slba.checked_add(nlb) {
+                Some(end) if end <= ns.blocks => {}
+                _ => {
+                    bad = Some(Status::LBA_OUT_OF_RANGE);
+                    break;
+                }
+            }
+            let (mut offset, mut left) = (slba << ns.lba_shift, nlb << ns.lba_shift);
+            // One device request moves at most u32 bytes: split.
+            while left > 0 {
+                let chunk = left.min(MAX_DEALLOCATE_CHUNK_BYTES);
+                trims.push((offset, chunk));
+                offset += chunk;
+                left -= chunk;
+            }
+        }
+        bufs::put(data);
+        if let Some(status) = bad {
+            return self.respond(cid, Reply::status(status));
+        }
+        if sqe.dword(11) & spec::DSM_ATTR_DEALLOCATE == 0 || trims.is_empty() {
+            return self.respond(cid, Reply::ok());
+        }
+        // Popped from the end: start from the last range.
+        trims.reverse();
+        self.next_trim(Cmd {
+            sqe,
+            buf: None,
+            stage: Stage::Device,
+            start_ns,
+            trims,
+        });
+    }
+
+    /// Submit the next range of a Dataset Management command.
+    fn next_trim(&mut self, mut cmd: Cmd) {
+        let cid = cmd.sqe.cid();
+        let Some((offset, len)) = cmd.trims.pop() else {
+            return self.respond(cid, Reply::ok());
+        };
+        let Some(slot) = self.slots.insert(cmd) else {
+            return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+        };
+        self.submit_io(IoRequest {
+            tag: slot.to_wire(),
+            op: IoOp::Trim,
+            offset,
+            len: len as u32,
+            buf: None,
         });
     }
 
@@ -1086,17 +1178,20 @@ impl<S: Read + Write> Conn<S> {
         };
         let cid = cmd.sqe.cid();
         let opc = cmd.sqe.opcode();
+        if opc == spec::NVM_DATASET_MANAGEMENT && c.result.is_ok() && !cmd.trims.is_empty() {
+            return self.next_trim(cmd);
+        }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
             let op = match opc {
                 spec::NVM_READ => OpKind::Read,
                 spec::NVM_WRITE => OpKind::Write,
                 spec::NVM_FLUSH => OpKind::Flush,
+                spec::NVM_DATASET_MANAGEMENT => OpKind::Trim,
                 _ => OpKind::WriteZeroes,
             };
-            let len = if opc == spec::NVM_FLUSH {
-                0
-            } else {
-                lba_range(&cmd.sqe).1 << ns.lba_shift
+            let len = match opc {
+                spec::NVM_FLUSH | spec::NVM_DATASET_MANAGEMENT => 0,
+                _ => lba_range(&cmd.sqe).1 << ns.lba_shift,
             };
             let latency = self
                 .clock
@@ -1137,6 +1232,11 @@ fn lba_range(sqe: &Sqe) -> (u64, u64) {
     let slba = u64::from(sqe.dword(10)) | (u64::from(sqe.dword(11)) << 32);
     let nlb = u64::from(sqe.dword(12) & 0xFFFF) + 1;
     (slba, nlb)
+}
+
+/// Ranges of a Dataset Management command (NR is 0-based).
+fn dsm_ranges(sqe: &Sqe) -> usize {
+    (sqe.dword(10) & 0xFF) as usize + 1
 }
 
 /// A device error as an NVMe status.

@@ -479,6 +479,146 @@ fn io_queue_reads_and_writes_the_volume() {
     assert!(h.conn.link.is_closing());
 }
 
+/// An I/O queue on controller `cntlid`.
+fn io_queue(shared: &Arc<Shared>, cntlid: u16, subnqn: &str) -> Host {
+    let mut h = Host::new(shared);
+    h.ic(DG);
+    ok(&h.connect(1, cntlid, subnqn));
+    h
+}
+
+/// Write `data` at `slba` (512-byte LBAs) and read it back through `h`.
+fn write_at(h: &mut Host, cid: u16, slba: u32, data: &[u8]) {
+    let nlb = (data.len() / 512) as u32;
+    let mut s = sqe(spec::NVM_WRITE, cid, 1, &[(10, slba), (12, nlb - 1)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, data.len() as u32);
+    ok(&h.cmd(s, data)[0]);
+}
+
+fn read_at(h: &mut Host, cid: u16, slba: u32, bytes: usize, lba_bytes: usize) -> Vec<u8> {
+    let nlb = (bytes / lba_bytes) as u32;
+    let mut s = sqe(spec::NVM_READ, cid, 1, &[(10, slba), (12, nlb - 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, bytes as u32);
+    let got = h.cmd(s, &[]);
+    ok(&got[1]);
+    match &got[0] {
+        Got::Data { data, .. } => data.clone(),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+/// Dataset Management ranges: (SLBA, NLB).
+fn dsm_ranges(ranges: &[(u64, u32)]) -> Vec<u8> {
+    let mut d = Vec::new();
+    for &(slba, nlb) in ranges {
+        d.extend_from_slice(&0u32.to_le_bytes());
+        d.extend_from_slice(&nlb.to_le_bytes());
+        d.extend_from_slice(&slba.to_le_bytes());
+    }
+    d
+}
+
+#[test]
+fn dataset_management_deallocates_ranges_and_checks_them() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut h = io_queue(&shared, cntlid, NQN);
+    let ones = vec![0xA5u8; 8192];
+    write_at(&mut h, 1, 0, &ones);
+    write_at(&mut h, 2, 100, &ones);
+
+    // Two ranges (NR = 1), deallocate: LBAs 2..6 and 104..106.
+    let dsm = |cid, nr: u32, ad: bool, data: &[u8], len: u32| {
+        let attr = if ad { spec::DSM_ATTR_DEALLOCATE } else { 0 };
+        let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, cid, 1, &[(10, nr), (11, attr)]);
+        set_sgl(&mut s, spec::SGL_IN_CAPSULE, len);
+        (s, data.to_vec())
+    };
+    let ranges = dsm_ranges(&[(2, 4), (104, 2)]);
+    // Without the Deallocate attribute it is a hint: nothing changes.
+    let (s, d) = dsm(3, 1, false, &ranges, 32);
+    ok(&h.cmd(s, &d)[0]);
+    assert_eq!(read_at(&mut h, 4, 0, 8192, 512), ones);
+    let (s, d) = dsm(5, 1, true, &ranges, 32);
+    ok(&h.cmd(s, &d)[0]);
+    let first = read_at(&mut h, 6, 0, 8192, 512);
+    assert!(first[..1024].iter().all(|&b| b == 0xA5));
+    assert!(first[1024..3072].iter().all(|&b| b == 0));
+    assert!(first[3072..].iter().all(|&b| b == 0xA5));
+    let second = read_at(&mut h, 7, 100, 8192, 512);
+    assert!(second[..2048].iter().all(|&b| b == 0xA5));
+    assert!(second[2048..3072].iter().all(|&b| b == 0));
+
+    // Through R2T too (SPDK sends the ranges that way).
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        8,
+        1,
+        &[(10, 0), (11, spec::DSM_ATTR_DEALLOCATE)],
+    );
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 16);
+    let got = h.cmd(s, &[]);
+    let [Got::R2t(r2t)] = got[..] else {
+        panic!("{got:?}")
+    };
+    let got = h.send(&Pdu::H2CData {
+        hdr: DataHeader {
+            cccid: 8,
+            ttag: r2t.ttag,
+            datao: 0,
+            flags: pdu::FLAG_LAST_PDU,
+        },
+        data: &dsm_ranges(&[(0, 1)]),
+    });
+    ok(&got[0]);
+    assert!(read_at(&mut h, 9, 0, 512, 512).iter().all(|&b| b == 0));
+
+    // A range past the end fails the command and discards nothing (the
+    // first range is checked with the second).
+    let blocks = VOLUME_BYTES / 512;
+    let bad = dsm_ranges(&[(6, 2), (blocks - 1, 2)]);
+    let (s, d) = dsm(10, 1, true, &bad, 32);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    assert!(read_at(&mut h, 11, 6, 1024, 512).iter().all(|&b| b == 0xA5));
+    let bad = dsm_ranges(&[(u64::MAX, 1)]);
+    let (s, d) = dsm(12, 0, true, &bad, 16);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    // Fewer range bytes than NR says, or more than 256 ranges' worth.
+    let (s, d) = dsm(13, 3, true, &ranges, 32);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, 14, 1, &[(10, 255), (11, 4)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4112);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    // Wrong namespace.
+    let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, 15, 2, &[(11, 4)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
+    assert_eq!(
+        status_of(&h.cmd(s, &dsm_ranges(&[(0, 1)]))[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    // ONCS says so.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 16, 0, &[(10, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = a.cmd(s, &[]);
+    let Got::Data { data, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_ne!(u16::from_le_bytes([data[520], data[521]]) & (1 << 2), 0);
+}
+
 #[test]
 fn an_io_queue_before_enable_or_unknown_pdus_fail_cleanly() {
     let shared = shared();
