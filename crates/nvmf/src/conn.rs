@@ -129,8 +129,8 @@ pub(crate) struct Conn<S> {
     disconnecting: bool,
     /// Admin queue with a KATO: the timer that wakes it to check.
     kato_timer: Option<PollerId>,
-    /// I/O queue: the poller registered with the controller for a wake-up
-    /// when it goes.
+    /// The poller registered with the controller for a wake-up: when it
+    /// goes (I/O queue) or raises an event (admin queue).
     waker: Option<PollerId>,
 }
 
@@ -192,10 +192,11 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
     fn advance(&mut self) -> bool {
         let reaped = self.reap();
         let retried = self.retry_submit();
+        let evented = self.deliver_event();
         if self.disconnecting && !self.link.is_closing() && self.slots.is_empty() {
             self.link.close("host sent Disconnect");
         }
-        reaped | retried
+        reaped | retried | evented
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -296,6 +297,10 @@ impl<S: Read + Write> Conn<S> {
             return;
         };
         if q.qid == 0 {
+            if self.waker != Some(me) {
+                q.ctrl.set_admin_waker(t.handle(), me);
+                self.waker = Some(me);
+            }
             let kato_ms = q.ctrl.kato_ms();
             if kato_ms == 0 {
                 return;
@@ -325,6 +330,24 @@ impl<S: Read + Write> Conn<S> {
             q.ctrl.add_io_waker(t.handle(), me);
             self.waker = Some(me);
         }
+    }
+
+    /// Complete a held Asynchronous Event Request with the controller's
+    /// pending event, if both exist.
+    fn deliver_event(&mut self) -> bool {
+        let Phase::Connected(q) = &self.phase else {
+            return false;
+        };
+        if q.qid != 0 || self.aers.is_empty() || self.link.is_closing() {
+            return false;
+        }
+        let Some(dw0) = q.ctrl.take_event() else {
+            return false;
+        };
+        let cid = self.aers.remove(0);
+        tracing::info!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, cid, "asynchronous event: namespace attribute changed");
+        self.respond(cid, Reply::dw0(dw0));
+        true
     }
 
     /// An admin queue silent for a whole KATO closes (its controller, and
@@ -697,8 +720,9 @@ impl<S: Read + Write> Conn<S> {
                 if self.aers.len() >= MAX_AERS {
                     return self.respond(cid, Reply::status(Status::ASYNC_EVENT_LIMIT_EXCEEDED));
                 }
-                // Held until an event (none is raised yet) or the end.
+                // Held until an event (see `deliver_event`) or the end.
                 self.aers.push(cid);
+                self.deliver_event();
                 return;
             }
             let reply = self.admin(&sqe);
@@ -827,14 +851,14 @@ impl<S: Read + Write> Conn<S> {
             }
             None
         } else {
-            let Some(v) = d
-                .subnqn
-                .strip_prefix(spec::NQN_PREFIX)
-                .and_then(|name| self.shared.volumes.named(name).ok())
-            else {
+            let Some(v) = self.shared.volume_by_nqn(&d.subnqn) else {
                 tracing::warn!(peer = %peer, subnqn = %d.subnqn, "Connect to an unknown subsystem");
                 return invalid(true, 256);
             };
+            if !self.shared.host_allowed(&v.name, &d.hostnqn) {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, qid, "Connect refused: host not on the subsystem's allowlist");
+                return Reply::status(Status::CONNECT_INVALID_HOST);
+            }
             Some(v)
         };
         let ctrl = if qid == 0 {
@@ -869,7 +893,7 @@ impl<S: Read + Write> Conn<S> {
                     return Reply::status(Status::INTERNAL_ERROR);
                 }
             };
-            let lba_shift = self.shared.lba_shift;
+            let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
                 blocks: volume.dev().size_bytes() >> lba_shift,
                 lba_shift,
@@ -916,10 +940,15 @@ impl<S: Read + Write> Conn<S> {
                 let volume = ctrl.volume.as_ref();
                 match (cns, volume) {
                     (spec::CNS_CONTROLLER, _) => fit(self.shared.identify_controller(ctrl)),
+                    // A deleted volume's namespace is inactive: its
+                    // Identify data reads as zeros.
+                    (spec::CNS_NAMESPACE, Some(_)) if nsid == 1 && !ctrl.ns_active() => {
+                        fit(vec![0u8; spec::IDENTIFY_BYTES])
+                    }
                     (spec::CNS_NAMESPACE, Some(v)) if nsid == 1 => {
                         fit(self.shared.identify_namespace(v))
                     }
-                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 => {
+                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 && ctrl.ns_active() => {
                         fit(spec::ns_id_descriptors(&spec::name_guid(&v.name)))
                     }
                     (spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS, _) => {
@@ -930,7 +959,7 @@ impl<S: Read + Write> Conn<S> {
                             return Reply::status(Status::INVALID_NAMESPACE);
                         }
                         let mut v = vec![0u8; spec::IDENTIFY_BYTES];
-                        if nsid < 1 && volume.is_some() {
+                        if nsid < 1 && ctrl.ns_active() {
                             v[0] = 1;
                         }
                         fit(v)
@@ -941,8 +970,18 @@ impl<S: Read + Write> Conn<S> {
             spec::ADMIN_GET_FEATURES => ctrl.get_feature(sqe),
             spec::ADMIN_SET_FEATURES => ctrl.set_feature(sqe),
             spec::ADMIN_GET_LOG_PAGE => {
-                let discovery_log = ctrl.volume.is_none().then(|| self.shared.discovery_log());
-                get_log_page(sqe, discovery_log)
+                let lid = (sqe.dword(10) & 0xFF) as u8;
+                let page = match (lid, &ctrl.volume) {
+                    (spec::LOG_DISCOVERY, None) => {
+                        Some(self.shared.discovery_log(&ctrl.hostnqn))
+                    }
+                    // RAE (dword 10 bit 15): retain the list.
+                    (spec::LOG_CHANGED_NS_LIST, _) => {
+                        Some(ctrl.changed_ns_log(sqe.dword(10) & (1 << 15) != 0))
+                    }
+                    _ => None,
+                };
+                get_log_page(sqe, page)
             }
             spec::ADMIN_KEEP_ALIVE => Reply::ok(),
             // Nothing is ever aborted: dw0 bit 0 says "not aborted".
@@ -958,9 +997,16 @@ impl<S: Read + Write> Conn<S> {
 
     /// Check an I/O command before its data is asked for or it starts.
     fn check_io(&self, sqe: &Sqe) -> Result<(), Status> {
-        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+        let Phase::Connected(Queue {
+            ns: Some(ns), ctrl, ..
+        }) = &self.phase
+        else {
             return Err(Status::INVALID_OPCODE);
         };
+        // The volume was deleted: namespace 1 is no longer attached.
+        if !ctrl.ns_active() && sqe.opcode() != spec::NVM_FLUSH {
+            return Err(Status::INVALID_NAMESPACE);
+        }
         match sqe.opcode() {
             spec::NVM_FLUSH => {
                 if sqe.nsid() != 1 && sqe.nsid() != 0xFFFF_FFFF {
@@ -1286,33 +1332,26 @@ fn property_set(ctrl: &Controller, sqe: &Sqe) -> Reply {
     }
 }
 
-/// Get Log Page; `discovery_log` is the page a discovery controller
-/// serves (and the only one besides the generic ones).
-fn get_log_page(sqe: &Sqe, discovery_log: Option<Vec<u8>>) -> Reply {
+/// Get Log Page; `page` is the page built by the controller when it has
+/// one for this LID (the discovery log of a discovery controller, the
+/// changed namespace list), else the generic pages are served here.
+fn get_log_page(sqe: &Sqe, page: Option<Vec<u8>>) -> Reply {
     let dw10 = sqe.dword(10);
     let lid = (dw10 & 0xFF) as u8;
     let numd = ((u64::from(sqe.dword(11) & 0xFFFF) << 16) | u64::from(dw10 >> 16)) + 1;
     let len = (numd * 4) as usize;
     let offset = u64::from(sqe.dword(12)) | (u64::from(sqe.dword(13)) << 32);
-    let page_len = match (lid, &discovery_log) {
-        (spec::LOG_DISCOVERY, Some(d)) => d.len(),
+    let page_len = match (lid, &page) {
+        (_, Some(p)) => p.len(),
         (spec::LOG_DISCOVERY, None) => return Reply::status(Status::INVALID_FIELD),
-        _ => 0,
-    };
-    let page_len = match lid {
-        spec::LOG_DISCOVERY => page_len,
-        spec::LOG_ERROR => 64 * ERROR_LOG_ENTRIES,
-        spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT => 512,
-        spec::LOG_CHANGED_NS_LIST => 4096,
+        (spec::LOG_ERROR, None) => 64 * ERROR_LOG_ENTRIES,
+        (spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT, None) => 512,
         _ => return Reply::status(Status::INVALID_FIELD),
     };
     if offset % 4 != 0 || offset > page_len as u64 || len > sqe.sgl().length as usize {
         return Reply::status(Status::INVALID_FIELD);
     }
-    let mut page = match discovery_log {
-        Some(d) if lid == spec::LOG_DISCOVERY => d,
-        _ => vec![0u8; page_len],
-    };
+    let mut page = page.unwrap_or_else(|| vec![0u8; page_len]);
     if lid == spec::LOG_FIRMWARE_SLOT {
         page[0] = 1; // AFI: slot 1 active
         let fr = env!("CARGO_PKG_VERSION").as_bytes();

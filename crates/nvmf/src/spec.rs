@@ -186,6 +186,8 @@ pub const LOG_SMART: u8 = 0x02;
 pub const LOG_FIRMWARE_SLOT: u8 = 0x03;
 pub const LOG_CHANGED_NS_LIST: u8 = 0x04;
 pub const LOG_DISCOVERY: u8 = 0x70;
+/// The Changed Namespace List page: 1,024 NSIDs.
+pub const CHANGED_NS_LIST_BYTES: usize = 4096;
 
 // Identify CNS values.
 pub const CNS_NAMESPACE: u8 = 0x00;
