@@ -68,6 +68,12 @@ struct Queue {
     ctrl: ControllerRef,
     /// Set on I/O queues.
     ns: Option<Namespace>,
+    /// The host disabled SQ flow control (Connect CATTR bit 2): it does
+    /// not need the SQ head of each completion, so a successful command
+    /// with data ends with a C2HData PDU carrying SUCCESS instead of a
+    /// CapsuleResp (NVMe/TCP: SUCCESS may be set only then; the Linux
+    /// target does the same).
+    sqflow_disabled: bool,
 }
 
 enum Phase {
@@ -739,7 +745,11 @@ impl<S: Read + Write> Conn<S> {
             if r.status.is_success() && !d.is_empty() {
                 let mut b = bufs::get(d.len());
                 b.as_mut_slice()[..d.len()].copy_from_slice(&d);
-                self.send_c2h(cid, b, d.len());
+                let success = self.c2h_success() && r.dw0 == 0 && r.dw1 == 0;
+                self.send_c2h(cid, b, d.len(), success);
+                if success {
+                    return;
+                }
             }
         }
         self.send_resp(Cqe {
@@ -756,13 +766,25 @@ impl<S: Read + Write> Conn<S> {
         self.link.push(&h, Payload::None);
     }
 
-    /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set.
-    fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize) {
+    /// Whether a successful command's data may carry SUCCESS (and so no
+    /// CapsuleResp follows): only when the host disabled SQ flow control.
+    fn c2h_success(&self) -> bool {
+        matches!(&self.phase, Phase::Connected(q) if q.sqflow_disabled)
+    }
+
+    /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set, and
+    /// SUCCESS when `success` (the command's completion; see
+    /// [`Conn::c2h_success`]).
+    fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize, success: bool) {
         let hdr = DataHeader {
             cccid: cid,
             ttag: 0,
             datao: 0,
-            flags: pdu::FLAG_LAST_PDU,
+            flags: if success {
+                pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS
+            } else {
+                pdu::FLAG_LAST_PDU
+            },
         };
         let specific = pdu::data_specific(&hdr, len as u32);
         let h = pdu::encode_header(
@@ -916,6 +938,7 @@ impl<S: Read + Write> Conn<S> {
             entries: (sqsize + 1) as u16,
             ctrl,
             ns,
+            sqflow_disabled: (dw11 >> 16) & spec::CATTR_DISABLE_SQ_FLOW != 0,
         });
         self.greeted.store(true, Ordering::Relaxed);
         Reply::dw0(u32::from(cntlid))
@@ -1255,7 +1278,11 @@ impl<S: Read + Write> Conn<S> {
                             Phase::Connected(Queue { ns: Some(ns), .. }) => ns.lba_shift,
                             _ => 9,
                         };
-                        self.send_c2h(cid, b, len << shift);
+                        let success = self.c2h_success();
+                        self.send_c2h(cid, b, len << shift, success);
+                        if success {
+                            return;
+                        }
                     }
                 } else if let Some(b) = c.buf {
                     bufs::put(b);

@@ -139,6 +139,9 @@ pub const FCTYPE_PROPERTY_SET: u8 = 0x00;
 pub const FCTYPE_CONNECT: u8 = 0x01;
 pub const FCTYPE_PROPERTY_GET: u8 = 0x04;
 pub const FCTYPE_DISCONNECT: u8 = 0x08;
+/// Connect CATTR (dword 11 bits 23:16) bit 2: the host disables SQ flow
+/// control.
+pub const CATTR_DISABLE_SQ_FLOW: u32 = 1 << 2;
 
 pub const ADMIN_GET_LOG_PAGE: u8 = 0x02;
 pub const ADMIN_IDENTIFY: u8 = 0x06;

@@ -209,6 +209,17 @@ impl Host {
     }
 
     fn connect_as(&mut self, qid: u16, cntlid: u16, subnqn: &str, hostnqn: &str) -> Got {
+        self.connect_cattr(qid, cntlid, subnqn, hostnqn, 0)
+    }
+
+    fn connect_cattr(
+        &mut self,
+        qid: u16,
+        cntlid: u16,
+        subnqn: &str,
+        hostnqn: &str,
+        cattr: u32,
+    ) -> Got {
         let mut d = vec![0u8; 1024];
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
         d[256..256 + subnqn.len()].copy_from_slice(subnqn.as_bytes());
@@ -217,7 +228,7 @@ impl Host {
             spec::OPC_FABRICS,
             1,
             0,
-            &[(10, u32::from(qid) << 16), (11, 31)],
+            &[(10, u32::from(qid) << 16), (11, 31 | (cattr << 16))],
         );
         s[4] = spec::FCTYPE_CONNECT;
         set_sgl(&mut s, spec::SGL_IN_CAPSULE, 1024);
@@ -837,6 +848,37 @@ fn a_4k_lba_namespace_reports_and_uses_4k_blocks() {
     set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
     ok(&io.cmd(s, &dsm_ranges(&[(3, 1)]))[0]);
     assert!(read_at(&mut io, 8, 3, 4096, 4096).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn c2h_success_only_when_the_host_disabled_sq_flow_control() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut plain = io_queue(&shared, cntlid, NQN);
+    let mut noflow = Host::new(&shared);
+    noflow.ic(DG);
+    ok(&noflow.connect_cattr(2, cntlid, NQN, "nqn.host", spec::CATTR_DISABLE_SQ_FLOW));
+    write_at(&mut plain, 1, 0, &[9u8; 4096]);
+
+    let read = |h: &mut Host| {
+        let mut s = sqe(spec::NVM_READ, 7, 1, &[(12, 7)]);
+        set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+        h.cmd(s, &[])
+    };
+    // SQ flow control on: LAST_PDU only, then a CapsuleResp.
+    let got = read(&mut plain);
+    assert!(matches!(&got[..], [Got::Data { flags, .. }, Got::Resp { status: 0, .. }] if *flags == pdu::FLAG_LAST_PDU), "{got:?}");
+    // Off: the data PDU carries SUCCESS and is the completion.
+    let got = read(&mut noflow);
+    assert!(matches!(&got[..], [Got::Data { flags, data, cid: 7, .. }] if *flags == pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS && data.iter().all(|&b| b == 9)), "{got:?}");
+    // A failed read still gets a CapsuleResp with its status.
+    let mut s = sqe(spec::NVM_READ, 8, 1, &[(10, u32::MAX), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&noflow.cmd(s, &[])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
 }
 
 #[test]
