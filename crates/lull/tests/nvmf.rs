@@ -816,6 +816,107 @@ fn a_silent_host_is_torn_down_after_kato() {
     server.assert_healthy();
 }
 
+/// A plain SQE: opcode, CID, NSID and dwords 10.. as given.
+fn raw_sqe(opc: u8, cid: u16, nsid: u32, dwords: &[(usize, u32)]) -> [u8; 64] {
+    let mut s = [0u8; 64];
+    s[0] = opc;
+    s[2..4].copy_from_slice(&cid.to_le_bytes());
+    s[4..8].copy_from_slice(&nsid.to_le_bytes());
+    for &(i, v) in dwords {
+        s[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    s
+}
+
+/// No SPDK tool holds an Asynchronous Event Request open while a volume
+/// changes, so a raw host does, over the real binary: the volume deleted
+/// over JSON-RPC completes it (the admin queue sleeps in interrupt mode
+/// until the event wakes it), log page 04h names namespace 1, and the
+/// host's I/O gets Invalid Namespace.
+#[test]
+fn a_volume_deleted_over_rpc_completes_the_async_event_request() {
+    let sock = PathBuf::from(format!("/tmp/lull-t-{}-nvmf-aer.sock", std::process::id()));
+    let mut server = Server::start(&[
+        "--mode",
+        "interrupt",
+        "--volume",
+        &format!("{VOLUME}:16M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 0);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut io = RawHost::connect(addr);
+    assert_eq!(io.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    // Set Features, Asynchronous Event Configuration: namespace attribute
+    // notices; then one AER, held.
+    let aec = raw_sqe(0x09, 3, 0, &[(10, 0x0B), (11, 1 << 8)]);
+    assert_eq!(admin.command(aec, &[]).0, 0);
+    let aer = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: raw_sqe(0x0C, 7, 0, &[]),
+            data: &[],
+        },
+        Digests::default(),
+    );
+    admin.sock.write_all(&aer).expect("send the AER");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "-s"])
+        .arg(&sock)
+        .args(["volume_delete", &format!(r#"{{"name": "{VOLUME}"}}"#)])
+        .output()
+        .expect("run lull rpc");
+    assert!(out.status.success(), "volume_delete: {out:?}");
+
+    let mut resp = [0u8; 24];
+    admin
+        .sock
+        .read_exact(&mut resp)
+        .expect("the AER completes when the volume is deleted");
+    assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+    assert_eq!(u16::from_le_bytes([resp[20], resp[21]]), 7, "the AER's CID");
+    assert_eq!(u16::from_le_bytes([resp[22], resp[23]]), 0, "success");
+    // Notice (2), Namespace Attribute Changed (0), log page 04h.
+    assert_eq!(
+        u32::from_le_bytes(resp[8..12].try_into().unwrap()),
+        0x0004_0002
+    );
+    // Get Log Page 04h (1 KiB): namespace 1, then nothing.
+    let mut glp = raw_sqe(0x02, 8, 0xFFFF_FFFF, &[(10, (255 << 16) | 0x04)]);
+    glp[32..36].copy_from_slice(&1024u32.to_le_bytes());
+    glp[39] = 0x5A; // transport SGL data block
+    let bytes = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: glp,
+            data: &[],
+        },
+        Digests::default(),
+    );
+    admin.sock.write_all(&bytes).expect("send Get Log Page");
+    let mut page = vec![0u8; 24 + 1024 + 24];
+    admin.sock.read_exact(&mut page).expect("the log page");
+    assert_eq!(page[0], pdu::TYPE_C2H_DATA);
+    assert_eq!(u32::from_le_bytes(page[24..28].try_into().unwrap()), 1);
+    assert!(page[28..24 + 1024].iter().all(|&b| b == 0));
+    assert_eq!(page[24 + 1024], pdu::TYPE_CAPSULE_RESP);
+    // I/O to the deleted namespace: Invalid Namespace, the queue stays.
+    let mut read = raw_sqe(0x02, 9, 1, &[]);
+    read[32..36].copy_from_slice(&512u32.to_le_bytes());
+    read[39] = 0x5A;
+    assert_eq!(
+        io.command(read, &[]).0,
+        lull_nvmf::spec::Status::INVALID_NAMESPACE.field()
+    );
+    server.assert_logged("asynchronous event: namespace attribute changed");
+    server.assert_healthy();
+}
+
 #[test]
 fn malformed_pdus_end_in_a_term_req_and_a_close() {
     let (mut server, addr) = serve();
