@@ -89,8 +89,7 @@ pub const NVMF_LBA_SIZES: [u32; 2] = [512, 4096];
 pub const MAX_NQN_LEN: usize = 223;
 
 fn check_nqn(what: &str, nqn: &str) -> Result<(), ConfigError> {
-    if !nqn.starts_with("nqn.") || nqn.len() > MAX_NQN_LEN || nqn.chars().any(char::is_control)
-    {
+    if !nqn.starts_with("nqn.") || nqn.len() > MAX_NQN_LEN || nqn.chars().any(char::is_control) {
         return err(format!(
             "{what} {nqn:?}: an NQN starts with \"nqn.\" and has at most {MAX_NQN_LEN} bytes"
         ));
@@ -501,7 +500,9 @@ fn check_nvmf_volumes(
     let mut nqns = std::collections::HashSet::new();
     for (name, n) in nvmf {
         let Some(v) = volumes.iter().find(|v| &v.name == name) else {
-            return err(format!("NVMe/TCP settings for {name:?}, which is not a volume"));
+            return err(format!(
+                "NVMe/TCP settings for {name:?}, which is not a volume"
+            ));
         };
         if let Some(lba) = n.lba_bytes {
             if !NVMF_LBA_SIZES.contains(&lba) {
@@ -603,11 +604,41 @@ mod tests {
         assert_eq!(s.nvmf_volumes["a"].allow_hosts, vec!["nqn.h2", "nqn.h3"]);
 
         for (what, flags) in [
-            ("no such volume", Overrides { nvmf_lba: vec!["zz=512".into()], ..Default::default() }),
-            ("bad size", Overrides { nvmf_lba: vec!["vol0=1024".into()], ..Default::default() }),
-            ("no =", Overrides { nvmf_nqn: vec!["vol0".into()], ..Default::default() }),
-            ("not an NQN", Overrides { nvmf_nqn: vec!["vol0=iqn.x".into()], ..Default::default() }),
-            ("bad host", Overrides { nvmf_allow_host: vec!["vol0=host".into()], ..Default::default() }),
+            (
+                "no such volume",
+                Overrides {
+                    nvmf_lba: vec!["zz=512".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "bad size",
+                Overrides {
+                    nvmf_lba: vec!["vol0=1024".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "no =",
+                Overrides {
+                    nvmf_nqn: vec!["vol0".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "not an NQN",
+                Overrides {
+                    nvmf_nqn: vec!["vol0=iqn.x".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "bad host",
+                Overrides {
+                    nvmf_allow_host: vec!["vol0=host".into()],
+                    ..Default::default()
+                },
+            ),
             (
                 "size not a multiple",
                 Overrides {
@@ -625,7 +656,10 @@ mod tests {
                 },
             ),
         ] {
-            assert!(resolve(ConfigFile::default(), flags, &[0]).is_err(), "{what}");
+            assert!(
+                resolve(ConfigFile::default(), flags, &[0]).is_err(),
+                "{what}"
+            );
         }
     }
 

@@ -321,20 +321,17 @@ fn serve(args: ServeArgs) -> ExitCode {
         })
         .collect();
     let nvmf = match s.nvmf_listen {
-        Some(addr) => match lull_nvmf::NvmfServer::start(
-            fw.handle(),
-            volumes.clone(),
-            addr,
-            subsystems,
-        ) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                eprintln!("lull: error: {e}");
-                server.shutdown(SHUTDOWN_TIMEOUT);
-                fw.stop();
-                return ExitCode::FAILURE;
+        Some(addr) => {
+            match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr, subsystems) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    eprintln!("lull: error: {e}");
+                    server.shutdown(SHUTDOWN_TIMEOUT);
+                    fw.stop();
+                    return ExitCode::FAILURE;
+                }
             }
-        },
+        }
         None => None,
     };
     // Both frontends stop the same way: no new connections, in-flight

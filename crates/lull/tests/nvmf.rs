@@ -502,7 +502,10 @@ fn file_and_two_replica_volumes_round_trip_and_take_perf_load() {
     };
     let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
     let scratch = Scratch::new("file-repl");
-    let (ra, rb) = (Replica::start(&scratch.0, "32M"), Replica::start(&scratch.0, "32M"));
+    let (ra, rb) = (
+        Replica::start(&scratch.0, "32M"),
+        Replica::start(&scratch.0, "32M"),
+    );
     let file = scratch.0.join("f.img");
     let mut server = Server::start(&[
         "--volume",
@@ -541,7 +544,10 @@ fn file_and_two_replica_volumes_round_trip_and_take_perf_load() {
     // The replicas agree byte for byte with what was written: both hold
     // the same image (the server detached cleanly at stop).
     let image = |r: &Replica| {
-        let dir = scratch.0.join(format!("replica-{}", r.addr.port())).join("data");
+        let dir = scratch
+            .0
+            .join(format!("replica-{}", r.addr.port()))
+            .join("data");
         std::fs::read(dir.join("data.img")).expect("replica image")
     };
     let (a, b) = (image(&ra), image(&rb));
@@ -574,20 +580,42 @@ fn a_4k_lba_volume_is_identified_and_round_trips() {
         &["--no-huge", "-d", "256", "-r", &trid_of(addr, &nqn)],
     );
     for want in [
-        format!("Size (in LBAs):                        {} ", (16u64 << 20) / 4096),
+        format!(
+            "Size (in LBAs):                        {} ",
+            (16u64 << 20) / 4096
+        ),
         "LBA Format #00: Data Size:  4096".to_string(),
         "Current LBA Format:                    LBA Format #00".to_string(),
     ] {
         assert!(out.contains(&want), "identify lacks {want:?}:\n{out}");
     }
-    dd_round_trip(&tools, server.dir(), addr, &nqn, 0x4000, 4 << 20, (4096, 131072));
+    dd_round_trip(
+        &tools,
+        server.dir(),
+        addr,
+        &nqn,
+        0x4000,
+        4 << 20,
+        (4096, 131072),
+    );
     // NBD is unaffected: it sees the volume's bytes as NVMe/TCP wrote
     // them, at any 512-byte offset.
     let mut nbd = NbdClient::connect(server.addr(), "v4k").expect("NBD connect");
     let head = nbd.read(512, 8192).expect("NBD read").expect("NBD status");
-    assert!(head == pattern(0x4000, 8704)[512..], "NBD reads other bytes");
+    assert!(
+        head == pattern(0x4000, 8704)[512..],
+        "NBD reads other bytes"
+    );
     drop(nbd);
-    let total = perf_on(&tools, &trid_of(addr, &nqn), "randrw", 32, 4096, 1, &["-M", "50"]);
+    let total = perf_on(
+        &tools,
+        &trid_of(addr, &nqn),
+        "randrw",
+        32,
+        4096,
+        1,
+        &["-M", "50"],
+    );
     eprintln!("lull nvmf 4k-LBA randrw 4k QD32: {total}");
     server.assert_healthy();
 }
@@ -695,7 +723,15 @@ fn a_host_not_on_the_allowlist_is_refused() {
     assert!(out.contains("sct 1, sc 132"), "{out}");
     server.assert_logged("Connect refused: host not on the subsystem's allowlist");
     // The allowed host attaches and does I/O under the configured NQN.
-    let total = perf_on(&tools, &format!("{tr} hostnqn:{good}"), "randread", 1, 4096, 1, &[]);
+    let total = perf_on(
+        &tools,
+        &format!("{tr} hostnqn:{good}"),
+        "randread",
+        1,
+        4096,
+        1,
+        &[],
+    );
     eprintln!("lull nvmf allowed host: {total}");
     server.assert_healthy();
 }

@@ -995,9 +995,7 @@ impl<S: Read + Write> Conn<S> {
             spec::ADMIN_GET_LOG_PAGE => {
                 let lid = (sqe.dword(10) & 0xFF) as u8;
                 let page = match (lid, &ctrl.volume) {
-                    (spec::LOG_DISCOVERY, None) => {
-                        Some(self.shared.discovery_log(&ctrl.hostnqn))
-                    }
+                    (spec::LOG_DISCOVERY, None) => Some(self.shared.discovery_log(&ctrl.hostnqn)),
                     // RAE (dword 10 bit 15): retain the list.
                     (spec::LOG_CHANGED_NS_LIST, _) => {
                         Some(ctrl.changed_ns_log(sqe.dword(10) & (1 << 15) != 0))

@@ -23,10 +23,10 @@ pub mod pdu;
 pub mod spec;
 mod target;
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 

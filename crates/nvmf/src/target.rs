@@ -95,14 +95,16 @@ impl Shared {
 
     /// log2 of a volume's LBA size.
     pub(crate) fn lba_shift_of(&self, volume: &str) -> u8 {
-        self.options(volume).map_or(crate::LBA_SHIFT, |o| o.lba_shift)
+        self.options(volume)
+            .map_or(crate::LBA_SHIFT, |o| o.lba_shift)
     }
 
     /// Whether `hostnqn` may connect to the volume's subsystem (an empty
     /// list allows any host).
     pub(crate) fn host_allowed(&self, volume: &str, hostnqn: &str) -> bool {
-        self.options(volume)
-            .is_none_or(|o| o.allowed_hosts.is_empty() || o.allowed_hosts.iter().any(|h| h == hostnqn))
+        self.options(volume).is_none_or(|o| {
+            o.allowed_hosts.is_empty() || o.allowed_hosts.iter().any(|h| h == hostnqn)
+        })
     }
 
     /// The volume whose subsystem is `subnqn`.

@@ -174,7 +174,12 @@ impl Volumes {
             list.remove(pos)
         };
         let change = VolumeChange::Removed(v.clone());
-        for w in self.watchers.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for w in self
+            .watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
             w(&change);
         }
         Ok(v)

@@ -546,7 +546,12 @@ fn dataset_management_deallocates_ranges_and_checks_them() {
     // Two ranges (NR = 1), deallocate: LBAs 2..6 and 104..106.
     let dsm = |cid, nr: u32, ad: bool, data: &[u8], len: u32| {
         let attr = if ad { spec::DSM_ATTR_DEALLOCATE } else { 0 };
-        let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, cid, 1, &[(10, nr), (11, attr)]);
+        let mut s = sqe(
+            spec::NVM_DATASET_MANAGEMENT,
+            cid,
+            1,
+            &[(10, nr), (11, attr)],
+        );
         set_sgl(&mut s, spec::SGL_IN_CAPSULE, len);
         (s, data.to_vec())
     };
@@ -685,7 +690,11 @@ fn a_deleted_volume_completes_the_async_event_request() {
     let mut b = Host::new(&shared);
     admin(&mut b);
     for (h, cid) in [(&mut a, 41), (&mut b, 41)] {
-        assert!(h.cmd(sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, cid, 0, &[]), &[]).is_empty(), "held");
+        assert!(
+            h.cmd(sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, cid, 0, &[]), &[])
+                .is_empty(),
+            "held"
+        );
         // Nothing changed yet: the list is empty and the AER stays held.
         assert!(changed_ns(h, 42, false).is_empty());
     }
@@ -790,9 +799,16 @@ fn the_allowlist_refuses_other_hosts_and_the_nqn_is_configurable() {
         );
         set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
         let page = admin_data(&mut d, s);
-        assert_eq!(u64::from_le_bytes(page[8..16].try_into().unwrap()), entries, "{host}");
+        assert_eq!(
+            u64::from_le_bytes(page[8..16].try_into().unwrap()),
+            entries,
+            "{host}"
+        );
         if entries == 1 {
-            assert_eq!(&page[1024 + 256..1024 + 256 + custom.len()], custom.as_bytes());
+            assert_eq!(
+                &page[1024 + 256..1024 + 256 + custom.len()],
+                custom.as_bytes()
+            );
         }
     }
 }
@@ -832,7 +848,10 @@ fn a_4k_lba_namespace_reports_and_uses_4k_blocks() {
         Status::DATA_SGL_LENGTH_INVALID.field()
     );
     // The last block is in range, the next one is not.
-    assert_eq!(read_at(&mut io, 4, blocks as u32 - 1, 4096, 4096).len(), 4096);
+    assert_eq!(
+        read_at(&mut io, 4, blocks as u32 - 1, 4096, 4096).len(),
+        4096
+    );
     let mut s = sqe(spec::NVM_READ, 5, 1, &[(10, blocks as u32), (12, 0)]);
     set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
     assert_eq!(
@@ -844,7 +863,12 @@ fn a_4k_lba_namespace_reports_and_uses_4k_blocks() {
     set_sgl(&mut s, spec::SGL_TRANSPORT, 33 * 4096);
     assert_ne!(status_of(&io.cmd(s, &[])[0]), 0);
     // Dataset Management counts 4 KiB blocks too.
-    let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, 7, 1, &[(11, spec::DSM_ATTR_DEALLOCATE)]);
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        7,
+        1,
+        &[(11, spec::DSM_ATTR_DEALLOCATE)],
+    );
     set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
     ok(&io.cmd(s, &dsm_ranges(&[(3, 1)]))[0]);
     assert!(read_at(&mut io, 8, 3, 4096, 4096).iter().all(|&b| b == 0));
@@ -868,10 +892,16 @@ fn c2h_success_only_when_the_host_disabled_sq_flow_control() {
     };
     // SQ flow control on: LAST_PDU only, then a CapsuleResp.
     let got = read(&mut plain);
-    assert!(matches!(&got[..], [Got::Data { flags, .. }, Got::Resp { status: 0, .. }] if *flags == pdu::FLAG_LAST_PDU), "{got:?}");
+    assert!(
+        matches!(&got[..], [Got::Data { flags, .. }, Got::Resp { status: 0, .. }] if *flags == pdu::FLAG_LAST_PDU),
+        "{got:?}"
+    );
     // Off: the data PDU carries SUCCESS and is the completion.
     let got = read(&mut noflow);
-    assert!(matches!(&got[..], [Got::Data { flags, data, cid: 7, .. }] if *flags == pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS && data.iter().all(|&b| b == 9)), "{got:?}");
+    assert!(
+        matches!(&got[..], [Got::Data { flags, data, cid: 7, .. }] if *flags == pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS && data.iter().all(|&b| b == 9)),
+        "{got:?}"
+    );
     // A failed read still gets a CapsuleResp with its status.
     let mut s = sqe(spec::NVM_READ, 8, 1, &[(10, u32::MAX), (12, 0)]);
     set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
