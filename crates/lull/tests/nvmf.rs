@@ -519,10 +519,11 @@ fn file_and_two_replica_volumes_round_trip_and_take_perf_load() {
     for (i, v) in ["f", "r"].into_iter().enumerate() {
         let nqn = lull_nvmf::subsystem_nqn(v);
         let tr = trid_of(addr, &nqn);
-        // 4 KiB at QD1 and QD32, 128 KiB at QD32 (writes through R2T).
+        // 4 KiB and 128 KiB (writes through R2T), each at QD1 and QD32.
         for (workload, qd, bytes, extra) in [
             ("randwrite", 1, 4096, &[][..]),
             ("randread", 32, 4096, &[][..]),
+            ("randrw", 1, 131072, &["-M", "50"][..]),
             ("randrw", 32, 131072, &["-M", "50"][..]),
         ] {
             let total = perf_on(&tools, &tr, workload, qd, bytes, 1, extra);
