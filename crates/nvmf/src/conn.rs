@@ -48,7 +48,8 @@ struct Cmd {
     stage: Stage,
     start_ns: u64,
     /// Dataset Management: the (offset, length) byte ranges still to
-    /// deallocate after the one in flight (one device request at a time).
+    /// deallocate after the piece in flight (one device request at a
+    /// time; at most 256 ranges).
     trims: Vec<(u64, u64)>,
 }
 
@@ -1159,13 +1160,8 @@ impl<S: Read + Write> Conn<S> {
                     break;
                 }
             }
-            let (mut offset, mut left) = (slba << ns.lba_shift, nlb << ns.lba_shift);
-            // One device request moves at most u32 bytes: split.
-            while left > 0 {
-                let chunk = left.min(MAX_DEALLOCATE_CHUNK_BYTES);
-                trims.push((offset, chunk));
-                offset += chunk;
-                left -= chunk;
+            if nlb > 0 {
+                trims.push((slba << ns.lba_shift, nlb << ns.lba_shift));
             }
         }
         bufs::put(data);
@@ -1186,12 +1182,19 @@ impl<S: Read + Write> Conn<S> {
         });
     }
 
-    /// Submit the next range of a Dataset Management command.
+    /// Submit the next piece of a Dataset Management command: the front
+    /// of its last range, at most `MAX_DEALLOCATE_CHUNK_BYTES` (a device
+    /// request moves at most `u32` bytes). The list holds at most the
+    /// command's 256 ranges: splitting is lazy.
     fn next_trim(&mut self, mut cmd: Cmd) {
         let cid = cmd.sqe.cid();
-        let Some((offset, len)) = cmd.trims.pop() else {
+        let Some((offset, range_len)) = cmd.trims.pop() else {
             return self.respond(cid, Reply::ok());
         };
+        let len = range_len.min(MAX_DEALLOCATE_CHUNK_BYTES);
+        if len < range_len {
+            cmd.trims.push((offset + len, range_len - len));
+        }
         let Some(slot) = self.slots.insert(cmd) else {
             return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
         };

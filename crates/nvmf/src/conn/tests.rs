@@ -51,8 +51,15 @@ fn shared() -> Arc<Shared> {
 
 /// A target with one 1 MiB memory volume `v`, served with `options`.
 fn shared_with(options: std::collections::HashMap<String, crate::SubsystemOptions>) -> Arc<Shared> {
+    shared_sized(VOLUME_BYTES, options)
+}
+
+fn shared_sized(
+    bytes: u64,
+    options: std::collections::HashMap<String, crate::SubsystemOptions>,
+) -> Arc<Shared> {
     let volumes = Arc::new(Volumes::default());
-    let dev = MallocDev::new(VOLUME_BYTES).expect("malloc");
+    let dev = MallocDev::new(bytes).expect("malloc");
     volumes
         .add(Volume::new("v", Storage::Local(Arc::new(dev))))
         .expect("add");
@@ -677,6 +684,36 @@ fn set_aec(h: &mut Host, cid: u16, aec: u32) {
         &[(10, u32::from(spec::FEAT_ASYNC_EVENT_CONFIG)), (11, aec)],
     );
     ok(&h.cmd(s, &[])[0]);
+}
+
+#[test]
+fn a_deallocate_range_larger_than_a_device_request_is_split() {
+    // A sparse 3 GiB memory volume: a range of 2.5 GiB takes three device
+    // trims (1 GiB at most each).
+    let shared = shared_sized(3 << 30, std::collections::HashMap::new());
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut h = io_queue(&shared, cntlid, NQN);
+    let lba = |bytes: u64| (bytes / 512) as u32;
+    let marks = [1u64 << 20, (2 << 30) + (5 << 20), (5 << 29) - 512, 5 << 29];
+    for (i, &at) in marks.iter().enumerate() {
+        write_at(&mut h, i as u16, lba(at), &[0x5Au8; 512]);
+    }
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        10,
+        1,
+        &[(11, spec::DSM_ATTR_DEALLOCATE)],
+    );
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
+    let range = dsm_ranges(&[(0, lba(5 << 29))]);
+    ok(&h.cmd(s, &range)[0]);
+    // Everything inside the 2.5 GiB is zeros, the block after it is not.
+    for (i, &at) in marks.iter().enumerate() {
+        let back = read_at(&mut h, 20 + i as u16, lba(at), 512, 512);
+        let inside = at < 5 << 29;
+        assert_eq!(back.iter().all(|&b| b == 0), inside, "at {at}");
+    }
 }
 
 #[test]
