@@ -26,6 +26,10 @@
 //! name = "vol0"
 //! size = "1G"
 //! backend = "malloc"               # or "file=/var/lib/lull/vol0.img,direct"
+//! # NVMe/TCP only (NBD ignores them):
+//! nvmf_lba = 4096                  # LBA size: 512 (default) or 4096
+//! nvmf_nqn = "nqn.2026-11.io.example:vol0"  # default nqn.2026-11.io.lull:vol0
+//! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
 //! ```
 
 use std::net::SocketAddr;
@@ -65,6 +69,34 @@ pub struct VolumeSpec {
     pub backend: Backend,
 }
 
+/// How a volume is served over NVMe/TCP, where it differs from the
+/// defaults (NQN from its name, 512-byte LBAs, any host).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NvmfVolume {
+    /// The subsystem's NQN; `None`: `nqn.2026-11.io.lull:<volume>`.
+    pub nqn: Option<String>,
+    /// LBA size in bytes: 512 or 4096; `None`: 512.
+    pub lba_bytes: Option<u32>,
+    /// Host NQNs allowed to connect; empty: any host.
+    pub allow_hosts: Vec<String>,
+}
+
+/// LBA sizes the NVMe/TCP target offers: 512 B (what every host handles)
+/// and 4 KiB (what 4K-native filesystems and databases prefer).
+pub const NVMF_LBA_SIZES: [u32; 2] = [512, 4096];
+
+/// Longest NQN, in bytes (NVMe base spec: 223 bytes, UTF-8).
+pub const MAX_NQN_LEN: usize = 223;
+
+fn check_nqn(what: &str, nqn: &str) -> Result<(), ConfigError> {
+    if !nqn.starts_with("nqn.") || nqn.len() > MAX_NQN_LEN || nqn.chars().any(char::is_control) {
+        return err(format!(
+            "{what} {nqn:?}: an NQN starts with \"nqn.\" and has at most {MAX_NQN_LEN} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// The settings `lull serve` runs with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServeSettings {
@@ -78,6 +110,8 @@ pub struct ServeSettings {
     pub metrics: Option<SocketAddr>,
     /// The NVMe/TCP target's address; off when `None`.
     pub nvmf_listen: Option<SocketAddr>,
+    /// Per-volume NVMe/TCP settings (volumes not named use the defaults).
+    pub nvmf_volumes: std::collections::BTreeMap<String, NvmfVolume>,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
 }
@@ -127,6 +161,13 @@ pub struct VolumeTable {
     pub size: String,
     #[serde(default)]
     pub backend: Option<String>,
+    /// NVMe/TCP LBA size: 512 or 4096.
+    pub nvmf_lba: Option<u32>,
+    /// NVMe/TCP subsystem NQN.
+    pub nvmf_nqn: Option<String>,
+    /// NVMe/TCP host NQNs allowed to connect (absent or empty: any).
+    #[serde(default)]
+    pub nvmf_allow_hosts: Vec<String>,
 }
 
 impl ConfigFile {
@@ -147,6 +188,13 @@ pub struct Overrides {
     pub rpc_socket: Option<PathBuf>,
     pub metrics: Option<String>,
     pub nvmf_listen: Option<String>,
+    /// `VOLUME=BYTES`: the LBA size a volume has over NVMe/TCP.
+    pub nvmf_lba: Vec<String>,
+    /// `VOLUME=NQN`: a volume's subsystem NQN.
+    pub nvmf_nqn: Vec<String>,
+    /// `VOLUME=HOSTNQN`, repeatable: hosts allowed to connect to a
+    /// volume's subsystem (replacing the config file's list for it).
+    pub nvmf_allow_host: Vec<String>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
     pub scheduler: Option<String>,
@@ -279,6 +327,21 @@ pub fn resolve(
             "nvme_ioq_poll_period_us (data-engine-nvme-ioq-poll-period-us) must be at least 1",
         );
     }
+    let mut nvmf_volumes = std::collections::BTreeMap::new();
+    if flags.volumes.is_empty() {
+        for v in &file.volume {
+            if v.nvmf_lba.is_some() || v.nvmf_nqn.is_some() || !v.nvmf_allow_hosts.is_empty() {
+                nvmf_volumes.insert(
+                    v.name.clone(),
+                    NvmfVolume {
+                        nqn: v.nvmf_nqn.clone(),
+                        lba_bytes: v.nvmf_lba,
+                        allow_hosts: v.nvmf_allow_hosts.clone(),
+                    },
+                );
+            }
+        }
+    }
     let volumes = if !flags.volumes.is_empty() {
         flags
             .volumes
@@ -307,6 +370,13 @@ pub fn resolve(
     if let Some(d) = volumes.iter().find(|v| !names.insert(v.name.clone())) {
         return err(format!("volume {:?} is defined twice", d.name));
     }
+    apply_nvmf_flags(
+        &flags.nvmf_lba,
+        &flags.nvmf_nqn,
+        &flags.nvmf_allow_host,
+        &mut nvmf_volumes,
+    )?;
+    check_nvmf_volumes(&nvmf_volumes, &volumes)?;
     let metrics = match flags.metrics.or(file.metrics) {
         Some(m) => Some(m.parse().map_err(|_| {
             ConfigError(format!("invalid metrics address {m:?}: expected ADDR:PORT"))
@@ -377,9 +447,87 @@ pub fn resolve(
         rpc_socket,
         metrics,
         nvmf_listen,
+        nvmf_volumes,
         engine,
         scheduler,
     })
+}
+
+/// `VOLUME=VALUE` of an `--nvmf-*` flag.
+fn volume_value<'a>(flag: &str, s: &'a str) -> Result<(&'a str, &'a str), ConfigError> {
+    match s.split_once('=') {
+        Some((v, value)) if !v.is_empty() && !value.is_empty() => Ok((v, value)),
+        _ => err(format!("--{flag} {s:?}: expected VOLUME=VALUE")),
+    }
+}
+
+/// The `--nvmf-*` flags, over what the config file said.
+fn apply_nvmf_flags(
+    lba: &[String],
+    nqn: &[String],
+    allow_host: &[String],
+    nvmf: &mut std::collections::BTreeMap<String, NvmfVolume>,
+) -> Result<(), ConfigError> {
+    for s in lba {
+        let (v, bytes) = volume_value("nvmf-lba", s)?;
+        let bytes = bytes
+            .parse()
+            .map_err(|_| ConfigError(format!("--nvmf-lba {s:?}: the LBA size is 512 or 4096")))?;
+        nvmf.entry(v.into()).or_default().lba_bytes = Some(bytes);
+    }
+    for s in nqn {
+        let (v, nqn) = volume_value("nvmf-nqn", s)?;
+        nvmf.entry(v.into()).or_default().nqn = Some(nqn.into());
+    }
+    let mut replaced = std::collections::HashSet::new();
+    for s in allow_host {
+        let (v, host) = volume_value("nvmf-allow-host", s)?;
+        let e = nvmf.entry(v.into()).or_default();
+        if replaced.insert(v.to_string()) {
+            e.allow_hosts.clear();
+        }
+        e.allow_hosts.push(host.into());
+    }
+    Ok(())
+}
+
+/// Every NVMe/TCP setting names a volume, with a size its LBA size
+/// divides, valid NQNs, and no NQN twice.
+fn check_nvmf_volumes(
+    nvmf: &std::collections::BTreeMap<String, NvmfVolume>,
+    volumes: &[VolumeSpec],
+) -> Result<(), ConfigError> {
+    let mut nqns = std::collections::HashSet::new();
+    for (name, n) in nvmf {
+        let Some(v) = volumes.iter().find(|v| &v.name == name) else {
+            return err(format!(
+                "NVMe/TCP settings for {name:?}, which is not a volume"
+            ));
+        };
+        if let Some(lba) = n.lba_bytes {
+            if !NVMF_LBA_SIZES.contains(&lba) {
+                return err(format!(
+                    "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
+                ));
+            }
+            if v.size_bytes % u64::from(lba) != 0 {
+                return err(format!(
+                    "volume {name:?}: size {} is not a multiple of its {lba}-byte LBAs",
+                    v.size_bytes
+                ));
+            }
+        }
+        if let Some(nqn) = &n.nqn {
+            check_nqn(&format!("volume {name:?}: NQN"), nqn)?;
+            if !nqns.insert(nqn.clone()) {
+                return err(format!("NQN {nqn:?} is given to two volumes"));
+            }
+        }
+        for h in &n.allow_hosts {
+            check_nqn(&format!("volume {name:?}: allowed host"), h)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -425,6 +573,93 @@ mod tests {
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn nvmf_volume_settings_from_the_file_and_flags() {
+        let file = ConfigFile::parse(
+            "[[volume]]\nname = \"a\"\nsize = \"1M\"\nnvmf_lba = 4096\nnvmf_nqn = \"nqn.2026-11.test:a\"\nnvmf_allow_hosts = [\"nqn.h1\"]\n[[volume]]\nname = \"b\"\nsize = \"1M\"\n",
+        )
+        .unwrap();
+        let s = resolve(file, Overrides::default(), &[0]).unwrap();
+        assert_eq!(
+            s.nvmf_volumes.get("a"),
+            Some(&NvmfVolume {
+                nqn: Some("nqn.2026-11.test:a".into()),
+                lba_bytes: Some(4096),
+                allow_hosts: vec!["nqn.h1".into()],
+            })
+        );
+        assert!(!s.nvmf_volumes.contains_key("b"));
+
+        let flags = Overrides {
+            volumes: vec!["a:1M".into(), "b:1M".into()],
+            nvmf_lba: vec!["b=4096".into()],
+            nvmf_allow_host: vec!["a=nqn.h2".into(), "a=nqn.h3".into()],
+            ..Default::default()
+        };
+        let s = resolve(ConfigFile::default(), flags, &[0]).unwrap();
+        assert_eq!(s.nvmf_volumes["b"].lba_bytes, Some(4096));
+        assert_eq!(s.nvmf_volumes["a"].allow_hosts, vec!["nqn.h2", "nqn.h3"]);
+
+        for (what, flags) in [
+            (
+                "no such volume",
+                Overrides {
+                    nvmf_lba: vec!["zz=512".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "bad size",
+                Overrides {
+                    nvmf_lba: vec!["vol0=1024".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "no =",
+                Overrides {
+                    nvmf_nqn: vec!["vol0".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "not an NQN",
+                Overrides {
+                    nvmf_nqn: vec!["vol0=iqn.x".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "bad host",
+                Overrides {
+                    nvmf_allow_host: vec!["vol0=host".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "size not a multiple",
+                Overrides {
+                    volumes: vec!["v:6K".into()],
+                    nvmf_lba: vec!["v=4096".into()],
+                    ..Default::default()
+                },
+            ),
+            (
+                "NQN twice",
+                Overrides {
+                    volumes: vec!["a:1M".into(), "b:1M".into()],
+                    nvmf_nqn: vec!["a=nqn.x".into(), "b=nqn.x".into()],
+                    ..Default::default()
+                },
+            ),
+        ] {
+            assert!(
+                resolve(ConfigFile::default(), flags, &[0]).is_err(),
+                "{what}"
+            );
         }
     }
 

@@ -76,6 +76,16 @@ struct ServeArgs {
     /// port); subsystem NQN nqn.2026-11.io.lull:<volume> [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     nvmf_listen: Option<String>,
+    /// NVMe/TCP LBA size of a volume: 512 (default) or 4096; repeatable.
+    #[arg(long, value_name = "VOLUME=BYTES")]
+    nvmf_lba: Vec<String>,
+    /// NVMe/TCP subsystem NQN of a volume [default: nqn.2026-11.io.lull:<volume>]; repeatable.
+    #[arg(long, value_name = "VOLUME=NQN")]
+    nvmf_nqn: Vec<String>,
+    /// A host NQN allowed to connect to a volume's NVMe/TCP subsystem;
+    /// repeatable (a volume with none allows any host) [default: any host].
+    #[arg(long, value_name = "VOLUME=HOSTNQN")]
+    nvmf_allow_host: Vec<String>,
     /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
@@ -134,6 +144,9 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         rpc_socket: args.rpc_socket,
         metrics: args.metrics,
         nvmf_listen: args.nvmf_listen,
+        nvmf_lba: args.nvmf_lba,
+        nvmf_nqn: args.nvmf_nqn,
+        nvmf_allow_host: args.nvmf_allow_host,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
         scheduler: args.scheduler,
@@ -292,16 +305,33 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let subsystems = s
+        .nvmf_volumes
+        .iter()
+        .map(|(name, n)| {
+            let options = lull_nvmf::SubsystemOptions {
+                nqn: n.nqn.clone(),
+                lba_shift: match n.lba_bytes {
+                    Some(4096) => lull_nvmf::LBA_SHIFT_4K,
+                    _ => lull_nvmf::LBA_SHIFT,
+                },
+                allowed_hosts: n.allow_hosts.clone(),
+            };
+            (name.clone(), options)
+        })
+        .collect();
     let nvmf = match s.nvmf_listen {
-        Some(addr) => match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                eprintln!("lull: error: {e}");
-                server.shutdown(SHUTDOWN_TIMEOUT);
-                fw.stop();
-                return ExitCode::FAILURE;
+        Some(addr) => {
+            match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr, subsystems) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    eprintln!("lull: error: {e}");
+                    server.shutdown(SHUTDOWN_TIMEOUT);
+                    fw.stop();
+                    return ExitCode::FAILURE;
+                }
             }
-        },
+        }
         None => None,
     };
     // Both frontends stop the same way: no new connections, in-flight
@@ -364,7 +394,7 @@ fn serve(args: ServeArgs) -> ExitCode {
                 "try: spdk_nvme_identify -r 'trtype:TCP adrfam:IPv4 traddr:{} trsvcid:{} subnqn:{}'",
                 n.local_addr().ip(),
                 n.local_addr().port(),
-                lull_nvmf::subsystem_nqn(&v.name)
+                n.nqn_of(&v.name)
             );
         }
     }

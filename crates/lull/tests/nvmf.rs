@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{pattern, NbdClient, Server, IO_TIMEOUT};
+use common::{pattern, require, NbdClient, Server, IO_TIMEOUT};
 use lull_nvmf::pdu::{self, Digests, IcReq, Pdu};
 
 /// SPDK processes run one at a time: each takes 256 MiB to 1 GiB of
@@ -59,16 +59,20 @@ fn serve() -> (Server, SocketAddr) {
 }
 
 fn trid(addr: SocketAddr) -> String {
+    trid_of(addr, &lull_nvmf::subsystem_nqn(VOLUME))
+}
+
+/// The SPDK transport id of subsystem `nqn` at `addr`.
+fn trid_of(addr: SocketAddr, nqn: &str) -> String {
     format!(
-        "trtype:TCP adrfam:IPv4 traddr:{} trsvcid:{} subnqn:{}",
+        "trtype:TCP adrfam:IPv4 traddr:{} trsvcid:{} subnqn:{nqn}",
         addr.ip(),
         addr.port(),
-        lull_nvmf::subsystem_nqn(VOLUME)
     )
 }
 
-/// Run an SPDK tool; panics with its output unless it exits 0.
-fn spdk(tools: &Path, bin: &str, args: &[&str]) -> String {
+/// Run an SPDK tool; (whether it exited 0, its stdout and stderr).
+fn spdk_run(tools: &Path, bin: &str, args: &[&str]) -> (bool, String) {
     let out = Command::new(tools.join("bin").join(bin))
         .args(args)
         .output()
@@ -78,11 +82,13 @@ fn spdk(tools: &Path, bin: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        out.status.success(),
-        "{bin} {args:?} failed with {}:\n{text}",
-        out.status
-    );
+    (out.status.success(), text)
+}
+
+/// Run an SPDK tool; panics with its output unless it exits 0.
+fn spdk(tools: &Path, bin: &str, args: &[&str]) -> String {
+    let (ok, text) = spdk_run(tools, bin, args);
+    assert!(ok, "{bin} {args:?} failed:\n{text}");
     text
 }
 
@@ -156,7 +162,8 @@ fn spdk_identify_reads_the_discovery_log() {
     server.assert_healthy();
 }
 
-/// One spdk_nvme_perf run; returns its "Total" line.
+/// One spdk_nvme_perf run of 2 s on the default volume; returns its
+/// "Total" line.
 fn perf(
     tools: &Path,
     addr: SocketAddr,
@@ -165,27 +172,60 @@ fn perf(
     io_bytes: u32,
     extra: &[&str],
 ) -> String {
-    let (q, o) = (qd.to_string(), io_bytes.to_string());
-    let tr = trid(addr);
-    let mut args = vec![
+    perf_on(tools, &trid(addr), workload, qd, io_bytes, 2, extra)
+}
+
+/// One spdk_nvme_perf run of `seconds` against `tr`; fails on any error
+/// line or no I/O; returns its "Total" line.
+fn perf_on(
+    tools: &Path,
+    tr: &str,
+    workload: &str,
+    qd: u32,
+    io_bytes: u32,
+    seconds: u32,
+    extra: &[&str],
+) -> String {
+    let args = perf_args(tr, workload, qd, io_bytes, seconds, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = spdk(tools, "spdk_nvme_perf", &args);
+    check_perf(&out, workload, qd)
+}
+
+fn perf_args(
+    tr: &str,
+    workload: &str,
+    qd: u32,
+    io_bytes: u32,
+    seconds: u32,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args: Vec<String> = [
         "--no-huge",
         "-s",
         "256",
         "-c",
         "0x1",
         "-q",
-        &q,
+        &qd.to_string(),
         "-o",
-        &o,
+        &io_bytes.to_string(),
         "-w",
         workload,
         "-t",
-        "2",
+        &seconds.to_string(),
         "-r",
-        &tr,
-    ];
-    args.extend_from_slice(extra);
-    let out = spdk(tools, "spdk_nvme_perf", &args);
+        tr,
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+/// perf's output had no error and did I/O; its "Total" line.
+fn check_perf(out: &str, workload: &str, qd: u32) -> String {
     // perf's only error line on success is its I/O queue's "CQ transport
     // error -6" as it disconnects (SPDK's nvmf_tgt gets the same).
     for line in out.lines() {
@@ -243,92 +283,457 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
     server.assert_healthy();
 }
 
-#[test]
-fn spdk_dd_round_trip_is_byte_identical_and_nbd_agrees() {
-    let Some(tools) = spdk_tools("spdk_dd_round_trip_is_byte_identical_and_nbd_agrees") else {
-        return;
-    };
-    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
-    let (mut server, addr) = serve();
-    let dir = server.dir().clone();
-    let config = dir.join("dd.json");
+/// An spdk_dd JSON config attaching subsystem `nqn` at `addr` as bdev
+/// `N0` (its namespace is `N0n1`).
+fn dd_config(dir: &Path, addr: SocketAddr, nqn: &str) -> PathBuf {
+    let config = dir.join(format!("dd-{}.json", nqn.replace(':', "_")));
     std::fs::write(
         &config,
         format!(
             r#"{{"subsystems":[{{"subsystem":"bdev","config":[{{"method":"bdev_nvme_attach_controller",
  "params":{{"name":"N0","trtype":"tcp","adrfam":"IPv4","traddr":"{}","trsvcid":"{}",
- "subnqn":"{}"}}}}]}}]}}"#,
+ "subnqn":"{nqn}"}}}}]}}]}}"#,
             addr.ip(),
             addr.port(),
-            lull_nvmf::subsystem_nqn(VOLUME)
         ),
     )
     .expect("write the dd config");
-    let input = dir.join("in.bin");
-    let output = dir.join("out.bin");
-    let data = pattern(0x5eed, 16 << 20);
-    std::fs::write(&input, &data).expect("write the input");
-    let cfg = config.to_str().unwrap();
+    config
+}
+
+/// spdk_dd: the file `input` onto the namespace from offset 0, in
+/// requests of `bs` bytes.
+fn dd_write(tools: &Path, config: &Path, input: &Path, bs: u32) {
     spdk(
-        &tools,
+        tools,
         "spdk_dd",
         &[
             "--no-huge",
             "-s",
             "1024",
             "--json",
-            cfg,
+            config.to_str().unwrap(),
             "--if",
             input.to_str().unwrap(),
             "--ob",
             "N0n1",
             "--bs",
-            "131072",
+            &bs.to_string(),
         ],
     );
-    // The same volume over NBD at once: it reads what NVMe/TCP wrote, and
-    // what it writes is what NVMe/TCP then reads.
-    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
-    let mut expect = data.clone();
-    for (i, chunk) in data.chunks(1 << 20).enumerate() {
-        let got = nbd
-            .read((i as u64) << 20, chunk.len() as u32)
-            .expect("NBD read")
-            .expect("NBD read status");
-        assert!(
-            got == chunk,
-            "NBD reads other bytes at MiB {i} than NVMe/TCP wrote"
-        );
-    }
-    let over = pattern(0xb0b, 1 << 20);
-    assert_eq!(nbd.write(4 << 20, &over).expect("NBD write"), 0);
-    expect[4 << 20..5 << 20].copy_from_slice(&over);
-    drop(nbd);
+}
+
+/// spdk_dd: `bytes` from offset 0 of the namespace, in requests of `bs`.
+fn dd_read(tools: &Path, config: &Path, output: &Path, bs: u32, bytes: usize) -> Vec<u8> {
     spdk(
-        &tools,
+        tools,
         "spdk_dd",
         &[
             "--no-huge",
             "-s",
             "1024",
             "--json",
-            cfg,
+            config.to_str().unwrap(),
             "--ib",
             "N0n1",
             "--of",
             output.to_str().unwrap(),
             "--bs",
-            "131072",
+            &bs.to_string(),
             "--count",
-            "128",
+            &(bytes / bs as usize).to_string(),
         ],
     );
-    let back = std::fs::read(&output).expect("read the output");
+    std::fs::read(output).expect("read the dd output")
+}
+
+/// `bytes` of a pattern written through SPDK's initiator in `write_bs`
+/// requests read back byte-identical in `read_bs` requests.
+fn dd_round_trip(
+    tools: &Path,
+    dir: &Path,
+    addr: SocketAddr,
+    nqn: &str,
+    seed: u64,
+    bytes: usize,
+    (write_bs, read_bs): (u32, u32),
+) {
+    let config = dd_config(dir, addr, nqn);
+    let input = dir.join("in.bin");
+    let output = dir.join("out.bin");
+    let data = pattern(seed, bytes);
+    std::fs::write(&input, &data).expect("write the input");
+    dd_write(tools, &config, &input, write_bs);
+    let back = dd_read(tools, &config, &output, read_bs, bytes);
+    assert_eq!(back.len(), data.len(), "{nqn}");
+    assert!(
+        back == data,
+        "{nqn}: spdk_dd read back (bs {read_bs}) other bytes than it wrote (bs {write_bs})"
+    );
+}
+
+#[test]
+fn spdk_dd_round_trip_is_byte_identical_and_nbd_agrees() {
+    let Some(tools) = spdk_tools("spdk_dd_round_trip_is_byte_identical_and_nbd_agrees") else {
+        return;
+    };
+    require("qemu-io", "qemu-utils");
+    require("nbdcopy", "libnbd-bin");
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let (mut server, addr) = serve();
+    let dir = server.dir().clone();
+    let config = dd_config(&dir, addr, &lull_nvmf::subsystem_nqn(VOLUME));
+    let input = dir.join("in.bin");
+    let output = dir.join("out.bin");
+    let data = pattern(0x5eed, 16 << 20);
+    std::fs::write(&input, &data).expect("write the input");
+    dd_write(&tools, &config, &input, 131072);
+    // The same volume over NBD at once, with real NBD clients: nbdcopy
+    // reads what NVMe/TCP wrote, and what qemu-io writes is what NVMe/TCP
+    // then reads.
+    let uri = format!("nbd://{}/{VOLUME}", server.addr());
+    let copy = dir.join("nbd.bin");
+    let out = Command::new("nbdcopy")
+        .args([&uri, copy.to_str().unwrap()])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy: {out:?}");
+    let over_nbd = std::fs::read(&copy).expect("read the nbdcopy output");
+    assert_eq!(over_nbd.len() as u64, VOLUME_BYTES);
+    assert!(
+        over_nbd[..data.len()] == data[..],
+        "NBD reads other bytes than NVMe/TCP wrote"
+    );
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0xab 4M 1M", &uri])
+        .output()
+        .expect("run qemu-io");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !text.contains("error") && !text.contains("fail"),
+        "qemu-io: {out:?}"
+    );
+    let mut expect = data.clone();
+    expect[4 << 20..5 << 20].fill(0xab);
+    // NBD and NVMe/TCP interleaved on the volume over the same live
+    // server, both ways, with the in-process NBD client too.
+    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
+    let over = pattern(0xb0b, 1 << 20);
+    assert_eq!(nbd.write(8 << 20, &over).expect("NBD write"), 0);
+    expect[8 << 20..9 << 20].copy_from_slice(&over);
+    drop(nbd);
+    let back = dd_read(&tools, &config, &output, 131072, expect.len());
     assert_eq!(back.len(), expect.len());
     assert!(
         back == expect,
         "spdk_dd read back other bytes than NVMe/TCP and NBD wrote"
     );
+    server.assert_healthy();
+}
+
+/// A `lull replica` process for a replicated volume, killed when dropped.
+struct Replica {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl Replica {
+    fn start(dir: &Path, size: &str) -> Replica {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port");
+        let data = dir.join(format!("replica-{}", addr.port()));
+        std::fs::create_dir_all(&data).expect("replica dir");
+        let log = std::fs::File::create(data.join("replica.log")).expect("replica log");
+        let child = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["replica", "--listen", &addr.to_string(), "--size", size])
+            .arg("--dir")
+            .arg(data.join("data"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::from(log))
+            .spawn()
+            .expect("spawn lull replica");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replica on {addr} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Replica { child, addr }
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A scratch directory under the target dir, removed when the test passes.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("lull-nvmf-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn file_and_two_replica_volumes_round_trip_and_take_perf_load() {
+    let Some(tools) = spdk_tools("file_and_two_replica_volumes_round_trip_and_take_perf_load")
+    else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let scratch = Scratch::new("file-repl");
+    let (ra, rb) = (
+        Replica::start(&scratch.0, "32M"),
+        Replica::start(&scratch.0, "32M"),
+    );
+    let file = scratch.0.join("f.img");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("f:32M:file={}", file.display()),
+        "--volume",
+        &format!("r:32M:replicas={}+{}", ra.addr, rb.addr),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    for (i, v) in ["f", "r"].into_iter().enumerate() {
+        let nqn = lull_nvmf::subsystem_nqn(v);
+        let tr = trid_of(addr, &nqn);
+        // 4 KiB and 128 KiB (writes through R2T), each at QD1 and QD32.
+        for (workload, qd, bytes, extra) in [
+            ("randwrite", 1, 4096, &[][..]),
+            ("randread", 32, 4096, &[][..]),
+            ("randrw", 1, 131072, &["-M", "50"][..]),
+            ("randrw", 32, 131072, &["-M", "50"][..]),
+        ] {
+            let total = perf_on(&tools, &tr, workload, qd, bytes, 1, extra);
+            eprintln!("lull nvmf {v} {workload} {bytes} QD{qd}: {total}");
+        }
+        // Data: 128 KiB writes read back in 4 KiB reads, byte for byte.
+        dd_round_trip(
+            &tools,
+            server.dir(),
+            addr,
+            &nqn,
+            0xf11e + i as u64,
+            8 << 20,
+            (131072, 4096),
+        );
+    }
+    server.assert_healthy();
+    drop(server);
+    // The replicas agree byte for byte with what was written: both hold
+    // the same image (the server detached cleanly at stop).
+    let image = |r: &Replica| {
+        let dir = scratch
+            .0
+            .join(format!("replica-{}", r.addr.port()))
+            .join("data");
+        std::fs::read(dir.join("data.img")).expect("replica image")
+    };
+    let (a, b) = (image(&ra), image(&rb));
+    assert!(a == b, "the two replicas differ");
+    assert!(
+        a[..8 << 20] == pattern(0xf11e + 1, 8 << 20)[..],
+        "the replicas do not hold what spdk_dd wrote"
+    );
+}
+
+#[test]
+fn a_4k_lba_volume_is_identified_and_round_trips() {
+    let Some(tools) = spdk_tools("a_4k_lba_volume_is_identified_and_round_trips") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let mut server = Server::start(&[
+        "--volume",
+        "v4k:16M",
+        "--nvmf-lba",
+        "v4k=4096",
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("v4k");
+    let out = spdk(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &trid_of(addr, &nqn)],
+    );
+    for want in [
+        format!(
+            "Size (in LBAs):                        {} ",
+            (16u64 << 20) / 4096
+        ),
+        "LBA Format #00: Data Size:  4096".to_string(),
+        "Current LBA Format:                    LBA Format #00".to_string(),
+    ] {
+        assert!(out.contains(&want), "identify lacks {want:?}:\n{out}");
+    }
+    dd_round_trip(
+        &tools,
+        server.dir(),
+        addr,
+        &nqn,
+        0x4000,
+        4 << 20,
+        (4096, 131072),
+    );
+    // NBD is unaffected: it sees the volume's bytes as NVMe/TCP wrote
+    // them, at any 512-byte offset.
+    let mut nbd = NbdClient::connect(server.addr(), "v4k").expect("NBD connect");
+    let head = nbd.read(512, 8192).expect("NBD read").expect("NBD status");
+    assert!(
+        head == pattern(0x4000, 8704)[512..],
+        "NBD reads other bytes"
+    );
+    drop(nbd);
+    let total = perf_on(
+        &tools,
+        &trid_of(addr, &nqn),
+        "randrw",
+        32,
+        4096,
+        1,
+        &["-M", "50"],
+    );
+    eprintln!("lull nvmf 4k-LBA randrw 4k QD32: {total}");
+    server.assert_healthy();
+}
+
+#[test]
+fn four_io_queues_and_two_hosts_at_once() {
+    let Some(tools) = spdk_tools("four_io_queues_and_two_hosts_at_once") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let (mut server, addr) = serve();
+    // Two hosts (two perf processes with their own host NQNs and shared
+    // memory groups), one with four I/O queues, at the same time.
+    let spawn = |host: &str, shm: &str, extra: &[&str]| {
+        let tr = format!("{} hostnqn:{host}", trid(addr));
+        let mut args = perf_args(&tr, "randrw", 16, 4096, 2, &["-M", "50", "-i", shm]);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        Command::new(tools.join("bin/spdk_nvme_perf"))
+            .args(&args)
+            .output()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| spawn("nqn.2026-11.test:host-a", "1", &["-P", "4"]));
+        let b = s.spawn(|| spawn("nqn.2026-11.test:host-b", "2", &[]));
+        (a.join().expect("host a"), b.join().expect("host b"))
+    });
+    for (name, out) in [("a", a), ("b", b)] {
+        let out = out.expect("run spdk_nvme_perf");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "host {name}: perf failed:\n{text}");
+        let total = check_perf(&text, "randrw", 16);
+        eprintln!("lull nvmf host {name}: {total}");
+    }
+    let log = server.stderr();
+    for host in ["host-a", "host-b"] {
+        assert!(log.contains(host), "no queue of {host} connected:\n{log}");
+    }
+    // Host a's controller had four I/O queues (qid 1..=4).
+    let a_queues = log
+        .lines()
+        .filter(|l| l.contains("queue connected") && l.contains("host-a") && !l.contains("qid=0"))
+        .count();
+    assert_eq!(a_queues, 4, "host a's I/O queues:\n{log}");
+    server.assert_healthy();
+}
+
+#[test]
+fn every_mode_serves_spdk_perf() {
+    let Some(tools) = spdk_tools("every_mode_serves_spdk_perf") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    for mode in ["poll", "interrupt", "hybrid", "adaptive"] {
+        let mut server = Server::start(&[
+            "--mode",
+            mode,
+            "--volume",
+            &format!("{VOLUME}:16M"),
+            "--nvmf-listen",
+            "127.0.0.1:0",
+        ]);
+        let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+        for qd in [1, 32] {
+            let total = perf_on(&tools, &trid(addr), "randrw", qd, 4096, 1, &["-M", "50"]);
+            eprintln!("lull nvmf {mode} randrw 4k QD{qd}: {total}");
+        }
+        server.assert_healthy();
+    }
+}
+
+#[test]
+fn a_host_not_on_the_allowlist_is_refused() {
+    let Some(tools) = spdk_tools("a_host_not_on_the_allowlist_is_refused") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let nqn = "nqn.2026-11.test:guarded";
+    let good = "nqn.2026-11.test:good-host";
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:16M"),
+        "--nvmf-nqn",
+        &format!("{VOLUME}={nqn}"),
+        "--nvmf-allow-host",
+        &format!("{VOLUME}={good}"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let tr = trid_of(addr, nqn);
+    // SPDK's default host NQN is not on the list: perf cannot attach.
+    let args = perf_args(&tr, "randread", 1, 4096, 1, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // (perf exits 0 even when it attached nothing: its output says.)
+    let (_, out) = spdk_run(&tools, "spdk_nvme_perf", &args);
+    assert!(
+        out.contains("No valid NVMe controllers found") && !out.contains("Total"),
+        "a host not on the allowlist attached:\n{out}"
+    );
+    // Connect Invalid Host: SCT 1h, SC 84h (132).
+    assert!(out.contains("sct 1, sc 132"), "{out}");
+    server.assert_logged("Connect refused: host not on the subsystem's allowlist");
+    // The allowed host attaches and does I/O under the configured NQN.
+    let total = perf_on(
+        &tools,
+        &format!("{tr} hostnqn:{good}"),
+        "randread",
+        1,
+        4096,
+        1,
+        &[],
+    );
+    eprintln!("lull nvmf allowed host: {total}");
     server.assert_healthy();
 }
 
@@ -445,6 +850,107 @@ fn a_silent_host_is_torn_down_after_kato() {
     }
     server.assert_logged("keep-alive timeout");
     server.assert_logged("controller gone");
+    server.assert_healthy();
+}
+
+/// A plain SQE: opcode, CID, NSID and dwords 10.. as given.
+fn raw_sqe(opc: u8, cid: u16, nsid: u32, dwords: &[(usize, u32)]) -> [u8; 64] {
+    let mut s = [0u8; 64];
+    s[0] = opc;
+    s[2..4].copy_from_slice(&cid.to_le_bytes());
+    s[4..8].copy_from_slice(&nsid.to_le_bytes());
+    for &(i, v) in dwords {
+        s[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    s
+}
+
+/// No SPDK tool holds an Asynchronous Event Request open while a volume
+/// changes, so a raw host does, over the real binary: the volume deleted
+/// over JSON-RPC completes it (the admin queue sleeps in interrupt mode
+/// until the event wakes it), log page 04h names namespace 1, and the
+/// host's I/O gets Invalid Namespace.
+#[test]
+fn a_volume_deleted_over_rpc_completes_the_async_event_request() {
+    let sock = PathBuf::from(format!("/tmp/lull-t-{}-nvmf-aer.sock", std::process::id()));
+    let mut server = Server::start(&[
+        "--mode",
+        "interrupt",
+        "--volume",
+        &format!("{VOLUME}:16M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 0);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut io = RawHost::connect(addr);
+    assert_eq!(io.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    // Set Features, Asynchronous Event Configuration: namespace attribute
+    // notices; then one AER, held.
+    let aec = raw_sqe(0x09, 3, 0, &[(10, 0x0B), (11, 1 << 8)]);
+    assert_eq!(admin.command(aec, &[]).0, 0);
+    let aer = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: raw_sqe(0x0C, 7, 0, &[]),
+            data: &[],
+        },
+        Digests::default(),
+    );
+    admin.sock.write_all(&aer).expect("send the AER");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "-s"])
+        .arg(&sock)
+        .args(["volume_delete", &format!(r#"{{"name": "{VOLUME}"}}"#)])
+        .output()
+        .expect("run lull rpc");
+    assert!(out.status.success(), "volume_delete: {out:?}");
+
+    let mut resp = [0u8; 24];
+    admin
+        .sock
+        .read_exact(&mut resp)
+        .expect("the AER completes when the volume is deleted");
+    assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+    assert_eq!(u16::from_le_bytes([resp[20], resp[21]]), 7, "the AER's CID");
+    assert_eq!(u16::from_le_bytes([resp[22], resp[23]]), 0, "success");
+    // Notice (2), Namespace Attribute Changed (0), log page 04h.
+    assert_eq!(
+        u32::from_le_bytes(resp[8..12].try_into().unwrap()),
+        0x0004_0002
+    );
+    // Get Log Page 04h (1 KiB): namespace 1, then nothing.
+    let mut glp = raw_sqe(0x02, 8, 0xFFFF_FFFF, &[(10, (255 << 16) | 0x04)]);
+    glp[32..36].copy_from_slice(&1024u32.to_le_bytes());
+    glp[39] = 0x5A; // transport SGL data block
+    let bytes = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: glp,
+            data: &[],
+        },
+        Digests::default(),
+    );
+    admin.sock.write_all(&bytes).expect("send Get Log Page");
+    let mut page = vec![0u8; 24 + 1024 + 24];
+    admin.sock.read_exact(&mut page).expect("the log page");
+    assert_eq!(page[0], pdu::TYPE_C2H_DATA);
+    assert_eq!(u32::from_le_bytes(page[24..28].try_into().unwrap()), 1);
+    assert!(page[28..24 + 1024].iter().all(|&b| b == 0));
+    assert_eq!(page[24 + 1024], pdu::TYPE_CAPSULE_RESP);
+    // I/O to the deleted namespace: Invalid Namespace, the queue stays.
+    let mut read = raw_sqe(0x02, 9, 1, &[]);
+    read[32..36].copy_from_slice(&512u32.to_le_bytes());
+    read[39] = 0x5A;
+    assert_eq!(
+        io.command(read, &[]).0,
+        lull_nvmf::spec::Status::INVALID_NAMESPACE.field()
+    );
+    server.assert_logged("asynchronous event: namespace attribute changed");
     server.assert_healthy();
 }
 

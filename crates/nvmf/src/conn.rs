@@ -47,6 +47,10 @@ struct Cmd {
     buf: Option<IoBuf>,
     stage: Stage,
     start_ns: u64,
+    /// Dataset Management: the (offset, length) byte ranges still to
+    /// deallocate after the piece in flight (one device request at a
+    /// time; at most 256 ranges).
+    trims: Vec<(u64, u64)>,
 }
 
 /// An I/O queue's view of its namespace.
@@ -65,6 +69,12 @@ struct Queue {
     ctrl: ControllerRef,
     /// Set on I/O queues.
     ns: Option<Namespace>,
+    /// The host disabled SQ flow control (Connect CATTR bit 2): it does
+    /// not need the SQ head of each completion, so a successful command
+    /// with data ends with a C2HData PDU carrying SUCCESS instead of a
+    /// CapsuleResp (NVMe/TCP: SUCCESS may be set only then; the Linux
+    /// target does the same).
+    sqflow_disabled: bool,
 }
 
 enum Phase {
@@ -126,8 +136,8 @@ pub(crate) struct Conn<S> {
     disconnecting: bool,
     /// Admin queue with a KATO: the timer that wakes it to check.
     kato_timer: Option<PollerId>,
-    /// I/O queue: the poller registered with the controller for a wake-up
-    /// when it goes.
+    /// The poller registered with the controller for a wake-up: when it
+    /// goes (I/O queue) or raises an event (admin queue).
     waker: Option<PollerId>,
 }
 
@@ -189,10 +199,11 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
     fn advance(&mut self) -> bool {
         let reaped = self.reap();
         let retried = self.retry_submit();
+        let evented = self.deliver_event();
         if self.disconnecting && !self.link.is_closing() && self.slots.is_empty() {
             self.link.close("host sent Disconnect");
         }
-        reaped | retried
+        reaped | retried | evented
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -293,6 +304,10 @@ impl<S: Read + Write> Conn<S> {
             return;
         };
         if q.qid == 0 {
+            if self.waker != Some(me) {
+                q.ctrl.set_admin_waker(t.handle(), me);
+                self.waker = Some(me);
+            }
             let kato_ms = q.ctrl.kato_ms();
             if kato_ms == 0 {
                 return;
@@ -322,6 +337,24 @@ impl<S: Read + Write> Conn<S> {
             q.ctrl.add_io_waker(t.handle(), me);
             self.waker = Some(me);
         }
+    }
+
+    /// Complete a held Asynchronous Event Request with the controller's
+    /// pending event, if both exist.
+    fn deliver_event(&mut self) -> bool {
+        let Phase::Connected(q) = &self.phase else {
+            return false;
+        };
+        if q.qid != 0 || self.aers.is_empty() || self.link.is_closing() {
+            return false;
+        }
+        let Some(dw0) = q.ctrl.take_event() else {
+            return false;
+        };
+        let cid = self.aers.remove(0);
+        tracing::info!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, cid, "asynchronous event: namespace attribute changed");
+        self.respond(cid, Reply::dw0(dw0));
+        true
     }
 
     /// An admin queue silent for a whole KATO closes (its controller, and
@@ -575,6 +608,7 @@ impl<S: Read + Write> Conn<S> {
                         want: len,
                     },
                     start_ns,
+                    trims: Vec::new(),
                 }) else {
                     // step() waits for a free slot before taking a capsule.
                     return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
@@ -693,8 +727,9 @@ impl<S: Read + Write> Conn<S> {
                 if self.aers.len() >= MAX_AERS {
                     return self.respond(cid, Reply::status(Status::ASYNC_EVENT_LIMIT_EXCEEDED));
                 }
-                // Held until an event (none is raised yet) or the end.
+                // Held until an event (see `deliver_event`) or the end.
                 self.aers.push(cid);
+                self.deliver_event();
                 return;
             }
             let reply = self.admin(&sqe);
@@ -711,7 +746,11 @@ impl<S: Read + Write> Conn<S> {
             if r.status.is_success() && !d.is_empty() {
                 let mut b = bufs::get(d.len());
                 b.as_mut_slice()[..d.len()].copy_from_slice(&d);
-                self.send_c2h(cid, b, d.len());
+                let success = self.c2h_success() && r.dw0 == 0 && r.dw1 == 0;
+                self.send_c2h(cid, b, d.len(), success);
+                if success {
+                    return;
+                }
             }
         }
         self.send_resp(Cqe {
@@ -728,13 +767,25 @@ impl<S: Read + Write> Conn<S> {
         self.link.push(&h, Payload::None);
     }
 
-    /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set.
-    fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize) {
+    /// Whether a successful command's data may carry SUCCESS (and so no
+    /// CapsuleResp follows): only when the host disabled SQ flow control.
+    fn c2h_success(&self) -> bool {
+        matches!(&self.phase, Phase::Connected(q) if q.sqflow_disabled)
+    }
+
+    /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set, and
+    /// SUCCESS when `success` (the command's completion; see
+    /// [`Conn::c2h_success`]).
+    fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize, success: bool) {
         let hdr = DataHeader {
             cccid: cid,
             ttag: 0,
             datao: 0,
-            flags: pdu::FLAG_LAST_PDU,
+            flags: if success {
+                pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS
+            } else {
+                pdu::FLAG_LAST_PDU
+            },
         };
         let specific = pdu::data_specific(&hdr, len as u32);
         let h = pdu::encode_header(
@@ -823,14 +874,14 @@ impl<S: Read + Write> Conn<S> {
             }
             None
         } else {
-            let Some(v) = d
-                .subnqn
-                .strip_prefix(spec::NQN_PREFIX)
-                .and_then(|name| self.shared.volumes.named(name).ok())
-            else {
+            let Some(v) = self.shared.volume_by_nqn(&d.subnqn) else {
                 tracing::warn!(peer = %peer, subnqn = %d.subnqn, "Connect to an unknown subsystem");
                 return invalid(true, 256);
             };
+            if !self.shared.host_allowed(&v.name, &d.hostnqn) {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, qid, "Connect refused: host not on the subsystem's allowlist");
+                return Reply::status(Status::CONNECT_INVALID_HOST);
+            }
             Some(v)
         };
         let ctrl = if qid == 0 {
@@ -865,7 +916,7 @@ impl<S: Read + Write> Conn<S> {
                     return Reply::status(Status::INTERNAL_ERROR);
                 }
             };
-            let lba_shift = self.shared.lba_shift;
+            let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
                 blocks: volume.dev().size_bytes() >> lba_shift,
                 lba_shift,
@@ -888,6 +939,7 @@ impl<S: Read + Write> Conn<S> {
             entries: (sqsize + 1) as u16,
             ctrl,
             ns,
+            sqflow_disabled: (dw11 >> 16) & spec::CATTR_DISABLE_SQ_FLOW != 0,
         });
         self.greeted.store(true, Ordering::Relaxed);
         Reply::dw0(u32::from(cntlid))
@@ -912,10 +964,15 @@ impl<S: Read + Write> Conn<S> {
                 let volume = ctrl.volume.as_ref();
                 match (cns, volume) {
                     (spec::CNS_CONTROLLER, _) => fit(self.shared.identify_controller(ctrl)),
+                    // A deleted volume's namespace is inactive: its
+                    // Identify data reads as zeros.
+                    (spec::CNS_NAMESPACE, Some(_)) if nsid == 1 && !ctrl.ns_active() => {
+                        fit(vec![0u8; spec::IDENTIFY_BYTES])
+                    }
                     (spec::CNS_NAMESPACE, Some(v)) if nsid == 1 => {
                         fit(self.shared.identify_namespace(v))
                     }
-                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 => {
+                    (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 && ctrl.ns_active() => {
                         fit(spec::ns_id_descriptors(&spec::name_guid(&v.name)))
                     }
                     (spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS, _) => {
@@ -926,7 +983,7 @@ impl<S: Read + Write> Conn<S> {
                             return Reply::status(Status::INVALID_NAMESPACE);
                         }
                         let mut v = vec![0u8; spec::IDENTIFY_BYTES];
-                        if nsid < 1 && volume.is_some() {
+                        if nsid < 1 && ctrl.ns_active() {
                             v[0] = 1;
                         }
                         fit(v)
@@ -937,8 +994,16 @@ impl<S: Read + Write> Conn<S> {
             spec::ADMIN_GET_FEATURES => ctrl.get_feature(sqe),
             spec::ADMIN_SET_FEATURES => ctrl.set_feature(sqe),
             spec::ADMIN_GET_LOG_PAGE => {
-                let discovery_log = ctrl.volume.is_none().then(|| self.shared.discovery_log());
-                get_log_page(sqe, discovery_log)
+                let lid = (sqe.dword(10) & 0xFF) as u8;
+                let page = match (lid, &ctrl.volume) {
+                    (spec::LOG_DISCOVERY, None) => Some(self.shared.discovery_log(&ctrl.hostnqn)),
+                    // RAE (dword 10 bit 15): retain the list.
+                    (spec::LOG_CHANGED_NS_LIST, _) => {
+                        Some(ctrl.changed_ns_log(sqe.dword(10) & (1 << 15) != 0))
+                    }
+                    _ => None,
+                };
+                get_log_page(sqe, page)
             }
             spec::ADMIN_KEEP_ALIVE => Reply::ok(),
             // Nothing is ever aborted: dw0 bit 0 says "not aborted".
@@ -954,13 +1019,32 @@ impl<S: Read + Write> Conn<S> {
 
     /// Check an I/O command before its data is asked for or it starts.
     fn check_io(&self, sqe: &Sqe) -> Result<(), Status> {
-        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+        let Phase::Connected(Queue {
+            ns: Some(ns), ctrl, ..
+        }) = &self.phase
+        else {
             return Err(Status::INVALID_OPCODE);
         };
+        // The volume was deleted: namespace 1 is no longer attached.
+        if !ctrl.ns_active() && sqe.opcode() != spec::NVM_FLUSH {
+            return Err(Status::INVALID_NAMESPACE);
+        }
         match sqe.opcode() {
             spec::NVM_FLUSH => {
                 if sqe.nsid() != 1 && sqe.nsid() != 0xFFFF_FFFF {
                     return Err(Status::INVALID_NAMESPACE);
+                }
+                Ok(())
+            }
+            spec::NVM_DATASET_MANAGEMENT => {
+                if sqe.nsid() != 1 {
+                    return Err(Status::INVALID_NAMESPACE);
+                }
+                // NR is 0-based, so 1..=256 ranges of 16 bytes each.
+                let need = dsm_ranges(sqe) * spec::DSM_RANGE_BYTES;
+                let len = sqe.sgl().length as usize;
+                if len < need || len > spec::DSM_MAX_RANGES * spec::DSM_RANGE_BYTES {
+                    return Err(Status::DATA_SGL_LENGTH_INVALID);
                 }
                 Ok(())
             }
@@ -996,6 +1080,9 @@ impl<S: Read + Write> Conn<S> {
             }
             return self.respond(cid, Reply::status(status));
         }
+        if sqe.opcode() == spec::NVM_DATASET_MANAGEMENT {
+            return self.dataset_management(sqe, data, start_ns);
+        }
         let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
             return;
         };
@@ -1025,6 +1112,7 @@ impl<S: Read + Write> Conn<S> {
             buf: None,
             stage: Stage::Device,
             start_ns,
+            trims: Vec::new(),
         }) else {
             if let Some(b) = buf {
                 bufs::put(b);
@@ -1042,6 +1130,80 @@ impl<S: Read + Write> Conn<S> {
             offset,
             len,
             buf,
+        });
+    }
+
+    /// Dataset Management: with the Deallocate attribute, each range is
+    /// discarded (the device's Trim: it reads back as zeros, as DLFEAT
+    /// says), one device request at a time; without it the command is a
+    /// hint and completes at once. Every range is checked before any is
+    /// discarded.
+    fn dataset_management(&mut self, sqe: Sqe, data: Option<IoBuf>, start_ns: u64) {
+        let cid = sqe.cid();
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+            return;
+        };
+        let Some(data) = data else {
+            return self.respond(cid, Reply::status(Status::DATA_SGL_LENGTH_INVALID));
+        };
+        let n = dsm_ranges(&sqe);
+        let raw = &data.as_slice()[..data.len()];
+        let mut trims = Vec::with_capacity(n);
+        let mut bad = None;
+        for r in raw.chunks_exact(spec::DSM_RANGE_BYTES).take(n) {
+            let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
+            let slba = u64::from_le_bytes(r[8..16].try_into().unwrap_or([0xFF; 8]));
+            match slba.checked_add(nlb) {
+                Some(end) if end <= ns.blocks => {}
+                _ => {
+                    bad = Some(Status::LBA_OUT_OF_RANGE);
+                    break;
+                }
+            }
+            if nlb > 0 {
+                trims.push((slba << ns.lba_shift, nlb << ns.lba_shift));
+            }
+        }
+        bufs::put(data);
+        if let Some(status) = bad {
+            return self.respond(cid, Reply::status(status));
+        }
+        if sqe.dword(11) & spec::DSM_ATTR_DEALLOCATE == 0 || trims.is_empty() {
+            return self.respond(cid, Reply::ok());
+        }
+        // Popped from the end: start from the last range.
+        trims.reverse();
+        self.next_trim(Cmd {
+            sqe,
+            buf: None,
+            stage: Stage::Device,
+            start_ns,
+            trims,
+        });
+    }
+
+    /// Submit the next piece of a Dataset Management command: the front
+    /// of its last range, at most `MAX_DEALLOCATE_CHUNK_BYTES` (a device
+    /// request moves at most `u32` bytes). The list holds at most the
+    /// command's 256 ranges: splitting is lazy.
+    fn next_trim(&mut self, mut cmd: Cmd) {
+        let cid = cmd.sqe.cid();
+        let Some((offset, range_len)) = cmd.trims.pop() else {
+            return self.respond(cid, Reply::ok());
+        };
+        let len = range_len.min(MAX_DEALLOCATE_CHUNK_BYTES);
+        if len < range_len {
+            cmd.trims.push((offset + len, range_len - len));
+        }
+        let Some(slot) = self.slots.insert(cmd) else {
+            return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+        };
+        self.submit_io(IoRequest {
+            tag: slot.to_wire(),
+            op: IoOp::Trim,
+            offset,
+            len: len as u32,
+            buf: None,
         });
     }
 
@@ -1086,17 +1248,20 @@ impl<S: Read + Write> Conn<S> {
         };
         let cid = cmd.sqe.cid();
         let opc = cmd.sqe.opcode();
+        if opc == spec::NVM_DATASET_MANAGEMENT && c.result.is_ok() && !cmd.trims.is_empty() {
+            return self.next_trim(cmd);
+        }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
             let op = match opc {
                 spec::NVM_READ => OpKind::Read,
                 spec::NVM_WRITE => OpKind::Write,
                 spec::NVM_FLUSH => OpKind::Flush,
+                spec::NVM_DATASET_MANAGEMENT => OpKind::Trim,
                 _ => OpKind::WriteZeroes,
             };
-            let len = if opc == spec::NVM_FLUSH {
-                0
-            } else {
-                lba_range(&cmd.sqe).1 << ns.lba_shift
+            let len = match opc {
+                spec::NVM_FLUSH | spec::NVM_DATASET_MANAGEMENT => 0,
+                _ => lba_range(&cmd.sqe).1 << ns.lba_shift,
             };
             let latency = self
                 .clock
@@ -1114,7 +1279,11 @@ impl<S: Read + Write> Conn<S> {
                             Phase::Connected(Queue { ns: Some(ns), .. }) => ns.lba_shift,
                             _ => 9,
                         };
-                        self.send_c2h(cid, b, len << shift);
+                        let success = self.c2h_success();
+                        self.send_c2h(cid, b, len << shift, success);
+                        if success {
+                            return;
+                        }
                     }
                 } else if let Some(b) = c.buf {
                     bufs::put(b);
@@ -1137,6 +1306,11 @@ fn lba_range(sqe: &Sqe) -> (u64, u64) {
     let slba = u64::from(sqe.dword(10)) | (u64::from(sqe.dword(11)) << 32);
     let nlb = u64::from(sqe.dword(12) & 0xFFFF) + 1;
     (slba, nlb)
+}
+
+/// Ranges of a Dataset Management command (NR is 0-based).
+fn dsm_ranges(sqe: &Sqe) -> usize {
+    (sqe.dword(10) & 0xFF) as usize + 1
 }
 
 /// A device error as an NVMe status.
@@ -1186,33 +1360,26 @@ fn property_set(ctrl: &Controller, sqe: &Sqe) -> Reply {
     }
 }
 
-/// Get Log Page; `discovery_log` is the page a discovery controller
-/// serves (and the only one besides the generic ones).
-fn get_log_page(sqe: &Sqe, discovery_log: Option<Vec<u8>>) -> Reply {
+/// Get Log Page; `page` is the page built by the controller when it has
+/// one for this LID (the discovery log of a discovery controller, the
+/// changed namespace list), else the generic pages are served here.
+fn get_log_page(sqe: &Sqe, page: Option<Vec<u8>>) -> Reply {
     let dw10 = sqe.dword(10);
     let lid = (dw10 & 0xFF) as u8;
     let numd = ((u64::from(sqe.dword(11) & 0xFFFF) << 16) | u64::from(dw10 >> 16)) + 1;
     let len = (numd * 4) as usize;
     let offset = u64::from(sqe.dword(12)) | (u64::from(sqe.dword(13)) << 32);
-    let page_len = match (lid, &discovery_log) {
-        (spec::LOG_DISCOVERY, Some(d)) => d.len(),
+    let page_len = match (lid, &page) {
+        (_, Some(p)) => p.len(),
         (spec::LOG_DISCOVERY, None) => return Reply::status(Status::INVALID_FIELD),
-        _ => 0,
-    };
-    let page_len = match lid {
-        spec::LOG_DISCOVERY => page_len,
-        spec::LOG_ERROR => 64 * ERROR_LOG_ENTRIES,
-        spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT => 512,
-        spec::LOG_CHANGED_NS_LIST => 4096,
+        (spec::LOG_ERROR, None) => 64 * ERROR_LOG_ENTRIES,
+        (spec::LOG_SMART | spec::LOG_FIRMWARE_SLOT, None) => 512,
         _ => return Reply::status(Status::INVALID_FIELD),
     };
     if offset % 4 != 0 || offset > page_len as u64 || len > sqe.sgl().length as usize {
         return Reply::status(Status::INVALID_FIELD);
     }
-    let mut page = match discovery_log {
-        Some(d) if lid == spec::LOG_DISCOVERY => d,
-        _ => vec![0u8; page_len],
-    };
+    let mut page = page.unwrap_or_else(|| vec![0u8; page_len]);
     if lid == spec::LOG_FIRMWARE_SLOT {
         page[0] = 1; // AFI: slot 1 active
         let fr = env!("CARGO_PKG_VERSION").as_bytes();

@@ -4,7 +4,7 @@
 //! reactor framework and the connection pump NBD uses.
 //!
 //! ```ignore
-//! let server = NvmfServer::start(fw.handle(), volumes, "127.0.0.1:4420".parse()?)?;
+//! let server = NvmfServer::start(fw.handle(), volumes, "127.0.0.1:4420".parse()?, HashMap::new())?;
 //! // spdk_nvme_identify -r 'trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:4420 subnqn:nqn.2026-11.io.lull:vol0'
 //! server.shutdown(Duration::from_secs(30));
 //! ```
@@ -23,6 +23,7 @@ pub mod pdu;
 pub mod spec;
 mod target;
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -41,15 +42,45 @@ pub fn subsystem_nqn(volume: &str) -> String {
     format!("{}{volume}", spec::NQN_PREFIX)
 }
 
-/// log2 of the LBA size of every namespace: 512-byte blocks (what SPDK's
-/// and Linux's hosts handle with any I/O size; 4 KiB is not offered yet).
+/// log2 of the default LBA size: 512-byte blocks (what SPDK's and Linux's
+/// hosts handle with any I/O size). A volume may have 4 KiB LBAs instead
+/// ([`SubsystemOptions::lba_shift`]).
 pub const LBA_SHIFT: u8 = 9;
+
+/// log2 of the 4 KiB LBA size.
+pub const LBA_SHIFT_4K: u8 = 12;
+
+/// How one volume is served, where it differs from the defaults. Volumes
+/// without options (and those created later over RPC) get the default
+/// NQN, 512-byte LBAs and any host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubsystemOptions {
+    /// The subsystem's NQN; `None`: [`subsystem_nqn`] of the volume.
+    pub nqn: Option<String>,
+    /// log2 of the namespace's LBA size: [`LBA_SHIFT`] or [`LBA_SHIFT_4K`].
+    pub lba_shift: u8,
+    /// Host NQNs that may connect; empty: any host (as SPDK's
+    /// `nvmf_subsystem_allow_any_host`).
+    pub allowed_hosts: Vec<String>,
+}
+
+impl Default for SubsystemOptions {
+    fn default() -> SubsystemOptions {
+        SubsystemOptions {
+            nqn: None,
+            lba_shift: LBA_SHIFT,
+            allowed_hosts: Vec::new(),
+        }
+    }
+}
 
 /// Errors of the NVMe/TCP frontend.
 #[derive(Debug, thiserror::Error)]
 pub enum NvmfError {
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: io::Error },
+    #[error("NVMe/TCP subsystem options: {0}")]
+    Options(String),
     #[error(transparent)]
     Reactor(#[from] ReactorError),
 }
@@ -70,12 +101,22 @@ impl std::fmt::Debug for NvmfServer {
 impl NvmfServer {
     /// Bind `addr` (errors are reported here) and start accepting on the
     /// main reactor; queue pairs go round robin over one poll group per
-    /// reactor (`nvmf-group-N`).
+    /// reactor (`nvmf-group-N`). `subsystems` maps volume names to how
+    /// they are served (see [`SubsystemOptions`]).
     pub fn start(
         fw: &FrameworkHandle,
         volumes: Arc<Volumes>,
         addr: SocketAddr,
+        subsystems: HashMap<String, SubsystemOptions>,
     ) -> Result<NvmfServer, NvmfError> {
+        for (name, o) in &subsystems {
+            if o.lba_shift != LBA_SHIFT && o.lba_shift != LBA_SHIFT_4K {
+                return Err(NvmfError::Options(format!(
+                    "volume {name:?}: LBA size 2^{}: 512 or 4096 only",
+                    o.lba_shift
+                )));
+            }
+        }
         let err = |source| NvmfError::Listen { addr, source };
         let listener = TcpListener::bind(addr).map_err(err)?;
         listener.set_nonblocking(true).map_err(err)?;
@@ -85,7 +126,7 @@ impl NvmfServer {
             max_connections: limits::MAX_CONNECTIONS,
             greeting_timeout_us: limits::CONNECT_TIMEOUT_US,
         }));
-        let shared = Arc::new(Shared::new(volumes, conns.clone(), LBA_SHIFT, addr));
+        let shared = Shared::new(volumes, conns.clone(), subsystems, addr);
         let s = shared.clone();
         let clock = fw.clock();
         let acceptor = Acceptor::start(fw, &conns, vec![listener], move |stream: TcpStream| {
@@ -107,6 +148,11 @@ impl NvmfServer {
     /// The bound address (with the real port for port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The NQN a volume is served under (configured, or [`subsystem_nqn`]).
+    pub fn nqn_of(&self, volume: &str) -> String {
+        self.shared.nqn_of(volume)
     }
 
     /// Queue pairs open (admin and I/O).

@@ -21,6 +21,12 @@ pub const MDTS: u8 = 5;
 /// too); the spec's floor is 4 KiB.
 pub const MAX_H2C_DATA_BYTES: usize = MAX_TRANSFER_BYTES;
 
+/// Most bytes one device request of a Dataset Management deallocate
+/// covers: a range may span 2^32 - 1 LBAs, more than a request's `u32`
+/// length, so ranges are split into requests of at most this (1 GiB,
+/// a multiple of every LBA size).
+pub const MAX_DEALLOCATE_CHUNK_BYTES: u64 = 1 << 30;
+
 /// The TermReq data (the offending header) is at most 128 bytes.
 pub const MAX_TERM_REQ_DATA_BYTES: usize = 128;
 

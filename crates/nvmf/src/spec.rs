@@ -139,6 +139,9 @@ pub const FCTYPE_PROPERTY_SET: u8 = 0x00;
 pub const FCTYPE_CONNECT: u8 = 0x01;
 pub const FCTYPE_PROPERTY_GET: u8 = 0x04;
 pub const FCTYPE_DISCONNECT: u8 = 0x08;
+/// Connect CATTR (dword 11 bits 23:16) bit 2: the host disables SQ flow
+/// control.
+pub const CATTR_DISABLE_SQ_FLOW: u32 = 1 << 2;
 
 pub const ADMIN_GET_LOG_PAGE: u8 = 0x02;
 pub const ADMIN_IDENTIFY: u8 = 0x06;
@@ -153,6 +156,12 @@ pub const NVM_WRITE: u8 = 0x01;
 pub const NVM_READ: u8 = 0x02;
 pub const NVM_WRITE_ZEROES: u8 = 0x08;
 pub const NVM_DATASET_MANAGEMENT: u8 = 0x09;
+/// Dataset Management: one range is 16 bytes (context attributes, NLB,
+/// SLBA); NR (8 bits, 0-based) allows at most 256.
+pub const DSM_RANGE_BYTES: usize = 16;
+pub const DSM_MAX_RANGES: usize = 256;
+/// Dataset Management dword 11: the Deallocate attribute.
+pub const DSM_ATTR_DEALLOCATE: u32 = 1 << 2;
 
 // Properties (NVMe-oF 1.1 §3.4).
 pub const PROP_CAP: u32 = 0x00;
@@ -180,6 +189,8 @@ pub const LOG_SMART: u8 = 0x02;
 pub const LOG_FIRMWARE_SLOT: u8 = 0x03;
 pub const LOG_CHANGED_NS_LIST: u8 = 0x04;
 pub const LOG_DISCOVERY: u8 = 0x70;
+/// The Changed Namespace List page: 1,024 NSIDs.
+pub const CHANGED_NS_LIST_BYTES: usize = 4096;
 
 // Identify CNS values.
 pub const CNS_NAMESPACE: u8 = 0x00;
@@ -267,7 +278,7 @@ pub fn identify_controller(c: &ControllerInfo<'_>) -> Vec<u8> {
     b[513] = 0x44; // CQES: 16 bytes
     put16(&mut b, 514, crate::limits::MAX_QUEUE_ENTRIES as u16); // MAXCMD
     put32(&mut b, 516, c.nn);
-    put16(&mut b, 520, 1 << 3); // ONCS: Write Zeroes (no DSM yet)
+    put16(&mut b, 520, (1 << 2) | (1 << 3)); // ONCS: Dataset Management, Write Zeroes
     b[525] = 1; // VWC: a volatile write cache (Flush does something)
                 // SGLS: SGLs supported, address as offset, transport SGL data block.
     put32(&mut b, 536, 1 | (1 << 20) | (1 << 21));

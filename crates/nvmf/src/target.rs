@@ -11,18 +11,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use lull_reactor::{PollerId, ThreadHandle};
 
 use lull_net::server::Connections;
-use lull_volume::{Volume, Volumes};
+use lull_volume::{Volume, VolumeChange, Volumes};
 
 use crate::limits::{
     ERROR_LOG_ENTRIES, MAX_AERS, MAX_CONTROLLERS, MAX_IN_CAPSULE_DATA_BYTES, MAX_IO_QUEUES, MDTS,
 };
 use crate::spec::{self, ConnectData, Sqe, Status};
+use crate::SubsystemOptions;
 
 pub(crate) struct Shared {
     pub(crate) volumes: Arc<Volumes>,
     pub(crate) conns: Arc<Connections>,
-    /// log2 of the LBA size every namespace reports.
-    pub(crate) lba_shift: u8,
+    /// How each volume is served (NQN, LBA size, hosts); volumes not
+    /// named get the defaults.
+    subsystems: HashMap<String, SubsystemOptions>,
     /// Where the target listens, for the discovery log.
     pub(crate) listen: std::net::SocketAddr,
     ctrls: Mutex<Ctrls>,
@@ -35,19 +37,82 @@ struct Ctrls {
 }
 
 impl Shared {
+    /// The target's shared state; it watches the registry so that a
+    /// deleted volume's controllers raise a namespace-changed event.
     pub(crate) fn new(
         volumes: Arc<Volumes>,
         conns: Arc<Connections>,
-        lba_shift: u8,
+        subsystems: HashMap<String, SubsystemOptions>,
         listen: std::net::SocketAddr,
-    ) -> Shared {
-        Shared {
-            volumes,
+    ) -> Arc<Shared> {
+        let shared = Arc::new(Shared {
+            volumes: volumes.clone(),
             conns,
-            lba_shift,
+            subsystems,
             listen,
             ctrls: Mutex::new(Ctrls::default()),
+        });
+        let weak = Arc::downgrade(&shared);
+        let watching = volumes.watch(move |change| {
+            if let Some(s) = weak.upgrade() {
+                s.on_volume_change(change);
+            }
+        });
+        if !watching {
+            tracing::warn!("volume registry has no room for another watcher: NVMe/TCP hosts will not be told of deleted volumes");
         }
+        shared
+    }
+
+    /// A volume left the registry: its namespace is gone from every
+    /// controller that serves it.
+    fn on_volume_change(&self, change: &VolumeChange) {
+        let VolumeChange::Removed(v) = change;
+        let ctrls: Vec<_> = self
+            .lock()
+            .live
+            .values()
+            .filter(|c| c.volume.as_ref().is_some_and(|cv| Arc::ptr_eq(cv, v)))
+            .cloned()
+            .collect();
+        for c in ctrls {
+            tracing::info!(volume = %v.name, cntlid = c.cntlid, hostnqn = %c.hostnqn, "namespace 1 removed (volume deleted)");
+            c.namespace_removed();
+        }
+    }
+
+    fn options(&self, volume: &str) -> Option<&SubsystemOptions> {
+        self.subsystems.get(volume)
+    }
+
+    /// The NQN of a volume's subsystem.
+    pub(crate) fn nqn_of(&self, volume: &str) -> String {
+        match self.options(volume).and_then(|o| o.nqn.clone()) {
+            Some(nqn) => nqn,
+            None => crate::subsystem_nqn(volume),
+        }
+    }
+
+    /// log2 of a volume's LBA size.
+    pub(crate) fn lba_shift_of(&self, volume: &str) -> u8 {
+        self.options(volume)
+            .map_or(crate::LBA_SHIFT, |o| o.lba_shift)
+    }
+
+    /// Whether `hostnqn` may connect to the volume's subsystem (an empty
+    /// list allows any host).
+    pub(crate) fn host_allowed(&self, volume: &str, hostnqn: &str) -> bool {
+        self.options(volume).is_none_or(|o| {
+            o.allowed_hosts.is_empty() || o.allowed_hosts.iter().any(|h| h == hostnqn)
+        })
+    }
+
+    /// The volume whose subsystem is `subnqn`.
+    pub(crate) fn volume_by_nqn(&self, subnqn: &str) -> Option<Arc<Volume>> {
+        self.volumes
+            .list()
+            .into_iter()
+            .find(|v| self.nqn_of(&v.name) == subnqn)
     }
 
     fn lock(&self) -> MutexGuard<'_, Ctrls> {
@@ -82,8 +147,10 @@ impl Shared {
             hostnqn: d.hostnqn.clone(),
             volume,
             alive: AtomicBool::new(true),
+            ns_removed: AtomicBool::new(false),
             last_keepalive_ns: AtomicU64::new(0),
             io_wakers: Mutex::new(Vec::new()),
+            admin_waker: Mutex::new(None),
             state: Mutex::new(CtrlState {
                 kato_ms,
                 io_queues: MAX_IO_QUEUES,
@@ -134,27 +201,29 @@ impl Shared {
     }
 
     pub(crate) fn identify_namespace(&self, v: &Volume) -> Vec<u8> {
+        let lba_shift = self.lba_shift_of(&v.name);
         spec::identify_namespace(&spec::NamespaceInfo {
-            blocks: v.dev().size_bytes() >> self.lba_shift,
-            lba_shift: self.lba_shift,
+            blocks: v.dev().size_bytes() >> lba_shift,
+            lba_shift,
             nguid: spec::name_guid(&v.name),
         })
     }
 
-    /// The discovery log: every volume's subsystem at the target's
-    /// address. The generation counter is the number of volumes (a host
-    /// that sees it change reads the log again).
-    pub(crate) fn discovery_log(&self) -> Vec<u8> {
-        let entries: Vec<_> = self
-            .volumes
-            .list()
+    /// The discovery log for `hostnqn`: the subsystem of every volume it
+    /// may connect to, at the target's address. The generation counter
+    /// is the number of volumes (a host that sees it change reads the
+    /// log again).
+    pub(crate) fn discovery_log(&self, hostnqn: &str) -> Vec<u8> {
+        let all = self.volumes.list();
+        let entries: Vec<_> = all
             .iter()
+            .filter(|v| self.host_allowed(&v.name, hostnqn))
             .map(|v| spec::DiscoveryEntry {
-                subnqn: crate::subsystem_nqn(&v.name),
+                subnqn: self.nqn_of(&v.name),
                 addr: self.listen,
             })
             .collect();
-        spec::discovery_log(entries.len() as u64, &entries)
+        spec::discovery_log(all.len() as u64, &entries)
     }
 }
 
@@ -198,10 +267,15 @@ pub(crate) struct Controller {
     pub(crate) volume: Option<Arc<Volume>>,
     /// Cleared when the admin queue goes (closed, or KATO expired).
     alive: AtomicBool,
+    /// Set when the volume was deleted: namespace 1 is inactive.
+    ns_removed: AtomicBool,
     /// When the admin queue last received a command (the poll's `now`).
     last_keepalive_ns: AtomicU64,
     /// The pollers of the I/O queues, woken when the controller goes.
     io_wakers: Mutex<Vec<(ThreadHandle, PollerId)>>,
+    /// The admin queue's poller, woken when an asynchronous event is
+    /// raised.
+    admin_waker: Mutex<Option<(ThreadHandle, PollerId)>>,
     state: Mutex<CtrlState>,
 }
 
@@ -214,7 +288,25 @@ struct CtrlState {
     vwc: bool,
     /// I/O queues granted (Set Features Number of Queues).
     io_queues: u16,
+    /// The Changed Namespace List (log page 04h): NSIDs changed since the
+    /// host last read it.
+    changed_ns: Vec<u32>,
+    /// A namespace-attribute notice waits for an Asynchronous Event
+    /// Request.
+    event_pending: bool,
+    /// A notice was sent and the host has not read the log page yet:
+    /// further notices of the kind wait (NVMe base spec, "Asynchronous
+    /// Event Request": an event type is masked until its log page is
+    /// read).
+    event_masked: bool,
 }
+
+/// Asynchronous Event Configuration bit 8: Namespace Attribute Notices.
+pub(crate) const AEC_NS_ATTRIBUTE: u32 = 1 << 8;
+
+/// A completed Asynchronous Event Request's dword 0: type Notice (2),
+/// information Namespace Attribute Changed (0), log page 04h.
+pub(crate) const AEN_NS_ATTRIBUTE_CHANGED: u32 = 2 | ((spec::LOG_CHANGED_NS_LIST as u32) << 16);
 
 const CC_EN: u32 = 1;
 const CC_SHN_MASK: u32 = 3 << 14;
@@ -244,6 +336,79 @@ impl Controller {
         if w.len() < 4 * usize::from(MAX_IO_QUEUES) {
             w.push((thread, poller));
         }
+    }
+
+    /// The admin queue's poller, to wake when an event is raised. A queue
+    /// moved to another group registers again.
+    pub(crate) fn set_admin_waker(&self, thread: ThreadHandle, poller: PollerId) {
+        *self.admin_waker.lock().unwrap_or_else(|p| p.into_inner()) = Some((thread, poller));
+    }
+
+    /// Whether namespace 1 is still attached (its volume not deleted).
+    pub(crate) fn ns_active(&self) -> bool {
+        self.volume.is_some() && !self.ns_removed.load(Ordering::SeqCst)
+    }
+
+    /// The volume was deleted: namespace 1 becomes inactive, joins the
+    /// Changed Namespace List, and a notice is raised if the host asked
+    /// for namespace attribute notices and none is outstanding.
+    pub(crate) fn namespace_removed(&self) {
+        self.ns_removed.store(true, Ordering::SeqCst);
+        self.namespace_changed(1);
+    }
+
+    fn namespace_changed(&self, nsid: u32) {
+        let raise = {
+            let mut s = self.st();
+            // At most one namespace: the list cannot grow past one entry.
+            if !s.changed_ns.contains(&nsid) {
+                s.changed_ns.push(nsid);
+            }
+            if s.aec & AEC_NS_ATTRIBUTE != 0 && !s.event_masked {
+                s.event_pending = true;
+            }
+            s.event_pending
+        };
+        if raise {
+            let waker = self
+                .admin_waker
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            if let Some((thread, poller)) = waker {
+                let _ = thread.send(move |t| {
+                    t.wake_poller(poller);
+                });
+            }
+        }
+    }
+
+    /// The dword 0 of an Asynchronous Event Request to complete now, if
+    /// an event waits; the event is then masked until its log page is
+    /// read.
+    pub(crate) fn take_event(&self) -> Option<u32> {
+        let mut s = self.st();
+        if !s.event_pending {
+            return None;
+        }
+        s.event_pending = false;
+        s.event_masked = true;
+        Some(AEN_NS_ATTRIBUTE_CHANGED)
+    }
+
+    /// Log page 04h: the changed NSIDs, zero-filled to 4 KiB. Unless
+    /// `retain` (RAE), reading clears the list and unmasks the event.
+    pub(crate) fn changed_ns_log(&self, retain: bool) -> Vec<u8> {
+        let mut s = self.st();
+        let mut page = vec![0u8; spec::CHANGED_NS_LIST_BYTES];
+        for (i, nsid) in s.changed_ns.iter().enumerate() {
+            page[i * 4..i * 4 + 4].copy_from_slice(&nsid.to_le_bytes());
+        }
+        if !retain {
+            s.changed_ns.clear();
+            s.event_masked = false;
+        }
+        page
     }
 
     /// The admin queue received a command at `now_ns`.

@@ -19,7 +19,7 @@
 
 mod stats;
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use lull_bdev::BlockDevice;
 use lull_engine::ReplicatedDev;
@@ -115,11 +115,33 @@ impl std::fmt::Debug for Volume {
     }
 }
 
+/// Watchers a registry holds: one per frontend that tells its clients
+/// about changes (the NVMe/TCP target's asynchronous events), with room
+/// to spare.
+pub const MAX_WATCHERS: usize = 8;
+
+/// A change in the registry, as watchers see it.
+#[derive(Debug, Clone)]
+pub enum VolumeChange {
+    /// The volume left the registry (its connected clients still hold
+    /// it until they disconnect).
+    Removed(Arc<Volume>),
+}
+
+type Watcher = Box<dyn Fn(&VolumeChange) + Send + Sync>;
+
 /// The volumes a server serves, in the order they were added. The empty
 /// name means the first (NBD's default export).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Volumes {
     list: RwLock<Vec<Arc<Volume>>>,
+    watchers: Mutex<Vec<Watcher>>,
+}
+
+impl std::fmt::Debug for Volumes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.read().iter()).finish()
+    }
 }
 
 impl Volumes {
@@ -140,14 +162,39 @@ impl Volumes {
     }
 
     /// Remove a volume from the list; connected clients keep using it
-    /// until they disconnect.
+    /// until they disconnect. Watchers are told (after the list is
+    /// updated, outside its lock).
     pub fn remove(&self, name: &str) -> Result<Arc<Volume>, VolumeError> {
-        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
-        let pos = list
+        let v = {
+            let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
+            let pos = list
+                .iter()
+                .position(|v| v.name == name)
+                .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))?;
+            list.remove(pos)
+        };
+        let change = VolumeChange::Removed(v.clone());
+        for w in self
+            .watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .position(|v| v.name == name)
-            .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))?;
-        Ok(list.remove(pos))
+        {
+            w(&change);
+        }
+        Ok(v)
+    }
+
+    /// Call `f` on every later change. A watcher must be quick and must
+    /// not call back into the registry's watchers. `false` when
+    /// [`MAX_WATCHERS`] are registered already.
+    pub fn watch(&self, f: impl Fn(&VolumeChange) + Send + Sync + 'static) -> bool {
+        let mut w = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        if w.len() >= MAX_WATCHERS {
+            return false;
+        }
+        w.push(Box::new(f));
+        true
     }
 
     /// A volume by name; `""` is the default (first) volume.
@@ -203,10 +250,21 @@ mod tests {
             ));
         }
         assert_eq!(vs.get("").map(|v| v.name.clone()), Some("a".into()));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        assert!(vs.watch(move |c| {
+            let VolumeChange::Removed(v) = c;
+            s.lock().unwrap().push(v.name.clone());
+        }));
         assert_eq!(vs.get("b").map(|v| v.name.clone()), Some("b".into()));
         assert!(matches!(vs.named(""), Err(VolumeError::NoSuchVolume(_))));
         vs.remove("a").expect("remove a");
         assert!(matches!(vs.remove("a"), Err(VolumeError::NoSuchVolume(_))));
+        assert_eq!(*seen.lock().unwrap(), vec!["a".to_string()]);
+        for _ in 1..MAX_WATCHERS {
+            assert!(vs.watch(|_| {}));
+        }
+        assert!(!vs.watch(|_| {}), "bounded");
         assert_eq!(vs.get("").map(|v| v.name.clone()), Some("b".into()));
         assert!(vs.list()[0].storage.replicated().is_none());
     }

@@ -46,8 +46,20 @@ const VOLUME_BYTES: u64 = 1 << 20;
 const NQN: &str = "nqn.2026-11.io.lull:v";
 
 fn shared() -> Arc<Shared> {
+    shared_with(std::collections::HashMap::new())
+}
+
+/// A target with one 1 MiB memory volume `v`, served with `options`.
+fn shared_with(options: std::collections::HashMap<String, crate::SubsystemOptions>) -> Arc<Shared> {
+    shared_sized(VOLUME_BYTES, options)
+}
+
+fn shared_sized(
+    bytes: u64,
+    options: std::collections::HashMap<String, crate::SubsystemOptions>,
+) -> Arc<Shared> {
     let volumes = Arc::new(Volumes::default());
-    let dev = MallocDev::new(VOLUME_BYTES).expect("malloc");
+    let dev = MallocDev::new(bytes).expect("malloc");
     volumes
         .add(Volume::new("v", Storage::Local(Arc::new(dev))))
         .expect("add");
@@ -56,12 +68,7 @@ fn shared() -> Arc<Shared> {
         max_connections: 4,
         greeting_timeout_us: 1_000_000,
     }));
-    Arc::new(Shared::new(
-        volumes,
-        conns,
-        9,
-        "127.0.0.1:4420".parse().unwrap(),
-    ))
+    Shared::new(volumes, conns, options, "127.0.0.1:4420".parse().unwrap())
 }
 
 /// Both digests on, as SPDK's perf may ask.
@@ -205,15 +212,30 @@ impl Host {
     }
 
     fn connect(&mut self, qid: u16, cntlid: u16, subnqn: &str) -> Got {
+        self.connect_as(qid, cntlid, subnqn, "nqn.host")
+    }
+
+    fn connect_as(&mut self, qid: u16, cntlid: u16, subnqn: &str, hostnqn: &str) -> Got {
+        self.connect_cattr(qid, cntlid, subnqn, hostnqn, 0)
+    }
+
+    fn connect_cattr(
+        &mut self,
+        qid: u16,
+        cntlid: u16,
+        subnqn: &str,
+        hostnqn: &str,
+        cattr: u32,
+    ) -> Got {
         let mut d = vec![0u8; 1024];
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
         d[256..256 + subnqn.len()].copy_from_slice(subnqn.as_bytes());
-        d[512..520].copy_from_slice(b"nqn.host");
+        d[512..512 + hostnqn.len()].copy_from_slice(hostnqn.as_bytes());
         let mut s = sqe(
             spec::OPC_FABRICS,
             1,
             0,
-            &[(10, u32::from(qid) << 16), (11, 31)],
+            &[(10, u32::from(qid) << 16), (11, 31 | (cattr << 16))],
         );
         s[4] = spec::FCTYPE_CONNECT;
         set_sgl(&mut s, spec::SGL_IN_CAPSULE, 1024);
@@ -477,6 +499,453 @@ fn io_queue_reads_and_writes_the_volume() {
     s[4] = spec::FCTYPE_DISCONNECT;
     ok(&h.cmd(s, &[])[0]);
     assert!(h.conn.link.is_closing());
+}
+
+/// An I/O queue on controller `cntlid`.
+fn io_queue(shared: &Arc<Shared>, cntlid: u16, subnqn: &str) -> Host {
+    let mut h = Host::new(shared);
+    h.ic(DG);
+    ok(&h.connect(1, cntlid, subnqn));
+    h
+}
+
+/// Write `data` at `slba` (512-byte LBAs) and read it back through `h`.
+fn write_at(h: &mut Host, cid: u16, slba: u32, data: &[u8]) {
+    let nlb = (data.len() / 512) as u32;
+    let mut s = sqe(spec::NVM_WRITE, cid, 1, &[(10, slba), (12, nlb - 1)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, data.len() as u32);
+    ok(&h.cmd(s, data)[0]);
+}
+
+fn read_at(h: &mut Host, cid: u16, slba: u32, bytes: usize, lba_bytes: usize) -> Vec<u8> {
+    let nlb = (bytes / lba_bytes) as u32;
+    let mut s = sqe(spec::NVM_READ, cid, 1, &[(10, slba), (12, nlb - 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, bytes as u32);
+    let got = h.cmd(s, &[]);
+    ok(&got[1]);
+    match &got[0] {
+        Got::Data { data, .. } => data.clone(),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+/// Dataset Management ranges: (SLBA, NLB).
+fn dsm_ranges(ranges: &[(u64, u32)]) -> Vec<u8> {
+    let mut d = Vec::new();
+    for &(slba, nlb) in ranges {
+        d.extend_from_slice(&0u32.to_le_bytes());
+        d.extend_from_slice(&nlb.to_le_bytes());
+        d.extend_from_slice(&slba.to_le_bytes());
+    }
+    d
+}
+
+#[test]
+fn dataset_management_deallocates_ranges_and_checks_them() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut h = io_queue(&shared, cntlid, NQN);
+    let ones = vec![0xA5u8; 8192];
+    write_at(&mut h, 1, 0, &ones);
+    write_at(&mut h, 2, 100, &ones);
+
+    // Two ranges (NR = 1), deallocate: LBAs 2..6 and 104..106.
+    let dsm = |cid, nr: u32, ad: bool, data: &[u8], len: u32| {
+        let attr = if ad { spec::DSM_ATTR_DEALLOCATE } else { 0 };
+        let mut s = sqe(
+            spec::NVM_DATASET_MANAGEMENT,
+            cid,
+            1,
+            &[(10, nr), (11, attr)],
+        );
+        set_sgl(&mut s, spec::SGL_IN_CAPSULE, len);
+        (s, data.to_vec())
+    };
+    let ranges = dsm_ranges(&[(2, 4), (104, 2)]);
+    // Without the Deallocate attribute it is a hint: nothing changes.
+    let (s, d) = dsm(3, 1, false, &ranges, 32);
+    ok(&h.cmd(s, &d)[0]);
+    assert_eq!(read_at(&mut h, 4, 0, 8192, 512), ones);
+    let (s, d) = dsm(5, 1, true, &ranges, 32);
+    ok(&h.cmd(s, &d)[0]);
+    let first = read_at(&mut h, 6, 0, 8192, 512);
+    assert!(first[..1024].iter().all(|&b| b == 0xA5));
+    assert!(first[1024..3072].iter().all(|&b| b == 0));
+    assert!(first[3072..].iter().all(|&b| b == 0xA5));
+    let second = read_at(&mut h, 7, 100, 8192, 512);
+    assert!(second[..2048].iter().all(|&b| b == 0xA5));
+    assert!(second[2048..3072].iter().all(|&b| b == 0));
+
+    // Through R2T too (SPDK sends the ranges that way).
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        8,
+        1,
+        &[(10, 0), (11, spec::DSM_ATTR_DEALLOCATE)],
+    );
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 16);
+    let got = h.cmd(s, &[]);
+    let [Got::R2t(r2t)] = got[..] else {
+        panic!("{got:?}")
+    };
+    let got = h.send(&Pdu::H2CData {
+        hdr: DataHeader {
+            cccid: 8,
+            ttag: r2t.ttag,
+            datao: 0,
+            flags: pdu::FLAG_LAST_PDU,
+        },
+        data: &dsm_ranges(&[(0, 1)]),
+    });
+    ok(&got[0]);
+    assert!(read_at(&mut h, 9, 0, 512, 512).iter().all(|&b| b == 0));
+
+    // A range past the end fails the command and discards nothing (the
+    // first range is checked with the second).
+    let blocks = VOLUME_BYTES / 512;
+    let bad = dsm_ranges(&[(6, 2), (blocks - 1, 2)]);
+    let (s, d) = dsm(10, 1, true, &bad, 32);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    assert!(read_at(&mut h, 11, 6, 1024, 512).iter().all(|&b| b == 0xA5));
+    let bad = dsm_ranges(&[(u64::MAX, 1)]);
+    let (s, d) = dsm(12, 0, true, &bad, 16);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    // Fewer range bytes than NR says, or more than 256 ranges' worth.
+    let (s, d) = dsm(13, 3, true, &ranges, 32);
+    assert_eq!(
+        status_of(&h.cmd(s, &d)[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, 14, 1, &[(10, 255), (11, 4)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4112);
+    assert_eq!(
+        status_of(&h.cmd(s, &[])[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    // Wrong namespace.
+    let mut s = sqe(spec::NVM_DATASET_MANAGEMENT, 15, 2, &[(11, 4)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
+    assert_eq!(
+        status_of(&h.cmd(s, &dsm_ranges(&[(0, 1)]))[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    // ONCS says so.
+    let mut s = sqe(spec::ADMIN_IDENTIFY, 16, 0, &[(10, 1)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    let got = a.cmd(s, &[]);
+    let Got::Data { data, .. } = &got[0] else {
+        panic!("{got:?}")
+    };
+    assert_ne!(u16::from_le_bytes([data[520], data[521]]) & (1 << 2), 0);
+}
+
+/// An admin command that returns data: (the data, the response).
+fn admin_data(h: &mut Host, s: [u8; 64]) -> Vec<u8> {
+    let got = h.cmd(s, &[]);
+    ok(got.last().expect("a response"));
+    match &got[0] {
+        Got::Data { data, .. } => data.clone(),
+        other => panic!("expected data, got {other:?}"),
+    }
+}
+
+fn identify(h: &mut Host, cid: u16, cns: u32, nsid: u32) -> Vec<u8> {
+    let mut s = sqe(spec::ADMIN_IDENTIFY, cid, nsid, &[(10, cns)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    admin_data(h, s)
+}
+
+/// Get Log Page 04h (the Changed Namespace List) as NSIDs.
+fn changed_ns(h: &mut Host, cid: u16, retain: bool) -> Vec<u32> {
+    let numdl = (4096u32 / 4 - 1) << 16;
+    let rae = if retain { 1 << 15 } else { 0 };
+    let dw10 = numdl | rae | u32::from(spec::LOG_CHANGED_NS_LIST);
+    let mut s = sqe(spec::ADMIN_GET_LOG_PAGE, cid, 0xFFFF_FFFF, &[(10, dw10)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    admin_data(h, s)
+        .chunks(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .filter(|&n| n != 0)
+        .collect()
+}
+
+fn set_aec(h: &mut Host, cid: u16, aec: u32) {
+    let s = sqe(
+        spec::ADMIN_SET_FEATURES,
+        cid,
+        0,
+        &[(10, u32::from(spec::FEAT_ASYNC_EVENT_CONFIG)), (11, aec)],
+    );
+    ok(&h.cmd(s, &[])[0]);
+}
+
+#[test]
+fn a_deallocate_range_larger_than_a_device_request_is_split() {
+    // A sparse 3 GiB memory volume: a range of 2.5 GiB takes three device
+    // trims (1 GiB at most each).
+    let shared = shared_sized(3 << 30, std::collections::HashMap::new());
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut h = io_queue(&shared, cntlid, NQN);
+    let lba = |bytes: u64| (bytes / 512) as u32;
+    let marks = [1u64 << 20, (2 << 30) + (5 << 20), (5 << 29) - 512, 5 << 29];
+    for (i, &at) in marks.iter().enumerate() {
+        write_at(&mut h, i as u16, lba(at), &[0x5Au8; 512]);
+    }
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        10,
+        1,
+        &[(11, spec::DSM_ATTR_DEALLOCATE)],
+    );
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
+    let range = dsm_ranges(&[(0, lba(5 << 29))]);
+    ok(&h.cmd(s, &range)[0]);
+    // Everything inside the 2.5 GiB is zeros, the block after it is not.
+    for (i, &at) in marks.iter().enumerate() {
+        let back = read_at(&mut h, 20 + i as u16, lba(at), 512, 512);
+        let inside = at < 5 << 29;
+        assert_eq!(back.iter().all(|&b| b == 0), inside, "at {at}");
+    }
+}
+
+#[test]
+fn a_deleted_volume_completes_the_async_event_request() {
+    let shared = shared();
+    // Host a asks for namespace attribute notices; host b does not.
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut io = io_queue(&shared, cntlid, NQN);
+    set_aec(&mut a, 40, crate::target::AEC_NS_ATTRIBUTE);
+    let mut b = Host::new(&shared);
+    admin(&mut b);
+    for (h, cid) in [(&mut a, 41), (&mut b, 41)] {
+        assert!(
+            h.cmd(sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, cid, 0, &[]), &[])
+                .is_empty(),
+            "held"
+        );
+        // Nothing changed yet: the list is empty and the AER stays held.
+        assert!(changed_ns(h, 42, false).is_empty());
+    }
+    write_at(&mut io, 1, 0, &[7u8; 512]);
+
+    shared.volumes.remove("v").expect("delete the volume");
+    // The admin queue runs (its poller is woken by the event): the held
+    // AER completes with a notice naming log page 04h.
+    let got = a.send_raw(&[]);
+    assert_eq!(
+        got,
+        [Got::Resp {
+            cid: 41,
+            status: 0,
+            dw0: crate::target::AEN_NS_ATTRIBUTE_CHANGED,
+            dw1: 0,
+            sqhd: a.conn.sqhd,
+        }]
+    );
+    assert_eq!(crate::target::AEN_NS_ATTRIBUTE_CHANGED, 0x0004_0002);
+    // Host b did not enable the notice: no completion, but the list has it.
+    assert!(b.send_raw(&[]).is_empty());
+    assert_eq!(changed_ns(&mut b, 43, false), [1]);
+    assert!(changed_ns(&mut b, 44, false).is_empty(), "reading clears");
+
+    // RAE keeps the list; a plain read returns and clears it.
+    assert_eq!(changed_ns(&mut a, 43, true), [1]);
+    assert_eq!(changed_ns(&mut a, 44, false), [1]);
+    assert!(changed_ns(&mut a, 45, false).is_empty());
+
+    // The namespace is inactive: Identify reads zeros, the active list is
+    // empty, I/O fails with Invalid Namespace, and nothing crashes.
+    assert!(identify(&mut a, 46, 0, 1).iter().all(|&x| x == 0));
+    assert!(identify(&mut a, 47, 2, 0).iter().all(|&x| x == 0));
+    let mut s = sqe(spec::NVM_READ, 2, 1, &[(12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&io.cmd(s, &[])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    let mut s = sqe(spec::NVM_WRITE, 3, 1, &[(12, 0)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 512);
+    assert_eq!(
+        status_of(&io.cmd(s, &[0u8; 512])[0]),
+        Status::INVALID_NAMESPACE.field()
+    );
+    ok(&io.cmd(sqe(spec::NVM_FLUSH, 4, 1, &[]), &[])[0]);
+    ok(&a.cmd(sqe(spec::ADMIN_KEEP_ALIVE, 48, 0, &[]), &[])[0]);
+    assert!(!a.conn.link.is_closing() && !io.conn.link.is_closing());
+    // A new host cannot connect to the deleted volume's subsystem.
+    let mut c = Host::new(&shared);
+    c.ic(Digests::default());
+    assert_eq!(
+        status_of(&c.connect(0, 0xFFFF, NQN)),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+}
+
+#[test]
+fn the_allowlist_refuses_other_hosts_and_the_nqn_is_configurable() {
+    let custom = "nqn.2026-11.test:custom";
+    let shared = shared_with(
+        [(
+            "v".to_string(),
+            crate::SubsystemOptions {
+                nqn: Some(custom.into()),
+                allowed_hosts: vec!["nqn.good".into()],
+                ..Default::default()
+            },
+        )]
+        .into(),
+    );
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    // The default NQN names nothing now.
+    assert_eq!(
+        status_of(&h.connect_as(0, 0xFFFF, NQN, "nqn.good")),
+        Status::CONNECT_INVALID_PARAMETERS.field()
+    );
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    let refused = h.connect_as(0, 0xFFFF, custom, "nqn.bad");
+    // Connect Invalid Host: SCT 1h, SC 84h, do not retry.
+    assert_eq!(status_of(&refused), (1 << 15) | (1 << 9) | (0x84 << 1));
+    assert_eq!(shared.controller_count(), 0);
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    ok(&h.connect_as(0, 0xFFFF, custom, "nqn.good"));
+    assert_eq!(shared.controller_count(), 1);
+
+    // The discovery log lists the subsystem only to hosts that may use it.
+    for (host, entries) in [("nqn.good", 1u64), ("nqn.bad", 0)] {
+        let mut d = Host::new(&shared);
+        d.ic(Digests::default());
+        ok(&d.connect_as(0, 0xFFFF, spec::DISCOVERY_NQN, host));
+        let numdl = (2048u32 / 4 - 1) << 16;
+        let mut s = sqe(
+            spec::ADMIN_GET_LOG_PAGE,
+            2,
+            0,
+            &[(10, numdl | u32::from(spec::LOG_DISCOVERY))],
+        );
+        set_sgl(&mut s, spec::SGL_TRANSPORT, 2048);
+        let page = admin_data(&mut d, s);
+        assert_eq!(
+            u64::from_le_bytes(page[8..16].try_into().unwrap()),
+            entries,
+            "{host}"
+        );
+        if entries == 1 {
+            assert_eq!(
+                &page[1024 + 256..1024 + 256 + custom.len()],
+                custom.as_bytes()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_4k_lba_namespace_reports_and_uses_4k_blocks() {
+    let shared = shared_with(
+        [(
+            "v".to_string(),
+            crate::SubsystemOptions {
+                lba_shift: crate::LBA_SHIFT_4K,
+                ..Default::default()
+            },
+        )]
+        .into(),
+    );
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let ns = identify(&mut a, 10, 0, 1);
+    let blocks = VOLUME_BYTES / 4096;
+    assert_eq!(u64::from_le_bytes(ns[0..8].try_into().unwrap()), blocks);
+    assert_eq!(ns[26] & 0xF, 0, "FLBAS: format 0");
+    assert_eq!(ns[128 + 2], 12, "LBAF0: LBADS 12 (4 KiB)");
+    let mut io = io_queue(&shared, cntlid, NQN);
+
+    // One block (NLB 0) is 4 KiB.
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 241) as u8).collect();
+    let mut s = sqe(spec::NVM_WRITE, 1, 1, &[(10, 3), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 4096);
+    ok(&io.cmd(s, &data)[0]);
+    assert_eq!(read_at(&mut io, 2, 3, 4096, 4096), data);
+    // A 512-byte transfer for one block does not match NLB.
+    let mut s = sqe(spec::NVM_READ, 3, 1, &[(10, 3), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&io.cmd(s, &[])[0]),
+        Status::DATA_SGL_LENGTH_INVALID.field()
+    );
+    // The last block is in range, the next one is not.
+    assert_eq!(
+        read_at(&mut io, 4, blocks as u32 - 1, 4096, 4096).len(),
+        4096
+    );
+    let mut s = sqe(spec::NVM_READ, 5, 1, &[(10, blocks as u32), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+    assert_eq!(
+        status_of(&io.cmd(s, &[])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    // 128 KiB (MDTS) is 32 blocks; 33 is too many.
+    let mut s = sqe(spec::NVM_READ, 6, 1, &[(12, 32)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 33 * 4096);
+    assert_ne!(status_of(&io.cmd(s, &[])[0]), 0);
+    // Dataset Management counts 4 KiB blocks too.
+    let mut s = sqe(
+        spec::NVM_DATASET_MANAGEMENT,
+        7,
+        1,
+        &[(11, spec::DSM_ATTR_DEALLOCATE)],
+    );
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 16);
+    ok(&io.cmd(s, &dsm_ranges(&[(3, 1)]))[0]);
+    assert!(read_at(&mut io, 8, 3, 4096, 4096).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn c2h_success_only_when_the_host_disabled_sq_flow_control() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let mut plain = io_queue(&shared, cntlid, NQN);
+    let mut noflow = Host::new(&shared);
+    noflow.ic(DG);
+    ok(&noflow.connect_cattr(2, cntlid, NQN, "nqn.host", spec::CATTR_DISABLE_SQ_FLOW));
+    write_at(&mut plain, 1, 0, &[9u8; 4096]);
+
+    let read = |h: &mut Host| {
+        let mut s = sqe(spec::NVM_READ, 7, 1, &[(12, 7)]);
+        set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+        h.cmd(s, &[])
+    };
+    // SQ flow control on: LAST_PDU only, then a CapsuleResp.
+    let got = read(&mut plain);
+    assert!(
+        matches!(&got[..], [Got::Data { flags, .. }, Got::Resp { status: 0, .. }] if *flags == pdu::FLAG_LAST_PDU),
+        "{got:?}"
+    );
+    // Off: the data PDU carries SUCCESS and is the completion.
+    let got = read(&mut noflow);
+    assert!(
+        matches!(&got[..], [Got::Data { flags, data, cid: 7, .. }] if *flags == pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS && data.iter().all(|&b| b == 9)),
+        "{got:?}"
+    );
+    // A failed read still gets a CapsuleResp with its status.
+    let mut s = sqe(spec::NVM_READ, 8, 1, &[(10, u32::MAX), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&noflow.cmd(s, &[])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
 }
 
 #[test]
