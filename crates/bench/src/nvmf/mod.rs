@@ -22,6 +22,9 @@
 //! run ends, so it lies inside perf's measured window. CPU-µs per I/O is the
 //! window's CPU time over (perf's IOPS × the window's length).
 //!
+//! Output in `--out`: report.json ([`report::NvmfReport`], every run's
+//! numbers), report.md, and perf's own output of every run in `raw/`.
+//!
 //! Order: within a repeat, job by job, every target once; the target order
 //! is reversed in every other repeat, so no target always runs first.
 
@@ -68,6 +71,9 @@ pub const WINDOW_MARGIN: Duration = Duration::from_millis(100);
 pub const PERF_GRACE: Duration = Duration::from_secs(30);
 /// The NQN nvmf_tgt serves its malloc bdev under.
 pub const SPDK_NQN: &str = "nqn.2016-06.io.spdk:bench";
+/// Subdirectory of `--out` that keeps each perf run's standard output, as
+/// `r<repeat>-<job>-<target>.txt`.
+pub const RAW_DIR: &str = "raw";
 /// The volume name lull serves (its NQN is `nqn.2026-11.io.lull:bench`).
 pub const VOLUME_NAME: &str = "bench";
 
@@ -259,6 +265,8 @@ pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<NvmfReport, BenchErr
     }
     std::fs::create_dir_all(&config.out)
         .map_err(io_err(format!("creating {}", config.out.display())))?;
+    let raw_dir = config.out.join(RAW_DIR);
+    std::fs::create_dir_all(&raw_dir).map_err(io_err(format!("creating {}", raw_dir.display())))?;
     let work = WorkDir::new(&std::env::temp_dir()).map_err(io_err("creating a work dir"))?;
     let nvmf_tgt = tools.join("bin/nvmf_tgt");
     let mut reports: Vec<NvmfTargetReport> = targets
@@ -299,6 +307,7 @@ pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<NvmfReport, BenchErr
         lull_exe,
         tools: &tools,
         work: &work.path,
+        raw_dir: &raw_dir,
         ports: Ports::new(settings.port_base),
         port_base: settings.port_base,
     };
@@ -317,7 +326,7 @@ pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<NvmfReport, BenchErr
             bar.inc(1);
             continue;
         }
-        let outcome = ctx.run_step(t, step.job, step.measure_idle)?;
+        let outcome = ctx.run_step(t, step, step.measure_idle)?;
         let tr = &mut reports[step.target];
         if let Some(c) = outcome.command {
             tr.command.get_or_insert(c);
@@ -364,6 +373,7 @@ struct Ctx<'a> {
     lull_exe: &'a Path,
     tools: &'a Path,
     work: &'a Path,
+    raw_dir: &'a Path,
     ports: Ports,
     port_base: u16,
 }
@@ -440,7 +450,7 @@ impl Ctx<'_> {
     fn run_step(
         &mut self,
         target: &NvmfTarget,
-        job: NvmfJob,
+        step: &Step,
         measure_idle: bool,
     ) -> Result<StepOutcome, BenchError> {
         let mut out = StepOutcome {
@@ -475,7 +485,7 @@ impl Ctx<'_> {
                 }
             }
         }
-        match self.run_perf(group, target, port, job)? {
+        match self.run_perf(group, target, port, step)? {
             Ok((perf, cpu)) => {
                 out.perf = Some(perf);
                 out.server = Some(cpu);
@@ -505,9 +515,10 @@ impl Ctx<'_> {
         mut group: Group,
         target: &NvmfTarget,
         port: u16,
-        job: NvmfJob,
+        step: &Step,
     ) -> Result<Result<(PerfMetrics, CpuWindow), String>, BenchError> {
         let s = self.settings;
+        let job = step.job;
         let perf_bin = self.tools.join("bin/spdk_nvme_perf").display().to_string();
         // Line-buffered stdout, so the launch line reaches the file at once.
         let mut args = vec!["-oL".to_string(), perf_bin];
@@ -559,6 +570,14 @@ impl Ctx<'_> {
                 limit.as_secs()
             )));
         };
+        let raw = self.raw_dir.join(format!(
+            "r{}-{}-{}.txt",
+            step.repeat + 1,
+            job.as_str(),
+            target.name()
+        ));
+        std::fs::write(&raw, perf.stdout())
+            .map_err(io_err(format!("writing {}", raw.display())))?;
         if !status.success() {
             return Ok(Err(format!(
                 "spdk_nvme_perf failed ({status}): {}",
