@@ -1,6 +1,8 @@
 //! `lull bench`: fio's nbd engine with the kbench profile against lull in
 //! each event mode and against peer NBD servers, with the server's CPU cost
-//! sampled from /proc (DESIGN §7).
+//! sampled from /proc (DESIGN §7). The NVMe/TCP profile
+//! (`--profile nvmf`: spdk_nvme_perf against lull and SPDK's nvmf_tgt) is
+//! [`nvmf`].
 //!
 //! ```no_run
 //! use lull_bench::{BenchConfig, PeerChoice};
