@@ -71,6 +71,9 @@ pub const WINDOW_MARGIN: Duration = Duration::from_millis(100);
 pub const PERF_GRACE: Duration = Duration::from_secs(30);
 /// The NQN nvmf_tgt serves its malloc bdev under.
 pub const SPDK_NQN: &str = "nqn.2016-06.io.spdk:bench";
+/// Where DPDK, run as root, makes each SPDK process's runtime directory
+/// (`spdk_pid<PID>`); without hugepages it stays empty and is left behind.
+pub const DPDK_RUNTIME_DIR: &str = "/var/run/dpdk";
 /// Subdirectory of `--out` that keeps each perf run's standard output, as
 /// `r<repeat>-<job>-<target>.txt`.
 pub const RAW_DIR: &str = "raw";
@@ -359,6 +362,21 @@ pub fn tgt_mem_mb(size_bytes: u64) -> u64 {
     TGT_MEM_BASE_MB + size_bytes.div_ceil(1 << 20)
 }
 
+/// Removes the empty DPDK runtime directories of the SPDK processes it
+/// names when dropped: declared before the processes, it drops after them.
+#[derive(Default)]
+struct DpdkRuntimeDirs(Vec<u32>);
+
+impl Drop for DpdkRuntimeDirs {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // remove_dir only removes an empty directory: anything a live
+            // process still uses stays.
+            let _ = std::fs::remove_dir(Path::new(DPDK_RUNTIME_DIR).join(format!("spdk_pid{pid}")));
+        }
+    }
+}
+
 /// What one step produced.
 struct StepOutcome {
     command: Option<String>,
@@ -460,6 +478,7 @@ impl Ctx<'_> {
             server: None,
             error: None,
         };
+        let mut dirs = DpdkRuntimeDirs::default();
         let (group, port) = match self.start(target)? {
             Ok(g) => g,
             Err(reason) => {
@@ -467,6 +486,9 @@ impl Ctx<'_> {
                 return Ok(out);
             }
         };
+        if target.is_spdk() {
+            dirs.0.extend(group.pids());
+        }
         out.command = Some(
             group
                 .procs
@@ -529,6 +551,7 @@ impl Ctx<'_> {
             s.runtime_secs,
             s.warmup_secs,
         ));
+        let mut dirs = DpdkRuntimeDirs::default();
         let mut perf = Proc::spawn(
             &format!("perf-{}", job.as_str()),
             "stdbuf",
@@ -537,6 +560,8 @@ impl Ctx<'_> {
             self.work,
         )
         .map_err(io_err("starting spdk_nvme_perf"))?;
+        // taskset and stdbuf exec: the pid is perf's.
+        dirs.0.push(perf.pid());
         let launched = wait_for_line(&mut perf, PERF_LAUNCH_LINE, PERF_START_TIMEOUT);
         let Some(t0) = launched else {
             let reason = perf.reason();
