@@ -256,6 +256,7 @@ pub fn render_markdown(r: &NvmfReport) -> String {
          divides it by perf's IOPS × the window. ×spdk-poll: IOPS ÷ spdk-poll's IOPS of the same \
          repeat, median (min–max).\n\n",
     );
+    md.push_str(&render_summary(r));
     md.push_str("## Idle CPU\n\n| target | idle CPU % of a core |\n|---|---|\n");
     for t in &r.targets {
         let v = match &t.skipped {
@@ -307,6 +308,81 @@ pub fn render_markdown(r: &NvmfReport) -> String {
         if let Some(c) = &t.command {
             md.push_str(&format!("- {}: `{c}`\n", t.name));
         }
+    }
+    md
+}
+
+/// A median, or `–`.
+fn median(s: &Option<Spread>, digits: usize) -> String {
+    s.map_or("–".into(), |s| format!("{:.d$}", s.median, d = digits))
+}
+
+/// The summary table (the layout of docs/BENCHMARKS.md §6) and issue 16's
+/// ratios for lull's adaptive mode.
+fn render_summary(r: &NvmfReport) -> String {
+    let find = |job: NvmfJob, target: &str| {
+        r.results
+            .iter()
+            .find(|x| x.job == job && x.target == target)
+    };
+    let mut md = String::from(
+        "## Summary (medians)\n\n\
+         | target | idle CPU % | QD1 randread IOPS | QD1 randread mean / p99 µs | QD1 randwrite IOPS | \
+         QD32 randread IOPS | QD32 randwrite IOPS | 128 KiB read QD32 MiB/s | CPU-µs/IO QD1 randread | \
+         CPU-µs/IO QD32 randread |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for t in &r.targets {
+        let n = t.name.as_str();
+        let get = |job, f: &dyn Fn(&NvmfResult) -> String| find(job, n).map_or("–".into(), f);
+        let label = if t.skipped.is_some() {
+            format!("{n} (skipped)")
+        } else {
+            n.to_string()
+        };
+        md.push_str(&format!(
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            median(&t.idle_cpu_pct, 2),
+            get(NvmfJob::RandreadQd1, &|x| median(&x.iops, 0)),
+            get(NvmfJob::RandreadQd1, &|x| format!(
+                "{} / {}",
+                median(&x.lat_mean_us, 1),
+                median(&x.lat_p99_us, 1)
+            )),
+            get(NvmfJob::RandwriteQd1, &|x| median(&x.iops, 0)),
+            get(NvmfJob::RandreadQd32, &|x| median(&x.iops, 0)),
+            get(NvmfJob::RandwriteQd32, &|x| median(&x.iops, 0)),
+            get(NvmfJob::Read128kQd32, &|x| median(&x.mib_per_sec, 1)),
+            get(NvmfJob::RandreadQd1, &|x| median(&x.cpu_us_per_io, 2)),
+            get(NvmfJob::RandreadQd32, &|x| median(&x.cpu_us_per_io, 2)),
+        ));
+    }
+    md.push('\n');
+    let adaptive = "lull-adaptive";
+    if r.targets.iter().any(|t| t.name == adaptive) && r.targets.iter().any(|t| t.name == BASELINE)
+    {
+        md.push_str("Issue 16's targets, lull-adaptive against spdk-poll (IOPS ratio, median of the per-repeat ratios, min–max):\n\n");
+        for (job, want) in [
+            (NvmfJob::RandreadQd1, "≥ 0.95×"),
+            (NvmfJob::RandwriteQd1, "≥ 0.95×"),
+            (NvmfJob::RandreadQd32, "≥ 0.9×"),
+            (NvmfJob::RandwriteQd32, "≥ 0.9×"),
+        ] {
+            let ratio = find(job, adaptive).and_then(|x| x.iops_vs_spdk_poll);
+            md.push_str(&format!(
+                "- {} IOPS: {}× (target {want})\n",
+                job.as_str(),
+                cell(&ratio, 3)
+            ));
+        }
+        let idle = r
+            .targets
+            .iter()
+            .find(|t| t.name == adaptive)
+            .and_then(|t| t.idle_cpu_pct);
+        md.push_str(&format!(
+            "- idle CPU: {} % of a core (target ≤ 0.5 %)\n\n",
+            cell(&idle, 2)
+        ));
     }
     md
 }
@@ -439,6 +515,11 @@ mod tests {
             "- repeat 2, randread-qd1, lull-adaptive: spdk_nvme_perf failed | x",
             "`lull bench --profile nvmf`",
             "- spdk: SPDK: v26.05",
+            "| lull-adaptive | 0.01 | 40000 | 25.0 / 50.0 | – | – | – | – | 12.50 | – |",
+            "| spdk-interrupt (skipped) | 0.01 | – | – / – |",
+            "- randread-qd1 IOPS: 0.800× (target ≥ 0.95×)",
+            "- randwrite-qd1 IOPS: –× (target ≥ 0.95×)",
+            "- idle CPU: 0.01 (0.00–0.02) % of a core (target ≤ 0.5 %)",
         ] {
             assert!(md.contains(needle), "missing {needle:?} in\n{md}");
         }
@@ -447,7 +528,7 @@ mod tests {
             .filter(|l| l.starts_with("| lull") || l.starts_with("| spdk-poll |"))
         {
             let cells = row.replace("\\|", "").matches('|').count();
-            assert!(cells == 3 || cells == 10, "{cells} in {row}");
+            assert!(cells == 3 || cells == 10 || cells == 11, "{cells} in {row}");
         }
         let v: serde_json::Value =
             serde_json::from_str(&serde_json::to_string(&fake()).unwrap()).unwrap();
