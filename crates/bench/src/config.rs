@@ -100,7 +100,7 @@ pub struct BenchConfig {
     /// NVMe/TCP profile: the directory of SPDK's prebuilt tools (with
     /// `bin/spdk_nvme_perf` and `bin/nvmf_tgt`) [default:
     /// `$LULL_SPDK_TOOLS`, else `../shared/tools/spdk` from the current
-    /// directory].
+    /// directory or from the repository lull was built in].
     pub spdk_tools: Option<PathBuf>,
     /// NVMe/TCP profile: the perf jobs to run.
     pub nvmf_jobs: Vec<NvmfJob>,

@@ -165,14 +165,26 @@ pub fn schedule(repeats: u32, jobs: &[NvmfJob], target_count: usize) -> Vec<Step
 }
 
 /// The SPDK tools directory: `--spdk-tools`, else `$LULL_SPDK_TOOLS`, else
-/// [`DEFAULT_SPDK_TOOLS`]; an error naming what is missing unless it holds
-/// `bin/spdk_nvme_perf`.
-pub fn spdk_tools_dir(flag: Option<&Path>) -> Result<PathBuf, BenchError> {
-    let dir = flag
+/// [`DEFAULT_SPDK_TOOLS`] from the current directory or, failing that, from
+/// the repository `lull_exe` was built in (`<repo>/target/<profile>/lull`);
+/// an error naming the directory unless it holds `bin/spdk_nvme_perf`.
+pub fn spdk_tools_dir(flag: Option<&Path>, lull_exe: &Path) -> Result<PathBuf, BenchError> {
+    let has_perf = |d: &Path| d.join("bin/spdk_nvme_perf").is_file();
+    let given = flag
         .map(Path::to_path_buf)
-        .or_else(|| std::env::var_os(SPDK_TOOLS_ENV).map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SPDK_TOOLS));
-    if dir.join("bin/spdk_nvme_perf").is_file() {
+        .or_else(|| std::env::var_os(SPDK_TOOLS_ENV).map(PathBuf::from));
+    let dir = match given {
+        Some(dir) => dir,
+        None => {
+            let from_repo = lull_exe
+                .ancestors()
+                .nth(3)
+                .map(|repo| repo.join(DEFAULT_SPDK_TOOLS))
+                .filter(|d| !has_perf(Path::new(DEFAULT_SPDK_TOOLS)) && has_perf(d));
+            from_repo.unwrap_or_else(|| PathBuf::from(DEFAULT_SPDK_TOOLS))
+        }
+    };
+    if has_perf(&dir) {
         Ok(dir)
     } else {
         Err(BenchError::MissingSpdk { dir })
@@ -245,7 +257,7 @@ pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<NvmfReport, BenchErr
     if jobs.is_empty() {
         return Err(BenchError::BadArgs("--nvmf-jobs is empty".into()));
     }
-    let tools = spdk_tools_dir(config.spdk_tools.as_deref())?;
+    let tools = spdk_tools_dir(config.spdk_tools.as_deref(), lull_exe)?;
     for (tool, package) in [
         ("taskset", "util-linux"),
         ("kill", "procps"),
@@ -721,7 +733,7 @@ mod tests {
     #[test]
     fn missing_tools_are_an_error_naming_the_dir() {
         let dir = Path::new("/nonexistent/spdk-tools");
-        let err = spdk_tools_dir(Some(dir)).unwrap_err();
+        let err = spdk_tools_dir(Some(dir), Path::new("lull")).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("/nonexistent/spdk-tools"), "{text}");
         assert!(text.contains("--spdk-tools"), "{text}");

@@ -105,7 +105,7 @@ pub struct BenchArgs {
 
     /// `--profile nvmf`: directory of SPDK's prebuilt tools (bin/spdk_nvme_perf,
     /// bin/nvmf_tgt) [default: $LULL_SPDK_TOOLS, else ../shared/tools/spdk
-    /// from the current directory].
+    /// from the current directory or from the repository lull was built in].
     #[arg(long)]
     pub spdk_tools: Option<PathBuf>,
 
