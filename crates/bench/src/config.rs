@@ -8,6 +8,7 @@ use lull_reactor::Mode;
 use serde::Serialize;
 
 use crate::fio::JobKind;
+use crate::nvmf::perf::NvmfJob;
 use crate::BenchError;
 
 /// Port range the harness walks through: one fresh port per server start, so a
@@ -47,11 +48,17 @@ pub const DEFAULT_VOLUMES: [VolumeKind; 1] = [VolumeKind::Malloc];
 /// Default peers measured beside lull.
 pub const DEFAULT_PEERS: [PeerChoice; 2] = [PeerChoice::Nbdkit, PeerChoice::QemuNbd];
 
+/// Default SPDK peers of the NVMe/TCP profile: nvmf_tgt in both its modes.
+pub const DEFAULT_SPDK_PEERS: [SpdkPeer; 2] = [SpdkPeer::Poll, SpdkPeer::Interrupt];
+
 /// What a `lull bench` run measures, as given: [`Settings::resolve`] fills
 /// in the quick-mode defaults and checks it. `lull bench`'s flags map one
 /// to one onto these fields; [`Default`] is a run with no flag.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchConfig {
+    /// Which benchmark: fio over NBD (kbench) or spdk_nvme_perf over
+    /// NVMe/TCP.
+    pub profile: Profile,
     /// Short jobs (1 s, small volume, short idle window) for smoke runs.
     pub quick: bool,
     /// Jobs to run.
@@ -90,11 +97,21 @@ pub struct BenchConfig {
     pub out: PathBuf,
     /// First TCP port used for servers; each start takes the next free one.
     pub port_base: u16,
+    /// NVMe/TCP profile: the directory of SPDK's prebuilt tools (with
+    /// `bin/spdk_nvme_perf` and `bin/nvmf_tgt`) [default:
+    /// `$LULL_SPDK_TOOLS`, else `../shared/tools/spdk` from the current
+    /// directory or from the repository lull was built in].
+    pub spdk_tools: Option<PathBuf>,
+    /// NVMe/TCP profile: the perf jobs to run.
+    pub nvmf_jobs: Vec<NvmfJob>,
+    /// NVMe/TCP profile: SPDK nvmf_tgt modes measured beside lull.
+    pub spdk_peers: Vec<SpdkPeer>,
 }
 
 impl Default for BenchConfig {
     fn default() -> BenchConfig {
         BenchConfig {
+            profile: Profile::Kbench,
             quick: false,
             jobs: JobKind::ALL.to_vec(),
             modes: DEFAULT_MODE_ORDER.to_vec(),
@@ -111,6 +128,54 @@ impl Default for BenchConfig {
             size: None,
             out: PathBuf::from(DEFAULT_OUT_DIR),
             port_base: DEFAULT_PORT_BASE,
+            spdk_tools: None,
+            nvmf_jobs: NvmfJob::ALL.to_vec(),
+            spdk_peers: DEFAULT_SPDK_PEERS.to_vec(),
+        }
+    }
+}
+
+/// Which benchmark `lull bench` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    /// fio's nbd engine, the kbench jobs, against NBD peers.
+    Kbench,
+    /// spdk_nvme_perf over NVMe/TCP against SPDK's nvmf_tgt (issue 16).
+    Nvmf,
+}
+
+impl Profile {
+    pub const ALL: [Profile; 2] = [Profile::Kbench, Profile::Nvmf];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::Kbench => "kbench",
+            Profile::Nvmf => "nvmf",
+        }
+    }
+}
+
+/// SPDK's nvmf_tgt as a peer of the NVMe/TCP profile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SpdkPeer {
+    /// nvmf_tgt's default: its reactor polls all the time.
+    Poll,
+    /// nvmf_tgt `--interrupt-mode`.
+    Interrupt,
+    /// No SPDK target (lull only).
+    None,
+}
+
+impl SpdkPeer {
+    pub const ALL: [SpdkPeer; 3] = [SpdkPeer::Poll, SpdkPeer::Interrupt, SpdkPeer::None];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpdkPeer::Poll => "poll",
+            SpdkPeer::Interrupt => "interrupt",
+            SpdkPeer::None => "none",
         }
     }
 }

@@ -1,6 +1,8 @@
 //! `lull bench`: fio's nbd engine with the kbench profile against lull in
 //! each event mode and against peer NBD servers, with the server's CPU cost
-//! sampled from /proc (DESIGN §7).
+//! sampled from /proc (DESIGN §7). The NVMe/TCP profile
+//! (`--profile nvmf`: spdk_nvme_perf against lull and SPDK's nvmf_tgt) is
+//! [`nvmf`].
 //!
 //! ```no_run
 //! use lull_bench::{BenchConfig, PeerChoice};
@@ -29,6 +31,7 @@
 pub mod config;
 pub mod env;
 pub mod fio;
+pub mod nvmf;
 pub mod plan;
 pub mod plot;
 pub mod report;
@@ -39,7 +42,7 @@ use std::path::{Path, PathBuf};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-pub use config::{BenchConfig, PeerChoice, Settings, VolumeKind};
+pub use config::{BenchConfig, PeerChoice, Profile, Settings, SpdkPeer, VolumeKind};
 pub use fio::JobKind;
 pub use report::Report;
 
@@ -73,6 +76,12 @@ pub enum BenchError {
     },
     #[error("writing report.json: {0}")]
     Json(#[from] serde_json::Error),
+    #[error(
+        "SPDK tools not found at {} (need bin/spdk_nvme_perf and bin/nvmf_tgt): pass --spdk-tools DIR \
+         or set LULL_SPDK_TOOLS; they need the packages libssl3 libnuma1 libuuid1 libkeyutils1 libaio1",
+        dir.display()
+    )]
+    MissingSpdk { dir: PathBuf },
     #[error("no free TCP port in {base}..{base}+{span}", span = config::PORT_SPAN)]
     NoPort { base: u16 },
 }
@@ -82,9 +91,16 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError 
     move |source| BenchError::Io { what, source }
 }
 
-/// Runs the benchmark and writes the report files into `config.out`.
-/// `lull_exe` is the lull binary (`std::env::current_exe()` from `lull`).
+/// Runs the kbench profile (fio over NBD) and writes the report files into
+/// `config.out`. `lull_exe` is the lull binary (`std::env::current_exe()`
+/// from `lull`). The NVMe/TCP profile is [`nvmf::run`].
 pub fn run(config: &BenchConfig, lull_exe: &Path) -> Result<Report, BenchError> {
+    if config.profile != Profile::Kbench {
+        return Err(BenchError::BadArgs(format!(
+            "profile {} is run by lull_bench::nvmf::run",
+            config.profile.as_str()
+        )));
+    }
     let nproc = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);

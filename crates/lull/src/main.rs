@@ -42,7 +42,8 @@ enum Command {
     Replica(cli::replica::ReplicaArgs),
     /// Call a JSON-RPC method of a running server.
     Rpc(cli::rpc::RpcArgs),
-    /// Measure lull in each mode against peer NBD servers with fio.
+    /// Measure lull in each mode against peer NBD servers with fio, or
+    /// (--profile nvmf) against SPDK's nvmf_tgt with spdk_nvme_perf.
     Bench(cli::bench::BenchArgs),
 }
 

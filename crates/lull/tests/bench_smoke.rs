@@ -49,3 +49,115 @@ fn bench_quick_smoke_writes_reports() {
     }
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// Where the SPDK tools are, or `None` (with a SKIP line) when absent, as in
+/// tests/nvmf.rs; scripts/test says so loudly before the suite runs.
+fn spdk_tools(test: &str) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("LULL_SPDK_TOOLS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tools/spdk")
+        });
+    if dir.join("bin/spdk_nvme_perf").exists() && dir.join("bin/nvmf_tgt").exists() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "SKIP {test}: SPDK tools (spdk_nvme_perf, nvmf_tgt) not found at {} (set LULL_SPDK_TOOLS; they need libssl3 libnuma1 libuuid1 libkeyutils1 libaio1)",
+            dir.display()
+        );
+        println!("SKIP {test}: no SPDK tools at {}", dir.display());
+        None
+    }
+}
+
+/// `lull bench --profile nvmf` end to end, one short job against lull and
+/// against SPDK's nvmf_tgt: both measured, numbers in report.json.
+#[test]
+fn bench_nvmf_smoke_measures_lull_and_nvmf_tgt() {
+    let Some(tools) = spdk_tools("bench_nvmf_smoke_measures_lull_and_nvmf_tgt") else {
+        return;
+    };
+    let out = std::env::temp_dir().join(format!("lull-bench-nvmf-smoke-{}", std::process::id()));
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args([
+            "bench",
+            "--profile",
+            "nvmf",
+            "--quick",
+            "--modes",
+            "adaptive",
+            "--spdk-peers",
+            "poll",
+            "--nvmf-jobs",
+            "randread-qd1",
+            "--ramp-secs",
+            "0",
+            "--idle-secs",
+            "0.5",
+            "--port-base",
+            "26100",
+            "--spdk-tools",
+        ])
+        .arg(&tools)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "lull bench --profile nvmf failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let names: Vec<&str> = json["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["lull-adaptive", "spdk-poll"]);
+    for t in json["targets"].as_array().unwrap() {
+        assert!(t["skipped"].is_null(), "{t}");
+        assert!(t["idle_cpu_pct"]["median"].as_f64().is_some(), "{t}");
+    }
+    let results = json["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    for r in results {
+        assert_eq!(r["runs_ok"], 1, "{r}");
+        assert!(r["iops"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["lat_p99_us"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["cpu_us_per_io"]["median"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(results[0]["iops_vs_spdk_poll"]["median"].as_f64().unwrap() > 0.0);
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        md.contains("## randread-qd1") && md.contains("| spdk-poll |"),
+        "{md}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn bench_nvmf_without_spdk_tools_fails_with_a_message() {
+    let out = std::env::temp_dir().join(format!("lull-bench-nvmf-none-{}", std::process::id()));
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args([
+            "bench",
+            "--profile",
+            "nvmf",
+            "--spdk-tools",
+            "/nonexistent/spdk",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        err.contains("SPDK tools not found at /nonexistent/spdk"),
+        "{err}"
+    );
+    assert!(!out.exists(), "no report without tools");
+}

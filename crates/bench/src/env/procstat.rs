@@ -196,6 +196,38 @@ pub fn sample_pids(proc_root: &Path, pids: &[u32]) -> Result<ProcCounters, Sampl
     Ok(total)
 }
 
+/// Run time of one task in ns: the first field of
+/// `/proc/<pid>/task/<tid>/schedstat` (time spent on a CPU).
+pub fn parse_schedstat_run_ns(text: &str) -> Result<u64, ProcParseError> {
+    let first = text.split_ascii_whitespace().next().unwrap_or("");
+    first.parse().map_err(|_| ProcParseError::BadNumber {
+        field: 1,
+        text: first.into(),
+    })
+}
+
+/// Sum of the run times (ns) of the live threads of `pids`, from
+/// `/proc/<pid>/task/*/schedstat`: CPU time at nanosecond resolution, where
+/// utime+stime count clock ticks (10 ms). A thread that exits inside a window
+/// takes its time with it; the servers measured keep their threads.
+pub fn run_ns_pids(proc_root: &Path, pids: &[u32]) -> Result<u64, SampleError> {
+    let mut total = 0u64;
+    for &pid in pids {
+        let gone = |source| SampleError::Gone { pid, source };
+        for entry in
+            std::fs::read_dir(proc_root.join(pid.to_string()).join("task")).map_err(gone)?
+        {
+            let entry = entry.map_err(gone)?;
+            // A thread may exit between readdir and read; skip it.
+            if let Ok(s) = std::fs::read_to_string(entry.path().join("schedstat")) {
+                total += parse_schedstat_run_ns(&s)
+                    .map_err(|source| SampleError::Parse { pid, source })?;
+            }
+        }
+    }
+    Ok(total)
+}
+
 /// Clock ticks per second, from `getconf CLK_TCK` (asked once per run; no
 /// `unsafe` sysconf call in this crate).
 pub fn clk_tck() -> u64 {
@@ -289,6 +321,29 @@ mod tests {
             Err(SampleError::Gone { pid: 79, .. })
         ));
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn schedstat_run_time() {
+        assert_eq!(
+            parse_schedstat_run_ns("3404948711 487974152 661\n"),
+            Ok(3_404_948_711)
+        );
+        assert!(parse_schedstat_run_ns("").is_err());
+        assert!(parse_schedstat_run_ns("x 1 2").is_err());
+        let root = std::env::temp_dir().join(format!("lull-bench-sched-{}", std::process::id()));
+        let task = root.join("90/task");
+        std::fs::create_dir_all(task.join("90")).unwrap();
+        std::fs::create_dir_all(task.join("91")).unwrap();
+        std::fs::write(task.join("90/schedstat"), "1000 5 2\n").unwrap();
+        std::fs::write(task.join("91/schedstat"), "250 0 1\n").unwrap();
+        assert_eq!(run_ns_pids(&root, &[90]).unwrap(), 1250);
+        assert!(matches!(
+            run_ns_pids(&root, &[92]),
+            Err(SampleError::Gone { pid: 92, .. })
+        ));
+        std::fs::remove_dir_all(&root).unwrap();
+        assert!(run_ns_pids(Path::new("/proc"), &[std::process::id()]).unwrap() > 0);
     }
 
     #[test]

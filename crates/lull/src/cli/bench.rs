@@ -6,18 +6,27 @@ use std::process::ExitCode;
 
 use lull_bench::config::{
     BenchConfig, DEFAULT_HYBRID_PERIOD_US, DEFAULT_MODE_ORDER, DEFAULT_OUT_DIR, DEFAULT_PEERS,
-    DEFAULT_PORT_BASE, DEFAULT_REPEAT, DEFAULT_VOLUMES, HYBRID_PERIOD_US_MAX, REPEAT_MAX,
+    DEFAULT_PORT_BASE, DEFAULT_REPEAT, DEFAULT_SPDK_PEERS, DEFAULT_VOLUMES, HYBRID_PERIOD_US_MAX,
+    REPEAT_MAX,
 };
-use lull_bench::{JobKind, PeerChoice, VolumeKind};
+use lull_bench::nvmf::perf::NvmfJob;
+use lull_bench::{JobKind, PeerChoice, Profile, SpdkPeer, VolumeKind};
 use lull_reactor::Mode;
 
 use crate::cli::choice::{self, names};
 use crate::cli::usage_error;
 
 /// `lull bench`: fio's nbd engine with the kbench profile against lull in each
-/// event mode and against peer NBD servers.
+/// event mode and against peer NBD servers; or, with `--profile nvmf`,
+/// SPDK's spdk_nvme_perf over NVMe/TCP against lull and SPDK's nvmf_tgt.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
+    /// Which benchmark: `kbench` (fio over NBD; --jobs, --volumes, --peers,
+    /// --hybrid-periods) or `nvmf` (spdk_nvme_perf over NVMe/TCP against a
+    /// memory volume; --nvmf-jobs, --spdk-peers, --spdk-tools).
+    #[arg(long, value_parser = choice::parser::<Profile>(), default_value = "kbench")]
+    pub profile: Profile,
+
     /// Short jobs (1 s, small volume, short idle window) for smoke runs.
     #[arg(long)]
     pub quick: bool,
@@ -93,6 +102,23 @@ pub struct BenchArgs {
     /// First TCP port used for servers; each start takes the next free one.
     #[arg(long, default_value_t = DEFAULT_PORT_BASE)]
     pub port_base: u16,
+
+    /// `--profile nvmf`: directory of SPDK's prebuilt tools (bin/spdk_nvme_perf,
+    /// bin/nvmf_tgt) [default: $LULL_SPDK_TOOLS, else ../shared/tools/spdk
+    /// from the current directory or from the repository lull was built in].
+    #[arg(long)]
+    pub spdk_tools: Option<PathBuf>,
+
+    /// `--profile nvmf`: spdk_nvme_perf jobs to run, comma separated.
+    #[arg(long, value_parser = choice::parser::<NvmfJob>(), value_delimiter = ',',
+          default_values = names(&NvmfJob::ALL))]
+    pub nvmf_jobs: Vec<NvmfJob>,
+
+    /// `--profile nvmf`: SPDK nvmf_tgt modes measured beside lull (malloc
+    /// bdev, same core as lull), or `none`.
+    #[arg(long, value_parser = choice::parser::<SpdkPeer>(), value_delimiter = ',',
+          default_values = names(&DEFAULT_SPDK_PEERS))]
+    pub spdk_peers: Vec<SpdkPeer>,
 }
 
 impl BenchArgs {
@@ -100,6 +126,7 @@ impl BenchArgs {
     /// checks are [`lull_bench::Settings::resolve`]'s).
     pub fn config(&self) -> BenchConfig {
         BenchConfig {
+            profile: self.profile,
             quick: self.quick,
             jobs: self.jobs.clone(),
             modes: self.modes.clone(),
@@ -116,6 +143,9 @@ impl BenchArgs {
             size: self.size.clone(),
             out: self.out.clone(),
             port_base: self.port_base,
+            spdk_tools: self.spdk_tools.clone(),
+            nvmf_jobs: self.nvmf_jobs.clone(),
+            spdk_peers: self.spdk_peers.clone(),
         }
     }
 }
@@ -130,12 +160,19 @@ pub fn run(args: &BenchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match lull_bench::run(&args.config(), &exe) {
-        Ok(report) => {
+    let config = args.config();
+    let outcome = match config.profile {
+        Profile::Kbench => {
+            lull_bench::run(&config, &exe).map(|r| (r.targets.len(), r.results.len()))
+        }
+        Profile::Nvmf => {
+            lull_bench::nvmf::run(&config, &exe).map(|r| (r.targets.len(), r.results.len()))
+        }
+    };
+    match outcome {
+        Ok((targets, results)) => {
             println!(
-                "bench: {} targets, {} results, report in {}",
-                report.targets.len(),
-                report.results.len(),
+                "bench: {targets} targets, {results} results, report in {}",
                 args.out.display()
             );
             ExitCode::SUCCESS
@@ -199,6 +236,36 @@ mod tests {
         assert_eq!(s.size_bytes, 256 << 20);
         assert_eq!(cli.bench.peers, vec![PeerChoice::None]);
         assert_eq!(cli.bench.modes, vec![Mode::Poll]);
+    }
+
+    #[test]
+    fn nvmf_profile_flags() {
+        let cli = Cli::parse_from(["bench"]);
+        assert_eq!(cli.bench.profile, Profile::Kbench);
+        assert_eq!(cli.bench.nvmf_jobs, NvmfJob::ALL);
+        assert_eq!(cli.bench.spdk_peers, DEFAULT_SPDK_PEERS);
+        let cli = Cli::parse_from([
+            "bench",
+            "--profile",
+            "nvmf",
+            "--nvmf-jobs",
+            "randread-qd1,read128k-qd32",
+            "--spdk-peers",
+            "interrupt",
+            "--spdk-tools",
+            "tools/spdk",
+        ]);
+        let c = cli.bench.config();
+        assert_eq!(c.profile, Profile::Nvmf);
+        assert_eq!(c.nvmf_jobs, [NvmfJob::RandreadQd1, NvmfJob::Read128kQd32]);
+        assert_eq!(c.spdk_peers, [SpdkPeer::Interrupt]);
+        assert_eq!(
+            c.spdk_tools.as_deref(),
+            Some(std::path::Path::new("tools/spdk"))
+        );
+        assert!(Cli::try_parse_from(["bench", "--profile", "iscsi"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--nvmf-jobs", "randread-qd64"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--spdk-peers", "hybrid"]).is_err());
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! ```
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use lull_bench::{JobKind, PeerChoice, VolumeKind};
+use lull_bench::nvmf::perf::NvmfJob;
+use lull_bench::{JobKind, PeerChoice, Profile, SpdkPeer, VolumeKind};
 use lull_reactor::Mode;
 
 /// An enum whose variants are chosen by name on the command line.
@@ -100,6 +101,43 @@ impl Choice for PeerChoice {
     }
 }
 
+impl Choice for Profile {
+    const ALL: &'static [Profile] = &Profile::ALL;
+    fn name(self) -> &'static str {
+        self.as_str()
+    }
+    fn help(self) -> Option<&'static str> {
+        Some(match self {
+            Profile::Kbench => "fio's nbd engine over NBD against nbdkit and qemu-nbd",
+            Profile::Nvmf => "spdk_nvme_perf over NVMe/TCP against SPDK's nvmf_tgt",
+        })
+    }
+}
+
+impl Choice for NvmfJob {
+    const ALL: &'static [NvmfJob] = &NvmfJob::ALL;
+    fn name(self) -> &'static str {
+        self.as_str()
+    }
+    fn help(self) -> Option<&'static str> {
+        Some(self.describe())
+    }
+}
+
+impl Choice for SpdkPeer {
+    const ALL: &'static [SpdkPeer] = &SpdkPeer::ALL;
+    fn name(self) -> &'static str {
+        self.as_str()
+    }
+    fn help(self) -> Option<&'static str> {
+        Some(match self {
+            SpdkPeer::Poll => "nvmf_tgt polling (its default)",
+            SpdkPeer::Interrupt => "nvmf_tgt --interrupt-mode",
+            SpdkPeer::None => "No SPDK target",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +175,8 @@ mod tests {
         distinct::<JobKind>();
         distinct::<VolumeKind>();
         distinct::<PeerChoice>();
+        distinct::<Profile>();
+        distinct::<NvmfJob>();
+        distinct::<SpdkPeer>();
     }
 }
