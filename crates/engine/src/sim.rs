@@ -131,6 +131,39 @@ impl SimReplica {
         (offset + len, ext)
     }
 
+    /// BLOCK_STATUS: per block, a hole (and zero) when never allocated
+    /// and reading as zeros, else data; merged, at most
+    /// `MAX_BLOCK_STATUS_PER_REPLY`.
+    fn block_status(&self, offset: u64, len: u64) -> Vec<u8> {
+        let end = offset + len;
+        let mut ext: Vec<wire::StatusExtent> = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let b = pos as usize / BLOCK;
+            let stop = (((b + 1) * BLOCK) as u64).min(end);
+            let block = &self.data[b * BLOCK..(b + 1) * BLOCK];
+            let hole = !self.allocated[b] && block.iter().all(|&x| x == 0);
+            let flags = if hole {
+                wire::STATUS_HOLE | wire::STATUS_ZERO
+            } else {
+                0
+            };
+            let full = ext.len() == wire::MAX_BLOCK_STATUS_PER_REPLY;
+            match ext.last_mut() {
+                Some(last) if last.flags == flags => last.length += stop - pos,
+                _ if full => break,
+                _ => ext.push(wire::StatusExtent {
+                    length: stop - pos,
+                    flags,
+                }),
+            }
+            pos = stop;
+        }
+        let mut out = Vec::new();
+        let _ = wire::encode_block_status(&ext, &mut out);
+        out
+    }
+
     /// Serve one request of engine session `session`; the reply frame
     /// (header, payload), or `None` when the request is fenced (a newer
     /// session owns the replica: the connection is closed, nothing sent).
@@ -235,6 +268,12 @@ impl SimReplica {
                 (h.reply_with(0), Vec::new())
             }
             Kind::Flush | Kind::Ping => (h.reply_with(0), Vec::new()),
+            Kind::BlockStatus => {
+                let out = self.block_status(h.offset, u64::from(h.length));
+                let mut r = h.reply_with(0);
+                r.length = out.len() as u32;
+                (r, out)
+            }
             Kind::Extents => {
                 let (end, ext) = self.extents(h.offset, u64::from(h.length));
                 let mut out = Vec::new();
