@@ -353,8 +353,11 @@ impl Conn {
         };
         let mut zero_ranges = Vec::new();
         let data = buf.as_slice().get(..len as usize).unwrap_or_default();
-        // Ask the device only when the data could hold a hole at all.
-        if structured::may_hold_hole(data) {
+        // Ask the device only when the data could hold a hole at all. A
+        // device that cannot answer inline: the zeros read are the holes.
+        if volume.dev().extents_by_channel() {
+            zero_ranges = structured::zero_runs(data, structured::MAX_READ_CHUNKS);
+        } else if structured::may_hold_hole(data) {
             if let Ok(extents) =
                 volume
                     .dev()
