@@ -445,11 +445,11 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     // Garbage instead of a HELLO reply.
     let garbage =
         fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
-    // A well-formed HELLO reply header, but protocol version 1 (a replica
-    // from before sessions and write intent).
+    // A well-formed HELLO reply header, but protocol version 2 (a replica
+    // from before BLOCK_STATUS).
     let mut v2 = Vec::new();
     v2.extend_from_slice(&0x4C55_4C52u32.to_be_bytes());
-    v2.extend_from_slice(&1u16.to_be_bytes());
+    v2.extend_from_slice(&2u16.to_be_bytes());
     v2.extend_from_slice(&(1u16 | 0x8000).to_be_bytes());
     v2.extend_from_slice(&1u64.to_be_bytes());
     v2.extend_from_slice(&0u64.to_be_bytes());
@@ -471,7 +471,10 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
         server.stderr()
     );
     assert!(
-        server.wait_for_log("protocol version 1", Duration::from_secs(15)),
+        server.wait_for_log(
+            "replica speaks protocol version 2, this engine speaks 3",
+            Duration::from_secs(15)
+        ),
         "{}",
         server.stderr()
     );
