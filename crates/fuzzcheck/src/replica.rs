@@ -62,7 +62,7 @@ const MAX_REPLY_FRAMES: usize = 256;
 /// (`engine/src/shell.rs`: header, then `payload_len` bytes, frame after
 /// frame) and parses each reply payload the engine parses: HELLO
 /// (`core/replicas.rs`), EXTENTS (`core/rebuild.rs`), INTENT_GET
-/// (`core/intent.rs`).
+/// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`).
 ///
 /// Input layout: the replica's byte stream, frames back to back.
 /// Checks: no panic; every header that decodes re-encodes to the same
@@ -106,6 +106,16 @@ pub fn replica_reply(data: &[u8]) {
                     let mut out = Vec::new();
                     replica::encode_extents(&ext, &mut out)
                         .expect("decoded extents must re-encode");
+                    assert_eq!(out, payload);
+                }
+            }
+            Kind::BlockStatus if header.status == 0 => {
+                assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
+                if let Ok(ext) = replica::decode_block_status(payload) {
+                    assert!(!ext.is_empty() && ext.len() <= replica::MAX_BLOCK_STATUS_PER_REPLY);
+                    let mut out = Vec::new();
+                    replica::encode_block_status(&ext, &mut out)
+                        .expect("decoded block status must re-encode");
                     assert_eq!(out, payload);
                 }
             }
