@@ -861,7 +861,9 @@ impl Sim {
                 assert!(!ext.is_empty(), "block status without extents");
                 let mut at = c.offset;
                 for e in &ext {
-                    assert!(e.length_bytes > 0 && at + e.length_bytes <= c.offset + u64::from(c.len));
+                    assert!(
+                        e.length_bytes > 0 && at + e.length_bytes <= c.offset + u64::from(c.len)
+                    );
                     if e.zero || e.hole {
                         // Only where every acknowledged or possible write
                         // left zeros (the sim's volume starts zeroed).
@@ -1540,9 +1542,19 @@ fn sim_block_status_asks_a_healthy_replica() {
     data.set_len(2 * BLOCK);
     let stamp = sim.next_stamp + 1;
     for i in 0..2 {
-        block_pattern(stamp, 4 + i, &mut data.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK]);
+        block_pattern(
+            stamp,
+            4 + i,
+            &mut data.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK],
+        );
     }
-    let w = issue(&mut sim, IoOp::Write { fua: false }, 4 * BLOCK as u64, 2 * BLOCK as u32, data);
+    let w = issue(
+        &mut sim,
+        IoOp::Write { fua: false },
+        4 * BLOCK as u64,
+        2 * BLOCK as u32,
+        data,
+    );
     sim.step_until(sim.now + 500 * MS, false);
     assert!(sim.completed.contains(&w), "the write did not complete");
     let records = |n: usize| {
@@ -1563,9 +1575,18 @@ fn sim_block_status_asks_a_healthy_replica() {
         assert_eq!(sim.block_status.last().unwrap(), &expect);
     }
     // REQ_ONE: a buffer of one record gets one extent.
-    issue(&mut sim, IoOp::BlockStatus, 4 * BLOCK as u64, 8 * BLOCK as u32, records(1));
+    issue(
+        &mut sim,
+        IoOp::BlockStatus,
+        4 * BLOCK as u64,
+        8 * BLOCK as u32,
+        records(1),
+    );
     sim.step_until(sim.now + 200 * MS, false);
-    assert_eq!(sim.block_status.last().unwrap(), &[Extent::data(2 * BLOCK as u64)]);
+    assert_eq!(
+        sim.block_status.last().unwrap(),
+        &[Extent::data(2 * BLOCK as u64)]
+    );
     // One replica down: the other answers, several times.
     sim.take_down(0, u64::MAX);
     sim.step_until(sim.now + 10_000 * MS, false);

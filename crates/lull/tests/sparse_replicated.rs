@@ -175,13 +175,8 @@ fn nbdinfo_map(server: &Server) -> Vec<(u64, u64, u32)> {
 /// `qemu-img map --output=json`: (start, length, data, zero) per entry.
 fn qemu_img_map(server: &Server) -> Vec<(u64, u64, bool, bool)> {
     require("qemu-img", "qemu-utils");
-    let out = run(Command::new("qemu-img").args([
-        "map",
-        "--output=json",
-        "-f",
-        "raw",
-        &uri(server),
-    ]));
+    let out =
+        run(Command::new("qemu-img").args(["map", "--output=json", "-f", "raw", &uri(server)]));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("qemu-img JSON");
     json.as_array()
         .expect("array")
@@ -310,7 +305,10 @@ fn copies_of_a_sparse_two_replica_volume_stay_sparse() {
         let meta = std::fs::metadata(dest).expect("copy");
         assert_eq!(meta.len(), 1 << 30);
         let allocated = meta.blocks() * 512;
-        println!("{}: allocated {allocated} of {written} written", dest.display());
+        println!(
+            "{}: allocated {allocated} of {written} written",
+            dest.display()
+        );
         assert!(
             allocated <= written + written / 100,
             "{} allocates {allocated} bytes for {written} written",

@@ -46,8 +46,8 @@ use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self as link, Wire};
 use lull_net::{bufs, Payload};
 use lull_proto::replica::{
-    self as wire, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
-    INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
+    self as wire, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
+    HELLO_LEN, INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 

@@ -259,14 +259,7 @@ impl Engine {
                 if !healthy.contains(r) {
                     continue;
                 }
-                if self.send_any(
-                    r,
-                    SubKind::Client(id),
-                    kind,
-                    offset,
-                    len,
-                    Payload::None,
-                ) {
+                if self.send_any(r, SubKind::Client(id), kind, offset, len, Payload::None) {
                     self.read_rr = (r.get() + 1) % n;
                     if let Some(io) = self.ios.get_mut(id) {
                         io.outstanding = 1;

@@ -440,7 +440,10 @@ mod tests {
             [
                 ReadPiece::Hole { at: 0, len: 2 * m },
                 ReadPiece::Data { at: 2 * m, len: m },
-                ReadPiece::Hole { at: 3 * m, len: 2 * m },
+                ReadPiece::Hole {
+                    at: 3 * m,
+                    len: 2 * m
+                },
                 ReadPiece::Data { at: 5 * m, len: 7 },
             ]
         );
