@@ -8,12 +8,12 @@ use lull_replica::{Meta, META_FORMAT_VERSION, META_MAX_BYTES};
 
 /// Decodes arbitrary replica frames the way a replica or engine reads its
 /// socket: a 32-byte header, then the payload it announces, which for
-/// HELLO and EXTENTS replies is parsed too.
+/// HELLO, EXTENTS and BLOCK_STATUS replies is parsed too.
 ///
 /// Input layout: 32 bytes of header, then payload bytes (as many as given).
 /// Checks: no panic; a header that decodes re-encodes to the same bytes;
 /// the announced payload never exceeds the protocol limits; a parsed
-/// HELLO / EXTENTS payload re-encodes to the same bytes.
+/// HELLO / EXTENTS / BLOCK_STATUS payload re-encodes to the same bytes.
 pub fn replica_frame(data: &[u8]) {
     let Some((raw, rest)) = data.split_first_chunk::<{ replica::HEADER_LEN }>() else {
         return;
@@ -47,6 +47,15 @@ pub fn replica_frame(data: &[u8]) {
             if let Ok(ext) = replica::decode_extents(payload) {
                 let mut out = Vec::new();
                 replica::encode_extents(&ext, &mut out).expect("decoded extents must re-encode");
+                assert_eq!(out, payload);
+            }
+        }
+        Kind::BlockStatus if header.reply => {
+            assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
+            if let Ok(ext) = replica::decode_block_status(payload) {
+                let mut out = Vec::new();
+                replica::encode_block_status(&ext, &mut out)
+                    .expect("decoded block status must re-encode");
                 assert_eq!(out, payload);
             }
         }
