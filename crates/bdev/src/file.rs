@@ -640,6 +640,8 @@ impl Channel for FileChannel {
             buf,
         } = req;
         let (kind, fua) = match op {
+            // Refused below: `FileDev::extents` answers inline.
+            IoOp::BlockStatus => (Kind::Flush, false),
             IoOp::Read => (Kind::Read, false),
             IoOp::Write { fua } => (Kind::Write, fua),
             IoOp::Flush => (Kind::Flush, false),
@@ -689,6 +691,9 @@ impl Channel for FileChannel {
         let error = match kind {
             Kind::WriteZeros if fast && error.is_none() => Some(BdevError::Unsupported(
                 "fast zero: this filesystem cannot zero a range without writing",
+            )),
+            _ if op == IoOp::BlockStatus => Some(BdevError::Unsupported(
+                "block status of a file device: BlockDevice::extents answers it",
             )),
             _ => error,
         };

@@ -56,6 +56,15 @@ pub enum IoOp {
         fua: bool,
         fast: bool,
     },
+    /// The allocation of `[offset, offset + len)`, for devices that cannot
+    /// answer [`BlockDevice::extents`] inline (a replicated volume asks a
+    /// replica): the completion's buffer holds [`EXTENT_RECORD_LEN`]-byte
+    /// records ([`put_extent_records`]) covering a non-empty prefix of the
+    /// range, at most as many as the request's buffer had room for, and
+    /// its length is set to the bytes written. Only channels of devices
+    /// whose [`BlockDevice::extents_by_channel`] is true serve it; the
+    /// others refuse it with `Unsupported`.
+    BlockStatus,
 }
 
 /// One request handed to a channel. `buf` is `Some` for `Read` (length at
@@ -130,6 +139,16 @@ pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevErro
             }
         }
     }
+    if matches!(op, IoOp::BlockStatus) {
+        if len == 0 {
+            return Err(BdevError::BadRequest("block status of an empty range"));
+        }
+        if buf.is_none_or(|b| b.len() < EXTENT_RECORD_LEN) {
+            return Err(BdevError::BadRequest(
+                "block status without room for one extent record",
+            ));
+        }
+    }
     if matches!(op, IoOp::Read | IoOp::Write { .. }) {
         match buf {
             Some(buf) if buf.len() >= len as usize => {}
@@ -195,6 +214,41 @@ pub fn push_extent(out: &mut Vec<Extent>, e: Extent, max: usize) -> bool {
     true
 }
 
+/// Bytes of one extent record in an [`IoOp::BlockStatus`] buffer: the
+/// length (u64), then flags (u64: bit 0 hole, bit 1 zero), little-endian.
+/// It never leaves the process.
+pub const EXTENT_RECORD_LEN: usize = 16;
+
+/// Writes as many of `ext` as fit into `buf` as [`EXTENT_RECORD_LEN`]-byte
+/// records; returns the bytes written.
+pub fn put_extent_records(ext: &[Extent], buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    for (e, rec) in ext.iter().zip(buf.chunks_exact_mut(EXTENT_RECORD_LEN)) {
+        let flags = u64::from(e.hole) | (u64::from(e.zero) << 1);
+        rec[..8].copy_from_slice(&e.length_bytes.to_le_bytes());
+        rec[8..].copy_from_slice(&flags.to_le_bytes());
+        n += EXTENT_RECORD_LEN;
+    }
+    n
+}
+
+/// The extents in a buffer filled by [`put_extent_records`] (whole
+/// records only).
+pub fn extent_records(buf: &[u8]) -> impl Iterator<Item = Extent> + '_ {
+    buf.chunks_exact(EXTENT_RECORD_LEN).map(|rec| {
+        let mut length = [0u8; 8];
+        let mut flags = [0u8; 8];
+        length.copy_from_slice(&rec[..8]);
+        flags.copy_from_slice(&rec[8..]);
+        let flags = u64::from_le_bytes(flags);
+        Extent {
+            length_bytes: u64::from_le_bytes(length),
+            hole: flags & 1 != 0,
+            zero: flags & 2 != 0,
+        }
+    })
+}
+
 /// A volume's storage, shared by all its connections.
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes.
@@ -217,6 +271,13 @@ pub trait BlockDevice: Send + Sync {
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
         let _ = (offset, max_extents);
         Ok(vec![Extent::data(len)])
+    }
+    /// True when the allocation must be asked for through a channel
+    /// ([`IoOp::BlockStatus`]) because finding it takes I/O (a replicated
+    /// volume asks a replica over the network); [`BlockDevice::extents`]
+    /// then only says "all data". Default: false, `extents` answers.
+    fn extents_by_channel(&self) -> bool {
+        false
     }
     /// Whether `IoOp::WriteZeroes { fast: true, .. }` can succeed: the
     /// device zeroes without writing zeros (freeing memory, punching or
@@ -267,4 +328,29 @@ pub trait Channel: Send {
     fn event_fd(&self) -> Option<RawFd>;
     /// Requests submitted and not yet reaped.
     fn in_flight(&self) -> usize;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extent_records_round_trip() {
+        let ext = [
+            Extent::hole(4096),
+            Extent::data(1 << 40),
+            Extent {
+                length_bytes: 512,
+                hole: false,
+                zero: true,
+            },
+        ];
+        let mut buf = [0u8; 2 * EXTENT_RECORD_LEN + 3];
+        assert_eq!(put_extent_records(&ext, &mut buf), 2 * EXTENT_RECORD_LEN);
+        let back: Vec<Extent> = extent_records(&buf[..2 * EXTENT_RECORD_LEN]).collect();
+        assert_eq!(back, ext[..2]);
+        let mut big = [0u8; 4 * EXTENT_RECORD_LEN];
+        let n = put_extent_records(&ext, &mut big);
+        assert_eq!(extent_records(&big[..n]).collect::<Vec<_>>(), ext);
+    }
 }

@@ -165,40 +165,10 @@ impl Inner {
         Ok(())
     }
 
-    fn execute(&self, req: &mut IoRequest) -> Result<(), BdevError> {
-        validate_request(req, self.size_bytes)?;
-        let len = req.len as usize;
-        match req.op {
-            IoOp::Read => match req.buf.as_mut() {
-                Some(buf) => self.read(req.offset, &mut buf.as_mut_slice()[..len]),
-                None => Err(BdevError::BadRequest("read without a buffer")),
-            },
-            IoOp::Write { .. } => match req.buf.as_ref() {
-                Some(buf) => self.write(req.offset, &buf.as_slice()[..len]),
-                None => Err(BdevError::BadRequest("write without a buffer")),
-            },
-            // Memory is as durable as it gets.
-            IoOp::Flush => Ok(()),
-            // Memory has no "allocated zeros" worth keeping: no_hole is met
-            // by reading back zeros either way.
-            IoOp::Trim | IoOp::WriteZeroes { .. } => self.zero(req.offset, len),
-        }
-    }
-}
-
-impl BlockDevice for MallocDev {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes
-    }
-
-    fn describe(&self) -> String {
-        "malloc".to_string()
-    }
-
     /// Chunk-granular: a chunk never written (or trimmed or zeroed whole)
     /// is a hole; an allocated one is data, even if it holds zeros.
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
-        let inner = &self.inner;
+        let inner = self;
         let end = offset
             .checked_add(len)
             .filter(|&end| end <= inner.size_bytes && len > 0)
@@ -228,6 +198,54 @@ impl BlockDevice for MallocDev {
             pos += piece;
         }
         Ok(out)
+    }
+
+    fn execute(&self, req: &mut IoRequest) -> Result<(), BdevError> {
+        validate_request(req, self.size_bytes)?;
+        let len = req.len as usize;
+        match req.op {
+            IoOp::Read => match req.buf.as_mut() {
+                Some(buf) => self.read(req.offset, &mut buf.as_mut_slice()[..len]),
+                None => Err(BdevError::BadRequest("read without a buffer")),
+            },
+            IoOp::Write { .. } => match req.buf.as_ref() {
+                Some(buf) => self.write(req.offset, &buf.as_slice()[..len]),
+                None => Err(BdevError::BadRequest("write without a buffer")),
+            },
+            // Memory is as durable as it gets.
+            IoOp::Flush => Ok(()),
+            // Memory has no "allocated zeros" worth keeping: no_hole is met
+            // by reading back zeros either way.
+            IoOp::Trim | IoOp::WriteZeroes { .. } => self.zero(req.offset, len),
+            // What `extents` says, as records (validated: a buffer of at
+            // least one record).
+            IoOp::BlockStatus => match req.buf.as_mut() {
+                Some(buf) => {
+                    let max = buf.len() / crate::EXTENT_RECORD_LEN;
+                    let ext = self.extents(req.offset, u64::from(req.len), max)?;
+                    let n = crate::put_extent_records(&ext, buf.as_mut_slice());
+                    buf.set_len(n);
+                    Ok(())
+                }
+                None => Err(BdevError::BadRequest("block status without a buffer")),
+            },
+        }
+    }
+}
+
+impl BlockDevice for MallocDev {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes
+    }
+
+    fn describe(&self) -> String {
+        "malloc".to_string()
+    }
+
+    /// Chunk-granular: a chunk never written (or trimmed or zeroed whole)
+    /// is a hole; an allocated one is data, even if it holds zeros.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
+        self.inner.extents(offset, len, max_extents)
     }
 
     /// Zeroing whole chunks drops them; parts are a memset. Never slow.

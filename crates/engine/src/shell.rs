@@ -1036,6 +1036,13 @@ impl BlockDevice for ReplicatedDev {
         }))
     }
 
+    /// Block status is a BLOCK_STATUS request to one healthy replica, sent
+    /// like a read (`IoOp::BlockStatus` on a channel); `extents` keeps the
+    /// default "all data", which is true but tells a client nothing.
+    fn extents_by_channel(&self) -> bool {
+        true
+    }
+
     /// Acknowledged FLUSHes are durable on every healthy replica already;
     /// each replica also syncs on its own clean shutdown. At process exit
     /// the reactors (and this engine's thread) are gone, so there is nothing

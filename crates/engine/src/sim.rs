@@ -131,6 +131,39 @@ impl SimReplica {
         (offset + len, ext)
     }
 
+    /// BLOCK_STATUS: per block, a hole (and zero) when never allocated
+    /// and reading as zeros, else data; merged, at most
+    /// `MAX_BLOCK_STATUS_PER_REPLY`.
+    fn block_status(&self, offset: u64, len: u64) -> Vec<u8> {
+        let end = offset + len;
+        let mut ext: Vec<wire::StatusExtent> = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let b = pos as usize / BLOCK;
+            let stop = (((b + 1) * BLOCK) as u64).min(end);
+            let block = &self.data[b * BLOCK..(b + 1) * BLOCK];
+            let hole = !self.allocated[b] && block.iter().all(|&x| x == 0);
+            let flags = if hole {
+                wire::STATUS_HOLE | wire::STATUS_ZERO
+            } else {
+                0
+            };
+            let full = ext.len() == wire::MAX_BLOCK_STATUS_PER_REPLY;
+            match ext.last_mut() {
+                Some(last) if last.flags == flags => last.length += stop - pos,
+                _ if full => break,
+                _ => ext.push(wire::StatusExtent {
+                    length: stop - pos,
+                    flags,
+                }),
+            }
+            pos = stop;
+        }
+        let mut out = Vec::new();
+        let _ = wire::encode_block_status(&ext, &mut out);
+        out
+    }
+
     /// Serve one request of engine session `session`; the reply frame
     /// (header, payload), or `None` when the request is fenced (a newer
     /// session owns the replica: the connection is closed, nothing sent).
@@ -235,6 +268,12 @@ impl SimReplica {
                 (h.reply_with(0), Vec::new())
             }
             Kind::Flush | Kind::Ping => (h.reply_with(0), Vec::new()),
+            Kind::BlockStatus => {
+                let out = self.block_status(h.offset, u64::from(h.length));
+                let mut r = h.reply_with(0);
+                r.length = out.len() as u32;
+                (r, out)
+            }
             Kind::Extents => {
                 let (end, ext) = self.extents(h.offset, u64::from(h.length));
                 let mut out = Vec::new();
@@ -341,6 +380,9 @@ pub(crate) struct Sim {
     pub(crate) stats: SimStats,
     /// Client tags in the order they completed.
     completed: Vec<u64>,
+    /// Block status answers, in completion order, each checked true
+    /// against the oracle.
+    block_status: Vec<Vec<lull_bdev::Extent>>,
 }
 
 /// What a run exercised, counted from events (not log text).
@@ -410,6 +452,7 @@ impl Sim {
             stable: vec![None; BLOCKS],
             stats: SimStats::default(),
             completed: Vec::new(),
+            block_status: Vec::new(),
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
         let mut out = Vec::new();
@@ -760,7 +803,7 @@ impl Sim {
         self.completed.push(tag);
         let first = (c.offset as usize) / BLOCK;
         let blocks = c.len as usize / BLOCK;
-        if !matches!(c.op, IoOp::Read | IoOp::Flush) {
+        if !matches!(c.op, IoOp::Read | IoOp::Flush | IoOp::BlockStatus) {
             for b in first..first + blocks {
                 self.epoch[b] += 1;
                 self.writing[b] -= 1;
@@ -811,6 +854,31 @@ impl Sim {
                 self.reads_checked += 1;
             }
             IoOp::Flush => {}
+            IoOp::BlockStatus => {
+                let buf = buf.expect("block status returns its buffer");
+                let ext: Vec<lull_bdev::Extent> =
+                    lull_bdev::extent_records(buf.as_slice()).collect();
+                assert!(!ext.is_empty(), "block status without extents");
+                let mut at = c.offset;
+                for e in &ext {
+                    assert!(
+                        e.length_bytes > 0 && at + e.length_bytes <= c.offset + u64::from(c.len)
+                    );
+                    if e.zero || e.hole {
+                        // Only where every acknowledged or possible write
+                        // left zeros (the sim's volume starts zeroed).
+                        for b in at as usize / BLOCK..(at + e.length_bytes) as usize / BLOCK {
+                            assert!(
+                                self.oracle.committed[b] == 0 && self.oracle.maybe[b].is_empty(),
+                                "t={} ms: block {b} reported as a hole but written",
+                                self.now / MS
+                            );
+                        }
+                    }
+                    at += e.length_bytes;
+                }
+                self.block_status.push(ext);
+            }
             _ => {
                 for b in first..first + blocks {
                     self.oracle.committed[b] = c.stamp;
@@ -1427,4 +1495,114 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
             "replica {r} holds an older write than the last one"
         );
     }
+}
+
+/// NBD block status of a replicated volume: a BLOCK_STATUS to one healthy
+/// replica, like a read, true against the oracle (holes only where nothing
+/// was written), answered by the other replica when one is down, EIO when
+/// none is healthy, and bounded by the client's buffer (REQ_ONE).
+#[test]
+fn sim_block_status_asks_a_healthy_replica() {
+    use lull_bdev::{Extent, EXTENT_RECORD_LEN};
+    let mut sim = Sim::new(9, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    let issue = |sim: &mut Sim, op: IoOp, offset: u64, len: u32, buf: IoBuf| -> u64 {
+        let (tag, stamp) = (sim.next_tag, sim.next_stamp + 1);
+        sim.next_tag += 1;
+        sim.next_stamp += 1;
+        if op != IoOp::BlockStatus {
+            for b in offset as usize / BLOCK..(offset as usize + len as usize) / BLOCK {
+                sim.oracle.maybe[b].push(stamp);
+                sim.writing[b] += 1;
+            }
+        }
+        sim.inflight.insert(
+            tag,
+            ClientOp {
+                op,
+                offset,
+                len,
+                stamp,
+                allowed: Vec::new(),
+                epochs: Vec::new(),
+            },
+        );
+        let io = IoRequest {
+            tag,
+            op,
+            offset,
+            len,
+            buf: Some(buf),
+        };
+        sim.apply(Event::Client(ClientReq { channel: 0, io }));
+        tag
+    };
+    let mut data = IoBuf::with_capacity(2 * BLOCK);
+    data.set_len(2 * BLOCK);
+    let stamp = sim.next_stamp + 1;
+    for i in 0..2 {
+        block_pattern(
+            stamp,
+            4 + i,
+            &mut data.as_mut_slice()[i * BLOCK..(i + 1) * BLOCK],
+        );
+    }
+    let w = issue(
+        &mut sim,
+        IoOp::Write { fua: false },
+        4 * BLOCK as u64,
+        2 * BLOCK as u32,
+        data,
+    );
+    sim.step_until(sim.now + 500 * MS, false);
+    assert!(sim.completed.contains(&w), "the write did not complete");
+    let records = |n: usize| {
+        let mut b = IoBuf::with_capacity(n * EXTENT_RECORD_LEN);
+        b.set_len(n * EXTENT_RECORD_LEN);
+        b
+    };
+    let expect = [
+        Extent::hole(4 * BLOCK as u64),
+        Extent::data(2 * BLOCK as u64),
+        Extent::hole(SIZE - 6 * BLOCK as u64),
+    ];
+    // Twice: reads and block status alternate between the replicas.
+    for _ in 0..2 {
+        let t = issue(&mut sim, IoOp::BlockStatus, 0, SIZE as u32, records(16));
+        sim.step_until(sim.now + 200 * MS, false);
+        assert!(sim.completed.contains(&t), "block status did not complete");
+        assert_eq!(sim.block_status.last().unwrap(), &expect);
+    }
+    // REQ_ONE: a buffer of one record gets one extent.
+    issue(
+        &mut sim,
+        IoOp::BlockStatus,
+        4 * BLOCK as u64,
+        8 * BLOCK as u32,
+        records(1),
+    );
+    sim.step_until(sim.now + 200 * MS, false);
+    assert_eq!(
+        sim.block_status.last().unwrap(),
+        &[Extent::data(2 * BLOCK as u64)]
+    );
+    // One replica down: the other answers, several times.
+    sim.take_down(0, u64::MAX);
+    sim.step_until(sim.now + 10_000 * MS, false);
+    let answered = sim.block_status.len();
+    for _ in 0..3 {
+        issue(&mut sim, IoOp::BlockStatus, 0, SIZE as u32, records(16));
+        sim.step_until(sim.now + 200 * MS, false);
+    }
+    assert_eq!(sim.block_status.len(), answered + 3, "{:?}", sim.log);
+    assert_eq!(sim.block_status.last().unwrap(), &expect);
+    assert_eq!(sim.eio, 0);
+    // None healthy: EIO, never a made-up answer.
+    sim.take_down(1, u64::MAX);
+    sim.step_until(sim.now + 10_000 * MS, false);
+    issue(&mut sim, IoOp::BlockStatus, 0, SIZE as u32, records(16));
+    sim.step_until(sim.now + 200 * MS, false);
+    assert_eq!(sim.eio, 1);
+    assert_eq!(sim.block_status.len(), answered + 3);
 }

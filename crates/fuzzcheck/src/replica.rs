@@ -8,12 +8,12 @@ use lull_replica::{Meta, META_FORMAT_VERSION, META_MAX_BYTES};
 
 /// Decodes arbitrary replica frames the way a replica or engine reads its
 /// socket: a 32-byte header, then the payload it announces, which for
-/// HELLO and EXTENTS replies is parsed too.
+/// HELLO, EXTENTS and BLOCK_STATUS replies is parsed too.
 ///
 /// Input layout: 32 bytes of header, then payload bytes (as many as given).
 /// Checks: no panic; a header that decodes re-encodes to the same bytes;
 /// the announced payload never exceeds the protocol limits; a parsed
-/// HELLO / EXTENTS payload re-encodes to the same bytes.
+/// HELLO / EXTENTS / BLOCK_STATUS payload re-encodes to the same bytes.
 pub fn replica_frame(data: &[u8]) {
     let Some((raw, rest)) = data.split_first_chunk::<{ replica::HEADER_LEN }>() else {
         return;
@@ -50,6 +50,15 @@ pub fn replica_frame(data: &[u8]) {
                 assert_eq!(out, payload);
             }
         }
+        Kind::BlockStatus if header.reply => {
+            assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
+            if let Ok(ext) = replica::decode_block_status(payload) {
+                let mut out = Vec::new();
+                replica::encode_block_status(&ext, &mut out)
+                    .expect("decoded block status must re-encode");
+                assert_eq!(out, payload);
+            }
+        }
         _ => {}
     }
 }
@@ -62,7 +71,7 @@ const MAX_REPLY_FRAMES: usize = 256;
 /// (`engine/src/shell.rs`: header, then `payload_len` bytes, frame after
 /// frame) and parses each reply payload the engine parses: HELLO
 /// (`core/replicas.rs`), EXTENTS (`core/rebuild.rs`), INTENT_GET
-/// (`core/intent.rs`).
+/// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`).
 ///
 /// Input layout: the replica's byte stream, frames back to back.
 /// Checks: no panic; every header that decodes re-encodes to the same
@@ -106,6 +115,16 @@ pub fn replica_reply(data: &[u8]) {
                     let mut out = Vec::new();
                     replica::encode_extents(&ext, &mut out)
                         .expect("decoded extents must re-encode");
+                    assert_eq!(out, payload);
+                }
+            }
+            Kind::BlockStatus if header.status == 0 => {
+                assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
+                if let Ok(ext) = replica::decode_block_status(payload) {
+                    assert!(!ext.is_empty() && ext.len() <= replica::MAX_BLOCK_STATUS_PER_REPLY);
+                    let mut out = Vec::new();
+                    replica::encode_block_status(&ext, &mut out)
+                        .expect("decoded block status must re-encode");
                     assert_eq!(out, payload);
                 }
             }

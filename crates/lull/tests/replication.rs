@@ -445,11 +445,11 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     // Garbage instead of a HELLO reply.
     let garbage =
         fake_replica(b"HTTP/1.1 400 Bad Request\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxx".to_vec());
-    // A well-formed HELLO reply header, but protocol version 1 (a replica
-    // from before sessions and write intent).
+    // A well-formed HELLO reply header, but protocol version 2 (a replica
+    // from before BLOCK_STATUS).
     let mut v2 = Vec::new();
     v2.extend_from_slice(&0x4C55_4C52u32.to_be_bytes());
-    v2.extend_from_slice(&1u16.to_be_bytes());
+    v2.extend_from_slice(&2u16.to_be_bytes());
     v2.extend_from_slice(&(1u16 | 0x8000).to_be_bytes());
     v2.extend_from_slice(&1u64.to_be_bytes());
     v2.extend_from_slice(&0u64.to_be_bytes());
@@ -471,7 +471,10 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
         server.stderr()
     );
     assert!(
-        server.wait_for_log("protocol version 1", Duration::from_secs(15)),
+        server.wait_for_log(
+            "replica speaks protocol version 2, this engine speaks 3",
+            Duration::from_secs(15)
+        ),
         "{}",
         server.stderr()
     );
@@ -871,33 +874,39 @@ fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
 
 // ---- block status and fast zero on a replicated volume (issue 12) ---------
 
-/// The replica protocol has no block status request yet: a replicated
-/// volume reports all data (true, just not sparse) and refuses fast zeros
-/// with NBD_ENOTSUP (the client writes zeros itself), while plain zeros
-/// and structured reads work.
+/// A replicated volume reports its holes (the replica protocol's
+/// BLOCK_STATUS, asked of a healthy replica): a fresh one is one hole, a
+/// write is data, and WRITE_ZEROES punches the hole back on the replica.
+/// Fast zeros are refused with NBD_ENOTSUP (the client writes zeros
+/// itself: the replica protocol has no fast zero), while plain zeros and
+/// structured reads work. crates/lull/tests/sparse_replicated.rs has the
+/// 2-replica maps and copies.
 #[test]
-fn replicated_volume_reports_all_data_and_refuses_fast_zero() {
+fn replicated_volume_reports_holes_and_refuses_fast_zero() {
     require("nbdinfo", "libnbd-bin");
     let a = free_port();
     let _ra = Replica::start(a, &scratch("bs-a"));
     let mut server = serve(&[spec("vol0", &[a])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
     let uri = format!("nbd://{}/vol0", server.addr());
-    let out = Command::new("nbdinfo")
-        .args(["--map", &uri])
-        .output()
-        .expect("nbdinfo");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "nbdinfo --map: {text}");
-    let lines: Vec<Vec<&str>> = text
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert_eq!(
-        lines,
-        [vec!["0", &VOLUME_BYTES.to_string(), "0", "data"]],
-        "{text}"
-    );
+    let map = || {
+        let out = Command::new("nbdinfo")
+            .args(["--map", &uri])
+            .output()
+            .expect("nbdinfo");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "nbdinfo --map: {text}");
+        text.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .collect::<Vec<Vec<String>>>()
+    };
+    let one_hole = [vec![
+        "0".to_string(),
+        VOLUME_BYTES.to_string(),
+        "3".into(),
+        "hole,zero".into(),
+    ]];
+    assert_eq!(map(), one_hole);
     let script = r#"
 import sys, nbd
 h = nbd.NBD()
@@ -910,6 +919,14 @@ try:
 except nbd.Error as e:
     assert e.errno in ("ENOTSUP", "EOPNOTSUPP"), e.errno
 assert h.pread(65536, 0) == b"\x7f" * 65536
+def extents():
+    got = []
+    def cb(ctx, offset, entries, err):
+        got.extend(zip(entries[0::2], entries[1::2]))
+        return 0
+    h.block_status(65536, 0, cb)
+    return got
+assert extents() == [(65536, 0)], extents()
 h.zero(65536, 0)
 assert h.pread_structured(65536, 0, lambda *a: 0) == bytearray(65536)
 h.shutdown()
@@ -925,5 +942,7 @@ print("ok")
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // The zeroed write is a hole again on the replica.
+    assert_eq!(map(), one_hole);
     server.assert_healthy();
 }

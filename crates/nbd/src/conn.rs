@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
@@ -272,6 +272,20 @@ impl Conn {
             }
         }
         match c.result {
+            Ok(()) if inflight.command == Command::BlockStatus => {
+                let extents: Vec<Extent> = c
+                    .buf
+                    .as_ref()
+                    .map(|b| lull_bdev::extent_records(b.as_slice()).collect())
+                    .unwrap_or_default();
+                if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                // The device wrote at most as many records as the buffer
+                // had room for: one for REQ_ONE.
+                let max = structured::MAX_BLOCK_STATUS_EXTENTS;
+                self.push_block_status(inflight.cookie, inflight.length, &extents, max);
+            }
             Ok(()) if inflight.command == Command::Read => match c.buf {
                 Some(buf) if self.structured() => self.push_read_structured(
                     inflight.cookie,
@@ -339,8 +353,11 @@ impl Conn {
         };
         let mut zero_ranges = Vec::new();
         let data = buf.as_slice().get(..len as usize).unwrap_or_default();
-        // Ask the device only when the data could hold a hole at all.
-        if structured::may_hold_hole(data) {
+        // Ask the device only when the data could hold a hole at all. A
+        // device that cannot answer inline: the zeros read are the holes.
+        if volume.dev().extents_by_channel() {
+            zero_ranges = structured::zero_runs(data, structured::MAX_READ_CHUNKS);
+        } else if structured::may_hold_hole(data) {
             if let Ok(extents) =
                 volume
                     .dev()
@@ -401,7 +418,9 @@ impl Conn {
     /// Answers `NBD_CMD_BLOCK_STATUS` for `base:allocation` from the
     /// device's extents: at most one extent with `REQ_ONE`, else at most
     /// `MAX_BLOCK_STATUS_EXTENTS` (a prefix of the range; the client asks
-    /// again for the rest).
+    /// again for the rest). A device that must do I/O to know (a
+    /// replicated volume asks a replica) gets an `IoOp::BlockStatus` on
+    /// the channel, in a slot like a read, answered in `complete`.
     fn block_status(&mut self, req: &Request) {
         let Phase::Transmission {
             volume,
@@ -425,45 +444,61 @@ impl Conn {
         } else {
             structured::MAX_BLOCK_STATUS_EXTENTS
         };
+        if volume.dev().extents_by_channel() {
+            let start_ns = self.clock_ns();
+            let Some(slot) = self.slots.insert(InFlight {
+                cookie: req.cookie,
+                command: req.command,
+                offset: req.offset,
+                length: req.length,
+                fast_zero: false,
+                start_ns,
+            }) else {
+                debug_assert!(false, "take_request checked for a free slot");
+                return;
+            };
+            let buf = bufs::get(max * lull_bdev::EXTENT_RECORD_LEN);
+            self.submit(slot, req, IoOp::BlockStatus, Some(buf));
+            return;
+        }
         match volume.dev().extents(req.offset, u64::from(req.length), max) {
-            Ok(extents) if !extents.is_empty() => {
-                let extents: Vec<BlockExtent> = extents
-                    .iter()
-                    .take(max)
-                    .map(|e| BlockExtent {
-                        // Inside the request, whose length is a u32.
-                        length: e.length_bytes.min(u64::from(req.length)) as u32,
-                        flags: if e.hole {
-                            structured::NBD_STATE_HOLE
-                        } else {
-                            0
-                        } | if e.zero {
-                            structured::NBD_STATE_ZERO
-                        } else {
-                            0
-                        },
-                    })
-                    .collect();
-                let mut out =
-                    Vec::with_capacity(structured::CHUNK_HEADER_LEN + 4 + 8 * extents.len());
-                structured::encode_block_status(
-                    &mut out,
-                    req.cookie,
-                    structured::BASE_ALLOCATION_ID,
-                    &extents,
-                );
-                self.link.push(&[], Payload::Bytes(out));
-            }
-            Ok(_) => {
-                debug_assert!(false, "a device reported no extents");
-                self.push_error(req.cookie, req.command, nbd::NBD_EIO, "no extents");
-            }
+            Ok(extents) => self.push_block_status(req.cookie, req.length, &extents, max),
             Err(e) => {
                 tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "block status failed");
                 let error = nbd::errno_to_nbd(e.errno());
                 self.push_error(req.cookie, req.command, error, &e.to_string());
             }
         }
+    }
+
+    /// One `base:allocation` block status chunk (with DONE) for a request
+    /// of `length` bytes: at most `max` of `extents`, clamped to it.
+    fn push_block_status(&mut self, cookie: u64, length: u32, extents: &[Extent], max: usize) {
+        if extents.is_empty() {
+            debug_assert!(false, "a device reported no extents");
+            self.push_error(cookie, Command::BlockStatus, nbd::NBD_EIO, "no extents");
+            return;
+        }
+        let extents: Vec<BlockExtent> = extents
+            .iter()
+            .take(max)
+            .map(|e| BlockExtent {
+                // Inside the request, whose length is a u32.
+                length: e.length_bytes.min(u64::from(length)) as u32,
+                flags: if e.hole {
+                    structured::NBD_STATE_HOLE
+                } else {
+                    0
+                } | if e.zero {
+                    structured::NBD_STATE_ZERO
+                } else {
+                    0
+                },
+            })
+            .collect();
+        let mut out = Vec::with_capacity(structured::CHUNK_HEADER_LEN + 4 + 8 * extents.len());
+        structured::encode_block_status(&mut out, cookie, structured::BASE_ALLOCATION_ID, &extents);
+        self.link.push(&[], Payload::Bytes(out));
     }
 
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {

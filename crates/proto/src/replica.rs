@@ -23,11 +23,20 @@
 //! | DETACH | none (`length` 0) | none | 0 / 0 |
 //! | INTENT_MARK, INTENT_CLEAR | none (`offset` = first region, `length` = regions) | none | echo |
 //! | INTENT_GET | none (`offset`, `length` 0) | [`INTENT_HEADER_LEN`] + bitmap bytes | regions / payload bytes |
+//! | BLOCK_STATUS | none (`length` = range) | N × 16 ([`StatusExtent`]) | echo `offset` / `16 × N` |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
 //! payload is N records of (offset u64, length u64), sorted, non-empty,
 //! non-overlapping, N ≤ [`MAX_EXTENTS_PER_REPLY`].
+//!
+//! BLOCK_STATUS replies (version 3): N records of (length u64, flags u32,
+//! reserved u32 = 0), 1 ≤ N ≤ [`MAX_BLOCK_STATUS_PER_REPLY`], no empty
+//! length, that cover a prefix of the requested range from its `offset`
+//! on, in order; the caller asks again for the rest. Flags are
+//! [`STATUS_HOLE`] (not allocated in the replica's data file) and
+//! [`STATUS_ZERO`] (reads as zeros). The engine asks only a healthy
+//! replica (in sync, not rebuilding), the one it would read from.
 //!
 //! Error replies (status ≠ 0) carry no payload, except HELLO replies,
 //! which always carry the replica's [`Hello`] so a mismatch can be logged.
@@ -98,8 +107,9 @@ use thiserror::Error;
 pub const MAGIC: u32 = 0x4C55_4C52;
 /// Protocol version carried in every header; a peer with another version
 /// is refused at HELLO (EPROTO) rather than misparsed later. Version 2
-/// added sessions (fencing), DETACH and the write-intent record.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// added sessions (fencing), DETACH and the write-intent record; version 3
+/// added BLOCK_STATUS.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
 /// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
@@ -118,6 +128,20 @@ pub const MAX_IO_BYTES: u32 = 32 << 20;
 pub const MAX_EXTENTS_PER_REPLY: usize = 256;
 /// Largest EXTENTS reply payload.
 pub const MAX_EXTENTS_BYTES: u32 = (MAX_EXTENTS_PER_REPLY * EXTENT_LEN) as u32;
+/// Bytes in one BLOCK_STATUS record: length u64, flags u32, reserved u32.
+pub const STATUS_EXTENT_LEN: usize = 16;
+/// Most records in one BLOCK_STATUS reply. Like EXTENTS: 256 records are
+/// 4 KiB of payload and at most ~512 `lseek` calls, answered inline on the
+/// replica's reactor, so one request holds it for microseconds; an NBD
+/// client asks again from where the reply stopped.
+pub const MAX_BLOCK_STATUS_PER_REPLY: usize = 256;
+/// Largest BLOCK_STATUS reply payload.
+pub const MAX_BLOCK_STATUS_BYTES: u32 = (MAX_BLOCK_STATUS_PER_REPLY * STATUS_EXTENT_LEN) as u32;
+/// BLOCK_STATUS flag: the range is not allocated in the replica's data.
+pub const STATUS_HOLE: u32 = 1 << 0;
+/// BLOCK_STATUS flag: the range reads as zeros.
+pub const STATUS_ZERO: u32 = 1 << 1;
+
 /// Set in `kind` on every reply.
 pub const REPLY_FLAG: u16 = 0x8000;
 
@@ -165,6 +189,7 @@ pub const KIND_DETACH: u16 = 10;
 pub const KIND_INTENT_MARK: u16 = 11;
 pub const KIND_INTENT_CLEAR: u16 = 12;
 pub const KIND_INTENT_GET: u16 = 13;
+pub const KIND_BLOCK_STATUS: u16 = 14;
 
 const _: () = assert!(4 + 2 + 2 + 8 + 8 + 4 + 4 == HEADER_LEN);
 const _: () = assert!(4 * 8 == HELLO_LEN);
@@ -191,11 +216,14 @@ pub enum Kind {
     IntentClear,
     /// Read the whole write-intent record.
     IntentGet,
+    /// The allocation of `[offset, offset + length)`: hole / zero flags
+    /// per extent, for NBD block status (version 3).
+    BlockStatus,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 14] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -209,6 +237,7 @@ impl Kind {
         Kind::IntentMark,
         Kind::IntentClear,
         Kind::IntentGet,
+        Kind::BlockStatus,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -227,6 +256,7 @@ impl Kind {
             KIND_INTENT_MARK => Kind::IntentMark,
             KIND_INTENT_CLEAR => Kind::IntentClear,
             KIND_INTENT_GET => Kind::IntentGet,
+            KIND_BLOCK_STATUS => Kind::BlockStatus,
             _ => return None,
         })
     }
@@ -247,6 +277,7 @@ impl Kind {
             Kind::IntentMark => KIND_INTENT_MARK,
             Kind::IntentClear => KIND_INTENT_CLEAR,
             Kind::IntentGet => KIND_INTENT_GET,
+            Kind::BlockStatus => KIND_BLOCK_STATUS,
         }
     }
 
@@ -300,12 +331,13 @@ impl Header {
 
     /// The reply to this request with `status`, echoing offset and length
     /// where the table in the module docs says so. Callers adjust
-    /// `offset`/`length` for EXTENTS replies (scan end, payload bytes).
+    /// `offset`/`length` for EXTENTS replies (scan end, payload bytes)
+    /// and the payload bytes of INTENT_GET and BLOCK_STATUS replies.
     pub fn reply_with(&self, status: u32) -> Header {
         let (offset, length) = match self.kind {
             Kind::Hello => (0, HELLO_LEN as u32),
             Kind::Flush | Kind::Ping | Kind::Detach => (0, 0),
-            Kind::Extents | Kind::IntentGet => (self.offset, 0),
+            Kind::Extents | Kind::IntentGet | Kind::BlockStatus => (self.offset, 0),
             Kind::Read
             | Kind::Write
             | Kind::WriteFua
@@ -430,6 +462,21 @@ fn check(h: &Header) -> Result<(), FrameError> {
                 too_long(0)?;
             }
         }
+        Kind::BlockStatus => {
+            if h.reply {
+                too_long(MAX_BLOCK_STATUS_BYTES)?;
+                if !(h.length as usize).is_multiple_of(STATUS_EXTENT_LEN) {
+                    return Err(FrameError::BadPayload(
+                        "BLOCK_STATUS reply length not a multiple of 16",
+                    ));
+                }
+                if h.status != 0 && h.length != 0 {
+                    return Err(FrameError::BadPayload(
+                        "BLOCK_STATUS error reply carries extents",
+                    ));
+                }
+            }
+        }
         Kind::Extents => {
             if h.reply {
                 too_long(MAX_EXTENTS_BYTES)?;
@@ -511,7 +558,11 @@ pub fn payload_len(h: &Header) -> usize {
     match (h.kind, h.reply) {
         (Kind::Hello, _) => HELLO_LEN,
         (Kind::Write | Kind::WriteFua, false) => length,
-        (Kind::Read | Kind::Extents | Kind::IntentGet, true) if h.status == 0 => length,
+        (Kind::Read | Kind::Extents | Kind::IntentGet | Kind::BlockStatus, true)
+            if h.status == 0 =>
+        {
+            length
+        }
         _ => 0,
     }
 }
@@ -667,6 +718,89 @@ pub fn decode_extents(b: &[u8]) -> Result<Vec<(u64, u64)>, FrameError> {
     Ok(ext)
 }
 
+/// One BLOCK_STATUS record: `length` bytes with [`STATUS_HOLE`] /
+/// [`STATUS_ZERO`] flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusExtent {
+    pub length: u64,
+    pub flags: u32,
+}
+
+/// Records must number 1 to [`MAX_BLOCK_STATUS_PER_REPLY`], with no empty
+/// length, only known flags, and a total that fits a u64; the caller
+/// checks the total against its request.
+fn check_status(ext: &[StatusExtent]) -> Result<(), FrameError> {
+    if ext.len() > MAX_BLOCK_STATUS_PER_REPLY {
+        let length = u32::try_from(ext.len().saturating_mul(STATUS_EXTENT_LEN)).unwrap_or(u32::MAX);
+        return Err(FrameError::TooLong {
+            kind: Kind::BlockStatus,
+            length,
+        });
+    }
+    if ext.is_empty() {
+        return Err(FrameError::BadPayload("BLOCK_STATUS reply without extents"));
+    }
+    let mut total = 0u64;
+    for e in ext {
+        if e.length == 0 {
+            return Err(FrameError::BadPayload("empty BLOCK_STATUS extent"));
+        }
+        if e.flags & !(STATUS_HOLE | STATUS_ZERO) != 0 {
+            return Err(FrameError::BadPayload("unknown BLOCK_STATUS flags"));
+        }
+        total = total
+            .checked_add(e.length)
+            .ok_or(FrameError::BadPayload("BLOCK_STATUS extents overflow"))?;
+    }
+    Ok(())
+}
+
+/// Appends a BLOCK_STATUS reply payload (`16 × ext.len()` bytes) to `out`.
+pub fn encode_block_status(ext: &[StatusExtent], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    check_status(ext)?;
+    out.reserve(ext.len() * STATUS_EXTENT_LEN);
+    for e in ext {
+        out.extend_from_slice(&e.length.to_be_bytes());
+        out.extend_from_slice(&e.flags.to_be_bytes());
+        out.extend_from_slice(&0u32.to_be_bytes());
+    }
+    Ok(())
+}
+
+/// Decodes a BLOCK_STATUS reply payload.
+pub fn decode_block_status(b: &[u8]) -> Result<Vec<StatusExtent>, FrameError> {
+    if b.len() > MAX_BLOCK_STATUS_BYTES as usize {
+        let length = u32::try_from(b.len()).unwrap_or(u32::MAX);
+        return Err(FrameError::TooLong {
+            kind: Kind::BlockStatus,
+            length,
+        });
+    }
+    if !b.len().is_multiple_of(STATUS_EXTENT_LEN) {
+        return Err(FrameError::BadPayload(
+            "BLOCK_STATUS payload not a multiple of 16",
+        ));
+    }
+    let mut ext = Vec::with_capacity(b.len() / STATUS_EXTENT_LEN);
+    for rec in b.chunks_exact(STATUS_EXTENT_LEN) {
+        let mut length = [0u8; 8];
+        let mut flags = [0u8; 4];
+        let mut reserved = [0u8; 4];
+        length.copy_from_slice(&rec[..8]);
+        flags.copy_from_slice(&rec[8..12]);
+        reserved.copy_from_slice(&rec[12..]);
+        if reserved != [0; 4] {
+            return Err(FrameError::BadPayload("BLOCK_STATUS reserved bits set"));
+        }
+        ext.push(StatusExtent {
+            length: u64::from_be_bytes(length),
+            flags: u32::from_be_bytes(flags),
+        });
+    }
+    check_status(&ext)?;
+    Ok(ext)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -690,7 +824,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 2, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 3, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -723,8 +857,16 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 14;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800e)));
+        b[7] = 15;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800f)));
+        // The version before BLOCK_STATUS is refused, naming both.
+        let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
+        b[5] = 2;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(2)));
+        assert_eq!(
+            FrameError::BadVersion(2).to_string(),
+            "protocol version 2, expected 3"
+        );
     }
 
     #[test]
@@ -827,6 +969,65 @@ mod tests {
         assert!(decode_extents(&[0; 15]).is_err());
         assert!(decode_extents(&vec![0; MAX_EXTENTS_BYTES as usize + 16]).is_err());
         assert_eq!(decode_extents(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn block_status_checks() {
+        let ext = [
+            StatusExtent {
+                length: 4096,
+                flags: STATUS_HOLE | STATUS_ZERO,
+            },
+            StatusExtent {
+                length: 1 << 20,
+                flags: 0,
+            },
+        ];
+        let mut out = Vec::new();
+        encode_block_status(&ext, &mut out).unwrap();
+        assert_eq!(out.len(), 32);
+        assert_eq!(&out[..8], &4096u64.to_be_bytes());
+        assert_eq!(&out[8..12], &3u32.to_be_bytes());
+        assert_eq!(decode_block_status(&out).unwrap(), ext.to_vec());
+        let bad = |length, flags| [StatusExtent { length, flags }];
+        assert!(encode_block_status(&bad(0, 0), &mut out).is_err());
+        assert!(encode_block_status(&bad(1, 4), &mut out).is_err());
+        assert!(encode_block_status(&[], &mut out).is_err());
+        let overflow = [bad(u64::MAX, 0)[0], bad(1, 0)[0]];
+        assert!(encode_block_status(&overflow, &mut out).is_err());
+        let many = vec![bad(1, 0)[0]; MAX_BLOCK_STATUS_PER_REPLY + 1];
+        assert!(matches!(
+            encode_block_status(&many, &mut out),
+            Err(FrameError::TooLong { .. })
+        ));
+        let mut reserved = Vec::new();
+        encode_block_status(&bad(1, 0), &mut reserved).unwrap();
+        reserved[15] = 1;
+        assert!(decode_block_status(&reserved).is_err());
+        assert!(decode_block_status(&[]).is_err());
+        assert!(decode_block_status(&[0; 15]).is_err());
+        assert!(decode_block_status(&vec![0; MAX_BLOCK_STATUS_BYTES as usize + 16]).is_err());
+        // Header limits: a reply of at most MAX_BLOCK_STATUS_BYTES, in
+        // whole records, with no payload on error.
+        let mut h = [0u8; HEADER_LEN];
+        let req = Header::request(Kind::BlockStatus, 1, 4096, u32::MAX);
+        assert!(encode_header(&req, &mut h).is_ok());
+        assert_eq!(payload_len(&req), 0);
+        let mut rep = req.reply_with(0);
+        assert_eq!((rep.offset, rep.length), (4096, 0));
+        rep.length = MAX_BLOCK_STATUS_BYTES;
+        assert!(encode_header(&rep, &mut h).is_ok());
+        assert_eq!(payload_len(&rep), MAX_BLOCK_STATUS_BYTES as usize);
+        rep.length += 16;
+        assert!(encode_header(&rep, &mut h).is_err());
+        rep.length = 17;
+        assert!(encode_header(&rep, &mut h).is_err());
+        let mut err = req.reply_with(libc::EIO as u32);
+        assert!(encode_header(&err, &mut h).is_ok());
+        assert_eq!(payload_len(&err), 0);
+        err.length = 16;
+        assert!(encode_header(&err, &mut h).is_err());
+        assert!(!Kind::BlockStatus.modifies());
     }
 
     #[test]
@@ -941,6 +1142,15 @@ mod tests {
             if let Ok(ext) = decode_extents(&bytes) {
                 let mut out = Vec::new();
                 encode_extents(&ext, &mut out).unwrap();
+                prop_assert_eq!(out, bytes);
+            }
+        }
+
+        #[test]
+        fn block_status_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            if let Ok(ext) = decode_block_status(&bytes) {
+                let mut out = Vec::new();
+                encode_block_status(&ext, &mut out).unwrap();
                 prop_assert_eq!(out, bytes);
             }
         }

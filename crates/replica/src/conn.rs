@@ -46,8 +46,8 @@ use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self as link, Wire};
 use lull_net::{bufs, Payload};
 use lull_proto::replica::{
-    self as wire, FrameError, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_LEN,
-    INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
+    self as wire, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
+    HELLO_LEN, INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
@@ -955,6 +955,10 @@ impl Conn {
                 self.extents(req);
                 return;
             }
+            Kind::BlockStatus => {
+                self.block_status(req);
+                return;
+            }
             // Nothing to do for an empty range; the device need not see it.
             Kind::Read | Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes
                 if req.length == 0 =>
@@ -1109,6 +1113,50 @@ impl Conn {
         }
         let mut reply = req.reply_with(0);
         reply.offset = pos;
+        reply.length = payload.len() as u32;
+        self.push_reply(reply, Payload::Bytes(payload));
+    }
+
+    /// Answers BLOCK_STATUS inline from the data file's allocation
+    /// (`FileDev::extents`: SEEK_DATA/SEEK_HOLE, non-sleeping metadata
+    /// lookups, at most `MAX_BLOCK_STATUS_PER_REPLY` extents), like
+    /// EXTENTS. A hole in the data file reads as zeros, so it is reported
+    /// as hole and zero; allocated ranges as data. The range was checked
+    /// against the volume by the caller.
+    fn block_status(&mut self, req: Header) {
+        use lull_bdev::BlockDevice;
+        if req.length == 0 {
+            tracing::warn!(peer = %self.link.peer(), ?req, "refused request: empty BLOCK_STATUS");
+            self.push_error(req, libc::EINVAL);
+            return;
+        }
+        let extents = match self.server.dev.extents(
+            req.offset,
+            u64::from(req.length),
+            wire::MAX_BLOCK_STATUS_PER_REPLY,
+        ) {
+            Ok(extents) => extents,
+            Err(e) => {
+                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "block status failed");
+                self.push_error(req, e.errno());
+                return;
+            }
+        };
+        let records: Vec<StatusExtent> = extents
+            .iter()
+            .map(|e| StatusExtent {
+                length: e.length_bytes,
+                flags: if e.hole { wire::STATUS_HOLE } else { 0 }
+                    | if e.zero { wire::STATUS_ZERO } else { 0 },
+            })
+            .collect();
+        let mut payload = Vec::with_capacity(records.len() * wire::STATUS_EXTENT_LEN);
+        if let Err(e) = wire::encode_block_status(&records, &mut payload) {
+            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode block status");
+            self.push_error(req, libc::EIO);
+            return;
+        }
+        let mut reply = req.reply_with(0);
         reply.length = payload.len() as u32;
         self.push_reply(reply, Payload::Bytes(payload));
     }

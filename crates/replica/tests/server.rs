@@ -307,6 +307,31 @@ fn io_round_trip_flush_trim_extents_ping() {
     assert_eq!((h.status, h.offset), (0, MIB + 4096 + 8192));
     assert_eq!(wire::decode_extents(&p).unwrap(), vec![(MIB + 4096, 8192)]);
 
+    // BLOCK_STATUS: hole and zero where nothing was written or it was
+    // trimmed, data where `a`'s first half is, covering the range from
+    // its start; REQ_ONE-sized questions are the engine's business.
+    let hz = wire::STATUS_HOLE | wire::STATUS_ZERO;
+    let (h, p) = c.call(Kind::BlockStatus, 0, (2 * MIB) as u32, &[]);
+    assert_eq!((h.status, h.offset), (0, 0));
+    let got = wire::decode_block_status(&p).unwrap();
+    let st = |length, flags| wire::StatusExtent { length, flags };
+    assert_eq!(
+        got,
+        [st(MIB, hz), st(half, 0), st(MIB - half, hz)],
+        "block status of [0, 2 MiB)"
+    );
+    let (h, p) = c.call(Kind::BlockStatus, MIB + half, half as u32, &[]);
+    assert_eq!(h.status, 0);
+    assert_eq!(wire::decode_block_status(&p).unwrap(), [st(half, hz)]);
+    // Every extent of a whole-volume question, bounded per reply.
+    let (h, p) = c.call(Kind::BlockStatus, 0, SIZE as u32, &[]);
+    assert_eq!(h.status, 0);
+    let got = wire::decode_block_status(&p).unwrap();
+    assert!(got.len() <= wire::MAX_BLOCK_STATUS_PER_REPLY);
+    assert!(got.iter().map(|e| e.length).sum::<u64>() <= SIZE);
+    assert_eq!(c.status(Kind::BlockStatus, SIZE, 1) as i32, libc::EINVAL);
+    assert_eq!(c.status(Kind::BlockStatus, 0, 0) as i32, libc::EINVAL);
+
     assert_eq!(c.status(Kind::Ping, 0, 0), 0);
 
     // Out of range: an error reply; the connection stays usable (and a
@@ -485,8 +510,8 @@ fn wrong_version_gets_eproto_then_close() {
         &mut raw,
     )
     .unwrap();
-    // Version 1: before sessions.
-    raw[4..6].copy_from_slice(&1u16.to_be_bytes());
+    // Version 2: an engine from before BLOCK_STATUS.
+    raw[4..6].copy_from_slice(&2u16.to_be_bytes());
     c.s.write_all(&raw).unwrap();
     c.s.write_all(&wire::encode_hello(&Hello {
         volume_size: SIZE,

@@ -26,6 +26,7 @@ pub const MARK_LOOKAHEAD: usize = 64;
 
 enum IoData {
     None,
+    /// A read's buffer, or a block status's record buffer.
     Read(Option<IoBuf>),
     Write(Arc<IoBuf>),
 }
@@ -138,7 +139,7 @@ impl Engine {
             return;
         }
         let data = match req.op {
-            IoOp::Read => IoData::Read(req.buf.take()),
+            IoOp::Read | IoOp::BlockStatus => IoData::Read(req.buf.take()),
             IoOp::Write { .. } => match req.buf.take() {
                 Some(b) => IoData::Write(Arc::new(b)),
                 None => IoData::None,
@@ -243,21 +244,22 @@ impl Engine {
             return Dispatch::Done;
         };
         let (op, offset, len) = (io.op, io.offset, io.len);
-        if matches!(op, IoOp::Read) {
+        // A read, or a block status, goes to one healthy replica: in sync,
+        // not rebuilding or reconciling, so what it says is what every
+        // healthy replica would read there.
+        if matches!(op, IoOp::Read | IoOp::BlockStatus) {
+            let kind = if op == IoOp::Read {
+                Kind::Read
+            } else {
+                Kind::BlockStatus
+            };
             let n = self.replicas.len();
             for k in 0..n {
                 let r = ReplicaId::new((self.read_rr + k) % n);
                 if !healthy.contains(r) {
                     continue;
                 }
-                if self.send_any(
-                    r,
-                    SubKind::Client(id),
-                    Kind::Read,
-                    offset,
-                    len,
-                    Payload::None,
-                ) {
+                if self.send_any(r, SubKind::Client(id), kind, offset, len, Payload::None) {
                     self.read_rr = (r.get() + 1) % n;
                     if let Some(io) = self.ios.get_mut(id) {
                         io.outstanding = 1;
@@ -372,6 +374,9 @@ impl Engine {
             );
             return self.fail_replica(r, &why, false);
         }
+        if h.kind == Kind::BlockStatus {
+            return self.on_block_status_reply(r, sub, id, h, payload);
+        }
         if h.kind == Kind::Read {
             let Some(mut data) = payload else {
                 return self.protocol_error(r, Some(sub), "READ reply without data".into());
@@ -403,6 +408,56 @@ impl Engine {
         if io.outstanding == 0 {
             self.io_subs_done(id);
         }
+    }
+
+    /// A BLOCK_STATUS reply: checked (it covers a prefix of the request),
+    /// then written into the client's buffer as `lull_bdev` extent records,
+    /// as many as it has room for (one for NBD's REQ_ONE).
+    fn on_block_status_reply(
+        &mut self,
+        r: ReplicaId,
+        sub: Sub,
+        id: IoId,
+        h: Header,
+        payload: Option<IoBuf>,
+    ) {
+        let Some(data) = payload else {
+            return self.protocol_error(r, Some(sub), "BLOCK_STATUS reply without extents".into());
+        };
+        let parsed = wire::decode_block_status(data.as_slice());
+        self.pool.put(data);
+        let ext = match parsed {
+            Ok(ext) => ext,
+            Err(e) => {
+                return self.protocol_error(r, Some(sub), format!("bad BLOCK_STATUS reply: {e}"))
+            }
+        };
+        // decode_block_status checked that the sum does not overflow.
+        let covered: u64 = ext.iter().map(|e| e.length).sum();
+        if h.offset != sub.offset || covered > u64::from(sub.length) {
+            return self.protocol_error(
+                r,
+                Some(sub),
+                "BLOCK_STATUS reply outside the requested range".into(),
+            );
+        }
+        let extents: Vec<lull_bdev::Extent> = ext
+            .iter()
+            .map(|e| lull_bdev::Extent {
+                length_bytes: e.length,
+                hole: e.flags & wire::STATUS_HOLE != 0,
+                zero: e.flags & wire::STATUS_ZERO != 0,
+            })
+            .collect();
+        let Some(io) = self.ios.get_mut(id) else {
+            return;
+        };
+        io.outstanding = 0;
+        if let IoData::Read(Some(buf)) = &mut io.data {
+            let n = lull_bdev::put_extent_records(&extents, buf.as_mut_slice());
+            buf.set_len(n);
+        }
+        self.finish_io(id, Ok(()))
     }
 
     /// The first pending write waits for MARKs: send those of the writes

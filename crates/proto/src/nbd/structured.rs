@@ -308,6 +308,30 @@ pub fn may_hold_hole(data: &[u8]) -> bool {
         .any(|block| block.iter().all(|&b| b == 0))
 }
 
+/// The runs of whole all-zero [`MIN_HOLE_BYTES`] blocks of a read buffer
+/// (counted from its start), as `(at, len)` for [`plan_read`], at most
+/// `max_ranges` of them. For a device that cannot tell its holes inline (a
+/// replicated volume): a hole chunk only says "reads as zeros", which the
+/// data just read proves.
+pub fn zero_runs(data: &[u8], max_ranges: usize) -> Vec<(u32, u32)> {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    let block = MIN_HOLE_BYTES as usize;
+    for (i, b) in data.chunks_exact(block).enumerate() {
+        if !b.iter().all(|&x| x == 0) {
+            continue;
+        }
+        // A read is at most a u32 long, so its offsets fit.
+        let at = (i * block) as u32;
+        let full = runs.len() >= max_ranges;
+        match runs.last_mut() {
+            Some(last) if last.0 + last.1 == at => last.1 += MIN_HOLE_BYTES,
+            _ if full => break,
+            _ => runs.push((at, MIN_HOLE_BYTES)),
+        }
+    }
+    runs
+}
+
 /// A parsed `NBD_OPT_LIST_META_CONTEXT`/`NBD_OPT_SET_META_CONTEXT`
 /// payload: export name length, name, query count, queries.
 #[derive(Debug)]
@@ -399,6 +423,30 @@ mod tests {
         assert!(len <= crate::nbd::MAX_STRING_LEN);
         assert!(std::str::from_utf8(&err[26..]).is_ok());
         assert_eq!(err.len(), 26 + len);
+    }
+
+    #[test]
+    fn zero_runs_find_whole_zero_blocks() {
+        let b = MIN_HOLE_BYTES as usize;
+        let mut data = vec![0u8; 5 * b + 7];
+        data[2 * b + 1] = 1;
+        let m = MIN_HOLE_BYTES;
+        assert_eq!(zero_runs(&data, 8), [(0, 2 * m), (3 * m, 2 * m)]);
+        assert_eq!(zero_runs(&data, 1), [(0, 2 * m)]);
+        assert_eq!(zero_runs(&data[..b - 1], 8), []);
+        let pieces = plan_read(&data, &zero_runs(&data, 8), MAX_READ_CHUNKS);
+        assert_eq!(
+            pieces,
+            [
+                ReadPiece::Hole { at: 0, len: 2 * m },
+                ReadPiece::Data { at: 2 * m, len: m },
+                ReadPiece::Hole {
+                    at: 3 * m,
+                    len: 2 * m
+                },
+                ReadPiece::Data { at: 5 * m, len: 7 },
+            ]
+        );
     }
 
     #[test]
