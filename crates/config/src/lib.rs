@@ -26,6 +26,8 @@
 //! name = "vol0"
 //! size = "1G"
 //! backend = "malloc"               # or "file=/var/lib/lull/vol0.img,direct"
+//! # Fault injection, to rehearse failures (any setting may be left out):
+//! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
 //! ```
 
 use std::net::SocketAddr;
@@ -56,6 +58,62 @@ pub enum Backend {
     Replicas {
         addrs: Vec<SocketAddr>,
     },
+    /// A memory or file backend with faults injected
+    /// (`faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N`).
+    /// `seed` is `None` when not given: the server picks one and logs it.
+    Faulty {
+        inner: Box<Backend>,
+        faults: lull_bdev::Faults,
+        seed: Option<u64>,
+    },
+}
+
+/// Parse `faulty=`'s value: `INNER` then `,KEY=VALUE` settings. The
+/// settings are taken off the end, so a file path may itself contain commas.
+fn parse_faulty(spec: &str, rest: &str) -> Result<Backend, ConfigError> {
+    let mut faults = lull_bdev::Faults::default();
+    let mut seed = None;
+    let mut inner = rest;
+    while let Some((head, setting)) = inner.rsplit_once(',') {
+        let Some((key, value)) = setting.split_once('=') else {
+            break;
+        };
+        let bad = |e: String| ConfigError(format!("backend {spec:?}: {key}: {e}"));
+        match key {
+            "read_err" => faults.read_err = value.parse().map_err(bad)?,
+            "write_err" => faults.write_err = value.parse().map_err(bad)?,
+            "flush_err" => faults.flush_err = value.parse().map_err(bad)?,
+            "delay_us" => {
+                let d: u64 = value
+                    .parse()
+                    .map_err(|_| bad(format!("{value:?} is not a number of microseconds")))?;
+                if d > lull_bdev::MAX_FAULT_DELAY_US {
+                    return Err(bad(format!("at most {} us", lull_bdev::MAX_FAULT_DELAY_US)));
+                }
+                faults.delay_us = d;
+            }
+            "seed" => {
+                seed = Some(
+                    value
+                        .parse()
+                        .map_err(|_| bad(format!("{value:?} is not a number")))?,
+                )
+            }
+            _ => break,
+        }
+        inner = head;
+    }
+    let inner = parse_backend(inner)?;
+    if !matches!(inner, Backend::Malloc | Backend::File { .. }) {
+        return err(format!(
+            "backend {spec:?}: faulty= wraps malloc or file=PATH[,direct] only"
+        ));
+    }
+    Ok(Backend::Faulty {
+        inner: Box::new(inner),
+        faults,
+        seed,
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,8 +216,12 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     lull_bdev::parse_size_bytes(s).map_err(ConfigError)
 }
 
-/// Parse a backend: `malloc`, `file=PATH` or `file=PATH,direct`.
+/// Parse a backend: `malloc`, `file=PATH`, `file=PATH,direct`,
+/// `replicas=HOST:PORT+...` or `faulty=INNER,read_err=P,...`.
 pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
+    if let Some(rest) = s.strip_prefix("faulty=") {
+        return parse_faulty(s, rest);
+    }
     if s == "malloc" {
         return Ok(Backend::Malloc);
     }
@@ -180,7 +242,7 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
         return Ok(Backend::Replicas { addrs });
     }
-    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct] or replicas=HOST:PORT[+HOST:PORT...]"))
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.
@@ -422,6 +484,50 @@ mod tests {
             }
         );
         assert!(parse_volume("r:1G:replicas=").is_err());
+        let p = |x: f64| lull_bdev::Probability::new(x).unwrap();
+        assert_eq!(
+            parse_volume("f:1G:faulty=file=/a,b,direct,read_err=0.5,delay_us=20,seed=9")
+                .unwrap()
+                .backend,
+            Backend::Faulty {
+                inner: Box::new(Backend::File {
+                    path: PathBuf::from("/a,b"),
+                    direct: true
+                }),
+                faults: lull_bdev::Faults {
+                    read_err: p(0.5),
+                    delay_us: 20,
+                    ..Default::default()
+                },
+                seed: Some(9),
+            }
+        );
+        assert_eq!(
+            parse_volume("f:1G:faulty=malloc,write_err=1,flush_err=0.25")
+                .unwrap()
+                .backend,
+            Backend::Faulty {
+                inner: Box::new(Backend::Malloc),
+                faults: lull_bdev::Faults {
+                    write_err: p(1.0),
+                    flush_err: p(0.25),
+                    ..Default::default()
+                },
+                seed: None,
+            }
+        );
+        for bad in [
+            "f:1G:faulty=",
+            "f:1G:faulty=malloc,read_err=2",
+            "f:1G:faulty=malloc,read_err=x",
+            "f:1G:faulty=malloc,delay_us=-1",
+            "f:1G:faulty=malloc,delay_us=10000001",
+            "f:1G:faulty=malloc,bogus=1",
+            "f:1G:faulty=replicas=127.0.0.1:7001",
+            "f:1G:faulty=faulty=malloc",
+        ] {
+            assert!(parse_volume(bad).is_err(), "{bad}");
+        }
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");

@@ -177,11 +177,23 @@ pub(crate) fn open_device(
             .map(Storage::Replicated)
             .map_err(|e| e.to_string());
         }
-        Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
+        local => open_local(&spec.name, local, spec.size_bytes)?,
+    };
+    Ok(Storage::Local(dev))
+}
+
+/// A device in this process: memory, a file, or either with faults injected.
+fn open_local(
+    volume: &str,
+    backend: &Backend,
+    size_bytes: u64,
+) -> Result<Arc<dyn BlockDevice>, String> {
+    Ok(match backend {
+        Backend::Malloc => Arc::new(MallocDev::new(size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
             FileDev::open(
                 path,
-                spec.size_bytes,
+                size_bytes,
                 FileOptions {
                     direct: *direct,
                     create: true,
@@ -189,8 +201,33 @@ pub(crate) fn open_device(
             )
             .map_err(|e| format!("{}: {e}", path.display()))?,
         ),
-    };
-    Ok(Storage::Local(dev))
+        Backend::Faulty {
+            inner,
+            faults,
+            seed,
+        } => {
+            // No seed given: one from the clock, logged so the run can be repeated.
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64)
+            });
+            let faults = lull_bdev::Faults { seed, ..*faults };
+            let dev = lull_bdev::FaultyDev::new(open_local(volume, inner, size_bytes)?, faults);
+            tracing::warn!(
+                volume,
+                seed,
+                read_err = faults.read_err.get(),
+                write_err = faults.write_err.get(),
+                flush_err = faults.flush_err.get(),
+                delay_us = faults.delay_us,
+                "FAULT INJECTION ENABLED on this volume: {}",
+                dev.describe()
+            );
+            Arc::new(dev)
+        }
+        Backend::Replicas { .. } => return Err("a replicated volume is not a local device".into()),
+    })
 }
 
 /// Wait (all volumes together, bounded) for replicated volumes to have a
