@@ -46,14 +46,21 @@ struct Replica {
     child: Option<Child>,
     addr: SocketAddr,
     dir: PathBuf,
+    /// More `lull replica` flags (fault injection).
+    extra: Vec<String>,
 }
 
 impl Replica {
     fn start(addr: SocketAddr, dir: &Path) -> Replica {
+        Replica::start_with(addr, dir, &[])
+    }
+
+    fn start_with(addr: SocketAddr, dir: &Path, extra: &[&str]) -> Replica {
         let mut r = Replica {
             child: None,
             addr,
             dir: dir.to_path_buf(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         r.restart();
         r
@@ -75,6 +82,7 @@ impl Replica {
             ])
             .arg("--dir")
             .arg(self.dir.join("data"))
+            .args(&self.extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -255,6 +263,84 @@ fn fio_survives_a_killed_replica_and_rebuild_converges() {
     }
     ra.kill();
     server.assert_logged("rebuild of replica");
+}
+
+/// One of two replicas injects faults (`--fault-drop`, `--fault-error`,
+/// `--fault-delay-us`): fio's verified writes and reads through the volume
+/// still all succeed, since the engine fails the faulty replica and serves
+/// from the healthy one; it reconnects to the faulty one as designed.
+#[test]
+fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
+    require("fio", "fio");
+    let (a, b) = (free_port(), free_port());
+    let ra = Replica::start(a, &scratch("faulty-a"));
+    let rb = Replica::start_with(
+        b,
+        &scratch("faulty-b"),
+        &[
+            "--fault-drop",
+            "0.002",
+            "--fault-error",
+            "0.01",
+            "--fault-delay-us",
+            "300",
+            "--fault-seed",
+            "5",
+        ],
+    );
+    assert!(
+        rb.log().contains("FAULT INJECTION ENABLED"),
+        "the faulty replica did not say so:\n{}",
+        rb.log()
+    );
+    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let out = Command::new("fio")
+        .args([
+            "--name=faulty",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol0", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--fsync=32",
+            "--loops=2",
+            "--randseed=77",
+            "--output-format=terse",
+        ])
+        .output()
+        .expect("run fio");
+    assert!(
+        out.status.success(),
+        "fio failed with a faulty replica: {}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        server.stderr()
+    );
+    // 8192 writes and as many reads at 1 % errors: the faulty replica failed
+    // at least once, and its own log shows what it injected.
+    assert!(
+        server.wait_for_log("failed", Duration::from_secs(20)),
+        "the engine never failed the faulty replica:\n{}",
+        server.stderr()
+    );
+    assert!(
+        server.wait_for_log("it will be rebuilt", Duration::from_secs(20)),
+        "the engine never reconnected to the faulty replica:\n{}",
+        server.stderr()
+    );
+    let rlog = rb.log();
+    assert!(
+        rlog.contains("fault injection") || rlog.contains("I/O failed"),
+        "the faulty replica injected nothing:\n{rlog}"
+    );
+    server.assert_healthy();
+    drop(ra);
 }
 
 #[test]
