@@ -30,6 +30,8 @@
 //! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 

@@ -1,6 +1,8 @@
 //! `lull`: the binary. `lull serve` with no argument serves a 1 GiB memory
 //! volume `vol0` on 127.0.0.1:10809.
 
+#![forbid(unsafe_code)]
+
 mod cli;
 mod control;
 

@@ -17,6 +17,8 @@
 //! `lull_net::server`; the protocol is in `conn`. Volumes (and their I/O
 //! counters) come from the `lull_volume` registry; an export is a volume.
 
+#![forbid(unsafe_code)]
+
 mod conn;
 mod stream;
 
