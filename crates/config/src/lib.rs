@@ -12,6 +12,8 @@
 //! rpc_socket = "/var/tmp/lull.sock"
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
 //! connections_per_replica = 2
+//! max_connections = 16384          # NBD connections held at once
+//! max_connections_per_volume = 64  # NBD connections per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
@@ -140,7 +142,17 @@ pub struct ServeSettings {
     pub nvmf_listen: Option<SocketAddr>,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
+    /// NBD connections the server holds at once (1 to [`MAX_SERVER_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// NBD connections one volume serves at once (1 to
+    /// `lull_volume::MAX_CONNECTIONS_PER_VOLUME`).
+    pub max_connections_per_volume: usize,
 }
+
+/// The most NBD connections a server may be configured to hold: the NBD
+/// server's own cap, `lull_nbd::MAX_CONNECTIONS` (the binary asserts they
+/// agree), which is also the default.
+pub const MAX_SERVER_CONNECTIONS: usize = 16_384;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
@@ -171,6 +183,10 @@ pub struct ConfigFile {
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
     pub connections_per_replica: Option<usize>,
+    /// NBD connections held at once.
+    pub max_connections: Option<usize>,
+    /// NBD connections per volume.
+    pub max_connections_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -209,6 +225,8 @@ pub struct Overrides {
     pub nvmf_listen: Option<String>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
+    pub max_connections: Option<usize>,
+    pub max_connections_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -397,6 +415,25 @@ pub fn resolve(
         engine.connections_per_replica = c;
     }
     engine.validate().map_err(|e| ConfigError(e.to_string()))?;
+    let max_connections = flags
+        .max_connections
+        .or(file.max_connections)
+        .unwrap_or(MAX_SERVER_CONNECTIONS);
+    if !(1..=MAX_SERVER_CONNECTIONS).contains(&max_connections) {
+        return err(format!(
+            "max_connections = {max_connections}: must be 1 to {MAX_SERVER_CONNECTIONS}"
+        ));
+    }
+    let max_connections_per_volume = flags
+        .max_connections_per_volume
+        .or(file.max_connections_per_volume)
+        .unwrap_or(lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME);
+    if !(1..=lull_volume::MAX_CONNECTIONS_PER_VOLUME).contains(&max_connections_per_volume) {
+        return err(format!(
+            "max_connections_per_volume = {max_connections_per_volume}: must be 1 to {}",
+            lull_volume::MAX_CONNECTIONS_PER_VOLUME
+        ));
+    }
     let dynamic = DynamicParams {
         load_limit: file
             .scheduler_load_limit
@@ -443,6 +480,8 @@ pub fn resolve(
         nvmf_listen,
         engine,
         scheduler,
+        max_connections,
+        max_connections_per_volume,
     })
 }
 

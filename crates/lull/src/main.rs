@@ -87,6 +87,14 @@ struct ServeArgs {
     /// Replicated volumes: TCP connections per replica [default: 2].
     #[arg(long, value_name = "N")]
     connections_per_replica: Option<usize>,
+    /// NBD connections held at once; past it a new one is closed at once
+    /// [default: 16384, the most].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// NBD connections one volume serves at once; past it NBD_OPT_GO gets
+    /// NBD_REP_ERR_POLICY [default: 64].
+    #[arg(long, value_name = "N")]
+    max_connections_per_volume: Option<usize>,
     /// Scheduler: static (threads stay where they start) or dynamic (idle
     /// work packed onto the first core, busy work spread; use with
     /// several --cores) [default: static].
@@ -138,6 +146,8 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         nvmf_listen: args.nvmf_listen,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
+        max_connections: args.max_connections,
+        max_connections_per_volume: args.max_connections_per_volume,
         scheduler: args.scheduler,
         scheduler_period_us: args.scheduler_period_us,
     };
@@ -183,6 +193,8 @@ pub(crate) fn open_device(
     };
     Ok(Storage::Local(dev))
 }
+
+const _: () = assert!(config::MAX_SERVER_CONNECTIONS == lull_nbd::MAX_CONNECTIONS);
 
 /// A device in this process: memory, a file, or either with faults injected.
 fn open_local(
@@ -308,7 +320,9 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let volumes = Arc::new(Volumes::default());
+    let volumes = Arc::new(Volumes::with_max_connections_per_volume(
+        s.max_connections_per_volume,
+    ));
     for spec in &s.volumes {
         let dev = match open_device(spec, fw.handle(), &s.engine) {
             Ok(d) => d,
@@ -323,14 +337,15 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     }
     wait_for_replicas(&volumes);
-    let server = match NbdServer::start(fw.handle(), volumes.clone(), &listen) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: {e}");
-            fw.stop();
-            return ExitCode::FAILURE;
-        }
-    };
+    let server =
+        match NbdServer::start_with(fw.handle(), volumes.clone(), &listen, s.max_connections) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("lull: error: {e}");
+                fw.stop();
+                return ExitCode::FAILURE;
+            }
+        };
     let nvmf = match s.nvmf_listen {
         Some(addr) => match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr) {
             Ok(n) => Some(n),

@@ -343,6 +343,55 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
     drop(ra);
 }
 
+/// A replicated volume refuses a connection it cannot take in the
+/// handshake (`NBD_REP_ERR_POLICY` to `NBD_OPT_GO`), both past the
+/// configured per-volume cap and past the engine's `MAX_CHANNELS` when the
+/// cap is set higher.
+#[test]
+fn replicated_volume_refusals_come_in_the_handshake() {
+    let (a, b) = (free_port(), free_port());
+    let _ra = Replica::start(a, &scratch("refuse-a"));
+    let _rb = Replica::start(b, &scratch("refuse-b"));
+    let go_refused = |server: &Server, cap: &str| {
+        let err = match NbdClient::connect(server.addr(), "vol0") {
+            Ok(_) => panic!("a connection past {cap} was admitted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(&format!("{:#x}", lull_proto::nbd::NBD_REP_ERR_POLICY)),
+            "past {cap}: {err}"
+        );
+        err
+    };
+    let spec = spec("vol0", &[a, b]);
+    {
+        let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "1"]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let _one = NbdClient::connect(server.addr(), "vol0").expect("first connection");
+        let err = go_refused(&server, "the per-volume cap");
+        assert!(err.contains("maximum of 1 connections"), "{err}");
+        server.assert_healthy();
+    }
+    let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "100"]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let max = lull_engine::MAX_CHANNELS;
+    let held: Vec<NbdClient> = (0..max)
+        .map(|i| {
+            NbdClient::connect(server.addr(), "vol0")
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"))
+        })
+        .collect();
+    let err = go_refused(&server, "MAX_CHANNELS");
+    assert!(err.contains("cannot take a connection now"), "{err}");
+    assert!(
+        server.wait_for_log("cannot open a device channel", Duration::from_secs(5)),
+        "{}",
+        server.stderr()
+    );
+    drop(held);
+    server.assert_healthy();
+}
+
 #[test]
 fn all_replicas_down_is_eio_then_flushed_data_is_back() {
     let (a, b) = (free_port(), free_port());
