@@ -66,8 +66,10 @@ struct ServeArgs {
     /// (Longhorn's data-engine-nvme-ioq-poll-period-us) [default: 100].
     #[arg(long = "nvme-ioq-poll-period-us", value_name = "US")]
     ioq_poll_period_us: Option<u64>,
-    /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default)
-    /// or file=PATH[,direct]. Sizes take K/M/G/T (binary) suffixes.
+    /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default),
+    /// file=PATH[,direct], replicas=HOST:PORT+HOST:PORT or (fault injection)
+    /// faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N.
+    /// Sizes take K/M/G/T (binary) suffixes.
     #[arg(long = "volume", value_name = "NAME:SIZE[:BACKEND]")]
     volumes: Vec<String>,
     /// JSON-RPC socket [default: /var/tmp/lull.sock; when that one is taken
