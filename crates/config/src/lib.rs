@@ -13,7 +13,7 @@
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
 //! connections_per_replica = 2
 //! max_connections = 16384          # NBD connections held at once
-//! max_connections_per_volume = 64  # NBD connections per volume
+//! max_connections_per_volume = 4096 # NBD connections per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! scheduler = "static"             # static | dynamic (moves threads between cores)

@@ -94,7 +94,7 @@ struct ServeArgs {
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
     /// NBD connections one volume serves at once; past it NBD_OPT_GO gets
-    /// NBD_REP_ERR_POLICY [default: 64].
+    /// NBD_REP_ERR_POLICY [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections_per_volume: Option<usize>,
     /// Scheduler: static (threads stay where they start) or dynamic (idle

@@ -33,11 +33,13 @@ pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_
 pub const MAX_VOLUME_NAME_LEN: usize = 4096;
 
 /// Connections (NBD clients past the handshake) one volume serves at once
-/// unless configured otherwise: the engine's `MAX_CHANNELS` (64), so local
-/// and replicated volumes refuse at the same point. NBD clients open 1 to
-/// 16 connections per export; each connection of a file volume costs an
-/// io_uring ring and its locked memory.
-pub const DEFAULT_MAX_CONNECTIONS_PER_VOLUME: usize = lull_engine::MAX_CHANNELS;
+/// unless configured otherwise. Idle connections are cheap (a poller of a
+/// few KiB; the scale test holds 2,000 on one volume), so the default sits
+/// well above that and well below the server's 16,384, so that one volume
+/// cannot take every connection of the server; an operator who knows the
+/// clients lowers it. A replicated volume meets the engine's `MAX_CHANNELS`
+/// (64) first, refused the same way in the handshake.
+pub const DEFAULT_MAX_CONNECTIONS_PER_VOLUME: usize = 4096;
 
 /// Largest configurable per-volume connection cap: the NBD server's own
 /// connection cap (`lull_nbd::MAX_CONNECTIONS`).
