@@ -649,6 +649,35 @@ mod tests {
     }
 
     #[test]
+    fn connection_caps_from_the_file_and_flags() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.max_connections, MAX_SERVER_CONNECTIONS);
+        assert_eq!(
+            s.max_connections_per_volume,
+            lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME
+        );
+        let file =
+            || ConfigFile::parse("max_connections = 100\nmax_connections_per_volume = 8").unwrap();
+        let s = resolve(file(), Overrides::default(), &[0]).unwrap();
+        assert_eq!((s.max_connections, s.max_connections_per_volume), (100, 8));
+        let flags = Overrides {
+            max_connections_per_volume: Some(3),
+            ..Default::default()
+        };
+        let s = resolve(file(), flags, &[0]).unwrap();
+        assert_eq!((s.max_connections, s.max_connections_per_volume), (100, 3));
+        for text in [
+            "max_connections = 0",
+            "max_connections = 16385",
+            "max_connections_per_volume = 0",
+            "max_connections_per_volume = 16385",
+        ] {
+            let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
+            assert!(e.unwrap_err().0.contains("max_connections"), "{text}");
+        }
+    }
+
+    #[test]
     fn config_errors_are_clear() {
         assert!(ConfigFile::parse("lisen = \"x\"")
             .unwrap_err()
