@@ -119,8 +119,13 @@ impl Replica {
 }
 
 impl Drop for Replica {
+    /// Kills the process; a passing test also removes the replica's
+    /// scratch directory (each replica has its own), a failing one keeps it.
     fn drop(&mut self) {
         self.kill();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
@@ -746,6 +751,7 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     let dir = scratch(name);
     let one = export_image(server, "vol0", &dir.join("one.raw"));
     let two = export_image(server, "vol0", &dir.join("two.raw"));
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(one == two, "two full reads of the volume differ");
     one
 }
