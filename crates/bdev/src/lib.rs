@@ -22,14 +22,18 @@
 //! # Ok::<(), lull_bdev::BdevError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::os::fd::RawFd;
 
 pub use lull_uring::{BufPool, IoBuf};
 
+pub mod faulty;
 pub mod file;
 pub mod malloc;
 pub mod units;
 
+pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, MAX_PREFETCH_BYTES};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
 pub use units::{human_bytes, parse_size_bytes};

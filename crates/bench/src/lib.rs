@@ -28,6 +28,8 @@
 //! Output: `report.json` (the [`Report`]), `report.md` and PNG plots in
 //! `--out`.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod env;
 pub mod fio;

@@ -12,6 +12,8 @@
 //! rpc_socket = "/var/tmp/lull.sock"
 //! replica_timeout_ms = 8000        # replicated volumes (Longhorn's default)
 //! connections_per_replica = 2
+//! max_connections = 16384          # NBD connections held at once
+//! max_connections_per_volume = 4096 # NBD connections per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
@@ -30,7 +32,11 @@
 //! nvmf_lba = 4096                  # LBA size: 512 (default) or 4096
 //! nvmf_nqn = "nqn.2026-11.io.example:vol0"  # default nqn.2026-11.io.lull:vol0
 //! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
+//! # Fault injection, to rehearse failures (any setting may be left out):
+//! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
 //! ```
+
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -60,6 +66,62 @@ pub enum Backend {
     Replicas {
         addrs: Vec<SocketAddr>,
     },
+    /// A memory or file backend with faults injected
+    /// (`faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N`).
+    /// `seed` is `None` when not given: the server picks one and logs it.
+    Faulty {
+        inner: Box<Backend>,
+        faults: lull_bdev::Faults,
+        seed: Option<u64>,
+    },
+}
+
+/// Parse `faulty=`'s value: `INNER` then `,KEY=VALUE` settings. The
+/// settings are taken off the end, so a file path may itself contain commas.
+fn parse_faulty(spec: &str, rest: &str) -> Result<Backend, ConfigError> {
+    let mut faults = lull_bdev::Faults::default();
+    let mut seed = None;
+    let mut inner = rest;
+    while let Some((head, setting)) = inner.rsplit_once(',') {
+        let Some((key, value)) = setting.split_once('=') else {
+            break;
+        };
+        let bad = |e: String| ConfigError(format!("backend {spec:?}: {key}: {e}"));
+        match key {
+            "read_err" => faults.read_err = value.parse().map_err(bad)?,
+            "write_err" => faults.write_err = value.parse().map_err(bad)?,
+            "flush_err" => faults.flush_err = value.parse().map_err(bad)?,
+            "delay_us" => {
+                let d: u64 = value
+                    .parse()
+                    .map_err(|_| bad(format!("{value:?} is not a number of microseconds")))?;
+                if d > lull_bdev::MAX_FAULT_DELAY_US {
+                    return Err(bad(format!("at most {} us", lull_bdev::MAX_FAULT_DELAY_US)));
+                }
+                faults.delay_us = d;
+            }
+            "seed" => {
+                seed = Some(
+                    value
+                        .parse()
+                        .map_err(|_| bad(format!("{value:?} is not a number")))?,
+                )
+            }
+            _ => break,
+        }
+        inner = head;
+    }
+    let inner = parse_backend(inner)?;
+    if !matches!(inner, Backend::Malloc | Backend::File { .. }) {
+        return err(format!(
+            "backend {spec:?}: faulty= wraps malloc or file=PATH[,direct] only"
+        ));
+    }
+    Ok(Backend::Faulty {
+        inner: Box::new(inner),
+        faults,
+        seed,
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,7 +176,17 @@ pub struct ServeSettings {
     pub nvmf_volumes: std::collections::BTreeMap<String, NvmfVolume>,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
+    /// NBD connections the server holds at once (1 to [`MAX_SERVER_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// NBD connections one volume serves at once (1 to
+    /// `lull_volume::MAX_CONNECTIONS_PER_VOLUME`).
+    pub max_connections_per_volume: usize,
 }
+
+/// The most NBD connections a server may be configured to hold: the NBD
+/// server's own cap, `lull_nbd::MAX_CONNECTIONS` (the binary asserts they
+/// agree), which is also the default.
+pub const MAX_SERVER_CONNECTIONS: usize = 16_384;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
@@ -145,6 +217,10 @@ pub struct ConfigFile {
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
     pub connections_per_replica: Option<usize>,
+    /// NBD connections held at once.
+    pub max_connections: Option<usize>,
+    /// NBD connections per volume.
+    pub max_connections_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -197,6 +273,8 @@ pub struct Overrides {
     pub nvmf_allow_host: Vec<String>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
+    pub max_connections: Option<usize>,
+    pub max_connections_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -206,8 +284,12 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     lull_bdev::parse_size_bytes(s).map_err(ConfigError)
 }
 
-/// Parse a backend: `malloc`, `file=PATH` or `file=PATH,direct`.
+/// Parse a backend: `malloc`, `file=PATH`, `file=PATH,direct`,
+/// `replicas=HOST:PORT+...` or `faulty=INNER,read_err=P,...`.
 pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
+    if let Some(rest) = s.strip_prefix("faulty=") {
+        return parse_faulty(s, rest);
+    }
     if s == "malloc" {
         return Ok(Backend::Malloc);
     }
@@ -228,7 +310,7 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
         return Ok(Backend::Replicas { addrs });
     }
-    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct] or replicas=HOST:PORT[+HOST:PORT...]"))
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.
@@ -403,6 +485,25 @@ pub fn resolve(
         engine.connections_per_replica = c;
     }
     engine.validate().map_err(|e| ConfigError(e.to_string()))?;
+    let max_connections = flags
+        .max_connections
+        .or(file.max_connections)
+        .unwrap_or(MAX_SERVER_CONNECTIONS);
+    if !(1..=MAX_SERVER_CONNECTIONS).contains(&max_connections) {
+        return err(format!(
+            "max_connections = {max_connections}: must be 1 to {MAX_SERVER_CONNECTIONS}"
+        ));
+    }
+    let max_connections_per_volume = flags
+        .max_connections_per_volume
+        .or(file.max_connections_per_volume)
+        .unwrap_or(lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME);
+    if !(1..=lull_volume::MAX_CONNECTIONS_PER_VOLUME).contains(&max_connections_per_volume) {
+        return err(format!(
+            "max_connections_per_volume = {max_connections_per_volume}: must be 1 to {}",
+            lull_volume::MAX_CONNECTIONS_PER_VOLUME
+        ));
+    }
     let dynamic = DynamicParams {
         load_limit: file
             .scheduler_load_limit
@@ -450,6 +551,8 @@ pub fn resolve(
         nvmf_volumes,
         engine,
         scheduler,
+        max_connections,
+        max_connections_per_volume,
     })
 }
 
@@ -570,6 +673,50 @@ mod tests {
             }
         );
         assert!(parse_volume("r:1G:replicas=").is_err());
+        let p = |x: f64| lull_bdev::Probability::new(x).unwrap();
+        assert_eq!(
+            parse_volume("f:1G:faulty=file=/a,b,direct,read_err=0.5,delay_us=20,seed=9")
+                .unwrap()
+                .backend,
+            Backend::Faulty {
+                inner: Box::new(Backend::File {
+                    path: PathBuf::from("/a,b"),
+                    direct: true
+                }),
+                faults: lull_bdev::Faults {
+                    read_err: p(0.5),
+                    delay_us: 20,
+                    ..Default::default()
+                },
+                seed: Some(9),
+            }
+        );
+        assert_eq!(
+            parse_volume("f:1G:faulty=malloc,write_err=1,flush_err=0.25")
+                .unwrap()
+                .backend,
+            Backend::Faulty {
+                inner: Box::new(Backend::Malloc),
+                faults: lull_bdev::Faults {
+                    write_err: p(1.0),
+                    flush_err: p(0.25),
+                    ..Default::default()
+                },
+                seed: None,
+            }
+        );
+        for bad in [
+            "f:1G:faulty=",
+            "f:1G:faulty=malloc,read_err=2",
+            "f:1G:faulty=malloc,read_err=x",
+            "f:1G:faulty=malloc,delay_us=-1",
+            "f:1G:faulty=malloc,delay_us=10000001",
+            "f:1G:faulty=malloc,bogus=1",
+            "f:1G:faulty=replicas=127.0.0.1:7001",
+            "f:1G:faulty=faulty=malloc",
+        ] {
+            assert!(parse_volume(bad).is_err(), "{bad}");
+        }
         assert!(parse_volume("r:1G:replicas=nowhere").is_err());
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
@@ -734,6 +881,35 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.listen, None, "a socket alone replaces TCP");
+    }
+
+    #[test]
+    fn connection_caps_from_the_file_and_flags() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.max_connections, MAX_SERVER_CONNECTIONS);
+        assert_eq!(
+            s.max_connections_per_volume,
+            lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME
+        );
+        let file =
+            || ConfigFile::parse("max_connections = 100\nmax_connections_per_volume = 8").unwrap();
+        let s = resolve(file(), Overrides::default(), &[0]).unwrap();
+        assert_eq!((s.max_connections, s.max_connections_per_volume), (100, 8));
+        let flags = Overrides {
+            max_connections_per_volume: Some(3),
+            ..Default::default()
+        };
+        let s = resolve(file(), flags, &[0]).unwrap();
+        assert_eq!((s.max_connections, s.max_connections_per_volume), (100, 3));
+        for text in [
+            "max_connections = 0",
+            "max_connections = 16385",
+            "max_connections_per_volume = 0",
+            "max_connections_per_volume = 16385",
+        ] {
+            let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
+            assert!(e.unwrap_err().0.contains("max_connections"), "{text}");
+        }
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //! an encoder exists, that what decodes re-encodes to stable bytes. A
 //! failed assertion is a panic, which libFuzzer reports as a crash.
 
+#![forbid(unsafe_code)]
+
 mod config;
 mod nbd;
 mod nvmf;

@@ -1,6 +1,8 @@
 //! `lull`: the binary. `lull serve` with no argument serves a 1 GiB memory
 //! volume `vol0` on 127.0.0.1:10809.
 
+#![forbid(unsafe_code)]
+
 mod cli;
 mod control;
 
@@ -65,8 +67,10 @@ struct ServeArgs {
     /// (Longhorn's data-engine-nvme-ioq-poll-period-us) [default: 100].
     #[arg(long = "nvme-ioq-poll-period-us", value_name = "US")]
     ioq_poll_period_us: Option<u64>,
-    /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default)
-    /// or file=PATH[,direct]. Sizes take K/M/G/T (binary) suffixes.
+    /// A volume NAME:SIZE[:BACKEND], repeatable; BACKEND is malloc (default),
+    /// file=PATH[,direct], replicas=HOST:PORT+HOST:PORT or (fault injection)
+    /// faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N.
+    /// Sizes take K/M/G/T (binary) suffixes.
     #[arg(long = "volume", value_name = "NAME:SIZE[:BACKEND]")]
     volumes: Vec<String>,
     /// JSON-RPC socket [default: /var/tmp/lull.sock; when that one is taken
@@ -96,6 +100,14 @@ struct ServeArgs {
     /// Replicated volumes: TCP connections per replica [default: 2].
     #[arg(long, value_name = "N")]
     connections_per_replica: Option<usize>,
+    /// NBD connections held at once; past it a new one is closed at once
+    /// [default: 16384, the most].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// NBD connections one volume serves at once; past it NBD_OPT_GO gets
+    /// NBD_REP_ERR_POLICY [default: 4096].
+    #[arg(long, value_name = "N")]
+    max_connections_per_volume: Option<usize>,
     /// Scheduler: static (threads stay where they start) or dynamic (idle
     /// work packed onto the first core, busy work spread; use with
     /// several --cores) [default: static].
@@ -150,6 +162,8 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         nvmf_allow_host: args.nvmf_allow_host,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
+        max_connections: args.max_connections,
+        max_connections_per_volume: args.max_connections_per_volume,
         scheduler: args.scheduler,
         scheduler_period_us: args.scheduler_period_us,
     };
@@ -191,11 +205,25 @@ pub(crate) fn open_device(
             .map(Storage::Replicated)
             .map_err(|e| e.to_string());
         }
-        Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
+        local => open_local(&spec.name, local, spec.size_bytes)?,
+    };
+    Ok(Storage::Local(dev))
+}
+
+const _: () = assert!(config::MAX_SERVER_CONNECTIONS == lull_nbd::MAX_CONNECTIONS);
+
+/// A device in this process: memory, a file, or either with faults injected.
+fn open_local(
+    volume: &str,
+    backend: &Backend,
+    size_bytes: u64,
+) -> Result<Arc<dyn BlockDevice>, String> {
+    Ok(match backend {
+        Backend::Malloc => Arc::new(MallocDev::new(size_bytes).map_err(|e| e.to_string())?),
         Backend::File { path, direct } => Arc::new(
             FileDev::open(
                 path,
-                spec.size_bytes,
+                size_bytes,
                 FileOptions {
                     direct: *direct,
                     create: true,
@@ -203,8 +231,33 @@ pub(crate) fn open_device(
             )
             .map_err(|e| format!("{}: {e}", path.display()))?,
         ),
-    };
-    Ok(Storage::Local(dev))
+        Backend::Faulty {
+            inner,
+            faults,
+            seed,
+        } => {
+            // No seed given: one from the clock, logged so the run can be repeated.
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64)
+            });
+            let faults = lull_bdev::Faults { seed, ..*faults };
+            let dev = lull_bdev::FaultyDev::new(open_local(volume, inner, size_bytes)?, faults);
+            tracing::warn!(
+                volume,
+                seed,
+                read_err = faults.read_err.get(),
+                write_err = faults.write_err.get(),
+                flush_err = faults.flush_err.get(),
+                delay_us = faults.delay_us,
+                "FAULT INJECTION ENABLED on this volume: {}",
+                dev.describe()
+            );
+            Arc::new(dev)
+        }
+        Backend::Replicas { .. } => return Err("a replicated volume is not a local device".into()),
+    })
 }
 
 /// Wait (all volumes together, bounded) for replicated volumes to have a
@@ -283,7 +336,9 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let volumes = Arc::new(Volumes::default());
+    let volumes = Arc::new(Volumes::with_max_connections_per_volume(
+        s.max_connections_per_volume,
+    ));
     for spec in &s.volumes {
         let dev = match open_device(spec, fw.handle(), &s.engine) {
             Ok(d) => d,
@@ -298,14 +353,15 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     }
     wait_for_replicas(&volumes);
-    let server = match NbdServer::start(fw.handle(), volumes.clone(), &listen) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("lull: error: {e}");
-            fw.stop();
-            return ExitCode::FAILURE;
-        }
-    };
+    let server =
+        match NbdServer::start_with(fw.handle(), volumes.clone(), &listen, s.max_connections) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("lull: error: {e}");
+                fw.stop();
+                return ExitCode::FAILURE;
+            }
+        };
     let subsystems = s
         .nvmf_volumes
         .iter()

@@ -46,14 +46,21 @@ struct Replica {
     child: Option<Child>,
     addr: SocketAddr,
     dir: PathBuf,
+    /// More `lull replica` flags (fault injection).
+    extra: Vec<String>,
 }
 
 impl Replica {
     fn start(addr: SocketAddr, dir: &Path) -> Replica {
+        Replica::start_with(addr, dir, &[])
+    }
+
+    fn start_with(addr: SocketAddr, dir: &Path, extra: &[&str]) -> Replica {
         let mut r = Replica {
             child: None,
             addr,
             dir: dir.to_path_buf(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         r.restart();
         r
@@ -75,6 +82,7 @@ impl Replica {
             ])
             .arg("--dir")
             .arg(self.dir.join("data"))
+            .args(&self.extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -111,8 +119,13 @@ impl Replica {
 }
 
 impl Drop for Replica {
+    /// Kills the process; a passing test also removes the replica's
+    /// scratch directory (each replica has its own), a failing one keeps it.
     fn drop(&mut self) {
         self.kill();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
@@ -255,6 +268,133 @@ fn fio_survives_a_killed_replica_and_rebuild_converges() {
     }
     ra.kill();
     server.assert_logged("rebuild of replica");
+}
+
+/// One of two replicas injects faults (`--fault-drop`, `--fault-error`,
+/// `--fault-delay-us`): fio's verified writes and reads through the volume
+/// still all succeed, since the engine fails the faulty replica and serves
+/// from the healthy one; it reconnects to the faulty one as designed.
+#[test]
+fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
+    require("fio", "fio");
+    let (a, b) = (free_port(), free_port());
+    let ra = Replica::start(a, &scratch("faulty-a"));
+    let rb = Replica::start_with(
+        b,
+        &scratch("faulty-b"),
+        &[
+            "--fault-drop",
+            "0.002",
+            "--fault-error",
+            "0.01",
+            "--fault-delay-us",
+            "300",
+            "--fault-seed",
+            "5",
+        ],
+    );
+    assert!(
+        rb.log().contains("FAULT INJECTION ENABLED"),
+        "the faulty replica did not say so:\n{}",
+        rb.log()
+    );
+    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let out = Command::new("fio")
+        .args([
+            "--name=faulty",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol0", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--fsync=32",
+            "--loops=2",
+            "--randseed=77",
+            "--output-format=terse",
+        ])
+        .output()
+        .expect("run fio");
+    assert!(
+        out.status.success(),
+        "fio failed with a faulty replica: {}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        server.stderr()
+    );
+    // 8192 writes and as many reads at 1 % errors: the faulty replica failed
+    // at least once, and its own log shows what it injected.
+    assert!(
+        server.wait_for_log("failed", Duration::from_secs(20)),
+        "the engine never failed the faulty replica:\n{}",
+        server.stderr()
+    );
+    assert!(
+        server.wait_for_log("it will be rebuilt", Duration::from_secs(20)),
+        "the engine never reconnected to the faulty replica:\n{}",
+        server.stderr()
+    );
+    let rlog = rb.log();
+    assert!(
+        rlog.contains("fault injection") || rlog.contains("I/O failed"),
+        "the faulty replica injected nothing:\n{rlog}"
+    );
+    server.assert_healthy();
+    drop(ra);
+}
+
+/// A replicated volume refuses a connection it cannot take in the
+/// handshake (`NBD_REP_ERR_POLICY` to `NBD_OPT_GO`), both past the
+/// configured per-volume cap and past the engine's `MAX_CHANNELS` when the
+/// cap is set higher.
+#[test]
+fn replicated_volume_refusals_come_in_the_handshake() {
+    let (a, b) = (free_port(), free_port());
+    let _ra = Replica::start(a, &scratch("refuse-a"));
+    let _rb = Replica::start(b, &scratch("refuse-b"));
+    let go_refused = |server: &Server, cap: &str| {
+        let err = match NbdClient::connect(server.addr(), "vol0") {
+            Ok(_) => panic!("a connection past {cap} was admitted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(&format!("{:#x}", lull_proto::nbd::NBD_REP_ERR_POLICY)),
+            "past {cap}: {err}"
+        );
+        err
+    };
+    let spec = spec("vol0", &[a, b]);
+    {
+        let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "1"]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let _one = NbdClient::connect(server.addr(), "vol0").expect("first connection");
+        let err = go_refused(&server, "the per-volume cap");
+        assert!(err.contains("maximum of 1 connections"), "{err}");
+        server.assert_healthy();
+    }
+    let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "100"]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let max = lull_engine::MAX_CHANNELS;
+    let held: Vec<NbdClient> = (0..max)
+        .map(|i| {
+            NbdClient::connect(server.addr(), "vol0")
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"))
+        })
+        .collect();
+    let err = go_refused(&server, "MAX_CHANNELS");
+    assert!(err.contains("cannot take a connection now"), "{err}");
+    assert!(
+        server.wait_for_log("cannot open a device channel", Duration::from_secs(5)),
+        "{}",
+        server.stderr()
+    );
+    drop(held);
+    server.assert_healthy();
 }
 
 #[test]
@@ -614,6 +754,7 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     let dir = scratch(name);
     let one = export_image(server, "vol0", &dir.join("one.raw"));
     let two = export_image(server, "vol0", &dir.join("two.raw"));
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(one == two, "two full reads of the volume differ");
     one
 }

@@ -25,7 +25,8 @@ use lull_reactor::{Clock, Interest, PollStatus, Thread};
 use lull_volume::{OpKind, Volume};
 
 use crate::stream::Stream;
-use crate::{ExportList, ServerShared};
+use crate::{Admitted, ExportList, ServerShared};
+use lull_volume::ConnPermit;
 
 /// Requests in flight per connection. Bounds the slot table, the buffers a
 /// client can pin (with `MAX_REPLY_QUEUE_BYTES`) and the device queue share
@@ -88,6 +89,8 @@ enum Phase {
     Transmission {
         volume: Arc<Volume>,
         channel: Box<dyn Channel>,
+        /// This connection's place on the volume (given back on drop).
+        _permit: ConnPermit,
         size: u64,
         tflags: u16,
         /// Reads (and block status) answer in structured chunks.
@@ -571,7 +574,8 @@ impl Conn {
             return false;
         }
         let mut reply = Vec::new();
-        let exports = ExportList::of(&self.server.volumes);
+        let peer = self.link.peer().to_string();
+        let exports = ExportList::of(&self.server.volumes, &peer);
         let result = hs.feed(self.link.inb.peek(), &exports, &mut reply);
         let negotiated = hs.negotiated();
         if !reply.is_empty() {
@@ -588,30 +592,29 @@ impl Conn {
             Ok((used, HandshakeStatus::Done { export_name, info })) => {
                 self.link.inb.consume(used);
                 self.handshake_done.store(true, Ordering::Relaxed);
-                let Some(volume) = self.server.volumes.get(&export_name) else {
-                    self.close(format!(
-                        "export {export_name:?} vanished during the handshake"
-                    ));
+                // `admit` took the volume's place and opened its channel
+                // before the final reply was written.
+                let Some(Admitted {
+                    volume,
+                    channel,
+                    permit,
+                }) = exports.admitted.borrow_mut().take()
+                else {
+                    debug_assert!(false, "a finished handshake admitted its export");
+                    self.close(format!("export {export_name:?} was not admitted"));
                     return true;
                 };
-                match volume.dev().open_channel() {
-                    Ok(channel) => {
-                        tracing::info!(peer = %self.link.peer(), export = %volume.name, "client connected");
-                        self.link.set_context(&volume.name);
-                        self.phase = Phase::Transmission {
-                            channel,
-                            size: info.size_bytes,
-                            tflags: info.transmission_flags,
-                            structured: negotiated.structured_replies,
-                            base_allocation: negotiated.base_allocation,
-                            volume,
-                        };
-                    }
-                    Err(e) => {
-                        tracing::error!(peer = %self.link.peer(), export = %volume.name, error = %e, "cannot open device channel");
-                        self.close("cannot open device channel");
-                    }
-                }
+                tracing::info!(peer = %self.link.peer(), export = %volume.name, "client connected");
+                self.link.set_context(&volume.name);
+                self.phase = Phase::Transmission {
+                    channel,
+                    _permit: permit,
+                    size: info.size_bytes,
+                    tflags: info.transmission_flags,
+                    structured: negotiated.structured_replies,
+                    base_allocation: negotiated.base_allocation,
+                    volume,
+                };
                 true
             }
             Ok((used, HandshakeStatus::Aborted)) => {

@@ -17,6 +17,8 @@
 //! `lull_net::server`; the protocol is in `conn`. Volumes (and their I/O
 //! counters) come from the `lull_volume` registry; an export is a volume.
 
+#![forbid(unsafe_code)]
+
 mod conn;
 mod stream;
 
@@ -31,7 +33,7 @@ use std::time::Duration;
 use lull_net::server::{self, Acceptor, Connections, Limits};
 use lull_proto::nbd::{self, ExportInfo, Exports};
 use lull_reactor::{FrameworkHandle, ReactorError};
-use lull_volume::{Volume, Volumes};
+use lull_volume::{ConnPermit, Volume, Volumes};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 
@@ -82,25 +84,76 @@ pub enum NbdError {
 }
 
 /// The export list of a handshake: the volumes as they are when it starts.
-struct ExportList(Vec<Arc<Volume>>);
+/// The volumes as one handshake step sees them. A GO or EXPORT_NAME
+/// takes a connection place on its volume and opens the device channel
+/// before it is answered ([`Exports::admit`]), so a volume that cannot take
+/// the connection refuses it in the handshake; what was taken waits in
+/// `admitted` for the connection.
+pub(crate) struct ExportList<'a> {
+    list: Vec<Arc<Volume>>,
+    max_per_volume: usize,
+    peer: &'a str,
+    pub(crate) admitted: std::cell::RefCell<Option<Admitted>>,
+}
 
-impl ExportList {
-    fn of(volumes: &Volumes) -> ExportList {
-        ExportList(volumes.list())
+/// An export taken for a connection: its place and its channel.
+pub(crate) struct Admitted {
+    pub(crate) volume: Arc<Volume>,
+    pub(crate) channel: Box<dyn lull_bdev::Channel>,
+    pub(crate) permit: ConnPermit,
+}
+
+impl<'a> ExportList<'a> {
+    pub(crate) fn of(volumes: &Volumes, peer: &'a str) -> ExportList<'a> {
+        ExportList {
+            list: volumes.list(),
+            max_per_volume: volumes.max_connections_per_volume(),
+            peer,
+            admitted: std::cell::RefCell::new(None),
+        }
+    }
+
+    fn find(&self, name: &str) -> Option<&Arc<Volume>> {
+        if name.is_empty() {
+            self.list.first()
+        } else {
+            self.list.iter().find(|v| v.name == name)
+        }
     }
 }
 
-impl Exports for ExportList {
+impl Exports for ExportList<'_> {
     fn names(&self) -> Vec<String> {
-        self.0.iter().map(|v| v.name.clone()).collect()
+        self.list.iter().map(|v| v.name.clone()).collect()
+    }
+
+    fn admit(&self, name: &str) -> Result<(), String> {
+        let Some(volume) = self.find(name) else {
+            return Err("unknown export".into());
+        };
+        let Some(permit) = volume.try_connect(self.max_per_volume) else {
+            tracing::warn!(peer = %self.peer, export = %volume.name, limit = self.max_per_volume,
+                "refused a connection: the volume has its maximum of connections");
+            return Err(format!(
+                "export {:?} already has its maximum of {} connections",
+                volume.name, self.max_per_volume
+            ));
+        };
+        let channel = volume.dev().open_channel().map_err(|e| {
+            tracing::error!(peer = %self.peer, export = %volume.name, error = %e,
+                "refused a connection: cannot open a device channel");
+            format!("export {:?} cannot take a connection now: {e}", volume.name)
+        })?;
+        *self.admitted.borrow_mut() = Some(Admitted {
+            volume: volume.clone(),
+            channel,
+            permit,
+        });
+        Ok(())
     }
 
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
-        let v = if name.is_empty() {
-            self.0.first()
-        } else {
-            self.0.iter().find(|v| v.name == name)
-        }?;
+        let v = self.find(name)?;
         Some(ExportInfo {
             size_bytes: v.dev().size_bytes(),
             transmission_flags: EXPORT_FLAGS,
@@ -232,6 +285,17 @@ impl NbdServer {
         volumes: Arc<Volumes>,
         listen: &[ListenAddr],
     ) -> Result<NbdServer, NbdError> {
+        NbdServer::start_with(fw, volumes, listen, MAX_CONNECTIONS)
+    }
+
+    /// As [`NbdServer::start`], holding at most `max_connections` (1 to
+    /// [`MAX_CONNECTIONS`]) connections at once.
+    pub fn start_with(
+        fw: &FrameworkHandle,
+        volumes: Arc<Volumes>,
+        listen: &[ListenAddr],
+        max_connections: usize,
+    ) -> Result<NbdServer, NbdError> {
         let listeners = listen
             .iter()
             .map(Listener::bind)
@@ -239,7 +303,7 @@ impl NbdServer {
         let addrs = listeners.iter().map(Listener::local).collect();
         let conns = Arc::new(Connections::new(Limits {
             name: "nbd",
-            max_connections: MAX_CONNECTIONS,
+            max_connections: max_connections.clamp(1, MAX_CONNECTIONS),
             greeting_timeout_us: HANDSHAKE_TIMEOUT_US,
         }));
         let shared = Arc::new(ServerShared {

@@ -22,6 +22,8 @@
 //! [`server`] holds the acceptor and connection table the servers share;
 //! [`slots`] the table of requests in flight every connection keeps.
 
+#![forbid(unsafe_code)]
+
 pub mod bufs;
 pub mod server;
 pub mod slots;

@@ -365,6 +365,17 @@ pub trait Exports {
     /// The export a client asked for. `""` is the default export; what it
     /// means (or whether there is one) is the server's choice.
     fn lookup(&self, name: &str) -> Option<ExportInfo>;
+    /// Called when an `NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME` for `name` (an
+    /// export `lookup` found) is about to succeed, before anything of the
+    /// answer is sent: the server takes the export for this client here (a
+    /// connection place, a device channel). `Err(reason)` refuses it: GO
+    /// gets `NBD_REP_ERR_POLICY` with the reason and negotiation goes on;
+    /// EXPORT_NAME, which has no error reply, ends the handshake
+    /// ([`HandshakeError::Refused`]). Default: always admitted.
+    fn admit(&self, name: &str) -> Result<(), String> {
+        let _ = name;
+        Ok(())
+    }
 }
 
 /// Where the handshake stands after a [`ServerHandshake::feed`].
@@ -406,6 +417,10 @@ pub enum HandshakeError {
     #[error("NBD_OPT_EXPORT_NAME carries an invalid name: {reason}")]
     InvalidExportName { reason: &'static str },
     /// The spec: the server MUST terminate the session when
+    /// The server refused the export of an `NBD_OPT_EXPORT_NAME` (see
+    /// [`Exports::admit`]); that option has no error reply, so it closes.
+    #[error("NBD_OPT_EXPORT_NAME for {name:?} refused: {reason}")]
+    Refused { name: String, reason: String },
     /// `NBD_OPT_EXPORT_NAME` names an export it does not have.
     #[error("NBD_OPT_EXPORT_NAME asked for unknown export {name:?}")]
     UnknownExport { name: String },
@@ -420,6 +435,7 @@ impl HandshakeError {
         match self {
             HandshakeError::OptionTooLong { .. } => libc::EMSGSIZE,
             HandshakeError::UnknownExport { .. } => libc::ENOENT,
+            HandshakeError::Refused { .. } => libc::EBUSY,
             HandshakeError::Finished => libc::EINVAL,
             HandshakeError::UnknownClientFlags { .. }
             | HandshakeError::NotFixedNewstyle { .. }
@@ -781,6 +797,12 @@ impl ServerHandshake {
             .ok_or_else(|| HandshakeError::UnknownExport {
                 name: name.to_owned(),
             })?;
+        exports
+            .admit(name)
+            .map_err(|reason| HandshakeError::Refused {
+                name: name.to_owned(),
+                reason,
+            })?;
         info.transmission_flags |= NBD_FLAG_HAS_FLAGS;
         out.extend_from_slice(&info.size_bytes.to_be_bytes());
         out.extend_from_slice(&info.transmission_flags.to_be_bytes());
@@ -865,6 +887,13 @@ fn info_or_go(
         put_reply(out, option, NBD_REP_ERR_UNKNOWN, &[b"unknown export"]);
         return None;
     };
+    if option == NBD_OPT_GO {
+        if let Err(reason) = exports.admit(request.name) {
+            let reason = truncate_str(&reason, MAX_STRING_LEN);
+            put_reply(out, option, NBD_REP_ERR_POLICY, &[reason.as_bytes()]);
+            return None;
+        }
+    }
     info.transmission_flags |= NBD_FLAG_HAS_FLAGS;
 
     // NBD_INFO_EXPORT is mandatory before an ACK.

@@ -26,12 +26,16 @@
 //! A connection is not a lull thread: servers put connections as pollers
 //! into *poll groups*, one lull thread per reactor (`lull_net::server`).
 
+// Unsafe only in `sys`, the fence around Linux syscalls (STYLE.md).
+#![deny(unsafe_code)]
+
 pub mod adaptive;
 mod clock;
 mod cores;
 pub mod governor;
 mod reactor;
 pub mod scheduler;
+#[allow(unsafe_code)]
 pub mod sys;
 mod thread;
 

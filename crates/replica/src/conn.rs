@@ -40,6 +40,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
+use lull_bdev::faulty::SplitMix64;
 use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
@@ -155,6 +156,8 @@ pub(crate) struct Conn {
     retry: Option<IoRequest>,
     pub(crate) hello_done: Arc<AtomicBool>,
     wait: Option<Wait>,
+    /// Draws for `--fault-drop` (seeded per connection).
+    drop_draws: SplitMix64,
     /// The session of the first HELLO; every later HELLO must carry it.
     session: Option<u64>,
     /// This connection's count of modifying requests in flight.
@@ -241,6 +244,12 @@ impl Conn {
             .peer_addr()
             .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
         let fd = stream.as_raw_fd();
+        let drop_draws = SplitMix64::new(
+            server
+                .faults
+                .seed
+                .wrapping_add(server.conns_accepted.fetch_add(1, Ordering::Relaxed)),
+        );
         Conn {
             link: Wire::new(stream, fd, READ_BUFFER_BYTES, "replica", peer.to_string()),
             server,
@@ -249,6 +258,7 @@ impl Conn {
             recv: Recv::Header,
             retry: None,
             hello_done: Arc::new(AtomicBool::new(false)),
+            drop_draws,
             wait: None,
             session: None,
             fence,
@@ -493,7 +503,11 @@ impl Conn {
 
     fn open_channel(&self) -> Option<Box<dyn Channel>> {
         use lull_bdev::BlockDevice;
-        match self.server.dev.open_channel() {
+        let opened = match &self.server.faulty {
+            Some(faulty) => faulty.open_channel(),
+            None => self.server.dev.open_channel(),
+        };
+        match opened {
             Ok(c) => Some(c),
             Err(e) => {
                 tracing::error!(peer = %self.link.peer(), error = %e, "cannot open a data file channel");
@@ -925,6 +939,14 @@ impl Conn {
             if counted {
                 self.fence_exit();
             }
+            return;
+        }
+        if req.kind != Kind::Ping && self.drop_draws.chance(self.server.faults.drop) {
+            tracing::warn!(peer = %self.link.peer(), ?req, "fault injection: dropping the connection");
+            if counted {
+                self.fence_exit();
+            }
+            self.close("fault injection (--fault-drop)");
             return;
         }
         match req.kind {

@@ -9,6 +9,7 @@
 //!     dir: "/var/lib/lull/r0".into(),
 //!     size_bytes: 1 << 30,
 //!     direct: false,
+//!     faults: ReplicaFaults::default(),
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
@@ -74,7 +75,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use lull_bdev::{BdevError, BlockDevice, FileDev, FileOptions};
+use lull_bdev::{BdevError, BlockDevice, Faults, FaultyDev, FileDev, FileOptions, Probability};
 use lull_net::server::{Acceptor, Connections, Limits};
 use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 
@@ -163,6 +164,30 @@ pub struct ReplicaConfig {
     pub dir: PathBuf,
     pub size_bytes: u64,
     pub direct: bool,
+    /// Faults to inject, for rehearsals and tests; none by default.
+    pub faults: ReplicaFaults,
+}
+
+/// Faults a replica injects on purpose (`lull replica --fault-*`), so
+/// operators and tests can watch the engine cope.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaFaults {
+    /// Each data request (after HELLO) closes its connection instead of
+    /// being served, with this probability.
+    pub drop: Probability,
+    /// Each data request fails with EIO with this probability (the data
+    /// file goes through a [`FaultyDev`]).
+    pub error: Probability,
+    /// Every data completion is held back this long before its reply.
+    pub delay_us: u64,
+    /// Seed of the draws; connection `n` draws drops from `seed + n`.
+    pub seed: u64,
+}
+
+impl ReplicaFaults {
+    pub fn any(&self) -> bool {
+        self.drop.get() > 0.0 || self.error.get() > 0.0 || self.delay_us > 0
+    }
 }
 
 /// The metadata record as the server knows it, behind one lock that the
@@ -188,6 +213,12 @@ pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
     pub(crate) size_bytes: u64,
     pub(crate) dev: Arc<FileDev>,
+    /// With `--fault-error`/`--fault-delay-us`: the data file behind the
+    /// fault injector, where connections open their channels.
+    pub(crate) faulty: Option<FaultyDev>,
+    pub(crate) faults: ReplicaFaults,
+    /// Connections accepted so far (each one's drop draws are seeded apart).
+    pub(crate) conns_accepted: AtomicU64,
     /// A descriptor on the data file for SEEK_DATA/SEEK_HOLE only (its file
     /// offset is moved by those calls; no I/O goes through it).
     pub(crate) scan: File,
@@ -447,10 +478,33 @@ impl ReplicaServer {
             max_connections: MAX_CONNECTIONS,
             greeting_timeout_us: HELLO_TIMEOUT_US,
         }));
+        let f = config.faults;
+        let faulty = (f.error.get() > 0.0 || f.delay_us > 0).then(|| {
+            let faults = Faults {
+                read_err: f.error,
+                write_err: f.error,
+                flush_err: f.error,
+                delay_us: f.delay_us,
+                seed: f.seed,
+            };
+            FaultyDev::new(dev.clone(), faults)
+        });
+        if f.any() {
+            tracing::warn!(
+                drop = f.drop.get(),
+                error = f.error.get(),
+                delay_us = f.delay_us,
+                seed = f.seed,
+                "FAULT INJECTION ENABLED: this replica drops connections, fails I/O and delays replies on purpose"
+            );
+        }
         let shared = Arc::new(Shared {
             dir,
             size_bytes: config.size_bytes,
             dev,
+            faulty,
+            faults: f,
+            conns_accepted: AtomicU64::new(0),
             scan,
             conns: conns.clone(),
             generation: AtomicU64::new(meta.generation),

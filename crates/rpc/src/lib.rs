@@ -17,6 +17,8 @@
 //! management traffic cannot delay the data path. Each server has a
 //! connection cap, a request size limit and I/O timeouts (see the constants).
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod conns;
 mod framing;

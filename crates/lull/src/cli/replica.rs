@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use lull_reactor::{Framework, FrameworkConfig, Mode};
-use lull_replica::{ReplicaConfig, ReplicaError, ReplicaServer};
+use lull_replica::{ReplicaConfig, ReplicaError, ReplicaFaults, ReplicaServer};
 
 use crate::cli::{signals, EXIT_USAGE};
 
@@ -38,6 +38,19 @@ pub struct ReplicaArgs {
     /// Open the data file with O_DIRECT.
     #[arg(long)]
     pub direct: bool,
+    /// Fault injection: close the engine's connection at a data request,
+    /// with this probability per request (0 to 1).
+    #[arg(long, value_name = "P", default_value = "0")]
+    pub fault_drop: String,
+    /// Fault injection: fail data requests with EIO with this probability.
+    #[arg(long, value_name = "P", default_value = "0")]
+    pub fault_error: String,
+    /// Fault injection: hold every data reply back this many microseconds.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub fault_delay_us: u64,
+    /// Seed of the fault draws [default: from the clock, logged].
+    #[arg(long, value_name = "N")]
+    pub fault_seed: Option<u64>,
 }
 
 /// Resolved `lull replica` settings.
@@ -73,12 +86,33 @@ impl ReplicaArgs {
         if self.dir.as_os_str().is_empty() {
             return Err("--dir must not be empty".into());
         }
+        let probability = |flag: &str, v: &str| {
+            v.parse::<lull_bdev::Probability>()
+                .map_err(|e| format!("{flag}: {e}"))
+        };
+        if self.fault_delay_us > lull_bdev::MAX_FAULT_DELAY_US {
+            return Err(format!(
+                "--fault-delay-us: at most {} (10 s)",
+                lull_bdev::MAX_FAULT_DELAY_US
+            ));
+        }
+        let faults = ReplicaFaults {
+            drop: probability("--fault-drop", &self.fault_drop)?,
+            error: probability("--fault-error", &self.fault_error)?,
+            delay_us: self.fault_delay_us,
+            seed: self.fault_seed.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64)
+            }),
+        };
         Ok(ReplicaSettings {
             config: ReplicaConfig {
                 listen,
                 dir: self.dir.clone(),
                 size_bytes,
                 direct: self.direct,
+                faults,
             },
             cores,
             mode,
@@ -182,8 +216,41 @@ mod tests {
             cores: None,
             mode: "adaptive".into(),
             direct: false,
+            fault_drop: "0".into(),
+            fault_error: "0".into(),
+            fault_delay_us: 0,
+            fault_seed: None,
         };
         let s = args.resolve(&[0, 1]).unwrap();
+        assert!(!s.config.faults.any());
+        let faulty = ReplicaArgs {
+            fault_drop: "0.01".into(),
+            fault_error: "0.5".into(),
+            fault_delay_us: 100,
+            fault_seed: Some(4),
+            ..args.clone()
+        };
+        let f = faulty.resolve(&[0]).unwrap().config.faults;
+        assert_eq!(
+            (f.drop.get(), f.error.get(), f.delay_us, f.seed),
+            (0.01, 0.5, 100, 4)
+        );
+        for bad in [
+            ReplicaArgs {
+                fault_drop: "2".into(),
+                ..args.clone()
+            },
+            ReplicaArgs {
+                fault_error: "-1".into(),
+                ..args.clone()
+            },
+            ReplicaArgs {
+                fault_delay_us: 10_000_001,
+                ..args.clone()
+            },
+        ] {
+            assert!(bad.resolve(&[0]).unwrap_err().contains("--fault-"));
+        }
         assert_eq!(s.cores, vec![1]);
         assert_eq!(s.mode, Mode::Adaptive);
         assert_eq!(s.config.size_bytes, 1 << 20);
@@ -213,6 +280,10 @@ mod tests {
             cores: None,
             mode: "interrupt".into(),
             direct: false,
+            fault_drop: "0".into(),
+            fault_error: "0".into(),
+            fault_delay_us: 0,
+            fault_seed: None,
         };
         assert_eq!(run(&args), ExitCode::from(2));
         let args = ReplicaArgs {

@@ -1282,3 +1282,75 @@ fn block_status_and_cache_validate() {
         Verdict::Ok
     );
 }
+
+/// Exports whose "ro" export refuses every client (`admit`).
+struct RefusingExports;
+
+impl Exports for RefusingExports {
+    fn names(&self) -> Vec<String> {
+        TestExports.names()
+    }
+
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        TestExports.lookup(name)
+    }
+
+    fn admit(&self, name: &str) -> Result<(), String> {
+        match name {
+            "ro" => Err("full".to_string()),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[test]
+fn a_refused_go_gets_err_policy_before_any_info_and_negotiation_goes_on() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_INFO, &info_payload(b"ro", &[])),
+            option(NBD_OPT_GO, &info_payload(b"ro", &[])),
+            option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+        ],
+    );
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    out.clear();
+    let result = handshake.feed(&input, &RefusingExports, &mut out);
+    let all = replies(&out);
+    let types: Vec<u32> = all.iter().map(|r| r.reply_type).collect();
+    // INFO is not admission; the refused GO sends no INFO, only the error.
+    assert_eq!(
+        types,
+        [
+            NBD_REP_INFO,
+            NBD_REP_INFO,
+            NBD_REP_ACK,
+            NBD_REP_ERR_POLICY,
+            NBD_REP_INFO,
+            NBD_REP_INFO,
+            NBD_REP_ACK
+        ]
+    );
+    assert_eq!(all[3].payload, b"full");
+    assert!(
+        matches!(result, Ok((_, HandshakeStatus::Done { export_name, .. })) if export_name == "disk")
+    );
+}
+
+#[test]
+fn a_refused_export_name_ends_the_handshake() {
+    let input = client(1, &[option(NBD_OPT_EXPORT_NAME, b"ro")]);
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::new(&mut out);
+    out.clear();
+    let result = handshake.feed(&input, &RefusingExports, &mut out);
+    assert!(out.is_empty(), "no reply bytes for a refused EXPORT_NAME");
+    assert_eq!(
+        result.map(|_| ()),
+        Err(HandshakeError::Refused {
+            name: "ro".into(),
+            reason: "full".into()
+        })
+    );
+}

@@ -1,0 +1,52 @@
+//! The crash and fault campaign's short version: `scripts/campaign` for
+//! three rounds (an engine kill, a replica kill, replica I/O errors), with
+//! the real binary, fio and libnbd. The long version's results are in
+//! docs/CAMPAIGN.md.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn short_crash_and_fault_campaign() {
+    common::require("fio", "fio");
+    common::require("qemu-io", "qemu-utils");
+    let has_nbd = Command::new("/usr/bin/python3")
+        .args(["-c", "import nbd"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_nbd,
+        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/campaign");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg(env!("CARGO_BIN_EXE_lull"))
+        .env("SEED", "21")
+        .env("ROUNDS", "3")
+        .env("ROUND_S", "2")
+        .env("ACTIONS", "kill-serve kill-replica io-errors")
+        .env("TMPDIR", env!("CARGO_TARGET_TMPDIR"))
+        .output()
+        .expect("run scripts/campaign");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("campaign passed"),
+        "the campaign failed ({}):\n{text}",
+        out.status
+    );
+    for round in [
+        "round 1: kill-serve",
+        "round 2: kill-replica",
+        "round 3: io-errors",
+    ] {
+        assert!(text.contains(round), "no {round:?} in:\n{text}");
+    }
+}

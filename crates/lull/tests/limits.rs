@@ -1,0 +1,155 @@
+//! Configurable connection limits, each hit by a real client or a raw
+//! socket: the server's connection cap (`--max-connections`) and the
+//! per-volume cap (`--max-connections-per-volume`), refused in the
+//! handshake (`NBD_REP_ERR_POLICY` to `NBD_OPT_GO`, a close for
+//! `NBD_OPT_EXPORT_NAME`).
+
+mod common;
+
+use std::io::Write;
+use std::process::Command;
+
+use common::{NbdClient, Server};
+use lull_proto::nbd;
+
+/// A raw handshake that sends `NBD_OPT_GO` for `export`; the first reply
+/// that is not `NBD_REP_INFO`: (reply type, message).
+fn go_reply(server: &Server, export: &str) -> (u32, String) {
+    let mut sock = common::connect_raw(server.addr());
+    common::read_greeting(&mut sock).expect("greeting");
+    let mut hello = common::CLIENT_FLAGS.to_be_bytes().to_vec();
+    hello.extend_from_slice(&common::encode_go(export));
+    sock.write_all(&hello).expect("send GO");
+    loop {
+        let (option, reply_type, payload) = common::read_option_reply(&mut sock).expect("GO reply");
+        assert_eq!(option, nbd::NBD_OPT_GO);
+        if reply_type != nbd::NBD_REP_INFO {
+            return (reply_type, String::from_utf8_lossy(&payload).into_owned());
+        }
+    }
+}
+
+#[test]
+fn the_per_volume_cap_refuses_go_in_the_handshake_and_frees_on_disconnect() {
+    let mut server = Server::start(&[
+        "--volume",
+        "a:1M",
+        "--volume",
+        "b:1M",
+        "--max-connections-per-volume",
+        "2",
+    ]);
+    let one = NbdClient::connect(server.addr(), "a").expect("first connection");
+    let mut two = NbdClient::connect(server.addr(), "a").expect("second connection");
+    let (reply, message) = go_reply(&server, "a");
+    assert_eq!(reply, nbd::NBD_REP_ERR_POLICY, "the third GO: {message}");
+    assert!(message.contains("maximum of 2 connections"), "{message}");
+    assert!(
+        server.wait_for_log(
+            "the volume has its maximum of connections",
+            common::IO_TIMEOUT
+        ),
+        "no log line for the refusal:\n{}",
+        server.stderr()
+    );
+    // Another volume is not affected; nor are the admitted connections.
+    let _b = NbdClient::connect(server.addr(), "b").expect("volume b");
+    assert_eq!(two.write(0, &[9; 4096]).expect("write"), 0);
+    // A real client is refused with a message, not a hang.
+    common::require("qemu-io", "qemu-utils");
+    let out = Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "read 0 4k",
+            &format!("nbd://{}/a", server.addr()),
+        ])
+        .output()
+        .expect("run qemu-io");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !said.contains("read 4096/4096"),
+        "qemu-io got through past the cap: {said}"
+    );
+    assert!(
+        said.contains("maximum of 2 connections"),
+        "qemu-io did not show why: {said}"
+    );
+    // A disconnect gives the place back.
+    one.disconnect();
+    let deadline = std::time::Instant::now() + common::IO_TIMEOUT;
+    let mut three = loop {
+        match NbdClient::connect(server.addr(), "a") {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the place never came back: {e}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    };
+    assert_eq!(
+        three.read(0, 4096).expect("read").expect("status"),
+        vec![9; 4096]
+    );
+    server.assert_healthy();
+}
+
+#[test]
+fn the_per_volume_cap_closes_export_name() {
+    let mut server = Server::start(&["--volume", "a:1M", "--max-connections-per-volume", "1"]);
+    let _one = NbdClient::connect(server.addr(), "a").expect("first connection");
+    let mut sock = common::connect_raw(server.addr());
+    common::read_greeting(&mut sock).expect("greeting");
+    let mut hello = common::CLIENT_FLAGS.to_be_bytes().to_vec();
+    hello.extend_from_slice(&common::encode_option(nbd::NBD_OPT_EXPORT_NAME, b"a"));
+    sock.write_all(&hello).expect("send EXPORT_NAME");
+    common::assert_closed(&mut sock, "EXPORT_NAME past the per-volume cap");
+    assert!(
+        server.wait_for_log("refused", common::IO_TIMEOUT),
+        "no log line:\n{}",
+        server.stderr()
+    );
+    server.assert_healthy();
+}
+
+#[test]
+fn the_server_connection_cap_closes_new_connections() {
+    let mut server = Server::start(&["--volume", "a:1M", "--max-connections", "2"]);
+    let _one = NbdClient::connect(server.addr(), "a").expect("first");
+    let _two = NbdClient::connect(server.addr(), "a").expect("second");
+    let mut third = common::connect_raw(server.addr());
+    common::assert_closed(&mut third, "a connection past --max-connections");
+    assert!(
+        server.wait_for_log("too many connections", common::IO_TIMEOUT),
+        "no log line:\n{}",
+        server.stderr()
+    );
+    server.assert_healthy();
+}
+
+#[test]
+fn limits_out_of_range_are_refused_at_start() {
+    for args in [
+        ["--max-connections", "0"],
+        ["--max-connections", "16385"],
+        ["--max-connections-per-volume", "0"],
+        ["--max-connections-per-volume", "16385"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .arg("serve")
+            .args(args)
+            .output()
+            .expect("run lull serve");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("max_connections"), "{args:?}: {err}");
+    }
+}
