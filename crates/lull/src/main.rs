@@ -178,13 +178,14 @@ pub(crate) fn open_device(
             .map_err(|e| e.to_string());
         }
         Backend::Malloc => Arc::new(MallocDev::new(spec.size_bytes).map_err(|e| e.to_string())?),
-        Backend::File { path, direct } => Arc::new(
+        Backend::File { path, direct, ring } => Arc::new(
             FileDev::open(
                 path,
                 spec.size_bytes,
                 FileOptions {
                     direct: *direct,
                     create: true,
+                    ring: *ring,
                 },
             )
             .map_err(|e| format!("{}: {e}", path.display()))?,

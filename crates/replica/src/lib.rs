@@ -9,6 +9,7 @@
 //!     dir: "/var/lib/lull/r0".into(),
 //!     size_bytes: 1 << 30,
 //!     direct: false,
+//!     ring: Default::default(),
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
@@ -163,6 +164,8 @@ pub struct ReplicaConfig {
     pub dir: PathBuf,
     pub size_bytes: u64,
     pub direct: bool,
+    /// io_uring options of the data file (`sqpoll`, `iopoll`, ...).
+    pub ring: lull_bdev::RingOptions,
 }
 
 /// The metadata record as the server knows it, behind one lock that the
@@ -406,6 +409,7 @@ impl ReplicaServer {
             FileOptions {
                 direct: config.direct,
                 create: true,
+                ring: config.ring,
             },
         )?);
         if Meta::load(&dir)?.is_none() {

@@ -57,6 +57,7 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         dir: dir.to_path_buf(),
         size_bytes,
         direct: false,
+        ring: Default::default(),
     }
 }
 

@@ -38,6 +38,10 @@ pub struct ReplicaArgs {
     /// Open the data file with O_DIRECT.
     #[arg(long)]
     pub direct: bool,
+    /// io_uring options of the data file, comma-separated: sqpoll[=IDLE_MS],
+    /// iopoll, iopoll=auto, hybrid_iopoll (as a file volume's flags).
+    #[arg(long, value_name = "OPTIONS")]
+    pub uring: Option<String>,
 }
 
 /// Resolved `lull replica` settings.
@@ -73,12 +77,19 @@ impl ReplicaArgs {
         if self.dir.as_os_str().is_empty() {
             return Err("--dir must not be empty".into());
         }
+        let mut direct = self.direct;
+        let ring = match &self.uring {
+            Some(list) => lull_bdev::RingOptions::parse_list(list, &mut direct)
+                .map_err(|e| format!("--uring: {e}"))?,
+            None => lull_bdev::RingOptions::default(),
+        };
         Ok(ReplicaSettings {
             config: ReplicaConfig {
                 listen,
                 dir: self.dir.clone(),
                 size_bytes,
-                direct: self.direct,
+                direct,
+                ring,
             },
             cores,
             mode,
@@ -182,6 +193,7 @@ mod tests {
             cores: None,
             mode: "adaptive".into(),
             direct: false,
+            uring: None,
         };
         let s = args.resolve(&[0, 1]).unwrap();
         assert_eq!(s.cores, vec![1]);
@@ -199,9 +211,24 @@ mod tests {
         assert!(bad.resolve(&[0]).is_err());
         let bad = ReplicaArgs {
             cores: Some("7".into()),
-            ..args
+            ..args.clone()
         };
         assert!(bad.resolve(&[0]).is_err());
+        let uring = ReplicaArgs {
+            uring: Some("direct,sqpoll=7".into()),
+            ..args.clone()
+        };
+        let s = uring.resolve(&[0]).unwrap();
+        assert!(s.config.direct);
+        assert_eq!(s.config.ring.sqpoll_idle_ms, Some(7));
+        let bad = ReplicaArgs {
+            uring: Some("iopoll=sometimes".into()),
+            ..args
+        };
+        assert!(bad
+            .resolve(&[0])
+            .unwrap_err()
+            .contains("--uring: iopoll=sometimes"));
     }
 
     #[test]
@@ -213,6 +240,7 @@ mod tests {
             cores: None,
             mode: "interrupt".into(),
             direct: false,
+            uring: None,
         };
         assert_eq!(run(&args), ExitCode::from(2));
         let args = ReplicaArgs {
