@@ -231,6 +231,7 @@ struct ReactorCounters {
     involuntary_ctxsw: AtomicU64,
     minor_faults: AtomicU64,
     major_faults: AtomicU64,
+    io_uring_enters: AtomicU64,
     sleeping: AtomicBool,
     threads_moved_in: AtomicU64,
     threads_moved_out: AtomicU64,
@@ -275,6 +276,9 @@ pub struct ReactorStats {
     pub involuntary_ctxsw: u64,
     pub minor_faults: u64,
     pub major_faults: u64,
+    /// `io_uring_enter` calls made on this reactor's OS thread through
+    /// lull's rings (file channels: submits, and polls of IOPOLL rings).
+    pub io_uring_enters: u64,
     /// No thread: blocked until one arrives (≈ 0 CPU, in any mode).
     pub sleeping: bool,
     /// Threads the scheduler moved here and away.
@@ -500,6 +504,7 @@ impl FrameworkHandle {
                     involuntary_ctxsw: g(&c.involuntary_ctxsw),
                     minor_faults: g(&c.minor_faults),
                     major_faults: g(&c.major_faults),
+                    io_uring_enters: g(&c.io_uring_enters),
                     sleeping: c.sleeping.load(Ordering::Relaxed),
                     threads_moved_in: g(&c.threads_moved_in),
                     threads_moved_out: g(&c.threads_moved_out),
@@ -1372,6 +1377,9 @@ impl Reactor {
             .store(u.involuntary_ctxsw, Ordering::Relaxed);
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
+        // A thread-local read, no syscall.
+        c.io_uring_enters
+            .store(lull_uring::thread_enter_calls(), Ordering::Relaxed);
     }
 }
 
