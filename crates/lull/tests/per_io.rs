@@ -217,7 +217,7 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     let mut server = Server::start(&["--volume", &spec, "--rpc-socket", sock.to_str().unwrap()]);
     let pid = server.pid();
     let reactors_before = rpc(&dir, &sock, "framework_get_reactors", "");
-    let mut fio = Command::new("fio")
+    let fio = Command::new("fio")
         .args([
             "--name=steady",
             "--ioengine=nbd",
