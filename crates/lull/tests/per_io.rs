@@ -299,3 +299,80 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn free_port() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+/// `lull replica` with `uring` options on `dir`: `Ok(child)` once it
+/// accepts, or `Err(log)` when it exits first.
+fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
+    let addr = free_port();
+    let log_path = dir.join(format!("replica-{uring}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args([
+            "replica",
+            "--listen",
+            &addr.to_string(),
+            "--size",
+            "16M",
+            "--uring",
+            uring,
+        ])
+        .arg("--dir")
+        .arg(dir.join("data"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("spawn lull replica");
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "lull replica exited 0 at start");
+            return Err(std::fs::read_to_string(&log_path).unwrap_or_default());
+        }
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            // Tell the caller where: the listen address is the child's.
+            std::fs::write(dir.join("replica.addr"), addr.to_string()).unwrap();
+            return Ok(child);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lull replica neither started nor exited"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn replica_data_file_takes_the_same_ring_options() {
+    let dir = tempdir("replica");
+    // SQPOLL on an O_DIRECT data file carries a replicated volume.
+    let mut child = match replica(&dir, "direct,sqpoll=5") {
+        Ok(child) => child,
+        Err(log) => panic!("lull replica --uring direct,sqpoll=5 refused:\n{log}"),
+    };
+    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
+    let mut server = Server::start(&["--volume", &format!("vol:16M:replicas={addr}")]);
+    fio_verify(&server);
+    server.assert_healthy();
+    drop(server);
+    let _ = child.kill();
+    let _ = child.wait();
+    // IOPOLL without O_DIRECT is refused by name, at start.
+    match replica(&dir, "iopoll") {
+        Err(log) => assert!(
+            log.contains("option iopoll refused: ") && log.contains("O_DIRECT"),
+            "no clear refusal in:\n{log}"
+        ),
+        Ok(mut child) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("lull replica --uring iopoll started without O_DIRECT");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
