@@ -107,6 +107,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // Reactors report the io_uring_enter calls made on their threads.
+    lull_reactor::set_io_uring_enter_source(lull_uring::thread_enter_calls);
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Replica(args) => cli::replica::run(&args),

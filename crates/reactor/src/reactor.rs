@@ -40,6 +40,18 @@ const REACTOR_EVENT_BATCH: usize = 128;
 /// a 1 s scheduling period.
 const USAGE_REFRESH_NS: u64 = 50_000_000;
 
+/// Where a reactor reads its OS thread's `io_uring_enter` count (the
+/// binary sets `lull_uring::thread_enter_calls`): the reactor sits below
+/// the crate that owns the rings, so the count comes in as a function.
+static IO_URING_ENTER_SOURCE: std::sync::OnceLock<fn() -> u64> = std::sync::OnceLock::new();
+
+/// Sets the function reactors call (on their own thread, when they publish
+/// their getrusage counters) for `ReactorStats::io_uring_enters`. The first
+/// call wins; without one the counter stays 0.
+pub fn set_io_uring_enter_source(count: fn() -> u64) {
+    let _ = IO_URING_ENTER_SOURCE.set(count);
+}
+
 /// Messages still run per thread at shutdown, so that a stop does not lose
 /// work that was already accepted; a bound so a self-feeding thread cannot
 /// hold the stop forever.
@@ -1378,8 +1390,8 @@ impl Reactor {
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
         // A thread-local read, no syscall.
-        c.io_uring_enters
-            .store(lull_uring::thread_enter_calls(), Ordering::Relaxed);
+        let enters = IO_URING_ENTER_SOURCE.get().map_or(0, |count| count());
+        c.io_uring_enters.store(enters, Ordering::Relaxed);
     }
 }
 
