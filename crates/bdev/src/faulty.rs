@@ -218,6 +218,10 @@ impl BlockDevice for FaultyDev {
     fn prefetch(&self, offset: u64, len: u64) -> Result<(), BdevError> {
         self.inner.prefetch(offset, len)
     }
+
+    fn io_uring_enters(&self) -> Option<u64> {
+        self.inner.io_uring_enters()
+    }
 }
 
 /// One channel: the inner channel, plus the completions held back until
@@ -242,7 +246,7 @@ struct FaultyChannel {
 impl FaultyChannel {
     fn injects(&mut self, op: IoOp) -> bool {
         let p = match op {
-            IoOp::Read => self.faults.read_err,
+            IoOp::Read | IoOp::BlockStatus => self.faults.read_err,
             IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. } => self.faults.write_err,
             IoOp::Flush => self.faults.flush_err,
         };
@@ -326,6 +330,13 @@ impl Channel for FaultyChannel {
 
     fn in_flight(&self) -> usize {
         self.inner.in_flight() + self.held.len()
+    }
+
+    /// An IOPOLL inner channel is found only by reaping: the owner keeps
+    /// running while it has I/O in flight (the timer still wakes it for
+    /// held completions).
+    fn polled(&self) -> bool {
+        self.inner.polled()
     }
 }
 

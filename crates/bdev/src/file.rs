@@ -7,7 +7,7 @@
 //!
 //! ```no_run
 //! use lull_bdev::{BlockDevice, FileDev, FileOptions, IoOp, IoRequest, BufPool};
-//! let dev = FileDev::open("/var/lib/lull/vol0", 1 << 30, FileOptions { direct: true, create: true })?;
+//! let dev = FileDev::open("/var/lib/lull/vol0", 1 << 30, FileOptions { direct: true, create: true, ..Default::default() })?;
 //! let mut ch = dev.open_channel()?;
 //! let mut pool = BufPool::new(64 << 20);
 //! ch.submit(IoRequest { tag: 1, op: IoOp::Read, offset: 0, len: 4096, buf: Some(pool.get(4096)) })
@@ -57,7 +57,12 @@ use std::os::fd::{AsFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, SlotId};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, RingSetup, SlotId};
+
+use crate::ring_options::{self, RingOptions};
 
 use crate::{validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest};
 
@@ -102,6 +107,8 @@ pub struct FileOptions {
     pub direct: bool,
     /// Create the file if it does not exist.
     pub create: bool,
+    /// io_uring options (SQPOLL, IOPOLL), checked at open.
+    pub ring: RingOptions,
 }
 
 /// A block device stored in a file (or a block device node).
@@ -115,6 +122,10 @@ pub struct FileDev {
     buffered: Option<File>,
     /// O_DIRECT alignment of file offsets and lengths (0 without direct).
     direct_align_bytes: u64,
+    /// The ring setup every channel uses, as `open` resolved it.
+    setup: RingSetup,
+    /// `io_uring_enter` calls made by all of this device's channels.
+    enters: Arc<AtomicU64>,
 }
 
 impl FileDev {
@@ -181,6 +192,7 @@ impl FileDev {
         } else {
             (None, 0)
         };
+        let setup = ring_options::resolve(&path, &meta, options.direct, options.ring)?;
         Ok(FileDev {
             path,
             size_bytes,
@@ -188,6 +200,8 @@ impl FileDev {
             main,
             buffered,
             direct_align_bytes,
+            setup,
+            enters: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -208,7 +222,7 @@ impl FileDev {
         if let Some(b) = &self.buffered {
             fds.push(b.as_fd());
         }
-        let queue = IoQueue::new(FILE_CHANNEL_DEPTH, &fds).map_err(|e| {
+        let mut queue = IoQueue::with_setup(FILE_CHANNEL_DEPTH, &fds, self.setup).map_err(|e| {
             tracing::error!(path = %self.path.display(), error = %e, "cannot open a file channel");
             match e {
                 RingError::Unavailable { .. } => BdevError::Unsupported(
@@ -217,8 +231,10 @@ impl FileDev {
                 other => BdevError::Io(io::Error::from_raw_os_error(other.errno())),
             }
         })?;
+        queue.set_enter_counter(self.enters.clone());
         let capacity = queue.capacity();
         Ok(FileChannel {
+            polled: self.setup.iopoll,
             queue,
             pool: BufPool::new(CHANNEL_POOL_BYTES),
             parked: Vec::with_capacity(capacity),
@@ -240,11 +256,25 @@ impl BlockDevice for FileDev {
     }
 
     fn describe(&self) -> String {
+        let mut flags = Vec::new();
         if self.direct {
-            format!("file:{} (O_DIRECT)", self.path.display())
-        } else {
-            format!("file:{}", self.path.display())
+            flags.push("O_DIRECT");
         }
+        if self.setup.sqpoll_idle_ms.is_some() {
+            flags.push("SQPOLL");
+        }
+        if self.setup.iopoll {
+            flags.push("IOPOLL");
+        }
+        if flags.is_empty() {
+            format!("file:{}", self.path.display())
+        } else {
+            format!("file:{} ({})", self.path.display(), flags.join(", "))
+        }
+    }
+
+    fn io_uring_enters(&self) -> Option<u64> {
+        Some(self.enters.load(Ordering::Relaxed))
     }
 
     fn sync(&self) -> Result<(), BdevError> {
@@ -361,6 +391,8 @@ enum Plan {
 #[derive(Debug)]
 pub struct FileChannel {
     queue: IoQueue<Op>,
+    /// IOPOLL ring: completions appear only when `reap` polls for them.
+    polled: bool,
     /// Zero buffers for the WriteZeros fallback.
     pool: BufPool,
     /// Slots whose next operations could not be pushed (SQ full); retried
@@ -761,6 +793,14 @@ impl Channel for FileChannel {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        if self.polled && self.queue.pending_total() > 0 {
+            // An IOPOLL ring posts completions only when asked: an enter
+            // with GETEVENTS (which `submit` does on such a ring) polls
+            // the device.
+            if let Err(e) = self.queue.submit() {
+                tracing::error!(error = %e, "io_uring completion poll failed");
+            }
+        }
         // Drain the eventfd before reading the CQ, so a CQE posted in
         // between re-arms it rather than being missed.
         self.queue.drain_event_fd();
@@ -799,7 +839,13 @@ impl Channel for FileChannel {
     }
 
     fn event_fd(&self) -> Option<RawFd> {
-        Some(self.queue.event_fd())
+        // An IOPOLL ring's eventfd fires only after `reap` polled: nothing
+        // to wait on. Its owner polls instead (`polled`).
+        (!self.polled).then(|| self.queue.event_fd())
+    }
+
+    fn polled(&self) -> bool {
+        self.polled
     }
 
     fn in_flight(&self) -> usize {
@@ -849,6 +895,7 @@ mod tests {
             FileOptions {
                 direct,
                 create: true,
+                ..Default::default()
             },
         ) {
             Ok(dev) => dev,
@@ -869,8 +916,22 @@ mod tests {
             ch.submit(req).map_err(|(_, e)| e).expect("submit");
         }
         ch.flush_submissions();
-        let fd = ch.event_fd().expect("file channels have an eventfd");
         let mut out = Vec::with_capacity(want);
+        if ch.polled() {
+            // IOPOLL: no fd; reaping polls the device.
+            assert!(ch.event_fd().is_none());
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while out.len() < want {
+                ch.reap(&mut |c| out.push(c));
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "timed out polling for I/O"
+                );
+            }
+            out.sort_by_key(|c| c.tag);
+            return out;
+        }
+        let fd = ch.event_fd().expect("file channels have an eventfd");
         while out.len() < want {
             if ch.reap(&mut |c| out.push(c)) == 0 {
                 assert!(
@@ -1427,6 +1488,7 @@ mod tests {
             FileOptions {
                 direct: false,
                 create: true,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1434,6 +1496,115 @@ mod tests {
             plain.open_file_channel().unwrap().file_for(1, 1, 1),
             FILE_MAIN
         );
+    }
+
+    fn open_with(dir: &TempDir, direct: bool, flags: &str) -> Result<FileDev, BdevError> {
+        let mut d = direct;
+        let ring = RingOptions::parse_list(flags, &mut d).expect("flags parse");
+        FileDev::open(
+            dir.file(),
+            1 << 20,
+            FileOptions {
+                direct: d,
+                create: true,
+                ring,
+            },
+        )
+    }
+
+    /// Writes a pattern through a channel of `dev` and reads it back.
+    fn write_read_back(dev: &FileDev) {
+        let mut pool = BufPool::new(1 << 20);
+        let mut ch = dev.open_channel().expect("channel");
+        let data = pattern(65536, 9);
+        write(ch.as_mut(), &mut pool, 8192, &data, true);
+        assert_eq!(read(ch.as_mut(), &mut pool, 8192, data.len()), data);
+    }
+
+    #[test]
+    fn sqpoll_works_and_io_uring_enters_are_counted() {
+        let dir = TempDir::new("sqpoll");
+        // The same work on a plain ring: an enter per submit.
+        let plain = open_with(&dir, false, "").unwrap();
+        write_read_back(&plain);
+        let plain_enters = plain
+            .io_uring_enters()
+            .expect("a file device counts enters");
+        assert!(
+            plain_enters >= 2,
+            "{plain_enters} enters for a write and a read"
+        );
+        for direct in [false, true] {
+            let dev = match open_with(&dir, direct, "sqpoll=5") {
+                Ok(dev) => dev,
+                Err(BdevError::Unsupported(why)) if direct => {
+                    eprintln!("note: skipping O_DIRECT case: {why}");
+                    continue;
+                }
+                Err(e) => panic!("sqpoll refused: {e}"),
+            };
+            assert!(dev.describe().contains("SQPOLL"), "{}", dev.describe());
+            write_read_back(&dev);
+            // The SQ thread takes submissions while awake: enters happen
+            // only to wake it, never more than one per submit.
+            let enters = dev.io_uring_enters().unwrap();
+            assert!(
+                enters <= plain_enters,
+                "sqpoll {enters} > plain {plain_enters}"
+            );
+        }
+    }
+
+    #[test]
+    fn iopoll_needs_direct_and_a_polling_device() {
+        let dir = TempDir::new("iopoll");
+        for flags in ["iopoll", "hybrid_iopoll"] {
+            match open_with(&dir, false, flags) {
+                Err(BdevError::OptionRefused { option, reason }) => {
+                    assert_eq!(option, flags);
+                    assert!(reason.contains("O_DIRECT"), "{reason}");
+                }
+                other => panic!("{flags} without direct: {other:?}"),
+            }
+            match open_with(&dir, true, flags) {
+                Err(BdevError::Unsupported(why)) => {
+                    eprintln!("note: skipping the O_DIRECT {flags} case: {why}");
+                }
+                Err(BdevError::OptionRefused { option, reason }) => {
+                    // This VM's disk has no poll queues; a tmpfs temp dir
+                    // has no block device at all.
+                    assert_eq!(option, flags);
+                    eprintln!("{flags} refused, as expected here: {reason}");
+                    assert!(
+                        reason.contains("poll queues")
+                            || reason.contains("not on a block device")
+                            || reason.contains("6.13")
+                            || reason.contains("io-uring 0.7"),
+                        "{reason}"
+                    );
+                    let e = BdevError::OptionRefused { option, reason };
+                    assert!(e
+                        .to_string()
+                        .starts_with(&format!("option {flags} refused: ")));
+                }
+                Ok(dev) => {
+                    // A device with poll queues: the ring is polled.
+                    assert_eq!(flags, "iopoll", "hybrid_iopoll cannot be set up yet");
+                    assert!(dev.open_channel().unwrap().polled());
+                    write_read_back(&dev);
+                }
+                Err(e) => panic!("{flags}: unexpected error {e}"),
+            }
+        }
+        // auto never fails for the device's sake: it falls back.
+        match open_with(&dir, true, "iopoll=auto") {
+            Ok(dev) => write_read_back(&dev),
+            Err(BdevError::Unsupported(why)) => eprintln!("note: skipping auto: {why}"),
+            Err(e) => panic!("iopoll=auto: {e}"),
+        }
+        let dev = open_with(&dir, false, "iopoll=auto").expect("auto without direct falls back");
+        assert!(!dev.open_channel().unwrap().polled());
+        write_read_back(&dev);
     }
 
     #[test]
@@ -1445,6 +1616,7 @@ mod tests {
             FileOptions {
                 direct: false,
                 create: false,
+                ..Default::default()
             },
         );
         assert!(

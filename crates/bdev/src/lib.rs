@@ -31,11 +31,13 @@ pub use lull_uring::{BufPool, IoBuf};
 pub mod faulty;
 pub mod file;
 pub mod malloc;
+mod ring_options;
 pub mod units;
 
 pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, MAX_PREFETCH_BYTES};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
+pub use ring_options::{IoPoll, RingOptions, SQPOLL_IDLE_MS_DEFAULT, SQPOLL_IDLE_MS_MAX};
 pub use units::{human_bytes, parse_size_bytes};
 
 /// What an I/O does. Offsets and lengths are in bytes; devices accept any
@@ -105,6 +107,12 @@ pub enum BdevError {
     Failed(String),
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// A device option the kernel or the device cannot honour (at open).
+    #[error("option {option} refused: {reason}")]
+    OptionRefused {
+        option: &'static str,
+        reason: String,
+    },
     /// The request itself is malformed (e.g. a read without a buffer of
     /// `len` bytes). The NBD layer validates first, so this is a bug there.
     #[error("bad request: {0}")]
@@ -119,7 +127,7 @@ impl BdevError {
             BdevError::Full { .. } => libc::EAGAIN,
             BdevError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BdevError::Failed(_) => libc::EIO,
-            BdevError::Unsupported(_) => libc::EOPNOTSUPP,
+            BdevError::Unsupported(_) | BdevError::OptionRefused { .. } => libc::EOPNOTSUPP,
             BdevError::BadRequest(_) => libc::EINVAL,
         }
     }
@@ -290,6 +298,11 @@ pub trait BlockDevice: Send + Sync {
     fn zeroes_fast(&self) -> bool {
         false
     }
+    /// `io_uring_enter` calls its channels made so far (`None`: the
+    /// device does not use io_uring).
+    fn io_uring_enters(&self) -> Option<u64> {
+        None
+    }
     /// Advises that `[offset, offset + len)` will be read soon (NBD_CMD_CACHE).
     /// Advisory: it may do nothing, or only part; it must not block on I/O.
     /// Default: nothing to prefetch.
@@ -332,6 +345,12 @@ pub trait Channel: Send {
     fn event_fd(&self) -> Option<RawFd>;
     /// Requests submitted and not yet reaped.
     fn in_flight(&self) -> usize;
+    /// Completions are found only by calling `reap` (an IOPOLL ring): while
+    /// requests are in flight the owner must run again without waiting
+    /// for an fd, as a poller that wakes itself. `event_fd` is `None`.
+    fn polled(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@
 //! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
 //! # Fault injection, to rehearse failures (any setting may be left out):
 //! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
+//! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll
 //! ```
 
 #![forbid(unsafe_code)]
@@ -61,6 +62,8 @@ pub enum Backend {
     File {
         path: PathBuf,
         direct: bool,
+        /// `sqpoll[=IDLE_MS]`, `iopoll`, `iopoll=auto`, `hybrid_iopoll`.
+        ring: lull_bdev::RingOptions,
     },
     /// Replica servers (`replicas=HOST:PORT+HOST:PORT`).
     Replicas {
@@ -284,8 +287,9 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     lull_bdev::parse_size_bytes(s).map_err(ConfigError)
 }
 
-/// Parse a backend: `malloc`, `file=PATH`, `file=PATH,direct`,
-/// `replicas=HOST:PORT+...` or `faulty=INNER,read_err=P,...`.
+/// Parse a backend: `malloc`, `file=PATH[,FLAG...]` (flags: `direct`,
+/// `sqpoll[=IDLE_MS]`, `iopoll`, `iopoll=auto`, `hybrid_iopoll`),
+/// `replicas=...` or `faulty=INNER,read_err=P,...`.
 pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
     if let Some(rest) = s.strip_prefix("faulty=") {
         return parse_faulty(s, rest);
@@ -294,23 +298,32 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         return Ok(Backend::Malloc);
     }
     if let Some(rest) = s.strip_prefix("file=") {
-        let (path, direct) = match rest.strip_suffix(",direct") {
-            Some(p) => (p, true),
-            None => (rest, false),
-        };
+        // Flags are taken from the end while they are flags, so a path
+        // may itself contain a comma.
+        let (mut path, mut direct, mut ring) = (rest, false, lull_bdev::RingOptions::default());
+        while let Some((head, flag)) = path.rsplit_once(',') {
+            let known = ring
+                .parse_flag(flag, &mut direct)
+                .map_err(|e| ConfigError(format!("backend {s:?}: {e}")))?;
+            if !known {
+                break;
+            }
+            path = head;
+        }
         if path.is_empty() {
             return err(format!("backend {s:?}: file= needs a path"));
         }
         return Ok(Backend::File {
             path: PathBuf::from(path),
             direct,
+            ring,
         });
     }
     if let Some(rest) = s.strip_prefix("replicas=") {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
         return Ok(Backend::Replicas { addrs });
     }
-    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct][,sqpoll[=IDLE_MS]][,iopoll|iopoll=auto|hybrid_iopoll], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.
@@ -651,16 +664,33 @@ mod tests {
             parse_volume("b:2G:file=/tmp/x.img,direct").unwrap().backend,
             Backend::File {
                 path: "/tmp/x.img".into(),
-                direct: true
+                direct: true,
+                ring: Default::default(),
             }
         );
         assert_eq!(
             parse_volume("c:1G:file=/a:b").unwrap().backend,
             Backend::File {
                 path: "/a:b".into(),
-                direct: false
+                direct: false,
+                ring: Default::default(),
             }
         );
+        assert_eq!(
+            parse_volume("d:1G:file=/a,b.img,direct,sqpoll=20,iopoll=auto")
+                .unwrap()
+                .backend,
+            Backend::File {
+                path: "/a,b.img".into(),
+                direct: true,
+                ring: lull_bdev::RingOptions {
+                    sqpoll_idle_ms: Some(20),
+                    iopoll: lull_bdev::IoPoll::Auto,
+                },
+            }
+        );
+        let bad = parse_volume("e:1G:file=/x,sqpoll=forever").unwrap_err();
+        assert!(bad.0.contains("sqpoll=forever"), "{bad}");
         assert_eq!(
             parse_volume("r:1G:replicas=127.0.0.1:7001+127.0.0.1:7002")
                 .unwrap()

@@ -149,6 +149,11 @@ impl ControlPlane for Control {
             "read_bytes": s.read_bytes,
             "write_bytes": s.write_bytes,
             "errors": s.errors,
+            // io_uring_enter calls of the volume's file channels (null:
+            // the volume does not use io_uring). Page faults and context
+            // switches are per reactor (framework_get_reactors), not per
+            // volume: several volumes share a reactor thread.
+            "io_uring_enters": v.dev().io_uring_enters(),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -241,6 +246,7 @@ impl MetricsSource for Control {
                         .collect(),
                     latency_sum_ns: s.latency_sum_ns,
                     latency_count: s.buckets.iter().sum(),
+                    io_uring_enters: v.dev().io_uring_enters(),
                 }
             })
             .collect();

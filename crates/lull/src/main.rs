@@ -130,6 +130,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // Reactors report the io_uring_enter calls made on their threads.
+    lull_reactor::set_io_uring_enter_source(lull_uring::thread_enter_calls);
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Replica(args) => cli::replica::run(&args),
@@ -220,13 +222,14 @@ fn open_local(
 ) -> Result<Arc<dyn BlockDevice>, String> {
     Ok(match backend {
         Backend::Malloc => Arc::new(MallocDev::new(size_bytes).map_err(|e| e.to_string())?),
-        Backend::File { path, direct } => Arc::new(
+        Backend::File { path, direct, ring } => Arc::new(
             FileDev::open(
                 path,
                 size_bytes,
                 FileOptions {
                     direct: *direct,
                     create: true,
+                    ring: *ring,
                 },
             )
             .map_err(|e| format!("{}: {e}", path.display()))?,

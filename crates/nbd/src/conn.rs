@@ -180,6 +180,13 @@ impl wire::Protocol for Conn {
             Phase::Handshake(_) => None,
         }
     }
+
+    fn completions_polled(&self) -> bool {
+        match &self.phase {
+            Phase::Transmission { channel, .. } => channel.polled() && channel.in_flight() > 0,
+            Phase::Handshake(_) => false,
+        }
+    }
 }
 
 impl Conn {

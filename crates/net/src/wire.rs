@@ -270,6 +270,13 @@ pub trait Protocol {
     fn busy(&self) -> bool;
     /// An extra fd whose readiness means work (device completions).
     fn completions_fd(&self) -> Option<RawFd>;
+    /// Device completions can only be polled for (an IOPOLL file channel
+    /// with requests in flight): the poller wakes itself after each run
+    /// instead of waiting for an fd, so the reactor keeps polling while
+    /// such I/O is outstanding, in every mode.
+    fn completions_polled(&self) -> bool {
+        false
+    }
     /// Internal consistency, checked after every run in debug builds.
     fn check_invariants(&self) {}
 }
@@ -313,7 +320,7 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     p.check_invariants();
     let fd = p.completions_fd();
     p.link().update_interest(t, me, fd);
-    if progressed_last {
+    if progressed_last || p.completions_polled() {
         t.wake_poller(me);
     }
     status

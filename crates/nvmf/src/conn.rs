@@ -260,6 +260,15 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
         }
     }
 
+    fn completions_polled(&self) -> bool {
+        match &self.phase {
+            Phase::Connected(Queue { ns: Some(ns), .. }) => {
+                ns.channel.polled() && ns.channel.in_flight() > 0
+            }
+            _ => false,
+        }
+    }
+
     fn check_invariants(&self) {
         self.slots.check_invariants();
         debug_assert!(self.aers.len() <= MAX_AERS);
@@ -1322,7 +1331,10 @@ fn bdev_status(e: &BdevError) -> Status {
         // A replicated volume with no healthy replica fails with Failed;
         // the host may retry once one is back.
         BdevError::Failed(_) => Status::NAMESPACE_NOT_READY,
-        BdevError::Full { .. } | BdevError::Io(_) => Status::INTERNAL_ERROR,
+        // OptionRefused happens only at open, never on an I/O.
+        BdevError::Full { .. } | BdevError::Io(_) | BdevError::OptionRefused { .. } => {
+            Status::INTERNAL_ERROR
+        }
     }
 }
 

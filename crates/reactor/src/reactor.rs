@@ -40,6 +40,18 @@ const REACTOR_EVENT_BATCH: usize = 128;
 /// a 1 s scheduling period.
 const USAGE_REFRESH_NS: u64 = 50_000_000;
 
+/// Where a reactor reads its OS thread's `io_uring_enter` count (the
+/// binary sets `lull_uring::thread_enter_calls`): the reactor sits below
+/// the crate that owns the rings, so the count comes in as a function.
+static IO_URING_ENTER_SOURCE: std::sync::OnceLock<fn() -> u64> = std::sync::OnceLock::new();
+
+/// Sets the function reactors call (on their own thread, when they publish
+/// their getrusage counters) for `ReactorStats::io_uring_enters`. The first
+/// call wins; without one the counter stays 0.
+pub fn set_io_uring_enter_source(count: fn() -> u64) {
+    let _ = IO_URING_ENTER_SOURCE.set(count);
+}
+
 /// Messages still run per thread at shutdown, so that a stop does not lose
 /// work that was already accepted; a bound so a self-feeding thread cannot
 /// hold the stop forever.
@@ -231,6 +243,7 @@ struct ReactorCounters {
     involuntary_ctxsw: AtomicU64,
     minor_faults: AtomicU64,
     major_faults: AtomicU64,
+    io_uring_enters: AtomicU64,
     sleeping: AtomicBool,
     threads_moved_in: AtomicU64,
     threads_moved_out: AtomicU64,
@@ -275,6 +288,9 @@ pub struct ReactorStats {
     pub involuntary_ctxsw: u64,
     pub minor_faults: u64,
     pub major_faults: u64,
+    /// `io_uring_enter` calls made on this reactor's OS thread through
+    /// lull's rings (file channels: submits, and polls of IOPOLL rings).
+    pub io_uring_enters: u64,
     /// No thread: blocked until one arrives (≈ 0 CPU, in any mode).
     pub sleeping: bool,
     /// Threads the scheduler moved here and away.
@@ -500,6 +516,7 @@ impl FrameworkHandle {
                     involuntary_ctxsw: g(&c.involuntary_ctxsw),
                     minor_faults: g(&c.minor_faults),
                     major_faults: g(&c.major_faults),
+                    io_uring_enters: g(&c.io_uring_enters),
                     sleeping: c.sleeping.load(Ordering::Relaxed),
                     threads_moved_in: g(&c.threads_moved_in),
                     threads_moved_out: g(&c.threads_moved_out),
@@ -1372,6 +1389,9 @@ impl Reactor {
             .store(u.involuntary_ctxsw, Ordering::Relaxed);
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
+        // A thread-local read, no syscall.
+        let enters = IO_URING_ENTER_SOURCE.get().map_or(0, |count| count());
+        c.io_uring_enters.store(enters, Ordering::Relaxed);
     }
 }
 

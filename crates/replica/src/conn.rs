@@ -222,6 +222,13 @@ impl link::Protocol for Conn {
         }
     }
 
+    fn completions_polled(&self) -> bool {
+        match &self.phase {
+            Phase::Ready { channel } => channel.polled() && channel.in_flight() > 0,
+            _ => false,
+        }
+    }
+
     fn check_invariants(&self) {
         Conn::check_invariants(self);
     }

@@ -10,6 +10,7 @@
 //!     size_bytes: 1 << 30,
 //!     direct: false,
 //!     faults: ReplicaFaults::default(),
+//!     ring: Default::default(),
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
@@ -164,6 +165,8 @@ pub struct ReplicaConfig {
     pub dir: PathBuf,
     pub size_bytes: u64,
     pub direct: bool,
+    /// io_uring options of the data file (`sqpoll`, `iopoll`, ...).
+    pub ring: lull_bdev::RingOptions,
     /// Faults to inject, for rehearsals and tests; none by default.
     pub faults: ReplicaFaults,
 }
@@ -437,6 +440,7 @@ impl ReplicaServer {
             FileOptions {
                 direct: config.direct,
                 create: true,
+                ring: config.ring,
             },
         )?);
         if Meta::load(&dir)?.is_none() {

@@ -58,6 +58,7 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         size_bytes,
         direct: false,
         faults: Default::default(),
+        ring: Default::default(),
     }
 }
 

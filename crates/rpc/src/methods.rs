@@ -334,6 +334,7 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "involuntary_ctxsw": r.involuntary_ctxsw,
                 "minor_faults": r.minor_faults,
                 "major_faults": r.major_faults,
+                "io_uring_enters": r.io_uring_enters,
                 "sleeping": r.sleeping,
                 "threads_moved_in": r.threads_moved_in,
                 "threads_moved_out": r.threads_moved_out,

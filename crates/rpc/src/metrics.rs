@@ -104,6 +104,13 @@ pub struct ReactorMetrics {
     pub wake_cpu_ns: u64,
     /// Lull threads reported ready by the reactor's epoll.
     pub ready_events: u64,
+    /// The reactor thread's getrusage (refreshed every 50 ms) ...
+    pub minor_faults: u64,
+    pub major_faults: u64,
+    pub voluntary_ctxsw: u64,
+    pub involuntary_ctxsw: u64,
+    /// ... and its io_uring_enter calls.
+    pub io_uring_enters: u64,
 }
 
 impl ReactorMetrics {
@@ -125,6 +132,11 @@ impl ReactorMetrics {
             wake_latency_ns: s.wake_latency_ns,
             wake_cpu_ns: s.wake_cpu_ns,
             ready_events: s.ready_events,
+            minor_faults: s.minor_faults,
+            major_faults: s.major_faults,
+            voluntary_ctxsw: s.voluntary_ctxsw,
+            involuntary_ctxsw: s.involuntary_ctxsw,
+            io_uring_enters: s.io_uring_enters,
         }
     }
 }
@@ -151,6 +163,9 @@ pub struct VolumeMetrics {
     pub latency_buckets: Vec<(f64, u64)>,
     pub latency_sum_ns: u64,
     pub latency_count: u64,
+    /// io_uring_enter calls of the volume's file channels; `None` when the
+    /// volume does not use io_uring (memory, replicated).
+    pub io_uring_enters: Option<u64>,
 }
 
 /// One replica's state.
@@ -386,6 +401,51 @@ impl Collector for SnapshotCollector {
             reactor_labels,
             |x| x.wake_cpu_ns as i64,
         )?;
+        counters(
+            &mut enc,
+            "lull_reactor_minor_faults",
+            "Minor page faults of the reactor thread (getrusage, every 50 ms).",
+            None,
+            r,
+            reactor_labels,
+            |x| x.minor_faults,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_major_faults",
+            "Major page faults of the reactor thread.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.major_faults,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_voluntary_ctxsw",
+            "Voluntary context switches of the reactor thread (sleeps, blocking).",
+            None,
+            r,
+            reactor_labels,
+            |x| x.voluntary_ctxsw,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_involuntary_ctxsw",
+            "Involuntary context switches of the reactor thread (preemption).",
+            None,
+            r,
+            reactor_labels,
+            |x| x.involuntary_ctxsw,
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_io_uring_enters",
+            "io_uring_enter calls made on the reactor thread.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.io_uring_enters,
+        )?;
         gauges(
             &mut enc,
             "lull_reactor_mode",
@@ -444,6 +504,17 @@ impl Collector for SnapshotCollector {
             v,
             volume_labels,
             |x| x.write_bytes,
+        )?;
+        let uring_volumes: Vec<&VolumeMetrics> =
+            v.iter().filter(|x| x.io_uring_enters.is_some()).collect();
+        counters(
+            &mut enc,
+            "lull_volume_io_uring_enters",
+            "io_uring_enter calls of the volume's file channels (file volumes only).",
+            None,
+            &uring_volumes,
+            |x| volume_labels(x),
+            |x| x.io_uring_enters.unwrap_or(0),
         )?;
         let mut family = enc.encode_descriptor(
             "lull_volume_latency",

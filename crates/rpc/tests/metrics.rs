@@ -282,6 +282,8 @@ fn snapshot() -> MetricsSnapshot {
                 idle_ns: 250_000_000,
                 iterations: 1000,
                 wakeups: 77,
+                minor_faults: 5,
+                io_uring_enters: 42,
                 ..Default::default()
             },
             ReactorMetrics {
@@ -306,6 +308,7 @@ fn snapshot() -> MetricsSnapshot {
                 latency_buckets: vec![(10_000.0, 5), (100_000.0, 20), (1_000_000.0, 4)],
                 latency_sum_ns: 1_500_000,
                 latency_count: 30,
+                io_uring_enters: Some(31),
             },
             VolumeMetrics {
                 name: "we\"ird\\name\nx".into(),
@@ -415,12 +418,18 @@ fn scrape() {
         ("lull_reactor_spin_window_ns", "gauge"),
         ("lull_reactor_wake_latency_ns", "gauge"),
         ("lull_reactor_wake_cpu_ns", "gauge"),
+        ("lull_reactor_minor_faults", "counter"),
+        ("lull_reactor_major_faults", "counter"),
+        ("lull_reactor_voluntary_ctxsw", "counter"),
+        ("lull_reactor_involuntary_ctxsw", "counter"),
+        ("lull_reactor_io_uring_enters", "counter"),
         ("lull_reactor_mode", "gauge"),
         ("lull_reactor_interrupt_mode_enabled", "gauge"),
         ("lull_volume_reads", "counter"),
         ("lull_volume_writes", "counter"),
         ("lull_volume_read_bytes", "counter"),
         ("lull_volume_written_bytes", "counter"),
+        ("lull_volume_io_uring_enters", "counter"),
         ("lull_volume_latency_seconds", "histogram"),
         ("lull_replica_healthy", "gauge"),
     ]);
@@ -530,7 +539,40 @@ fn scrape() {
         0.0
     );
 
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_minor_faults",
+            "lull_reactor_minor_faults_total",
+            &r0
+        )
+        .value,
+        5.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_io_uring_enters",
+            "lull_reactor_io_uring_enters_total",
+            &r0
+        )
+        .value,
+        42.0
+    );
+
     let v0 = [("volume", "vol0")];
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_io_uring_enters",
+            "lull_volume_io_uring_enters_total",
+            &v0
+        )
+        .value,
+        31.0
+    );
+    // Only volumes that use io_uring have the counter.
+    assert_eq!(f["lull_volume_io_uring_enters"].samples.len(), 1);
     assert_eq!(
         sample(&f, "lull_volume_reads", "lull_volume_reads_total", &v0).value,
         10.0

@@ -181,6 +181,7 @@ fn every_method() {
         "involuntary_ctxsw",
         "minor_faults",
         "major_faults",
+        "io_uring_enters",
     ] {
         assert!(reactors[0][k].is_u64(), "{k} in {r}");
     }

@@ -34,7 +34,10 @@ pub use buf::{
 };
 pub use probe::{fadvise_willneed, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
-pub use ring::{wait_readable, Ring, RingError, RingOp, SqFull, Target, CHAIN_OPS_MAX};
+pub use ring::{
+    thread_enter_calls, wait_readable, Ring, RingError, RingOp, RingSetup, SqFull, Target,
+    CHAIN_OPS_MAX,
+};
 
 #[cfg(test)]
 mod tests;

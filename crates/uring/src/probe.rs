@@ -85,3 +85,30 @@ pub fn fadvise_willneed(file: &std::fs::File, offset: u64, len: u64) -> std::io:
         e => Err(std::io::Error::from_raw_os_error(e)),
     }
 }
+
+/// `IORING_SETUP_IOPOLL` (linux/io_uring.h).
+pub const IORING_SETUP_IOPOLL: u32 = 1 << 0;
+/// `IORING_SETUP_HYBRID_IOPOLL` (linux/io_uring.h, Linux 6.13+): sleep
+/// about the expected completion time before polling. Needs IOPOLL.
+pub const IORING_SETUP_HYBRID_IOPOLL: u32 = 1 << 17;
+
+/// Whether the kernel accepts an io_uring set up with `flags`: creates a
+/// one-entry ring with a raw `io_uring_setup` and closes it at once. For
+/// flags the io-uring crate's builder does not offer. `Err` carries the
+/// kernel's answer (EINVAL: an unknown flag or combination).
+pub fn setup_flags_supported(flags: u32) -> std::io::Result<()> {
+    // struct io_uring_params is 120 bytes of u32 fields (sq_entries,
+    // cq_entries, flags, ...; the offsets the kernel fills in follow);
+    // `flags` is the third word.
+    let mut params = [0u32; 30];
+    params[2] = flags;
+    // SAFETY: io_uring_setup reads and writes the 120-byte params block,
+    // which `params` is, and takes no other pointer.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a non-negative result is a new descriptor nobody else owns.
+    drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) });
+    Ok(())
+}

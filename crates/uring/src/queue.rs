@@ -27,7 +27,7 @@ use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 use crate::buf::IoBuf;
-use crate::ring::{Ring, RingError, RingOp, Target, CHAIN_OPS_MAX};
+use crate::ring::{Ring, RingError, RingOp, RingSetup, Target, CHAIN_OPS_MAX};
 
 /// Index of a slot in an `IoQueue`. Only `IoQueue::alloc` makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -117,8 +117,17 @@ impl<T> IoQueue<T> {
     /// A queue with `entries` slots and a ring of `entries` SQ entries,
     /// with `files` registered as fixed files `0..files.len()`.
     pub fn new(entries: u32, files: &[BorrowedFd<'_>]) -> Result<IoQueue<T>, RingError> {
+        IoQueue::with_setup(entries, files, RingSetup::default())
+    }
+
+    /// As [`IoQueue::new`], on a ring set up with `setup` (SQPOLL, IOPOLL).
+    pub fn with_setup(
+        entries: u32,
+        files: &[BorrowedFd<'_>],
+        setup: RingSetup,
+    ) -> Result<IoQueue<T>, RingError> {
         let entries = entries.max(1);
-        let mut ring = Ring::new(entries)?;
+        let mut ring = Ring::with_setup(entries, setup)?;
         if !files.is_empty() {
             let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
             ring.register_files(&raw)?;
@@ -152,9 +161,20 @@ impl<T> IoQueue<T> {
         self.slots.len() - self.free.len()
     }
 
-    /// The ring's completion eventfd.
+    /// The ring's completion eventfd. On an IOPOLL ring it fires only
+    /// after a `submit` polled completions in: poll the queue instead.
     pub fn event_fd(&self) -> RawFd {
         self.ring.event_fd()
+    }
+
+    /// How the ring was set up.
+    pub fn setup(&self) -> RingSetup {
+        self.ring.setup()
+    }
+
+    /// Counts the ring's `io_uring_enter` calls into `counter` too.
+    pub fn set_enter_counter(&mut self, counter: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+        self.ring.set_enter_counter(counter);
     }
 
     /// Takes a free slot for `ctx` and `buf`; hands them back when every
@@ -349,7 +369,9 @@ impl<T> IoQueue<T> {
         Ok(())
     }
 
-    /// Hands pushed operations to the kernel (one non-blocking syscall).
+    /// Hands pushed operations to the kernel (one non-blocking syscall;
+    /// none on an SQPOLL ring whose kernel thread is awake). On an IOPOLL
+    /// ring it also polls the device for completions.
     pub fn submit(&mut self) -> Result<usize, RingError> {
         self.ring.submit()
     }

@@ -17,8 +17,11 @@
 //! # Ok::<(), lull_uring::RingError>(())
 //! ```
 
+use std::cell::Cell;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
@@ -157,10 +160,43 @@ fn entry_for(op: RingOp) -> squeue::Entry {
     }
 }
 
+thread_local! {
+    /// `io_uring_enter` calls this OS thread made through any `Ring`.
+    static THREAD_ENTERS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// `io_uring_enter` system calls the calling OS thread has made through
+/// lull's rings (submit, wait, and the GETEVENTS an IOPOLL ring is reaped
+/// with). A reactor reads it for its own counters: a thread-local read,
+/// no syscall.
+pub fn thread_enter_calls() -> u64 {
+    THREAD_ENTERS.with(|c| c.get())
+}
+
+/// How a ring is set up beyond its size: the file backend's `sqpoll`,
+/// `iopoll` and `hybrid_iopoll` options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RingSetup {
+    /// `IORING_SETUP_SQPOLL` with this `sq_thread_idle` (ms): a kernel
+    /// thread takes submissions, so a submit is a memory write while the
+    /// thread is awake and an `io_uring_enter` only to wake it.
+    pub sqpoll_idle_ms: Option<u32>,
+    /// `IORING_SETUP_IOPOLL`: completions are found by polling the device
+    /// (an `io_uring_enter` with GETEVENTS), never by interrupt, so the
+    /// eventfd only fires after such a poll and a reactor must poll the
+    /// ring while I/O is in flight. Needs O_DIRECT files on a device with
+    /// poll queues.
+    pub iopoll: bool,
+}
+
 /// One io_uring instance plus its completion eventfd. Used by one thread.
 pub struct Ring {
     ring: IoUring,
     event_fd: OwnedFd,
+    setup: RingSetup,
+    /// Also counts this ring's `io_uring_enter` calls (the device's total
+    /// over its channels), when set.
+    enter_counter: Option<Arc<AtomicU64>>,
 }
 
 impl Ring {
@@ -168,10 +204,28 @@ impl Ring {
     /// kernel) and a CQ twice that size, with a non-blocking eventfd
     /// registered for completion notifications.
     pub fn new(entries: u32) -> Result<Ring, RingError> {
-        let ring = IoUring::builder()
-            .setup_cqsize(entries.saturating_mul(2))
+        Ring::with_setup(entries, RingSetup::default())
+    }
+
+    /// As [`Ring::new`], with SQPOLL and/or IOPOLL. The kernel refusing a
+    /// flag is `RingError::Io { what: "setup", .. }` (EINVAL: unknown or
+    /// bad combination; EPERM for SQPOLL without the privilege).
+    pub fn with_setup(entries: u32, setup: RingSetup) -> Result<Ring, RingError> {
+        let mut builder = IoUring::builder();
+        builder.setup_cqsize(entries.saturating_mul(2));
+        if let Some(idle_ms) = setup.sqpoll_idle_ms {
+            builder.setup_sqpoll(idle_ms);
+        }
+        if setup.iopoll {
+            builder.setup_iopoll();
+        }
+        let ring = builder
             .build(entries)
             .map_err(|source| match source.raw_os_error() {
+                Some(libc::EPERM) if setup.sqpoll_idle_ms.is_some() => RingError::Io {
+                    what: "setup (SQPOLL)",
+                    source,
+                },
                 Some(libc::EPERM) | Some(libc::ENOSYS) => RingError::Unavailable { source },
                 _ => RingError::Io {
                     what: "setup",
@@ -195,7 +249,41 @@ impl Ring {
                 what: "register_eventfd",
                 source,
             })?;
-        Ok(Ring { ring, event_fd })
+        Ok(Ring {
+            ring,
+            event_fd,
+            setup,
+            enter_counter: None,
+        })
+    }
+
+    /// How the ring was set up.
+    pub fn setup(&self) -> RingSetup {
+        self.setup
+    }
+
+    /// Counts this ring's `io_uring_enter` calls into `counter` as well as
+    /// into the thread's count.
+    pub fn set_enter_counter(&mut self, counter: Arc<AtomicU64>) {
+        self.enter_counter = Some(counter);
+    }
+
+    fn count_enter(&self) {
+        THREAD_ENTERS.with(|c| c.set(c.get() + 1));
+        if let Some(c) = &self.enter_counter {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `submit` will make a system call: always, except on an
+    /// SQPOLL ring whose kernel thread is awake (the io-uring crate then
+    /// only publishes the SQ tail), mirroring the crate's own test.
+    fn submit_enters(&mut self) -> bool {
+        if self.setup.sqpoll_idle_ms.is_none() {
+            return true;
+        }
+        let sq = self.ring.submission();
+        sq.need_wakeup() || sq.cq_overflow() || sq.taskrun()
     }
 
     /// The eventfd that becomes readable when completions are posted.
@@ -274,6 +362,9 @@ impl Ring {
     /// call again after `reap`.
     pub fn submit(&mut self) -> Result<usize, RingError> {
         loop {
+            if self.submit_enters() {
+                self.count_enter();
+            }
             match self.ring.submit() {
                 Ok(n) => return Ok(n),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
@@ -294,6 +385,9 @@ impl Ring {
     /// Not for reactors; for tests and teardown.
     pub fn submit_and_wait(&mut self, want: usize) -> Result<usize, RingError> {
         loop {
+            if want > 0 || self.submit_enters() {
+                self.count_enter();
+            }
             match self.ring.submit_and_wait(want) {
                 Ok(n) => return Ok(n),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,

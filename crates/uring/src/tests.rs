@@ -191,3 +191,42 @@ fn dio_alignment_probe_does_not_fail() {
     // Either answer is fine; it must not error out or panic.
     let _ = probe::dio_alignment(tmp.1.as_fd());
 }
+
+#[test]
+fn enters_are_counted_per_thread_and_per_ring() {
+    let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut ring = Ring::new(8).expect("io_uring available");
+    ring.set_enter_counter(counter.clone());
+    let before = thread_enter_calls();
+    // SAFETY: a NOP touches no memory.
+    unsafe { ring.push_chain(&[(1, RingOp::Nop)]) }.expect("room");
+    ring.submit().expect("submit");
+    ring.submit_and_wait(1).expect("wait");
+    assert_eq!(thread_enter_calls() - before, 2);
+    assert_eq!(counter.load(std::sync::atomic::Ordering::Relaxed), 2);
+    // Another thread's enters are its own.
+    let other = std::thread::spawn(thread_enter_calls).join().expect("join");
+    assert_eq!(other, 0);
+}
+
+#[test]
+fn sqpoll_ring_round_trip() {
+    let setup = RingSetup {
+        sqpoll_idle_ms: Some(10),
+        iopoll: false,
+    };
+    let mut ring = match Ring::with_setup(8, setup) {
+        Ok(r) => r,
+        Err(e) => panic!("SQPOLL refused on this kernel: {e}"),
+    };
+    assert_eq!(ring.setup(), setup);
+    // SAFETY: a NOP touches no memory.
+    unsafe { ring.push_chain(&[(9, RingOp::Nop)]) }.expect("room");
+    ring.submit().expect("submit");
+    assert!(wait_readable(ring.event_fd(), 5000).expect("poll"));
+    let mut seen = Vec::new();
+    while seen.is_empty() {
+        ring.reap(|ud, res| seen.push((ud, res)));
+    }
+    assert_eq!(seen, vec![(9, 0)]);
+}

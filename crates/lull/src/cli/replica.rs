@@ -51,6 +51,10 @@ pub struct ReplicaArgs {
     /// Seed of the fault draws [default: from the clock, logged].
     #[arg(long, value_name = "N")]
     pub fault_seed: Option<u64>,
+    /// io_uring options of the data file, comma-separated: sqpoll[=IDLE_MS],
+    /// iopoll, iopoll=auto, hybrid_iopoll (as a file volume's flags).
+    #[arg(long, value_name = "OPTIONS")]
+    pub uring: Option<String>,
 }
 
 /// Resolved `lull replica` settings.
@@ -106,12 +110,19 @@ impl ReplicaArgs {
                     .map_or(0, |d| d.as_nanos() as u64)
             }),
         };
+        let mut direct = self.direct;
+        let ring = match &self.uring {
+            Some(list) => lull_bdev::RingOptions::parse_list(list, &mut direct)
+                .map_err(|e| format!("--uring: {e}"))?,
+            None => lull_bdev::RingOptions::default(),
+        };
         Ok(ReplicaSettings {
             config: ReplicaConfig {
                 listen,
                 dir: self.dir.clone(),
                 size_bytes,
-                direct: self.direct,
+                direct,
+                ring,
                 faults,
             },
             cores,
@@ -220,6 +231,7 @@ mod tests {
             fault_error: "0".into(),
             fault_delay_us: 0,
             fault_seed: None,
+            uring: None,
         };
         let s = args.resolve(&[0, 1]).unwrap();
         assert!(!s.config.faults.any());
@@ -266,9 +278,24 @@ mod tests {
         assert!(bad.resolve(&[0]).is_err());
         let bad = ReplicaArgs {
             cores: Some("7".into()),
-            ..args
+            ..args.clone()
         };
         assert!(bad.resolve(&[0]).is_err());
+        let uring = ReplicaArgs {
+            uring: Some("direct,sqpoll=7".into()),
+            ..args.clone()
+        };
+        let s = uring.resolve(&[0]).unwrap();
+        assert!(s.config.direct);
+        assert_eq!(s.config.ring.sqpoll_idle_ms, Some(7));
+        let bad = ReplicaArgs {
+            uring: Some("iopoll=sometimes".into()),
+            ..args
+        };
+        assert!(bad
+            .resolve(&[0])
+            .unwrap_err()
+            .contains("--uring: iopoll=sometimes"));
     }
 
     #[test]
@@ -284,6 +311,7 @@ mod tests {
             fault_error: "0".into(),
             fault_delay_us: 0,
             fault_seed: None,
+            uring: None,
         };
         assert_eq!(run(&args), ExitCode::from(2));
         let args = ReplicaArgs {

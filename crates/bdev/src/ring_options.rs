@@ -1,0 +1,265 @@
+//! The file backend's io_uring options (`sqpoll[=IDLE_MS]`, `iopoll`,
+//! `hybrid_iopoll`, `iopoll=auto`): parsing, and checking them against the
+//! kernel and the device at open, so that a refusal is a start-up error
+//! naming the option and the reason rather than an I/O error later.
+//!
+//! ```
+//! use lull_bdev::{IoPoll, RingOptions};
+//! let mut direct = false;
+//! let mut o = RingOptions::default();
+//! for flag in ["direct", "sqpoll=20", "iopoll=auto"] {
+//!     assert!(o.parse_flag(flag, &mut direct).unwrap());
+//! }
+//! assert_eq!((direct, o.sqpoll_idle_ms, o.iopoll), (true, Some(20), IoPoll::Auto));
+//! assert!(!o.parse_flag("nonsense", &mut direct).unwrap());
+//! ```
+
+use std::fs::Metadata;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use lull_uring::{IoQueue, RingSetup};
+
+use crate::BdevError;
+
+/// `sq_thread_idle` when `sqpoll` is given without a value: how long the
+/// kernel's SQ thread keeps polling (a full core) after the last
+/// submission before it sleeps. Short, because lull spends CPU only while
+/// it pays: 50 ms covers the gaps of a busy stream and costs at most
+/// 50 ms of a core after the last request.
+pub const SQPOLL_IDLE_MS_DEFAULT: u32 = 50;
+
+/// Largest `sqpoll=IDLE_MS` accepted: 10 s of polling after the last
+/// request is already far past any use; more is a typo.
+pub const SQPOLL_IDLE_MS_MAX: u32 = 10_000;
+
+/// How a file channel's ring finds completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoPoll {
+    /// Interrupts (the default): the ring's eventfd wakes the reactor.
+    #[default]
+    Off,
+    /// `IORING_SETUP_IOPOLL`; refused where the kernel or device cannot.
+    On,
+    /// `IORING_SETUP_HYBRID_IOPOLL` (with IOPOLL; Linux 6.13+).
+    Hybrid,
+    /// IOPOLL where it is possible, else interrupts (logged once).
+    Auto,
+}
+
+/// io_uring options of a file device (`FileOptions::ring`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RingOptions {
+    /// `sqpoll[=IDLE_MS]`: a kernel thread polls the submission queue.
+    pub sqpoll_idle_ms: Option<u32>,
+    pub iopoll: IoPoll,
+}
+
+impl RingOptions {
+    /// Applies one comma-separated flag of a `file=PATH,...` spec:
+    /// `direct`, `sqpoll`, `sqpoll=IDLE_MS`, `iopoll`, `iopoll=auto`,
+    /// `hybrid_iopoll`. `Ok(false)` for a word that is none of them (so a
+    /// caller can tell a flag from part of a path); `Err` for a known flag
+    /// with a bad value.
+    pub fn parse_flag(&mut self, flag: &str, direct: &mut bool) -> Result<bool, String> {
+        match flag {
+            "direct" => *direct = true,
+            "sqpoll" => self.sqpoll_idle_ms = Some(SQPOLL_IDLE_MS_DEFAULT),
+            "iopoll" => self.iopoll = IoPoll::On,
+            "iopoll=auto" => self.iopoll = IoPoll::Auto,
+            "hybrid_iopoll" => self.iopoll = IoPoll::Hybrid,
+            _ => {
+                if let Some(v) = flag.strip_prefix("sqpoll=") {
+                    let ms = v
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|ms| *ms <= SQPOLL_IDLE_MS_MAX)
+                        .ok_or_else(|| {
+                            format!("sqpoll={v}: expected an idle time in ms, 0 to {SQPOLL_IDLE_MS_MAX}")
+                        })?;
+                    self.sqpoll_idle_ms = Some(ms);
+                } else if let Some(v) = flag.strip_prefix("iopoll=") {
+                    return Err(format!(
+                        "iopoll={v}: expected iopoll, iopoll=auto or hybrid_iopoll"
+                    ));
+                } else {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Parses a comma-separated list of flags (`lull replica --uring`).
+    pub fn parse_list(list: &str, direct: &mut bool) -> Result<RingOptions, String> {
+        let mut o = RingOptions::default();
+        for flag in list.split(',').filter(|f| !f.is_empty()) {
+            if !o.parse_flag(flag, direct)? {
+                return Err(format!(
+                    "unknown file option {flag:?}: expected direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto or hybrid_iopoll"
+                ));
+            }
+        }
+        Ok(o)
+    }
+
+    /// The flags, as they would be written in a spec (for `describe`).
+    pub fn describe(&self) -> String {
+        let mut out = Vec::new();
+        if let Some(ms) = self.sqpoll_idle_ms {
+            out.push(format!("sqpoll={ms}"));
+        }
+        match self.iopoll {
+            IoPoll::Off => {}
+            IoPoll::On => out.push("iopoll".into()),
+            IoPoll::Hybrid => out.push("hybrid_iopoll".into()),
+            IoPoll::Auto => out.push("iopoll=auto".into()),
+        }
+        out.join(",")
+    }
+}
+
+fn refused(option: &'static str, reason: String) -> BdevError {
+    BdevError::OptionRefused { option, reason }
+}
+
+/// Where the device's `io_poll` attribute lives: the queue of the block
+/// device holding the file (or of the device node itself), its parent's
+/// for a partition. `Err` when there is no block device (tmpfs, overlay).
+fn io_poll_attr(meta: &Metadata) -> Result<(String, PathBuf), String> {
+    let dev = if meta.file_type().is_block_device() {
+        meta.rdev()
+    } else {
+        meta.dev()
+    };
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let base = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let name = std::fs::canonicalize(&base)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .ok_or_else(|| {
+            format!("the file is not on a block device (device {major}:{minor}, e.g. tmpfs or overlayfs)")
+        })?;
+    let own = base.join("queue/io_poll");
+    let attr = if own.exists() {
+        own
+    } else {
+        base.join("../queue/io_poll")
+    };
+    Ok((format!("{name} ({major}:{minor})"), attr))
+}
+
+/// Why IOPOLL cannot work for this file, or `None` when it can.
+fn iopoll_refusal(meta: &Metadata, direct: bool, hybrid: bool) -> Option<String> {
+    if !direct {
+        return Some("polled completions need O_DIRECT: add the direct option".into());
+    }
+    if hybrid {
+        let flags =
+            lull_uring::probe::IORING_SETUP_IOPOLL | lull_uring::probe::IORING_SETUP_HYBRID_IOPOLL;
+        if let Err(e) = lull_uring::probe::setup_flags_supported(flags) {
+            return Some(format!(
+                "the kernel refuses IORING_SETUP_HYBRID_IOPOLL ({e}); it needs Linux 6.13 or later"
+            ));
+        }
+    }
+    let (name, attr) = match io_poll_attr(meta) {
+        Ok(found) => found,
+        Err(why) => return Some(why),
+    };
+    match std::fs::read_to_string(&attr) {
+        Ok(v) if v.trim() == "1" => None,
+        Ok(v) => Some(format!(
+            "block device {name} has no poll queues ({} is {}; for NVMe set the nvme module's poll_queues)",
+            attr.display(),
+            v.trim()
+        )),
+        Err(e) => Some(format!(
+            "cannot tell whether block device {name} polls ({}: {e})",
+            attr.display()
+        )),
+    }
+}
+
+/// Checks `options` for the file at `path` (already open, `meta` its
+/// metadata) and returns the ring setup its channels use. A refused option
+/// is an error naming it; `iopoll=auto` falls back to interrupts with one
+/// log line. SQPOLL and IOPOLL are tried on a small ring here, so the
+/// kernel's refusal surfaces at open.
+pub(crate) fn resolve(
+    path: &Path,
+    meta: &Metadata,
+    direct: bool,
+    options: RingOptions,
+) -> Result<RingSetup, BdevError> {
+    let mut setup = RingSetup {
+        sqpoll_idle_ms: options.sqpoll_idle_ms,
+        iopoll: false,
+    };
+    let (option, hybrid) = match options.iopoll {
+        IoPoll::Off => ("", false),
+        IoPoll::On | IoPoll::Auto => ("iopoll", false),
+        IoPoll::Hybrid => ("hybrid_iopoll", true),
+    };
+    if options.iopoll != IoPoll::Off {
+        match iopoll_refusal(meta, direct, hybrid) {
+            None if hybrid => {
+                // The kernel and the device would do it, but the io-uring
+                // crate's builder (0.7) has no way to ask for the flag.
+                return Err(refused(
+                    option,
+                    "IORING_SETUP_HYBRID_IOPOLL is supported here, but lull's io_uring binding (io-uring 0.7) cannot request it yet; use iopoll".into(),
+                ));
+            }
+            None => setup.iopoll = true,
+            Some(reason) if options.iopoll == IoPoll::Auto => {
+                tracing::info!(path = %path.display(), %reason,
+                    "iopoll=auto: using interrupt completions");
+            }
+            Some(reason) => return Err(refused(option, reason)),
+        }
+    }
+    if setup == RingSetup::default() {
+        return Ok(setup);
+    }
+    // One probe ring with the flags: the kernel says no here, not at the
+    // first connection.
+    if let Err(e) = IoQueue::<()>::with_setup(1, &[], setup) {
+        let option = if setup.sqpoll_idle_ms.is_some() {
+            "sqpoll"
+        } else {
+            "iopoll"
+        };
+        return Err(refused(option, format!("the kernel refuses the ring: {e}")));
+    }
+    tracing::info!(path = %path.display(), sqpoll_idle_ms = ?setup.sqpoll_idle_ms,
+        iopoll = setup.iopoll, "file backend io_uring options");
+    Ok(setup)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(list: &str) -> Result<(bool, RingOptions), String> {
+        let mut direct = false;
+        RingOptions::parse_list(list, &mut direct).map(|o| (direct, o))
+    }
+
+    #[test]
+    fn flags_parse_and_bad_values_are_refused() {
+        assert_eq!(parse("").unwrap(), (false, RingOptions::default()));
+        let (direct, o) = parse("direct,sqpoll").unwrap();
+        assert!(direct);
+        assert_eq!(o.sqpoll_idle_ms, Some(SQPOLL_IDLE_MS_DEFAULT));
+        assert_eq!(parse("hybrid_iopoll").unwrap().1.iopoll, IoPoll::Hybrid);
+        assert_eq!(parse("iopoll").unwrap().1.iopoll, IoPoll::On);
+        assert_eq!(parse("sqpoll=0").unwrap().1.sqpoll_idle_ms, Some(0));
+        assert!(parse("sqpoll=10001").unwrap_err().contains("sqpoll=10001"));
+        assert!(parse("sqpoll=x").is_err());
+        assert!(parse("iopoll=maybe").unwrap_err().contains("iopoll=maybe"));
+        assert!(parse("fast").unwrap_err().contains("unknown file option"));
+        let o = parse("sqpoll=5,iopoll=auto").unwrap().1;
+        assert_eq!(o.describe(), "sqpoll=5,iopoll=auto");
+    }
+}

@@ -1,0 +1,378 @@
+//! Per-I/O cost, with real clients: the file backend's io_uring options
+//! (`sqpoll`, `iopoll`, `hybrid_iopoll`, `iopoll=auto`) either carry fio's
+//! verified writes or stop the server at start with an error naming the
+//! option; the steady state of a `direct` file volume takes (almost) no
+//! page faults; the counters behind both are exposed over RPC.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{require, Server, START_TIMEOUT};
+
+/// Page faults per I/O the server may take in steady state (issue 13): a
+/// fault per thousand requests, i.e. none on the per-request path.
+const STEADY_FAULTS_PER_IO_MAX: f64 = 0.001;
+
+/// fio's warm-up before the measured window: connection set-up, buffer
+/// caches filling, the reactor's first spin decisions.
+const WARMUP_SECS: u64 = 2;
+/// The measured window.
+const MEASURE_SECS: u64 = 5;
+
+fn tempdir(name: &str) -> PathBuf {
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("perio-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fio_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "fio failed with {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON")
+}
+
+/// fio's nbd engine writes 16 MiB at random with crc32c and reads it all
+/// back, failing on the first mismatch.
+fn fio_verify(server: &Server) {
+    require("fio", "fio");
+    let out = Command::new("fio")
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .output()
+        .expect("run fio");
+    let json = fio_json(&out);
+    let job = &json["jobs"][0];
+    assert_eq!(job["error"], 0, "fio error: {job}");
+    assert!(
+        job["read"]["total_ios"].as_u64().unwrap() >= 4096,
+        "verify reads ran: {job}"
+    );
+}
+
+/// `lull serve` with `args`: `Ok(server)` once it listens, or `Err(log)`
+/// when it exits first (a refused option).
+fn start_or_refused(args: &[&str], dir: &Path) -> Result<Server, String> {
+    let log_path = dir.join("refused.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child: Child = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--rpc-socket"])
+        .arg(dir.join("probe.sock"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("spawn lull");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "lull serve exited 0 at start");
+            return Err(std::fs::read_to_string(&log_path).unwrap_or_default());
+        }
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
+            if line.starts_with("listening on ") {
+                // It works: stop this probe and start the real one.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(Server::start(args));
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lull serve neither started nor exited"
+        );
+    }
+}
+
+#[test]
+fn file_ring_options_carry_verified_io_or_are_refused_by_name() {
+    let dir = tempdir("options");
+    let img = dir.join("f.img");
+    let img = img.display();
+    // Options that work on any Linux with io_uring (SQPOLL is unprivileged
+    // since 5.11; auto falls back to interrupts where it cannot poll).
+    for flags in [
+        "sqpoll",
+        "direct,sqpoll=5",
+        "direct,iopoll=auto",
+        "iopoll=auto",
+    ] {
+        let spec = format!("vol:16M:file={img},{flags}");
+        let mut server = Server::start(&["--volume", &spec]);
+        fio_verify(&server);
+        server.assert_healthy();
+        if flags.contains("auto") && flags.contains("direct") {
+            // Either it polls, or it says once why it does not.
+            let log = server.stderr();
+            let fell_back = log.contains("iopoll=auto: using interrupt completions");
+            let polls = log.contains("iopoll=true");
+            assert!(
+                fell_back ^ polls,
+                "iopoll=auto said neither or both:\n{log}"
+            );
+        }
+    }
+    // Options that need a polling block device: IOPOLL without O_DIRECT is
+    // always refused; with it, this VM's disk (no poll queues) refuses.
+    for (flags, option) in [
+        ("iopoll", "iopoll"),
+        ("hybrid_iopoll", "hybrid_iopoll"),
+        ("direct,iopoll", "iopoll"),
+        ("direct,hybrid_iopoll", "hybrid_iopoll"),
+    ] {
+        let spec = format!("vol:16M:file={img},{flags}");
+        match start_or_refused(&["--volume", &spec], &dir) {
+            Err(log) => {
+                let needle = format!("option {option} refused: ");
+                assert!(log.contains(&needle), "{flags}: no {needle:?} in:\n{log}");
+                eprintln!(
+                    "{flags}: refused as expected: {}",
+                    log.lines().last().unwrap_or("")
+                );
+                if !flags.contains("direct") {
+                    assert!(
+                        log.contains("O_DIRECT"),
+                        "{flags}: reason should name O_DIRECT:\n{log}"
+                    );
+                }
+            }
+            Ok(mut server) => {
+                assert!(
+                    flags == "direct,iopoll",
+                    "{flags} started; only direct,iopoll on a polling device may"
+                );
+                fio_verify(&server);
+                server.assert_healthy();
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Minor + major page faults of a whole process, from /proc/PID/stat.
+fn process_faults(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("stat comm") + 2..]
+        .split_whitespace()
+        .collect();
+    // state is field 3 of stat(5); minflt is 10, majflt 12.
+    fields[7].parse::<u64>().expect("minflt") + fields[9].parse::<u64>().expect("majflt")
+}
+
+fn rpc(server_dir: &Path, sock: &Path, method: &str, params: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "--socket"])
+        .arg(sock)
+        .arg(method)
+        .args((!params.is_empty()).then_some(params))
+        .current_dir(server_dir)
+        .output()
+        .expect("run lull rpc");
+    assert!(
+        out.status.success(),
+        "lull rpc {method} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("rpc JSON")
+}
+
+#[test]
+fn steady_state_direct_file_volume_takes_no_page_faults() {
+    require("fio", "fio");
+    let dir = tempdir("faults");
+    let sock = dir.join("rpc.sock");
+    let spec = format!("vol:64M:file={},direct", dir.join("f.img").display());
+    let mut server = Server::start(&["--volume", &spec, "--rpc-socket", sock.to_str().unwrap()]);
+    let pid = server.pid();
+    let reactors_before = rpc(&dir, &sock, "framework_get_reactors", "");
+    let fio = Command::new("fio")
+        .args([
+            "--name=steady",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol", server.addr()),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=64M",
+            "--time_based",
+            &format!("--ramp_time={WARMUP_SECS}"),
+            &format!("--runtime={MEASURE_SECS}"),
+            "--output-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fio");
+    // fio's stats start after its ramp; the fault window starts a little
+    // later, so it holds no start-up work and at most the same I/O.
+    std::thread::sleep(Duration::from_millis(WARMUP_SECS * 1000 + 500));
+    let faults_before = process_faults(pid);
+    let out = fio.wait_with_output().expect("fio");
+    let faults = process_faults(pid) - faults_before;
+    let json = fio_json(&out);
+    let job = &json["jobs"][0];
+    assert_eq!(job["error"], 0, "fio error: {job}");
+    let ios =
+        job["read"]["total_ios"].as_u64().unwrap() + job["write"]["total_ios"].as_u64().unwrap();
+    assert!(ios > 1000, "too little I/O to judge: {job}");
+    let per_io = faults as f64 / ios as f64;
+    eprintln!("steady state: {faults} page faults over {ios} I/Os = {per_io:.6} per I/O");
+    assert!(
+        per_io < STEADY_FAULTS_PER_IO_MAX,
+        "{faults} page faults over {ios} I/Os ({per_io:.6}/IO) is not below {STEADY_FAULTS_PER_IO_MAX}"
+    );
+
+    // The counters: the reactors made io_uring_enter calls for the file
+    // channels, and the volume's count rose with its I/O.
+    let enters = |v: &serde_json::Value| -> u64 {
+        v["reactors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["io_uring_enters"].as_u64().expect("io_uring_enters"))
+            .sum()
+    };
+    // Reactors publish their counters every 50 ms.
+    std::thread::sleep(Duration::from_millis(200));
+    let reactors_after = rpc(&dir, &sock, "framework_get_reactors", "");
+    assert!(
+        enters(&reactors_after) > enters(&reactors_before),
+        "no io_uring_enter counted on any reactor: {reactors_after}"
+    );
+    let faults_counted: u64 = reactors_after["reactors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["minor_faults"].as_u64().unwrap())
+        .sum();
+    assert!(
+        faults_counted > 0,
+        "a reactor thread takes some faults at start"
+    );
+    let stats = rpc(&dir, &sock, "volume_get_stats", r#"{"name":"vol"}"#);
+    let vol_enters = stats["io_uring_enters"]
+        .as_u64()
+        .expect("file volume counts enters");
+    let vol_ios = stats["reads"].as_u64().unwrap() + stats["writes"].as_u64().unwrap();
+    assert!(vol_ios >= ios, "{stats}");
+    assert!(
+        vol_enters > 0 && vol_enters <= 2 * vol_ios + 1000,
+        "{stats}"
+    );
+    eprintln!(
+        "io_uring_enter per I/O: {:.3}",
+        vol_enters as f64 / vol_ios as f64
+    );
+    server.assert_healthy();
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn free_port() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+/// `lull replica` with `uring` options on `dir`: `Ok(child)` once it
+/// accepts, or `Err(log)` when it exits first.
+fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
+    let addr = free_port();
+    let log_path = dir.join(format!("replica-{uring}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args([
+            "replica",
+            "--listen",
+            &addr.to_string(),
+            "--size",
+            "16M",
+            "--uring",
+            uring,
+        ])
+        .arg("--dir")
+        .arg(dir.join("data"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("spawn lull replica");
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "lull replica exited 0 at start");
+            return Err(std::fs::read_to_string(&log_path).unwrap_or_default());
+        }
+        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            // Tell the caller where: the listen address is the child's.
+            std::fs::write(dir.join("replica.addr"), addr.to_string()).unwrap();
+            return Ok(child);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lull replica neither started nor exited"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn replica_data_file_takes_the_same_ring_options() {
+    let dir = tempdir("replica");
+    // SQPOLL on an O_DIRECT data file carries a replicated volume.
+    let mut child = match replica(&dir, "direct,sqpoll=5") {
+        Ok(child) => child,
+        Err(log) => panic!("lull replica --uring direct,sqpoll=5 refused:\n{log}"),
+    };
+    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
+    let mut server = Server::start(&["--volume", &format!("vol:16M:replicas={addr}")]);
+    fio_verify(&server);
+    server.assert_healthy();
+    drop(server);
+    let _ = child.kill();
+    let _ = child.wait();
+    // IOPOLL without O_DIRECT is refused by name, at start.
+    match replica(&dir, "iopoll") {
+        Err(log) => assert!(
+            log.contains("option iopoll refused: ") && log.contains("O_DIRECT"),
+            "no clear refusal in:\n{log}"
+        ),
+        Ok(mut child) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("lull replica --uring iopoll started without O_DIRECT");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
