@@ -16,6 +16,9 @@
 //! max_connections_per_volume = 4096 # NBD connections per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
+//! tls = "require"                  # NBD TLS: off | on | require
+//! tls_psk = "/etc/lull/keys.psk"   # username:hexkey lines, or
+//! # tls_certs = "/etc/lull/pki"    # server-cert.pem, server-key.pem[, ca-cert.pem]
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
 //! # dynamic's tunables (SPDK's, percent): scheduler_load_limit = 20,
@@ -42,6 +45,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use lull_net::tls::Creds;
+use lull_proto::nbd::TlsPolicy;
 use lull_reactor::scheduler::{DynamicParams, Policy};
 use lull_reactor::{Mode, SchedulerConfig};
 use serde::Deserialize;
@@ -177,6 +182,8 @@ pub struct ServeSettings {
     pub nvmf_listen: Option<SocketAddr>,
     /// Per-volume NVMe/TCP settings (volumes not named use the defaults).
     pub nvmf_volumes: std::collections::BTreeMap<String, NvmfVolume>,
+    /// TLS on the NBD server.
+    pub tls: NbdTlsSettings,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
     /// NBD connections the server holds at once (1 to [`MAX_SERVER_CONNECTIONS`]).
@@ -190,6 +197,13 @@ pub struct ServeSettings {
 /// server's own cap, `lull_nbd::MAX_CONNECTIONS` (the binary asserts they
 /// agree), which is also the default.
 pub const MAX_SERVER_CONNECTIONS: usize = 16_384;
+/// `--tls`, `--tls-certs`, `--tls-psk` resolved: credentials whenever
+/// the policy is not `Off`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NbdTlsSettings {
+    pub policy: TlsPolicy,
+    pub creds: Option<Creds>,
+}
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 pub const DEFAULT_VOLUME: &str = "vol0:1G:malloc";
@@ -216,6 +230,12 @@ pub struct ConfigFile {
     pub metrics: Option<String>,
     /// The NVMe/TCP target's ADDR:PORT (4420 is the usual port).
     pub nvmf_listen: Option<String>,
+    /// NBD TLS: off, on or require.
+    pub tls: Option<String>,
+    /// NBD TLS X.509 directory (qemu's tls-creds-x509 layout).
+    pub tls_certs: Option<PathBuf>,
+    /// NBD TLS-PSK file (`username:hexkey` lines).
+    pub tls_psk: Option<PathBuf>,
     /// Replicated volumes: a replica silent this long is failed.
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
@@ -274,6 +294,9 @@ pub struct Overrides {
     /// `VOLUME=HOSTNQN`, repeatable: hosts allowed to connect to a
     /// volume's subsystem (replacing the config file's list for it).
     pub nvmf_allow_host: Vec<String>,
+    pub tls: Option<String>,
+    pub tls_certs: Option<PathBuf>,
+    pub tls_psk: Option<PathBuf>,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
     pub max_connections: Option<usize>,
@@ -362,6 +385,41 @@ fn volume(name: &str, size: &str, backend: Backend) -> Result<VolumeSpec, Config
 /// Parse a core list: `3`, `0,2`, `0-3`, `0-1,4`.
 pub fn parse_cores(s: &str) -> Result<Vec<usize>, ConfigError> {
     lull_reactor::parse_core_list(s).map_err(ConfigError)
+}
+
+/// Resolve the NBD TLS settings. Credentials without a policy mean
+/// `require` (as qemu-nbd's `--tls-creds`): a server given keys should not
+/// serve in plaintext unless told to.
+pub fn resolve_tls(
+    policy: Option<&str>,
+    certs: Option<PathBuf>,
+    psk: Option<PathBuf>,
+) -> Result<NbdTlsSettings, ConfigError> {
+    let creds = match (certs, psk) {
+        (Some(_), Some(_)) => return err("tls_certs and tls_psk: give one of them"),
+        (Some(dir), None) => Some(Creds::X509(dir)),
+        (None, Some(file)) => Some(Creds::Psk(file)),
+        (None, None) => None,
+    };
+    let policy = match (policy, &creds) {
+        (None, None) | (Some("off"), _) => TlsPolicy::Off,
+        (None, Some(_)) | (Some("require"), _) => TlsPolicy::Require,
+        (Some("on"), _) => TlsPolicy::On,
+        (Some(other), _) => {
+            return err(format!(
+                "unknown tls setting {other:?} (expected off, on or require)"
+            ))
+        }
+    };
+    if policy != TlsPolicy::Off && creds.is_none() {
+        return err(
+            "tls = on/require needs tls_certs (--tls-certs DIR) or tls_psk (--tls-psk FILE)",
+        );
+    }
+    Ok(NbdTlsSettings {
+        creds: creds.filter(|_| policy != TlsPolicy::Off),
+        policy,
+    })
 }
 
 pub fn parse_mode(s: &str) -> Result<Mode, ConfigError> {
@@ -486,6 +544,11 @@ pub fn resolve(
         })?),
         None => None,
     };
+    let tls = resolve_tls(
+        flags.tls.or(file.tls).as_deref(),
+        flags.tls_certs.or(file.tls_certs),
+        flags.tls_psk.or(file.tls_psk),
+    )?;
     let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
     let mut engine = lull_engine::EngineOptions::default();
     if let Some(t) = flags.replica_timeout_ms.or(file.replica_timeout_ms) {
@@ -562,6 +625,7 @@ pub fn resolve(
         metrics,
         nvmf_listen,
         nvmf_volumes,
+        tls,
         engine,
         scheduler,
         max_connections,
@@ -711,7 +775,8 @@ mod tests {
             Backend::Faulty {
                 inner: Box::new(Backend::File {
                     path: PathBuf::from("/a,b"),
-                    direct: true
+                    direct: true,
+                    ring: Default::default(),
                 }),
                 faults: lull_bdev::Faults {
                     read_err: p(0.5),
@@ -991,6 +1056,33 @@ mod tests {
             .unwrap_err()
             .0
             .contains("contradicts"));
+    }
+
+    #[test]
+    fn tls_settings() {
+        let off = resolve_tls(None, None, None).unwrap();
+        assert_eq!(off.policy, TlsPolicy::Off);
+        let psk = resolve_tls(None, None, Some("k.psk".into())).unwrap();
+        assert_eq!(psk.policy, TlsPolicy::Require, "keys alone mean require");
+        assert_eq!(psk.creds, Some(Creds::Psk("k.psk".into())));
+        let on = resolve_tls(Some("on"), Some("pki".into()), None).unwrap();
+        assert_eq!(on.policy, TlsPolicy::On);
+        assert_eq!(on.creds, Some(Creds::X509("pki".into())));
+        assert!(resolve_tls(Some("require"), None, None).is_err());
+        assert!(resolve_tls(None, Some("a".into()), Some("b".into())).is_err());
+        assert!(resolve_tls(Some("yes"), None, Some("b".into())).is_err());
+        let file = ConfigFile::parse("tls = \"on\"\ntls_psk = \"x.psk\"\n").unwrap();
+        let s = resolve(file, Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.tls.policy, TlsPolicy::On);
+        let flags = Overrides {
+            tls: Some("off".into()),
+            ..Overrides::default()
+        };
+        let file = ConfigFile::parse("tls_psk = \"x.psk\"\n").unwrap();
+        assert_eq!(
+            resolve(file, flags, &[0]).unwrap().tls.policy,
+            TlsPolicy::Off
+        );
     }
 
     #[test]

@@ -341,7 +341,7 @@ impl Sock {
     /// writability only while output is queued.
     fn flush(&mut self, t: &mut Thread) -> Result<bool, String> {
         let moved = lull_net::bufs::with_pool(|pool| self.link.flush(pool));
-        self.link.update_interest(t, self.poller, None);
+        self.link.update_interest(t, self.poller, None, false);
         match self.failed() {
             Some(reason) if self.link.is_broken() => Err(reason),
             _ => Ok(moved),
@@ -575,7 +575,7 @@ impl Shell {
             recv: Recv::Header,
         });
         // A new wire waits for writability too; nothing is queued yet.
-        sock.link.update_interest(t, poller, None);
+        sock.link.update_interest(t, poller, None, false);
         self.run(t, Event::ConnUp(conn), now);
     }
 

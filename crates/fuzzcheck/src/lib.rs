@@ -27,7 +27,7 @@ mod replica;
 mod rpc;
 
 pub use config::config_toml;
-pub use nbd::{nbd_handshake, nbd_request};
+pub use nbd::{nbd_handshake, nbd_request, nbd_starttls};
 pub use nvmf::nvmf_pdu;
 pub use replica::{replica_frame, replica_meta, replica_reply};
 pub use rpc::{metrics_http, rpc_request};
@@ -40,6 +40,7 @@ pub type Check = fn(&[u8]);
 pub const TARGETS: &[(&str, Check)] = &[
     ("nbd_handshake", nbd_handshake),
     ("nbd_request", nbd_request),
+    ("nbd_starttls", nbd_starttls),
     ("replica_frame", replica_frame),
     ("replica_reply", replica_reply),
     ("replica_meta", replica_meta),

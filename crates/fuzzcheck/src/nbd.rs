@@ -1,7 +1,8 @@
 //! The NBD targets: the server handshake and transmission requests.
 
 use lull_proto::nbd::{
-    self, Command, ExportInfo, Exports, HandshakeError, HandshakeStatus, ServerHandshake, Verdict,
+    self, Command, ExportInfo, Exports, HandshakeError, HandshakeStatus, ServerHandshake,
+    TlsPolicy, Verdict,
 };
 
 struct FuzzExports;
@@ -47,8 +48,20 @@ enum Outcome {
 /// Feeds `input` as a server would: append each chunk to what is pending,
 /// feed, drop what was consumed. `sizes` cycle; empty means all at once.
 fn drive(input: &[u8], sizes: &[usize]) -> (Outcome, Vec<u8>) {
+    let (outcome, out, _) = drive_tls(input, sizes, TlsPolicy::Off);
+    (outcome, out)
+}
+
+/// [`drive`] for a server with a TLS policy. At `StartTls` the TLS session
+/// is taken to come up at once and carry the rest of the input (a real
+/// server refuses plaintext already buffered behind STARTTLS; here the
+/// rest is what the client sends through TLS). Also returns how many
+/// bytes of `out` were sent before TLS.
+fn drive_tls(input: &[u8], sizes: &[usize], policy: TlsPolicy) -> (Outcome, Vec<u8>, usize) {
     let mut out = Vec::new();
-    let mut handshake = ServerHandshake::new(&mut out);
+    let mut handshake = ServerHandshake::with_tls(&mut out, policy);
+    out.clear();
+    let mut plaintext_out = None;
     let mut pending: Vec<u8> = Vec::new();
     let mut pending_start = 0;
     let mut arrived = 0;
@@ -65,16 +78,36 @@ fn drive(input: &[u8], sizes: &[usize]) -> (Outcome, Vec<u8>) {
                 pending_start += used;
                 assert!(pending.len() < nbd::MAX_HANDSHAKE_MESSAGE_LEN);
                 if arrived == input.len() {
+                    let plain = plaintext_out.unwrap_or(out.len());
                     return (
                         Outcome::NeedMore {
                             consumed: pending_start,
                         },
                         out,
+                        plain,
                     );
                 }
             }
+            Ok((used, HandshakeStatus::StartTls)) => {
+                assert_ne!(policy, TlsPolicy::Off, "STARTTLS accepted without TLS");
+                assert!(plaintext_out.is_none(), "STARTTLS accepted twice");
+                assert!(!handshake.tls_active());
+                pending.drain(..used);
+                pending_start += used;
+                plaintext_out = Some(out.len());
+                handshake.tls_started();
+                assert_eq!(
+                    handshake.negotiated(),
+                    nbd::Negotiated::default(),
+                    "state negotiated in plaintext survived STARTTLS"
+                );
+            }
             Ok((used, status)) => {
                 assert!(used <= pending.len());
+                if policy == TlsPolicy::Require && matches!(status, HandshakeStatus::Done { .. }) {
+                    assert!(handshake.tls_active(), "an export chosen without TLS");
+                }
+                let plain = plaintext_out.unwrap_or(out.len());
                 return (
                     Outcome::Ended {
                         end: pending_start + used,
@@ -82,9 +115,13 @@ fn drive(input: &[u8], sizes: &[usize]) -> (Outcome, Vec<u8>) {
                         negotiated: handshake.negotiated(),
                     },
                     out,
+                    plain,
                 );
             }
-            Err(error) => return (Outcome::Failed(error), out),
+            Err(error) => {
+                let plain = plaintext_out.unwrap_or(out.len());
+                return (Outcome::Failed(error), out, plain);
+            }
         }
     }
 }
@@ -108,6 +145,60 @@ pub fn nbd_handshake(data: &[u8]) {
     let whole = drive(input, &[]);
     let chunked = drive(input, &sizes);
     assert_eq!(whole, chunked);
+}
+
+/// Feeds arbitrary client bytes to a TLS-enabled server handshake
+/// (STARTTLS, `NBD_REP_ERR_TLS_REQD`), in arbitrary chunks: chunking never
+/// changes the result, and with TLS required nothing but refusals and the
+/// STARTTLS/ABORT acknowledgements leaves in plaintext (no export name,
+/// size or flags) and no export is chosen before TLS.
+///
+/// Input layout: byte 0's low 2 bits pick the policy (0 off, 1 on, 2 and
+/// 3 require), bits 2-4 how many chunk-size bytes follow; the rest is the
+/// client stream, read as flowing through TLS once STARTTLS is acknowledged.
+pub fn nbd_starttls(data: &[u8]) {
+    let Some((&control, rest)) = data.split_first() else {
+        return;
+    };
+    let policy = match control & 3 {
+        0 => TlsPolicy::Off,
+        1 => TlsPolicy::On,
+        _ => TlsPolicy::Require,
+    };
+    let count = usize::from((control >> 2) & 7).min(rest.len());
+    let (size_bytes, input) = rest.split_at(count);
+    let mut sizes: Vec<usize> = size_bytes.iter().map(|&size| usize::from(size)).collect();
+    if sizes.is_empty() {
+        sizes.push(1);
+    }
+    let whole = drive_tls(input, &[], policy);
+    let chunked = drive_tls(input, &sizes, policy);
+    assert_eq!(whole, chunked);
+    if policy == TlsPolicy::Require {
+        let (_, out, plain) = whole;
+        let mut bytes = &out[..plain];
+        while !bytes.is_empty() {
+            // Option replies only: magic, option, type, length, payload.
+            assert!(bytes.len() >= 20, "a cut reply in plaintext");
+            let option = u32::from_be_bytes(bytes[8..12].try_into().expect("4 bytes"));
+            let reply_type = u32::from_be_bytes(bytes[12..16].try_into().expect("4 bytes"));
+            let len = u32::from_be_bytes(bytes[16..20].try_into().expect("4 bytes")) as usize;
+            let allowed = match option {
+                nbd::NBD_OPT_STARTTLS => {
+                    reply_type == nbd::NBD_REP_ACK || reply_type == nbd::NBD_REP_ERR_INVALID
+                }
+                nbd::NBD_OPT_ABORT => reply_type == nbd::NBD_REP_ACK,
+                _ => reply_type == nbd::NBD_REP_ERR_TLS_REQD,
+            };
+            assert!(allowed, "option {option} got {reply_type:#x} before TLS");
+            let payload = &bytes[20..20 + len];
+            assert!(
+                !payload.windows(4).any(|w| w == b"disk"),
+                "an export name before TLS"
+            );
+            bytes = &bytes[20 + len..];
+        }
+    }
 }
 
 /// Decodes arbitrary request headers and validates them against an

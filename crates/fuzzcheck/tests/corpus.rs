@@ -60,6 +60,11 @@ fn nbd_handshake() {
 }
 
 #[test]
+fn nbd_starttls() {
+    replay("nbd_starttls");
+}
+
+#[test]
 fn nbd_request() {
     replay("nbd_request");
 }

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
-use lull_nbd::{ListenAddr, NbdServer};
+use lull_nbd::{ListenAddr, NbdServer, NbdTls};
+use lull_net::tls::{Role, TlsContext};
 use lull_reactor::{Framework, FrameworkConfig};
 use lull_volume::{Storage, Volume, Volumes};
 
@@ -94,6 +95,20 @@ struct ServeArgs {
     /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
+    /// NBD TLS: off, on (clients may use NBD_OPT_STARTTLS) or require
+    /// (they must; nothing about the exports is told before) [default:
+    /// require when credentials are given, else off].
+    #[arg(long, value_name = "off|on|require")]
+    tls: Option<String>,
+    /// NBD TLS with X.509: a directory with server-cert.pem and
+    /// server-key.pem (qemu's tls-creds-x509 layout); with ca-cert.pem too,
+    /// clients must present a certificate it signed.
+    #[arg(long, value_name = "DIR")]
+    tls_certs: Option<PathBuf>,
+    /// NBD TLS with pre-shared keys: a file of username:hexkey lines (the
+    /// format of nbdkit --tls-psk and libnbd's tls-psk-file).
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
     /// Replicated volumes: fail a replica silent this long [default: 8000].
     #[arg(long, value_name = "MS")]
     replica_timeout_ms: Option<u64>,
@@ -162,6 +177,9 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         nvmf_lba: args.nvmf_lba,
         nvmf_nqn: args.nvmf_nqn,
         nvmf_allow_host: args.nvmf_allow_host,
+        tls: args.tls,
+        tls_certs: args.tls_certs,
+        tls_psk: args.tls_psk,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
         max_connections: args.max_connections,
@@ -323,6 +341,16 @@ fn serve(args: ServeArgs) -> ExitCode {
     if let Some(p) = &s.socket {
         listen.push(ListenAddr::Unix(p.clone()));
     }
+    let tls = match &s.tls.creds {
+        Some(creds) => match TlsContext::new(creds, Role::Server) {
+            Ok(ctx) => Some(NbdTls {
+                policy: s.tls.policy,
+                ctx,
+            }),
+            Err(e) => return usage_error(format!("NBD TLS: {e}")),
+        },
+        None => None,
+    };
     let mut signals = match cli::signals::stop_signals() {
         Ok(s) => s,
         Err(code) => return code,
@@ -356,15 +384,20 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     }
     wait_for_replicas(&volumes);
-    let server =
-        match NbdServer::start_with(fw.handle(), volumes.clone(), &listen, s.max_connections) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("lull: error: {e}");
-                fw.stop();
-                return ExitCode::FAILURE;
-            }
-        };
+    let server = match NbdServer::start_with(
+        fw.handle(),
+        volumes.clone(),
+        &listen,
+        tls,
+        s.max_connections,
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            fw.stop();
+            return ExitCode::FAILURE;
+        }
+    };
     let subsystems = s
         .nvmf_volumes
         .iter()

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use lull_bdev::{Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
+use lull_net::tls::TlsStream;
 use lull_net::wire::{self, Wire};
 use lull_net::{bufs, Payload};
 use lull_proto::nbd::structured::{self, BlockExtent, ReadPiece};
@@ -115,6 +116,9 @@ pub(crate) struct Conn {
     /// A request the device refused as full; retried before reading more.
     retry: Option<IoRequest>,
     pub(crate) handshake_done: Arc<AtomicBool>,
+    /// STARTTLS was acknowledged: once the ACK is written, the stream
+    /// moves into a TLS session. No plaintext is read meanwhile.
+    starting_tls: bool,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
     /// `now` of the current poller run.
@@ -187,6 +191,16 @@ impl wire::Protocol for Conn {
             Phase::Handshake(_) => false,
         }
     }
+
+    fn stream_wants_write(&self) -> bool {
+        matches!(&self.link.stream, Stream::Tls(s) if s.wants_write())
+    }
+
+    fn stranded_input(&self) -> bool {
+        matches!(&self.link.stream, Stream::Tls(s) if s.pending() > 0)
+            && !self.link.is_closing()
+            && self.wants_input()
+    }
 }
 
 impl Conn {
@@ -200,7 +214,11 @@ impl Conn {
 
     pub(crate) fn new(stream: Stream, server: Arc<ServerShared>) -> Conn {
         let mut greeting = Vec::new();
-        let hs = ServerHandshake::new(&mut greeting);
+        let policy = server
+            .tls
+            .as_ref()
+            .map_or_else(Default::default, |t| t.policy);
+        let hs = ServerHandshake::with_tls(&mut greeting, policy);
         let (fd, peer) = (stream.as_raw_fd(), stream.peer());
         // It waits for both directions at first, so the greeting goes out
         // at once.
@@ -214,6 +232,7 @@ impl Conn {
             recv: Recv::Header,
             retry: None,
             handshake_done: Arc::new(AtomicBool::new(false)),
+            starting_tls: false,
             completions: Vec::new(),
             now_ns: 0,
             clock: None,
@@ -567,13 +586,64 @@ impl Conn {
     /// Whether reading more bytes could make progress now.
     fn wants_input(&self) -> bool {
         match (&self.phase, &self.recv) {
-            (Phase::Handshake(_), _) => true,
+            // The TLS handshake reads the socket itself.
+            (Phase::Handshake(_), _) => !self.starting_tls && !self.tls_handshaking(),
             (_, Recv::Payload { .. }) | (_, Recv::Drain { .. }) => true,
             _ => self.can_take_request(),
         }
     }
 
+    fn tls_handshaking(&self) -> bool {
+        matches!(&self.link.stream, Stream::Tls(s) if !s.is_established())
+    }
+
+    /// The STARTTLS ACK is written: move the stream into a TLS session.
+    fn start_tls(&mut self) -> bool {
+        if !self.link.out.is_empty() {
+            return false;
+        }
+        self.starting_tls = false;
+        let Some(tls) = &self.server.tls else {
+            self.close("STARTTLS acknowledged without TLS credentials");
+            return true;
+        };
+        let plain = std::mem::replace(&mut self.link.stream, Stream::Gone);
+        match TlsStream::new(&tls.ctx, plain) {
+            Ok(s) => self.link.stream = Stream::Tls(Box::new(s)),
+            Err(e) => self.close(format!("cannot start TLS: {e}")),
+        }
+        true
+    }
+
+    /// Drive the TLS handshake; once done, option haggling goes on inside.
+    fn tls_step(&mut self) -> bool {
+        let (Stream::Tls(s), Phase::Handshake(hs)) = (&mut self.link.stream, &mut self.phase)
+        else {
+            return false;
+        };
+        match s.handshake() {
+            Ok(true) => {
+                hs.tls_started();
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                // Wrong PSK, a refused certificate, a client that gave up:
+                // the one log line is the close's.
+                self.link.set_broken();
+                self.close(e.to_string());
+                true
+            }
+        }
+    }
+
     fn handshake_step(&mut self) -> bool {
+        if self.starting_tls {
+            return self.start_tls();
+        }
+        if self.tls_handshaking() {
+            return self.tls_step();
+        }
         let Phase::Handshake(hs) = &mut self.phase else {
             return false;
         };
@@ -611,7 +681,8 @@ impl Conn {
                     self.close(format!("export {export_name:?} was not admitted"));
                     return true;
                 };
-                tracing::info!(peer = %self.link.peer(), export = %volume.name, "client connected");
+                let tls = matches!(self.link.stream, Stream::Tls(_));
+                tracing::info!(peer = %self.link.peer(), export = %volume.name, tls, "client connected");
                 self.link.set_context(&volume.name);
                 self.phase = Phase::Transmission {
                     channel,
@@ -622,6 +693,16 @@ impl Conn {
                     base_allocation: negotiated.base_allocation,
                     volume,
                 };
+                true
+            }
+            Ok((used, HandshakeStatus::StartTls)) => {
+                self.link.inb.consume(used);
+                if self.link.inb.buffered() > 0 {
+                    self.link.inb.consume(self.link.inb.buffered());
+                    self.close("client sent plaintext after NBD_OPT_STARTTLS");
+                } else {
+                    self.starting_tls = true;
+                }
                 true
             }
             Ok((used, HandshakeStatus::Aborted)) => {

@@ -31,7 +31,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lull_net::server::{self, Acceptor, Connections, Limits};
-use lull_proto::nbd::{self, ExportInfo, Exports};
+use lull_net::tls::TlsContext;
+use lull_proto::nbd::{self, ExportInfo, Exports, TlsPolicy};
 use lull_reactor::{FrameworkHandle, ReactorError};
 use lull_volume::{ConnPermit, Volume, Volumes};
 
@@ -262,6 +263,15 @@ fn remove_stale_socket(path: &Path) {
 pub(crate) struct ServerShared {
     pub(crate) volumes: Arc<Volumes>,
     pub(crate) conns: Arc<Connections>,
+    pub(crate) tls: Option<NbdTls>,
+}
+
+/// TLS on the NBD server: the policy `NBD_OPT_STARTTLS` is answered by,
+/// and the credentials of the sessions it starts.
+#[derive(Debug, Clone)]
+pub struct NbdTls {
+    pub policy: TlsPolicy,
+    pub ctx: TlsContext,
 }
 
 /// A running NBD server.
@@ -279,13 +289,15 @@ impl std::fmt::Debug for NbdServer {
 
 impl NbdServer {
     /// Bind every address (errors are reported here, synchronously) and
-    /// start accepting on the main reactor.
+    /// start accepting on the main reactor. With `tls`, clients may (or,
+    /// with [`TlsPolicy::Require`], must) upgrade with `NBD_OPT_STARTTLS`.
     pub fn start(
         fw: &FrameworkHandle,
         volumes: Arc<Volumes>,
         listen: &[ListenAddr],
+        tls: Option<NbdTls>,
     ) -> Result<NbdServer, NbdError> {
-        NbdServer::start_with(fw, volumes, listen, MAX_CONNECTIONS)
+        NbdServer::start_with(fw, volumes, listen, tls, MAX_CONNECTIONS)
     }
 
     /// As [`NbdServer::start`], holding at most `max_connections` (1 to
@@ -294,6 +306,7 @@ impl NbdServer {
         fw: &FrameworkHandle,
         volumes: Arc<Volumes>,
         listen: &[ListenAddr],
+        tls: Option<NbdTls>,
         max_connections: usize,
     ) -> Result<NbdServer, NbdError> {
         let listeners = listen
@@ -309,6 +322,7 @@ impl NbdServer {
         let shared = Arc::new(ServerShared {
             volumes,
             conns: conns.clone(),
+            tls: tls.filter(|t| t.policy != TlsPolicy::Off),
         });
         let s = shared.clone();
         let clock = fw.clock();

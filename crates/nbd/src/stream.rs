@@ -1,14 +1,26 @@
-//! A connected client socket: TCP or Unix, non-blocking.
+//! A connected client socket: TCP or Unix, non-blocking, plain or (after
+//! `NBD_OPT_STARTTLS`) inside a TLS session. The variant is matched once
+//! per read or write call; a plain connection pays nothing else.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 
+use lull_net::tls::TlsStream;
+
 #[derive(Debug)]
 pub(crate) enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// The plain stream inside a TLS session (TCP or Unix).
+    Tls(Box<TlsStream<Stream>>),
+    /// Only while the plain stream moves into its TLS session.
+    Gone,
+}
+
+fn gone() -> io::Error {
+    io::ErrorKind::NotConnected.into()
 }
 
 impl Stream {
@@ -20,6 +32,8 @@ impl Stream {
                 s.set_nodelay(true)
             }
             Stream::Unix(s) => s.set_nonblocking(true),
+            Stream::Tls(s) => s.get_ref().prepare(),
+            Stream::Gone => Err(gone()),
         }
     }
 
@@ -30,6 +44,8 @@ impl Stream {
                 .map(|a| a.to_string())
                 .unwrap_or_else(|_| "tcp:?".into()),
             Stream::Unix(_) => "unix".into(),
+            Stream::Tls(s) => s.get_ref().peer(),
+            Stream::Gone => "gone".into(),
         }
     }
 }
@@ -39,6 +55,8 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+            Stream::Gone => Err(gone()),
         }
     }
 }
@@ -48,12 +66,17 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
+            Stream::Gone => Err(gone()),
         }
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
             Stream::Unix(s) => s.write_vectored(bufs),
+            // One TLS record per call: the first non-empty slice.
+            Stream::Tls(s) => s.write_vectored(bufs),
+            Stream::Gone => Err(gone()),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -66,6 +89,8 @@ impl AsRawFd for Stream {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(s) => s.get_ref().as_raw_fd(),
+            Stream::Gone => -1,
         }
     }
 }

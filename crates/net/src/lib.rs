@@ -27,6 +27,7 @@
 pub mod bufs;
 pub mod server;
 pub mod slots;
+pub mod tls;
 pub mod wire;
 
 use std::collections::VecDeque;

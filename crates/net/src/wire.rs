@@ -229,7 +229,15 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
     /// bytes arrive), watch
     /// `extra_fd` (once it exists) and wait for writability only while
     /// output is queued.
-    pub fn update_interest(&mut self, t: &mut Thread, me: PollerId, extra_fd: Option<RawFd>) {
+    /// `stream_wants_write`: the stream itself has bytes to send before it
+    /// can go on (a TLS session's handshake or key update).
+    pub fn update_interest(
+        &mut self,
+        t: &mut Thread,
+        me: PollerId,
+        extra_fd: Option<RawFd>,
+        stream_wants_write: bool,
+    ) {
         self.inb.release();
         if let (false, Some(fd)) = (self.extra_fd_added, extra_fd) {
             self.extra_fd_added = true;
@@ -238,7 +246,7 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
                 self.close("internal error");
             }
         }
-        let want = if !self.out.is_empty() && !self.broken {
+        let want = if (!self.out.is_empty() || stream_wants_write) && !self.broken {
             Interest::BOTH
         } else {
             Interest::READABLE
@@ -275,6 +283,17 @@ pub trait Protocol {
     /// instead of waiting for an fd, so the reactor keeps polling while
     /// such I/O is outstanding, in every mode.
     fn completions_polled(&self) -> bool {
+        false
+    }
+    /// The stream must become writable before it can go on (a TLS
+    /// handshake or key update stopped on a full socket).
+    fn stream_wants_write(&self) -> bool {
+        false
+    }
+    /// The stream holds input no socket event will announce (TLS
+    /// plaintext already decrypted) and the protocol would take it now:
+    /// the poller wakes itself.
+    fn stranded_input(&self) -> bool {
         false
     }
     /// Internal consistency, checked after every run in debug builds.
@@ -319,8 +338,9 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     #[cfg(debug_assertions)]
     p.check_invariants();
     let fd = p.completions_fd();
-    p.link().update_interest(t, me, fd);
-    if progressed_last || p.completions_polled() {
+    let wants_write = p.stream_wants_write();
+    p.link().update_interest(t, me, fd, wants_write);
+    if progressed_last || p.completions_polled() || p.stranded_input() {
         t.wake_poller(me);
     }
     status

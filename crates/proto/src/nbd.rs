@@ -2,7 +2,9 @@
 //! replies out, no sockets. The frontend in `lull-nbd` owns the I/O; this
 //! module decides what every byte means and what to answer.
 //!
-//! Only the fixed newstyle handshake is served (no oldstyle, no TLS).
+//! Only the fixed newstyle handshake is served (no oldstyle).
+//! `NBD_OPT_STARTTLS` is answered as the server's [`TlsPolicy`] says;
+//! the TLS session itself is the caller's (see [`HandshakeStatus::StartTls`]).
 //! Structured replies and the `base:allocation` metadata context are
 //! negotiated on request ([`structured`]); clients that do not ask get
 //! simple replies. The reference is the NBD protocol document,
@@ -378,6 +380,21 @@ pub trait Exports {
     }
 }
 
+/// Whether the server offers TLS, as qemu-nbd's and nbdkit's `--tls`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsPolicy {
+    /// `NBD_OPT_STARTTLS` is unsupported.
+    #[default]
+    Off,
+    /// Clients may upgrade; plain clients are served too.
+    On,
+    /// Every option but STARTTLS and ABORT is refused with
+    /// `NBD_REP_ERR_TLS_REQD` until TLS is on, so no export name or size
+    /// is told in plaintext; `NBD_OPT_EXPORT_NAME` (which cannot carry an
+    /// error) ends the connection.
+    Require,
+}
+
 /// Where the handshake stands after a [`ServerHandshake::feed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandshakeStatus {
@@ -393,6 +410,14 @@ pub enum HandshakeStatus {
     /// The client sent `NBD_OPT_ABORT`. The ACK is queued in `out`; flush
     /// it (ignoring errors: the client may already be gone) and close.
     Aborted,
+    /// The client sent `NBD_OPT_STARTTLS` and the ACK is queued in `out`:
+    /// flush it in plaintext, run the TLS handshake on the same socket,
+    /// call [`ServerHandshake::tls_started`] and feed what arrives through
+    /// TLS. Bytes past the count were sent in plaintext after STARTTLS,
+    /// before the ACK: a client must not do that, and honouring them
+    /// would let an attacker inject options into the TLS session (nbdkit's
+    /// CVE-2021-3716), so the caller refuses them and closes.
+    StartTls,
 }
 
 /// A client broke the handshake in a way that ends the connection. Every
@@ -424,7 +449,12 @@ pub enum HandshakeError {
     /// `NBD_OPT_EXPORT_NAME` names an export it does not have.
     #[error("NBD_OPT_EXPORT_NAME asked for unknown export {name:?}")]
     UnknownExport { name: String },
-    /// `feed` was called after the handshake ended (a bug in the caller).
+    /// TLS is required and the client chose an export with
+    /// `NBD_OPT_EXPORT_NAME`, which cannot carry `NBD_REP_ERR_TLS_REQD`.
+    #[error("TLS is required and the client sent NBD_OPT_EXPORT_NAME without it")]
+    TlsRequired,
+    /// `feed` was called after the handshake ended, or between `StartTls`
+    /// and `tls_started` (a bug in the caller).
     #[error("the handshake has already finished")]
     Finished,
 }
@@ -442,6 +472,7 @@ impl HandshakeError {
             | HandshakeError::BadOptionMagic { .. }
             | HandshakeError::TooManyOptions
             | HandshakeError::InvalidExportName { .. } => libc::EPROTO,
+            HandshakeError::TlsRequired => libc::EACCES,
         }
     }
 }
@@ -450,6 +481,8 @@ impl HandshakeError {
 enum Phase {
     ClientFlags,
     Options,
+    /// STARTTLS was acknowledged; the caller runs the TLS handshake.
+    AwaitingTls,
     Finished,
 }
 
@@ -469,6 +502,10 @@ pub struct ServerHandshake {
     meta_export: Option<String>,
     /// Whether the export chosen at the end selected `base:allocation`.
     base_allocation: bool,
+    tls: TlsPolicy,
+    /// The TLS session is up (STARTTLS was acknowledged and the caller
+    /// said the handshake finished).
+    tls_active: bool,
 }
 
 /// What a finished handshake agreed to besides the export.
@@ -496,6 +533,11 @@ impl ServerHandshake {
     /// New handshake; appends the server greeting (NBDMAGIC, IHAVEOPT,
     /// `NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES`) to `out`.
     pub fn new(out: &mut Vec<u8>) -> Self {
+        ServerHandshake::with_tls(out, TlsPolicy::Off)
+    }
+
+    /// [`ServerHandshake::new`] for a server whose TLS policy is `tls`.
+    pub fn with_tls(out: &mut Vec<u8>, tls: TlsPolicy) -> Self {
         out.extend_from_slice(&NBDMAGIC.to_be_bytes());
         out.extend_from_slice(&IHAVEOPT.to_be_bytes());
         out.extend_from_slice(&SERVER_HANDSHAKE_FLAGS.to_be_bytes());
@@ -506,7 +548,32 @@ impl ServerHandshake {
             structured: false,
             meta_export: None,
             base_allocation: false,
+            tls,
+            tls_active: false,
         }
+    }
+
+    /// The TLS handshake after [`HandshakeStatus::StartTls`] succeeded:
+    /// negotiation goes on inside TLS. What was negotiated in plaintext
+    /// (structured replies, metadata contexts) is forgotten, as the spec
+    /// asks, so nothing said before TLS shapes the session.
+    pub fn tls_started(&mut self) {
+        debug_assert_eq!(
+            self.phase,
+            Phase::AwaitingTls,
+            "tls_started without STARTTLS"
+        );
+        if self.phase == Phase::AwaitingTls {
+            self.phase = Phase::Options;
+            self.tls_active = true;
+            self.structured = false;
+            self.meta_export = None;
+        }
+    }
+
+    /// Whether option haggling runs inside TLS.
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
     }
 
     /// What the client negotiated; meaningful once `feed` returned `Done`.
@@ -547,6 +614,7 @@ impl ServerHandshake {
         let result = self.feed_inner(input, exports, out);
         match result {
             Ok((_, HandshakeStatus::NeedMore)) => {}
+            Ok((_, HandshakeStatus::StartTls)) => self.phase = Phase::AwaitingTls,
             Ok(_) | Err(_) => self.phase = Phase::Finished,
         }
         #[cfg(debug_assertions)]
@@ -574,6 +642,9 @@ impl ServerHandshake {
                 "a metadata context without structured replies"
             );
         }
+        if self.tls_active {
+            assert_ne!(self.tls, TlsPolicy::Off, "TLS on without a policy");
+        }
     }
 
     fn feed_inner(
@@ -598,7 +669,7 @@ impl ServerHandshake {
                     Step::Continue(used) => consumed += used,
                     Step::Finish(used, status) => return Ok((consumed + used, status)),
                 },
-                Phase::Finished => return Err(HandshakeError::Finished),
+                Phase::AwaitingTls | Phase::Finished => return Err(HandshakeError::Finished),
             }
         }
     }
@@ -669,7 +740,43 @@ impl ServerHandshake {
         exports: &dyn Exports,
         out: &mut Vec<u8>,
     ) -> Result<Option<HandshakeStatus>, HandshakeError> {
+        if self.tls == TlsPolicy::Require
+            && !self.tls_active
+            && option != NBD_OPT_STARTTLS
+            && option != NBD_OPT_ABORT
+        {
+            if option == NBD_OPT_EXPORT_NAME {
+                return Err(HandshakeError::TlsRequired);
+            }
+            put_reply(
+                out,
+                option,
+                NBD_REP_ERR_TLS_REQD,
+                &[b"TLS is required: send NBD_OPT_STARTTLS first"],
+            );
+            return Ok(None);
+        }
         match option {
+            NBD_OPT_STARTTLS => {
+                let refusal: Option<(u32, &[u8])> = match (self.tls, self.tls_active) {
+                    (TlsPolicy::Off, _) => Some((NBD_REP_ERR_UNSUP, b"TLS is not configured")),
+                    (_, true) => Some((NBD_REP_ERR_INVALID, b"TLS is already on")),
+                    _ if !payload.is_empty() => {
+                        Some((NBD_REP_ERR_INVALID, b"NBD_OPT_STARTTLS takes no data"))
+                    }
+                    _ => None,
+                };
+                Ok(match refusal {
+                    Some((error, message)) => {
+                        put_reply(out, option, error, &[message]);
+                        None
+                    }
+                    None => {
+                        put_reply(out, option, NBD_REP_ACK, &[]);
+                        Some(HandshakeStatus::StartTls)
+                    }
+                })
+            }
             NBD_OPT_EXPORT_NAME => self.export_name(payload, exports, out).map(Some),
             NBD_OPT_ABORT => {
                 // The spec: the server SHOULD ignore any data sent with ABORT.
@@ -708,7 +815,7 @@ impl ServerHandshake {
                 self.meta_context(option, payload, exports, out);
                 Ok(None)
             }
-            // Everything else, STARTTLS and EXTENDED_HEADERS included, is
+            // Everything else, EXTENDED_HEADERS included, is
             // unsupported; the length told us where the next option starts.
             _ => {
                 put_reply(

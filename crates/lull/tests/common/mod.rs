@@ -242,7 +242,7 @@ pub fn connect_raw(addr: SocketAddr) -> TcpStream {
 }
 
 /// Reads and checks the 18-byte server greeting; returns its handshake flags.
-pub fn read_greeting(sock: &mut TcpStream) -> io::Result<u16> {
+pub fn read_greeting(sock: &mut impl Read) -> io::Result<u16> {
     let mut greeting = [0u8; nbd::SERVER_GREETING_LEN];
     sock.read_exact(&mut greeting)?;
     let (magic, rest) = greeting.split_at(8);
@@ -280,7 +280,7 @@ pub fn encode_go(export: &str) -> Vec<u8> {
 }
 
 /// One option reply: `(option, reply type, payload)`.
-pub fn read_option_reply(sock: &mut TcpStream) -> io::Result<(u32, u32, Vec<u8>)> {
+pub fn read_option_reply(sock: &mut impl Read) -> io::Result<(u32, u32, Vec<u8>)> {
     let mut header = [0u8; nbd::OPTION_REPLY_HEADER_LEN];
     sock.read_exact(&mut header)?;
     let word = |at: usize| {
@@ -316,7 +316,7 @@ pub enum Closed {
 
 /// Reads until the server closes the connection, discarding what arrives.
 /// A timeout (the server kept the connection open) is an error.
-pub fn wait_closed(sock: &mut TcpStream) -> io::Result<Closed> {
+pub fn wait_closed(sock: &mut impl Read) -> io::Result<Closed> {
     let mut buf = [0u8; 64 * 1024];
     let mut seen = 0;
     let deadline = Instant::now() + IO_TIMEOUT;

@@ -1354,3 +1354,118 @@ fn a_refused_export_name_ends_the_handshake() {
         })
     );
 }
+
+// ---------------------------------------------------------------------------
+// STARTTLS and TLS policies.
+
+fn run_tls(
+    policy: TlsPolicy,
+    input: &[u8],
+) -> (
+    ServerHandshake,
+    Result<(usize, HandshakeStatus), HandshakeError>,
+    Vec<u8>,
+) {
+    let mut out = Vec::new();
+    let mut handshake = ServerHandshake::with_tls(&mut out, policy);
+    out.clear();
+    let result = handshake.feed(input, &TestExports, &mut out);
+    (handshake, result, out)
+}
+
+#[test]
+fn require_refuses_every_option_before_starttls_and_tells_nothing() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_LIST, &[]),
+            option(NBD_OPT_INFO, &info_payload(b"disk", &[NBD_INFO_NAME])),
+            option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+            option(NBD_OPT_STRUCTURED_REPLY, &[]),
+            option(
+                NBD_OPT_LIST_META_CONTEXT,
+                b"\x00\x00\x00\x04disk\x00\x00\x00\x00",
+            ),
+            option(0xdead_beef, b"payload"),
+        ],
+    );
+    let (hs, result, out) = run_tls(TlsPolicy::Require, &input);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+    let replies = replies(&out);
+    assert_eq!(replies.len(), 6);
+    for r in &replies {
+        assert_eq!(r.reply_type, NBD_REP_ERR_TLS_REQD, "option {}", r.option);
+        let text = String::from_utf8_lossy(&r.payload);
+        assert!(!text.contains("disk") && !text.contains("ro"), "{text}");
+    }
+    assert!(!hs.tls_active());
+    assert_eq!(hs.negotiated(), Negotiated::default(), "nothing negotiated");
+}
+
+#[test]
+fn require_closes_on_export_name_before_tls() {
+    let input = client(1, &[option(NBD_OPT_EXPORT_NAME, b"disk")]);
+    let (_, result, out) = run_tls(TlsPolicy::Require, &input);
+    assert_eq!(result, Err(HandshakeError::TlsRequired));
+    assert!(out.is_empty(), "no size or flags before TLS");
+}
+
+#[test]
+fn starttls_acks_then_negotiation_goes_on_inside_and_plaintext_state_is_forgotten() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_STRUCTURED_REPLY, &[]),
+            option(NBD_OPT_STARTTLS, &[]),
+            option(NBD_OPT_GO, &info_payload(b"disk", &[])),
+        ],
+    );
+    let starttls_end = 4 + 2 * OPTION_HEADER_LEN;
+    for policy in [TlsPolicy::On, TlsPolicy::Require] {
+        let (mut hs, result, out) = run_tls(policy, &input);
+        // STRUCTURED_REPLY: ACK with On, TLS_REQD with Require.
+        assert_eq!(result, Ok((starttls_end, HandshakeStatus::StartTls)));
+        let types = reply_types(&out);
+        assert_eq!(types[1], NBD_REP_ACK);
+        hs.tls_started();
+        let mut more = Vec::new();
+        assert!(hs.tls_active());
+        let result = hs.feed(&input[starttls_end..], &TestExports, &mut more);
+        assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+        assert!(
+            !hs.negotiated().structured_replies,
+            "structured replies negotiated in plaintext do not survive STARTTLS"
+        );
+    }
+}
+
+#[test]
+fn starttls_refusals() {
+    // Off: unsupported. With data: invalid. Inside TLS: invalid.
+    let input = client(1, &[option(NBD_OPT_STARTTLS, &[])]);
+    let (_, _, out) = run_tls(TlsPolicy::Off, &input);
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_UNSUP]);
+    let input = client(1, &[option(NBD_OPT_STARTTLS, b"x")]);
+    let (_, result, out) = run_tls(TlsPolicy::Require, &input);
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_INVALID]);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::NeedMore)));
+    let input = client(1, &[option(NBD_OPT_STARTTLS, &[])]);
+    let (mut hs, _, _) = run_tls(TlsPolicy::On, &input);
+    hs.tls_started();
+    let mut out = Vec::new();
+    let again = option(NBD_OPT_STARTTLS, &[]);
+    let result = hs.feed(&again, &TestExports, &mut out);
+    assert_eq!(result, Ok((again.len(), HandshakeStatus::NeedMore)));
+    assert_eq!(reply_types(&out), [NBD_REP_ERR_INVALID]);
+    // ABORT is honoured before TLS even when TLS is required.
+    let input = client(1, &[option(NBD_OPT_ABORT, &[])]);
+    let (_, result, _) = run_tls(TlsPolicy::Require, &input);
+    assert_eq!(result, Ok((input.len(), HandshakeStatus::Aborted)));
+}
+
+#[test]
+fn on_serves_plain_clients() {
+    let input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &[]))]);
+    let (_, result, _) = run_tls(TlsPolicy::On, &input);
+    assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+}
