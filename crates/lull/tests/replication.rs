@@ -41,7 +41,8 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A `lull replica` process, killed when dropped.
+/// A `lull replica` process in a [`scratch`] directory, killed (and the
+/// directory removed if the test passed) when dropped.
 struct Replica {
     child: Option<Child>,
     addr: SocketAddr,
@@ -111,8 +112,11 @@ impl Replica {
 }
 
 impl Drop for Replica {
+    /// Kills the process; a passing test also removes its directory (a
+    /// failing one keeps it, with the replica's log).
     fn drop(&mut self) {
         self.kill();
+        common::remove_unless_panicking(&self.dir);
     }
 }
 
@@ -608,7 +612,7 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
         panic!("{e}; server log:\n{}", server.stderr());
     }
-    let dir = scratch(name);
+    let dir = common::Scratch::new(&format!("lull-repl-image-{name}"));
     let one = export_image(server, "vol0", &dir.join("one.raw"));
     let two = export_image(server, "vol0", &dir.join("two.raw"));
     assert!(one == two, "two full reads of the volume differ");
