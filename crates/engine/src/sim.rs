@@ -1251,7 +1251,7 @@ fn sim_many_seeds() {
             failed.push(seed);
         }
         let done = seed - base + 1;
-        if seeds >= PROGRESS_SEEDS && done % PROGRESS_SEEDS == 0 {
+        if seeds >= PROGRESS_SEEDS && done.is_multiple_of(PROGRESS_SEEDS) {
             eprintln!(
                 "sim: seeds {base}..{} done in {} s, failed: {failed:?}",
                 seed + 1,
