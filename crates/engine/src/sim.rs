@@ -29,7 +29,7 @@ use lull_bdev::{IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
 
 use crate::core::ids::{ConnId, ReplicaId};
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Payload};
+use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Milestone, Payload};
 use crate::{EngineOptions, ReplicaState};
 
 /// splitmix64: tiny, deterministic, good enough to pick faults.
@@ -365,7 +365,11 @@ pub(crate) struct Sim {
     reads_checked: u64,
     eio: u64,
     next_tick: u64,
+    /// Log lines of the engines and the sim, for a failing seed's report
+    /// (checks use `milestones` and `stats`, never this text).
     pub(crate) log: Vec<String>,
+    /// Every engine's milestones (state changes as data), in order.
+    pub(crate) milestones: Vec<Milestone>,
     /// Session of the engine running now (the sim numbers them 1, 2, ...).
     session: u64,
     /// Per block, bumped by every write issued, finished or abandoned
@@ -385,9 +389,17 @@ pub(crate) struct Sim {
     block_status: Vec<Vec<lull_bdev::Extent>>,
 }
 
-/// What a run exercised, counted from events (not log text).
+/// What a run exercised, counted from the sim's own events and the
+/// engine's milestones (not log text).
 #[derive(Default, Debug, Clone, Copy)]
 pub(crate) struct SimStats {
+    /// Replicas that failed (or were removed), from `ReplicaFailed`.
+    pub replica_failures: u64,
+    /// Times no healthy replica was left, from `NoHealthyReplica`.
+    pub no_healthy: u64,
+    pub elections: u64,
+    pub rebuilds: u64,
+    pub reconciles: u64,
     pub engine_crashes: u64,
     /// Crashes with a write sent to some replicas and not to others.
     pub crashes_mid_fanout: u64,
@@ -446,6 +458,7 @@ impl Sim {
             eio: 0,
             next_tick: 0,
             log: Vec::new(),
+            milestones: Vec::new(),
             session: 1,
             epoch: vec![0; BLOCKS],
             writing: vec![0; BLOCKS],
@@ -519,8 +532,32 @@ impl Sim {
                 }
                 Action::Close { conn } => self.drop_conn(conn),
                 Action::Log { msg, .. } => self.log.push(format!("{:>8} ms {msg}", self.now / MS)),
+                Action::Milestone(m) => self.on_milestone(m),
             }
         }
+    }
+
+    /// Counts an engine milestone and keeps it for the checks.
+    fn on_milestone(&mut self, m: Milestone) {
+        let st = &mut self.stats;
+        match &m {
+            Milestone::ReplicaFailed { .. } => st.replica_failures += 1,
+            Milestone::NoHealthyReplica => st.no_healthy += 1,
+            Milestone::Elected { .. } => st.elections += 1,
+            Milestone::CopyComplete {
+                reconcile: false, ..
+            } => st.rebuilds += 1,
+            Milestone::CopyComplete {
+                reconcile: true, ..
+            } => st.reconciles += 1,
+            Milestone::WaitingForReplicas { .. } | Milestone::Detached { .. } => {}
+        }
+        self.milestones.push(m);
+    }
+
+    /// Whether a milestone from index `from` on matches `f`.
+    fn milestone_since(&self, from: usize, f: impl Fn(&Milestone) -> bool) -> bool {
+        self.milestones[from..].iter().any(f)
     }
 
     /// The engine closed `conn`: what is in transit on it is lost.
@@ -1136,6 +1173,7 @@ impl Sim {
     /// Detach the engine cleanly (as `lull serve` does on SIGTERM) and
     /// start a new one: the replicas are clean and nothing is reconciled.
     fn detach_and_restart(&mut self) {
+        let detach_from = self.milestones.len();
         let mut out = Vec::new();
         self.engine.apply(Event::Detach, self.now, &mut out);
         self.perform(out);
@@ -1151,7 +1189,31 @@ impl Sim {
         let healthy: Vec<usize> = (0..self.replicas.len())
             .filter(|&r| self.engine.status()[r].state == ReplicaState::Healthy)
             .collect();
+        // The engine's report: every replica it says it left clean is, and
+        // every replica still healthy is among them.
+        let reported = self.milestones[detach_from..].iter().find_map(|m| match m {
+            Milestone::Detached { clean } => Some(clean.clone()),
+            _ => None,
+        });
+        let Some(reported) = reported else {
+            panic!("the detach finished without a Detached milestone")
+        };
+        for addr in &reported {
+            let r = self
+                .addrs
+                .iter()
+                .position(|a| a == addr)
+                .expect("a sim replica");
+            assert!(
+                self.replicas[r].clean && self.replicas[r].intent.iter().all(|b| !b),
+                "the engine reported replica {r} clean, and it is not"
+            );
+        }
         for &r in &healthy {
+            assert!(
+                reported.contains(&self.addrs[r]),
+                "healthy replica {r} missing from the detach's clean list {reported:?}"
+            );
             assert!(
                 self.replicas[r].clean && self.replicas[r].intent.iter().all(|b| !b),
                 "replica {r} not clean after detach"
@@ -1170,11 +1232,6 @@ impl Sim {
 
 #[derive(Default, Debug)]
 struct Coverage {
-    failures: usize,
-    rebuilds: usize,
-    reconciles: usize,
-    no_healthy: usize,
-    elections: usize,
     eio: u64,
     reads: u64,
     stats: SimStats,
@@ -1183,6 +1240,11 @@ struct Coverage {
 impl Coverage {
     fn add(&mut self, s: &SimStats) {
         let t = &mut self.stats;
+        t.replica_failures += s.replica_failures;
+        t.no_healthy += s.no_healthy;
+        t.elections += s.elections;
+        t.rebuilds += s.rebuilds;
+        t.reconciles += s.reconciles;
         t.engine_crashes += s.engine_crashes;
         t.crashes_mid_fanout += s.crashes_mid_fanout;
         t.crashes_in_rebuild += s.crashes_in_rebuild;
@@ -1227,12 +1289,6 @@ fn run_seed(seed: u64, cov: &mut Coverage) {
         std::panic::resume_unwind(e);
     }
     assert!(sim.reads_checked > 0, "seed {seed}: no read was checked");
-    let count = |p: &str| sim.log.iter().filter(|l| l.contains(p)).count();
-    cov.failures += count(" failed (was");
-    cov.rebuilds += count("rebuild complete");
-    cov.reconciles += count("reconcile complete");
-    cov.no_healthy += count("no healthy replica left");
-    cov.elections += count("elected replica");
     cov.eio += sim.eio;
     cov.reads += sim.reads_checked;
     cov.add(&sim.stats);
@@ -1249,22 +1305,41 @@ fn sim_many_seeds() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     let mut cov = Coverage::default();
+    // A long run goes on past a failing seed (its report is printed) and
+    // lists every failure at the end; it says how far it got every
+    // `PROGRESS_SEEDS` seeds, so a run stopped early still tells.
+    const PROGRESS_SEEDS: u64 = 1000;
+    let started = std::time::Instant::now();
+    let mut failed = Vec::new();
     for seed in base..base + seeds {
-        run_seed(seed, &mut cov);
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_seed(seed, &mut cov);
+        }));
+        if run.is_err() {
+            failed.push(seed);
+        }
+        let done = seed - base + 1;
+        if seeds >= PROGRESS_SEEDS && done.is_multiple_of(PROGRESS_SEEDS) {
+            eprintln!(
+                "sim: seeds {base}..{} done in {} s, failed: {failed:?}",
+                seed + 1,
+                started.elapsed().as_secs()
+            );
+        }
     }
     eprintln!("simulation coverage over {seeds} seeds: {cov:?}");
+    assert!(failed.is_empty(), "failing seeds: {failed:?}");
     // The faults must actually have been exercised.
-    assert!(
-        seeds < 50 || (cov.failures > 0 && cov.rebuilds > 0 && cov.no_healthy > 0),
-        "{cov:?}"
-    );
     let s = &cov.stats;
     assert!(
         seeds < 50
-            || (s.engine_crashes > 0
+            || (s.replica_failures > 0
+                && s.rebuilds > 0
+                && s.no_healthy > 0
+                && s.engine_crashes > 0
                 && s.crashes_mid_fanout > 0
                 && s.crashes_in_rebuild + s.crashes_in_reconcile > 0
-                && cov.reconciles > 0
+                && s.reconciles > 0
                 && s.old_frames_fenced > 0
                 && s.old_frames_applied > 0
                 && s.clean_detaches > 0
@@ -1323,21 +1398,23 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     sim.take_down(0, u64::MAX);
     sim.replicas[1].up = true;
     sim.new_engine();
-    let restarted_at = sim.log.len();
+    let restarted_at = sim.milestones.len();
     let eio_before = sim.eio;
     sim.step_until(now + 20_000 * MS, true);
-    let after = &sim.log[restarted_at..];
+    let (fresh, stale) = (sim.addrs[0], sim.addrs[1]);
     assert!(
-        !after.iter().any(|l| l.contains("elected replica")),
-        "a stale replica was elected:\n{}",
-        after.join("\n")
+        !sim.milestone_since(restarted_at, |m| matches!(m, Milestone::Elected { .. })),
+        "a stale replica was elected: {:?}",
+        &sim.milestones[restarted_at..]
     );
     assert!(
-        after
-            .iter()
-            .any(|l| l.contains("waiting for replica(s) 10.0.0.1:7000")),
-        "{}",
-        after.join("\n")
+        sim.milestone_since(restarted_at, |m| {
+            *m == Milestone::WaitingForReplicas {
+                missing: vec![fresh],
+            }
+        }),
+        "{:?}",
+        &sim.milestones[restarted_at..]
     );
     assert!(
         sim.eio > eio_before,
@@ -1350,11 +1427,21 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     sim.step_until(sim.now + 500 * MS, false);
     sim.run(0);
     assert!(
-        sim.log[restarted_at..]
-            .iter()
-            .any(|l| l.contains("elected replica 10.0.0.1:7000")),
-        "{}",
-        sim.log.join("\n")
+        sim.milestone_since(restarted_at, |m| matches!(
+            m,
+            Milestone::Elected { source, .. } if *source == fresh
+        )),
+        "{:?}",
+        &sim.milestones[restarted_at..]
+    );
+    assert!(
+        sim.milestone_since(restarted_at, |m| *m
+            == Milestone::CopyComplete {
+                replica: stale,
+                reconcile: false
+            }),
+        "the stale replica was not rebuilt: {:?}",
+        &sim.milestones[restarted_at..]
     );
 }
 
@@ -1367,24 +1454,23 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
     sim.step_until(1_000 * MS, false);
     sim.take_down(0, u64::MAX);
     sim.new_engine();
-    let restarted_at = sim.log.len();
+    let restarted_at = sim.milestones.len();
     sim.step_until(10_000 * MS, false);
     assert!(
-        !sim.log[restarted_at..]
-            .iter()
-            .any(|l| l.contains("elected replica")),
-        "{}",
-        sim.log.join("\n")
+        !sim.milestone_since(restarted_at, |m| matches!(m, Milestone::Elected { .. })),
+        "{:?}",
+        &sim.milestones[restarted_at..]
     );
     let addr = sim.addrs[0];
     sim.apply(Event::RemoveReplica(addr));
     sim.step_until(sim.now + 1_000 * MS, false);
     assert!(
-        sim.log[restarted_at..]
-            .iter()
-            .any(|l| l.contains("elected replica 10.0.0.2:7000")),
-        "{}",
-        sim.log.join("\n")
+        sim.milestone_since(restarted_at, |m| matches!(
+            m,
+            Milestone::Elected { source, .. } if *source == sim.addrs[1]
+        )),
+        "{:?}",
+        &sim.milestones[restarted_at..]
     );
     let st = sim.engine.status();
     assert!(

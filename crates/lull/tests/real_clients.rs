@@ -105,12 +105,9 @@ fn nbdinfo_lists_every_volume_with_its_size() {
     server.assert_healthy();
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let d =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// Removed when the test passes (`common::Scratch`).
+fn tempdir(name: &str) -> common::Scratch {
+    common::Scratch::new(&format!("real-{name}"))
 }
 
 fn qemu_io_patterns(backend_args: &[&str]) {

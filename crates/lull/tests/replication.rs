@@ -41,7 +41,8 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A `lull replica` process, killed when dropped.
+/// A `lull replica` process in a [`scratch`] directory, killed (and the
+/// directory removed if the test passed) when dropped.
 struct Replica {
     child: Option<Child>,
     addr: SocketAddr,
@@ -119,13 +120,11 @@ impl Replica {
 }
 
 impl Drop for Replica {
-    /// Kills the process; a passing test also removes the replica's
-    /// scratch directory (each replica has its own), a failing one keeps it.
+    /// Kills the process; a passing test also removes its directory (a
+    /// failing one keeps it, with the replica's log).
     fn drop(&mut self) {
         self.kill();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        common::remove_unless_panicking(&self.dir);
     }
 }
 
@@ -751,7 +750,7 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
         panic!("{e}; server log:\n{}", server.stderr());
     }
-    let dir = scratch(name);
+    let dir = common::Scratch::new(&format!("lull-repl-image-{name}"));
     let one = export_image(server, "vol0", &dir.join("one.raw"));
     let two = export_image(server, "vol0", &dir.join("two.raw"));
     let _ = std::fs::remove_dir_all(&dir);

@@ -5,7 +5,7 @@
 mod common;
 
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use common::{require, Server};
@@ -30,12 +30,9 @@ fn uri(server: &Server, export: &str) -> String {
     format!("nbd://{}/{}", server.addr(), export)
 }
 
-fn tempdir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("sparse-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// Removed when the test passes (`common::Scratch`).
+fn tempdir(name: &str) -> common::Scratch {
+    common::Scratch::new(&format!("sparse-{name}"))
 }
 
 /// `nbdinfo --map`: (offset, length, type) per line.

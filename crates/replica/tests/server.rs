@@ -36,8 +36,14 @@ impl TempDir {
 }
 
 impl Drop for TempDir {
+    /// A passing test removes its directory; a failing one (the drop runs
+    /// while panicking) keeps it and says where.
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if std::thread::panicking() {
+            eprintln!("test files kept in {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
 

@@ -1,11 +1,13 @@
 //! The clean detach: drain, FLUSH and DETACH every healthy replica so
 //! the next engine trusts them as identical.
 
+use std::net::SocketAddr;
+
 use lull_proto::replica::{Header, Kind};
 
 use super::ids::{ReplicaId, ReplicaSet};
 use super::replicas::{RState, SubKind};
-use super::{Engine, LogLevel, Payload};
+use super::{Engine, LogLevel, Milestone, Payload};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Detach {
@@ -64,11 +66,11 @@ impl Engine {
             }
             Detach::Detaching(waiting) if waiting.is_empty() => {
                 self.detach = Some(Detach::Done);
-                let clean: Vec<String> = self
+                let clean: Vec<SocketAddr> = self
                     .replicas
                     .iter()
                     .filter(|r| r.state == RState::Healthy)
-                    .map(|r| r.addr.to_string())
+                    .map(|r| r.addr)
                     .collect();
                 if clean.is_empty() {
                     self.log(
@@ -80,11 +82,16 @@ impl Engine {
                         LogLevel::Info,
                         format!(
                             "detached cleanly: {} clean at generation {}",
-                            clean.join(", "),
+                            clean
+                                .iter()
+                                .map(|a| a.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", "),
                             self.generation
                         ),
                     );
                 }
+                self.milestone(Milestone::Detached { clean });
             }
             _ => {}
         }

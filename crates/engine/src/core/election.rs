@@ -2,12 +2,14 @@
 //! healthy set (acknowledgements wait for it), and the election of the
 //! freshest replica as the source when no replica is healthy.
 
+use std::net::SocketAddr;
+
 use lull_proto::replica::{self as wire, Hello, Kind, HELLO_LEN};
 
 use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::{count_bits, has_bit};
 use super::replicas::{RState, SubKind};
-use super::{Engine, LogLevel, Payload};
+use super::{Engine, LogLevel, Milestone, Payload};
 
 /// How long a later election (every healthy replica failed while the
 /// engine ran) waits for every replica to answer before it picks the
@@ -125,19 +127,21 @@ impl Engine {
                     .is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS))
                 {
                     self.election_logged_ns = Some(self.now);
-                    let missing: Vec<String> = live
+                    let missing: Vec<SocketAddr> = live
                         .iter()
                         .filter(|&&i| self.replicas[i].state != RState::Probed)
-                        .map(|&i| self.replicas[i].addr.to_string())
+                        .map(|&i| self.replicas[i].addr)
                         .collect();
+                    let list: Vec<String> = missing.iter().map(|a| a.to_string()).collect();
                     self.log(
                         LogLevel::Warn,
                         format!(
                             "volume not started: waiting for replica(s) {} (any of them may hold the newest data); \
                              `lull rpc replica_remove` one that is lost for good to start without it",
-                            missing.join(", ")
+                            list.join(", ")
                         ),
                     );
+                    self.milestone(Milestone::WaitingForReplicas { missing });
                 }
                 return;
             }
@@ -186,7 +190,7 @@ impl Engine {
                 self.replicas[i].state = RState::Rebuilding;
                 if peers.contains(i) {
                     self.replicas[i].reconcile = union.clone();
-                    reconciling.push(self.replicas[i].addr.to_string());
+                    reconciling.push(self.replicas[i].addr);
                 }
             }
         }
@@ -201,6 +205,12 @@ impl Engine {
                 healthy.join(", ")
             ),
         );
+        self.milestone(Milestone::Elected {
+            source: src,
+            generation: sgen,
+            clean: sclean,
+            reconciling: reconciling.clone(),
+        });
         if let Some(u) = &union {
             let (n, bytes) = (count_bits(u), self.bitmap_bytes(u));
             let msg = if reconciling.is_empty() {
@@ -208,7 +218,11 @@ impl Engine {
             } else {
                 format!(
                     "unclean stop: reconciling {} from {src} over {n} write-intent region(s) ({bytes} bytes) before they serve reads",
-                    reconciling.join(", ")
+                    reconciling
+                        .iter()
+                        .map(|a| a.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )
             };
             self.log(LogLevel::Warn, msg);

@@ -1,6 +1,7 @@
 //! The engine core: a pure state machine. Events in (client requests,
 //! replica frames, connections up and down, clock ticks), actions out
-//! (frames to send, completions, connects, closes, log lines). It never
+//! (frames to send, completions, connects, closes, log lines, milestones:
+//! state changes as data). It never
 //! reads a clock or touches a socket, so the simulation (`crate::sim`)
 //! drives it deterministically and the reactor shell (`crate::shell`) only
 //! moves bytes.
@@ -241,6 +242,50 @@ pub enum Action {
         level: LogLevel,
         msg: String,
     },
+    /// A state change of the volume, as data (its log line says the same
+    /// in words).
+    Milestone(Milestone),
+}
+
+/// A state change of the volume that an observer may count or check: the
+/// simulation asserts on these instead of matching log text; the shell
+/// drops them (it logs the line emitted with each). The engine emits them
+/// only when the volume changes state (a replica fails, an election, a
+/// copy finishes, a detach), never per request, so the data path does not
+/// pay for them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Milestone {
+    /// A replica left the volume's working set: it failed, or the operator
+    /// removed it (`removed`). `was_healthy`: it served reads until now.
+    ReplicaFailed {
+        replica: SocketAddr,
+        was_healthy: bool,
+        removed: bool,
+    },
+    /// The last healthy replica failed: I/O fails with EIO until one is
+    /// back.
+    NoHealthyReplica,
+    /// The first election of this engine waits for these replicas (any of
+    /// them may hold the newest data). Repeated at most every
+    /// `ELECTION_LOG_INTERVAL_NS` while it waits.
+    WaitingForReplicas { missing: Vec<SocketAddr> },
+    /// An election chose `source` (of `generation`) to serve; the
+    /// `reconciling` replicas have its generation but may differ from it
+    /// inside their write-intent regions.
+    Elected {
+        source: SocketAddr,
+        generation: u64,
+        clean: bool,
+        reconciling: Vec<SocketAddr>,
+    },
+    /// A rebuild (`reconcile`: restricted to write-intent regions) finished
+    /// and `replica` is healthy.
+    CopyComplete {
+        replica: SocketAddr,
+        reconcile: bool,
+    },
+    /// A clean detach finished; `clean` are the replicas it marked clean.
+    Detached { clean: Vec<SocketAddr> },
 }
 
 /// The engine of one volume.
@@ -393,6 +438,10 @@ impl Engine {
             level,
             msg: format!("volume {}: {msg}", self.volume),
         });
+    }
+
+    fn milestone(&mut self, m: Milestone) {
+        self.out.push(Action::Milestone(m));
     }
 
     // ---- the loop after every event -----------------------------------------

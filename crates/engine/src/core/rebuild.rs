@@ -12,7 +12,7 @@ use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::has_bit;
 use super::io::overlaps;
 use super::replicas::{RState, Sub, SubKind};
-use super::{Engine, LogLevel, Payload};
+use super::{Engine, LogLevel, Milestone, Payload};
 
 /// Bytes copied per rebuild step. 1 MiB amortises the round trips while
 /// keeping the range held from client writes short (a few ms).
@@ -442,6 +442,10 @@ impl Engine {
                 rb.copied_bytes as f64 / (1 << 20) as f64 / secs
             ),
         );
+        self.milestone(Milestone::CopyComplete {
+            replica: addr,
+            reconcile: rb.regions.is_some(),
+        });
         self.start_bump();
     }
 }

@@ -13,7 +13,7 @@ use super::detach::Detach;
 use super::ids::{ConnData, ConnId, ReplicaId, ReplicaSet};
 use super::io::{eio, IoId};
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
-use super::{Action, ConnRef, Engine, LogLevel, Payload, MAX_REPLICAS};
+use super::{Action, ConnRef, Engine, LogLevel, Milestone, Payload, MAX_REPLICAS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum RState {
@@ -408,6 +408,11 @@ impl Engine {
             level,
             format!("replica {addr} {verb} (was {was:?}): {reason}"),
         );
+        self.milestone(Milestone::ReplicaFailed {
+            replica: addr,
+            was_healthy: was == RState::Healthy,
+            removed: remove,
+        });
         for sub in drained {
             self.sub_failed(r, sub);
         }
@@ -440,6 +445,7 @@ impl Engine {
             LogLevel::Error,
             "no healthy replica left: I/O fails with EIO until one is back".into(),
         );
+        self.milestone(Milestone::NoHealthyReplica);
         self.bump = None;
         for id in std::mem::take(&mut self.deferred) {
             self.finish_io(id, Err(eio("no healthy replica")));

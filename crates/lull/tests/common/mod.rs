@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -34,6 +34,47 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long the server may take to exit after SIGTERM before it is killed.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A fresh scratch directory under `CARGO_TARGET_TMPDIR`, named after the
+/// test and the process. A passing test removes it when the value drops; a
+/// failing one (the drop runs while panicking) keeps it and prints where,
+/// so its files can be looked at. Declare it before the server that uses
+/// it: values drop in reverse order, so the server stops first.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the scratch directory");
+        Scratch(dir)
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        remove_unless_panicking(&self.0);
+    }
+}
+
+/// Removes a test's directory, or, while the test panics, keeps it and
+/// says where it is.
+pub fn remove_unless_panicking(dir: &Path) {
+    if std::thread::panicking() {
+        eprintln!("test files kept in {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
 
 /// A running `lull serve`, stopped (SIGTERM, then SIGKILL) when dropped.
 /// Its stderr (the log) goes to a file in a fresh directory under
