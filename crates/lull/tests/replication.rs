@@ -753,7 +753,6 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     let dir = common::Scratch::new(&format!("lull-repl-image-{name}"));
     let one = export_image(server, "vol0", &dir.join("one.raw"));
     let two = export_image(server, "vol0", &dir.join("two.raw"));
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(one == two, "two full reads of the volume differ");
     one
 }
