@@ -163,7 +163,7 @@ pub fn check_grow(size_bytes: u64, requested: u64, max_bytes: u64) -> Result<(),
             requested,
         });
     }
-    if requested % RESIZE_ALIGN_BYTES != 0 {
+    if !requested.is_multiple_of(RESIZE_ALIGN_BYTES) {
         return Err(BdevError::ResizeUnaligned { requested });
     }
     if requested > max_bytes {

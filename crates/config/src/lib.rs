@@ -705,7 +705,7 @@ pub fn check_nvmf_volume(name: &str, size_bytes: u64, n: &NvmfVolume) -> Result<
                 "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
             ));
         }
-        if size_bytes % u64::from(lba) != 0 {
+        if !size_bytes.is_multiple_of(u64::from(lba)) {
             return err(format!(
                 "volume {name:?}: size {size_bytes} is not a multiple of its {lba}-byte LBAs"
             ));
