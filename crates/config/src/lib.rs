@@ -14,6 +14,7 @@
 //! connections_per_replica = 2
 //! max_connections = 16384          # NBD connections held at once
 //! max_connections_per_volume = 4096 # NBD connections per volume
+//! max_in_flight_per_volume = 4096 # requests in flight per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! tls = "require"                  # NBD TLS: off | on | require
@@ -191,6 +192,9 @@ pub struct ServeSettings {
     /// NBD connections one volume serves at once (1 to
     /// `lull_volume::MAX_CONNECTIONS_PER_VOLUME`).
     pub max_connections_per_volume: usize,
+    /// Requests in flight on one volume over all its connections (1 to
+    /// `lull_volume::MAX_IN_FLIGHT_PER_VOLUME`).
+    pub max_in_flight_per_volume: usize,
 }
 
 /// The most NBD connections a server may be configured to hold: the NBD
@@ -244,6 +248,8 @@ pub struct ConfigFile {
     pub max_connections: Option<usize>,
     /// NBD connections per volume.
     pub max_connections_per_volume: Option<usize>,
+    /// Requests in flight per volume.
+    pub max_in_flight_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -301,6 +307,7 @@ pub struct Overrides {
     pub connections_per_replica: Option<usize>,
     pub max_connections: Option<usize>,
     pub max_connections_per_volume: Option<usize>,
+    pub max_in_flight_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -580,6 +587,16 @@ pub fn resolve(
             lull_volume::MAX_CONNECTIONS_PER_VOLUME
         ));
     }
+    let max_in_flight_per_volume = flags
+        .max_in_flight_per_volume
+        .or(file.max_in_flight_per_volume)
+        .unwrap_or(lull_volume::DEFAULT_MAX_IN_FLIGHT_PER_VOLUME);
+    if !(1..=lull_volume::MAX_IN_FLIGHT_PER_VOLUME).contains(&max_in_flight_per_volume) {
+        return err(format!(
+            "max_in_flight_per_volume = {max_in_flight_per_volume}: must be 1 to {}",
+            lull_volume::MAX_IN_FLIGHT_PER_VOLUME
+        ));
+    }
     let dynamic = DynamicParams {
         load_limit: file
             .scheduler_load_limit
@@ -630,6 +647,7 @@ pub fn resolve(
         scheduler,
         max_connections,
         max_connections_per_volume,
+        max_in_flight_per_volume,
     })
 }
 
@@ -996,6 +1014,17 @@ mod tests {
             s.max_connections_per_volume,
             lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME
         );
+        assert_eq!(
+            s.max_in_flight_per_volume,
+            lull_volume::DEFAULT_MAX_IN_FLIGHT_PER_VOLUME
+        );
+        let s = resolve(
+            ConfigFile::parse("max_in_flight_per_volume = 64").unwrap(),
+            Overrides::default(),
+            &[0],
+        )
+        .unwrap();
+        assert_eq!(s.max_in_flight_per_volume, 64);
         let file =
             || ConfigFile::parse("max_connections = 100\nmax_connections_per_volume = 8").unwrap();
         let s = resolve(file(), Overrides::default(), &[0]).unwrap();
@@ -1014,6 +1043,16 @@ mod tests {
         ] {
             let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
             assert!(e.unwrap_err().0.contains("max_connections"), "{text}");
+        }
+        for text in [
+            "max_in_flight_per_volume = 0",
+            "max_in_flight_per_volume = 2097153",
+        ] {
+            let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
+            assert!(
+                e.unwrap_err().0.contains("max_in_flight_per_volume"),
+                "{text}"
+            );
         }
     }
 

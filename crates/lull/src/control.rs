@@ -247,6 +247,12 @@ impl ControlPlane for Control {
             "read_bytes": s.read_bytes,
             "write_bytes": s.write_bytes,
             "errors": s.errors,
+            // Connections (NBD, NVMe/TCP I/O queues) and requests in flight
+            // now, and how often a request waited for the volume's cap
+            // (`--max-in-flight-per-volume`).
+            "connections": v.connections(),
+            "in_flight": v.in_flight(),
+            "in_flight_waits": v.in_flight_waits(),
             // io_uring_enter calls of the volume's file channels (null:
             // the volume does not use io_uring). Page faults and context
             // switches are per reactor (framework_get_reactors), not per

@@ -16,7 +16,7 @@ use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
 use lull_nbd::{ListenAddr, NbdServer, NbdTls};
 use lull_net::tls::{Role, TlsContext};
 use lull_reactor::{Framework, FrameworkConfig};
-use lull_volume::{Storage, Volume, Volumes};
+use lull_volume::{Storage, Volume, VolumeLimits, Volumes};
 
 use lull_config as config;
 use lull_config::{Backend, ConfigFile, Overrides, ServeSettings};
@@ -123,6 +123,10 @@ struct ServeArgs {
     /// NBD_REP_ERR_POLICY [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections_per_volume: Option<usize>,
+    /// Requests in flight on one volume over all its connections; past it
+    /// a connection stops reading until some complete [default: 4096].
+    #[arg(long, value_name = "N")]
+    max_in_flight_per_volume: Option<usize>,
     /// Scheduler: static (threads stay where they start) or dynamic (idle
     /// work packed onto the first core, busy work spread; use with
     /// several --cores) [default: static].
@@ -184,6 +188,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         connections_per_replica: args.connections_per_replica,
         max_connections: args.max_connections,
         max_connections_per_volume: args.max_connections_per_volume,
+        max_in_flight_per_volume: args.max_in_flight_per_volume,
         scheduler: args.scheduler,
         scheduler_period_us: args.scheduler_period_us,
     };
@@ -367,9 +372,10 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let volumes = Arc::new(Volumes::with_max_connections_per_volume(
-        s.max_connections_per_volume,
-    ));
+    let volumes = Arc::new(Volumes::with_limits(VolumeLimits {
+        connections: s.max_connections_per_volume,
+        in_flight: s.max_in_flight_per_volume,
+    }));
     for spec in &s.volumes {
         let dev = match open_device(spec, fw.handle(), &s.engine) {
             Ok(d) => d,

@@ -119,6 +119,69 @@ fn spdk_identify_sees_the_controller_and_the_volume() {
     server.assert_logged("controller removed");
 }
 
+/// NVMe/TCP I/O queues count against the volume's connection cap
+/// (`--max-connections-per-volume`) as NBD connections do: with the one
+/// place held by an NBD client, perf's I/O queue Connect is refused
+/// (Controller Busy, with a log line) while the admin queue still
+/// identifies; once the NBD client goes, perf runs.
+#[test]
+fn io_queues_count_against_the_per_volume_connection_cap() {
+    let Some(tools) = spdk_tools("io_queues_count_against_the_per_volume_connection_cap") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = common::Scratch::new("nvmf-connection-cap");
+    let sock = dir.join("rpc.sock");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:64M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--max-connections-per-volume",
+        "1",
+        "--rpc-socket",
+        sock.to_str().expect("utf-8 path"),
+    ]);
+    let addr = server.nvmf_addr().expect("NVMe/TCP address");
+    let nbd = NbdClient::connect(server.addr(), VOLUME).expect("the NBD client takes the place");
+    let args = perf_args(&trid(addr), "randread", 1, 4096, 1, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out) = spdk_run(&tools, "spdk_nvme_perf", &args);
+    assert!(
+        !ok && !out.lines().any(|l| l.starts_with("Total")),
+        "perf ran past the volume's connection cap:\n{out}"
+    );
+    assert!(
+        server.wait_for_log(
+            "Connect refused: the volume has its maximum of connections",
+            IO_TIMEOUT
+        ),
+        "no log line for the refused I/O queue:\n{}",
+        server.stderr()
+    );
+    let id = spdk(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &trid(addr)],
+    );
+    assert!(id.contains("Namespace ID:1"), "identify:\n{id}");
+    nbd.disconnect();
+    let deadline = std::time::Instant::now() + IO_TIMEOUT;
+    let stats = || {
+        common::rpc(
+            &sock,
+            "volume_get_stats",
+            &format!(r#"{{"name":"{VOLUME}"}}"#),
+        )
+    };
+    while stats()["connections"] != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let total = perf(&tools, addr, "randread", 1, 4096, &[]);
+    eprintln!("lull nvmf randread QD1 once the place was free: {total}");
+    server.assert_healthy();
+}
+
 #[test]
 fn spdk_identify_reads_the_discovery_log() {
     let Some(tools) = spdk_tools("spdk_identify_reads_the_discovery_log") else {

@@ -26,7 +26,7 @@ use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
 use lull_net::{bufs, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
-use lull_volume::{OpKind, Volume};
+use lull_volume::{ConnPermit, OpKind, Volume};
 
 use crate::limits::*;
 use crate::pdu::{self, DataHeader, Digests, IcResp, Pdu, PduError};
@@ -57,6 +57,9 @@ struct Cmd {
 struct Namespace {
     volume: Arc<Volume>,
     channel: Box<dyn Channel>,
+    /// This I/O queue's place on the volume: NVMe/TCP I/O queues count
+    /// against the volume's connection cap as NBD connections do.
+    _permit: ConnPermit,
     lba_shift: u8,
 }
 
@@ -271,8 +274,12 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
 
     fn completions_polled(&self) -> bool {
         match &self.phase {
+            // A held request with nothing of ours in flight waits for the
+            // volume's other connections (its in-flight cap, see
+            // `lull_volume::VolumeChannel`): poll until there is room.
             Phase::Connected(Queue { ns: Some(ns), .. }) => {
-                ns.channel.polled() && ns.channel.in_flight() > 0
+                (ns.channel.polled() && ns.channel.in_flight() > 0)
+                    || (self.retry.is_some() && ns.channel.in_flight() == 0)
             }
             _ => false,
         }
@@ -927,7 +934,13 @@ impl<S: Read + Write> Conn<S> {
             c
         };
         let ns = if let (true, Some(volume)) = (qid > 0, &volume) {
-            let channel = match volume.dev().open_channel() {
+            let limits = self.shared.volumes.limits();
+            let Some(permit) = volume.try_connect(limits.connections) else {
+                tracing::warn!(peer = %peer, volume = %volume.name, limit = limits.connections, qid,
+                    "Connect refused: the volume has its maximum of connections");
+                return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+            };
+            let channel = match volume.open_channel(limits.in_flight) {
                 Ok(ch) => ch,
                 Err(e) => {
                     tracing::error!(peer = %peer, volume = %volume.name, error = %e, "cannot open a device channel");
@@ -938,6 +951,7 @@ impl<S: Read + Write> Conn<S> {
             Some(Namespace {
                 lba_shift,
                 channel,
+                _permit: permit,
                 volume: volume.clone(),
             })
         } else {
