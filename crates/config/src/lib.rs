@@ -702,28 +702,38 @@ fn check_nvmf_volumes(
                 "NVMe/TCP settings for {name:?}, which is not a volume"
             ));
         };
-        if let Some(lba) = n.lba_bytes {
-            if !NVMF_LBA_SIZES.contains(&lba) {
-                return err(format!(
-                    "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
-                ));
-            }
-            if v.size_bytes % u64::from(lba) != 0 {
-                return err(format!(
-                    "volume {name:?}: size {} is not a multiple of its {lba}-byte LBAs",
-                    v.size_bytes
-                ));
-            }
-        }
+        check_nvmf_volume(name, v.size_bytes, n)?;
         if let Some(nqn) = &n.nqn {
-            check_nqn(&format!("volume {name:?}: NQN"), nqn)?;
             if !nqns.insert(nqn.clone()) {
                 return err(format!("NQN {nqn:?} is given to two volumes"));
             }
         }
-        for h in &n.allow_hosts {
-            check_nqn(&format!("volume {name:?}: allowed host"), h)?;
+    }
+    Ok(())
+}
+
+/// One volume's NVMe/TCP settings: an LBA size of [`NVMF_LBA_SIZES`]
+/// that divides the volume's size, and valid NQNs (its own and the
+/// allowed hosts'). For the configuration and for `volume_create` over
+/// RPC alike.
+pub fn check_nvmf_volume(name: &str, size_bytes: u64, n: &NvmfVolume) -> Result<(), ConfigError> {
+    if let Some(lba) = n.lba_bytes {
+        if !NVMF_LBA_SIZES.contains(&lba) {
+            return err(format!(
+                "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
+            ));
         }
+        if !size_bytes.is_multiple_of(u64::from(lba)) {
+            return err(format!(
+                "volume {name:?}: size {size_bytes} is not a multiple of its {lba}-byte LBAs"
+            ));
+        }
+    }
+    if let Some(nqn) = &n.nqn {
+        check_nqn(&format!("volume {name:?}: NQN"), nqn)?;
+    }
+    for h in &n.allow_hosts {
+        check_nqn(&format!("volume {name:?}: allowed host"), h)?;
     }
     Ok(())
 }

@@ -442,11 +442,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
         left
     };
-    let control = Arc::new(control::Control::new(
-        fw.handle().clone(),
-        volumes.clone(),
-        s.engine.clone(),
-    ));
+    let control = Arc::new(
+        control::Control::new(fw.handle().clone(), volumes.clone(), s.engine.clone())
+            .with_nvmf(nvmf.as_ref().map(|n| n.subsystems())),
+    );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,

@@ -60,8 +60,17 @@ struct Namespace {
     /// This I/O queue's place on the volume: NVMe/TCP I/O queues count
     /// against the volume's connection cap as NBD connections do.
     _permit: ConnPermit,
-    blocks: u64,
     lba_shift: u8,
+}
+
+impl Namespace {
+    /// The namespace's size in LBAs, read from the volume on every check
+    /// (an atomic load): a volume grown while the queue is connected
+    /// takes I/O in its new range at once, and since a volume never
+    /// shrinks, a command checked against an older size stays in range.
+    fn blocks(&self) -> u64 {
+        self.volume.dev().size_bytes() >> self.lba_shift
+    }
 }
 
 /// A connected queue.
@@ -940,7 +949,6 @@ impl<S: Read + Write> Conn<S> {
             };
             let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
-                blocks: volume.dev().size_bytes() >> lba_shift,
                 lba_shift,
                 channel,
                 _permit: permit,
@@ -1077,7 +1085,7 @@ impl<S: Read + Write> Conn<S> {
                 }
                 let (slba, nlb) = lba_range(sqe);
                 match slba.checked_add(nlb) {
-                    Some(end) if end <= ns.blocks => {}
+                    Some(end) if end <= ns.blocks() => {}
                     _ => return Err(Status::LBA_OUT_OF_RANGE),
                 }
                 if sqe.opcode() != spec::NVM_WRITE_ZEROES {
@@ -1173,11 +1181,12 @@ impl<S: Read + Write> Conn<S> {
         let raw = &data.as_slice()[..data.len()];
         let mut trims = Vec::with_capacity(n);
         let mut bad = None;
+        let blocks = ns.blocks();
         for r in raw.chunks_exact(spec::DSM_RANGE_BYTES).take(n) {
             let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
             let slba = u64::from_le_bytes(r[8..16].try_into().unwrap_or([0xFF; 8]));
             match slba.checked_add(nlb) {
-                Some(end) if end <= ns.blocks => {}
+                Some(end) if end <= blocks => {}
                 _ => {
                     bad = Some(Status::LBA_OUT_OF_RANGE);
                     break;
@@ -1345,10 +1354,14 @@ fn bdev_status(e: &BdevError) -> Status {
         // A replicated volume with no healthy replica fails with Failed;
         // the host may retry once one is back.
         BdevError::Failed(_) => Status::NAMESPACE_NOT_READY,
-        // OptionRefused happens only at open, never on an I/O.
-        BdevError::Full { .. } | BdevError::Io(_) | BdevError::OptionRefused { .. } => {
-            Status::INTERNAL_ERROR
-        }
+        // OptionRefused happens only at open, the resize refusals only
+        // on the control path, never on an I/O.
+        BdevError::Full { .. }
+        | BdevError::Io(_)
+        | BdevError::OptionRefused { .. }
+        | BdevError::Shrink { .. }
+        | BdevError::TooLarge { .. }
+        | BdevError::ResizeUnaligned { .. } => Status::INTERNAL_ERROR,
     }
 }
 

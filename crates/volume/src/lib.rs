@@ -102,6 +102,18 @@ pub enum VolumeError {
     BadVolumeName(String),
     #[error("no volume {0:?}")]
     NoSuchVolume(String),
+    /// Its replicas would have to grow together, in step with the
+    /// engine; that is not built yet.
+    #[error("volume {0:?}: resize of replicated volumes is not supported yet")]
+    ResizeReplicated(String),
+    /// The device refused the new size (smaller, unaligned, too big, or
+    /// the file could not be extended).
+    #[error("volume {name:?}: {source}")]
+    Resize {
+        name: String,
+        #[source]
+        source: lull_bdev::BdevError,
+    },
 }
 
 /// Where a volume's blocks live. Control paths match on it to reach what
@@ -347,6 +359,10 @@ pub enum VolumeChange {
     /// The volume left the registry (its connected clients still hold
     /// it until they disconnect).
     Removed(Arc<Volume>),
+    /// The volume grew: `dev().size_bytes()` is the new size. NVMe/TCP
+    /// hosts are told; NBD clients keep the size they negotiated (NBD
+    /// has no resize notice) and new connections see the new one.
+    Resized(Arc<Volume>),
 }
 
 type Watcher = Box<dyn Fn(&VolumeChange) + Send + Sync>;
@@ -415,16 +431,39 @@ impl Volumes {
                 .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))?;
             list.remove(pos)
         };
-        let change = VolumeChange::Removed(v.clone());
+        self.tell(&VolumeChange::Removed(v.clone()));
+        Ok(v)
+    }
+
+    /// Grow a local volume to `size_bytes` online (see
+    /// [`lull_bdev::BlockDevice::grow`] for the sizes refused); watchers
+    /// are told when the size changed. A replicated volume is refused.
+    pub fn resize(&self, name: &str, size_bytes: u64) -> Result<Arc<Volume>, VolumeError> {
+        let v = self.named(name)?;
+        let dev = match &v.storage {
+            Storage::Local(dev) => dev,
+            Storage::Replicated(_) => return Err(VolumeError::ResizeReplicated(name.into())),
+        };
+        let old = dev.size_bytes();
+        dev.grow(size_bytes).map_err(|source| VolumeError::Resize {
+            name: name.into(),
+            source,
+        })?;
+        if dev.size_bytes() != old {
+            self.tell(&VolumeChange::Resized(v.clone()));
+        }
+        Ok(v)
+    }
+
+    fn tell(&self, change: &VolumeChange) {
         for w in self
             .watchers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
         {
-            w(&change);
+            w(change);
         }
-        Ok(v)
     }
 
     /// Call `f` on every later change. A watcher must be quick and must
@@ -495,8 +534,9 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s = seen.clone();
         assert!(vs.watch(move |c| {
-            let VolumeChange::Removed(v) = c;
-            s.lock().unwrap().push(v.name.clone());
+            if let VolumeChange::Removed(v) = c {
+                s.lock().unwrap().push(v.name.clone());
+            }
         }));
         assert_eq!(vs.get("b").map(|v| v.name.clone()), Some("b".into()));
         assert!(matches!(vs.named(""), Err(VolumeError::NoSuchVolume(_))));
@@ -509,6 +549,35 @@ mod tests {
         assert!(!vs.watch(|_| {}), "bounded");
         assert_eq!(vs.get("").map(|v| v.name.clone()), Some("b".into()));
         assert!(vs.list()[0].storage.replicated().is_none());
+    }
+
+    #[test]
+    fn resize_grows_local_volumes_and_tells_watchers() {
+        let vs = Volumes::default();
+        vs.add(malloc("a")).expect("add a");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        assert!(vs.watch(move |c| {
+            if let VolumeChange::Resized(v) = c {
+                s.lock().unwrap().push(v.dev().size_bytes());
+            }
+        }));
+        let v = vs.resize("a", 1 << 20).expect("grow");
+        assert_eq!(v.dev().size_bytes(), 1 << 20);
+        // The same size again: nothing changed, nobody told.
+        vs.resize("a", 1 << 20).expect("same size");
+        assert_eq!(*seen.lock().unwrap(), vec![1 << 20]);
+        for (size, what) in [(4096, "shrink"), ((1 << 20) + 100, "unaligned")] {
+            assert!(
+                matches!(vs.resize("a", size), Err(VolumeError::Resize { .. })),
+                "{what}"
+            );
+        }
+        assert!(matches!(
+            vs.resize("b", 1 << 20),
+            Err(VolumeError::NoSuchVolume(_))
+        ));
+        assert_eq!(seen.lock().unwrap().len(), 1, "refusals tell nobody");
     }
 
     #[test]
