@@ -135,6 +135,18 @@ fn bench_nvmf_smoke_measures_lull_and_nvmf_tgt() {
         md.contains("## randread-qd1") && md.contains("| spdk-poll |"),
         "{md}"
     );
+    // Every step filled its target's volume first (raw/*-fill.txt, perf's
+    // own output of a sequential write with a Total line).
+    let fills: Vec<_> = std::fs::read_dir(out.join("raw"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with("-fill.txt"))
+        .collect();
+    assert_eq!(fills.len(), 2, "one fill per step");
+    for f in fills {
+        let text = std::fs::read_to_string(f.path()).unwrap();
+        assert!(text.contains("Total"), "{}: {text}", f.path().display());
+    }
     std::fs::remove_dir_all(&out).unwrap();
 }
 

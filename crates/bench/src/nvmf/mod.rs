@@ -14,7 +14,13 @@
 //! pinned to `--server-cpu` (one reactor: lull `--cores N`, nvmf_tgt
 //! `-m 1<<N`) with a memory volume of `--size` (nvmf_tgt: `bdev_malloc` with
 //! 4 KiB blocks). On a target's first job of each repeat its idle CPU is
-//! measured over `--idle-secs` before any host connects. perf runs pinned to
+//! measured over `--idle-secs` before any host connects. Then every block of
+//! the volume is written once ([`Ctx::fill`]: 1 s of sequential 128 KiB
+//! writes at depth 32, checked to cover the volume), so that no target
+//! reads never-written memory (lull's memory volume answers those from no
+//! memory at all, nvmf_tgt's malloc bdev from zeroed memory) or takes the
+//! first-touch page faults of a fresh volume inside the measured window.
+//! perf runs pinned to
 //! `--client-cpu` (`-c 1<<N`): `-a` warm-up seconds (`--ramp-secs` rounded
 //! up), then `-t --runtime-secs` measured. The server's CPU window opens
 //! [`WINDOW_MARGIN`] after the warm-up ends (counted from perf's
@@ -67,6 +73,17 @@ pub const PERF_START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How far inside perf's measured window the server's CPU window starts and
 /// ends: perf starts its workers a few ms after printing the launch line.
 pub const WINDOW_MARGIN: Duration = Duration::from_millis(100);
+/// The fill before each job ([`Ctx::fill`]): seconds of sequential
+/// writes. At the slowest target's ~500 MiB/s this writes a 128 MiB
+/// volume about four times over; the fill checks that it covered it.
+pub const FILL_SECS: u64 = 1;
+/// The fill's I/O size: large writes fill fast.
+pub const FILL_IO_BYTES: u64 = 128 * 1024;
+/// The fill's queue depth, as the QD32 jobs'.
+pub const FILL_QUEUE_DEPTH: u32 = 32;
+/// How long the fill may take in all (perf's start-up included).
+pub const FILL_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Extra time perf gets beyond warm-up + runtime before it is killed.
 pub const PERF_GRACE: Duration = Duration::from_secs(30);
 /// The NQN nvmf_tgt serves its malloc bdev under.
@@ -519,6 +536,10 @@ impl Ctx<'_> {
                 }
             }
         }
+        if let Err(e) = self.fill(target, port, step)? {
+            out.error = Some(e);
+            return Ok(out);
+        }
         match self.run_perf(group, target, port, step)? {
             Ok((perf, cpu)) => {
                 out.perf = Some(perf);
@@ -540,6 +561,81 @@ impl Ctx<'_> {
         let b = self.run_ns(group)?;
         let secs = t0.elapsed().as_secs_f64();
         Ok(b.saturating_sub(a) as f64 / 1e9 / secs * 100.0)
+    }
+
+    /// Writes every block of the target's volume once before a job (see
+    /// the module docs): `FILL_SECS` of sequential `FILL_IO_BYTES` writes
+    /// at depth `FILL_QUEUE_DEPTH`, which perf wraps around the namespace;
+    /// refused (`Ok(Err)`) when the bytes written do not cover the volume.
+    fn fill(
+        &mut self,
+        target: &NvmfTarget,
+        port: u16,
+        step: &Step,
+    ) -> Result<Result<(), String>, BenchError> {
+        let s = self.settings;
+        let perf_bin = self.tools.join("bin/spdk_nvme_perf").display().to_string();
+        let args = vec![
+            perf_bin,
+            "--no-huge".into(),
+            "-s".into(),
+            s.perf_mem_mb.to_string(),
+            "-c".into(),
+            format!("{:#x}", 1u128 << s.client_cpu.min(127)),
+            "-q".into(),
+            FILL_QUEUE_DEPTH.to_string(),
+            "-o".into(),
+            FILL_IO_BYTES.to_string(),
+            "-w".into(),
+            "write".into(),
+            "-t".into(),
+            FILL_SECS.to_string(),
+            "-r".into(),
+            trid(target, port),
+        ];
+        let mut dirs = DpdkRuntimeDirs::default();
+        let mut perf = Proc::spawn(
+            "perf-fill",
+            "stdbuf",
+            &[vec!["-oL".into()], args].concat(),
+            Some(s.client_cpu),
+            self.work,
+        )
+        .map_err(io_err("starting spdk_nvme_perf (fill)"))?;
+        dirs.0.push(perf.pid());
+        let status = perf.wait_timeout(FILL_TIMEOUT);
+        let raw = self.raw_dir.join(format!(
+            "r{}-{}-{}-fill.txt",
+            step.repeat + 1,
+            step.job.as_str(),
+            target.name()
+        ));
+        std::fs::write(&raw, perf.stdout())
+            .map_err(io_err(format!("writing {}", raw.display())))?;
+        let Some(status) = status else {
+            perf.stop();
+            return Ok(Err(format!(
+                "the fill before the job did not finish within {} s",
+                FILL_TIMEOUT.as_secs()
+            )));
+        };
+        if !status.success() {
+            return Ok(Err(format!(
+                "the fill before the job failed ({status}): {}",
+                perf.reason()
+            )));
+        }
+        let written_mib = match perf::parse_perf_output(&perf.stdout()) {
+            Ok(m) => m.mib_per_sec * FILL_SECS as f64,
+            Err(e) => return Ok(Err(format!("the fill before the job: {e}"))),
+        };
+        let size_mib = s.size_bytes as f64 / (1u64 << 20) as f64;
+        if written_mib < size_mib {
+            return Ok(Err(format!(
+                "the fill before the job wrote {written_mib:.0} MiB, less than the volume's {size_mib:.0} MiB"
+            )));
+        }
+        Ok(Ok(()))
     }
 
     /// One perf run against a started target, stopped on return. The inner
