@@ -22,6 +22,8 @@ pub struct Control {
     pub fw: FrameworkHandle,
     pub volumes: Arc<Volumes>,
     pub engine: lull_engine::EngineOptions,
+    /// How engines of volumes created over RPC reach their replicas.
+    links: crate::ReplicaLinks,
     pub adminq_poll_period_us: AtomicU64,
 }
 
@@ -30,11 +32,13 @@ impl Control {
         fw: FrameworkHandle,
         volumes: Arc<Volumes>,
         engine: lull_engine::EngineOptions,
+        links: crate::ReplicaLinks,
     ) -> Control {
         Control {
             fw,
             volumes,
             engine,
+            links,
             adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US),
         }
     }
@@ -114,7 +118,7 @@ impl ControlPlane for Control {
         } = volume;
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}"))
             .map_err(|e| ControlError::Refused(e.to_string()))?;
-        let dev = crate::open_device(&spec, &self.fw, &self.engine)
+        let dev = crate::open_device(&spec, &self.fw, &self.engine, &self.links)
             .map_err(|e| ControlError::Failed(e.into()))?;
         let v = self.volumes.add(Volume::new(&spec.name, dev))?;
         if let Some(r) = self.fw.reactor_stats().first() {

@@ -128,6 +128,19 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
         }
     }
 
+    /// Close at once, with a warning: the peer was refused (it failed to
+    /// authenticate, or speaks the wrong kind of link). Nothing queued is
+    /// sent; later calls keep the first reason.
+    pub fn refuse(&mut self, reason: impl Into<String>) {
+        self.broken = true;
+        if self.closing.is_none() {
+            let reason = reason.into();
+            let context = self.context.as_deref().unwrap_or("-");
+            tracing::warn!(conn = self.kind, peer = %self.peer, context, reason = %reason, "refusing connection");
+            self.closing = Some(reason);
+        }
+    }
+
     /// Queue a frame, unless the stream is broken (then the payload is
     /// recycled into the thread's buffer cache).
     pub fn push(&mut self, header: &[u8], payload: P) {

@@ -65,6 +65,8 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         direct: false,
         faults: Default::default(),
         ring: Default::default(),
+        // These tests speak the replica protocol themselves, in plaintext.
+        link: lull_net::link::LinkAuth::Insecure,
     }
 }
 
