@@ -513,7 +513,7 @@ impl Shell {
         &mut self,
         t: &mut Thread,
         conn: ConnRef,
-        result: Result<LinkStream, String>,
+        result: Result<LinkStream, LinkError>,
         now: u64,
     ) {
         if !self.core.conn_connecting(conn) {
@@ -521,8 +521,12 @@ impl Shell {
         }
         let stream = match result {
             Ok(s) => s,
-            Err(reason) => {
+            Err(LinkError::Connect(reason)) => {
                 self.run(t, Event::ConnDown { conn, reason }, now);
+                return;
+            }
+            Err(LinkError::Auth(reason)) => {
+                self.run(t, Event::AuthFailed { conn, reason }, now);
                 return;
             }
         };
@@ -805,14 +809,24 @@ impl Shell {
 
 // ---- the device ----------------------------------------------------------------
 
+/// Why a replica link could not be made; each carries the reason the
+/// core logs.
+enum LinkError {
+    /// No connection (refused, unreachable, timed out).
+    Connect(String),
+    /// Connected, but the TLS handshake failed: the replica could not be
+    /// authenticated or refused this engine's credentials.
+    Auth(String),
+}
+
 /// Connect to a replica (blocking, on a connect helper thread) and, with
 /// credentials, authenticate before any frame: the whole of it within
-/// `timeout`. The error is the reason the core logs.
+/// `timeout`.
 fn connect_link(
     addr: SocketAddr,
     timeout: Duration,
     tls: Option<&TlsContext>,
-) -> Result<LinkStream, String> {
+) -> Result<LinkStream, LinkError> {
     let deadline = std::time::Instant::now() + timeout;
     let tcp = TcpStream::connect_timeout(&addr, timeout)
         .and_then(|s| {
@@ -820,7 +834,7 @@ fn connect_link(
             s.set_nonblocking(true)?;
             Ok(s)
         })
-        .map_err(|e| format!("connect failed: {e}"))?;
+        .map_err(|e| LinkError::Connect(format!("connect failed: {e}")))?;
     let Some(ctx) = tls else {
         return Ok(LinkStream::Plain(tcp));
     };
@@ -828,7 +842,9 @@ fn connect_link(
         Ok(s) => Ok(LinkStream::Tls(Box::new(s))),
         Err(e) => {
             let hint = replica_link::handshake_hint(&e.to_string());
-            Err(format!("replica not authenticated: {e} ({hint})"))
+            Err(LinkError::Auth(format!(
+                "replica not authenticated: {e} ({hint})"
+            )))
         }
     }
 }

@@ -350,7 +350,13 @@ fn unauthenticated_peers_are_refused_and_the_volume_serves_from_the_authenticate
     let (plain, _plain_sock) = serve(&plain_dir, &[&a], &["--replica-insecure"]);
     plain.assert_logged("replica links are not authenticated (--insecure)");
     a.assert_logged(&["refusing connection", "speaks plain replica protocol"]);
-    assert_server_logged(&plain, &[&format!("replica {} failed", a.addr)]);
+    assert_server_logged(
+        &plain,
+        &[
+            &format!("replica {} failed", a.addr),
+            "replica refused this engine: it requires TLS",
+        ],
+    );
     drop(plain);
     assert_qemu_io_ok(&server, &["write -P 0x33 2M 1M", "read -P 0x33 2M 1M"]);
     wait_state(&sock, &a, "healthy", WAIT);

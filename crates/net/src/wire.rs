@@ -128,11 +128,11 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
         }
     }
 
-    /// Close at once, with a warning: the peer was refused (it failed to
-    /// authenticate, or speaks the wrong kind of link). Nothing queued is
-    /// sent; later calls keep the first reason.
+    /// Close with a warning: the peer was refused (it failed to
+    /// authenticate, or speaks the wrong kind of link). What is queued is
+    /// still sent unless the stream is also broken ([`Wire::set_broken`]);
+    /// later calls keep the first reason.
     pub fn refuse(&mut self, reason: impl Into<String>) {
-        self.broken = true;
         if self.closing.is_none() {
             let reason = reason.into();
             let context = self.context.as_deref().unwrap_or("-");

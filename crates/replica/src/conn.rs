@@ -161,6 +161,9 @@ pub(crate) struct Conn {
     /// TLS is required and the peer's first byte has not been seen yet
     /// (the stream is still plain).
     tls_expected: bool,
+    /// TLS is required and the peer speaks plaintext: its first frame is
+    /// answered with an EACCES HELLO refusal, then the connection closes.
+    refuse_plain: bool,
     phase: Phase,
     /// Request header of each request in flight; a slot's wire id is the
     /// I/O tag. Grows to the deepest queue the peer has used.
@@ -290,6 +293,7 @@ impl Conn {
             ),
             server,
             tls_expected,
+            refuse_plain: false,
             phase: Phase::AwaitHello,
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
@@ -684,11 +688,11 @@ impl Conn {
                     return Some(true);
                 }
                 Ok(_) if first[0] != TLS_RECORD_HANDSHAKE => {
-                    self.link.refuse(
-                        "not authenticated: the peer speaks plain replica protocol, and this \
-                         replica requires TLS (an engine started with --replica-insecure?)",
-                    );
-                    return Some(true);
+                    // Plaintext: its first frame gets a refusal the engine
+                    // can log (`take_frame`), then the connection closes.
+                    self.tls_expected = false;
+                    self.refuse_plain = true;
+                    return None;
                 }
                 Ok(_) => {}
             }
@@ -722,10 +726,31 @@ impl Conn {
             Ok(false) => Some(false),
             Err(e) => {
                 let hint = handshake_hint(&e.to_string());
+                self.link.set_broken();
                 self.link.refuse(format!("not authenticated: {e} ({hint})"));
                 Some(true)
             }
         }
+    }
+
+    /// A plaintext peer on a replica that requires TLS: answer its first
+    /// frame (a HELLO, from an engine with plain links) with an EACCES
+    /// refusal whose HELLO payload is all zeros (nothing about the replica
+    /// goes to an unauthenticated peer), and close. What it sent is read
+    /// first, so the close is a FIN, not a reset that could beat the
+    /// refusal to the engine.
+    fn refuse_plaintext(&mut self, raw: &[u8; HEADER_LEN]) {
+        let frame = self.buffered().min(HEADER_LEN + HELLO_LEN);
+        self.link.inb.consume(frame);
+        let mut header = [0u8; HEADER_LEN];
+        wire::encode_refusal(wire::raw_id(raw), libc::EACCES as u32, &mut header);
+        self.link
+            .out
+            .push(&header, Payload::Bytes(vec![0; HELLO_LEN]));
+        self.link.refuse(
+            "not authenticated: the peer speaks plain replica protocol, and this \
+             replica requires TLS (an engine started with --replica-insecure?)",
+        );
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -854,6 +879,10 @@ impl Conn {
         }
         let mut raw = [0u8; HEADER_LEN];
         raw.copy_from_slice(&self.link.inb.peek()[..HEADER_LEN]);
+        if self.refuse_plain {
+            self.refuse_plaintext(&raw);
+            return true;
+        }
         let h = match wire::decode_header(&raw) {
             Ok(h) => h,
             Err(FrameError::BadVersion(version)) => {
@@ -874,6 +903,7 @@ impl Conn {
                     && raw[0] == TLS_RECORD_HANDSHAKE
                     && !self.link.stream.is_tls() =>
             {
+                self.link.set_broken();
                 self.link.refuse(
                     "the peer opens a TLS handshake, and this replica serves plain links \
                      (--insecure): start it with --tls-psk or --tls-certs, or the engine \
