@@ -253,6 +253,15 @@ impl OutPayload for Payload {
 }
 
 impl Sock {
+    /// Whether the read failure `reason` is the replica refusing this
+    /// engine's credentials: with TLS 1.3 the client's handshake is over
+    /// before the server has checked the client's certificate, so that
+    /// refusal arrives as a TLS alert on the first read, not in
+    /// `client_handshake`.
+    fn tls_refused(&self, reason: &str) -> bool {
+        self.link.stream.is_tls() && reason.contains("alert")
+    }
+
     /// The reason this connection failed, once it has.
     fn failed(&self) -> Option<String> {
         self.link.closing_reason().map(str::to_string)
@@ -672,7 +681,17 @@ impl Shell {
         match read {
             Ok(p) => busy |= p,
             Err(reason) => {
-                self.run(t, Event::ConnDown { conn, reason }, now);
+                let event = match self.sock(conn) {
+                    Some(sock) if sock.tls_refused(&reason) => Event::AuthFailed {
+                        conn,
+                        reason: format!(
+                            "replica not authenticated: {reason} ({})",
+                            replica_link::handshake_hint(&reason)
+                        ),
+                    },
+                    _ => Event::ConnDown { conn, reason },
+                };
+                self.run(t, event, now);
                 return PollStatus::Busy;
             }
         }

@@ -484,6 +484,44 @@ fn certificate_links_are_mutual() {
             "certificate",
         ],
     );
+    // The engine trusts the stranger's CA, but its own certificate is
+    // signed by another: the stranger refuses it (with TLS 1.3, after the
+    // engine's side of the handshake is over).
+    let mixed = scratch.join("mixed-pki");
+    std::fs::create_dir_all(&mixed).expect("dir");
+    std::fs::copy(
+        Path::new(other).join("ca-cert.pem"),
+        mixed.join("ca-cert.pem"),
+    )
+    .expect("copy");
+    for f in ["client-cert.pem", "client-key.pem"] {
+        std::fs::copy(Path::new(pki).join(f), mixed.join(f)).expect("copy");
+    }
+    drop(engine);
+    let before = stranger.count("refusing connection");
+    let e_dir = scratch.join("engine-3");
+    std::fs::create_dir_all(&e_dir).expect("dir");
+    let mixed = mixed.to_str().expect("utf-8 path");
+    let (engine, _) = serve(&e_dir, &[&stranger], &["--replica-tls-certs", mixed]);
+    let deadline = Instant::now() + WAIT;
+    while stranger.count("refusing connection") == before {
+        assert!(
+            Instant::now() < deadline,
+            "the stranger never refused the engine's certificate; log:\n{}",
+            stranger.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_server_logged(
+        &engine,
+        &[
+            &format!("replica {} failed", stranger.addr),
+            "replica not authenticated",
+            "alert",
+        ],
+    );
+    drop(engine);
+
     // A directory without the CA cannot check engines: refused at start.
     let no_ca = scratch.join("no-ca");
     std::fs::create_dir_all(&no_ca).expect("dir");
