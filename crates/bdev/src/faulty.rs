@@ -169,6 +169,10 @@ impl BlockDevice for FaultyDev {
         self.inner.size_bytes()
     }
 
+    fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        self.inner.grow(size_bytes)
+    }
+
     fn describe(&self) -> String {
         let f = &self.faults;
         format!(

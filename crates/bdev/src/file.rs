@@ -36,6 +36,13 @@
 //! - Cache (`BlockDevice::prefetch`): `posix_fadvise(WILLNEED)` on the
 //!   buffered descriptor, at most `MAX_PREFETCH_BYTES` per call.
 //!
+//! # Growing
+//!
+//! [`BlockDevice::grow`] extends a regular file with `ftruncate` (sparse)
+//! before raising the size every channel reads (one atomic shared with
+//! them), so no request checked against the new size finds the file
+//! short. A block device node grows only up to its own size.
+//!
 //! # O_DIRECT and unaligned requests
 //!
 //! With `direct`, requests whose offset and length are multiples of the
@@ -64,7 +71,9 @@ use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, R
 
 use crate::ring_options::{self, RingOptions};
 
-use crate::{validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest};
+use crate::{
+    check_grow, validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest,
+};
 
 /// Requests a file channel keeps in flight (slots, and SQ entries of its
 /// ring). 256 matches an NBD connection's useful queue depth (fio and qemu
@@ -100,6 +109,12 @@ const KIND_SYNC: u32 = 2;
 const KIND_FALLOC: u32 = 3;
 const KIND_NOP: u32 = 4;
 
+/// Largest file device, also the most it can grow to: the kernel's file
+/// offsets are signed 64-bit (`off_t`), as `parse_size_bytes` already
+/// enforces for configured sizes. The filesystem may refuse less (EFBIG),
+/// which is reported as an I/O error.
+pub const FILE_SIZE_MAX_BYTES: u64 = i64::MAX as u64;
+
 /// How to open a `FileDev`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FileOptions {
@@ -115,7 +130,11 @@ pub struct FileOptions {
 #[derive(Debug)]
 pub struct FileDev {
     path: PathBuf,
-    size_bytes: u64,
+    /// The device's size, shared with every channel; raised by `grow`
+    /// once the file is long enough, never lowered.
+    size_bytes: Arc<AtomicU64>,
+    /// Serializes `grow` (control path only).
+    growing: std::sync::Mutex<()>,
     direct: bool,
     main: File,
     /// Buffered descriptor for unaligned requests; `Some` iff `direct`.
@@ -195,7 +214,8 @@ impl FileDev {
         let setup = ring_options::resolve(&path, &meta, options.direct, options.ring)?;
         Ok(FileDev {
             path,
-            size_bytes,
+            size_bytes: Arc::new(AtomicU64::new(size_bytes)),
+            growing: std::sync::Mutex::new(()),
             direct: options.direct,
             main,
             buffered,
@@ -238,7 +258,7 @@ impl FileDev {
             queue,
             pool: BufPool::new(CHANNEL_POOL_BYTES),
             parked: Vec::with_capacity(capacity),
-            size_bytes: self.size_bytes,
+            size_bytes: self.size_bytes.clone(),
             direct_align_bytes: if self.direct {
                 self.direct_align_bytes
             } else {
@@ -252,7 +272,36 @@ impl FileDev {
 
 impl BlockDevice for FileDev {
     fn size_bytes(&self) -> u64 {
-        self.size_bytes
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// `ftruncate` a regular file up to the new size (sparse; a longer
+    /// file keeps its tail, which becomes part of the device), then raise
+    /// the size. A block device node grows up to its own size only.
+    fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        use std::io::{Seek, SeekFrom};
+        let _one = self
+            .growing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let old = self.size_bytes();
+        let meta = self.main.metadata()?;
+        let max = if meta.file_type().is_block_device() {
+            // The node's size: where its end is.
+            (&self.main).seek(SeekFrom::End(0))?
+        } else {
+            FILE_SIZE_MAX_BYTES
+        };
+        check_grow(old, size_bytes, max)?;
+        if meta.file_type().is_file() && meta.len() < size_bytes {
+            self.main.set_len(size_bytes).map_err(|e| {
+                tracing::error!(path = %self.path.display(), to = size_bytes, error = %e, "cannot extend the backing file");
+                BdevError::Io(e)
+            })?;
+        }
+        self.size_bytes.store(size_bytes, Ordering::Release);
+        tracing::info!(path = %self.path.display(), from = old, to = size_bytes, "file device grown");
+        Ok(())
     }
 
     fn describe(&self) -> String {
@@ -293,14 +342,11 @@ impl BlockDevice for FileDev {
         max_extents: usize,
     ) -> Result<Vec<crate::Extent>, BdevError> {
         use crate::{push_extent, Extent};
+        let size = self.size_bytes();
         let end = offset
             .checked_add(len)
-            .filter(|&end| end <= self.size_bytes && len > 0)
-            .ok_or(BdevError::OutOfRange {
-                offset,
-                len,
-                size: self.size_bytes,
-            })?;
+            .filter(|&end| end <= size && len > 0)
+            .ok_or(BdevError::OutOfRange { offset, len, size })?;
         let max = max_extents.max(1);
         let mut out = Vec::new();
         let mut pos = offset;
@@ -398,7 +444,8 @@ pub struct FileChannel {
     /// Slots whose next operations could not be pushed (SQ full); retried
     /// by `flush_submissions` and `reap`. Capacity = slots: never grows.
     parked: Vec<SlotId>,
-    size_bytes: u64,
+    /// The device's size (its `FileDev`'s, shared: a grow shows at once).
+    size_bytes: Arc<AtomicU64>,
     /// 0 without O_DIRECT.
     direct_align_bytes: u64,
     punch_hole_ok: bool,
@@ -663,7 +710,7 @@ impl Channel for FileChannel {
         if self.queue.in_use() >= capacity {
             return Err((req, BdevError::Full { capacity }));
         }
-        let error = validate_request(&req, self.size_bytes).err();
+        let error = validate_request(&req, self.size_bytes.load(Ordering::Acquire)).err();
         let IoRequest {
             tag,
             op,
@@ -1035,6 +1082,59 @@ mod tests {
     #[test]
     fn round_trip_direct() {
         round_trip(true);
+    }
+
+    /// Grow with a channel open: the file is extended, the new tail reads
+    /// as zeros and takes aligned (direct) and unaligned writes through
+    /// the old channel; shrinking, odd sizes and too big are refused.
+    fn grow(direct: bool) {
+        let dir = TempDir::new("grow");
+        let old = 1 << 20;
+        let dev = open(&dir, old, direct);
+        let mut ch = dev.open_channel().expect("channel (io_uring)");
+        let mut pool = BufPool::new(8 << 20);
+        write(&mut *ch, &mut pool, old - 4096, &pattern(4096, 1), false);
+        let c = run(&mut *ch, IoOp::Read, old, 4096, Some(pool.get(4096)));
+        assert!(matches!(c.result, Err(BdevError::OutOfRange { .. })));
+        pool.put(c.buf.expect("buffer back"));
+        let new = 3 << 20;
+        dev.grow(new).expect("grow");
+        assert_eq!(dev.size_bytes(), new);
+        assert_eq!(std::fs::metadata(dir.file()).unwrap().len(), new);
+        assert!(read(&mut *ch, &mut pool, old, 8192).iter().all(|&b| b == 0));
+        write(&mut *ch, &mut pool, new - 4096, &pattern(4096, 2), true);
+        write(&mut *ch, &mut pool, old + 3, &pattern(100, 3), false);
+        assert_eq!(
+            read(&mut *ch, &mut pool, new - 4096, 4096),
+            pattern(4096, 2)
+        );
+        assert_eq!(read(&mut *ch, &mut pool, old + 3, 100), pattern(100, 3));
+        assert_eq!(
+            read(&mut *ch, &mut pool, old - 4096, 4096),
+            pattern(4096, 1)
+        );
+        assert!(dev.extents(old, new - old, 8).is_ok());
+        assert!(matches!(dev.grow(old), Err(BdevError::Shrink { .. })));
+        assert!(matches!(
+            dev.grow(new + 512),
+            Err(BdevError::ResizeUnaligned { .. })
+        ));
+        assert!(matches!(
+            dev.grow(FILE_SIZE_MAX_BYTES + 1),
+            Err(BdevError::TooLarge { .. })
+        ));
+        assert_eq!(dev.size_bytes(), new);
+        dev.grow(new).expect("the same size is a no-op");
+    }
+
+    #[test]
+    fn grow_buffered() {
+        grow(false);
+    }
+
+    #[test]
+    fn grow_direct() {
+        grow(true);
     }
 
     fn zeroing(direct: bool, fallocate: bool) {

@@ -35,8 +35,8 @@ mod ring_options;
 pub mod units;
 
 pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
-pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, MAX_PREFETCH_BYTES};
-pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES};
+pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, FILE_SIZE_MAX_BYTES, MAX_PREFETCH_BYTES};
+pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES, MALLOC_SIZE_MAX_BYTES};
 pub use ring_options::{IoPoll, RingOptions, SQPOLL_IDLE_MS_DEFAULT, SQPOLL_IDLE_MS_MAX};
 pub use units::{human_bytes, parse_size_bytes};
 
@@ -117,6 +117,16 @@ pub enum BdevError {
     /// `len` bytes). The NBD layer validates first, so this is a bug there.
     #[error("bad request: {0}")]
     BadRequest(&'static str),
+    /// A resize to a smaller size: connected clients would lose the data
+    /// past the new end, and hold a size they negotiated.
+    #[error("cannot shrink the device from {size} to {requested} bytes: only growing is supported (data past the new end would be lost under connected clients)")]
+    Shrink { size: u64, requested: u64 },
+    /// A resize past the backend's largest size.
+    #[error("cannot grow the device to {requested} bytes: this backend's maximum is {max} bytes")]
+    TooLarge { requested: u64, max: u64 },
+    /// A resize to a size that is not a multiple of [`RESIZE_ALIGN_BYTES`].
+    #[error("cannot grow the device to {requested} bytes: the size must be a multiple of {RESIZE_ALIGN_BYTES}")]
+    ResizeUnaligned { requested: u64 },
 }
 
 impl BdevError {
@@ -128,9 +138,41 @@ impl BdevError {
             BdevError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BdevError::Failed(_) => libc::EIO,
             BdevError::Unsupported(_) | BdevError::OptionRefused { .. } => libc::EOPNOTSUPP,
-            BdevError::BadRequest(_) => libc::EINVAL,
+            BdevError::BadRequest(_)
+            | BdevError::Shrink { .. }
+            | BdevError::TooLarge { .. }
+            | BdevError::ResizeUnaligned { .. } => libc::EINVAL,
         }
     }
+}
+
+/// A device grows in multiples of 4 KiB: the largest LBA size the
+/// NVMe/TCP target serves (so a namespace of either LBA format stays a
+/// whole number of blocks) and the usual O_DIRECT alignment (so the new
+/// tail of a `direct` file device takes the direct path like the rest).
+pub const RESIZE_ALIGN_BYTES: u64 = 4096;
+
+/// Checks a grow of a device of `size_bytes` to `requested` bytes, for a
+/// backend whose largest size is `max_bytes`: never smaller, a multiple
+/// of [`RESIZE_ALIGN_BYTES`], at most `max_bytes`. Growing to the
+/// current size is allowed (a retried request does nothing).
+pub fn check_grow(size_bytes: u64, requested: u64, max_bytes: u64) -> Result<(), BdevError> {
+    if requested < size_bytes {
+        return Err(BdevError::Shrink {
+            size: size_bytes,
+            requested,
+        });
+    }
+    if !requested.is_multiple_of(RESIZE_ALIGN_BYTES) {
+        return Err(BdevError::ResizeUnaligned { requested });
+    }
+    if requested > max_bytes {
+        return Err(BdevError::TooLarge {
+            requested,
+            max: max_bytes,
+        });
+    }
+    Ok(())
 }
 
 /// Checks a request against a device of `size_bytes`: the range must lie
@@ -263,8 +305,19 @@ pub fn extent_records(buf: &[u8]) -> impl Iterator<Item = Extent> + '_ {
 
 /// A volume's storage, shared by all its connections.
 pub trait BlockDevice: Send + Sync {
-    /// Size in bytes.
+    /// Size in bytes. Hot paths call it (an atomic load where the device
+    /// can grow): a request checked against the size it returned stays
+    /// valid, since a device never shrinks while it is open.
     fn size_bytes(&self) -> u64;
+    /// Grow the device to `size_bytes` online (see [`check_grow`] for
+    /// what is refused). Control path only: it may block briefly (a file
+    /// is extended with `ftruncate`). Requests in flight, and channels
+    /// opened before, see the new size at once. Default: the device
+    /// cannot grow.
+    fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        let _ = size_bytes;
+        Err(BdevError::Unsupported("this device cannot be resized"))
+    }
     /// A short description for logs and `volume_list` ("malloc", "file:/path").
     fn describe(&self) -> String;
     /// Open a per-thread channel.

@@ -5,6 +5,11 @@
 //! threads (multi-connection NBD) can share the volume. Never-written chunks
 //! read as zeros; trimming or zeroing a whole chunk frees it.
 //!
+//! The device grows online ([`BlockDevice::grow`]): the chunk table is a
+//! list of segments of doubling length, created as the size needs them
+//! and never moved, so readers index it without a lock while it grows;
+//! the size is an atomic that is raised once the chunks behind it exist.
+//!
 //! ```
 //! use lull_bdev::{BlockDevice, BufPool, IoOp, IoRequest, MallocDev};
 //! let dev = MallocDev::new(1 << 20).unwrap();
@@ -21,11 +26,12 @@
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use crate::{
-    push_extent, validate_request, BdevError, BlockDevice, Channel, Extent, IoCompletion, IoOp,
-    IoRequest,
+    check_grow, push_extent, validate_request, BdevError, BlockDevice, Channel, Extent,
+    IoCompletion, IoOp, IoRequest,
 };
 
 /// Allocation and locking granularity. 1 MiB keeps the chunk table small
@@ -36,8 +42,10 @@ use crate::{
 /// several connections writing the same MiB at once).
 pub const MALLOC_CHUNK_BYTES: usize = 1 << 20;
 
-/// Largest malloc device: 16 TiB, whose chunk table (16 Mi entries, about
-/// 400 MiB) is the most we accept to allocate up front for a memory device.
+/// Largest malloc device, also the most it can grow to: 16 TiB, whose
+/// chunk table (16 Mi entries of 32 bytes, and up to twice that in the
+/// growable table's segments: at most 1 GiB) is the most we accept to
+/// allocate up front for a memory device.
 pub const MALLOC_SIZE_MAX_BYTES: u64 = 16 << 40;
 
 /// Completions a malloc channel holds before `submit` returns `Full`: the
@@ -47,9 +55,36 @@ pub const MALLOC_CHANNEL_DEPTH: usize = 256;
 
 type Chunk = RwLock<Option<Box<[u8]>>>;
 
+/// Chunks in the first segment of the chunk table; segment `k` holds
+/// `SEGMENT0_CHUNKS << k`. 64 chunks (64 MiB of volume, about 1.5 KiB of
+/// table) keep small devices small; doubling keeps the segment count
+/// logarithmic in the size.
+const SEGMENT0_CHUNKS: usize = 64;
+
+/// Segments of the chunk table: enough for [`MALLOC_SIZE_MAX_BYTES`]
+/// (asserted below).
+const SEGMENTS: usize = 19;
+
+const _: () = assert!(
+    (SEGMENT0_CHUNKS as u64) * ((1u64 << SEGMENTS) - 1) * (MALLOC_CHUNK_BYTES as u64)
+        >= MALLOC_SIZE_MAX_BYTES
+);
+
+/// Segment and index inside it of chunk `index`.
+fn segment_of(index: usize) -> (usize, usize) {
+    let q = index / SEGMENT0_CHUNKS + 1;
+    let seg = (usize::BITS - 1 - q.leading_zeros()) as usize;
+    (seg, index - SEGMENT0_CHUNKS * ((1 << seg) - 1))
+}
+
 struct Inner {
-    size_bytes: u64,
-    chunks: Box<[Chunk]>,
+    /// The device's size. Raised by `grow` only after the chunks it covers
+    /// exist; never lowered.
+    size_bytes: AtomicU64,
+    /// The chunk table, in segments created on demand (see the module doc).
+    segments: [OnceLock<Box<[Chunk]>>; SEGMENTS],
+    /// Serializes `grow` (the control plane's; the data path never takes it).
+    growing: Mutex<()>,
 }
 
 /// A sparse memory-backed block device.
@@ -61,7 +96,7 @@ pub struct MallocDev {
 impl std::fmt::Debug for MallocDev {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MallocDev")
-            .field("size_bytes", &self.inner.size_bytes)
+            .field("size_bytes", &self.inner.size())
             .field("chunks_allocated", &self.chunks_allocated())
             .finish()
     }
@@ -73,18 +108,25 @@ impl MallocDev {
         if size_bytes > MALLOC_SIZE_MAX_BYTES {
             return Err(BdevError::Unsupported("malloc device larger than 16 TiB"));
         }
-        let count = size_bytes.div_ceil(MALLOC_CHUNK_BYTES as u64) as usize;
-        let chunks = (0..count).map(|_| RwLock::new(None)).collect();
+        let inner = Inner {
+            size_bytes: AtomicU64::new(0),
+            segments: std::array::from_fn(|_| OnceLock::new()),
+            growing: Mutex::new(()),
+        };
+        inner.make_chunks(size_bytes);
+        inner.size_bytes.store(size_bytes, Ordering::Release);
         Ok(MallocDev {
-            inner: Arc::new(Inner { size_bytes, chunks }),
+            inner: Arc::new(inner),
         })
     }
 
     /// Chunks currently holding memory (for tests and stats).
     pub fn chunks_allocated(&self) -> usize {
         self.inner
-            .chunks
+            .segments
             .iter()
+            .filter_map(OnceLock::get)
+            .flat_map(|s| s.iter())
             .filter(|c| c.read().unwrap_or_else(PoisonError::into_inner).is_some())
             .count()
     }
@@ -110,24 +152,64 @@ fn pieces(offset: u64, len: usize) -> impl Iterator<Item = (usize, usize, usize,
 }
 
 impl Inner {
-    /// Length of chunk `index` (the last one may be short).
-    fn chunk_len(&self, index: usize) -> usize {
-        let start = index as u64 * MALLOC_CHUNK_BYTES as u64;
-        (self.size_bytes - start).min(MALLOC_CHUNK_BYTES as u64) as usize
+    fn size(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
     }
 
-    // The callers validated the range, so chunk indexes are in bounds; the
-    // `get`s below still refuse rather than panic.
+    /// Creates the segments that chunks of a device of `size_bytes` need.
+    /// Called by `new` and, under `growing`, by `grow`, before the size is
+    /// raised.
+    fn make_chunks(&self, size_bytes: u64) {
+        let count = size_bytes.div_ceil(MALLOC_CHUNK_BYTES as u64) as usize;
+        if count == 0 {
+            return;
+        }
+        let (last, _) = segment_of(count - 1);
+        for (k, seg) in self.segments.iter().enumerate().take(last + 1) {
+            seg.get_or_init(|| {
+                (0..SEGMENT0_CHUNKS << k)
+                    .map(|_| RwLock::new(None))
+                    .collect()
+            });
+        }
+    }
+
+    /// Chunk `index`; `None` past the chunks made so far. The callers
+    /// validated their range against the size, whose chunks exist, so
+    /// `None` is a bug there: they refuse rather than panic.
+    fn chunk(&self, index: usize) -> Result<&Chunk, BdevError> {
+        let (seg, at) = segment_of(index);
+        self.segments
+            .get(seg)
+            .and_then(OnceLock::get)
+            .and_then(|s| s.get(at))
+            .ok_or(BdevError::BadRequest("chunk index"))
+    }
+
+    /// Length of chunk `index` in a device of the current size (the last
+    /// one may be short). Read under the chunk's lock: a chunk allocated
+    /// before a grow may be shorter than this (see `write`).
+    fn chunk_len(&self, index: usize) -> usize {
+        let start = index as u64 * MALLOC_CHUNK_BYTES as u64;
+        self.size()
+            .saturating_sub(start)
+            .min(MALLOC_CHUNK_BYTES as u64) as usize
+    }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, dst.len()) {
-            let chunk = self
-                .chunks
-                .get(index)
-                .ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self.chunk(index)?;
             let out = &mut dst[at..at + piece];
             match &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
-                Some(data) => out.copy_from_slice(&data[within..within + piece]),
+                Some(data) => {
+                    // The old last chunk of a grown device ends at the old
+                    // size; past it, it was never written: zeros.
+                    let have = data.len().saturating_sub(within).min(piece);
+                    if have > 0 {
+                        out[..have].copy_from_slice(&data[within..within + have]);
+                    }
+                    out[have..].fill(0);
+                }
                 None => out.fill(0),
             }
         }
@@ -136,30 +218,36 @@ impl Inner {
 
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, src.len()) {
-            let chunk_len = self.chunk_len(index);
-            let chunk = self
-                .chunks
-                .get(index)
-                .ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self.chunk(index)?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
-            let data = guard.get_or_insert_with(|| vec![0u8; chunk_len].into_boxed_slice());
-            data[within..within + piece].copy_from_slice(&src[at..at + piece]);
+            let need = within + piece;
+            let data = guard.get_or_insert_with(|| {
+                vec![0u8; self.chunk_len(index).max(need)].into_boxed_slice()
+            });
+            if data.len() < need {
+                // Allocated short, as the last chunk, before a grow: extend
+                // it (rare: once per grow at most).
+                let mut longer = std::mem::take(data).into_vec();
+                longer.resize(self.chunk_len(index).max(need), 0);
+                *data = longer.into_boxed_slice();
+            }
+            data[within..need].copy_from_slice(&src[at..at + piece]);
         }
         Ok(())
     }
 
     fn zero(&self, offset: u64, len: usize) -> Result<(), BdevError> {
         for (index, within, piece, _) in pieces(offset, len) {
-            let whole = within == 0 && piece == self.chunk_len(index);
-            let chunk = self
-                .chunks
-                .get(index)
-                .ok_or(BdevError::BadRequest("chunk index"))?;
+            let chunk = self.chunk(index)?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
+            // Under the lock: a grow that extended this chunk, and a write
+            // past the old end, are seen here, so they are not dropped.
+            let whole = within == 0 && piece == self.chunk_len(index);
             if whole {
                 *guard = None;
             } else if let Some(data) = guard.as_mut() {
-                data[within..within + piece].fill(0);
+                let end = (within + piece).min(data.len());
+                data[within.min(end)..end].fill(0);
             }
         }
         Ok(())
@@ -169,14 +257,11 @@ impl Inner {
     /// is a hole; an allocated one is data, even if it holds zeros.
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
         let inner = self;
+        let size = inner.size();
         let end = offset
             .checked_add(len)
-            .filter(|&end| end <= inner.size_bytes && len > 0)
-            .ok_or(BdevError::OutOfRange {
-                offset,
-                len,
-                size: inner.size_bytes,
-            })?;
+            .filter(|&end| end <= size && len > 0)
+            .ok_or(BdevError::OutOfRange { offset, len, size })?;
         let chunk = MALLOC_CHUNK_BYTES as u64;
         let mut out = Vec::new();
         let mut pos = offset;
@@ -184,9 +269,8 @@ impl Inner {
             let index = (pos / chunk) as usize;
             let piece = ((index as u64 + 1) * chunk).min(end) - pos;
             let allocated = inner
-                .chunks
-                .get(index)
-                .is_some_and(|c| c.read().unwrap_or_else(PoisonError::into_inner).is_some());
+                .chunk(index)
+                .is_ok_and(|c| c.read().unwrap_or_else(PoisonError::into_inner).is_some());
             let e = if allocated {
                 Extent::data(piece)
             } else {
@@ -201,7 +285,7 @@ impl Inner {
     }
 
     fn execute(&self, req: &mut IoRequest) -> Result<(), BdevError> {
-        validate_request(req, self.size_bytes)?;
+        validate_request(req, self.size())?;
         let len = req.len as usize;
         match req.op {
             IoOp::Read => match req.buf.as_mut() {
@@ -235,7 +319,23 @@ impl Inner {
 
 impl BlockDevice for MallocDev {
     fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes
+        self.inner.size()
+    }
+
+    /// New chunks first, then the size: a request validated against the
+    /// new size finds its chunks.
+    fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        let _one = self
+            .inner
+            .growing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let old = self.inner.size();
+        check_grow(old, size_bytes, MALLOC_SIZE_MAX_BYTES)?;
+        self.inner.make_chunks(size_bytes);
+        self.inner.size_bytes.store(size_bytes, Ordering::Release);
+        tracing::info!(from = old, to = size_bytes, "malloc device grown");
+        Ok(())
     }
 
     fn describe(&self) -> String {
@@ -566,6 +666,117 @@ mod tests {
         for (i, stripe) in v.chunks(512).enumerate() {
             assert!(stripe.iter().all(|&b| b == (i % 4) as u8 + 1));
         }
+    }
+
+    #[test]
+    fn segments_cover_the_chunk_indexes() {
+        assert_eq!(segment_of(0), (0, 0));
+        assert_eq!(segment_of(SEGMENT0_CHUNKS - 1), (0, SEGMENT0_CHUNKS - 1));
+        assert_eq!(segment_of(SEGMENT0_CHUNKS), (1, 0));
+        assert_eq!(
+            segment_of(3 * SEGMENT0_CHUNKS - 1),
+            (1, 2 * SEGMENT0_CHUNKS - 1)
+        );
+        assert_eq!(segment_of(3 * SEGMENT0_CHUNKS), (2, 0));
+        let last = (MALLOC_SIZE_MAX_BYTES / CHUNK) as usize - 1;
+        let (seg, at) = segment_of(last);
+        assert!(seg < SEGMENTS && at < SEGMENT0_CHUNKS << seg);
+    }
+
+    #[test]
+    fn grows_online_and_keeps_the_data() {
+        // A short last chunk, written, then grown past it: the old data
+        // stays, the new tail reads as zeros and takes writes, and a
+        // channel opened before the grow sees the new size.
+        let old = 2 * CHUNK + 8192;
+        let dev = MallocDev::new(old).unwrap();
+        let mut ch = dev.open_channel().unwrap();
+        let mut pool = BufPool::new(64 << 20);
+        write(&mut *ch, &mut pool, old - 4096, &[7; 4096]);
+        let past = run(&mut *ch, 1, IoOp::Read, old, 4096, Some(pool.get(4096)));
+        assert!(matches!(past.result, Err(BdevError::OutOfRange { .. })));
+        pool.put(past.buf.unwrap());
+        let new = 200 * CHUNK;
+        dev.grow(new).expect("grow");
+        assert_eq!(dev.size_bytes(), new);
+        assert_eq!(read(&mut *ch, &mut pool, old - 4096, 4096), vec![7; 4096]);
+        assert!(read(&mut *ch, &mut pool, old, 8192).iter().all(|&b| b == 0));
+        // Into the old short chunk past its end, and far into a new segment.
+        write(&mut *ch, &mut pool, old - 10, &[9; 20]);
+        write(&mut *ch, &mut pool, new - 4096, &[5; 4096]);
+        let mut want = vec![7u8; 4096 - 10];
+        want.extend_from_slice(&[9; 20]);
+        want.extend_from_slice(&[0; 10]);
+        assert_eq!(read(&mut *ch, &mut pool, old - 4096, 4096 + 20), want);
+        assert_eq!(read(&mut *ch, &mut pool, new - 4096, 4096), vec![5; 4096]);
+        // Zeroing the whole grown chunk frees it.
+        run(&mut *ch, 3, IoOp::Trim, 2 * CHUNK, CHUNK as u32, None)
+            .result
+            .unwrap();
+        assert!(read(&mut *ch, &mut pool, old - 10, 20)
+            .iter()
+            .all(|&b| b == 0));
+        assert_eq!(
+            dev.extents(2 * CHUNK, CHUNK, 4).unwrap(),
+            [Extent::hole(CHUNK)]
+        );
+        // The same size again is a no-op.
+        dev.grow(new).expect("same size");
+        assert_eq!(dev.size_bytes(), new);
+    }
+
+    #[test]
+    fn grow_refuses_shrinking_odd_sizes_and_too_big() {
+        let dev = MallocDev::new(1 << 20).unwrap();
+        assert!(matches!(
+            dev.grow(4096),
+            Err(BdevError::Shrink {
+                size: 1048576,
+                requested: 4096
+            })
+        ));
+        assert!(matches!(
+            dev.grow((2 << 20) + 512),
+            Err(BdevError::ResizeUnaligned { .. })
+        ));
+        assert!(matches!(
+            dev.grow(MALLOC_SIZE_MAX_BYTES + 4096),
+            Err(BdevError::TooLarge { .. })
+        ));
+        assert_eq!(dev.size_bytes(), 1 << 20, "a refused grow changes nothing");
+    }
+
+    #[test]
+    fn a_grow_under_concurrent_io_loses_nothing() {
+        // Writers on other threads keep writing, below the old end and at
+        // the tail, while the device grows step by step: every write reads
+        // back, and a request checked against any size seen stays in range.
+        let dev = MallocDev::new(CHUNK + 4096).unwrap();
+        let steps = 64u64;
+        std::thread::scope(|s| {
+            for t in 0..2u8 {
+                let dev = &dev;
+                s.spawn(move || {
+                    let mut ch = dev.open_channel().unwrap();
+                    let mut pool = BufPool::new(1 << 20);
+                    for i in 0..256u64 {
+                        // Thread 0 below the old end, thread 1 at the
+                        // current tail (past the old end): never overlapping.
+                        let offset = match t {
+                            0 => (i * 4096) % (CHUNK / 2),
+                            _ => dev.size_bytes() - 4096,
+                        };
+                        let fill = (i as u8) | 1;
+                        write(&mut *ch, &mut pool, offset, &[fill; 4096]);
+                        assert_eq!(read(&mut *ch, &mut pool, offset, 4096), vec![fill; 4096]);
+                    }
+                });
+            }
+            for k in 1..=steps {
+                dev.grow(CHUNK + 4096 + k * (CHUNK / 2)).expect("grow");
+            }
+        });
+        assert_eq!(dev.size_bytes(), CHUNK + 4096 + steps * (CHUNK / 2));
     }
 
     #[derive(Debug, Clone)]

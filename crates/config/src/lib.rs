@@ -14,6 +14,7 @@
 //! connections_per_replica = 2
 //! max_connections = 16384          # NBD connections held at once
 //! max_connections_per_volume = 4096 # NBD connections per volume
+//! max_in_flight_per_volume = 4096 # requests in flight per volume
 //! metrics = "127.0.0.1:9555"      # Prometheus endpoint; off when absent
 //! nvmf_listen = "127.0.0.1:4420"   # NVMe/TCP target; off when absent
 //! tls = "require"                  # NBD TLS: off | on | require
@@ -200,6 +201,9 @@ pub struct ServeSettings {
     /// NBD connections one volume serves at once (1 to
     /// `lull_volume::MAX_CONNECTIONS_PER_VOLUME`).
     pub max_connections_per_volume: usize,
+    /// Requests in flight on one volume over all its connections (1 to
+    /// `lull_volume::MAX_IN_FLIGHT_PER_VOLUME`).
+    pub max_in_flight_per_volume: usize,
 }
 
 /// The most NBD connections a server may be configured to hold: the NBD
@@ -259,6 +263,8 @@ pub struct ConfigFile {
     pub max_connections: Option<usize>,
     /// NBD connections per volume.
     pub max_connections_per_volume: Option<usize>,
+    /// Requests in flight per volume.
+    pub max_in_flight_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -320,6 +326,7 @@ pub struct Overrides {
     pub connections_per_replica: Option<usize>,
     pub max_connections: Option<usize>,
     pub max_connections_per_volume: Option<usize>,
+    pub max_in_flight_per_volume: Option<usize>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -612,6 +619,16 @@ pub fn resolve(
             lull_volume::MAX_CONNECTIONS_PER_VOLUME
         ));
     }
+    let max_in_flight_per_volume = flags
+        .max_in_flight_per_volume
+        .or(file.max_in_flight_per_volume)
+        .unwrap_or(lull_volume::DEFAULT_MAX_IN_FLIGHT_PER_VOLUME);
+    if !(1..=lull_volume::MAX_IN_FLIGHT_PER_VOLUME).contains(&max_in_flight_per_volume) {
+        return err(format!(
+            "max_in_flight_per_volume = {max_in_flight_per_volume}: must be 1 to {}",
+            lull_volume::MAX_IN_FLIGHT_PER_VOLUME
+        ));
+    }
     let dynamic = DynamicParams {
         load_limit: file
             .scheduler_load_limit
@@ -663,6 +680,7 @@ pub fn resolve(
         scheduler,
         max_connections,
         max_connections_per_volume,
+        max_in_flight_per_volume,
     })
 }
 
@@ -748,28 +766,38 @@ fn check_nvmf_volumes(
                 "NVMe/TCP settings for {name:?}, which is not a volume"
             ));
         };
-        if let Some(lba) = n.lba_bytes {
-            if !NVMF_LBA_SIZES.contains(&lba) {
-                return err(format!(
-                    "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
-                ));
-            }
-            if v.size_bytes % u64::from(lba) != 0 {
-                return err(format!(
-                    "volume {name:?}: size {} is not a multiple of its {lba}-byte LBAs",
-                    v.size_bytes
-                ));
-            }
-        }
+        check_nvmf_volume(name, v.size_bytes, n)?;
         if let Some(nqn) = &n.nqn {
-            check_nqn(&format!("volume {name:?}: NQN"), nqn)?;
             if !nqns.insert(nqn.clone()) {
                 return err(format!("NQN {nqn:?} is given to two volumes"));
             }
         }
-        for h in &n.allow_hosts {
-            check_nqn(&format!("volume {name:?}: allowed host"), h)?;
+    }
+    Ok(())
+}
+
+/// One volume's NVMe/TCP settings: an LBA size of [`NVMF_LBA_SIZES`]
+/// that divides the volume's size, and valid NQNs (its own and the
+/// allowed hosts'). For the configuration and for `volume_create` over
+/// RPC alike.
+pub fn check_nvmf_volume(name: &str, size_bytes: u64, n: &NvmfVolume) -> Result<(), ConfigError> {
+    if let Some(lba) = n.lba_bytes {
+        if !NVMF_LBA_SIZES.contains(&lba) {
+            return err(format!(
+                "volume {name:?}: NVMe/TCP LBA size {lba}: use 512 or 4096"
+            ));
         }
+        if !size_bytes.is_multiple_of(u64::from(lba)) {
+            return err(format!(
+                "volume {name:?}: size {size_bytes} is not a multiple of its {lba}-byte LBAs"
+            ));
+        }
+    }
+    if let Some(nqn) = &n.nqn {
+        check_nqn(&format!("volume {name:?}: NQN"), nqn)?;
+    }
+    for h in &n.allow_hosts {
+        check_nqn(&format!("volume {name:?}: allowed host"), h)?;
     }
     Ok(())
 }
@@ -1050,6 +1078,17 @@ mod tests {
             s.max_connections_per_volume,
             lull_volume::DEFAULT_MAX_CONNECTIONS_PER_VOLUME
         );
+        assert_eq!(
+            s.max_in_flight_per_volume,
+            lull_volume::DEFAULT_MAX_IN_FLIGHT_PER_VOLUME
+        );
+        let s = resolve(
+            ConfigFile::parse("max_in_flight_per_volume = 64").unwrap(),
+            Overrides::default(),
+            &[0],
+        )
+        .unwrap();
+        assert_eq!(s.max_in_flight_per_volume, 64);
         let file =
             || ConfigFile::parse("max_connections = 100\nmax_connections_per_volume = 8").unwrap();
         let s = resolve(file(), Overrides::default(), &[0]).unwrap();
@@ -1068,6 +1107,16 @@ mod tests {
         ] {
             let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
             assert!(e.unwrap_err().0.contains("max_connections"), "{text}");
+        }
+        for text in [
+            "max_in_flight_per_volume = 0",
+            "max_in_flight_per_volume = 2097153",
+        ] {
+            let e = resolve(ConfigFile::parse(text).unwrap(), Overrides::default(), &[0]);
+            assert!(
+                e.unwrap_err().0.contains("max_in_flight_per_volume"),
+                "{text}"
+            );
         }
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use lull_reactor::FrameworkHandle;
 use lull_rpc::{
     ControlError, ControlPlane, MetricsSnapshot, MetricsSource, NewVolume, Options, OptionsChange,
-    ReplicaAddr, ReplicaVolume, VolumeInfo, VolumeMetrics, VolumeName,
+    ReplicaAddr, ReplicaVolume, VolumeInfo, VolumeMetrics, VolumeName, VolumeResize,
 };
 use lull_volume::{bucket_le_ns, Storage, Volume, Volumes, LATENCY_BUCKETS};
 use serde_json::{json, Value};
@@ -25,6 +25,12 @@ pub struct Control {
     /// How engines of volumes created over RPC reach their replicas.
     links: crate::ReplicaLinks,
     pub adminq_poll_period_us: AtomicU64,
+    /// The NVMe/TCP target's per-volume options, when it runs.
+    pub nvmf: Option<lull_nvmf::Subsystems>,
+    /// Serializes volume_create and volume_delete (RPC connections run
+    /// on threads of their own): a volume's NVMe/TCP options and its
+    /// place in the registry change together.
+    volume_changes: std::sync::Mutex<()>,
 }
 
 impl Control {
@@ -40,7 +46,47 @@ impl Control {
             engine,
             links,
             adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US),
+            nvmf: None,
+            volume_changes: std::sync::Mutex::new(()),
         }
+    }
+
+    /// RPC-created volumes may bring NVMe/TCP options to this target.
+    pub fn with_nvmf(mut self, nvmf: Option<lull_nvmf::Subsystems>) -> Control {
+        self.nvmf = nvmf;
+        self
+    }
+
+    /// `volume_create`'s NVMe/TCP options, checked as the configuration's
+    /// are; `None` when none was given.
+    fn nvmf_options(
+        &self,
+        volume: &NewVolume,
+        size_bytes: u64,
+    ) -> Result<Option<lull_nvmf::SubsystemOptions>, ControlError> {
+        if !volume.has_nvmf_options() {
+            return Ok(None);
+        }
+        if self.nvmf.is_none() {
+            return Err(ControlError::Refused(
+                "nvmf_nqn, nvmf_lba and nvmf_allow_hosts need the NVMe/TCP target: start lull serve with --nvmf-listen".into(),
+            ));
+        }
+        let n = config::NvmfVolume {
+            nqn: volume.nvmf_nqn.clone(),
+            lba_bytes: volume.nvmf_lba,
+            allow_hosts: volume.nvmf_allow_hosts.clone(),
+        };
+        config::check_nvmf_volume(&volume.name, size_bytes, &n)
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        Ok(Some(lull_nvmf::SubsystemOptions {
+            nqn: n.nqn,
+            lba_shift: match n.lba_bytes {
+                Some(4096) => lull_nvmf::LBA_SHIFT_4K,
+                _ => lull_nvmf::LBA_SHIFT,
+            },
+            allowed_hosts: n.allow_hosts,
+        }))
     }
 
     /// Hybrid mode sends replica keep-alives every
@@ -115,12 +161,45 @@ impl ControlPlane for Control {
             name,
             size_bytes,
             backend,
+            ..
         } = volume;
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}"))
             .map_err(|e| ControlError::Refused(e.to_string()))?;
-        let dev = crate::open_device(&spec, &self.fw, &self.engine, &self.links)
-            .map_err(|e| ControlError::Failed(e.into()))?;
-        let v = self.volumes.add(Volume::new(&spec.name, dev))?;
+        let nvmf = self.nvmf_options(volume, spec.size_bytes)?;
+        let _one = self
+            .volume_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        // Refused before a device is opened (a file created, replicas
+        // attached) for nothing.
+        if self.volumes.named(&spec.name).is_ok() {
+            return Err(lull_volume::VolumeError::DuplicateVolume(spec.name).into());
+        }
+        // The options go in first, so that no host reaches the new
+        // volume under the defaults.
+        if let (Some(o), Some(subsystems)) = (nvmf.clone(), &self.nvmf) {
+            subsystems
+                .set(&spec.name, o)
+                .map_err(|e| ControlError::Refused(e.to_string()))?;
+        }
+        let forget = || {
+            if let (Some(_), Some(subsystems)) = (&nvmf, &self.nvmf) {
+                subsystems.forget(&spec.name);
+            }
+        };
+        let dev = crate::open_device(&spec, &self.fw, &self.engine, &self.links).map_err(|e| {
+            forget();
+            ControlError::Failed(e.into())
+        })?;
+        let v = self
+            .volumes
+            .add(Volume::new(&spec.name, dev))
+            .inspect_err(|_| forget())?;
+        if let (Some(o), Some(subsystems)) = (&nvmf, &self.nvmf) {
+            tracing::info!(volume = %v.name, nqn = %subsystems.nqn_of(&v.name),
+                lba_bytes = 1u32 << o.lba_shift, allowed_hosts = o.allowed_hosts.len(),
+                "NVMe/TCP options of the new volume");
+        }
         if let Some(r) = self.fw.reactor_stats().first() {
             self.apply_keepalive(r.mode);
         }
@@ -130,7 +209,15 @@ impl ControlPlane for Control {
 
     fn volume_delete(&self, volume: &VolumeName) -> Result<(), ControlError> {
         let name = volume.name.as_str();
-        let v = self.volumes.remove(name)?;
+        // The NVMe/TCP target forgets the volume's options as it is told
+        // of the removal.
+        let v = {
+            let _one = self
+                .volume_changes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            self.volumes.remove(name)?
+        };
         // Connected clients keep the device until they disconnect; flush
         // what is there now.
         if let Err(e) = v.dev().sync() {
@@ -138,6 +225,17 @@ impl ControlPlane for Control {
         }
         tracing::info!(volume = name, "volume deleted over RPC");
         Ok(())
+    }
+
+    fn volume_resize(&self, resize: &VolumeResize) -> Result<VolumeInfo, ControlError> {
+        let VolumeResize { name, size_bytes } = resize;
+        let before = self.volumes.named(name)?.dev().size_bytes();
+        let v = self.volumes.resize(name, *size_bytes).inspect_err(|e| {
+            tracing::warn!(volume = %name, size_bytes, error = %e, "volume_resize refused");
+        })?;
+        tracing::info!(volume = %name, from = before, to = size_bytes,
+            "volume grown over RPC (NVMe/TCP hosts are told; NBD clients see the new size on their next connection)");
+        Ok(VolumeInfo::of(&v))
     }
 
     fn volume_stats(&self, volume: &VolumeName) -> Result<Value, ControlError> {
@@ -153,6 +251,12 @@ impl ControlPlane for Control {
             "read_bytes": s.read_bytes,
             "write_bytes": s.write_bytes,
             "errors": s.errors,
+            // Connections (NBD, NVMe/TCP I/O queues) and requests in flight
+            // now, and how often a request waited for the volume's cap
+            // (`--max-in-flight-per-volume`).
+            "connections": v.connections(),
+            "in_flight": v.in_flight(),
+            "in_flight_waits": v.in_flight_waits(),
             // io_uring_enter calls of the volume's file channels (null:
             // the volume does not use io_uring). Page faults and context
             // switches are per reactor (framework_get_reactors), not per

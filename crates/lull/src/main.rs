@@ -17,7 +17,7 @@ use lull_nbd::{ListenAddr, NbdServer, NbdTls};
 use lull_net::link::LinkAuth;
 use lull_net::tls::{Role, TlsContext};
 use lull_reactor::{Framework, FrameworkConfig};
-use lull_volume::{Storage, Volume, Volumes};
+use lull_volume::{Storage, Volume, VolumeLimits, Volumes};
 
 use lull_config as config;
 use lull_config::{Backend, ConfigFile, Overrides, ServeSettings};
@@ -41,7 +41,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve volumes over NBD (and NVMe/TCP with --nvmf-listen).
-    Serve(ServeArgs),
+    // Boxed: its many flags make it far larger than the other variants.
+    Serve(Box<ServeArgs>),
     /// Serve one replica of a replicated volume.
     Replica(cli::replica::ReplicaArgs),
     /// Call a JSON-RPC method of a running server.
@@ -138,6 +139,10 @@ struct ServeArgs {
     /// NBD_REP_ERR_POLICY [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections_per_volume: Option<usize>,
+    /// Requests in flight on one volume over all its connections; past it
+    /// a connection stops reading until some complete [default: 4096].
+    #[arg(long, value_name = "N")]
+    max_in_flight_per_volume: Option<usize>,
     /// Scheduler: static (threads stay where they start) or dynamic (idle
     /// work packed onto the first core, busy work spread; use with
     /// several --cores) [default: static].
@@ -163,7 +168,7 @@ fn main() -> ExitCode {
     // Reactors report the io_uring_enter calls made on their threads.
     lull_reactor::set_io_uring_enter_source(lull_uring::thread_enter_calls);
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Replica(args) => cli::replica::run(&args),
         Command::Rpc(args) => cli::rpc::run(&args),
         Command::Bench(args) => cli::bench::run(&args),
@@ -202,6 +207,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         connections_per_replica: args.connections_per_replica,
         max_connections: args.max_connections,
         max_connections_per_volume: args.max_connections_per_volume,
+        max_in_flight_per_volume: args.max_in_flight_per_volume,
         scheduler: args.scheduler,
         scheduler_period_us: args.scheduler_period_us,
     };
@@ -432,9 +438,10 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let volumes = Arc::new(Volumes::with_max_connections_per_volume(
-        s.max_connections_per_volume,
-    ));
+    let volumes = Arc::new(Volumes::with_limits(VolumeLimits {
+        connections: s.max_connections_per_volume,
+        in_flight: s.max_in_flight_per_volume,
+    }));
     for spec in &s.volumes {
         let dev = match open_device(spec, fw.handle(), &s.engine, &links) {
             Ok(d) => d,
@@ -501,12 +508,15 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
         left
     };
-    let control = Arc::new(control::Control::new(
-        fw.handle().clone(),
-        volumes.clone(),
-        s.engine.clone(),
-        links,
-    ));
+    let control = Arc::new(
+        control::Control::new(
+            fw.handle().clone(),
+            volumes.clone(),
+            s.engine.clone(),
+            links,
+        )
+        .with_nvmf(nvmf.as_ref().map(|n| n.subsystems())),
+    );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,

@@ -1,15 +1,17 @@
-//! Configurable connection limits, each hit by a real client or a raw
-//! socket: the server's connection cap (`--max-connections`) and the
-//! per-volume cap (`--max-connections-per-volume`), refused in the
-//! handshake (`NBD_REP_ERR_POLICY` to `NBD_OPT_GO`, a close for
-//! `NBD_OPT_EXPORT_NAME`).
+//! Configurable limits, each hit by a real client or a raw socket: the
+//! server's connection cap (`--max-connections`) and the per-volume cap
+//! (`--max-connections-per-volume`), refused in the handshake
+//! (`NBD_REP_ERR_POLICY` to `NBD_OPT_GO`, a close for
+//! `NBD_OPT_EXPORT_NAME`); and the per-volume in-flight cap
+//! (`--max-in-flight-per-volume`), which holds requests back instead.
+//! (NVMe/TCP I/O queues against the connection cap: crates/lull/tests/nvmf.rs.)
 
 mod common;
 
 use std::io::Write;
 use std::process::Command;
 
-use common::{NbdClient, Server};
+use common::{require, NbdClient, Scratch, Server};
 use lull_proto::nbd;
 
 /// A raw handshake that sends `NBD_OPT_GO` for `export`; the first reply
@@ -142,6 +144,8 @@ fn limits_out_of_range_are_refused_at_start() {
         ["--max-connections", "16385"],
         ["--max-connections-per-volume", "0"],
         ["--max-connections-per-volume", "16385"],
+        ["--max-in-flight-per-volume", "0"],
+        ["--max-in-flight-per-volume", "2097153"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_lull"))
             .arg("serve")
@@ -150,6 +154,83 @@ fn limits_out_of_range_are_refused_at_start() {
             .expect("run lull serve");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains("max_connections"), "{args:?}: {err}");
+        assert!(
+            err.contains(&args[0][2..].replace('-', "_")),
+            "{args:?}: {err}"
+        );
     }
+}
+
+/// Two fio connections at depth 16 on a file volume (its requests stay in
+/// the kernel a while) capped at 2 requests in flight for the whole volume,
+/// in interrupt mode: the connections hold requests back (one of them often
+/// with nothing of its own in flight, which only polling gets out of), and
+/// every block still verifies; nothing is left counted at the end.
+#[test]
+fn the_per_volume_in_flight_cap_holds_requests_back_and_loses_none() {
+    require("fio", "fio");
+    let dir = Scratch::new("in-flight-cap");
+    let sock = dir.join("rpc.sock");
+    let spec = format!("vol:32M:file={}", dir.join("vol.img").display());
+    let mut server = Server::start(&[
+        "--volume",
+        &spec,
+        "--mode",
+        "interrupt",
+        "--max-in-flight-per-volume",
+        "2",
+        "--rpc-socket",
+        sock.to_str().expect("utf-8 path"),
+    ]);
+    let out = Command::new("fio")
+        .args([
+            "--name=cap",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol", server.addr()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--numjobs=2",
+            "--size=8M",
+            "--offset_increment=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .output()
+        .expect("run fio");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout[stdout.find('{').expect("fio JSON")..]).expect("fio JSON");
+    let jobs = json["jobs"].as_array().expect("fio jobs");
+    assert_eq!(jobs.len(), 2, "{json}");
+    for job in jobs {
+        assert_eq!(job["error"], 0, "fio error: {job}");
+        assert!(
+            job["read"]["total_ios"].as_u64().unwrap_or(0) >= 2048,
+            "verify reads ran: {job}"
+        );
+    }
+    let deadline = std::time::Instant::now() + common::IO_TIMEOUT;
+    let stats = loop {
+        let stats = common::rpc(&sock, "volume_get_stats", r#"{"name":"vol"}"#);
+        if stats["connections"] == 0 || std::time::Instant::now() > deadline {
+            break stats;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(
+        stats["in_flight_waits"].as_u64().unwrap_or(0) > 0,
+        "the cap of 2 was never reached at depth 16: {stats}"
+    );
+    assert_eq!(stats["in_flight"], 0, "{stats}");
+    assert_eq!(stats["connections"], 0, "{stats}");
+    server.assert_healthy();
 }

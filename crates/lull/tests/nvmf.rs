@@ -119,6 +119,69 @@ fn spdk_identify_sees_the_controller_and_the_volume() {
     server.assert_logged("controller removed");
 }
 
+/// NVMe/TCP I/O queues count against the volume's connection cap
+/// (`--max-connections-per-volume`) as NBD connections do: with the one
+/// place held by an NBD client, perf's I/O queue Connect is refused
+/// (Controller Busy, with a log line) while the admin queue still
+/// identifies; once the NBD client goes, perf runs.
+#[test]
+fn io_queues_count_against_the_per_volume_connection_cap() {
+    let Some(tools) = spdk_tools("io_queues_count_against_the_per_volume_connection_cap") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = common::Scratch::new("nvmf-connection-cap");
+    let sock = dir.join("rpc.sock");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:64M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--max-connections-per-volume",
+        "1",
+        "--rpc-socket",
+        sock.to_str().expect("utf-8 path"),
+    ]);
+    let addr = server.nvmf_addr().expect("NVMe/TCP address");
+    let nbd = NbdClient::connect(server.addr(), VOLUME).expect("the NBD client takes the place");
+    let args = perf_args(&trid(addr), "randread", 1, 4096, 1, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out) = spdk_run(&tools, "spdk_nvme_perf", &args);
+    assert!(
+        !ok && !out.lines().any(|l| l.starts_with("Total")),
+        "perf ran past the volume's connection cap:\n{out}"
+    );
+    assert!(
+        server.wait_for_log(
+            "Connect refused: the volume has its maximum of connections",
+            IO_TIMEOUT
+        ),
+        "no log line for the refused I/O queue:\n{}",
+        server.stderr()
+    );
+    let id = spdk(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &trid(addr)],
+    );
+    assert!(id.contains("Namespace ID:1"), "identify:\n{id}");
+    nbd.disconnect();
+    let deadline = std::time::Instant::now() + IO_TIMEOUT;
+    let stats = || {
+        common::rpc(
+            &sock,
+            "volume_get_stats",
+            &format!(r#"{{"name":"{VOLUME}"}}"#),
+        )
+    };
+    while stats()["connections"] != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let total = perf(&tools, addr, "randread", 1, 4096, &[]);
+    eprintln!("lull nvmf randread QD1 once the place was free: {total}");
+    server.assert_healthy();
+}
+
 #[test]
 fn spdk_identify_reads_the_discovery_log() {
     let Some(tools) = spdk_tools("spdk_identify_reads_the_discovery_log") else {
@@ -740,6 +803,148 @@ fn a_host_not_on_the_allowlist_is_refused() {
     server.assert_healthy();
 }
 
+/// A volume created over JSON-RPC with nvmf_nqn, nvmf_lba=4096 and
+/// nvmf_allow_hosts is served with them (spdk_nvme_identify); bad
+/// options are refused with a message; deleting the volume forgets them,
+/// so one created again under its name gets the defaults.
+#[test]
+fn an_rpc_created_volume_is_served_with_its_nvmf_options() {
+    let Some(tools) = spdk_tools("an_rpc_created_volume_is_served_with_its_nvmf_options") else {
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let sock = PathBuf::from(format!("/tmp/lull-t-{}-nvmf-opts.sock", std::process::id()));
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:16M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let rpc = |method: &str, params: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["rpc", "-s"])
+            .arg(&sock)
+            .args([method, params])
+            .output()
+            .expect("run lull rpc");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let nqn = "nqn.2026-11.test:r4k";
+    let good = "nqn.2026-11.test:good-host";
+    for (params, why) in [
+        (
+            format!(
+                r#"{{"name": "r4k", "size": "16M", "nvmf_nqn": "{}"}}"#,
+                lull_nvmf::subsystem_nqn(VOLUME)
+            ),
+            "already served",
+        ),
+        (
+            r#"{"name": "r4k", "size": 16777728, "nvmf_lba": 4096}"#.to_string(),
+            "not a multiple",
+        ),
+        (
+            r#"{"name": "r4k", "size": "16M", "nvmf_nqn": "iqn.2026-11.test:x"}"#.to_string(),
+            "NQN",
+        ),
+        (
+            r#"{"name": "r4k", "size": "16M", "nvmf_allow_hosts": ["host"]}"#.to_string(),
+            "allowed host",
+        ),
+        (
+            r#"{"name": "r4k", "size": "16M", "nvmf_lba": 1024}"#.to_string(),
+            "512 or 4096",
+        ),
+    ] {
+        let (ok, out) = rpc("volume_create", &params);
+        assert!(!ok && out.contains(why), "{params}: {out}");
+    }
+    let (ok, out) = rpc(
+        "volume_create",
+        &format!(r#"{{"name": "r4k", "size": "16M", "nvmf_nqn": "{nqn}", "nvmf_lba": 4096}}"#),
+    );
+    assert!(ok, "volume_create: {out}");
+    let identify = |tr: &str| {
+        spdk_run(
+            &tools,
+            "spdk_nvme_identify",
+            &["--no-huge", "-d", "256", "-r", tr],
+        )
+    };
+    let (ok, out) = identify(&trid_of(addr, nqn));
+    assert!(ok, "identify:\n{out}");
+    for want in [
+        format!("Subsystem NQN:                         {nqn}"),
+        format!(
+            "Size (in LBAs):                        {} ",
+            (16u64 << 20) / 4096
+        ),
+        "LBA Format #00: Data Size:  4096".to_string(),
+    ] {
+        assert!(out.contains(&want), "identify lacks {want:?}:\n{out}");
+    }
+    // An allowlist: spdk_nvme_identify takes no host NQN (it makes up
+    // one), so perf, which does, attaches as each host.
+    let guarded = "nqn.2026-11.test:guarded";
+    let (ok, out) = rpc(
+        "volume_create",
+        &format!(
+            r#"{{"name": "guarded", "size": "16M", "nvmf_nqn": "{guarded}", "nvmf_allow_hosts": ["{good}"]}}"#
+        ),
+    );
+    assert!(ok, "volume_create: {out}");
+    let tr = trid_of(addr, guarded);
+    let args = perf_args(&tr, "randread", 1, 4096, 1, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_, out) = spdk_run(&tools, "spdk_nvme_perf", &args);
+    assert!(
+        out.contains("No valid NVMe controllers found") && !out.contains("Total"),
+        "a host not on the allowlist attached:\n{out}"
+    );
+    server.assert_logged("Connect refused: host not on the subsystem's allowlist");
+    let total = perf_on(
+        &tools,
+        &format!("{tr} hostnqn:{good}"),
+        "randread",
+        1,
+        4096,
+        1,
+        &[],
+    );
+    eprintln!("lull nvmf RPC-created allowlisted volume: {total}");
+
+    // Deleted and created again without options: the defaults.
+    let (ok, out) = rpc("volume_delete", r#"{"name": "r4k"}"#);
+    assert!(ok, "volume_delete: {out}");
+    let (ok, out) = rpc("volume_create", r#"{"name": "r4k", "size": "16M"}"#);
+    assert!(ok, "volume_create again: {out}");
+    let (ok, out) = identify(&trid_of(addr, &lull_nvmf::subsystem_nqn("r4k")));
+    assert!(ok, "identify the default NQN:\n{out}");
+    for want in [
+        format!(
+            "Size (in LBAs):                        {} ",
+            (16u64 << 20) / 512
+        ),
+        "LBA Format #00: Data Size:   512".to_string(),
+    ] {
+        assert!(out.contains(&want), "identify lacks {want:?}:\n{out}");
+    }
+    let (_, out) = identify(&format!("{} hostnqn:{good}", trid_of(addr, nqn)));
+    assert!(
+        !out.contains("Size (in LBAs)"),
+        "the forgotten NQN still serves:\n{out}"
+    );
+    server.assert_healthy();
+}
+
 /// Read PDUs until the target closes; returns their types.
 fn read_until_closed(sock: &mut TcpStream) -> Vec<u8> {
     let mut bytes = Vec::new();
@@ -820,6 +1025,27 @@ impl RawHost {
         d[256..256 + nqn.len()].copy_from_slice(nqn.as_bytes());
         d[512..521].copy_from_slice(b"nqn.raw.1");
         self.command(sqe, &d)
+    }
+
+    /// Send a command that reads `len` bytes (transport SGL) and read
+    /// the C2HData PDU and the CapsuleResp: (status field, data).
+    fn read_command(&mut self, mut sqe: [u8; 64], len: u32) -> (u16, Vec<u8>) {
+        sqe[32..36].copy_from_slice(&len.to_le_bytes());
+        sqe[39] = 0x5A; // transport SGL data block
+        let bytes = pdu::encode(&Pdu::CapsuleCmd { sqe, data: &[] }, Digests::default());
+        self.sock.write_all(&bytes).expect("send a command");
+        let mut head = [0u8; 24];
+        self.sock.read_exact(&mut head).expect("a response");
+        if head[0] == pdu::TYPE_CAPSULE_RESP {
+            return (u16::from_le_bytes([head[22], head[23]]), Vec::new());
+        }
+        assert_eq!(head[0], pdu::TYPE_C2H_DATA);
+        let mut data = vec![0u8; len as usize];
+        self.sock.read_exact(&mut data).expect("the data");
+        let mut resp = [0u8; 24];
+        self.sock.read_exact(&mut resp).expect("CapsuleResp");
+        assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+        (u16::from_le_bytes([resp[22], resp[23]]), data)
     }
 
     fn enable(&mut self) {
@@ -954,6 +1180,186 @@ fn a_volume_deleted_over_rpc_completes_the_async_event_request() {
         lull_nvmf::spec::Status::INVALID_NAMESPACE.field()
     );
     server.assert_logged("asynchronous event: namespace attribute changed");
+    server.assert_healthy();
+}
+
+/// A volume grown over JSON-RPC while a host is connected: the host's
+/// held Asynchronous Event Request completes (namespace attribute
+/// changed), log page 04h names namespace 1, Identify Namespace reports
+/// the new NSZE/NCAP/NUSE, and the I/O queue connected before the grow
+/// writes and reads across the old end. SPDK's tools hold no AER open,
+/// so that part is a raw host, as for delete; then SPDK's initiator, on
+/// new connections, identifies the new size and copies data across the
+/// old end with spdk_dd, and NBD reads the same bytes.
+#[test]
+fn a_volume_grown_over_rpc_is_seen_by_connected_and_new_hosts() {
+    const OLD_BYTES: u64 = 16 << 20;
+    const NEW_BYTES: u64 = 40 << 20;
+    let sock = PathBuf::from(format!("/tmp/lull-t-{}-nvmf-grow.sock", std::process::id()));
+    let mut server = Server::start(&[
+        "--mode",
+        "interrupt",
+        "--volume",
+        &format!("{VOLUME}:16M"),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 0);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut io = RawHost::connect(addr);
+    assert_eq!(io.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    let aec = raw_sqe(0x09, 3, 0, &[(10, 0x0B), (11, 1 << 8)]);
+    assert_eq!(admin.command(aec, &[]).0, 0);
+    let old_blocks = OLD_BYTES / 512;
+    let new_blocks = NEW_BYTES / 512;
+    let nsze = |admin: &mut RawHost, cid| {
+        let (status, id) = admin.read_command(raw_sqe(0x06, cid, 1, &[(10, 0)]), 4096);
+        assert_eq!(status, 0, "Identify Namespace");
+        [0, 8, 16].map(|at| u64::from_le_bytes(id[at..at + 8].try_into().unwrap()))
+    };
+    assert_eq!(nsze(&mut admin, 4), [old_blocks; 3]);
+    // 8 KiB across the old end: out of range before the grow.
+    let across = old_blocks - 8;
+    let data = pattern(21, 8192);
+    let write = raw_sqe(
+        0x01,
+        5,
+        1,
+        &[(10, across as u32), (11, (across >> 32) as u32), (12, 15)],
+    );
+    let mut write_in_capsule = write;
+    write_in_capsule[32..36].copy_from_slice(&8192u32.to_le_bytes());
+    write_in_capsule[39] = 0x01; // in-capsule data
+    assert_eq!(
+        io.command(write_in_capsule, &data).0,
+        lull_nvmf::spec::Status::LBA_OUT_OF_RANGE.field()
+    );
+    let aer = pdu::encode(
+        &Pdu::CapsuleCmd {
+            sqe: raw_sqe(0x0C, 7, 0, &[]),
+            data: &[],
+        },
+        Digests::default(),
+    );
+    admin.sock.write_all(&aer).expect("send the AER");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "-s"])
+        .arg(&sock)
+        .args([
+            "volume_resize",
+            &format!(r#"{{"name": "{VOLUME}", "size": {NEW_BYTES}}}"#),
+        ])
+        .output()
+        .expect("run lull rpc");
+    assert!(out.status.success(), "volume_resize: {out:?}");
+
+    let mut resp = [0u8; 24];
+    admin
+        .sock
+        .read_exact(&mut resp)
+        .expect("the AER completes when the volume grows");
+    assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+    assert_eq!(u16::from_le_bytes([resp[20], resp[21]]), 7, "the AER's CID");
+    assert_eq!(u16::from_le_bytes([resp[22], resp[23]]), 0, "success");
+    assert_eq!(
+        u32::from_le_bytes(resp[8..12].try_into().unwrap()),
+        0x0004_0002,
+        "Notice, Namespace Attribute Changed, log page 04h"
+    );
+    let glp = raw_sqe(0x02, 8, 0xFFFF_FFFF, &[(10, (255 << 16) | 0x04)]);
+    let (status, page) = admin.read_command(glp, 1024);
+    assert_eq!(status, 0);
+    assert_eq!(u32::from_le_bytes(page[..4].try_into().unwrap()), 1);
+    assert!(page[4..].iter().all(|&b| b == 0));
+    assert_eq!(nsze(&mut admin, 9), [new_blocks; 3]);
+    // The I/O queue from before the grow: across the old end, the last
+    // LBA, and not one past it.
+    assert_eq!(io.command(write_in_capsule, &data).0, 0, "write across");
+    let read = |lba: u64, cid| {
+        raw_sqe(
+            0x02,
+            cid,
+            1,
+            &[(10, lba as u32), (11, (lba >> 32) as u32), (12, 15)],
+        )
+    };
+    let (status, back) = io.read_command(read(across, 10), 8192);
+    assert_eq!(status, 0);
+    assert!(back == data, "read back across the old end");
+    let (status, tail) = io.read_command(read(new_blocks - 16, 11), 8192);
+    assert_eq!(status, 0);
+    assert!(tail.iter().all(|&b| b == 0), "the new tail reads as zeros");
+    let (status, _) = io.read_command(read(new_blocks - 15, 12), 8192);
+    assert_eq!(status, lull_nvmf::spec::Status::LBA_OUT_OF_RANGE.field());
+    server.assert_logged("namespace 1 changed (volume grown)");
+    server.assert_logged("asynchronous event: namespace attribute changed");
+
+    // SPDK's initiator, new connections: identify, and spdk_dd across the
+    // old end (1 MiB from 512 KiB before it); NBD reads the same bytes.
+    let Some(tools) = spdk_tools("a_volume_grown_over_rpc_is_seen_by_connected_and_new_hosts (SPDK part; the raw-host part above ran)") else {
+        server.assert_healthy();
+        return;
+    };
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let out = spdk(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &trid(addr)],
+    );
+    let want = format!("Size (in LBAs):                        {new_blocks} ");
+    assert!(out.contains(&want), "identify lacks {want:?}:\n{out}");
+    let dir = Scratch::new("grow");
+    let config = dd_config(dir.0.as_path(), addr, &lull_nvmf::subsystem_nqn(VOLUME));
+    let input = dir.0.as_path().join("in.bin");
+    let output = dir.0.as_path().join("out.bin");
+    let bytes = 1usize << 20;
+    let bs = 128u64 << 10;
+    let start = OLD_BYTES - (512 << 10);
+    let seek = (start / bs).to_string();
+    let block = pattern(22, bytes);
+    std::fs::write(&input, &block).expect("write the input");
+    let common_args = [
+        "--no-huge",
+        "-s",
+        "1024",
+        "--json",
+        config.to_str().unwrap(),
+    ];
+    let mut args = common_args.to_vec();
+    args.extend_from_slice(&["--if", input.to_str().unwrap(), "--ob", "N0n1", "--bs"]);
+    let bs_text = bs.to_string();
+    args.extend_from_slice(&[&bs_text, "--seek", &seek]);
+    spdk(&tools, "spdk_dd", &args);
+    let count = (bytes as u64 / bs).to_string();
+    let mut args = common_args.to_vec();
+    args.extend_from_slice(&["--ib", "N0n1", "--of", output.to_str().unwrap(), "--bs"]);
+    args.extend_from_slice(&[&bs_text, "--skip", &seek, "--count", &count]);
+    spdk(&tools, "spdk_dd", &args);
+    let back = std::fs::read(&output).expect("read the dd output");
+    assert!(
+        back == block,
+        "spdk_dd read back other bytes across the old end"
+    );
+    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
+    assert_eq!(
+        nbd.size_bytes, NEW_BYTES,
+        "a new NBD connection sees the new size"
+    );
+    let seen = nbd
+        .read(start + (256 << 10), 512 << 10)
+        .expect("NBD read")
+        .expect("NBD read ok");
+    assert!(
+        seen[..] == block[256 << 10..768 << 10],
+        "NBD reads what SPDK wrote across the old end"
+    );
+    nbd.disconnect();
     server.assert_healthy();
 }
 

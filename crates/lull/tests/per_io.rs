@@ -191,23 +191,6 @@ fn process_faults(pid: u32) -> u64 {
     fields[7].parse::<u64>().expect("minflt") + fields[9].parse::<u64>().expect("majflt")
 }
 
-fn rpc(server_dir: &Path, sock: &Path, method: &str, params: &str) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "--socket"])
-        .arg(sock)
-        .arg(method)
-        .args((!params.is_empty()).then_some(params))
-        .current_dir(server_dir)
-        .output()
-        .expect("run lull rpc");
-    assert!(
-        out.status.success(),
-        "lull rpc {method} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("rpc JSON")
-}
-
 #[test]
 fn steady_state_direct_file_volume_takes_no_page_faults() {
     require("fio", "fio");
@@ -216,7 +199,7 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     let spec = format!("vol:64M:file={},direct", dir.join("f.img").display());
     let mut server = Server::start(&["--volume", &spec, "--rpc-socket", sock.to_str().unwrap()]);
     let pid = server.pid();
-    let reactors_before = rpc(&dir, &sock, "framework_get_reactors", "");
+    let reactors_before = common::rpc(&sock, "framework_get_reactors", "");
     let fio = Command::new("fio")
         .args([
             "--name=steady",
@@ -266,7 +249,7 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     };
     // Reactors publish their counters every 50 ms.
     std::thread::sleep(Duration::from_millis(200));
-    let reactors_after = rpc(&dir, &sock, "framework_get_reactors", "");
+    let reactors_after = common::rpc(&sock, "framework_get_reactors", "");
     assert!(
         enters(&reactors_after) > enters(&reactors_before),
         "no io_uring_enter counted on any reactor: {reactors_after}"
@@ -281,7 +264,7 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
         faults_counted > 0,
         "a reactor thread takes some faults at start"
     );
-    let stats = rpc(&dir, &sock, "volume_get_stats", r#"{"name":"vol"}"#);
+    let stats = common::rpc(&sock, "volume_get_stats", r#"{"name":"vol"}"#);
     let vol_enters = stats["io_uring_enters"]
         .as_u64()
         .expect("file volume counts enters");

@@ -432,3 +432,106 @@ fn config_file_serves_its_volumes() {
     );
     server.assert_healthy();
 }
+
+/// `lull rpc METHOD PARAMS` against `sock`: (exit success, stdout + stderr).
+fn lull_rpc(sock: &Path, method: &str, params: &str) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "-s"])
+        .arg(sock)
+        .args([method, params])
+        .output()
+        .expect("run lull rpc");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A memory and a file volume grown over RPC while an NBD client is
+/// connected: new connections (nbdinfo, qemu-io) see the new size and
+/// write and read the new tail; the connection from before keeps the size
+/// it negotiated (NBD has no resize notice), so a request past its old
+/// end is refused and one inside still works; shrinking, odd sizes and
+/// replicated volumes are refused with a message.
+#[test]
+fn a_volume_grown_over_rpc_shows_its_new_size_to_new_nbd_connections() {
+    require("nbdinfo", "libnbd-bin");
+    require("qemu-io", "qemu-utils");
+    let dir = tempdir("grow");
+    let img = dir.join("g.img");
+    let sock = std::path::PathBuf::from(format!("/tmp/lull-t-{}-grow.sock", std::process::id()));
+    let mut server = Server::start(&[
+        "--volume",
+        "mem:8M",
+        "--volume",
+        &format!("file:8M:file={},direct", img.display()),
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    for (volume, new_size) in [("mem", "24M"), ("file", "20M")] {
+        let new_bytes = lull_bdev::parse_size_bytes(new_size).unwrap();
+        let old_bytes = 8u64 << 20;
+        let mut before = common::NbdClient::connect(server.addr(), volume).expect("connect");
+        assert_eq!(before.size_bytes, old_bytes);
+        let (ok, out) = lull_rpc(
+            &sock,
+            "volume_resize",
+            &format!(r#"{{"name": "{volume}", "size": "{new_size}"}}"#),
+        );
+        assert!(ok, "volume_resize {volume}: {out}");
+        let reply: serde_json::Value = serde_json::from_str(&out).expect("JSON result");
+        assert_eq!(reply["size_bytes"].as_u64(), Some(new_bytes), "{out}");
+
+        let out = run(Command::new("nbdinfo").args(["--size", &uri(&server, volume)]));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            new_bytes.to_string(),
+            "{volume}: a new connection sees the new size"
+        );
+        // The new tail, across the old end and at the very end.
+        let across = old_bytes - 4096;
+        let tail = new_bytes - 65536;
+        qemu_io(
+            &server,
+            volume,
+            &[
+                format!("write -P 0xab {across} 8192"),
+                format!("write -P 0xcd {tail} 65536"),
+                format!("read -P 0xab {across} 8192"),
+                format!("read -P 0xcd {tail} 65536"),
+                format!("read -P 0 {} 4096", old_bytes + 8192),
+            ],
+        );
+        // The connection from before keeps its negotiated size.
+        let cookie = before
+            .send(lull_proto::nbd::Command::Read, 0, old_bytes, 4096, &[])
+            .expect("send");
+        assert_eq!(
+            before.reply_to(cookie).expect("reply"),
+            lull_proto::nbd::NBD_EINVAL,
+            "{volume}: past the size this connection negotiated"
+        );
+        assert_eq!(
+            before.read(across, 4096).expect("read").expect("inside"),
+            vec![0xab; 4096]
+        );
+        before.disconnect();
+    }
+    // The file grew with it (sparse).
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 20 << 20);
+    for (params, want) in [
+        (r#"{"name": "mem", "size": "16M"}"#, "cannot shrink"),
+        (r#"{"name": "mem", "size": 33554944}"#, "multiple of 4096"),
+        (r#"{"name": "mem", "size": "32T"}"#, "maximum"),
+        (r#"{"name": "nope", "size": "32M"}"#, "no volume"),
+    ] {
+        let (ok, out) = lull_rpc(&sock, "volume_resize", params);
+        assert!(!ok && out.contains(want), "{params}: {out}");
+    }
+    let out = run(Command::new("nbdinfo").args(["--size", &uri(&server, "mem")]));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "25165824");
+    server.assert_logged("volume grown over RPC");
+    server.assert_healthy();
+}

@@ -411,6 +411,44 @@ fn replicated_volume_refusals_come_in_the_handshake() {
     server.assert_healthy();
 }
 
+/// `volume_resize` refuses a replicated volume with a clear message (its
+/// replicas would have to grow together) and leaves it serving at its
+/// size.
+#[test]
+fn resizing_a_replicated_volume_is_refused() {
+    let (a, b) = (free_port(), free_port());
+    let _ra = Replica::start(a, &scratch("resize-a"));
+    let _rb = Replica::start(b, &scratch("resize-b"));
+    let sock = PathBuf::from(format!(
+        "/tmp/lull-t-{}-repl-resize.sock",
+        std::process::id()
+    ));
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &spec("vol0", &[a, b]),
+        "--rpc-socket",
+        sock.to_str().unwrap(),
+    ]);
+    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "-s"])
+        .arg(&sock)
+        .args(["volume_resize", r#"{"name": "vol0", "size": "1G"}"#])
+        .output()
+        .expect("run lull rpc");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a replicated volume was resized");
+    assert!(
+        err.contains("resize of replicated volumes is not supported yet"),
+        "{err}"
+    );
+    let c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+    assert_eq!(c.size_bytes, VOLUME_BYTES);
+    c.disconnect();
+    server.assert_healthy();
+}
+
 #[test]
 fn all_replicas_down_is_eio_then_flushed_data_is_back() {
     let (a, b) = (free_port(), free_port());

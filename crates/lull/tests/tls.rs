@@ -567,3 +567,92 @@ fn a_client_that_stops_mid_tls_handshake_is_closed_at_the_handshake_deadline() {
     assert!(server.wait_for_log("handshake timed out", Duration::from_secs(5)));
     server.assert_healthy();
 }
+
+/// The rest of nbd_bad_input.rs's request cases inside TLS: unknown
+/// commands and flags get EINVAL, over-long lengths are drained and
+/// refused (or, past what can be drained, closed), and a client that
+/// vanishes in the middle of a write payload writes nothing.
+#[test]
+fn bad_requests_inside_tls_get_the_same_answers() {
+    let scratch = Scratch::new("badreq");
+    let keys = scratch.psk("server", "alice", KEY_HEX);
+    let mut server = Server::start(&["--volume", "vol0:64M", "--tls-psk", keys.to_str().unwrap()]);
+    let addr = server.addr();
+    let mut tls = tls_transmission(addr, &keys);
+    let before = common::pattern(4, 4096);
+    tls.write_all(&request(Cmd::Write, 1, 0, 4096)).unwrap();
+    tls.write_all(&before).unwrap();
+    assert_eq!(simple_reply(&mut tls), (0, 1));
+
+    // An unknown command, a command lull does not advertise, and an
+    // undefined flag on a read: EINVAL each, no data follows.
+    tls.write_all(&request(Cmd::Unknown(0x55), 2, 0, 4096))
+        .unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 2));
+    tls.write_all(&request(
+        Cmd::Unknown(nbd::NBD_CMD_BLOCK_STATUS),
+        3,
+        0,
+        4096,
+    ))
+    .unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 3));
+    let mut flagged = request(Cmd::Read, 4, 0, 4096);
+    flagged[4..6].copy_from_slice(&(1u16 << 15).to_be_bytes());
+    tls.write_all(&flagged).unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 4));
+
+    // A 33 MiB write with its whole payload: drained, then EINVAL; the
+    // volume is unchanged.
+    let over = nbd::MAX_PAYLOAD_BYTES + (1 << 20);
+    tls.write_all(&request(Cmd::Write, 5, 0, over)).unwrap();
+    tls.write_all(&vec![0xee; over as usize]).unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 5));
+    // 64 MiB and zero-length reads: EINVAL, no data.
+    tls.write_all(&request(Cmd::Read, 6, 0, 64 << 20)).unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 6));
+    tls.write_all(&request(Cmd::Read, 7, 0, 0)).unwrap();
+    assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 7));
+    // The session is still in sync.
+    tls.write_all(&request(Cmd::Read, 8, 0, 4096)).unwrap();
+    assert_eq!(simple_reply(&mut tls), (0, 8));
+    let mut back = vec![0u8; 4096];
+    tls.read_exact(&mut back).unwrap();
+    assert!(back == before, "a refused write changed the volume");
+
+    // A 4 GiB write cannot be drained: closed, with a log line.
+    tls.write_all(&request(Cmd::Write, 9, 0, u32::MAX)).unwrap();
+    let _ = tls.write_all(&[0xee; 4096]);
+    wait_closed(&mut tls).expect("closed after a 4 GiB write");
+    assert!(
+        server.wait_for_log("too large to drain", common::IO_TIMEOUT),
+        "no log line for the 4 GiB write:\n{}",
+        server.stderr()
+    );
+
+    // Vanishing in the middle of a 1 MiB write payload writes nothing.
+    let (offset, length) = (1u64 << 20, 1u32 << 20);
+    let mut tls = tls_transmission(addr, &keys);
+    tls.write_all(&request(Cmd::Write, 10, offset, length))
+        .unwrap();
+    tls.write_all(&[0xee; 1000]).unwrap();
+    drop(tls);
+    assert!(
+        server.wait_for_log("in the middle of a write payload", common::IO_TIMEOUT),
+        "no log line for the half-sent write:\n{}",
+        server.stderr()
+    );
+    let mut tls = tls_transmission(addr, &keys);
+    tls.write_all(&request(Cmd::Read, 11, offset, length))
+        .unwrap();
+    assert_eq!(simple_reply(&mut tls), (0, 11));
+    let mut back = vec![0u8; length as usize];
+    tls.read_exact(&mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "a write without its full payload reached the volume"
+    );
+    drop(tls);
+    assert_good_tls_client_works(addr, &keys, 4 << 20);
+    server.assert_healthy();
+}

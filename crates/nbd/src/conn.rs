@@ -187,7 +187,14 @@ impl wire::Protocol for Conn {
 
     fn completions_polled(&self) -> bool {
         match &self.phase {
-            Phase::Transmission { channel, .. } => channel.polled() && channel.in_flight() > 0,
+            // A held request with nothing of ours in flight waits for the
+            // volume's other connections (its in-flight cap, see
+            // `lull_volume::VolumeChannel`): no completion of ours will
+            // wake us, so poll until there is room.
+            Phase::Transmission { channel, .. } => {
+                (channel.polled() && channel.in_flight() > 0)
+                    || (self.retry.is_some() && channel.in_flight() == 0)
+            }
             Phase::Handshake(_) => false,
         }
     }

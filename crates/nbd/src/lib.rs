@@ -34,7 +34,7 @@ use lull_net::server::{self, Acceptor, Connections, Limits};
 use lull_net::tls::TlsContext;
 use lull_proto::nbd::{self, ExportInfo, Exports, TlsPolicy};
 use lull_reactor::{FrameworkHandle, ReactorError};
-use lull_volume::{ConnPermit, Volume, Volumes};
+use lull_volume::{ConnPermit, Volume, VolumeLimits, Volumes};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 
@@ -92,7 +92,7 @@ pub enum NbdError {
 /// `admitted` for the connection.
 pub(crate) struct ExportList<'a> {
     list: Vec<Arc<Volume>>,
-    max_per_volume: usize,
+    limits: VolumeLimits,
     peer: &'a str,
     pub(crate) admitted: std::cell::RefCell<Option<Admitted>>,
 }
@@ -108,7 +108,7 @@ impl<'a> ExportList<'a> {
     pub(crate) fn of(volumes: &Volumes, peer: &'a str) -> ExportList<'a> {
         ExportList {
             list: volumes.list(),
-            max_per_volume: volumes.max_connections_per_volume(),
+            limits: volumes.limits(),
             peer,
             admitted: std::cell::RefCell::new(None),
         }
@@ -132,15 +132,16 @@ impl Exports for ExportList<'_> {
         let Some(volume) = self.find(name) else {
             return Err("unknown export".into());
         };
-        let Some(permit) = volume.try_connect(self.max_per_volume) else {
-            tracing::warn!(peer = %self.peer, export = %volume.name, limit = self.max_per_volume,
+        let max = self.limits.connections;
+        let Some(permit) = volume.try_connect(max) else {
+            tracing::warn!(peer = %self.peer, export = %volume.name, limit = max,
                 "refused a connection: the volume has its maximum of connections");
             return Err(format!(
-                "export {:?} already has its maximum of {} connections",
-                volume.name, self.max_per_volume
+                "export {:?} already has its maximum of {max} connections",
+                volume.name
             ));
         };
-        let channel = volume.dev().open_channel().map_err(|e| {
+        let channel = volume.open_channel(self.limits.in_flight).map_err(|e| {
             tracing::error!(peer = %self.peer, export = %volume.name, error = %e,
                 "refused a connection: cannot open a device channel");
             format!("export {:?} cannot take a connection now: {e}", volume.name)

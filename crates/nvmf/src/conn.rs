@@ -26,7 +26,7 @@ use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Wire};
 use lull_net::{bufs, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
-use lull_volume::{OpKind, Volume};
+use lull_volume::{ConnPermit, OpKind, Volume};
 
 use crate::limits::*;
 use crate::pdu::{self, DataHeader, Digests, IcResp, Pdu, PduError};
@@ -57,8 +57,20 @@ struct Cmd {
 struct Namespace {
     volume: Arc<Volume>,
     channel: Box<dyn Channel>,
-    blocks: u64,
+    /// This I/O queue's place on the volume: NVMe/TCP I/O queues count
+    /// against the volume's connection cap as NBD connections do.
+    _permit: ConnPermit,
     lba_shift: u8,
+}
+
+impl Namespace {
+    /// The namespace's size in LBAs, read from the volume on every check
+    /// (an atomic load): a volume grown while the queue is connected
+    /// takes I/O in its new range at once, and since a volume never
+    /// shrinks, a command checked against an older size stays in range.
+    fn blocks(&self) -> u64 {
+        self.volume.dev().size_bytes() >> self.lba_shift
+    }
 }
 
 /// A connected queue.
@@ -262,8 +274,12 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
 
     fn completions_polled(&self) -> bool {
         match &self.phase {
+            // A held request with nothing of ours in flight waits for the
+            // volume's other connections (its in-flight cap, see
+            // `lull_volume::VolumeChannel`): poll until there is room.
             Phase::Connected(Queue { ns: Some(ns), .. }) => {
-                ns.channel.polled() && ns.channel.in_flight() > 0
+                (ns.channel.polled() && ns.channel.in_flight() > 0)
+                    || (self.retry.is_some() && ns.channel.in_flight() == 0)
             }
             _ => false,
         }
@@ -918,7 +934,13 @@ impl<S: Read + Write> Conn<S> {
             c
         };
         let ns = if let (true, Some(volume)) = (qid > 0, &volume) {
-            let channel = match volume.dev().open_channel() {
+            let limits = self.shared.volumes.limits();
+            let Some(permit) = volume.try_connect(limits.connections) else {
+                tracing::warn!(peer = %peer, volume = %volume.name, limit = limits.connections, qid,
+                    "Connect refused: the volume has its maximum of connections");
+                return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+            };
+            let channel = match volume.open_channel(limits.in_flight) {
                 Ok(ch) => ch,
                 Err(e) => {
                     tracing::error!(peer = %peer, volume = %volume.name, error = %e, "cannot open a device channel");
@@ -927,9 +949,9 @@ impl<S: Read + Write> Conn<S> {
             };
             let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
-                blocks: volume.dev().size_bytes() >> lba_shift,
                 lba_shift,
                 channel,
+                _permit: permit,
                 volume: volume.clone(),
             })
         } else {
@@ -1063,7 +1085,7 @@ impl<S: Read + Write> Conn<S> {
                 }
                 let (slba, nlb) = lba_range(sqe);
                 match slba.checked_add(nlb) {
-                    Some(end) if end <= ns.blocks => {}
+                    Some(end) if end <= ns.blocks() => {}
                     _ => return Err(Status::LBA_OUT_OF_RANGE),
                 }
                 if sqe.opcode() != spec::NVM_WRITE_ZEROES {
@@ -1159,11 +1181,12 @@ impl<S: Read + Write> Conn<S> {
         let raw = &data.as_slice()[..data.len()];
         let mut trims = Vec::with_capacity(n);
         let mut bad = None;
+        let blocks = ns.blocks();
         for r in raw.chunks_exact(spec::DSM_RANGE_BYTES).take(n) {
             let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
             let slba = u64::from_le_bytes(r[8..16].try_into().unwrap_or([0xFF; 8]));
             match slba.checked_add(nlb) {
-                Some(end) if end <= ns.blocks => {}
+                Some(end) if end <= blocks => {}
                 _ => {
                     bad = Some(Status::LBA_OUT_OF_RANGE);
                     break;
@@ -1331,10 +1354,14 @@ fn bdev_status(e: &BdevError) -> Status {
         // A replicated volume with no healthy replica fails with Failed;
         // the host may retry once one is back.
         BdevError::Failed(_) => Status::NAMESPACE_NOT_READY,
-        // OptionRefused happens only at open, never on an I/O.
-        BdevError::Full { .. } | BdevError::Io(_) | BdevError::OptionRefused { .. } => {
-            Status::INTERNAL_ERROR
-        }
+        // OptionRefused happens only at open, the resize refusals only
+        // on the control path, never on an I/O.
+        BdevError::Full { .. }
+        | BdevError::Io(_)
+        | BdevError::OptionRefused { .. }
+        | BdevError::Shrink { .. }
+        | BdevError::TooLarge { .. }
+        | BdevError::ResizeUnaligned { .. } => Status::INTERNAL_ERROR,
     }
 }
 

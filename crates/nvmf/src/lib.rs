@@ -51,8 +51,8 @@ pub const LBA_SHIFT: u8 = 9;
 pub const LBA_SHIFT_4K: u8 = 12;
 
 /// How one volume is served, where it differs from the defaults. Volumes
-/// without options (and those created later over RPC) get the default
-/// NQN, 512-byte LBAs and any host.
+/// without options get the default NQN, 512-byte LBAs and any host;
+/// volumes created over RPC may bring theirs ([`Subsystems::set`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubsystemOptions {
     /// The subsystem's NQN; `None`: [`subsystem_nqn`] of the volume.
@@ -85,6 +85,52 @@ pub enum NvmfError {
     Reactor(#[from] ReactorError),
 }
 
+/// What the target itself requires of a volume's options (the config
+/// crate checks NQN syntax and sizes before).
+pub(crate) fn check_options(volume: &str, o: &SubsystemOptions) -> Result<(), NvmfError> {
+    if o.lba_shift != LBA_SHIFT && o.lba_shift != LBA_SHIFT_4K {
+        return Err(NvmfError::Options(format!(
+            "volume {volume:?}: LBA size 2^{}: 512 or 4096 only",
+            o.lba_shift
+        )));
+    }
+    Ok(())
+}
+
+/// The target's per-volume options, for the control plane: a volume
+/// created over RPC gets its NQN, LBA size and host allowlist here
+/// before it is added to the registry; a deleted volume's are forgotten
+/// by the target itself.
+#[derive(Clone)]
+pub struct Subsystems {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Subsystems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Subsystems({})", self.shared.listen)
+    }
+}
+
+impl Subsystems {
+    /// Serve the volume about to be created as `volume` with `options`.
+    /// Refused (`NvmfError::Options`) when the volume exists already, has
+    /// options, the LBA size is not 512 or 4096, or the NQN is served.
+    pub fn set(&self, volume: &str, options: SubsystemOptions) -> Result<(), NvmfError> {
+        self.shared.set_options(volume, options)
+    }
+
+    /// Forget a volume's options: for a create that failed after `set`.
+    pub fn forget(&self, volume: &str) {
+        self.shared.forget_options(volume);
+    }
+
+    /// The NQN a volume is served under.
+    pub fn nqn_of(&self, volume: &str) -> String {
+        self.shared.nqn_of(volume)
+    }
+}
+
 /// A running NVMe/TCP target.
 pub struct NvmfServer {
     shared: Arc<Shared>,
@@ -110,12 +156,7 @@ impl NvmfServer {
         subsystems: HashMap<String, SubsystemOptions>,
     ) -> Result<NvmfServer, NvmfError> {
         for (name, o) in &subsystems {
-            if o.lba_shift != LBA_SHIFT && o.lba_shift != LBA_SHIFT_4K {
-                return Err(NvmfError::Options(format!(
-                    "volume {name:?}: LBA size 2^{}: 512 or 4096 only",
-                    o.lba_shift
-                )));
-            }
+            check_options(name, o)?;
         }
         let err = |source| NvmfError::Listen { addr, source };
         let listener = TcpListener::bind(addr).map_err(err)?;
@@ -153,6 +194,13 @@ impl NvmfServer {
     /// The NQN a volume is served under (configured, or [`subsystem_nqn`]).
     pub fn nqn_of(&self, volume: &str) -> String {
         self.shared.nqn_of(volume)
+    }
+
+    /// The per-volume options, for volumes created over RPC.
+    pub fn subsystems(&self) -> Subsystems {
+        Subsystems {
+            shared: self.shared.clone(),
+        }
     }
 
     /// Queue pairs open (admin and I/O).

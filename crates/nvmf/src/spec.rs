@@ -105,6 +105,9 @@ impl Status {
     /// Fabrics Connect: a parameter is invalid (dw0 says which).
     pub const CONNECT_INVALID_PARAMETERS: Status = Status::specific(0x82).no_retry();
     pub const CONNECT_INVALID_HOST: Status = Status::specific(0x84).no_retry();
+    /// The subsystem cannot take the queue now (its volume has its
+    /// maximum of connections); the host may retry later.
+    pub const CONNECT_CONTROLLER_BUSY: Status = Status::specific(0x81);
     pub const CONNECT_INCOMPATIBLE_FORMAT: Status = Status::specific(0x80).no_retry();
 
     pub const fn generic(sc: u8) -> Status {

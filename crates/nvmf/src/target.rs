@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use lull_reactor::{PollerId, ThreadHandle};
 
@@ -23,8 +23,9 @@ pub(crate) struct Shared {
     pub(crate) volumes: Arc<Volumes>,
     pub(crate) conns: Arc<Connections>,
     /// How each volume is served (NQN, LBA size, hosts); volumes not
-    /// named get the defaults.
-    subsystems: HashMap<String, SubsystemOptions>,
+    /// named get the defaults. Volumes created over RPC add theirs; a
+    /// deleted volume's are forgotten.
+    subsystems: RwLock<HashMap<String, SubsystemOptions>>,
     /// Where the target listens, for the discovery log.
     pub(crate) listen: std::net::SocketAddr,
     ctrls: Mutex<Ctrls>,
@@ -48,7 +49,7 @@ impl Shared {
         let shared = Arc::new(Shared {
             volumes: volumes.clone(),
             conns,
-            subsystems,
+            subsystems: RwLock::new(subsystems),
             listen,
             ctrls: Mutex::new(Ctrls::default()),
         });
@@ -65,9 +66,19 @@ impl Shared {
     }
 
     /// A volume left the registry: its namespace is gone from every
-    /// controller that serves it.
+    /// controller that serves it, and its options are forgotten (a volume
+    /// created later under its name starts from the defaults). A volume
+    /// grew: namespace 1 changed on every controller that serves it (its
+    /// I/O queues read the size from the volume, so they already accept
+    /// the new LBAs).
     fn on_volume_change(&self, change: &VolumeChange) {
-        let VolumeChange::Removed(v) = change;
+        let (v, removed) = match change {
+            VolumeChange::Removed(v) => (v, true),
+            VolumeChange::Resized(v) => (v, false),
+        };
+        if removed {
+            self.subsystems_mut().remove(&v.name);
+        }
         let ctrls: Vec<_> = self
             .lock()
             .live
@@ -76,18 +87,79 @@ impl Shared {
             .cloned()
             .collect();
         for c in ctrls {
-            tracing::info!(volume = %v.name, cntlid = c.cntlid, hostnqn = %c.hostnqn, "namespace 1 removed (volume deleted)");
-            c.namespace_removed();
+            if removed {
+                tracing::info!(volume = %v.name, cntlid = c.cntlid, hostnqn = %c.hostnqn, "namespace 1 removed (volume deleted)");
+                c.namespace_removed();
+            } else if c.ns_active() {
+                tracing::info!(volume = %v.name, cntlid = c.cntlid, hostnqn = %c.hostnqn,
+                    size_bytes = v.dev().size_bytes(), "namespace 1 changed (volume grown)");
+                c.namespace_changed(1);
+            }
         }
     }
 
-    fn options(&self, volume: &str) -> Option<&SubsystemOptions> {
-        self.subsystems.get(volume)
+    fn subsystems(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, SubsystemOptions>> {
+        self.subsystems.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn subsystems_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, SubsystemOptions>> {
+        self.subsystems.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn options(&self, volume: &str) -> Option<SubsystemOptions> {
+        self.subsystems().get(volume).cloned()
+    }
+
+    /// Serve `volume` with `options` from now on: for a volume about to be
+    /// created over RPC (its options must be in place before a host can
+    /// reach it). Refused when the volume has options already, or when
+    /// the NQN is another volume's.
+    pub(crate) fn set_options(
+        &self,
+        volume: &str,
+        options: SubsystemOptions,
+    ) -> Result<(), crate::NvmfError> {
+        crate::check_options(volume, &options)?;
+        if self.volumes.named(volume).is_ok() {
+            return Err(crate::NvmfError::Options(format!(
+                "volume {volume:?} exists: NVMe/TCP options are set as a volume is created"
+            )));
+        }
+        let mut subs = self.subsystems_mut();
+        if subs.contains_key(volume) {
+            return Err(crate::NvmfError::Options(format!(
+                "volume {volume:?} has NVMe/TCP options already"
+            )));
+        }
+        if let Some(nqn) = &options.nqn {
+            let taken = nqn == spec::DISCOVERY_NQN
+                || subs
+                    .iter()
+                    .any(|(name, o)| o.nqn.as_ref() == Some(nqn) && name != volume)
+                || self.volumes.list().iter().any(|v| {
+                    v.name != volume
+                        && subs.get(&v.name).is_none_or(|o| o.nqn.is_none())
+                        && crate::subsystem_nqn(&v.name) == *nqn
+                });
+            if taken {
+                return Err(crate::NvmfError::Options(format!(
+                    "NQN {nqn:?} is already served"
+                )));
+            }
+        }
+        subs.insert(volume.to_string(), options);
+        Ok(())
+    }
+
+    /// Forget `volume`'s options (a create that failed after
+    /// [`Shared::set_options`]).
+    pub(crate) fn forget_options(&self, volume: &str) {
+        self.subsystems_mut().remove(volume);
     }
 
     /// The NQN of a volume's subsystem.
     pub(crate) fn nqn_of(&self, volume: &str) -> String {
-        match self.options(volume).and_then(|o| o.nqn.clone()) {
+        match self.options(volume).and_then(|o| o.nqn) {
             Some(nqn) => nqn,
             None => crate::subsystem_nqn(volume),
         }
@@ -357,7 +429,10 @@ impl Controller {
         self.namespace_changed(1);
     }
 
-    fn namespace_changed(&self, nsid: u32) {
+    /// Namespace `nsid` changed (removed, or grown): it joins the Changed
+    /// Namespace List, and a notice is raised if the host asked for
+    /// namespace attribute notices and none is outstanding.
+    pub(crate) fn namespace_changed(&self, nsid: u32) {
         let raise = {
             let mut s = self.st();
             // At most one namespace: the list cannot grow past one entry.

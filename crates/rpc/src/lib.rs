@@ -42,8 +42,9 @@ pub use http::{parse_head, HttpError, RequestHead};
 pub use methods::{
     framework_get_reactors, parse_size, register_lull_methods, thread_get_stats, ControlError,
     ControlPlane, LullContext, NewVolume, NoParams, Options, OptionsChange, ReplicaAddr,
-    ReplicaVolume, VolumeInfo, VolumeName, LULL_METHODS, MAX_BACKEND_LEN, MAX_MODE_NAME_LEN,
-    MAX_POLL_PERIOD_US, MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN, TICK_RATE_HZ,
+    ReplicaVolume, VolumeInfo, VolumeName, VolumeResize, LULL_METHODS, MAX_BACKEND_LEN,
+    MAX_MODE_NAME_LEN, MAX_NQN_LEN, MAX_NVMF_ALLOWED_HOSTS, MAX_POLL_PERIOD_US,
+    MAX_REPLICA_ADDR_LEN, MAX_VOLUME_NAME_LEN, NVMF_LBA_SIZES, TICK_RATE_HZ,
 };
 pub use metrics::{
     encode_snapshot, metrics_response, reactor_metrics, MetricsError, MetricsServer,

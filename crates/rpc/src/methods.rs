@@ -32,6 +32,20 @@ pub const MAX_REPLICA_ADDR_LEN: usize = 256;
 /// Longest backend spec ("malloc", "file=PATH[,direct]"; PATH_MAX is 4096).
 pub const MAX_BACKEND_LEN: usize = 4096 + 16;
 
+/// Longest NQN accepted (NVMe base spec: 223 bytes); the server checks
+/// the rest of its syntax.
+pub const MAX_NQN_LEN: usize = 223;
+
+/// Most host NQNs one `volume_create` may allow over NVMe/TCP. A
+/// subsystem's allowlist is searched at each Connect; a few hundred
+/// hosts is more than a volume is ever attached from, and 256 NQNs of
+/// 223 bytes stay well inside the RPC request limit.
+pub const MAX_NVMF_ALLOWED_HOSTS: usize = 256;
+
+/// LBA sizes `volume_create` accepts for NVMe/TCP (the target's two
+/// formats).
+pub const NVMF_LBA_SIZES: [u32; 2] = [512, 4096];
+
 /// Longest mode name; real ones are single words.
 pub const MAX_MODE_NAME_LEN: usize = 32;
 
@@ -58,6 +72,8 @@ pub trait ControlPlane: Send + Sync {
     fn volume_create(&self, volume: &NewVolume) -> Result<VolumeInfo, ControlError>;
     /// `volume_delete`.
     fn volume_delete(&self, volume: &VolumeName) -> Result<(), ControlError>;
+    /// `volume_resize`: grow a volume online; the volume as it is now.
+    fn volume_resize(&self, resize: &VolumeResize) -> Result<VolumeInfo, ControlError>;
     /// `volume_get_stats`: ops, bytes, latency summary (the shape is the
     /// implementation's).
     fn volume_stats(&self, volume: &VolumeName) -> Result<Value, ControlError>;
@@ -159,12 +175,33 @@ pub struct OptionsChange {
 }
 
 /// `volume_create` parameters, checked: the size parsed, the backend
-/// defaulted to `malloc`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// defaulted to `malloc`, the NVMe/TCP options within their limits (the
+/// NQNs' syntax is the server's to check).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NewVolume {
     pub name: String,
     pub size_bytes: u64,
     pub backend: String,
+    /// The NVMe/TCP subsystem NQN; `None`: the default one.
+    pub nvmf_nqn: Option<String>,
+    /// The NVMe/TCP LBA size, one of [`NVMF_LBA_SIZES`]; `None`: 512.
+    pub nvmf_lba: Option<u32>,
+    /// Host NQNs allowed over NVMe/TCP; empty: any host.
+    pub nvmf_allow_hosts: Vec<String>,
+}
+
+impl NewVolume {
+    /// Whether any NVMe/TCP option was given.
+    pub fn has_nvmf_options(&self) -> bool {
+        self.nvmf_nqn.is_some() || self.nvmf_lba.is_some() || !self.nvmf_allow_hosts.is_empty()
+    }
+}
+
+/// `volume_resize` parameters, checked: the size parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeResize {
+    pub name: String,
+    pub size_bytes: u64,
 }
 
 /// A volume as `volume_list` and `volume_create` show it.
@@ -213,6 +250,7 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_list",
     "volume_create",
     "volume_delete",
+    "volume_resize",
     "volume_get_stats",
     "replica_list",
     "replica_add",
@@ -267,6 +305,11 @@ pub fn register_lull_methods(
         p.check()?;
         c.control.volume_delete(&p)?;
         Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "volume_resize", move |p: ResizeParams| {
+        let resize = p.check()?;
+        Ok(json!(c.control.volume_resize(&resize)?))
     })?;
     let c = ctx.clone();
     method(registry, "volume_get_stats", move |p: VolumeName| {
@@ -386,6 +429,10 @@ struct VolumeCreate {
     /// Bytes, or a string with a binary suffix ("1G").
     size: Value,
     backend: Option<String>,
+    nvmf_nqn: Option<String>,
+    nvmf_lba: Option<u32>,
+    #[serde(default)]
+    nvmf_allow_hosts: Vec<String>,
 }
 
 impl VolumeCreate {
@@ -394,10 +441,51 @@ impl VolumeCreate {
         let backend = self.backend.unwrap_or_else(|| "malloc".into());
         check_name("backend", &backend, MAX_BACKEND_LEN)?;
         let size_bytes = parse_size(&self.size).map_err(ControlError::InvalidParams)?;
+        if let Some(nqn) = &self.nvmf_nqn {
+            check_name("nvmf_nqn", nqn, MAX_NQN_LEN)?;
+        }
+        if let Some(lba) = self.nvmf_lba {
+            if !NVMF_LBA_SIZES.contains(&lba) {
+                return Err(ControlError::InvalidParams(format!(
+                    "nvmf_lba must be 512 or 4096, got {lba}"
+                )));
+            }
+        }
+        if self.nvmf_allow_hosts.len() > MAX_NVMF_ALLOWED_HOSTS {
+            return Err(ControlError::InvalidParams(format!(
+                "nvmf_allow_hosts: at most {MAX_NVMF_ALLOWED_HOSTS} hosts"
+            )));
+        }
+        for h in &self.nvmf_allow_hosts {
+            check_name("nvmf_allow_hosts entry", h, MAX_NQN_LEN)?;
+        }
         Ok(NewVolume {
             name: self.name,
             size_bytes,
             backend,
+            nvmf_nqn: self.nvmf_nqn,
+            nvmf_lba: self.nvmf_lba,
+            nvmf_allow_hosts: self.nvmf_allow_hosts,
+        })
+    }
+}
+
+/// `volume_resize` parameters as they come.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ResizeParams {
+    name: String,
+    /// The new size: bytes, or a string with a binary suffix ("2G").
+    size: Value,
+}
+
+impl ResizeParams {
+    fn check(self) -> Result<VolumeResize, ControlError> {
+        check_name("name", &self.name, MAX_VOLUME_NAME_LEN)?;
+        let size_bytes = parse_size(&self.size).map_err(ControlError::InvalidParams)?;
+        Ok(VolumeResize {
+            name: self.name,
+            size_bytes,
         })
     }
 }

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use crate::methods::{
     ControlError, ControlPlane, NewVolume, Options, OptionsChange, ReplicaAddr, ReplicaVolume,
-    VolumeInfo, VolumeName,
+    VolumeInfo, VolumeName, VolumeResize,
 };
 use crate::metrics::{MetricsSnapshot, MetricsSource};
 
@@ -95,6 +95,11 @@ impl ControlPlane for FakeControl {
         let v = self
             .volumes
             .add(Volume::new(&volume.name, Storage::Local(Arc::new(dev))))?;
+        Ok(VolumeInfo::of(&v))
+    }
+
+    fn volume_resize(&self, r: &VolumeResize) -> Result<VolumeInfo, ControlError> {
+        let v = self.volumes.resize(&r.name, r.size_bytes)?;
         Ok(VolumeInfo::of(&v))
     }
 

@@ -98,6 +98,13 @@ impl Setup {
             other => panic!("{method}: expected an error response, got {other:?}"),
         }
     }
+
+    fn message(&self, method: &str, params: Value) -> String {
+        match self.call(method, params) {
+            Err(RpcClientError::Rpc { message, .. }) => message,
+            other => panic!("{method}: expected an error response, got {other:?}"),
+        }
+    }
 }
 
 impl Drop for Setup {
@@ -379,6 +386,50 @@ fn every_method() {
         t.ok("replica_list", json!({"volume": "vol1"})),
         json!([{"addr": "10.0.0.3:9502", "healthy": true}])
     );
+
+    // volume_resize: grows; refuses shrinking, odd sizes and unknown
+    // volumes with the server's message; bad parameters at the edge.
+    let r = t.ok("volume_resize", json!({"name": "vol1", "size": "4M"}));
+    assert_eq!(r["size_bytes"], json!(4 << 20));
+    assert_eq!(
+        t.ok("volume_resize", json!({"name": "vol1", "size": 4 << 20}))["size_bytes"],
+        json!(4 << 20),
+        "the same size again is a no-op"
+    );
+    for (params, code) in [
+        (json!({"name": "vol1", "size": "1M"}), INTERNAL_ERROR),
+        (
+            json!({"name": "vol1", "size": (8 << 20) + 1}),
+            INTERNAL_ERROR,
+        ),
+        (json!({"name": "nope", "size": "8M"}), INTERNAL_ERROR),
+        (json!({"name": "vol1", "size": 0}), INVALID_PARAMS),
+        (json!({"name": "vol1"}), INVALID_PARAMS),
+        (
+            json!({"name": "vol1", "size": "8M", "shrink": true}),
+            INVALID_PARAMS,
+        ),
+    ] {
+        assert_eq!(t.code("volume_resize", params.clone()), code, "{params}");
+    }
+    assert!(t
+        .message("volume_resize", json!({"name": "vol1", "size": "1M"}))
+        .contains("cannot shrink"));
+    // NVMe/TCP options are checked at the edge (the fake server has no
+    // target: it accepts what passes).
+    for bad in [
+        json!({"name": "n1", "size": "1M", "nvmf_lba": 1024}),
+        json!({"name": "n1", "size": "1M", "nvmf_nqn": ""}),
+        json!({"name": "n1", "size": "1M", "nvmf_nqn": "n".repeat(224)}),
+        json!({"name": "n1", "size": "1M", "nvmf_allow_hosts": "nqn.x"}),
+        json!({"name": "n1", "size": "1M", "nvmf_allow_hosts": vec!["nqn.h"; 257]}),
+    ] {
+        assert_eq!(
+            t.code("volume_create", bad.clone()),
+            INVALID_PARAMS,
+            "{bad}"
+        );
+    }
 
     assert_eq!(t.ok("volume_delete", json!({"name": "vol2"})), json!(true));
     assert_eq!(

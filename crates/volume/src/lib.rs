@@ -19,10 +19,11 @@
 
 mod stats;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use lull_bdev::BlockDevice;
+use lull_bdev::{BdevError, BlockDevice, Channel, IoCompletion, IoRequest};
 use lull_engine::ReplicatedDev;
 
 pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
@@ -45,6 +46,53 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_VOLUME: usize = 4096;
 /// connection cap (`lull_nbd::MAX_CONNECTIONS`).
 pub const MAX_CONNECTIONS_PER_VOLUME: usize = 16_384;
 
+/// Requests in flight on one volume, summed over all its connections (NBD
+/// and NVMe/TCP), unless configured otherwise. Each connection already
+/// stops at its own bound (NBD: 128; an NVMe/TCP queue: its negotiated
+/// size, at most 128), but thousands of connections of one volume could
+/// together pin thousands of times that in request buffers; this caps what
+/// one volume holds: 4,096 is 32 connections at full depth, deeper than
+/// any device queue in lull's reach (an NVMe SSD serves up to 1,023 per
+/// queue; io_uring rings here are 256 deep), and at 128 KiB per request
+/// 512 MiB of buffers at most. Past it a connection holds its next request
+/// (back-pressure: it stops reading) until the volume's other requests
+/// complete; nothing is refused. Replicated volumes meet the engine's own
+/// bound (`MAX_CHANNELS` × `CHANNEL_DEPTH`) as well.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_VOLUME: usize = 4096;
+
+/// Largest configurable per-volume in-flight cap: every connection of a
+/// volume (`MAX_CONNECTIONS_PER_VOLUME`) at the NBD per-connection bound
+/// (128) — a cap past it could never be reached.
+pub const MAX_IN_FLIGHT_PER_VOLUME: usize = MAX_CONNECTIONS_PER_VOLUME * 128;
+
+/// What one volume admits: connections and requests in flight. The same
+/// for every volume of a server (configured at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VolumeLimits {
+    /// Connections (1 to [`MAX_CONNECTIONS_PER_VOLUME`]).
+    pub connections: usize,
+    /// Requests in flight over all connections (1 to
+    /// [`MAX_IN_FLIGHT_PER_VOLUME`]).
+    pub in_flight: usize,
+}
+
+impl Default for VolumeLimits {
+    fn default() -> VolumeLimits {
+        VolumeLimits {
+            connections: DEFAULT_MAX_CONNECTIONS_PER_VOLUME,
+            in_flight: DEFAULT_MAX_IN_FLIGHT_PER_VOLUME,
+        }
+    }
+}
+
+impl VolumeLimits {
+    /// Whether both limits are within their ranges.
+    pub fn valid(&self) -> bool {
+        (1..=MAX_CONNECTIONS_PER_VOLUME).contains(&self.connections)
+            && (1..=MAX_IN_FLIGHT_PER_VOLUME).contains(&self.in_flight)
+    }
+}
+
 /// Errors of the volume registry.
 #[derive(Debug, thiserror::Error)]
 pub enum VolumeError {
@@ -54,6 +102,18 @@ pub enum VolumeError {
     BadVolumeName(String),
     #[error("no volume {0:?}")]
     NoSuchVolume(String),
+    /// Its replicas would have to grow together, in step with the
+    /// engine; that is not built yet.
+    #[error("volume {0:?}: resize of replicated volumes is not supported yet")]
+    ResizeReplicated(String),
+    /// The device refused the new size (smaller, unaligned, too big, or
+    /// the file could not be extended).
+    #[error("volume {name:?}: {source}")]
+    Resize {
+        name: String,
+        #[source]
+        source: lull_bdev::BdevError,
+    },
 }
 
 /// Where a volume's blocks live. Control paths match on it to reach what
@@ -102,6 +162,11 @@ pub struct Volume {
     pub stats: VolumeStats,
     /// Connections holding a [`ConnPermit`].
     connections: AtomicUsize,
+    /// Requests in flight through the volume's [`Volume::open_channel`]
+    /// channels.
+    in_flight: AtomicUsize,
+    /// Times a request waited because the volume had its maximum in flight.
+    in_flight_waits: AtomicU64,
 }
 
 /// One admitted connection of a volume; dropping it gives the place back.
@@ -123,6 +188,8 @@ impl Volume {
             storage,
             stats: VolumeStats::default(),
             connections: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            in_flight_waits: AtomicU64::new(0),
         }
     }
 
@@ -143,9 +210,129 @@ impl Volume {
         self.connections.load(Ordering::SeqCst)
     }
 
+    /// Requests in flight now, over all connections.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Times a request had to wait for the volume's in-flight cap.
+    pub fn in_flight_waits(&self) -> u64 {
+        self.in_flight_waits.load(Ordering::Relaxed)
+    }
+
+    /// A channel to the volume's device for one connection, whose requests
+    /// count against the volume's cap of `max_in_flight`: past it,
+    /// `submit` hands the request back as `BdevError::Full` (the frontend
+    /// holds it and retries, see [`VolumeChannel`]).
+    pub fn open_channel(
+        self: &Arc<Self>,
+        max_in_flight: usize,
+    ) -> Result<Box<dyn Channel>, BdevError> {
+        Ok(Box::new(VolumeChannel {
+            inner: self.dev().open_channel()?,
+            volume: self.clone(),
+            max_in_flight,
+            mine: 0,
+        }))
+    }
+
+    fn take_in_flight(&self, max: usize) -> bool {
+        let taken = self
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            self.in_flight_waits.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    fn give_in_flight(&self, n: usize) {
+        if n > 0 {
+            let before = self.in_flight.fetch_sub(n, Ordering::AcqRel);
+            debug_assert!(before >= n, "volume in-flight count underflow");
+        }
+    }
+
     /// The volume's block device (see [`Storage::dev`]).
     pub fn dev(&self) -> &dyn BlockDevice {
         self.storage.dev()
+    }
+}
+
+/// A connection's channel to its volume's device, counting its requests
+/// against the volume's in-flight cap. A request past the cap comes back
+/// from `submit` as `BdevError::Full`, the back-pressure every channel
+/// already gives when its own queue is full: the frontend holds it and
+/// retries. Unlike a full queue of its own, a connection held by the
+/// volume's cap may have nothing of its own in flight, so no completion
+/// of its own will wake it: a frontend with a held request and nothing in
+/// flight keeps its poller awake (it polls until the volume's other
+/// connections complete requests, which only happens under overload).
+pub struct VolumeChannel {
+    inner: Box<dyn Channel>,
+    volume: Arc<Volume>,
+    max_in_flight: usize,
+    /// Requests of this channel counted in the volume's `in_flight`.
+    mine: usize,
+}
+
+impl Channel for VolumeChannel {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if !self.volume.take_in_flight(self.max_in_flight) {
+            return Err((
+                req,
+                BdevError::Full {
+                    capacity: self.max_in_flight,
+                },
+            ));
+        }
+        match self.inner.submit(req) {
+            Ok(()) => {
+                self.mine += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.volume.give_in_flight(1);
+                Err(e)
+            }
+        }
+    }
+
+    fn flush_submissions(&mut self) {
+        self.inner.flush_submissions();
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        let n = self.inner.reap(done);
+        debug_assert!(n <= self.mine, "reaped more than was submitted");
+        let n_mine = n.min(self.mine);
+        self.mine -= n_mine;
+        self.volume.give_in_flight(n_mine);
+        n
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        self.inner.event_fd()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+
+    fn polled(&self) -> bool {
+        self.inner.polled()
+    }
+}
+
+impl Drop for VolumeChannel {
+    fn drop(&mut self) {
+        // A connection that goes with requests still in the device (it
+        // waits for them first; this is for the cases it cannot) gives
+        // their places back, or the volume would lose them for good.
+        self.volume.give_in_flight(self.mine);
     }
 }
 
@@ -172,6 +359,10 @@ pub enum VolumeChange {
     /// The volume left the registry (its connected clients still hold
     /// it until they disconnect).
     Removed(Arc<Volume>),
+    /// The volume grew: `dev().size_bytes()` is the new size. NVMe/TCP
+    /// hosts are told; NBD clients keep the size they negotiated (NBD
+    /// has no resize notice) and new connections see the new one.
+    Resized(Arc<Volume>),
 }
 
 type Watcher = Box<dyn Fn(&VolumeChange) + Send + Sync>;
@@ -181,7 +372,7 @@ type Watcher = Box<dyn Fn(&VolumeChange) + Send + Sync>;
 pub struct Volumes {
     list: RwLock<Vec<Arc<Volume>>>,
     watchers: Mutex<Vec<Watcher>>,
-    max_connections_per_volume: usize,
+    limits: VolumeLimits,
 }
 
 impl std::fmt::Debug for Volumes {
@@ -192,24 +383,24 @@ impl std::fmt::Debug for Volumes {
 
 impl Default for Volumes {
     fn default() -> Volumes {
-        Volumes::with_max_connections_per_volume(DEFAULT_MAX_CONNECTIONS_PER_VOLUME)
+        Volumes::with_limits(VolumeLimits::default())
     }
 }
 
 impl Volumes {
-    /// A registry whose volumes each admit at most `max` connections
-    /// (1 to [`MAX_CONNECTIONS_PER_VOLUME`]; the caller validated it).
-    pub fn with_max_connections_per_volume(max: usize) -> Volumes {
-        debug_assert!((1..=MAX_CONNECTIONS_PER_VOLUME).contains(&max));
+    /// A registry whose volumes each admit what `limits` allow (the
+    /// caller validated them, see [`VolumeLimits::valid`]).
+    pub fn with_limits(limits: VolumeLimits) -> Volumes {
+        debug_assert!(limits.valid());
         Volumes {
             list: RwLock::default(),
             watchers: Mutex::default(),
-            max_connections_per_volume: max,
+            limits,
         }
     }
 
-    pub fn max_connections_per_volume(&self) -> usize {
-        self.max_connections_per_volume
+    pub fn limits(&self) -> VolumeLimits {
+        self.limits
     }
 
     pub fn add(&self, volume: Volume) -> Result<Arc<Volume>, VolumeError> {
@@ -240,16 +431,39 @@ impl Volumes {
                 .ok_or_else(|| VolumeError::NoSuchVolume(name.into()))?;
             list.remove(pos)
         };
-        let change = VolumeChange::Removed(v.clone());
+        self.tell(&VolumeChange::Removed(v.clone()));
+        Ok(v)
+    }
+
+    /// Grow a local volume to `size_bytes` online (see
+    /// [`lull_bdev::BlockDevice::grow`] for the sizes refused); watchers
+    /// are told when the size changed. A replicated volume is refused.
+    pub fn resize(&self, name: &str, size_bytes: u64) -> Result<Arc<Volume>, VolumeError> {
+        let v = self.named(name)?;
+        let dev = match &v.storage {
+            Storage::Local(dev) => dev,
+            Storage::Replicated(_) => return Err(VolumeError::ResizeReplicated(name.into())),
+        };
+        let old = dev.size_bytes();
+        dev.grow(size_bytes).map_err(|source| VolumeError::Resize {
+            name: name.into(),
+            source,
+        })?;
+        if dev.size_bytes() != old {
+            self.tell(&VolumeChange::Resized(v.clone()));
+        }
+        Ok(v)
+    }
+
+    fn tell(&self, change: &VolumeChange) {
         for w in self
             .watchers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
         {
-            w(&change);
+            w(change);
         }
-        Ok(v)
     }
 
     /// Call `f` on every later change. A watcher must be quick and must
@@ -320,8 +534,9 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s = seen.clone();
         assert!(vs.watch(move |c| {
-            let VolumeChange::Removed(v) = c;
-            s.lock().unwrap().push(v.name.clone());
+            if let VolumeChange::Removed(v) = c {
+                s.lock().unwrap().push(v.name.clone());
+            }
         }));
         assert_eq!(vs.get("b").map(|v| v.name.clone()), Some("b".into()));
         assert!(matches!(vs.named(""), Err(VolumeError::NoSuchVolume(_))));
@@ -337,6 +552,35 @@ mod tests {
     }
 
     #[test]
+    fn resize_grows_local_volumes_and_tells_watchers() {
+        let vs = Volumes::default();
+        vs.add(malloc("a")).expect("add a");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        assert!(vs.watch(move |c| {
+            if let VolumeChange::Resized(v) = c {
+                s.lock().unwrap().push(v.dev().size_bytes());
+            }
+        }));
+        let v = vs.resize("a", 1 << 20).expect("grow");
+        assert_eq!(v.dev().size_bytes(), 1 << 20);
+        // The same size again: nothing changed, nobody told.
+        vs.resize("a", 1 << 20).expect("same size");
+        assert_eq!(*seen.lock().unwrap(), vec![1 << 20]);
+        for (size, what) in [(4096, "shrink"), ((1 << 20) + 100, "unaligned")] {
+            assert!(
+                matches!(vs.resize("a", size), Err(VolumeError::Resize { .. })),
+                "{what}"
+            );
+        }
+        assert!(matches!(
+            vs.resize("b", 1 << 20),
+            Err(VolumeError::NoSuchVolume(_))
+        ));
+        assert_eq!(seen.lock().unwrap().len(), 1, "refusals tell nobody");
+    }
+
+    #[test]
     fn connection_permits_are_capped_and_given_back() {
         let v = Arc::new(malloc("a"));
         let one = v.try_connect(2).expect("first");
@@ -347,5 +591,47 @@ mod tests {
         let _three = v.try_connect(2).expect("a place came back");
         drop(two);
         assert_eq!(v.connections(), 1);
+    }
+
+    fn write(tag: u64) -> IoRequest {
+        IoRequest {
+            tag,
+            op: lull_bdev::IoOp::Write { fua: false },
+            offset: 0,
+            len: 512,
+            buf: Some({
+                let mut b = lull_bdev::IoBuf::with_capacity(512);
+                b.set_len(512);
+                b
+            }),
+        }
+    }
+
+    #[test]
+    fn in_flight_is_capped_per_volume_over_its_channels() {
+        let v = Arc::new(malloc("a"));
+        let mut a = v.open_channel(3).expect("channel a");
+        let mut b = v.open_channel(3).expect("channel b");
+        a.submit(write(1)).expect("a 1");
+        a.submit(write(2)).expect("a 2");
+        b.submit(write(3)).expect("b 1");
+        assert_eq!(v.in_flight(), 3);
+        // The volume is at its cap: b's next request comes back as Full,
+        // although b itself has one in flight only.
+        let (back, e) = b.submit(write(4)).expect_err("past the volume's cap");
+        assert_eq!(back.tag, 4);
+        assert!(matches!(e, BdevError::Full { capacity: 3 }));
+        assert_eq!(v.in_flight_waits(), 1);
+        let mut tags = Vec::new();
+        assert_eq!(a.reap(&mut |c| tags.push(c.tag)), 2);
+        assert_eq!(tags, [1, 2]);
+        assert_eq!(v.in_flight(), 1);
+        b.submit(back).expect("room again");
+        assert_eq!(v.in_flight(), 2);
+        // A channel dropped with requests unreaped gives their places back.
+        drop(b);
+        assert_eq!(v.in_flight(), 0);
+        drop(a);
+        assert_eq!(v.in_flight(), 0);
     }
 }

@@ -612,3 +612,21 @@ pub fn process_cpu_ticks(pid: u32) -> u64 {
         .collect();
     fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
 }
+
+/// `lull rpc --socket SOCK METHOD [PARAMS]`: its JSON result; panics with
+/// the command's stderr when it fails.
+pub fn rpc(sock: &Path, method: &str, params: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .args(["rpc", "--socket"])
+        .arg(sock)
+        .arg(method)
+        .args((!params.is_empty()).then_some(params))
+        .output()
+        .expect("run lull rpc");
+    assert!(
+        out.status.success(),
+        "lull rpc {method} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("rpc JSON")
+}

@@ -791,6 +791,126 @@ fn a_deleted_volume_completes_the_async_event_request() {
 }
 
 #[test]
+fn a_grown_volume_completes_the_async_event_request_and_takes_io_past_the_old_end() {
+    let shared = shared();
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    // An I/O queue connected before the grow.
+    let mut io = io_queue(&shared, cntlid, NQN);
+    set_aec(&mut a, 40, crate::target::AEC_NS_ATTRIBUTE);
+    assert!(a
+        .cmd(sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, 41, 0, &[]), &[])
+        .is_empty());
+    let old_blocks = VOLUME_BYTES / 512;
+    let nsze = |h: &mut Host, cid| {
+        let id = identify(h, cid, 0, 1);
+        [0, 8, 16].map(|at| u64::from_le_bytes(id[at..at + 8].try_into().unwrap()))
+    };
+    assert_eq!(nsze(&mut a, 42), [old_blocks; 3]);
+    // Past the old end: out of range.
+    let mut s = sqe(spec::NVM_WRITE, 1, 1, &[(10, old_blocks as u32), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_IN_CAPSULE, 512);
+    assert_eq!(
+        status_of(&io.cmd(s, &[1u8; 512])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+
+    let new_bytes = 4 * VOLUME_BYTES;
+    shared.volumes.resize("v", new_bytes).expect("grow");
+    let got = a.send_raw(&[]);
+    assert_eq!(
+        got,
+        [Got::Resp {
+            cid: 41,
+            status: 0,
+            dw0: crate::target::AEN_NS_ATTRIBUTE_CHANGED,
+            dw1: 0,
+            sqhd: a.conn.sqhd,
+        }]
+    );
+    assert_eq!(changed_ns(&mut a, 43, false), [1]);
+    let new_blocks = new_bytes / 512;
+    // NSZE, NCAP, NUSE all report the new size; the namespace stays active.
+    assert_eq!(nsze(&mut a, 44), [new_blocks; 3]);
+    assert_eq!(identify(&mut a, 45, 2, 0)[0], 1);
+    // The queue from before the grow writes and reads the new range, up
+    // to its last LBA, and not one past it.
+    write_at(&mut io, 2, old_blocks as u32, &[0xA5u8; 1024]);
+    write_at(&mut io, 3, (new_blocks - 1) as u32, &[0x5Au8; 512]);
+    assert_eq!(
+        read_at(&mut io, 4, old_blocks as u32, 1024, 512),
+        vec![0xA5u8; 1024]
+    );
+    assert_eq!(
+        read_at(&mut io, 5, (new_blocks - 1) as u32, 512, 512),
+        vec![0x5Au8; 512]
+    );
+    let mut s = sqe(spec::NVM_READ, 6, 1, &[(10, new_blocks as u32), (12, 0)]);
+    set_sgl(&mut s, spec::SGL_TRANSPORT, 512);
+    assert_eq!(
+        status_of(&io.cmd(s, &[])[0]),
+        Status::LBA_OUT_OF_RANGE.field()
+    );
+    // A refused resize raises nothing: a new AER stays held.
+    assert!(a
+        .cmd(sqe(spec::ADMIN_ASYNC_EVENT_REQUEST, 46, 0, &[]), &[])
+        .is_empty());
+    assert!(shared.volumes.resize("v", VOLUME_BYTES).is_err());
+    assert!(a.send_raw(&[]).is_empty());
+    assert!(changed_ns(&mut a, 47, false).is_empty());
+}
+
+#[test]
+fn options_set_at_run_time_serve_a_new_volume_and_are_forgotten_with_it() {
+    let shared = shared();
+    let custom = "nqn.2026-11.test:w";
+    let opts = || crate::SubsystemOptions {
+        nqn: Some(custom.into()),
+        lba_shift: crate::LBA_SHIFT_4K,
+        allowed_hosts: vec!["nqn.good".into()],
+    };
+    // Refused: options for an existing volume, another volume's NQN, the
+    // discovery NQN, an LBA size the target does not serve.
+    assert!(shared.set_options("v", opts()).is_err());
+    for bad in [NQN, spec::DISCOVERY_NQN] {
+        let o = crate::SubsystemOptions {
+            nqn: Some(bad.into()),
+            ..opts()
+        };
+        assert!(shared.set_options("w", o).is_err(), "{bad}");
+    }
+    let o = crate::SubsystemOptions {
+        lba_shift: 10,
+        ..opts()
+    };
+    assert!(shared.set_options("w", o).is_err());
+    shared.set_options("w", opts()).expect("options for w");
+    assert!(shared.set_options("w", opts()).is_err(), "once");
+    let dev = MallocDev::new(VOLUME_BYTES).expect("malloc");
+    shared
+        .volumes
+        .add(Volume::new("w", Storage::Local(Arc::new(dev))))
+        .expect("add w");
+    assert_eq!(shared.nqn_of("w"), custom);
+    assert_eq!(shared.lba_shift_of("w"), crate::LBA_SHIFT_4K);
+    assert!(!shared.host_allowed("w", "nqn.bad"));
+    let mut h = Host::new(&shared);
+    h.ic(Digests::default());
+    let refused = status_of(&h.connect_as(0, 0xFFFF, custom, "nqn.bad"));
+    assert_ne!(refused, 0, "a host not on the list is refused");
+    // Deleting the volume forgets its options.
+    shared.volumes.remove("w").expect("delete w");
+    assert_eq!(shared.nqn_of("w"), crate::subsystem_nqn("w"));
+    assert_eq!(shared.lba_shift_of("w"), crate::LBA_SHIFT);
+    assert!(shared.host_allowed("w", "nqn.bad"));
+    shared
+        .set_options("w", opts())
+        .expect("again after the delete");
+    shared.forget_options("w");
+    assert_eq!(shared.nqn_of("w"), crate::subsystem_nqn("w"));
+}
+
+#[test]
 fn the_allowlist_refuses_other_hosts_and_the_nqn_is_configurable() {
     let custom = "nqn.2026-11.test:custom";
     let shared = shared_with(
