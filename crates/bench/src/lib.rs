@@ -383,6 +383,9 @@ impl Ctx<'_> {
                                 dir.display().to_string(),
                                 "--size".into(),
                                 size.clone(),
+                                // Plain links on loopback: the runs compare
+                                // engines, not ciphers.
+                                "--insecure".into(),
                             ];
                             let proc =
                                 Proc::spawn(&format!("replica{k}"), &lull, &a, cpu, self.work)
@@ -411,6 +414,9 @@ impl Ctx<'_> {
                 ];
                 if let Some(period) = hybrid_period_us {
                     a.extend(["--nvme-ioq-poll-period-us".into(), period.to_string()]);
+                }
+                if volume.replica_count() > 0 {
+                    a.push("--replica-insecure".into());
                 }
                 ("lull", lull.clone(), a)
             }

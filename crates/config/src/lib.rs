@@ -20,6 +20,11 @@
 //! tls = "require"                  # NBD TLS: off | on | require
 //! tls_psk = "/etc/lull/keys.psk"   # username:hexkey lines, or
 //! # tls_certs = "/etc/lull/pki"    # server-cert.pem, server-key.pem[, ca-cert.pem]
+//! # Replica links (engine -> lull replica), one of the three when a
+//! # volume is replicated:
+//! replica_tls_psk = "/etc/lull/replica.psk"  # the replicas' --tls-psk file, or
+//! # replica_tls_certs = "/etc/lull/replica-pki" # ca-cert.pem, client-cert.pem, client-key.pem
+//! # replica_insecure = true        # plain TCP: no authentication (logged at start)
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
 //! # dynamic's tunables (SPDK's, percent): scheduler_load_limit = 20,
@@ -46,6 +51,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use lull_net::link::LinkAuth;
 use lull_net::tls::Creds;
 use lull_proto::nbd::TlsPolicy;
 use lull_reactor::scheduler::{DynamicParams, Policy};
@@ -185,6 +191,9 @@ pub struct ServeSettings {
     pub nvmf_volumes: std::collections::BTreeMap<String, NvmfVolume>,
     /// TLS on the NBD server.
     pub tls: NbdTlsSettings,
+    /// How the engines' links to replicas are secured; `None` when not
+    /// configured (then no replicated volume may be served or created).
+    pub replica_link: Option<LinkAuth>,
     pub engine: lull_engine::EngineOptions,
     pub scheduler: SchedulerConfig,
     /// NBD connections the server holds at once (1 to [`MAX_SERVER_CONNECTIONS`]).
@@ -240,6 +249,12 @@ pub struct ConfigFile {
     pub tls_certs: Option<PathBuf>,
     /// NBD TLS-PSK file (`username:hexkey` lines).
     pub tls_psk: Option<PathBuf>,
+    /// Replica links: the PSK file the replicas were given.
+    pub replica_tls_psk: Option<PathBuf>,
+    /// Replica links: ca-cert.pem, client-cert.pem, client-key.pem.
+    pub replica_tls_certs: Option<PathBuf>,
+    /// Replica links: plain TCP, unauthenticated.
+    pub replica_insecure: Option<bool>,
     /// Replicated volumes: a replica silent this long is failed.
     pub replica_timeout_ms: Option<u64>,
     /// Replicated volumes: TCP connections per replica.
@@ -303,6 +318,10 @@ pub struct Overrides {
     pub tls: Option<String>,
     pub tls_certs: Option<PathBuf>,
     pub tls_psk: Option<PathBuf>,
+    pub replica_tls_psk: Option<PathBuf>,
+    pub replica_tls_certs: Option<PathBuf>,
+    /// `--replica-insecure` (false: not given).
+    pub replica_insecure: bool,
     pub replica_timeout_ms: Option<u64>,
     pub connections_per_replica: Option<usize>,
     pub max_connections: Option<usize>,
@@ -439,6 +458,7 @@ pub fn resolve(
     flags: Overrides,
     allowed_cpus: &[usize],
 ) -> Result<ServeSettings, ConfigError> {
+    let replica_link = resolve_replica_link(&flags, &file)?;
     let listen_s = flags.listen.or(file.listen);
     let socket = flags.socket.or(file.socket);
     // A socket alone serves instead of TCP; with --listen too, as well.
@@ -556,6 +576,18 @@ pub fn resolve(
         flags.tls_certs.or(file.tls_certs),
         flags.tls_psk.or(file.tls_psk),
     )?;
+    if replica_link.is_none() {
+        if let Some(v) = volumes
+            .iter()
+            .find(|v| matches!(v.backend, Backend::Replicas { .. }))
+        {
+            return err(format!(
+                "volume {:?} is replicated: {}",
+                v.name,
+                LinkAuth::missing(LinkAuth::SERVE_FLAGS)
+            ));
+        }
+    }
     let rpc_socket = flags.rpc_socket.or(file.rpc_socket);
     let mut engine = lull_engine::EngineOptions::default();
     if let Some(t) = flags.replica_timeout_ms.or(file.replica_timeout_ms) {
@@ -643,12 +675,44 @@ pub fn resolve(
         nvmf_listen,
         nvmf_volumes,
         tls,
+        replica_link,
         engine,
         scheduler,
         max_connections,
         max_connections_per_volume,
         max_in_flight_per_volume,
     })
+}
+
+/// The replica-link choice: the flags' if any is given (they replace the
+/// file's choice as a whole, so `--replica-insecure` can override a
+/// file's key for a test run), else the file's; at most one of the three
+/// in either.
+fn resolve_replica_link(
+    flags: &Overrides,
+    file: &ConfigFile,
+) -> Result<Option<LinkAuth>, ConfigError> {
+    let from_flags = LinkAuth::from_flags(
+        flags.replica_tls_psk.clone(),
+        flags.replica_tls_certs.clone(),
+        flags.replica_insecure,
+        LinkAuth::SERVE_FLAGS,
+    )
+    .map_err(ConfigError)?;
+    if from_flags.is_some() {
+        return Ok(from_flags);
+    }
+    LinkAuth::from_flags(
+        file.replica_tls_psk.clone(),
+        file.replica_tls_certs.clone(),
+        file.replica_insecure.unwrap_or(false),
+        [
+            "replica_tls_psk",
+            "replica_tls_certs",
+            "replica_insecure = true",
+        ],
+    )
+    .map_err(ConfigError)
 }
 
 /// `VOLUME=VALUE` of an `--nvmf-*` flag.
@@ -1132,6 +1196,66 @@ mod tests {
             resolve(file, flags, &[0]).unwrap().tls.policy,
             TlsPolicy::Off
         );
+    }
+
+    #[test]
+    fn replica_links_must_be_chosen_for_replicated_volumes() {
+        let replicated = || Overrides {
+            volumes: vec!["r:1G:replicas=127.0.0.1:7001".into()],
+            ..Overrides::default()
+        };
+        let e = resolve(ConfigFile::default(), replicated(), &[0]).unwrap_err();
+        assert!(
+            e.0.contains("--replica-tls-psk")
+                && e.0.contains("--replica-tls-certs")
+                && e.0.contains("--replica-insecure"),
+            "{e}"
+        );
+        // No replicated volume: nothing to choose.
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.replica_link, None);
+        let s = resolve(
+            ConfigFile::default(),
+            Overrides {
+                replica_insecure: true,
+                ..replicated()
+            },
+            &[0],
+        )
+        .unwrap();
+        assert_eq!(s.replica_link, Some(LinkAuth::Insecure));
+        let file = ConfigFile::parse("replica_tls_psk = \"r.psk\"\n").unwrap();
+        let s = resolve(file, replicated(), &[0]).unwrap();
+        assert_eq!(
+            s.replica_link,
+            Some(LinkAuth::Tls(Creds::Psk("r.psk".into())))
+        );
+        // The flags replace the file's choice.
+        let file = ConfigFile::parse("replica_tls_psk = \"r.psk\"\n").unwrap();
+        let flags = Overrides {
+            replica_tls_certs: Some("pki".into()),
+            ..replicated()
+        };
+        let s = resolve(file, flags, &[0]).unwrap();
+        assert_eq!(
+            s.replica_link,
+            Some(LinkAuth::Tls(Creds::X509("pki".into())))
+        );
+        let both = Overrides {
+            replica_tls_psk: Some("r.psk".into()),
+            replica_insecure: true,
+            ..replicated()
+        };
+        assert!(resolve(ConfigFile::default(), both, &[0])
+            .unwrap_err()
+            .0
+            .contains("only one"));
+        let file =
+            ConfigFile::parse("replica_insecure = true\nreplica_tls_certs = \"pki\"\n").unwrap();
+        assert!(resolve(file, replicated(), &[0])
+            .unwrap_err()
+            .0
+            .contains("replica_tls_certs"));
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! ```ignore
 //! use lull_engine::{EngineOptions, ReplicatedDev};
 //! let replicas = lull_engine::parse_replicas("127.0.0.1:7001+127.0.0.1:7002")?;
-//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", replicas, 1 << 30, EngineOptions::default())?;
+//! // Replica links over TLS with a PSK (`None` for plain links).
+//! let tls = LinkAuth::Tls(Creds::Psk("replica.psk".into())).context(Role::Client)?;
+//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", replicas, 1 << 30, EngineOptions::default(), tls)?;
 //! dev.wait_ready(std::time::Duration::from_secs(10)); // main thread only
 //! volumes.add(Volume::new("vol0", Storage::Replicated(dev.clone())))?;   // lull_volume
 //! for r in dev.replica_status() { println!("{} {:?}", r.addr, r.state); }

@@ -4,7 +4,8 @@
 //! performs the actions it returns.
 //!
 //! ```ignore
-//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", addrs, size, EngineOptions::default())?;
+//! // `tls`: the client credentials of replica links (`None`: plain links).
+//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", addrs, size, EngineOptions::default(), tls)?;
 //! let mut ch = dev.open_channel()?;           // on an NBD connection thread
 //! ch.submit(req)?; ch.flush_submissions();     // one message per batch
 //! // ... ch.event_fd() becomes readable ...
@@ -17,7 +18,6 @@
 //! queue, and its eventfd is rung once per batch.
 
 use std::collections::VecDeque;
-use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -26,7 +26,9 @@ use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use lull_bdev::{BdevError, BlockDevice, BufPool, Channel, IoBuf, IoCompletion, IoRequest};
+use lull_net::link::{self as replica_link, LinkStream};
 use lull_net::slots::SlotTable;
+use lull_net::tls::TlsContext;
 use lull_net::wire::{Ended, Wire};
 use lull_net::OutPayload;
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
@@ -238,7 +240,7 @@ enum Recv {
 /// payloads; the frames it reads are events for the core, which decides
 /// about failures and reconnects (so it is not run by `wire::pump`).
 struct Sock {
-    link: Wire<TcpStream, Payload>,
+    link: Wire<LinkStream, Payload>,
     poller: PollerId,
     recv: Recv,
 }
@@ -251,6 +253,15 @@ impl OutPayload for Payload {
 }
 
 impl Sock {
+    /// Whether the read failure `reason` is the replica refusing this
+    /// engine's credentials: with TLS 1.3 the client's handshake is over
+    /// before the server has checked the client's certificate, so that
+    /// refusal arrives as a TLS alert on the first read, not in
+    /// `client_handshake`.
+    fn tls_refused(&self, reason: &str) -> bool {
+        self.link.stream.is_tls() && reason.contains("alert")
+    }
+
     /// The reason this connection failed, once it has.
     fn failed(&self) -> Option<String> {
         self.link.closing_reason().map(str::to_string)
@@ -341,7 +352,8 @@ impl Sock {
     /// writability only while output is queued.
     fn flush(&mut self, t: &mut Thread) -> Result<bool, String> {
         let moved = lull_net::bufs::with_pool(|pool| self.link.flush(pool));
-        self.link.update_interest(t, self.poller, None, false);
+        let wants_write = self.link.stream.wants_write();
+        self.link.update_interest(t, self.poller, None, wants_write);
         match self.failed() {
             Some(reason) if self.link.is_broken() => Err(reason),
             _ => Ok(moved),
@@ -362,6 +374,8 @@ struct Shell {
     volume: String,
     core: Engine,
     opts: EngineOptions,
+    /// The credentials replica links authenticate with; `None`: plain.
+    tls: Option<TlsContext>,
     me: Option<ThreadHandle>,
     /// The timed poller driving timeouts, keep-alives and reconnects.
     tick: Option<PollerId>,
@@ -472,8 +486,12 @@ impl Shell {
     }
 
     /// std has no non-blocking connect (and socket2 is not a dependency), so
-    /// a short-lived OS thread does the blocking `connect_timeout` and hands
-    /// the stream to the engine thread as a message. At most one attempt per
+    /// a short-lived OS thread does the blocking `connect_timeout` (and, with
+    /// credentials, the TLS handshake, blocking too, within the same
+    /// timeout) and hands the stream to the engine thread as a message. A
+    /// replica that cannot be authenticated is a failed connection like a
+    /// refused one: the core fails the replica and retries it every
+    /// `reconnect_interval_ms`, one log line each time. At most one attempt per
     /// connection is outstanding (the core issues a new one only after this
     /// one is resolved or abandoned, and the timeout bounds it).
     fn connect(&mut self, conn: ConnRef, addr: SocketAddr) {
@@ -482,14 +500,11 @@ impl Shell {
         };
         let timeout =
             Duration::from_millis(self.opts.replica_timeout_ms.min(CONNECT_TIMEOUT_MS_MAX));
+        let tls = self.tls.clone();
         let spawned = std::thread::Builder::new()
             .name("lull-connect".into())
             .spawn(move || {
-                let result = TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
-                    s.set_nodelay(true)?;
-                    s.set_nonblocking(true)?;
-                    Ok(s)
-                });
+                let result = connect_link(addr, timeout, tls.as_ref());
                 let _ = me.send(move |t| {
                     let now = t.now_ns();
                     lock(&shell).on_connected(t, conn, result, now);
@@ -507,7 +522,7 @@ impl Shell {
         &mut self,
         t: &mut Thread,
         conn: ConnRef,
-        result: io::Result<TcpStream>,
+        result: Result<LinkStream, LinkError>,
         now: u64,
     ) {
         if !self.core.conn_connecting(conn) {
@@ -515,24 +530,24 @@ impl Shell {
         }
         let stream = match result {
             Ok(s) => s,
-            Err(e) => {
-                self.run(
-                    t,
-                    Event::ConnDown {
-                        conn,
-                        reason: format!("connect failed: {e}"),
-                    },
-                    now,
-                );
+            Err(LinkError::Connect(reason)) => {
+                self.run(t, Event::ConnDown { conn, reason }, now);
+                return;
+            }
+            Err(LinkError::Auth(reason)) => {
+                self.run(t, Event::AuthFailed { conn, reason }, now);
                 return;
             }
         };
         let Some(shell) = self.this.upgrade() else {
             return;
         };
-        let fd = stream.as_raw_fd();
+        let Some(tcp) = stream.tcp() else {
+            return; // never: a connected link has its socket
+        };
+        let fd = tcp.as_raw_fd();
         let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
-        let peer = stream
+        let peer = tcp
             .peer_addr()
             .map_or_else(|_| "-".to_string(), |a| a.to_string());
         let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
@@ -590,7 +605,9 @@ impl Shell {
         if let Some(sock) = slot.take() {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
-            let _ = sock.link.stream.shutdown(std::net::Shutdown::Both);
+            if let Some(tcp) = sock.link.stream.tcp() {
+                let _ = tcp.shutdown(std::net::Shutdown::Both);
+            }
             drop(sock);
         }
     }
@@ -664,8 +681,26 @@ impl Shell {
         match read {
             Ok(p) => busy |= p,
             Err(reason) => {
-                self.run(t, Event::ConnDown { conn, reason }, now);
+                let event = match self.sock(conn) {
+                    Some(sock) if sock.tls_refused(&reason) => Event::AuthFailed {
+                        conn,
+                        reason: format!(
+                            "replica not authenticated: {reason} ({})",
+                            replica_link::handshake_hint(&reason)
+                        ),
+                    },
+                    _ => Event::ConnDown { conn, reason },
+                };
+                self.run(t, event, now);
                 return PollStatus::Busy;
+            }
+        }
+        // Plaintext a TLS session decrypted and the read budget left: no
+        // socket event will announce it, so come back by ourselves.
+        if let Some(sock) = self.sock(conn) {
+            if sock.link.stream.pending() > 0 {
+                let poller = sock.poller;
+                t.wake_poller(poller);
             }
         }
         if self.flush_sock(t, conn) {
@@ -793,6 +828,46 @@ impl Shell {
 
 // ---- the device ----------------------------------------------------------------
 
+/// Why a replica link could not be made; each carries the reason the
+/// core logs.
+enum LinkError {
+    /// No connection (refused, unreachable, timed out).
+    Connect(String),
+    /// Connected, but the TLS handshake failed: the replica could not be
+    /// authenticated or refused this engine's credentials.
+    Auth(String),
+}
+
+/// Connect to a replica (blocking, on a connect helper thread) and, with
+/// credentials, authenticate before any frame: the whole of it within
+/// `timeout`.
+fn connect_link(
+    addr: SocketAddr,
+    timeout: Duration,
+    tls: Option<&TlsContext>,
+) -> Result<LinkStream, LinkError> {
+    let deadline = std::time::Instant::now() + timeout;
+    let tcp = TcpStream::connect_timeout(&addr, timeout)
+        .and_then(|s| {
+            s.set_nodelay(true)?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .map_err(|e| LinkError::Connect(format!("connect failed: {e}")))?;
+    let Some(ctx) = tls else {
+        return Ok(LinkStream::Plain(tcp));
+    };
+    match replica_link::client_handshake(ctx, tcp, addr.ip(), deadline) {
+        Ok(s) => Ok(LinkStream::Tls(Box::new(s))),
+        Err(e) => {
+            let hint = replica_link::handshake_hint(&e.to_string());
+            Err(LinkError::Auth(format!(
+                "replica not authenticated: {e} ({hint})"
+            )))
+        }
+    }
+}
+
 /// A session for this engine: the wall clock in nanoseconds, so that a
 /// later engine has a larger session and the replicas refuse the frames of
 /// an earlier one (see `lull_proto::replica`). Two engines started within
@@ -833,6 +908,7 @@ impl ReplicatedDev {
         replicas: Vec<SocketAddr>,
         size_bytes: u64,
         opts: EngineOptions,
+        tls: Option<TlsContext>,
     ) -> Result<Arc<ReplicatedDev>, EngineError> {
         opts.validate()?;
         if replicas.is_empty() || replicas.len() > crate::core::MAX_REPLICAS {
@@ -858,6 +934,7 @@ impl ReplicatedDev {
                 volume: volume.to_string(),
                 core: Engine::new(volume, size_bytes, replicas, opts.clone(), new_session()),
                 opts: opts.clone(),
+                tls,
                 me: None,
                 tick: None,
                 this: weak.clone(),

@@ -167,7 +167,9 @@ fn replicated_dev_writes_reads_fails_over_and_eios() {
         keepalive_interval_ms: 300,
         ..Default::default()
     };
-    let dev = ReplicatedDev::start(fw.handle(), 0, "t", vec![a.addr, b.addr], SIZE, opts).unwrap();
+    // Plain links: the fake replicas here speak the protocol in plaintext.
+    let dev =
+        ReplicatedDev::start(fw.handle(), 0, "t", vec![a.addr, b.addr], SIZE, opts, None).unwrap();
     assert!(
         dev.wait_ready(Duration::from_secs(20)),
         "{:?}",

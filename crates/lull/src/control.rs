@@ -22,6 +22,8 @@ pub struct Control {
     pub fw: FrameworkHandle,
     pub volumes: Arc<Volumes>,
     pub engine: lull_engine::EngineOptions,
+    /// How engines of volumes created over RPC reach their replicas.
+    links: crate::ReplicaLinks,
     pub adminq_poll_period_us: AtomicU64,
     /// The NVMe/TCP target's per-volume options, when it runs.
     pub nvmf: Option<lull_nvmf::Subsystems>,
@@ -36,11 +38,13 @@ impl Control {
         fw: FrameworkHandle,
         volumes: Arc<Volumes>,
         engine: lull_engine::EngineOptions,
+        links: crate::ReplicaLinks,
     ) -> Control {
         Control {
             fw,
             volumes,
             engine,
+            links,
             adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US),
             nvmf: None,
             volume_changes: std::sync::Mutex::new(()),
@@ -183,7 +187,7 @@ impl ControlPlane for Control {
                 subsystems.forget(&spec.name);
             }
         };
-        let dev = crate::open_device(&spec, &self.fw, &self.engine).map_err(|e| {
+        let dev = crate::open_device(&spec, &self.fw, &self.engine, &self.links).map_err(|e| {
             forget();
             ControlError::Failed(e.into())
         })?;

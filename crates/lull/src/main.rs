@@ -14,6 +14,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
 use lull_nbd::{ListenAddr, NbdServer, NbdTls};
+use lull_net::link::LinkAuth;
 use lull_net::tls::{Role, TlsContext};
 use lull_reactor::{Framework, FrameworkConfig};
 use lull_volume::{Storage, Volume, VolumeLimits, Volumes};
@@ -40,7 +41,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve volumes over NBD (and NVMe/TCP with --nvmf-listen).
-    Serve(ServeArgs),
+    // Boxed: its many flags make it far larger than the other variants.
+    Serve(Box<ServeArgs>),
     /// Serve one replica of a replicated volume.
     Replica(cli::replica::ReplicaArgs),
     /// Call a JSON-RPC method of a running server.
@@ -109,6 +111,20 @@ struct ServeArgs {
     /// format of nbdkit --tls-psk and libnbd's tls-psk-file).
     #[arg(long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
+    /// Replica links: TLS with this PSK file (username:hexkey lines; the
+    /// replicas' --tls-psk file). One of the three replica-link flags is
+    /// needed when a volume is replicated.
+    #[arg(long, value_name = "FILE")]
+    replica_tls_psk: Option<PathBuf>,
+    /// Replica links: TLS with certificates, a directory with ca-cert.pem,
+    /// client-cert.pem and client-key.pem (qemu's tls-creds-x509 layout);
+    /// the replicas' certificates must be signed by that CA and name
+    /// their IP address.
+    #[arg(long, value_name = "DIR")]
+    replica_tls_certs: Option<PathBuf>,
+    /// Replica links: plain TCP, not authenticated (logged at start).
+    #[arg(long)]
+    replica_insecure: bool,
     /// Replicated volumes: fail a replica silent this long [default: 8000].
     #[arg(long, value_name = "MS")]
     replica_timeout_ms: Option<u64>,
@@ -152,7 +168,7 @@ fn main() -> ExitCode {
     // Reactors report the io_uring_enter calls made on their threads.
     lull_reactor::set_io_uring_enter_source(lull_uring::thread_enter_calls);
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Replica(args) => cli::replica::run(&args),
         Command::Rpc(args) => cli::rpc::run(&args),
         Command::Bench(args) => cli::bench::run(&args),
@@ -184,6 +200,9 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         tls: args.tls,
         tls_certs: args.tls_certs,
         tls_psk: args.tls_psk,
+        replica_tls_psk: args.replica_tls_psk,
+        replica_tls_certs: args.replica_tls_certs,
+        replica_insecure: args.replica_insecure,
         replica_timeout_ms: args.replica_timeout_ms,
         connections_per_replica: args.connections_per_replica,
         max_connections: args.max_connections,
@@ -209,13 +228,55 @@ const REPLICA_READY_TIMEOUT: Duration = Duration::from_secs(5);
 /// the replicas stay dirty, which is safe (the next start reconciles).
 const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How this server's engines reach their replicas, loaded once at start.
+#[derive(Debug, Clone)]
+pub(crate) enum ReplicaLinks {
+    /// No choice was made (no replicated volume at start): replicated
+    /// volumes are refused, also over RPC.
+    NotConfigured,
+    Plain,
+    Tls(TlsContext),
+}
+
+impl ReplicaLinks {
+    /// Load the credentials (an error is the operator's: exit 2), and
+    /// warn about plain links.
+    fn load(auth: Option<&LinkAuth>) -> Result<ReplicaLinks, String> {
+        let Some(auth) = auth else {
+            return Ok(ReplicaLinks::NotConfigured);
+        };
+        match auth.context(Role::Client) {
+            Ok(Some(ctx)) => {
+                tracing::info!(creds = ?ctx.creds(), "replica links: TLS, replicas must authenticate");
+                Ok(ReplicaLinks::Tls(ctx))
+            }
+            Ok(None) => {
+                tracing::warn!("{}", lull_net::link::INSECURE_WARNING);
+                Ok(ReplicaLinks::Plain)
+            }
+            Err(e) => Err(format!("replica links: {e}")),
+        }
+    }
+}
+
 pub(crate) fn open_device(
     spec: &config::VolumeSpec,
     fw: &lull_reactor::FrameworkHandle,
     engine: &lull_engine::EngineOptions,
+    links: &ReplicaLinks,
 ) -> Result<Storage, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
+            let tls = match links {
+                ReplicaLinks::NotConfigured => {
+                    return Err(format!(
+                        "a replicated volume, and this server was started without a replica-link choice: {}",
+                        LinkAuth::missing(LinkAuth::SERVE_FLAGS)
+                    ))
+                }
+                ReplicaLinks::Plain => None,
+                ReplicaLinks::Tls(ctx) => Some(ctx.clone()),
+            };
             // Engines are spread over the reactors at start (round robin);
             // the dynamic scheduler moves them later as their load asks.
             let reactor = fw.next_reactor();
@@ -226,6 +287,7 @@ pub(crate) fn open_device(
                 addrs.clone(),
                 spec.size_bytes,
                 engine.clone(),
+                tls,
             )
             .map(Storage::Replicated)
             .map_err(|e| e.to_string());
@@ -356,6 +418,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         },
         None => None,
     };
+    let links = match ReplicaLinks::load(s.replica_link.as_ref()) {
+        Ok(l) => l,
+        Err(e) => return usage_error(e),
+    };
     let mut signals = match cli::signals::stop_signals() {
         Ok(s) => s,
         Err(code) => return code,
@@ -377,7 +443,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         in_flight: s.max_in_flight_per_volume,
     }));
     for spec in &s.volumes {
-        let dev = match open_device(spec, fw.handle(), &s.engine) {
+        let dev = match open_device(spec, fw.handle(), &s.engine, &links) {
             Ok(d) => d,
             Err(e) => {
                 fw.stop();
@@ -443,8 +509,13 @@ fn serve(args: ServeArgs) -> ExitCode {
         left
     };
     let control = Arc::new(
-        control::Control::new(fw.handle().clone(), volumes.clone(), s.engine.clone())
-            .with_nvmf(nvmf.as_ref().map(|n| n.subsystems())),
+        control::Control::new(
+            fw.handle().clone(),
+            volumes.clone(),
+            s.engine.clone(),
+            links,
+        )
+        .with_nvmf(nvmf.as_ref().map(|n| n.subsystems())),
     );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {

@@ -510,6 +510,8 @@ impl Replica {
         let log = std::fs::File::create(data.join("replica.log")).expect("replica log");
         let child = Command::new(env!("CARGO_BIN_EXE_lull"))
             .args(["replica", "--listen", &addr.to_string(), "--size", size])
+            // Plain links: authentication is tests/replica_tls.rs's.
+            .arg("--insecure")
             .arg("--dir")
             .arg(data.join("data"))
             .stdin(std::process::Stdio::null())
@@ -571,6 +573,7 @@ fn file_and_two_replica_volumes_round_trip_and_take_perf_load() {
     );
     let file = scratch.0.join("f.img");
     let mut server = Server::start(&[
+        "--replica-insecure",
         "--volume",
         &format!("f:32M:file={}", file.display()),
         "--volume",

@@ -303,6 +303,8 @@ fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
             "16M",
             "--uring",
             uring,
+            // Plain links: authentication is tests/replica_tls.rs's.
+            "--insecure",
         ])
         .arg("--dir")
         .arg(dir.join("data"))
@@ -339,7 +341,11 @@ fn replica_data_file_takes_the_same_ring_options() {
         Err(log) => panic!("lull replica --uring direct,sqpoll=5 refused:\n{log}"),
     };
     let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
-    let mut server = Server::start(&["--volume", &format!("vol:16M:replicas={addr}")]);
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("vol:16M:replicas={addr}"),
+    ]);
     fio_verify(&server);
     server.assert_healthy();
     drop(server);

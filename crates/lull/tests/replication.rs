@@ -80,6 +80,9 @@ impl Replica {
                 &self.addr.to_string(),
                 "--size",
                 VOLUME,
+                // Plain links: these tests are about replication, not
+                // authentication (tests/replica_tls.rs covers that).
+                "--insecure",
             ])
             .arg("--dir")
             .arg(self.dir.join("data"))
@@ -129,7 +132,7 @@ impl Drop for Replica {
 }
 
 fn serve(volumes: &[String]) -> Server {
-    let mut args: Vec<&str> = Vec::new();
+    let mut args: Vec<&str> = vec!["--replica-insecure"];
     for v in volumes {
         args.push("--volume");
         args.push(v);
@@ -369,14 +372,26 @@ fn replicated_volume_refusals_come_in_the_handshake() {
     };
     let spec = spec("vol0", &[a, b]);
     {
-        let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "1"]);
+        let mut server = Server::start(&[
+            "--replica-insecure",
+            "--volume",
+            &spec,
+            "--max-connections-per-volume",
+            "1",
+        ]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
         let _one = NbdClient::connect(server.addr(), "vol0").expect("first connection");
         let err = go_refused(&server, "the per-volume cap");
         assert!(err.contains("maximum of 1 connections"), "{err}");
         server.assert_healthy();
     }
-    let mut server = Server::start(&["--volume", &spec, "--max-connections-per-volume", "100"]);
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &spec,
+        "--max-connections-per-volume",
+        "100",
+    ]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
     let max = lull_engine::MAX_CHANNELS;
     let held: Vec<NbdClient> = (0..max)
@@ -409,6 +424,7 @@ fn resizing_a_replicated_volume_is_refused() {
         std::process::id()
     ));
     let mut server = Server::start(&[
+        "--replica-insecure",
         "--volume",
         &spec("vol0", &[a, b]),
         "--rpc-socket",
@@ -550,7 +566,8 @@ fn replicated_volume_sleeps_when_idle() {
     let _ra = Replica::start(a, &scratch("idle-a"));
     for mode in ["interrupt", "adaptive"] {
         let volume = spec("vol0", &[a]);
-        let mut server = Server::start(&["--mode", mode, "--volume", &volume]);
+        let mut server =
+            Server::start(&["--replica-insecure", "--mode", mode, "--volume", &volume]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
         let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
         // Pipelined batches, so completions arrive while the channel is
@@ -681,6 +698,7 @@ fn hybrid_mode_serves_a_replicated_volume() {
     let _ra = Replica::start(a, &scratch("hybrid-a"));
     for period in ["10", "1000"] {
         let mut args: Vec<String> = vec![
+            "--replica-insecure".into(),
             "--mode".into(),
             "hybrid".into(),
             "--nvme-ioq-poll-period-us".into(),

@@ -69,6 +69,8 @@ impl Replica {
         let log = std::fs::File::create(dir.join("replica.log")).expect("replica log");
         let child = Command::new(env!("CARGO_BIN_EXE_lull"))
             .args(["replica", "--listen", &addr.to_string(), "--size", size])
+            // Plain links: authentication is tests/replica_tls.rs's.
+            .arg("--insecure")
             .arg("--dir")
             .arg(dir.join("data"))
             .env("RUST_LOG", "info")
@@ -117,7 +119,7 @@ fn two_replicas(scratch: &Scratch, size: &str) -> (Server, Replica, Replica) {
     let a = Replica::start(&scratch.0.join("a"), size);
     let b = Replica::start(&scratch.0.join("b"), size);
     let spec = format!("v:{size}:replicas={}+{}", a.addr, b.addr);
-    let server = Server::start(&["--volume", &spec]);
+    let server = Server::start(&["--replica-insecure", "--volume", &spec]);
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Ok(mut c) = NbdClient::connect(server.addr(), "v") {

@@ -25,6 +25,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bufs;
+pub mod link;
 pub mod server;
 pub mod slots;
 pub mod tls;

@@ -128,6 +128,19 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
         }
     }
 
+    /// Close with a warning: the peer was refused (it failed to
+    /// authenticate, or speaks the wrong kind of link). What is queued is
+    /// still sent unless the stream is also broken ([`Wire::set_broken`]);
+    /// later calls keep the first reason.
+    pub fn refuse(&mut self, reason: impl Into<String>) {
+        if self.closing.is_none() {
+            let reason = reason.into();
+            let context = self.context.as_deref().unwrap_or("-");
+            tracing::warn!(conn = self.kind, peer = %self.peer, context, reason = %reason, "refusing connection");
+            self.closing = Some(reason);
+        }
+    }
+
     /// Queue a frame, unless the stream is broken (then the payload is
     /// recycled into the thread's buffer cache).
     pub fn push(&mut self, header: &[u8], payload: P) {

@@ -34,7 +34,16 @@
 //! reply is queued. A request from a session that does not own the
 //! replica is not taken: an engine's connection (non-zero session) is
 //! closed, a tool's (session 0) gets `ESTALE`.
+//!
+//! Authentication: with TLS credentials, the first byte must open a TLS
+//! handshake (a plain peer is refused with a warning naming it), and the
+//! handshake runs on the poller like any read, before the HELLO; it counts
+//! against the HELLO timeout. A failed handshake (wrong key, untrusted
+//! certificate) closes the connection with one warning. A plain replica
+//! (`--insecure`) refuses a peer whose first byte opens a TLS handshake
+//! with a warning too, so a half-configured pair says so on both ends.
 
+use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,8 +51,10 @@ use std::sync::{mpsc, Arc};
 
 use lull_bdev::faulty::SplitMix64;
 use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_net::link::{handshake_hint, LinkStream, TLS_RECORD_HANDSHAKE};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
+use lull_net::tls::TlsStream;
 use lull_net::wire::{self as link, Wire};
 use lull_net::{bufs, Payload};
 use lull_proto::replica::{
@@ -145,8 +156,14 @@ impl Wait {
 pub(crate) struct Conn {
     /// The socket, its buffers and the closing/broken state
     /// (`lull_net::wire`, shared with the NBD server).
-    link: Wire<TcpStream>,
+    link: Wire<LinkStream>,
     server: Arc<Shared>,
+    /// TLS is required and the peer's first byte has not been seen yet
+    /// (the stream is still plain).
+    tls_expected: bool,
+    /// TLS is required and the peer speaks plaintext: its first frame is
+    /// answered with an EACCES HELLO refusal, then the connection closes.
+    refuse_plain: bool,
     phase: Phase,
     /// Request header of each request in flight; a slot's wire id is the
     /// I/O tag. Grows to the deepest queue the peer has used.
@@ -189,9 +206,9 @@ impl Connection for Conn {
 }
 
 impl link::Protocol for Conn {
-    type Stream = TcpStream;
+    type Stream = LinkStream;
 
-    fn link(&mut self) -> &mut Wire<TcpStream> {
+    fn link(&mut self) -> &mut Wire<LinkStream> {
         &mut self.link
     }
 
@@ -229,6 +246,14 @@ impl link::Protocol for Conn {
         }
     }
 
+    fn stream_wants_write(&self) -> bool {
+        self.link.stream.wants_write()
+    }
+
+    fn stranded_input(&self) -> bool {
+        self.link.stream.pending() > 0 && !self.link.is_closing() && self.wants_input()
+    }
+
     fn check_invariants(&self) {
         Conn::check_invariants(self);
     }
@@ -257,9 +282,18 @@ impl Conn {
                 .seed
                 .wrapping_add(server.conns_accepted.fetch_add(1, Ordering::Relaxed)),
         );
+        let tls_expected = server.tls.is_some();
         Conn {
-            link: Wire::new(stream, fd, READ_BUFFER_BYTES, "replica", peer.to_string()),
+            link: Wire::new(
+                LinkStream::Plain(stream),
+                fd,
+                READ_BUFFER_BYTES,
+                "replica",
+                peer.to_string(),
+            ),
             server,
+            tls_expected,
+            refuse_plain: false,
             phase: Phase::AwaitHello,
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
@@ -632,7 +666,99 @@ impl Conn {
             && self.retry.is_none()
     }
 
+    /// TLS before anything else: check the peer's first byte, then drive
+    /// the handshake. `Some(progress)` while it is not established.
+    fn tls_step(&mut self) -> Option<bool> {
+        if self.tls_expected {
+            let mut first = [0u8; 1];
+            let Some(tcp) = self.link.stream.tcp() else {
+                return Some(false);
+            };
+            match tcp.peek(&mut first) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => return Some(false),
+                Err(e) => {
+                    self.link.set_broken();
+                    self.close(format!("read failed: {e}"));
+                    return Some(true);
+                }
+                Ok(0) => {
+                    self.link.set_broken();
+                    self.close("peer disconnected before the TLS handshake");
+                    return Some(true);
+                }
+                Ok(_) if first[0] != TLS_RECORD_HANDSHAKE => {
+                    // Plaintext: its first frame gets a refusal the engine
+                    // can log (`take_frame`), then the connection closes.
+                    self.tls_expected = false;
+                    self.refuse_plain = true;
+                    return None;
+                }
+                Ok(_) => {}
+            }
+            self.tls_expected = false;
+            let LinkStream::Plain(tcp) = std::mem::replace(&mut self.link.stream, LinkStream::Gone)
+            else {
+                unreachable!("the stream is plain until the first byte is seen")
+            };
+            let ctx = self
+                .server
+                .tls
+                .as_ref()
+                .expect("TLS expected without a context");
+            match TlsStream::new(ctx, tcp) {
+                Ok(s) => self.link.stream = LinkStream::Tls(Box::new(s)),
+                Err(e) => {
+                    self.link.set_broken();
+                    self.close(format!("cannot start TLS: {e}"));
+                    return Some(true);
+                }
+            }
+        }
+        let LinkStream::Tls(s) = &mut self.link.stream else {
+            return None;
+        };
+        match s.handshake() {
+            Ok(true) => {
+                tracing::info!(peer = %self.link.peer(), "replica link authenticated (TLS)");
+                Some(true)
+            }
+            Ok(false) => Some(false),
+            Err(e) => {
+                let hint = handshake_hint(&e.to_string());
+                self.link.set_broken();
+                self.link.refuse(format!("not authenticated: {e} ({hint})"));
+                Some(true)
+            }
+        }
+    }
+
+    /// A plaintext peer on a replica that requires TLS: answer its first
+    /// frame (a HELLO, from an engine with plain links) with an EACCES
+    /// refusal whose HELLO payload is all zeros (nothing about the replica
+    /// goes to an unauthenticated peer), and close. What it sent is read
+    /// first, so the close is a FIN, not a reset that could beat the
+    /// refusal to the engine.
+    fn refuse_plaintext(&mut self, raw: &[u8; HEADER_LEN]) {
+        let frame = self.buffered().min(HEADER_LEN + HELLO_LEN);
+        self.link.inb.consume(frame);
+        let mut header = [0u8; HEADER_LEN];
+        wire::encode_refusal(wire::raw_id(raw), libc::EACCES as u32, &mut header);
+        self.link
+            .out
+            .push(&header, Payload::Bytes(vec![0; HELLO_LEN]));
+        self.link.refuse(
+            "not authenticated: the peer speaks plain replica protocol, and this \
+             replica requires TLS (an engine started with --replica-insecure?)",
+        );
+    }
+
     fn read_and_dispatch(&mut self) -> bool {
+        if self.tls_expected || self.link.stream.handshaking() {
+            if let Some(progress) = self.tls_step() {
+                return progress;
+            }
+        }
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
@@ -753,6 +879,10 @@ impl Conn {
         }
         let mut raw = [0u8; HEADER_LEN];
         raw.copy_from_slice(&self.link.inb.peek()[..HEADER_LEN]);
+        if self.refuse_plain {
+            self.refuse_plaintext(&raw);
+            return true;
+        }
         let h = match wire::decode_header(&raw) {
             Ok(h) => h,
             Err(FrameError::BadVersion(version)) => {
@@ -766,6 +896,19 @@ impl Conn {
                     "protocol version {version} is not {}",
                     wire::PROTOCOL_VERSION
                 ));
+                return true;
+            }
+            Err(_)
+                if matches!(self.phase, Phase::AwaitHello)
+                    && raw[0] == TLS_RECORD_HANDSHAKE
+                    && !self.link.stream.is_tls() =>
+            {
+                self.link.set_broken();
+                self.link.refuse(
+                    "the peer opens a TLS handshake, and this replica serves plain links \
+                     (--insecure): start it with --tls-psk or --tls-certs, or the engine \
+                     with --replica-insecure",
+                );
                 return true;
             }
             Err(e) => {

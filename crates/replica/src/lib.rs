@@ -11,6 +11,7 @@
 //!     direct: false,
 //!     faults: ReplicaFaults::default(),
 //!     ring: Default::default(),
+//!     link: LinkAuth::Tls(Creds::Psk("/etc/lull/replica.psk".into())),
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
@@ -77,7 +78,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use lull_bdev::{BdevError, BlockDevice, Faults, FaultyDev, FileDev, FileOptions, Probability};
+use lull_net::link::LinkAuth;
 use lull_net::server::{Acceptor, Connections, Limits};
+use lull_net::tls::{Role, TlsContext, TlsError};
 use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
@@ -135,6 +138,8 @@ pub enum ReplicaError {
     Unclean { open: usize },
     #[error("write-intent record: {0}")]
     Intent(#[from] IntentError),
+    #[error("replica link TLS: {0}")]
+    Tls(#[from] TlsError),
     #[error("DETACH while {in_flight} other modifying request(s) are in flight: the engine detaches only after its I/O completed and a FLUSH")]
     DetachBusy { in_flight: usize },
 }
@@ -154,6 +159,7 @@ impl ReplicaError {
             ReplicaError::ShuttingDown => libc::ESHUTDOWN,
             ReplicaError::Intent(e) => e.errno(),
             ReplicaError::DetachBusy { .. } => libc::EBUSY,
+            ReplicaError::Tls(_) => libc::EACCES,
         }
     }
 }
@@ -169,6 +175,9 @@ pub struct ReplicaConfig {
     pub ring: lull_bdev::RingOptions,
     /// Faults to inject, for rehearsals and tests; none by default.
     pub faults: ReplicaFaults,
+    /// How engines must authenticate (`--tls-psk`, `--tls-certs`), or
+    /// plain links (`--insecure`).
+    pub link: LinkAuth,
 }
 
 /// Faults a replica injects on purpose (`lull replica --fault-*`), so
@@ -240,6 +249,9 @@ pub(crate) struct Shared {
     pub(crate) regions: u32,
     pub(crate) intent: Arc<Persister>,
     pub(crate) fences: Fences,
+    /// TLS credentials every connection must authenticate with; `None`
+    /// for plain links (`--insecure`).
+    pub(crate) tls: Option<TlsContext>,
     meta: Mutex<MetaState>,
 }
 
@@ -394,6 +406,9 @@ impl ReplicaServer {
         fw: &FrameworkHandle,
         config: &ReplicaConfig,
     ) -> Result<ReplicaServer, ReplicaError> {
+        // Credentials first: a bad key file is the operator's to fix before
+        // anything is created on disk.
+        let tls = config.link.context(Role::Server)?;
         let dir = config.dir.clone();
         std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
         let lock_path = dir.join(LOCK_FILE);
@@ -517,6 +532,7 @@ impl ReplicaServer {
             regions,
             intent,
             fences: Fences::new(),
+            tls,
             meta: Mutex::new(MetaState {
                 meta,
                 sealed: false,
@@ -532,6 +548,15 @@ impl ReplicaServer {
                 return Err(e.into());
             }
         };
+        match &config.link {
+            LinkAuth::Insecure => tracing::warn!("{}", lull_net::link::INSECURE_WARNING),
+            LinkAuth::Tls(creds) => {
+                tracing::info!(
+                    ?creds,
+                    "replica links: TLS required, engines must authenticate"
+                )
+            }
+        }
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
             generation = meta.generation, clean = meta.clean, intent_lost, data = %shared.dev.describe(),

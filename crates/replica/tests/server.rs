@@ -65,6 +65,8 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         direct: false,
         faults: Default::default(),
         ring: Default::default(),
+        // These tests speak the replica protocol themselves, in plaintext.
+        link: lull_net::link::LinkAuth::Insecure,
     }
 }
 
@@ -1110,6 +1112,85 @@ fn intent_ranges_past_the_regions_are_refused() {
     assert_eq!(c.intent(), (0, vec![REGIONS - 1]));
     assert_eq!(c.write(0, b"ok"), 0);
     drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+/// A replica that requires a PSK: a plaintext engine gets an EACCES HELLO
+/// refusal that tells it nothing about the replica, and cannot take it
+/// over; a wrong key fails the handshake; the right key serves.
+#[test]
+fn a_psk_replica_refuses_plaintext_and_wrong_keys() {
+    use lull_net::link::{client_handshake, LinkAuth};
+    use lull_net::tls::{Creds, Role};
+
+    let dir = TempDir::new("psk");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let key = dir.0.join("replica.psk");
+    let wrong = dir.0.join("wrong.psk");
+    std::fs::write(&key, "lull:00112233445566778899aabbccddeeff\n").unwrap();
+    std::fs::write(&wrong, "lull:ffeeddccbbaa99887766554433221100\n").unwrap();
+    let mut fw = framework();
+    let psk = |path: &Path| LinkAuth::Tls(Creds::Psk(path.to_path_buf()));
+    let cfg = ReplicaConfig {
+        link: psk(&key),
+        ..config(&dir.0.join("data"), SIZE)
+    };
+    let server = ReplicaServer::start(fw.handle(), &cfg).unwrap();
+    let addr = server.local_addr();
+
+    let mut plain = Client::engine(addr, 5);
+    let body = wire::encode_hello(&Hello {
+        volume_size: SIZE,
+        generation: 9,
+        flags: HELLO_FLAG_ATTACH,
+        session: 5,
+    });
+    plain.send(
+        &Header::request(Kind::Hello, 41, 0, HELLO_LEN as u32),
+        &body,
+    );
+    let (h, p) = plain.recv();
+    assert_eq!(
+        (h.kind, h.id, h.status as i32),
+        (Kind::Hello, 41, libc::EACCES)
+    );
+    assert!(p.iter().all(|&b| b == 0), "nothing told before TLS: {p:?}");
+    plain.expect_closed();
+    assert_eq!(server.owner_session(), 0, "a plaintext engine took it over");
+
+    let deadline = || std::time::Instant::now() + Duration::from_secs(10);
+    let connect = || TcpStream::connect(addr).unwrap();
+    let ctx = psk(&wrong).context(Role::Client).unwrap().unwrap();
+    let e = client_handshake(&ctx, connect(), addr.ip(), deadline()).unwrap_err();
+    assert!(e.to_string().contains("TLS handshake failed"), "{e}");
+
+    let ctx = psk(&key).context(Role::Client).unwrap().unwrap();
+    let mut tls = client_handshake(&ctx, connect(), addr.ip(), deadline()).unwrap();
+    tls.get_ref().set_nonblocking(false).unwrap();
+    tls.get_ref()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut raw = [0u8; HEADER_LEN];
+    wire::encode_header(
+        &Header::request(Kind::Hello, 42, 0, HELLO_LEN as u32),
+        &mut raw,
+    )
+    .unwrap();
+    let probe = wire::encode_hello(&Hello {
+        volume_size: SIZE,
+        generation: 0,
+        flags: 0,
+        session: 0,
+    });
+    tls.write_all(&[&raw[..], &probe[..]].concat()).unwrap();
+    tls.read_exact(&mut raw).unwrap();
+    let h = wire::decode_header(&raw).unwrap();
+    assert_eq!((h.kind, h.id, h.status), (Kind::Hello, 42, 0));
+    let mut p = vec![0u8; wire::payload_len(&h)];
+    tls.read_exact(&mut p).unwrap();
+    assert_eq!(wire::decode_hello(&p).unwrap().volume_size, SIZE);
+    drop(tls);
     server.shutdown(Duration::from_secs(10)).unwrap();
     fw.stop();
 }

@@ -131,6 +131,7 @@ pub use io::MARK_LOOKAHEAD;
 pub use rebuild::{
     REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
 };
+pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
 
 /// Replicas one volume may have (configured plus added). Longhorn runs 3;
 /// the bound keeps a [`ids::ReplicaSet`] in one `u32`.
@@ -169,6 +170,13 @@ pub enum Event {
     ConnUp(ConnRef),
     /// A connection failed to connect, broke, or sent an undecodable frame.
     ConnDown {
+        conn: ConnRef,
+        reason: String,
+    },
+    /// A connection was made but the replica could not be authenticated
+    /// (or refused this engine's credentials): failed like `ConnDown`, and
+    /// retried less and less often, since a wrong key does not fix itself.
+    AuthFailed {
         conn: ConnRef,
         reason: String,
     },
@@ -415,6 +423,11 @@ impl Engine {
             Event::ConnDown { conn, reason } => {
                 if let Some(r) = self.live_conn(conn) {
                     self.fail_replica(r, &reason, false);
+                }
+            }
+            Event::AuthFailed { conn, reason } => {
+                if let Some(r) = self.live_conn(conn) {
+                    self.auth_failed(r, &reason);
                 }
             }
             Event::Frame {

@@ -15,6 +15,16 @@ use super::io::{eio, IoId};
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
 use super::{Action, ConnRef, Engine, LogLevel, Milestone, Payload, MAX_REPLICAS};
 
+/// The longest wait between attempts on a replica that cannot be
+/// authenticated: a wrong key or certificate is an operator's mistake, so
+/// each end logs a refusal about once a minute until it is fixed, and a
+/// fixed replica is back within a minute.
+pub const AUTH_RETRY_INTERVAL_MS_MAX: u64 = 60_000;
+
+/// Doublings of `reconnect_interval_ms` before the cap (2 s × 2^5 = 64 s
+/// with the default interval); bounds the shift.
+const AUTH_RETRY_DOUBLINGS_MAX: u32 = 5;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum RState {
     /// Connections being set up and probed (HELLO).
@@ -85,6 +95,9 @@ pub(super) struct Replica {
     pub(super) errors: u64,
     pub(super) last_error: Option<String>,
     pub(super) retry_at_ns: u64,
+    /// Authentication failures in a row (reset when a connection is
+    /// authenticated): each doubles the wait before the next attempt.
+    pub(super) auth_failures: u32,
     pub(super) next_conn: usize,
     /// Its write-intent bitmap (INTENT_GET after the probe), kept until
     /// the election that uses it.
@@ -119,6 +132,7 @@ impl Engine {
             errors: 0,
             last_error: None,
             retry_at_ns: 0,
+            auth_failures: 0,
             next_conn: 0,
             intent: None,
             intent_lost: false,
@@ -249,6 +263,7 @@ impl Engine {
         }
         self.replicas[r].conns[ci].state = CState::Hello;
         self.replicas[r].conns[ci].last_rx_ns = self.now;
+        self.replicas[r].auth_failures = 0;
         let hello = Hello {
             volume_size: self.size_bytes,
             generation: 0,
@@ -338,6 +353,26 @@ impl Engine {
             Some(c) => self.send(r, c, what, kind, offset, length, payload),
             None => false,
         }
+    }
+
+    /// Replica `r` could not be authenticated: fail it, and wait
+    /// `reconnect_interval_ms` doubled per failure in a row (at most
+    /// [`AUTH_RETRY_INTERVAL_MS_MAX`]) before trying again, so a wrong key
+    /// costs each end a log line a minute rather than one every 2 s.
+    pub(super) fn auth_failed(&mut self, r: ReplicaId, reason: &str) {
+        if matches!(self.replicas[r].state, RState::Failed | RState::Removed) {
+            return;
+        }
+        self.fail_replica(r, reason, false);
+        let rep = &mut self.replicas[r];
+        rep.auth_failures = rep.auth_failures.saturating_add(1);
+        let doublings = (rep.auth_failures - 1).min(AUTH_RETRY_DOUBLINGS_MAX);
+        let wait_ms = self
+            .opts
+            .reconnect_interval_ms
+            .saturating_mul(1 << doublings)
+            .min(AUTH_RETRY_INTERVAL_MS_MAX.max(self.opts.reconnect_interval_ms));
+        rep.retry_at_ns = self.now.saturating_add(wait_ms.saturating_mul(1_000_000));
     }
 
     /// Fail replica `r`: close its connections, finish everything it had in
@@ -582,6 +617,15 @@ impl Engine {
         if let Some(b) = payload {
             self.pool.put(b);
         }
+        if h.status == libc::EACCES as u32 {
+            // A replica that requires TLS answers a plain HELLO this way
+            // (its HELLO payload tells nothing) before it closes.
+            return self.auth_failed(
+                r,
+                "replica refused this engine: it requires TLS (give lull serve \
+                 --replica-tls-psk or --replica-tls-certs, as the replica's --tls-psk or --tls-certs)",
+            );
+        }
         if hello.volume_size != self.size_bytes {
             let why = format!(
                 "size mismatch: replica has {} bytes, the volume is {} bytes",
@@ -714,5 +758,68 @@ impl Engine {
             }
             self.log(LogLevel::Info, msg);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::Event;
+    use crate::EngineOptions;
+
+    fn connects(out: &mut Vec<Action>) -> Vec<ConnRef> {
+        out.drain(..)
+            .filter_map(|a| match a {
+                Action::Connect { conn, .. } => Some(conn),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A replica that cannot be authenticated is retried after 2 s, 4 s,
+    /// 8 s ... up to a minute; a plain connection failure keeps the fixed
+    /// interval, and an authenticated connection resets the backoff.
+    #[test]
+    fn authentication_failures_back_off() {
+        let opts = EngineOptions::default();
+        let step_ns = opts.reconnect_interval_ms * 1_000_000;
+        let addr = "127.0.0.1:7001".parse().unwrap();
+        let mut e = Engine::new("v", 1 << 20, vec![addr], opts, 1);
+        let mut out = Vec::new();
+        let mut now = 0;
+        e.start(now, &mut out);
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            let conns = connects(&mut out);
+            assert!(!conns.is_empty());
+            let reason = "replica not authenticated: test".to_string();
+            e.apply(
+                Event::AuthFailed {
+                    conn: conns[0],
+                    reason,
+                },
+                now,
+                &mut out,
+            );
+            // Tick every 100 ms until the next attempt.
+            let failed_at = now;
+            loop {
+                now += 100_000_000;
+                e.apply(Event::Tick, now, &mut out);
+                if out.iter().any(|a| matches!(a, Action::Connect { .. })) {
+                    break;
+                }
+            }
+            waits.push((now - failed_at).div_ceil(step_ns));
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+        // Authenticated: the next failure waits the plain interval again.
+        let conns = connects(&mut out);
+        e.apply(Event::ConnUp(conns[0]), now, &mut out);
+        let reason = "replica not authenticated: test".to_string();
+        let conn = conns[1];
+        out.clear();
+        e.apply(Event::AuthFailed { conn, reason }, now, &mut out);
+        assert_eq!(e.replicas[ReplicaId::new(0)].auth_failures, 1);
     }
 }

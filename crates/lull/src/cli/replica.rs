@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use lull_net::link::LinkAuth;
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_replica::{ReplicaConfig, ReplicaError, ReplicaFaults, ReplicaServer};
 
@@ -55,6 +56,22 @@ pub struct ReplicaArgs {
     /// iopoll, iopoll=auto, hybrid_iopoll (as a file volume's flags).
     #[arg(long, value_name = "OPTIONS")]
     pub uring: Option<String>,
+    /// Engines must authenticate with TLS and this PSK file (username:hexkey
+    /// lines, the format of nbdkit --tls-psk; the engine's
+    /// --replica-tls-psk file). One of --tls-psk, --tls-certs, --insecure
+    /// is required.
+    #[arg(long, value_name = "FILE")]
+    pub tls_psk: Option<PathBuf>,
+    /// Engines must authenticate with TLS certificates: a directory with
+    /// server-cert.pem, server-key.pem and ca-cert.pem (qemu's
+    /// tls-creds-x509 layout); engines need a client certificate signed by
+    /// that CA.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certs: Option<PathBuf>,
+    /// Plain TCP: any peer that reaches the port may read and write the
+    /// replica (logged at start).
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 /// Resolved `lull replica` settings.
@@ -86,6 +103,13 @@ impl ReplicaArgs {
                 "core {bad} is not available to this process (allowed: {allowed_cpus:?})"
             ));
         }
+        let link = LinkAuth::from_flags(
+            self.tls_psk.clone(),
+            self.tls_certs.clone(),
+            self.insecure,
+            LinkAuth::REPLICA_FLAGS,
+        )?
+        .ok_or_else(|| LinkAuth::missing(LinkAuth::REPLICA_FLAGS))?;
         let mode = self.mode.parse::<Mode>()?;
         if self.dir.as_os_str().is_empty() {
             return Err("--dir must not be empty".into());
@@ -124,6 +148,7 @@ impl ReplicaArgs {
                 direct,
                 ring,
                 faults,
+                link,
             },
             cores,
             mode,
@@ -132,10 +157,11 @@ impl ReplicaArgs {
 }
 
 /// Process exit code for a replica server that failed: 2 for a directory
-/// that does not match the arguments (as clap for bad arguments), 1 else.
+/// or credentials that do not match the arguments (as clap for bad
+/// arguments), 1 else.
 fn exit_code(e: &ReplicaError) -> ExitCode {
     match e {
-        ReplicaError::SizeMismatch { .. } => ExitCode::from(EXIT_USAGE),
+        ReplicaError::SizeMismatch { .. } | ReplicaError::Tls(_) => ExitCode::from(EXIT_USAGE),
         _ => ExitCode::FAILURE,
     }
 }
@@ -165,6 +191,12 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    // The credentials are checked before anything starts (the server
+    // loads them again): a wrong key file is a usage error.
+    if let Err(e) = settings.config.link.context(lull_net::tls::Role::Server) {
+        eprintln!("lull: error: replica link TLS: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     let mut signals = match signals::stop_signals() {
         Ok(s) => s,
         Err(code) => return code,
@@ -232,6 +264,9 @@ mod tests {
             fault_delay_us: 0,
             fault_seed: None,
             uring: None,
+            tls_psk: None,
+            tls_certs: None,
+            insecure: true,
         };
         let s = args.resolve(&[0, 1]).unwrap();
         assert!(!s.config.faults.any());
@@ -263,6 +298,30 @@ mod tests {
         ] {
             assert!(bad.resolve(&[0]).unwrap_err().contains("--fault-"));
         }
+        assert_eq!(s.config.link, LinkAuth::Insecure);
+        let psk = ReplicaArgs {
+            tls_psk: Some("r.psk".into()),
+            insecure: false,
+            ..args.clone()
+        };
+        assert_eq!(
+            psk.resolve(&[0]).unwrap().config.link,
+            LinkAuth::Tls(lull_net::tls::Creds::Psk("r.psk".into()))
+        );
+        let none = ReplicaArgs {
+            insecure: false,
+            ..args.clone()
+        };
+        let e = none.resolve(&[0]).unwrap_err();
+        assert!(
+            e.contains("--tls-psk") && e.contains("--tls-certs") && e.contains("--insecure"),
+            "{e}"
+        );
+        let two = ReplicaArgs {
+            tls_certs: Some("pki".into()),
+            ..args.clone()
+        };
+        assert!(two.resolve(&[0]).unwrap_err().contains("only one"));
         assert_eq!(s.cores, vec![1]);
         assert_eq!(s.mode, Mode::Adaptive);
         assert_eq!(s.config.size_bytes, 1 << 20);
@@ -312,6 +371,9 @@ mod tests {
             fault_delay_us: 0,
             fault_seed: None,
             uring: None,
+            tls_psk: None,
+            tls_certs: None,
+            insecure: true,
         };
         assert_eq!(run(&args), ExitCode::from(2));
         let args = ReplicaArgs {
@@ -320,6 +382,19 @@ mod tests {
             ..args
         };
         assert_eq!(run(&args), ExitCode::from(2));
+        let no_link_choice = ReplicaArgs {
+            size: "1M".into(),
+            insecure: false,
+            ..args.clone()
+        };
+        assert_eq!(run(&no_link_choice), ExitCode::from(2));
+        let missing_key = ReplicaArgs {
+            size: "1M".into(),
+            insecure: false,
+            tls_psk: Some("/nonexistent/replica.psk".into()),
+            ..args
+        };
+        assert_eq!(run(&missing_key), ExitCode::from(2));
     }
 
     #[test]
@@ -331,5 +406,10 @@ mod tests {
         };
         assert_eq!(exit_code(&mismatch), ExitCode::from(2));
         assert_eq!(exit_code(&ReplicaError::ShuttingDown), ExitCode::FAILURE);
+        let bad_key = ReplicaError::Tls(lull_net::tls::TlsError::Creds {
+            path: "k.psk".into(),
+            reason: "bad".into(),
+        });
+        assert_eq!(exit_code(&bad_key), ExitCode::from(2));
     }
 }
