@@ -379,80 +379,11 @@ fn unauthenticated_peers_are_refused_and_the_volume_serves_from_the_authenticate
     server.assert_healthy();
 }
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate in
-/// qemu's tls-creds-x509 layout (one directory serves both ends: each loads
-/// only its own files). The same recipe as tests/tls.rs.
-fn make_pki(dir: &Path) {
-    require("openssl", "openssl");
-    std::fs::create_dir_all(dir).expect("pki dir");
-    let ossl = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    ossl(
-        &[
-            &[
-                "req",
-                "-x509",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=lull replica test CA",
-            ][..],
-            &ec[..],
-            &["-keyout", "ca-key.pem", "-out", "ca-cert.pem"],
-            &["-addext", "basicConstraints=critical,CA:TRUE"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
-    );
-    for (who, ext) in [
-        (
-            "server",
-            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n",
-        ),
-        (
-            "client",
-            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n",
-        ),
-    ] {
-        let extfile = format!("{who}.ext");
-        std::fs::write(dir.join(&extfile), ext).expect("extension file");
-        let (key, csr, cert) = (
-            format!("{who}-key.pem"),
-            format!("{who}.csr"),
-            format!("{who}-cert.pem"),
-        );
-        ossl(
-            &[
-                &["req", "-nodes", "-subj", &format!("/CN=lull replica test {who}")][..],
-                &ec[..],
-                &["-keyout", &key, "-out", &csr],
-            ]
-            .concat(),
-        );
-        ossl(&[
-            "x509", "-req", "-days", "2", "-in", &csr, "-CA", "ca-cert.pem", "-CAkey",
-            "ca-key.pem", "-CAcreateserial", "-extfile", &extfile, "-out", &cert,
-        ]);
-    }
-}
-
 #[test]
 fn certificate_links_are_mutual() {
     let scratch = Scratch::new("rtls-x509");
     let pki = scratch.join("pki");
-    make_pki(&pki);
+    common::make_pki(&pki);
     let pki = pki.to_str().expect("utf-8 path");
     let a = Replica::start(&scratch.join("a"), &["--tls-certs", pki]);
     let b = Replica::start(&scratch.join("b"), &["--tls-certs", pki]);
@@ -469,7 +400,7 @@ fn certificate_links_are_mutual() {
     // Another CA on each side: the replica does not trust the engine's
     // certificate, nor the engine the replica's.
     let other = scratch.join("other-pki");
-    make_pki(&other);
+    common::make_pki(&other);
     let other = other.to_str().expect("utf-8 path");
     let stranger = Replica::start(&scratch.join("stranger"), &["--tls-certs", other]);
     let e_dir = scratch.join("engine-2");

@@ -75,89 +75,6 @@ fn run(cmd: &mut Command) -> Output {
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
-fn run_ok(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
-/// certificate, in qemu's tls-creds-x509 layout (one directory serves both
-/// ends: each loads only its own files).
-fn make_pki(dir: &Path) {
-    require("openssl", "openssl");
-    let ossl = |args: &[&str]| {
-        run_ok(Command::new("openssl").args(args).current_dir(dir));
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    ossl(
-        &[
-            &[
-                "req",
-                "-x509",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=lull test CA",
-            ],
-            &ec[..],
-            &["-keyout", "ca-key.pem", "-out", "ca-cert.pem"],
-            &["-addext", "basicConstraints=critical,CA:TRUE"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
-    );
-    for (who, ext) in [
-        (
-            "server",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n",
-        ),
-        (
-            "client",
-            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n",
-        ),
-    ] {
-        let extfile = format!("{who}.ext");
-        std::fs::write(dir.join(&extfile), ext).expect("extension file");
-        ossl(
-            &[
-                &["req", "-nodes", "-subj", &format!("/CN=lull test {who}")][..],
-                &ec[..],
-                &[
-                    "-keyout",
-                    &format!("{who}-key.pem"),
-                    "-out",
-                    &format!("{who}.csr"),
-                ],
-            ]
-            .concat(),
-        );
-        ossl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            &format!("{who}.csr"),
-            "-CA",
-            "ca-cert.pem",
-            "-CAkey",
-            "ca-key.pem",
-            "-CAcreateserial",
-            "-extfile",
-            &extfile,
-            "-out",
-            &format!("{who}-cert.pem"),
-        ]);
-    }
-}
-
 fn nbdinfo(args: &[&str]) -> Output {
     require("nbdinfo", "libnbd-bin");
     run(Command::new("nbdinfo").args(args))
@@ -347,7 +264,7 @@ fn x509_qemu_io_works_and_on_still_serves_plain_clients() {
     let scratch = Scratch::new("x509");
     let pki = scratch.path("pki");
     std::fs::create_dir_all(&pki).unwrap();
-    make_pki(&pki);
+    common::make_pki(&pki);
     let mut server = Server::start(&[
         "--volume",
         "vol0:16M",
