@@ -95,8 +95,8 @@ pub(super) struct Replica {
     pub(super) errors: u64,
     pub(super) last_error: Option<String>,
     pub(super) retry_at_ns: u64,
-    /// Authentication failures in a row (reset when a connection is
-    /// authenticated): each doubles the wait before the next attempt.
+    /// Authentication failures in a row (reset when the replica accepts a
+    /// HELLO): each doubles the wait before the next attempt.
     pub(super) auth_failures: u32,
     pub(super) next_conn: usize,
     /// Its write-intent bitmap (INTENT_GET after the probe), kept until
@@ -263,7 +263,6 @@ impl Engine {
         }
         self.replicas[r].conns[ci].state = CState::Hello;
         self.replicas[r].conns[ci].last_rx_ns = self.now;
-        self.replicas[r].auth_failures = 0;
         let hello = Hello {
             volume_size: self.size_bytes,
             generation: 0,
@@ -652,6 +651,11 @@ impl Engine {
         if h.status != 0 {
             return self.fail_replica(r, &format!("HELLO refused with errno {}", h.status), false);
         }
+        // The replica accepted this engine (a finished TLS handshake is not
+        // enough: with TLS 1.3 a replica rejects the engine's certificate
+        // only after the engine's side of the handshake is done, as an
+        // alert on the first read), so the backoff starts over.
+        self.replicas[r].auth_failures = 0;
         let conn = &mut self.replicas[r].conns[ci];
         conn.state = CState::Up;
         conn.probe = Some(hello);
@@ -813,13 +817,45 @@ mod tests {
             waits.push((now - failed_at).div_ceil(step_ns));
         }
         assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
-        // Authenticated: the next failure waits the plain interval again.
+        // A connection that is up is not yet accepted (with TLS 1.3 the
+        // replica may still reject the engine's certificate): no reset.
         let conns = connects(&mut out);
         e.apply(Event::ConnUp(conns[0]), now, &mut out);
+        let r0 = ReplicaId::new(0);
+        assert_eq!(e.replicas[r0].auth_failures, 8);
+        // The replica answers the HELLO: accepted, the backoff starts over.
+        let hello = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Send { conn, header, .. } if *conn == conns[0] => {
+                    Some(wire::decode_header(header).expect("HELLO header"))
+                }
+                _ => None,
+            })
+            .expect("the engine sent HELLO");
+        let me = Hello {
+            volume_size: 1 << 20,
+            generation: 0,
+            flags: 0,
+            session: 0,
+        };
+        let encoded = wire::encode_hello(&me);
+        let mut payload = e.get_buf(encoded.len());
+        payload.as_mut_slice().copy_from_slice(&encoded);
+        e.apply(
+            Event::Frame {
+                conn: conns[0],
+                header: hello.reply_with(0),
+                payload: Some(payload),
+            },
+            now,
+            &mut out,
+        );
+        assert_eq!(e.replicas[r0].auth_failures, 0);
         let reason = "replica not authenticated: test".to_string();
         let conn = conns[1];
         out.clear();
         e.apply(Event::AuthFailed { conn, reason }, now, &mut out);
-        assert_eq!(e.replicas[ReplicaId::new(0)].auth_failures, 1);
+        assert_eq!(e.replicas[r0].auth_failures, 1);
     }
 }
