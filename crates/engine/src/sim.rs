@@ -1493,9 +1493,17 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
 ///   half-rebuilt generation-1 replica: reads returned data older than
 ///   acknowledged writes. An election now raises the known generation to
 ///   the source's at once.
+/// - 208012: an election's bump to generation 2 reached the source, whose
+///   acknowledgement was lost when it crashed; with no healthy replica
+///   left the bump was dropped, and the next election (of the other
+///   replica) bumped to generation 2 again. Two replicas with different
+///   data then both had generation 2: the first came back and was being
+///   rebuilt when the engine crashed, and the restarted engine elected it
+///   (reads older than acknowledged writes). A bump now never reuses a
+///   number an earlier bump of the process started with.
 #[test]
 fn sim_regression_seeds() {
-    const SEEDS: &[u64] = &[1320, 44314];
+    const SEEDS: &[u64] = &[1320, 44314, 208012];
     let mut cov = Coverage::default();
     for &seed in SEEDS {
         run_seed(seed, &mut cov);

@@ -43,7 +43,15 @@ impl Engine {
             .max()
             .unwrap_or(0);
         let pending = self.bump.as_ref().map_or(0, |b| b.generation);
-        let generation = self.generation.max(seen).max(pending) + 1;
+        // Never a number an earlier bump started with (see
+        // `generation_started`): generations name one history each.
+        let generation = self
+            .generation
+            .max(seen)
+            .max(pending)
+            .max(self.generation_started)
+            + 1;
+        self.generation_started = generation;
         self.bump = Some(Bump { generation });
     }
 

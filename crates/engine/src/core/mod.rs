@@ -307,6 +307,13 @@ pub struct Engine {
     writes_in_flight: Vec<IoId>,
     deferred: Vec<IoId>,
     generation: u64,
+    /// The highest generation any bump of this process has started (and
+    /// so may have sent in an ATTACH). A bump that does not finish (every
+    /// healthy replica failed) may still have reached a replica whose
+    /// acknowledgement was lost; the next bump must not reuse its number
+    /// for another healthy set, or two replicas with different data would
+    /// claim the same generation (simulator seed 208012).
+    generation_started: u64,
     bump: Option<Bump>,
     rebuild: Option<Rebuild>,
     rebuild_runs: u64,
@@ -356,6 +363,7 @@ impl Engine {
             writes_in_flight: Vec::new(),
             deferred: Vec::new(),
             generation: 0,
+            generation_started: 0,
             bump: None,
             rebuild: None,
             rebuild_runs: 0,
