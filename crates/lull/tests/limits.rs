@@ -201,14 +201,7 @@ fn the_per_volume_in_flight_cap_holds_requests_back_and_loses_none() {
         ])
         .output()
         .expect("run fio");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "fio failed: {stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&stdout[stdout.find('{').expect("fio JSON")..]).expect("fio JSON");
+    let json = common::fio_json(&out);
     let jobs = json["jobs"].as_array().expect("fio jobs");
     assert_eq!(jobs.len(), 2, "{json}");
     for job in jobs {

@@ -823,20 +823,7 @@ fn an_rpc_created_volume_is_served_with_its_nvmf_options() {
         sock.to_str().unwrap(),
     ]);
     let addr = server.nvmf_addr().expect("the NVMe/TCP address");
-    let rpc = |method: &str, params: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-            .args(["rpc", "-s"])
-            .arg(&sock)
-            .args([method, params])
-            .output()
-            .expect("run lull rpc");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), text)
-    };
+    let rpc = |method: &str, params: &str| common::rpc_outcome(&sock, method, params);
     let nqn = "nqn.2026-11.test:r4k";
     let good = "nqn.2026-11.test:good-host";
     for (params, why) in [
@@ -1132,13 +1119,12 @@ fn a_volume_deleted_over_rpc_completes_the_async_event_request() {
     );
     admin.sock.write_all(&aer).expect("send the AER");
 
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "-s"])
-        .arg(&sock)
-        .args(["volume_delete", &format!(r#"{{"name": "{VOLUME}"}}"#)])
-        .output()
-        .expect("run lull rpc");
-    assert!(out.status.success(), "volume_delete: {out:?}");
+    let (ok, out) = common::rpc_outcome(
+        &sock,
+        "volume_delete",
+        &format!(r#"{{"name": "{VOLUME}"}}"#),
+    );
+    assert!(ok, "volume_delete: {out}");
 
     let mut resp = [0u8; 24];
     admin
@@ -1248,16 +1234,12 @@ fn a_volume_grown_over_rpc_is_seen_by_connected_and_new_hosts() {
     );
     admin.sock.write_all(&aer).expect("send the AER");
 
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "-s"])
-        .arg(&sock)
-        .args([
-            "volume_resize",
-            &format!(r#"{{"name": "{VOLUME}", "size": {NEW_BYTES}}}"#),
-        ])
-        .output()
-        .expect("run lull rpc");
-    assert!(out.status.success(), "volume_resize: {out:?}");
+    let (ok, out) = common::rpc_outcome(
+        &sock,
+        "volume_resize",
+        &format!(r#"{{"name": "{VOLUME}", "size": {NEW_BYTES}}}"#),
+    );
+    assert!(ok, "volume_resize: {out}");
 
     let mut resp = [0u8; 24];
     admin

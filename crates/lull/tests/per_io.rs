@@ -32,18 +32,6 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
-fn fio_json(out: &std::process::Output) -> serde_json::Value {
-    assert!(
-        out.status.success(),
-        "fio failed with {}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON")
-}
-
 /// fio's nbd engine writes 16 MiB at random with crc32c and reads it all
 /// back, failing on the first mismatch.
 fn fio_verify(server: &Server) {
@@ -65,7 +53,7 @@ fn fio_verify(server: &Server) {
         ])
         .output()
         .expect("run fio");
-    let json = fio_json(&out);
+    let json = common::fio_json(&out);
     let job = &json["jobs"][0];
     assert_eq!(job["error"], 0, "fio error: {job}");
     assert!(
@@ -224,7 +212,7 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     let faults_before = process_faults(pid);
     let out = fio.wait_with_output().expect("fio");
     let faults = process_faults(pid) - faults_before;
-    let json = fio_json(&out);
+    let json = common::fio_json(&out);
     let job = &json["jobs"][0];
     assert_eq!(job["error"], 0, "fio error: {job}");
     let ios =

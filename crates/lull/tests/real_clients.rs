@@ -433,22 +433,6 @@ fn config_file_serves_its_volumes() {
     server.assert_healthy();
 }
 
-/// `lull rpc METHOD PARAMS` against `sock`: (exit success, stdout + stderr).
-fn lull_rpc(sock: &Path, method: &str, params: &str) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "-s"])
-        .arg(sock)
-        .args([method, params])
-        .output()
-        .expect("run lull rpc");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 /// A memory and a file volume grown over RPC while an NBD client is
 /// connected: new connections (nbdinfo, qemu-io) see the new size and
 /// write and read the new tail; the connection from before keeps the size
@@ -475,7 +459,7 @@ fn a_volume_grown_over_rpc_shows_its_new_size_to_new_nbd_connections() {
         let old_bytes = 8u64 << 20;
         let mut before = common::NbdClient::connect(server.addr(), volume).expect("connect");
         assert_eq!(before.size_bytes, old_bytes);
-        let (ok, out) = lull_rpc(
+        let (ok, out) = common::rpc_outcome(
             &sock,
             "volume_resize",
             &format!(r#"{{"name": "{volume}", "size": "{new_size}"}}"#),
@@ -527,7 +511,7 @@ fn a_volume_grown_over_rpc_shows_its_new_size_to_new_nbd_connections() {
         (r#"{"name": "mem", "size": "32T"}"#, "maximum"),
         (r#"{"name": "nope", "size": "32M"}"#, "no volume"),
     ] {
-        let (ok, out) = lull_rpc(&sock, "volume_resize", params);
+        let (ok, out) = common::rpc_outcome(&sock, "volume_resize", params);
         assert!(!ok && out.contains(want), "{params}: {out}");
     }
     let out = run(Command::new("nbdinfo").args(["--size", &uri(&server, "mem")]));

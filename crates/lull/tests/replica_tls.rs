@@ -184,18 +184,7 @@ fn serve(dir: &Path, replicas: &[&Replica], link: &[&str]) -> (Server, PathBuf) 
 
 /// Each replica's state as `replica_list` reports it.
 fn replica_states(sock: &Path) -> Vec<(String, String)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "-s"])
-        .arg(sock)
-        .args(["replica_list", r#"{"volume": "v"}"#])
-        .output()
-        .expect("run lull rpc");
-    assert!(
-        out.status.success(),
-        "lull rpc replica_list failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON reply");
+    let json = common::rpc(sock, "replica_list", r#"{"volume": "v"}"#);
     json.as_array()
         .expect("a list of replicas")
         .iter()

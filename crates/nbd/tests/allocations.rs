@@ -38,6 +38,7 @@ thread_local! {
 
 // SAFETY: forwards to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
+    // SAFETY: the caller's contract is System's; counting touches none of its memory.
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if !EXEMPT.with(|e| e.get()) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
@@ -45,6 +46,7 @@ unsafe impl GlobalAlloc for Counting {
         // SAFETY: the caller's contract is System's.
         unsafe { System.alloc(layout) }
     }
+    // SAFETY: as `alloc`: the caller's contract is System's.
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if !EXEMPT.with(|e| e.get()) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
@@ -52,6 +54,7 @@ unsafe impl GlobalAlloc for Counting {
         // SAFETY: as above.
         unsafe { System.alloc_zeroed(layout) }
     }
+    // SAFETY: as `alloc`: the caller's contract is System's.
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if !EXEMPT.with(|e| e.get()) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
@@ -59,6 +62,7 @@ unsafe impl GlobalAlloc for Counting {
         // SAFETY: as above.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
+    // SAFETY: as `alloc`: the caller's contract is System's.
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: as above.
         unsafe { System.dealloc(ptr, layout) }

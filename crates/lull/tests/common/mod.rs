@@ -613,22 +613,53 @@ pub fn process_cpu_ticks(pid: u32) -> u64 {
     fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
 }
 
-/// `lull rpc --socket SOCK METHOD [PARAMS]`: its JSON result; panics with
-/// the command's stderr when it fails.
-pub fn rpc(sock: &Path, method: &str, params: &str) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+/// `lull rpc --socket SOCK METHOD [PARAMS]`, run to its end.
+pub fn rpc_output(sock: &Path, method: &str, params: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_lull"))
         .args(["rpc", "--socket"])
         .arg(sock)
         .arg(method)
         .args((!params.is_empty()).then_some(params))
         .output()
-        .expect("run lull rpc");
+        .expect("run lull rpc")
+}
+
+/// `lull rpc --socket SOCK METHOD [PARAMS]`: its JSON result; panics with
+/// the command's stderr when it fails.
+pub fn rpc(sock: &Path, method: &str, params: &str) -> serde_json::Value {
+    let out = rpc_output(sock, method, params);
     assert!(
         out.status.success(),
         "lull rpc {method} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("rpc JSON")
+}
+
+/// `lull rpc --socket SOCK METHOD PARAMS` that may fail: (exit success,
+/// stdout + stderr).
+pub fn rpc_outcome(sock: &Path, method: &str, params: &str) -> (bool, String) {
+    let out = rpc_output(sock, method, params);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// fio's JSON output (`--output-format=json`); panics with its output when
+/// fio failed.
+pub fn fio_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "fio failed with {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON")
 }
 
 /// A CA, a server certificate for 127.0.0.1 and localhost, and a client
