@@ -48,7 +48,7 @@ pub use config::{BenchConfig, PeerChoice, Profile, Settings, SpdkPeer, VolumeKin
 pub use fio::JobKind;
 pub use report::Report;
 
-use env::procstat;
+use env::{procstat, uring_enters};
 use plan::Target;
 use report::{analysis, render, stats, Sample, TargetReport, TargetStatus};
 use server::{Group, Ports, Proc, WorkDir};
@@ -59,6 +59,9 @@ use stats::ServerCost;
 pub const SETTLE: Duration = Duration::from_millis(300);
 /// Extra time fio gets beyond ramp + runtime before it is killed.
 pub const FIO_GRACE: Duration = Duration::from_secs(30);
+/// The name of the volume every lull target serves (the NBD export fio
+/// opens, and the volume whose stats are read over RPC).
+const BENCH_VOLUME: &str = "bench";
 /// Chunk used to fill the shared data file.
 const FILL_CHUNK_BYTES: usize = 1 << 20;
 
@@ -410,7 +413,7 @@ impl Ctx<'_> {
                     "--cores".into(),
                     s.server_cpu.to_string(),
                     "--volume".into(),
-                    format!("bench:{size}{backend}"),
+                    format!("{BENCH_VOLUME}:{size}{backend}"),
                 ];
                 if let Some(period) = hybrid_period_us {
                     a.extend(["--nvme-ioq-poll-period-us".into(), period.to_string()]);
@@ -418,6 +421,11 @@ impl Ctx<'_> {
                 if volume.replica_count() > 0 {
                     a.push("--replica-insecure".into());
                 }
+                // Where run_fio reads the server's io_uring_enter counts.
+                let socket = self.work.join(format!("rpc-{port}.sock"));
+                let _ = std::fs::remove_file(&socket);
+                a.extend(["--rpc-socket".into(), socket.display().to_string()]);
+                group.rpc_socket = Some(socket);
                 ("lull", lull.clone(), a)
             }
             Target::Nbdkit => {
@@ -442,7 +450,7 @@ impl Ctx<'_> {
                     "--aio=io_uring",
                     "--cache=none",
                     "-x",
-                    "bench",
+                    BENCH_VOLUME,
                     "-b",
                     "127.0.0.1",
                     "-p",
@@ -469,6 +477,16 @@ impl Ctx<'_> {
 
     fn sample(&self, group: &Group) -> Result<procstat::ProcCounters, String> {
         procstat::sample_pids(Path::new("/proc"), &group.pids()).map_err(|e| e.to_string())
+    }
+
+    /// The server's `io_uring_enter` counts over its RPC socket; `None`
+    /// for targets without one (peers).
+    fn uring_enters(
+        &self,
+        group: &Group,
+    ) -> Option<Result<uring_enters::UringEnters, uring_enters::UringEntersError>> {
+        let socket = group.rpc_socket.as_deref()?;
+        Some(uring_enters::read(socket, BENCH_VOLUME))
     }
 
     fn run_step(
@@ -526,7 +544,7 @@ impl Ctx<'_> {
         job: JobKind,
     ) -> Result<Result<(fio::FioMetrics, ServerCost), String>, BenchError> {
         let s = self.settings;
-        let uri = format!("nbd://127.0.0.1:{port}/bench");
+        let uri = format!("nbd://127.0.0.1:{port}/{BENCH_VOLUME}");
         let fio_args = job.fio_args(&uri, s.size_bytes, s.runtime_secs, s.ramp_secs);
         let mut fio_proc = Proc::spawn(
             &format!("fio-{}", job.as_str()),
@@ -540,6 +558,10 @@ impl Ctx<'_> {
         let ramp = Duration::from_secs_f64(s.ramp_secs);
         // Wait out the ramp, unless fio exits during it.
         let early = fio_proc.wait_timeout(ramp);
+        // The RPC reads bracket the /proc window rather than fall inside
+        // it, so the server's work answering them (a thread per call) is
+        // not counted as I/O cost.
+        let enters_before = self.uring_enters(&group);
         let before = self.sample(&group);
         let w0 = Instant::now();
         // Close the window at ramp + runtime after the start, while fio is
@@ -556,6 +578,7 @@ impl Ctx<'_> {
         };
         let after = self.sample(&group);
         let window_secs = w0.elapsed().as_secs_f64();
+        let enters_after = self.uring_enters(&group);
         let limit = ramp + runtime + FIO_GRACE;
         let status = if early.is_some() {
             early
@@ -584,10 +607,17 @@ impl Ctx<'_> {
             (Ok(b), Ok(a)) => (b, a),
             (Err(e), _) | (_, Err(e)) => return Ok(Err(format!("sampling the server: {e}"))),
         };
-        Ok(Ok((
-            metrics.clone(),
-            ServerCost::new(after.since(&before), window_secs, self.clk_tck, metrics.ios),
-        )))
+        let mut cost =
+            ServerCost::new(after.since(&before), window_secs, self.clk_tck, metrics.ios);
+        match (enters_before, enters_after) {
+            (Some(Ok(b)), Some(Ok(a))) => cost = cost.with_uring_enters(a.since(&b), metrics.ios),
+            // The numbers from /proc and fio stand without this one.
+            (Some(Err(e)), _) | (_, Some(Err(e))) => {
+                tracing::warn!(error = %e, "io_uring_enter counts not read");
+            }
+            _ => {}
+        }
+        Ok(Ok((metrics.clone(), cost)))
     }
 
     fn measure_idle(&self, group: &Group) -> Result<f64, String> {

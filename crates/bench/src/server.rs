@@ -194,6 +194,9 @@ impl Drop for Proc {
 #[derive(Debug, Default)]
 pub struct Group {
     pub procs: Vec<Proc>,
+    /// The lull server's JSON-RPC socket (lull targets only), where its
+    /// `io_uring_enter` counts are read.
+    pub rpc_socket: Option<PathBuf>,
 }
 
 impl Group {

@@ -1,9 +1,11 @@
 //! What the report records about the machine and the run (date, CPU
 //! model, kernel, command line, tool versions), and the per-process
 //! counters of [`procstat`]: everything bench reads from the system
-//! besides fio's output.
+//! besides fio's output, and a lull server's `io_uring_enter` counts over
+//! its RPC socket ([`uring_enters`]).
 
 pub mod procstat;
+pub mod uring_enters;
 
 use crate::plan::Target;
 use crate::report::Environment;

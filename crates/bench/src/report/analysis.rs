@@ -43,6 +43,7 @@ pub fn aggregate(jobs: &[JobKind], targets: &[TargetReport], samples: &[Sample])
                 cpu_us_per_io: col(&|_, c| Some(c.cpu_us_per_io)),
                 ctxt_switches_per_io: col(&|_, c| Some(c.ctxt_switches_per_io)),
                 faults_per_io: col(&|_, c| Some(c.faults_per_io)),
+                io_uring_enters_per_io: col(&|_, c| c.io_uring_enters_per_io),
                 vs_poll: None,
                 vs_best_peer: None,
             });

@@ -99,6 +99,8 @@ pub struct JobResult {
     pub cpu_us_per_io: Option<Spread>,
     pub ctxt_switches_per_io: Option<Spread>,
     pub faults_per_io: Option<Spread>,
+    /// lull only: the server's `io_uring_enter` calls per I/O.
+    pub io_uring_enters_per_io: Option<Spread>,
     /// Against lull's poll mode (same volume kind when measured).
     pub vs_poll: Option<Ratio>,
     /// Against the peer with the best figure of merit for this job.
@@ -183,6 +185,7 @@ pub(crate) mod tests {
     use crate::config::Settings;
     use crate::env::procstat::ProcCounters;
     use crate::env::rfc3339_utc;
+    use crate::env::uring_enters::UringEnters;
 
     pub(crate) fn settings(jobs: Vec<JobKind>, repeat: u32) -> Settings {
         Settings {
@@ -233,7 +236,15 @@ pub(crate) mod tests {
             voluntary_ctxt_switches: iops as u64 / 2,
             ..Default::default()
         };
-        let server = ServerCost::new(delta, 1.0, 100, fio.ios);
+        let mut server = ServerCost::new(delta, 1.0, 100, fio.ios);
+        if !target.is_peer() {
+            // Only lull servers answer over RPC; peers keep `None`.
+            let enters = UringEnters {
+                reactors: fio.ios / 4,
+                volume: None,
+            };
+            server = server.with_uring_enters(enters, fio.ios);
+        }
         Sample {
             repeat,
             job,
@@ -334,10 +345,29 @@ pub(crate) mod tests {
             let cells = table_line.replace("\\|", "").matches('|').count();
             // 8: the modes summary.
             assert!(
-                cells == 5 || cells == 8 || cells == 15,
+                cells == 5 || cells == 8 || cells == 16,
                 "{cells} in {table_line}"
             );
         }
+        // io_uring_enter calls per I/O: lull's from its RPC counts, "–"
+        // for the peer.
+        let header = md
+            .lines()
+            .find(|l| l.starts_with("| target | IOPS |"))
+            .unwrap();
+        let col = header
+            .split('|')
+            .position(|c| c.trim() == "uring enters/IO")
+            .expect("uring enters/IO column");
+        let cell_of = |target: &str| {
+            let row = md
+                .lines()
+                .find(|l| l.starts_with(&format!("| {target} | ")) && l.matches('|').count() == 16)
+                .unwrap();
+            row.split('|').nth(col).unwrap().trim().to_string()
+        };
+        assert_eq!(cell_of("lull-poll-malloc"), "0.250");
+        assert_eq!(cell_of("nbdkit-memory"), "–");
         // JSON round-trips through serde_json::Value, NaN as null.
         let v: serde_json::Value =
             serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();

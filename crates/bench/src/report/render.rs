@@ -186,7 +186,10 @@ pub fn render_markdown(r: &Report) -> String {
     let _ = writeln!(
         md,
         "Numbers are medians over repeats{}. Server CPU is utime+stime of all the server's threads (and its replica processes) from /proc over the measured window; \
-         CPU µs/IO, context switches/IO and faults/IO divide that window's counts by the I/Os fio completed after its ramp. \
+         CPU µs/IO, context switches/IO (voluntary + involuntary) and faults/IO (minor + major) divide that window's counts by the I/Os fio completed after its ramp. \
+         uring enters/IO (lull only) is the server's io_uring_enter calls over the same window, the sum of its reactors' counters read over its RPC socket \
+         (not the replica processes', which have no RPC socket; a file volume's own count is part of that sum, so it is not added again), divided the same way; peers show –. \
+         Syscalls in general are not counted: /proc has no cheap per-process count (/proc/PID/syscall shows only the call in progress). \
          Speed × > 1 means faster than the baseline (IOPS or bandwidth ratio; for QD1 jobs baseline latency ÷ latency); CPU/IO × < 1 means cheaper. \
          The poll baseline is lull's poll mode on the same volume kind (nbdkit ↔ malloc, qemu-nbd ↔ file).\n",
         if s.repeat > 1 { " (range min–max in parentheses)" } else { "" }
@@ -220,11 +223,11 @@ pub fn render_markdown(r: &Report) -> String {
         let _ = writeln!(md, "### {}\n", job_title(job));
         let _ = writeln!(
             md,
-            "| target | IOPS | MiB/s | lat mean µs | p50 µs | p99 µs | CPU % | CPU µs/IO | ctx sw/IO | faults/IO | speed × poll | CPU/IO × poll | speed × best peer | CPU/IO × best peer |"
+            "| target | IOPS | MiB/s | lat mean µs | p50 µs | p99 µs | CPU % | CPU µs/IO | ctx sw/IO | faults/IO | uring enters/IO | speed × poll | CPU/IO × poll | speed × best peer | CPU/IO × best peer |"
         );
         let _ = writeln!(
             md,
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         let primary = job.primary();
         for t in &r.targets {
@@ -234,7 +237,7 @@ pub fn render_markdown(r: &Report) -> String {
                     "| {} | skipped: {} |{}",
                     t.name,
                     md_escape(reason),
-                    " |".repeat(12)
+                    " |".repeat(13)
                 );
                 continue;
             }
@@ -251,12 +254,12 @@ pub fn render_markdown(r: &Report) -> String {
                     .first()
                     .map(|f| md_escape(f))
                     .unwrap_or_else(|| "not run".into());
-                let _ = writeln!(md, "| {} | failed: {why} |{}", t.name, " |".repeat(12));
+                let _ = writeln!(md, "| {} | failed: {why} |{}", t.name, " |".repeat(13));
                 continue;
             }
             let _ = writeln!(
                 md,
-                "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 t.name,
                 if c.failures.is_empty() {
                     String::new()
@@ -272,6 +275,7 @@ pub fn render_markdown(r: &Report) -> String {
                 cell(c.cpu_us_per_io, sig3, false),
                 cell(c.ctxt_switches_per_io, sig3, false),
                 cell(c.faults_per_io, sig3, false),
+                cell(c.io_uring_enters_per_io, sig3, false),
                 ratio_cell(&c.vs_poll, true),
                 ratio_cell(&c.vs_poll, false),
                 ratio_cell(&c.vs_best_peer, true),

@@ -9,6 +9,7 @@
 use serde::Serialize;
 
 use crate::env::procstat::ProcCounters;
+use crate::env::uring_enters::UringEnters;
 use crate::fio::{FioMetrics, JobKind, Primary};
 
 /// Median and range of one metric over the repeats.
@@ -53,8 +54,14 @@ pub struct ServerCost {
     pub cpu_us_per_io: f64,
     pub ctxt_switches_per_io: f64,
     pub faults_per_io: f64,
+    /// The server's `io_uring_enter` calls per I/O (its reactors' count);
+    /// `None` for peers, and for a lull server whose RPC socket did not
+    /// answer.
+    pub io_uring_enters_per_io: Option<f64>,
     /// Raw counter deltas over the window.
     pub delta: ProcCounters,
+    /// Raw `io_uring_enter` deltas over the window (lull only).
+    pub io_uring_enters: Option<UringEnters>,
 }
 
 impl ServerCost {
@@ -74,8 +81,17 @@ impl ServerCost {
             cpu_us_per_io: per_io(cpu_secs * 1e6),
             ctxt_switches_per_io: per_io(delta.ctxt_switches() as f64),
             faults_per_io: per_io(delta.faults() as f64),
+            io_uring_enters_per_io: None,
             delta,
+            io_uring_enters: None,
         }
+    }
+
+    /// Adds the server's `io_uring_enter` deltas over the same window.
+    pub fn with_uring_enters(mut self, enters: UringEnters, ios: u64) -> ServerCost {
+        self.io_uring_enters = Some(enters);
+        self.io_uring_enters_per_io = (ios > 0).then(|| enters.reactors as f64 / ios as f64);
+        self
     }
 }
 
@@ -190,6 +206,20 @@ mod tests {
         assert_eq!(c.ctxt_switches_per_io, 0.01);
         assert_eq!(c.faults_per_io, 0.0001);
         assert!(ServerCost::new(delta, 2.0, 100, 0).cpu_us_per_io.is_nan());
+        assert_eq!(c.io_uring_enters_per_io, None);
+        let enters = UringEnters {
+            reactors: 50_000,
+            volume: Some(49_000),
+        };
+        let u = c.with_uring_enters(enters, 100_000);
+        assert_eq!(u.io_uring_enters_per_io, Some(0.5));
+        assert_eq!(u.io_uring_enters, Some(enters));
+        assert_eq!(
+            ServerCost::new(delta, 2.0, 100, 0)
+                .with_uring_enters(enters, 0)
+                .io_uring_enters_per_io,
+            None
+        );
         assert!(idle_cpu_pct(&delta, 0.0, 100).is_nan());
         assert_eq!(idle_cpu_pct(&ProcCounters::default(), 1.0, 100), 0.0);
     }
