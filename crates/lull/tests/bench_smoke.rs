@@ -40,14 +40,104 @@ fn bench_quick_smoke_writes_reports() {
         assert_eq!(r["runs_ok"], 1, "{r}");
         assert!(r["iops"]["median"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["cpu_us_per_io"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        // Read over the server's RPC socket: a memory volume makes none.
+        assert_eq!(
+            r["io_uring_enters_per_io"]["median"].as_f64(),
+            Some(0.0),
+            "{r}"
+        );
     }
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("lull-poll-malloc") && md.contains("randread-iops"));
+    assert!(md.contains("| uring enters/IO |"), "{md}");
     for p in json["plots"].as_array().unwrap() {
         let bytes = std::fs::read(out.join(p.as_str().unwrap())).unwrap();
         assert!(bytes.starts_with(b"\x89PNG"));
     }
     std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// scripts/bench-per-io (issue 13's benchmark) end to end on this build:
+/// one repeat of one short job on a file, a memory and a 1-replica volume.
+/// Only that it runs and records what it should; the numbers of so short a
+/// run mean nothing.
+#[test]
+fn bench_per_io_script_smoke() {
+    for (tool, package) in [
+        ("fio", "fio"),
+        ("python3", "python3"),
+        ("taskset", "util-linux"),
+    ] {
+        assert!(
+            std::process::Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .output()
+                .unwrap()
+                .status
+                .success(),
+            "{tool} not found: install the Debian package {package} (scripts/test does)"
+        );
+    }
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Under target/, not /tmp: the file volume is opened with O_DIRECT,
+    // which tmpfs refuses.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-per-io-{}", std::process::id()));
+    let output = std::process::Command::new(repo.join("scripts/bench-per-io"))
+        .args(["1", "1", "--ramp", "0.3", "--size", "32M"])
+        .args([
+            "--targets",
+            "file,memory,replica1-c1",
+            "--jobs",
+            "qd64-randwrite",
+        ])
+        .arg("--out")
+        .arg(dir.join("out"))
+        .arg("--file-dir")
+        .arg(dir.join("file"))
+        .env("LULL", env!("CARGO_BIN_EXE_lull"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench-per-io failed: {stderr}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("out/results.json")).unwrap())
+            .unwrap();
+    for t in ["file", "memory", "replica1-c1"] {
+        assert_eq!(json["status"][t], "ok", "{t}: {stderr}");
+    }
+    let runs = json["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    for r in runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["iops"].as_f64().unwrap() > 0.0, "{r}");
+        let enters = r["io_uring_enters_per_io"].as_f64().unwrap();
+        match r["target"].as_str().unwrap() {
+            // Every write of a file volume is submitted with an
+            // io_uring_enter (no SQPOLL); a memory volume has no ring.
+            "file" => assert!(enters > 0.1, "{r}"),
+            _ => assert_eq!(enters, 0.0, "{r}"),
+        }
+        // Paths relative to the repo or placeholders ($WORK, $SHM): no
+        // absolute path of this machine.
+        let command = r["command"].as_str().unwrap();
+        assert!(
+            !command
+                .split([' ', ',', '=', '+'])
+                .any(|w| w.starts_with('/')),
+            "{command}"
+        );
+    }
+    let replica = runs.iter().find(|r| r["target"] == "replica1-c1").unwrap();
+    assert!(
+        replica["procs"]["replica0"]["cpu_us_per_io"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("**qd64-randwrite**"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Where the SPDK tools are, or `None` (with a SKIP line) when absent, as in
