@@ -230,3 +230,103 @@ fn sqpoll_ring_round_trip() {
     }
     assert_eq!(seen, vec![(9, 0)]);
 }
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Pushes one op on a fresh slot, waits for it, returns (result, buffer).
+fn one_op(q: &mut IoQueue<()>, buf: IoBuf, op: QueueOp) -> (i32, IoBuf) {
+    let s = q.alloc((), Some(buf)).expect("slot");
+    q.push(s, &[(0, op)]).expect("push");
+    q.submit_and_wait(1).expect("wait");
+    let c = q.next_completion().expect("completion");
+    let (_, buf) = q.release(s).expect("released");
+    (c.result, buf.expect("buffer back"))
+}
+
+#[test]
+fn fixed_buffers_move_the_right_bytes_and_others_go_plain() {
+    let tmp = TempFile::new("fixed", 1 << 20);
+    let arena = FixedArena::new(4 * ARENA_SET_BYTES).expect("arena");
+    let other = FixedArena::new(ARENA_SET_BYTES).expect("unregistered arena");
+    {
+        let mut q: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+        assert_eq!(q.register_arenas(std::slice::from_ref(&arena)).expect("register"), 1);
+        assert_eq!(q.registered_arenas(), 1);
+        let write = |len: u32, at: u64| QueueOp::Write {
+            file: 0,
+            buf_offset: 0,
+            len,
+            file_offset: at,
+        };
+        let read = |len: u32, at: u64| QueueOp::Read {
+            file: 0,
+            buf_offset: 0,
+            len,
+            file_offset: at,
+        };
+        // WRITE_FIXED of 128 KiB and of 4 KiB, from the arena.
+        let big = pattern(128 << 10, 1);
+        let mut w = arena.get(big.len()).expect("arena buf");
+        w.as_mut_slice().copy_from_slice(&big);
+        assert_eq!(one_op(&mut q, w, write(128 << 10, 0)).0, 128 << 10);
+        let small = pattern(4096, 2);
+        let mut w = arena.get(4096).expect("arena buf");
+        w.as_mut_slice().copy_from_slice(&small);
+        assert_eq!(one_op(&mut q, w, write(4096, 256 << 10)).0, 4096);
+        assert_eq!(q.buffer_ios(), (2, 0));
+        // READ_FIXED back, at an offset inside the buffer too.
+        let (n, r) = one_op(
+            &mut q,
+            arena.get(128 << 10).expect("buf"),
+            read(128 << 10, 0),
+        );
+        assert_eq!((n, r.as_slice() == &big[..]), (128 << 10, true));
+        let s = q.alloc((), arena.get(8192)).expect("slot");
+        let op = QueueOp::Read {
+            file: 0,
+            buf_offset: 4096,
+            len: 4096,
+            file_offset: 256 << 10,
+        };
+        q.push(s, &[(0, op)]).expect("push");
+        q.submit_and_wait(1).expect("wait");
+        assert_eq!(q.next_completion().expect("cqe").result, 4096);
+        let (_, r) = q.release(s).expect("released");
+        assert_eq!(&r.expect("buf").as_slice()[4096..], &small[..]);
+        assert_eq!(q.buffer_ios(), (4, 0));
+        // A heap buffer and another (unregistered) arena's go plain.
+        let mut heap = IoBuf::with_capacity(4096);
+        heap.set_len(4096);
+        let (n, r) = one_op(&mut q, heap, read(4096, 256 << 10));
+        assert_eq!((n, r.as_slice() == &small[..]), (4096, true));
+        let (n, r) = one_op(&mut q, other.get(4096).expect("buf"), read(4096, 256 << 10));
+        assert_eq!((n, r.as_slice() == &small[..]), (4096, true));
+        assert_eq!(q.buffer_ios(), (4, 2));
+        // Registering twice is refused; the first registration stays.
+        assert!(q.register_arenas(&[other]).is_err());
+        q.check_invariants();
+    }
+    assert_eq!(arena.stats().in_use_bytes, 0);
+}
+
+#[test]
+fn unregistered_queue_sends_arena_buffers_plain() {
+    let tmp = TempFile::new("plain", 1 << 20);
+    let arena = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let mut q: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    let data = pattern(4096, 9);
+    let mut w = arena.get(4096).expect("buf");
+    w.as_mut_slice().copy_from_slice(&data);
+    let op = QueueOp::Write {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: 0,
+    };
+    assert_eq!(one_op(&mut q, w, op).0, 4096);
+    assert_eq!(q.buffer_ios(), (0, 1));
+}
