@@ -254,7 +254,11 @@ fn fixed_buffers_move_the_right_bytes_and_others_go_plain() {
     let other = FixedArena::new(ARENA_SET_BYTES).expect("unregistered arena");
     {
         let mut q: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
-        assert_eq!(q.register_arenas(std::slice::from_ref(&arena)).expect("register"), 1);
+        assert_eq!(
+            q.register_arenas(std::slice::from_ref(&arena))
+                .expect("register"),
+            1
+        );
         assert_eq!(q.registered_arenas(), 1);
         let write = |len: u32, at: u64| QueueOp::Write {
             file: 0,
