@@ -231,6 +231,47 @@ pub struct RingSetup {
     pub iopoll: bool,
 }
 
+/// The ring that holds the process's registration of the fixed arenas,
+/// for other rings to clone (see [`Ring::register_arenas`]), and the
+/// arenas it registered (kept mapped while it lives).
+struct Template {
+    ring: IoUring,
+    arenas: Vec<Arc<FixedArena>>,
+}
+
+static TEMPLATE: std::sync::Mutex<Option<Template>> = std::sync::Mutex::new(None);
+
+/// The kernel refused IORING_REGISTER_CLONE_BUFFERS once: register per ring.
+pub(crate) static CLONE_UNSUPPORTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+enum CloneError {
+    /// The kernel does not know the operation (before 6.12).
+    Unsupported(io::Error),
+    Failed(io::Error),
+}
+
+/// Registers each arena's whole mapping as one fixed buffer of `ring`.
+///
+/// # Safety
+/// The arenas must stay mapped until `ring` is dropped (the caller keeps
+/// an `Arc` of each for that long).
+unsafe fn register_iovecs(ring: &IoUring, arenas: &[Arc<FixedArena>]) -> io::Result<()> {
+    let mut iovecs = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; RING_ARENAS_MAX];
+    for (iov, arena) in iovecs.iter_mut().zip(arenas) {
+        let (base, len) = arena.region();
+        iov.iov_base = base.cast();
+        iov.iov_len = len;
+    }
+    let n = arenas.len().min(RING_ARENAS_MAX);
+    // SAFETY: each iovec is an arena's whole mapping, which stays mapped
+    // for the ring's life (the caller's guarantee).
+    unsafe { ring.submitter().register_buffers(&iovecs[..n]) }
+}
+
 /// One io_uring instance plus its completion eventfd. Used by one thread.
 pub struct Ring {
     ring: IoUring,
@@ -353,8 +394,16 @@ impl Ring {
 
     /// Registers `arenas` (at most `RING_ARENAS_MAX`, the rest ignored) as
     /// this ring's fixed buffers, buffer index = position; once per ring.
-    /// Returns how many. The kernel pins their pages (counted against
-    /// RLIMIT_MEMLOCK without CAP_IPC_LOCK: ENOMEM past it).
+    /// Returns how many.
+    ///
+    /// The kernel pins the arenas once per process, in a template ring
+    /// (counted against RLIMIT_MEMLOCK without CAP_IPC_LOCK: ENOMEM past
+    /// it); each ring then clones that table (`IORING_REGISTER_CLONE_BUFFERS`,
+    /// Linux 6.12+), which shares the pinned pages instead of pinning
+    /// them again and costs the ring a table of pointers, not a page list
+    /// per arena (64 KiB per 16 MiB): a file volume opens a ring per
+    /// connection. On an older kernel each ring registers the arenas
+    /// itself.
     pub fn register_arenas(&mut self, arenas: &[Arc<FixedArena>]) -> Result<usize, RingError> {
         if !self.arenas.is_empty() {
             return Err(RingError::Io {
@@ -366,29 +415,63 @@ impl Ring {
         if arenas.is_empty() {
             return Ok(0);
         }
-        let mut iovecs = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; RING_ARENAS_MAX];
-        for (iov, arena) in iovecs.iter_mut().zip(arenas) {
-            let (base, len) = arena.region();
-            iov.iov_base = base.cast();
-            iov.iov_len = len;
+        if !CLONE_UNSUPPORTED.load(Ordering::Relaxed) {
+            match self.clone_registration(arenas) {
+                Ok(()) => {
+                    self.arenas.extend(arenas.iter().cloned());
+                    return Ok(arenas.len());
+                }
+                Err(CloneError::Unsupported(e)) => {
+                    tracing::debug!(error = %e,
+                        "io_uring cannot clone registered buffers (Linux < 6.12); each ring registers them");
+                    CLONE_UNSUPPORTED.store(true, Ordering::Relaxed);
+                }
+                Err(CloneError::Failed(source)) => {
+                    return Err(RingError::Io {
+                        what: "register_buffers",
+                        source,
+                    })
+                }
+            }
         }
-        // SAFETY: each iovec is an arena's whole mapping, which stays
-        // mapped while this ring holds the arena's `Arc` (pushed below,
-        // dropped only with the ring, after the kernel's registration).
-        unsafe {
-            self.ring
-                .submitter()
-                .register_buffers(&iovecs[..arenas.len()])
-        }
-        .map_err(|source| RingError::Io {
+        // SAFETY: see `register_iovecs`; the arenas are pushed below and
+        // dropped only with the ring.
+        unsafe { register_iovecs(&self.ring, arenas) }.map_err(|source| RingError::Io {
             what: "register_buffers",
             source,
         })?;
         self.arenas.extend(arenas.iter().cloned());
         Ok(arenas.len())
+    }
+
+    /// Clones the template ring's buffer table, (re)building the template
+    /// first when it holds other arenas.
+    fn clone_registration(&mut self, arenas: &[Arc<FixedArena>]) -> Result<(), CloneError> {
+        let mut template = TEMPLATE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = template.as_ref().is_some_and(|t| {
+            t.arenas.len() == arenas.len()
+                && t.arenas.iter().zip(arenas).all(|(a, b)| Arc::ptr_eq(a, b))
+        });
+        if !current {
+            let ring = IoUring::new(1).map_err(CloneError::Failed)?;
+            // SAFETY: the template keeps the arenas (`Template::arenas`)
+            // for as long as its ring lives.
+            unsafe { register_iovecs(&ring, arenas) }.map_err(CloneError::Failed)?;
+            *template = Some(Template {
+                ring,
+                arenas: arenas.to_vec(),
+            });
+        }
+        let src = template.as_ref().map_or(-1, |t| t.ring.as_raw_fd());
+        self.ring
+            .submitter()
+            .register_buffers_clone(src)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => CloneError::Unsupported(e),
+                _ => CloneError::Failed(e),
+            })
     }
 
     /// The registered buffer index whose arena holds `ptr..ptr + len`.

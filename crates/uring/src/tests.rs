@@ -334,3 +334,71 @@ fn unregistered_queue_sends_arena_buffers_plain() {
     assert_eq!(one_op(&mut q, w, op).0, 4096);
     assert_eq!(q.buffer_ios(), (0, 1));
 }
+
+#[test]
+fn rings_share_one_registration_and_outlive_a_new_template() {
+    let tmp = TempFile::new("clone", 1 << 20);
+    let first = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let second = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let sqpoll = RingSetup {
+        sqpoll_idle_ms: Some(10),
+        iopoll: false,
+    };
+    let mut a: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    let mut b: IoQueue<()> = IoQueue::with_setup(8, &[tmp.1.as_fd()], sqpoll).expect("queue");
+    let mut c: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    assert_eq!(a.register_arenas(std::slice::from_ref(&first)).unwrap(), 1);
+    assert_eq!(b.register_arenas(std::slice::from_ref(&first)).unwrap(), 1);
+    // Another arena set: a new template; `a` and `b` keep theirs.
+    assert_eq!(
+        c.register_arenas(&[second.clone(), first.clone()]).unwrap(),
+        2
+    );
+    let data = pattern(4096, 5);
+    let write = |at: u64| QueueOp::Write {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: at,
+    };
+    let read = QueueOp::Read {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: 0,
+    };
+    let mut w = first.get(4096).expect("buf");
+    w.as_mut_slice().copy_from_slice(&data);
+    assert_eq!(one_op(&mut a, w, write(0)).0, 4096);
+    let (n, r) = one_op(&mut b, first.get(4096).expect("buf"), read);
+    assert_eq!((n, r.as_slice() == &data[..]), (4096, true));
+    drop(r);
+    let (n, r) = one_op(&mut c, second.get(4096).expect("buf"), read);
+    assert_eq!((n, r.as_slice() == &data[..]), (4096, true));
+    drop(r);
+    assert_eq!(a.buffer_ios(), (1, 0));
+    assert_eq!(b.buffer_ios(), (1, 0));
+    assert_eq!(c.buffer_ios(), (1, 0));
+    let release = uname_release();
+    let (major, minor) = kernel_version(&release);
+    if (major, minor) >= (6, 12) {
+        assert!(
+            !crate::ring::CLONE_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed),
+            "Linux {release} clones registered buffers"
+        );
+    }
+}
+
+fn uname_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .expect("osrelease")
+        .trim()
+        .to_string()
+}
+
+fn kernel_version(release: &str) -> (u32, u32) {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor)
+}
