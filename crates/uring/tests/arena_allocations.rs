@@ -79,7 +79,7 @@ fn round(
         let buf = pool.get(len);
         let slot = q.alloc(i, Some(buf)).expect("slot");
         let file_offset = (i as u64) << 17;
-        let op = if n % 2 == 0 {
+        let op = if n.is_multiple_of(2) {
             QueueOp::Write {
                 file: 0,
                 buf_offset: 0,
