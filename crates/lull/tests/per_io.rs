@@ -320,6 +320,36 @@ fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
     }
 }
 
+/// Stops a `lull replica` (SIGTERM, a clean stop) and reads the data
+/// file's `(fixed, plain)` buffer I/O counts from its log.
+fn stop_replica(child: &mut Child, dir: &Path, uring: &str) -> (u64, u64) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(status.success());
+    let deadline = Instant::now() + START_TIMEOUT;
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "lull replica did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = std::fs::read_to_string(dir.join(format!("replica-{uring}.log"))).unwrap();
+    let count = |key: &str| -> u64 {
+        let at = log
+            .find(&format!("{key}="))
+            .unwrap_or_else(|| panic!("no {key} in the replica's log:\n{log}"));
+        log[at + key.len() + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap()
+    };
+    let counts = (count("fixed_buffer_ios"), count("plain_buffer_ios"));
+    eprintln!("replica --uring {uring}: (fixed, plain) buffer I/Os {counts:?}");
+    counts
+}
+
 #[test]
 fn replica_data_file_takes_the_same_ring_options() {
     let dir = tempdir("replica");
@@ -337,8 +367,31 @@ fn replica_data_file_takes_the_same_ring_options() {
     fio_verify(&server);
     server.assert_healthy();
     drop(server);
-    let _ = child.kill();
-    let _ = child.wait();
+    // Its data file's I/O went through the reactors' fixed buffers.
+    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,sqpoll=5");
+    assert!(
+        fixed > 0,
+        "replica I/O from fixed buffers: {fixed} fixed, {plain} plain"
+    );
+    // fixed=off: none did.
+    let mut child = match replica(&dir, "direct,fixed=off") {
+        Ok(child) => child,
+        Err(log) => panic!("lull replica --uring direct,fixed=off refused:\n{log}"),
+    };
+    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("vol:16M:replicas={addr}"),
+    ]);
+    fio_verify(&server);
+    server.assert_healthy();
+    drop(server);
+    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,fixed=off");
+    assert!(
+        fixed == 0 && plain > 0,
+        "fixed=off: {fixed} fixed, {plain} plain"
+    );
     // IOPOLL without O_DIRECT is refused by name, at start.
     match replica(&dir, "iopoll") {
         Err(log) => assert!(
