@@ -3,6 +3,9 @@
 //! the slot (nor be borrowed) while any of the slot's operations is in
 //! flight, and dropping the queue waits for them. That is the whole
 //! unsafety boundary: callers (the `file` bdev) never see a raw pointer.
+//! A read or write whose buffer lies in an arena registered with
+//! [`IoQueue::register_arenas`] goes as READ_FIXED/WRITE_FIXED, any other
+//! as plain READ/WRITE ([`IoQueue::buffer_ios`] counts both).
 //!
 //! ```no_run
 //! use lull_uring::{IoBuf, IoQueue, QueueOp};
@@ -333,7 +336,15 @@ impl<T> IoQueue<T> {
                         .as_mut()
                         .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
                     let buf = base.wrapping_add(buf_offset);
-                    match ring.fixed_buf_index(buf, len as usize) {
+                    // Only an arena buffer can lie in a registered arena:
+                    // a heap buffer skips the scan.
+                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
+                    let index = if in_arena {
+                        ring.fixed_buf_index(buf, len as usize)
+                    } else {
+                        None
+                    };
+                    match index {
                         Some(buf_index) => {
                             fixed_ios += 1;
                             RingOp::ReadFixed {
@@ -365,7 +376,15 @@ impl<T> IoQueue<T> {
                     let target = fixed(file)?;
                     let base = slot.buf.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
                     let buf = base.wrapping_add(buf_offset);
-                    match ring.fixed_buf_index(buf, len as usize) {
+                    // Only an arena buffer can lie in a registered arena:
+                    // a heap buffer skips the scan.
+                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
+                    let index = if in_arena {
+                        ring.fixed_buf_index(buf, len as usize)
+                    } else {
+                        None
+                    };
+                    match index {
                         Some(buf_index) => {
                             fixed_ios += 1;
                             RingOp::WriteFixed {
@@ -419,8 +438,7 @@ impl<T> IoQueue<T> {
         // above), whose memory (heap or arena) stays put while the slot
         // holds it; a *Fixed op's range lies in the arena registered at
         // its index (checked by `fixed_buf_index`), which the ring keeps
-        // mapped. From
-        // here until the slot's `pending` count is back to 0 (each CQE of
+        // mapped. From here until the slot's `pending` count is back to 0 (each CQE of
         // this chain decrements it in `next_completion`), `buf`, `buf_mut`,
         // `replace_buf` and `release` refuse to lend or return the buffer,
         // so nobody else touches it; `Drop` waits for all pending CQEs
