@@ -37,9 +37,11 @@ use crate::buf::IoBuf;
 /// NBD request lull sees in practice).
 pub const ARENA_CLASS_MIN_BYTES: usize = 4096;
 /// Largest arena buffer: 128 KiB, the request size of sequential
-/// workloads (kbench's 128 KiB jobs, qemu's default cluster) and the
-/// Linux nbd driver's default largest request. Larger requests are rare
-/// and take heap buffers.
+/// workloads (kbench's 128 KiB jobs) and of the kernel's default
+/// readahead (`read_ahead_kb` = 128), the unit of buffered sequential
+/// reads through a kernel NBD device. Larger requests (clients may send
+/// up to 32 MiB) take heap buffers and plain READ/WRITE: a class of 1 MiB
+/// buffers would cost 8 times the memory of the 128 KiB one.
 pub const ARENA_CLASS_MAX_BYTES: usize = 128 << 10;
 const ARENA_CLASSES: usize =
     (ARENA_CLASS_MAX_BYTES.trailing_zeros() - ARENA_CLASS_MIN_BYTES.trailing_zeros()) as usize + 1;
