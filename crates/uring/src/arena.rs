@@ -562,6 +562,42 @@ mod tests {
         assert_eq!(rc, 0, "capset");
     }
 
+    proptest::proptest! {
+        /// Any sequence of gets and drops: buffers never overlap, stay
+        /// inside the mapping, and `in_use_bytes` is what is out.
+        #[test]
+        fn buffers_never_overlap(ops in proptest::collection::vec((proptest::bool::ANY, 0usize..200_000), 1..300)) {
+            let arena = FixedArena::new(2 * ARENA_SET_BYTES).expect("arena");
+            let mut out: Vec<IoBuf> = Vec::new();
+            for (get, n) in ops {
+                if get || out.is_empty() {
+                    match arena.get(n) {
+                        Some(buf) => {
+                            proptest::prop_assert!(buf.capacity() >= n && buf.len() == n);
+                            proptest::prop_assert!(arena.contains(buf.as_ptr(), buf.capacity()));
+                            out.push(buf);
+                        }
+                        None => proptest::prop_assert!(
+                            n > ARENA_CLASS_MAX_BYTES
+                                || out.iter().filter(|b| b.capacity() >= n.max(1)).count() > 0
+                        ),
+                    }
+                } else {
+                    drop(out.swap_remove(n % out.len()));
+                }
+                let mut ranges: Vec<(usize, usize)> = out
+                    .iter()
+                    .map(|b| (b.as_ptr() as usize, b.as_ptr() as usize + b.capacity()))
+                    .collect();
+                ranges.sort();
+                proptest::prop_assert!(ranges.windows(2).all(|w| w[0].1 <= w[1].0));
+                let out_bytes: usize = out.iter().map(IoBuf::capacity).sum();
+                proptest::prop_assert_eq!(arena.stats().in_use_bytes, out_bytes);
+                arena.check_invariants();
+            }
+        }
+    }
+
     #[test]
     fn thread_arena_serves_the_pool_and_falls_back_to_the_heap() {
         std::thread::spawn(|| {
