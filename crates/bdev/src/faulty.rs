@@ -226,6 +226,10 @@ impl BlockDevice for FaultyDev {
     fn io_uring_enters(&self) -> Option<u64> {
         self.inner.io_uring_enters()
     }
+
+    fn buffer_ios(&self) -> Option<crate::BufferIos> {
+        self.inner.buffer_ios()
+    }
 }
 
 /// One channel: the inner channel, plus the completions held back until

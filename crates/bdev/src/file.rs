@@ -20,8 +20,11 @@
 //!
 //! # Mapping
 //!
-//! - Read/Write: `IORING_OP_READ`/`WRITE`; short transfers are resubmitted
-//!   for the remainder; 0 bytes (EOF, no space) completes with an error.
+//! - Read/Write: `IORING_OP_READ`/`WRITE`, or `READ_FIXED`/`WRITE_FIXED`
+//!   when the buffer lies in a reactor's fixed arena (each channel's ring
+//!   registers every reactor's arena at open unless `fixed=off`; see
+//!   [`lull_uring::FixedArena`]); short transfers are resubmitted for the
+//!   remainder; 0 bytes (EOF, no space) completes with an error.
 //! - FUA (Write, WriteZeroes): the last data operation is linked
 //!   (`IOSQE_IO_LINK`) to an `fdatasync`.
 //! - Flush: `fdatasync`.
@@ -72,7 +75,8 @@ use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, R
 use crate::ring_options::{self, RingOptions};
 
 use crate::{
-    check_grow, validate_request, BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest,
+    check_grow, validate_request, BdevError, BlockDevice, BufferIos, Channel, IoCompletion, IoOp,
+    IoRequest,
 };
 
 /// Requests a file channel keeps in flight (slots, and SQ entries of its
@@ -145,7 +149,23 @@ pub struct FileDev {
     setup: RingSetup,
     /// `io_uring_enter` calls made by all of this device's channels.
     enters: Arc<AtomicU64>,
+    /// Register the reactors' fixed arenas with each channel's ring.
+    fixed_buffers: bool,
+    /// Reads and writes of all channels from fixed and from plain buffers.
+    buffer_ios: Arc<BufferIoCounters>,
 }
+
+/// `BufferIos`, shared by a device's channels.
+#[derive(Debug, Default)]
+struct BufferIoCounters {
+    fixed: AtomicU64,
+    plain: AtomicU64,
+}
+
+/// One log line per process when a ring cannot register the fixed
+/// arenas (every channel would say the same).
+static REGISTER_FAILED_LOGGED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 impl FileDev {
     /// Opens (or with `create`, creates) `path` as a device of `size_bytes`.
@@ -222,6 +242,8 @@ impl FileDev {
             direct_align_bytes,
             setup,
             enters: Arc::new(AtomicU64::new(0)),
+            fixed_buffers: options.ring.fixed_buffers,
+            buffer_ios: Arc::new(BufferIoCounters::default()),
         })
     }
 
@@ -252,8 +274,20 @@ impl FileDev {
             }
         })?;
         queue.set_enter_counter(self.enters.clone());
+        if self.fixed_buffers {
+            let arenas = lull_uring::thread_arenas();
+            if let Err(e) = queue.register_arenas(&arenas) {
+                if !REGISTER_FAILED_LOGGED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(path = %self.path.display(), error = %e, arenas = arenas.len(),
+                        memlock_limit_bytes = ?lull_uring::memlock_limit_bytes(),
+                        "cannot register the fixed I/O buffers with io_uring; file I/O uses plain READ/WRITE");
+                }
+            }
+        }
         let capacity = queue.capacity();
         Ok(FileChannel {
+            buffer_ios: self.buffer_ios.clone(),
+            published_ios: (0, 0),
             polled: self.setup.iopoll,
             queue,
             pool: BufPool::new(CHANNEL_POOL_BYTES),
@@ -315,6 +349,9 @@ impl BlockDevice for FileDev {
         if self.setup.iopoll {
             flags.push("IOPOLL");
         }
+        if !self.fixed_buffers {
+            flags.push("fixed=off");
+        }
         if flags.is_empty() {
             format!("file:{}", self.path.display())
         } else {
@@ -324,6 +361,13 @@ impl BlockDevice for FileDev {
 
     fn io_uring_enters(&self) -> Option<u64> {
         Some(self.enters.load(Ordering::Relaxed))
+    }
+
+    fn buffer_ios(&self) -> Option<BufferIos> {
+        Some(BufferIos {
+            fixed: self.buffer_ios.fixed.load(Ordering::Relaxed),
+            plain: self.buffer_ios.plain.load(Ordering::Relaxed),
+        })
     }
 
     fn sync(&self) -> Result<(), BdevError> {
@@ -450,6 +494,10 @@ pub struct FileChannel {
     direct_align_bytes: u64,
     punch_hole_ok: bool,
     zero_range_ok: bool,
+    /// The device's fixed/plain counters, and how much of the queue's own
+    /// counts was added to them (published once per batch, not per I/O).
+    buffer_ios: Arc<BufferIoCounters>,
+    published_ios: (u64, u64),
 }
 
 fn cqe_error(result: i32) -> BdevError {
@@ -697,10 +745,39 @@ impl FileChannel {
         }
     }
 
+    /// Adds the fixed/plain I/Os pushed since the last call to the
+    /// device's counters.
+    fn publish_buffer_ios(&mut self) {
+        let (fixed, plain) = self.queue.buffer_ios();
+        let (was_fixed, was_plain) = self.published_ios;
+        if fixed != was_fixed {
+            self.buffer_ios
+                .fixed
+                .fetch_add(fixed - was_fixed, Ordering::Relaxed);
+        }
+        if plain != was_plain {
+            self.buffer_ios
+                .plain
+                .fetch_add(plain - was_plain, Ordering::Relaxed);
+        }
+        self.published_ios = (fixed, plain);
+    }
+
+    /// Arenas this channel's ring registered (0: plain I/O only).
+    pub fn registered_arenas(&self) -> usize {
+        self.queue.registered_arenas()
+    }
+
     /// Checks the slot table (debug builds and tests).
     pub fn check_invariants(&self) {
         self.queue.check_invariants();
         assert!(self.parked.len() <= self.queue.in_use());
+    }
+}
+
+impl Drop for FileChannel {
+    fn drop(&mut self) {
+        self.publish_buffer_ios();
     }
 }
 
@@ -837,6 +914,7 @@ impl Channel for FileChannel {
         if let Err(e) = self.queue.submit() {
             tracing::error!(error = %e, "io_uring submit failed; will retry on the next flush");
         }
+        self.publish_buffer_ios();
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
@@ -880,6 +958,7 @@ impl Channel for FileChannel {
                 tracing::error!(error = %e, "io_uring submit of continuations failed");
             }
         }
+        self.publish_buffer_ios();
         #[cfg(debug_assertions)]
         self.check_invariants();
         delivered
@@ -1842,6 +1921,77 @@ mod tests {
         #[test]
         fn direct_matches_a_vec_oracle(steps in proptest::collection::vec(step(), 1..20)) {
             check_against_oracle(true, steps)?;
+        }
+    }
+
+    mod fixed_buffer_tests {
+        use super::*;
+
+        /// On a thread with a fixed arena: writes through arena buffers
+        /// (WRITE_FIXED), reads back through arena buffers (READ_FIXED) and a
+        /// heap one (plain READ); all agree. Returns the device's counts.
+        fn round_trip_on_an_arena_thread(direct: bool, flags: &'static str) -> BufferIos {
+            std::thread::spawn(move || {
+                let arena = lull_uring::FixedArena::new(4 << 20).expect("arena");
+                assert!(lull_uring::install_thread_arena(arena.clone()));
+                let dir = TempDir::new(if direct { "fixed-d" } else { "fixed-b" });
+                let dev = open_with(&dir, direct, flags).expect("open");
+                let mut ch = dev.open_file_channel().expect("channel");
+                let fixed_on = !flags.contains("fixed=off");
+                assert_eq!(ch.registered_arenas() > 0, fixed_on);
+                let mut pool = BufPool::new(1 << 20);
+                for (i, len) in [4096usize, 8192, 65536, 128 << 10].into_iter().enumerate() {
+                    let offset = (i as u64) << 17;
+                    let data = pattern(len, i as u8 + 1);
+                    let mut buf = pool.get(len);
+                    assert!(buf.is_fixed(), "the arena serves {len} bytes");
+                    buf.as_mut_slice().copy_from_slice(&data);
+                    let c = run(
+                        &mut ch,
+                        IoOp::Write { fua: false },
+                        offset,
+                        len as u32,
+                        Some(buf),
+                    );
+                    c.result.expect("write");
+                    pool.put(c.buf.expect("buf"));
+                    assert_eq!(read(&mut ch, &mut pool, offset, len), data);
+                    let mut heap = IoBuf::with_capacity(len);
+                    heap.set_len(len);
+                    let c = run(&mut ch, IoOp::Read, offset, len as u32, Some(heap));
+                    c.result.expect("heap read");
+                    assert_eq!(c.buf.expect("buf").as_slice(), &data[..]);
+                }
+                drop(ch);
+                assert_eq!(arena.stats().in_use_bytes, 0, "every buffer went home");
+                dev.buffer_ios().expect("a file device counts")
+            })
+            .join()
+            .expect("join")
+        }
+
+        #[test]
+        fn fixed_buffers_round_trip_buffered() {
+            let ios = round_trip_on_an_arena_thread(false, "");
+            assert_eq!(ios, BufferIos { fixed: 8, plain: 4 });
+        }
+
+        #[test]
+        fn fixed_buffers_round_trip_direct() {
+            let ios = round_trip_on_an_arena_thread(true, "");
+            assert_eq!(ios, BufferIos { fixed: 8, plain: 4 });
+        }
+
+        #[test]
+        fn fixed_off_sends_everything_plain() {
+            let ios = round_trip_on_an_arena_thread(true, "fixed=off");
+            assert_eq!(
+                ios,
+                BufferIos {
+                    fixed: 0,
+                    plain: 12
+                }
+            );
         }
     }
 }

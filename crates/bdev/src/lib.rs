@@ -356,6 +356,12 @@ pub trait BlockDevice: Send + Sync {
     fn io_uring_enters(&self) -> Option<u64> {
         None
     }
+    /// Reads and writes its channels sent to the kernel from registered
+    /// (fixed) buffers and from plain ones (`None`: the device does not
+    /// use io_uring).
+    fn buffer_ios(&self) -> Option<BufferIos> {
+        None
+    }
     /// Advises that `[offset, offset + len)` will be read soon (NBD_CMD_CACHE).
     /// Advisory: it may do nothing, or only part; it must not block on I/O.
     /// Default: nothing to prefetch.
@@ -363,6 +369,19 @@ pub trait BlockDevice: Send + Sync {
         let _ = (offset, len);
         Ok(())
     }
+}
+
+/// How a device's io_uring reads and writes named their buffers, counted
+/// per operation handed to the kernel (a short transfer's remainder is
+/// another one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BufferIos {
+    /// `IORING_OP_READ_FIXED` / `WRITE_FIXED`: the buffer was in a
+    /// registered arena.
+    pub fixed: u64,
+    /// Plain `READ` / `WRITE`: a heap buffer, an arena the ring has not
+    /// registered, or the `fixed=off` option.
+    pub plain: u64,
 }
 
 /// A per-thread I/O queue to a device. Used from one thread only.

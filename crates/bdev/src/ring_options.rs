@@ -1,5 +1,5 @@
 //! The file backend's io_uring options (`sqpoll[=IDLE_MS]`, `iopoll`,
-//! `hybrid_iopoll`, `iopoll=auto`): parsing, and checking them against the
+//! `hybrid_iopoll`, `iopoll=auto`, `fixed=on|off`): parsing, and checking them against the
 //! kernel and the device at open, so that a refusal is a start-up error
 //! naming the option and the reason rather than an I/O error later.
 //!
@@ -48,17 +48,32 @@ pub enum IoPoll {
 }
 
 /// io_uring options of a file device (`FileOptions::ring`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingOptions {
     /// `sqpoll[=IDLE_MS]`: a kernel thread polls the submission queue.
     pub sqpoll_idle_ms: Option<u32>,
     pub iopoll: IoPoll,
+    /// `fixed=on` (default) / `fixed=off`: each channel's ring registers
+    /// the reactors' fixed buffer arenas, and I/O on buffers from them
+    /// uses READ_FIXED/WRITE_FIXED (no page pinning per I/O). Off: plain
+    /// READ/WRITE always (for comparison).
+    pub fixed_buffers: bool,
+}
+
+impl Default for RingOptions {
+    fn default() -> RingOptions {
+        RingOptions {
+            sqpoll_idle_ms: None,
+            iopoll: IoPoll::Off,
+            fixed_buffers: true,
+        }
+    }
 }
 
 impl RingOptions {
     /// Applies one comma-separated flag of a `file=PATH,...` spec:
     /// `direct`, `sqpoll`, `sqpoll=IDLE_MS`, `iopoll`, `iopoll=auto`,
-    /// `hybrid_iopoll`. `Ok(false)` for a word that is none of them (so a
+    /// `hybrid_iopoll`, `fixed=on`, `fixed=off`. `Ok(false)` for a word that is none of them (so a
     /// caller can tell a flag from part of a path); `Err` for a known flag
     /// with a bad value.
     pub fn parse_flag(&mut self, flag: &str, direct: &mut bool) -> Result<bool, String> {
@@ -68,6 +83,8 @@ impl RingOptions {
             "iopoll" => self.iopoll = IoPoll::On,
             "iopoll=auto" => self.iopoll = IoPoll::Auto,
             "hybrid_iopoll" => self.iopoll = IoPoll::Hybrid,
+            "fixed=on" => self.fixed_buffers = true,
+            "fixed=off" => self.fixed_buffers = false,
             _ => {
                 if let Some(v) = flag.strip_prefix("sqpoll=") {
                     let ms = v
@@ -82,6 +99,8 @@ impl RingOptions {
                     return Err(format!(
                         "iopoll={v}: expected iopoll, iopoll=auto or hybrid_iopoll"
                     ));
+                } else if let Some(v) = flag.strip_prefix("fixed=") {
+                    return Err(format!("fixed={v}: expected fixed=on or fixed=off"));
                 } else {
                     return Ok(false);
                 }
@@ -96,7 +115,7 @@ impl RingOptions {
         for flag in list.split(',').filter(|f| !f.is_empty()) {
             if !o.parse_flag(flag, direct)? {
                 return Err(format!(
-                    "unknown file option {flag:?}: expected direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto or hybrid_iopoll"
+                    "unknown file option {flag:?}: expected direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll or fixed=on|off"
                 ));
             }
         }
@@ -114,6 +133,9 @@ impl RingOptions {
             IoPoll::On => out.push("iopoll".into()),
             IoPoll::Hybrid => out.push("hybrid_iopoll".into()),
             IoPoll::Auto => out.push("iopoll=auto".into()),
+        }
+        if !self.fixed_buffers {
+            out.push("fixed=off".into());
         }
         out.join(",")
     }
@@ -261,5 +283,14 @@ mod tests {
         assert!(parse("fast").unwrap_err().contains("unknown file option"));
         let o = parse("sqpoll=5,iopoll=auto").unwrap().1;
         assert_eq!(o.describe(), "sqpoll=5,iopoll=auto");
+        assert!(
+            RingOptions::default().fixed_buffers,
+            "fixed buffers by default"
+        );
+        let o = parse("direct,fixed=off").unwrap().1;
+        assert!(!o.fixed_buffers);
+        assert_eq!(o.describe(), "fixed=off");
+        assert!(parse("fixed=off,fixed=on").unwrap().1.fixed_buffers);
+        assert!(parse("fixed=maybe").unwrap_err().contains("fixed=maybe"));
     }
 }

@@ -25,6 +25,7 @@
 //! replica_tls_psk = "/etc/lull/replica.psk"  # the replicas' --tls-psk file, or
 //! # replica_tls_certs = "/etc/lull/replica-pki" # ca-cert.pem, client-cert.pem, client-key.pem
 //! # replica_insecure = true        # plain TCP: no authentication (logged at start)
+//! fixed_buffers_mib = 16           # per reactor: prefaulted, registered I/O buffers; 0 = off
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
 //! # dynamic's tunables (SPDK's, percent): scheduler_load_limit = 20,
@@ -43,7 +44,7 @@
 //! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
 //! # Fault injection, to rehearse failures (any setting may be left out):
 //! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
-//! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll
+//! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll, fixed=off
 //! ```
 
 #![forbid(unsafe_code)]
@@ -204,6 +205,27 @@ pub struct ServeSettings {
     /// Requests in flight on one volume over all its connections (1 to
     /// `lull_volume::MAX_IN_FLIGHT_PER_VOLUME`).
     pub max_in_flight_per_volume: usize,
+    /// MiB of fixed I/O buffers (prefaulted, registered with io_uring)
+    /// each reactor maps at start; 0: none, buffers come from the heap.
+    pub fixed_buffers_mib: u64,
+}
+
+/// `fixed_buffers_mib` by default: lull_uring's `ARENA_BYTES_DEFAULT`
+/// (16 MiB: a queue of 64 requests of any size up to 128 KiB per reactor;
+/// the binary asserts they agree).
+pub const FIXED_BUFFERS_MIB_DEFAULT: u64 = 16;
+/// Largest `fixed_buffers_mib`: lull_uring's `ARENA_BYTES_MAX` (io_uring
+/// registers an arena as one buffer, at most 1 GiB).
+pub const FIXED_BUFFERS_MIB_MAX: u64 = 1024;
+
+/// Checks a `fixed_buffers_mib` / `--fixed-buffers-mib` value.
+pub fn check_fixed_buffers_mib(mib: u64) -> Result<u64, ConfigError> {
+    if mib > FIXED_BUFFERS_MIB_MAX {
+        return err(format!(
+            "fixed_buffers_mib = {mib}: must be 0 (off) to {FIXED_BUFFERS_MIB_MAX}"
+        ));
+    }
+    Ok(mib)
 }
 
 /// The most NBD connections a server may be configured to hold: the NBD
@@ -265,6 +287,8 @@ pub struct ConfigFile {
     pub max_connections_per_volume: Option<usize>,
     /// Requests in flight per volume.
     pub max_in_flight_per_volume: Option<usize>,
+    /// MiB of fixed I/O buffers per reactor (0: off).
+    pub fixed_buffers_mib: Option<u64>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -327,6 +351,7 @@ pub struct Overrides {
     pub max_connections: Option<usize>,
     pub max_connections_per_volume: Option<usize>,
     pub max_in_flight_per_volume: Option<usize>,
+    pub fixed_buffers_mib: Option<u64>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -337,7 +362,8 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
 }
 
 /// Parse a backend: `malloc`, `file=PATH[,FLAG...]` (flags: `direct`,
-/// `sqpoll[=IDLE_MS]`, `iopoll`, `iopoll=auto`, `hybrid_iopoll`),
+/// `sqpoll[=IDLE_MS]`, `iopoll`, `iopoll=auto`, `hybrid_iopoll`,
+/// `fixed=on|off`),
 /// `replicas=...` or `faulty=INNER,read_err=P,...`.
 pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
     if let Some(rest) = s.strip_prefix("faulty=") {
@@ -372,7 +398,7 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
         return Ok(Backend::Replicas { addrs });
     }
-    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct][,sqpoll[=IDLE_MS]][,iopoll|iopoll=auto|hybrid_iopoll], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct][,sqpoll[=IDLE_MS]][,iopoll|iopoll=auto|hybrid_iopoll][,fixed=off], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.
@@ -629,6 +655,12 @@ pub fn resolve(
             lull_volume::MAX_IN_FLIGHT_PER_VOLUME
         ));
     }
+    let fixed_buffers_mib = check_fixed_buffers_mib(
+        flags
+            .fixed_buffers_mib
+            .or(file.fixed_buffers_mib)
+            .unwrap_or(FIXED_BUFFERS_MIB_DEFAULT),
+    )?;
     let dynamic = DynamicParams {
         load_limit: file
             .scheduler_load_limit
@@ -681,6 +713,7 @@ pub fn resolve(
         max_connections,
         max_connections_per_volume,
         max_in_flight_per_volume,
+        fixed_buffers_mib,
     })
 }
 
@@ -842,6 +875,7 @@ mod tests {
                 ring: lull_bdev::RingOptions {
                     sqpoll_idle_ms: Some(20),
                     iopoll: lull_bdev::IoPoll::Auto,
+                    ..Default::default()
                 },
             }
         );
@@ -1068,6 +1102,41 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.listen, None, "a socket alone replaces TCP");
+    }
+
+    #[test]
+    fn fixed_buffers_from_the_file_the_flags_and_the_backend() {
+        let s = resolve(ConfigFile::default(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.fixed_buffers_mib, FIXED_BUFFERS_MIB_DEFAULT);
+        let file = || ConfigFile::parse("fixed_buffers_mib = 64").unwrap();
+        assert_eq!(
+            resolve(file(), Overrides::default(), &[0])
+                .unwrap()
+                .fixed_buffers_mib,
+            64
+        );
+        let off = Overrides {
+            fixed_buffers_mib: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(resolve(file(), off, &[0]).unwrap().fixed_buffers_mib, 0);
+        let big = Overrides {
+            fixed_buffers_mib: Some(FIXED_BUFFERS_MIB_MAX + 1),
+            ..Default::default()
+        };
+        let e = resolve(ConfigFile::default(), big, &[0]).unwrap_err();
+        assert!(e.0.contains("fixed_buffers_mib"), "{e}");
+        let Backend::File { ring, direct, .. } =
+            parse_backend("file=/x.img,direct,fixed=off").unwrap()
+        else {
+            panic!("a file backend");
+        };
+        assert!(direct && !ring.fixed_buffers);
+        let Backend::File { ring, .. } = parse_backend("file=/x.img").unwrap() else {
+            panic!("a file backend");
+        };
+        assert!(ring.fixed_buffers, "on by default");
+        assert!(parse_backend("file=/x.img,fixed=no").is_err());
     }
 
     #[test]

@@ -262,6 +262,10 @@ impl ControlPlane for Control {
             // switches are per reactor (framework_get_reactors), not per
             // volume: several volumes share a reactor thread.
             "io_uring_enters": v.dev().io_uring_enters(),
+            // Reads and writes of those channels from registered buffers
+            // (READ_FIXED/WRITE_FIXED) and from others (null likewise).
+            "fixed_buffer_ios": v.dev().buffer_ios().map(|b| b.fixed),
+            "plain_buffer_ios": v.dev().buffer_ios().map(|b| b.plain),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -355,6 +359,8 @@ impl MetricsSource for Control {
                     latency_sum_ns: s.latency_sum_ns,
                     latency_count: s.buckets.iter().sum(),
                     io_uring_enters: v.dev().io_uring_enters(),
+                    fixed_buffer_ios: v.dev().buffer_ios().map(|b| b.fixed),
+                    plain_buffer_ios: v.dev().buffer_ios().map(|b| b.plain),
                 }
             })
             .collect();

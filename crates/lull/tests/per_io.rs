@@ -320,6 +320,36 @@ fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
     }
 }
 
+/// Stops a `lull replica` (SIGTERM, a clean stop) and reads the data
+/// file's `(fixed, plain)` buffer I/O counts from its log.
+fn stop_replica(child: &mut Child, dir: &Path, uring: &str) -> (u64, u64) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(status.success());
+    let deadline = Instant::now() + START_TIMEOUT;
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "lull replica did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = std::fs::read_to_string(dir.join(format!("replica-{uring}.log"))).unwrap();
+    let count = |key: &str| -> u64 {
+        let at = log
+            .find(&format!("{key}="))
+            .unwrap_or_else(|| panic!("no {key} in the replica's log:\n{log}"));
+        log[at + key.len() + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap()
+    };
+    let counts = (count("fixed_buffer_ios"), count("plain_buffer_ios"));
+    eprintln!("replica --uring {uring}: (fixed, plain) buffer I/Os {counts:?}");
+    counts
+}
+
 #[test]
 fn replica_data_file_takes_the_same_ring_options() {
     let dir = tempdir("replica");
@@ -337,8 +367,31 @@ fn replica_data_file_takes_the_same_ring_options() {
     fio_verify(&server);
     server.assert_healthy();
     drop(server);
-    let _ = child.kill();
-    let _ = child.wait();
+    // Its data file's I/O went through the reactors' fixed buffers.
+    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,sqpoll=5");
+    assert!(
+        fixed > 0,
+        "replica I/O from fixed buffers: {fixed} fixed, {plain} plain"
+    );
+    // fixed=off: none did.
+    let mut child = match replica(&dir, "direct,fixed=off") {
+        Ok(child) => child,
+        Err(log) => panic!("lull replica --uring direct,fixed=off refused:\n{log}"),
+    };
+    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("vol:16M:replicas={addr}"),
+    ]);
+    fio_verify(&server);
+    server.assert_healthy();
+    drop(server);
+    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,fixed=off");
+    assert!(
+        fixed == 0 && plain > 0,
+        "fixed=off: {fixed} fixed, {plain} plain"
+    );
     // IOPOLL without O_DIRECT is refused by name, at start.
     match replica(&dir, "iopoll") {
         Err(log) => assert!(
@@ -350,6 +403,98 @@ fn replica_data_file_takes_the_same_ring_options() {
             let _ = child.wait();
             panic!("lull replica --uring iopoll started without O_DIRECT");
         }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// fio's nbd engine writes `size` at `bs` (random 4 KiB, or sequential
+/// for larger blocks) with crc32c and reads it all back.
+fn fio_verify_bs(server: &Server, bs: &str, rw: &str) -> u64 {
+    require("fio", "fio");
+    let out = Command::new("fio")
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri=nbd://{}/vol", server.addr()),
+            &format!("--rw={rw}"),
+            &format!("--bs={bs}"),
+            "--iodepth=16",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .output()
+        .expect("run fio");
+    let json = common::fio_json(&out);
+    let job = &json["jobs"][0];
+    assert_eq!(job["error"], 0, "fio error ({bs} {rw}): {job}");
+    let reads = job["read"]["total_ios"].as_u64().unwrap();
+    assert!(reads > 0, "verify reads ran: {job}");
+    reads + job["write"]["total_ios"].as_u64().unwrap()
+}
+
+/// Fixed buffers (issue 13): on a `direct` file volume fio's verified
+/// writes and reads go through READ_FIXED/WRITE_FIXED from the reactors'
+/// prefaulted arenas, counted in `volume_get_stats`; with `fixed=off`, or
+/// with no arena (`--fixed-buffers-mib 0`), none do and the data is as
+/// right.
+#[test]
+fn fixed_buffers_carry_verified_io_and_are_counted() {
+    let dir = tempdir("fixed");
+    let img = dir.join("f.img");
+    for (flags, extra, expect_fixed) in [
+        ("direct", None, true),
+        ("direct,fixed=off", None, false),
+        ("direct", Some("0"), false),
+    ] {
+        let sock = dir.join("rpc.sock");
+        let spec = format!("vol:16M:file={},{flags}", img.display());
+        let mut args = vec!["--volume", &spec, "--rpc-socket", sock.to_str().unwrap()];
+        if let Some(mib) = extra {
+            args.extend(["--fixed-buffers-mib", mib]);
+        }
+        let mut server = Server::start(&args);
+        let ios =
+            fio_verify_bs(&server, "4k", "randwrite") + fio_verify_bs(&server, "128k", "write");
+        let stats = common::rpc(&sock, "volume_get_stats", r#"{"name":"vol"}"#);
+        let fixed = stats["fixed_buffer_ios"]
+            .as_u64()
+            .expect("fixed_buffer_ios");
+        let plain = stats["plain_buffer_ios"]
+            .as_u64()
+            .expect("plain_buffer_ios");
+        eprintln!("{flags} {extra:?}: {ios} fio I/Os; {fixed} fixed, {plain} plain");
+        if expect_fixed {
+            assert!(fixed >= ios, "every fio I/O went fixed: {stats}");
+            assert_eq!(plain, 0, "{stats}");
+        } else {
+            assert_eq!(fixed, 0, "{stats}");
+            assert!(plain >= ios, "{stats}");
+        }
+        // Reactors publish their arena's state every 50 ms.
+        std::thread::sleep(Duration::from_millis(200));
+        let reactors = common::rpc(&sock, "framework_get_reactors", "");
+        for r in reactors["reactors"].as_array().unwrap() {
+            let bytes = r["fixed_buffer_bytes"]
+                .as_u64()
+                .expect("fixed_buffer_bytes");
+            if extra == Some("0") {
+                assert_eq!(bytes, 0, "no arena with --fixed-buffers-mib 0: {r}");
+            } else {
+                assert!(bytes > 15 << 20 && bytes <= 16 << 20, "16 MiB arena: {r}");
+                assert!(r["fixed_buffer_in_use_bytes"].as_u64().unwrap() <= bytes);
+                eprintln!(
+                    "reactor {}: arena locked: {}",
+                    r["index"], r["fixed_buffer_locked"]
+                );
+            }
+        }
+        server.assert_healthy();
+        drop(server);
+        let _ = std::fs::remove_file(&img);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

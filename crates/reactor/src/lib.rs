@@ -42,8 +42,9 @@ mod thread;
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use cores::{parse_core_list, MAX_CORE};
 pub use reactor::{
-    set_io_uring_enter_source, Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats,
-    SchedulerConfig, SchedulerInfo, DEFAULT_IOQ_POLL_PERIOD_US,
+    set_fixed_buffer_source, set_io_uring_enter_source, set_reactor_start_hook, FixedBufferUsage,
+    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, SchedulerConfig,
+    SchedulerInfo, DEFAULT_IOQ_POLL_PERIOD_US,
 };
 pub use sys::Interest;
 pub use thread::{

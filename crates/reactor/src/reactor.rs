@@ -52,6 +52,41 @@ pub fn set_io_uring_enter_source(count: fn() -> u64) {
     let _ = IO_URING_ENTER_SOURCE.set(count);
 }
 
+/// What every reactor thread runs on itself once, after pinning and
+/// before it takes any lull thread (the binary creates the thread's fixed
+/// I/O buffer arena there, so its pages come from the core's memory node).
+static REACTOR_START_HOOK: std::sync::OnceLock<fn(usize)> = std::sync::OnceLock::new();
+
+/// Sets the function each reactor thread calls with its index when it
+/// starts (before `Framework::start` returns). The first call wins.
+pub fn set_reactor_start_hook(hook: fn(usize)) {
+    let _ = REACTOR_START_HOOK.set(hook);
+}
+
+/// A reactor thread's fixed I/O buffer arena, as
+/// [`set_fixed_buffer_source`]'s function reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FixedBufferUsage {
+    /// Bytes mapped and prefaulted (0: the reactor has no arena).
+    pub bytes: u64,
+    /// Of them, in buffers handed out now.
+    pub in_use_bytes: u64,
+    /// Locked in memory (mlock succeeded).
+    pub locked: bool,
+}
+
+/// Where a reactor reads its thread's arena state (the binary sets
+/// `lull_uring::thread_arena_stats`, which sits above this crate).
+static FIXED_BUFFER_SOURCE: std::sync::OnceLock<fn() -> FixedBufferUsage> =
+    std::sync::OnceLock::new();
+
+/// Sets the function reactors call (on their own thread, when they
+/// publish their getrusage counters) for `ReactorStats::fixed_buffers`.
+/// The first call wins; without one the stats stay zero.
+pub fn set_fixed_buffer_source(usage: fn() -> FixedBufferUsage) {
+    let _ = FIXED_BUFFER_SOURCE.set(usage);
+}
+
 /// Messages still run per thread at shutdown, so that a stop does not lose
 /// work that was already accepted; a bound so a self-feeding thread cannot
 /// hold the stop forever.
@@ -244,6 +279,9 @@ struct ReactorCounters {
     minor_faults: AtomicU64,
     major_faults: AtomicU64,
     io_uring_enters: AtomicU64,
+    fixed_buffer_bytes: AtomicU64,
+    fixed_buffer_in_use_bytes: AtomicU64,
+    fixed_buffer_locked: AtomicBool,
     sleeping: AtomicBool,
     threads_moved_in: AtomicU64,
     threads_moved_out: AtomicU64,
@@ -291,6 +329,9 @@ pub struct ReactorStats {
     /// `io_uring_enter` calls made on this reactor's OS thread through
     /// lull's rings (file channels: submits, and polls of IOPOLL rings).
     pub io_uring_enters: u64,
+    /// The reactor thread's fixed I/O buffer arena (refreshed with the
+    /// getrusage counters).
+    pub fixed_buffers: FixedBufferUsage,
     /// No thread: blocked until one arrives (≈ 0 CPU, in any mode).
     pub sleeping: bool,
     /// Threads the scheduler moved here and away.
@@ -517,6 +558,11 @@ impl FrameworkHandle {
                     minor_faults: g(&c.minor_faults),
                     major_faults: g(&c.major_faults),
                     io_uring_enters: g(&c.io_uring_enters),
+                    fixed_buffers: FixedBufferUsage {
+                        bytes: g(&c.fixed_buffer_bytes),
+                        in_use_bytes: g(&c.fixed_buffer_in_use_bytes),
+                        locked: c.fixed_buffer_locked.load(Ordering::Relaxed),
+                    },
                     sleeping: c.sleeping.load(Ordering::Relaxed),
                     threads_moved_in: g(&c.threads_moved_in),
                     threads_moved_out: g(&c.threads_moved_out),
@@ -683,6 +729,9 @@ impl Framework {
                     let setup = (|| {
                         if pin {
                             sys::pin_current_thread(shared.core).map_err(ReactorError::Sys)?;
+                        }
+                        if let Some(hook) = REACTOR_START_HOOK.get() {
+                            hook(shared.index);
                         }
                         Reactor::new(shared, fw, mode, period_us)
                     })();
@@ -1392,6 +1441,14 @@ impl Reactor {
         // A thread-local read, no syscall.
         let enters = IO_URING_ENTER_SOURCE.get().map_or(0, |count| count());
         c.io_uring_enters.store(enters, Ordering::Relaxed);
+        // A thread-local read too.
+        let arena = FIXED_BUFFER_SOURCE
+            .get()
+            .map_or(FixedBufferUsage::default(), |usage| usage());
+        c.fixed_buffer_bytes.store(arena.bytes, Ordering::Relaxed);
+        c.fixed_buffer_in_use_bytes
+            .store(arena.in_use_bytes, Ordering::Relaxed);
+        c.fixed_buffer_locked.store(arena.locked, Ordering::Relaxed);
     }
 }
 

@@ -442,3 +442,58 @@ fn set_scheduler_rejects_bad_settings() {
     assert_eq!(h.scheduler_info().config.policy, Policy::Static);
     assert!(!h.scheduler_info().governor.is_empty() || h.scheduler_info().rounds == 0);
 }
+
+/// Reactor threads that ran the start hook, by index bit.
+static HOOKED: AtomicU64 = AtomicU64::new(0);
+
+/// The start hook runs on every reactor thread before `Framework::start`
+/// returns (the binary maps each reactor's fixed buffers there), and the
+/// fixed-buffer source's figures, read on each reactor's own thread, show
+/// in its stats.
+#[test]
+fn start_hook_runs_on_each_reactor_and_fixed_buffer_usage_is_reported() {
+    thread_local! {
+        static ON_REACTOR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    lull_reactor::set_reactor_start_hook(|index| {
+        ON_REACTOR.with(|r| r.set(true));
+        HOOKED.fetch_or(1 << index, Ordering::SeqCst);
+    });
+    lull_reactor::set_fixed_buffer_source(|| {
+        // Only threads that ran the hook (reactors) have an "arena".
+        if ON_REACTOR.with(|r| r.get()) {
+            lull_reactor::FixedBufferUsage {
+                bytes: 16 << 20,
+                in_use_bytes: 4096,
+                locked: true,
+            }
+        } else {
+            Default::default()
+        }
+    });
+    let fw = framework(2, Mode::Interrupt);
+    assert_eq!(
+        HOOKED.load(Ordering::SeqCst) & 0b11,
+        0b11,
+        "both reactors ran the hook"
+    );
+    // Reactors publish with their getrusage counters (every 50 ms, and
+    // when they wake); a thread on each makes them run.
+    let h = fw.handle().clone();
+    let _a = h.spawn_thread(0, "a", |_| {}).unwrap();
+    let _b = h.spawn_thread(1, "b", |_| {}).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = h.reactor_stats();
+        if stats.iter().all(|r| r.fixed_buffers.bytes == 16 << 20) {
+            assert!(stats.iter().all(|r| r.fixed_buffers.locked));
+            assert!(stats.iter().all(|r| r.fixed_buffers.in_use_bytes == 4096));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fixed buffer usage never published: {stats:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -626,6 +626,12 @@ impl ReplicaServer {
         state.sealed = true;
         let dir = self.shared.dir.display();
         let generation = state.meta.generation;
+        // How the data file's reads and writes named their buffers
+        // (registered arenas vs not): the replica's only I/O counters.
+        if let Some(ios) = self.shared.dev.buffer_ios() {
+            tracing::info!(%dir, fixed_buffer_ios = ios.fixed, plain_buffer_ios = ios.plain,
+                "data file I/O by buffer kind");
+        }
         if self.shared.clean.load(Ordering::SeqCst) {
             tracing::info!(%dir, generation, "replica stopped clean: the last engine detached");
         } else {

@@ -378,6 +378,10 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "minor_faults": r.minor_faults,
                 "major_faults": r.major_faults,
                 "io_uring_enters": r.io_uring_enters,
+                // The reactor's fixed I/O buffer arena (0 bytes: none).
+                "fixed_buffer_bytes": r.fixed_buffers.bytes,
+                "fixed_buffer_in_use_bytes": r.fixed_buffers.in_use_bytes,
+                "fixed_buffer_locked": r.fixed_buffers.locked,
                 "sleeping": r.sleeping,
                 "threads_moved_in": r.threads_moved_in,
                 "threads_moved_out": r.threads_moved_out,

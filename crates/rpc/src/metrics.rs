@@ -111,6 +111,11 @@ pub struct ReactorMetrics {
     pub involuntary_ctxsw: u64,
     /// ... and its io_uring_enter calls.
     pub io_uring_enters: u64,
+    /// The reactor's fixed I/O buffer arena: bytes mapped (0: none),
+    /// bytes in buffers handed out, and whether it is mlocked.
+    pub fixed_buffer_bytes: u64,
+    pub fixed_buffer_in_use_bytes: u64,
+    pub fixed_buffer_locked: bool,
 }
 
 impl ReactorMetrics {
@@ -137,6 +142,9 @@ impl ReactorMetrics {
             voluntary_ctxsw: s.voluntary_ctxsw,
             involuntary_ctxsw: s.involuntary_ctxsw,
             io_uring_enters: s.io_uring_enters,
+            fixed_buffer_bytes: s.fixed_buffers.bytes,
+            fixed_buffer_in_use_bytes: s.fixed_buffers.in_use_bytes,
+            fixed_buffer_locked: s.fixed_buffers.locked,
         }
     }
 }
@@ -166,6 +174,10 @@ pub struct VolumeMetrics {
     /// io_uring_enter calls of the volume's file channels; `None` when the
     /// volume does not use io_uring (memory, replicated).
     pub io_uring_enters: Option<u64>,
+    /// Reads and writes its file channels sent from registered (fixed)
+    /// buffers and from plain ones; `None` as for `io_uring_enters`.
+    pub fixed_buffer_ios: Option<u64>,
+    pub plain_buffer_ios: Option<u64>,
 }
 
 /// One replica's state.
@@ -448,6 +460,30 @@ impl Collector for SnapshotCollector {
         )?;
         gauges(
             &mut enc,
+            "lull_reactor_fixed_buffer_bytes",
+            "Bytes of the reactor's fixed I/O buffer arena (prefaulted, registered with io_uring; 0: none).",
+            r,
+            reactor_labels,
+            |x| x.fixed_buffer_bytes as i64,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_fixed_buffer_in_use_bytes",
+            "Bytes of the reactor's fixed arena in buffers handed out now.",
+            r,
+            reactor_labels,
+            |x| x.fixed_buffer_in_use_bytes as i64,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_fixed_buffer_locked",
+            "1 when the reactor's fixed arena is locked in memory (mlock).",
+            r,
+            reactor_labels,
+            |x| i64::from(x.fixed_buffer_locked),
+        )?;
+        gauges(
+            &mut enc,
             "lull_reactor_mode",
             "The reactor's event mode (1 for the current mode label).",
             r,
@@ -515,6 +551,24 @@ impl Collector for SnapshotCollector {
             &uring_volumes,
             |x| volume_labels(x),
             |x| x.io_uring_enters.unwrap_or(0),
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_fixed_buffer_ios",
+            "Reads and writes of the volume's file channels from registered buffers (READ_FIXED/WRITE_FIXED).",
+            None,
+            &uring_volumes,
+            |x| volume_labels(x),
+            |x| x.fixed_buffer_ios.unwrap_or(0),
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_plain_buffer_ios",
+            "Reads and writes of the volume's file channels from unregistered buffers (plain READ/WRITE).",
+            None,
+            &uring_volumes,
+            |x| volume_labels(x),
+            |x| x.plain_buffer_ios.unwrap_or(0),
         )?;
         let mut family = enc.encode_descriptor(
             "lull_volume_latency",

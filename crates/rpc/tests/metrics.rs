@@ -284,6 +284,9 @@ fn snapshot() -> MetricsSnapshot {
                 wakeups: 77,
                 minor_faults: 5,
                 io_uring_enters: 42,
+                fixed_buffer_bytes: 16 << 20,
+                fixed_buffer_in_use_bytes: 8192,
+                fixed_buffer_locked: true,
                 ..Default::default()
             },
             ReactorMetrics {
@@ -309,6 +312,8 @@ fn snapshot() -> MetricsSnapshot {
                 latency_sum_ns: 1_500_000,
                 latency_count: 30,
                 io_uring_enters: Some(31),
+                fixed_buffer_ios: Some(25),
+                plain_buffer_ios: Some(5),
             },
             VolumeMetrics {
                 name: "we\"ird\\name\nx".into(),
@@ -423,6 +428,9 @@ fn scrape() {
         ("lull_reactor_voluntary_ctxsw", "counter"),
         ("lull_reactor_involuntary_ctxsw", "counter"),
         ("lull_reactor_io_uring_enters", "counter"),
+        ("lull_reactor_fixed_buffer_bytes", "gauge"),
+        ("lull_reactor_fixed_buffer_in_use_bytes", "gauge"),
+        ("lull_reactor_fixed_buffer_locked", "gauge"),
         ("lull_reactor_mode", "gauge"),
         ("lull_reactor_interrupt_mode_enabled", "gauge"),
         ("lull_volume_reads", "counter"),
@@ -430,6 +438,8 @@ fn scrape() {
         ("lull_volume_read_bytes", "counter"),
         ("lull_volume_written_bytes", "counter"),
         ("lull_volume_io_uring_enters", "counter"),
+        ("lull_volume_fixed_buffer_ios", "counter"),
+        ("lull_volume_plain_buffer_ios", "counter"),
         ("lull_volume_latency_seconds", "histogram"),
         ("lull_replica_healthy", "gauge"),
     ]);
@@ -573,6 +583,47 @@ fn scrape() {
     );
     // Only volumes that use io_uring have the counter.
     assert_eq!(f["lull_volume_io_uring_enters"].samples.len(), 1);
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_fixed_buffer_ios",
+            "lull_volume_fixed_buffer_ios_total",
+            &v0
+        )
+        .value,
+        25.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_plain_buffer_ios",
+            "lull_volume_plain_buffer_ios_total",
+            &v0
+        )
+        .value,
+        5.0
+    );
+    assert_eq!(f["lull_volume_plain_buffer_ios"].samples.len(), 1);
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_fixed_buffer_bytes",
+            "lull_reactor_fixed_buffer_bytes",
+            &r0
+        )
+        .value,
+        16.0 * 1024.0 * 1024.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_reactor_fixed_buffer_locked",
+            "lull_reactor_fixed_buffer_locked",
+            &r0
+        )
+        .value,
+        1.0
+    );
     assert_eq!(
         sample(&f, "lull_volume_reads", "lull_volume_reads_total", &v0).value,
         10.0

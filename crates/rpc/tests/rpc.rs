@@ -189,9 +189,12 @@ fn every_method() {
         "minor_faults",
         "major_faults",
         "io_uring_enters",
+        "fixed_buffer_bytes",
+        "fixed_buffer_in_use_bytes",
     ] {
         assert!(reactors[0][k].is_u64(), "{k} in {r}");
     }
+    assert!(reactors[0]["fixed_buffer_locked"].is_boolean(), "{r}");
     let names: Vec<&str> = reactors[0]["lw_threads"]
         .as_array()
         .unwrap()

@@ -15,12 +15,18 @@
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::arena::FixedArena;
 
 /// Alignment and capacity granularity of every `IoBuf`: one page, which
 /// satisfies O_DIRECT on every logical block size up to 4 KiB.
 pub const IO_BUF_ALIGN_BYTES: usize = 4096;
 
-/// An owned, `IO_BUF_ALIGN_BYTES`-aligned, zero-initialised heap buffer.
+/// An owned, `IO_BUF_ALIGN_BYTES`-aligned, zero-initialised buffer, from
+/// the heap or from a [`FixedArena`] (prefaulted, registered with
+/// io_uring; see [`IoBuf::is_fixed`]). An arena buffer goes back to its
+/// arena when dropped, on whatever thread.
 ///
 /// Its capacity is a multiple of 4096 bytes and never changes; its length
 /// (`len`) is the part that is in use, at most the capacity. All bytes up to
@@ -31,10 +37,13 @@ pub struct IoBuf {
     ptr: NonNull<u8>,
     capacity: usize,
     len: usize,
+    /// `Some`: the bytes are a buffer of this arena (returned to it on
+    /// drop); `None`: a heap allocation of `capacity` bytes.
+    arena: Option<Arc<FixedArena>>,
 }
 
-// SAFETY: `IoBuf` uniquely owns its heap allocation (like `Box<[u8]>`); it
-// holds no thread-bound state.
+// SAFETY: `IoBuf` uniquely owns its heap allocation or arena buffer (like
+// `Box<[u8]>`); the arena it may hold is `Send + Sync`.
 unsafe impl Send for IoBuf {}
 // SAFETY: shared references only give out `&[u8]`, which is `Sync`.
 unsafe impl Sync for IoBuf {}
@@ -63,7 +72,33 @@ impl IoBuf {
             ptr,
             capacity,
             len: 0,
+            arena: None,
         }
+    }
+
+    /// A buffer over `capacity` bytes of `arena` at `ptr`, length 0.
+    ///
+    /// # Safety
+    /// `ptr..ptr + capacity` is one buffer of `arena` (4096-aligned,
+    /// initialised), taken off its free list: nothing else uses it until
+    /// this `IoBuf` gives it back on drop.
+    pub(crate) unsafe fn from_arena(
+        ptr: NonNull<u8>,
+        capacity: usize,
+        arena: Arc<FixedArena>,
+    ) -> IoBuf {
+        IoBuf {
+            ptr,
+            capacity,
+            len: 0,
+            arena: Some(arena),
+        }
+    }
+
+    /// Whether the buffer lives in a [`FixedArena`] (prefaulted, and
+    /// registered with the rings of file channels: READ_FIXED/WRITE_FIXED).
+    pub fn is_fixed(&self) -> bool {
+        self.arena.is_some()
     }
 
     /// Bytes in use.
@@ -121,9 +156,12 @@ impl IoBuf {
 
 impl Drop for IoBuf {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed` with this exact layout
-        // and is freed only here, once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout()) }
+        match self.arena.take() {
+            Some(arena) => arena.give_back(self.ptr, self.capacity),
+            // SAFETY: `ptr` was returned by `alloc_zeroed` with this exact
+            // layout and is freed only here, once.
+            None => unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout()) },
+        }
     }
 }
 
@@ -132,6 +170,7 @@ impl fmt::Debug for IoBuf {
         f.debug_struct("IoBuf")
             .field("len", &self.len)
             .field("capacity", &self.capacity)
+            .field("fixed", &self.is_fixed())
             .finish()
     }
 }
@@ -160,12 +199,18 @@ pub struct BufPoolStats {
     pub cached_bytes: usize,
     /// Buffers currently cached.
     pub cached_bufs: usize,
+    /// `get`s served from the calling thread's fixed arena (neither
+    /// allocated nor cached here).
+    pub arena_gets: u64,
 }
 
 /// A per-thread cache of `IoBuf`s in power-of-two size classes from 4 KiB to
-/// 32 MiB. `get` reuses a cached buffer of the request's class or allocates
-/// one; `put` caches it unless the class holds `POOL_BUFS_PER_CLASS_MAX`
-/// buffers or the pool would exceed the byte cap given to `new`.
+/// 32 MiB. `get` takes a buffer from the calling thread's fixed arena when
+/// it has one that fits (reactor threads; see [`crate::init_thread_arena`]),
+/// else reuses a cached heap buffer of the request's class or allocates
+/// one; `put` returns an arena buffer to its arena and caches a heap one
+/// unless the class holds `POOL_BUFS_PER_CLASS_MAX` buffers or the pool
+/// would exceed the byte cap given to `new`.
 ///
 /// Not `Sync`: one pool per lull thread. It is `Send`, so a thread can move
 /// between reactors with it.
@@ -201,6 +246,10 @@ impl BufPool {
     /// A buffer with `len() == len` and capacity `len` rounded up to its
     /// size class. Its contents are whatever the previous user left.
     pub fn get(&mut self, len: usize) -> IoBuf {
+        if let Some(buf) = crate::arena::thread_arena_get(len) {
+            self.stats.arena_gets += 1;
+            return buf;
+        }
         let mut buf = match Self::class_for_len(len) {
             Some(class) => match self.classes[class].pop() {
                 Some(buf) => {
@@ -227,6 +276,10 @@ impl BufPool {
     /// Buffers of any origin are accepted: one lands in the largest class it
     /// can serve.
     pub fn put(&mut self, buf: IoBuf) {
+        if buf.is_fixed() {
+            drop(buf); // home to its arena
+            return;
+        }
         let cap = buf.capacity();
         let class = if cap > POOL_CLASS_MAX_BYTES {
             None
@@ -282,6 +335,7 @@ impl BufPool {
         for (class, list) in self.classes.iter().enumerate() {
             assert!(list.len() <= POOL_BUFS_PER_CLASS_MAX);
             for buf in list {
+                assert!(!buf.is_fixed(), "arena buffers are never cached");
                 assert!(buf.capacity() >= Self::class_size(class));
                 assert_eq!(buf.as_ptr() as usize % IO_BUF_ALIGN_BYTES, 0);
                 bytes += buf.capacity();

@@ -2,6 +2,8 @@
 //!
 //! - [`IoBuf`] / [`BufPool`]: page-aligned buffers and a per-thread pool so
 //!   the I/O path allocates nothing in steady state.
+//! - [`FixedArena`]: a reactor's prefaulted (and where allowed locked)
+//!   buffers, registered with io_uring so I/O uses READ_FIXED/WRITE_FIXED.
 //! - [`Ring`]: one io_uring plus a completion eventfd; pushing is `unsafe`.
 //! - [`IoQueue`]: the safe layer: a slot table owning each operation's
 //!   buffer until its completion arrives.
@@ -23,11 +25,18 @@
 // denies unsafe code, this crate allows it; every block has a SAFETY comment.
 #![allow(unsafe_code)]
 
+mod arena;
 mod buf;
 pub mod probe;
 mod queue;
 mod ring;
 
+pub use arena::{
+    init_thread_arena, install_thread_arena, memlock_limit_bytes, set_reactor_arena_bytes,
+    thread_arena, thread_arena_stats, thread_arenas, ArenaStats, FixedArena, ARENA_BYTES_DEFAULT,
+    ARENA_BYTES_MAX, ARENA_CLASS_MAX_BYTES, ARENA_CLASS_MIN_BYTES, ARENA_SET_BYTES,
+    RING_ARENAS_MAX,
+};
 pub use buf::{
     BufPool, BufPoolStats, IoBuf, IO_BUF_ALIGN_BYTES, POOL_BUFS_PER_CLASS_MAX,
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,

@@ -3,6 +3,9 @@
 //! the slot (nor be borrowed) while any of the slot's operations is in
 //! flight, and dropping the queue waits for them. That is the whole
 //! unsafety boundary: callers (the `file` bdev) never see a raw pointer.
+//! A read or write whose buffer lies in an arena registered with
+//! [`IoQueue::register_arenas`] goes as READ_FIXED/WRITE_FIXED, any other
+//! as plain READ/WRITE ([`IoQueue::buffer_ios`] counts both).
 //!
 //! ```no_run
 //! use lull_uring::{IoBuf, IoQueue, QueueOp};
@@ -111,6 +114,11 @@ pub struct IoQueue<T> {
     free: Vec<u32>,
     files: u32,
     pending_total: usize,
+    /// Reads and writes pushed as READ_FIXED/WRITE_FIXED (the buffer lay
+    /// in a registered arena) ...
+    fixed_ios: u64,
+    /// ... and as plain READ/WRITE.
+    plain_ios: u64,
 }
 
 impl<T> IoQueue<T> {
@@ -148,6 +156,8 @@ impl<T> IoQueue<T> {
             free,
             files: files.len() as u32,
             pending_total: 0,
+            fixed_ios: 0,
+            plain_ios: 0,
         })
     }
 
@@ -170,6 +180,27 @@ impl<T> IoQueue<T> {
     /// How the ring was set up.
     pub fn setup(&self) -> RingSetup {
         self.ring.setup()
+    }
+
+    /// Registers `arenas` with the ring (see [`Ring::register_arenas`]):
+    /// from then on a read or write whose buffer lies in one of them goes
+    /// as READ_FIXED/WRITE_FIXED, any other buffer as plain READ/WRITE.
+    pub fn register_arenas(
+        &mut self,
+        arenas: &[std::sync::Arc<crate::FixedArena>],
+    ) -> Result<usize, RingError> {
+        self.ring.register_arenas(arenas)
+    }
+
+    /// Arenas registered with the ring.
+    pub fn registered_arenas(&self) -> usize {
+        self.ring.registered_arenas()
+    }
+
+    /// Reads and writes pushed so far from registered (fixed) buffers and
+    /// from others: `(fixed, plain)`.
+    pub fn buffer_ios(&self) -> (u64, u64) {
+        (self.fixed_ios, self.plain_ios)
     }
 
     /// Counts the ring's `io_uring_enter` calls into `counter` too.
@@ -269,6 +300,8 @@ impl<T> IoQueue<T> {
         if slot.pending != 0 {
             return Err(PushError::Busy);
         }
+        let ring = &self.ring;
+        let (mut fixed_ios, mut plain_ios) = (0, 0);
         let mut raw = [(0u64, RingOp::Nop); CHAIN_OPS_MAX];
         for (i, &(kind, op)) in ops.iter().enumerate() {
             let user_data = (u64::from(kind) << 32) | u64::from(id.0);
@@ -302,11 +335,35 @@ impl<T> IoQueue<T> {
                         .buf
                         .as_mut()
                         .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
-                    RingOp::Read {
-                        target,
-                        buf: base.wrapping_add(buf_offset),
-                        len,
-                        offset: file_offset,
+                    let buf = base.wrapping_add(buf_offset);
+                    // Only an arena buffer can lie in a registered arena:
+                    // a heap buffer skips the scan.
+                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
+                    let index = if in_arena {
+                        ring.fixed_buf_index(buf, len as usize)
+                    } else {
+                        None
+                    };
+                    match index {
+                        Some(buf_index) => {
+                            fixed_ios += 1;
+                            RingOp::ReadFixed {
+                                target,
+                                buf,
+                                len,
+                                offset: file_offset,
+                                buf_index,
+                            }
+                        }
+                        None => {
+                            plain_ios += 1;
+                            RingOp::Read {
+                                target,
+                                buf,
+                                len,
+                                offset: file_offset,
+                            }
+                        }
                     }
                 }
                 QueueOp::Write {
@@ -318,11 +375,35 @@ impl<T> IoQueue<T> {
                     in_buf(&slot.buf, buf_offset, len)?;
                     let target = fixed(file)?;
                     let base = slot.buf.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
-                    RingOp::Write {
-                        target,
-                        buf: base.wrapping_add(buf_offset),
-                        len,
-                        offset: file_offset,
+                    let buf = base.wrapping_add(buf_offset);
+                    // Only an arena buffer can lie in a registered arena:
+                    // a heap buffer skips the scan.
+                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
+                    let index = if in_arena {
+                        ring.fixed_buf_index(buf, len as usize)
+                    } else {
+                        None
+                    };
+                    match index {
+                        Some(buf_index) => {
+                            fixed_ios += 1;
+                            RingOp::WriteFixed {
+                                target,
+                                buf,
+                                len,
+                                offset: file_offset,
+                                buf_index,
+                            }
+                        }
+                        None => {
+                            plain_ios += 1;
+                            RingOp::Write {
+                                target,
+                                buf,
+                                len,
+                                offset: file_offset,
+                            }
+                        }
                     }
                 }
                 QueueOp::Fsync { file, datasync } => RingOp::Fsync {
@@ -354,8 +435,10 @@ impl<T> IoQueue<T> {
             }
         }
         // Every pointer points into the slot's `IoBuf` (range checked
-        // above), whose heap memory stays put while the slot holds it. From
-        // here until the slot's `pending` count is back to 0 (each CQE of
+        // above), whose memory (heap or arena) stays put while the slot
+        // holds it; a *Fixed op's range lies in the arena registered at
+        // its index (checked by `fixed_buf_index`), which the ring keeps
+        // mapped. From here until the slot's `pending` count is back to 0 (each CQE of
         // this chain decrements it in `next_completion`), `buf`, `buf_mut`,
         // `replace_buf` and `release` refuse to lend or return the buffer,
         // so nobody else touches it; `Drop` waits for all pending CQEs
@@ -366,6 +449,8 @@ impl<T> IoQueue<T> {
         let slot = &mut self.slots[id.index()];
         slot.pending += ops.len() as u32;
         self.pending_total += ops.len();
+        self.fixed_ios += fixed_ios;
+        self.plain_ios += plain_ios;
         Ok(())
     }
 

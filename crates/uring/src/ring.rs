@@ -25,6 +25,11 @@ use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
+use crate::arena::{FixedArena, RING_ARENAS_MAX};
+
+// A registered buffer index is a u16 in the SQE.
+const _: () = assert!(RING_ARENAS_MAX <= u16::MAX as usize);
+
 /// Longest chain of linked SQEs pushed at once (a write and its FUA fsync).
 /// Bounding it bounds the CQEs a slot can have in flight, which keeps the
 /// completion queue (twice the SQ) from overflowing.
@@ -93,6 +98,23 @@ pub enum RingOp {
         len: u32,
         offset: u64,
     },
+    /// `Read` into registered buffer `buf_index` (`IORING_OP_READ_FIXED`):
+    /// `buf..buf + len` must lie inside it (else the op fails, EFAULT).
+    ReadFixed {
+        target: Target,
+        buf: *mut u8,
+        len: u32,
+        offset: u64,
+        buf_index: u16,
+    },
+    /// `Write` from registered buffer `buf_index` (`IORING_OP_WRITE_FIXED`).
+    WriteFixed {
+        target: Target,
+        buf: *const u8,
+        len: u32,
+        offset: u64,
+        buf_index: u16,
+    },
     /// fsync, or fdatasync with `datasync`.
     Fsync { target: Target, datasync: bool },
     /// fallocate(mode, offset, len).
@@ -139,6 +161,26 @@ fn entry_for(op: RingOp) -> squeue::Entry {
         } => with_target!(target, |fd| opcode::Write::new(fd, buf, len)
             .offset(offset)
             .build()),
+        RingOp::ReadFixed {
+            target,
+            buf,
+            len,
+            offset,
+            buf_index,
+        } => with_target!(target, |fd| opcode::ReadFixed::new(fd, buf, len, buf_index)
+            .offset(offset)
+            .build()),
+        RingOp::WriteFixed {
+            target,
+            buf,
+            len,
+            offset,
+            buf_index,
+        } => with_target!(target, |fd| opcode::WriteFixed::new(
+            fd, buf, len, buf_index
+        )
+        .offset(offset)
+        .build()),
         RingOp::Fsync { target, datasync } => {
             let flags = if datasync {
                 types::FsyncFlags::DATASYNC
@@ -189,6 +231,47 @@ pub struct RingSetup {
     pub iopoll: bool,
 }
 
+/// The ring that holds the process's registration of the fixed arenas,
+/// for other rings to clone (see [`Ring::register_arenas`]), and the
+/// arenas it registered (kept mapped while it lives).
+struct Template {
+    ring: IoUring,
+    arenas: Vec<Arc<FixedArena>>,
+}
+
+static TEMPLATE: std::sync::Mutex<Option<Template>> = std::sync::Mutex::new(None);
+
+/// The kernel refused IORING_REGISTER_CLONE_BUFFERS once: register per ring.
+pub(crate) static CLONE_UNSUPPORTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+enum CloneError {
+    /// The kernel does not know the operation (before 6.12).
+    Unsupported(io::Error),
+    Failed(io::Error),
+}
+
+/// Registers each arena's whole mapping as one fixed buffer of `ring`.
+///
+/// # Safety
+/// The arenas must stay mapped until `ring` is dropped (the caller keeps
+/// an `Arc` of each for that long).
+unsafe fn register_iovecs(ring: &IoUring, arenas: &[Arc<FixedArena>]) -> io::Result<()> {
+    let mut iovecs = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; RING_ARENAS_MAX];
+    for (iov, arena) in iovecs.iter_mut().zip(arenas) {
+        let (base, len) = arena.region();
+        iov.iov_base = base.cast();
+        iov.iov_len = len;
+    }
+    let n = arenas.len().min(RING_ARENAS_MAX);
+    // SAFETY: each iovec is an arena's whole mapping, which stays mapped
+    // for the ring's life (the caller's guarantee).
+    unsafe { ring.submitter().register_buffers(&iovecs[..n]) }
+}
+
 /// One io_uring instance plus its completion eventfd. Used by one thread.
 pub struct Ring {
     ring: IoUring,
@@ -197,6 +280,9 @@ pub struct Ring {
     /// Also counts this ring's `io_uring_enter` calls (the device's total
     /// over its channels), when set.
     enter_counter: Option<Arc<AtomicU64>>,
+    /// Arenas registered as fixed buffers, buffer index = position. Held
+    /// so their memory outlives the registration.
+    arenas: Vec<Arc<FixedArena>>,
 }
 
 impl Ring {
@@ -254,6 +340,7 @@ impl Ring {
             event_fd,
             setup,
             enter_counter: None,
+            arenas: Vec::new(),
         })
     }
 
@@ -305,6 +392,101 @@ impl Ring {
             })
     }
 
+    /// Registers `arenas` (at most `RING_ARENAS_MAX`, the rest ignored) as
+    /// this ring's fixed buffers, buffer index = position; once per ring.
+    /// Returns how many.
+    ///
+    /// The kernel pins the arenas once per process, in a template ring
+    /// (counted against RLIMIT_MEMLOCK without CAP_IPC_LOCK: ENOMEM past
+    /// it); each ring then clones that table (`IORING_REGISTER_CLONE_BUFFERS`,
+    /// Linux 6.12+), which shares the pinned pages instead of pinning
+    /// them again and costs the ring a table of pointers, not a page list
+    /// per arena (64 KiB per 16 MiB): a file volume opens a ring per
+    /// connection. On an older kernel each ring registers the arenas
+    /// itself.
+    pub fn register_arenas(&mut self, arenas: &[Arc<FixedArena>]) -> Result<usize, RingError> {
+        if !self.arenas.is_empty() {
+            return Err(RingError::Io {
+                what: "register_buffers",
+                source: io::Error::from_raw_os_error(libc::EBUSY),
+            });
+        }
+        let arenas = &arenas[..arenas.len().min(RING_ARENAS_MAX)];
+        if arenas.is_empty() {
+            return Ok(0);
+        }
+        if !CLONE_UNSUPPORTED.load(Ordering::Relaxed) {
+            match self.clone_registration(arenas) {
+                Ok(()) => {
+                    self.arenas.extend(arenas.iter().cloned());
+                    return Ok(arenas.len());
+                }
+                Err(CloneError::Unsupported(e)) => {
+                    tracing::debug!(error = %e,
+                        "io_uring cannot clone registered buffers (Linux < 6.12); each ring registers them");
+                    CLONE_UNSUPPORTED.store(true, Ordering::Relaxed);
+                }
+                Err(CloneError::Failed(source)) => {
+                    return Err(RingError::Io {
+                        what: "register_buffers",
+                        source,
+                    })
+                }
+            }
+        }
+        // SAFETY: see `register_iovecs`; the arenas are pushed below and
+        // dropped only with the ring.
+        unsafe { register_iovecs(&self.ring, arenas) }.map_err(|source| RingError::Io {
+            what: "register_buffers",
+            source,
+        })?;
+        self.arenas.extend(arenas.iter().cloned());
+        Ok(arenas.len())
+    }
+
+    /// Clones the template ring's buffer table, (re)building the template
+    /// first when it holds other arenas.
+    fn clone_registration(&mut self, arenas: &[Arc<FixedArena>]) -> Result<(), CloneError> {
+        let mut template = TEMPLATE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = template.as_ref().is_some_and(|t| {
+            t.arenas.len() == arenas.len()
+                && t.arenas.iter().zip(arenas).all(|(a, b)| Arc::ptr_eq(a, b))
+        });
+        if !current {
+            let ring = IoUring::new(1).map_err(CloneError::Failed)?;
+            // SAFETY: the template keeps the arenas (`Template::arenas`)
+            // for as long as its ring lives.
+            unsafe { register_iovecs(&ring, arenas) }.map_err(CloneError::Failed)?;
+            *template = Some(Template {
+                ring,
+                arenas: arenas.to_vec(),
+            });
+        }
+        let src = template.as_ref().map_or(-1, |t| t.ring.as_raw_fd());
+        self.ring
+            .submitter()
+            .register_buffers_clone(src)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => CloneError::Unsupported(e),
+                _ => CloneError::Failed(e),
+            })
+    }
+
+    /// The registered buffer index whose arena holds `ptr..ptr + len`.
+    pub fn fixed_buf_index(&self, ptr: *const u8, len: usize) -> Option<u16> {
+        self.arenas
+            .iter()
+            .position(|a| a.contains(ptr, len))
+            .map(|i| i as u16)
+    }
+
+    /// Arenas registered (0: none, every op uses plain READ/WRITE).
+    pub fn registered_arenas(&self) -> usize {
+        self.arenas.len()
+    }
+
     /// Free SQ entries.
     pub fn sq_space(&mut self) -> usize {
         let sq = self.ring.submission();
@@ -326,6 +508,8 @@ impl Ring {
     /// - for `Read`, `buf..buf+len` must be valid for writes and must not be
     ///   read or written by anyone else (no Rust reference may exist to it);
     /// - for `Write`, `buf..buf+len` must be valid for reads and not written;
+    /// - the same for `ReadFixed` / `WriteFixed` (whose range the kernel
+    ///   also checks against the registered buffer);
     /// - a `Target::Fd` descriptor must stay open and refer to the same file
     ///   (linked ops look their file up when they start, after `submit`);
     /// - the `Ring` must not be dropped (dropping it tears the ring down

@@ -230,3 +230,175 @@ fn sqpoll_ring_round_trip() {
     }
     assert_eq!(seen, vec![(9, 0)]);
 }
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Pushes one op on a fresh slot, waits for it, returns (result, buffer).
+fn one_op(q: &mut IoQueue<()>, buf: IoBuf, op: QueueOp) -> (i32, IoBuf) {
+    let s = q.alloc((), Some(buf)).expect("slot");
+    q.push(s, &[(0, op)]).expect("push");
+    q.submit_and_wait(1).expect("wait");
+    let c = q.next_completion().expect("completion");
+    let (_, buf) = q.release(s).expect("released");
+    (c.result, buf.expect("buffer back"))
+}
+
+#[test]
+fn fixed_buffers_move_the_right_bytes_and_others_go_plain() {
+    let tmp = TempFile::new("fixed", 1 << 20);
+    let arena = FixedArena::new(4 * ARENA_SET_BYTES).expect("arena");
+    let other = FixedArena::new(ARENA_SET_BYTES).expect("unregistered arena");
+    {
+        let mut q: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+        assert_eq!(
+            q.register_arenas(std::slice::from_ref(&arena))
+                .expect("register"),
+            1
+        );
+        assert_eq!(q.registered_arenas(), 1);
+        let write = |len: u32, at: u64| QueueOp::Write {
+            file: 0,
+            buf_offset: 0,
+            len,
+            file_offset: at,
+        };
+        let read = |len: u32, at: u64| QueueOp::Read {
+            file: 0,
+            buf_offset: 0,
+            len,
+            file_offset: at,
+        };
+        // WRITE_FIXED of 128 KiB and of 4 KiB, from the arena.
+        let big = pattern(128 << 10, 1);
+        let mut w = arena.get(big.len()).expect("arena buf");
+        w.as_mut_slice().copy_from_slice(&big);
+        assert_eq!(one_op(&mut q, w, write(128 << 10, 0)).0, 128 << 10);
+        let small = pattern(4096, 2);
+        let mut w = arena.get(4096).expect("arena buf");
+        w.as_mut_slice().copy_from_slice(&small);
+        assert_eq!(one_op(&mut q, w, write(4096, 256 << 10)).0, 4096);
+        assert_eq!(q.buffer_ios(), (2, 0));
+        // READ_FIXED back, at an offset inside the buffer too.
+        let (n, r) = one_op(
+            &mut q,
+            arena.get(128 << 10).expect("buf"),
+            read(128 << 10, 0),
+        );
+        assert_eq!((n, r.as_slice() == &big[..]), (128 << 10, true));
+        let s = q.alloc((), arena.get(8192)).expect("slot");
+        let op = QueueOp::Read {
+            file: 0,
+            buf_offset: 4096,
+            len: 4096,
+            file_offset: 256 << 10,
+        };
+        q.push(s, &[(0, op)]).expect("push");
+        q.submit_and_wait(1).expect("wait");
+        assert_eq!(q.next_completion().expect("cqe").result, 4096);
+        let (_, r) = q.release(s).expect("released");
+        assert_eq!(&r.expect("buf").as_slice()[4096..], &small[..]);
+        assert_eq!(q.buffer_ios(), (4, 0));
+        // A heap buffer and another (unregistered) arena's go plain.
+        let mut heap = IoBuf::with_capacity(4096);
+        heap.set_len(4096);
+        let (n, r) = one_op(&mut q, heap, read(4096, 256 << 10));
+        assert_eq!((n, r.as_slice() == &small[..]), (4096, true));
+        let (n, r) = one_op(&mut q, other.get(4096).expect("buf"), read(4096, 256 << 10));
+        assert_eq!((n, r.as_slice() == &small[..]), (4096, true));
+        assert_eq!(q.buffer_ios(), (4, 2));
+        // Registering twice is refused; the first registration stays.
+        assert!(q.register_arenas(&[other]).is_err());
+        q.check_invariants();
+    }
+    assert_eq!(arena.stats().in_use_bytes, 0);
+}
+
+#[test]
+fn unregistered_queue_sends_arena_buffers_plain() {
+    let tmp = TempFile::new("plain", 1 << 20);
+    let arena = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let mut q: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    let data = pattern(4096, 9);
+    let mut w = arena.get(4096).expect("buf");
+    w.as_mut_slice().copy_from_slice(&data);
+    let op = QueueOp::Write {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: 0,
+    };
+    assert_eq!(one_op(&mut q, w, op).0, 4096);
+    assert_eq!(q.buffer_ios(), (0, 1));
+}
+
+#[test]
+fn rings_share_one_registration_and_outlive_a_new_template() {
+    let tmp = TempFile::new("clone", 1 << 20);
+    let first = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let second = FixedArena::new(ARENA_SET_BYTES).expect("arena");
+    let sqpoll = RingSetup {
+        sqpoll_idle_ms: Some(10),
+        iopoll: false,
+    };
+    let mut a: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    let mut b: IoQueue<()> = IoQueue::with_setup(8, &[tmp.1.as_fd()], sqpoll).expect("queue");
+    let mut c: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
+    assert_eq!(a.register_arenas(std::slice::from_ref(&first)).unwrap(), 1);
+    assert_eq!(b.register_arenas(std::slice::from_ref(&first)).unwrap(), 1);
+    // Another arena set: a new template; `a` and `b` keep theirs.
+    assert_eq!(
+        c.register_arenas(&[second.clone(), first.clone()]).unwrap(),
+        2
+    );
+    let data = pattern(4096, 5);
+    let write = |at: u64| QueueOp::Write {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: at,
+    };
+    let read = QueueOp::Read {
+        file: 0,
+        buf_offset: 0,
+        len: 4096,
+        file_offset: 0,
+    };
+    let mut w = first.get(4096).expect("buf");
+    w.as_mut_slice().copy_from_slice(&data);
+    assert_eq!(one_op(&mut a, w, write(0)).0, 4096);
+    let (n, r) = one_op(&mut b, first.get(4096).expect("buf"), read);
+    assert_eq!((n, r.as_slice() == &data[..]), (4096, true));
+    drop(r);
+    let (n, r) = one_op(&mut c, second.get(4096).expect("buf"), read);
+    assert_eq!((n, r.as_slice() == &data[..]), (4096, true));
+    drop(r);
+    assert_eq!(a.buffer_ios(), (1, 0));
+    assert_eq!(b.buffer_ios(), (1, 0));
+    assert_eq!(c.buffer_ios(), (1, 0));
+    let release = uname_release();
+    let (major, minor) = kernel_version(&release);
+    if (major, minor) >= (6, 12) {
+        assert!(
+            !crate::ring::CLONE_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed),
+            "Linux {release} clones registered buffers"
+        );
+    }
+}
+
+fn uname_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .expect("osrelease")
+        .trim()
+        .to_string()
+}
+
+fn kernel_version(release: &str) -> (u32, u32) {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor)
+}

@@ -53,9 +53,14 @@ pub struct ReplicaArgs {
     #[arg(long, value_name = "N")]
     pub fault_seed: Option<u64>,
     /// io_uring options of the data file, comma-separated: sqpoll[=IDLE_MS],
-    /// iopoll, iopoll=auto, hybrid_iopoll (as a file volume's flags).
+    /// iopoll, iopoll=auto, hybrid_iopoll, fixed=off (as a file volume's
+    /// flags).
     #[arg(long, value_name = "OPTIONS")]
     pub uring: Option<String>,
+    /// MiB of fixed I/O buffers (prefaulted, registered with io_uring)
+    /// each reactor maps at start; 0: off.
+    #[arg(long, value_name = "MIB", default_value_t = lull_config::FIXED_BUFFERS_MIB_DEFAULT)]
+    pub fixed_buffers_mib: u64,
     /// Engines must authenticate with TLS and this PSK file (username:hexkey
     /// lines, the format of nbdkit --tls-psk; the engine's
     /// --replica-tls-psk file). One of --tls-psk, --tls-certs, --insecure
@@ -80,6 +85,8 @@ pub struct ReplicaSettings {
     pub config: ReplicaConfig,
     pub cores: Vec<usize>,
     pub mode: Mode,
+    /// Fixed I/O buffers per reactor (0: none).
+    pub fixed_buffers_mib: u64,
 }
 
 impl ReplicaArgs {
@@ -152,6 +159,8 @@ impl ReplicaArgs {
             },
             cores,
             mode,
+            fixed_buffers_mib: lull_config::check_fixed_buffers_mib(self.fixed_buffers_mib)
+                .map_err(|e| format!("--fixed-buffers-mib: {e}"))?,
         })
     }
 }
@@ -202,6 +211,7 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
         Err(code) => return code,
     };
     lull_net::server::raise_fd_limit("replica");
+    crate::init_fixed_buffers(settings.fixed_buffers_mib);
     let mut fw = match Framework::start(FrameworkConfig::new(settings.cores.clone(), settings.mode))
     {
         Ok(fw) => fw,
@@ -264,6 +274,7 @@ mod tests {
             fault_delay_us: 0,
             fault_seed: None,
             uring: None,
+            fixed_buffers_mib: lull_config::FIXED_BUFFERS_MIB_DEFAULT,
             tls_psk: None,
             tls_certs: None,
             insecure: true,
@@ -347,6 +358,22 @@ mod tests {
         let s = uring.resolve(&[0]).unwrap();
         assert!(s.config.direct);
         assert_eq!(s.config.ring.sqpoll_idle_ms, Some(7));
+        let fixed = ReplicaArgs {
+            uring: Some("fixed=off".into()),
+            fixed_buffers_mib: 0,
+            ..args.clone()
+        };
+        let s = fixed.resolve(&[0]).unwrap();
+        assert!(!s.config.ring.fixed_buffers);
+        assert_eq!(s.fixed_buffers_mib, 0);
+        let big = ReplicaArgs {
+            fixed_buffers_mib: lull_config::FIXED_BUFFERS_MIB_MAX + 1,
+            ..args.clone()
+        };
+        assert!(big
+            .resolve(&[0])
+            .unwrap_err()
+            .contains("--fixed-buffers-mib"));
         let bad = ReplicaArgs {
             uring: Some("iopoll=sometimes".into()),
             ..args
@@ -371,6 +398,7 @@ mod tests {
             fault_delay_us: 0,
             fault_seed: None,
             uring: None,
+            fixed_buffers_mib: lull_config::FIXED_BUFFERS_MIB_DEFAULT,
             tls_psk: None,
             tls_certs: None,
             insecure: true,
