@@ -77,11 +77,15 @@ pub const WINDOW_MARGIN: Duration = Duration::from_millis(100);
 /// writes. At the slowest target's ~500 MiB/s this writes a 128 MiB
 /// volume about four times over; the fill checks that it covered it.
 pub const FILL_SECS: u64 = 1;
+/// A fill that did not cover the volume (a loaded machine, a slow target)
+/// runs again for as long as its measured rate says covering takes, twice
+/// over, at most this long: the fill is set-up, not the measurement.
+pub const FILL_SECS_MAX: u64 = 20;
 /// The fill's I/O size: large writes fill fast.
 pub const FILL_IO_BYTES: u64 = 128 * 1024;
 /// The fill's queue depth, as the QD32 jobs'.
 pub const FILL_QUEUE_DEPTH: u32 = 32;
-/// How long the fill may take in all (perf's start-up included).
+/// How long a fill may take beyond its own seconds (perf's start-up).
 pub const FILL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Extra time perf gets beyond warm-up + runtime before it is killed.
@@ -565,14 +569,52 @@ impl Ctx<'_> {
 
     /// Writes every block of the target's volume once before a job (see
     /// the module docs): `FILL_SECS` of sequential `FILL_IO_BYTES` writes
-    /// at depth `FILL_QUEUE_DEPTH`, which perf wraps around the namespace;
-    /// refused (`Ok(Err)`) when the bytes written do not cover the volume.
+    /// at depth `FILL_QUEUE_DEPTH`, which perf wraps around the namespace,
+    /// again for longer (at most `FILL_SECS_MAX`) when the rate it measured
+    /// did not cover the volume; refused (`Ok(Err)`) when even that does not.
     fn fill(
         &mut self,
         target: &NvmfTarget,
         port: u16,
         step: &Step,
     ) -> Result<Result<(), String>, BenchError> {
+        let size_mib = self.settings.size_bytes as f64 / (1u64 << 20) as f64;
+        let mut secs = FILL_SECS;
+        loop {
+            let rate_mib_per_sec = match self.fill_for(target, port, step, secs)? {
+                Ok(rate) => rate,
+                Err(e) => return Ok(Err(e)),
+            };
+            let written_mib = rate_mib_per_sec * secs as f64;
+            if written_mib >= size_mib {
+                return Ok(Ok(()));
+            }
+            // Twice what the measured rate needs, in whole seconds.
+            let needed = (2.0 * size_mib / rate_mib_per_sec.max(1.0)).ceil() as u64;
+            if secs >= FILL_SECS_MAX || needed <= secs {
+                return Ok(Err(format!(
+                    "the fill before the job wrote {written_mib:.0} MiB in {secs} s, less than the volume's {size_mib:.0} MiB"
+                )));
+            }
+            tracing::info!(
+                target = target.name(),
+                written_mib,
+                size_mib,
+                next_secs = needed.min(FILL_SECS_MAX),
+                "the fill did not cover the volume; filling again for longer"
+            );
+            secs = needed.min(FILL_SECS_MAX);
+        }
+    }
+
+    /// One fill run of `secs` seconds; its write rate in MiB/s.
+    fn fill_for(
+        &mut self,
+        target: &NvmfTarget,
+        port: u16,
+        step: &Step,
+        secs: u64,
+    ) -> Result<Result<f64, String>, BenchError> {
         let s = self.settings;
         let perf_bin = self.tools.join("bin/spdk_nvme_perf").display().to_string();
         let args = vec![
@@ -589,7 +631,7 @@ impl Ctx<'_> {
             "-w".into(),
             "write".into(),
             "-t".into(),
-            FILL_SECS.to_string(),
+            secs.to_string(),
             "-r".into(),
             trid(target, port),
         ];
@@ -603,7 +645,7 @@ impl Ctx<'_> {
         )
         .map_err(io_err("starting spdk_nvme_perf (fill)"))?;
         dirs.0.push(perf.pid());
-        let status = perf.wait_timeout(FILL_TIMEOUT);
+        let status = perf.wait_timeout(FILL_TIMEOUT + Duration::from_secs(secs));
         let raw = self.raw_dir.join(format!(
             "r{}-{}-{}-fill.txt",
             step.repeat + 1,
@@ -616,7 +658,7 @@ impl Ctx<'_> {
             perf.stop();
             return Ok(Err(format!(
                 "the fill before the job did not finish within {} s",
-                FILL_TIMEOUT.as_secs()
+                (FILL_TIMEOUT + Duration::from_secs(secs)).as_secs()
             )));
         };
         if !status.success() {
@@ -625,17 +667,10 @@ impl Ctx<'_> {
                 perf.reason()
             )));
         }
-        let written_mib = match perf::parse_perf_output(&perf.stdout()) {
-            Ok(m) => m.mib_per_sec * FILL_SECS as f64,
-            Err(e) => return Ok(Err(format!("the fill before the job: {e}"))),
-        };
-        let size_mib = s.size_bytes as f64 / (1u64 << 20) as f64;
-        if written_mib < size_mib {
-            return Ok(Err(format!(
-                "the fill before the job wrote {written_mib:.0} MiB, less than the volume's {size_mib:.0} MiB"
-            )));
+        match perf::parse_perf_output(&perf.stdout()) {
+            Ok(m) => Ok(Ok(m.mib_per_sec)),
+            Err(e) => Ok(Err(format!("the fill before the job: {e}"))),
         }
-        Ok(Ok(()))
     }
 
     /// One perf run against a started target, stopped on return. The inner
