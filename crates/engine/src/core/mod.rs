@@ -94,8 +94,8 @@
 //! frames and time (timeouts, keep-alives, reconnects); `election`
 //! generations and elections; `intent` the write-intent regions; `io` the
 //! client request table, overlap tracking and dispatch; `rebuild` rebuild
-//! and reconcile; `detach` the clean detach; `invariants`
-//! [`Engine::check_invariants`].
+//! and reconcile; `detach` the clean detach; `shared` the write buffers
+//! every replica's frame reads; `invariants` [`Engine::check_invariants`].
 
 mod detach;
 mod election;
@@ -105,10 +105,10 @@ mod invariants;
 mod io;
 mod rebuild;
 mod replicas;
+mod shared;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use lull_bdev::{BdevError, BufPool, IoBuf, IoRequest};
 use lull_net::slots::SlotTable;
@@ -123,6 +123,7 @@ use intent::Region;
 use io::{ClientIo, IoId};
 use rebuild::Rebuild;
 use replicas::{RState, Replica};
+use shared::SharedBufs;
 
 pub use election::{ELECTION_LOG_INTERVAL_NS, ELECTION_WAIT_NS};
 pub use ids::ConnRef;
@@ -132,6 +133,7 @@ pub use rebuild::{
     REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
 };
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
+pub use shared::SharedBuf;
 
 /// Replicas one volume may have (configured plus added). Longhorn runs 3;
 /// the bound keeps a [`ids::ReplicaSet`] in one `u32`.
@@ -203,7 +205,7 @@ pub enum Payload {
     /// The first `len` bytes of a shared write buffer (shared by every
     /// replica the write goes to; returned to the client afterwards).
     Data {
-        buf: Arc<IoBuf>,
+        buf: SharedBuf,
         len: usize,
     },
 }
@@ -328,6 +330,8 @@ pub struct Engine {
     regions: Vec<Region>,
     detach: Option<Detach>,
     pool: BufPool,
+    /// The `Arc`s write buffers are shared in, kept between writes.
+    shares: SharedBufs,
     now: u64,
     out: Vec<Action>,
     started: bool,
@@ -376,6 +380,7 @@ impl Engine {
             regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
             detach: None,
             pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
+            shares: SharedBufs::default(),
             now: 0,
             out: Vec::new(),
             started: false,
