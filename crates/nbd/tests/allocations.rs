@@ -1,10 +1,13 @@
 //! Heap allocations per request on the NBD hot path, counted by a global
 //! allocator: a client drives 4 KiB writes and reads through the real
-//! server (a reactor, a poll group, the connection pump) against a memory
-//! volume, and the test counts allocations made by every thread except the
-//! client's own during the steady-state requests.
+//! server (a reactor, a poll group, the connection pump) against a volume,
+//! and the test counts allocations made by every thread except the
+//! client's own during the steady-state requests. One test per path: a
+//! memory volume, a file volume (buffered and O_DIRECT), and a volume
+//! replicated to two real replica servers in this process (the engine's
+//! thread, the replicas' connection and write-intent threads all count).
 //!
-//! Issue 13 asks for zero per request. This test measures and reports; the
+//! Issue 13 asks for zero per request. Each test measures and reports; the
 //! bound it asserts is `ALLOCS_PER_REQUEST_MAX`.
 
 // The one exception to the workspace's `unsafe_code = "deny"` outside
@@ -17,13 +20,16 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lull_bdev::MallocDev;
+use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
+use lull_engine::{EngineOptions, ReplicaState, ReplicatedDev};
 use lull_nbd::{ListenAddr, NbdServer};
 use lull_reactor::{Framework, FrameworkConfig, Mode};
+use lull_replica::{ReplicaConfig, ReplicaServer};
 use lull_volume::{Storage, Volume, Volumes};
 
 struct Counting;
@@ -78,6 +84,18 @@ const REQUESTS: usize = 10_000;
 const WARMUP_REQUESTS: usize = 2_000;
 /// What the hot path may allocate per request, at most, on average.
 const ALLOCS_PER_REQUEST_MAX: f64 = 0.01;
+/// Size of every test volume: the requests rotate over its first 1 MiB.
+const VOLUME_BYTES: u64 = 1 << 20;
+/// Replicas of the replicated volume (Longhorn's smallest redundant set).
+const REPLICAS: usize = 2;
+/// How long a test waits for the engine to find its replicas healthy.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long tear-down may take (detach, drain, stop).
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The counter is process-wide and tests run on parallel threads: each
+/// test holds this for its whole run, so no other test's threads count.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 const NBD_REQUEST_MAGIC: u32 = 0x2560_9513;
 const NBD_SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
@@ -158,18 +176,46 @@ impl Client {
     }
 }
 
-#[test]
-fn steady_state_nbd_requests_allocate_nothing() {
-    EXEMPT.with(|e| e.set(true));
-    let mut fw = Framework::start(FrameworkConfig {
+/// Allocations of the server's threads over the steady-state requests.
+struct Measured {
+    allocs: u64,
+    idle: u64,
+}
+
+impl Measured {
+    fn per_request(&self) -> f64 {
+        self.allocs as f64 / REQUESTS as f64
+    }
+
+    /// Assert the bound, after saying what was measured.
+    fn check(&self, path: &str, bound: f64) {
+        let (allocs, idle, per_request) = (self.allocs, self.idle, self.per_request());
+        eprintln!(
+            "{path}: {allocs} heap allocations by server threads over {REQUESTS} requests ({per_request:.4} per request); {idle} in as long idle"
+        );
+        assert!(
+            per_request <= bound,
+            "{path}: {allocs} allocations over {REQUESTS} requests ({per_request:.4} per request) exceeds {bound}"
+        );
+    }
+}
+
+/// One reactor in interrupt mode, not pinned (tests share the machine).
+fn framework() -> Framework {
+    Framework::start(FrameworkConfig {
         pin: false,
         ..FrameworkConfig::new(vec![0], Mode::Interrupt)
     })
-    .expect("framework");
+    .expect("framework")
+}
+
+/// Serve `storage` as `vol` over NBD on `fw`, warm up, then count the
+/// server's allocations over `REQUESTS` requests (and as long idle, for
+/// attribution: timers and the scheduler's period allocate on their own).
+fn measure(fw: &Framework, storage: Storage) -> Measured {
     let volumes = Arc::new(Volumes::default());
-    let dev = MallocDev::new(1 << 20).expect("malloc volume");
     volumes
-        .add(Volume::new("vol", Storage::Local(Arc::new(dev))))
+        .add(Volume::new("vol", storage))
         .expect("add volume");
     let server = NbdServer::start(
         fw.handle(),
@@ -188,20 +234,154 @@ fn steady_state_nbd_requests_allocate_nothing() {
     client.run(REQUESTS, 1 + WARMUP_REQUESTS as u64);
     let allocs = ALLOCS.load(Ordering::Relaxed) - before;
     let took = started.elapsed();
-    // The same time with no request: what the server's threads allocate
-    // on their own (timers, the scheduler's period), for attribution.
     let before_idle = ALLOCS.load(Ordering::Relaxed);
     std::thread::sleep(took);
     let idle = ALLOCS.load(Ordering::Relaxed) - before_idle;
-    let per_request = allocs as f64 / REQUESTS as f64;
-    eprintln!(
-        "{allocs} heap allocations by server threads over {REQUESTS} requests in {took:?} ({per_request:.4} per request); {idle} in as long idle"
-    );
-    assert!(
-        per_request <= ALLOCS_PER_REQUEST_MAX,
-        "{allocs} allocations over {REQUESTS} requests ({per_request:.4} per request) exceeds {ALLOCS_PER_REQUEST_MAX}"
-    );
     drop(client);
-    server.shutdown(Duration::from_secs(5));
+    server.shutdown(STOP_TIMEOUT);
+    Measured { allocs, idle }
+}
+
+/// A directory under cargo's test scratch space, removed when dropped
+/// unless the test failed.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        // Under target/, not /tmp: a tmpfs refuses O_DIRECT.
+        let base = option_env!("CARGO_TARGET_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let d = base.join(format!("lull-allocations-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("test directory");
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test files kept in {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// The test thread's own allocations (set-up, the client) are not the
+/// server's.
+fn exempt_this_thread() {
+    EXEMPT.with(|e| e.set(true));
+}
+
+#[test]
+fn steady_state_nbd_requests_allocate_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    exempt_this_thread();
+    let mut fw = framework();
+    let dev = MallocDev::new(VOLUME_BYTES).expect("malloc volume");
+    let m = measure(&fw, Storage::Local(Arc::new(dev)));
     fw.stop();
+    m.check("memory volume", ALLOCS_PER_REQUEST_MAX);
+}
+
+fn file_volume(direct: bool) -> Measured {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    exempt_this_thread();
+    let dir = TempDir::new(if direct { "file-direct" } else { "file" });
+    let mut fw = framework();
+    let dev = FileDev::open(
+        dir.0.join("data"),
+        VOLUME_BYTES,
+        FileOptions {
+            direct,
+            create: true,
+            ring: Default::default(),
+        },
+    )
+    .expect("file volume");
+    let m = measure(&fw, Storage::Local(Arc::new(dev)));
+    fw.stop();
+    m
+}
+
+#[test]
+fn steady_state_file_requests_allocate_nothing() {
+    file_volume(false).check("file volume", ALLOCS_PER_REQUEST_MAX);
+}
+
+#[test]
+fn steady_state_direct_file_requests_allocate_nothing() {
+    file_volume(true).check("file volume (O_DIRECT)", ALLOCS_PER_REQUEST_MAX);
+}
+
+/// The engine (on the NBD server's framework) against `REPLICAS` replica
+/// servers on a framework of their own, as `lull serve` and `lull replica`
+/// run in separate processes: plain links on loopback.
+#[test]
+fn steady_state_replicated_requests_allocate_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    exempt_this_thread();
+    let dir = TempDir::new("replicated");
+    let mut replica_fw = framework();
+    let replicas: Vec<ReplicaServer> = (0..REPLICAS)
+        .map(|i| {
+            ReplicaServer::start(
+                replica_fw.handle(),
+                &ReplicaConfig {
+                    listen: "127.0.0.1:0".parse().unwrap(),
+                    dir: dir.0.join(format!("r{i}")),
+                    size_bytes: VOLUME_BYTES,
+                    direct: false,
+                    ring: Default::default(),
+                    faults: Default::default(),
+                    link: lull_net::link::LinkAuth::Insecure,
+                },
+            )
+            .expect("replica server")
+        })
+        .collect();
+    let mut fw = framework();
+    let dev = ReplicatedDev::start(
+        fw.handle(),
+        0,
+        "vol",
+        replicas.iter().map(ReplicaServer::local_addr).collect(),
+        VOLUME_BYTES,
+        EngineOptions::default(),
+        None,
+    )
+    .expect("engine");
+    assert!(dev.wait_ready(READY_TIMEOUT), "no replica became healthy");
+    let all_healthy = || {
+        dev.replica_status()
+            .iter()
+            .all(|r| r.state == ReplicaState::Healthy)
+    };
+    let deadline = std::time::Instant::now() + READY_TIMEOUT;
+    while !all_healthy() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replicas not all healthy: {:?}",
+            dev.replica_status()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let m = measure(&fw, Storage::Replicated(dev.clone()));
+    // Every replica still took every write: the count is of the replicated
+    // path, not of a degraded one.
+    assert!(all_healthy(), "{:?}", dev.replica_status());
+    assert!(
+        dev.detach(STOP_TIMEOUT).expect("detach"),
+        "detach timed out"
+    );
+    assert_eq!(dev.size_bytes(), VOLUME_BYTES);
+    drop(dev);
+    fw.stop();
+    for r in replicas {
+        r.shutdown(STOP_TIMEOUT).expect("replica stops cleanly");
+    }
+    replica_fw.stop();
+    m.check("replicated volume (2 replicas)", ALLOCS_PER_REQUEST_MAX);
 }
