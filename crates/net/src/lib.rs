@@ -20,13 +20,15 @@
 //! "would block" as no progress.
 //!
 //! [`server`] holds the acceptor and connection table the servers share;
-//! [`slots`] the table of requests in flight every connection keeps.
+//! [`slots`] the table of requests in flight every connection keeps;
+//! [`shared`] buffers several frames send from at once.
 
 #![forbid(unsafe_code)]
 
 pub mod bufs;
 pub mod link;
 pub mod server;
+pub mod shared;
 pub mod slots;
 pub mod tls;
 pub mod wire;
@@ -206,6 +208,14 @@ pub enum Payload {
     /// A pooled buffer, returned to its pool once sent.
     Buf(IoBuf),
     Bytes(Vec<u8>),
+    /// `len` bytes at `at` of a buffer several frames send from (the data
+    /// chunks of one structured read reply); the last frame sent returns
+    /// it to the pool.
+    Slice {
+        buf: shared::SharedBuf,
+        at: usize,
+        len: usize,
+    },
 }
 
 impl AsRef<[u8]> for Payload {
@@ -214,6 +224,11 @@ impl AsRef<[u8]> for Payload {
             Payload::None => &[],
             Payload::Buf(b) => b.as_slice(),
             Payload::Bytes(v) => v,
+            Payload::Slice { buf, at, len } => {
+                let all = buf.as_slice();
+                let start = (*at).min(all.len());
+                &all[start..start.saturating_add(*len).min(all.len())]
+            }
         }
     }
 }
@@ -229,8 +244,10 @@ pub trait OutPayload: AsRef<[u8]> {
 
 impl OutPayload for Payload {
     fn recycle(self, pool: &mut BufPool) {
-        if let Payload::Buf(b) = self {
-            pool.put(b);
+        match self {
+            Payload::Buf(b) => pool.put(b),
+            Payload::Slice { buf, .. } => shared::release(buf, pool),
+            Payload::None | Payload::Bytes(_) => {}
         }
     }
 }

@@ -8,7 +8,7 @@ use lull_proto::replica::{self as wire, Header, Kind};
 use super::ids::{ConnId, ReplicaId, ReplicaSet};
 use super::rebuild::Rebuild;
 use super::replicas::{Sub, SubKind};
-use super::shared::SharedBuf;
+use super::SharedBuf;
 use super::{Action, ClientReq, Engine, Payload, MAX_CLIENT_IOS, MAX_REPLICAS};
 
 /// A client request's id: its wire id in the engine's request table. It
