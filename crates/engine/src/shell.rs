@@ -206,8 +206,9 @@ impl Channel for EngineChannel {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
-        // Reset the completion doorbell before popping: a completion pushed after the
-        // pops rings again, so none is left behind a quiet eventfd.
+        // Reset the completion doorbell before popping: a completion pushed
+        // after the pops rings again, so none is left behind a quiet
+        // eventfd.
         self.shared.unring();
         let mut n = 0;
         while let Some(c) = self.shared.completions.pop() {
