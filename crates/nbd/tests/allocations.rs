@@ -239,10 +239,10 @@ impl Client {
     /// of the blocks just written, at rotating offsets. `n` is a multiple
     /// of `2 * depth`.
     fn run(&mut self, n: usize, first_cookie: u64, depth: usize) {
-        assert_eq!(n % (2 * depth), 0, "whole batches");
+        assert!(n.is_multiple_of(2 * depth), "whole batches");
         let mut seen = vec![false; depth];
         for i in (0..n).step_by(depth) {
-            let cmd = if i / depth % 2 == 0 {
+            let cmd = if (i / depth).is_multiple_of(2) {
                 NBD_CMD_WRITE
             } else {
                 NBD_CMD_READ
