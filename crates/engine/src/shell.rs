@@ -67,6 +67,18 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// cannot hold the engine thread from the others.
 const READ_BUDGET_BYTES: usize = 8 << 20;
 
+/// While a READ of at least this many bytes is in flight on a replica
+/// connection, its headers are read alone: one more `recv` of 32 bytes per
+/// frame, so that a large payload goes from the socket straight into the
+/// buffer the client's reply is sent from, instead of into the input
+/// buffer and then copied (docs/PER_IO.md: without it, nearly every byte
+/// of a 128 KiB read was copied). 32 KiB: the extra `recv` costs about a
+/// microsecond, what copying a few KiB does, well below the 32 KiB or more
+/// it saves; with only smaller reads and writes in flight
+/// (acknowledgements, 4 KiB reads) replies are batched into the input
+/// buffer as before.
+const HEADER_ALONE_READ_BYTES: u32 = 32 * 1024;
+
 /// A connect attempt gives up after this long (or the replica timeout, if
 /// shorter): it runs on its own short-lived OS thread.
 const CONNECT_TIMEOUT_MS_MAX: u64 = 10_000;
@@ -275,6 +287,9 @@ struct Sock {
     link: Wire<LinkStream, Payload>,
     poller: PollerId,
     recv: Recv,
+    /// READs of at least `HEADER_ALONE_READ_BYTES` sent and not answered:
+    /// while there are any, headers are read alone.
+    large_reads: usize,
 }
 
 /// The engine's frames carry shared write buffers or inline bytes: once
@@ -282,6 +297,12 @@ struct Sock {
 /// completion).
 impl OutPayload for Payload {
     fn recycle(self, _: &mut BufPool) {}
+}
+
+/// A READ request or reply of at least `HEADER_ALONE_READ_BYTES` (a reply
+/// names the request's kind and length, whatever its status).
+fn is_large_read(h: &Header) -> bool {
+    h.kind == wire::Kind::Read && h.length >= HEADER_ALONE_READ_BYTES
 }
 
 impl Sock {
@@ -328,6 +349,9 @@ impl Sock {
                             ),
                             e => format!("undecodable frame: {e}"),
                         })?;
+                        if is_large_read(&header) {
+                            self.large_reads = self.large_reads.saturating_sub(1);
+                        }
                         let n = wire::payload_len(&header);
                         if n == 0 {
                             frames.push((header, None));
@@ -368,7 +392,12 @@ impl Sock {
             if budget == 0 {
                 return Ok(progress);
             }
-            let n = self.link.fill(0, REPLICA_CLOSED);
+            let n = if self.large_reads > 0 && matches!(self.recv, Recv::Header) {
+                let missing = HEADER_LEN.saturating_sub(self.link.inb.buffered());
+                self.link.fill_at_most(missing, 0, REPLICA_CLOSED)
+            } else {
+                self.link.fill(0, REPLICA_CLOSED)
+            };
             if let Some(reason) = self.failed() {
                 return Err(reason);
             }
@@ -473,6 +502,9 @@ impl Shell {
                 payload,
             } => {
                 let Some(sock) = self.sock(conn) else { return };
+                if wire::decode_header(&header).is_ok_and(|h| is_large_read(&h)) {
+                    sock.large_reads += 1;
+                }
                 sock.link.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
@@ -625,6 +657,7 @@ impl Shell {
             link,
             poller,
             recv: Recv::Header,
+            large_reads: 0,
         });
         // A new wire waits for writability too; nothing is queued yet.
         sock.link.update_interest(t, poller, None, false);

@@ -351,6 +351,12 @@ impl InBuf {
     /// Read once from `r` into the free space (compacting first when the
     /// buffer's tail is full).
     pub fn fill(&mut self, r: &mut impl Read) -> io::Result<Fill> {
+        self.fill_at_most(r, usize::MAX)
+    }
+
+    /// [`InBuf::fill`], reading at most `max` bytes: a header alone, so
+    /// that the payload after it can be read straight into its own buffer.
+    pub fn fill_at_most(&mut self, r: &mut impl Read, max: usize) -> io::Result<Fill> {
         if self.buf.is_empty() && self.capacity > 0 {
             self.buf = bufs::take_inbuf(self.capacity);
             self.start = 0;
@@ -364,11 +370,13 @@ impl InBuf {
             self.end -= self.start;
             self.start = 0;
         }
-        if self.end == self.buf.len() {
+        // (An empty read would look like the end of the stream.)
+        if self.end == self.buf.len() || max == 0 {
             return Ok(Fill::Nothing);
         }
+        let stop = self.end.saturating_add(max).min(self.buf.len());
         loop {
-            return match r.read(&mut self.buf[self.end..]) {
+            return match r.read(&mut self.buf[self.end..stop]) {
                 Ok(0) => Ok(Fill::Eof),
                 Ok(n) => {
                     self.end += n;
@@ -500,6 +508,17 @@ mod tests {
         let mut back = 0;
         q.clear(|_| back += 1);
         assert_eq!((back, q.bytes(), q.is_empty()), (1, 0, true));
+    }
+
+    #[test]
+    fn fill_at_most_reads_no_more_than_asked() {
+        let data = [7u8; 100];
+        let mut inb = InBuf::with_capacity(64);
+        let mut r = &data[..];
+        assert_eq!(inb.fill_at_most(&mut r, 32).unwrap(), Fill::Read(32));
+        assert_eq!(inb.buffered(), 32);
+        assert_eq!(inb.fill(&mut r).unwrap(), Fill::Read(32));
+        assert_eq!(inb.buffered(), 64);
     }
 
     #[test]
