@@ -7,7 +7,7 @@
 //! // `tls`: the client credentials of replica links (`None`: plain links).
 //! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", addrs, size, EngineOptions::default(), tls)?;
 //! let mut ch = dev.open_channel()?;           // on an NBD connection thread
-//! ch.submit(req)?; ch.flush_submissions();     // one message per batch
+//! ch.submit(req)?; ch.flush_submissions();     // one wake-up per batch
 //! // ... ch.event_fd() becomes readable ...
 //! ch.reap(&mut |c| reply(c));
 //! ```
