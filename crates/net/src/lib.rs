@@ -348,15 +348,19 @@ impl InBuf {
         n
     }
 
-    /// Read once from `r` into the free space (compacting first when the
-    /// buffer's tail is full).
-    pub fn fill(&mut self, r: &mut impl Read) -> io::Result<Fill> {
-        self.fill_at_most(r, usize::MAX)
-    }
-
     /// [`InBuf::fill`], reading at most `max` bytes: a header alone, so
     /// that the payload after it can be read straight into its own buffer.
     pub fn fill_at_most(&mut self, r: &mut impl Read, max: usize) -> io::Result<Fill> {
+        if max == 0 {
+            // A read of nothing would look like the end of the stream.
+            return Ok(Fill::Nothing);
+        }
+        self.fill(&mut Read::take(r, max as u64))
+    }
+
+    /// Read once from `r` into the free space (compacting first when the
+    /// buffer's tail is full).
+    pub fn fill(&mut self, r: &mut impl Read) -> io::Result<Fill> {
         if self.buf.is_empty() && self.capacity > 0 {
             self.buf = bufs::take_inbuf(self.capacity);
             self.start = 0;
@@ -370,13 +374,11 @@ impl InBuf {
             self.end -= self.start;
             self.start = 0;
         }
-        // (An empty read would look like the end of the stream.)
-        if self.end == self.buf.len() || max == 0 {
+        if self.end == self.buf.len() {
             return Ok(Fill::Nothing);
         }
-        let stop = self.end.saturating_add(max).min(self.buf.len());
         loop {
-            return match r.read(&mut self.buf[self.end..stop]) {
+            return match r.read(&mut self.buf[self.end..]) {
                 Ok(0) => Ok(Fill::Eof),
                 Ok(n) => {
                     self.end += n;
