@@ -899,15 +899,14 @@ impl Shell {
 
     fn publish_status(&mut self) {
         self.status_dirty = false;
-        let snap = self.core.status();
-        let ready = snap.iter().any(|s| s.state == ReplicaState::Healthy);
         let detached = self.core.detached();
         let mut guard = self
             .status
             .snapshot
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        *guard = snap;
+        self.core.status_into(&mut guard);
+        let ready = guard.iter().any(|s| s.state == ReplicaState::Healthy);
         self.status.detached.store(detached, Ordering::Release);
         drop(guard);
         if ready || detached {

@@ -488,36 +488,65 @@ impl Engine {
     // ---- observation -------------------------------------------------------------
 
     pub fn status(&self) -> Vec<ReplicaStatus> {
-        self.replicas
-            .iter_with_ids()
-            .filter(|(_, r)| r.state != RState::Removed)
-            .map(|(i, r)| ReplicaStatus {
-                addr: r.addr,
-                state: match r.state {
-                    RState::Connecting | RState::Probed => ReplicaState::Connecting,
-                    RState::Healthy => ReplicaState::Healthy,
-                    RState::Failed | RState::Removed => ReplicaState::Failed,
-                    RState::Rebuilding => {
-                        let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
-                        let done_bytes = run.map_or(0, |rb| rb.done_bytes);
-                        match &r.reconcile {
-                            Some(bits) => ReplicaState::Reconciling {
-                                done_bytes,
-                                total_bytes: self.bitmap_bytes(bits),
-                            },
-                            None => ReplicaState::Rebuilding {
-                                done_bytes,
-                                total_bytes: self.size_bytes,
-                            },
-                        }
+        let mut out = Vec::new();
+        self.status_into(&mut out);
+        out
+    }
+
+    /// [`Engine::status`] into `out`, reusing its entries and their error
+    /// strings: the shell publishes the status every tick, and a fresh
+    /// vector each time would be ten heap allocations a second per volume.
+    pub fn status_into(&self, out: &mut Vec<ReplicaStatus>) {
+        let mut n = 0;
+        for (i, r) in self.replicas.iter_with_ids() {
+            let state = match r.state {
+                RState::Removed => continue,
+                RState::Connecting | RState::Probed => ReplicaState::Connecting,
+                RState::Healthy => ReplicaState::Healthy,
+                RState::Failed => ReplicaState::Failed,
+                RState::Rebuilding => {
+                    let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
+                    let done_bytes = run.map_or(0, |rb| rb.done_bytes);
+                    match &r.reconcile {
+                        Some(bits) => ReplicaState::Reconciling {
+                            done_bytes,
+                            total_bytes: self.bitmap_bytes(bits),
+                        },
+                        None => ReplicaState::Rebuilding {
+                            done_bytes,
+                            total_bytes: self.size_bytes,
+                        },
                     }
-                },
+                }
+            };
+            let fresh = ReplicaStatus {
+                addr: r.addr,
+                state,
                 generation: r.generation,
                 in_flight: r.conns.iter().map(|c| c.slots.in_flight()).sum(),
                 errors: r.errors,
-                last_error: r.last_error.clone(),
-            })
-            .collect()
+                last_error: None,
+            };
+            let Some(o) = out.get_mut(n) else {
+                out.push(ReplicaStatus {
+                    last_error: r.last_error.clone(),
+                    ..fresh
+                });
+                n += 1;
+                continue;
+            };
+            let last_error = std::mem::take(&mut o.last_error);
+            *o = fresh;
+            o.last_error = match (last_error, &r.last_error) {
+                (Some(mut kept), Some(e)) => {
+                    kept.clone_from(e);
+                    Some(kept)
+                }
+                (_, e) => e.clone(),
+            };
+            n += 1;
+        }
+        out.truncate(n);
     }
 
     pub fn healthy_count(&self) -> usize {
