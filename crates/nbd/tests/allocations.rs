@@ -31,7 +31,7 @@ use std::time::Duration;
 use lull_bdev::{BlockDevice, FileDev, FileOptions, MallocDev};
 use lull_engine::{EngineOptions, ReplicaState, ReplicatedDev};
 use lull_nbd::{ListenAddr, NbdServer};
-use lull_reactor::{Framework, FrameworkConfig, Mode};
+use lull_reactor::{Framework, FrameworkConfig, Mode, SchedulerConfig};
 use lull_replica::{ReplicaConfig, ReplicaServer};
 use lull_volume::{Storage, Volume, Volumes};
 
@@ -296,9 +296,17 @@ impl Measured {
 }
 
 /// One reactor in interrupt mode, not pinned (tests share the machine).
+/// The scheduler's period is set past the run: each period gathers thread
+/// statistics on the scheduler's own thread (a few allocations a second,
+/// control plane, not data path), which a slow run (a debug build on a
+/// loaded machine) would otherwise count against its requests.
 fn framework() -> Framework {
     Framework::start(FrameworkConfig {
         pin: false,
+        scheduler: SchedulerConfig {
+            period_us: lull_reactor::scheduler::MAX_PERIOD_US,
+            ..SchedulerConfig::default()
+        },
         ..FrameworkConfig::new(vec![0], Mode::Interrupt)
     })
     .expect("framework")
