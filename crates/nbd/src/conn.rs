@@ -16,7 +16,7 @@ use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
 use lull_net::wire::{self, Wire};
-use lull_net::{bufs, Payload};
+use lull_net::{bufs, shared, Payload};
 use lull_proto::nbd::structured::{self, BlockExtent, ReadPiece};
 use lull_proto::nbd::{
     self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
@@ -121,6 +121,10 @@ pub(crate) struct Conn {
     starting_tls: bool,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
+    /// A structured read's zero ranges and chunks, kept for the same
+    /// reason (each at most `structured::MAX_READ_CHUNKS` long).
+    read_zeros: Vec<(u32, u32)>,
+    read_pieces: Vec<ReadPiece>,
     /// `now` of the current poller run.
     now_ns: u64,
     /// The framework's clock, read when a request starts and completes
@@ -241,6 +245,8 @@ impl Conn {
             handshake_done: Arc::new(AtomicBool::new(false)),
             starting_tls: false,
             completions: Vec::new(),
+            read_zeros: Vec::new(),
+            read_pieces: Vec::new(),
             now_ns: 0,
             clock: None,
         }
@@ -380,19 +386,22 @@ impl Conn {
 
     /// A successful read as structured chunks: holes the device knows of
     /// (and that did read as zeros) go as hole chunks, the rest as data.
-    /// A read with no hole goes as one data chunk from its buffer, with
-    /// no copy.
+    /// Data goes from the buffer the device read into, with no copy: a
+    /// read with no hole as one chunk, one with holes as slices of the
+    /// buffer shared by its data chunks.
     fn push_read_structured(&mut self, cookie: u64, offset: u64, buf: IoBuf, len: u32) {
         let Phase::Transmission { volume, .. } = &self.phase else {
             bufs::put(buf);
             return;
         };
-        let mut zero_ranges = Vec::new();
+        let mut zero_ranges = std::mem::take(&mut self.read_zeros);
+        zero_ranges.clear();
+        let mut pieces = std::mem::take(&mut self.read_pieces);
         let data = buf.as_slice().get(..len as usize).unwrap_or_default();
         // Ask the device only when the data could hold a hole at all. A
         // device that cannot answer inline: the zeros read are the holes.
         if volume.dev().extents_by_channel() {
-            zero_ranges = structured::zero_runs(data, structured::MAX_READ_CHUNKS);
+            structured::zero_runs_into(data, structured::MAX_READ_CHUNKS, &mut zero_ranges);
         } else if structured::may_hold_hole(data) {
             if let Ok(extents) =
                 volume
@@ -409,8 +418,24 @@ impl Conn {
                 }
             }
         }
-        let pieces = structured::plan_read(data, &zero_ranges, structured::MAX_READ_CHUNKS);
-        if let [ReadPiece::Data { .. }] = pieces[..] {
+        structured::plan_read_into(data, &zero_ranges, structured::MAX_READ_CHUNKS, &mut pieces);
+        self.read_zeros = zero_ranges;
+        self.push_read_pieces(cookie, offset, buf, len, &pieces);
+        self.read_pieces = pieces;
+    }
+
+    /// The chunks `plan_read` made of a read: one data chunk (no hole) from
+    /// its buffer; otherwise hole chunks and data chunks that are slices of
+    /// the buffer, shared by them.
+    fn push_read_pieces(
+        &mut self,
+        cookie: u64,
+        offset: u64,
+        buf: IoBuf,
+        len: u32,
+        pieces: &[ReadPiece],
+    ) {
+        if let [ReadPiece::Data { .. }] = pieces {
             let header = structured::encode_offset_data_header(
                 cookie,
                 nbd::NBD_REPLY_FLAG_DONE,
@@ -421,6 +446,13 @@ impl Conn {
             return;
         }
         let last = pieces.len().saturating_sub(1);
+        let data = pieces.iter().any(|p| matches!(p, ReadPiece::Data { .. }));
+        let shared = if data {
+            Some(shared::share(buf))
+        } else {
+            bufs::put(buf);
+            None
+        };
         for (i, piece) in pieces.iter().enumerate() {
             let flags = if i == last {
                 nbd::NBD_REPLY_FLAG_DONE
@@ -435,11 +467,15 @@ impl Conn {
                         offset + u64::from(at),
                         len,
                     );
-                    let bytes = data
-                        .get(at as usize..(at + len) as usize)
-                        .unwrap_or_default()
-                        .to_vec();
-                    self.link.push(&header, Payload::Bytes(bytes));
+                    let Some(buf) = &shared else {
+                        continue; // never: there is a data piece
+                    };
+                    let slice = Payload::Slice {
+                        buf: buf.clone(),
+                        at: at as usize,
+                        len: len as usize,
+                    };
+                    self.link.push(&header, slice);
                 }
                 ReadPiece::Hole { at, len } => {
                     let chunk =
@@ -448,7 +484,6 @@ impl Conn {
                 }
             }
         }
-        bufs::put(buf);
     }
 
     /// Answers `NBD_CMD_BLOCK_STATUS` for `base:allocation` from the

@@ -20,13 +20,15 @@
 //! "would block" as no progress.
 //!
 //! [`server`] holds the acceptor and connection table the servers share;
-//! [`slots`] the table of requests in flight every connection keeps.
+//! [`slots`] the table of requests in flight every connection keeps;
+//! [`shared`] buffers several frames send from at once.
 
 #![forbid(unsafe_code)]
 
 pub mod bufs;
 pub mod link;
 pub mod server;
+pub mod shared;
 pub mod slots;
 pub mod tls;
 pub mod wire;
@@ -206,6 +208,14 @@ pub enum Payload {
     /// A pooled buffer, returned to its pool once sent.
     Buf(IoBuf),
     Bytes(Vec<u8>),
+    /// `len` bytes at `at` of a buffer several frames send from (the data
+    /// chunks of one structured read reply); the last frame sent returns
+    /// it to the pool.
+    Slice {
+        buf: shared::SharedBuf,
+        at: usize,
+        len: usize,
+    },
 }
 
 impl AsRef<[u8]> for Payload {
@@ -214,6 +224,11 @@ impl AsRef<[u8]> for Payload {
             Payload::None => &[],
             Payload::Buf(b) => b.as_slice(),
             Payload::Bytes(v) => v,
+            Payload::Slice { buf, at, len } => {
+                let all = buf.as_slice();
+                let start = (*at).min(all.len());
+                &all[start..start.saturating_add(*len).min(all.len())]
+            }
         }
     }
 }
@@ -229,8 +244,10 @@ pub trait OutPayload: AsRef<[u8]> {
 
 impl OutPayload for Payload {
     fn recycle(self, pool: &mut BufPool) {
-        if let Payload::Buf(b) = self {
-            pool.put(b);
+        match self {
+            Payload::Buf(b) => pool.put(b),
+            Payload::Slice { buf, .. } => shared::release(buf, pool),
+            Payload::None | Payload::Bytes(_) => {}
         }
     }
 }
@@ -329,6 +346,16 @@ impl InBuf {
         dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
         self.start += n;
         n
+    }
+
+    /// [`InBuf::fill`], reading at most `max` bytes: a header alone, so
+    /// that the payload after it can be read straight into its own buffer.
+    pub fn fill_at_most(&mut self, r: &mut impl Read, max: usize) -> io::Result<Fill> {
+        if max == 0 {
+            // A read of nothing would look like the end of the stream.
+            return Ok(Fill::Nothing);
+        }
+        self.fill(&mut Read::take(r, max as u64))
     }
 
     /// Read once from `r` into the free space (compacting first when the
@@ -483,6 +510,17 @@ mod tests {
         let mut back = 0;
         q.clear(|_| back += 1);
         assert_eq!((back, q.bytes(), q.is_empty()), (1, 0, true));
+    }
+
+    #[test]
+    fn fill_at_most_reads_no_more_than_asked() {
+        let data = [7u8; 100];
+        let mut inb = InBuf::with_capacity(64);
+        let mut r = &data[..];
+        assert_eq!(inb.fill_at_most(&mut r, 32).unwrap(), Fill::Read(32));
+        assert_eq!(inb.buffered(), 32);
+        assert_eq!(inb.fill(&mut r).unwrap(), Fill::Read(32));
+        assert_eq!(inb.buffered(), 64);
     }
 
     #[test]

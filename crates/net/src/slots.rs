@@ -30,6 +30,8 @@
 //! up front: the lowest never-used index when no slot is free, otherwise
 //! the most recently freed slot.
 
+use std::cell::RefCell;
+
 /// Names one request in flight: slot index (low 32 bits of the wire id)
 /// and the slot's generation (high 32 bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,22 +237,33 @@ impl<T> SlotTable<T> {
             self.slots.len(),
             self.capacity
         );
-        let mut listed = vec![false; self.slots.len()];
-        for &i in &self.free {
-            let i = i as usize;
-            assert!(i < self.slots.len(), "free id {i} out of range");
-            assert!(!listed[i], "free id {i} listed twice");
-            listed[i] = true;
-            assert!(self.slots[i].value.is_none(), "free id {i} holds a request");
-        }
-        for (i, s) in self.slots.iter().enumerate() {
-            assert!(
-                listed[i] || s.value.is_some(),
-                "slot {i} leaked: neither free nor in flight"
-            );
-        }
+        CHECK_MARKS.with_borrow_mut(|listed| {
+            listed.clear();
+            listed.resize(self.slots.len(), false);
+            for &i in &self.free {
+                let i = i as usize;
+                assert!(i < self.slots.len(), "free id {i} out of range");
+                assert!(!listed[i], "free id {i} listed twice");
+                listed[i] = true;
+                assert!(self.slots[i].value.is_none(), "free id {i} holds a request");
+            }
+            for (i, s) in self.slots.iter().enumerate() {
+                assert!(
+                    listed[i] || s.value.is_some(),
+                    "slot {i} leaked: neither free nor in flight"
+                );
+            }
+        });
         assert_eq!(self.in_flight(), self.iter().count());
     }
+}
+
+thread_local! {
+    /// `check_invariants`' marks, kept between calls: debug builds run the
+    /// check on every event, and a fresh vector each time would be a heap
+    /// allocation per request that release builds do not make (the
+    /// allocation tests run with debug assertions on).
+    static CHECK_MARKS: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]

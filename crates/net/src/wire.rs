@@ -173,7 +173,14 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
     /// too if nothing is `in_flight` and nothing is queued: no reply can
     /// be owed); a read error breaks and closes it.
     pub fn fill(&mut self, in_flight: usize, eof_reason: &str) -> usize {
-        match self.inb.fill(&mut self.stream) {
+        self.fill_at_most(usize::MAX, in_flight, eof_reason)
+    }
+
+    /// [`Wire::fill`], reading at most `max` bytes (a header alone, so that
+    /// a large payload after it can go straight into its buffer through
+    /// [`Wire::receive`]).
+    pub fn fill_at_most(&mut self, max: usize, in_flight: usize, eof_reason: &str) -> usize {
+        match self.inb.fill_at_most(&mut self.stream, max) {
             Ok(Fill::Read(n)) => n,
             Ok(Fill::Nothing) => 0,
             Ok(Fill::Eof) => {

@@ -476,3 +476,59 @@ fn a_detached_poller_runs_in_its_new_thread_on_its_fd() {
     a.check_invariants();
     b.check_invariants();
 }
+
+#[test]
+fn a_woken_poller_runs_only_when_woken_from_any_thread() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    // Refused as an fd-less active poller would be: it is not one.
+    t.set_event_driven(true);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let id = t
+        .register_poller(
+            "doorbell",
+            PollerKind::Woken,
+            &[],
+            Box::new(move |_, _| {
+                r.fetch_add(1, Ordering::SeqCst);
+                PollStatus::Busy
+            }),
+        )
+        .unwrap();
+    // Never spun, not even in poll mode's every-iteration pass.
+    t.set_event_driven(false);
+    for _ in 0..3 {
+        assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Idle);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // Woken from another thread: through the mailbox, run in the same
+    // iteration, once for two wake-ups.
+    let h = t.handle();
+    std::thread::spawn(move || {
+        h.wake_poller(id).unwrap();
+        h.wake_poller(id).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert!(t.has_immediate_work(0));
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Busy);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Idle);
+    // A wake-up is not a message.
+    assert_eq!(t.handle().stats().messages, 0);
+    // Paused, a wake-up is dropped; resuming runs it once.
+    t.wake_poller(id);
+    assert!(t.pause_poller(id));
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Idle);
+    assert!(t.resume_poller(id));
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Busy);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    t.check_invariants();
+    // A stale id wakes nothing.
+    assert!(t.unregister_poller(id));
+    t.handle().wake_poller(id).unwrap();
+    assert_eq!(t.poll(0, Scope::All, &clock), PollStatus::Busy);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    t.check_invariants();
+}

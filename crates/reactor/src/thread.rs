@@ -86,6 +86,11 @@ pub enum PollerKind {
     Active,
     /// Every `period_ns`, in every mode (a timerfd wakes a sleeping reactor).
     Timed { period_ns: u64 },
+    /// Only when woken ([`Thread::wake_poller`], or from another thread
+    /// [`ThreadHandle::wake_poller`]), in every mode: for work that other
+    /// threads leave in a shared queue and announce, with no fd of its own
+    /// and no closure to allocate per announcement.
+    Woken,
 }
 
 impl PollerKind {
@@ -100,6 +105,13 @@ impl PollerKind {
 pub type PollFn = Box<dyn FnMut(&mut Thread, u64) -> PollStatus + Send>;
 /// A message: runs once on its target thread.
 pub type Message = Box<dyn FnOnce(&mut Thread) + Send>;
+
+/// What a thread's mailbox carries: a message, or a wake-up of one of its
+/// pollers (which needs no box, so announcing work allocates nothing).
+pub(crate) enum Letter {
+    Run(Message),
+    Wake(PollerId),
+}
 
 /// Names a poller within its thread. The generation makes a stale id (of an
 /// unregistered poller whose slot was reused) harmless.
@@ -222,7 +234,7 @@ pub struct ThreadStats {
 pub(crate) struct ThreadShared {
     pub id: u64,
     pub name: String,
-    pub mailbox: Mailbox<Message>,
+    pub mailbox: Mailbox<Letter>,
     pub counters: ThreadCounters,
     pub exited: AtomicBool,
     pub pinned: AtomicBool,
@@ -270,10 +282,26 @@ impl ThreadHandle {
         if self.shared.exited.load(Ordering::Acquire) {
             return Err((msg, SendError::Exited(self.shared.name.clone())));
         }
+        match self.shared.mailbox.push(Letter::Run(msg)) {
+            Ok(()) => Ok(()),
+            Err(Letter::Run(m)) => Err((m, SendError::Full(self.shared.name.clone()))),
+            Err(Letter::Wake(_)) => unreachable!("pushed a message"),
+        }
+    }
+
+    /// Run poller `id` of the thread in its next iteration, as
+    /// [`Thread::wake_poller`] does from the thread itself. Through the
+    /// mailbox, in order with messages, and with no allocation: for
+    /// announcing work left in a queue the poller drains (a
+    /// [`PollerKind::Woken`] poller). A stale id wakes nothing.
+    pub fn wake_poller(&self, id: PollerId) -> Result<(), SendError> {
+        if self.shared.exited.load(Ordering::Acquire) {
+            return Err(SendError::Exited(self.shared.name.clone()));
+        }
         self.shared
             .mailbox
-            .push(msg)
-            .map_err(|m| (m, SendError::Full(self.shared.name.clone())))
+            .push(Letter::Wake(id))
+            .map_err(|_| SendError::Full(self.shared.name.clone()))
     }
 
     pub fn send_boxed(&self, msg: Message) -> Result<(), SendError> {
@@ -584,7 +612,7 @@ impl Thread {
             }
         }
         let next_ns = match kind {
-            PollerKind::Active => 0,
+            PollerKind::Active | PollerKind::Woken => 0,
             PollerKind::Timed { period_ns } => self.now_ns.saturating_add(period_ns),
         };
         self.pollers[index as usize].entry = Some(PollerEntry {
@@ -605,6 +633,7 @@ impl Thread {
                     self.fdless.push(id);
                 }
             }
+            PollerKind::Woken => self.n_active += 1,
             PollerKind::Timed { .. } => {
                 self.n_timed += 1;
                 self.schedule_timer(id, next_ns);
@@ -686,10 +715,10 @@ impl Thread {
             }
             if entry.paused {
                 self.n_paused -= 1;
-            } else if entry.kind == PollerKind::Active {
-                self.n_active -= 1;
-            } else {
+            } else if matches!(entry.kind, PollerKind::Timed { .. }) {
                 self.n_timed -= 1;
+            } else {
+                self.n_active -= 1;
             }
             if entry.kind == PollerKind::Active && entry.fds.is_empty() {
                 self.fdless.retain(|&p| p != id);
@@ -766,11 +795,11 @@ impl Thread {
         // Its fds stop waking the thread: a ready fd nobody reads would
         // otherwise keep an event-driven reactor from sleeping.
         self.apply_interest(id);
-        if kind == PollerKind::Active {
-            self.n_active -= 1;
-        } else {
+        if matches!(kind, PollerKind::Timed { .. }) {
             self.n_timed -= 1;
             self.prune_timers();
+        } else {
+            self.n_active -= 1;
         }
         self.n_paused += 1;
         self.publish_poller_counts();
@@ -799,6 +828,11 @@ impl Thread {
                 if !fdless {
                     self.wake_poller(id);
                 }
+            }
+            // Wake-ups that came while it was paused were dropped.
+            PollerKind::Woken => {
+                self.n_active += 1;
+                self.wake_poller(id);
             }
             PollerKind::Timed { period_ns } => {
                 self.n_timed += 1;
@@ -1073,11 +1107,10 @@ impl Thread {
         let mut status = PollStatus::Idle;
 
         for _ in 0..MSG_BATCH {
-            let Some(msg) = self.shared.mailbox.pop() else {
+            let Some(letter) = self.shared.mailbox.pop() else {
                 break;
             };
-            msg(self);
-            self.messages += 1;
+            self.open(letter);
             status = PollStatus::Busy;
         }
 
@@ -1255,14 +1288,27 @@ impl Thread {
     pub(crate) fn drain_messages(&mut self, limit: usize) -> usize {
         let mut n = 0;
         while n < limit {
-            let Some(msg) = self.shared.mailbox.pop() else {
+            let Some(letter) = self.shared.mailbox.pop() else {
                 break;
             };
-            msg(self);
+            self.open(letter);
             n += 1;
         }
-        self.messages += n as u64;
         n
+    }
+
+    /// Act on one letter of the mailbox: run a message (counted), or mark
+    /// a poller woken (it runs in this iteration's woken pass).
+    fn open(&mut self, letter: Letter) {
+        match letter {
+            Letter::Run(msg) => {
+                msg(self);
+                self.messages += 1;
+            }
+            Letter::Wake(id) => {
+                self.wake_poller(id);
+            }
+        }
     }
 
     pub(crate) fn pending_messages(&self) -> usize {
@@ -1302,7 +1348,7 @@ impl Thread {
             }
             if e.paused {
                 paused += 1;
-            } else if e.kind == PollerKind::Active {
+            } else if matches!(e.kind, PollerKind::Active | PollerKind::Woken) {
                 active += 1;
             } else {
                 timed += 1;

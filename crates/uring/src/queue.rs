@@ -26,6 +26,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::cell::RefCell;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
@@ -507,26 +508,37 @@ impl<T> IoQueue<T> {
     /// Checks the slot table (debug builds and tests).
     pub fn check_invariants(&self) {
         let mut pending = 0usize;
-        let mut free_seen = vec![false; self.slots.len()];
-        for &index in &self.free {
-            let slot = &self.slots[index as usize];
-            assert!(
-                !free_seen[index as usize],
-                "slot {index} twice on the free list"
-            );
-            free_seen[index as usize] = true;
-            assert!(slot.ctx.is_none() && slot.buf.is_none() && slot.pending == 0);
-        }
-        for (index, slot) in self.slots.iter().enumerate() {
-            assert!(
-                free_seen[index] || slot.ctx.is_some(),
-                "slot {index} leaked"
-            );
-            assert!(slot.pending as usize <= CHAIN_OPS_MAX);
-            pending += slot.pending as usize;
-        }
+        CHECK_MARKS.with_borrow_mut(|free_seen| {
+            free_seen.clear();
+            free_seen.resize(self.slots.len(), false);
+            for &index in &self.free {
+                let slot = &self.slots[index as usize];
+                assert!(
+                    !free_seen[index as usize],
+                    "slot {index} twice on the free list"
+                );
+                free_seen[index as usize] = true;
+                assert!(slot.ctx.is_none() && slot.buf.is_none() && slot.pending == 0);
+            }
+            for (index, slot) in self.slots.iter().enumerate() {
+                assert!(
+                    free_seen[index] || slot.ctx.is_some(),
+                    "slot {index} leaked"
+                );
+                assert!(slot.pending as usize <= CHAIN_OPS_MAX);
+                pending += slot.pending as usize;
+            }
+        });
         assert_eq!(pending, self.pending_total);
     }
+}
+
+thread_local! {
+    /// `check_invariants`' marks, kept between calls: debug builds check
+    /// after every completion, and a fresh vector each time would be a heap
+    /// allocation per request that release builds do not make (the
+    /// allocation tests run with debug assertions on).
+    static CHECK_MARKS: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
 }
 
 impl<T> Drop for IoQueue<T> {

@@ -1,6 +1,8 @@
 //! [`Engine::check_invariants`]: run after every event in debug builds
 //! and by the simulator.
 
+use std::cell::RefCell;
+
 use lull_net::slots::SlotId;
 
 use super::io::IoId;
@@ -11,9 +13,22 @@ impl Engine {
     /// Every client request is in exactly one place, every slot belongs to
     /// a live connection, replica states agree with their connections.
     pub fn check_invariants(&self) {
+        CHECK_COUNTS.with_borrow_mut(|counts| {
+            let n = self.ios.allocated();
+            counts.clear();
+            counts.resize(2 * n + self.regions.len(), 0);
+            let (subs_of, rest) = counts.split_at_mut(n);
+            let (place, writes) = rest.split_at_mut(n);
+            self.check_with(subs_of, place, writes);
+        });
+    }
+
+    /// `check_invariants` with zeroed counters: per request entry, its
+    /// frames in flight (`subs_of`) and its places in the queues
+    /// (`place`); per write-intent region, the writes over it.
+    fn check_with(&self, subs_of: &mut [u32], place: &mut [u32], writes: &mut [u32]) {
         self.ios.check_invariants();
         let slot = |id: IoId| SlotId::from_wire(id).index();
-        let mut subs_of = vec![0u32; self.ios.allocated()];
         for (ri, r) in self.replicas.iter_with_ids() {
             for c in &r.conns {
                 c.slots.check_invariants();
@@ -42,7 +57,6 @@ impl Engine {
                 assert!(r.conns.iter().all(|c| c.state == CState::Down));
             }
         }
-        let mut place = vec![0u8; self.ios.allocated()];
         for &id in self.pending.iter().chain(self.deferred.iter()) {
             assert!(
                 self.ios.get(id).is_some(),
@@ -85,7 +99,6 @@ impl Engine {
         // being marked or being cleared, one at a time; `writes` counts
         // exactly the dispatched writes over the region.
         let live = self.write_set();
-        let mut writes = vec![0u32; self.regions.len()];
         for (_, io) in self.ios.iter().filter(|(_, io)| io.in_regions) {
             let (first, last) = self.region_span(io.offset, u64::from(io.len));
             for w in &mut writes[first..=last] {
@@ -130,4 +143,12 @@ impl Engine {
             }
         }
     }
+}
+
+thread_local! {
+    /// `check_invariants`' counters, kept between calls: debug builds run
+    /// the check after every event, and fresh vectors each time would be
+    /// heap allocations per request that release builds do not make (the
+    /// allocation tests run with debug assertions on).
+    static CHECK_COUNTS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }

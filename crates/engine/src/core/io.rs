@@ -2,14 +2,13 @@
 //! tracking (overlapping writes are serialised), dispatch to the replicas
 //! and completion.
 
-use std::sync::Arc;
-
 use lull_bdev::{BdevError, IoBuf, IoOp};
 use lull_proto::replica::{self as wire, Header, Kind};
 
 use super::ids::{ConnId, ReplicaId, ReplicaSet};
 use super::rebuild::Rebuild;
 use super::replicas::{Sub, SubKind};
+use super::SharedBuf;
 use super::{Action, ClientReq, Engine, Payload, MAX_CLIENT_IOS, MAX_REPLICAS};
 
 /// A client request's id: its wire id in the engine's request table. It
@@ -28,7 +27,8 @@ enum IoData {
     None,
     /// A read's buffer, or a block status's record buffer.
     Read(Option<IoBuf>),
-    Write(Arc<IoBuf>),
+    /// A write's buffer, shared by its frames to every replica.
+    Write(SharedBuf),
 }
 
 pub(super) struct ClientIo {
@@ -141,7 +141,7 @@ impl Engine {
         let data = match req.op {
             IoOp::Read | IoOp::BlockStatus => IoData::Read(req.buf.take()),
             IoOp::Write { .. } => match req.buf.take() {
-                Some(b) => IoData::Write(Arc::new(b)),
+                Some(b) => IoData::Write(self.shares.share(b)),
                 None => IoData::None,
             },
             _ => IoData::None,
@@ -177,15 +177,15 @@ impl Engine {
         let buf = match io.data {
             IoData::None => None,
             IoData::Read(b) => b,
-            IoData::Write(arc) => match Arc::try_unwrap(arc) {
+            IoData::Write(shared) => match self.shares.unshare(shared) {
                 Ok(b) => Some(b),
-                Err(arc) => {
+                Err(shared) => {
                     // A send queue still holds the buffer (cannot happen: a
                     // replica answers only after the whole frame, and a
                     // failed connection's queue is closed first). Copy so
                     // the client still gets a buffer back.
-                    let mut b = self.pool.get(arc.len());
-                    b.as_mut_slice().copy_from_slice(arc.as_slice());
+                    let mut b = self.pool.get(shared.len());
+                    b.as_mut_slice().copy_from_slice(shared.as_slice());
                     Some(b)
                 }
             },

@@ -3,7 +3,6 @@
 //! segment by segment under a lock that holds overlapping client writes.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use lull_bdev::IoBuf;
 use lull_proto::replica::{self as wire, Header, Kind};
@@ -12,7 +11,7 @@ use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::has_bit;
 use super::io::overlaps;
 use super::replicas::{RState, Sub, SubKind};
-use super::{Engine, LogLevel, Milestone, Payload};
+use super::{Engine, LogLevel, Milestone, Payload, SharedBuf};
 
 /// Bytes copied per rebuild step. 1 MiB amortises the round trips while
 /// keeping the range held from client writes short (a few ms).
@@ -54,7 +53,7 @@ enum Step {
     Rechecking,
     Reading,
     /// Data read from the source, waiting for a slot on the target.
-    ReadDone(Arc<IoBuf>),
+    ReadDone(SharedBuf),
     Writing,
 }
 
@@ -311,7 +310,7 @@ impl Engine {
                     return self.protocol_error(r, None, "READ reply without data".into());
                 };
                 if let Some(rb) = self.rebuild.as_mut() {
-                    rb.step = Step::ReadDone(Arc::new(buf));
+                    rb.step = Step::ReadDone(SharedBuf::new(buf));
                 }
             }
             Kind::Write | Kind::Trim => {

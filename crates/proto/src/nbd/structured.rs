@@ -255,9 +255,22 @@ pub enum ReadPiece {
 /// is at least [`MIN_HOLE_BYTES`] long. At most `max_chunks` pieces; the
 /// pieces are in order, non-empty, and cover the buffer exactly.
 pub fn plan_read(data: &[u8], zero_ranges: &[(u32, u32)], max_chunks: usize) -> Vec<ReadPiece> {
+    let mut pieces = Vec::new();
+    plan_read_into(data, zero_ranges, max_chunks, &mut pieces);
+    pieces
+}
+
+/// [`plan_read`] into `pieces` (cleared first), so that a connection can
+/// keep one vector for every read instead of allocating one per read.
+pub fn plan_read_into(
+    data: &[u8],
+    zero_ranges: &[(u32, u32)],
+    max_chunks: usize,
+    pieces: &mut Vec<ReadPiece>,
+) {
+    pieces.clear();
     let total = u32::try_from(data.len()).unwrap_or(u32::MAX);
     let max_chunks = max_chunks.max(1);
-    let mut pieces = Vec::new();
     let mut pos = 0u32;
     for &(at, len) in zero_ranges {
         // Clip to the buffer and to what is not covered yet.
@@ -294,7 +307,6 @@ pub fn plan_read(data: &[u8], zero_ranges: &[(u32, u32)], max_chunks: usize) -> 
             len: total - pos,
         });
     }
-    pieces
 }
 
 /// Whether a read buffer could hold a hole worth sending: some
@@ -314,7 +326,15 @@ pub fn may_hold_hole(data: &[u8]) -> bool {
 /// replicated volume): a hole chunk only says "reads as zeros", which the
 /// data just read proves.
 pub fn zero_runs(data: &[u8], max_ranges: usize) -> Vec<(u32, u32)> {
-    let mut runs: Vec<(u32, u32)> = Vec::new();
+    let mut runs = Vec::new();
+    zero_runs_into(data, max_ranges, &mut runs);
+    runs
+}
+
+/// [`zero_runs`] into `runs` (cleared first), for a vector kept between
+/// reads.
+pub fn zero_runs_into(data: &[u8], max_ranges: usize, runs: &mut Vec<(u32, u32)>) {
+    runs.clear();
     let block = MIN_HOLE_BYTES as usize;
     for (i, b) in data.chunks_exact(block).enumerate() {
         if !b.iter().all(|&x| x == 0) {
@@ -329,7 +349,6 @@ pub fn zero_runs(data: &[u8], max_ranges: usize) -> Vec<(u32, u32)> {
             _ => runs.push((at, MIN_HOLE_BYTES)),
         }
     }
-    runs
 }
 
 /// A parsed `NBD_OPT_LIST_META_CONTEXT`/`NBD_OPT_SET_META_CONTEXT`
