@@ -12,7 +12,10 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crossbeam_queue::ArrayQueue;
 
 use lull_uring::{BufPool, FixedArena, IoBuf, IoQueue, QueueOp};
 
@@ -72,12 +75,7 @@ const ALLOCS_PER_REQUEST_MAX: f64 = 0.01;
 
 /// One round: `DEPTH` requests of mixed sizes pushed, completed and their
 /// buffers returned, a quarter of them dropped on `other`'s thread.
-fn round(
-    q: &mut IoQueue<usize>,
-    pool: &mut BufPool,
-    other: &std::sync::mpsc::SyncSender<IoBuf>,
-    n: usize,
-) {
+fn round(q: &mut IoQueue<usize>, pool: &mut BufPool, other: &mut Other, n: usize) {
     for i in 0..DEPTH {
         let len = [4096, 8192, 128 << 10][(n + i) % 3];
         let buf = pool.get(len);
@@ -113,11 +111,73 @@ fn round(
         if i % 4 == 0 {
             // Home from another thread, as a completion that crossed
             // reactors would.
-            other.send(buf).expect("send");
+            other.give(buf);
         } else {
             pool.put(buf);
         }
         done += 1;
+    }
+    // Every buffer home before the next round takes from the arena.
+    other.wait_all_dropped();
+}
+
+/// Another thread that drops the buffers it is given. A preallocated
+/// queue, not a channel: a sender blocked on a full channel allocates its
+/// wait context, which would be the test's allocation, not the path's.
+struct Other {
+    queue: Arc<ArrayQueue<IoBuf>>,
+    given: usize,
+    dropped: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Other {
+    fn start() -> Other {
+        let queue = Arc::new(ArrayQueue::new(DEPTH));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (queue, dropped, stop) = (queue.clone(), dropped.clone(), stop.clone());
+            std::thread::spawn(move || loop {
+                match queue.pop() {
+                    Some(buf) => {
+                        drop(buf);
+                        dropped.fetch_add(1, Ordering::Release);
+                    }
+                    None if stop.load(Ordering::Acquire) => break,
+                    None => std::thread::yield_now(),
+                }
+            })
+        };
+        Other {
+            queue,
+            given: 0,
+            dropped,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn give(&mut self, mut buf: IoBuf) {
+        while let Err(back) = self.queue.push(buf) {
+            buf = back;
+            std::thread::yield_now();
+        }
+        self.given += 1;
+    }
+
+    fn wait_all_dropped(&self) {
+        while self.dropped.load(Ordering::Acquire) < self.given {
+            std::thread::yield_now();
+        }
+    }
+
+    fn stop(mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            t.join().expect("join");
+        }
     }
 }
 
@@ -137,22 +197,18 @@ fn fixed_buffer_io_allocates_nothing_per_request() {
     let mut q: IoQueue<usize> = IoQueue::new(64, &[file.as_fd()]).expect("queue");
     assert_eq!(q.register_arenas(std::slice::from_ref(&arena)).unwrap(), 1);
     let mut pool = BufPool::new(1 << 20);
-    // Room for every buffer sent: a sender that blocks on a full channel
-    // allocates its wait context, which is the test's, not the I/O path's.
-    let (to_other, from_here) = std::sync::mpsc::sync_channel::<IoBuf>(REQUESTS);
-    let other = std::thread::spawn(move || from_here.into_iter().for_each(drop));
+    let mut other = Other::start();
     for n in 0..64 {
-        round(&mut q, &mut pool, &to_other, n);
+        round(&mut q, &mut pool, &mut other, n);
     }
     COUNTED.with(|c| c.set(true));
     let before = ALLOCS.load(Ordering::Relaxed);
     for n in 0..REQUESTS / DEPTH {
-        round(&mut q, &mut pool, &to_other, n);
+        round(&mut q, &mut pool, &mut other, n);
     }
     let allocs = ALLOCS.load(Ordering::Relaxed) - before;
     COUNTED.with(|c| c.set(false));
-    drop(to_other);
-    other.join().expect("join");
+    other.stop();
     let (fixed, plain) = q.buffer_ios();
     eprintln!("{allocs} allocations over {REQUESTS} requests; {fixed} fixed, {plain} plain I/Os");
     assert_eq!(plain, 0, "every buffer came from the arena");
