@@ -5,6 +5,10 @@
 //! threads (multi-connection NBD) can share the volume. Never-written chunks
 //! read as zeros; trimming or zeroing a whole chunk frees it.
 //!
+//! A channel runs its requests when they are reaped, in submission
+//! order, touching the source of each read of the batch first (see
+//! `MallocChannel`).
+//!
 //! The device grows online ([`BlockDevice::grow`]): the chunk table is a
 //! list of segments of doubling length, created as the size needs them
 //! and never moved, so readers index it without a lock while it grows;
@@ -196,6 +200,21 @@ impl Inner {
             .min(MALLOC_CHUNK_BYTES as u64) as usize
     }
 
+    /// Load one byte at `offset` (if it is in range and its chunk holds
+    /// memory), so that its page's TLB entry and first cache line are on
+    /// their way before the copy that needs them (see `MallocChannel`).
+    fn touch(&self, offset: u64) {
+        let index = (offset / MALLOC_CHUNK_BYTES as u64) as usize;
+        let within = (offset % MALLOC_CHUNK_BYTES as u64) as usize;
+        if let Ok(chunk) = self.chunk(index) {
+            if let Some(data) = &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
+                if let Some(b) = data.get(within) {
+                    std::hint::black_box(*b);
+                }
+            }
+        }
+    }
+
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, dst.len()) {
             let chunk = self.chunk(index)?;
@@ -356,21 +375,59 @@ impl BlockDevice for MallocDev {
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
         Ok(Box::new(MallocChannel {
             inner: Arc::clone(&self.inner),
+            // Grows to the owner's queue depth on first use, then stays:
+            // an idle connection's channel stays small.
+            pending: VecDeque::new(),
             done: VecDeque::with_capacity(MALLOC_CHANNEL_DEPTH),
         }))
     }
 }
 
-/// A malloc channel: `submit` does the copy at once and queues the
-/// completion; `reap` hands completions out.
+/// A malloc channel: `submit` queues the request; `reap` executes what
+/// was submitted, in order, and hands the completions out.
+///
+/// Why not copy in `submit`: a batch of random 4 KiB reads (a QD32 host
+/// sends ~16 at once) copies from memory that is not in cache, and each
+/// copy first waits for its page's TLB walk and first cache line. `reap`
+/// touches the first byte of every read's source before it copies any,
+/// so those misses overlap (in a C microbenchmark on the benchmark
+/// machine, batches of 16 random 4 KiB copies out of 128 one-MiB chunks
+/// took ~280 ns per copy with the touches first, ~430 without). Completions were only ever delivered by `reap`, so the owner
+/// sees no difference; writes still land before their completion.
 struct MallocChannel {
     inner: Arc<Inner>,
+    /// Submitted, not executed yet.
+    pending: VecDeque<IoRequest>,
     done: VecDeque<IoCompletion>,
 }
 
+impl MallocChannel {
+    /// Execute what is pending, in submission order.
+    fn run_pending(&mut self) {
+        if self.pending.len() > 1 {
+            for req in &self.pending {
+                if req.op == IoOp::Read && req.len > 0 {
+                    self.inner.touch(req.offset);
+                }
+            }
+        }
+        while let Some(mut req) = self.pending.pop_front() {
+            let result = self.inner.execute(&mut req);
+            if let Err(e) = &result {
+                tracing::debug!(tag = req.tag, error = %e, "malloc request failed");
+            }
+            self.done.push_back(IoCompletion {
+                tag: req.tag,
+                result,
+                buf: req.buf,
+            });
+        }
+    }
+}
+
 impl Channel for MallocChannel {
-    fn submit(&mut self, mut req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
-        if self.done.len() >= MALLOC_CHANNEL_DEPTH {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if self.pending.len() + self.done.len() >= MALLOC_CHANNEL_DEPTH {
             return Err((
                 req,
                 BdevError::Full {
@@ -378,21 +435,14 @@ impl Channel for MallocChannel {
                 },
             ));
         }
-        let result = self.inner.execute(&mut req);
-        if let Err(e) = &result {
-            tracing::debug!(tag = req.tag, error = %e, "malloc request failed");
-        }
-        self.done.push_back(IoCompletion {
-            tag: req.tag,
-            result,
-            buf: req.buf,
-        });
+        self.pending.push_back(req);
         Ok(())
     }
 
     fn flush_submissions(&mut self) {}
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        self.run_pending();
         let n = self.done.len();
         while let Some(c) = self.done.pop_front() {
             done(c);
@@ -405,7 +455,7 @@ impl Channel for MallocChannel {
     }
 
     fn in_flight(&self) -> usize {
-        self.done.len()
+        self.pending.len() + self.done.len()
     }
 }
 
@@ -491,6 +541,81 @@ mod tests {
             [&[0][..], &[9; 23]].concat()
         );
         assert_eq!(dev.chunks_allocated(), 5);
+    }
+
+    /// Requests run in `reap`, in submission order: a read submitted
+    /// after a write of the same range in one batch sees it; reads of
+    /// never-written chunks and bad requests in a batch (touched first)
+    /// complete as alone; `in_flight` and the depth count what is
+    /// pending.
+    #[test]
+    fn a_batch_runs_at_reap_in_submission_order() {
+        let dev = MallocDev::new(4 * CHUNK).unwrap();
+        let mut ch = dev.open_channel().unwrap();
+        let mut pool = BufPool::new(64 << 20);
+        let mut wbuf = pool.get(4096);
+        wbuf.as_mut_slice().fill(0x77);
+        let reqs = [
+            (1, IoOp::Read, CHUNK, None),
+            (2, IoOp::Write { fua: false }, CHUNK + 512, Some(wbuf)),
+            (3, IoOp::Read, CHUNK, Some(pool.get(4096))),
+            (4, IoOp::Read, 3 * CHUNK, Some(pool.get(4096))),
+            (5, IoOp::Read, 4 * CHUNK, Some(pool.get(4096))),
+        ];
+        for (tag, op, offset, buf) in reqs {
+            ch.submit(IoRequest {
+                tag,
+                op,
+                offset,
+                len: 4096,
+                buf,
+            })
+            .map_err(|(_, e)| e)
+            .expect("submit");
+        }
+        ch.flush_submissions();
+        assert_eq!(ch.in_flight(), 5);
+        assert_eq!(dev.chunks_allocated(), 0, "nothing runs before reap");
+        let mut got = Vec::new();
+        assert_eq!(ch.reap(&mut |c| got.push(c)), 5);
+        assert_eq!(ch.in_flight(), 0);
+        let tags: Vec<u64> = got.iter().map(|c| c.tag).collect();
+        assert_eq!(tags, [1, 2, 3, 4, 5]);
+        assert!(matches!(got[0].result, Err(BdevError::BadRequest(_))));
+        assert!(got[1].result.is_ok());
+        let read = got[2].buf.as_ref().expect("buf").as_slice();
+        assert!(read[..512].iter().all(|&b| b == 0));
+        assert!(read[512..].iter().all(|&b| b == 0x77));
+        assert!(got[3]
+            .buf
+            .as_ref()
+            .expect("buf")
+            .as_slice()
+            .iter()
+            .all(|&b| b == 0));
+        assert!(matches!(got[4].result, Err(BdevError::OutOfRange { .. })));
+
+        // The depth counts pending requests.
+        for tag in 0..MALLOC_CHANNEL_DEPTH as u64 {
+            ch.submit(IoRequest {
+                tag,
+                op: IoOp::Flush,
+                offset: 0,
+                len: 0,
+                buf: None,
+            })
+            .map_err(|(_, e)| e)
+            .expect("submit");
+        }
+        let full = ch.submit(IoRequest {
+            tag: 999,
+            op: IoOp::Flush,
+            offset: 0,
+            len: 0,
+            buf: None,
+        });
+        assert!(matches!(full, Err((_, BdevError::Full { .. }))));
+        assert_eq!(ch.reap(&mut |_| {}), MALLOC_CHANNEL_DEPTH);
     }
 
     #[test]

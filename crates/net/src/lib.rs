@@ -287,6 +287,9 @@ pub struct InBuf {
     capacity: usize,
     start: usize,
     end: usize,
+    /// The last [`InBuf::fill`] found the stream empty (see
+    /// [`InBuf::drained`]).
+    drained: bool,
 }
 
 impl InBuf {
@@ -297,7 +300,19 @@ impl InBuf {
             capacity: bytes,
             start: 0,
             end: 0,
+            drained: false,
         }
+    }
+
+    /// Whether the last [`InBuf::fill`] found the stream empty: it read
+    /// less than the room it offered, or nothing (would block, or end of
+    /// stream). A stream socket hands out all it holds up to the room
+    /// given, so another read before the socket is reported readable
+    /// again would find nothing: a protocol may skip it (one system call
+    /// per request saved). Only a hint: a socket watched level-triggered
+    /// is reported again for any byte left.
+    pub fn drained(&self) -> bool {
+        self.drained
     }
 
     /// Give the memory back to the thread's cache if nothing is buffered
@@ -375,13 +390,17 @@ impl InBuf {
             self.start = 0;
         }
         if self.end == self.buf.len() {
+            // No room: whether the stream has more is not known.
+            self.drained = false;
             return Ok(Fill::Nothing);
         }
+        self.drained = true;
         loop {
             return match r.read(&mut self.buf[self.end..]) {
                 Ok(0) => Ok(Fill::Eof),
                 Ok(n) => {
                     self.end += n;
+                    self.drained = self.end < self.buf.len();
                     Ok(Fill::Read(n))
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -488,6 +507,38 @@ mod tests {
             got.extend_from_slice(inb.peek());
             prop_assert_eq!(got, data);
         }
+    }
+
+    /// `drained`: a read that got less than the room it offered, or
+    /// nothing, found the stream empty; one that filled the room, or had
+    /// no room, did not.
+    #[test]
+    fn a_short_read_says_the_stream_is_drained() {
+        struct Blocking<'a>(&'a [u8]);
+        impl Read for Blocking<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                if self.0.is_empty() {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                self.0.read(buf)
+            }
+        }
+        let data = [7u8; 100];
+        let mut src = Blocking(&data);
+        let mut inb = InBuf::with_capacity(64);
+        assert!(!inb.drained());
+        assert_eq!(inb.fill(&mut src).unwrap(), Fill::Read(64));
+        assert!(!inb.drained(), "the room was filled: more may wait");
+        assert_eq!(inb.fill(&mut src).unwrap(), Fill::Nothing);
+        assert!(!inb.drained(), "no room: nothing known");
+        assert_eq!(inb.take(64).map(<[u8]>::len), Some(64));
+        assert_eq!(inb.fill(&mut src).unwrap(), Fill::Read(36));
+        assert!(inb.drained(), "a short read");
+        assert_eq!(inb.fill(&mut src).unwrap(), Fill::Nothing);
+        assert!(inb.drained(), "would block");
+        let mut eof: &[u8] = &[];
+        assert_eq!(inb.fill(&mut eof).unwrap(), Fill::Eof);
+        assert!(inb.drained());
     }
 
     #[test]

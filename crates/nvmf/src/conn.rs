@@ -151,6 +151,16 @@ pub(crate) struct Conn<S> {
     /// The poller registered with the controller for a wake-up: when it
     /// goes (I/O queue) or raises an event (admin queue).
     waker: Option<PollerId>,
+    /// A read in this poller run found the socket empty
+    /// ([`lull_net::InBuf::drained`]): no more reads until the next run.
+    /// The socket is watched level-triggered, so bytes that arrive later
+    /// wake the poller again; without this, every run ended with a read
+    /// that returned EAGAIN (two per command at QD1: three `recvfrom`
+    /// per 4 KiB read where SPDK's target makes one).
+    socket_drained: bool,
+    /// When the bytes now being parsed were read (the clock is read once
+    /// per read, not once per command): a command's latency starts here.
+    received_ns: u64,
 }
 
 impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> {
@@ -168,6 +178,7 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
 
     fn poll(&mut self, t: &mut Thread, now: u64, greeting_expired: bool) -> PollStatus {
         self.now_ns = now;
+        self.socket_drained = false;
         if greeting_expired && !self.greeted.load(Ordering::Relaxed) {
             self.link.close("no ICReq and Connect in time");
         }
@@ -230,14 +241,16 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
             if moved {
                 continue;
             }
-            if budget == 0 || !self.can_read() {
+            if budget == 0 || self.socket_drained || !self.can_read() {
                 break;
             }
             let in_flight = self.slots.in_flight();
             let n = self.link.fill(in_flight, "host disconnected");
+            self.socket_drained = self.link.inb.drained();
             if n == 0 {
                 break;
             }
+            self.received_ns = self.clock_ns();
             progress = true;
             budget = budget.saturating_sub(n);
         }
@@ -310,6 +323,8 @@ impl<S: Read + Write> Conn<S> {
             disconnecting: false,
             kato_timer: None,
             waker: None,
+            socket_drained: false,
+            received_ns: 0,
         }
     }
 
@@ -624,7 +639,7 @@ impl<S: Read + Write> Conn<S> {
                 if let Err(status) = self.check_io(&sqe) {
                     return self.respond(cid, Reply::status(status));
                 }
-                let start_ns = self.clock_ns();
+                let start_ns = self.received_ns;
                 let Some(slot) = self.slots.insert(Cmd {
                     sqe,
                     buf: Some(bufs::get(len)),
@@ -644,8 +659,8 @@ impl<S: Read + Write> Conn<S> {
                     r2to: 0,
                     r2tl: len as u32,
                 };
-                let h = pdu::encode(&Pdu::R2t(r2t), self.dg);
-                self.link.push(&h, Payload::None);
+                let h = pdu::r2t_header(&r2t, self.dg);
+                self.link.push(h.as_slice(), Payload::None);
             }
             _ => {
                 if let Some(b) = data {
@@ -722,8 +737,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     fn execute(&mut self, sqe: Sqe, data: Option<IoBuf>) {
-        let start = self.clock_ns();
-        self.execute_with_start(sqe, data, start);
+        self.execute_with_start(sqe, data, self.received_ns);
     }
 
     fn execute_with_start(&mut self, sqe: Sqe, data: Option<IoBuf>, start_ns: u64) {
@@ -788,8 +802,8 @@ impl<S: Read + Write> Conn<S> {
     }
 
     fn send_resp(&mut self, cqe: Cqe) {
-        let h = pdu::encode(&Pdu::CapsuleResp { cqe: cqe.encode() }, self.dg);
-        self.link.push(&h, Payload::None);
+        let h = pdu::capsule_resp_header(&cqe.encode(), self.dg);
+        self.link.push(h.as_slice(), Payload::None);
     }
 
     /// Whether a successful command's data may carry SUCCESS (and so no
@@ -827,10 +841,11 @@ impl<S: Read + Write> Conn<S> {
             // The pooled buffer may be longer than the data it holds.
             buf.set_len(len);
         }
-        if h.bytes.len() <= lull_net::MAX_HEADER_LEN {
+        if h.len() <= lull_net::MAX_HEADER_LEN {
             self.link.push(h.as_slice(), Payload::Buf(buf));
         } else {
-            self.link.push(&[], Payload::Bytes(h.bytes));
+            // Padded to a large HPDA: longer than a frame header.
+            self.link.push(&[], Payload::Bytes(h.as_slice().to_vec()));
             self.link.push(&[], Payload::Buf(buf));
         }
         if let Some(d) = ddgst {
@@ -1246,7 +1261,10 @@ impl<S: Read + Write> Conn<S> {
         match ns.channel.submit_now(io) {
             Ok(None) => {}
             Ok(Some(io)) => self.retry = Some(io),
-            Err(done) => self.complete(done),
+            Err(done) => {
+                let now = self.clock_ns();
+                self.complete(done, now);
+            }
         }
     }
 
@@ -1266,14 +1284,17 @@ impl<S: Read + Write> Conn<S> {
         };
         let mut done = std::mem::take(&mut self.completions);
         let n = ns.channel.reap(&mut |c| done.push(c));
+        // One clock read for the batch.
+        let now = if done.is_empty() { 0 } else { self.clock_ns() };
         for c in done.drain(..) {
-            self.complete(c);
+            self.complete(c, now);
         }
         self.completions = done;
         n > 0
     }
 
-    fn complete(&mut self, c: IoCompletion) {
+    /// A device request finished (`now_ns`: when it was reaped).
+    fn complete(&mut self, c: IoCompletion, now_ns: u64) {
         let Some(cmd) = self.slots.take(c.tag) else {
             tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
             return;
@@ -1295,11 +1316,7 @@ impl<S: Read + Write> Conn<S> {
                 spec::NVM_FLUSH | spec::NVM_DATASET_MANAGEMENT => 0,
                 _ => lba_range(&cmd.sqe).1 << ns.lba_shift,
             };
-            let latency = self
-                .clock
-                .as_ref()
-                .map_or(self.now_ns, |k| k.now_ns())
-                .saturating_sub(cmd.start_ns);
+            let latency = now_ns.saturating_sub(cmd.start_ns);
             ns.volume.stats.record(op, len, latency, c.result.is_ok());
         }
         match c.result {

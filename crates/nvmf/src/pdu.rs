@@ -445,28 +445,49 @@ pub fn decode(buf: &[u8], dg: Digests) -> Result<Option<(Pdu<'_>, usize)>, PduEr
     Ok(Some((pdu, plen)))
 }
 
-/// Largest PDU header this module writes into a fixed buffer: a 24-byte
-/// header, its digest and padding up to a PDO of 32 (HPDA 0 or 1). Larger
-/// alignments go out as bytes (see [`Header`]).
-pub const MAX_FIXED_HEADER: usize = 32;
+/// Largest data alignment a header is padded to: HPDA is at most 31
+/// (checked in ICReq), so `(31 + 1) * 4` bytes.
+pub const MAX_PDU_ALIGN: usize = 128;
+
+/// Most bytes [`encode_header`] writes: the 128-byte ICReq/ICResp (no
+/// digest), or a data PDU's 24-byte header and digest padded to a PDO of
+/// at most [`MAX_PDU_ALIGN`] (a CapsuleCmd's 76 bytes with its digest
+/// stay under it too).
+pub const MAX_ENCODED_HEADER: usize = 128;
 
 /// An encoded PDU header (and its digest and padding up to PDO), ready to
-/// precede the data in an output frame.
+/// precede the data in an output frame. A fixed buffer: encoding the
+/// header of every reply allocates nothing.
 #[derive(Debug, Clone)]
 pub struct Header {
-    pub bytes: Vec<u8>,
+    bytes: [u8; MAX_ENCODED_HEADER],
+    len: usize,
 }
 
 impl Header {
     pub fn as_slice(&self) -> &[u8] {
-        &self.bytes
+        &self.bytes[..self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push(&mut self, b: &[u8]) {
+        self.bytes[self.len..self.len + b.len()].copy_from_slice(b);
+        self.len += b.len();
     }
 }
 
 /// Encode the header part of a PDU of type `t` whose type-specific header
-/// is `specific` (HLEN − 8 bytes), carrying `data_len` data bytes whose
-/// start is aligned to `align` bytes. Returns the header, header digest
-/// and padding: the data (and its digest, if `dg.data`) follow.
+/// is `specific` (HLEN − 8 bytes, at most 120), carrying `data_len` data
+/// bytes whose start is aligned to `align` bytes (clamped to
+/// 1..=[`MAX_PDU_ALIGN`]). Returns the header, header digest and
+/// padding: the data (and its digest, if `dg.data`) follow.
 pub fn encode_header(
     t: u8,
     flags: u8,
@@ -476,6 +497,8 @@ pub fn encode_header(
     dg: Digests,
 ) -> Header {
     let is_ic = matches!(t, TYPE_IC_REQ | TYPE_IC_RESP);
+    let specific = &specific[..specific.len().min(IC_LEN - CH_LEN)];
+    let align = align.clamp(1, MAX_PDU_ALIGN);
     let hlen = CH_LEN + specific.len();
     let hd = if is_ic { 0 } else { dg.hd() };
     let dd = if dg.data && data_len > 0 && !is_ic {
@@ -484,7 +507,7 @@ pub fn encode_header(
         0
     };
     let pdo = if data_len > 0 {
-        (hlen + hd).div_ceil(align.max(1)) * align.max(1)
+        (hlen + hd).div_ceil(align) * align
     } else {
         0
     };
@@ -500,18 +523,48 @@ pub fn encode_header(
     if dd > 0 {
         f |= FLAG_DDGST;
     }
-    let mut bytes = Vec::with_capacity(pdo.max(hlen + hd));
-    bytes.extend_from_slice(&[t, f, hlen as u8, pdo as u8]);
-    bytes.extend_from_slice(&(plen as u32).to_le_bytes());
-    bytes.extend_from_slice(specific);
+    let mut h = Header {
+        bytes: [0; MAX_ENCODED_HEADER],
+        len: 0,
+    };
+    h.push(&[t, f, hlen as u8, pdo as u8]);
+    h.push(&(plen as u32).to_le_bytes());
+    h.push(specific);
     if hd > 0 {
-        let d = crc32c(&bytes[..hlen]);
-        bytes.extend_from_slice(&d.to_le_bytes());
+        let d = crc32c(&h.bytes[..hlen]);
+        h.push(&d.to_le_bytes());
     }
+    // The padding: the buffer is zeroed. An IC PDU has no digest and no
+    // data; a data PDU's header and digest are at most 28 bytes, so PDO
+    // fits (asserted by the const below).
     if data_len > 0 {
-        bytes.resize(pdo, 0);
+        debug_assert!(pdo <= MAX_ENCODED_HEADER);
+        h.len = h.len.max(pdo.min(MAX_ENCODED_HEADER));
     }
-    Header { bytes }
+    h
+}
+
+const _: () = assert!(MAX_ENCODED_HEADER >= IC_LEN);
+const _: () = assert!(MAX_ENCODED_HEADER >= MAX_PDU_ALIGN);
+const _: () = assert!(MAX_ENCODED_HEADER >= CAPSULE_CMD_HLEN + DIGEST_LEN);
+
+/// The type-specific header of a CapsuleResp: the 16-byte CQE.
+pub fn capsule_resp_header(cqe: &[u8; 16], dg: Digests) -> Header {
+    encode_header(TYPE_CAPSULE_RESP, 0, cqe, 0, 1, dg)
+}
+
+/// The header of an R2T PDU.
+pub fn r2t_header(r: &R2t, dg: Digests) -> Header {
+    encode_header(TYPE_R2T, 0, &r2t_specific(r), 0, 1, dg)
+}
+
+fn r2t_specific(r: &R2t) -> [u8; 16] {
+    let mut s = [0u8; DATA_HLEN - CH_LEN];
+    s[0..2].copy_from_slice(&r.cccid.to_le_bytes());
+    s[2..4].copy_from_slice(&r.ttag.to_le_bytes());
+    s[4..8].copy_from_slice(&r.r2to.to_le_bytes());
+    s[8..12].copy_from_slice(&r.r2tl.to_le_bytes());
+    s
 }
 
 /// The type-specific header of H2CData/C2HData.
@@ -559,14 +612,7 @@ pub fn encode(pdu: &Pdu<'_>, dg: Digests) -> Vec<u8> {
             data_specific(hdr, data.len() as u32).to_vec(),
             data,
         ),
-        Pdu::R2t(r) => {
-            let mut s = vec![0u8; DATA_HLEN - CH_LEN];
-            s[0..2].copy_from_slice(&r.cccid.to_le_bytes());
-            s[2..4].copy_from_slice(&r.ttag.to_le_bytes());
-            s[4..8].copy_from_slice(&r.r2to.to_le_bytes());
-            s[8..12].copy_from_slice(&r.r2tl.to_le_bytes());
-            (TYPE_R2T, 0, s, &[])
-        }
+        Pdu::R2t(r) => (TYPE_R2T, 0, r2t_specific(r).to_vec(), &[]),
         Pdu::TermReq {
             from_host,
             fes,
@@ -584,7 +630,9 @@ pub fn encode(pdu: &Pdu<'_>, dg: Digests) -> Vec<u8> {
             (t, 0, s, data)
         }
     };
-    let mut out = encode_header(t, flags, &specific, data.len(), 1, dg).bytes;
+    let mut out = encode_header(t, flags, &specific, data.len(), 1, dg)
+        .as_slice()
+        .to_vec();
     out.extend_from_slice(data);
     let is_ic = matches!(t, TYPE_IC_REQ | TYPE_IC_RESP);
     if dg.data && !data.is_empty() && !is_ic {
@@ -625,6 +673,67 @@ mod tests {
         header: true,
         data: true,
     };
+
+    /// The fixed-buffer headers of the reply path are what `encode`
+    /// writes, with and without digests, and a C2HData header is padded
+    /// to the host's alignment (HPDA 0..=31) and decodes.
+    #[test]
+    fn reply_headers_match_encode_and_pad_to_hpda() {
+        let r2t = R2t {
+            cccid: 7,
+            ttag: 3,
+            r2to: 0,
+            r2tl: 8192,
+        };
+        let cqe: [u8; 16] = std::array::from_fn(|i| i as u8 + 1);
+        for dg in [
+            NONE,
+            BOTH,
+            Digests {
+                header: true,
+                data: false,
+            },
+        ] {
+            assert_eq!(
+                r2t_header(&r2t, dg).as_slice(),
+                &encode(&Pdu::R2t(r2t), dg)[..]
+            );
+            assert_eq!(
+                capsule_resp_header(&cqe, dg).as_slice(),
+                &encode(&Pdu::CapsuleResp { cqe }, dg)[..]
+            );
+            for hpda in 0..=31usize {
+                let align = (hpda + 1) * 4;
+                let hdr = DataHeader {
+                    cccid: 9,
+                    ttag: 0,
+                    datao: 0,
+                    flags: FLAG_LAST_PDU,
+                };
+                let data = [0xC3u8; 100];
+                let h = encode_header(
+                    TYPE_C2H_DATA,
+                    hdr.flags,
+                    &data_specific(&hdr, data.len() as u32),
+                    data.len(),
+                    align,
+                    dg,
+                );
+                assert_eq!(h.len() % align, 0);
+                assert!(h.len() <= MAX_ENCODED_HEADER);
+                let mut pdu = h.as_slice().to_vec();
+                pdu.extend_from_slice(&data);
+                if dg.data {
+                    pdu.extend_from_slice(&crc32c(&data).to_le_bytes());
+                }
+                let (p, used) = decode(&pdu, dg).unwrap().unwrap();
+                assert_eq!(used, pdu.len());
+                assert!(
+                    matches!(p, Pdu::C2HData { hdr: d, data: got } if d == hdr && got == &data[..])
+                );
+            }
+        }
+    }
 
     #[test]
     fn icreq_of_spdk_decodes() {
