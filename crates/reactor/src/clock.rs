@@ -5,7 +5,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 /// A monotonic nanosecond clock.
 pub trait Clock: Send + Sync {
@@ -17,14 +16,16 @@ pub trait Clock: Send + Sync {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MonotonicClock;
 
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
+fn epoch_ns() -> u64 {
+    static EPOCH_NS: OnceLock<u64> = OnceLock::new();
+    *EPOCH_NS.get_or_init(crate::sys::monotonic_ns)
 }
 
 impl Clock for MonotonicClock {
     fn now_ns(&self) -> u64 {
-        epoch().elapsed().as_nanos() as u64
+        // The epoch first: read after it, the clock is never behind it.
+        let epoch = epoch_ns();
+        crate::sys::monotonic_ns().saturating_sub(epoch)
     }
 }
 
