@@ -1757,8 +1757,7 @@ mod tests {
                     assert!(
                         reason.contains("poll queues")
                             || reason.contains("not on a block device")
-                            || reason.contains("6.13")
-                            || reason.contains("io-uring 0.7"),
+                            || reason.contains("6.13"),
                         "{reason}"
                     );
                     let e = BdevError::OptionRefused { option, reason };
@@ -1768,7 +1767,6 @@ mod tests {
                 }
                 Ok(dev) => {
                     // A device with poll queues: the ring is polled.
-                    assert_eq!(flags, "iopoll", "hybrid_iopoll cannot be set up yet");
                     assert!(dev.open_channel().unwrap().polled());
                     write_read_back(&dev);
                 }

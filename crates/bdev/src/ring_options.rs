@@ -216,7 +216,7 @@ pub(crate) fn resolve(
 ) -> Result<RingSetup, BdevError> {
     let mut setup = RingSetup {
         sqpoll_idle_ms: options.sqpoll_idle_ms,
-        iopoll: false,
+        ..RingSetup::default()
     };
     let (option, hybrid) = match options.iopoll {
         IoPoll::Off => ("", false),
@@ -226,12 +226,8 @@ pub(crate) fn resolve(
     if options.iopoll != IoPoll::Off {
         match iopoll_refusal(meta, direct, hybrid) {
             None if hybrid => {
-                // The kernel and the device would do it, but the io-uring
-                // crate's builder (0.7) has no way to ask for the flag.
-                return Err(refused(
-                    option,
-                    "IORING_SETUP_HYBRID_IOPOLL is supported here, but lull's io_uring binding (io-uring 0.7) cannot request it yet; use iopoll".into(),
-                ));
+                setup.iopoll = true;
+                setup.hybrid_iopoll = true;
             }
             None => setup.iopoll = true,
             Some(reason) if options.iopoll == IoPoll::Auto => {

@@ -19,7 +19,7 @@
 
 use std::cell::Cell;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -229,6 +229,88 @@ pub struct RingSetup {
     /// ring while I/O is in flight. Needs O_DIRECT files on a device with
     /// poll queues.
     pub iopoll: bool,
+    /// With `iopoll`: `IORING_SETUP_HYBRID_IOPOLL` (Linux 6.13+), which
+    /// sleeps about a request's expected service time before polling for
+    /// it, trading a little latency for much of polling's CPU.
+    pub hybrid_iopoll: bool,
+}
+
+/// `IORING_SETUP_CQSIZE` (linux/io_uring.h): `cq_entries` is given.
+const IORING_SETUP_CQSIZE: u32 = 1 << 3;
+/// Words of `struct io_uring_params` (120 bytes of u32 and u64 fields).
+const PARAMS_WORDS: usize = 30;
+/// Index of `flags` in those words (after sq_entries and cq_entries).
+const PARAMS_FLAGS: usize = 2;
+
+/// A raw `io_uring_setup` (for flags the io-uring crate's builder cannot
+/// ask for): the new ring's descriptor and the parameters the kernel
+/// filled in.
+fn raw_setup(
+    entries: u32,
+    cq_entries: u32,
+    flags: u32,
+) -> io::Result<(OwnedFd, [u32; PARAMS_WORDS])> {
+    let mut params = [0u32; PARAMS_WORDS];
+    params[1] = cq_entries;
+    params[PARAMS_FLAGS] = flags;
+    // SAFETY: io_uring_setup reads and writes the 120-byte params block,
+    // which `params` is, and takes no other pointer.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, entries, params.as_mut_ptr()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a non-negative result is a new descriptor nobody else owns.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd as RawFd) }, params))
+}
+
+/// An IOPOLL ring with `IORING_SETUP_HYBRID_IOPOLL`, which the io-uring
+/// crate (0.7) cannot request: the kernel makes it with a raw
+/// `io_uring_setup`, and the crate adopts it (`IoUring::from_fd`) with the
+/// parameters of a ring `builder` makes the same way without the flag.
+/// That is sound only if the flag changes nothing the crate reads (entry
+/// counts, features, ring offsets); two raw set-ups, with and without the
+/// flag, are compared word by word first, and a difference refuses the
+/// ring (EINVAL) rather than guess. The flag itself is read by no code of
+/// the crate (it asks only whether a ring is SQPOLL or IOPOLL).
+fn build_hybrid_iopoll(
+    builder: &io_uring::Builder,
+    entries: u32,
+    cq_entries: u32,
+) -> io::Result<IoUring> {
+    // The builder's flags: CQSIZE and IOPOLL (64-byte SQEs, 16-byte CQEs).
+    let base = IORING_SETUP_CQSIZE | crate::probe::IORING_SETUP_IOPOLL;
+    let (_plain_fd, plain) = raw_setup(entries, cq_entries, base)?;
+    let (fd, hybrid) = raw_setup(
+        entries,
+        cq_entries,
+        base | crate::probe::IORING_SETUP_HYBRID_IOPOLL,
+    )?;
+    let same = plain
+        .iter()
+        .zip(&hybrid)
+        .enumerate()
+        .all(|(i, (a, b))| i == PARAMS_FLAGS || a == b);
+    if !same {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "this kernel lays out a hybrid-IOPOLL ring unlike a plain IOPOLL one; lull cannot adopt it",
+        ));
+    }
+    let template = builder.build(entries)?;
+    let params = template.params().clone();
+    if (params.sq_entries(), params.cq_entries()) != (hybrid[0], hybrid[1]) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the io-uring crate's ring and the raw hybrid-IOPOLL ring differ in size",
+        ));
+    }
+    drop(template);
+    // SAFETY: `fd` is an io_uring made with the builder's flags plus
+    // HYBRID_IOPOLL, which changed no parameter the kernel filled in (the
+    // comparison above: same entries, features and offsets as a ring
+    // without it, and that ring's parameters are the builder's, made with
+    // the same flags and sizes); the descriptor moves into the ring.
+    unsafe { IoUring::from_fd(fd.into_raw_fd(), params) }
 }
 
 /// The ring that holds the process's registration of the fixed arenas,
@@ -305,19 +387,22 @@ impl Ring {
         if setup.iopoll {
             builder.setup_iopoll();
         }
-        let ring = builder
-            .build(entries)
-            .map_err(|source| match source.raw_os_error() {
-                Some(libc::EPERM) if setup.sqpoll_idle_ms.is_some() => RingError::Io {
-                    what: "setup (SQPOLL)",
-                    source,
-                },
-                Some(libc::EPERM) | Some(libc::ENOSYS) => RingError::Unavailable { source },
-                _ => RingError::Io {
-                    what: "setup",
-                    source,
-                },
-            })?;
+        let built = if setup.iopoll && setup.hybrid_iopoll {
+            build_hybrid_iopoll(&builder, entries, entries.saturating_mul(2))
+        } else {
+            builder.build(entries)
+        };
+        let ring = built.map_err(|source| match source.raw_os_error() {
+            Some(libc::EPERM) if setup.sqpoll_idle_ms.is_some() => RingError::Io {
+                what: "setup (SQPOLL)",
+                source,
+            },
+            Some(libc::EPERM) | Some(libc::ENOSYS) => RingError::Unavailable { source },
+            _ => RingError::Io {
+                what: "setup",
+                source,
+            },
+        })?;
         // SAFETY: eventfd takes no pointers; a non-negative result is a new
         // descriptor that nothing else owns.
         let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };

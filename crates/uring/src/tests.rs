@@ -213,7 +213,7 @@ fn enters_are_counted_per_thread_and_per_ring() {
 fn sqpoll_ring_round_trip() {
     let setup = RingSetup {
         sqpoll_idle_ms: Some(10),
-        iopoll: false,
+        ..RingSetup::default()
     };
     let mut ring = match Ring::with_setup(8, setup) {
         Ok(r) => r,
@@ -229,6 +229,36 @@ fn sqpoll_ring_round_trip() {
         ring.reap(|ud, res| seen.push((ud, res)));
     }
     assert_eq!(seen, vec![(9, 0)]);
+}
+
+#[test]
+fn hybrid_iopoll_ring_is_made_and_completes_nops() {
+    let flags = probe::IORING_SETUP_IOPOLL | probe::IORING_SETUP_HYBRID_IOPOLL;
+    if let Err(e) = probe::setup_flags_supported(flags) {
+        eprintln!(
+            "SKIP hybrid_iopoll_ring_is_made_and_completes_nops: the kernel refuses IORING_SETUP_HYBRID_IOPOLL ({e}); it needs Linux 6.13+"
+        );
+        return;
+    }
+    let setup = RingSetup {
+        iopoll: true,
+        hybrid_iopoll: true,
+        ..RingSetup::default()
+    };
+    let mut ring = Ring::with_setup(8, setup).expect("a hybrid IOPOLL ring");
+    assert_eq!(ring.setup(), setup);
+    for round in 0..3u64 {
+        // SAFETY: NOPs touch no memory.
+        unsafe { ring.push_chain(&[(round * 2, RingOp::Nop), (round * 2 + 1, RingOp::Nop)]) }
+            .expect("room");
+        ring.submit_and_wait(2).expect("submit and wait");
+        let mut seen = Vec::new();
+        while let Some(c) = ring.pop() {
+            seen.push(c);
+        }
+        seen.sort();
+        assert_eq!(seen, vec![(round * 2, 0), (round * 2 + 1, 0)]);
+    }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -342,7 +372,7 @@ fn rings_share_one_registration_and_outlive_a_new_template() {
     let second = FixedArena::new(ARENA_SET_BYTES).expect("arena");
     let sqpoll = RingSetup {
         sqpoll_idle_ms: Some(10),
-        iopoll: false,
+        ..RingSetup::default()
     };
     let mut a: IoQueue<()> = IoQueue::new(8, &[tmp.1.as_fd()]).expect("queue");
     let mut b: IoQueue<()> = IoQueue::with_setup(8, &[tmp.1.as_fd()], sqpoll).expect("queue");
