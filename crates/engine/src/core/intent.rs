@@ -218,7 +218,7 @@ impl Engine {
     pub(super) fn on_intent_get_reply(&mut self, r: ReplicaId, h: Header, payload: Option<IoBuf>) {
         if h.status != 0 {
             if let Some(b) = payload {
-                self.pool.put(b);
+                lull_net::bufs::put(b);
             }
             return self.fail_replica(
                 r,
@@ -231,7 +231,7 @@ impl Engine {
         };
         let parsed =
             wire::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
-        self.pool.put(buf);
+        lull_net::bufs::put(buf);
         let (flags, bits) = match parsed {
             Ok(p) => p,
             Err(e) => return self.protocol_error(r, None, format!("bad INTENT_GET reply: {e}")),

@@ -184,7 +184,7 @@ impl Engine {
                     // replica answers only after the whole frame, and a
                     // failed connection's queue is closed first). Copy so
                     // the client still gets a buffer back.
-                    let mut b = self.pool.get(shared.len());
+                    let mut b = lull_net::bufs::get(shared.len());
                     b.as_mut_slice().copy_from_slice(shared.as_slice());
                     Some(b)
                 }
@@ -365,7 +365,7 @@ impl Engine {
         }
         if h.status != 0 {
             if let Some(b) = payload {
-                self.pool.put(b);
+                lull_net::bufs::put(b);
             }
             self.sub_failed(r, sub);
             let why = format!(
@@ -382,7 +382,7 @@ impl Engine {
                 return self.protocol_error(r, Some(sub), "READ reply without data".into());
             };
             if data.len() != sub.length as usize {
-                self.pool.put(data);
+                lull_net::bufs::put(data);
                 return self.protocol_error(r, Some(sub), "READ reply of the wrong length".into());
             }
             data.set_len(sub.length as usize);
@@ -391,14 +391,14 @@ impl Engine {
                 // Hand the received buffer to the client; recycle theirs.
                 if let IoData::Read(slot) = &mut io.data {
                     if let Some(old) = slot.replace(data) {
-                        self.pool.put(old);
+                        lull_net::bufs::put(old);
                     }
                 }
             }
             return self.finish_io(id, Ok(()));
         }
         if let Some(b) = payload {
-            self.pool.put(b);
+            lull_net::bufs::put(b);
         }
         let Some(io) = self.ios.get_mut(id) else {
             return;
@@ -425,7 +425,7 @@ impl Engine {
             return self.protocol_error(r, Some(sub), "BLOCK_STATUS reply without extents".into());
         };
         let parsed = wire::decode_block_status(data.as_slice());
-        self.pool.put(data);
+        lull_net::bufs::put(data);
         let ext = match parsed {
             Ok(ext) => ext,
             Err(e) => {

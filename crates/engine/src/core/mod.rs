@@ -110,7 +110,7 @@ mod replicas;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 
-use lull_bdev::{BdevError, BufPool, IoBuf, IoRequest};
+use lull_bdev::{BdevError, IoBuf, IoRequest};
 use lull_net::shared::SharedBufs;
 use lull_net::slots::SlotTable;
 use lull_proto::replica::{self as wire, Header, HEADER_LEN, HELLO_LEN};
@@ -329,7 +329,6 @@ pub struct Engine {
     region_bytes: u64,
     regions: Vec<Region>,
     detach: Option<Detach>,
-    pool: BufPool,
     /// The `Arc`s write buffers are shared in, kept between writes: as many
     /// as writes the engine can hold, so a steady load never allocates
     /// (about 40 bytes each, 640 KiB at most).
@@ -338,9 +337,6 @@ pub struct Engine {
     out: Vec<Action>,
     started: bool,
 }
-
-/// Buffers the engine caches (read replies, rebuild chunks).
-const ENGINE_BUF_CACHE_BYTES: usize = 64 << 20;
 
 impl Engine {
     /// Change the keep-alive interval at run time (kept below the replica
@@ -381,7 +377,6 @@ impl Engine {
             region_bytes: wire::intent_region_bytes(size_bytes),
             regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
             detach: None,
-            pool: BufPool::new(ENGINE_BUF_CACHE_BYTES),
             shares: SharedBufs::new(MAX_CLIENT_IOS),
             now: 0,
             out: Vec::new(),
@@ -410,13 +405,19 @@ impl Engine {
     }
 
     /// Buffer for an incoming payload of `len` bytes (read replies land in
-    /// it and are handed to the client without a copy).
+    /// it and are handed to the client without a copy). From the calling
+    /// reactor thread's cache (`lull_net::bufs`), the one the client's
+    /// buffers come from and go back to: a read's reply buffer goes to the
+    /// client and the client's buffer comes back here, so a cache of the
+    /// engine's own would be drained by every read and refilled by none
+    /// (a fresh, zeroed 128 KiB heap buffer per read once the reactor's
+    /// fixed arena is all lent out: ~15 page faults per 128 KiB read).
     pub fn get_buf(&mut self, len: usize) -> IoBuf {
-        self.pool.get(len)
+        lull_net::bufs::get(len)
     }
 
     pub fn put_buf(&mut self, buf: IoBuf) {
-        self.pool.put(buf);
+        lull_net::bufs::put(buf);
     }
 
     /// Start connecting to every replica.

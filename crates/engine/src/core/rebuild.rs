@@ -278,13 +278,13 @@ impl Engine {
         let current = self.rebuild.as_ref().is_some_and(|rb| rb.run == run);
         if !current {
             if let Some(b) = payload {
-                self.pool.put(b);
+                lull_net::bufs::put(b);
             }
             return;
         }
         if h.status != 0 {
             if let Some(b) = payload {
-                self.pool.put(b);
+                lull_net::bufs::put(b);
             }
             let why = format!(
                 "rebuild {:?} [{}, +{}) failed with errno {}",
@@ -299,7 +299,7 @@ impl Engine {
                     return self.on_extents(r, sub, h, &[]);
                 };
                 let parsed = wire::decode_extents(buf.as_slice());
-                self.pool.put(buf);
+                lull_net::bufs::put(buf);
                 match parsed {
                     Ok(ext) => self.on_extents(r, sub, h, &ext),
                     Err(e) => self.protocol_error(r, None, format!("bad EXTENTS reply: {e}")),

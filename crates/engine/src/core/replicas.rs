@@ -538,7 +538,7 @@ impl Engine {
     pub(super) fn on_frame(&mut self, c: ConnRef, h: Header, payload: Option<IoBuf>) {
         let Some(r) = self.live_conn(c) else {
             if let Some(b) = payload {
-                self.pool.put(b);
+                lull_net::bufs::put(b);
             }
             return;
         };
@@ -614,7 +614,7 @@ impl Engine {
             None => return self.protocol_error(r, None, "HELLO reply without payload".into()),
         };
         if let Some(b) = payload {
-            self.pool.put(b);
+            lull_net::bufs::put(b);
         }
         if h.status == libc::EACCES as u32 {
             // A replica that requires TLS answers a plain HELLO this way
