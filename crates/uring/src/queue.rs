@@ -337,15 +337,7 @@ impl<T> IoQueue<T> {
                         .as_mut()
                         .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
                     let buf = base.wrapping_add(buf_offset);
-                    // Only an arena buffer can lie in a registered arena:
-                    // a heap buffer skips the scan.
-                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
-                    let index = if in_arena {
-                        ring.fixed_buf_index(buf, len as usize)
-                    } else {
-                        None
-                    };
-                    match index {
+                    match registered_index(ring, slot.buf.as_ref(), buf, len) {
                         Some(buf_index) => {
                             fixed_ios += 1;
                             RingOp::ReadFixed {
@@ -377,15 +369,7 @@ impl<T> IoQueue<T> {
                     let target = fixed(file)?;
                     let base = slot.buf.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
                     let buf = base.wrapping_add(buf_offset);
-                    // Only an arena buffer can lie in a registered arena:
-                    // a heap buffer skips the scan.
-                    let in_arena = slot.buf.as_ref().is_some_and(IoBuf::is_fixed);
-                    let index = if in_arena {
-                        ring.fixed_buf_index(buf, len as usize)
-                    } else {
-                        None
-                    };
-                    match index {
+                    match registered_index(ring, slot.buf.as_ref(), buf, len) {
                         Some(buf_index) => {
                             fixed_ios += 1;
                             RingOp::WriteFixed {
@@ -573,5 +557,16 @@ impl<T> fmt::Debug for IoQueue<T> {
             .field("in_use", &self.in_use())
             .field("pending_total", &self.pending_total)
             .finish()
+    }
+}
+
+/// The registered buffer index for `len` bytes at `ptr` of `buf`, when
+/// `buf` lives in an arena `ring` registered. Only an arena buffer can lie
+/// in one: a heap buffer skips the scan.
+fn registered_index(ring: &Ring, buf: Option<&IoBuf>, ptr: *const u8, len: u32) -> Option<u16> {
+    if buf.is_some_and(IoBuf::is_fixed) {
+        ring.fixed_buf_index(ptr, len as usize)
+    } else {
+        None
     }
 }
