@@ -1003,11 +1003,8 @@ impl Reactor {
                 self.shutdown();
                 return;
             }
-            let (control, quiet) = self.wait_events(now);
-            busy |= control;
-            // A spin's look that found nothing took a syscall's time: the
-            // clock read before it is still good (one read fewer per spin).
-            let now = if quiet { now } else { self.clock_now() };
+            busy |= self.wait_events(now);
+            let now = self.clock_now();
             busy |= self.poll_threads(now);
             self.reap_exited();
             let end = self.clock_now();
@@ -1062,8 +1059,8 @@ impl Reactor {
     /// blocking while work keeps coming (and in poll mode, and during an
     /// adaptive spin); when the last iteration found nothing, arm every
     /// doorbell and timer and block until an fd is ready. Returns whether
-    /// control work ran, and whether the look was quiet (no sleep, no event).
-    fn wait_events(&mut self, now: u64) -> (bool, bool) {
+    /// control work ran.
+    fn wait_events(&mut self, now: u64) -> bool {
         let mut timeout = 0;
         let mut deadline = None;
         // A reactor without threads sleeps in every mode (poll too): the
@@ -1120,7 +1117,7 @@ impl Reactor {
                 *r = true;
             }
         }
-        (control && self.handle_control(), !sleeping && n == 0)
+        control && self.handle_control()
     }
 
     /// Adaptive mode: whether to look for events once more without
