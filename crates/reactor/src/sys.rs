@@ -112,9 +112,8 @@ impl Epoll {
         // reactor's time at QD1 (lull never cancels threads).
         // `epoll_pwait` with no signal mask is `epoll_wait`, on every
         // architecture (arm64 has no `epoll_wait`).
-        // SAFETY: `events` is a valid writable buffer of `max` entries for the
-        // duration of the call; a null sigmask is allowed (its size is then
-        // ignored).
+        // A null sigmask is allowed (its size is then ignored).
+        // SAFETY: `events` is valid and writable for `max` entries throughout.
         let ret = unsafe {
             libc::syscall(
                 libc::SYS_epoll_pwait,

@@ -97,9 +97,9 @@ pub struct FixedArena {
     locked: bool,
 }
 
-// SAFETY: the arena owns its mapping; the bytes of a buffer are reached
-// only through the `IoBuf` that popped its index (unique until it is
-// pushed back), and the free lists are thread-safe queues.
+// The arena owns its mapping; the bytes of a buffer are reached only
+// through the `IoBuf` that popped its index (unique until it is pushed back).
+// SAFETY: as just said, and the free lists are thread-safe queues.
 unsafe impl Send for FixedArena {}
 // SAFETY: as above; `&FixedArena` only pops and pushes indexes.
 unsafe impl Sync for FixedArena {}
@@ -210,9 +210,9 @@ impl FixedArena {
                 let offset = self.class_offset[class] + index as usize * class_size(class);
                 // SAFETY: `offset` is inside the mapping (index < bufs_per_class).
                 let ptr = unsafe { NonNull::new_unchecked(self.base.as_ptr().add(offset)) };
-                // SAFETY: the index was popped from the free list, so no
-                // other `IoBuf` covers these bytes until it is pushed back
-                // (by this buffer's drop).
+                // The index was popped from the free list; this buffer's drop
+                // pushes it back.
+                // SAFETY: so no other `IoBuf` covers these bytes meanwhile.
                 let mut buf = unsafe { IoBuf::from_arena(ptr, class_size(class), self.clone()) };
                 buf.set_len(len);
                 return Some(buf);

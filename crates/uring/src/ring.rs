@@ -305,11 +305,11 @@ fn build_hybrid_iopoll(
         ));
     }
     drop(template);
-    // SAFETY: `fd` is an io_uring made with the builder's flags plus
-    // HYBRID_IOPOLL, which changed no parameter the kernel filled in (the
-    // comparison above: same entries, features and offsets as a ring
-    // without it, and that ring's parameters are the builder's, made with
-    // the same flags and sizes); the descriptor moves into the ring.
+    // `fd` is an io_uring made with the builder's flags plus HYBRID_IOPOLL,
+    // which changed no parameter the kernel filled in (the comparison
+    // above: same entries, features and offsets as a ring without it, whose
+    // parameters are the builder's, made with the same flags and sizes).
+    // SAFETY: so `params` describe `fd`'s ring; the descriptor moves into it.
     unsafe { IoUring::from_fd(fd.into_raw_fd(), params) }
 }
 
@@ -336,8 +336,7 @@ enum CloneError {
 /// Registers each arena's whole mapping as one fixed buffer of `ring`.
 ///
 /// # Safety
-/// The arenas must stay mapped until `ring` is dropped (the caller keeps
-/// an `Arc` of each for that long).
+/// The arenas must stay mapped until `ring` is dropped (callers keep an `Arc`).
 unsafe fn register_iovecs(ring: &IoUring, arenas: &[Arc<FixedArena>]) -> io::Result<()> {
     let mut iovecs = [libc::iovec {
         iov_base: std::ptr::null_mut(),
