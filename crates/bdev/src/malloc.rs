@@ -392,8 +392,9 @@ impl BlockDevice for MallocDev {
 /// touches the first byte of every read's source before it copies any,
 /// so those misses overlap (in a C microbenchmark on the benchmark
 /// machine, batches of 16 random 4 KiB copies out of 128 one-MiB chunks
-/// took ~280 ns per copy with the touches first, ~430 without). Completions were only ever delivered by `reap`, so the owner
-/// sees no difference; writes still land before their completion.
+/// took ~280 ns per copy with the touches first, ~430 without).
+/// Completions were only ever delivered by `reap`, so the owner sees no
+/// difference; writes still land before their completion.
 struct MallocChannel {
     inner: Arc<Inner>,
     /// Submitted, not executed yet.
