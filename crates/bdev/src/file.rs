@@ -72,6 +72,7 @@ use std::sync::Arc;
 
 use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, RingSetup, SlotId};
 
+use crate::file_inline::InlineChannel;
 use crate::ring_options::{self, RingOptions};
 
 use crate::{
@@ -140,9 +141,9 @@ pub struct FileDev {
     /// Serializes `grow` (control path only).
     growing: std::sync::Mutex<()>,
     direct: bool,
-    main: File,
+    main: Arc<File>,
     /// Buffered descriptor for unaligned requests; `Some` iff `direct`.
-    buffered: Option<File>,
+    buffered: Option<Arc<File>>,
     /// O_DIRECT alignment of file offsets and lengths (0 without direct).
     direct_align_bytes: u64,
     /// The ring setup every channel uses, as `open` resolved it.
@@ -153,6 +154,10 @@ pub struct FileDev {
     fixed_buffers: bool,
     /// Reads and writes of all channels from fixed and from plain buffers.
     buffer_ios: Arc<BufferIoCounters>,
+    /// Channels run inline (`crate::file_inline`), without a ring.
+    inline: bool,
+    /// Reads and writes the inline channels did.
+    inline_ios: Arc<AtomicU64>,
 }
 
 /// `BufferIos`, shared by a device's channels.
@@ -231,20 +236,29 @@ impl FileDev {
         } else {
             (None, 0)
         };
+        let inline = ring_options::resolve_inline(&path, &main, &meta, options.ring)?;
         let setup = ring_options::resolve(&path, &meta, options.direct, options.ring)?;
         Ok(FileDev {
             path,
             size_bytes: Arc::new(AtomicU64::new(size_bytes)),
             growing: std::sync::Mutex::new(()),
             direct: options.direct,
-            main,
-            buffered,
+            main: Arc::new(main),
+            buffered: buffered.map(Arc::new),
             direct_align_bytes,
             setup,
             enters: Arc::new(AtomicU64::new(0)),
             fixed_buffers: options.ring.fixed_buffers,
             buffer_ios: Arc::new(BufferIoCounters::default()),
+            inline,
+            inline_ios: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Whether channels read and write inline, without io_uring (see
+    /// [`crate::Inline`]).
+    pub fn is_inline(&self) -> bool {
+        self.inline
     }
 
     /// Whether aligned requests bypass the page cache.
@@ -258,7 +272,17 @@ impl FileDev {
         self.direct.then_some(self.direct_align_bytes)
     }
 
-    /// Opens a concrete file channel (`open_channel` boxes this).
+    /// The O_DIRECT alignment a channel routes by; 0 without `direct`.
+    fn direct_align_bytes_or_zero(&self) -> u64 {
+        if self.direct {
+            self.direct_align_bytes
+        } else {
+            0
+        }
+    }
+
+    /// Opens a concrete io_uring file channel (`open_channel` boxes this,
+    /// or an inline channel when the device resolved to inline).
     pub fn open_file_channel(&self) -> Result<FileChannel, BdevError> {
         let mut fds = vec![self.main.as_fd()];
         if let Some(b) = &self.buffered {
@@ -293,11 +317,7 @@ impl FileDev {
             pool: BufPool::new(CHANNEL_POOL_BYTES),
             parked: Vec::with_capacity(capacity),
             size_bytes: self.size_bytes.clone(),
-            direct_align_bytes: if self.direct {
-                self.direct_align_bytes
-            } else {
-                0
-            },
+            direct_align_bytes: self.direct_align_bytes_or_zero(),
             punch_hole_ok: true,
             zero_range_ok: true,
         })
@@ -322,7 +342,7 @@ impl BlockDevice for FileDev {
         let meta = self.main.metadata()?;
         let max = if meta.file_type().is_block_device() {
             // The node's size: where its end is.
-            (&self.main).seek(SeekFrom::End(0))?
+            (&*self.main).seek(SeekFrom::End(0))?
         } else {
             FILE_SIZE_MAX_BYTES
         };
@@ -352,6 +372,9 @@ impl BlockDevice for FileDev {
         if !self.fixed_buffers {
             flags.push("fixed=off");
         }
+        if self.inline {
+            flags.push("inline");
+        }
         if flags.is_empty() {
             format!("file:{}", self.path.display())
         } else {
@@ -367,6 +390,7 @@ impl BlockDevice for FileDev {
         Some(BufferIos {
             fixed: self.buffer_ios.fixed.load(Ordering::Relaxed),
             plain: self.buffer_ios.plain.load(Ordering::Relaxed),
+            inline: self.inline_ios.load(Ordering::Relaxed),
         })
     }
 
@@ -376,6 +400,15 @@ impl BlockDevice for FileDev {
     }
 
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
+        if self.inline {
+            return Ok(Box::new(InlineChannel::new(
+                self.main.clone(),
+                self.buffered.clone(),
+                self.direct_align_bytes_or_zero(),
+                self.size_bytes.clone(),
+                self.inline_ios.clone(),
+            )));
+        }
         Ok(Box::new(self.open_file_channel()?))
     }
 
@@ -1014,14 +1047,19 @@ mod tests {
     /// Opens a device. A filesystem that refuses O_DIRECT fails the test
     /// with a message: a direct case that passed without running would
     /// hide the path it exists to check.
+    /// The io_uring channel always (`inline=off`), wherever TMPDIR is.
     fn open(dir: &TempDir, size: u64, direct: bool) -> FileDev {
+        let ring = RingOptions {
+            inline: crate::Inline::Off,
+            ..RingOptions::default()
+        };
         match FileDev::open(
             dir.file(),
             size,
             FileOptions {
                 direct,
                 create: true,
-                ..Default::default()
+                ring,
             },
         ) {
             Ok(dev) => dev,
@@ -1057,7 +1095,14 @@ mod tests {
             out.sort_by_key(|c| c.tag);
             return out;
         }
-        let fd = ch.event_fd().expect("file channels have an eventfd");
+        let Some(fd) = ch.event_fd() else {
+            // Inline: everything completes at the first reap.
+            ch.reap(&mut |c| out.push(c));
+            assert_eq!(out.len(), want, "an inline channel completes at reap");
+            assert_eq!(ch.in_flight(), 0, "slot leak");
+            out.sort_by_key(|c| c.tag);
+            return out;
+        };
         while out.len() < want {
             if ch.reap(&mut |c| out.push(c)) == 0 {
                 assert!(
@@ -1124,7 +1169,13 @@ mod tests {
     fn round_trip(direct: bool) {
         let dir = TempDir::new("rt");
         let dev = open(&dir, 8 << 20, direct);
-        let mut ch = dev.open_channel().expect("channel (io_uring)");
+        round_trip_on(&dir, &dev);
+    }
+
+    /// Writes and reads back aligned, unaligned and large ranges of an
+    /// 8 MiB `dev` (in `dir`), then checks the file itself.
+    fn round_trip_on(dir: &TempDir, dev: &FileDev) {
+        let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(64 << 20);
         // Aligned, unaligned, and large (over the 1 MiB zero buffer).
         let cases: [(u64, usize); 5] = [
@@ -1225,7 +1276,12 @@ mod tests {
             ch.punch_hole_ok = false;
             ch.zero_range_ok = false;
         }
-        let ch: &mut dyn Channel = &mut ch;
+        zeroing_on(&dir, &mut ch);
+    }
+
+    /// Trims and zeroes ranges of a 4 MiB device's channel `ch` and checks
+    /// the data read back and the file (in `dir`).
+    fn zeroing_on(dir: &TempDir, ch: &mut dyn Channel) {
         let mut pool = BufPool::new(64 << 20);
         let data = pattern(4 << 20, 9);
         write(&mut *ch, &mut pool, 0, &data, false);
@@ -1860,6 +1916,10 @@ mod tests {
     fn check_against_oracle(direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
         let dir = TempDir::new("prop");
         let dev = open(&dir, PROP_SIZE, direct);
+        check_dev_against_oracle(&dev, steps)
+    }
+
+    fn check_dev_against_oracle(dev: &FileDev, steps: Vec<Step>) -> Result<(), TestCaseError> {
         let mut ch = dev.open_channel().expect("channel");
         let mut pool = BufPool::new(16 << 20);
         let mut oracle = vec![0u8; PROP_SIZE as usize];
@@ -1971,13 +2031,27 @@ mod tests {
         #[test]
         fn fixed_buffers_round_trip_buffered() {
             let ios = round_trip_on_an_arena_thread(false, "");
-            assert_eq!(ios, BufferIos { fixed: 8, plain: 4 });
+            assert_eq!(
+                ios,
+                BufferIos {
+                    fixed: 8,
+                    plain: 4,
+                    inline: 0
+                }
+            );
         }
 
         #[test]
         fn fixed_buffers_round_trip_direct() {
             let ios = round_trip_on_an_arena_thread(true, "");
-            assert_eq!(ios, BufferIos { fixed: 8, plain: 4 });
+            assert_eq!(
+                ios,
+                BufferIos {
+                    fixed: 8,
+                    plain: 4,
+                    inline: 0
+                }
+            );
         }
 
         #[test]
@@ -1987,9 +2061,188 @@ mod tests {
                 ios,
                 BufferIos {
                     fixed: 0,
-                    plain: 12
+                    plain: 12,
+                    inline: 0
                 }
             );
+        }
+    }
+
+    /// The inline channel (`inline`, the default on a memory filesystem).
+    mod inline_tests {
+        use super::*;
+
+        /// A directory on tmpfs (/dev/shm). Fails with a message where
+        /// there is none: the inline path exists for exactly that case.
+        fn memory_dir(tag: &str) -> TempDir {
+            let shm = Path::new("/dev/shm");
+            let probe = File::open(shm).unwrap_or_else(|e| {
+                panic!("the inline tests need /dev/shm (tmpfs), which cannot be opened: {e}")
+            });
+            assert!(
+                lull_uring::on_memory_filesystem(&probe).expect("fstatfs /dev/shm"),
+                "the inline tests need /dev/shm on tmpfs; it is another filesystem here"
+            );
+            let dir = TempDir(shm.join(format!(
+                "lull-bdev-inline-{tag}-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            )));
+            std::fs::create_dir_all(&dir.0).expect("mkdir in /dev/shm");
+            dir
+        }
+
+        /// A directory on a disk filesystem: TMPDIR unless that is a
+        /// memory filesystem, else the crate's target directory.
+        fn disk_dir(tag: &str) -> TempDir {
+            let dir = TempDir::new(tag);
+            let on_memory = File::open(&dir.0)
+                .and_then(|d| lull_uring::on_memory_filesystem(&d))
+                .expect("fstatfs TMPDIR");
+            if !on_memory {
+                return dir;
+            }
+            let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
+            let dir = TempDir(base.join(format!("lull-bdev-disk-{tag}-{}", std::process::id())));
+            std::fs::create_dir_all(&dir.0).expect("mkdir in target/");
+            dir
+        }
+
+        fn open_flags(dir: &TempDir, size: u64, flags: &str) -> Result<FileDev, BdevError> {
+            let mut direct = false;
+            let ring = RingOptions::parse_list(flags, &mut direct).expect("flags parse");
+            FileDev::open(
+                dir.file(),
+                size,
+                FileOptions {
+                    direct,
+                    create: true,
+                    ring,
+                },
+            )
+        }
+
+        fn refused_option(r: Result<FileDev, BdevError>) -> (&'static str, String) {
+            match r {
+                Err(BdevError::OptionRefused { option, reason }) => (option, reason),
+                Err(e) => panic!("expected a refusal, got {e}"),
+                Ok(dev) => panic!("expected a refusal, got {}", dev.describe()),
+            }
+        }
+
+        #[test]
+        fn inline_is_the_default_on_tmpfs_only() {
+            let mem = memory_dir("rules");
+            let dev = open_flags(&mem, 1 << 20, "").expect("auto on tmpfs");
+            assert!(dev.is_inline());
+            assert!(dev.describe().contains("inline"), "{}", dev.describe());
+            let ch = dev.open_channel().expect("channel");
+            assert!(ch.event_fd().is_none() && !ch.polled());
+            drop((ch, dev));
+            for flags in ["inline=off", "iopoll=auto"] {
+                let dev = open_flags(&mem, 1 << 20, flags).expect(flags);
+                assert!(!dev.is_inline(), "{flags}");
+                assert!(dev.open_channel().expect("ring").event_fd().is_some() || dev.setup.iopoll);
+            }
+            let (option, reason) = refused_option(open_flags(&mem, 1 << 20, "inline,iopoll=auto"));
+            assert_eq!(option, "inline");
+            assert!(reason.contains("iopoll"), "{reason}");
+
+            let disk = disk_dir("rules");
+            let dev = open_flags(&disk, 1 << 20, "").expect("auto on a disk");
+            assert!(!dev.is_inline());
+            drop(dev);
+            let (option, reason) = refused_option(open_flags(&disk, 1 << 20, "inline=on"));
+            assert_eq!(option, "inline");
+            assert!(reason.contains("memory filesystem"), "{reason}");
+        }
+
+        #[test]
+        fn inline_round_trip() {
+            let dir = memory_dir("rt");
+            let dev = open_flags(&dir, 8 << 20, "inline").expect("open");
+            round_trip_on(&dir, &dev);
+            // Reads and writes are counted as inline, never as ring I/O.
+            let ios = dev.buffer_ios().expect("counted");
+            assert_eq!((ios.fixed, ios.plain), (0, 0));
+            assert_eq!(ios.inline, 11, "5 writes + 6 reads");
+            assert_eq!(dev.io_uring_enters(), Some(0));
+        }
+
+        #[test]
+        fn inline_trim_and_write_zeroes() {
+            let dir = memory_dir("zero");
+            let dev = open_flags(&dir, 4 << 20, "").expect("open");
+            let mut ch = dev.open_channel().expect("channel");
+            zeroing_on(&dir, &mut *ch);
+            // tmpfs punches holes but has no ZERO_RANGE: a fast zero that
+            // would have to write zeros is refused, one that punches works.
+            let fast = |no_hole| IoOp::WriteZeroes {
+                no_hole,
+                fua: false,
+                fast: true,
+            };
+            let c = run(&mut *ch, fast(true), 0, 4096, None);
+            assert!(
+                matches!(c.result, Err(BdevError::Unsupported(_))),
+                "{:?}",
+                c.result
+            );
+            run(&mut *ch, fast(false), 0, 4096, None)
+                .result
+                .expect("fast zero by punching a hole");
+        }
+
+        #[test]
+        fn inline_bad_requests_and_a_full_channel() {
+            let dir = memory_dir("bad");
+            let dev = open_flags(&dir, 1 << 20, "").expect("open");
+            let mut ch = dev.open_channel().expect("channel");
+            let mut pool = BufPool::new(4 << 20);
+            let c = run(
+                &mut *ch,
+                IoOp::Read,
+                (1 << 20) - 10,
+                4096,
+                Some(pool.get(4096)),
+            );
+            assert!(matches!(c.result, Err(BdevError::OutOfRange { .. })));
+            let c = run(&mut *ch, IoOp::Read, 0, 4096, Some(pool.get(100)));
+            assert!(matches!(c.result, Err(BdevError::BadRequest(_))));
+            let c = run(&mut *ch, IoOp::BlockStatus, 0, 4096, Some(pool.get(4096)));
+            assert!(c.result.is_err());
+            for tag in 0..INLINE_DEPTH as u64 {
+                let req = IoRequest {
+                    tag,
+                    op: IoOp::Flush,
+                    offset: 0,
+                    len: 0,
+                    buf: None,
+                };
+                ch.submit(req).map_err(|(_, e)| e).expect("room");
+            }
+            let req = IoRequest {
+                tag: 9999,
+                op: IoOp::Flush,
+                offset: 0,
+                len: 0,
+                buf: None,
+            };
+            assert!(matches!(ch.submit(req), Err((_, BdevError::Full { .. }))));
+            assert_eq!(ch.reap(&mut |c| c.result.expect("flush")), INLINE_DEPTH);
+            assert_eq!(ch.in_flight(), 0);
+        }
+
+        const INLINE_DEPTH: usize = crate::file_inline::INLINE_CHANNEL_DEPTH;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+            #[test]
+            fn inline_matches_a_vec_oracle(steps in proptest::collection::vec(step(), 1..20)) {
+                let dir = memory_dir("prop");
+                let dev = open_flags(&dir, PROP_SIZE, "inline").expect("open");
+                check_dev_against_oracle(&dev, steps)?;
+            }
         }
     }
 }

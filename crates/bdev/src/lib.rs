@@ -30,6 +30,7 @@ pub use lull_uring::{BufPool, IoBuf};
 
 pub mod faulty;
 pub mod file;
+mod file_inline;
 pub mod malloc;
 mod ring_options;
 pub mod units;
@@ -37,7 +38,7 @@ pub mod units;
 pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, FILE_SIZE_MAX_BYTES, MAX_PREFETCH_BYTES};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES, MALLOC_SIZE_MAX_BYTES};
-pub use ring_options::{IoPoll, RingOptions, SQPOLL_IDLE_MS_DEFAULT, SQPOLL_IDLE_MS_MAX};
+pub use ring_options::{Inline, IoPoll, RingOptions, SQPOLL_IDLE_MS_DEFAULT, SQPOLL_IDLE_MS_MAX};
 pub use units::{human_bytes, parse_size_bytes};
 
 /// What an I/O does. Offsets and lengths are in bytes; devices accept any
@@ -371,9 +372,9 @@ pub trait BlockDevice: Send + Sync {
     }
 }
 
-/// How a device's io_uring reads and writes named their buffers, counted
-/// per operation handed to the kernel (a short transfer's remainder is
-/// another one).
+/// How a device's reads and writes went to the kernel: through io_uring
+/// with a fixed or a plain buffer, counted per operation (a short
+/// transfer's remainder is another one), or inline, counted per request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BufferIos {
     /// `IORING_OP_READ_FIXED` / `WRITE_FIXED`: the buffer was in a
@@ -382,6 +383,9 @@ pub struct BufferIos {
     /// Plain `READ` / `WRITE`: a heap buffer, an arena the ring has not
     /// registered, or the `fixed=off` option.
     pub plain: u64,
+    /// `pread` / `pwrite` on the reactor, without io_uring: a file on a
+    /// memory filesystem (`inline`).
+    pub inline: u64,
 }
 
 /// A per-thread I/O queue to a device. Used from one thread only.

@@ -1,5 +1,5 @@
-//! The file backend's io_uring options (`sqpoll[=IDLE_MS]`, `iopoll`,
-//! `hybrid_iopoll`, `iopoll=auto`, `fixed=on|off`): parsing, and checking them against the
+//! The file backend's I/O options (`sqpoll[=IDLE_MS]`, `iopoll`,
+//! `hybrid_iopoll`, `iopoll=auto`, `fixed=on|off`, `inline[=on|off|auto]`): parsing, and checking them against the
 //! kernel and the device at open, so that a refusal is a start-up error
 //! naming the option and the reason rather than an I/O error later.
 //!
@@ -47,6 +47,30 @@ pub enum IoPoll {
     Auto,
 }
 
+/// Whether a file channel reads and writes inline, on the reactor, with
+/// plain `pread`/`pwrite`, instead of through an io_uring ring.
+///
+/// io_uring issues a buffered read or write without blocking only when
+/// the filesystem supports it (FMODE_NOWAIT); tmpfs and ramfs do not, so
+/// the kernel hands every such request to an io-wq worker thread: two
+/// context switches and a wake-up per batch, on the reactor's core. On a
+/// memory filesystem the copy itself never waits for a device, so doing
+/// it inline is cheaper and blocks the reactor no longer than a memory
+/// volume's copy does (pages swapped out are the exception: reading them
+/// back waits for the swap device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Inline {
+    /// Inline on a memory filesystem (tmpfs, ramfs) when no ring option
+    /// (`sqpoll`, `iopoll`) asks for a ring; io_uring elsewhere.
+    #[default]
+    Auto,
+    /// Inline; refused unless the file is on a memory filesystem (a disk
+    /// read would stall every connection of the reactor).
+    On,
+    /// io_uring always (for comparison).
+    Off,
+}
+
 /// io_uring options of a file device (`FileOptions::ring`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingOptions {
@@ -58,6 +82,8 @@ pub struct RingOptions {
     /// uses READ_FIXED/WRITE_FIXED (no page pinning per I/O). Off: plain
     /// READ/WRITE always (for comparison).
     pub fixed_buffers: bool,
+    /// `inline=auto|on|off` (`inline` is `inline=on`): see [`Inline`].
+    pub inline: Inline,
 }
 
 impl Default for RingOptions {
@@ -66,6 +92,7 @@ impl Default for RingOptions {
             sqpoll_idle_ms: None,
             iopoll: IoPoll::Off,
             fixed_buffers: true,
+            inline: Inline::Auto,
         }
     }
 }
@@ -73,7 +100,8 @@ impl Default for RingOptions {
 impl RingOptions {
     /// Applies one comma-separated flag of a `file=PATH,...` spec:
     /// `direct`, `sqpoll`, `sqpoll=IDLE_MS`, `iopoll`, `iopoll=auto`,
-    /// `hybrid_iopoll`, `fixed=on`, `fixed=off`. `Ok(false)` for a word that is none of them (so a
+    /// `hybrid_iopoll`, `fixed=on`, `fixed=off`, `inline`, `inline=on`,
+    /// `inline=off`, `inline=auto`. `Ok(false)` for a word that is none of them (so a
     /// caller can tell a flag from part of a path); `Err` for a known flag
     /// with a bad value.
     pub fn parse_flag(&mut self, flag: &str, direct: &mut bool) -> Result<bool, String> {
@@ -85,6 +113,9 @@ impl RingOptions {
             "hybrid_iopoll" => self.iopoll = IoPoll::Hybrid,
             "fixed=on" => self.fixed_buffers = true,
             "fixed=off" => self.fixed_buffers = false,
+            "inline" | "inline=on" => self.inline = Inline::On,
+            "inline=off" => self.inline = Inline::Off,
+            "inline=auto" => self.inline = Inline::Auto,
             _ => {
                 if let Some(v) = flag.strip_prefix("sqpoll=") {
                     let ms = v
@@ -101,6 +132,10 @@ impl RingOptions {
                     ));
                 } else if let Some(v) = flag.strip_prefix("fixed=") {
                     return Err(format!("fixed={v}: expected fixed=on or fixed=off"));
+                } else if let Some(v) = flag.strip_prefix("inline=") {
+                    return Err(format!(
+                        "inline={v}: expected inline, inline=on, inline=off or inline=auto"
+                    ));
                 } else {
                     return Ok(false);
                 }
@@ -115,7 +150,7 @@ impl RingOptions {
         for flag in list.split(',').filter(|f| !f.is_empty()) {
             if !o.parse_flag(flag, direct)? {
                 return Err(format!(
-                    "unknown file option {flag:?}: expected direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll or fixed=on|off"
+                    "unknown file option {flag:?}: expected direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll, fixed=on|off or inline[=on|off|auto]"
                 ));
             }
         }
@@ -136,6 +171,11 @@ impl RingOptions {
         }
         if !self.fixed_buffers {
             out.push("fixed=off".into());
+        }
+        match self.inline {
+            Inline::Auto => {}
+            Inline::On => out.push("inline".into()),
+            Inline::Off => out.push("inline=off".into()),
         }
         out.join(",")
     }
@@ -255,6 +295,51 @@ pub(crate) fn resolve(
     Ok(setup)
 }
 
+/// Whether the file's channels run inline (see [`Inline`]): `auto` picks
+/// inline on a memory filesystem unless a ring option is set; `on` is
+/// refused on any other filesystem and with a ring option, naming the
+/// reason. Logged once per device when inline.
+pub(crate) fn resolve_inline(
+    path: &Path,
+    file: &std::fs::File,
+    meta: &Metadata,
+    options: RingOptions,
+) -> Result<bool, BdevError> {
+    if options.inline == Inline::Off {
+        return Ok(false);
+    }
+    let ring_option = if options.sqpoll_idle_ms.is_some() {
+        Some("sqpoll")
+    } else if options.iopoll != IoPoll::Off {
+        Some("iopoll")
+    } else {
+        None
+    };
+    let memory_fs = meta.file_type().is_file()
+        && lull_uring::on_memory_filesystem(file).unwrap_or_else(|e| {
+            tracing::warn!(path = %path.display(), error = %e, "fstatfs failed; assuming a disk filesystem");
+            false
+        });
+    let on = options.inline == Inline::On;
+    match (ring_option, memory_fs) {
+        (Some(ring), _) if on => Err(refused(
+            "inline",
+            format!("inline I/O uses no io_uring ring, so it cannot be combined with {ring}"),
+        )),
+        (Some(_), _) => Ok(false),
+        (None, false) if on => Err(refused(
+            "inline",
+            "the file is not on a memory filesystem (tmpfs, ramfs): an inline read or write could wait for the disk and stall every connection of the reactor".into(),
+        )),
+        (None, false) => Ok(false),
+        (None, true) => {
+            tracing::info!(path = %path.display(),
+                "file on a memory filesystem: reads and writes run inline on the reactor (io_uring would hand each to a kernel worker thread; inline=off to use it anyway)");
+            Ok(true)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +373,17 @@ mod tests {
         assert_eq!(o.describe(), "fixed=off");
         assert!(parse("fixed=off,fixed=on").unwrap().1.fixed_buffers);
         assert!(parse("fixed=maybe").unwrap_err().contains("fixed=maybe"));
+        assert_eq!(RingOptions::default().inline, Inline::Auto);
+        for (flag, want) in [
+            ("inline", Inline::On),
+            ("inline=on", Inline::On),
+            ("inline=off", Inline::Off),
+            ("inline=auto", Inline::Auto),
+        ] {
+            assert_eq!(parse(flag).unwrap().1.inline, want, "{flag}");
+        }
+        assert_eq!(parse("inline=off").unwrap().1.describe(), "inline=off");
+        assert_eq!(parse("inline=on").unwrap().1.describe(), "inline");
+        assert!(parse("inline=yes").unwrap_err().contains("inline=yes"));
     }
 }

@@ -44,7 +44,7 @@
 //! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
 //! # Fault injection, to rehearse failures (any setting may be left out):
 //! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
-//! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll, fixed=off
+//! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll, fixed=off, inline[=on|off|auto]
 //! ```
 
 #![forbid(unsafe_code)]
@@ -398,7 +398,7 @@ pub fn parse_backend(s: &str) -> Result<Backend, ConfigError> {
         let addrs = lull_engine::parse_replicas(rest).map_err(|e| ConfigError(e.to_string()))?;
         return Ok(Backend::Replicas { addrs });
     }
-    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct][,sqpoll[=IDLE_MS]][,iopoll|iopoll=auto|hybrid_iopoll][,fixed=off], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
+    err(format!("unknown backend {s:?}: expected malloc, file=PATH[,direct][,sqpoll[=IDLE_MS]][,iopoll|iopoll=auto|hybrid_iopoll][,fixed=off][,inline[=on|off|auto]], replicas=HOST:PORT[+HOST:PORT...] or faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N"))
 }
 
 /// Parse `NAME:SIZE[:BACKEND]`.

@@ -266,6 +266,9 @@ impl ControlPlane for Control {
             // (READ_FIXED/WRITE_FIXED) and from others (null likewise).
             "fixed_buffer_ios": v.dev().buffer_ios().map(|b| b.fixed),
             "plain_buffer_ios": v.dev().buffer_ios().map(|b| b.plain),
+            // Reads and writes done inline, without a ring (a file on a
+            // memory filesystem; null likewise).
+            "inline_ios": v.dev().buffer_ios().map(|b| b.inline),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -361,6 +364,7 @@ impl MetricsSource for Control {
                     io_uring_enters: v.dev().io_uring_enters(),
                     fixed_buffer_ios: v.dev().buffer_ios().map(|b| b.fixed),
                     plain_buffer_ios: v.dev().buffer_ios().map(|b| b.plain),
+                    inline_ios: v.dev().buffer_ios().map(|b| b.inline),
                 }
             })
             .collect();

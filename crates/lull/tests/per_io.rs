@@ -169,6 +169,88 @@ fn file_ring_options_carry_verified_io_or_are_refused_by_name() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A directory on tmpfs (/dev/shm), where a file volume reads and writes
+/// inline by default. Fails with a message where /dev/shm is missing or
+/// not tmpfs (Debian and containers have it).
+fn shm_dir(name: &str) -> PathBuf {
+    let mounts = std::fs::read_to_string("/proc/mounts").expect("read /proc/mounts");
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.split_whitespace().nth(1) == Some("/dev/shm")
+                && l.split_whitespace().nth(2) == Some("tmpfs")),
+        "this test needs /dev/shm mounted as tmpfs (the inline path is for memory filesystems)"
+    );
+    let d = Path::new("/dev/shm").join(format!("lull-perio-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn file_on_tmpfs_runs_inline_and_carries_verified_io() {
+    let shm = shm_dir("inline");
+    let img = shm.join("f.img");
+    let img = img.display();
+    for (flags, inline) in [("", true), ("inline", true), ("inline=off", false)] {
+        let spec = format!(
+            "vol:16M:file={img}{}{flags}",
+            if flags.is_empty() { "" } else { "," }
+        );
+        let sock = shm.join("rpc.sock");
+        let mut server =
+            Server::start(&["--volume", &spec, "--rpc-socket", sock.to_str().unwrap()]);
+        fio_verify(&server);
+        server.assert_healthy();
+        let stats = common::rpc(&sock, "volume_get_stats", r#"{"name":"vol"}"#);
+        let logged_inline = server.stderr().contains("reads and writes run inline");
+        drop(server);
+        let count = |k: &str| {
+            stats[k]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{k} in {stats}"))
+        };
+        let (ring, inline_ios) = (
+            count("fixed_buffer_ios") + count("plain_buffer_ios"),
+            count("inline_ios"),
+        );
+        if inline {
+            // 4096 verified writes and their reads, none through a ring.
+            assert!(
+                inline_ios >= 8192 && ring == 0,
+                "{flags:?}: inline {inline_ios}, ring {ring}"
+            );
+            assert!(logged_inline, "{flags:?}: no log line");
+        } else {
+            assert!(
+                inline_ios == 0 && ring >= 8192,
+                "{flags:?}: inline {inline_ios}, ring {ring}"
+            );
+        }
+    }
+    // `inline` insists: refused off a memory filesystem and with a ring option.
+    let disk = tempdir("inline-refused");
+    for (file, flags, reason) in [
+        (disk.join("f.img"), "inline", "not on a memory filesystem"),
+        (
+            shm.join("f.img"),
+            "inline,sqpoll",
+            "cannot be combined with sqpoll",
+        ),
+    ] {
+        let spec = format!("vol:16M:file={},{flags}", file.display());
+        match start_or_refused(&["--volume", &spec], &disk) {
+            Err(log) => {
+                assert!(log.contains("option inline refused: "), "{flags}: {log}");
+                assert!(log.contains(reason), "{flags}: no {reason:?} in:\n{log}");
+            }
+            Ok(_) => panic!("{flags} on {} started; it must be refused", file.display()),
+        }
+    }
+    std::fs::remove_dir_all(&shm).unwrap();
+    std::fs::remove_dir_all(&disk).unwrap();
+}
+
 /// Minor + major page faults of a whole process, from /proc/PID/stat.
 fn process_faults(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");

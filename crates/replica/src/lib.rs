@@ -630,7 +630,7 @@ impl ReplicaServer {
         // (registered arenas vs not): the replica's only I/O counters.
         if let Some(ios) = self.shared.dev.buffer_ios() {
             tracing::info!(%dir, fixed_buffer_ios = ios.fixed, plain_buffer_ios = ios.plain,
-                "data file I/O by buffer kind");
+                inline_ios = ios.inline, "data file I/O by buffer kind");
         }
         if self.shared.clean.load(Ordering::SeqCst) {
             tracing::info!(%dir, generation, "replica stopped clean: the last engine detached");

@@ -178,6 +178,9 @@ pub struct VolumeMetrics {
     /// buffers and from plain ones; `None` as for `io_uring_enters`.
     pub fixed_buffer_ios: Option<u64>,
     pub plain_buffer_ios: Option<u64>,
+    /// Reads and writes its file channels did inline (`pread`/`pwrite`,
+    /// a file on a memory filesystem); `None` as above.
+    pub inline_ios: Option<u64>,
 }
 
 /// One replica's state.
@@ -569,6 +572,15 @@ impl Collector for SnapshotCollector {
             &uring_volumes,
             |x| volume_labels(x),
             |x| x.plain_buffer_ios.unwrap_or(0),
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_inline_ios",
+            "Reads and writes of the volume's file channels done inline, without io_uring (a file on a memory filesystem).",
+            None,
+            &uring_volumes,
+            |x| volume_labels(x),
+            |x| x.inline_ios.unwrap_or(0),
         )?;
         let mut family = enc.encode_descriptor(
             "lull_volume_latency",

@@ -314,6 +314,7 @@ fn snapshot() -> MetricsSnapshot {
                 io_uring_enters: Some(31),
                 fixed_buffer_ios: Some(25),
                 plain_buffer_ios: Some(5),
+                inline_ios: Some(7),
             },
             VolumeMetrics {
                 name: "we\"ird\\name\nx".into(),
@@ -440,6 +441,7 @@ fn scrape() {
         ("lull_volume_io_uring_enters", "counter"),
         ("lull_volume_fixed_buffer_ios", "counter"),
         ("lull_volume_plain_buffer_ios", "counter"),
+        ("lull_volume_inline_ios", "counter"),
         ("lull_volume_latency_seconds", "histogram"),
         ("lull_replica_healthy", "gauge"),
     ]);
@@ -604,6 +606,16 @@ fn scrape() {
         5.0
     );
     assert_eq!(f["lull_volume_plain_buffer_ios"].samples.len(), 1);
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_inline_ios",
+            "lull_volume_inline_ios_total",
+            &v0
+        )
+        .value,
+        7.0
+    );
     assert_eq!(
         sample(
             &f,

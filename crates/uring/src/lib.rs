@@ -41,7 +41,7 @@ pub use buf::{
     BufPool, BufPoolStats, IoBuf, IO_BUF_ALIGN_BYTES, POOL_BUFS_PER_CLASS_MAX,
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
 };
-pub use probe::{fadvise_willneed, seek_data_hole};
+pub use probe::{fadvise_willneed, fallocate, on_memory_filesystem, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{
     thread_enter_calls, wait_readable, Ring, RingError, RingOp, RingSetup, SqFull, Target,

@@ -86,6 +86,44 @@ pub fn fadvise_willneed(file: &std::fs::File, offset: u64, len: u64) -> std::io:
     }
 }
 
+/// `fallocate(2)` on `[offset, offset + len)` with `mode` (the
+/// `FALLOC_FL_*` flags), blocking: for files whose allocation is a memory
+/// operation (the file backend's inline channel, on tmpfs); io_uring's
+/// `IORING_OP_FALLOCATE` elsewhere.
+pub fn fallocate(file: &std::fs::File, mode: i32, offset: u64, len: u64) -> std::io::Result<()> {
+    let (Ok(start), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    let fd = file.as_raw_fd();
+    // SAFETY: fallocate takes no pointers; the descriptor is open for the
+    // borrow of `file`.
+    let rc = unsafe { libc::fallocate(fd, mode, start, len) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// `RAMFS_MAGIC` (linux/magic.h); the libc crate does not name it.
+const RAMFS_MAGIC: libc::__fsword_t = 0x8584_58f6u32 as libc::__fsword_t;
+
+/// Whether `file` lives on a memory filesystem (tmpfs or ramfs, by
+/// `fstatfs`'s `f_type`): its reads and writes copy pages and never wait
+/// for a device, but io_uring cannot issue them without blocking (no
+/// FMODE_NOWAIT), so it hands every one to a kernel worker thread.
+pub fn on_memory_filesystem(file: &std::fs::File) -> std::io::Result<bool> {
+    // SAFETY: `libc::statfs` is plain old data; all-zero is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid out-pointer; the descriptor is open for the
+    // borrow of `file`.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_type == libc::TMPFS_MAGIC || st.f_type == RAMFS_MAGIC)
+}
+
 /// `IORING_SETUP_IOPOLL` (linux/io_uring.h).
 pub const IORING_SETUP_IOPOLL: u32 = 1 << 0;
 /// `IORING_SETUP_HYBRID_IOPOLL` (linux/io_uring.h, Linux 6.13+): sleep

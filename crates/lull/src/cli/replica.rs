@@ -52,9 +52,10 @@ pub struct ReplicaArgs {
     /// Seed of the fault draws [default: from the clock, logged].
     #[arg(long, value_name = "N")]
     pub fault_seed: Option<u64>,
-    /// io_uring options of the data file, comma-separated: sqpoll[=IDLE_MS],
-    /// iopoll, iopoll=auto, hybrid_iopoll, fixed=off (as a file volume's
-    /// flags).
+    /// I/O options of the data file, comma-separated: sqpoll[=IDLE_MS],
+    /// iopoll, iopoll=auto, hybrid_iopoll, fixed=off, inline[=on|off|auto]
+    /// (as a file volume's flags; a data file on tmpfs is inline by
+    /// default).
     #[arg(long, value_name = "OPTIONS")]
     pub uring: Option<String>,
     /// MiB of fixed I/O buffers (prefaulted, registered with io_uring)

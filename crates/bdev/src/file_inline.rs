@@ -1,0 +1,260 @@
+//! The inline file channel: a `FileDev` channel that reads and writes
+//! with plain `pread`/`pwrite` on the calling thread, for files on a memory
+//! filesystem (see [`crate::ring_options::Inline`] for why and when).
+//!
+//! It behaves as the malloc channel does: `submit` queues, `reap` runs
+//! what was queued in submission order and hands the completions out, and
+//! there is no event fd (completions are ready at the next `reap`). The
+//! operations are those of the io_uring channel (`crate::file`), done
+//! synchronously: FUA is an `fdatasync` after the data, Trim and
+//! WriteZeroes are `fallocate` (punch hole, zero range) with the same
+//! fallback to writing zeros where the filesystem refuses a mode (tmpfs
+//! has no ZERO_RANGE), and a *fast* WriteZeroes that would need it fails
+//! with `Unsupported`. Nothing is allocated per request.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::RawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::{validate_request, BdevError, Channel, IoCompletion, IoOp, IoRequest};
+
+/// Requests an inline channel holds (queued plus completed, not reaped):
+/// the io_uring channel's depth, so both push back at the same point.
+pub const INLINE_CHANNEL_DEPTH: usize = crate::file::FILE_CHANNEL_DEPTH as usize;
+
+/// Zeros written where the filesystem cannot zero a range by itself, one
+/// `pwrite` per chunk: static, so no channel allocates it (the kernel maps
+/// its pages to the zero page until written, which they never are).
+static ZEROS: [u8; ZERO_CHUNK_BYTES] = [0; ZERO_CHUNK_BYTES];
+
+/// Bytes per zero-writing `pwrite` (the io_uring channel's zero buffer).
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
+
+/// A per-thread inline channel to a `FileDev` (built by
+/// `FileDev::open_channel` when the device resolved to inline).
+#[derive(Debug)]
+pub(crate) struct InlineChannel {
+    /// The main descriptor (O_DIRECT with `direct`).
+    main: Arc<File>,
+    /// The buffered descriptor for unaligned requests; `Some` iff `direct`.
+    buffered: Option<Arc<File>>,
+    /// 0 without O_DIRECT.
+    direct_align_bytes: u64,
+    size_bytes: Arc<AtomicU64>,
+    /// Submitted, not executed yet.
+    pending: VecDeque<IoRequest>,
+    /// Executed, not reaped yet.
+    done: VecDeque<IoCompletion>,
+    punch_hole_ok: bool,
+    zero_range_ok: bool,
+    /// The device's count of inline reads and writes.
+    inline_ios: Arc<AtomicU64>,
+}
+
+impl InlineChannel {
+    pub(crate) fn new(
+        main: Arc<File>,
+        buffered: Option<Arc<File>>,
+        direct_align_bytes: u64,
+        size_bytes: Arc<AtomicU64>,
+        inline_ios: Arc<AtomicU64>,
+    ) -> InlineChannel {
+        InlineChannel {
+            main,
+            buffered,
+            direct_align_bytes,
+            size_bytes,
+            pending: VecDeque::with_capacity(INLINE_CHANNEL_DEPTH),
+            done: VecDeque::with_capacity(INLINE_CHANNEL_DEPTH),
+            punch_hole_ok: true,
+            zero_range_ok: true,
+            inline_ios,
+        }
+    }
+
+    /// The descriptor for a transfer: O_DIRECT only when the file offset,
+    /// length and buffer offset are aligned (as `FileChannel::file_for`).
+    fn file_for(&self, file_offset: u64, buf_offset: u64, len: u64) -> &File {
+        let a = self.direct_align_bytes;
+        let aligned = a.is_power_of_two() && (file_offset | buf_offset | len) & (a - 1) == 0;
+        match &self.buffered {
+            Some(b) if a != 0 && !aligned => b,
+            _ => &self.main,
+        }
+    }
+
+    /// Reads or writes all of `buf` at `offset`, resuming short transfers;
+    /// 0 bytes (EOF, no space) is an error, as on the io_uring channel.
+    fn transfer(&self, write: bool, buf: &mut [u8], offset: u64) -> Result<(), BdevError> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let rest = (buf.len() - done) as u64;
+            let file = self.file_for(at, done as u64, rest);
+            let n = if write {
+                file.write_at(&buf[done..], at)
+            } else {
+                file.read_at(&mut buf[done..], at)
+            };
+            match n {
+                Ok(0) => {
+                    let kind = if write {
+                        io::ErrorKind::WriteZero
+                    } else {
+                        io::ErrorKind::UnexpectedEof
+                    };
+                    return Err(BdevError::Io(kind.into()));
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(BdevError::Io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes zeros over `[offset, offset + len)`.
+    fn write_zeros(&self, offset: u64, len: u64) -> Result<(), BdevError> {
+        let mut done = 0u64;
+        while done < len {
+            let chunk = (len - done).min(ZERO_CHUNK_BYTES as u64) as usize;
+            let at = offset + done;
+            match self
+                .file_for(at, 0, chunk as u64)
+                .write_at(&ZEROS[..chunk], at)
+            {
+                Ok(0) => return Err(BdevError::Io(io::ErrorKind::WriteZero.into())),
+                Ok(n) => done += n as u64,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(BdevError::Io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Trim or WriteZeroes: `fallocate` with `mode`, or zeros written
+    /// when the filesystem refuses the mode (remembered per channel);
+    /// `fast` refuses instead of writing.
+    fn zero(&mut self, mode: i32, offset: u64, len: u64, fast: bool) -> Result<(), BdevError> {
+        let refuse_fast = || {
+            BdevError::Unsupported("fast zero: this filesystem cannot zero a range without writing")
+        };
+        let ok = if mode == libc::FALLOC_FL_ZERO_RANGE {
+            self.zero_range_ok
+        } else {
+            self.punch_hole_ok
+        };
+        if ok && len > 0 {
+            let flags = mode | libc::FALLOC_FL_KEEP_SIZE;
+            match lull_uring::fallocate(&self.main, flags, offset, len) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    tracing::info!(
+                        mode,
+                        "fallocate mode unsupported here; writing zeros instead"
+                    );
+                    if mode == libc::FALLOC_FL_ZERO_RANGE {
+                        self.zero_range_ok = false;
+                    } else {
+                        self.punch_hole_ok = false;
+                    }
+                }
+                Err(e) => return Err(BdevError::Io(e)),
+            }
+        }
+        if fast {
+            return Err(refuse_fast());
+        }
+        self.write_zeros(offset, len)
+    }
+
+    fn sync(&self) -> Result<(), BdevError> {
+        self.main.sync_data().map_err(BdevError::Io)
+    }
+
+    /// Runs one request; the buffer goes back with its completion.
+    fn execute(&mut self, req: &mut IoRequest) -> Result<(), BdevError> {
+        validate_request(req, self.size_bytes.load(Ordering::Acquire))?;
+        let (offset, len) = (req.offset, u64::from(req.len));
+        match req.op {
+            IoOp::Read | IoOp::Write { .. } => {
+                let write = matches!(req.op, IoOp::Write { .. });
+                // validate_request checked the buffer's length.
+                let Some(buf) = req.buf.as_mut() else {
+                    return Err(BdevError::BadRequest("read or write without a buffer"));
+                };
+                self.inline_ios.fetch_add(1, Ordering::Relaxed);
+                self.transfer(write, &mut buf.as_mut_slice()[..len as usize], offset)?;
+                if let IoOp::Write { fua: true } = req.op {
+                    self.sync()?;
+                }
+                Ok(())
+            }
+            IoOp::Flush => self.sync(),
+            IoOp::Trim => self.zero(libc::FALLOC_FL_PUNCH_HOLE, offset, len, false),
+            IoOp::WriteZeroes { no_hole, fast, fua } => {
+                let mode = if no_hole {
+                    libc::FALLOC_FL_ZERO_RANGE
+                } else {
+                    libc::FALLOC_FL_PUNCH_HOLE
+                };
+                self.zero(mode, offset, len, fast)?;
+                if fua {
+                    self.sync()?;
+                }
+                Ok(())
+            }
+            IoOp::BlockStatus => Err(BdevError::Unsupported(
+                "block status of a file device: BlockDevice::extents answers it",
+            )),
+        }
+    }
+}
+
+impl Channel for InlineChannel {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if self.pending.len() + self.done.len() >= INLINE_CHANNEL_DEPTH {
+            return Err((
+                req,
+                BdevError::Full {
+                    capacity: INLINE_CHANNEL_DEPTH,
+                },
+            ));
+        }
+        self.pending.push_back(req);
+        Ok(())
+    }
+
+    fn flush_submissions(&mut self) {}
+
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        while let Some(mut req) = self.pending.pop_front() {
+            let result = self.execute(&mut req);
+            if let Err(e) = &result {
+                tracing::debug!(tag = req.tag, error = %e, "inline file request failed");
+            }
+            self.done.push_back(IoCompletion {
+                tag: req.tag,
+                result,
+                buf: req.buf,
+            });
+        }
+        let n = self.done.len();
+        while let Some(c) = self.done.pop_front() {
+            done(c);
+        }
+        n
+    }
+
+    fn event_fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    fn in_flight(&self) -> usize {
+        self.pending.len() + self.done.len()
+    }
+}
