@@ -400,11 +400,19 @@ pub trait Channel: Send {
     /// full (hold it and retry once completions are reaped); `Err` with the
     /// request's failed completion when the channel refused it.
     fn submit_now(&mut self, req: IoRequest) -> Result<Option<IoRequest>, IoCompletion> {
+        let queued = self.queue(req);
+        if matches!(queued, Ok(None)) {
+            self.flush_submissions();
+        }
+        queued
+    }
+    /// [`Channel::submit_now`] without the push: the caller queues a
+    /// batch (the requests of one socket read) and calls
+    /// `flush_submissions` once after it, so a file channel makes one
+    /// `io_uring_enter` per batch, not per request.
+    fn queue(&mut self, req: IoRequest) -> Result<Option<IoRequest>, IoCompletion> {
         match self.submit(req) {
-            Ok(()) => {
-                self.flush_submissions();
-                Ok(None)
-            }
+            Ok(()) => Ok(None),
             Err((req, BdevError::Full { .. })) => Ok(Some(req)),
             Err((req, e)) => Err(IoCompletion {
                 tag: req.tag,

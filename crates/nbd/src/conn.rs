@@ -115,6 +115,10 @@ pub(crate) struct Conn {
     recv: Recv,
     /// A request the device refused as full; retried before reading more.
     retry: Option<IoRequest>,
+    /// Requests queued on the channel and not pushed yet: `advance`
+    /// pushes them once per batch (one `io_uring_enter` for every request
+    /// of a socket read, not one each).
+    unflushed: bool,
     pub(crate) handshake_done: Arc<AtomicBool>,
     /// STARTTLS was acknowledged: once the ACK is written, the stream
     /// moves into a TLS session. No plaintext is read meanwhile.
@@ -169,9 +173,14 @@ impl wire::Protocol for Conn {
         &mut self.link
     }
 
+    /// Reap, retry a held request, then push what was queued since the
+    /// last round (the requests `read_and_dispatch` queued, which `pump`
+    /// always follows with an `advance`, and any a completion queued).
     fn advance(&mut self) -> bool {
         let reaped = self.reap();
-        reaped | self.retry_submit()
+        let retried = self.retry_submit();
+        self.flush_submissions();
+        reaped | retried
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -242,6 +251,7 @@ impl Conn {
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
+            unflushed: false,
             handshake_done: Arc::new(AtomicBool::new(false)),
             starting_tls: false,
             completions: Vec::new(),
@@ -981,10 +991,20 @@ impl Conn {
         let Phase::Transmission { channel, .. } = &mut self.phase else {
             return;
         };
-        match channel.submit_now(io) {
-            Ok(None) => {}
+        match channel.queue(io) {
+            Ok(None) => self.unflushed = true,
             Ok(Some(io)) => self.retry = Some(io),
             Err(done) => self.complete(done),
+        }
+    }
+
+    /// Pushes the requests queued since the last push (see `unflushed`).
+    fn flush_submissions(&mut self) {
+        if !std::mem::take(&mut self.unflushed) {
+            return;
+        }
+        if let Phase::Transmission { channel, .. } = &mut self.phase {
+            channel.flush_submissions();
         }
     }
 

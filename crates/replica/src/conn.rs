@@ -171,6 +171,10 @@ pub(crate) struct Conn {
     recv: Recv,
     /// A request the channel refused as full; retried before reading more.
     retry: Option<IoRequest>,
+    /// Requests queued on the channel and not pushed yet: `advance`
+    /// pushes them once per batch (one `io_uring_enter` for every request
+    /// of a socket read, not one each).
+    unflushed: bool,
     pub(crate) hello_done: Arc<AtomicBool>,
     wait: Option<Wait>,
     /// Draws for `--fault-drop` (seeded per connection).
@@ -212,10 +216,15 @@ impl link::Protocol for Conn {
         &mut self.link
     }
 
+    /// Waits, reaps, retries a held request, then pushes what was queued
+    /// since the last round (`read_and_dispatch`'s requests: `pump`
+    /// always follows it with an `advance`).
     fn advance(&mut self) -> bool {
         let waited = self.check_wait();
         let reaped = self.reap();
-        waited | reaped | self.retry_submit()
+        let retried = self.retry_submit();
+        self.flush_submissions();
+        waited | reaped | retried
     }
 
     fn read_and_dispatch(&mut self) -> bool {
@@ -298,6 +307,7 @@ impl Conn {
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
             retry: None,
+            unflushed: false,
             hello_done: Arc::new(AtomicBool::new(false)),
             drop_draws,
             wait: None,
@@ -1358,10 +1368,20 @@ impl Conn {
         let Phase::Ready { channel } = &mut self.phase else {
             return;
         };
-        match channel.submit_now(io) {
-            Ok(None) => {}
+        match channel.queue(io) {
+            Ok(None) => self.unflushed = true,
             Ok(Some(io)) => self.retry = Some(io),
             Err(done) => self.complete(done),
+        }
+    }
+
+    /// Pushes the requests queued since the last push (see `unflushed`).
+    fn flush_submissions(&mut self) {
+        if !std::mem::take(&mut self.unflushed) {
+            return;
+        }
+        if let Phase::Ready { channel } = &mut self.phase {
+            channel.flush_submissions();
         }
     }
 
