@@ -325,6 +325,7 @@ impl Sock {
     fn read_frames(
         &mut self,
         engine: &mut Engine,
+        conn: ConnRef,
         frames: &mut Vec<(Header, Option<IoBuf>)>,
     ) -> Result<bool, String> {
         if let Some(reason) = self.failed() {
@@ -358,7 +359,7 @@ impl Sock {
                         } else {
                             self.recv = Recv::Payload {
                                 header,
-                                buf: engine.get_buf(n),
+                                buf: engine.reply_buf(conn, &header, n),
                                 filled: 0,
                             };
                         }
@@ -729,7 +730,7 @@ impl Shell {
             .and_then(|v| v.get_mut(c))
             .and_then(Option::as_mut)
         {
-            Some(sock) => sock.read_frames(&mut self.core, &mut frames),
+            Some(sock) => sock.read_frames(&mut self.core, conn, &mut frames),
             None => return PollStatus::Idle,
         };
         let mut busy = !frames.is_empty();

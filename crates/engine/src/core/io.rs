@@ -5,7 +5,7 @@
 use lull_bdev::{BdevError, IoBuf, IoOp};
 use lull_proto::replica::{self as wire, Header, Kind};
 
-use super::ids::{ConnId, ReplicaId, ReplicaSet};
+use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet};
 use super::rebuild::Rebuild;
 use super::replicas::{Sub, SubKind};
 use super::SharedBuf;
@@ -351,6 +351,40 @@ impl Engine {
         Dispatch::Done
     }
 
+    /// The buffer a reply's payload of `len` bytes is received into. A
+    /// successful READ reply for a client read goes straight into the
+    /// client's own buffer (taken out of the request now; the reply puts
+    /// it back, or one from another replica does if this connection
+    /// fails first), so a read holds one buffer, not two, and the NBD
+    /// reply is sent from the bytes the socket wrote. Anything else gets
+    /// a buffer from the thread's cache ([`Engine::get_buf`]).
+    pub fn reply_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> IoBuf {
+        match self.client_read_buf(c, h, len) {
+            Some(buf) => buf,
+            None => self.get_buf(len),
+        }
+    }
+
+    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<IoBuf> {
+        if !h.reply || h.kind != Kind::Read || h.status != 0 {
+            return None;
+        }
+        let r = self.live_conn(c)?;
+        let sub = self.replicas[r].conns[c.conn].slots.get(h.id)?;
+        let SubKind::Client(id) = sub.what else {
+            return None;
+        };
+        if sub.kind != Kind::Read || sub.length as usize != len {
+            return None; // on_frame refuses it; a fresh buffer takes it
+        }
+        let IoData::Read(slot) = &mut self.ios.get_mut(id)?.data else {
+            return None;
+        };
+        let mut buf = slot.take_if(|b| b.capacity() >= len)?;
+        buf.set_len(len);
+        Some(buf)
+    }
+
     pub(super) fn on_client_reply(
         &mut self,
         r: ReplicaId,
@@ -388,7 +422,8 @@ impl Engine {
             data.set_len(sub.length as usize);
             if let Some(io) = self.ios.get_mut(id) {
                 io.outstanding = 0;
-                // Hand the received buffer to the client; recycle theirs.
+                // Hand the received buffer to the client; recycle theirs
+                // (none when it was received into theirs: `reply_buf`).
                 if let IoData::Read(slot) = &mut io.data {
                     if let Some(old) = slot.replace(data) {
                         lull_net::bufs::put(old);
