@@ -1734,11 +1734,22 @@ mod tests {
     }
 
     fn open_with(dir: &TempDir, direct: bool, flags: &str) -> Result<FileDev, BdevError> {
+        open_sized(dir, 1 << 20, direct, flags)
+    }
+
+    /// Opens (creating) a device of `size` in `dir` with `flags` as in a
+    /// `file=` spec.
+    fn open_sized(
+        dir: &TempDir,
+        size: u64,
+        direct: bool,
+        flags: &str,
+    ) -> Result<FileDev, BdevError> {
         let mut d = direct;
         let ring = RingOptions::parse_list(flags, &mut d).expect("flags parse");
         FileDev::open(
             dir.file(),
-            1 << 20,
+            size,
             FileOptions {
                 direct: d,
                 create: true,
@@ -2109,17 +2120,7 @@ mod tests {
         }
 
         fn open_flags(dir: &TempDir, size: u64, flags: &str) -> Result<FileDev, BdevError> {
-            let mut direct = false;
-            let ring = RingOptions::parse_list(flags, &mut direct).expect("flags parse");
-            FileDev::open(
-                dir.file(),
-                size,
-                FileOptions {
-                    direct,
-                    create: true,
-                    ring,
-                },
-            )
+            open_sized(dir, size, false, flags)
         }
 
         fn refused_option(r: Result<FileDev, BdevError>) -> (&'static str, String) {

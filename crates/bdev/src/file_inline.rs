@@ -2,9 +2,10 @@
 //! with plain `pread`/`pwrite` on the calling thread, for files on a memory
 //! filesystem (see [`crate::ring_options::Inline`] for why and when).
 //!
-//! It behaves as the malloc channel does: `submit` queues, `reap` runs
-//! what was queued in submission order and hands the completions out, and
-//! there is no event fd (completions are ready at the next `reap`). The
+//! It behaves as the malloc channel does (`crate::deferred`): `submit`
+//! queues, `reap` runs what was queued in submission order and hands the
+//! completions out, and there is no event fd (completions are ready at
+//! the next `reap`). The
 //! operations are those of the io_uring channel (`crate::file`), done
 //! synchronously: FUA is an `fdatasync` after the data, Trim and
 //! WriteZeroes are `fallocate` (punch hole, zero range) with the same
@@ -12,7 +13,6 @@
 //! has no ZERO_RANGE), and a *fast* WriteZeroes that would need it fails
 //! with `Unsupported`. Nothing is allocated per request.
 
-use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::fd::RawFd;
@@ -20,6 +20,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::deferred::Deferred;
 use crate::{validate_request, BdevError, Channel, IoCompletion, IoOp, IoRequest};
 
 /// Requests an inline channel holds (queued plus completed, not reaped):
@@ -38,6 +39,13 @@ const ZERO_CHUNK_BYTES: usize = 1 << 20;
 /// `FileDev::open_channel` when the device resolved to inline).
 #[derive(Debug)]
 pub(crate) struct InlineChannel {
+    file: InlineFile,
+    queue: Deferred,
+}
+
+/// What an inline channel runs its requests on.
+#[derive(Debug)]
+struct InlineFile {
     /// The main descriptor (O_DIRECT with `direct`).
     main: Arc<File>,
     /// The buffered descriptor for unaligned requests; `Some` iff `direct`.
@@ -45,10 +53,6 @@ pub(crate) struct InlineChannel {
     /// 0 without O_DIRECT.
     direct_align_bytes: u64,
     size_bytes: Arc<AtomicU64>,
-    /// Submitted, not executed yet.
-    pending: VecDeque<IoRequest>,
-    /// Executed, not reaped yet.
-    done: VecDeque<IoCompletion>,
     punch_hole_ok: bool,
     zero_range_ok: bool,
     /// The device's count of inline reads and writes.
@@ -64,18 +68,21 @@ impl InlineChannel {
         inline_ios: Arc<AtomicU64>,
     ) -> InlineChannel {
         InlineChannel {
-            main,
-            buffered,
-            direct_align_bytes,
-            size_bytes,
-            pending: VecDeque::with_capacity(INLINE_CHANNEL_DEPTH),
-            done: VecDeque::with_capacity(INLINE_CHANNEL_DEPTH),
-            punch_hole_ok: true,
-            zero_range_ok: true,
-            inline_ios,
+            file: InlineFile {
+                main,
+                buffered,
+                direct_align_bytes,
+                size_bytes,
+                punch_hole_ok: true,
+                zero_range_ok: true,
+                inline_ios,
+            },
+            queue: Deferred::new(INLINE_CHANNEL_DEPTH, true, "inline file"),
         }
     }
+}
 
+impl InlineFile {
     /// The descriptor for a transfer: O_DIRECT only when the file offset,
     /// length and buffer offset are aligned (as `FileChannel::file_for`).
     fn file_for(&self, file_offset: u64, buf_offset: u64, len: u64) -> &File {
@@ -217,37 +224,14 @@ impl InlineChannel {
 
 impl Channel for InlineChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
-        if self.pending.len() + self.done.len() >= INLINE_CHANNEL_DEPTH {
-            return Err((
-                req,
-                BdevError::Full {
-                    capacity: INLINE_CHANNEL_DEPTH,
-                },
-            ));
-        }
-        self.pending.push_back(req);
-        Ok(())
+        self.queue.submit(req)
     }
 
     fn flush_submissions(&mut self) {}
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
-        while let Some(mut req) = self.pending.pop_front() {
-            let result = self.execute(&mut req);
-            if let Err(e) = &result {
-                tracing::debug!(tag = req.tag, error = %e, "inline file request failed");
-            }
-            self.done.push_back(IoCompletion {
-                tag: req.tag,
-                result,
-                buf: req.buf,
-            });
-        }
-        let n = self.done.len();
-        while let Some(c) = self.done.pop_front() {
-            done(c);
-        }
-        n
+        let file = &mut self.file;
+        self.queue.reap(|req| file.execute(req), done)
     }
 
     fn event_fd(&self) -> Option<RawFd> {
@@ -255,6 +239,6 @@ impl Channel for InlineChannel {
     }
 
     fn in_flight(&self) -> usize {
-        self.pending.len() + self.done.len()
+        self.queue.in_flight()
     }
 }

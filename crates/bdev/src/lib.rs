@@ -28,6 +28,7 @@ use std::os::fd::RawFd;
 
 pub use lull_uring::{BufPool, IoBuf};
 
+mod deferred;
 pub mod faulty;
 pub mod file;
 mod file_inline;

@@ -28,7 +28,7 @@
 //! assert_eq!(results, vec![(1, true)]);
 //! ```
 
-use std::collections::VecDeque;
+use crate::deferred::Deferred;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
@@ -375,10 +375,7 @@ impl BlockDevice for MallocDev {
     fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
         Ok(Box::new(MallocChannel {
             inner: Arc::clone(&self.inner),
-            // Grows to the owner's queue depth on first use, then stays:
-            // an idle connection's channel stays small.
-            pending: VecDeque::new(),
-            done: VecDeque::with_capacity(MALLOC_CHANNEL_DEPTH),
+            queue: Deferred::new(MALLOC_CHANNEL_DEPTH, false, "malloc"),
         }))
     }
 }
@@ -397,58 +394,26 @@ impl BlockDevice for MallocDev {
 /// difference; writes still land before their completion.
 struct MallocChannel {
     inner: Arc<Inner>,
-    /// Submitted, not executed yet.
-    pending: VecDeque<IoRequest>,
-    done: VecDeque<IoCompletion>,
-}
-
-impl MallocChannel {
-    /// Execute what is pending, in submission order.
-    fn run_pending(&mut self) {
-        if self.pending.len() > 1 {
-            for req in &self.pending {
-                if req.op == IoOp::Read && req.len > 0 {
-                    self.inner.touch(req.offset);
-                }
-            }
-        }
-        while let Some(mut req) = self.pending.pop_front() {
-            let result = self.inner.execute(&mut req);
-            if let Err(e) = &result {
-                tracing::debug!(tag = req.tag, error = %e, "malloc request failed");
-            }
-            self.done.push_back(IoCompletion {
-                tag: req.tag,
-                result,
-                buf: req.buf,
-            });
-        }
-    }
+    queue: Deferred,
 }
 
 impl Channel for MallocChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
-        if self.pending.len() + self.done.len() >= MALLOC_CHANNEL_DEPTH {
-            return Err((
-                req,
-                BdevError::Full {
-                    capacity: MALLOC_CHANNEL_DEPTH,
-                },
-            ));
-        }
-        self.pending.push_back(req);
-        Ok(())
+        self.queue.submit(req)
     }
 
     fn flush_submissions(&mut self) {}
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
-        self.run_pending();
-        let n = self.done.len();
-        while let Some(c) = self.done.pop_front() {
-            done(c);
+        if self.queue.pending().nth(1).is_some() {
+            for req in self.queue.pending() {
+                if req.op == IoOp::Read && req.len > 0 {
+                    self.inner.touch(req.offset);
+                }
+            }
         }
-        n
+        let inner = &self.inner;
+        self.queue.reap(|req| inner.execute(req), done)
     }
 
     fn event_fd(&self) -> Option<RawFd> {
@@ -456,7 +421,7 @@ impl Channel for MallocChannel {
     }
 
     fn in_flight(&self) -> usize {
-        self.pending.len() + self.done.len()
+        self.queue.in_flight()
     }
 }
 
