@@ -417,8 +417,26 @@ impl Sock {
         let wants_write = self.link.stream.wants_write();
         self.link.update_interest(t, self.poller, None, wants_write);
         match self.failed() {
-            Some(reason) if self.link.is_broken() => Err(reason),
+            Some(reason) if self.link.is_broken() => Err(self.pending_alert().unwrap_or(reason)),
             _ => Ok(moved),
+        }
+    }
+
+    /// After a failed write on a TLS link: the TLS alert the replica sent
+    /// before it closed, if it is still in the socket. A replica that
+    /// refuses this engine's certificate (checked after the TLS 1.3 client
+    /// is done with its handshake) sends an alert and closes; a write
+    /// racing the close fails with EPIPE before any read saw the alert,
+    /// and "broken pipe" would hide why.
+    fn pending_alert(&mut self) -> Option<String> {
+        use std::io::Read;
+        if !self.link.stream.is_tls() {
+            return None;
+        }
+        let mut scratch = [0u8; 64];
+        match self.link.stream.read(&mut scratch) {
+            Err(e) if e.to_string().contains("alert") => Some(format!("read failed: {e}")),
+            _ => None,
         }
     }
 }
@@ -715,9 +733,26 @@ impl Shell {
         match sock.flush(t) {
             Ok(p) => p,
             Err(reason) => {
-                self.followups.push_back(Event::ConnDown { conn, reason });
+                let event = self.down_event(conn, reason);
+                self.followups.push_back(event);
                 true
             }
+        }
+    }
+
+    /// The event of a connection that failed for `reason`: an
+    /// authentication failure when the replica refused our TLS
+    /// credentials (an alert), else a plain disconnection.
+    fn down_event(&mut self, conn: ConnRef, reason: String) -> Event {
+        match self.sock(conn) {
+            Some(sock) if sock.tls_refused(&reason) => Event::AuthFailed {
+                conn,
+                reason: format!(
+                    "replica not authenticated: {reason} ({})",
+                    replica_link::handshake_hint(&reason)
+                ),
+            },
+            _ => Event::ConnDown { conn, reason },
         }
     }
 
@@ -749,16 +784,7 @@ impl Shell {
         match read {
             Ok(p) => busy |= p,
             Err(reason) => {
-                let event = match self.sock(conn) {
-                    Some(sock) if sock.tls_refused(&reason) => Event::AuthFailed {
-                        conn,
-                        reason: format!(
-                            "replica not authenticated: {reason} ({})",
-                            replica_link::handshake_hint(&reason)
-                        ),
-                    },
-                    _ => Event::ConnDown { conn, reason },
-                };
+                let event = self.down_event(conn, reason);
                 self.run(t, event, now);
                 return PollStatus::Busy;
             }
