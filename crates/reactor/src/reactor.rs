@@ -844,6 +844,12 @@ struct Reactor {
     spins_idle: u64,
     spin_ns_with_work: u64,
     spin_ns_idle: u64,
+    /// The lull thread (slot) whose work the last spins caught, and how
+    /// many spins in a row caught it: with a streak, a spin looks at that
+    /// thread's epoll set instead of the reactor's (see `spin_look`).
+    hot: Option<usize>,
+    hot_streak: u32,
+    spin_looks: u32,
     ready_events: u64,
     epoll: Epoll,
     threads: Vec<Option<Box<Thread>>>,
@@ -879,6 +885,18 @@ const CALIBRATION_DELAY_NS: u64 = 100_000;
 /// cost but a preemption (the core was busy with something else); it is
 /// not learned from.
 const WAKE_SAMPLE_MAX_NS: u64 = 2_000_000;
+
+/// While a spin looks only at the hot thread's epoll set, every this many
+/// looks is the reactor's own, so that another thread's ready fd waits at
+/// most this many looks (a few µs) during a spin, and not at all outside
+/// one.
+const SPIN_FULL_LOOK_EVERY: u32 = 8;
+
+/// Spins catch work of the same thread this many times in a row before
+/// they look at that thread alone: one catch of another thread (a replica
+/// reply for the engine after a request for the poll group) puts the
+/// reactor's own look back, so alternating sources are not kept waiting.
+const HOT_STREAK_MIN: u32 = 2;
 
 /// Measure what a sleep-and-wake costs on this core: sleep on a timerfd
 /// in an epoll set (as the reactor does) and see how late and at what CPU
@@ -969,6 +987,9 @@ impl Reactor {
             spins_idle: 0,
             spin_ns_with_work: 0,
             spin_ns_idle: 0,
+            hot: None,
+            hot_streak: 0,
+            spin_looks: 0,
             ready_events: 0,
             epoll,
             threads: Vec::new(),
@@ -995,64 +1016,73 @@ impl Reactor {
     /// work. Its cost is the sources with work plus an O(1) check per
     /// thread; connections are sources inside poll-group threads, so it
     /// does not grow with idle connections.
+    ///
+    /// Clock reads: one after the look for events, then one per thread
+    /// run (each thread starts where the one before ended); the read that
+    /// ends an iteration starts the next (only the counters' stores lie
+    /// between them). A quiet spin look thus costs one read.
     fn run(&mut self) {
+        let mut now = self.clock_now();
         loop {
-            let now = self.clock_now();
             let mut busy = self.handle_control();
             if self.stopping {
                 self.shutdown();
                 return;
             }
             busy |= self.wait_events(now);
-            let now = self.clock_now();
-            busy |= self.poll_threads(now);
-            self.reap_exited();
-            let end = self.clock_now();
+            let start = self.clock_now();
+            let (threads_busy, mut end) = self.poll_threads(start);
+            busy |= threads_busy;
+            if self.reap_exited() {
+                end = self.clock_now();
+            }
             if busy {
                 if let Some(spin) = self.spin.take() {
                     self.spins_with_work += 1;
-                    self.spin_ns_with_work += now.saturating_sub(spin.start_ns);
+                    self.spin_ns_with_work += start.saturating_sub(spin.start_ns);
                 }
-                self.adaptive.found_work(now, self.slept_while_idle);
+                self.adaptive.found_work(start, self.slept_while_idle);
                 self.slept_while_idle = false;
             } else if self.mode == Mode::Adaptive {
                 self.adaptive.went_idle(end);
             }
-            self.account(busy, end.saturating_sub(now), end);
+            self.account(busy, end.saturating_sub(start), end);
             self.last_busy = busy;
+            now = end;
         }
     }
 
     /// Run each thread that has work: ready fds (seen through the
     /// reactor's epoll), messages, woken pollers, due timers; in poll mode
-    /// also the threads with fd-less pollers.
-    fn poll_threads(&mut self, now: u64) -> bool {
-        let clock = self.framework.shared.clock.clone();
+    /// also the threads with fd-less pollers. Returns whether one was busy,
+    /// and when the last one ended (`now` if none ran).
+    fn poll_threads(&mut self, now: u64) -> (bool, u64) {
+        let clock = &*self.framework.shared.clock;
         let scope = if self.mode == Mode::Poll {
             Scope::All
         } else {
             Scope::Ready
         };
         let mut busy = false;
+        let mut at = now;
         for i in 0..self.threads.len() {
             let ready = std::mem::take(&mut self.ready[i]);
             let Some(t) = self.threads[i].as_mut() else {
                 continue;
             };
             let run = ready
-                || t.has_immediate_work(now)
+                || t.has_immediate_work(at)
                 || (scope == Scope::All && t.has_fdless_pollers());
             if !run {
                 continue;
             }
-            let t_now = clock.now_ns();
             // Its timers may have moved.
             self.idle_deadline = None;
-            if t.poll_ready(t_now, scope, ready, &*clock) == PollStatus::Busy {
-                busy = true;
-            }
+            let (status, end) = t.poll_ready_timed(at, scope, ready, clock);
+            busy |= status == PollStatus::Busy;
+            at = end;
         }
-        busy
+        (busy, at)
     }
 
     /// Ask the reactor's epoll set which threads have ready fds: without
@@ -1066,13 +1096,17 @@ impl Reactor {
         // A reactor without threads sleeps in every mode (poll too): the
         // scheduler emptied it, and a thread moved here wakes it.
         let empty = self.n_threads == 0;
+        let mut spinning = false;
         if !self.last_busy && (self.mode != Mode::Poll || empty) {
             if !empty && self.keep_spinning(now) {
-                timeout = 0;
+                spinning = true;
             } else if let Some(d) = self.prepare_sleep(now) {
                 timeout = -1;
                 deadline = d;
             }
+        }
+        if spinning && self.spin_look() {
+            return false;
         }
         let sleeping = timeout == -1;
         self.publish_usage(now, sleeping);
@@ -1115,9 +1149,50 @@ impl Reactor {
                 control = true;
             } else if let Some(r) = self.ready.get_mut(token as usize) {
                 *r = true;
+                if spinning {
+                    self.spin_caught(token as usize);
+                }
             }
         }
         control && self.handle_control()
+    }
+
+    /// A spin's look at the hot thread's epoll set alone, in place of the
+    /// reactor's: the reactor's set holds each thread's set, so a ready
+    /// socket seen there costs a second `epoll_wait` on the thread's set;
+    /// looked at directly, the thread's ready pollers are marked woken
+    /// (`Thread::has_immediate_work`) and the iteration runs them with no
+    /// other syscall. Only while spins keep catching that thread's work,
+    /// and every `SPIN_FULL_LOOK_EVERY`th look is the reactor's. Returns
+    /// false when this look must be the reactor's.
+    fn spin_look(&mut self) -> bool {
+        let Some(slot) = self.hot.filter(|_| self.hot_streak >= HOT_STREAK_MIN) else {
+            return false;
+        };
+        self.spin_looks = self.spin_looks.wrapping_add(1);
+        if self.spin_looks.is_multiple_of(SPIN_FULL_LOOK_EVERY) {
+            return false;
+        }
+        let Some(t) = self.threads.get_mut(slot).and_then(Option::as_mut) else {
+            self.hot = None;
+            return false;
+        };
+        if t.collect_ready() > 0 {
+            self.ready_events += 1;
+            self.spin_caught(slot);
+        }
+        true
+    }
+
+    /// A spin look found thread `slot` ready: the hot thread's streak
+    /// grows, or `slot` becomes the hot thread with none.
+    fn spin_caught(&mut self, slot: usize) {
+        if self.hot == Some(slot) {
+            self.hot_streak = (self.hot_streak + 1).min(HOT_STREAK_MIN);
+        } else {
+            self.hot = Some(slot);
+            self.hot_streak = 0;
+        }
     }
 
     /// Adaptive mode: whether to look for events once more without
@@ -1279,6 +1354,7 @@ impl Reactor {
         };
         let _ = self.epoll.delete(t.epoll_fd());
         self.ready[slot] = false;
+        self.forget_hot(slot);
         self.n_threads -= 1;
         // Its timers were in the cached earliest deadline.
         self.idle_deadline = None;
@@ -1354,13 +1430,26 @@ impl Reactor {
         Ok(())
     }
 
-    fn reap_exited(&mut self) {
+    /// Remove the threads that asked to exit; returns whether there were any.
+    fn reap_exited(&mut self) -> bool {
+        let mut reaped = false;
         for i in 0..self.threads.len() {
             if self.threads[i].as_ref().is_some_and(|t| t.exit_requested()) {
                 if let Some(mut t) = self.threads[i].take() {
+                    self.forget_hot(i);
                     self.remove_thread(&mut t);
+                    reaped = true;
                 }
             }
+        }
+        reaped
+    }
+
+    /// The thread in `slot` left: spins stop looking at its set alone.
+    fn forget_hot(&mut self, slot: usize) {
+        if self.hot == Some(slot) {
+            self.hot = None;
+            self.hot_streak = 0;
         }
     }
 
