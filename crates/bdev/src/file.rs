@@ -2040,29 +2040,16 @@ mod tests {
         }
 
         #[test]
-        fn fixed_buffers_round_trip_buffered() {
-            let ios = round_trip_on_an_arena_thread(false, "");
-            assert_eq!(
-                ios,
-                BufferIos {
+        fn fixed_buffers_round_trip_buffered_and_direct() {
+            for direct in [false, true] {
+                let ios = round_trip_on_an_arena_thread(direct, "");
+                let want = BufferIos {
                     fixed: 8,
                     plain: 4,
-                    inline: 0
-                }
-            );
-        }
-
-        #[test]
-        fn fixed_buffers_round_trip_direct() {
-            let ios = round_trip_on_an_arena_thread(true, "");
-            assert_eq!(
-                ios,
-                BufferIos {
-                    fixed: 8,
-                    plain: 4,
-                    inline: 0
-                }
-            );
+                    inline: 0,
+                };
+                assert_eq!(ios, want, "direct: {direct}");
+            }
         }
 
         #[test]
