@@ -272,15 +272,6 @@ impl FileDev {
         self.direct.then_some(self.direct_align_bytes)
     }
 
-    /// The O_DIRECT alignment a channel routes by; 0 without `direct`.
-    fn direct_align_bytes_or_zero(&self) -> u64 {
-        if self.direct {
-            self.direct_align_bytes
-        } else {
-            0
-        }
-    }
-
     /// Opens a concrete io_uring file channel (`open_channel` boxes this,
     /// or an inline channel when the device resolved to inline).
     pub fn open_file_channel(&self) -> Result<FileChannel, BdevError> {
@@ -317,7 +308,7 @@ impl FileDev {
             pool: BufPool::new(CHANNEL_POOL_BYTES),
             parked: Vec::with_capacity(capacity),
             size_bytes: self.size_bytes.clone(),
-            direct_align_bytes: self.direct_align_bytes_or_zero(),
+            direct_align_bytes: self.direct_align_bytes,
             punch_hole_ok: true,
             zero_range_ok: true,
         })
@@ -404,7 +395,7 @@ impl BlockDevice for FileDev {
             return Ok(Box::new(InlineChannel::new(
                 self.main.clone(),
                 self.buffered.clone(),
-                self.direct_align_bytes_or_zero(),
+                self.direct_align_bytes,
                 self.size_bytes.clone(),
                 self.inline_ios.clone(),
             )));
@@ -537,15 +528,20 @@ fn cqe_error(result: i32) -> BdevError {
     BdevError::Io(io::Error::from_raw_os_error(-result))
 }
 
+/// Whether a transfer goes through the main descriptor: always without
+/// O_DIRECT (`align` 0), with it only when the file offset, buffer offset
+/// and length are all multiples of `align`. DIO alignments are powers of
+/// two; anything else (u64::MAX: "never direct") routes everything through
+/// the buffered descriptor. Shared by the io_uring and inline channels.
+pub(crate) fn uses_main(align: u64, file_offset: u64, buf_offset: u64, len: u64) -> bool {
+    align == 0 || (align.is_power_of_two() && (file_offset | buf_offset | len) & (align - 1) == 0)
+}
+
 impl FileChannel {
     /// Which descriptor a transfer uses: O_DIRECT only when the file offset,
     /// length and buffer offset are all aligned.
     fn file_for(&self, file_offset: u64, buf_offset: u64, len: u64) -> u32 {
-        let a = self.direct_align_bytes;
-        // DIO alignments are powers of two; anything else (u64::MAX: "never
-        // direct") routes everything through the buffered descriptor.
-        let aligned = a.is_power_of_two() && (file_offset | buf_offset | len) & (a - 1) == 0;
-        if a == 0 || aligned {
+        if uses_main(self.direct_align_bytes, file_offset, buf_offset, len) {
             FILE_MAIN
         } else {
             FILE_BUFFERED

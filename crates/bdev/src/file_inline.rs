@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::deferred::Deferred;
+use crate::file::uses_main;
 use crate::{validate_request, BdevError, Channel, IoCompletion, IoOp, IoRequest};
 
 /// Requests an inline channel holds (queued plus completed, not reaped):
@@ -34,6 +35,21 @@ static ZEROS: [u8; ZERO_CHUNK_BYTES] = [0; ZERO_CHUNK_BYTES];
 
 /// Bytes per zero-writing `pwrite` (the io_uring channel's zero buffer).
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
+
+/// One transfer's bytes: read into, or written from.
+enum Data<'a> {
+    Into(&'a mut [u8]),
+    From(&'a [u8]),
+}
+
+impl Data<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Data::Into(b) => b.len(),
+            Data::From(b) => b.len(),
+        }
+    }
+}
 
 /// A per-thread inline channel to a `FileDev` (built by
 /// `FileDev::open_channel` when the device resolved to inline).
@@ -86,33 +102,31 @@ impl InlineFile {
     /// The descriptor for a transfer: O_DIRECT only when the file offset,
     /// length and buffer offset are aligned (as `FileChannel::file_for`).
     fn file_for(&self, file_offset: u64, buf_offset: u64, len: u64) -> &File {
-        let a = self.direct_align_bytes;
-        let aligned = a.is_power_of_two() && (file_offset | buf_offset | len) & (a - 1) == 0;
+        let main = uses_main(self.direct_align_bytes, file_offset, buf_offset, len);
         match &self.buffered {
-            Some(b) if a != 0 && !aligned => b,
+            Some(b) if !main => b,
             _ => &self.main,
         }
     }
 
-    /// Reads or writes all of `buf` at `offset`, resuming short transfers;
-    /// 0 bytes (EOF, no space) is an error, as on the io_uring channel.
-    fn transfer(&self, write: bool, buf: &mut [u8], offset: u64) -> Result<(), BdevError> {
+    /// Reads into or writes from all of `data` at `offset`, resuming short
+    /// transfers; 0 bytes (EOF, no space) is an error, as on the io_uring
+    /// channel.
+    fn transfer(&self, mut data: Data<'_>, offset: u64) -> Result<(), BdevError> {
+        let len = data.len();
         let mut done = 0usize;
-        while done < buf.len() {
+        while done < len {
             let at = offset + done as u64;
-            let rest = (buf.len() - done) as u64;
-            let file = self.file_for(at, done as u64, rest);
-            let n = if write {
-                file.write_at(&buf[done..], at)
-            } else {
-                file.read_at(&mut buf[done..], at)
+            let file = self.file_for(at, done as u64, (len - done) as u64);
+            let n = match &mut data {
+                Data::Into(buf) => file.read_at(&mut buf[done..], at),
+                Data::From(buf) => file.write_at(&buf[done..], at),
             };
             match n {
                 Ok(0) => {
-                    let kind = if write {
-                        io::ErrorKind::WriteZero
-                    } else {
-                        io::ErrorKind::UnexpectedEof
+                    let kind = match data {
+                        Data::Into(_) => io::ErrorKind::UnexpectedEof,
+                        Data::From(_) => io::ErrorKind::WriteZero,
                     };
                     return Err(BdevError::Io(kind.into()));
                 }
@@ -124,21 +138,14 @@ impl InlineFile {
         Ok(())
     }
 
-    /// Writes zeros over `[offset, offset + len)`.
+    /// Writes zeros over `[offset, offset + len)`, a chunk of `ZEROS` at a
+    /// time.
     fn write_zeros(&self, offset: u64, len: u64) -> Result<(), BdevError> {
         let mut done = 0u64;
         while done < len {
             let chunk = (len - done).min(ZERO_CHUNK_BYTES as u64) as usize;
-            let at = offset + done;
-            match self
-                .file_for(at, 0, chunk as u64)
-                .write_at(&ZEROS[..chunk], at)
-            {
-                Ok(0) => return Err(BdevError::Io(io::ErrorKind::WriteZero.into())),
-                Ok(n) => done += n as u64,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(BdevError::Io(e)),
-            }
+            self.transfer(Data::From(&ZEROS[..chunk]), offset + done)?;
+            done += chunk as u64;
         }
         Ok(())
     }
@@ -189,13 +196,17 @@ impl InlineFile {
         let (offset, len) = (req.offset, u64::from(req.len));
         match req.op {
             IoOp::Read | IoOp::Write { .. } => {
-                let write = matches!(req.op, IoOp::Write { .. });
                 // validate_request checked the buffer's length.
                 let Some(buf) = req.buf.as_mut() else {
                     return Err(BdevError::BadRequest("read or write without a buffer"));
                 };
                 self.inline_ios.fetch_add(1, Ordering::Relaxed);
-                self.transfer(write, &mut buf.as_mut_slice()[..len as usize], offset)?;
+                let bytes = &mut buf.as_mut_slice()[..len as usize];
+                let data = match req.op {
+                    IoOp::Read => Data::Into(bytes),
+                    _ => Data::From(bytes),
+                };
+                self.transfer(data, offset)?;
                 if let IoOp::Write { fua: true } = req.op {
                     self.sync()?;
                 }
