@@ -261,6 +261,13 @@ impl FileDev {
         self.inline
     }
 
+    /// The data file, for reading its bytes out of the page cache by
+    /// other means than a channel (`sendfile` of a replica's read replies);
+    /// `None` with `direct`, whose reads bypass the page cache.
+    pub fn page_cache_file(&self) -> Option<Arc<File>> {
+        (!self.direct).then(|| self.main.clone())
+    }
+
     /// Whether aligned requests bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.direct

@@ -450,6 +450,7 @@ fn steady_state_replicated_requests_allocate_nothing() {
                     ring: Default::default(),
                     faults: Default::default(),
                     link: lull_net::link::LinkAuth::Insecure,
+                    sendfile: true,
                 },
             )
             .expect("replica server")

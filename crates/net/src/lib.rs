@@ -27,6 +27,7 @@
 
 pub mod bufs;
 pub mod link;
+pub mod pipes;
 pub mod server;
 pub mod shared;
 pub mod slots;
@@ -35,6 +36,8 @@ pub mod wire;
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::{AsFd, RawFd};
+use std::sync::Arc;
 
 use lull_uring::{BufPool, IoBuf};
 
@@ -51,13 +54,21 @@ struct Frame<P> {
     header: [u8; MAX_HEADER_LEN],
     header_len: u8,
     payload: P,
+    /// Bytes the payload sends from a descriptor after its in-memory ones
+    /// ([`OutPayload::tail_len`], as pushed).
+    tail_len: usize,
     /// Bytes of this frame already written.
     pos: usize,
 }
 
 impl<P: AsRef<[u8]>> Frame<P> {
-    fn len(&self) -> usize {
+    /// Header and in-memory payload bytes: what `writev` sends.
+    fn mem_len(&self) -> usize {
         usize::from(self.header_len) + self.payload.as_ref().len()
+    }
+
+    fn len(&self) -> usize {
+        self.mem_len() + self.tail_len
     }
 }
 
@@ -80,7 +91,9 @@ impl std::fmt::Display for WriteError {
 
 /// Frames (a header and a payload) waiting to be written, in order.
 /// Payloads come back through the `sent` callback once fully written, so
-/// pooled buffers can be recycled.
+/// pooled buffers can be recycled. A payload with a descriptor tail (a
+/// file range, a pipe: [`OutPayload::tail_len`]) is sent with `sendfile`
+/// or `splice` after its header, by [`OutQueue::write_spliced`].
 pub struct OutQueue<P> {
     frames: VecDeque<Frame<P>>,
     bytes: usize,
@@ -95,7 +108,7 @@ impl<P> Default for OutQueue<P> {
     }
 }
 
-impl<P: AsRef<[u8]>> OutQueue<P> {
+impl<P: OutPayload> OutQueue<P> {
     pub fn with_capacity(frames: usize) -> Self {
         OutQueue {
             frames: VecDeque::with_capacity(frames),
@@ -116,6 +129,7 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
         let frame = Frame {
             header: h,
             header_len: header.len() as u8,
+            tail_len: payload.tail_len(),
             payload,
             pos: 0,
         };
@@ -134,13 +148,68 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
 
     /// Write as much as `w` takes now. Returns the bytes written (0 when it
     /// would block); fully written frames hand their payload to `sent`.
+    /// A frame with a descriptor tail fails it (see [`OutQueue::write_spliced`]).
     pub fn write_to(
         &mut self,
         w: &mut impl Write,
+        sent: impl FnMut(P),
+    ) -> Result<usize, WriteError> {
+        self.write_spliced(w, None, sent)
+    }
+
+    /// [`OutQueue::write_to`], sending descriptor tails into `sock`: the
+    /// socket `w` writes to, when it is a plain one (`None` when bytes must
+    /// go through `w`, e.g. a TLS session: a tail then fails the write).
+    pub fn write_spliced(
+        &mut self,
+        w: &mut impl Write,
+        sock: Option<RawFd>,
         mut sent: impl FnMut(P),
     ) -> Result<usize, WriteError> {
         let mut total = 0;
-        while !self.frames.is_empty() {
+        loop {
+            let queued = self.frames.len();
+            let Some(front) = self.frames.front_mut() else {
+                break;
+            };
+            let mem_len = front.mem_len();
+            if front.pos >= mem_len && front.pos < front.len() {
+                // The front frame's header and bytes are out: its tail.
+                let Some(sock) = sock else {
+                    return Err(WriteError::Io(io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        "a spliced payload on a stream that cannot take one",
+                    )));
+                };
+                let more = queued > 1;
+                let done = front.pos - mem_len;
+                match front
+                    .payload
+                    .send_tail(sock, done, front.tail_len - done, more)
+                {
+                    Ok(0) => {
+                        return Err(WriteError::Io(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "a spliced payload ended early",
+                        )))
+                    }
+                    Ok(k) => {
+                        let k = k.min(front.tail_len - done);
+                        front.pos += k;
+                        total += k;
+                        self.bytes -= k;
+                        if front.pos == front.len() {
+                            if let Some(f) = self.frames.pop_front() {
+                                sent(f.payload);
+                            }
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(WriteError::Io(e)),
+                }
+            }
             let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
             let mut n = 0;
             for f in &self.frames {
@@ -158,6 +227,10 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
                     iov[n] = IoSlice::new(&p[off..]);
                     n += 1;
                 }
+                if f.tail_len > 0 {
+                    // Its tail goes by `send_tail` once this is out.
+                    break;
+                }
             }
             let mut written = match w.write_vectored(&iov[..n]) {
                 Ok(0) => return Err(WriteError::Closed),
@@ -172,13 +245,16 @@ impl<P: AsRef<[u8]>> OutQueue<P> {
                 let Some(front) = self.frames.front_mut() else {
                     break;
                 };
-                let take = (front.len() - front.pos).min(written);
+                // At most up to a tail: `writev` was given no more.
+                let take = (front.mem_len().max(front.pos) - front.pos).min(written);
                 front.pos += take;
                 written -= take;
                 if front.pos == front.len() {
                     if let Some(f) = self.frames.pop_front() {
                         sent(f.payload);
                     }
+                } else if take == 0 {
+                    break;
                 }
             }
             // Frames with nothing to write (empty header and payload) end
@@ -216,6 +292,18 @@ pub enum Payload {
         at: usize,
         len: usize,
     },
+    /// `len` bytes of `file` from `offset`, sent with `sendfile` (a
+    /// replica's read data on a plain link: page-cache pages handed to the
+    /// socket, no copy). Only on a [`wire::Wire`] that allows splicing.
+    File {
+        file: Arc<std::fs::File>,
+        offset: u64,
+        len: usize,
+    },
+    /// Bytes held in a pipe, spliced into the socket (a replicated read's
+    /// data as it came from the replica, no copy). Only on a
+    /// [`wire::Wire`] that allows splicing.
+    Pipe(pipes::SplicePipe),
 }
 
 impl AsRef<[u8]> for Payload {
@@ -229,6 +317,7 @@ impl AsRef<[u8]> for Payload {
                 let start = (*at).min(all.len());
                 &all[start..start.saturating_add(*len).min(all.len())]
             }
+            Payload::File { .. } | Payload::Pipe(_) => &[],
         }
     }
 }
@@ -240,6 +329,31 @@ impl AsRef<[u8]> for Payload {
 pub trait OutPayload: AsRef<[u8]> {
     /// Done with: fully written, or dropped with the stream.
     fn recycle(self, pool: &mut BufPool);
+
+    /// Bytes sent from a descriptor after the in-memory ones (`as_ref`),
+    /// with [`OutPayload::send_tail`]. Fixed for the payload's life.
+    fn tail_len(&self) -> usize {
+        0
+    }
+
+    /// Send up to `left` tail bytes, from tail byte `done` on, into the
+    /// socket `sock` (`more`: other frames follow). Returns the bytes sent;
+    /// `WouldBlock` when the socket is full.
+    fn send_tail(
+        &mut self,
+        sock: RawFd,
+        done: usize,
+        left: usize,
+        more: bool,
+    ) -> io::Result<usize> {
+        let _ = (sock, done, left, more);
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// Owned bytes (examples, tests).
+impl OutPayload for Vec<u8> {
+    fn recycle(self, _: &mut BufPool) {}
 }
 
 impl OutPayload for Payload {
@@ -247,19 +361,45 @@ impl OutPayload for Payload {
         match self {
             Payload::Buf(b) => pool.put(b),
             Payload::Slice { buf, .. } => shared::release(buf, pool),
-            Payload::None | Payload::Bytes(_) => {}
+            Payload::Pipe(p) => pipes::put(p),
+            Payload::None | Payload::Bytes(_) | Payload::File { .. } => {}
+        }
+    }
+
+    fn tail_len(&self) -> usize {
+        match self {
+            Payload::File { len, .. } => *len,
+            Payload::Pipe(p) => p.held(),
+            _ => 0,
+        }
+    }
+
+    fn send_tail(
+        &mut self,
+        sock: RawFd,
+        done: usize,
+        left: usize,
+        more: bool,
+    ) -> io::Result<usize> {
+        match self {
+            Payload::File { file, offset, .. } => {
+                lull_uring::splice::sendfile(sock, file.as_fd(), *offset + done as u64, left)
+            }
+            Payload::Pipe(p) => p.drain_to(sock, left, more),
+            _ => Err(io::ErrorKind::Unsupported.into()),
         }
     }
 }
 
 impl<P: OutPayload> OutQueue<P> {
-    /// [`OutQueue::write_to`], recycling sent payloads into `pool`.
+    /// [`OutQueue::write_spliced`], recycling sent payloads into `pool`.
     pub fn write_pooled(
         &mut self,
         w: &mut impl Write,
+        sock: Option<RawFd>,
         pool: &mut BufPool,
     ) -> Result<usize, WriteError> {
-        self.write_to(w, |p| p.recycle(pool))
+        self.write_spliced(w, sock, |p| p.recycle(pool))
     }
 
     /// [`OutQueue::clear`], recycling payloads into `pool`.
@@ -561,6 +701,121 @@ mod tests {
         let mut back = 0;
         q.clear(|_| back += 1);
         assert_eq!((back, q.bytes(), q.is_empty()), (1, 0, true));
+    }
+
+    /// Frames with descriptor tails (a file range by `sendfile`, a pipe by
+    /// `splice`) between in-memory ones, over a non-blocking socket whose
+    /// reader is slower than the writer: every byte arrives in order, and
+    /// a queue that may not splice refuses a tail instead of sending it
+    /// around the stream.
+    #[test]
+    fn spliced_tails_arrive_in_order() {
+        use std::net::{TcpListener, TcpStream};
+        use std::os::fd::AsRawFd;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        tx.set_nonblocking(true).unwrap();
+        let dir = std::env::temp_dir().join(format!("lull-net-tail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("data");
+        let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let file = Arc::new(std::fs::File::open(&path).unwrap());
+
+        let mut q: OutQueue<Payload> = OutQueue::default();
+        let mut expected = Vec::new();
+        for i in 0..40usize {
+            let header = [i as u8; 16];
+            expected.extend_from_slice(&header);
+            let (offset, len) = ((i * 12_345) as u64, 1 + i * 7_001);
+            match i % 3 {
+                0 => {
+                    q.push(
+                        &header,
+                        Payload::File {
+                            file: file.clone(),
+                            offset,
+                            len,
+                        },
+                    );
+                    expected.extend_from_slice(&data[offset as usize..offset as usize + len]);
+                }
+                1 => q.push(&header, Payload::None),
+                _ => {
+                    let bytes = vec![i as u8; len % 5_000];
+                    expected.extend_from_slice(&bytes);
+                    q.push(&header, Payload::Bytes(bytes));
+                }
+            }
+        }
+        // A pipe tail: bytes spliced in from another socket.
+        let l2 = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut feed = TcpStream::connect(l2.local_addr().unwrap()).unwrap();
+        let (pipe_src, _) = l2.accept().unwrap();
+        let piped: Vec<u8> = (0..100_000u32).map(|i| (i % 13) as u8).collect();
+        feed.write_all(&piped).unwrap();
+        let mut pipe = pipes::get().expect("a pipe");
+        while pipe.held() < piped.len() {
+            let left = piped.len() - pipe.held();
+            match pipe.fill_from(pipe_src.as_raw_fd(), left) {
+                Ok(n) => assert!(n > 0),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        q.push(&[0xee; 32], Payload::Pipe(pipe));
+        expected.extend_from_slice(&[0xee; 32]);
+        expected.extend_from_slice(&piped);
+        q.push(&[0xdd; 8], Payload::Bytes(vec![1, 2, 3]));
+        expected.extend_from_slice(&[0xdd; 8]);
+        expected.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(q.bytes(), expected.len());
+
+        // Without a socket to splice into, the first tail fails the write.
+        let mut refused: OutQueue<Payload> = OutQueue::default();
+        refused.push(
+            &[1],
+            Payload::File {
+                file: file.clone(),
+                offset: 0,
+                len: 10,
+            },
+        );
+        let mut sink = Vec::new();
+        assert!(matches!(
+            refused.write_to(&mut sink, |_| {}),
+            Err(WriteError::Io(_))
+        ));
+        assert_eq!(sink, [1], "the header went, the tail did not");
+
+        let want = expected.len();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; want];
+            let mut at = 0;
+            while at < want {
+                let n = rx.read(&mut got[at..(at + 3_000).min(want)]).unwrap();
+                assert!(n > 0, "closed early");
+                at += n;
+            }
+            got
+        });
+        let fd = tx.as_raw_fd();
+        let mut returned = 0;
+        while !q.is_empty() {
+            q.write_spliced(&mut tx, Some(fd), |p| {
+                returned += 1;
+                if let Payload::Pipe(p) = p {
+                    pipes::put(p);
+                }
+            })
+            .unwrap();
+        }
+        assert_eq!(returned, 42);
+        assert_eq!(q.bytes(), 0);
+        let got = reader.join().unwrap();
+        assert!(got == expected, "bytes differ");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -176,7 +176,7 @@ mod tests {
             },
         );
         let mut wire = Vec::new();
-        out.write_pooled(&mut wire, &mut pool).unwrap();
+        out.write_pooled(&mut wire, None, &mut pool).unwrap();
         assert_eq!(wire.len(), 1 + 4096 + 1 + 100);
         assert!(wire[1..4097].iter().all(|&b| b == 2));
         assert!(wire[4098..].iter().all(|&b| b == 1));

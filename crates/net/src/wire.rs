@@ -52,6 +52,9 @@ pub struct Wire<S, P = Payload> {
     closing: Option<String>,
     broken: bool,
     interest: Interest,
+    /// The stream is the plain socket `fd`: payloads with descriptor
+    /// tails (`Payload::File`, `Payload::Pipe`) may be spliced into it.
+    splice: bool,
     /// An extra fd the poller waits on (the device's completions), once
     /// registered.
     extra_fd_added: bool,
@@ -75,6 +78,7 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
             closing: None,
             broken: false,
             interest: Interest::BOTH,
+            splice: false,
             extra_fd_added: false,
             kind,
             peer,
@@ -84,6 +88,19 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
 
     pub fn fd(&self) -> RawFd {
         self.fd
+    }
+
+    /// Let payloads with descriptor tails be spliced into the socket: the
+    /// caller says the stream writes straight to the plain socket `fd` (no
+    /// TLS session, whose bytes a splice would bypass). Without it such a
+    /// payload fails the write and closes the connection.
+    pub fn allow_splice(&mut self) {
+        self.splice = true;
+    }
+
+    /// Whether [`Wire::allow_splice`] was called.
+    pub fn splices(&self) -> bool {
+        self.splice
     }
 
     pub fn peer(&self) -> &str {
@@ -157,7 +174,8 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
         if self.broken {
             return false;
         }
-        match self.out.write_pooled(&mut self.stream, pool) {
+        let sock = self.splice.then_some(self.fd);
+        match self.out.write_pooled(&mut self.stream, sock, pool) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.broken = true;

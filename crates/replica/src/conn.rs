@@ -56,7 +56,7 @@ use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
 use lull_net::wire::{self as link, Wire};
-use lull_net::{bufs, Payload};
+use lull_net::{bufs, OutPayload, Payload};
 use lull_proto::replica::{
     self as wire, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
     HELLO_LEN, INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
@@ -76,6 +76,15 @@ pub const MAX_IN_FLIGHT: usize = lull_bdev::FILE_CHANNEL_DEPTH as usize;
 /// peer that does not read its replies cannot make the replica buffer
 /// without bound. Two maximum-size reads.
 pub const MAX_REPLY_QUEUE_BYTES: usize = 2 * MAX_IO_BYTES as usize;
+
+/// READ replies at least this long go from the data file's page cache
+/// into the socket with `sendfile` (`ReplicaConfig::sendfile`), with no
+/// read into a buffer and no copy out of it; smaller ones are read and
+/// sent from a buffer, batched with other replies in one `writev`. 32 KiB:
+/// the engine reads the header of a reply this long alone and its
+/// payload straight from the socket (`HEADER_ALONE_READ_BYTES` in
+/// `lull_engine`), so the second system call per reply is paid there too.
+pub const SENDFILE_READ_BYTES_MIN: u32 = 32 * 1024;
 
 /// Input buffer size: many small frames per read syscall; write payloads
 /// larger than what it holds are read straight into their I/O buffer.
@@ -292,14 +301,19 @@ impl Conn {
                 .wrapping_add(server.conns_accepted.fetch_add(1, Ordering::Relaxed)),
         );
         let tls_expected = server.tls.is_some();
+        let mut link = Wire::new(
+            LinkStream::Plain(stream),
+            fd,
+            READ_BUFFER_BYTES,
+            "replica",
+            peer.to_string(),
+        );
+        if !tls_expected {
+            // The stream stays the plain socket for good.
+            link.allow_splice();
+        }
         Conn {
-            link: Wire::new(
-                LinkStream::Plain(stream),
-                fd,
-                READ_BUFFER_BYTES,
-                "replica",
-                peer.to_string(),
-            ),
+            link,
             server,
             tls_expected,
             refuse_plain: false,
@@ -631,7 +645,10 @@ impl Conn {
             }
             return;
         }
-        debug_assert_eq!(wire::payload_len(&reply), payload.as_ref().len());
+        debug_assert_eq!(
+            wire::payload_len(&reply),
+            payload.as_ref().len() + payload.tail_len()
+        );
         self.link.push(&header, payload);
     }
 
@@ -1171,6 +1188,24 @@ impl Conn {
                 return;
             }
         };
+        if matches!(op, IoOp::Read) && req.length >= SENDFILE_READ_BYTES_MIN && self.link.splices()
+        {
+            if let Some(file) = &self.server.sendfile {
+                // Straight from the page cache, in order with the other
+                // replies. The socket's bytes are the file's pages, read
+                // when the engine receives them (docs/PER_IO.md, "Spliced
+                // reads": the engine has no write to the range
+                // outstanding then).
+                let payload = Payload::File {
+                    file: file.clone(),
+                    offset: req.offset,
+                    len: req.length as usize,
+                };
+                self.server.sendfile_reads.fetch_add(1, Ordering::Relaxed);
+                self.push_reply(req.reply_with(0), payload);
+                return;
+            }
+        }
         // From here the slot holds the fence count, until `complete` or
         // `release_slot`.
         let Some(slot) = self.slots.insert(req) else {

@@ -12,6 +12,7 @@
 //!     faults: ReplicaFaults::default(),
 //!     ring: Default::default(),
 //!     link: LinkAuth::Tls(Creds::Psk("/etc/lull/replica.psk".into())),
+//!     sendfile: true,
 //! };
 //! let server = ReplicaServer::start(fw.handle(), &config)?;
 //! println!("replica on {}", server.local_addr());
@@ -178,6 +179,11 @@ pub struct ReplicaConfig {
     /// How engines must authenticate (`--tls-psk`, `--tls-certs`), or
     /// plain links (`--insecure`).
     pub link: LinkAuth,
+    /// Send READ replies of at least `SENDFILE_READ_BYTES_MIN` straight
+    /// from the data file's page cache with `sendfile` (no copy through a
+    /// buffer), where the link is plain, the data file buffered and no
+    /// I/O fault is injected. On by default; `--no-sendfile` turns it off.
+    pub sendfile: bool,
 }
 
 /// Faults a replica injects on purpose (`lull replica --fault-*`), so
@@ -252,6 +258,11 @@ pub(crate) struct Shared {
     /// TLS credentials every connection must authenticate with; `None`
     /// for plain links (`--insecure`).
     pub(crate) tls: Option<TlsContext>,
+    /// The data file READ replies are sent from with `sendfile`, when
+    /// they may be ([`ReplicaConfig::sendfile`]).
+    pub(crate) sendfile: Option<Arc<File>>,
+    /// READ replies sent with `sendfile` (counted in the stop line).
+    pub(crate) sendfile_reads: AtomicU64,
     meta: Mutex<MetaState>,
 }
 
@@ -517,6 +528,14 @@ impl ReplicaServer {
                 "FAULT INJECTION ENABLED: this replica drops connections, fails I/O and delays replies on purpose"
             );
         }
+        // Plain links only (a TLS session encrypts in user space), and not
+        // through the fault injector (its read errors and delays must
+        // apply).
+        let sendfile = if config.sendfile && tls.is_none() && faulty.is_none() {
+            dev.page_cache_file()
+        } else {
+            None
+        };
         let shared = Arc::new(Shared {
             dir,
             size_bytes: config.size_bytes,
@@ -533,6 +552,8 @@ impl ReplicaServer {
             intent,
             fences: Fences::new(),
             tls,
+            sendfile,
+            sendfile_reads: AtomicU64::new(0),
             meta: Mutex::new(MetaState {
                 meta,
                 sealed: false,
@@ -630,7 +651,8 @@ impl ReplicaServer {
         // (registered arenas vs not): the replica's only I/O counters.
         if let Some(ios) = self.shared.dev.buffer_ios() {
             tracing::info!(%dir, fixed_buffer_ios = ios.fixed, plain_buffer_ios = ios.plain,
-                inline_ios = ios.inline, "data file I/O by buffer kind");
+                inline_ios = ios.inline, sendfile_reads = self.shared.sendfile_reads.load(Ordering::Relaxed),
+                "data file I/O by buffer kind");
         }
         if self.shared.clean.load(Ordering::SeqCst) {
             tracing::info!(%dir, generation, "replica stopped clean: the last engine detached");

@@ -67,6 +67,7 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         ring: Default::default(),
         // These tests speak the replica protocol themselves, in plaintext.
         link: lull_net::link::LinkAuth::Insecure,
+        sendfile: true,
     }
 }
 
@@ -1134,6 +1135,7 @@ fn a_psk_replica_refuses_plaintext_and_wrong_keys() {
     let psk = |path: &Path| LinkAuth::Tls(Creds::Psk(path.to_path_buf()));
     let cfg = ReplicaConfig {
         link: psk(&key),
+        sendfile: true,
         ..config(&dir.0.join("data"), SIZE)
     };
     let server = ReplicaServer::start(fw.handle(), &cfg).unwrap();

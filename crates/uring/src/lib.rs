@@ -8,6 +8,8 @@
 //! - [`IoQueue`]: the safe layer: a slot table owning each operation's
 //!   buffer until its completion arrives.
 //! - [`probe`]: kernel feature probes (O_DIRECT alignment).
+//! - [`splice`]: `sendfile` and pipes that move payload pages between
+//!   descriptors without a user-space copy.
 //!
 //! ```no_run
 //! use lull_uring::{BufPool, IoQueue, QueueOp};
@@ -30,6 +32,7 @@ mod buf;
 pub mod probe;
 mod queue;
 mod ring;
+pub mod splice;
 
 pub use arena::{
     init_thread_arena, install_thread_arena, memlock_limit_bytes, set_reactor_arena_bytes,

@@ -78,6 +78,11 @@ pub struct ReplicaArgs {
     /// replica (logged at start).
     #[arg(long)]
     pub insecure: bool,
+    /// Copy READ replies through a buffer instead of sending them from the
+    /// data file's page cache with sendfile (which plain links with a
+    /// buffered data file use for reads of 32 KiB or more).
+    #[arg(long)]
+    pub no_sendfile: bool,
 }
 
 /// Resolved `lull replica` settings.
@@ -157,6 +162,7 @@ impl ReplicaArgs {
                 ring,
                 faults,
                 link,
+                sendfile: !self.no_sendfile,
             },
             cores,
             mode,
@@ -279,6 +285,7 @@ mod tests {
             tls_psk: None,
             tls_certs: None,
             insecure: true,
+            no_sendfile: false,
         };
         let s = args.resolve(&[0, 1]).unwrap();
         assert!(!s.config.faults.any());
@@ -403,6 +410,7 @@ mod tests {
             tls_psk: None,
             tls_certs: None,
             insecure: true,
+            no_sendfile: false,
         };
         assert_eq!(run(&args), ExitCode::from(2));
         let args = ReplicaArgs {
