@@ -66,6 +66,7 @@ impl Deferred {
                 tag: req.tag,
                 result,
                 buf: req.buf,
+                spliced: None,
             });
         }
         let n = self.done.len();

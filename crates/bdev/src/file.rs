@@ -759,6 +759,7 @@ impl FileChannel {
             tag: op.tag,
             result: op.error.map_or(Ok(()), Err),
             buf,
+            spliced: None,
         })
     }
 

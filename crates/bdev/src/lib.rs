@@ -93,6 +93,10 @@ pub struct IoCompletion {
     pub tag: u64,
     pub result: Result<(), BdevError>,
     pub buf: Option<IoBuf>,
+    /// A successful READ's data in a pipe instead of in `buf` (whose bytes
+    /// are then not the data): only for a channel that was told
+    /// [`Channel::allow_splice`], which sends it on with `splice`.
+    pub spliced: Option<lull_uring::pipes::SplicePipe>,
 }
 
 /// Errors of the block layer. Each maps to an errno (and from there to an
@@ -419,6 +423,7 @@ pub trait Channel: Send {
                 tag: req.tag,
                 result: Err(e),
                 buf: req.buf,
+                spliced: None,
             }),
         }
     }
@@ -436,6 +441,11 @@ pub trait Channel: Send {
     fn polled(&self) -> bool {
         false
     }
+    /// The owner sends READ data on to a plain socket and can take it in a
+    /// pipe ([`IoCompletion::spliced`]); a device that moves its data from
+    /// a socket (a replicated volume) may then hand it over that way, with
+    /// no copy. Others ignore it.
+    fn allow_splice(&mut self) {}
 }
 
 #[cfg(test)]

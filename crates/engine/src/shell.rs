@@ -37,6 +37,8 @@ use lull_net::OutPayload;
 use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
 use lull_reactor::{FrameworkHandle, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
+use lull_uring::pipes::SplicePipe;
+use lull_uring::splice::PIPE_PAYLOAD_BYTES_MAX;
 
 use crate::core::ids::{ConnData, ReplicaData};
 use crate::core::{
@@ -110,6 +112,9 @@ struct ChannelShared {
     /// when it was written: a spinning reactor reaps without syscalls.
     event: EventFd,
     rung: AtomicBool,
+    /// The channel's owner takes READ data in a pipe
+    /// ([`Channel::allow_splice`]).
+    splice: AtomicBool,
     /// Wire id of the channel's entry in the shell's table (engine thread
     /// only); the core carries it in each request and its completion.
     slot: AtomicU64,
@@ -211,6 +216,7 @@ impl Channel for EngineChannel {
                     tag: r.io.tag,
                     result: Err(err),
                     buf: r.io.buf,
+                    spliced: None,
                 });
             }
             self.shared.ring();
@@ -237,6 +243,10 @@ impl Channel for EngineChannel {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    fn allow_splice(&mut self) {
+        self.shared.splice.store(true, Ordering::Relaxed);
     }
 }
 
@@ -277,7 +287,20 @@ enum Recv {
         buf: IoBuf,
         filled: usize,
     },
+    /// A client READ's data spliced from the socket into a pipe, for a
+    /// channel that takes it so (docs/PER_IO.md, "Spliced reads"). `buf`
+    /// is the client's buffer, passed through the core untouched (its
+    /// completion finds the pipe by it, `Shell::splice_pending`).
+    Spliced {
+        header: Header,
+        buf: IoBuf,
+        pipe: SplicePipe,
+    },
 }
+
+/// A frame read from a replica: its header, its payload in a buffer, and
+/// for a spliced READ reply the data in a pipe (the buffer then holds none).
+type FrameIn = (Header, Option<IoBuf>, Option<SplicePipe>);
 
 /// A replica connection: the transport half is the servers' [`Wire`] (input
 /// buffer, framed output, interest, closing state) carrying the core's
@@ -297,6 +320,12 @@ struct Sock {
 /// completion).
 impl OutPayload for Payload {
     fn recycle(self, _: &mut BufPool) {}
+}
+
+/// Where a buffer's bytes are: the identity of a client's buffer while it
+/// travels through the core.
+fn buf_addr(b: &IoBuf) -> usize {
+    b.as_slice().as_ptr() as usize
 }
 
 /// A READ request or reply of at least `HEADER_ALONE_READ_BYTES` (a reply
@@ -322,11 +351,39 @@ impl Sock {
 
     /// Read and decode what the socket has, within the budget. Frames go to
     /// `frames`; an error (EOF, bad frame) ends the connection.
+    /// A pipe to splice a reply's `n` payload bytes into instead of
+    /// receiving them, when everything allows it: a plain link with
+    /// nothing of the payload buffered yet, a successful reply to a client
+    /// READ of at least `HEADER_ALONE_READ_BYTES` that fits a pipe, whose
+    /// channel takes pipes, and a pipe to be had.
+    fn splice_pipe(
+        &self,
+        engine: &Engine,
+        conn: ConnRef,
+        header: &Header,
+        n: usize,
+        channels: &SlotTable<ChanEntry>,
+    ) -> Option<SplicePipe> {
+        if !self.link.splices()
+            || !is_large_read(header)
+            || n > PIPE_PAYLOAD_BYTES_MAX
+            || self.link.inb.buffered() > 0
+        {
+            return None;
+        }
+        let channel = engine.client_read_channel(conn, header, n)?;
+        if !channels.get(channel)?.shared.splice.load(Ordering::Relaxed) {
+            return None;
+        }
+        lull_uring::pipes::get()
+    }
+
     fn read_frames(
         &mut self,
         engine: &mut Engine,
         conn: ConnRef,
-        frames: &mut Vec<(Header, Option<IoBuf>)>,
+        channels: &SlotTable<ChanEntry>,
+        frames: &mut Vec<FrameIn>,
     ) -> Result<bool, String> {
         if let Some(reason) = self.failed() {
             return Err(reason);
@@ -355,7 +412,15 @@ impl Sock {
                         }
                         let n = wire::payload_len(&header);
                         if n == 0 {
-                            frames.push((header, None));
+                            frames.push((header, None, None));
+                        } else if let Some(pipe) =
+                            self.splice_pipe(engine, conn, &header, n, channels)
+                        {
+                            self.recv = Recv::Spliced {
+                                header,
+                                buf: engine.reply_buf(conn, &header, n),
+                                pipe,
+                            };
                         } else {
                             self.recv = Recv::Payload {
                                 header,
@@ -385,7 +450,54 @@ impl Sock {
                         if let Recv::Payload { header, buf, .. } =
                             std::mem::replace(&mut self.recv, Recv::Header)
                         {
-                            frames.push((header, Some(buf)));
+                            frames.push((header, Some(buf), None));
+                        }
+                    }
+                    Recv::Spliced { buf, pipe, .. } => {
+                        let fd = self.link.fd();
+                        let len = buf.len();
+                        while pipe.held() < len {
+                            let left = len - pipe.held();
+                            match pipe.fill_from(fd, left) {
+                                Ok(0) => return Err(REPLICA_CLOSED.into()),
+                                Ok(k) => {
+                                    progress = true;
+                                    budget = budget.saturating_sub(k);
+                                }
+                                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                                Err(e) => return Err(format!("read failed: {e}")),
+                            }
+                        }
+                        if pipe.held() < len {
+                            if lull_uring::splice::readable_bytes(fd).unwrap_or(0) == 0 {
+                                // The rest has not arrived: the socket's
+                                // readiness brings us back.
+                                return Ok(progress);
+                            }
+                            // The socket has more but the pipe took no
+                            // more: its slots are full (the payload came
+                            // in more pieces than pages). Receive the rest
+                            // into the buffer, after what the pipe holds.
+                            let held = pipe.held();
+                            let copied = pipe
+                                .read_into(&mut buf.as_mut_slice()[..held])
+                                .map_err(|e| format!("read failed: {e}"))?;
+                            if let Recv::Spliced { header, buf, pipe } =
+                                std::mem::replace(&mut self.recv, Recv::Header)
+                            {
+                                lull_uring::pipes::put(pipe);
+                                self.recv = Recv::Payload {
+                                    header,
+                                    buf,
+                                    filled: copied,
+                                };
+                            }
+                            continue;
+                        }
+                        if let Recv::Spliced { header, buf, pipe } =
+                            std::mem::replace(&mut self.recv, Recv::Header)
+                        {
+                            frames.push((header, Some(buf), Some(pipe)));
                         }
                     }
                 }
@@ -469,7 +581,10 @@ struct Shell {
     dirty: Vec<ConnRef>,
     actions: Vec<Action>,
     followups: VecDeque<Event>,
-    frames: Vec<(Header, Option<IoBuf>)>,
+    frames: Vec<FrameIn>,
+    /// The pipe of the spliced READ reply being applied, and the address
+    /// of the buffer its completion carries (`on_socket`, `perform`).
+    splice_pending: Option<(usize, SplicePipe)>,
     status: Arc<StatusShared>,
     status_dirty: bool,
 }
@@ -540,11 +655,22 @@ impl Shell {
                     return;
                 };
                 e.in_engine = e.in_engine.saturating_sub(1);
+                let spliced = match (&self.splice_pending, &buf) {
+                    (Some((addr, _)), Some(b)) if result.is_ok() && buf_addr(b) == *addr => {
+                        self.splice_pending.take().map(|(_, p)| p)
+                    }
+                    _ => None,
+                };
                 // Cannot overflow: the channel has at most CHANNEL_DEPTH
                 // requests between submit and reap.
                 if e.shared
                     .completions
-                    .push(IoCompletion { tag, result, buf })
+                    .push(IoCompletion {
+                        tag,
+                        result,
+                        buf,
+                        spliced,
+                    })
                     .is_err()
                 {
                     tracing::error!(volume = %self.volume, "channel completion queue overflow");
@@ -635,8 +761,13 @@ impl Shell {
         let peer = tcp
             .peer_addr()
             .map_or_else(|_| "-".to_string(), |a| a.to_string());
+        let plain = !stream.is_tls();
         let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
         link.set_context(&name);
+        if plain {
+            // READ replies may be spliced from the socket (`Recv::Spliced`).
+            link.allow_splice();
+        }
         let poller = t.register_poller(
             &name,
             PollerKind::Active,
@@ -765,11 +896,14 @@ impl Shell {
             .and_then(|v| v.get_mut(c))
             .and_then(Option::as_mut)
         {
-            Some(sock) => sock.read_frames(&mut self.core, conn, &mut frames),
+            Some(sock) => sock.read_frames(&mut self.core, conn, &self.channels, &mut frames),
             None => return PollStatus::Idle,
         };
         let mut busy = !frames.is_empty();
-        for (header, payload) in frames.drain(..) {
+        for (header, payload, pipe) in frames.drain(..) {
+            // A spliced READ's completion (in this run: a reply that
+            // checks out completes its read at once) takes the pipe along.
+            self.splice_pending = pipe.and_then(|p| Some((buf_addr(payload.as_ref()?), p)));
             self.run(
                 t,
                 Event::Frame {
@@ -779,6 +913,11 @@ impl Shell {
                 },
                 now,
             );
+            if let Some((_, pipe)) = self.splice_pending.take() {
+                // The core refused the reply (and counts it a protocol
+                // error): its data goes with the pipe.
+                lull_uring::pipes::put(pipe);
+            }
         }
         self.frames = frames;
         match read {
@@ -867,6 +1006,7 @@ impl Shell {
                             capacity: CHANNEL_ENTRIES_MAX,
                         }),
                         buf: r.io.buf,
+                        spliced: None,
                     });
                 }
                 shared.ring();
@@ -1076,6 +1216,7 @@ impl ReplicatedDev {
                 actions: Vec::new(),
                 followups: VecDeque::new(),
                 frames: Vec::new(),
+                splice_pending: None,
                 status: status.clone(),
                 status_dirty: true,
             })
@@ -1236,6 +1377,7 @@ impl BlockDevice for ReplicatedDev {
             submissions: ArrayQueue::new(CHANNEL_DEPTH),
             completions: ArrayQueue::new(CHANNEL_DEPTH),
             scheduled: AtomicBool::new(false),
+            splice: AtomicBool::new(false),
             rung: AtomicBool::new(false),
             event: EventFd::new().map_err(BdevError::Io)?,
             slot: AtomicU64::new(NO_SLOT),

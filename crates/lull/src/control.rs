@@ -269,6 +269,9 @@ impl ControlPlane for Control {
             // Reads and writes done inline, without a ring (a file on a
             // memory filesystem; null likewise).
             "inline_ios": v.dev().buffer_ios().map(|b| b.inline),
+            // Reads whose data went from a replica's socket to the
+            // client's with splice, never copied into memory.
+            "spliced_reads": s.spliced_reads,
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),

@@ -23,6 +23,7 @@ use lull_proto::nbd::{
     SIMPLE_REPLY_LEN,
 };
 use lull_reactor::{Clock, Interest, PollStatus, Thread};
+use lull_uring::pipes::SplicePipe;
 use lull_volume::{OpKind, Volume};
 
 use crate::stream::Stream;
@@ -338,6 +339,14 @@ impl Conn {
                 let max = structured::MAX_BLOCK_STATUS_EXTENTS;
                 self.push_block_status(inflight.cookie, inflight.length, &extents, max);
             }
+            Ok(()) if inflight.command == Command::Read && c.spliced.is_some() => {
+                if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                if let Some(pipe) = c.spliced {
+                    self.push_read_spliced(&inflight, pipe);
+                }
+            }
             Ok(()) if inflight.command == Command::Read => match c.buf {
                 Some(buf) if self.structured() => self.push_read_structured(
                     inflight.cookie,
@@ -432,6 +441,43 @@ impl Conn {
         self.read_zeros = zero_ranges;
         self.push_read_pieces(cookie, offset, buf, len, &pieces);
         self.read_pieces = pieces;
+    }
+
+    /// A read whose data is in a pipe (a replicated volume's, spliced from
+    /// the replica's socket): the reply header, then the pipe spliced into
+    /// the socket, no copy. Structured replies send it as one data chunk:
+    /// the bytes are not seen, so no hole is looked for in them (the
+    /// volume's BLOCK_STATUS still reports its holes).
+    fn push_read_spliced(&mut self, inflight: &InFlight, pipe: SplicePipe) {
+        if pipe.held() != inflight.length as usize {
+            // The device handed over less or more than was asked: a bug.
+            tracing::error!(peer = %self.link.peer(), cookie = inflight.cookie, held = pipe.held(),
+                length = inflight.length, "spliced read of the wrong length");
+            lull_uring::pipes::put(pipe);
+            self.push_error(
+                inflight.cookie,
+                Command::Read,
+                nbd::NBD_EIO,
+                "internal error",
+            );
+            return;
+        }
+        if let Phase::Transmission { volume, .. } = &self.phase {
+            volume.stats.spliced_read();
+        }
+        if self.structured() {
+            let header = structured::encode_offset_data_header(
+                inflight.cookie,
+                nbd::NBD_REPLY_FLAG_DONE,
+                inflight.offset,
+                inflight.length,
+            );
+            self.link.push(&header, Payload::Pipe(pipe));
+        } else {
+            let mut header = [0u8; SIMPLE_REPLY_LEN];
+            nbd::encode_simple_reply(&mut header, 0, inflight.cookie);
+            self.link.push(&header, Payload::Pipe(pipe));
+        }
     }
 
     /// The chunks `plan_read` made of a read: one data chunk (no hole) from
@@ -735,6 +781,13 @@ impl Conn {
                 };
                 let tls = matches!(self.link.stream, Stream::Tls(_));
                 tracing::info!(peer = %self.link.peer(), export = %volume.name, tls, "client connected");
+                let mut channel = channel;
+                if !tls {
+                    // The stream is the plain socket from here on: read
+                    // data may come in a pipe and be spliced into it.
+                    self.link.allow_splice();
+                    channel.allow_splice();
+                }
                 self.link.set_context(&volume.name);
                 self.phase = Phase::Transmission {
                     channel,

@@ -27,7 +27,6 @@
 
 pub mod bufs;
 pub mod link;
-pub mod pipes;
 pub mod server;
 pub mod shared;
 pub mod slots;
@@ -212,6 +211,9 @@ impl<P: OutPayload> OutQueue<P> {
             }
             let mut iov: [IoSlice<'_>; MAX_IOVECS] = [IoSlice::new(&[]); MAX_IOVECS];
             let mut n = 0;
+            // The batch ends with the bytes before a tail: they wait in
+            // the socket for it (`MSG_MORE`), one segment instead of two.
+            let mut before_tail = false;
             for f in &self.frames {
                 if n + 2 > MAX_IOVECS {
                     break;
@@ -229,10 +231,15 @@ impl<P: OutPayload> OutQueue<P> {
                 }
                 if f.tail_len > 0 {
                     // Its tail goes by `send_tail` once this is out.
+                    before_tail = true;
                     break;
                 }
             }
-            let mut written = match w.write_vectored(&iov[..n]) {
+            let sent_now = match sock {
+                Some(fd) if before_tail => lull_uring::splice::send_more(fd, &iov[..n]),
+                _ => w.write_vectored(&iov[..n]),
+            };
+            let mut written = match sent_now {
                 Ok(0) => return Err(WriteError::Closed),
                 Ok(k) => k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -303,7 +310,7 @@ pub enum Payload {
     /// Bytes held in a pipe, spliced into the socket (a replicated read's
     /// data as it came from the replica, no copy). Only on a
     /// [`wire::Wire`] that allows splicing.
-    Pipe(pipes::SplicePipe),
+    Pipe(lull_uring::pipes::SplicePipe),
 }
 
 impl AsRef<[u8]> for Payload {
@@ -361,7 +368,7 @@ impl OutPayload for Payload {
         match self {
             Payload::Buf(b) => pool.put(b),
             Payload::Slice { buf, .. } => shared::release(buf, pool),
-            Payload::Pipe(p) => pipes::put(p),
+            Payload::Pipe(p) => lull_uring::pipes::put(p),
             Payload::None | Payload::Bytes(_) | Payload::File { .. } => {}
         }
     }
@@ -755,7 +762,7 @@ mod tests {
         let (pipe_src, _) = l2.accept().unwrap();
         let piped: Vec<u8> = (0..100_000u32).map(|i| (i % 13) as u8).collect();
         feed.write_all(&piped).unwrap();
-        let mut pipe = pipes::get().expect("a pipe");
+        let mut pipe = lull_uring::pipes::get().expect("a pipe");
         while pipe.held() < piped.len() {
             let left = piped.len() - pipe.held();
             match pipe.fill_from(pipe_src.as_raw_fd(), left) {
@@ -806,7 +813,7 @@ mod tests {
             q.write_spliced(&mut tx, Some(fd), |p| {
                 returned += 1;
                 if let Payload::Pipe(p) = p {
-                    pipes::put(p);
+                    lull_uring::pipes::put(p);
                 }
             })
             .unwrap();

@@ -9,7 +9,8 @@
 //!   buffer until its completion arrives.
 //! - [`probe`]: kernel feature probes (O_DIRECT alignment).
 //! - [`splice`]: `sendfile` and pipes that move payload pages between
-//!   descriptors without a user-space copy.
+//!   descriptors without a user-space copy; [`pipes`]: the process's pool
+//!   of such pipes.
 //!
 //! ```no_run
 //! use lull_uring::{BufPool, IoQueue, QueueOp};
@@ -29,6 +30,7 @@
 
 mod arena;
 mod buf;
+pub mod pipes;
 pub mod probe;
 mod queue;
 mod ring;

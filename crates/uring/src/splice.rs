@@ -60,6 +60,28 @@ pub fn sendfile(sock: RawFd, file: BorrowedFd<'_>, offset: u64, len: usize) -> i
     }
 }
 
+/// `sendmsg(2)` of `bufs` with `MSG_MORE`: the bytes wait in the socket
+/// for what follows at once (a spliced payload after its header), so both
+/// leave in one segment instead of the header alone in its own. Returns
+/// the bytes taken; `WouldBlock` when the socket is full.
+pub fn send_more(sock: RawFd, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: `msghdr` is plain old data; all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is ABI-compatible with iovec (std documents it so); the
+    // kernel only reads through the pointer.
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len();
+    loop {
+        // SAFETY: `msg` points at `bufs`, valid for the call; no control
+        // data, no address. A closed socket fails with EBADF.
+        let rc = unsafe { libc::sendmsg(sock, &msg, libc::MSG_MORE | libc::MSG_NOSIGNAL) };
+        match check(rc) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
 /// Bytes a socket (or pipe) holds that a read would return now
 /// (`FIONREAD`).
 pub fn readable_bytes(fd: RawFd) -> io::Result<usize> {

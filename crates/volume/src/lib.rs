@@ -325,6 +325,10 @@ impl Channel for VolumeChannel {
     fn polled(&self) -> bool {
         self.inner.polled()
     }
+
+    fn allow_splice(&mut self) {
+        self.inner.allow_splice();
+    }
 }
 
 impl Drop for VolumeChannel {

@@ -44,6 +44,9 @@ pub struct VolumeStats {
     latency_sum_ns: AtomicU64,
     latency_max_ns: AtomicU64,
     buckets: [AtomicU64; LATENCY_BUCKETS + 1],
+    /// Reads whose data went from the device's socket to the client's
+    /// with `splice`, never copied into memory (a replicated volume).
+    spliced_reads: AtomicU64,
 }
 
 /// A snapshot of [`VolumeStats`].
@@ -61,6 +64,7 @@ pub struct VolumeStatsSnapshot {
     pub latency_max_ns: u64,
     /// Per-bucket counts (not cumulative); the last is the overflow bucket.
     pub buckets: Vec<u64>,
+    pub spliced_reads: u64,
 }
 
 impl VolumeStatsSnapshot {
@@ -143,7 +147,13 @@ impl VolumeStats {
             latency_sum_ns: g(&self.latency_sum_ns),
             latency_max_ns: g(&self.latency_max_ns),
             buckets: self.buckets.iter().map(g).collect(),
+            spliced_reads: g(&self.spliced_reads),
         }
+    }
+
+    /// A read was answered from a pipe (see `spliced_reads`).
+    pub fn spliced_read(&self) {
+        self.spliced_reads.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -365,7 +365,18 @@ impl Engine {
         }
     }
 
-    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<IoBuf> {
+    /// The channel of the client READ a successful reply header on `c`
+    /// answers, when [`Engine::reply_buf`] receives its `len` bytes into
+    /// that client's buffer: the shell may hand such a reply's data to the
+    /// channel in a pipe instead, if the channel takes one.
+    pub fn client_read_channel(&self, c: ConnRef, h: &Header, len: usize) -> Option<u64> {
+        let id = self.client_read(c, h, len)?;
+        let io = self.ios.get(id)?;
+        matches!(&io.data, IoData::Read(Some(b)) if b.capacity() >= len).then_some(io.channel)
+    }
+
+    /// The client READ a successful reply of `len` bytes on `c` answers.
+    fn client_read(&self, c: ConnRef, h: &Header, len: usize) -> Option<IoId> {
         if !h.reply || h.kind != Kind::Read || h.status != 0 {
             return None;
         }
@@ -377,6 +388,11 @@ impl Engine {
         if sub.kind != Kind::Read || sub.length as usize != len {
             return None; // on_frame refuses it; a fresh buffer takes it
         }
+        Some(id)
+    }
+
+    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<IoBuf> {
+        let id = self.client_read(c, h, len)?;
         let IoData::Read(slot) = &mut self.ios.get_mut(id)?.data else {
             return None;
         };

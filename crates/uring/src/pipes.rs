@@ -1,13 +1,13 @@
-//! The process's pipes for spliced payloads ([`lull_uring::splice::Pipe`]):
+//! The process's pipes for spliced payloads ([`crate::splice::Pipe`]):
 //! a replicated read's data goes from the replica's socket into a pipe on
 //! the engine thread and from the pipe into the client's socket on the
 //! connection's thread, so pipes travel between threads; one shared pool
 //! (a lock-free queue) takes them back from any of them.
 //!
 //! ```
-//! if let Some(pipe) = lull_net::pipes::get() {
+//! if let Some(pipe) = lull_uring::pipes::get() {
 //!     assert_eq!(pipe.held(), 0);
-//!     lull_net::pipes::put(pipe);
+//!     lull_uring::pipes::put(pipe);
 //! }
 //! ```
 
@@ -15,8 +15,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use crate::splice::Pipe;
 use crossbeam_queue::ArrayQueue;
-use lull_uring::splice::Pipe;
 
 /// Pipes in the process at most, in use or pooled: each is two
 /// descriptors and a 64-slot ring in the kernel (about 2.5 KiB, plus the
