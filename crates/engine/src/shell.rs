@@ -349,8 +349,6 @@ impl Sock {
         self.link.closing_reason().map(str::to_string)
     }
 
-    /// Read and decode what the socket has, within the budget. Frames go to
-    /// `frames`; an error (EOF, bad frame) ends the connection.
     /// A pipe to splice a reply's `n` payload bytes into instead of
     /// receiving them, when everything allows it: a plain link with
     /// nothing of the payload buffered yet, a successful reply to a client
@@ -378,6 +376,8 @@ impl Sock {
         lull_uring::pipes::get()
     }
 
+    /// Read and decode what the socket has, within the budget. Frames go to
+    /// `frames`; an error (EOF, bad frame) ends the connection.
     fn read_frames(
         &mut self,
         engine: &mut Engine,
@@ -915,7 +915,11 @@ impl Shell {
             );
             if let Some((_, pipe)) = self.splice_pending.take() {
                 // The core refused the reply (and counts it a protocol
-                // error): its data goes with the pipe.
+                // error): its data goes with the pipe. (Its buffer went
+                // back to the pool; no other completion of this run can
+                // carry that address: those return buffers that were
+                // alive beside it, and a retry's new one completes only
+                // with a later reply.)
                 lull_uring::pipes::put(pipe);
             }
         }

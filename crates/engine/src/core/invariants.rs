@@ -81,7 +81,7 @@ impl Engine {
                 assert_eq!(io.outstanding, 0, "request {id} both queued and in flight");
             }
             if io.modifies() && io.outstanding > 0 {
-                assert!(self.writes_in_flight.contains(&id));
+                assert!(self.writes_in_flight.contains(&(id, io.offset, io.end())));
             }
         }
         if let Some(rb) = &self.rebuild {

@@ -171,9 +171,7 @@ impl Engine {
         let Some(io) = self.ios.take(id) else {
             return;
         };
-        if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
-            self.writes_in_flight.swap_remove(p);
-        }
+        self.forget_write(id);
         let buf = match io.data {
             IoData::None => None,
             IoData::Read(b) => b,
@@ -198,6 +196,14 @@ impl Engine {
         });
     }
 
+    /// `id` is no longer a write in flight (finished, or turned into its
+    /// FLUSH, or waiting for a generation bump).
+    fn forget_write(&mut self, id: IoId) {
+        if let Some(p) = self.writes_in_flight.iter().position(|&(w, ..)| w == id) {
+            self.writes_in_flight.swap_remove(p);
+        }
+    }
+
     /// Every replica answered (or failed) a write-like request or FLUSH.
     pub(super) fn io_subs_done(&mut self, id: IoId) {
         // Every replica it went to has answered: nothing of it is in
@@ -215,16 +221,12 @@ impl Engine {
             io.flush_after = false;
             io.op = IoOp::Flush;
             io.acked = ReplicaSet::EMPTY;
-            if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
-                self.writes_in_flight.swap_remove(p);
-            }
+            self.forget_write(id);
             self.pending.push_front(id);
             return;
         }
         if self.bump.is_some() {
-            if let Some(p) = self.writes_in_flight.iter().position(|&w| w == id) {
-                self.writes_in_flight.swap_remove(p);
-            }
+            self.forget_write(id);
             self.deferred.push(id);
         } else {
             self.finish_io(id, Ok(()));
@@ -280,12 +282,12 @@ impl Engine {
             {
                 return Dispatch::Wait;
             }
-            for &w in &self.writes_in_flight {
-                if let Some(other) = self.ios.get(w) {
-                    if overlaps((other.offset, other.end()), io_range) {
-                        return Dispatch::Wait;
-                    }
-                }
+            if self
+                .writes_in_flight
+                .iter()
+                .any(|&(_, start, end)| overlaps((start, end), io_range))
+            {
+                return Dispatch::Wait;
             }
         }
         let targets = self.write_set();
@@ -342,7 +344,7 @@ impl Engine {
             io.acked = ReplicaSet::EMPTY;
         }
         if modifies {
-            self.writes_in_flight.push(id);
+            self.writes_in_flight.push((id, io_range.0, io_range.1));
             self.hold_regions(id);
         }
         if sent == 0 {

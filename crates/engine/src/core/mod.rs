@@ -306,7 +306,11 @@ pub struct Engine {
     replicas: ReplicaData<Replica>,
     ios: SlotTable<ClientIo>,
     pending: VecDeque<IoId>,
-    writes_in_flight: Vec<IoId>,
+    /// Requests that modify data, sent and not finished, with their byte
+    /// ranges `[start, end)` beside them: every dispatch of a write checks
+    /// them all for overlap, so the check reads this one array and not
+    /// each request's entry in `ios`.
+    writes_in_flight: Vec<(IoId, u64, u64)>,
     deferred: Vec<IoId>,
     generation: u64,
     /// The highest generation any bump of this process has started (and

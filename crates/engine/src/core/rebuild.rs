@@ -199,11 +199,10 @@ impl Engine {
                         continue;
                     };
                     let range = (seg.offset, seg.end());
-                    let busy = self.writes_in_flight.iter().any(|&w| {
-                        self.ios
-                            .get(w)
-                            .is_some_and(|io| overlaps((io.offset, io.end()), range))
-                    });
+                    let busy = self
+                        .writes_in_flight
+                        .iter()
+                        .any(|&(_, start, end)| overlaps((start, end), range));
                     if busy {
                         return;
                     }
