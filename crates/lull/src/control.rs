@@ -368,6 +368,7 @@ impl MetricsSource for Control {
                     fixed_buffer_ios: v.dev().buffer_ios().map(|b| b.fixed),
                     plain_buffer_ios: v.dev().buffer_ios().map(|b| b.plain),
                     inline_ios: v.dev().buffer_ios().map(|b| b.inline),
+                    spliced_reads: s.spliced_reads,
                 }
             })
             .collect();

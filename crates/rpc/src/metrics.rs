@@ -181,6 +181,9 @@ pub struct VolumeMetrics {
     /// Reads and writes its file channels did inline (`pread`/`pwrite`,
     /// a file on a memory filesystem); `None` as above.
     pub inline_ios: Option<u64>,
+    /// Reads whose data went from a replica's socket to the client's with
+    /// splice, never copied into memory (replicated volumes; 0 elsewhere).
+    pub spliced_reads: u64,
 }
 
 /// One replica's state.
@@ -543,6 +546,15 @@ impl Collector for SnapshotCollector {
             v,
             volume_labels,
             |x| x.write_bytes,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_spliced_reads",
+            "Reads whose data went from a replica's socket to the client's with splice, not copied.",
+            None,
+            v,
+            volume_labels,
+            |x| x.spliced_reads,
         )?;
         let uring_volumes: Vec<&VolumeMetrics> =
             v.iter().filter(|x| x.io_uring_enters.is_some()).collect();

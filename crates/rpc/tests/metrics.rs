@@ -315,6 +315,7 @@ fn snapshot() -> MetricsSnapshot {
                 fixed_buffer_ios: Some(25),
                 plain_buffer_ios: Some(5),
                 inline_ios: Some(7),
+                spliced_reads: 3,
             },
             VolumeMetrics {
                 name: "we\"ird\\name\nx".into(),
@@ -438,6 +439,7 @@ fn scrape() {
         ("lull_volume_writes", "counter"),
         ("lull_volume_read_bytes", "counter"),
         ("lull_volume_written_bytes", "counter"),
+        ("lull_volume_spliced_reads", "counter"),
         ("lull_volume_io_uring_enters", "counter"),
         ("lull_volume_fixed_buffer_ios", "counter"),
         ("lull_volume_plain_buffer_ios", "counter"),
@@ -606,6 +608,16 @@ fn scrape() {
         5.0
     );
     assert_eq!(f["lull_volume_plain_buffer_ios"].samples.len(), 1);
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_spliced_reads",
+            "lull_volume_spliced_reads_total",
+            &v0
+        )
+        .value,
+        3.0
+    );
     assert_eq!(
         sample(
             &f,
