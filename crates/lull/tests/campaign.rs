@@ -12,14 +12,8 @@ use std::process::Command;
 fn short_crash_and_fault_campaign() {
     common::require("fio", "fio");
     common::require("qemu-io", "qemu-utils");
-    let has_nbd = Command::new("/usr/bin/python3")
-        .args(["-c", "import nbd"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        has_nbd,
-        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
-    );
+    // scripts/campaign drives libnbd from the system Python.
+    common::python_with_nbd();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/campaign");
     let out = Command::new("bash")
         .arg(script)

@@ -19,15 +19,7 @@ fn count(text: &str, name: &str) -> u64 {
 
 #[test]
 fn faulty_backend_replies_eio_and_the_connection_stays_usable() {
-    let python = "/usr/bin/python3";
-    let has_nbd = Command::new(python)
-        .args(["-c", "import nbd"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        has_nbd,
-        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
-    );
+    let python = common::python_with_nbd();
     let mut server = Server::start(&[
         "--volume",
         "v:16M:faulty=malloc,read_err=0.3,write_err=0.3,flush_err=0.3,delay_us=500,seed=11",

@@ -607,16 +607,7 @@ fn fixed_buffers_carry_verified_io_and_are_counted() {
 #[test]
 fn replicated_reads_are_spliced_and_carry_verified_data() {
     require("fio", "fio");
-    // libnbd's Python bindings, as the system Python has them.
-    let python = "/usr/bin/python3";
-    let has_nbd = Command::new(python)
-        .args(["-c", "import nbd"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        has_nbd,
-        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
-    );
+    let python = common::python_with_nbd();
     let dir = tempdir("spliced");
     for extra in [&[][..], &["--no-sendfile"][..]] {
         let label = if extra.is_empty() {

@@ -146,15 +146,7 @@ fn map_of_a_file_volume() {
 /// The expectations are "1", "0" or "any" (fast zero, fast zero with
 /// NO_HOLE), as the script takes them.
 fn libnbd_checks(args: &[&str], expect_fast_zero: &str, expect_fast_no_hole: &str) {
-    let python = "/usr/bin/python3";
-    let has_nbd = Command::new(python)
-        .args(["-c", "import nbd"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        has_nbd,
-        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
-    );
+    let python = common::python_with_nbd();
     let mut server = Server::start(args);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/structured.py");
     let out = run(Command::new(python).arg(script).args([

@@ -256,15 +256,7 @@ fn map_of_a_two_replica_volume_with_and_without_a_replica() {
 /// fast zero) through libnbd's Python bindings.
 #[test]
 fn libnbd_block_status_and_req_one_on_a_two_replica_volume() {
-    let python = "/usr/bin/python3";
-    let has_nbd = Command::new(python)
-        .args(["-c", "import nbd"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        has_nbd,
-        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
-    );
+    let python = common::python_with_nbd();
     let scratch = Scratch::new("libnbd");
     let (mut server, _a, _b) = two_replicas(&scratch, "16M");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/structured.py");

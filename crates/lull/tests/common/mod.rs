@@ -601,6 +601,21 @@ pub fn require(tool: &str, package: &str) {
     );
 }
 
+/// The system Python, after checking it has libnbd's bindings (`import
+/// nbd`): fails the test, naming the package, when it does not.
+pub fn python_with_nbd() -> &'static str {
+    let python = "/usr/bin/python3";
+    let has_nbd = Command::new(python)
+        .args(["-c", "import nbd"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_nbd,
+        "libnbd's Python bindings are missing: install the python3-libnbd package (scripts/test does)"
+    );
+    python
+}
+
 /// CPU time (utime + stime, all threads) of a process, in clock ticks
 /// (USER_HZ, 100 per second on Linux).
 pub fn process_cpu_ticks(pid: u32) -> u64 {
