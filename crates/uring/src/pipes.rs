@@ -94,3 +94,40 @@ pub fn put(pipe: SplicePipe) {
 pub fn live() -> usize {
     LIVE.load(Ordering::Acquire)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    /// An empty pipe given back is reused; one that still holds bytes is
+    /// closed (and stops counting), so no pooled pipe ever holds stale
+    /// data.
+    #[test]
+    fn empty_pipes_come_back_and_full_ones_close() {
+        let a = get().expect("a pipe");
+        let before = live();
+        put(a);
+        let b = get().expect("the pooled pipe");
+        assert_eq!(live(), before, "reused, not a new one");
+
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (rx, _) = l.accept().unwrap();
+        tx.write_all(b"left over").unwrap();
+        let mut b = b;
+        while b.held() < 9 {
+            match b.fill_from(rx.as_raw_fd(), 9) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        put(b);
+        assert_eq!(live(), before - 1, "a pipe with bytes in it is closed");
+        let c = get().expect("a new pipe");
+        assert_eq!(c.held(), 0);
+        put(c);
+    }
+}
