@@ -20,7 +20,8 @@
 //! it, for as long as the stream lives. A descriptor that is not open
 //! fails the call with `EBADF`; nothing here touches memory through it.
 
-use std::io;
+use std::fs::File;
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Pipe capacity a [`Pipe`] asks for (`F_SETPIPE_SZ`): 64 slots of one
@@ -33,11 +34,18 @@ pub const PIPE_BYTES: usize = 256 * 1024;
 /// of pages, see [`PIPE_BYTES`].
 pub const PIPE_PAYLOAD_BYTES_MAX: usize = PIPE_BYTES / 2;
 
-fn check(rc: libc::ssize_t) -> io::Result<usize> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc as usize)
+/// Runs a system call returning a byte count (or -1 and errno) until it
+/// is not interrupted by a signal.
+fn retrying(mut call: impl FnMut() -> libc::ssize_t) -> io::Result<usize> {
+    loop {
+        let rc = call();
+        if rc >= 0 {
+            return Ok(rc as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
 }
 
@@ -48,16 +56,11 @@ pub fn sendfile(sock: RawFd, file: BorrowedFd<'_>, offset: u64, len: usize) -> i
     let Ok(mut off) = libc::off_t::try_from(offset) else {
         return Err(io::Error::from_raw_os_error(libc::EFBIG));
     };
-    loop {
-        // SAFETY: `off` is a valid in/out pointer for the call; the
-        // descriptors are plain numbers to the kernel (the file is open for
-        // its borrow, a closed socket fails with EBADF).
-        let rc = unsafe { libc::sendfile(sock, file.as_raw_fd(), &mut off, len) };
-        match check(rc) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            r => return r,
-        }
-    }
+    // The file is open for its borrow; a closed socket fails with EBADF.
+    retrying(|| {
+        // SAFETY: `off` is a valid in/out pointer for the call.
+        unsafe { libc::sendfile(sock, file.as_raw_fd(), &mut off, len) }
+    })
 }
 
 /// `sendmsg(2)` of `bufs` with `MSG_MORE`: the bytes wait in the socket
@@ -71,15 +74,11 @@ pub fn send_more(sock: RawFd, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
     // kernel only reads through the pointer.
     msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = bufs.len();
-    loop {
-        // SAFETY: `msg` points at `bufs`, valid for the call; no control
-        // data, no address. A closed socket fails with EBADF.
-        let rc = unsafe { libc::sendmsg(sock, &msg, libc::MSG_MORE | libc::MSG_NOSIGNAL) };
-        match check(rc) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            r => return r,
-        }
-    }
+    // No control data, no address; a closed socket fails with EBADF.
+    retrying(|| {
+        // SAFETY: `msg` points at `bufs`, valid for the call.
+        unsafe { libc::sendmsg(sock, &msg, libc::MSG_MORE | libc::MSG_NOSIGNAL) }
+    })
 }
 
 /// Bytes a socket (or pipe) holds that a read would return now
@@ -101,7 +100,8 @@ pub fn readable_bytes(fd: RawFd) -> io::Result<usize> {
 /// many bytes it holds.
 #[derive(Debug)]
 pub struct Pipe {
-    read: OwnedFd,
+    /// The read end, as a `File` for plain reads ([`Pipe::read_into`]).
+    read: File,
     write: OwnedFd,
     held: usize,
 }
@@ -119,6 +119,7 @@ impl Pipe {
         }
         // SAFETY: pipe2 succeeded: both are new descriptors nobody else owns.
         let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let read = File::from(read);
         // SAFETY: F_SETPIPE_SZ takes an int argument, no pointer.
         let rc = unsafe {
             libc::fcntl(
@@ -177,16 +178,7 @@ impl Pipe {
         let want = dst.len().min(self.held);
         let mut got = 0;
         while got < want {
-            // SAFETY: the destination range is inside `dst`, valid and
-            // writable for the call; the descriptor is ours.
-            let rc = unsafe {
-                libc::read(
-                    self.read.as_raw_fd(),
-                    dst[got..want].as_mut_ptr().cast(),
-                    want - got,
-                )
-            };
-            match check(rc) {
+            match self.read.read(&mut dst[got..want]) {
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -202,31 +194,28 @@ impl Pipe {
 }
 
 fn splice(from: RawFd, to: RawFd, max: usize, flags: libc::c_uint) -> io::Result<usize> {
-    loop {
-        // SAFETY: no offsets (both ends are pipes or sockets: null offset
-        // pointers are what splice takes for them); the descriptors are
-        // plain numbers to the kernel (a closed one fails with EBADF).
-        let rc = unsafe {
+    // Both ends are pipes or sockets, which take no offsets (null
+    // pointers); a closed descriptor fails with EBADF.
+    let flags = flags | libc::SPLICE_F_NONBLOCK | libc::SPLICE_F_MOVE;
+    retrying(|| {
+        // SAFETY: no pointers but the null offsets splice allows.
+        unsafe {
             libc::splice(
                 from,
                 std::ptr::null_mut(),
                 to,
                 std::ptr::null_mut(),
                 max,
-                flags | libc::SPLICE_F_NONBLOCK | libc::SPLICE_F_MOVE,
+                flags,
             )
-        };
-        match check(rc) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            r => return r,
         }
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::net::{TcpListener, TcpStream};
     use std::os::fd::AsFd;
 
