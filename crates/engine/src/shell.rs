@@ -352,14 +352,14 @@ impl Sock {
     /// A pipe to splice a reply's `n` payload bytes into instead of
     /// receiving them, when everything allows it: a plain link with
     /// nothing of the payload buffered yet, a successful reply to a client
-    /// READ of at least `HEADER_ALONE_READ_BYTES` that fits a pipe, whose
-    /// channel takes pipes, and a pipe to be had.
+    /// READ (received into the buffer of the client on `channel`) of at
+    /// least `HEADER_ALONE_READ_BYTES` that fits a pipe, a channel that
+    /// takes pipes, and a pipe to be had.
     fn splice_pipe(
         &self,
-        engine: &Engine,
-        conn: ConnRef,
         header: &Header,
         n: usize,
+        channel: Option<u64>,
         channels: &SlotTable<ChanEntry>,
     ) -> Option<SplicePipe> {
         if !self.link.splices()
@@ -369,8 +369,12 @@ impl Sock {
         {
             return None;
         }
-        let channel = engine.client_read_channel(conn, header, n)?;
-        if !channels.get(channel)?.shared.splice.load(Ordering::Relaxed) {
+        if !channels
+            .get(channel?)?
+            .shared
+            .splice
+            .load(Ordering::Relaxed)
+        {
             return None;
         }
         lull_uring::pipes::get()
@@ -413,19 +417,15 @@ impl Sock {
                         let n = wire::payload_len(&header);
                         if n == 0 {
                             frames.push((header, None, None));
-                        } else if let Some(pipe) =
-                            self.splice_pipe(engine, conn, &header, n, channels)
-                        {
-                            self.recv = Recv::Spliced {
-                                header,
-                                buf: engine.reply_buf(conn, &header, n),
-                                pipe,
-                            };
                         } else {
-                            self.recv = Recv::Payload {
-                                header,
-                                buf: engine.reply_buf(conn, &header, n),
-                                filled: 0,
+                            let (buf, channel) = engine.reply_buf(conn, &header, n);
+                            self.recv = match self.splice_pipe(&header, n, channel, channels) {
+                                Some(pipe) => Recv::Spliced { header, buf, pipe },
+                                None => Recv::Payload {
+                                    header,
+                                    buf,
+                                    filled: 0,
+                                },
                             };
                         }
                     }

@@ -339,22 +339,20 @@ impl Conn {
                 let max = structured::MAX_BLOCK_STATUS_EXTENTS;
                 self.push_block_status(inflight.cookie, inflight.length, &extents, max);
             }
-            Ok(()) if inflight.command == Command::Read && c.spliced.is_some() => {
-                if let Some(b) = c.buf {
-                    bufs::put(b);
-                }
-                if let Some(pipe) = c.spliced {
+            Ok(()) if inflight.command == Command::Read => match (c.spliced, c.buf) {
+                (Some(pipe), buf) => {
+                    if let Some(b) = buf {
+                        bufs::put(b);
+                    }
                     self.push_read_spliced(&inflight, pipe);
                 }
-            }
-            Ok(()) if inflight.command == Command::Read => match c.buf {
-                Some(buf) if self.structured() => self.push_read_structured(
+                (None, Some(buf)) if self.structured() => self.push_read_structured(
                     inflight.cookie,
                     inflight.offset,
                     buf,
                     inflight.length,
                 ),
-                data => self.push_reply(inflight.cookie, 0, data),
+                (None, data) => self.push_reply(inflight.cookie, 0, data),
             },
             Ok(()) => {
                 if let Some(b) = c.buf {
@@ -474,9 +472,7 @@ impl Conn {
             );
             self.link.push(&header, Payload::Pipe(pipe));
         } else {
-            let mut header = [0u8; SIMPLE_REPLY_LEN];
-            nbd::encode_simple_reply(&mut header, 0, inflight.cookie);
-            self.link.push(&header, Payload::Pipe(pipe));
+            self.push_simple(inflight.cookie, 0, Payload::Pipe(pipe));
         }
     }
 
@@ -629,10 +625,14 @@ impl Conn {
     }
 
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {
+        self.push_simple(cookie, error, data.map_or(Payload::None, Payload::Buf));
+    }
+
+    /// A simple reply followed by `payload`.
+    fn push_simple(&mut self, cookie: u64, error: u32, payload: Payload) {
         let mut header = [0u8; SIMPLE_REPLY_LEN];
         nbd::encode_simple_reply(&mut header, error, cookie);
-        self.link
-            .push(&header, data.map_or(Payload::None, Payload::Buf));
+        self.link.push(&header, payload);
     }
 
     fn buffered(&self) -> usize {

@@ -360,25 +360,18 @@ impl Engine {
     /// fails first), so a read holds one buffer, not two, and the NBD
     /// reply is sent from the bytes the socket wrote. Anything else gets
     /// a buffer from the thread's cache ([`Engine::get_buf`]).
-    pub fn reply_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> IoBuf {
+    ///
+    /// With the buffer comes the channel of the client READ when it is
+    /// that client's: the shell may hand such a reply's data to the
+    /// channel in a pipe instead, if the channel takes one.
+    pub fn reply_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> (IoBuf, Option<u64>) {
         match self.client_read_buf(c, h, len) {
-            Some(buf) => buf,
-            None => self.get_buf(len),
+            Some((buf, channel)) => (buf, Some(channel)),
+            None => (self.get_buf(len), None),
         }
     }
 
-    /// The channel of the client READ a successful reply header on `c`
-    /// answers, when [`Engine::reply_buf`] receives its `len` bytes into
-    /// that client's buffer: the shell may hand such a reply's data to the
-    /// channel in a pipe instead, if the channel takes one.
-    pub fn client_read_channel(&self, c: ConnRef, h: &Header, len: usize) -> Option<u64> {
-        let id = self.client_read(c, h, len)?;
-        let io = self.ios.get(id)?;
-        matches!(&io.data, IoData::Read(Some(b)) if b.capacity() >= len).then_some(io.channel)
-    }
-
-    /// The client READ a successful reply of `len` bytes on `c` answers.
-    fn client_read(&self, c: ConnRef, h: &Header, len: usize) -> Option<IoId> {
+    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<(IoBuf, u64)> {
         if !h.reply || h.kind != Kind::Read || h.status != 0 {
             return None;
         }
@@ -390,17 +383,13 @@ impl Engine {
         if sub.kind != Kind::Read || sub.length as usize != len {
             return None; // on_frame refuses it; a fresh buffer takes it
         }
-        Some(id)
-    }
-
-    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<IoBuf> {
-        let id = self.client_read(c, h, len)?;
-        let IoData::Read(slot) = &mut self.ios.get_mut(id)?.data else {
+        let io = self.ios.get_mut(id)?;
+        let IoData::Read(slot) = &mut io.data else {
             return None;
         };
         let mut buf = slot.take_if(|b| b.capacity() >= len)?;
         buf.set_len(len);
-        Some(buf)
+        Some((buf, io.channel))
     }
 
     pub(super) fn on_client_reply(
