@@ -1025,16 +1025,82 @@ mod tests {
     struct TempDir(PathBuf);
 
     impl TempDir {
+        /// In TMPDIR.
         fn new(tag: &str) -> TempDir {
+            let base = std::env::temp_dir();
+            TempDir::under(&base, tag)
+                .unwrap_or_else(|e| panic!("create a temp dir in {}: {e}", base.display()))
+        }
+
+        fn under(base: &Path, tag: &str) -> io::Result<TempDir> {
             use std::sync::atomic::{AtomicU32, Ordering};
             static NEXT: AtomicU32 = AtomicU32::new(0);
-            let path = std::env::temp_dir().join(format!(
+            let path = base.join(format!(
                 "lull-bdev-{tag}-{}-{}",
                 std::process::id(),
                 NEXT.fetch_add(1, Ordering::Relaxed)
             ));
-            std::fs::create_dir_all(&path).expect("create temp dir");
-            TempDir(path)
+            std::fs::create_dir_all(&path)?;
+            Ok(TempDir(path))
+        }
+
+        /// For a test of the O_DIRECT path: in the first of TMPDIR,
+        /// /var/tmp and the workspace's target directory whose
+        /// filesystem accepts O_DIRECT (ramfs, tmpfs before Linux 6.6 and
+        /// some FUSE and network filesystems refuse it). If none does,
+        /// the test fails naming each refusal: a direct case that passed
+        /// without running would hide the path it exists to check.
+        fn for_direct(tag: &str) -> TempDir {
+            let bases = [
+                std::env::temp_dir(),
+                PathBuf::from("/var/tmp"),
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"),
+            ];
+            let mut refusals = Vec::new();
+            for base in &bases {
+                match TempDir::under(base, tag).and_then(|dir| dir.probe_direct().map(|()| dir)) {
+                    Ok(dir) => {
+                        if !refusals.is_empty() {
+                            eprintln!(
+                                "note: O_DIRECT refused on {}; running on {}",
+                                refusals.join(", "),
+                                dir.0.display()
+                            );
+                        }
+                        return dir;
+                    }
+                    Err(e) => refusals.push(format!("{} ({e})", base.display())),
+                }
+            }
+            panic!(
+                "this O_DIRECT test cannot run: O_DIRECT refused on {}; point TMPDIR at \
+                 a filesystem that accepts O_DIRECT (ext4, xfs, btrfs)",
+                refusals.join(", ")
+            )
+        }
+
+        /// [`TempDir::for_direct`] for a direct case, else [`TempDir::new`].
+        fn for_io(tag: &str, direct: bool) -> TempDir {
+            if direct {
+                TempDir::for_direct(tag)
+            } else {
+                TempDir::new(tag)
+            }
+        }
+
+        /// Whether a file here opens with O_DIRECT, as `FileDev::open`
+        /// opens it.
+        fn probe_direct(&self) -> io::Result<()> {
+            let path = self.0.join("o_direct-probe");
+            let opened = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path);
+            let _ = std::fs::remove_file(&path);
+            opened.map(drop)
         }
 
         fn file(&self) -> PathBuf {
@@ -1050,8 +1116,9 @@ mod tests {
 
     /// Opens a device. A filesystem that refuses O_DIRECT fails the test
     /// with a message: a direct case that passed without running would
-    /// hide the path it exists to check.
-    /// The io_uring channel always (`inline=off`), wherever TMPDIR is.
+    /// hide the path it exists to check (direct cases make `dir` with
+    /// [`TempDir::for_direct`], which looks for a filesystem that accepts
+    /// it). The io_uring channel always (`inline=off`), wherever TMPDIR is.
     fn open(dir: &TempDir, size: u64, direct: bool) -> FileDev {
         let ring = RingOptions {
             inline: crate::Inline::Off,
@@ -1069,7 +1136,7 @@ mod tests {
             Ok(dev) => dev,
             Err(BdevError::Unsupported(why)) if direct => panic!(
                 "this O_DIRECT test cannot run: {why} ({}); point TMPDIR at a \
-                 filesystem that accepts O_DIRECT (ext4, xfs, btrfs; not tmpfs)",
+                 filesystem that accepts O_DIRECT (ext4, xfs, btrfs)",
                 dir.0.display()
             ),
             Err(e) => panic!("open {}: {e}", dir.file().display()),
@@ -1171,7 +1238,7 @@ mod tests {
     }
 
     fn round_trip(direct: bool) {
-        let dir = TempDir::new("rt");
+        let dir = TempDir::for_io("rt", direct);
         let dev = open(&dir, 8 << 20, direct);
         round_trip_on(&dir, &dev);
     }
@@ -1222,7 +1289,7 @@ mod tests {
     /// as zeros and takes aligned (direct) and unaligned writes through
     /// the old channel; shrinking, odd sizes and too big are refused.
     fn grow(direct: bool) {
-        let dir = TempDir::new("grow");
+        let dir = TempDir::for_io("grow", direct);
         let old = 1 << 20;
         let dev = open(&dir, old, direct);
         let mut ch = dev.open_channel().expect("channel (io_uring)");
@@ -1272,7 +1339,7 @@ mod tests {
     }
 
     fn zeroing(direct: bool, fallocate: bool) {
-        let dir = TempDir::new("zero");
+        let dir = TempDir::for_io("zero", direct);
         let dev = open(&dir, 4 << 20, direct);
         let mut ch = dev.open_file_channel().expect("channel");
         if !fallocate {
@@ -1711,7 +1778,7 @@ mod tests {
 
     #[test]
     fn direct_channel_routes_only_aligned_io_to_o_direct() {
-        let dir = TempDir::new("route");
+        let dir = TempDir::for_direct("route");
         let dev = open(&dir, 1 << 20, true);
         let a = dev.direct_align_bytes().expect("direct");
         assert!(a > 0 && a <= 4096, "alignment {a}");
@@ -1773,7 +1840,7 @@ mod tests {
 
     #[test]
     fn sqpoll_works_and_io_uring_enters_are_counted() {
-        let dir = TempDir::new("sqpoll");
+        let dir = TempDir::for_direct("sqpoll");
         // The same work on a plain ring: an enter per submit.
         let plain = open_with(&dir, false, "").unwrap();
         write_read_back(&plain);
@@ -1787,12 +1854,9 @@ mod tests {
         for direct in [false, true] {
             let dev = match open_with(&dir, direct, "sqpoll=5") {
                 Ok(dev) => dev,
-                Err(BdevError::Unsupported(why)) if direct => {
-                    eprintln!("note: skipping O_DIRECT case: {why}");
-                    continue;
-                }
-                Err(e) => panic!("sqpoll refused: {e}"),
+                Err(e) => panic!("sqpoll (direct: {direct}) refused: {e}"),
             };
+            assert_eq!(dev.is_direct(), direct);
             assert!(dev.describe().contains("SQPOLL"), "{}", dev.describe());
             write_read_back(&dev);
             // The SQ thread takes submissions while awake: enters happen
@@ -1807,7 +1871,7 @@ mod tests {
 
     #[test]
     fn iopoll_needs_direct_and_a_polling_device() {
-        let dir = TempDir::new("iopoll");
+        let dir = TempDir::for_direct("iopoll");
         for flags in ["iopoll", "hybrid_iopoll"] {
             match open_with(&dir, false, flags) {
                 Err(BdevError::OptionRefused { option, reason }) => {
@@ -1817,9 +1881,6 @@ mod tests {
                 other => panic!("{flags} without direct: {other:?}"),
             }
             match open_with(&dir, true, flags) {
-                Err(BdevError::Unsupported(why)) => {
-                    eprintln!("note: skipping the O_DIRECT {flags} case: {why}");
-                }
                 Err(BdevError::OptionRefused { option, reason }) => {
                     // This VM's disk has no poll queues; a tmpfs temp dir
                     // has no block device at all.
@@ -1846,8 +1907,10 @@ mod tests {
         }
         // auto never fails for the device's sake: it falls back.
         match open_with(&dir, true, "iopoll=auto") {
-            Ok(dev) => write_read_back(&dev),
-            Err(BdevError::Unsupported(why)) => eprintln!("note: skipping auto: {why}"),
+            Ok(dev) => {
+                assert!(dev.is_direct());
+                write_read_back(&dev);
+            }
             Err(e) => panic!("iopoll=auto: {e}"),
         }
         let dev = open_with(&dir, false, "iopoll=auto").expect("auto without direct falls back");
@@ -1929,7 +1992,7 @@ mod tests {
     }
 
     fn check_against_oracle(direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
-        let dir = TempDir::new("prop");
+        let dir = TempDir::for_io("prop", direct);
         let dev = open(&dir, PROP_SIZE, direct);
         check_dev_against_oracle(&dev, steps)
     }
@@ -2007,7 +2070,7 @@ mod tests {
             std::thread::spawn(move || {
                 let arena = lull_uring::FixedArena::new(4 << 20).expect("arena");
                 assert!(lull_uring::install_thread_arena(arena.clone()));
-                let dir = TempDir::new(if direct { "fixed-d" } else { "fixed-b" });
+                let dir = TempDir::for_io(if direct { "fixed-d" } else { "fixed-b" }, direct);
                 let dev = open_with(&dir, direct, flags).expect("open");
                 let mut ch = dev.open_file_channel().expect("channel");
                 let fixed_on = !flags.contains("fixed=off");

@@ -25,6 +25,15 @@
 //! replica_tls_psk = "/etc/lull/replica.psk"  # the replicas' --tls-psk file, or
 //! # replica_tls_certs = "/etc/lull/replica-pki" # ca-cert.pem, client-cert.pem, client-key.pem
 //! # replica_insecure = true        # plain TCP: no authentication (logged at start)
+//! # A storage node: replicas kept under `store`, served on one port to
+//! # any engine (the replica-link choice above secures that port too):
+//! # store = "/var/lib/lull/store"
+//! # replica_listen = "0.0.0.0:10900" # default 127.0.0.1:10900
+//! # store_overcommit = 1.0         # sum of replica sizes / what the disk can hold
+//! # JSON-RPC over TCP, TLS only (mutual certificates or a PSK file):
+//! # rpc_listen = "0.0.0.0:10910"
+//! # rpc_tls_certs = "/etc/lull/rpc-pki"  # ca-cert.pem, server-cert.pem, server-key.pem
+//! # rpc_tls_psk = "/etc/lull/rpc.psk"
 //! fixed_buffers_mib = 16           # per reactor: prefaulted, registered I/O buffers; 0 = off
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
@@ -78,9 +87,10 @@ pub enum Backend {
         /// `sqpoll[=IDLE_MS]`, `iopoll`, `iopoll=auto`, `hybrid_iopoll`.
         ring: lull_bdev::RingOptions,
     },
-    /// Replica servers (`replicas=HOST:PORT+HOST:PORT`).
+    /// Replicas (`replicas=HOST:PORT+HOST:PORT/NAME...`): `lull replica`
+    /// processes, or named replicas in node daemons' stores.
     Replicas {
-        addrs: Vec<SocketAddr>,
+        addrs: Vec<lull_engine::ReplicaTarget>,
     },
     /// A memory or file backend with faults injected
     /// (`faulty=INNER,read_err=P,write_err=P,flush_err=P,delay_us=N,seed=N`).
@@ -208,7 +218,42 @@ pub struct ServeSettings {
     /// MiB of fixed I/O buffers (prefaulted, registered with io_uring)
     /// each reactor maps at start; 0: none, buffers come from the heap.
     pub fixed_buffers_mib: u64,
+    /// The replica store, when this daemon is a storage node (`--store`).
+    pub store: Option<StoreSettings>,
+    /// JSON-RPC over TCP with TLS (`--rpc-listen`); off when `None`.
+    pub rpc_listen: Option<RpcListen>,
 }
+
+/// `--store DIR` and its settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreSettings {
+    pub dir: PathBuf,
+    /// Where engines reach the store's replicas (`--replica-listen`).
+    pub replica_listen: SocketAddr,
+    /// How far the sum of replica sizes may exceed what the filesystem
+    /// can hold, in percent (`store_overcommit` × 100; 100: never, every
+    /// replica can be written in full).
+    pub overcommit_percent: u32,
+}
+
+/// `--rpc-listen ADDR:PORT` with its credentials.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcListen {
+    pub addr: SocketAddr,
+    /// `--rpc-tls-certs DIR` (mutual certificates) or `--rpc-tls-psk FILE`.
+    pub creds: Creds,
+}
+
+/// Where a store serves its replicas when `--replica-listen` is not given:
+/// loopback (other nodes' engines need an address set on purpose).
+pub const DEFAULT_REPLICA_LISTEN: &str = "127.0.0.1:10900";
+/// `store_overcommit` by default: no overcommit (Longhorn's
+/// `storage-over-provisioning-percentage` of 100).
+pub const DEFAULT_STORE_OVERCOMMIT: f64 = 1.0;
+/// Largest `store_overcommit`: past 100x thin provisioning is a typo, not a
+/// plan (Longhorn's setting is a percentage with no bound; a ratio this
+/// high already promises a hundred disks' worth of space).
+pub const MAX_STORE_OVERCOMMIT: f64 = 100.0;
 
 /// `fixed_buffers_mib` by default: lull_uring's `ARENA_BYTES_DEFAULT`
 /// (16 MiB: a queue of 64 requests of any size up to 128 KiB per reactor;
@@ -289,6 +334,16 @@ pub struct ConfigFile {
     pub max_in_flight_per_volume: Option<usize>,
     /// MiB of fixed I/O buffers per reactor (0: off).
     pub fixed_buffers_mib: Option<u64>,
+    /// A storage node's replica store directory.
+    pub store: Option<PathBuf>,
+    /// The store's replica port.
+    pub replica_listen: Option<String>,
+    /// Sum of replica sizes over what the store's filesystem holds.
+    pub store_overcommit: Option<f64>,
+    /// JSON-RPC over TCP (TLS only).
+    pub rpc_listen: Option<String>,
+    pub rpc_tls_certs: Option<PathBuf>,
+    pub rpc_tls_psk: Option<PathBuf>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -352,6 +407,12 @@ pub struct Overrides {
     pub max_connections_per_volume: Option<usize>,
     pub max_in_flight_per_volume: Option<usize>,
     pub fixed_buffers_mib: Option<u64>,
+    pub store: Option<PathBuf>,
+    pub replica_listen: Option<String>,
+    pub store_overcommit: Option<f64>,
+    pub rpc_listen: Option<String>,
+    pub rpc_tls_certs: Option<PathBuf>,
+    pub rpc_tls_psk: Option<PathBuf>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -485,6 +546,8 @@ pub fn resolve(
     allowed_cpus: &[usize],
 ) -> Result<ServeSettings, ConfigError> {
     let replica_link = resolve_replica_link(&flags, &file)?;
+    let store = resolve_store(&flags, &file)?;
+    let rpc_listen = resolve_rpc_listen(&flags, &file)?;
     let listen_s = flags.listen.or(file.listen);
     let socket = flags.socket.or(file.socket);
     // A socket alone serves instead of TCP; with --listen too, as well.
@@ -569,6 +632,10 @@ pub fn resolve(
                 )
             })
             .collect::<Result<Vec<_>, _>>()?
+    } else if store.is_some() {
+        // A storage node starts with the volumes its store recorded, not
+        // a memory volume nobody asked for.
+        Vec::new()
     } else {
         vec![parse_volume(DEFAULT_VOLUME)?]
     };
@@ -602,6 +669,12 @@ pub fn resolve(
         flags.tls_certs.or(file.tls_certs),
         flags.tls_psk.or(file.tls_psk),
     )?;
+    if replica_link.is_none() && store.is_some() {
+        return err(format!(
+            "a store serves replicas to engines: {}",
+            LinkAuth::missing(LinkAuth::SERVE_FLAGS)
+        ));
+    }
     if replica_link.is_none() {
         if let Some(v) = volumes
             .iter()
@@ -714,7 +787,79 @@ pub fn resolve(
         max_connections_per_volume,
         max_in_flight_per_volume,
         fixed_buffers_mib,
+        store,
+        rpc_listen,
     })
+}
+
+/// `--store`, `--replica-listen` and `store_overcommit`: a replica port or
+/// an overcommit without a store is a mistake worth saying.
+fn resolve_store(
+    flags: &Overrides,
+    file: &ConfigFile,
+) -> Result<Option<StoreSettings>, ConfigError> {
+    let dir = flags.store.clone().or(file.store.clone());
+    let listen = flags.replica_listen.clone().or(file.replica_listen.clone());
+    let overcommit = flags.store_overcommit.or(file.store_overcommit);
+    let Some(dir) = dir else {
+        if listen.is_some() || overcommit.is_some() {
+            return err("replica_listen and store_overcommit need a store (--store DIR)");
+        }
+        return Ok(None);
+    };
+    if dir.as_os_str().is_empty() {
+        return err("store: an empty path");
+    }
+    let listen = listen.unwrap_or_else(|| DEFAULT_REPLICA_LISTEN.into());
+    let replica_listen = listen.parse().map_err(|_| {
+        ConfigError(format!(
+            "invalid replica_listen address {listen:?}: expected ADDR:PORT"
+        ))
+    })?;
+    let overcommit = overcommit.unwrap_or(DEFAULT_STORE_OVERCOMMIT);
+    if !(overcommit.is_finite() && (1.0..=MAX_STORE_OVERCOMMIT).contains(&overcommit)) {
+        return err(format!(
+            "store_overcommit = {overcommit}: must be 1.0 (no overcommit) to {MAX_STORE_OVERCOMMIT}"
+        ));
+    }
+    Ok(Some(StoreSettings {
+        dir,
+        replica_listen,
+        overcommit_percent: (overcommit * 100.0).round() as u32,
+    }))
+}
+
+/// `--rpc-listen` needs exactly one of `--rpc-tls-certs` and
+/// `--rpc-tls-psk`: the network RPC is never plaintext.
+fn resolve_rpc_listen(
+    flags: &Overrides,
+    file: &ConfigFile,
+) -> Result<Option<RpcListen>, ConfigError> {
+    let addr = flags.rpc_listen.clone().or(file.rpc_listen.clone());
+    let certs = flags.rpc_tls_certs.clone().or(file.rpc_tls_certs.clone());
+    let psk = flags.rpc_tls_psk.clone().or(file.rpc_tls_psk.clone());
+    let Some(addr) = addr else {
+        if certs.is_some() || psk.is_some() {
+            return err("rpc_tls_certs and rpc_tls_psk need rpc_listen (--rpc-listen ADDR:PORT)");
+        }
+        return Ok(None);
+    };
+    let addr = addr.parse().map_err(|_| {
+        ConfigError(format!(
+            "invalid rpc_listen address {addr:?}: expected ADDR:PORT"
+        ))
+    })?;
+    let creds = match (certs, psk) {
+        (Some(dir), None) => Creds::X509(dir),
+        (None, Some(file)) => Creds::Psk(file),
+        (None, None) => {
+            return err(
+                "rpc_listen serves JSON-RPC over TLS only: give --rpc-tls-certs DIR (mutual certificates) or --rpc-tls-psk FILE",
+            )
+        }
+        (Some(_), Some(_)) => return err("rpc_listen: give only one of --rpc-tls-certs and --rpc-tls-psk"),
+    };
+    Ok(Some(RpcListen { addr, creds }))
 }
 
 /// The replica-link choice: the flags' if any is given (they replace the

@@ -29,7 +29,7 @@ mod sim;
 
 use std::net::SocketAddr;
 
-pub use core::{CHANNEL_DEPTH, MAX_CHANNELS};
+pub use core::{ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS};
 pub use shell::ReplicatedDev;
 
 /// Engine settings. Defaults follow Longhorn where it has a setting.
@@ -113,7 +113,7 @@ pub enum ReplicaState {
 /// One replica's status (`replica_status`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaStatus {
-    pub addr: SocketAddr,
+    pub addr: ReplicaTarget,
     pub state: ReplicaState,
     pub generation: u64,
     /// Requests in flight on its connections.
@@ -141,31 +141,45 @@ pub enum EngineError {
     Stopped,
 }
 
-/// Parse `HOST:PORT+HOST:PORT[+...]` (the `replicas=` backend option).
-/// Host names are resolved here, once, at configuration time.
-pub fn parse_replicas(spec: &str) -> Result<Vec<SocketAddr>, EngineError> {
-    use std::net::ToSocketAddrs;
+/// Parse `REPLICA+REPLICA[+...]` (the `replicas=` backend option), where
+/// a replica is `HOST:PORT` (a `lull replica` process) or `HOST:PORT/NAME`
+/// (replica NAME in the store of the node daemon at HOST:PORT). Host names
+/// are resolved here, once, at configuration time.
+pub fn parse_replicas(spec: &str) -> Result<Vec<ReplicaTarget>, EngineError> {
     let bad = |m: String| EngineError::BadReplicaList(spec.to_string(), m);
-    let mut out = Vec::new();
+    let mut out: Vec<ReplicaTarget> = Vec::new();
     for part in spec.split('+') {
-        let part = part.trim();
-        if part.is_empty() {
-            return Err(bad("empty replica address".into()));
+        let target = parse_replica(part.trim()).map_err(bad)?;
+        if out.contains(&target) {
+            return Err(bad(format!("{target} listed twice")));
         }
-        let addr = part
-            .to_socket_addrs()
-            .map_err(|e| bad(format!("{part}: {e}")))?
-            .next()
-            .ok_or_else(|| bad(format!("{part}: no address")))?;
-        if out.contains(&addr) {
-            return Err(bad(format!("{addr} listed twice")));
-        }
-        out.push(addr);
+        out.push(target);
     }
     if out.is_empty() || out.len() > core::MAX_REPLICAS {
         return Err(EngineError::ReplicaCount { got: out.len() });
     }
     Ok(out)
+}
+
+/// Parse one `HOST:PORT` or `HOST:PORT/NAME`.
+pub fn parse_replica(part: &str) -> Result<ReplicaTarget, String> {
+    use std::net::ToSocketAddrs;
+    if part.is_empty() {
+        return Err("empty replica address".into());
+    }
+    let (host, name) = match part.split_once('/') {
+        Some((host, name)) => {
+            lull_proto::replica::check_replica_name(name).map_err(|e| format!("{part}: {e}"))?;
+            (host, Some(std::sync::Arc::<str>::from(name)))
+        }
+        None => (part, None),
+    };
+    let addr: SocketAddr = host
+        .to_socket_addrs()
+        .map_err(|e| format!("{part}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{part}: no address"))?;
+    Ok(ReplicaTarget { addr, name })
 }
 
 #[cfg(test)]
@@ -175,6 +189,13 @@ mod tests {
     #[test]
     fn replica_lists() {
         let v = parse_replicas("127.0.0.1:7001+127.0.0.1:7002").unwrap();
+        let named = parse_replicas("127.0.0.1:7001/r0+127.0.0.1:7001/r1").unwrap();
+        assert_eq!(named[1].to_string(), "127.0.0.1:7001/r1");
+        assert_eq!(named[0].hello_name(), "r0");
+        assert!(parse_replicas("127.0.0.1:7001/r0+127.0.0.1:7001/r0").is_err());
+        assert!(parse_replicas("127.0.0.1:7001/..").is_err());
+        assert!(parse_replicas("127.0.0.1:7001/a/b").is_err());
+        assert!(parse_replicas("127.0.0.1:7001/").is_err());
         assert_eq!(v.len(), 2);
         assert!(parse_replicas("127.0.0.1:7001+").is_err());
         assert!(parse_replicas("127.0.0.1:7001+127.0.0.1:7001").is_err());

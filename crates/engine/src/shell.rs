@@ -40,7 +40,7 @@ use lull_reactor::{FrameworkHandle, PollStatus, PollerId, PollerKind, Thread, Th
 use lull_uring::pipes::SplicePipe;
 use lull_uring::splice::PIPE_PAYLOAD_BYTES_MAX;
 
-use crate::core::ids::{ConnData, ReplicaData};
+use crate::core::ids::{ConnData, ReplicaData, ReplicaTarget};
 use crate::core::{
     Action, ClientReq, ConnRef, Engine, Event, LogLevel, Payload, CHANNEL_DEPTH, MAX_CHANNELS,
     MAX_CLIENT_IOS,
@@ -705,7 +705,7 @@ impl Shell {
     /// `reconnect_interval_ms`, one log line each time. At most one attempt per
     /// connection is outstanding (the core issues a new one only after this
     /// one is resolved or abandoned, and the timeout bounds it).
-    fn connect(&mut self, conn: ConnRef, addr: SocketAddr) {
+    fn connect(&mut self, conn: ConnRef, target: ReplicaTarget) {
         let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else {
             return;
         };
@@ -715,7 +715,7 @@ impl Shell {
         let spawned = std::thread::Builder::new()
             .name("lull-connect".into())
             .spawn(move || {
-                let result = connect_link(addr, timeout, tls.as_ref());
+                let result = connect_link(target.addr, timeout, tls.as_ref());
                 let _ = me.send(move |t| {
                     let now = t.now_ns();
                     lock(&shell).on_connected(t, conn, result, now);
@@ -1155,6 +1155,10 @@ pub struct ReplicatedDev {
     volume: String,
     size_bytes: u64,
     replicas_desc: String,
+    /// The replicas as the operator configured them, changed by
+    /// `add_replica`/`remove_replica` as the core will (a node records
+    /// them; the core's own view is `replica_status`).
+    targets: Mutex<Vec<ReplicaTarget>>,
     engine: ThreadHandle,
     doorbell: Arc<Doorbell>,
     shell: Arc<Mutex<Shell>>,
@@ -1175,7 +1179,7 @@ impl ReplicatedDev {
         fw: &FrameworkHandle,
         reactor: usize,
         volume: &str,
-        replicas: Vec<SocketAddr>,
+        replicas: Vec<ReplicaTarget>,
         size_bytes: u64,
         opts: EngineOptions,
         tls: Option<TlsContext>,
@@ -1206,7 +1210,13 @@ impl ReplicatedDev {
         let shell = Arc::new_cyclic(|weak| {
             Mutex::new(Shell {
                 volume: volume.to_string(),
-                core: Engine::new(volume, size_bytes, replicas, opts.clone(), new_session()),
+                core: Engine::new(
+                    volume,
+                    size_bytes,
+                    replicas.clone(),
+                    opts.clone(),
+                    new_session(),
+                ),
                 opts: opts.clone(),
                 tls,
                 me: None,
@@ -1246,6 +1256,7 @@ impl ReplicatedDev {
             volume: volume.to_string(),
             size_bytes,
             replicas_desc,
+            targets: Mutex::new(replicas),
             engine,
             doorbell,
             shell,
@@ -1333,13 +1344,32 @@ impl ReplicatedDev {
     }
 
     /// Add a replica (it is rebuilt, then joins the healthy set).
-    pub fn add_replica(&self, addr: SocketAddr) -> Result<(), EngineError> {
+    pub fn add_replica(&self, addr: ReplicaTarget) -> Result<(), EngineError> {
+        {
+            let mut targets = self.targets.lock().unwrap_or_else(|e| e.into_inner());
+            if !targets.contains(&addr) && targets.len() < crate::core::MAX_REPLICAS {
+                targets.push(addr.clone());
+            }
+        }
         self.event(Event::AddReplica(addr))
     }
 
     /// Remove a replica from the volume (its connections close now).
-    pub fn remove_replica(&self, addr: SocketAddr) -> Result<(), EngineError> {
+    pub fn remove_replica(&self, addr: ReplicaTarget) -> Result<(), EngineError> {
+        self.targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|t| *t != addr);
         self.event(Event::RemoveReplica(addr))
+    }
+
+    /// The replicas configured now (the volume's `replicas=`, with those
+    /// added and removed since).
+    pub fn replica_targets(&self) -> Vec<ReplicaTarget> {
+        self.targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn event(&self, ev: Event) -> Result<(), EngineError> {

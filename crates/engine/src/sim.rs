@@ -22,6 +22,7 @@
 //! a stability checker asserts that two reads of a block with no write to
 //! it in flight in between return the same data: reads never alternate.
 
+use crate::core::ids::ReplicaTarget;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
@@ -350,7 +351,7 @@ pub(crate) struct Sim {
     rng: Rng,
     now: u64,
     engine: Engine,
-    addrs: Vec<SocketAddr>,
+    addrs: Vec<ReplicaTarget>,
     replicas: Vec<SimReplica>,
     queue: BTreeMap<(u64, u64), Sched>,
     seq: u64,
@@ -414,8 +415,8 @@ pub(crate) struct SimStats {
 
 impl Sim {
     pub(crate) fn new(seed: u64, n_replicas: usize) -> Sim {
-        let addrs: Vec<SocketAddr> = (0..n_replicas)
-            .map(|i| SocketAddr::from(([10, 0, 0, i as u8 + 1], 7000)))
+        let addrs: Vec<ReplicaTarget> = (0..n_replicas)
+            .map(|i| ReplicaTarget::from(SocketAddr::from(([10, 0, 0, i as u8 + 1], 7000))))
             .collect();
         let opts = EngineOptions {
             replica_timeout_ms: 2000,
@@ -1401,7 +1402,7 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     let restarted_at = sim.milestones.len();
     let eio_before = sim.eio;
     sim.step_until(now + 20_000 * MS, true);
-    let (fresh, stale) = (sim.addrs[0], sim.addrs[1]);
+    let (fresh, stale) = (sim.addrs[0].clone(), sim.addrs[1].clone());
     assert!(
         !sim.milestone_since(restarted_at, |m| matches!(m, Milestone::Elected { .. })),
         "a stale replica was elected: {:?}",
@@ -1410,7 +1411,7 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     assert!(
         sim.milestone_since(restarted_at, |m| {
             *m == Milestone::WaitingForReplicas {
-                missing: vec![fresh],
+                missing: vec![fresh.clone()],
             }
         }),
         "{:?}",
@@ -1437,7 +1438,7 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
     assert!(
         sim.milestone_since(restarted_at, |m| *m
             == Milestone::CopyComplete {
-                replica: stale,
+                replica: stale.clone(),
                 reconcile: false
             }),
         "the stale replica was not rebuilt: {:?}",
@@ -1461,7 +1462,7 @@ fn sim_removing_a_lost_replica_lets_the_volume_start() {
         "{:?}",
         &sim.milestones[restarted_at..]
     );
-    let addr = sim.addrs[0];
+    let addr = sim.addrs[0].clone();
     sim.apply(Event::RemoveReplica(addr));
     sim.step_until(sim.now + 1_000 * MS, false);
     assert!(

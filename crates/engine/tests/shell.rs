@@ -168,8 +168,16 @@ fn replicated_dev_writes_reads_fails_over_and_eios() {
         ..Default::default()
     };
     // Plain links: the fake replicas here speak the protocol in plaintext.
-    let dev =
-        ReplicatedDev::start(fw.handle(), 0, "t", vec![a.addr, b.addr], SIZE, opts, None).unwrap();
+    let dev = ReplicatedDev::start(
+        fw.handle(),
+        0,
+        "t",
+        vec![a.addr.into(), b.addr.into()],
+        SIZE,
+        opts,
+        None,
+    )
+    .unwrap();
     assert!(
         dev.wait_ready(Duration::from_secs(20)),
         "{:?}",

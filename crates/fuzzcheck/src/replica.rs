@@ -37,9 +37,17 @@ pub fn replica_frame(data: &[u8]) {
     assert!(len <= replica::MAX_IO_BYTES as usize);
     let payload = &rest[..len.min(rest.len())];
     match header.kind {
-        Kind::Hello => {
+        Kind::Hello if header.reply => {
             if let Ok(hello) = replica::decode_hello(payload) {
                 assert_eq!(&replica::encode_hello(&hello)[..24], &payload[..24]);
+            }
+        }
+        Kind::Hello => {
+            // A request: the record, then the replica's name (maybe none).
+            assert!(len <= replica::MAX_HELLO_REQUEST_LEN);
+            if let Ok((hello, name)) = replica::decode_hello_request(payload) {
+                assert!(name.is_empty() || replica::check_replica_name(name).is_ok());
+                assert_eq!(replica::encode_hello_request(&hello, name), payload);
             }
         }
         Kind::Extents if header.reply => {

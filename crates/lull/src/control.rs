@@ -31,6 +31,11 @@ pub struct Control {
     /// on threads of their own): a volume's NVMe/TCP options and its
     /// place in the registry change together.
     volume_changes: std::sync::Mutex<()>,
+    /// This node's replica store (`--store`).
+    store: Option<Arc<lull_replica::Store>>,
+    /// Volumes created over RPC, written under the store and restored at
+    /// start (with `--store`).
+    node: Option<Arc<crate::node::NodeState>>,
 }
 
 impl Control {
@@ -48,7 +53,68 @@ impl Control {
             adminq_poll_period_us: AtomicU64::new(DEFAULT_ADMINQ_POLL_PERIOD_US),
             nvmf: None,
             volume_changes: std::sync::Mutex::new(()),
+            store: None,
+            node: None,
         }
+    }
+
+    /// The node's store and the record of its RPC-created volumes.
+    pub fn with_store(
+        mut self,
+        store: Option<Arc<lull_replica::Store>>,
+        node: Option<Arc<crate::node::NodeState>>,
+    ) -> Control {
+        self.store = store;
+        self.node = node;
+        self
+    }
+
+    fn store(&self) -> Result<&lull_replica::Store, ControlError> {
+        self.store.as_deref().ok_or_else(|| {
+            ControlError::Refused(
+                "this daemon has no replica store: start lull serve with --store DIR".into(),
+            )
+        })
+    }
+
+    /// Records a change of the RPC-created volumes (with a store; without
+    /// one, nothing is kept across restarts).
+    fn persist(
+        &self,
+        change: impl FnOnce(&mut std::collections::BTreeMap<String, crate::node::VolumeEntry>),
+    ) -> Result<(), ControlError> {
+        match &self.node {
+            Some(node) => node.update(change).map_err(|e| {
+                tracing::error!(error = %e, "cannot write the node state");
+                ControlError::Failed(e.into())
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// After a replica of `volume` was added or removed: the record's
+    /// backend names the replicas the engine has now.
+    fn persist_replicas(&self, volume: &str) -> Result<(), ControlError> {
+        let Some(node) = &self.node else {
+            return Ok(());
+        };
+        if !node.holds(volume) {
+            return Ok(());
+        }
+        let dev = self.replicated(volume)?;
+        let backend = format!(
+            "replicas={}",
+            dev.replica_targets()
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join("+")
+        );
+        self.persist(|m| {
+            if let Some(v) = m.get_mut(volume) {
+                v.backend = backend;
+            }
+        })
     }
 
     /// RPC-created volumes may bring NVMe/TCP options to this target.
@@ -203,6 +269,27 @@ impl ControlPlane for Control {
         if let Some(r) = self.fw.reactor_stats().first() {
             self.apply_keepalive(r.mode);
         }
+        let entry = crate::node::VolumeEntry {
+            name: v.name.clone(),
+            size_bytes: spec.size_bytes,
+            backend: backend.clone(),
+            nvmf_nqn: volume.nvmf_nqn.clone(),
+            nvmf_lba: volume.nvmf_lba,
+            nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
+        };
+        if let Err(e) = self.persist(|m| {
+            m.insert(entry.name.clone(), entry);
+        }) {
+            // Not kept, so not created: a volume must not vanish at the
+            // next restart after the RPC said it exists.
+            if let Ok(gone) = self.volumes.remove(&v.name) {
+                if let Some(dev) = gone.storage.replicated() {
+                    let _ = dev.detach(std::time::Duration::from_secs(5));
+                }
+            }
+            forget();
+            return Err(e);
+        }
         tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
         Ok(VolumeInfo::of(&v))
     }
@@ -216,7 +303,15 @@ impl ControlPlane for Control {
                 .volume_changes
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            self.volumes.remove(name)?
+            let v = self.volumes.remove(name)?;
+            // A record that cannot be written leaves the volume in it: it
+            // comes back at the next start, where it can be deleted again.
+            if let Err(e) = self.persist(|m| {
+                m.remove(name);
+            }) {
+                tracing::error!(volume = name, error = %e, "volume deleted, and the node state still lists it");
+            }
+            v
         };
         // Connected clients keep the device until they disconnect; flush
         // what is there now.
@@ -232,6 +327,11 @@ impl ControlPlane for Control {
         let before = self.volumes.named(name)?.dev().size_bytes();
         let v = self.volumes.resize(name, *size_bytes).inspect_err(|e| {
             tracing::warn!(volume = %name, size_bytes, error = %e, "volume_resize refused");
+        })?;
+        self.persist(|m| {
+            if let Some(v) = m.get_mut(name.as_str()) {
+                v.size_bytes = *size_bytes;
+            }
         })?;
         tracing::info!(volume = %name, from = before, to = size_bytes,
             "volume grown over RPC (NVMe/TCP hosts are told; NBD clients see the new size on their next connection)");
@@ -292,24 +392,70 @@ impl ControlPlane for Control {
         let dev = self.replicated(&replica.volume)?;
         let addr = parse_addr(&replica.addr)?;
         dev.add_replica(addr)
-            .map_err(|e| ControlError::Failed(e.into()))
+            .map_err(|e| ControlError::Failed(e.into()))?;
+        self.persist_replicas(&replica.volume)
     }
 
     fn replica_remove(&self, replica: &ReplicaAddr) -> Result<(), ControlError> {
         let dev = self.replicated(&replica.volume)?;
         let addr = parse_addr(&replica.addr)?;
         dev.remove_replica(addr)
-            .map_err(|e| ControlError::Failed(e.into()))
+            .map_err(|e| ControlError::Failed(e.into()))?;
+        self.persist_replicas(&replica.volume)
+    }
+
+    fn replica_create(&self, name: &str, size_bytes: u64) -> Result<Value, ControlError> {
+        let info = self
+            .store()?
+            .create(name, size_bytes)
+            .map_err(store_error)?;
+        Ok(json!(info))
+    }
+
+    fn replica_delete(&self, name: &str) -> Result<(), ControlError> {
+        self.store()?.delete(name).map_err(store_error)
+    }
+
+    fn replica_get(&self, name: &str) -> Result<Value, ControlError> {
+        Ok(json!(self.store()?.get(name).map_err(store_error)?))
+    }
+
+    fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
+        let info = self
+            .store()?
+            .import(name, std::path::Path::new(dir))
+            .map_err(store_error)?;
+        Ok(json!(info))
+    }
+
+    fn store_get(&self) -> Result<Value, ControlError> {
+        Ok(json!(self.store()?.info().map_err(store_error)?))
     }
 }
 
-fn parse_addr(addr: &str) -> Result<std::net::SocketAddr, ControlError> {
+/// A store error as the RPC reports it: bad parameters as -32602, other
+/// refusals with their reason, failures logged in full first.
+fn store_error(e: lull_replica::StoreError) -> ControlError {
+    use lull_replica::StoreError;
+    match e {
+        StoreError::BadName { .. } | StoreError::BadSize(_) => {
+            ControlError::InvalidParams(e.to_string())
+        }
+        e if e.is_refusal() => ControlError::Refused(e.to_string()),
+        e => {
+            tracing::error!(error = %e, "store operation failed");
+            ControlError::Failed(e.into())
+        }
+    }
+}
+
+fn parse_addr(addr: &str) -> Result<lull_engine::ReplicaTarget, ControlError> {
     let addrs =
         lull_engine::parse_replicas(addr).map_err(|e| ControlError::Refused(e.to_string()))?;
     match addrs.as_slice() {
-        [one] => Ok(*one),
+        [one] => Ok(one.clone()),
         _ => Err(ControlError::Refused(format!(
-            "expected one HOST:PORT, got {addr:?}"
+            "expected one HOST:PORT or HOST:PORT/NAME, got {addr:?}"
         ))),
     }
 }

@@ -5,6 +5,7 @@
 
 mod cli;
 mod control;
+mod node;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -157,6 +158,31 @@ struct ServeArgs {
     /// [default: 16, at most 1024].
     #[arg(long, value_name = "MIB")]
     fixed_buffers_mib: Option<u64>,
+    /// Make this daemon a storage node: keep replicas under DIR (created
+    /// over RPC with replica_create), serve them to engines on
+    /// --replica-listen, and keep the volumes created over RPC in DIR
+    /// across restarts [default: off].
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+    /// Where the store serves its replicas to engines (the replica-link
+    /// flags secure it) [default: 127.0.0.1:10900].
+    #[arg(long, value_name = "ADDR:PORT")]
+    replica_listen: Option<String>,
+    /// Thin provisioning: how far the sum of replica sizes may exceed what
+    /// the store's filesystem can hold (1.0: not at all) [default: 1.0].
+    #[arg(long, value_name = "RATIO")]
+    store_overcommit: Option<f64>,
+    /// Serve JSON-RPC over TCP at ADDR:PORT too, TLS only (with
+    /// --rpc-tls-certs or --rpc-tls-psk) [default: off].
+    #[arg(long, value_name = "ADDR:PORT")]
+    rpc_listen: Option<String>,
+    /// JSON-RPC over TCP with mutual certificates: a directory with
+    /// server-cert.pem, server-key.pem and ca-cert.pem (clients' CA).
+    #[arg(long, value_name = "DIR")]
+    rpc_tls_certs: Option<PathBuf>,
+    /// JSON-RPC over TCP with pre-shared keys (username:hexkey lines).
+    #[arg(long, value_name = "FILE")]
+    rpc_tls_psk: Option<PathBuf>,
     /// TOML configuration file; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -171,8 +197,6 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    // Reactors report the io_uring_enter calls made on their threads.
-    lull_reactor::set_io_uring_enter_source(lull_uring::thread_enter_calls);
     match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Replica(args) => cli::replica::run(&args),
@@ -217,6 +241,12 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         scheduler: args.scheduler,
         scheduler_period_us: args.scheduler_period_us,
         fixed_buffers_mib: args.fixed_buffers_mib,
+        store: args.store,
+        replica_listen: args.replica_listen,
+        store_overcommit: args.store_overcommit,
+        rpc_listen: args.rpc_listen,
+        rpc_tls_certs: args.rpc_tls_certs,
+        rpc_tls_psk: args.rpc_tls_psk,
     };
     let allowed =
         lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
@@ -309,23 +339,28 @@ const _: () =
     assert!(config::FIXED_BUFFERS_MIB_DEFAULT << 20 == lull_uring::ARENA_BYTES_DEFAULT as u64);
 const _: () = assert!(config::FIXED_BUFFERS_MIB_MAX << 20 == lull_uring::ARENA_BYTES_MAX as u64);
 
-/// Has every reactor started from now on map `mib` MiB of fixed I/O
-/// buffers on its own thread (none with 0), and report them in its stats.
-/// Call before `Framework::start`.
-pub(crate) fn init_fixed_buffers(mib: u64) {
+/// `framework` with the io_uring hooks filled in: every reactor maps
+/// `mib` MiB of fixed I/O buffers on its own thread when it starts (none
+/// with 0), and reports them and the io_uring_enter calls made on its
+/// thread in its stats. Pass the result to `Framework::start`.
+pub(crate) fn init_fixed_buffers(mib: u64, framework: FrameworkConfig) -> FrameworkConfig {
     lull_uring::set_reactor_arena_bytes((mib << 20) as usize);
-    lull_reactor::set_reactor_start_hook(|_reactor| {
-        let _ = lull_uring::init_thread_arena();
-    });
-    lull_reactor::set_fixed_buffer_source(|| {
-        lull_uring::thread_arena_stats().map_or(Default::default(), |a| {
-            lull_reactor::FixedBufferUsage {
-                bytes: a.bytes as u64,
-                in_use_bytes: a.in_use_bytes as u64,
-                locked: a.locked,
-            }
-        })
-    });
+    let framework = FrameworkConfig {
+        io_uring_enter_source: Some(lull_uring::thread_enter_calls),
+        reactor_start_hook: Some(|_reactor| {
+            let _ = lull_uring::init_thread_arena();
+        }),
+        fixed_buffer_source: Some(|| {
+            lull_uring::thread_arena_stats().map_or(Default::default(), |a| {
+                lull_reactor::FixedBufferUsage {
+                    bytes: a.bytes as u64,
+                    in_use_bytes: a.in_use_bytes as u64,
+                    locked: a.locked,
+                }
+            })
+        }),
+        ..framework
+    };
     if mib > 0 {
         tracing::info!(
             mib_per_reactor = mib,
@@ -333,6 +368,7 @@ pub(crate) fn init_fixed_buffers(mib: u64) {
             "fixed I/O buffers: prefaulted, registered with io_uring"
         );
     }
+    framework
 }
 
 /// A device in this process: memory, a file, or either with faults injected.
@@ -405,12 +441,19 @@ fn wait_for_replicas(volumes: &Volumes) {
 /// live server is not fatal (several servers on one machine are normal in
 /// tests and benchmarks): RPC is then off, with a warning. An explicit
 /// `--rpc-socket` that cannot be served is an error.
+/// The JSON-RPC servers: the Unix socket and, with `--rpc-listen`, TCP
+/// with TLS.
+struct RpcServers {
+    local: Option<lull_rpc::RpcServer>,
+    tcp: Option<lull_rpc::RpcTcpServer>,
+}
+
 fn start_rpc(
     s: &ServeSettings,
     fw: &Framework,
     volumes: &Arc<Volumes>,
     control: &Arc<control::Control>,
-) -> Result<Option<lull_rpc::RpcServer>, String> {
+) -> Result<RpcServers, String> {
     let mut registry = lull_rpc::MethodRegistry::new();
     let ctx = lull_rpc::LullContext {
         fw: fw.handle().clone(),
@@ -418,22 +461,98 @@ fn start_rpc(
         control: control.clone(),
     };
     lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
+    let registry = Arc::new(registry);
+    // The network listener first: its credentials are the likelier mistake,
+    // and nothing is bound yet when they are refused.
+    let tcp = match &s.rpc_listen {
+        Some(l) => {
+            let tls = match &l.creds {
+                lull_net::tls::Creds::Psk(f) => lull_rpc::RpcTls::Psk(f.clone()),
+                lull_net::tls::Creds::X509(d) => lull_rpc::RpcTls::Certs(d.clone()),
+            };
+            let tls = tls.server().map_err(|e| e.to_string())?;
+            Some(
+                lull_rpc::RpcTcpServer::start(l.addr, tls, registry.clone())
+                    .map_err(|e| format!("JSON-RPC on {}: {e}", l.addr))?,
+            )
+        }
+        None => None,
+    };
     let (path, explicit) = match &s.rpc_socket {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(lull_rpc::DEFAULT_RPC_SOCKET), false),
     };
-    match lull_rpc::RpcServer::start(&path, Arc::new(registry)) {
-        Ok(r) => Ok(Some(r)),
+    let local = match lull_rpc::RpcServer::start(&path, registry) {
+        Ok(r) => Some(r),
         Err(e) if !explicit => {
             tracing::warn!(socket = %path.display(), error = %e, "JSON-RPC is off: pass --rpc-socket PATH to enable it");
-            Ok(None)
+            None
         }
-        Err(e) => Err(format!("JSON-RPC socket {}: {e}", path.display())),
+        Err(e) => return Err(format!("JSON-RPC socket {}: {e}", path.display())),
+    };
+    Ok(RpcServers { local, tcp })
+}
+
+/// Opens the node's store and its record of RPC-created volumes, and
+/// checks that no volume is declared both there and by `--volume` or the
+/// config file.
+/// A node's store and its record of RPC-created volumes (both `None`
+/// without `--store`).
+type NodeParts = (
+    Option<Arc<lull_replica::Store>>,
+    Option<Arc<node::NodeState>>,
+);
+
+fn open_node(s: &ServeSettings, fw: &lull_reactor::FrameworkHandle) -> Result<NodeParts, String> {
+    let Some(st) = &s.store else {
+        return Ok((None, None));
+    };
+    let link = s
+        .replica_link
+        .clone()
+        .ok_or_else(|| LinkAuth::missing(LinkAuth::SERVE_FLAGS))?;
+    let store = lull_replica::Store::open(
+        fw,
+        &lull_replica::StoreConfig {
+            dir: st.dir.clone(),
+            listen: st.replica_listen,
+            link,
+            overcommit_percent: st.overcommit_percent,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("store {}: {e}", st.dir.display()))?;
+    let node = node::NodeState::load(&st.dir)?;
+    for v in node.volumes() {
+        if s.volumes.iter().any(|d| d.name == v.name) {
+            return Err(format!(
+                "volume {:?} is declared by --volume (or the config file) and recorded in {} (created over RPC): remove one of the two",
+                v.name,
+                node.path().display()
+            ));
+        }
     }
+    Ok((Some(Arc::new(store)), Some(Arc::new(node))))
+}
+
+/// The NVMe/TCP options of a recorded volume, checked as
+/// `volume_create`'s were.
+fn recorded_nvmf(v: &node::VolumeEntry) -> Result<Option<config::NvmfVolume>, String> {
+    if v.nvmf_nqn.is_none() && v.nvmf_lba.is_none() && v.nvmf_allow_hosts.is_empty() {
+        return Ok(None);
+    }
+    let n = config::NvmfVolume {
+        nqn: v.nvmf_nqn.clone(),
+        lba_bytes: v.nvmf_lba,
+        allow_hosts: v.nvmf_allow_hosts.clone(),
+    };
+    config::check_nvmf_volume(&v.name, v.size_bytes, &n).map_err(|e| e.to_string())?;
+    Ok(Some(n))
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
-    let s = match settings(args) {
+    let started = std::time::Instant::now();
+    let mut s = match settings(args) {
         Ok(s) => s,
         Err(e) => return usage_error(e),
     };
@@ -463,15 +582,25 @@ fn serve(args: ServeArgs) -> ExitCode {
         Err(code) => return code,
     };
     lull_net::server::raise_fd_limit("nbd");
-    init_fixed_buffers(s.fixed_buffers_mib);
-    let mut fw = match Framework::start(FrameworkConfig {
-        ioq_poll_period_us: s.ioq_poll_period_us,
-        scheduler: s.scheduler,
-        ..FrameworkConfig::new(s.cores.clone(), s.mode)
-    }) {
+    let mut fw = match Framework::start(init_fixed_buffers(
+        s.fixed_buffers_mib,
+        FrameworkConfig {
+            ioq_poll_period_us: s.ioq_poll_period_us,
+            scheduler: s.scheduler,
+            ..FrameworkConfig::new(s.cores.clone(), s.mode)
+        },
+    )) {
         Ok(fw) => fw,
         Err(e) => {
             eprintln!("lull: error: cannot start reactors: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (store, node) = match open_node(&s, fw.handle()) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("lull: error: {e}");
+            fw.stop();
             return ExitCode::FAILURE;
         }
     };
@@ -479,7 +608,35 @@ fn serve(args: ServeArgs) -> ExitCode {
         connections: s.max_connections_per_volume,
         in_flight: s.max_in_flight_per_volume,
     }));
-    for spec in &s.volumes {
+    // Volumes the node recorded come back as they were created.
+    let mut recorded = Vec::new();
+    for v in node.as_ref().map(|n| n.volumes()).unwrap_or_default() {
+        let spec = config::parse_volume(&format!("{}:{}:{}", v.name, v.size_bytes, v.backend))
+            .map_err(|e| e.to_string())
+            .and_then(|spec| recorded_nvmf(&v).map(|n| (spec, n)));
+        match spec {
+            Ok((spec, nvmf)) => {
+                if let Some(n) = nvmf {
+                    if s.nvmf_listen.is_none() {
+                        tracing::warn!(volume = %v.name, "recorded with NVMe/TCP options, and this daemon serves no NVMe/TCP (--nvmf-listen): NBD only");
+                    }
+                    s.nvmf_volumes.insert(v.name.clone(), n);
+                }
+                recorded.push(spec);
+            }
+            Err(e) => {
+                eprintln!(
+                    "lull: error: node state {}: volume {:?}: {e}",
+                    node.as_ref()
+                        .map_or_else(String::new, |n| n.path().display().to_string()),
+                    v.name
+                );
+                fw.stop();
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    for spec in s.volumes.iter().chain(&recorded) {
         let dev = match open_device(spec, fw.handle(), &s.engine, &links) {
             Ok(d) => d,
             Err(e) => {
@@ -552,7 +709,8 @@ fn serve(args: ServeArgs) -> ExitCode {
             s.engine.clone(),
             links,
         )
-        .with_nvmf(nvmf.as_ref().map(|n| n.subsystems())),
+        .with_nvmf(nvmf.as_ref().map(|n| n.subsystems()))
+        .with_store(store.clone(), node.clone()),
     );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
@@ -604,6 +762,27 @@ fn serve(args: ServeArgs) -> ExitCode {
             );
         }
     }
+    if let Some(st) = &store {
+        println!(
+            "replica store {} on {}: {} replica(s)",
+            st.dir().display(),
+            st.local_addr(),
+            st.len()
+        );
+    }
+    if let Some(t) = &rpc.tcp {
+        println!("rpc on tcp {} (TLS)", t.local_addr());
+    }
+    // Everything above serves once this line is printed: the start-up time
+    // an operator (and the benchmark) reads.
+    let ready_ms = started.elapsed().as_millis();
+    tracing::info!(
+        ready_ms,
+        volumes = volumes.list().len(),
+        replicas = store.as_ref().map_or(0, |st| st.len()),
+        "serving"
+    );
+    println!("ready in {ready_ms} ms");
     for a in server.local_addrs() {
         println!("listening on {a}");
     }
@@ -619,7 +798,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             }
         }
     }
-    if let Some(r) = &rpc {
+    if let Some(r) = &rpc.local {
         println!("rpc on {}", r.path().display());
     }
     if let Some(m) = &metrics {
@@ -641,6 +820,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     }
     // Replicated volumes detach cleanly while the reactors still run, so
     // their replicas are clean and the next start reconciles nothing.
+    // (Replicas in this node's own store are still served meanwhile.)
     let mut code = ExitCode::SUCCESS;
     for v in volumes.list() {
         let Some(dev) = v.storage.replicated() else {
@@ -656,6 +836,12 @@ fn serve(args: ServeArgs) -> ExitCode {
                 tracing::error!(volume = %v.name, error = %e, "clean detach failed: the replicas stay dirty and are reconciled at the next start");
                 code = ExitCode::FAILURE;
             }
+        }
+    }
+    if let Some(st) = &store {
+        if let Err(e) = st.shutdown(SHUTDOWN_TIMEOUT) {
+            tracing::error!(error = %e, "replica store did not stop cleanly");
+            code = ExitCode::FAILURE;
         }
     }
     for r in fw.handle().reactor_stats() {

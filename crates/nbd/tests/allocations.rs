@@ -461,7 +461,7 @@ fn steady_state_replicated_requests_allocate_nothing() {
         fw.handle(),
         0,
         "vol",
-        replicas.iter().map(ReplicaServer::local_addr).collect(),
+        replicas.iter().map(|r| r.local_addr().into()).collect(),
         VOLUME_BYTES,
         EngineOptions::default(),
         None,

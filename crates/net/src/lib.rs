@@ -1,7 +1,8 @@
 //! Socket plumbing shared by every lull wire endpoint (the NBD server, the
-//! replica server and the engine's replica connections): an input buffer
-//! that hands out whole messages, and an output queue of framed replies
-//! written with one `writev` for many frames.
+//! NVMe/TCP target, the replica server and the engine's replica
+//! connections): an input buffer that hands out whole messages, and an
+//! output queue of framed replies written with one `writev` for many
+//! frames.
 //!
 //! ```
 //! use lull_net::{InBuf, OutQueue, Fill};

@@ -14,7 +14,7 @@
 //!
 //! | kind | request payload | reply (status 0) payload | reply `offset` / `length` |
 //! | --- | --- | --- | --- |
-//! | HELLO | [`Hello`] ([`HELLO_LEN`]) | [`Hello`] (also on error) | 0 / `HELLO_LEN` |
+//! | HELLO | [`Hello`] ([`HELLO_LEN`]), then the replica's name (0 to [`MAX_REPLICA_NAME_BYTES`]) | [`Hello`] (also on error) | 0 / `HELLO_LEN` |
 //! | READ | none (`length` ≤ [`MAX_IO_BYTES`] to read) | `length` bytes of data | echo |
 //! | WRITE, WRITE_FUA | `length` ≤ `MAX_IO_BYTES` bytes | none | echo |
 //! | FLUSH, PING | none (`length` 0) | none | 0 / 0 |
@@ -40,6 +40,13 @@
 //!
 //! Error replies (status ≠ 0) carry no payload, except HELLO replies,
 //! which always carry the replica's [`Hello`] so a mismatch can be logged.
+//!
+//! A HELLO request may name the replica after its [`Hello`] record
+//! ([`encode_hello_request`]): a node's store serves many replicas on one
+//! port and the name says which one the connection is for (`ENOENT` when
+//! it holds none of that name). A `lull replica` process serves one
+//! replica and takes only unnamed HELLOs. The name is fixed by the first
+//! HELLO of a connection. Names follow [`check_replica_name`].
 //!
 //! # Sessions, clean detach and the write-intent record (version 2)
 //!
@@ -116,6 +123,12 @@ pub const HEADER_LEN: usize = 32;
 /// flags, session), fixed so both sides can read it without a
 /// length-prefixed parser.
 pub const HELLO_LEN: usize = 32;
+/// Longest replica name, in bytes: a Kubernetes object name (a DNS
+/// subdomain, at most 253 bytes) fits, and so does the directory the store
+/// keeps it in (NAME_MAX is 255). It bounds a HELLO request's payload.
+pub const MAX_REPLICA_NAME_BYTES: usize = 253;
+/// Longest HELLO request payload: the record and the longest name.
+pub const MAX_HELLO_REQUEST_LEN: usize = HELLO_LEN + MAX_REPLICA_NAME_BYTES;
 /// Bytes in one EXTENTS record: (offset u64, length u64).
 pub const EXTENT_LEN: usize = 16;
 /// Largest READ or WRITE payload in one frame. 32 MiB matches the NBD
@@ -429,8 +442,16 @@ fn check(h: &Header) -> Result<(), FrameError> {
     };
     match h.kind {
         Kind::Hello => {
-            if h.length as usize != HELLO_LEN {
-                return Err(FrameError::BadPayload("HELLO length must be HELLO_LEN"));
+            let length = h.length as usize;
+            if h.reply && length != HELLO_LEN {
+                return Err(FrameError::BadPayload(
+                    "HELLO reply length must be HELLO_LEN",
+                ));
+            }
+            if !h.reply && !(HELLO_LEN..=MAX_HELLO_REQUEST_LEN).contains(&length) {
+                return Err(FrameError::BadPayload(
+                    "HELLO length must be HELLO_LEN plus a name of at most MAX_REPLICA_NAME_BYTES",
+                ));
             }
         }
         Kind::Read | Kind::Write | Kind::WriteFua => too_long(MAX_IO_BYTES)?,
@@ -556,7 +577,8 @@ pub fn encode_refusal(id: u64, status: u32, out: &mut [u8; HEADER_LEN]) {
 pub fn payload_len(h: &Header) -> usize {
     let length = h.length as usize;
     match (h.kind, h.reply) {
-        (Kind::Hello, _) => HELLO_LEN,
+        (Kind::Hello, true) => HELLO_LEN,
+        (Kind::Hello, false) => length,
         (Kind::Write | Kind::WriteFua, false) => length,
         (Kind::Read | Kind::Extents | Kind::IntentGet | Kind::BlockStatus, true)
             if h.status == 0 =>
@@ -598,6 +620,58 @@ pub fn decode_hello(b: &[u8]) -> Result<Hello, FrameError> {
         flags: word(2),
         session: word(3),
     })
+}
+
+/// Whether `name` may name a replica: 1 to [`MAX_REPLICA_NAME_BYTES`]
+/// bytes of `A-Z a-z 0-9 - _ .`, starting with a letter or digit (so never
+/// `.`, `..` or a hidden file, and never a path: it is a directory name in
+/// the store). The error says what is wrong.
+pub fn check_replica_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        return Err("a replica name is empty");
+    }
+    if name.len() > MAX_REPLICA_NAME_BYTES {
+        return Err("a replica name has at most 253 bytes");
+    }
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err("a replica name starts with a letter or a digit");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err("a replica name has only A-Z a-z 0-9 - _ .");
+    }
+    Ok(())
+}
+
+/// Encodes a HELLO request payload: the record, then `name` (empty: an
+/// unnamed HELLO, for a `lull replica` process). The caller checked the
+/// name ([`check_replica_name`]).
+pub fn encode_hello_request(h: &Hello, name: &str) -> Vec<u8> {
+    debug_assert!(name.is_empty() || check_replica_name(name).is_ok());
+    let mut out = Vec::with_capacity(HELLO_LEN + name.len());
+    out.extend_from_slice(&encode_hello(h));
+    out.extend_from_slice(name.as_bytes());
+    out
+}
+
+/// Decodes a HELLO request payload: the record and the replica's name
+/// (`""` when the HELLO names none). A name that is not valid is an error.
+pub fn decode_hello_request(b: &[u8]) -> Result<(Hello, &str), FrameError> {
+    if b.len() < HELLO_LEN || b.len() > MAX_HELLO_REQUEST_LEN {
+        return Err(FrameError::BadPayload(
+            "HELLO request payload is not HELLO_LEN plus a name",
+        ));
+    }
+    let (record, name) = b.split_at(HELLO_LEN);
+    let hello = decode_hello(record)?;
+    let name = std::str::from_utf8(name)
+        .map_err(|_| FrameError::BadPayload("HELLO replica name is not UTF-8"))?;
+    if !name.is_empty() {
+        check_replica_name(name).map_err(FrameError::BadPayload)?;
+    }
+    Ok((hello, name))
 }
 
 /// Bytes per write-intent region of a volume of `volume_size` bytes: at
@@ -949,6 +1023,46 @@ mod tests {
         assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
         assert!(decode_hello(&[0; 31]).is_err());
         assert!(decode_hello(&[0; 33]).is_err());
+    }
+
+    #[test]
+    fn hello_request_names_a_replica() {
+        let h = Hello {
+            volume_size: 1 << 30,
+            generation: 1,
+            flags: 0,
+            session: 7,
+        };
+        let named = encode_hello_request(&h, "pvc-1.r0");
+        assert_eq!(decode_hello_request(&named).unwrap(), (h, "pvc-1.r0"));
+        assert_eq!(decode_hello_request(&encode_hello(&h)).unwrap(), (h, ""));
+        let longest = "a".repeat(MAX_REPLICA_NAME_BYTES);
+        let frame = encode_hello_request(&h, &longest);
+        assert_eq!(frame.len(), MAX_HELLO_REQUEST_LEN);
+        assert!(decode_hello_request(&frame).is_ok());
+        let mut too_long = frame.clone();
+        too_long.push(b'a');
+        assert!(decode_hello_request(&too_long).is_err());
+        for bad in ["..", ".hidden", "a/b", "a\0b", "é", "-x", "a b"] {
+            let mut p = encode_hello(&h).to_vec();
+            p.extend_from_slice(bad.as_bytes());
+            assert!(decode_hello_request(&p).is_err(), "{bad:?} accepted");
+            assert!(check_replica_name(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(check_replica_name("").is_err());
+        assert!(check_replica_name(&"a".repeat(300)).is_err());
+        // Headers: a request's length says how long the name is; a reply's
+        // is always the bare record.
+        let mut out = [0u8; HEADER_LEN];
+        let req = Header::request(Kind::Hello, 1, 0, named.len() as u32);
+        encode_header(&req, &mut out).unwrap();
+        assert_eq!(payload_len(&decode_header(&out).unwrap()), named.len());
+        let long = Header::request(Kind::Hello, 1, 0, MAX_HELLO_REQUEST_LEN as u32 + 1);
+        assert!(encode_header(&long, &mut out).is_err());
+        let mut reply = req.reply_with(0);
+        assert_eq!(reply.length as usize, HELLO_LEN);
+        reply.length = named.len() as u32;
+        assert!(encode_header(&reply, &mut out).is_err());
     }
 
     #[test]

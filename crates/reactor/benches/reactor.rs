@@ -26,11 +26,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn round_trip_ns(mode: Mode, rounds: u64) -> f64 {
     let (cores, pin) = cores();
     let fw = Framework::start(FrameworkConfig {
-        cores,
-        mode,
         pin,
-        ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
-        scheduler: Default::default(),
+        ..FrameworkConfig::new(cores, mode)
     })
     .unwrap();
     let h = fw.handle().clone();

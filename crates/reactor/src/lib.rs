@@ -26,7 +26,8 @@
 //! A connection is not a lull thread: servers put connections as pollers
 //! into *poll groups*, one lull thread per reactor (`lull_net::server`).
 
-// Unsafe only in `sys`, the fence around Linux syscalls (STYLE.md).
+// Unsafe only in `sys`, the fence around Linux syscalls (docs/STYLE.md
+// habit 8).
 #![deny(unsafe_code)]
 
 pub mod adaptive;
@@ -42,9 +43,8 @@ mod thread;
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use cores::{parse_core_list, MAX_CORE};
 pub use reactor::{
-    set_fixed_buffer_source, set_io_uring_enter_source, set_reactor_start_hook, FixedBufferUsage,
-    Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats, SchedulerConfig,
-    SchedulerInfo, DEFAULT_IOQ_POLL_PERIOD_US,
+    FixedBufferUsage, Framework, FrameworkConfig, FrameworkHandle, Mode, ReactorStats,
+    SchedulerConfig, SchedulerInfo, DEFAULT_IOQ_POLL_PERIOD_US,
 };
 pub use sys::Interest;
 pub use thread::{

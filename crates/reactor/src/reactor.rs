@@ -40,31 +40,8 @@ const REACTOR_EVENT_BATCH: usize = 128;
 /// a 1 s scheduling period.
 const USAGE_REFRESH_NS: u64 = 50_000_000;
 
-/// Where a reactor reads its OS thread's `io_uring_enter` count (the
-/// binary sets `lull_uring::thread_enter_calls`): the reactor sits below
-/// the crate that owns the rings, so the count comes in as a function.
-static IO_URING_ENTER_SOURCE: std::sync::OnceLock<fn() -> u64> = std::sync::OnceLock::new();
-
-/// Sets the function reactors call (on their own thread, when they publish
-/// their getrusage counters) for `ReactorStats::io_uring_enters`. The first
-/// call wins; without one the counter stays 0.
-pub fn set_io_uring_enter_source(count: fn() -> u64) {
-    let _ = IO_URING_ENTER_SOURCE.set(count);
-}
-
-/// What every reactor thread runs on itself once, after pinning and
-/// before it takes any lull thread (the binary creates the thread's fixed
-/// I/O buffer arena there, so its pages come from the core's memory node).
-static REACTOR_START_HOOK: std::sync::OnceLock<fn(usize)> = std::sync::OnceLock::new();
-
-/// Sets the function each reactor thread calls with its index when it
-/// starts (before `Framework::start` returns). The first call wins.
-pub fn set_reactor_start_hook(hook: fn(usize)) {
-    let _ = REACTOR_START_HOOK.set(hook);
-}
-
 /// A reactor thread's fixed I/O buffer arena, as
-/// [`set_fixed_buffer_source`]'s function reports it.
+/// [`FrameworkConfig::fixed_buffer_source`] reports it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FixedBufferUsage {
     /// Bytes mapped and prefaulted (0: the reactor has no arena).
@@ -73,18 +50,6 @@ pub struct FixedBufferUsage {
     pub in_use_bytes: u64,
     /// Locked in memory (mlock succeeded).
     pub locked: bool,
-}
-
-/// Where a reactor reads its thread's arena state (the binary sets
-/// `lull_uring::thread_arena_stats`, which sits above this crate).
-static FIXED_BUFFER_SOURCE: std::sync::OnceLock<fn() -> FixedBufferUsage> =
-    std::sync::OnceLock::new();
-
-/// Sets the function reactors call (on their own thread, when they
-/// publish their getrusage counters) for `ReactorStats::fixed_buffers`.
-/// The first call wins; without one the stats stay zero.
-pub fn set_fixed_buffer_source(usage: fn() -> FixedBufferUsage) {
-    let _ = FIXED_BUFFER_SOURCE.set(usage);
 }
 
 /// Messages still run per thread at shutdown, so that a stop does not lose
@@ -180,6 +145,23 @@ pub struct FrameworkConfig {
     pub ioq_poll_period_us: u64,
     /// Which scheduler runs, and how often.
     pub scheduler: SchedulerConfig,
+    /// Where a reactor reads its OS thread's `io_uring_enter` count for
+    /// `ReactorStats::io_uring_enters`, called on the reactor's own thread
+    /// when it publishes its getrusage counters (the binary passes
+    /// `lull_uring::thread_enter_calls`: this crate sits below the one that
+    /// owns the rings, so the count comes in as a function). `None`: the
+    /// counter stays 0.
+    pub io_uring_enter_source: Option<fn() -> u64>,
+    /// Run once on every reactor thread with its index, after pinning and
+    /// before it takes any lull thread (and before `Framework::start`
+    /// returns). The binary maps the thread's fixed I/O buffer arena there,
+    /// so its pages come from the core's memory node.
+    pub reactor_start_hook: Option<fn(usize)>,
+    /// Where a reactor reads its thread's fixed buffer arena for
+    /// `ReactorStats::fixed_buffers`, called on the reactor's own thread as
+    /// `io_uring_enter_source` is (the binary reports
+    /// `lull_uring::thread_arena_stats`). `None`: the figures stay zero.
+    pub fixed_buffer_source: Option<fn() -> FixedBufferUsage>,
 }
 
 /// The scheduler and its period.
@@ -237,6 +219,9 @@ impl FrameworkConfig {
             pin: true,
             ioq_poll_period_us: DEFAULT_IOQ_POLL_PERIOD_US,
             scheduler: SchedulerConfig::default(),
+            io_uring_enter_source: None,
+            reactor_start_hook: None,
+            fixed_buffer_source: None,
         }
     }
 }
@@ -723,6 +708,11 @@ impl Framework {
             let mode = config.mode;
             let period_us = config.ioq_poll_period_us;
             let pin = config.pin;
+            let start_hook = config.reactor_start_hook;
+            let sources = UsageSources {
+                io_uring_enters: config.io_uring_enter_source,
+                fixed_buffers: config.fixed_buffer_source,
+            };
             let join = std::thread::Builder::new()
                 .name(format!("reactor_{}", shared.index))
                 .spawn(move || {
@@ -730,10 +720,10 @@ impl Framework {
                         if pin {
                             sys::pin_current_thread(shared.core).map_err(ReactorError::Sys)?;
                         }
-                        if let Some(hook) = REACTOR_START_HOOK.get() {
+                        if let Some(hook) = start_hook {
                             hook(shared.index);
                         }
-                        Reactor::new(shared, fw, mode, period_us)
+                        Reactor::new(shared, fw, mode, period_us, sources)
                     })();
                     match setup {
                         Ok(mut reactor) => {
@@ -826,11 +816,21 @@ struct Spin {
     start_ns: u64,
 }
 
+/// The functions a reactor reads its thread's figures from that this
+/// crate cannot see (`FrameworkConfig::io_uring_enter_source`,
+/// `FrameworkConfig::fixed_buffer_source`).
+#[derive(Clone, Copy)]
+struct UsageSources {
+    io_uring_enters: Option<fn() -> u64>,
+    fixed_buffers: Option<fn() -> FixedBufferUsage>,
+}
+
 struct Reactor {
     shared: Arc<ReactorShared>,
     framework: FrameworkHandle,
     mode: Mode,
     ioq_poll_period_us: u64,
+    sources: UsageSources,
     /// The adaptive mode's decision (kept in every mode, so that the
     /// measured wake-up cost is known before a switch to adaptive).
     adaptive: Adaptive,
@@ -953,6 +953,7 @@ impl Reactor {
         framework: FrameworkHandle,
         mode: Mode,
         ioq_poll_period_us: u64,
+        sources: UsageSources,
     ) -> Result<Reactor, ReactorError> {
         let epoll = Epoll::new().map_err(ReactorError::Sys)?;
         epoll
@@ -979,6 +980,7 @@ impl Reactor {
             framework,
             mode,
             ioq_poll_period_us,
+            sources,
             adaptive: Adaptive::new(wake),
             spin: None,
             idle_deadline: None,
@@ -1528,11 +1530,12 @@ impl Reactor {
         c.minor_faults.store(u.minor_faults, Ordering::Relaxed);
         c.major_faults.store(u.major_faults, Ordering::Relaxed);
         // A thread-local read, no syscall.
-        let enters = IO_URING_ENTER_SOURCE.get().map_or(0, |count| count());
+        let enters = self.sources.io_uring_enters.map_or(0, |count| count());
         c.io_uring_enters.store(enters, Ordering::Relaxed);
         // A thread-local read too.
-        let arena = FIXED_BUFFER_SOURCE
-            .get()
+        let arena = self
+            .sources
+            .fixed_buffers
             .map_or(FixedBufferUsage::default(), |usage| usage());
         c.fixed_buffer_bytes.store(arena.bytes, Ordering::Relaxed);
         c.fixed_buffer_in_use_bytes

@@ -17,17 +17,18 @@ fn cores(n: usize) -> Vec<usize> {
 }
 
 fn framework(n: usize, mode: Mode) -> Framework {
+    Framework::start(config(n, mode)).expect("framework")
+}
+
+/// `n` reactors, pinned when the machine has `n` cores to pin them to.
+fn config(n: usize, mode: Mode) -> FrameworkConfig {
     let cores = cores(n);
     let pin = cores.iter().collect::<std::collections::HashSet<_>>().len() == n;
     let cores = if pin { cores } else { (0..n).collect() };
-    Framework::start(FrameworkConfig {
-        cores,
-        mode,
+    FrameworkConfig {
         pin,
-        ioq_poll_period_us: lull_reactor::DEFAULT_IOQ_POLL_PERIOD_US,
-        scheduler: Default::default(),
-    })
-    .expect("framework")
+        ..FrameworkConfig::new(cores, mode)
+    }
 }
 
 /// CPU time (utime + stime) of one OS thread of this process, in ms.
@@ -446,32 +447,48 @@ fn set_scheduler_rejects_bad_settings() {
 /// Reactor threads that ran the start hook, by index bit.
 static HOOKED: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// Set by the start hook: this OS thread is a reactor.
+    static ON_REACTOR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The io_uring_enter count the test's source reports on a reactor.
+const FAKE_ENTERS: u64 = 7;
+
 /// The start hook runs on every reactor thread before `Framework::start`
 /// returns (the binary maps each reactor's fixed buffers there), and the
-/// fixed-buffer source's figures, read on each reactor's own thread, show
-/// in its stats.
+/// figures of the io_uring_enter and fixed-buffer sources, read on each
+/// reactor's own thread, show in its stats. The hooks belong to one
+/// framework: a framework started without them reports zeros.
 #[test]
 fn start_hook_runs_on_each_reactor_and_fixed_buffer_usage_is_reported() {
-    thread_local! {
-        static ON_REACTOR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-    lull_reactor::set_reactor_start_hook(|index| {
-        ON_REACTOR.with(|r| r.set(true));
-        HOOKED.fetch_or(1 << index, Ordering::SeqCst);
-    });
-    lull_reactor::set_fixed_buffer_source(|| {
-        // Only threads that ran the hook (reactors) have an "arena".
-        if ON_REACTOR.with(|r| r.get()) {
-            lull_reactor::FixedBufferUsage {
-                bytes: 16 << 20,
-                in_use_bytes: 4096,
-                locked: true,
+    let fw = Framework::start(FrameworkConfig {
+        reactor_start_hook: Some(|index| {
+            ON_REACTOR.with(|r| r.set(true));
+            HOOKED.fetch_or(1 << index, Ordering::SeqCst);
+        }),
+        fixed_buffer_source: Some(|| {
+            // Only threads that ran the hook (reactors) have an "arena".
+            if ON_REACTOR.with(|r| r.get()) {
+                lull_reactor::FixedBufferUsage {
+                    bytes: 16 << 20,
+                    in_use_bytes: 4096,
+                    locked: true,
+                }
+            } else {
+                Default::default()
             }
-        } else {
-            Default::default()
-        }
-    });
-    let fw = framework(2, Mode::Interrupt);
+        }),
+        io_uring_enter_source: Some(|| {
+            if ON_REACTOR.with(|r| r.get()) {
+                FAKE_ENTERS
+            } else {
+                0
+            }
+        }),
+        ..config(2, Mode::Interrupt)
+    })
+    .expect("framework");
     assert_eq!(
         HOOKED.load(Ordering::SeqCst) & 0b11,
         0b11,
@@ -488,11 +505,42 @@ fn start_hook_runs_on_each_reactor_and_fixed_buffer_usage_is_reported() {
         if stats.iter().all(|r| r.fixed_buffers.bytes == 16 << 20) {
             assert!(stats.iter().all(|r| r.fixed_buffers.locked));
             assert!(stats.iter().all(|r| r.fixed_buffers.in_use_bytes == 4096));
+            assert!(stats.iter().all(|r| r.io_uring_enters == FAKE_ENTERS));
             break;
         }
         assert!(
             Instant::now() < deadline,
             "fixed buffer usage never published: {stats:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fw);
+
+    // A second framework in the same process, without hooks: nothing
+    // carried over from the first.
+    HOOKED.store(0, Ordering::SeqCst);
+    let fw = framework(2, Mode::Interrupt);
+    let h = fw.handle().clone();
+    let _a = h.spawn_thread(0, "a", |_| {}).unwrap();
+    let _b = h.spawn_thread(1, "b", |_| {}).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Published figures are whole snapshots: wait until both reactors
+    // have published once (their getrusage CPU time moves from 0).
+    loop {
+        let stats = h.reactor_stats();
+        if stats.iter().all(|r| r.user_ns + r.system_ns > 0) {
+            assert_eq!(HOOKED.load(Ordering::SeqCst), 0, "no hook ran");
+            assert!(
+                stats
+                    .iter()
+                    .all(|r| r.fixed_buffers == Default::default() && r.io_uring_enters == 0),
+                "{stats:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "reactor usage never published: {stats:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -65,7 +65,7 @@ use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::fence::{Claim, ConnFence};
 use crate::intent::IntentError;
-use crate::{MetaJob, ReplicaError, Shared};
+use crate::{MetaJob, Port, ReplicaError, Shared};
 
 /// Requests in flight per connection: the file channel's ring depth
 /// (`FILE_CHANNEL_DEPTH`), so a full slot table, not a full ring, is what
@@ -166,7 +166,12 @@ pub(crate) struct Conn {
     /// The socket, its buffers and the closing/broken state
     /// (`lull_net::wire`, shared with the NBD server).
     link: Wire<LinkStream>,
-    server: Arc<Shared>,
+    /// The port the connection came in on: its credentials and what it
+    /// serves.
+    port: Arc<Port>,
+    /// The replica the first HELLO named (found through `port`); `None`
+    /// before it.
+    replica: Option<Arc<Shared>>,
     /// TLS is required and the peer's first byte has not been seen yet
     /// (the stream is still plain).
     tls_expected: bool,
@@ -282,25 +287,27 @@ impl Drop for Conn {
         // A takeover may be waiting for this connection's requests; they
         // are gone with it (normally none are left: a connection finishes
         // only with nothing in flight).
-        self.server.fences.conn_gone();
+        if let Some(r) = &self.replica {
+            r.fences.conn_gone();
+        }
     }
 }
 
 impl Conn {
-    pub(crate) fn new(stream: TcpStream, server: Arc<Shared>) -> Conn {
-        let fence = server.fences.register();
+    pub(crate) fn new(stream: TcpStream, port: Arc<Port>) -> Conn {
+        // Counted in a replica's fences once a HELLO names the replica.
+        let fence = Arc::new(ConnFence::default());
         // Unknown only if the peer is already gone; the first read says so.
         let peer = stream
             .peer_addr()
             .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
         let fd = stream.as_raw_fd();
         let drop_draws = SplitMix64::new(
-            server
-                .faults
+            port.faults
                 .seed
-                .wrapping_add(server.conns_accepted.fetch_add(1, Ordering::Relaxed)),
+                .wrapping_add(port.conns_accepted.fetch_add(1, Ordering::Relaxed)),
         );
-        let tls_expected = server.tls.is_some();
+        let tls_expected = port.tls.is_some();
         let mut link = Wire::new(
             LinkStream::Plain(stream),
             fd,
@@ -314,7 +321,8 @@ impl Conn {
         }
         Conn {
             link,
-            server,
+            port,
+            replica: None,
             tls_expected,
             refuse_plain: false,
             phase: Phase::AwaitHello,
@@ -351,8 +359,16 @@ impl Conn {
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
             self.close("no HELLO in time");
         }
-        if !self.link.is_closing() && self.server.conns.stopping() {
+        if !self.link.is_closing() && self.port.conns.stopping() {
             self.close("replica shutting down");
+        }
+        if !self.link.is_closing()
+            && self
+                .replica
+                .as_ref()
+                .is_some_and(|r| r.deleted.load(Ordering::SeqCst))
+        {
+            self.close("replica deleted from the store");
         }
         self.check_fenced();
         link::pump(self, t, MAX_ROUNDS)
@@ -382,7 +398,7 @@ impl Conn {
         let Some(session) = self.engine_session() else {
             return;
         };
-        let owner = self.server.fences.owner();
+        let owner = self.server().fences.owner();
         if owner != session && !self.link.is_closing() {
             self.close(format!(
                 "fenced: engine session {owner:#x} took the replica over from {session:#x}"
@@ -392,19 +408,34 @@ impl Conn {
 
     /// A request counted by `fences.enter` is answered or abandoned.
     fn fence_exit(&self) {
-        self.server.fences.exit(&self.fence);
+        self.server().fences.exit(&self.fence);
     }
 
     /// The HELLO reply payload: this replica's size, generation, flags
     /// (clean, intent lost) and owner session now.
+    /// Before a HELLO named a replica on a store, all zeros: nothing
+    /// about any replica goes to a peer that has not said which it wants
+    /// (a `lull replica` process has only the one).
     fn our_hello(&self, generation: u64) -> Vec<u8> {
+        let Some(r) = self.known_replica() else {
+            return vec![0; HELLO_LEN];
+        };
         wire::encode_hello(&Hello {
-            volume_size: self.server.size_bytes,
+            volume_size: r.size_bytes,
             generation,
-            flags: self.server.hello_flags(),
-            session: self.server.fences.owner(),
+            flags: r.hello_flags(),
+            session: r.fences.owner(),
         })
         .to_vec()
+    }
+
+    /// The replica this connection serves. Only past the first HELLO,
+    /// which every frame after it is (`take_frame` refuses anything else
+    /// first).
+    fn server(&self) -> &Arc<Shared> {
+        self.replica
+            .as_ref()
+            .expect("a connection's replica is known from its first HELLO on")
     }
 
     /// A HELLO reply with `errno` and this replica's HELLO.
@@ -414,7 +445,18 @@ impl Conn {
     }
 
     fn current_generation(&self) -> u64 {
-        self.server.generation.load(Ordering::SeqCst)
+        self.known_replica()
+            .map_or(0, |r| r.generation.load(Ordering::SeqCst))
+    }
+
+    /// The replica this connection is for: the one its HELLO named, or
+    /// before that the only one a `lull replica` port serves.
+    fn known_replica(&self) -> Option<&Arc<Shared>> {
+        match (&self.replica, &self.port.served) {
+            (Some(r), _) => Some(r),
+            (None, crate::Served::One(r)) => Some(r),
+            (None, crate::Served::Store(_)) => None,
+        }
     }
 
     /// Finish the current wait when it is over.
@@ -479,7 +521,7 @@ impl Conn {
     /// fence.
     fn start_meta_wait(&mut self, what: MetaFor, job: MetaJob) {
         let started = match self.me.clone() {
-            Some((thread, poller)) => self.server.meta_async(job, thread, poller),
+            Some((thread, poller)) => self.server().meta_async(job, thread, poller),
             // `poll` learns `me` before reading anything.
             None => Err(ReplicaError::ShuttingDown),
         };
@@ -509,7 +551,7 @@ impl Conn {
             return false;
         };
         let (req, seq) = (*req, *seq);
-        let Some(result) = self.server.intent.poll_durable(seq, me) else {
+        let Some(result) = self.server().intent.poll_durable(seq, me) else {
             return false;
         };
         self.wait = None;
@@ -536,12 +578,12 @@ impl Conn {
             return false;
         };
         let (req, hello) = (*req, *hello);
-        let owner = self.server.fences.owner();
+        let owner = self.server().fences.owner();
         if owner != hello.session {
             // A newer session took over while this one waited.
             self.wait = None;
             if let Some(me) = &self.me {
-                self.server.fences.forget(me);
+                self.server().fences.forget(me);
             }
             self.refuse_hello(req, libc::ESTALE);
             self.close(format!(
@@ -554,11 +596,15 @@ impl Conn {
             // The peer is gone or the replica is stopping: nobody to answer.
             self.wait = None;
             if let Some(me) = &self.me {
-                self.server.fences.forget(me);
+                self.server().fences.forget(me);
             }
             return true;
         }
-        if !self.server.fences.drained(hello.session, self.me.as_ref()) {
+        if !self
+            .server()
+            .fences
+            .drained(hello.session, self.me.as_ref())
+        {
             return false;
         }
         self.wait = None;
@@ -568,9 +614,9 @@ impl Conn {
 
     fn open_channel(&self) -> Option<Box<dyn Channel>> {
         use lull_bdev::BlockDevice;
-        let opened = match &self.server.faulty {
+        let opened = match &self.server().faulty {
             Some(faulty) => faulty.open_channel(),
-            None => self.server.dev.open_channel(),
+            None => self.server().dev.open_channel(),
         };
         match opened {
             Ok(c) => Some(c),
@@ -618,6 +664,16 @@ impl Conn {
                     bufs::put(b);
                 }
                 self.push_reply(req.reply_with(0), Payload::None);
+            }
+            Err(e) if e.errno() == libc::ENOSPC => {
+                let r = self.server();
+                tracing::error!(peer = %self.link.peer(), replica = r.name.as_deref().unwrap_or(""),
+                    dir = %r.dir.display(), kind = ?req.kind, offset = req.offset, length = req.length,
+                    "no space left for the replica's data (ENOSPC): this request fails on this replica, and its engine fails the replica");
+                if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                self.push_reply(req.reply_with(libc::ENOSPC as u32), Payload::None);
             }
             Err(e) => {
                 tracing::warn!(peer = %self.link.peer(), id = req.id, kind = ?req.kind, offset = req.offset,
@@ -729,7 +785,7 @@ impl Conn {
                 unreachable!("the stream is plain until the first byte is seen")
             };
             let ctx = self
-                .server
+                .port
                 .tls
                 .as_ref()
                 .expect("TLS expected without a context");
@@ -767,7 +823,9 @@ impl Conn {
     /// first, so the close is a FIN, not a reset that could beat the
     /// refusal to the engine.
     fn refuse_plaintext(&mut self, raw: &[u8; HEADER_LEN]) {
-        let frame = self.buffered().min(HEADER_LEN + HELLO_LEN);
+        let frame = self
+            .buffered()
+            .min(HEADER_LEN + wire::MAX_HELLO_REQUEST_LEN);
         self.link.inb.consume(frame);
         let mut header = [0u8; HEADER_LEN];
         wire::encode_refusal(wire::raw_id(raw), libc::EACCES as u32, &mut header);
@@ -953,14 +1011,17 @@ impl Conn {
         }
         match (&self.phase, h.kind) {
             (_, Kind::Hello) => {
-                if self.buffered() < HEADER_LEN + HELLO_LEN {
+                // The record and the replica's name: at most
+                // MAX_HELLO_REQUEST_LEN, checked by `decode_header`.
+                let end = HEADER_LEN + wire::payload_len(&h);
+                if self.buffered() < end {
                     return false;
                 }
-                let hello =
-                    wire::decode_hello(&self.link.inb.peek()[HEADER_LEN..HEADER_LEN + HELLO_LEN]);
-                self.link.inb.consume(HEADER_LEN + HELLO_LEN);
-                match hello {
-                    Ok(hello) => self.handle_hello(h, hello),
+                let decoded = wire::decode_hello_request(&self.link.inb.peek()[HEADER_LEN..end])
+                    .map(|(hello, name)| (hello, name.to_string()));
+                self.link.inb.consume(end);
+                match decoded {
+                    Ok((hello, name)) => self.handle_hello(h, hello, &name),
                     Err(e) => {
                         tracing::warn!(peer = %self.link.peer(), error = %e, "bad HELLO");
                         self.close(format!("bad HELLO: {e}"));
@@ -974,12 +1035,12 @@ impl Conn {
             }
             (_, kind) if kind.modifies() || kind == Kind::Detach => {
                 // Counted before anything is taken (see `crate::fence`).
-                if let Err(owner) = self.server.fences.enter(&self.fence) {
+                if let Err(owner) = self.server().fences.enter(&self.fence) {
                     self.link.inb.consume(HEADER_LEN);
                     self.fenced_request(h, owner);
                     return true;
                 }
-                if kind.modifies() && !self.server.dirty.load(Ordering::SeqCst) {
+                if kind.modifies() && !self.server().dirty.load(Ordering::SeqCst) {
                     self.fence_exit();
                     // Leave the frame buffered: it is taken (and counted
                     // again) once the record says dirty.
@@ -1029,10 +1090,30 @@ impl Conn {
     /// non-zero session newer than the owner takes the replica over (older
     /// ones get `ESTALE`); an engine's HELLO is answered once other
     /// sessions have drained, then as [`Conn::finish_hello`] says.
-    fn handle_hello(&mut self, req: Header, hello: Hello) {
+    fn handle_hello(&mut self, req: Header, hello: Hello, name: &str) {
         self.hello_done.store(true, Ordering::Relaxed);
-        if hello.volume_size != self.server.size_bytes {
-            tracing::warn!(peer = %self.link.peer(), theirs = hello.volume_size, ours = self.server.size_bytes,
+        match &self.replica {
+            None => match self.port.find(name) {
+                Ok(replica) => {
+                    replica.fences.adopt(&self.fence);
+                    self.replica = Some(replica);
+                }
+                Err((errno, why)) => {
+                    tracing::warn!(peer = %self.link.peer(), replica = name, "{why}");
+                    self.refuse_hello(req, errno);
+                    self.close(why);
+                    return;
+                }
+            },
+            Some(r) if r.name.as_deref().unwrap_or("") != name => {
+                tracing::warn!(peer = %self.link.peer(), first = ?r.name, now = name, "HELLO names another replica");
+                self.close("HELLO names another replica than the connection's first");
+                return;
+            }
+            Some(_) => {}
+        }
+        if hello.volume_size != self.server().size_bytes {
+            tracing::warn!(peer = %self.link.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
                 "HELLO with another volume size");
             self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
@@ -1051,7 +1132,7 @@ impl Conn {
             }
         }
         if hello.session != 0 {
-            match self.server.fences.claim(hello.session) {
+            match self.server().fences.claim(hello.session) {
                 Claim::Stale { owner } => {
                     tracing::info!(peer = %self.link.peer(), session = hello.session, owner,
                         "HELLO of an older engine session refused");
@@ -1065,7 +1146,7 @@ impl Conn {
                 Claim::Owner { previous } if previous != hello.session => {
                     tracing::info!(peer = %self.link.peer(), old = previous, new = hello.session,
                         "engine session took the replica over");
-                    self.server.fences.wake_others(hello.session);
+                    self.server().fences.wake_others(hello.session);
                 }
                 Claim::Owner { .. } => {}
             }
@@ -1096,7 +1177,7 @@ impl Conn {
             self.push_reply(req.reply_with(0), Payload::Bytes(payload));
             return;
         }
-        if let Err(owner) = self.server.fences.enter(&self.fence) {
+        if let Err(owner) = self.server().fences.enter(&self.fence) {
             tracing::warn!(peer = %self.link.peer(), session = hello.session, owner,
                 "attach refused: the replica is owned by another session");
             self.refuse_hello(req, libc::ESTALE);
@@ -1118,7 +1199,7 @@ impl Conn {
             }
             return;
         }
-        if req.kind != Kind::Ping && self.drop_draws.chance(self.server.faults.drop) {
+        if req.kind != Kind::Ping && self.drop_draws.chance(self.port.faults.drop) {
             tracing::warn!(peer = %self.link.peer(), ?req, "fault injection: dropping the connection");
             if counted {
                 self.fence_exit();
@@ -1136,7 +1217,7 @@ impl Conn {
             Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
             _ => {}
         }
-        let size = self.server.size_bytes;
+        let size = self.server().size_bytes;
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1190,7 +1271,7 @@ impl Conn {
         };
         if matches!(op, IoOp::Read) && req.length >= SENDFILE_READ_BYTES_MIN && self.link.splices()
         {
-            if let Some(file) = &self.server.sendfile {
+            if let Some(file) = &self.server().sendfile {
                 // Straight from the page cache, in order with the other
                 // replies. The socket's bytes are the file's pages, read
                 // when the engine receives them (docs/PER_IO.md, "Spliced
@@ -1201,7 +1282,7 @@ impl Conn {
                     offset: req.offset,
                     len: req.length as usize,
                 };
-                self.server.sendfile_reads.fetch_add(1, Ordering::Relaxed);
+                self.server().sendfile_reads.fetch_add(1, Ordering::Relaxed);
                 self.push_reply(req.reply_with(0), payload);
                 return;
             }
@@ -1239,7 +1320,7 @@ impl Conn {
     /// connection reads no frames meanwhile); a clear is answered at once
     /// and persisted lazily.
     fn intent_update(&mut self, req: Header) {
-        let regions = self.server.regions;
+        let regions = self.server().regions;
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1253,7 +1334,7 @@ impl Conn {
         // In range, so the first region fits a u32 (regions is one).
         let first = req.offset as u32;
         if req.kind == Kind::IntentClear {
-            let cleared = self.server.intent.clear(first, req.length);
+            let cleared = self.server().intent.clear(first, req.length);
             self.fence_exit();
             match cleared {
                 Ok(()) => self.push_reply(req.reply_with(0), Payload::None),
@@ -1261,7 +1342,7 @@ impl Conn {
             }
             return;
         }
-        match self.server.intent.mark(first, req.length) {
+        match self.server().intent.mark(first, req.length) {
             // Still counted: the wait gives it back.
             Ok(seq) => self.wait = Some(Wait::Intent { req, seq }),
             Err(e) => {
@@ -1275,7 +1356,7 @@ impl Conn {
     /// durable: marks are set before they are stored, clears persist
     /// lazily), flagged when the record was lost.
     fn intent_get(&mut self, req: Header) {
-        let (lost, bitmap) = self.server.intent.snapshot();
+        let (lost, bitmap) = self.server().intent.snapshot();
         let flags = if lost { INTENT_FLAG_LOST } else { 0 };
         let mut payload = Vec::with_capacity(wire::INTENT_HEADER_LEN + bitmap.len());
         if let Err(e) = wire::encode_intent(flags, &bitmap, &mut payload) {
@@ -1284,7 +1365,7 @@ impl Conn {
             return;
         }
         let mut reply = req.reply_with(0);
-        reply.offset = u64::from(self.server.regions);
+        reply.offset = u64::from(self.server().regions);
         reply.length = payload.len() as u32;
         self.push_reply(reply, Payload::Bytes(payload));
     }
@@ -1299,7 +1380,7 @@ impl Conn {
         let mut pos = req.offset;
         let mut found: Vec<(u64, u64)> = Vec::new();
         while pos < end && found.len() < MAX_EXTENTS_PER_REPLY {
-            match lull_uring::seek_data_hole(&self.server.scan, pos) {
+            match lull_uring::seek_data_hole(&self.server().scan, pos) {
                 Ok(Some((data, hole))) if data < end => {
                     // A data range may begin before `pos` only if the kernel
                     // misreports; clamp so extents stay inside the request.
@@ -1347,7 +1428,7 @@ impl Conn {
             self.push_error(req, libc::EINVAL);
             return;
         }
-        let extents = match self.server.dev.extents(
+        let extents = match self.server().dev.extents(
             req.offset,
             u64::from(req.length),
             wire::MAX_BLOCK_STATUS_PER_REPLY,

@@ -89,12 +89,41 @@ impl Fences {
     }
 
     /// A new connection's fence (session 0 until its HELLO).
+    #[cfg(test)]
     pub(crate) fn register(&self) -> Arc<ConnFence> {
         let f = Arc::new(ConnFence::default());
+        self.adopt(&f);
+        f
+    }
+
+    /// Counts a connection's fence in this replica's (at its first HELLO:
+    /// on a store, that is when the connection learns its replica).
+    pub(crate) fn adopt(&self, f: &Arc<ConnFence>) {
         let mut conns = lock(&self.conns);
         conns.retain(|w| w.strong_count() > 0);
-        conns.push(Arc::downgrade(&f));
-        f
+        conns.push(Arc::downgrade(f));
+    }
+
+    /// The engine session that holds the replica: the owner, while one of
+    /// its connections is open (`None` when no engine is connected).
+    pub(crate) fn holder(&self) -> Option<u64> {
+        let owner = self.owner();
+        if owner == 0 {
+            return None;
+        }
+        lock(&self.conns)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .any(|f| f.session.load(Ordering::SeqCst) == owner)
+            .then_some(owner)
+    }
+
+    /// Connections open on this replica (any session).
+    pub(crate) fn connections(&self) -> usize {
+        lock(&self.conns)
+            .iter()
+            .filter(|w| w.strong_count() > 0)
+            .count()
     }
 
     /// Before taking a modifying request: counts it, or returns the owner

@@ -55,7 +55,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use lull_proto::replica::{
@@ -442,13 +442,20 @@ pub(crate) struct Persister {
     /// Mirror of the lost state, readable without the lock.
     lost: AtomicBool,
     path: PathBuf,
+    /// The record file until the thread starts and takes it: the thread
+    /// starts at the first change, so a replica no engine writes to (most
+    /// of a node's store, most of the time) costs no thread.
+    file: Mutex<Option<IntentFile>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// This persister, for the thread it starts.
+    me: Weak<Persister>,
 }
 
 impl Persister {
-    /// Starts the thread "lull-replica-intent", owning `file`.
+    /// The record of `file`; the thread "lull-replica-intent", which owns
+    /// the file from then on, starts at the first change.
     pub(crate) fn start(file: IntentFile, loaded: Loaded) -> Result<Arc<Persister>, IntentError> {
-        let p = Arc::new(Persister {
+        Ok(Arc::new_cyclic(|me| Persister {
             state: Mutex::new(State {
                 bitmap: loaded.bitmap,
                 regions: file.regions,
@@ -462,15 +469,46 @@ impl Persister {
             cv: Condvar::new(),
             lost: AtomicBool::new(loaded.lost.is_some()),
             path: file.path.clone(),
+            file: Mutex::new(Some(file)),
             thread: Mutex::new(None),
-        });
-        let me = p.clone();
-        let handle = std::thread::Builder::new()
+            me: me.clone(),
+        }))
+    }
+
+    /// Starts the thread if it has not started (called after a change is
+    /// made, with the state unlocked). A thread that cannot start fails
+    /// the record as a failed store does: marks fail from then on.
+    fn ensure_running(&self) -> Result<(), IntentError> {
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(f) = file.take() else {
+            return Ok(());
+        };
+        let Some(me) = self.me.upgrade() else {
+            // Only reachable while the last Arc is being dropped.
+            return Err(IntentError::Stopped);
+        };
+        match std::thread::Builder::new()
             .name("lull-replica-intent".into())
-            .spawn(move || me.run(file))
-            .map_err(|e| IntentError::Spawn(Arc::new(e)))?;
-        *p.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
-        Ok(p)
+            .spawn(move || me.run(f))
+        {
+            Ok(handle) => {
+                *self.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+                Ok(())
+            }
+            Err(e) => {
+                let e = IntentError::Spawn(Arc::new(e));
+                tracing::error!(path = %self.path.display(), error = %e,
+                    "cannot start the write-intent thread: INTENT_MARK fails from now on");
+                let waiters = {
+                    let mut s = self.lock();
+                    s.failed = Some(e.clone());
+                    std::mem::take(&mut s.waiters)
+                };
+                self.cv.notify_all();
+                wake(waiters);
+                Err(e)
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -541,11 +579,17 @@ impl Persister {
             u64::from(first) + u64::from(count) <= u64::from(s.regions),
             "intent range checked by the caller"
         );
-        if set_range(&mut s.bitmap, first, count, value) {
+        let changed = set_range(&mut s.bitmap, first, count, value);
+        if changed {
             s.changed_seq += 1;
             self.cv.notify_all();
         }
-        Ok(s.changed_seq)
+        let seq = s.changed_seq;
+        drop(s);
+        if changed {
+            self.ensure_running()?;
+        }
+        Ok(seq)
     }
 
     /// Whether everything up to `seq` is durable: `Some(Ok)` yes,
@@ -609,6 +653,7 @@ impl Persister {
             self.cv.notify_all();
             s.changed_seq
         };
+        self.ensure_running()?;
         self.wait_durable(seq)?;
         self.lost.store(false, Ordering::SeqCst);
         Ok(())
@@ -629,6 +674,16 @@ impl Persister {
     pub(crate) fn stop(&self) {
         self.lock().stop = true;
         self.cv.notify_all();
+        let never_started = self
+            .file
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .is_some();
+        if never_started {
+            // Nothing changed, so nothing is pending; no thread will start.
+            self.lock().exited = true;
+        }
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             if h.join().is_err() {

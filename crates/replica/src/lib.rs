@@ -66,9 +66,11 @@
 #![forbid(unsafe_code)]
 
 mod conn;
+pub mod durable;
 mod fence;
 pub mod intent;
 pub mod meta;
+pub mod store;
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -87,6 +89,7 @@ use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION, META_MAX_BYTES};
+pub use store::{ReplicaInfo, Store, StoreConfig, StoreError, StoreInfo};
 
 use crate::conn::Conn;
 use crate::fence::Fences;
@@ -102,6 +105,13 @@ pub const LOCK_FILE: &str = "lock";
 /// a lull thread, an io_uring ring and up to `MAX_IN_FLIGHT` buffers, so
 /// past this a new connection is closed at once (with a log line).
 pub const MAX_CONNECTIONS: usize = 256;
+
+/// Connections a store's port holds at once: two per replica (the
+/// engine's default `connections_per_replica`) for the most replicas a
+/// store holds (`store::MAX_STORE_REPLICAS`). A connection is a poller in
+/// a poll group, not a thread: idle, it holds its socket and a slot table;
+/// buffers are taken only while requests are in flight.
+pub const MAX_STORE_CONNECTIONS: usize = 2 * store::MAX_STORE_REPLICAS;
 
 /// A peer must send its HELLO within this time or be disconnected: a
 /// silent connection must not hold a slot forever. The engine sends it at
@@ -226,17 +236,67 @@ pub(crate) enum MetaJob {
     Detach,
 }
 
+/// What one listening port serves: its connections, how they
+/// authenticate, and the replica (a `lull replica` process) or the store of
+/// replicas (a node daemon) a HELLO picks from.
+pub(crate) struct Port {
+    /// TLS credentials every connection must authenticate with; `None`
+    /// for plain links (`--insecure`).
+    pub(crate) tls: Option<TlsContext>,
+    pub(crate) conns: Arc<Connections>,
+    /// `--fault-drop` and its seed (the other faults live in each
+    /// replica's data path).
+    pub(crate) faults: ReplicaFaults,
+    /// Connections accepted so far (each one's drop draws are seeded apart).
+    pub(crate) conns_accepted: AtomicU64,
+    pub(crate) served: Served,
+}
+
+/// The replicas a port serves.
+pub(crate) enum Served {
+    /// One unnamed replica (`lull replica`).
+    One(Arc<Shared>),
+    /// A node's store: the HELLO names the replica.
+    Store(Arc<store::Index>),
+}
+
+impl Port {
+    /// The replica a HELLO naming `name` (`""`: none) is for, or the errno
+    /// and reason to refuse it with.
+    pub(crate) fn find(&self, name: &str) -> Result<Arc<Shared>, (i32, String)> {
+        match (&self.served, name) {
+            (Served::One(shared), "") => Ok(shared.clone()),
+            (Served::One(_), name) => Err((
+                libc::ENOENT,
+                format!("HELLO names replica {name:?}, and this is a lull replica process serving one unnamed replica (name replicas only on a node's store)"),
+            )),
+            (Served::Store(_), "") => Err((
+                libc::ENOENT,
+                "HELLO names no replica, and this port serves a store: name it (HOST:PORT/NAME)"
+                    .into(),
+            )),
+            (Served::Store(index), name) => index.find(name).ok_or_else(|| {
+                (
+                    libc::ENOENT,
+                    format!("HELLO names replica {name:?}, which this store does not hold"),
+                )
+            }),
+        }
+    }
+}
+
 /// State shared by the acceptor, the connections and the server handle.
 pub(crate) struct Shared {
+    /// The replica's name in a store (`None` for `lull replica`).
+    pub(crate) name: Option<String>,
+    /// Set when the store deletes the replica: its connections close.
+    pub(crate) deleted: AtomicBool,
     pub(crate) dir: PathBuf,
     pub(crate) size_bytes: u64,
     pub(crate) dev: Arc<FileDev>,
     /// With `--fault-error`/`--fault-delay-us`: the data file behind the
     /// fault injector, where connections open their channels.
     pub(crate) faulty: Option<FaultyDev>,
-    pub(crate) faults: ReplicaFaults,
-    /// Connections accepted so far (each one's drop draws are seeded apart).
-    pub(crate) conns_accepted: AtomicU64,
     /// A descriptor on the data file for SEEK_DATA/SEEK_HOLE only (its file
     /// offset is moved by those calls; no I/O goes through it).
     pub(crate) scan: File,
@@ -255,9 +315,6 @@ pub(crate) struct Shared {
     pub(crate) regions: u32,
     pub(crate) intent: Arc<Persister>,
     pub(crate) fences: Fences,
-    /// TLS credentials every connection must authenticate with; `None`
-    /// for plain links (`--insecure`).
-    pub(crate) tls: Option<TlsContext>,
     /// The data file READ replies are sent from with `sendfile`, when
     /// they may be ([`ReplicaConfig::sendfile`]).
     pub(crate) sendfile: Option<Arc<File>>,
@@ -409,6 +466,171 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ReplicaError + '_ {
     }
 }
 
+/// How one replica's data is opened (what `lull replica`'s flags or a
+/// store's settings say).
+#[derive(Debug, Clone)]
+pub(crate) struct DataOptions {
+    pub(crate) direct: bool,
+    pub(crate) ring: lull_bdev::RingOptions,
+    pub(crate) faults: ReplicaFaults,
+    /// `sendfile` READ replies where the port's links are plain.
+    pub(crate) sendfile: bool,
+}
+
+/// Opens (or creates) the replica in `dir`: its data file, metadata record
+/// and write-intent record, checked against `size_bytes`. Blocking (file
+/// creation, fsyncs): at start or on an RPC thread, never on a reactor. No
+/// thread starts here (the write-intent thread starts at the first mark).
+pub(crate) fn open_replica(
+    dir: &Path,
+    name: Option<String>,
+    size_bytes: u64,
+    data: &DataOptions,
+    conns: Arc<Connections>,
+) -> Result<Arc<Shared>, ReplicaError> {
+    let dir = dir.to_path_buf();
+    let data_path = dir.join(DATA_FILE);
+    let meta = match Meta::load(&dir)? {
+        Some(m) if m.volume_size != size_bytes => {
+            return Err(ReplicaError::SizeMismatch {
+                dir,
+                meta_size: m.volume_size,
+                size: size_bytes,
+            });
+        }
+        Some(m) => m,
+        None => {
+            // Data without metadata: an initialisation that crashed, or
+            // files put there by hand. Its content is unknown, so it
+            // starts dirty at generation 0 (the least fresh).
+            let mut m = Meta::new(size_bytes);
+            if data_path.exists() {
+                tracing::warn!(dir = %dir.display(), "data file without metadata: starting dirty at generation 0");
+                m.clean = false;
+            }
+            m
+        }
+    };
+    // The data file first, then the record: a record always describes
+    // a data file that exists.
+    let dev = Arc::new(FileDev::open(
+        &data_path,
+        size_bytes,
+        FileOptions {
+            direct: data.direct,
+            create: true,
+            ring: data.ring,
+        },
+    )?);
+    if Meta::load(&dir)?.is_none() {
+        meta.store(&dir)?;
+    }
+    let scan = File::open(&data_path).map_err(io_err(&data_path))?;
+    // A missing record is empty only where nothing can differ: a new
+    // replica, or one whose last engine detached cleanly.
+    let (intent_file, loaded) = IntentFile::open(&dir, size_bytes, meta.clean)?;
+    if let Some(why) = &loaded.lost {
+        tracing::warn!(path = %intent_file.path().display(), reason = %why,
+            "write-intent record lost: every region is reported as possibly different, and the replica as not clean");
+    }
+    let regions = lull_proto::replica::intent_regions(size_bytes);
+    let intent = Persister::start(intent_file, loaded)?;
+    let f = data.faults;
+    let faulty = (f.error.get() > 0.0 || f.delay_us > 0).then(|| {
+        let faults = Faults {
+            read_err: f.error,
+            write_err: f.error,
+            flush_err: f.error,
+            delay_us: f.delay_us,
+            seed: f.seed,
+        };
+        FaultyDev::new(dev.clone(), faults)
+    });
+    // Not through the fault injector (its read errors and delays must
+    // apply); the caller said whether links are plain.
+    let sendfile = if data.sendfile && faulty.is_none() {
+        dev.page_cache_file()
+    } else {
+        None
+    };
+    Ok(Arc::new(Shared {
+        name,
+        deleted: AtomicBool::new(false),
+        dir,
+        size_bytes,
+        dev,
+        faulty,
+        scan,
+        conns,
+        generation: AtomicU64::new(meta.generation),
+        dirty: AtomicBool::new(!meta.clean),
+        clean: AtomicBool::new(meta.clean),
+        regions,
+        intent,
+        fences: Fences::new(),
+        sendfile,
+        sendfile_reads: AtomicU64::new(0),
+        meta: Mutex::new(MetaState {
+            meta,
+            sealed: false,
+        }),
+    }))
+}
+
+/// Binds a replica port's listener, non-blocking, and reports the real
+/// address (port 0 picks one).
+pub(crate) fn bind(listen: SocketAddr) -> Result<(TcpListener, SocketAddr), ReplicaError> {
+    let e = |source| ReplicaError::Listen {
+        addr: listen,
+        source,
+    };
+    let listener = TcpListener::bind(listen).map_err(e)?;
+    listener.set_nonblocking(true).map_err(e)?;
+    let addr = listener.local_addr().map_err(e)?;
+    Ok((listener, addr))
+}
+
+/// Takes the exclusive advisory lock of `dir/lock`, so two servers never
+/// share a replica directory (or a store).
+pub(crate) fn lock_dir(dir: &Path) -> Result<File, ReplicaError> {
+    let lock_path = dir.join(LOCK_FILE);
+    let lock = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)
+        .map_err(io_err(&lock_path))?;
+    match lock.try_lock() {
+        Ok(()) => Ok(lock),
+        Err(std::fs::TryLockError::WouldBlock) => Err(ReplicaError::Locked {
+            dir: dir.to_path_buf(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err(&lock_path)(e)),
+    }
+}
+
+/// The connections' limits on a replica port.
+pub(crate) fn port_connections(max_connections: usize) -> Arc<Connections> {
+    Arc::new(Connections::new(Limits {
+        name: "replica",
+        max_connections,
+        greeting_timeout_us: HELLO_TIMEOUT_US,
+    }))
+}
+
+pub(crate) fn log_link_choice(link: &LinkAuth) {
+    match link {
+        LinkAuth::Insecure => tracing::warn!("{}", lull_net::link::INSECURE_WARNING),
+        LinkAuth::Tls(creds) => {
+            tracing::info!(
+                ?creds,
+                "replica links: TLS required, engines must authenticate"
+            )
+        }
+    }
+}
+
 impl ReplicaServer {
     /// Opens (or creates) the replica in `config.dir`, checks its size,
     /// binds the listener (errors are reported here, synchronously) and
@@ -422,103 +644,24 @@ impl ReplicaServer {
         let tls = config.link.context(Role::Server)?;
         let dir = config.dir.clone();
         std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        let lock_path = dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .map_err(io_err(&lock_path))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => return Err(ReplicaError::Locked { dir }),
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path)(e)),
-        }
-
-        let data_path = dir.join(DATA_FILE);
-        let meta = match Meta::load(&dir)? {
-            Some(m) if m.volume_size != config.size_bytes => {
-                return Err(ReplicaError::SizeMismatch {
-                    dir,
-                    meta_size: m.volume_size,
-                    size: config.size_bytes,
-                });
-            }
-            Some(m) => m,
-            None => {
-                // Data without metadata: an initialisation that crashed, or
-                // files put there by hand. Its content is unknown, so it
-                // starts dirty at generation 0 (the least fresh).
-                let mut m = Meta::new(config.size_bytes);
-                if data_path.exists() {
-                    tracing::warn!(dir = %dir.display(), "data file without metadata: starting dirty at generation 0");
-                    m.clean = false;
-                }
-                m
+        let lock = lock_dir(&dir)?;
+        let conns = port_connections(MAX_CONNECTIONS);
+        let data = DataOptions {
+            direct: config.direct,
+            ring: config.ring,
+            faults: config.faults,
+            // Plain links only: a TLS session encrypts in user space.
+            sendfile: config.sendfile && tls.is_none(),
+        };
+        let shared = open_replica(&dir, None, config.size_bytes, &data, conns.clone())?;
+        let (listener, addr) = match bind(config.listen) {
+            Ok(l) => l,
+            Err(e) => {
+                shared.intent.stop();
+                return Err(e);
             }
         };
-        // The data file first, then the record: a record always describes
-        // a data file that exists.
-        let dev = Arc::new(FileDev::open(
-            &data_path,
-            config.size_bytes,
-            FileOptions {
-                direct: config.direct,
-                create: true,
-                ring: config.ring,
-            },
-        )?);
-        if Meta::load(&dir)?.is_none() {
-            meta.store(&dir)?;
-        }
-        let scan = File::open(&data_path).map_err(io_err(&data_path))?;
-        // A missing record is empty only where nothing can differ: a new
-        // replica, or one whose last engine detached cleanly.
-        let (intent_file, loaded) = IntentFile::open(&dir, config.size_bytes, meta.clean)?;
-        if let Some(why) = &loaded.lost {
-            tracing::warn!(path = %intent_file.path().display(), reason = %why,
-                "write-intent record lost: every region is reported as possibly different, and the replica as not clean");
-        }
-        let intent_lost = loaded.lost.is_some();
-        let regions = lull_proto::replica::intent_regions(config.size_bytes);
-
-        let listener = TcpListener::bind(config.listen).map_err(|source| ReplicaError::Listen {
-            addr: config.listen,
-            source,
-        })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|source| ReplicaError::Listen {
-                addr: config.listen,
-                source,
-            })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| ReplicaError::Listen {
-                addr: config.listen,
-                source,
-            })?;
-
-        // Started last of the fallible steps before the acceptor, which
-        // stops it if it fails itself.
-        let intent = Persister::start(intent_file, loaded)?;
-        let conns = Arc::new(Connections::new(Limits {
-            name: "replica",
-            max_connections: MAX_CONNECTIONS,
-            greeting_timeout_us: HELLO_TIMEOUT_US,
-        }));
         let f = config.faults;
-        let faulty = (f.error.get() > 0.0 || f.delay_us > 0).then(|| {
-            let faults = Faults {
-                read_err: f.error,
-                write_err: f.error,
-                flush_err: f.error,
-                delay_us: f.delay_us,
-                seed: f.seed,
-            };
-            FaultyDev::new(dev.clone(), faults)
-        });
         if f.any() {
             tracing::warn!(
                 drop = f.drop.get(),
@@ -528,40 +671,15 @@ impl ReplicaServer {
                 "FAULT INJECTION ENABLED: this replica drops connections, fails I/O and delays replies on purpose"
             );
         }
-        // Plain links only (a TLS session encrypts in user space), and not
-        // through the fault injector (its read errors and delays must
-        // apply).
-        let sendfile = if config.sendfile && tls.is_none() && faulty.is_none() {
-            dev.page_cache_file()
-        } else {
-            None
-        };
-        let shared = Arc::new(Shared {
-            dir,
-            size_bytes: config.size_bytes,
-            dev,
-            faulty,
+        let port = Arc::new(Port {
+            tls,
+            conns: conns.clone(),
             faults: f,
             conns_accepted: AtomicU64::new(0),
-            scan,
-            conns: conns.clone(),
-            generation: AtomicU64::new(meta.generation),
-            dirty: AtomicBool::new(!meta.clean),
-            clean: AtomicBool::new(meta.clean),
-            regions,
-            intent,
-            fences: Fences::new(),
-            tls,
-            sendfile,
-            sendfile_reads: AtomicU64::new(0),
-            meta: Mutex::new(MetaState {
-                meta,
-                sealed: false,
-            }),
+            served: Served::One(shared.clone()),
         });
-        let s = shared.clone();
         let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| {
-            Conn::new(stream, s.clone())
+            Conn::new(stream, port.clone())
         }) {
             Ok(a) => a,
             Err(e) => {
@@ -569,18 +687,14 @@ impl ReplicaServer {
                 return Err(e.into());
             }
         };
-        match &config.link {
-            LinkAuth::Insecure => tracing::warn!("{}", lull_net::link::INSECURE_WARNING),
-            LinkAuth::Tls(creds) => {
-                tracing::info!(
-                    ?creds,
-                    "replica links: TLS required, engines must authenticate"
-                )
-            }
-        }
+        log_link_choice(&config.link);
+        let (generation, clean) = {
+            let m = shared.lock_meta();
+            (m.meta.generation, m.meta.clean)
+        };
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
-            generation = meta.generation, clean = meta.clean, intent_lost, data = %shared.dev.describe(),
+            generation, clean, intent_lost = shared.intent.lost(), data = %shared.dev.describe(),
             "replica serving"
         );
         Ok(ReplicaServer {

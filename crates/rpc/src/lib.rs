@@ -1,15 +1,20 @@
 //! lull's control plane: JSON-RPC 2.0 over a Unix socket (SPDK's
-//! convention, method names after SPDK's), the client `lull rpc` uses, and
-//! Prometheus metrics over HTTP.
+//! convention, method names after SPDK's) and over TCP with TLS only (see
+//! [`RpcTcpServer`]), the client `lull rpc` uses, and Prometheus metrics
+//! over HTTP.
 //!
 //! ```ignore
 //! use lull_rpc::*;
 //! let mut reg = MethodRegistry::new();
 //! register_lull_methods(&mut reg, LullContext { fw: fw.handle().clone(), volumes, control })?;
-//! let rpc = RpcServer::start(Path::new(DEFAULT_RPC_SOCKET), Arc::new(reg))?;
+//! let reg = Arc::new(reg);
+//! let rpc = RpcServer::start(Path::new(DEFAULT_RPC_SOCKET), reg.clone())?;
+//! let tls = RpcTls::Psk("/etc/lull/rpc.psk".into()).server()?;
+//! let rpc_tcp = RpcTcpServer::start("0.0.0.0:5260".parse()?, tls, reg)?;
 //! let metrics = MetricsServer::start("127.0.0.1:9555".parse()?, source)?;
 //! // $ lull rpc framework_get_reactors
 //! // $ lull rpc engine_set_options '{"data-engine-interrupt-mode-enabled": false}'
+//! // $ lull rpc --addr 10.0.0.7:5260 --tls-psk rpc.psk volume_list
 //! // $ curl -s http://127.0.0.1:9555/metrics
 //! ```
 //!
@@ -27,15 +32,19 @@ mod methods;
 mod metrics;
 mod scheduler;
 mod server;
+mod tcp;
 pub mod testing;
 
 pub use scheduler::{framework_get_scheduler, register_scheduler_methods};
+pub use tcp::{RpcServerTls, RpcTcpServer, RpcTls, RpcTlsError, TLS_HANDSHAKE_TIMEOUT};
 
 use std::io;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 pub use client::{
-    call, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
+    call, call_tcp, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET,
+    MAX_RESPONSE_BYTES,
 };
 pub use framing::{FrameError, JsonFramer};
 pub use http::{parse_head, HttpError, RequestHead};
@@ -67,6 +76,8 @@ pub enum RpcError {
     NotASocket(PathBuf),
     #[error("cannot bind {}: {source}", path.display())]
     Bind { path: PathBuf, source: io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    BindTcp { addr: SocketAddr, source: io::Error },
     #[error("invalid method name {0:?}: 1 to {MAX_METHOD_NAME_LEN} bytes of [A-Za-z0-9_]")]
     BadMethodName(String),
     #[error("method {0:?} is already registered")]

@@ -84,7 +84,46 @@ pub trait ControlPlane: Send + Sync {
     fn replica_add(&self, replica: &ReplicaAddr) -> Result<(), ControlError>;
     /// `replica_remove`.
     fn replica_remove(&self, replica: &ReplicaAddr) -> Result<(), ControlError>;
+    /// `replica_create`: a new, empty replica in this node's store (the
+    /// replica as `replica_get` reports it).
+    fn replica_create(&self, name: &str, size_bytes: u64) -> Result<Value, ControlError> {
+        let _ = (name, size_bytes);
+        Err(no_store())
+    }
+    /// `replica_delete`: a replica of the store and its data.
+    fn replica_delete(&self, name: &str) -> Result<(), ControlError> {
+        let _ = name;
+        Err(no_store())
+    }
+    /// `replica_get`: one replica of the store.
+    fn replica_get(&self, name: &str) -> Result<Value, ControlError> {
+        let _ = name;
+        Err(no_store())
+    }
+    /// `replica_import`: adopt a `lull replica --dir` directory as `name`.
+    fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
+        let _ = (name, dir);
+        Err(no_store())
+    }
+    /// `store_get`: the store's space and every replica in it.
+    fn store_get(&self) -> Result<Value, ControlError> {
+        Err(no_store())
+    }
 }
+
+/// The refusal of a store method on a daemon without a store.
+fn no_store() -> ControlError {
+    ControlError::Refused(
+        "this daemon has no replica store: start lull serve with --store DIR".into(),
+    )
+}
+
+/// Longest replica name in a store (the replica protocol's
+/// `MAX_REPLICA_NAME_BYTES`; the store checks the characters).
+pub const MAX_REPLICA_NAME_LEN: usize = 253;
+
+/// Longest directory `replica_import` takes (PATH_MAX).
+pub const MAX_IMPORT_DIR_LEN: usize = 4096;
 
 /// Why a control-plane request failed.
 #[derive(Debug, thiserror::Error)]
@@ -255,6 +294,11 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_list",
     "replica_add",
     "replica_remove",
+    "replica_create",
+    "replica_delete",
+    "replica_get",
+    "replica_import",
+    "store_get",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -327,11 +371,38 @@ pub fn register_lull_methods(
         c.control.replica_add(&p)?;
         Ok(Value::Bool(true))
     })?;
-    let c = ctx;
+    let c = ctx.clone();
     method(registry, "replica_remove", move |p: ReplicaAddr| {
         p.check()?;
         c.control.replica_remove(&p)?;
         Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_create", move |p: ReplicaCreate| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        let size_bytes = parse_size(&p.size).map_err(ControlError::InvalidParams)?;
+        c.control.replica_create(&p.name, size_bytes)
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_delete", move |p: ReplicaName| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        c.control.replica_delete(&p.name)?;
+        Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_get", move |p: ReplicaName| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        c.control.replica_get(&p.name)
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_import", move |p: ReplicaImport| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        check_name("dir", &p.dir, MAX_IMPORT_DIR_LEN)?;
+        c.control.replica_import(&p.name, &p.dir)
+    })?;
+    let c = ctx;
+    method(registry, "store_get", move |NoParams {}| {
+        c.control.store_get()
     })?;
     Ok(())
 }
@@ -505,6 +576,31 @@ impl VolumeName {
     fn check(&self) -> Result<(), ControlError> {
         check_name("name", &self.name, MAX_VOLUME_NAME_LEN)
     }
+}
+
+/// `replica_create` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReplicaCreate {
+    name: String,
+    /// Bytes, or a string with a binary suffix ("10G").
+    size: Value,
+}
+
+/// `replica_delete` and `replica_get` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReplicaName {
+    name: String,
+}
+
+/// `replica_import` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReplicaImport {
+    name: String,
+    /// The `lull replica --dir` directory, on the store's filesystem.
+    dir: String,
 }
 
 /// `replica_list` parameters.

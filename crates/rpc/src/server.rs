@@ -1,5 +1,6 @@
 //! The JSON-RPC 2.0 server: a method registry, the request/response rules
-//! (pure functions over `serde_json::Value`), and the Unix socket listener.
+//! (pure functions over `serde_json::Value`), and the Unix socket listener
+//! (the TCP listener, TLS only, is in `tcp.rs` and serves the same loop).
 //!
 //! ```ignore
 //! let mut reg = MethodRegistry::new();
@@ -14,7 +15,7 @@
 //! of requests must not delay the data path.
 
 use std::collections::BTreeMap;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -69,7 +70,7 @@ pub const MAX_METHOD_NAME_LEN: usize = 128;
 pub const REQUEST_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a stop waits for connection threads (a method may be running).
-const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// The built-in method listing all methods.
 pub const RPC_GET_METHODS: &str = "rpc_get_methods";
@@ -492,7 +493,10 @@ fn accept_loop(
             );
             let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
             let msg = format!("server busy: {MAX_RPC_CONNECTIONS} connections open");
-            let _ = send(&stream, &error_response(Value::Null, SERVER_BUSY, &msg));
+            let _ = send(
+                &mut &stream,
+                &error_response(Value::Null, SERVER_BUSY, &msg),
+            );
             continue;
         };
         let registry = registry.clone();
@@ -505,7 +509,7 @@ fn accept_loop(
     }
 }
 
-fn send(mut stream: &UnixStream, v: &Value) -> io::Result<()> {
+fn send<W: Write>(stream: &mut W, v: &Value) -> io::Result<()> {
     let mut bytes = serde_json::to_vec(v).map_err(io::Error::other)?;
     bytes.push(b'\n');
     stream.write_all(&bytes)
@@ -520,9 +524,18 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
         tracing::warn!(error = %e, "cannot set RPC socket timeouts");
         return;
     }
+    serve_requests(&mut &stream, registry);
+}
+
+/// The request loop of one connection, whatever carries it (a Unix socket,
+/// a TLS session over TCP): the same framing, limits and answers. The
+/// caller has set `REQUEST_IO_TIMEOUT` as the socket's read and write
+/// timeout, so a read or write that waits longer comes back as
+/// `WouldBlock`/`TimedOut`.
+pub(crate) fn serve_requests<S: Read + Write>(stream: &mut S, registry: &MethodRegistry) {
     let mut framer = JsonFramer::new(MAX_REQUEST_BYTES);
     loop {
-        let frame = match framer.read_frame(&mut &stream) {
+        let frame = match framer.read_frame(stream) {
             Ok(Some(frame)) => frame,
             Ok(None) => return,
             Err(FrameError::Io(e))
@@ -540,19 +553,19 @@ fn serve_connection(stream: UnixStream, registry: &MethodRegistry, _slot: Slot<U
             Err(FrameError::Io(_)) => return,
             Err(e) => {
                 tracing::debug!(error = %e, "bad RPC framing; closing the connection");
-                let _ = send(&stream, &frame_error_response(&e));
+                let _ = send(stream, &frame_error_response(&e));
                 return;
             }
         };
         match answer_frame(registry, &frame) {
             Ok(Some(response)) => {
-                if send(&stream, &response).is_err() {
+                if send(stream, &response).is_err() {
                     return;
                 }
             }
             Ok(None) => {}
             Err(refusal) => {
-                let _ = send(&stream, &refusal);
+                let _ = send(stream, &refusal);
                 return;
             }
         }

@@ -1,13 +1,19 @@
 //! The JSON-RPC server over a real Unix socket: every lull method against a
-//! real one-reactor framework and the fake control plane, and malformed input.
+//! real one-reactor framework and the fake control plane, and malformed input;
+//! then the same registry over TCP with TLS (PSK and mutual certificates),
+//! and clients without the key.
+//!
+//! The certificate tests need the `openssl` command (Debian package
+//! openssl; scripts/test installs it).
 
 use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_rpc::testing::FakeControl;
@@ -45,6 +51,8 @@ struct Setup {
     sock: PathBuf,
     fw: Framework,
     volumes: Arc<Volumes>,
+    /// What the Unix socket serves, for a TCP server to serve too.
+    registry: Arc<MethodRegistry>,
     server: Option<RpcServer>,
 }
 
@@ -71,12 +79,14 @@ fn setup() -> Setup {
         },
     )
     .unwrap();
-    let server = RpcServer::start(&sock, Arc::new(reg)).unwrap();
+    let registry = Arc::new(reg);
+    let server = RpcServer::start(&sock, registry.clone()).unwrap();
     Setup {
         _dir: dir,
         sock,
         fw,
         volumes,
+        registry,
         server: Some(server),
     }
 }
@@ -721,4 +731,511 @@ fn test_config() -> FrameworkConfig {
     let mut c = FrameworkConfig::new(vec![0], Mode::Interrupt);
     c.pin = false;
     c
+}
+
+// JSON-RPC over TCP, TLS only.
+
+const PSK_HEX: &str = "2b7e151628aed2a6abf7158809cf4f3c8a1e0b2c3d4e5f60718293a4b5c6d7e8";
+const WRONG_PSK_HEX: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+/// A request any server of this file answers.
+const GET_METHODS: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"rpc_get_methods"}"#;
+
+/// Every line the process logs at INFO and above, from the first call on.
+static LOG: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+
+struct LogWriter;
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOG.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn capture_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(|| LogWriter)
+            .with_ansi(false)
+            .without_time()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("one subscriber");
+    });
+}
+
+/// The WARN lines that name `peer` (a client's local address).
+fn warn_lines(peer: SocketAddr) -> Vec<String> {
+    let field = format!("peer={peer}");
+    let log = LOG.lock().unwrap_or_else(|p| p.into_inner());
+    String::from_utf8_lossy(&log)
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.starts_with("WARN "))
+        .filter(|l| l.split(' ').any(|word| word == field))
+        .map(String::from)
+        .collect()
+}
+
+/// Wait for the server's WARN line about `peer`, and check it is the only
+/// one and says `why`.
+fn refused_once(peer: SocketAddr, why: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let lines = warn_lines(peer);
+        if !lines.is_empty() {
+            assert_eq!(
+                lines.len(),
+                1,
+                "one WARN line per refused connection: {lines:#?}"
+            );
+            assert!(lines[0].contains(why), "{why:?} not in {:?}", lines[0]);
+            return lines[0].clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no WARN line about {peer} in the log:\n{}",
+            String::from_utf8_lossy(&LOG.lock().unwrap())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Send `GET_METHODS` (when the TLS session let us) and read until the
+/// server closes: every byte of application data it sent. Panics if the
+/// server neither answers nor closes (a hang).
+fn drain<S: Read + Write>(s: &mut S) -> Vec<u8> {
+    let _ = s.write_all(GET_METHODS);
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return got,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                panic!("the server neither answered nor closed the connection")
+            }
+            // A reset, or OpenSSL reading the server's alert: closed.
+            Err(_) => return got,
+        }
+    }
+}
+
+/// Connect with the client context `ctx` (whatever its key): the local
+/// address, and the application data the server sent (the handshake may
+/// fail, then there is none).
+fn tls_attempt(addr: SocketAddr, ctx: &lull_net::tls::TlsContext) -> (SocketAddr, Vec<u8>) {
+    let tcp = TcpStream::connect(addr).unwrap();
+    let local = tcp.local_addr().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    match lull_net::link::client_handshake(ctx, tcp, addr.ip(), deadline) {
+        Ok(mut tls) => {
+            let tcp = tls.get_ref();
+            tcp.set_nonblocking(false).unwrap();
+            tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            (local, drain(&mut tls))
+        }
+        Err(_) => (local, Vec::new()),
+    }
+}
+
+/// Plain TCP: send `bytes`, read what comes back until the server closes.
+fn plain_attempt(addr: SocketAddr, bytes: &[u8]) -> (SocketAddr, Vec<u8>) {
+    let mut tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let local = tcp.local_addr().unwrap();
+    let _ = tcp.write_all(bytes);
+    let mut got = Vec::new();
+    let _ = tcp.read_to_end(&mut got).map_err(|e| {
+        assert!(
+            !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+            "the server neither answered nor closed the connection"
+        )
+    });
+    (local, got)
+}
+
+fn psk_file(dir: &Path, name: &str, line: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, format!("{line}\n")).unwrap();
+    path
+}
+
+fn start_tcp(registry: &Arc<MethodRegistry>, tls: &RpcTls) -> RpcTcpServer {
+    let tls = tls.server().unwrap();
+    RpcTcpServer::start("127.0.0.1:0".parse().unwrap(), tls, registry.clone()).unwrap()
+}
+
+#[test]
+fn tcp_with_psk_serves_the_same_methods_and_refuses_strangers() {
+    capture_logs();
+    let t = setup();
+    let keys = TempDir::new();
+    let good = psk_file(&keys.0, "good.psk", &format!("admin:{PSK_HEX}"));
+    let wrong = psk_file(&keys.0, "wrong.psk", &format!("admin:{WRONG_PSK_HEX}"));
+    let stranger = psk_file(&keys.0, "stranger.psk", &format!("mallory:{PSK_HEX}"));
+    let server = start_tcp(&t.registry, &RpcTls::Psk(good.clone()));
+    let addr = server.local_addr();
+    let target = addr.to_string();
+    let client = RpcTls::Psk(good).client().unwrap();
+
+    // The same registry as the Unix socket, with the same answers.
+    let over_tcp = call_tcp(&target, &client, "volume_list", None, TIMEOUT).unwrap();
+    assert_eq!(over_tcp, t.ok("volume_list", Value::Null));
+    assert!(over_tcp.to_string().contains("vol0"), "{over_tcp}");
+    match call_tcp(&target, &client, "no_such", None, TIMEOUT) {
+        Err(RpcClientError::Rpc { code, .. }) => assert_eq!(code, METHOD_NOT_FOUND),
+        other => panic!("{other:?}"),
+    }
+    let stats = call_tcp(
+        &target,
+        &client,
+        "volume_get_stats",
+        Some(json!({"name": "vol0"})),
+        TIMEOUT,
+    );
+    assert!(stats.is_ok(), "{stats:?}");
+
+    // Plaintext JSON-RPC: nothing back, one line naming the reason.
+    let (peer, got) = plain_attempt(addr, GET_METHODS);
+    assert!(
+        got.is_empty(),
+        "plaintext got {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    let line = refused_once(peer, "not TLS");
+    assert!(line.contains("0x7b"), "{line}");
+    let mut refused = vec![peer];
+
+    // A wrong key under a known identity, and the right key under an
+    // unknown one.
+    for file in [&wrong, &stranger] {
+        let ctx = RpcTls::Psk(file.clone()).client().unwrap();
+        let (peer, got) = tls_attempt(addr, &ctx);
+        assert!(
+            got.is_empty(),
+            "{}: got {:?}",
+            file.display(),
+            String::from_utf8_lossy(&got)
+        );
+        refused_once(peer, "TLS handshake failed");
+        refused.push(peer);
+        // What the client reports: the handshake, not a reply.
+        match call_tcp(&target, &ctx, "volume_list", None, TIMEOUT) {
+            Err(RpcClientError::Tls { .. }) => {}
+            other => panic!("{}: expected a TLS error, got {other:?}", file.display()),
+        }
+    }
+
+    // TLS, but garbage instead of a ClientHello.
+    let mut garbage = vec![0x16, 0x03, 0x01, 0x00, 0x05];
+    garbage.extend_from_slice(b"hello");
+    let (peer, got) = plain_attempt(addr, &garbage);
+    // At most OpenSSL's alert record (type 0x15, 5 + 2 bytes): TLS, no
+    // JSON-RPC.
+    assert!(
+        got.is_empty() || (got[0] == 0x15 && got.len() == 7),
+        "got {got:02x?}"
+    );
+    refused_once(peer, "TLS handshake failed");
+    refused.push(peer);
+
+    // A client that connects and leaves at once.
+    let peer = TcpStream::connect(addr).unwrap().local_addr().unwrap();
+    refused_once(peer, "closed the connection before a TLS handshake");
+    refused.push(peer);
+
+    // Still serving the right key, and still one line per refusal.
+    assert_eq!(
+        call_tcp(&target, &client, "volume_list", None, TIMEOUT).unwrap(),
+        over_tcp
+    );
+    for peer in refused {
+        assert_eq!(warn_lines(peer).len(), 1, "{peer}");
+    }
+
+    // A clean stop: open sessions are closed, the port is let go.
+    let mut held = TcpStream::connect(addr).unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    server.shutdown();
+    let mut buf = [0u8; 16];
+    assert!(matches!(held.read(&mut buf), Ok(0) | Err(_)));
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "{addr} still accepts after the stop"
+    );
+    drop(t);
+}
+
+#[test]
+fn tcp_with_mutual_certificates() {
+    capture_logs();
+    let t = setup();
+    let dir = TempDir::new();
+    let pki = dir.0.join("pki");
+    make_pki(&pki);
+    let server = start_tcp(&t.registry, &RpcTls::Certs(pki.clone()));
+    let addr = server.local_addr();
+    let target = addr.to_string();
+    let client = RpcTls::Certs(pki.clone()).client().unwrap();
+    let listed = call_tcp(&target, &client, "volume_list", None, TIMEOUT).unwrap();
+    assert_eq!(listed, t.ok("volume_list", Value::Null));
+
+    // No client certificate at all (TlsContext always loads one, so plain
+    // OpenSSL): TLS 1.3 lets the client finish its side, then the server
+    // refuses.
+    let mut refused = Vec::new();
+    {
+        let mut b =
+            openssl::ssl::SslConnector::builder(openssl::ssl::SslMethod::tls_client()).unwrap();
+        b.set_ca_file(pki.join("ca-cert.pem")).unwrap();
+        let connector = b.build();
+        let tcp = TcpStream::connect(addr).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let peer = tcp.local_addr().unwrap();
+        if let Ok(mut tls) = connector.connect("127.0.0.1", tcp) {
+            let got = drain(&mut tls);
+            assert!(got.is_empty(), "got {:?}", String::from_utf8_lossy(&got));
+        }
+        let line = refused_once(peer, "TLS handshake failed");
+        assert!(line.contains("certificate"), "{line}");
+        refused.push(peer);
+    }
+
+    // A certificate from another CA: the client trusts the server, the
+    // server does not trust the client.
+    let other = dir.0.join("other");
+    make_pki(&other);
+    let mixed = dir.0.join("mixed");
+    std::fs::create_dir_all(&mixed).unwrap();
+    std::fs::copy(pki.join("ca-cert.pem"), mixed.join("ca-cert.pem")).unwrap();
+    for f in ["client-cert.pem", "client-key.pem"] {
+        std::fs::copy(other.join(f), mixed.join(f)).unwrap();
+    }
+    let untrusted = RpcTls::Certs(mixed).client().unwrap();
+    let (peer, got) = tls_attempt(addr, &untrusted);
+    assert!(got.is_empty(), "got {:?}", String::from_utf8_lossy(&got));
+    refused_once(peer, "TLS handshake failed");
+    refused.push(peer);
+
+    // A PSK client on a certificate port.
+    let keys = psk_file(&dir.0, "k.psk", &format!("admin:{PSK_HEX}"));
+    let (peer, got) = tls_attempt(addr, &RpcTls::Psk(keys).client().unwrap());
+    assert!(got.is_empty());
+    refused_once(peer, "TLS handshake failed");
+    refused.push(peer);
+
+    // Still serving the right client.
+    assert_eq!(
+        call_tcp(&target, &client, "volume_list", None, TIMEOUT).unwrap(),
+        listed
+    );
+    for peer in refused {
+        assert_eq!(warn_lines(peer).len(), 1, "{peer}");
+    }
+
+    // A server directory without ca-cert.pem would let anyone in: refused
+    // before anything listens.
+    let no_ca = dir.0.join("no-ca");
+    std::fs::create_dir_all(&no_ca).unwrap();
+    for f in ["server-cert.pem", "server-key.pem"] {
+        std::fs::copy(pki.join(f), no_ca.join(f)).unwrap();
+    }
+    match RpcTls::Certs(no_ca.clone()).server() {
+        Err(RpcTlsError::NoClientCa(path)) => assert_eq!(path, no_ca.join("ca-cert.pem")),
+        other => panic!("expected NoClientCa, got {other:?}"),
+    }
+    drop(server);
+}
+
+/// A peer that connects and says nothing is closed after the handshake
+/// timeout, with its one line; the server serves others meanwhile.
+#[test]
+fn tcp_silent_client_is_closed_at_the_handshake_timeout() {
+    capture_logs();
+    let keys = TempDir::new();
+    let good = psk_file(&keys.0, "good.psk", &format!("admin:{PSK_HEX}"));
+    let mut reg = MethodRegistry::new();
+    reg.register("echo", Box::new(|p| Ok(p.unwrap_or(Value::Null))))
+        .unwrap();
+    let server = start_tcp(&Arc::new(reg), &RpcTls::Psk(good.clone()));
+    let addr = server.local_addr();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    silent
+        .set_read_timeout(Some(TLS_HANDSHAKE_TIMEOUT * 3))
+        .unwrap();
+    let peer = silent.local_addr().unwrap();
+    let started = Instant::now();
+    let client = RpcTls::Psk(good).client().unwrap();
+    let echo = call_tcp(
+        &addr.to_string(),
+        &client,
+        "echo",
+        Some(json!({"a": 1})),
+        TIMEOUT,
+    );
+    assert_eq!(echo.unwrap(), json!({"a": 1}));
+    let mut buf = [0u8; 16];
+    match silent.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the silent connection was not closed: {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= TLS_HANDSHAKE_TIMEOUT - Duration::from_millis(500),
+        "closed after {:?}, before the handshake timeout",
+        started.elapsed()
+    );
+    refused_once(peer, "no TLS handshake within");
+}
+
+/// Past `MAX_RPC_CONNECTIONS` open TCP connections a new one is closed at
+/// once with a line; a slot freed is taken again.
+#[test]
+fn tcp_connection_cap() {
+    capture_logs();
+    let keys = TempDir::new();
+    let good = psk_file(&keys.0, "good.psk", &format!("admin:{PSK_HEX}"));
+    let server = start_tcp(&Arc::new(MethodRegistry::new()), &RpcTls::Psk(good.clone()));
+    let addr = server.local_addr();
+    let client = RpcTls::Psk(good).client().unwrap();
+    // Each held session answers once, so it was admitted before the next.
+    let mut held = Vec::new();
+    for _ in 0..MAX_RPC_CONNECTIONS {
+        let tcp = TcpStream::connect(addr).unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        let mut tls = lull_net::link::client_handshake(&client, tcp, addr.ip(), deadline).unwrap();
+        tls.get_ref().set_nonblocking(false).unwrap();
+        tls.get_ref().set_read_timeout(Some(TIMEOUT)).unwrap();
+        tls.write_all(GET_METHODS).unwrap();
+        let mut framer = JsonFramer::new(MAX_RESPONSE_BYTES);
+        let frame = framer.read_frame(&mut tls).unwrap().expect("an answer");
+        let v: Value = serde_json::from_slice(&frame).unwrap();
+        assert_eq!(v["result"], json!([RPC_GET_METHODS]));
+        held.push(tls);
+    }
+    let (peer, got) = tls_attempt(addr, &client);
+    assert!(got.is_empty());
+    refused_once(peer, "too many connections");
+    drop(held);
+    // The slots come back as the server sees the closes.
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match call_tcp(&addr.to_string(), &client, RPC_GET_METHODS, None, TIMEOUT) {
+            Ok(v) => {
+                assert_eq!(v, json!([RPC_GET_METHODS]));
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "no slot came back: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
+/// certificate, in qemu's tls-creds-x509 layout, made with the `openssl`
+/// command (as crates/lull/tests/common's `make_pki`, which this test
+/// binary cannot reach). Each call makes a new CA.
+fn make_pki(dir: &Path) {
+    let found = std::process::Command::new("sh")
+        .args(["-c", "command -v openssl"])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "openssl not found: install the Debian package openssl (scripts/test does)"
+    );
+    std::fs::create_dir_all(dir).unwrap();
+    let ossl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    ossl(
+        &[
+            &[
+                "req",
+                "-x509",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=lull test CA",
+            ][..],
+            &ec[..],
+            &["-keyout", "ca-key.pem", "-out", "ca-cert.pem"],
+            &["-addext", "basicConstraints=critical,CA:TRUE"],
+            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat(),
+    );
+    let leaf =
+        "keyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n";
+    for (who, ext) in [
+        (
+            "server",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        ),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ] {
+        let extfile = format!("{who}.ext");
+        std::fs::write(dir.join(&extfile), format!("{ext}{leaf}")).unwrap();
+        let (key, csr, cert) = (
+            format!("{who}-key.pem"),
+            format!("{who}.csr"),
+            format!("{who}-cert.pem"),
+        );
+        let subject = format!("/CN=lull test {who}");
+        ossl(
+            &[
+                &["req", "-nodes", "-subj", &subject][..],
+                &ec[..],
+                &["-keyout", &key, "-out", &csr],
+            ]
+            .concat(),
+        );
+        ossl(&[
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            &csr,
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-extfile",
+            &extfile,
+            "-out",
+            &cert,
+        ]);
+    }
 }

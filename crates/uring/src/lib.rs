@@ -24,8 +24,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-// The one crate that touches io_uring unsafely (STYLE.md): the workspace
-// denies unsafe code, this crate allows it; every block has a SAFETY comment.
+// The one crate that touches io_uring unsafely (docs/STYLE.md habit 8): the
+// workspace denies unsafe code, this crate allows it; every block has a
+// SAFETY comment.
 #![allow(unsafe_code)]
 
 mod arena;

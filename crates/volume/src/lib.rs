@@ -1,6 +1,7 @@
 //! Volumes: what a frontend serves and the control plane manages. The
-//! registry knows nothing of any protocol; the NBD frontend (and a future
-//! NVMe/TCP one) look volumes up here by name.
+//! registry knows nothing of any protocol; both frontends, NBD (an export
+//! is a volume) and the NVMe/TCP target (a subsystem per volume), look
+//! volumes up here by name.
 //!
 //! ```
 //! use std::sync::Arc;

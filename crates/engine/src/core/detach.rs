@@ -1,7 +1,7 @@
 //! The clean detach: drain, FLUSH and DETACH every healthy replica so
 //! the next engine trusts them as identical.
 
-use std::net::SocketAddr;
+use super::ids::ReplicaTarget;
 
 use lull_proto::replica::{Header, Kind};
 
@@ -33,7 +33,7 @@ impl Engine {
             "detaching: new requests are refused, those in flight finish".into(),
         );
         if let Some(rb) = self.rebuild.take() {
-            let addr = self.replicas[rb.target].addr;
+            let addr = self.replicas[rb.target].addr.clone();
             self.log(LogLevel::Info, format!("rebuild of replica {addr} stopped by the detach; it starts again at the next attach"));
         }
     }
@@ -66,11 +66,11 @@ impl Engine {
             }
             Detach::Detaching(waiting) if waiting.is_empty() => {
                 self.detach = Some(Detach::Done);
-                let clean: Vec<SocketAddr> = self
+                let clean: Vec<ReplicaTarget> = self
                     .replicas
                     .iter()
                     .filter(|r| r.state == RState::Healthy)
-                    .map(|r| r.addr)
+                    .map(|r| r.addr.clone())
                     .collect();
                 if clean.is_empty() {
                     self.log(

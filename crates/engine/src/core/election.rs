@@ -2,9 +2,9 @@
 //! healthy set (acknowledgements wait for it), and the election of the
 //! freshest replica as the source when no replica is healthy.
 
-use std::net::SocketAddr;
+use super::ids::ReplicaTarget;
 
-use lull_proto::replica::{self as wire, Hello, Kind, HELLO_LEN};
+use lull_proto::replica::{self as wire, Hello, Kind};
 
 use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::{count_bits, has_bit};
@@ -74,14 +74,15 @@ impl Engine {
                 flags: wire::HELLO_FLAG_ATTACH,
                 session: self.session,
             };
-            let payload = Payload::Hello(wire::encode_hello(&hello));
+            let payload = wire::encode_hello_request(&hello, rep.addr.hello_name());
+            let length = payload.len() as u32;
             if self.send_any(
                 r,
                 SubKind::Attach(generation),
                 Kind::Hello,
                 0,
-                HELLO_LEN as u32,
-                payload,
+                length,
+                Payload::Hello(payload),
             ) {
                 self.replicas[r].attach_in_flight = true;
             }
@@ -135,10 +136,10 @@ impl Engine {
                     .is_none_or(|t| self.now >= t.saturating_add(ELECTION_LOG_INTERVAL_NS))
                 {
                     self.election_logged_ns = Some(self.now);
-                    let missing: Vec<SocketAddr> = live
+                    let missing: Vec<ReplicaTarget> = live
                         .iter()
                         .filter(|&&i| self.replicas[i].state != RState::Probed)
-                        .map(|&i| self.replicas[i].addr)
+                        .map(|&i| self.replicas[i].addr.clone())
                         .collect();
                     let list: Vec<String> = missing.iter().map(|a| a.to_string()).collect();
                     self.log(
@@ -198,14 +199,14 @@ impl Engine {
                 self.replicas[i].state = RState::Rebuilding;
                 if peers.contains(i) {
                     self.replicas[i].reconcile = union.clone();
-                    reconciling.push(self.replicas[i].addr);
+                    reconciling.push(self.replicas[i].addr.clone());
                 }
             }
         }
         self.election_start_ns = None;
         self.election_logged_ns = None;
         self.elected_once = true;
-        let src = self.replicas[source].addr;
+        let src = self.replicas[source].addr.clone();
         self.log(
             LogLevel::Info,
             format!(
@@ -214,7 +215,7 @@ impl Engine {
             ),
         );
         self.milestone(Milestone::Elected {
-            source: src,
+            source: src.clone(),
             generation: sgen,
             clean: sclean,
             reconciling: reconciling.clone(),
@@ -246,7 +247,7 @@ impl Engine {
         let mut union = vec![0u8; n.div_ceil(8)];
         let now = self.now;
         for i in peers.iter() {
-            let addr = self.replicas[i].addr;
+            let addr = self.replicas[i].addr.clone();
             let lost = self.replicas[i].intent_lost
                 || self.replicas[i]
                     .intent

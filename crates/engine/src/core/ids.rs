@@ -15,10 +15,78 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::net::SocketAddr;
 use std::ops::{Index, IndexMut};
+use std::sync::Arc;
 
 use super::MAX_REPLICAS;
 use crate::MAX_CONNECTIONS_PER_REPLICA;
+
+/// Where a replica is: its server's address and, for a replica in a
+/// node's store (many replicas on one port), its name, sent in the HELLO.
+/// Written `HOST:PORT` (a `lull replica` process) or `HOST:PORT/NAME`.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct ReplicaTarget {
+    pub addr: SocketAddr,
+    /// `None` for a `lull replica` process; checked by
+    /// `lull_proto::replica::check_replica_name` when set.
+    pub name: Option<Arc<str>>,
+}
+
+impl ReplicaTarget {
+    /// A `lull replica` process at `addr`.
+    pub fn process(addr: SocketAddr) -> ReplicaTarget {
+        ReplicaTarget { addr, name: None }
+    }
+
+    /// The name a HELLO carries (`""`: none).
+    pub fn hello_name(&self) -> &str {
+        self.name.as_deref().unwrap_or("")
+    }
+}
+
+/// As [`fmt::Display`]: `Debug` output (logs, milestones, the simulator's
+/// summaries) reads like the address it was before replicas had names.
+impl fmt::Debug for ReplicaTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl From<SocketAddr> for ReplicaTarget {
+    fn from(addr: SocketAddr) -> ReplicaTarget {
+        ReplicaTarget::process(addr)
+    }
+}
+
+/// `IP:PORT` or `IP:PORT/NAME` with a literal address (no name lookup:
+/// `lull_engine::parse_replica` resolves host names).
+impl std::str::FromStr for ReplicaTarget {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ReplicaTarget, String> {
+        let (addr, name) = match s.split_once('/') {
+            Some((addr, name)) => {
+                lull_proto::replica::check_replica_name(name).map_err(|e| format!("{s}: {e}"))?;
+                (addr, Some(Arc::from(name)))
+            }
+            None => (s, None),
+        };
+        let addr = addr
+            .parse()
+            .map_err(|e| format!("{s}: {e} (expected IP:PORT[/NAME])"))?;
+        Ok(ReplicaTarget { addr, name })
+    }
+}
+
+impl fmt::Display for ReplicaTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.name {
+            Some(name) => write!(f, "{}/{name}", self.addr),
+            None => write!(f, "{}", self.addr),
+        }
+    }
+}
 
 /// An index below a fixed bound, for [`IdVec`].
 pub trait Id: Copy {

@@ -248,7 +248,7 @@ impl Engine {
         rep.intent_lost |= flags & wire::INTENT_FLAG_LOST != 0;
         rep.intent = Some(bits);
         let (addr, generation, clean, lost) =
-            (rep.addr, rep.generation, rep.clean, rep.intent_lost);
+            (rep.addr.clone(), rep.generation, rep.clean, rep.intent_lost);
         let marked = self.replicas[r].intent.as_deref().map_or(0, count_bits);
         if !self.healthy_set().is_empty() {
             self.replicas[r].state = RState::Rebuilding;

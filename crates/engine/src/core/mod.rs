@@ -107,13 +107,13 @@ mod io;
 mod rebuild;
 mod replicas;
 
+pub use ids::ReplicaTarget;
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 
 use lull_bdev::{BdevError, IoBuf, IoRequest};
 use lull_net::shared::SharedBufs;
 use lull_net::slots::SlotTable;
-use lull_proto::replica::{self as wire, Header, HEADER_LEN, HELLO_LEN};
+use lull_proto::replica::{self as wire, Header, HEADER_LEN};
 
 use crate::{EngineOptions, ReplicaState, ReplicaStatus};
 
@@ -190,8 +190,8 @@ pub enum Event {
     },
     /// Time passed (timeouts, keep-alives, reconnects, progress logs).
     Tick,
-    AddReplica(SocketAddr),
-    RemoveReplica(SocketAddr),
+    AddReplica(ReplicaTarget),
+    RemoveReplica(ReplicaTarget),
     /// Detach cleanly: refuse new requests, let those in flight finish,
     /// FLUSH and DETACH every healthy replica (they become clean).
     Detach,
@@ -201,7 +201,9 @@ pub enum Event {
 #[derive(Debug)]
 pub enum Payload {
     None,
-    Hello([u8; HELLO_LEN]),
+    /// A HELLO record and the replica's name (none for a `lull replica`
+    /// process): made once per connection or attach, never per I/O.
+    Hello(Vec<u8>),
     /// The first `len` bytes of a shared write buffer (shared by every
     /// replica the write goes to; returned to the client afterwards).
     Data {
@@ -243,7 +245,7 @@ pub enum Action {
     },
     Connect {
         conn: ConnRef,
-        addr: SocketAddr,
+        addr: ReplicaTarget,
     },
     Close {
         conn: ConnRef,
@@ -268,7 +270,7 @@ pub enum Milestone {
     /// A replica left the volume's working set: it failed, or the operator
     /// removed it (`removed`). `was_healthy`: it served reads until now.
     ReplicaFailed {
-        replica: SocketAddr,
+        replica: ReplicaTarget,
         was_healthy: bool,
         removed: bool,
     },
@@ -278,24 +280,24 @@ pub enum Milestone {
     /// The first election of this engine waits for these replicas (any of
     /// them may hold the newest data). Repeated at most every
     /// `ELECTION_LOG_INTERVAL_NS` while it waits.
-    WaitingForReplicas { missing: Vec<SocketAddr> },
+    WaitingForReplicas { missing: Vec<ReplicaTarget> },
     /// An election chose `source` (of `generation`) to serve; the
     /// `reconciling` replicas have its generation but may differ from it
     /// inside their write-intent regions.
     Elected {
-        source: SocketAddr,
+        source: ReplicaTarget,
         generation: u64,
         clean: bool,
-        reconciling: Vec<SocketAddr>,
+        reconciling: Vec<ReplicaTarget>,
     },
     /// A rebuild (`reconcile`: restricted to write-intent regions) finished
     /// and `replica` is healthy.
     CopyComplete {
-        replica: SocketAddr,
+        replica: ReplicaTarget,
         reconcile: bool,
     },
     /// A clean detach finished; `clean` are the replicas it marked clean.
-    Detached { clean: Vec<SocketAddr> },
+    Detached { clean: Vec<ReplicaTarget> },
 }
 
 /// The engine of one volume.
@@ -355,7 +357,7 @@ impl Engine {
     pub fn new(
         volume: &str,
         size_bytes: u64,
-        replicas: Vec<SocketAddr>,
+        replicas: Vec<ReplicaTarget>,
         opts: EngineOptions,
         session: u64,
     ) -> Engine {
@@ -525,7 +527,7 @@ impl Engine {
                 }
             };
             let fresh = ReplicaStatus {
-                addr: r.addr,
+                addr: r.addr.clone(),
                 state,
                 generation: r.generation,
                 in_flight: r.conns.iter().map(|c| c.slots.in_flight()).sum(),

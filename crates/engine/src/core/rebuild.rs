@@ -120,7 +120,10 @@ impl Engine {
             last_log_ns: self.now,
             last_log_pct: 0,
         });
-        let (t, s) = (self.replicas[target].addr, self.replicas[source].addr);
+        let (t, s) = (
+            self.replicas[target].addr.clone(),
+            self.replicas[source].addr.clone(),
+        );
         let what = if self.replicas[target].reconcile.is_some() {
             "reconcile"
         } else {
@@ -423,7 +426,7 @@ impl Engine {
             return;
         };
         let secs = (self.now.saturating_sub(rb.started_ns) as f64 / 1e9).max(1e-9);
-        let addr = self.replicas[rb.target].addr;
+        let addr = self.replicas[rb.target].addr.clone();
         self.replicas[rb.target].state = RState::Healthy;
         self.replicas[rb.target].reconcile = None;
         self.log(

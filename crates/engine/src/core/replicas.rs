@@ -3,11 +3,11 @@
 //! a replica (and everything it had in flight), and time (request
 //! timeouts, silence, keep-alives, reconnects).
 
-use std::net::SocketAddr;
+use super::ids::ReplicaTarget;
 
 use lull_bdev::{IoBuf, IoOp};
 use lull_net::slots::SlotTable;
-use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
+use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
 
 use super::detach::Detach;
 use super::ids::{ConnData, ConnId, ReplicaId, ReplicaSet};
@@ -83,7 +83,7 @@ pub(super) struct Conn {
 }
 
 pub(super) struct Replica {
-    pub(super) addr: SocketAddr,
+    pub(super) addr: ReplicaTarget,
     pub(super) state: RState,
     pub(super) conns: ConnData<Conn>,
     /// Last generation the replica reported or persisted for us.
@@ -109,7 +109,7 @@ pub(super) struct Replica {
 }
 
 impl Engine {
-    pub(super) fn push_replica(&mut self, addr: SocketAddr) -> ReplicaId {
+    pub(super) fn push_replica(&mut self, addr: ReplicaTarget) -> ReplicaId {
         let conns = (0..self.opts.connections_per_replica.max(1))
             .map(|_| Conn {
                 state: CState::Down,
@@ -180,7 +180,7 @@ impl Engine {
 
     pub(super) fn connect(&mut self, r: ReplicaId) {
         let now = self.now;
-        let addr = self.replicas[r].addr;
+        let addr = self.replicas[r].addr.clone();
         self.replicas[r].state = RState::Connecting;
         for c in self.replicas[r].conns.ids() {
             let conn = &mut self.replicas[r].conns[c];
@@ -191,11 +191,14 @@ impl Engine {
             conn.last_rx_ns = now;
             conn.last_tx_ns = now;
             let cref = self.conn_ref(r, c);
-            self.out.push(Action::Connect { conn: cref, addr });
+            self.out.push(Action::Connect {
+                conn: cref,
+                addr: addr.clone(),
+            });
         }
     }
 
-    pub(super) fn add_replica(&mut self, addr: SocketAddr) {
+    pub(super) fn add_replica(&mut self, addr: ReplicaTarget) {
         if self
             .replicas
             .iter()
@@ -219,14 +222,14 @@ impl Engine {
             );
             return;
         }
-        let r = self.push_replica(addr);
+        let r = self.push_replica(addr.clone());
         self.log(LogLevel::Info, format!("replica {addr} added"));
         if self.started {
             self.connect(r);
         }
     }
 
-    pub(super) fn remove_replica(&mut self, addr: SocketAddr) {
+    pub(super) fn remove_replica(&mut self, addr: ReplicaTarget) {
         match self
             .replicas
             .position(|r| r.addr == addr && r.state != RState::Removed)
@@ -269,14 +272,15 @@ impl Engine {
             flags: 0,
             session: self.session,
         };
+        let payload = wire::encode_hello_request(&hello, self.replicas[r].addr.hello_name());
         if !self.send(
             r,
             ci,
             SubKind::Probe,
             Kind::Hello,
             0,
-            HELLO_LEN as u32,
-            Payload::Hello(wire::encode_hello(&hello)),
+            payload.len() as u32,
+            Payload::Hello(payload),
         ) {
             self.fail_replica(r, "no slot for the HELLO probe", false);
         }
@@ -382,7 +386,7 @@ impl Engine {
         if was == RState::Removed || (was == RState::Failed && !remove) {
             return;
         }
-        let addr = self.replicas[r].addr;
+        let addr = self.replicas[r].addr.clone();
         let now = self.now;
         {
             let rep = &mut self.replicas[r];
@@ -625,6 +629,16 @@ impl Engine {
                  --replica-tls-psk or --replica-tls-certs, as the replica's --tls-psk or --tls-certs)",
             );
         }
+        if h.status == libc::ENOENT as u32 {
+            // A store that holds no replica of the HELLO's name, or a
+            // `lull replica` process asked for a named one: the address
+            // answers, the replica is not there (its HELLO tells nothing).
+            let why = format!(
+                "HELLO refused: no such replica at {} (No such file or directory): create it on that node (replica_create) or fix the name",
+                self.replicas[r].addr
+            );
+            return self.fail_replica(r, &why, false);
+        }
         if hello.volume_size != self.size_bytes {
             let why = format!(
                 "size mismatch: replica has {} bytes, the volume is {} bytes",
@@ -649,7 +663,8 @@ impl Engine {
             return self.fail_replica(r, &why, false);
         }
         if h.status != 0 {
-            return self.fail_replica(r, &format!("HELLO refused with errno {}", h.status), false);
+            let errno = std::io::Error::from_raw_os_error(h.status as i32);
+            return self.fail_replica(r, &format!("HELLO refused: {errno}"), false);
         }
         // The replica accepted this engine (a finished TLS handshake is not
         // enough: with TLS 1.3 a replica rejects the engine's certificate

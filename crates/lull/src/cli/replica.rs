@@ -218,9 +218,10 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
         Err(code) => return code,
     };
     lull_net::server::raise_fd_limit("replica");
-    crate::init_fixed_buffers(settings.fixed_buffers_mib);
-    let mut fw = match Framework::start(FrameworkConfig::new(settings.cores.clone(), settings.mode))
-    {
+    let mut fw = match Framework::start(crate::init_fixed_buffers(
+        settings.fixed_buffers_mib,
+        FrameworkConfig::new(settings.cores.clone(), settings.mode),
+    )) {
         Ok(fw) => fw,
         Err(e) => {
             eprintln!("lull: error: cannot start reactors: {e}");
