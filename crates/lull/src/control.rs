@@ -530,10 +530,24 @@ impl MetricsSource for Control {
                 }
             }
         }
+        let store = self.store.as_ref().and_then(|st| match st.info() {
+            Ok(i) => Some(lull_rpc::StoreMetrics {
+                capacity_bytes: i.capacity_bytes,
+                free_bytes: i.free_bytes,
+                allocated_bytes: i.allocated_bytes,
+                provisioned_bytes: i.provisioned_bytes,
+                replicas: i.replicas.len() as u64,
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "store metrics unavailable");
+                None
+            }
+        });
         MetricsSnapshot {
             reactors: lull_rpc::reactor_metrics(&self.fw),
             volumes,
             replicas,
+            store,
         }
     }
 }

@@ -1,14 +1,18 @@
-//! Replicated volumes end to end: real `lull replica` processes and a real
-//! `lull serve` on loopback, real clients (fio's nbd engine, the NBD test
-//! client), replicas killed with SIGKILL mid-run.
+//! Replicated volumes end to end: real replicas and a real `lull serve`
+//! on loopback, real clients (fio's nbd engine, the NBD test client),
+//! replicas and engines killed with SIGKILL mid-run.
 //!
 //! ```text
 //! cargo test -p lull --test replication
 //! ```
 //!
 //! Needs `fio` (package `fio`). The server is started with
-//! `--volume NAME:SIZE:replicas=H:P+H:P`, replicas with
-//! `lull replica --listen ADDR --dir DIR --size SIZE`.
+//! `--volume NAME:SIZE:replicas=T+T`. A replica is either a `lull replica
+//! --listen ADDR --dir DIR --size SIZE` process (target `ADDR`) or a
+//! replica named "r" in a `lull serve --store DIR --replica-listen ADDR`
+//! daemon (target `ADDR/r`): the failover and crash tests run on both
+//! kinds (the `_on_store_replicas` tests), those that inject faults on
+//! processes only.
 
 mod common;
 
@@ -41,38 +45,91 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A `lull replica` process in a [`scratch`] directory, killed (and the
-/// directory removed if the test passed) when dropped.
+/// What serves a test replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// A `lull replica --dir` process: one replica, fault injection
+    /// available.
+    Process,
+    /// A `lull serve --store` daemon holding one replica named "r"
+    /// (created with `replica_create`), addressed as `HOST:PORT/r`.
+    Store,
+}
+
+impl Kind {
+    /// Short, for the names of a test's files: the two kinds of one test
+    /// run side by side.
+    fn tag(self) -> &'static str {
+        match self {
+            Kind::Process => "proc",
+            Kind::Store => "store",
+        }
+    }
+}
+
+/// A [`scratch`] directory for a replica of `kind`.
+fn scratch_of(kind: Kind, name: &str) -> PathBuf {
+    scratch(&format!("{name}-{}", kind.tag()))
+}
+
+/// The name of the one replica a [`Kind::Store`] daemon holds.
+const STORE_REPLICA: &str = "r";
+
+/// A replica of either [`Kind`] in a [`scratch`] directory, killed (and
+/// the directory removed if the test passed) when dropped. Its process's
+/// stderr goes to `replica.log` there, across restarts.
 struct Replica {
+    kind: Kind,
     child: Option<Child>,
     addr: SocketAddr,
     dir: PathBuf,
-    /// More `lull replica` flags (fault injection).
+    /// More `lull replica` flags (fault injection): [`Kind::Process`] only.
     extra: Vec<String>,
 }
 
 impl Replica {
-    fn start(addr: SocketAddr, dir: &Path) -> Replica {
-        Replica::start_with(addr, dir, &[])
+    fn start(kind: Kind, addr: SocketAddr, dir: &Path) -> Replica {
+        Replica::start_with(kind, addr, dir, &[])
     }
 
-    fn start_with(addr: SocketAddr, dir: &Path, extra: &[&str]) -> Replica {
+    fn start_with(kind: Kind, addr: SocketAddr, dir: &Path, extra: &[&str]) -> Replica {
+        assert!(
+            kind == Kind::Process || extra.is_empty(),
+            "test bug: {extra:?} are `lull replica` flags, a store replica has none"
+        );
         let mut r = Replica {
+            kind,
             child: None,
             addr,
             dir: dir.to_path_buf(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         r.restart();
+        if kind == Kind::Store {
+            // Once: a restarted store restores its replicas.
+            common::rpc(
+                &r.rpc_socket(),
+                "replica_create",
+                &format!(r#"{{"name": "{STORE_REPLICA}", "size": "{VOLUME}"}}"#),
+            );
+        }
         r
     }
 
+    /// Starts the process (again) on the same directory and address.
     fn restart(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("replica.log"))
             .expect("replica log");
+        match self.kind {
+            Kind::Process => self.start_process(log),
+            Kind::Store => self.start_store(log),
+        }
+    }
+
+    fn start_process(&mut self, log: std::fs::File) {
         let child = Command::new(env!("CARGO_BIN_EXE_lull"))
             .args([
                 "replica",
@@ -106,6 +163,59 @@ impl Replica {
         }
     }
 
+    /// `lull serve --store`: it prints "listening on" (its NBD port, which
+    /// nothing uses) once its replica port is bound and its replicas are
+    /// restored.
+    fn start_store(&mut self, log: std::fs::File) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--store"])
+            .arg(self.dir.join("store"))
+            .args(["--replica-listen", &self.addr.to_string()])
+            .arg("--replica-insecure")
+            .arg("--rpc-socket")
+            .arg(self.rpc_socket())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawn lull serve --store");
+        let stdout = child.stdout.take().expect("piped stdout");
+        self.child = Some(child);
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Drains stdout for the life of the process, so it never blocks on
+        // a full pipe.
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if line.starts_with("listening on ") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if let Err(e) = rx.recv_timeout(common::START_TIMEOUT) {
+            self.kill();
+            panic!(
+                "store daemon for {} did not start ({e}); log:\n{}",
+                self.addr,
+                self.log()
+            );
+        }
+    }
+
+    fn rpc_socket(&self) -> PathBuf {
+        self.dir.join("store.sock")
+    }
+
+    /// How the engine names this replica: `ADDR`, or `ADDR/r` in a store.
+    fn target(&self) -> String {
+        match self.kind {
+            Kind::Process => self.addr.to_string(),
+            Kind::Store => format!("{}/{STORE_REPLICA}", self.addr),
+        }
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill(); // SIGKILL
@@ -117,8 +227,16 @@ impl Replica {
         std::fs::read_to_string(self.dir.join("replica.log")).unwrap_or_default()
     }
 
+    /// The directory with `data.img`, `meta.json` and `intent.bin`.
+    fn replica_dir(&self) -> PathBuf {
+        match self.kind {
+            Kind::Process => self.dir.join("data"),
+            Kind::Store => self.dir.join("store").join("replicas").join(STORE_REPLICA),
+        }
+    }
+
     fn data_file(&self) -> PathBuf {
-        self.dir.join("data").join("data.img")
+        self.replica_dir().join("data.img")
     }
 }
 
@@ -140,9 +258,15 @@ fn serve(volumes: &[String]) -> Server {
     Server::start(&args)
 }
 
-fn spec(name: &str, replicas: &[SocketAddr]) -> String {
-    let list: Vec<String> = replicas.iter().map(|a| a.to_string()).collect();
-    format!("{name}:{VOLUME}:replicas={}", list.join("+"))
+/// `NAME:SIZE:replicas=T+T` for these replicas (their [`Replica::target`]).
+fn spec(name: &str, replicas: &[&Replica]) -> String {
+    let targets: Vec<String> = replicas.iter().map(|r| r.target()).collect();
+    spec_of(name, &targets)
+}
+
+/// `NAME:SIZE:replicas=T+T` for targets as the engine spells them.
+fn spec_of(name: &str, targets: &[String]) -> String {
+    format!("{name}:{VOLUME}:replicas={}", targets.join("+"))
 }
 
 fn require(tool: &str, package: &str) {
@@ -205,71 +329,215 @@ fn files_equal(a: &Path, b: &Path, len: u64) -> Result<(), String> {
     Ok(())
 }
 
+// Each body in `failover` runs twice: on `lull replica` processes, and
+// on replicas in store daemons (`_on_store_replicas`).
 #[test]
 fn fio_survives_a_killed_replica_and_rebuild_converges() {
-    require("fio", "fio");
-    let (a, b) = (free_port(), free_port());
-    let mut ra = Replica::start(a, &scratch("kill-a"));
-    let mut rb = Replica::start(b, &scratch("kill-b"));
-    let server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
+    failover::fio_survives_a_killed_replica_and_rebuild_converges(Kind::Process);
+}
 
-    let fio = Command::new("fio")
-        .args([
-            "--name=kill",
-            "--ioengine=nbd",
-            &format!("--uri=nbd://{}/vol0", server.addr()),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=32",
-            "--verify=crc32c",
-            "--size=64M",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            "--loops=3",
-            "--output-format=terse",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fio");
-    let mut fio = fio;
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(
-        fio.try_wait().expect("fio status").is_none(),
-        "fio finished before the replica was killed"
-    );
-    rb.kill();
-    let out = fio.wait_with_output().expect("fio output");
-    assert!(
-        out.status.success(),
-        "fio failed with a replica killed: {}\n{}\nserver log:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        server.stderr()
-    );
-    assert!(
-        server.wait_for_log("failed", Duration::from_secs(20)),
-        "the kill was not noticed:\n{}",
-        server.stderr()
-    );
+#[test]
+fn fio_survives_a_killed_replica_and_rebuild_converges_on_store_replicas() {
+    failover::fio_survives_a_killed_replica_and_rebuild_converges(Kind::Store);
+}
 
-    rb.restart();
-    assert!(
-        server.wait_for_log("rebuild complete", REBUILD_TIMEOUT),
-        "rebuild did not complete; server log:\n{}",
-        server.stderr()
-    );
-    // Quiesce: a flush makes every replica durable and nothing is in flight.
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(flush(&mut c), 0);
-    c.disconnect();
-    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
-        panic!("{e}; server log:\n{}", server.stderr());
+#[test]
+fn all_replicas_down_is_eio_then_flushed_data_is_back() {
+    failover::all_replicas_down_is_eio_then_flushed_data_is_back(Kind::Process);
+}
+
+#[test]
+fn all_replicas_down_is_eio_then_flushed_data_is_back_on_store_replicas() {
+    failover::all_replicas_down_is_eio_then_flushed_data_is_back(Kind::Store);
+}
+
+#[test]
+fn restart_waits_for_the_replica_with_the_newest_writes() {
+    failover::restart_waits_for_the_replica_with_the_newest_writes(Kind::Process);
+}
+
+#[test]
+fn restart_waits_for_the_replica_with_the_newest_writes_on_store_replicas() {
+    failover::restart_waits_for_the_replica_with_the_newest_writes(Kind::Store);
+}
+
+/// Replicas killed and restarted under a running engine.
+mod failover {
+    use super::*;
+
+    pub(super) fn fio_survives_a_killed_replica_and_rebuild_converges(kind: Kind) {
+        require("fio", "fio");
+        let (a, b) = (free_port(), free_port());
+        let mut ra = Replica::start(kind, a, &scratch_of(kind, "kill-a"));
+        let mut rb = Replica::start(kind, b, &scratch_of(kind, "kill-b"));
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+
+        let fio = Command::new("fio")
+            .args([
+                "--name=kill",
+                "--ioengine=nbd",
+                &format!("--uri=nbd://{}/vol0", server.addr()),
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=32",
+                "--verify=crc32c",
+                "--size=64M",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--verify_state_save=0",
+                "--loops=3",
+                "--output-format=terse",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fio");
+        let mut fio = fio;
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(
+            fio.try_wait().expect("fio status").is_none(),
+            "fio finished before the replica was killed"
+        );
+        rb.kill();
+        let out = fio.wait_with_output().expect("fio output");
+        assert!(
+            out.status.success(),
+            "fio failed with a replica killed: {}\n{}\nserver log:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            server.stderr()
+        );
+        assert!(
+            server.wait_for_log("failed", Duration::from_secs(20)),
+            "the kill was not noticed:\n{}",
+            server.stderr()
+        );
+
+        rb.restart();
+        assert!(
+            server.wait_for_log("rebuild complete", REBUILD_TIMEOUT),
+            "rebuild did not complete; server log:\n{}",
+            server.stderr()
+        );
+        // Quiesce: a flush makes every replica durable and nothing is in flight.
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(flush(&mut c), 0);
+        c.disconnect();
+        if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+            panic!("{e}; server log:\n{}", server.stderr());
+        }
+        ra.kill();
+        server.assert_logged("rebuild of replica");
     }
-    ra.kill();
-    server.assert_logged("rebuild of replica");
+
+    pub(super) fn all_replicas_down_is_eio_then_flushed_data_is_back(kind: Kind) {
+        let (a, b) = (free_port(), free_port());
+        let mut ra = Replica::start(kind, a, &scratch_of(kind, "down-a"));
+        let mut rb = Replica::start(kind, b, &scratch_of(kind, "down-b"));
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+
+        let data = common::pattern(11, 64 << 10);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
+        assert_eq!(flush(&mut c), 0);
+
+        ra.kill();
+        rb.kill();
+        // Each replica is failed by a broken connection (or the timeout);
+        // afterwards every request must fail, never return stale bytes.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match c.read(1 << 20, data.len() as u32) {
+                Ok(Err(errno)) => {
+                    assert_ne!(errno, 0);
+                    break;
+                }
+                Ok(Ok(got)) => {
+                    assert_eq!(got, data, "a read with replicas dying returned wrong data")
+                }
+                Err(e) => panic!("connection broke instead of an EIO reply: {e}"),
+            }
+            assert!(
+                Instant::now() < deadline,
+                "reads kept succeeding with every replica dead"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(
+            server.wait_for_log("no healthy replica", Duration::from_secs(10)),
+            "{}",
+            server.stderr()
+        );
+
+        ra.restart();
+        rb.restart();
+        let got = read_when_ready(&server, "vol0", 1 << 20, data.len() as u32);
+        assert_eq!(
+            got, data,
+            "the volume lost flushed data after both replicas restarted"
+        );
+    }
+
+    /// The server restarts while the only replica with the newest writes is
+    /// away and a stale one is back: the volume must wait for the fresh replica
+    /// (I/O fails meanwhile), never serve the stale one's older bytes; once the
+    /// fresh replica is back, the newest data reads back.
+    pub(super) fn restart_waits_for_the_replica_with_the_newest_writes(kind: Kind) {
+        let (a, b) = (free_port(), free_port());
+        let mut ra = Replica::start(kind, a, &scratch_of(kind, "fresh-a"));
+        let mut rb = Replica::start(kind, b, &scratch_of(kind, "stale-b"));
+        let old = common::pattern(21, 64 << 10);
+        let new = common::pattern(22, 64 << 10);
+        {
+            let server = serve(&[spec("vol0", &[&ra, &rb])]);
+            let _ = read_when_ready(&server, "vol0", 0, 4096);
+            let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+            assert_eq!(c.write(1 << 20, &old).expect("write"), 0);
+            assert_eq!(flush(&mut c), 0);
+            rb.kill();
+            // Acknowledged on replica A alone, at a generation B never saw.
+            assert_eq!(c.write(1 << 20, &new).expect("write"), 0);
+            assert_eq!(flush(&mut c), 0);
+            assert!(
+                server.wait_for_log("failed", Duration::from_secs(20)),
+                "{}",
+                server.stderr()
+            );
+        }
+        ra.kill();
+        rb.restart();
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        // Longer than any election timeout: still no stale data, only errors.
+        let until = Instant::now() + Duration::from_secs(6);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        while Instant::now() < until {
+            match c
+                .read(1 << 20, new.len() as u32)
+                .expect("a reply, not a broken connection")
+            {
+                Ok(got) => panic!(
+                    "the volume served data without its freshest replica (stale: {})",
+                    got == old
+                ),
+                Err(errno) => assert_ne!(errno, 0),
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        server.assert_logged("waiting for replica(s) 127.0.0.1");
+        ra.restart();
+        let got = read_when_ready(&server, "vol0", 1 << 20, new.len() as u32);
+        assert!(
+            got == new,
+            "after the fresh replica returned, the volume read back {}",
+            if got == old {
+                "the stale data"
+            } else {
+                "wrong data"
+            }
+        );
+    }
 }
 
 /// One of two replicas injects faults (`--fault-drop`, `--fault-error`,
@@ -280,8 +548,9 @@ fn fio_survives_a_killed_replica_and_rebuild_converges() {
 fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
     require("fio", "fio");
     let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(a, &scratch("faulty-a"));
+    let ra = Replica::start(Kind::Process, a, &scratch("faulty-a"));
     let rb = Replica::start_with(
+        Kind::Process,
         b,
         &scratch("faulty-b"),
         &[
@@ -300,7 +569,7 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
         "the faulty replica did not say so:\n{}",
         rb.log()
     );
-    let mut server = serve(&[spec("vol0", &[a, b])]);
+    let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
     let out = Command::new("fio")
         .args([
@@ -357,8 +626,8 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
 #[test]
 fn replicated_volume_refusals_come_in_the_handshake() {
     let (a, b) = (free_port(), free_port());
-    let _ra = Replica::start(a, &scratch("refuse-a"));
-    let _rb = Replica::start(b, &scratch("refuse-b"));
+    let ra = Replica::start(Kind::Process, a, &scratch("refuse-a"));
+    let rb = Replica::start(Kind::Process, b, &scratch("refuse-b"));
     let go_refused = |server: &Server, cap: &str| {
         let err = match NbdClient::connect(server.addr(), "vol0") {
             Ok(_) => panic!("a connection past {cap} was admitted"),
@@ -370,7 +639,7 @@ fn replicated_volume_refusals_come_in_the_handshake() {
         );
         err
     };
-    let spec = spec("vol0", &[a, b]);
+    let spec = spec("vol0", &[&ra, &rb]);
     {
         let mut server = Server::start(&[
             "--replica-insecure",
@@ -417,8 +686,8 @@ fn replicated_volume_refusals_come_in_the_handshake() {
 #[test]
 fn resizing_a_replicated_volume_is_refused() {
     let (a, b) = (free_port(), free_port());
-    let _ra = Replica::start(a, &scratch("resize-a"));
-    let _rb = Replica::start(b, &scratch("resize-b"));
+    let ra = Replica::start(Kind::Process, a, &scratch("resize-a"));
+    let rb = Replica::start(Kind::Process, b, &scratch("resize-b"));
     let sock = PathBuf::from(format!(
         "/tmp/lull-t-{}-repl-resize.sock",
         std::process::id()
@@ -426,7 +695,7 @@ fn resizing_a_replicated_volume_is_refused() {
     let mut server = Server::start(&[
         "--replica-insecure",
         "--volume",
-        &spec("vol0", &[a, b]),
+        &spec("vol0", &[&ra, &rb]),
         "--rpc-socket",
         sock.to_str().unwrap(),
     ]);
@@ -449,123 +718,15 @@ fn resizing_a_replicated_volume_is_refused() {
     server.assert_healthy();
 }
 
-#[test]
-fn all_replicas_down_is_eio_then_flushed_data_is_back() {
-    let (a, b) = (free_port(), free_port());
-    let mut ra = Replica::start(a, &scratch("down-a"));
-    let mut rb = Replica::start(b, &scratch("down-b"));
-    let server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-
-    let data = common::pattern(11, 64 << 10);
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
-    assert_eq!(flush(&mut c), 0);
-
-    ra.kill();
-    rb.kill();
-    // Each replica is failed by a broken connection (or the timeout);
-    // afterwards every request must fail, never return stale bytes.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match c.read(1 << 20, data.len() as u32) {
-            Ok(Err(errno)) => {
-                assert_ne!(errno, 0);
-                break;
-            }
-            Ok(Ok(got)) => assert_eq!(got, data, "a read with replicas dying returned wrong data"),
-            Err(e) => panic!("connection broke instead of an EIO reply: {e}"),
-        }
-        assert!(
-            Instant::now() < deadline,
-            "reads kept succeeding with every replica dead"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert!(
-        server.wait_for_log("no healthy replica", Duration::from_secs(10)),
-        "{}",
-        server.stderr()
-    );
-
-    ra.restart();
-    rb.restart();
-    let got = read_when_ready(&server, "vol0", 1 << 20, data.len() as u32);
-    assert_eq!(
-        got, data,
-        "the volume lost flushed data after both replicas restarted"
-    );
-}
-
-/// The server restarts while the only replica with the newest writes is
-/// away and a stale one is back: the volume must wait for the fresh replica
-/// (I/O fails meanwhile), never serve the stale one's older bytes; once the
-/// fresh replica is back, the newest data reads back.
-#[test]
-fn restart_waits_for_the_replica_with_the_newest_writes() {
-    let (a, b) = (free_port(), free_port());
-    let mut ra = Replica::start(a, &scratch("fresh-a"));
-    let mut rb = Replica::start(b, &scratch("stale-b"));
-    let old = common::pattern(21, 64 << 10);
-    let new = common::pattern(22, 64 << 10);
-    {
-        let server = serve(&[spec("vol0", &[a, b])]);
-        let _ = read_when_ready(&server, "vol0", 0, 4096);
-        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-        assert_eq!(c.write(1 << 20, &old).expect("write"), 0);
-        assert_eq!(flush(&mut c), 0);
-        rb.kill();
-        // Acknowledged on replica A alone, at a generation B never saw.
-        assert_eq!(c.write(1 << 20, &new).expect("write"), 0);
-        assert_eq!(flush(&mut c), 0);
-        assert!(
-            server.wait_for_log("failed", Duration::from_secs(20)),
-            "{}",
-            server.stderr()
-        );
-    }
-    ra.kill();
-    rb.restart();
-    let server = serve(&[spec("vol0", &[a, b])]);
-    // Longer than any election timeout: still no stale data, only errors.
-    let until = Instant::now() + Duration::from_secs(6);
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    while Instant::now() < until {
-        match c
-            .read(1 << 20, new.len() as u32)
-            .expect("a reply, not a broken connection")
-        {
-            Ok(got) => panic!(
-                "the volume served data without its freshest replica (stale: {})",
-                got == old
-            ),
-            Err(errno) => assert_ne!(errno, 0),
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    server.assert_logged("waiting for replica(s) 127.0.0.1");
-    ra.restart();
-    let got = read_when_ready(&server, "vol0", 1 << 20, new.len() as u32);
-    assert!(
-        got == new,
-        "after the fresh replica returned, the volume read back {}",
-        if got == old {
-            "the stale data"
-        } else {
-            "wrong data"
-        }
-    );
-}
-
 /// After I/O, a replicated volume's server sleeps in the event-driven modes:
 /// the engine's completion doorbell must not be left ringing (a readable
 /// eventfd with nothing behind it would keep the reactor awake).
 #[test]
 fn replicated_volume_sleeps_when_idle() {
     let a = free_port();
-    let _ra = Replica::start(a, &scratch("idle-a"));
+    let ra = Replica::start(Kind::Process, a, &scratch("idle-a"));
     for mode in ["interrupt", "adaptive"] {
-        let volume = spec("vol0", &[a]);
+        let volume = spec("vol0", &[&ra]);
         let mut server =
             Server::start(&["--replica-insecure", "--mode", mode, "--volume", &volume]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
@@ -651,12 +812,12 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     v2.extend_from_slice(&[0u8; 32]);
     let wrong_version = fake_replica(v2);
     let good = free_port();
-    let _rg = Replica::start(good, &scratch("bad-good"));
+    let rg = Replica::start(Kind::Process, good, &scratch("bad-good"));
 
     let server = serve(&[
-        spec("bad", &[garbage]),
-        spec("old", &[wrong_version]),
-        spec("ok", &[good]),
+        spec_of("bad", &[garbage.to_string()]),
+        spec_of("old", &[wrong_version.to_string()]),
+        spec("ok", &[&rg]),
     ]);
     assert!(
         server.wait_for_log("undecodable frame", Duration::from_secs(15)),
@@ -695,7 +856,7 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
 #[test]
 fn hybrid_mode_serves_a_replicated_volume() {
     let a = free_port();
-    let _ra = Replica::start(a, &scratch("hybrid-a"));
+    let ra = Replica::start(Kind::Process, a, &scratch("hybrid-a"));
     for period in ["10", "1000"] {
         let mut args: Vec<String> = vec![
             "--replica-insecure".into(),
@@ -705,7 +866,7 @@ fn hybrid_mode_serves_a_replicated_volume() {
             period.into(),
         ];
         args.push("--volume".into());
-        args.push(spec("vol0", &[a]));
+        args.push(spec("vol0", &[&ra]));
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut server = Server::start(&argv);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
@@ -747,7 +908,7 @@ impl Replica {
     }
 
     fn intent_file(&self) -> PathBuf {
-        self.dir.join("data").join("intent.bin")
+        self.replica_dir().join("intent.bin")
     }
 }
 
@@ -812,258 +973,303 @@ fn assert_converged(server: &Server, ra: &Replica, rb: &Replica, name: &str) -> 
     one
 }
 
-/// The issue's scenario: a write reaches one replica only (the other is
-/// stopped), the server is SIGKILLed before it completes, the stopped
-/// replica resumes, the server restarts. The restarted engine must see an
-/// unclean stop, reconcile the regions that had writes in flight, and from
-/// then on every read returns the same bytes and the data files are
-/// identical.
+// Each body in `crash` runs twice: on `lull replica` processes, and on
+// replicas in store daemons (`_on_store_replicas`).
 #[test]
 fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate() {
-    require("qemu-img", "qemu-utils");
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(a, &scratch("crash-a"));
-    let rb = Replica::start(b, &scratch("crash-b"));
-    let at = 1u64 << 20;
-    let old = common::pattern(31, 64 << 10);
-    let new = common::pattern(32, 64 << 10);
-    let mut server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(c.write(at, &old).expect("write"), 0);
-    assert_eq!(flush(&mut c), 0);
-
-    // B stops: the next write lands on A and is never acknowledged.
-    signal(rb.pid(), "-STOP");
-    c.send(NbdCommand::Write, 0, at, new.len() as u32, &new)
-        .expect("send the write");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while file_bytes(&ra.data_file(), at, new.len()) != new {
-        assert!(
-            Instant::now() < deadline,
-            "the write never reached replica A; log:\n{}",
-            server.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    server.kill();
-    signal(rb.pid(), "-CONT");
-
-    let server = serve(&[spec("vol0", &[a, b])]);
-    assert!(
-        server.wait_for_log("unclean stop: reconciling", READY_TIMEOUT),
-        "the restart did not see the unclean stop:\n{}",
-        server.stderr()
-    );
-    // Until the reconcile completes reads come from the source alone; after
-    // it, from either replica. Either way the same bytes, every time.
-    let first = read_when_ready(&server, "vol0", at, new.len() as u32);
-    assert!(
-        first == old || first == new,
-        "read back neither the old nor the new data"
-    );
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    for i in 0..8 {
-        let got = c
-            .read(at, new.len() as u32)
-            .expect("read")
-            .expect("read status");
-        assert!(
-            got == first,
-            "read {i} returned other data than the first read (reads alternate)"
-        );
-    }
-    assert!(
-        server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
-        "reconcile did not finish:\n{}",
-        server.stderr()
-    );
-    for i in 0..8 {
-        let got = c
-            .read(at, new.len() as u32)
-            .expect("read")
-            .expect("read status");
-        assert!(
-            got == first,
-            "read {i} after the reconcile returned other data (reads alternate)"
-        );
-    }
-    c.disconnect();
-    let image = assert_converged(&server, &ra, &rb, "crash-img");
-    assert!(image[at as usize..at as usize + first.len()] == first[..]);
+    crash::unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate(Kind::Process);
 }
 
-/// fio writes with verification (`verify_backlog`) while the server is
-/// SIGKILLed and restarted, three times. No verification may fail while it
-/// runs, and afterwards the replicas converge bit for bit and the volume
-/// reads back the same twice.
+#[test]
+fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate_on_store_replicas() {
+    crash::unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate(Kind::Store);
+}
+
 #[test]
 fn fio_verify_across_repeated_engine_kills() {
-    require("fio", "fio");
-    require("qemu-img", "qemu-utils");
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(a, &scratch("fiokill-a"));
-    let rb = Replica::start(b, &scratch("fiokill-b"));
-    for round in 0..3 {
-        let mut server = serve(&[spec("vol0", &[a, b])]);
-        let _ = read_when_ready(&server, "vol0", 0, 4096);
-        let mut fio = Command::new("fio")
-            .args([
-                "--name=crash",
-                "--ioengine=nbd",
-                &format!("--uri=nbd://{}/vol0", server.addr()),
-                "--rw=randwrite",
-                "--bs=4k",
-                "--iodepth=16",
-                "--size=64M",
-                "--time_based",
-                "--runtime=60",
-                "--verify=crc32c",
-                "--verify_backlog=256",
-                "--verify_fatal=1",
-                "--verify_state_save=0",
-                "--fsync=64",
-                &format!("--randseed={}", 100 + round),
-                "--output-format=terse",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn fio");
-        std::thread::sleep(Duration::from_secs(2));
-        assert!(
-            fio.try_wait().expect("fio status").is_none(),
-            "round {round}: fio ended before the kill; log:\n{}",
-            server.stderr()
-        );
-        server.kill();
-        let out = fio.wait_with_output().expect("fio output");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // fio fails because its server vanished; it must not have seen
-        // bad data before that.
-        for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
-            assert!(
-                !text.contains(bad),
-                "round {round}: fio saw bad data:\n{text}"
-            );
-        }
-    }
-    let server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    assert!(
-        server.wait_for_log("unclean stop", READY_TIMEOUT),
-        "{}",
-        server.stderr()
-    );
-    // A kill during the previous round's reconcile leaves its target a
-    // generation behind: then it is rebuilt in full instead.
-    assert!(
-        server.wait_for_log("complete: replica", REBUILD_TIMEOUT),
-        "recovery did not finish:\n{}",
-        server.stderr()
-    );
-    assert_converged(&server, &ra, &rb, "fiokill-img");
+    crash::fio_verify_across_repeated_engine_kills(Kind::Process);
 }
 
-/// A replica whose write-intent record is corrupt must not be trusted: it
-/// reports every region, and the engine repairs the whole volume, even
-/// where no record says a write was in flight (here: bytes put into the
-/// replica's file by hand, in a region nobody wrote).
+#[test]
+fn fio_verify_across_repeated_engine_kills_on_store_replicas() {
+    crash::fio_verify_across_repeated_engine_kills(Kind::Store);
+}
+
 #[test]
 fn a_corrupt_write_intent_record_means_a_full_repair() {
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(a, &scratch("lost-a"));
-    let mut rb = Replica::start(b, &scratch("lost-b"));
-    let mut server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(
-        c.write(1 << 20, &common::pattern(41, 64 << 10))
-            .expect("write"),
-        0
-    );
-    assert_eq!(flush(&mut c), 0);
-    server.kill();
-
-    rb.kill();
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(rb.intent_file())
-            .expect("open intent.bin");
-        // Both record slots (4 KiB each) get a bad checksum.
-        f.write_all_at(&[0xA5; 16], 8).expect("corrupt slot A");
-        f.write_all_at(&[0xA5; 16], 4096 + 8)
-            .expect("corrupt slot B");
-        let d = std::fs::OpenOptions::new()
-            .write(true)
-            .open(rb.data_file())
-            .expect("open data.img");
-        d.write_all_at(&[0x5A; 4096], 40 << 20)
-            .expect("diverge B by hand");
-    }
-    rb.restart();
-
-    let server = serve(&[spec("vol0", &[a, b])]);
-    assert!(
-        server.wait_for_log("write-intent record lost", READY_TIMEOUT),
-        "not reported:\n{}",
-        server.stderr()
-    );
-    assert!(
-        server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
-        "repair did not finish:\n{}",
-        server.stderr()
-    );
-    quiesce(&server);
-    if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
-        panic!("{e}; server log:\n{}", server.stderr());
-    }
+    crash::a_corrupt_write_intent_record_means_a_full_repair(Kind::Process);
 }
 
-/// A clean stop (SIGTERM) detaches: the replicas are marked clean, and the
-/// next start trusts them as identical without reconciling anything.
+#[test]
+fn a_corrupt_write_intent_record_means_a_full_repair_on_store_replicas() {
+    crash::a_corrupt_write_intent_record_means_a_full_repair(Kind::Store);
+}
+
 #[test]
 fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
-    let (a, b) = (free_port(), free_port());
-    let _ra = Replica::start(a, &scratch("clean-a"));
-    let _rb = Replica::start(b, &scratch("clean-b"));
-    let data = common::pattern(51, 64 << 10);
-    let mut server = serve(&[spec("vol0", &[a, b])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
-    c.disconnect();
-    let status = server
-        .terminate(Duration::from_secs(30))
-        .expect("lull serve did not stop after SIGTERM");
-    assert!(
-        status.success(),
-        "lull serve exited with {status}:\n{}",
-        server.stderr()
-    );
-    server.assert_logged("detached cleanly");
+    crash::a_clean_stop_detaches_and_the_next_start_reconciles_nothing(Kind::Process);
+}
 
-    let server = serve(&[spec("vol0", &[a, b])]);
-    assert_eq!(
-        read_when_ready(&server, "vol0", 1 << 20, data.len() as u32),
-        data
-    );
-    assert!(
-        server.wait_for_log("clean true", READY_TIMEOUT),
-        "{}",
-        server.stderr()
-    );
-    let log = server.stderr();
-    assert!(
-        !log.contains("unclean stop") && !log.contains("rebuild of replica"),
-        "a clean restart reconciled or rebuilt:\n{log}"
-    );
+#[test]
+fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing_on_store_replicas() {
+    crash::a_clean_stop_detaches_and_the_next_start_reconciles_nothing(Kind::Store);
+}
+
+/// Engine crashes and clean stops: what the next start reconciles.
+mod crash {
+    use super::*;
+
+    /// The issue's scenario: a write reaches one replica only (the other is
+    /// stopped), the server is SIGKILLed before it completes, the stopped
+    /// replica resumes, the server restarts. The restarted engine must see an
+    /// unclean stop, reconcile the regions that had writes in flight, and from
+    /// then on every read returns the same bytes and the data files are
+    /// identical.
+    pub(super) fn unacknowledged_write_and_engine_crash_reconcile_and_reads_never_alternate(
+        kind: Kind,
+    ) {
+        require("qemu-img", "qemu-utils");
+        let (a, b) = (free_port(), free_port());
+        let ra = Replica::start(kind, a, &scratch_of(kind, "crash-a"));
+        let rb = Replica::start(kind, b, &scratch_of(kind, "crash-b"));
+        let at = 1u64 << 20;
+        let old = common::pattern(31, 64 << 10);
+        let new = common::pattern(32, 64 << 10);
+        let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(c.write(at, &old).expect("write"), 0);
+        assert_eq!(flush(&mut c), 0);
+
+        // B stops: the next write lands on A and is never acknowledged.
+        signal(rb.pid(), "-STOP");
+        c.send(NbdCommand::Write, 0, at, new.len() as u32, &new)
+            .expect("send the write");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while file_bytes(&ra.data_file(), at, new.len()) != new {
+            assert!(
+                Instant::now() < deadline,
+                "the write never reached replica A; log:\n{}",
+                server.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        server.kill();
+        signal(rb.pid(), "-CONT");
+
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        assert!(
+            server.wait_for_log("unclean stop: reconciling", READY_TIMEOUT),
+            "the restart did not see the unclean stop:\n{}",
+            server.stderr()
+        );
+        // Until the reconcile completes reads come from the source alone; after
+        // it, from either replica. Either way the same bytes, every time.
+        let first = read_when_ready(&server, "vol0", at, new.len() as u32);
+        assert!(
+            first == old || first == new,
+            "read back neither the old nor the new data"
+        );
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        for i in 0..8 {
+            let got = c
+                .read(at, new.len() as u32)
+                .expect("read")
+                .expect("read status");
+            assert!(
+                got == first,
+                "read {i} returned other data than the first read (reads alternate)"
+            );
+        }
+        assert!(
+            server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
+            "reconcile did not finish:\n{}",
+            server.stderr()
+        );
+        for i in 0..8 {
+            let got = c
+                .read(at, new.len() as u32)
+                .expect("read")
+                .expect("read status");
+            assert!(
+                got == first,
+                "read {i} after the reconcile returned other data (reads alternate)"
+            );
+        }
+        c.disconnect();
+        let image = assert_converged(&server, &ra, &rb, &format!("crash-img-{}", kind.tag()));
+        assert!(image[at as usize..at as usize + first.len()] == first[..]);
+    }
+
+    /// fio writes with verification (`verify_backlog`) while the server is
+    /// SIGKILLed and restarted, three times. No verification may fail while it
+    /// runs, and afterwards the replicas converge bit for bit and the volume
+    /// reads back the same twice.
+    pub(super) fn fio_verify_across_repeated_engine_kills(kind: Kind) {
+        require("fio", "fio");
+        require("qemu-img", "qemu-utils");
+        let (a, b) = (free_port(), free_port());
+        let ra = Replica::start(kind, a, &scratch_of(kind, "fiokill-a"));
+        let rb = Replica::start(kind, b, &scratch_of(kind, "fiokill-b"));
+        for round in 0..3 {
+            let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
+            let _ = read_when_ready(&server, "vol0", 0, 4096);
+            let mut fio = Command::new("fio")
+                .args([
+                    "--name=crash",
+                    "--ioengine=nbd",
+                    &format!("--uri=nbd://{}/vol0", server.addr()),
+                    "--rw=randwrite",
+                    "--bs=4k",
+                    "--iodepth=16",
+                    "--size=64M",
+                    "--time_based",
+                    "--runtime=60",
+                    "--verify=crc32c",
+                    "--verify_backlog=256",
+                    "--verify_fatal=1",
+                    "--verify_state_save=0",
+                    "--fsync=64",
+                    &format!("--randseed={}", 100 + round),
+                    "--output-format=terse",
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn fio");
+            std::thread::sleep(Duration::from_secs(2));
+            assert!(
+                fio.try_wait().expect("fio status").is_none(),
+                "round {round}: fio ended before the kill; log:\n{}",
+                server.stderr()
+            );
+            server.kill();
+            let out = fio.wait_with_output().expect("fio output");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            // fio fails because its server vanished; it must not have seen
+            // bad data before that.
+            for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
+                assert!(
+                    !text.contains(bad),
+                    "round {round}: fio saw bad data:\n{text}"
+                );
+            }
+        }
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        assert!(
+            server.wait_for_log("unclean stop", READY_TIMEOUT),
+            "{}",
+            server.stderr()
+        );
+        // A kill during the previous round's reconcile leaves its target a
+        // generation behind: then it is rebuilt in full instead.
+        assert!(
+            server.wait_for_log("complete: replica", REBUILD_TIMEOUT),
+            "recovery did not finish:\n{}",
+            server.stderr()
+        );
+        assert_converged(&server, &ra, &rb, &format!("fiokill-img-{}", kind.tag()));
+    }
+
+    /// A replica whose write-intent record is corrupt must not be trusted: it
+    /// reports every region, and the engine repairs the whole volume, even
+    /// where no record says a write was in flight (here: bytes put into the
+    /// replica's file by hand, in a region nobody wrote).
+    pub(super) fn a_corrupt_write_intent_record_means_a_full_repair(kind: Kind) {
+        let (a, b) = (free_port(), free_port());
+        let ra = Replica::start(kind, a, &scratch_of(kind, "lost-a"));
+        let mut rb = Replica::start(kind, b, &scratch_of(kind, "lost-b"));
+        let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(
+            c.write(1 << 20, &common::pattern(41, 64 << 10))
+                .expect("write"),
+            0
+        );
+        assert_eq!(flush(&mut c), 0);
+        server.kill();
+
+        rb.kill();
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(rb.intent_file())
+                .expect("open intent.bin");
+            // Both record slots (4 KiB each) get a bad checksum.
+            f.write_all_at(&[0xA5; 16], 8).expect("corrupt slot A");
+            f.write_all_at(&[0xA5; 16], 4096 + 8)
+                .expect("corrupt slot B");
+            let d = std::fs::OpenOptions::new()
+                .write(true)
+                .open(rb.data_file())
+                .expect("open data.img");
+            d.write_all_at(&[0x5A; 4096], 40 << 20)
+                .expect("diverge B by hand");
+        }
+        rb.restart();
+
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        assert!(
+            server.wait_for_log("write-intent record lost", READY_TIMEOUT),
+            "not reported:\n{}",
+            server.stderr()
+        );
+        assert!(
+            server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
+            "repair did not finish:\n{}",
+            server.stderr()
+        );
+        quiesce(&server);
+        if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
+            panic!("{e}; server log:\n{}", server.stderr());
+        }
+    }
+
+    /// A clean stop (SIGTERM) detaches: the replicas are marked clean, and the
+    /// next start trusts them as identical without reconciling anything.
+    pub(super) fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing(kind: Kind) {
+        let (a, b) = (free_port(), free_port());
+        let ra = Replica::start(kind, a, &scratch_of(kind, "clean-a"));
+        let rb = Replica::start(kind, b, &scratch_of(kind, "clean-b"));
+        let data = common::pattern(51, 64 << 10);
+        let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
+        assert_eq!(c.write(1 << 20, &data).expect("write"), 0);
+        c.disconnect();
+        let status = server
+            .terminate(Duration::from_secs(30))
+            .expect("lull serve did not stop after SIGTERM");
+        assert!(
+            status.success(),
+            "lull serve exited with {status}:\n{}",
+            server.stderr()
+        );
+        server.assert_logged("detached cleanly");
+
+        let server = serve(&[spec("vol0", &[&ra, &rb])]);
+        assert_eq!(
+            read_when_ready(&server, "vol0", 1 << 20, data.len() as u32),
+            data
+        );
+        assert!(
+            server.wait_for_log("clean true", READY_TIMEOUT),
+            "{}",
+            server.stderr()
+        );
+        let log = server.stderr();
+        assert!(
+            !log.contains("unclean stop") && !log.contains("rebuild of replica"),
+            "a clean restart reconciled or rebuilt:\n{log}"
+        );
+    }
 }
 
 // ---- block status and fast zero on a replicated volume (issue 12) ---------
@@ -1079,8 +1285,8 @@ fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing() {
 fn replicated_volume_reports_holes_and_refuses_fast_zero() {
     require("nbdinfo", "libnbd-bin");
     let a = free_port();
-    let _ra = Replica::start(a, &scratch("bs-a"));
-    let mut server = serve(&[spec("vol0", &[a])]);
+    let ra = Replica::start(Kind::Process, a, &scratch("bs-a"));
+    let mut server = serve(&[spec("vol0", &[&ra])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
     let uri = format!("nbd://{}/vol0", server.addr());
     let map = || {

@@ -57,8 +57,9 @@ pub use methods::{
 };
 pub use metrics::{
     encode_snapshot, metrics_response, reactor_metrics, MetricsError, MetricsServer,
-    MetricsSnapshot, MetricsSource, ReactorMetrics, ReplicaMetrics, VolumeMetrics, HTTP_IO_TIMEOUT,
-    MAX_HTTP_REQUEST_BYTES, MAX_METRICS_CONNECTIONS, METRICS_PATH, OPENMETRICS_CONTENT_TYPE,
+    MetricsSnapshot, MetricsSource, ReactorMetrics, ReplicaMetrics, StoreMetrics, VolumeMetrics,
+    HTTP_IO_TIMEOUT, MAX_HTTP_REQUEST_BYTES, MAX_METRICS_CONNECTIONS, METRICS_PATH,
+    OPENMETRICS_CONTENT_TYPE,
 };
 pub use server::{
     answer_frame, error_response, frame_error_response, handle_value, no_params, parse_params,

@@ -194,12 +194,27 @@ pub struct ReplicaMetrics {
     pub healthy: bool,
 }
 
+/// A node's replica store (`lull serve --store`): its filesystem's space
+/// and what its replicas use and promise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreMetrics {
+    pub capacity_bytes: u64,
+    pub free_bytes: u64,
+    /// Bytes the replicas' data files occupy.
+    pub allocated_bytes: u64,
+    /// Sum of the replicas' sizes.
+    pub provisioned_bytes: u64,
+    pub replicas: u64,
+}
+
 /// Everything a scrape shows, read at scrape time.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MetricsSnapshot {
     pub reactors: Vec<ReactorMetrics>,
     pub volumes: Vec<VolumeMetrics>,
     pub replicas: Vec<ReplicaMetrics>,
+    /// `None` without a store.
+    pub store: Option<StoreMetrics>,
 }
 
 /// Where a scrape gets its numbers. Called on the metrics thread, never on
@@ -623,6 +638,49 @@ impl Collector for SnapshotCollector {
                 ]
             },
             |x| i64::from(x.healthy),
+        )?;
+        let store: &[StoreMetrics] = s.store.as_slice();
+        let no_labels = |_: &StoreMetrics| Vec::new();
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        gauges(
+            &mut enc,
+            "lull_store_capacity_bytes",
+            "Size of the filesystem under the node's replica store.",
+            store,
+            no_labels,
+            |x| clamp(x.capacity_bytes),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_store_free_bytes",
+            "Free bytes of the filesystem under the node's replica store: writes to its replicas fail with ENOSPC at 0.",
+            store,
+            no_labels,
+            |x| clamp(x.free_bytes),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_store_allocated_bytes",
+            "Bytes the store's replicas occupy on disk (they are sparse).",
+            store,
+            no_labels,
+            |x| clamp(x.allocated_bytes),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_store_provisioned_bytes",
+            "Sum of the store's replica sizes (what they may grow to).",
+            store,
+            no_labels,
+            |x| clamp(x.provisioned_bytes),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_store_replicas",
+            "Replicas the store holds.",
+            store,
+            no_labels,
+            |x| clamp(x.replicas),
         )?;
         Ok(())
     }

@@ -334,6 +334,13 @@ fn snapshot() -> MetricsSnapshot {
                 healthy: false,
             },
         ],
+        store: Some(StoreMetrics {
+            capacity_bytes: 100 << 30,
+            free_bytes: 3 << 30,
+            allocated_bytes: 40 << 30,
+            provisioned_bytes: 150 << 30,
+            replicas: 7,
+        }),
     }
 }
 
@@ -446,8 +453,21 @@ fn scrape() {
         ("lull_volume_inline_ios", "counter"),
         ("lull_volume_latency_seconds", "histogram"),
         ("lull_replica_healthy", "gauge"),
+        ("lull_store_capacity_bytes", "gauge"),
+        ("lull_store_free_bytes", "gauge"),
+        ("lull_store_allocated_bytes", "gauge"),
+        ("lull_store_provisioned_bytes", "gauge"),
+        ("lull_store_replicas", "gauge"),
     ]);
     assert_eq!(kinds, want);
+    assert_eq!(
+        sample(&f, "lull_store_free_bytes", "lull_store_free_bytes", &[]).value,
+        (3u64 << 30) as f64
+    );
+    assert_eq!(
+        sample(&f, "lull_store_replicas", "lull_store_replicas", &[]).value,
+        7.0
+    );
     assert_eq!(
         f["lull_reactor_busy_seconds"].unit.as_deref(),
         Some("seconds")
