@@ -29,44 +29,21 @@ mod sim;
 
 use std::net::SocketAddr;
 
-pub use core::{ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS};
+pub use core::ids::MAX_CONNECTIONS_PER_REPLICA;
+pub use core::{
+    EngineOptions, ReplicaState, ReplicaStatus, ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS,
+};
 pub use shell::ReplicatedDev;
 
-/// Engine settings. Defaults follow Longhorn where it has a setting.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineOptions {
-    /// A replica silent (no reply, no keep-alive answer) or slower than this
-    /// on any request is failed. Longhorn's default is 8 s.
-    pub replica_timeout_ms: u64,
-    /// TCP connections per replica; requests spread over them.
-    pub connections_per_replica: usize,
-    /// How often a failed replica's address is tried again.
-    pub reconnect_interval_ms: u64,
-    /// An idle connection sends a PING this often.
-    pub keepalive_interval_ms: u64,
-    /// Request slots per connection: bounds in-flight I/O per connection.
-    pub slots_per_connection: usize,
-}
-
-impl Default for EngineOptions {
-    fn default() -> EngineOptions {
-        EngineOptions {
-            replica_timeout_ms: 8000,
-            connections_per_replica: 2,
-            reconnect_interval_ms: 2000,
-            keepalive_interval_ms: 1000,
-            slots_per_connection: 128,
-        }
-    }
-}
-
 /// Upper bounds on the options, checked by `EngineOptions::validate`.
-/// Connections: 16 per replica is far past any gain on one NIC queue.
-pub const MAX_CONNECTIONS_PER_REPLICA: usize = 16;
+/// Connections: [`MAX_CONNECTIONS_PER_REPLICA`] (kept with the typed
+/// connection ids it bounds, `core::ids`).
 /// Slots: 4096 per connection keeps a slot table (and the timeout scan over
 /// it) small while exceeding any useful queue depth.
 pub const MAX_SLOTS_PER_CONNECTION: usize = 4096;
 
+/// The options are defined in the core, which holds them; their check is
+/// here, beside the crate's error type.
 impl EngineOptions {
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |m: &str| Err(EngineError::BadOption(m.to_string()));
@@ -91,36 +68,6 @@ impl EngineOptions {
         }
         Ok(())
     }
-}
-
-/// Where a replica stands, as reported to operators.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReplicaState {
-    /// Connecting, handshaking, or waiting for the election.
-    Connecting,
-    /// In the healthy set: receives writes and serves reads.
-    Healthy,
-    /// Out of the healthy set; retried every `reconnect_interval_ms`.
-    Failed,
-    /// Receives writes, serves no reads until the copy finishes.
-    Rebuilding { done_bytes: u64, total_bytes: u64 },
-    /// Of the source's generation but possibly different after an engine
-    /// crash: receives writes, serves no reads until the regions the
-    /// write-intent records name are copied from the source.
-    Reconciling { done_bytes: u64, total_bytes: u64 },
-}
-
-/// One replica's status (`replica_status`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaStatus {
-    pub addr: ReplicaTarget,
-    pub state: ReplicaState,
-    pub generation: u64,
-    /// Requests in flight on its connections.
-    pub in_flight: usize,
-    /// Times it was failed.
-    pub errors: u64,
-    pub last_error: Option<String>,
 }
 
 /// Errors of the engine's control path (the data path reports

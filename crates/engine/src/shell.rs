@@ -34,7 +34,7 @@ use lull_net::slots::SlotTable;
 use lull_net::tls::TlsContext;
 use lull_net::wire::{Ended, Wire};
 use lull_net::OutPayload;
-use lull_proto::replica::{self as wire, Header, HEADER_LEN};
+use lull_proto::replica::{self as proto, Header, HEADER_LEN};
 use lull_reactor::sys::EventFd;
 use lull_reactor::{FrameworkHandle, PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
 use lull_uring::pipes::SplicePipe;
@@ -305,9 +305,9 @@ type FrameIn = (Header, Option<IoBuf>, Option<SplicePipe>);
 /// A replica connection: the transport half is the servers' [`Wire`] (input
 /// buffer, framed output, interest, closing state) carrying the core's
 /// payloads; the frames it reads are events for the core, which decides
-/// about failures and reconnects (so it is not run by `wire::pump`).
+/// about failures and reconnects (so it is not run by `lull_net::wire::pump`).
 struct Sock {
-    link: Wire<LinkStream, Payload>,
+    wire: Wire<LinkStream, Payload>,
     poller: PollerId,
     recv: Recv,
     /// READs of at least `HEADER_ALONE_READ_BYTES` sent and not answered:
@@ -331,7 +331,7 @@ fn buf_addr(b: &IoBuf) -> usize {
 /// A READ request or reply of at least `HEADER_ALONE_READ_BYTES` (a reply
 /// names the request's kind and length, whatever its status).
 fn is_large_read(h: &Header) -> bool {
-    h.kind == wire::Kind::Read && h.length >= HEADER_ALONE_READ_BYTES
+    h.kind == proto::Kind::Read && h.length >= HEADER_ALONE_READ_BYTES
 }
 
 impl Sock {
@@ -341,12 +341,12 @@ impl Sock {
     /// refusal arrives as a TLS alert on the first read, not in
     /// `client_handshake`.
     fn tls_refused(&self, reason: &str) -> bool {
-        self.link.stream.is_tls() && reason.contains("alert")
+        self.wire.stream.is_tls() && reason.contains("alert")
     }
 
     /// The reason this connection failed, once it has.
     fn failed(&self) -> Option<String> {
-        self.link.closing_reason().map(str::to_string)
+        self.wire.closing_reason().map(str::to_string)
     }
 
     /// A pipe to splice a reply's `n` payload bytes into instead of
@@ -362,10 +362,10 @@ impl Sock {
         channel: Option<u64>,
         channels: &SlotTable<ChanEntry>,
     ) -> Option<SplicePipe> {
-        if !self.link.splices()
+        if !self.wire.splices()
             || !is_large_read(header)
             || n > PIPE_PAYLOAD_BYTES_MAX
-            || self.link.inb.buffered() > 0
+            || self.wire.inb.buffered() > 0
         {
             return None;
         }
@@ -399,22 +399,22 @@ impl Sock {
             loop {
                 match &mut self.recv {
                     Recv::Header => {
-                        let Some(bytes) = self.link.inb.take(HEADER_LEN) else {
+                        let Some(bytes) = self.wire.inb.take(HEADER_LEN) else {
                             break;
                         };
                         let mut raw = [0u8; HEADER_LEN];
                         raw.copy_from_slice(bytes);
-                        let header = wire::decode_header(&raw).map_err(|e| match e {
-                            wire::FrameError::BadVersion(v) => format!(
+                        let header = proto::decode_header(&raw).map_err(|e| match e {
+                            proto::FrameError::BadVersion(v) => format!(
                                 "replica speaks protocol version {v}, this engine speaks {}",
-                                wire::PROTOCOL_VERSION
+                                proto::PROTOCOL_VERSION
                             ),
                             e => format!("undecodable frame: {e}"),
                         })?;
                         if is_large_read(&header) {
                             self.large_reads = self.large_reads.saturating_sub(1);
                         }
-                        let n = wire::payload_len(&header);
+                        let n = proto::payload_len(&header);
                         if n == 0 {
                             frames.push((header, None, None));
                         } else {
@@ -434,8 +434,8 @@ impl Sock {
                         // from the socket; only the latter count against the
                         // budget (buffered ones did when they were read).
                         let len = buf.len();
-                        let direct = *filled + self.link.inb.buffered().min(len - *filled);
-                        match self.link.receive(buf.as_mut_slice(), filled) {
+                        let direct = *filled + self.wire.inb.buffered().min(len - *filled);
+                        match self.wire.receive(buf.as_mut_slice(), filled) {
                             Ok(_) if *filled > direct => {
                                 progress = true;
                                 budget = budget.saturating_sub(*filled - direct);
@@ -454,7 +454,7 @@ impl Sock {
                         }
                     }
                     Recv::Spliced { buf, pipe, .. } => {
-                        let fd = self.link.fd();
+                        let fd = self.wire.fd();
                         let len = buf.len();
                         while pipe.held() < len {
                             let left = len - pipe.held();
@@ -506,10 +506,10 @@ impl Sock {
                 return Ok(progress);
             }
             let n = if self.large_reads > 0 && matches!(self.recv, Recv::Header) {
-                let missing = HEADER_LEN.saturating_sub(self.link.inb.buffered());
-                self.link.fill_at_most(missing, 0, REPLICA_CLOSED)
+                let missing = HEADER_LEN.saturating_sub(self.wire.inb.buffered());
+                self.wire.fill_at_most(missing, 0, REPLICA_CLOSED)
             } else {
-                self.link.fill(0, REPLICA_CLOSED)
+                self.wire.fill(0, REPLICA_CLOSED)
             };
             if let Some(reason) = self.failed() {
                 return Err(reason);
@@ -525,11 +525,11 @@ impl Sock {
     /// Write queued frames; an error ends the connection. Then wait for
     /// writability only while output is queued.
     fn flush(&mut self, t: &mut Thread) -> Result<bool, String> {
-        let moved = lull_net::bufs::with_pool(|pool| self.link.flush(pool));
-        let wants_write = self.link.stream.wants_write();
-        self.link.update_interest(t, self.poller, None, wants_write);
+        let moved = lull_net::bufs::with_pool(|pool| self.wire.flush(pool));
+        let wants_write = self.wire.stream.wants_write();
+        self.wire.update_interest(t, self.poller, None, wants_write);
         match self.failed() {
-            Some(reason) if self.link.is_broken() => Err(self.pending_alert().unwrap_or(reason)),
+            Some(reason) if self.wire.is_broken() => Err(self.pending_alert().unwrap_or(reason)),
             _ => Ok(moved),
         }
     }
@@ -542,11 +542,11 @@ impl Sock {
     /// and "broken pipe" would hide why.
     fn pending_alert(&mut self) -> Option<String> {
         use std::io::Read;
-        if !self.link.stream.is_tls() {
+        if !self.wire.stream.is_tls() {
             return None;
         }
         let mut scratch = [0u8; 64];
-        match self.link.stream.read(&mut scratch) {
+        match self.wire.stream.read(&mut scratch) {
             Err(e) if e.to_string().contains("alert") => Some(format!("read failed: {e}")),
             _ => None,
         }
@@ -636,10 +636,10 @@ impl Shell {
                 payload,
             } => {
                 let Some(sock) = self.sock(conn) else { return };
-                if wire::decode_header(&header).is_ok_and(|h| is_large_read(&h)) {
+                if proto::decode_header(&header).is_ok_and(|h| is_large_read(&h)) {
                     sock.large_reads += 1;
                 }
-                sock.link.push(&header, payload);
+                sock.wire.push(&header, payload);
                 if !self.dirty.contains(&conn) {
                     self.dirty.push(conn);
                 }
@@ -762,16 +762,16 @@ impl Shell {
             .peer_addr()
             .map_or_else(|_| "-".to_string(), |a| a.to_string());
         let plain = !stream.is_tls();
-        let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
-        link.set_context(&name);
+        let mut wire = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
+        wire.set_context(&name);
         if plain {
             // READ replies may be spliced from the socket (`Recv::Spliced`).
-            link.allow_splice();
+            wire.allow_splice();
         }
         let poller = t.register_poller(
             &name,
             PollerKind::Active,
-            &[(fd, link.interest())],
+            &[(fd, wire.interest())],
             Box::new(move |t, now| lock(&shell).on_socket(t, conn, now)),
         );
         let poller = match poller {
@@ -804,13 +804,13 @@ impl Shell {
             t.unregister_poller(old.poller);
         }
         let sock = self.socks[r][c].insert(Sock {
-            link,
+            wire,
             poller,
             recv: Recv::Header,
             large_reads: 0,
         });
         // A new wire waits for writability too; nothing is queued yet.
-        sock.link.update_interest(t, poller, None, false);
+        sock.wire.update_interest(t, poller, None, false);
         self.run(t, Event::ConnUp(conn), now);
     }
 
@@ -822,7 +822,7 @@ impl Shell {
         if let Some(sock) = slot.take() {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
-            if let Some(tcp) = sock.link.stream.tcp() {
+            if let Some(tcp) = sock.wire.stream.tcp() {
                 let _ = tcp.shutdown(std::net::Shutdown::Both);
             }
             drop(sock);
@@ -935,7 +935,7 @@ impl Shell {
         // Plaintext a TLS session decrypted and the read budget left: no
         // socket event will announce it, so come back by ourselves.
         if let Some(sock) = self.sock(conn) {
-            if sock.link.stream.pending() > 0 {
+            if sock.wire.stream.pending() > 0 {
                 let poller = sock.poller;
                 t.wake_poller(poller);
             }

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use lull_bdev::{IoBuf, IoOp, IoRequest};
-use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
+use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 
 use crate::core::ids::{ConnId, ReplicaId};
 use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Milestone, Payload};
@@ -119,7 +119,7 @@ impl SimReplica {
                 while b < end && self.allocated[b] {
                     b += 1;
                 }
-                if ext.len() == wire::MAX_EXTENTS_PER_REPLY {
+                if ext.len() == proto::MAX_EXTENTS_PER_REPLY {
                     return ((s * BLOCK) as u64, ext);
                 }
                 let lo = ((s * BLOCK) as u64).max(offset);
@@ -137,7 +137,7 @@ impl SimReplica {
     /// `MAX_BLOCK_STATUS_PER_REPLY`.
     fn block_status(&self, offset: u64, len: u64) -> Vec<u8> {
         let end = offset + len;
-        let mut ext: Vec<wire::StatusExtent> = Vec::new();
+        let mut ext: Vec<proto::StatusExtent> = Vec::new();
         let mut pos = offset;
         while pos < end {
             let b = pos as usize / BLOCK;
@@ -145,15 +145,15 @@ impl SimReplica {
             let block = &self.data[b * BLOCK..(b + 1) * BLOCK];
             let hole = !self.allocated[b] && block.iter().all(|&x| x == 0);
             let flags = if hole {
-                wire::STATUS_HOLE | wire::STATUS_ZERO
+                proto::STATUS_HOLE | proto::STATUS_ZERO
             } else {
                 0
             };
-            let full = ext.len() == wire::MAX_BLOCK_STATUS_PER_REPLY;
+            let full = ext.len() == proto::MAX_BLOCK_STATUS_PER_REPLY;
             match ext.last_mut() {
                 Some(last) if last.flags == flags => last.length += stop - pos,
                 _ if full => break,
-                _ => ext.push(wire::StatusExtent {
+                _ => ext.push(proto::StatusExtent {
                     length: stop - pos,
                     flags,
                 }),
@@ -161,7 +161,7 @@ impl SimReplica {
             pos = stop;
         }
         let mut out = Vec::new();
-        let _ = wire::encode_block_status(&ext, &mut out);
+        let _ = proto::encode_block_status(&ext, &mut out);
         out
     }
 
@@ -182,7 +182,7 @@ impl SimReplica {
         }
         Some(match h.kind {
             Kind::Hello => {
-                let Ok(hello) = wire::decode_hello(payload) else {
+                let Ok(hello) = proto::decode_hello(payload) else {
                     return Some((h.reply_with(libc::EPROTO as u32), vec![0; 32]));
                 };
                 if hello.session != 0 && hello.session < self.owner {
@@ -195,23 +195,23 @@ impl SimReplica {
                     };
                     return Some((
                         h.reply_with(libc::ESTALE as u32),
-                        wire::encode_hello(&me).to_vec(),
+                        proto::encode_hello(&me).to_vec(),
                     ));
                 }
                 if hello.session != 0 {
                     self.owner = hello.session;
                 }
-                if hello.flags & wire::HELLO_FLAG_ATTACH != 0 {
+                if hello.flags & proto::HELLO_FLAG_ATTACH != 0 {
                     self.generation = self.generation.max(hello.generation);
                     self.clean = false;
                 }
                 let mut flags = if self.clean && !self.lost {
-                    wire::HELLO_FLAG_CLEAN
+                    proto::HELLO_FLAG_CLEAN
                 } else {
                     0
                 };
                 if self.lost {
-                    flags |= wire::HELLO_FLAG_INTENT_LOST;
+                    flags |= proto::HELLO_FLAG_INTENT_LOST;
                 }
                 let me = Hello {
                     volume_size: SIZE,
@@ -219,7 +219,7 @@ impl SimReplica {
                     flags,
                     session: self.owner,
                 };
-                (h.reply_with(0), wire::encode_hello(&me).to_vec())
+                (h.reply_with(0), proto::encode_hello(&me).to_vec())
             }
             Kind::IntentMark | Kind::IntentClear => {
                 let end = h.offset + u64::from(h.length);
@@ -239,8 +239,12 @@ impl SimReplica {
                     }
                 }
                 let mut out = Vec::new();
-                let flags = if self.lost { wire::INTENT_FLAG_LOST } else { 0 };
-                wire::encode_intent(flags, &bits, &mut out).expect("sim bitmap fits");
+                let flags = if self.lost {
+                    proto::INTENT_FLAG_LOST
+                } else {
+                    0
+                };
+                proto::encode_intent(flags, &bits, &mut out).expect("sim bitmap fits");
                 let mut r = h.reply_with(0);
                 r.offset = self.intent.len() as u64;
                 r.length = out.len() as u32;
@@ -278,7 +282,7 @@ impl SimReplica {
             Kind::Extents => {
                 let (end, ext) = self.extents(h.offset, u64::from(h.length));
                 let mut out = Vec::new();
-                let _ = wire::encode_extents(&ext, &mut out);
+                let _ = proto::encode_extents(&ext, &mut out);
                 let mut r = h.reply_with(0);
                 r.offset = end;
                 r.length = out.len() as u32;
@@ -638,11 +642,11 @@ impl Sim {
                         });
                         return;
                     }
-                    let Ok(h) = wire::decode_header(&m.header) else {
+                    let Ok(h) = proto::decode_header(&m.header) else {
                         panic!("engine sent an undecodable header")
                     };
                     assert_eq!(
-                        wire::payload_len(&h),
+                        proto::payload_len(&h),
                         m.payload.len(),
                         "engine frame payload length"
                     );
@@ -663,7 +667,7 @@ impl Sim {
                         return; // its engine is gone: the reply goes nowhere
                     }
                     let mut bytes = [0u8; HEADER_LEN];
-                    wire::encode_header(&reply, &mut bytes).expect("sim replica reply encodes");
+                    proto::encode_header(&reply, &mut bytes).expect("sim replica reply encodes");
                     let d = self.net_delay();
                     self.schedule(
                         d,
@@ -678,7 +682,7 @@ impl Sim {
                 }
                 Dir::ToEngine if m.session != self.session => {}
                 Dir::ToEngine => {
-                    let h = wire::decode_header(&m.header).expect("sim replica header");
+                    let h = proto::decode_header(&m.header).expect("sim replica header");
                     let payload = (!m.payload.is_empty()).then(|| {
                         let mut b = self.engine.get_buf(m.payload.len());
                         b.as_mut_slice().copy_from_slice(&m.payload);
@@ -1142,7 +1146,7 @@ impl Sim {
         for s in self.queue.values() {
             if let Sched::Net(m) = s {
                 if matches!(m.dir, Dir::ToReplica) && m.session == self.session {
-                    if let Ok(h) = wire::decode_header(&m.header) {
+                    if let Ok(h) = proto::decode_header(&m.header) {
                         if h.kind.is_write() {
                             *to.entry(h.offset).or_default() |= 1 << m.conn.replica.get();
                         }
@@ -1261,7 +1265,8 @@ impl Coverage {
 /// One seed: faults (replica crashes, dropped frames, engine crashes on
 /// three seeds in four) for 8 s, convergence, then a restart of the
 /// engine: after a crash on odd seeds, after a clean detach on even ones.
-fn run_seed(seed: u64, cov: &mut Coverage) {
+/// Returns the finished simulation (`sim_seed_summary` describes it).
+fn run_seed(seed: u64, cov: &mut Coverage) -> Sim {
     let n = 2 + (seed % 2) as usize;
     let mut sim = Sim::new(seed, n);
     sim.engine_crash_ppm = if seed % 4 == 3 { 0 } else { 20_000 };
@@ -1293,6 +1298,79 @@ fn run_seed(seed: u64, cov: &mut Coverage) {
     cov.eio += sim.eio;
     cov.reads += sim.reads_checked;
     cov.add(&sim.stats);
+    sim
+}
+
+/// FNV-1a, for `sim_seed_summary`: fixed, so a summary compares across
+/// builds and toolchains.
+fn fnv1a(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *h ^= u64::from(b);
+        *h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+}
+
+/// The seed summary: one line per seed of `run_seed` (what `sim_many_seeds`
+/// runs), with what the seed did: simulated end time, milestones, log lines,
+/// reads checked, EIOs, the run's counters, the engine's final status, and
+/// hashes of the milestones, the log text and every replica's bytes and
+/// state. Two engines that behave the same print the same bytes, so a
+/// refactor is checked by comparing the summaries of the two trees:
+///
+/// ```text
+/// LULL_SIM_SEEDS=2000 cargo test -p lull-engine --profile ci --lib sim_seed_summary \
+///     -- --ignored --nocapture | grep '^sim-summary ' > /tmp/sim-before.txt
+/// ```
+#[test]
+#[ignore = "prints a per-seed summary to compare two trees; run by hand"]
+fn sim_seed_summary() {
+    let seeds: u64 = std::env::var("LULL_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    let base: u64 = std::env::var("LULL_SIM_BASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    for seed in base..base + seeds {
+        let mut cov = Coverage::default();
+        let sim = run_seed(seed, &mut cov);
+        let mut milestones = FNV_OFFSET;
+        for m in &sim.milestones {
+            fnv1a(&mut milestones, format!("{m:?}\n").as_bytes());
+        }
+        let mut log = FNV_OFFSET;
+        for l in &sim.log {
+            fnv1a(&mut log, l.as_bytes());
+            fnv1a(&mut log, b"\n");
+        }
+        let mut replicas = FNV_OFFSET;
+        for r in &sim.replicas {
+            fnv1a(&mut replicas, &r.data);
+            let allocated: Vec<u8> = r.allocated.iter().map(|&a| u8::from(a)).collect();
+            let intent: Vec<u8> = r.intent.iter().map(|&b| u8::from(b)).collect();
+            fnv1a(&mut replicas, &allocated);
+            fnv1a(&mut replicas, &intent);
+            fnv1a(
+                &mut replicas,
+                format!("{} {} {} {}\n", r.generation, r.clean, r.owner, r.lost).as_bytes(),
+            );
+        }
+        println!(
+            "sim-summary seed={seed} end_ms={} milestones={} milestones_fnv={milestones:016x} \
+             log_lines={} log_fnv={log:016x} reads={} eio={} generation={} \
+             replicas_fnv={replicas:016x} status={:?} stats={:?}",
+            sim.now / MS,
+            sim.milestones.len(),
+            sim.log.len(),
+            sim.reads_checked,
+            sim.eio,
+            sim.engine.generation(),
+            sim.engine.status(),
+            sim.stats,
+        );
+    }
 }
 
 #[test]

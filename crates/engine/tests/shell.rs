@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use lull_bdev::{BlockDevice, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_engine::{EngineOptions, ReplicaState, ReplicatedDev};
-use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
+use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 
 const SIZE: u64 = 1 << 20;
@@ -61,32 +61,32 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
         if dead.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(h) = wire::decode_header(&raw) else {
+        let Ok(h) = proto::decode_header(&raw) else {
             return;
         };
-        let mut payload = vec![0u8; wire::payload_len(&h)];
+        let mut payload = vec![0u8; proto::payload_len(&h)];
         if s.read_exact(&mut payload).is_err() {
             return;
         }
         let (o, l) = (h.offset as usize, h.length as usize);
         let (reply, out): (Header, Vec<u8>) = match h.kind {
             Kind::Hello => {
-                let session = wire::decode_hello(&payload).map_or(0, |h| h.session);
+                let session = proto::decode_hello(&payload).map_or(0, |h| h.session);
                 let me = Hello {
                     volume_size: SIZE,
                     generation: 1,
-                    flags: wire::HELLO_FLAG_CLEAN,
+                    flags: proto::HELLO_FLAG_CLEAN,
                     session,
                 };
-                (h.reply_with(0), wire::encode_hello(&me).to_vec())
+                (h.reply_with(0), proto::encode_hello(&me).to_vec())
             }
             Kind::IntentGet => {
                 // An empty record (the fake is always clean).
                 let mut out = Vec::new();
-                wire::encode_intent(0, &vec![0; wire::intent_bitmap_bytes(SIZE)], &mut out)
+                proto::encode_intent(0, &vec![0; proto::intent_bitmap_bytes(SIZE)], &mut out)
                     .unwrap();
                 let mut r = h.reply_with(0);
-                r.offset = u64::from(wire::intent_regions(SIZE));
+                r.offset = u64::from(proto::intent_regions(SIZE));
                 r.length = out.len() as u32;
                 (r, out)
             }
@@ -98,7 +98,7 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
             Kind::Extents => {
                 // Everything is data: one extent over the whole range.
                 let mut out = Vec::new();
-                wire::encode_extents(&[(h.offset, u64::from(h.length))], &mut out).unwrap();
+                proto::encode_extents(&[(h.offset, u64::from(h.length))], &mut out).unwrap();
                 let mut r = h.reply_with(0);
                 r.offset = h.offset + u64::from(h.length);
                 r.length = out.len() as u32;
@@ -107,7 +107,7 @@ fn serve(mut s: TcpStream, data: Arc<Mutex<Vec<u8>>>, dead: Arc<AtomicBool>) {
             _ => (h.reply_with(0), Vec::new()),
         };
         let mut hb = [0u8; HEADER_LEN];
-        wire::encode_header(&reply, &mut hb).unwrap();
+        proto::encode_header(&reply, &mut hb).unwrap();
         if s.write_all(&hb).is_err() || s.write_all(&out).is_err() {
             return;
         }

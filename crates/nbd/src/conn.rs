@@ -105,7 +105,7 @@ enum Phase {
 pub(crate) struct Conn {
     /// The socket, its buffers and the closing/broken state
     /// (`lull_net::wire`, shared with the replica server).
-    link: Wire<Stream>,
+    wire: Wire<Stream>,
     server: Arc<ServerShared>,
     phase: Phase,
     /// Requests in flight; a slot's wire id is the device tag (the
@@ -140,11 +140,11 @@ pub(crate) struct Conn {
 
 impl Connection for Conn {
     fn fd(&self) -> RawFd {
-        self.link.fd()
+        self.wire.fd()
     }
 
     fn interest(&self) -> Interest {
-        self.link.interest()
+        self.wire.interest()
     }
 
     fn greeted(&self) -> Arc<AtomicBool> {
@@ -159,7 +159,7 @@ impl Connection for Conn {
     /// spread over the poll groups.
     fn affinity(&self) -> Option<String> {
         match &self.phase {
-            Phase::Transmission { volume, .. } if !self.link.is_closing() => {
+            Phase::Transmission { volume, .. } if !self.wire.is_closing() => {
                 Some(volume.name.clone())
             }
             _ => None,
@@ -171,7 +171,7 @@ impl wire::Protocol for Conn {
     type Stream = Stream;
 
     fn link(&mut self) -> &mut Wire<Stream> {
-        &mut self.link
+        &mut self.wire
     }
 
     /// Reap, retry a held request, then push what was queued since the
@@ -214,12 +214,12 @@ impl wire::Protocol for Conn {
     }
 
     fn stream_wants_write(&self) -> bool {
-        matches!(&self.link.stream, Stream::Tls(s) if s.wants_write())
+        matches!(&self.wire.stream, Stream::Tls(s) if s.wants_write())
     }
 
     fn stranded_input(&self) -> bool {
-        matches!(&self.link.stream, Stream::Tls(s) if s.pending() > 0)
-            && !self.link.is_closing()
+        matches!(&self.wire.stream, Stream::Tls(s) if s.pending() > 0)
+            && !self.wire.is_closing()
             && self.wants_input()
     }
 }
@@ -243,10 +243,10 @@ impl Conn {
         let (fd, peer) = (stream.as_raw_fd(), stream.peer());
         // It waits for both directions at first, so the greeting goes out
         // at once.
-        let mut link = Wire::new(stream, fd, READ_BUFFER_BYTES, "NBD", peer);
-        link.push(&[], Payload::Bytes(greeting));
+        let mut wire = Wire::new(stream, fd, READ_BUFFER_BYTES, "NBD", peer);
+        wire.push(&[], Payload::Bytes(greeting));
         Conn {
-            link,
+            wire,
             server,
             phase: Phase::Handshake(hs),
             slots: SlotTable::new(MAX_IN_FLIGHT),
@@ -269,7 +269,7 @@ impl Conn {
     }
 
     fn close(&mut self, reason: impl Into<String>) {
-        self.link.close(reason);
+        self.wire.close(reason);
     }
 
     fn in_flight(&self) -> usize {
@@ -283,7 +283,7 @@ impl Conn {
         if deadline_passed && self.handshake_timed_out() {
             self.close("handshake timed out");
         }
-        if !self.link.is_closing() && self.server.conns.stopping() {
+        if !self.wire.is_closing() && self.server.conns.stopping() {
             self.close("server shutting down");
         }
         wire::pump(self, t, MAX_ROUNDS)
@@ -305,7 +305,7 @@ impl Conn {
 
     fn complete(&mut self, c: IoCompletion) {
         let Some(inflight) = self.slots.take(c.tag) else {
-            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
+            tracing::error!(peer = %self.wire.peer(), tag = c.tag, "completion for an unknown slot");
             return;
         };
         if let Phase::Transmission { volume, .. } = &self.phase {
@@ -368,10 +368,10 @@ impl Conn {
                 let error = if inflight.fast_zero && errno == libc::EOPNOTSUPP {
                     // The one place the spec wants NBD_ENOTSUP: the
                     // client falls back to writing zeros itself.
-                    tracing::debug!(peer = %self.link.peer(), cookie = inflight.cookie, error = %e, "fast zero refused");
+                    tracing::debug!(peer = %self.wire.peer(), cookie = inflight.cookie, error = %e, "fast zero refused");
                     nbd::NBD_ENOTSUP
                 } else {
-                    tracing::warn!(peer = %self.link.peer(), cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
+                    tracing::warn!(peer = %self.wire.peer(), cookie = inflight.cookie, command = ?inflight.command, error = %e, "I/O failed");
                     nbd::errno_to_nbd(errno)
                 };
                 self.push_error(inflight.cookie, inflight.command, error, &e.to_string());
@@ -395,7 +395,7 @@ impl Conn {
     fn push_error(&mut self, cookie: u64, command: Command, error: u32, message: &str) {
         if self.structured() && matches!(command, Command::Read | Command::BlockStatus) {
             let chunk = structured::encode_error(cookie, error, message);
-            self.link.push(&[], Payload::Bytes(chunk));
+            self.wire.push(&[], Payload::Bytes(chunk));
         } else {
             self.push_reply(cookie, error, None);
         }
@@ -449,7 +449,7 @@ impl Conn {
     fn push_read_spliced(&mut self, inflight: &InFlight, pipe: SplicePipe) {
         if pipe.held() != inflight.length as usize {
             // The device handed over less or more than was asked: a bug.
-            tracing::error!(peer = %self.link.peer(), cookie = inflight.cookie, held = pipe.held(),
+            tracing::error!(peer = %self.wire.peer(), cookie = inflight.cookie, held = pipe.held(),
                 length = inflight.length, "spliced read of the wrong length");
             lull_uring::pipes::put(pipe);
             self.push_error(
@@ -470,7 +470,7 @@ impl Conn {
                 inflight.offset,
                 inflight.length,
             );
-            self.link.push(&header, Payload::Pipe(pipe));
+            self.wire.push(&header, Payload::Pipe(pipe));
         } else {
             self.push_simple(inflight.cookie, 0, Payload::Pipe(pipe));
         }
@@ -494,7 +494,7 @@ impl Conn {
                 offset,
                 len,
             );
-            self.link.push(&header, Payload::Buf(buf));
+            self.wire.push(&header, Payload::Buf(buf));
             return;
         }
         let last = pieces.len().saturating_sub(1);
@@ -527,12 +527,12 @@ impl Conn {
                         at: at as usize,
                         len: len as usize,
                     };
-                    self.link.push(&header, slice);
+                    self.wire.push(&header, slice);
                 }
                 ReadPiece::Hole { at, len } => {
                     let chunk =
                         structured::encode_offset_hole(cookie, flags, offset + u64::from(at), len);
-                    self.link.push(&chunk, Payload::None);
+                    self.wire.push(&chunk, Payload::None);
                 }
             }
         }
@@ -587,7 +587,7 @@ impl Conn {
         match volume.dev().extents(req.offset, u64::from(req.length), max) {
             Ok(extents) => self.push_block_status(req.cookie, req.length, &extents, max),
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "block status failed");
+                tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
                 let error = nbd::errno_to_nbd(e.errno());
                 self.push_error(req.cookie, req.command, error, &e.to_string());
             }
@@ -621,7 +621,7 @@ impl Conn {
             .collect();
         let mut out = Vec::with_capacity(structured::CHUNK_HEADER_LEN + 4 + 8 * extents.len());
         structured::encode_block_status(&mut out, cookie, structured::BASE_ALLOCATION_ID, &extents);
-        self.link.push(&[], Payload::Bytes(out));
+        self.wire.push(&[], Payload::Bytes(out));
     }
 
     fn push_reply(&mut self, cookie: u64, error: u32, data: Option<IoBuf>) {
@@ -632,24 +632,24 @@ impl Conn {
     fn push_simple(&mut self, cookie: u64, error: u32, payload: Payload) {
         let mut header = [0u8; SIMPLE_REPLY_LEN];
         nbd::encode_simple_reply(&mut header, error, cookie);
-        self.link.push(&header, payload);
+        self.wire.push(&header, payload);
     }
 
     fn buffered(&self) -> usize {
-        self.link.inb.buffered()
+        self.wire.inb.buffered()
     }
 
     /// Read what the socket has into the input buffer. Returns bytes read;
     /// EOF and errors close the connection.
     fn fill(&mut self) -> usize {
         let in_flight = self.in_flight();
-        self.link.fill(in_flight, "client disconnected")
+        self.wire.fill(in_flight, "client disconnected")
     }
 
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
         !self.slots.is_full()
-            && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+            && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
             && self.retry.is_none()
     }
 
@@ -657,7 +657,7 @@ impl Conn {
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
-            if self.link.is_closing() {
+            if self.wire.is_closing() {
                 break;
             }
             let moved = match self.phase {
@@ -692,12 +692,12 @@ impl Conn {
     }
 
     fn tls_handshaking(&self) -> bool {
-        matches!(&self.link.stream, Stream::Tls(s) if !s.is_established())
+        matches!(&self.wire.stream, Stream::Tls(s) if !s.is_established())
     }
 
     /// The STARTTLS ACK is written: move the stream into a TLS session.
     fn start_tls(&mut self) -> bool {
-        if !self.link.out.is_empty() {
+        if !self.wire.out.is_empty() {
             return false;
         }
         self.starting_tls = false;
@@ -705,9 +705,9 @@ impl Conn {
             self.close("STARTTLS acknowledged without TLS credentials");
             return true;
         };
-        let plain = std::mem::replace(&mut self.link.stream, Stream::Gone);
+        let plain = std::mem::replace(&mut self.wire.stream, Stream::Gone);
         match TlsStream::new(&tls.ctx, plain) {
-            Ok(s) => self.link.stream = Stream::Tls(Box::new(s)),
+            Ok(s) => self.wire.stream = Stream::Tls(Box::new(s)),
             Err(e) => self.close(format!("cannot start TLS: {e}")),
         }
         true
@@ -715,7 +715,7 @@ impl Conn {
 
     /// Drive the TLS handshake; once done, option haggling goes on inside.
     fn tls_step(&mut self) -> bool {
-        let (Stream::Tls(s), Phase::Handshake(hs)) = (&mut self.link.stream, &mut self.phase)
+        let (Stream::Tls(s), Phase::Handshake(hs)) = (&mut self.wire.stream, &mut self.phase)
         else {
             return false;
         };
@@ -728,7 +728,7 @@ impl Conn {
             Err(e) => {
                 // Wrong PSK, a refused certificate, a client that gave up:
                 // the one log line is the close's.
-                self.link.set_broken();
+                self.wire.set_broken();
                 self.close(e.to_string());
                 true
             }
@@ -745,27 +745,27 @@ impl Conn {
         let Phase::Handshake(hs) = &mut self.phase else {
             return false;
         };
-        if self.link.inb.buffered() == 0 {
+        if self.wire.inb.buffered() == 0 {
             return false;
         }
         let mut reply = Vec::new();
-        let peer = self.link.peer().to_string();
+        let peer = self.wire.peer().to_string();
         let exports = ExportList::of(&self.server.volumes, &peer);
-        let result = hs.feed(self.link.inb.peek(), &exports, &mut reply);
+        let result = hs.feed(self.wire.inb.peek(), &exports, &mut reply);
         let negotiated = hs.negotiated();
         if !reply.is_empty() {
-            self.link.out.push(&[], Payload::Bytes(reply));
+            self.wire.out.push(&[], Payload::Bytes(reply));
         }
         match result {
             Ok((used, HandshakeStatus::NeedMore)) => {
-                self.link.inb.consume(used);
-                if used == 0 && self.link.inb.buffered() >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
+                self.wire.inb.consume(used);
+                if used == 0 && self.wire.inb.buffered() >= nbd::MAX_HANDSHAKE_MESSAGE_LEN {
                     self.close("handshake message too long");
                 }
                 used > 0
             }
             Ok((used, HandshakeStatus::Done { export_name, info })) => {
-                self.link.inb.consume(used);
+                self.wire.inb.consume(used);
                 self.handshake_done.store(true, Ordering::Relaxed);
                 // `admit` took the volume's place and opened its channel
                 // before the final reply was written.
@@ -779,16 +779,16 @@ impl Conn {
                     self.close(format!("export {export_name:?} was not admitted"));
                     return true;
                 };
-                let tls = matches!(self.link.stream, Stream::Tls(_));
-                tracing::info!(peer = %self.link.peer(), export = %volume.name, tls, "client connected");
+                let tls = matches!(self.wire.stream, Stream::Tls(_));
+                tracing::info!(peer = %self.wire.peer(), export = %volume.name, tls, "client connected");
                 let mut channel = channel;
                 if !tls {
                     // The stream is the plain socket from here on: read
                     // data may come in a pipe and be spliced into it.
-                    self.link.allow_splice();
+                    self.wire.allow_splice();
                     channel.allow_splice();
                 }
-                self.link.set_context(&volume.name);
+                self.wire.set_context(&volume.name);
                 self.phase = Phase::Transmission {
                     channel,
                     _permit: permit,
@@ -801,9 +801,9 @@ impl Conn {
                 true
             }
             Ok((used, HandshakeStatus::StartTls)) => {
-                self.link.inb.consume(used);
-                if self.link.inb.buffered() > 0 {
-                    self.link.inb.consume(self.link.inb.buffered());
+                self.wire.inb.consume(used);
+                if self.wire.inb.buffered() > 0 {
+                    self.wire.inb.consume(self.wire.inb.buffered());
                     self.close("client sent plaintext after NBD_OPT_STARTTLS");
                 } else {
                     self.starting_tls = true;
@@ -811,12 +811,12 @@ impl Conn {
                 true
             }
             Ok((used, HandshakeStatus::Aborted)) => {
-                self.link.inb.consume(used);
+                self.wire.inb.consume(used);
                 self.close("client aborted the handshake");
                 true
             }
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), error = %e, "bad handshake");
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad handshake");
                 self.close(format!("bad handshake: {e}"));
                 true
             }
@@ -835,7 +835,7 @@ impl Conn {
             } => {
                 let len = req.length as usize;
                 let progress = match self
-                    .link
+                    .wire
                     .receive(&mut buf.as_mut_slice()[..len], &mut filled)
                 {
                     Ok(progress) => progress,
@@ -843,7 +843,7 @@ impl Conn {
                         bufs::put(buf);
                         self.release_slot(slot);
                         let in_flight = self.in_flight();
-                        self.link.ended(
+                        self.wire.ended(
                             ended,
                             in_flight,
                             "client disconnected in the middle of a write payload",
@@ -871,7 +871,7 @@ impl Conn {
                 error,
             } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.link.inb.consume(n as usize);
+                self.wire.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_reply(cookie, error, None);
@@ -896,28 +896,28 @@ impl Conn {
         };
         let (size, tflags) = (*size, *tflags);
         let mut header = [0u8; REQUEST_LEN];
-        let Some(raw) = self.link.inb.take(REQUEST_LEN) else {
+        let Some(raw) = self.wire.inb.take(REQUEST_LEN) else {
             return false;
         };
         header.copy_from_slice(raw);
         let req = match nbd::decode_request(&header) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), error = %e, "bad request header");
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad request header");
                 self.close(format!("bad request: {e}"));
                 return true;
             }
         };
         match nbd::validate(&req, size, tflags) {
             Verdict::Disconnect(why) => {
-                tracing::warn!(peer = %self.link.peer(), ?req, why, "request cannot be answered; disconnecting");
+                tracing::warn!(peer = %self.wire.peer(), ?req, why, "request cannot be answered; disconnecting");
                 self.close(why);
             }
             Verdict::Error {
                 nbd_error,
                 drain_bytes,
             } => {
-                tracing::warn!(peer = %self.link.peer(), ?req, nbd_error, "refused request");
+                tracing::warn!(peer = %self.wire.peer(), ?req, nbd_error, "refused request");
                 if drain_bytes > 0 {
                     self.recv = Recv::Drain {
                         remaining: u64::from(drain_bytes),
@@ -1018,7 +1018,7 @@ impl Conn {
         let error = match volume.dev().prefetch(req.offset, u64::from(req.length)) {
             Ok(()) => 0,
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "cache (prefetch) failed");
+                tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "cache (prefetch) failed");
                 nbd::errno_to_nbd(e.errno())
             }
         };

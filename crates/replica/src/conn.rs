@@ -55,10 +55,10 @@ use lull_net::link::{handshake_hint, LinkStream, TLS_RECORD_HANDSHAKE};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
-use lull_net::wire::{self as link, Wire};
+use lull_net::wire::{self, Wire};
 use lull_net::{bufs, OutPayload, Payload};
 use lull_proto::replica::{
-    self as wire, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
+    self as proto, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
     HELLO_LEN, INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
@@ -165,7 +165,7 @@ impl Wait {
 pub(crate) struct Conn {
     /// The socket, its buffers and the closing/broken state
     /// (`lull_net::wire`, shared with the NBD server).
-    link: Wire<LinkStream>,
+    wire: Wire<LinkStream>,
     /// The port the connection came in on: its credentials and what it
     /// serves.
     port: Arc<Port>,
@@ -207,11 +207,11 @@ pub(crate) struct Conn {
 
 impl Connection for Conn {
     fn fd(&self) -> RawFd {
-        self.link.fd()
+        self.wire.fd()
     }
 
     fn interest(&self) -> Interest {
-        self.link.interest()
+        self.wire.interest()
     }
 
     fn greeted(&self) -> Arc<AtomicBool> {
@@ -223,11 +223,11 @@ impl Connection for Conn {
     }
 }
 
-impl link::Protocol for Conn {
+impl wire::Protocol for Conn {
     type Stream = LinkStream;
 
     fn link(&mut self) -> &mut Wire<LinkStream> {
-        &mut self.link
+        &mut self.wire
     }
 
     /// Waits, reaps, retries a held request, then pushes what was queued
@@ -270,11 +270,11 @@ impl link::Protocol for Conn {
     }
 
     fn stream_wants_write(&self) -> bool {
-        self.link.stream.wants_write()
+        self.wire.stream.wants_write()
     }
 
     fn stranded_input(&self) -> bool {
-        self.link.stream.pending() > 0 && !self.link.is_closing() && self.wants_input()
+        self.wire.stream.pending() > 0 && !self.wire.is_closing() && self.wants_input()
     }
 
     fn check_invariants(&self) {
@@ -308,7 +308,7 @@ impl Conn {
                 .wrapping_add(port.conns_accepted.fetch_add(1, Ordering::Relaxed)),
         );
         let tls_expected = port.tls.is_some();
-        let mut link = Wire::new(
+        let mut wire = Wire::new(
             LinkStream::Plain(stream),
             fd,
             READ_BUFFER_BYTES,
@@ -317,10 +317,10 @@ impl Conn {
         );
         if !tls_expected {
             // The stream stays the plain socket for good.
-            link.allow_splice();
+            wire.allow_splice();
         }
         Conn {
-            link,
+            wire,
             port,
             replica: None,
             tls_expected,
@@ -341,7 +341,7 @@ impl Conn {
     }
 
     fn close(&mut self, reason: impl Into<String>) {
-        self.link.close(reason);
+        self.wire.close(reason);
     }
 
     fn in_flight(&self) -> usize {
@@ -359,10 +359,10 @@ impl Conn {
         if hello_deadline_passed && !self.hello_done.load(Ordering::Relaxed) {
             self.close("no HELLO in time");
         }
-        if !self.link.is_closing() && self.port.conns.stopping() {
+        if !self.wire.is_closing() && self.port.conns.stopping() {
             self.close("replica shutting down");
         }
-        if !self.link.is_closing()
+        if !self.wire.is_closing()
             && self
                 .replica
                 .as_ref()
@@ -371,7 +371,7 @@ impl Conn {
             self.close("replica deleted from the store");
         }
         self.check_fenced();
-        link::pump(self, t, MAX_ROUNDS)
+        wire::pump(self, t, MAX_ROUNDS)
     }
 
     /// Slot table and output accounting agree (debug builds, every run).
@@ -399,7 +399,7 @@ impl Conn {
             return;
         };
         let owner = self.server().fences.owner();
-        if owner != session && !self.link.is_closing() {
+        if owner != session && !self.wire.is_closing() {
             self.close(format!(
                 "fenced: engine session {owner:#x} took the replica over from {session:#x}"
             ));
@@ -420,7 +420,7 @@ impl Conn {
         let Some(r) = self.known_replica() else {
             return vec![0; HELLO_LEN];
         };
-        wire::encode_hello(&Hello {
+        proto::encode_hello(&Hello {
             volume_size: r.size_bytes,
             generation,
             flags: r.hello_flags(),
@@ -489,20 +489,20 @@ impl Conn {
             (Ok(generation), MetaFor::Attach(req)) => {
                 let payload = self.our_hello(generation);
                 self.push_reply(req.reply_with(0), Payload::Bytes(payload));
-                tracing::info!(peer = %self.link.peer(), generation, "engine attached");
+                tracing::info!(peer = %self.wire.peer(), generation, "engine attached");
             }
             (Ok(_), MetaFor::Detach(req)) => {
                 self.push_reply(req.reply_with(0), Payload::None);
-                tracing::info!(peer = %self.link.peer(), "engine detached");
+                tracing::info!(peer = %self.wire.peer(), "engine detached");
             }
             (Ok(_), MetaFor::Dirty) => {}
             (Err(e @ ReplicaError::DetachBusy { .. }), MetaFor::Detach(req)) => {
                 // Nothing changed: the engine may detach again later.
-                tracing::warn!(peer = %self.link.peer(), error = %e, "DETACH refused");
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "DETACH refused");
                 self.push_error(req, e.errno());
             }
             (Err(e), what) => {
-                tracing::error!(peer = %self.link.peer(), error = %e, "cannot persist the replica metadata");
+                tracing::error!(peer = %self.wire.peer(), error = %e, "cannot persist the replica metadata");
                 match what {
                     MetaFor::Attach(req) => self.refuse_hello(req, e.errno()),
                     MetaFor::Detach(req) => self.push_error(req, e.errno()),
@@ -528,7 +528,7 @@ impl Conn {
         match started {
             Ok(rx) => self.wait = Some(Wait::Meta { what, rx }),
             Err(e) => {
-                tracing::error!(peer = %self.link.peer(), error = %e, "cannot start a metadata write");
+                tracing::error!(peer = %self.wire.peer(), error = %e, "cannot start a metadata write");
                 match what {
                     MetaFor::Attach(req) => {
                         self.fence_exit();
@@ -566,7 +566,7 @@ impl Conn {
     /// The write-intent record cannot be persisted: the engine must not
     /// write where the mark is not durable, so the connection ends.
     fn intent_failed(&mut self, req: Header, e: IntentError) {
-        tracing::error!(peer = %self.link.peer(), ?req, error = %e, "write-intent record failed");
+        tracing::error!(peer = %self.wire.peer(), ?req, error = %e, "write-intent record failed");
         self.push_error(req, libc::EIO);
         self.close(format!("write-intent record failed: {e}"));
     }
@@ -592,7 +592,7 @@ impl Conn {
             ));
             return true;
         }
-        if self.link.is_closing() {
+        if self.wire.is_closing() {
             // The peer is gone or the replica is stopping: nobody to answer.
             self.wait = None;
             if let Some(me) = &self.me {
@@ -621,7 +621,7 @@ impl Conn {
         match opened {
             Ok(c) => Some(c),
             Err(e) => {
-                tracing::error!(peer = %self.link.peer(), error = %e, "cannot open a data file channel");
+                tracing::error!(peer = %self.wire.peer(), error = %e, "cannot open a data file channel");
                 None
             }
         }
@@ -643,7 +643,7 @@ impl Conn {
 
     fn complete(&mut self, c: IoCompletion) {
         let Some(req) = self.slots.take(c.tag) else {
-            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
+            tracing::error!(peer = %self.wire.peer(), tag = c.tag, "completion for an unknown slot");
             return;
         };
         match c.result {
@@ -652,7 +652,7 @@ impl Conn {
                     self.push_reply(req.reply_with(0), Payload::Buf(buf));
                 }
                 other => {
-                    tracing::error!(peer = %self.link.peer(), id = req.id, "read completed without its buffer");
+                    tracing::error!(peer = %self.wire.peer(), id = req.id, "read completed without its buffer");
                     if let Some(b) = other {
                         bufs::put(b);
                     }
@@ -667,7 +667,7 @@ impl Conn {
             }
             Err(e) if e.errno() == libc::ENOSPC => {
                 let r = self.server();
-                tracing::error!(peer = %self.link.peer(), replica = r.name.as_deref().unwrap_or(""),
+                tracing::error!(peer = %self.wire.peer(), replica = r.name.as_deref().unwrap_or(""),
                     dir = %r.dir.display(), kind = ?req.kind, offset = req.offset, length = req.length,
                     "no space left for the replica's data (ENOSPC): this request fails on this replica, and its engine fails the replica");
                 if let Some(b) = c.buf {
@@ -676,7 +676,7 @@ impl Conn {
                 self.push_reply(req.reply_with(libc::ENOSPC as u32), Payload::None);
             }
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), id = req.id, kind = ?req.kind, offset = req.offset,
+                tracing::warn!(peer = %self.wire.peer(), id = req.id, kind = ?req.kind, offset = req.offset,
                     length = req.length, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
                     bufs::put(b);
@@ -691,10 +691,10 @@ impl Conn {
 
     fn push_reply(&mut self, reply: Header, payload: Payload) {
         let mut header = [0u8; HEADER_LEN];
-        let encoded = wire::encode_header(&reply, &mut header);
+        let encoded = proto::encode_header(&reply, &mut header);
         if let Err(e) = encoded {
             // Our own reply broke a protocol limit: a bug, not input.
-            tracing::error!(peer = %self.link.peer(), ?reply, error = %e, "cannot encode reply");
+            tracing::error!(peer = %self.wire.peer(), ?reply, error = %e, "cannot encode reply");
             self.close("internal error");
             if let Payload::Buf(b) = payload {
                 bufs::put(b);
@@ -702,10 +702,10 @@ impl Conn {
             return;
         }
         debug_assert_eq!(
-            wire::payload_len(&reply),
+            proto::payload_len(&reply),
             payload.as_ref().len() + payload.tail_len()
         );
-        self.link.push(&header, payload);
+        self.wire.push(&header, payload);
     }
 
     fn push_error(&mut self, req: Header, errno: i32) {
@@ -713,14 +713,14 @@ impl Conn {
     }
 
     fn buffered(&self) -> usize {
-        self.link.inb.buffered()
+        self.wire.inb.buffered()
     }
 
     /// Read what the socket has into the input buffer. Returns bytes read;
     /// EOF and errors close the connection.
     fn fill(&mut self) -> usize {
         let in_flight = self.in_flight();
-        self.link.fill(in_flight, "peer disconnected")
+        self.wire.fill(in_flight, "peer disconnected")
     }
 
     /// A closing connection reads nothing more, so a write whose payload
@@ -732,7 +732,7 @@ impl Conn {
     fn abandon_input(&mut self) -> bool {
         match std::mem::replace(&mut self.recv, Recv::Header) {
             Recv::Payload { slot, req, buf, .. } => {
-                tracing::debug!(peer = %self.link.peer(), ?req, "closing: write payload incomplete, dropped");
+                tracing::debug!(peer = %self.wire.peer(), ?req, "closing: write payload incomplete, dropped");
                 bufs::put(buf);
                 self.release_slot(slot);
                 true
@@ -745,7 +745,7 @@ impl Conn {
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
         !self.slots.is_full()
-            && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+            && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
             && self.retry.is_none()
     }
 
@@ -754,19 +754,19 @@ impl Conn {
     fn tls_step(&mut self) -> Option<bool> {
         if self.tls_expected {
             let mut first = [0u8; 1];
-            let Some(tcp) = self.link.stream.tcp() else {
+            let Some(tcp) = self.wire.stream.tcp() else {
                 return Some(false);
             };
             match tcp.peek(&mut first) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(false),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => return Some(false),
                 Err(e) => {
-                    self.link.set_broken();
+                    self.wire.set_broken();
                     self.close(format!("read failed: {e}"));
                     return Some(true);
                 }
                 Ok(0) => {
-                    self.link.set_broken();
+                    self.wire.set_broken();
                     self.close("peer disconnected before the TLS handshake");
                     return Some(true);
                 }
@@ -780,7 +780,7 @@ impl Conn {
                 Ok(_) => {}
             }
             self.tls_expected = false;
-            let LinkStream::Plain(tcp) = std::mem::replace(&mut self.link.stream, LinkStream::Gone)
+            let LinkStream::Plain(tcp) = std::mem::replace(&mut self.wire.stream, LinkStream::Gone)
             else {
                 unreachable!("the stream is plain until the first byte is seen")
             };
@@ -790,27 +790,27 @@ impl Conn {
                 .as_ref()
                 .expect("TLS expected without a context");
             match TlsStream::new(ctx, tcp) {
-                Ok(s) => self.link.stream = LinkStream::Tls(Box::new(s)),
+                Ok(s) => self.wire.stream = LinkStream::Tls(Box::new(s)),
                 Err(e) => {
-                    self.link.set_broken();
+                    self.wire.set_broken();
                     self.close(format!("cannot start TLS: {e}"));
                     return Some(true);
                 }
             }
         }
-        let LinkStream::Tls(s) = &mut self.link.stream else {
+        let LinkStream::Tls(s) = &mut self.wire.stream else {
             return None;
         };
         match s.handshake() {
             Ok(true) => {
-                tracing::info!(peer = %self.link.peer(), "replica link authenticated (TLS)");
+                tracing::info!(peer = %self.wire.peer(), "replica link authenticated (TLS)");
                 Some(true)
             }
             Ok(false) => Some(false),
             Err(e) => {
                 let hint = handshake_hint(&e.to_string());
-                self.link.set_broken();
-                self.link.refuse(format!("not authenticated: {e} ({hint})"));
+                self.wire.set_broken();
+                self.wire.refuse(format!("not authenticated: {e} ({hint})"));
                 Some(true)
             }
         }
@@ -825,21 +825,21 @@ impl Conn {
     fn refuse_plaintext(&mut self, raw: &[u8; HEADER_LEN]) {
         let frame = self
             .buffered()
-            .min(HEADER_LEN + wire::MAX_HELLO_REQUEST_LEN);
-        self.link.inb.consume(frame);
+            .min(HEADER_LEN + proto::MAX_HELLO_REQUEST_LEN);
+        self.wire.inb.consume(frame);
         let mut header = [0u8; HEADER_LEN];
-        wire::encode_refusal(wire::raw_id(raw), libc::EACCES as u32, &mut header);
-        self.link
+        proto::encode_refusal(proto::raw_id(raw), libc::EACCES as u32, &mut header);
+        self.wire
             .out
             .push(&header, Payload::Bytes(vec![0; HELLO_LEN]));
-        self.link.refuse(
+        self.wire.refuse(
             "not authenticated: the peer speaks plain replica protocol, and this \
              replica requires TLS (an engine started with --replica-insecure?)",
         );
     }
 
     fn read_and_dispatch(&mut self) -> bool {
-        if self.tls_expected || self.link.stream.handshaking() {
+        if self.tls_expected || self.wire.stream.handshaking() {
             if let Some(progress) = self.tls_step() {
                 return progress;
             }
@@ -847,7 +847,7 @@ impl Conn {
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
-            if self.link.is_closing() {
+            if self.wire.is_closing() {
                 break;
             }
             let moved = self.step();
@@ -894,7 +894,7 @@ impl Conn {
                 status,
             } => {
                 let n = (self.buffered() as u64).min(remaining);
-                self.link.inb.consume(n as usize);
+                self.wire.inb.consume(n as usize);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.push_error(req, status as i32);
@@ -919,7 +919,7 @@ impl Conn {
     ) -> bool {
         let len = req.length as usize;
         let progress = match self
-            .link
+            .wire
             .receive(&mut buf.as_mut_slice()[..len], &mut filled)
         {
             Ok(progress) => progress,
@@ -927,7 +927,7 @@ impl Conn {
                 bufs::put(buf);
                 self.release_slot(slot);
                 let in_flight = self.in_flight();
-                self.link.ended(
+                self.wire.ended(
                     ended,
                     in_flight,
                     "peer disconnected in the middle of a write payload",
@@ -963,33 +963,33 @@ impl Conn {
             return false;
         }
         let mut raw = [0u8; HEADER_LEN];
-        raw.copy_from_slice(&self.link.inb.peek()[..HEADER_LEN]);
+        raw.copy_from_slice(&self.wire.inb.peek()[..HEADER_LEN]);
         if self.refuse_plain {
             self.refuse_plaintext(&raw);
             return true;
         }
-        let h = match wire::decode_header(&raw) {
+        let h = match proto::decode_header(&raw) {
             Ok(h) => h,
             Err(FrameError::BadVersion(version)) => {
-                self.link.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.link.peer(), version, ours = wire::PROTOCOL_VERSION, "peer speaks another protocol version");
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), version, ours = proto::PROTOCOL_VERSION, "peer speaks another protocol version");
                 let mut header = [0u8; HEADER_LEN];
-                wire::encode_refusal(wire::raw_id(&raw), libc::EPROTO as u32, &mut header);
+                proto::encode_refusal(proto::raw_id(&raw), libc::EPROTO as u32, &mut header);
                 let payload = self.our_hello(self.current_generation());
-                self.link.out.push(&header, Payload::Bytes(payload));
+                self.wire.out.push(&header, Payload::Bytes(payload));
                 self.close(format!(
                     "protocol version {version} is not {}",
-                    wire::PROTOCOL_VERSION
+                    proto::PROTOCOL_VERSION
                 ));
                 return true;
             }
             Err(_)
                 if matches!(self.phase, Phase::AwaitHello)
                     && raw[0] == TLS_RECORD_HANDSHAKE
-                    && !self.link.stream.is_tls() =>
+                    && !self.wire.stream.is_tls() =>
             {
-                self.link.set_broken();
-                self.link.refuse(
+                self.wire.set_broken();
+                self.wire.refuse(
                     "the peer opens a TLS handshake, and this replica serves plain links \
                      (--insecure): start it with --tls-psk or --tls-certs, or the engine \
                      with --replica-insecure",
@@ -997,15 +997,15 @@ impl Conn {
                 return true;
             }
             Err(e) => {
-                self.link.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.link.peer(), error = %e, "bad frame header");
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad frame header");
                 self.close(format!("bad frame: {e}"));
                 return true;
             }
         };
         if h.reply {
-            self.link.inb.consume(HEADER_LEN);
-            tracing::warn!(peer = %self.link.peer(), ?h, "peer sent a reply frame");
+            self.wire.inb.consume(HEADER_LEN);
+            tracing::warn!(peer = %self.wire.peer(), ?h, "peer sent a reply frame");
             self.close("unexpected reply frame");
             return true;
         }
@@ -1013,30 +1013,30 @@ impl Conn {
             (_, Kind::Hello) => {
                 // The record and the replica's name: at most
                 // MAX_HELLO_REQUEST_LEN, checked by `decode_header`.
-                let end = HEADER_LEN + wire::payload_len(&h);
+                let end = HEADER_LEN + proto::payload_len(&h);
                 if self.buffered() < end {
                     return false;
                 }
-                let decoded = wire::decode_hello_request(&self.link.inb.peek()[HEADER_LEN..end])
+                let decoded = proto::decode_hello_request(&self.wire.inb.peek()[HEADER_LEN..end])
                     .map(|(hello, name)| (hello, name.to_string()));
-                self.link.inb.consume(end);
+                self.wire.inb.consume(end);
                 match decoded {
                     Ok((hello, name)) => self.handle_hello(h, hello, &name),
                     Err(e) => {
-                        tracing::warn!(peer = %self.link.peer(), error = %e, "bad HELLO");
+                        tracing::warn!(peer = %self.wire.peer(), error = %e, "bad HELLO");
                         self.close(format!("bad HELLO: {e}"));
                     }
                 }
             }
             (Phase::AwaitHello, kind) => {
-                self.link.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.link.peer(), ?kind, "first frame is not HELLO");
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
             (_, kind) if kind.modifies() || kind == Kind::Detach => {
                 // Counted before anything is taken (see `crate::fence`).
                 if let Err(owner) = self.server().fences.enter(&self.fence) {
-                    self.link.inb.consume(HEADER_LEN);
+                    self.wire.inb.consume(HEADER_LEN);
                     self.fenced_request(h, owner);
                     return true;
                 }
@@ -1047,11 +1047,11 @@ impl Conn {
                     self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
                     return true;
                 }
-                self.link.inb.consume(HEADER_LEN);
+                self.wire.inb.consume(HEADER_LEN);
                 self.start_request(h);
             }
             _ => {
-                self.link.inb.consume(HEADER_LEN);
+                self.wire.inb.consume(HEADER_LEN);
                 self.start_request(h);
             }
         }
@@ -1068,7 +1068,7 @@ impl Conn {
             ));
             return;
         }
-        tracing::warn!(peer = %self.link.peer(), ?req, owner, session = self.session.unwrap_or(0),
+        tracing::warn!(peer = %self.wire.peer(), ?req, owner, session = self.session.unwrap_or(0),
             "refused: the replica is owned by another session");
         self.refuse(req, libc::ESTALE);
     }
@@ -1099,21 +1099,21 @@ impl Conn {
                     self.replica = Some(replica);
                 }
                 Err((errno, why)) => {
-                    tracing::warn!(peer = %self.link.peer(), replica = name, "{why}");
+                    tracing::warn!(peer = %self.wire.peer(), replica = name, "{why}");
                     self.refuse_hello(req, errno);
                     self.close(why);
                     return;
                 }
             },
             Some(r) if r.name.as_deref().unwrap_or("") != name => {
-                tracing::warn!(peer = %self.link.peer(), first = ?r.name, now = name, "HELLO names another replica");
+                tracing::warn!(peer = %self.wire.peer(), first = ?r.name, now = name, "HELLO names another replica");
                 self.close("HELLO names another replica than the connection's first");
                 return;
             }
             Some(_) => {}
         }
         if hello.volume_size != self.server().size_bytes {
-            tracing::warn!(peer = %self.link.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
+            tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
                 "HELLO with another volume size");
             self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
@@ -1121,7 +1121,7 @@ impl Conn {
         }
         match self.session {
             Some(s) if s != hello.session => {
-                tracing::warn!(peer = %self.link.peer(), first = s, now = hello.session, "HELLO with another session");
+                tracing::warn!(peer = %self.wire.peer(), first = s, now = hello.session, "HELLO with another session");
                 self.close("HELLO with another session on the same connection");
                 return;
             }
@@ -1134,7 +1134,7 @@ impl Conn {
         if hello.session != 0 {
             match self.server().fences.claim(hello.session) {
                 Claim::Stale { owner } => {
-                    tracing::info!(peer = %self.link.peer(), session = hello.session, owner,
+                    tracing::info!(peer = %self.wire.peer(), session = hello.session, owner,
                         "HELLO of an older engine session refused");
                     self.refuse_hello(req, libc::ESTALE);
                     self.close(format!(
@@ -1144,7 +1144,7 @@ impl Conn {
                     return;
                 }
                 Claim::Owner { previous } if previous != hello.session => {
-                    tracing::info!(peer = %self.link.peer(), old = previous, new = hello.session,
+                    tracing::info!(peer = %self.wire.peer(), old = previous, new = hello.session,
                         "engine session took the replica over");
                     self.server().fences.wake_others(hello.session);
                 }
@@ -1178,7 +1178,7 @@ impl Conn {
             return;
         }
         if let Err(owner) = self.server().fences.enter(&self.fence) {
-            tracing::warn!(peer = %self.link.peer(), session = hello.session, owner,
+            tracing::warn!(peer = %self.wire.peer(), session = hello.session, owner,
                 "attach refused: the replica is owned by another session");
             self.refuse_hello(req, libc::ESTALE);
             return;
@@ -1200,7 +1200,7 @@ impl Conn {
             return;
         }
         if req.kind != Kind::Ping && self.drop_draws.chance(self.port.faults.drop) {
-            tracing::warn!(peer = %self.link.peer(), ?req, "fault injection: dropping the connection");
+            tracing::warn!(peer = %self.wire.peer(), ?req, "fault injection: dropping the connection");
             if counted {
                 self.fence_exit();
             }
@@ -1223,7 +1223,7 @@ impl Conn {
             .checked_add(u64::from(req.length))
             .is_some_and(|end| end <= size);
         if !in_range && req.kind != Kind::Flush {
-            tracing::warn!(peer = %self.link.peer(), ?req, "refused request: out of range");
+            tracing::warn!(peer = %self.wire.peer(), ?req, "refused request: out of range");
             if counted {
                 self.fence_exit();
             }
@@ -1269,7 +1269,7 @@ impl Conn {
                 return;
             }
         };
-        if matches!(op, IoOp::Read) && req.length >= SENDFILE_READ_BYTES_MIN && self.link.splices()
+        if matches!(op, IoOp::Read) && req.length >= SENDFILE_READ_BYTES_MIN && self.wire.splices()
         {
             if let Some(file) = &self.server().sendfile {
                 // Straight from the page cache, in order with the other
@@ -1326,7 +1326,7 @@ impl Conn {
             .checked_add(u64::from(req.length))
             .is_some_and(|end| end <= u64::from(regions));
         if !in_range {
-            tracing::warn!(peer = %self.link.peer(), ?req, regions, "refused request: regions out of range");
+            tracing::warn!(peer = %self.wire.peer(), ?req, regions, "refused request: regions out of range");
             self.fence_exit();
             self.push_error(req, libc::EINVAL);
             return;
@@ -1358,9 +1358,9 @@ impl Conn {
     fn intent_get(&mut self, req: Header) {
         let (lost, bitmap) = self.server().intent.snapshot();
         let flags = if lost { INTENT_FLAG_LOST } else { 0 };
-        let mut payload = Vec::with_capacity(wire::INTENT_HEADER_LEN + bitmap.len());
-        if let Err(e) = wire::encode_intent(flags, &bitmap, &mut payload) {
-            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode the write-intent record");
+        let mut payload = Vec::with_capacity(proto::INTENT_HEADER_LEN + bitmap.len());
+        if let Err(e) = proto::encode_intent(flags, &bitmap, &mut payload) {
+            tracing::error!(peer = %self.wire.peer(), error = %e, "cannot encode the write-intent record");
             self.push_error(req, libc::EIO);
             return;
         }
@@ -1397,15 +1397,15 @@ impl Conn {
                 }
                 Ok(_) => pos = end,
                 Err(e) => {
-                    tracing::warn!(peer = %self.link.peer(), offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
+                    tracing::warn!(peer = %self.wire.peer(), offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
                     self.push_error(req, e.raw_os_error().unwrap_or(libc::EIO));
                     return;
                 }
             }
         }
-        let mut payload = Vec::with_capacity(found.len() * wire::EXTENT_LEN);
-        if let Err(e) = wire::encode_extents(&found, &mut payload) {
-            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode extents");
+        let mut payload = Vec::with_capacity(found.len() * proto::EXTENT_LEN);
+        if let Err(e) = proto::encode_extents(&found, &mut payload) {
+            tracing::error!(peer = %self.wire.peer(), error = %e, "cannot encode extents");
             self.push_error(req, libc::EIO);
             return;
         }
@@ -1424,18 +1424,18 @@ impl Conn {
     fn block_status(&mut self, req: Header) {
         use lull_bdev::BlockDevice;
         if req.length == 0 {
-            tracing::warn!(peer = %self.link.peer(), ?req, "refused request: empty BLOCK_STATUS");
+            tracing::warn!(peer = %self.wire.peer(), ?req, "refused request: empty BLOCK_STATUS");
             self.push_error(req, libc::EINVAL);
             return;
         }
         let extents = match self.server().dev.extents(
             req.offset,
             u64::from(req.length),
-            wire::MAX_BLOCK_STATUS_PER_REPLY,
+            proto::MAX_BLOCK_STATUS_PER_REPLY,
         ) {
             Ok(extents) => extents,
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), ?req, error = %e, "block status failed");
+                tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
                 self.push_error(req, e.errno());
                 return;
             }
@@ -1444,13 +1444,13 @@ impl Conn {
             .iter()
             .map(|e| StatusExtent {
                 length: e.length_bytes,
-                flags: if e.hole { wire::STATUS_HOLE } else { 0 }
-                    | if e.zero { wire::STATUS_ZERO } else { 0 },
+                flags: if e.hole { proto::STATUS_HOLE } else { 0 }
+                    | if e.zero { proto::STATUS_ZERO } else { 0 },
             })
             .collect();
-        let mut payload = Vec::with_capacity(records.len() * wire::STATUS_EXTENT_LEN);
-        if let Err(e) = wire::encode_block_status(&records, &mut payload) {
-            tracing::error!(peer = %self.link.peer(), error = %e, "cannot encode block status");
+        let mut payload = Vec::with_capacity(records.len() * proto::STATUS_EXTENT_LEN);
+        if let Err(e) = proto::encode_block_status(&records, &mut payload) {
+            tracing::error!(peer = %self.wire.peer(), error = %e, "cannot encode block status");
             self.push_error(req, libc::EIO);
             return;
         }

@@ -1,24 +1,10 @@
 //! The clean detach: drain, FLUSH and DETACH every healthy replica so
 //! the next engine trusts them as identical.
 
-use super::ids::ReplicaTarget;
-
 use lull_proto::replica::{Header, Kind};
 
-use super::ids::{ReplicaId, ReplicaSet};
-use super::replicas::{RState, SubKind};
-use super::{Engine, LogLevel, Milestone, Payload};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Detach {
-    /// Waiting for every request (client, MARK, CLEAR, rebuild) to finish.
-    Draining,
-    /// FLUSH sent to these replicas, not yet answered.
-    Flushing(ReplicaSet),
-    /// DETACH sent to these replicas, not yet answered.
-    Detaching(ReplicaSet),
-    Done,
-}
+use super::ids::{ReplicaId, ReplicaSet, ReplicaTarget};
+use super::types::{Detach, Engine, LogLevel, Milestone, Payload, RState, SubKind};
 
 impl Engine {
     // ---- clean detach ------------------------------------------------------------

@@ -2,14 +2,11 @@
 //! healthy set (acknowledgements wait for it), and the election of the
 //! freshest replica as the source when no replica is healthy.
 
-use super::ids::ReplicaTarget;
+use lull_proto::replica::{self as proto, Hello, Kind};
 
-use lull_proto::replica::{self as wire, Hello, Kind};
-
-use super::ids::{ReplicaId, ReplicaSet};
+use super::ids::{ReplicaId, ReplicaSet, ReplicaTarget};
 use super::intent::{count_bits, has_bit};
-use super::replicas::{RState, SubKind};
-use super::{Engine, LogLevel, Milestone, Payload};
+use super::types::{Bump, Engine, LogLevel, Milestone, Payload, RState, SubKind};
 
 /// How long a later election (every healthy replica failed while the
 /// engine ran) waits for every replica to answer before it picks the
@@ -27,10 +24,6 @@ pub const ELECTION_WAIT_NS: u64 = 3_000_000_000;
 /// While the first election waits for a replica, the wait is logged this
 /// often.
 pub const ELECTION_LOG_INTERVAL_NS: u64 = 10_000_000_000;
-
-pub(super) struct Bump {
-    pub(super) generation: u64,
-}
 
 impl Engine {
     // ---- generations and elections ------------------------------------
@@ -71,10 +64,10 @@ impl Engine {
             let hello = Hello {
                 volume_size: self.size_bytes,
                 generation,
-                flags: wire::HELLO_FLAG_ATTACH,
+                flags: proto::HELLO_FLAG_ATTACH,
                 session: self.session,
             };
-            let payload = wire::encode_hello_request(&hello, rep.addr.hello_name());
+            let payload = proto::encode_hello_request(&hello, rep.addr.hello_name());
             let length = payload.len() as u32;
             if self.send_any(
                 r,

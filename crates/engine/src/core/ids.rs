@@ -19,8 +19,14 @@ use std::net::SocketAddr;
 use std::ops::{Index, IndexMut};
 use std::sync::Arc;
 
-use super::MAX_REPLICAS;
-use crate::MAX_CONNECTIONS_PER_REPLICA;
+/// Replicas one volume may have (configured plus added). Longhorn runs 3;
+/// the bound keeps a [`ReplicaSet`] in one `u32`.
+pub const MAX_REPLICAS: usize = 16;
+
+/// TCP connections per replica (the upper bound of
+/// `EngineOptions::connections_per_replica`): 16 is far past any gain on
+/// one NIC queue.
+pub const MAX_CONNECTIONS_PER_REPLICA: usize = 16;
 
 /// Where a replica is: its server's address and, for a replica in a
 /// node's store (many replicas on one port), its name, sent in the HELLO.

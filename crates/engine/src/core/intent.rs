@@ -1,15 +1,14 @@
-//! Write intent: one bit per region of `wire::intent_region_bytes` on
+//! Write intent: one bit per region of `proto::intent_region_bytes` on
 //! every replica, set (INTENT_MARK) before the first write to a region and
 //! cleared (INTENT_CLEAR) once the region has been quiet; the masks of
-//! which replica holds, is setting or is clearing which bit.
+//! which replica holds, is setting or is clearing which bit (`Region`, in
+//! `types`).
 
 use lull_bdev::IoBuf;
-use lull_proto::replica::{self as wire, Header, Kind};
+use lull_proto::replica::{self as proto, Header, Kind};
 
 use super::ids::{ReplicaId, ReplicaSet};
-use super::io::IoId;
-use super::replicas::{RState, Sub, SubKind};
-use super::{Engine, LogLevel, Payload};
+use super::types::{Engine, IoId, LogLevel, Payload, RState, Region, Sub, SubKind};
 
 /// A region's write-intent bit is cleared once no write has touched it for
 /// this long (md's bitmap daemon waits 5 s too). Shorter would cost more
@@ -20,25 +19,6 @@ pub const INTENT_CLEAR_IDLE_NS: u64 = 5_000_000_000;
 /// INTENT_CLEAR requests sent per replica per tick: clearing is background
 /// work and must not fill the slot tables that client I/O needs.
 pub const MAX_CLEARS_PER_TICK: usize = 32;
-
-/// Write-intent state of one region (see the module doc). 24 bytes; a
-/// volume has at most `wire::MAX_INTENT_REGIONS` (16,384) regions, so at
-/// most 384 KiB per volume.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Region {
-    /// Replicas whose bit for this region is durable (MARK answered, or
-    /// reported by INTENT_GET before the election).
-    pub(super) marked: ReplicaSet,
-    /// Replicas with a MARK of it in flight.
-    pub(super) marking: ReplicaSet,
-    /// Replicas with a CLEAR of it in flight; writes to it wait meanwhile,
-    /// or a CLEAR overtaken by a write's MARK could erase that MARK.
-    pub(super) clearing: ReplicaSet,
-    /// Modifying client requests in flight over it.
-    pub(super) writes: u32,
-    /// When the last of them finished.
-    pub(super) last_write_ns: u64,
-}
 
 pub(super) fn has_bit(bitmap: &[u8], i: usize) -> bool {
     bitmap.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
@@ -230,7 +210,7 @@ impl Engine {
             return self.protocol_error(r, None, "INTENT_GET reply without payload".into());
         };
         let parsed =
-            wire::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
+            proto::decode_intent(buf.as_slice()).map(|(flags, bits)| (flags, bits.to_vec()));
         lull_net::bufs::put(buf);
         let (flags, bits) = match parsed {
             Ok(p) => p,
@@ -245,7 +225,7 @@ impl Engine {
             return self.protocol_error(r, None, why);
         }
         let rep = &mut self.replicas[r];
-        rep.intent_lost |= flags & wire::INTENT_FLAG_LOST != 0;
+        rep.intent_lost |= flags & proto::INTENT_FLAG_LOST != 0;
         rep.intent = Some(bits);
         let (addr, generation, clean, lost) =
             (rep.addr.clone(), rep.generation, rep.clean, rep.intent_lost);
@@ -272,7 +252,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::EngineOptions;
+    use crate::core::types::EngineOptions;
 
     #[test]
     fn region_spans_runs_and_bitmap_bytes() {

@@ -5,9 +5,7 @@ use std::cell::RefCell;
 
 use lull_net::slots::SlotId;
 
-use super::io::IoId;
-use super::replicas::{CState, RState, SubKind};
-use super::Engine;
+use super::types::{CState, Engine, IoId, RState, SubKind};
 
 impl Engine {
     /// Every client request is in exactly one place, every slot belongs to

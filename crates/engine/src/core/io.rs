@@ -1,20 +1,15 @@
 //! Client requests: the request table, the pending queue, overlap
 //! tracking (overlapping writes are serialised), dispatch to the replicas
-//! and completion.
+//! and completion. A request's entry (`ClientIo`) is in `types`.
 
 use lull_bdev::{BdevError, IoBuf, IoOp};
-use lull_proto::replica::{self as wire, Header, Kind};
+use lull_proto::replica::{self as proto, Header, Kind};
 
-use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet};
-use super::rebuild::Rebuild;
-use super::replicas::{Sub, SubKind};
-use super::SharedBuf;
-use super::{Action, ClientReq, Engine, Payload, MAX_CLIENT_IOS, MAX_REPLICAS};
-
-/// A client request's id: its wire id in the engine's request table. It
-/// never leaves the process; the generation makes a late reference to a
-/// finished request find nothing instead of its slot's next tenant.
-pub(super) type IoId = u64;
+use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, MAX_REPLICAS};
+use super::types::{
+    Action, ClientIo, ClientReq, Engine, IoData, IoId, Payload, Rebuild, Sub, SubKind,
+    MAX_CLIENT_IOS,
+};
 
 /// Requests that wait for their regions' MARKs and that later requests
 /// may pass, and pending requests looked at past them to send their MARKs
@@ -22,41 +17,6 @@ pub(super) type IoId = u64;
 /// one fsync instead of one after the other. 64 is the queue depth of a
 /// busy client; the bound keeps each pass over the queue short.
 pub const MARK_LOOKAHEAD: usize = 64;
-
-enum IoData {
-    None,
-    /// A read's buffer, or a block status's record buffer.
-    Read(Option<IoBuf>),
-    /// A write's buffer, shared by its frames to every replica.
-    Write(SharedBuf),
-}
-
-pub(super) struct ClientIo {
-    pub(super) channel: u64,
-    pub(super) tag: u64,
-    pub(super) op: IoOp,
-    pub(super) offset: u64,
-    pub(super) len: u32,
-    data: IoData,
-    pub(super) outstanding: u32,
-    pub(super) acked: ReplicaSet,
-    /// WRITE_ZEROES with FUA: a FLUSH follows (the wire has no FUA for it).
-    pub(super) flush_after: bool,
-    /// Counted in its regions' `writes` (from dispatch to its last reply).
-    pub(super) in_regions: bool,
-}
-
-impl ClientIo {
-    pub(super) fn modifies(&self) -> bool {
-        matches!(
-            self.op,
-            IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. }
-        )
-    }
-    pub(super) fn end(&self) -> u64 {
-        self.offset + u64::from(self.len)
-    }
-}
 
 /// What `dispatch` did with a pending request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,7 +63,7 @@ impl Engine {
             });
             return;
         }
-        if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > wire::MAX_IO_BYTES {
+        if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > proto::MAX_IO_BYTES {
             let buf = req.buf.take();
             let e =
                 BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
@@ -466,7 +426,7 @@ impl Engine {
         let Some(data) = payload else {
             return self.protocol_error(r, Some(sub), "BLOCK_STATUS reply without extents".into());
         };
-        let parsed = wire::decode_block_status(data.as_slice());
+        let parsed = proto::decode_block_status(data.as_slice());
         lull_net::bufs::put(data);
         let ext = match parsed {
             Ok(ext) => ext,
@@ -487,8 +447,8 @@ impl Engine {
             .iter()
             .map(|e| lull_bdev::Extent {
                 length_bytes: e.length,
-                hole: e.flags & wire::STATUS_HOLE != 0,
-                zero: e.flags & wire::STATUS_ZERO != 0,
+                hole: e.flags & proto::STATUS_HOLE != 0,
+                zero: e.flags & proto::STATUS_ZERO != 0,
             })
             .collect();
         let Some(io) = self.ios.get_mut(id) else {

@@ -66,7 +66,7 @@
 //!   detached from it after a FLUSH with nothing in flight ([`Event::Detach`]).
 //!   Replicas of one generation that are all clean are identical.
 //! - **Write intent** (md's write-intent bitmap, one bit per region of
-//!   `wire::intent_region_bytes`): before the first write to a region, the
+//!   `proto::intent_region_bytes`): before the first write to a region, the
 //!   engine sets the region's bit on every replica it writes to
 //!   (INTENT_MARK, durable before the reply) and holds the write until all
 //!   of them answered; it clears the bit (INTENT_CLEAR) once the region has
@@ -87,16 +87,22 @@
 
 //! # Layout
 //!
-//! Split along its seams as crucible's upstairs is: this file holds the
-//! events, the actions, the [`Engine`] and `apply` with the loop that runs
-//! after every event; [`ids`] the typed replica and connection ids and the
-//! per-replica array and set; `replicas` the replicas, their connections,
-//! frames and time (timeouts, keep-alives, reconnects); `election`
-//! generations and elections; `intent` the write-intent regions; `io` the
-//! client request table, overlap tracking and dispatch; `rebuild` rebuild
-//! and reconcile; `detach` the clean detach; `invariants`
-//! [`Engine::check_invariants`]. A write's buffer is shared by its frames
-//! to every replica (`lull_net::shared`).
+//! Split along its seams as crucible's upstairs is: this file holds `apply`
+//! with the loop that runs after every event, and re-exports the public
+//! names; `types` every type the files share (the events, the actions, the
+//! milestones, the options, the [`Engine`] and the state it holds); [`ids`]
+//! the typed replica and connection ids and the per-replica array and set;
+//! `replicas` the replicas, their connections, frames and time (timeouts,
+//! keep-alives, reconnects); `election` generations and elections; `intent`
+//! the write-intent regions; `io` the client request table, overlap
+//! tracking and dispatch; `rebuild` rebuild and reconcile; `detach` the
+//! clean detach; `invariants` [`Engine::check_invariants`]. A write's buffer
+//! is shared by its frames to every replica (`lull_net::shared`).
+//!
+//! Imports run one way: `ids` imports nothing of the core, `types` only
+//! `ids`, each behaviour file `types`, `ids` and at most a helper of
+//! another behaviour file that does not import it back; nothing imports
+//! this file, and nothing in the core imports from the crate around it.
 
 mod detach;
 mod election;
@@ -106,27 +112,20 @@ mod invariants;
 mod io;
 mod rebuild;
 mod replicas;
+mod types;
 
-pub use ids::ReplicaTarget;
 use std::collections::VecDeque;
 
-use lull_bdev::{BdevError, IoBuf, IoRequest};
+use lull_bdev::IoBuf;
 use lull_net::shared::SharedBufs;
 use lull_net::slots::SlotTable;
-use lull_proto::replica::{self as wire, Header, HEADER_LEN};
+use lull_proto::replica as proto;
 
-use crate::{EngineOptions, ReplicaState, ReplicaStatus};
-
-use detach::Detach;
-use election::Bump;
 use ids::ReplicaData;
-use intent::Region;
-use io::{ClientIo, IoId};
-use rebuild::Rebuild;
-use replicas::{RState, Replica};
+use types::{RState, Region};
 
 pub use election::{ELECTION_LOG_INTERVAL_NS, ELECTION_WAIT_NS};
-pub use ids::ConnRef;
+pub use ids::{ConnRef, ReplicaTarget, MAX_REPLICAS};
 pub use intent::{INTENT_CLEAR_IDLE_NS, MAX_CLEARS_PER_TICK};
 pub use io::MARK_LOOKAHEAD;
 pub use lull_net::shared::SharedBuf;
@@ -134,215 +133,10 @@ pub use rebuild::{
     REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
 };
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
-
-/// Replicas one volume may have (configured plus added). Longhorn runs 3;
-/// the bound keeps a [`ids::ReplicaSet`] in one `u32`.
-pub const MAX_REPLICAS: usize = 16;
-
-/// Channels (NBD connections) one volume serves at once. Bounds the
-/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
-/// open 1 to 16 connections per export.
-pub const MAX_CHANNELS: usize = 64;
-
-/// Requests one channel may have in the engine. At least the NBD
-/// connection's own limit (128), so the engine is never its bottleneck; a
-/// channel at its depth returns `BdevError::Full` and retries after its own
-/// next completion (which always comes: the count only counts its own).
-pub const CHANNEL_DEPTH: usize = 256;
-
-/// Client requests the engine holds at once (queued, in flight or waiting
-/// for a generation bump): channels × `CHANNEL_DEPTH` with room to spare.
-/// Requests beyond it are refused with EAGAIN-style back-pressure at the
-/// channel.
-pub const MAX_CLIENT_IOS: usize = MAX_CHANNELS * CHANNEL_DEPTH;
-
-/// A client request as the channel submitted it, and which channel.
-#[derive(Debug)]
-pub struct ClientReq {
-    /// The shell's id for the channel, given back in the completion.
-    pub channel: u64,
-    pub io: IoRequest,
-}
-
-/// What happened.
-#[derive(Debug)]
-pub enum Event {
-    Client(ClientReq),
-    /// A connection the engine asked for is established.
-    ConnUp(ConnRef),
-    /// A connection failed to connect, broke, or sent an undecodable frame.
-    ConnDown {
-        conn: ConnRef,
-        reason: String,
-    },
-    /// A connection was made but the replica could not be authenticated
-    /// (or refused this engine's credentials): failed like `ConnDown`, and
-    /// retried less and less often, since a wrong key does not fix itself.
-    AuthFailed {
-        conn: ConnRef,
-        reason: String,
-    },
-    /// A decoded frame (payload of `payload_len(&header)` bytes, if any).
-    Frame {
-        conn: ConnRef,
-        header: Header,
-        payload: Option<IoBuf>,
-    },
-    /// Time passed (timeouts, keep-alives, reconnects, progress logs).
-    Tick,
-    AddReplica(ReplicaTarget),
-    RemoveReplica(ReplicaTarget),
-    /// Detach cleanly: refuse new requests, let those in flight finish,
-    /// FLUSH and DETACH every healthy replica (they become clean).
-    Detach,
-}
-
-/// Bytes that follow a header on the wire.
-#[derive(Debug)]
-pub enum Payload {
-    None,
-    /// A HELLO record and the replica's name (none for a `lull replica`
-    /// process): made once per connection or attach, never per I/O.
-    Hello(Vec<u8>),
-    /// The first `len` bytes of a shared write buffer (shared by every
-    /// replica the write goes to; returned to the client afterwards).
-    Data {
-        buf: SharedBuf,
-        len: usize,
-    },
-}
-
-impl AsRef<[u8]> for Payload {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Payload::None => &[],
-            Payload::Hello(h) => h,
-            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogLevel {
-    Info,
-    Warn,
-    Error,
-}
-
-/// What to do.
-#[derive(Debug)]
-pub enum Action {
-    Send {
-        conn: ConnRef,
-        header: [u8; HEADER_LEN],
-        payload: Payload,
-    },
-    Complete {
-        channel: u64,
-        tag: u64,
-        result: Result<(), BdevError>,
-        buf: Option<IoBuf>,
-    },
-    Connect {
-        conn: ConnRef,
-        addr: ReplicaTarget,
-    },
-    Close {
-        conn: ConnRef,
-    },
-    Log {
-        level: LogLevel,
-        msg: String,
-    },
-    /// A state change of the volume, as data (its log line says the same
-    /// in words).
-    Milestone(Milestone),
-}
-
-/// A state change of the volume that an observer may count or check: the
-/// simulation asserts on these instead of matching log text; the shell
-/// drops them (it logs the line emitted with each). The engine emits them
-/// only when the volume changes state (a replica fails, an election, a
-/// copy finishes, a detach), never per request, so the data path does not
-/// pay for them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Milestone {
-    /// A replica left the volume's working set: it failed, or the operator
-    /// removed it (`removed`). `was_healthy`: it served reads until now.
-    ReplicaFailed {
-        replica: ReplicaTarget,
-        was_healthy: bool,
-        removed: bool,
-    },
-    /// The last healthy replica failed: I/O fails with EIO until one is
-    /// back.
-    NoHealthyReplica,
-    /// The first election of this engine waits for these replicas (any of
-    /// them may hold the newest data). Repeated at most every
-    /// `ELECTION_LOG_INTERVAL_NS` while it waits.
-    WaitingForReplicas { missing: Vec<ReplicaTarget> },
-    /// An election chose `source` (of `generation`) to serve; the
-    /// `reconciling` replicas have its generation but may differ from it
-    /// inside their write-intent regions.
-    Elected {
-        source: ReplicaTarget,
-        generation: u64,
-        clean: bool,
-        reconciling: Vec<ReplicaTarget>,
-    },
-    /// A rebuild (`reconcile`: restricted to write-intent regions) finished
-    /// and `replica` is healthy.
-    CopyComplete {
-        replica: ReplicaTarget,
-        reconcile: bool,
-    },
-    /// A clean detach finished; `clean` are the replicas it marked clean.
-    Detached { clean: Vec<ReplicaTarget> },
-}
-
-/// The engine of one volume.
-pub struct Engine {
-    volume: String,
-    size_bytes: u64,
-    opts: EngineOptions,
-    replicas: ReplicaData<Replica>,
-    ios: SlotTable<ClientIo>,
-    pending: VecDeque<IoId>,
-    /// Requests that modify data, sent and not finished, with their byte
-    /// ranges `[start, end)` beside them: every dispatch of a write checks
-    /// them all for overlap, so the check reads this one array and not
-    /// each request's entry in `ios`.
-    writes_in_flight: Vec<(IoId, u64, u64)>,
-    deferred: Vec<IoId>,
-    generation: u64,
-    /// The highest generation any bump of this process has started (and
-    /// so may have sent in an ATTACH). A bump that does not finish (every
-    /// healthy replica failed) may still have reached a replica whose
-    /// acknowledgement was lost; the next bump must not reuse its number
-    /// for another healthy set, or two replicas with different data would
-    /// claim the same generation (simulator seed 208012).
-    generation_started: u64,
-    bump: Option<Bump>,
-    rebuild: Option<Rebuild>,
-    rebuild_runs: u64,
-    read_rr: usize,
-    election_start_ns: Option<u64>,
-    /// An election has run in this process (so `generation` is known).
-    elected_once: bool,
-    election_logged_ns: Option<u64>,
-    /// This engine process's session (non-zero), sent in every HELLO.
-    session: u64,
-    region_bytes: u64,
-    regions: Vec<Region>,
-    detach: Option<Detach>,
-    /// The `Arc`s write buffers are shared in, kept between writes: as many
-    /// as writes the engine can hold, so a steady load never allocates
-    /// (about 40 bytes each, 640 KiB at most).
-    shares: SharedBufs,
-    now: u64,
-    out: Vec<Action>,
-    started: bool,
-}
+pub use types::{
+    Action, ClientReq, Engine, EngineOptions, Event, LogLevel, Milestone, Payload, ReplicaState,
+    ReplicaStatus, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+};
 
 impl Engine {
     /// Change the keep-alive interval at run time (kept below the replica
@@ -380,8 +174,8 @@ impl Engine {
             elected_once: false,
             election_logged_ns: None,
             session: session.max(1),
-            region_bytes: wire::intent_region_bytes(size_bytes),
-            regions: vec![Region::default(); wire::intent_regions(size_bytes) as usize],
+            region_bytes: proto::intent_region_bytes(size_bytes),
+            regions: vec![Region::default(); proto::intent_regions(size_bytes) as usize],
             detach: None,
             shares: SharedBufs::new(MAX_CLIENT_IOS),
             now: 0,
@@ -406,7 +200,7 @@ impl Engine {
         assert!(!self.started && region_bytes > 0);
         self.region_bytes = region_bytes;
         let n = self.size_bytes.div_ceil(region_bytes) as usize;
-        assert!(n <= wire::MAX_INTENT_REGIONS as usize);
+        assert!(n <= proto::MAX_INTENT_REGIONS as usize);
         self.regions = vec![Region::default(); n];
     }
 

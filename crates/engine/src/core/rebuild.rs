@@ -1,17 +1,20 @@
 //! Rebuild and reconcile: copy the volume (or the regions a crash may
 //! have left different) from the source to a replica that came back,
 //! segment by segment under a lock that holds overlapping client writes.
+//! A run's state (`Rebuild`, its `Segment`s and `Step`) is in `types`.
 
 use std::collections::VecDeque;
 
 use lull_bdev::IoBuf;
-use lull_proto::replica::{self as wire, Header, Kind};
+use lull_net::shared::SharedBuf;
+use lull_proto::replica::{self as proto, Header, Kind};
 
 use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::has_bit;
 use super::io::overlaps;
-use super::replicas::{RState, Sub, SubKind};
-use super::{Engine, LogLevel, Milestone, Payload, SharedBuf};
+use super::types::{
+    Engine, LogLevel, Milestone, Payload, RState, Rebuild, Segment, Step, Sub, SubKind,
+};
 
 /// Bytes copied per rebuild step. 1 MiB amortises the round trips while
 /// keeping the range held from client writes short (a few ms).
@@ -27,65 +30,6 @@ pub const REBUILD_SCAN_BYTES: u64 = 1 << 30;
 
 /// Rebuild progress is logged at least this often.
 pub const REBUILD_LOG_INTERVAL_NS: u64 = 5_000_000_000;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Segment {
-    pub(super) offset: u64,
-    pub(super) len: u64,
-    pub(super) data: bool,
-    /// A hole confirmed by an EXTENTS of the source while the segment was
-    /// held; only such a hole may be trimmed on the target.
-    pub(super) verified: bool,
-}
-
-impl Segment {
-    pub(super) fn end(&self) -> u64 {
-        self.offset + self.len
-    }
-}
-
-enum Step {
-    Idle,
-    Scanning,
-    /// Holding the front segment: waiting for overlapping writes to drain.
-    Draining,
-    /// Asking the source again, under the lock, whether a hole is still one.
-    Rechecking,
-    Reading,
-    /// Data read from the source, waiting for a slot on the target.
-    ReadDone(SharedBuf),
-    Writing,
-}
-
-pub(super) struct Rebuild {
-    pub(super) run: u64,
-    pub(super) target: ReplicaId,
-    pub(super) source: ReplicaId,
-    /// Reconcile: only these regions are copied (bitmap over write-intent
-    /// regions); `None` copies the whole volume.
-    pub(super) regions: Option<Vec<u8>>,
-    /// Bytes the run covers (the volume, or its regions to reconcile), and
-    /// how many of them are done.
-    pub(super) total_bytes: u64,
-    pub(super) done_bytes: u64,
-    /// Everything below is copied.
-    pub(super) cursor: u64,
-    segments: VecDeque<Segment>,
-    step: Step,
-    pub(super) started_ns: u64,
-    pub(super) copied_bytes: u64,
-    pub(super) last_log_ns: u64,
-    pub(super) last_log_pct: u64,
-}
-
-impl Rebuild {
-    pub(super) fn lock(&self) -> Option<(u64, u64)> {
-        match self.step {
-            Step::Idle | Step::Scanning => None,
-            _ => self.segments.front().map(|s| (s.offset, s.end())),
-        }
-    }
-}
 
 impl Engine {
     // ---- rebuild -----------------------------------------------------------
@@ -300,7 +244,7 @@ impl Engine {
                     // Zero extents: payload_len is 0 and no buffer comes.
                     return self.on_extents(r, sub, h, &[]);
                 };
-                let parsed = wire::decode_extents(buf.as_slice());
+                let parsed = proto::decode_extents(buf.as_slice());
                 lull_net::bufs::put(buf);
                 match parsed {
                     Ok(ext) => self.on_extents(r, sub, h, &ext),

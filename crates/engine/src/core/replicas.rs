@@ -1,19 +1,20 @@
 //! Replicas and their connections: connect, probe (HELLO, INTENT_GET),
 //! send requests into a connection's slot table, route reply frames, fail
 //! a replica (and everything it had in flight), and time (request
-//! timeouts, silence, keep-alives, reconnects).
-
-use super::ids::ReplicaTarget;
+//! timeouts, silence, keep-alives, reconnects). Their state (`Replica`,
+//! `Conn`, the `Sub` in each slot) is in `types`.
 
 use lull_bdev::{IoBuf, IoOp};
 use lull_net::slots::SlotTable;
-use lull_proto::replica::{self as wire, Header, Hello, Kind, HEADER_LEN};
+use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 
-use super::detach::Detach;
-use super::ids::{ConnData, ConnId, ReplicaId, ReplicaSet};
-use super::io::{eio, IoId};
+use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, ReplicaTarget, MAX_REPLICAS};
+use super::io::eio;
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
-use super::{Action, ConnRef, Engine, LogLevel, Milestone, Payload, MAX_REPLICAS};
+use super::types::{
+    Action, CState, Conn, Detach, Engine, LogLevel, Milestone, Payload, RState, Replica, Sub,
+    SubKind,
+};
 
 /// The longest wait between attempts on a replica that cannot be
 /// authenticated: a wrong key or certificate is an operator's mistake, so
@@ -24,89 +25,6 @@ pub const AUTH_RETRY_INTERVAL_MS_MAX: u64 = 60_000;
 /// Doublings of `reconnect_interval_ms` before the cap (2 s × 2^5 = 64 s
 /// with the default interval); bounds the shift.
 const AUTH_RETRY_DOUBLINGS_MAX: u32 = 5;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum RState {
-    /// Connections being set up and probed (HELLO).
-    Connecting,
-    /// Every connection answered HELLO; waiting for an election.
-    Probed,
-    Healthy,
-    /// Receives writes, serves no reads, being (or waiting to be) rebuilt.
-    Rebuilding,
-    Failed,
-    Removed,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum CState {
-    Down,
-    Connecting,
-    /// Connected, HELLO probe sent.
-    Hello,
-    Up,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub(super) enum SubKind {
-    Client(IoId),
-    Probe,
-    /// INTENT_GET after the probe.
-    IntentGet,
-    Attach(u64),
-    Ping,
-    Rebuild(u64),
-    /// INTENT_MARK or INTENT_CLEAR of regions `[offset, offset + length)`.
-    Intent,
-    /// FLUSH or DETACH of a clean detach.
-    Detach,
-}
-
-/// One request in a connection's slot table.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Sub {
-    pub(super) what: SubKind,
-    pub(super) kind: Kind,
-    pub(super) offset: u64,
-    pub(super) length: u32,
-    pub(super) sent_ns: u64,
-}
-
-pub(super) struct Conn {
-    pub(super) state: CState,
-    pub(super) epoch: u32,
-    pub(super) slots: SlotTable<Sub>,
-    pub(super) last_rx_ns: u64,
-    pub(super) last_tx_ns: u64,
-    pub(super) ping_out: bool,
-    pub(super) probe: Option<Hello>,
-}
-
-pub(super) struct Replica {
-    pub(super) addr: ReplicaTarget,
-    pub(super) state: RState,
-    pub(super) conns: ConnData<Conn>,
-    /// Last generation the replica reported or persisted for us.
-    pub(super) generation: u64,
-    pub(super) clean: bool,
-    /// Highest generation this replica persisted at our request.
-    pub(super) attached_gen: u64,
-    pub(super) attach_in_flight: bool,
-    pub(super) errors: u64,
-    pub(super) last_error: Option<String>,
-    pub(super) retry_at_ns: u64,
-    /// Authentication failures in a row (reset when the replica accepts a
-    /// HELLO): each doubles the wait before the next attempt.
-    pub(super) auth_failures: u32,
-    pub(super) next_conn: usize,
-    /// Its write-intent bitmap (INTENT_GET after the probe), kept until
-    /// the election that uses it.
-    pub(super) intent: Option<Vec<u8>>,
-    pub(super) intent_lost: bool,
-    /// While Rebuilding: the regions to reconcile (a copy restricted to
-    /// them), or `None` for a full rebuild.
-    pub(super) reconcile: Option<Vec<u8>>,
-}
 
 impl Engine {
     pub(super) fn push_replica(&mut self, addr: ReplicaTarget) -> ReplicaId {
@@ -272,7 +190,7 @@ impl Engine {
             flags: 0,
             session: self.session,
         };
-        let payload = wire::encode_hello_request(&hello, self.replicas[r].addr.hello_name());
+        let payload = proto::encode_hello_request(&hello, self.replicas[r].addr.hello_name());
         if !self.send(
             r,
             ci,
@@ -313,7 +231,7 @@ impl Engine {
         conn.last_tx_ns = now;
         let header = Header::request(kind, id.to_wire(), offset, length);
         let mut bytes = [0u8; HEADER_LEN];
-        if let Err(e) = wire::encode_header(&header, &mut bytes) {
+        if let Err(e) = proto::encode_header(&header, &mut bytes) {
             // Our own request broke a frame limit: a bug, caught here rather
             // than by the replica.
             conn.slots.take(id.to_wire());
@@ -612,7 +530,7 @@ impl Engine {
     }
 
     fn on_probe_reply(&mut self, r: ReplicaId, ci: ConnId, h: Header, payload: Option<IoBuf>) {
-        let hello = match payload.as_ref().map(|b| wire::decode_hello(b.as_slice())) {
+        let hello = match payload.as_ref().map(|b| proto::decode_hello(b.as_slice())) {
             Some(Ok(hello)) => hello,
             Some(Err(e)) => return self.protocol_error(r, None, format!("bad HELLO reply: {e}")),
             None => return self.protocol_error(r, None, "HELLO reply without payload".into()),
@@ -683,11 +601,11 @@ impl Engine {
                 .unwrap_or(0);
             let clean = self.replicas[r].conns.iter().all(|c| {
                 c.probe
-                    .is_some_and(|p| p.flags & wire::HELLO_FLAG_CLEAN != 0)
+                    .is_some_and(|p| p.flags & proto::HELLO_FLAG_CLEAN != 0)
             });
             let lost = self.replicas[r].conns.iter().any(|c| {
                 c.probe
-                    .is_some_and(|p| p.flags & wire::HELLO_FLAG_INTENT_LOST != 0)
+                    .is_some_and(|p| p.flags & proto::HELLO_FLAG_INTENT_LOST != 0)
             });
             let rep = &mut self.replicas[r];
             rep.generation = generation;
@@ -783,8 +701,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::Event;
-    use crate::EngineOptions;
+    use crate::core::types::{EngineOptions, Event};
 
     fn connects(out: &mut Vec<Action>) -> Vec<ConnRef> {
         out.drain(..)
@@ -843,7 +760,7 @@ mod tests {
             .iter()
             .find_map(|a| match a {
                 Action::Send { conn, header, .. } if *conn == conns[0] => {
-                    Some(wire::decode_header(header).expect("HELLO header"))
+                    Some(proto::decode_header(header).expect("HELLO header"))
                 }
                 _ => None,
             })
@@ -854,7 +771,7 @@ mod tests {
             flags: 0,
             session: 0,
         };
-        let encoded = wire::encode_hello(&me);
+        let encoded = proto::encode_hello(&me);
         let mut payload = e.get_buf(encoded.len());
         payload.as_mut_slice().copy_from_slice(&encoded);
         e.apply(

@@ -1,0 +1,523 @@
+//! The types the engine core's files share: the options and limits, the
+//! events in and actions out, what operators see, and the engine's state
+//! ([`Engine`] and everything it holds: replicas and their connections,
+//! client requests, the rebuild, the generation bump, write-intent regions,
+//! the detach). Data only, with a few accessors; the behaviour is in the
+//! other files, each an `impl Engine` of one concern.
+//!
+//! ```ignore
+//! // Every file of the core imports from here and `ids`, never from
+//! // `core/mod.rs` or from the crate above it:
+//! use super::ids::{ReplicaId, ReplicaSet};
+//! use super::types::{Engine, LogLevel, Payload, RState, Sub, SubKind};
+//! ```
+//!
+//! This module imports nothing from the core but `ids` (the leaf), so no
+//! import runs in a circle: `ids` ← `types` ← the behaviour files ←
+//! `mod.rs` (which re-exports the public names).
+
+use std::collections::VecDeque;
+
+use lull_bdev::{BdevError, IoBuf, IoOp, IoRequest};
+use lull_net::shared::{SharedBuf, SharedBufs};
+use lull_net::slots::SlotTable;
+use lull_proto::replica::{Header, Hello, Kind, HEADER_LEN};
+
+use super::ids::{ConnData, ConnRef, ReplicaData, ReplicaId, ReplicaSet, ReplicaTarget};
+
+// ---- options and limits -----------------------------------------------------
+
+/// Engine settings. Defaults follow Longhorn where it has a setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// A replica silent (no reply, no keep-alive answer) or slower than this
+    /// on any request is failed. Longhorn's default is 8 s.
+    pub replica_timeout_ms: u64,
+    /// TCP connections per replica; requests spread over them.
+    pub connections_per_replica: usize,
+    /// How often a failed replica's address is tried again.
+    pub reconnect_interval_ms: u64,
+    /// An idle connection sends a PING this often.
+    pub keepalive_interval_ms: u64,
+    /// Request slots per connection: bounds in-flight I/O per connection.
+    pub slots_per_connection: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        EngineOptions {
+            replica_timeout_ms: 8000,
+            connections_per_replica: 2,
+            reconnect_interval_ms: 2000,
+            keepalive_interval_ms: 1000,
+            slots_per_connection: 128,
+        }
+    }
+}
+
+/// Channels (NBD connections) one volume serves at once. Bounds the
+/// engine's request table (`MAX_CHANNELS * CHANNEL_DEPTH`); NBD clients
+/// open 1 to 16 connections per export.
+pub const MAX_CHANNELS: usize = 64;
+
+/// Requests one channel may have in the engine. At least the NBD
+/// connection's own limit (128), so the engine is never its bottleneck; a
+/// channel at its depth returns `BdevError::Full` and retries after its own
+/// next completion (which always comes: the count only counts its own).
+pub const CHANNEL_DEPTH: usize = 256;
+
+/// Client requests the engine holds at once (queued, in flight or waiting
+/// for a generation bump): channels × `CHANNEL_DEPTH` with room to spare.
+/// Requests beyond it are refused with EAGAIN-style back-pressure at the
+/// channel.
+pub const MAX_CLIENT_IOS: usize = MAX_CHANNELS * CHANNEL_DEPTH;
+
+// ---- events in, actions out -------------------------------------------------
+
+/// A client request as the channel submitted it, and which channel.
+#[derive(Debug)]
+pub struct ClientReq {
+    /// The shell's id for the channel, given back in the completion.
+    pub channel: u64,
+    pub io: IoRequest,
+}
+
+/// What happened.
+#[derive(Debug)]
+pub enum Event {
+    Client(ClientReq),
+    /// A connection the engine asked for is established.
+    ConnUp(ConnRef),
+    /// A connection failed to connect, broke, or sent an undecodable frame.
+    ConnDown {
+        conn: ConnRef,
+        reason: String,
+    },
+    /// A connection was made but the replica could not be authenticated
+    /// (or refused this engine's credentials): failed like `ConnDown`, and
+    /// retried less and less often, since a wrong key does not fix itself.
+    AuthFailed {
+        conn: ConnRef,
+        reason: String,
+    },
+    /// A decoded frame (payload of `payload_len(&header)` bytes, if any).
+    Frame {
+        conn: ConnRef,
+        header: Header,
+        payload: Option<IoBuf>,
+    },
+    /// Time passed (timeouts, keep-alives, reconnects, progress logs).
+    Tick,
+    AddReplica(ReplicaTarget),
+    RemoveReplica(ReplicaTarget),
+    /// Detach cleanly: refuse new requests, let those in flight finish,
+    /// FLUSH and DETACH every healthy replica (they become clean).
+    Detach,
+}
+
+/// Bytes that follow a header on the wire.
+#[derive(Debug)]
+pub enum Payload {
+    None,
+    /// A HELLO record and the replica's name (none for a `lull replica`
+    /// process): made once per connection or attach, never per I/O.
+    Hello(Vec<u8>),
+    /// The first `len` bytes of a shared write buffer (shared by every
+    /// replica the write goes to; returned to the client afterwards).
+    Data {
+        buf: SharedBuf,
+        len: usize,
+    },
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Hello(h) => h,
+            Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Info,
+    Warn,
+    Error,
+}
+
+/// What to do.
+#[derive(Debug)]
+pub enum Action {
+    Send {
+        conn: ConnRef,
+        header: [u8; HEADER_LEN],
+        payload: Payload,
+    },
+    Complete {
+        channel: u64,
+        tag: u64,
+        result: Result<(), BdevError>,
+        buf: Option<IoBuf>,
+    },
+    Connect {
+        conn: ConnRef,
+        addr: ReplicaTarget,
+    },
+    Close {
+        conn: ConnRef,
+    },
+    Log {
+        level: LogLevel,
+        msg: String,
+    },
+    /// A state change of the volume, as data (its log line says the same
+    /// in words).
+    Milestone(Milestone),
+}
+
+/// A state change of the volume that an observer may count or check: the
+/// simulation asserts on these instead of matching log text; the shell
+/// drops them (it logs the line emitted with each). The engine emits them
+/// only when the volume changes state (a replica fails, an election, a
+/// copy finishes, a detach), never per request, so the data path does not
+/// pay for them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Milestone {
+    /// A replica left the volume's working set: it failed, or the operator
+    /// removed it (`removed`). `was_healthy`: it served reads until now.
+    ReplicaFailed {
+        replica: ReplicaTarget,
+        was_healthy: bool,
+        removed: bool,
+    },
+    /// The last healthy replica failed: I/O fails with EIO until one is
+    /// back.
+    NoHealthyReplica,
+    /// The first election of this engine waits for these replicas (any of
+    /// them may hold the newest data). Repeated at most every
+    /// `ELECTION_LOG_INTERVAL_NS` while it waits.
+    WaitingForReplicas { missing: Vec<ReplicaTarget> },
+    /// An election chose `source` (of `generation`) to serve; the
+    /// `reconciling` replicas have its generation but may differ from it
+    /// inside their write-intent regions.
+    Elected {
+        source: ReplicaTarget,
+        generation: u64,
+        clean: bool,
+        reconciling: Vec<ReplicaTarget>,
+    },
+    /// A rebuild (`reconcile`: restricted to write-intent regions) finished
+    /// and `replica` is healthy.
+    CopyComplete {
+        replica: ReplicaTarget,
+        reconcile: bool,
+    },
+    /// A clean detach finished; `clean` are the replicas it marked clean.
+    Detached { clean: Vec<ReplicaTarget> },
+}
+
+// ---- what operators see -----------------------------------------------------
+
+/// Where a replica stands, as reported to operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// Connecting, handshaking, or waiting for the election.
+    Connecting,
+    /// In the healthy set: receives writes and serves reads.
+    Healthy,
+    /// Out of the healthy set; retried every `reconnect_interval_ms`.
+    Failed,
+    /// Receives writes, serves no reads until the copy finishes.
+    Rebuilding { done_bytes: u64, total_bytes: u64 },
+    /// Of the source's generation but possibly different after an engine
+    /// crash: receives writes, serves no reads until the regions the
+    /// write-intent records name are copied from the source.
+    Reconciling { done_bytes: u64, total_bytes: u64 },
+}
+
+/// One replica's status (`replica_status`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    pub addr: ReplicaTarget,
+    pub state: ReplicaState,
+    pub generation: u64,
+    /// Requests in flight on its connections.
+    pub in_flight: usize,
+    /// Times it was failed.
+    pub errors: u64,
+    pub last_error: Option<String>,
+}
+
+// ---- the engine's state -----------------------------------------------------
+
+/// The engine of one volume. Its methods are in `mod.rs` (`new`, `apply`,
+/// the loop after every event, observation) and in the behaviour files.
+pub struct Engine {
+    pub(super) volume: String,
+    pub(super) size_bytes: u64,
+    pub(super) opts: EngineOptions,
+    pub(super) replicas: ReplicaData<Replica>,
+    pub(super) ios: SlotTable<ClientIo>,
+    pub(super) pending: VecDeque<IoId>,
+    /// Requests that modify data, sent and not finished, with their byte
+    /// ranges `[start, end)` beside them: every dispatch of a write checks
+    /// them all for overlap, so the check reads this one array and not
+    /// each request's entry in `ios`.
+    pub(super) writes_in_flight: Vec<(IoId, u64, u64)>,
+    pub(super) deferred: Vec<IoId>,
+    pub(super) generation: u64,
+    /// The highest generation any bump of this process has started (and
+    /// so may have sent in an ATTACH). A bump that does not finish (every
+    /// healthy replica failed) may still have reached a replica whose
+    /// acknowledgement was lost; the next bump must not reuse its number
+    /// for another healthy set, or two replicas with different data would
+    /// claim the same generation (simulator seed 208012).
+    pub(super) generation_started: u64,
+    pub(super) bump: Option<Bump>,
+    pub(super) rebuild: Option<Rebuild>,
+    pub(super) rebuild_runs: u64,
+    pub(super) read_rr: usize,
+    pub(super) election_start_ns: Option<u64>,
+    /// An election has run in this process (so `generation` is known).
+    pub(super) elected_once: bool,
+    pub(super) election_logged_ns: Option<u64>,
+    /// This engine process's session (non-zero), sent in every HELLO.
+    pub(super) session: u64,
+    pub(super) region_bytes: u64,
+    pub(super) regions: Vec<Region>,
+    pub(super) detach: Option<Detach>,
+    /// The `Arc`s write buffers are shared in, kept between writes: as many
+    /// as writes the engine can hold, so a steady load never allocates
+    /// (about 40 bytes each, 640 KiB at most).
+    pub(super) shares: SharedBufs,
+    pub(super) now: u64,
+    pub(super) out: Vec<Action>,
+    pub(super) started: bool,
+}
+
+// Replicas and their connections (`replicas`).
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RState {
+    /// Connections being set up and probed (HELLO).
+    Connecting,
+    /// Every connection answered HELLO; waiting for an election.
+    Probed,
+    Healthy,
+    /// Receives writes, serves no reads, being (or waiting to be) rebuilt.
+    Rebuilding,
+    Failed,
+    Removed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CState {
+    Down,
+    Connecting,
+    /// Connected, HELLO probe sent.
+    Hello,
+    Up,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SubKind {
+    Client(IoId),
+    Probe,
+    /// INTENT_GET after the probe.
+    IntentGet,
+    Attach(u64),
+    Ping,
+    Rebuild(u64),
+    /// INTENT_MARK or INTENT_CLEAR of regions `[offset, offset + length)`.
+    Intent,
+    /// FLUSH or DETACH of a clean detach.
+    Detach,
+}
+
+/// One request in a connection's slot table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Sub {
+    pub(super) what: SubKind,
+    pub(super) kind: Kind,
+    pub(super) offset: u64,
+    pub(super) length: u32,
+    pub(super) sent_ns: u64,
+}
+
+pub(super) struct Conn {
+    pub(super) state: CState,
+    pub(super) epoch: u32,
+    pub(super) slots: SlotTable<Sub>,
+    pub(super) last_rx_ns: u64,
+    pub(super) last_tx_ns: u64,
+    pub(super) ping_out: bool,
+    pub(super) probe: Option<Hello>,
+}
+
+pub(super) struct Replica {
+    pub(super) addr: ReplicaTarget,
+    pub(super) state: RState,
+    pub(super) conns: ConnData<Conn>,
+    /// Last generation the replica reported or persisted for us.
+    pub(super) generation: u64,
+    pub(super) clean: bool,
+    /// Highest generation this replica persisted at our request.
+    pub(super) attached_gen: u64,
+    pub(super) attach_in_flight: bool,
+    pub(super) errors: u64,
+    pub(super) last_error: Option<String>,
+    pub(super) retry_at_ns: u64,
+    /// Authentication failures in a row (reset when the replica accepts a
+    /// HELLO): each doubles the wait before the next attempt.
+    pub(super) auth_failures: u32,
+    pub(super) next_conn: usize,
+    /// Its write-intent bitmap (INTENT_GET after the probe), kept until
+    /// the election that uses it.
+    pub(super) intent: Option<Vec<u8>>,
+    pub(super) intent_lost: bool,
+    /// While Rebuilding: the regions to reconcile (a copy restricted to
+    /// them), or `None` for a full rebuild.
+    pub(super) reconcile: Option<Vec<u8>>,
+}
+
+// Client requests (`io`).
+
+/// A client request's id: its wire id in the engine's request table. It
+/// never leaves the process; the generation makes a late reference to a
+/// finished request find nothing instead of its slot's next tenant.
+pub(super) type IoId = u64;
+
+pub(super) struct ClientIo {
+    pub(super) channel: u64,
+    pub(super) tag: u64,
+    pub(super) op: IoOp,
+    pub(super) offset: u64,
+    pub(super) len: u32,
+    pub(super) data: IoData,
+    pub(super) outstanding: u32,
+    pub(super) acked: ReplicaSet,
+    /// WRITE_ZEROES with FUA: a FLUSH follows (the wire has no FUA for it).
+    pub(super) flush_after: bool,
+    /// Counted in its regions' `writes` (from dispatch to its last reply).
+    pub(super) in_regions: bool,
+}
+
+impl ClientIo {
+    pub(super) fn modifies(&self) -> bool {
+        matches!(
+            self.op,
+            IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. }
+        )
+    }
+    pub(super) fn end(&self) -> u64 {
+        self.offset + u64::from(self.len)
+    }
+}
+
+pub(super) enum IoData {
+    None,
+    /// A read's buffer, or a block status's record buffer.
+    Read(Option<IoBuf>),
+    /// A write's buffer, shared by its frames to every replica.
+    Write(SharedBuf),
+}
+
+// Rebuild and reconcile (`rebuild`).
+
+pub(super) struct Rebuild {
+    pub(super) run: u64,
+    pub(super) target: ReplicaId,
+    pub(super) source: ReplicaId,
+    /// Reconcile: only these regions are copied (bitmap over write-intent
+    /// regions); `None` copies the whole volume.
+    pub(super) regions: Option<Vec<u8>>,
+    /// Bytes the run covers (the volume, or its regions to reconcile), and
+    /// how many of them are done.
+    pub(super) total_bytes: u64,
+    pub(super) done_bytes: u64,
+    /// Everything below is copied.
+    pub(super) cursor: u64,
+    pub(super) segments: VecDeque<Segment>,
+    pub(super) step: Step,
+    pub(super) started_ns: u64,
+    pub(super) copied_bytes: u64,
+    pub(super) last_log_ns: u64,
+    pub(super) last_log_pct: u64,
+}
+
+impl Rebuild {
+    pub(super) fn lock(&self) -> Option<(u64, u64)> {
+        match self.step {
+            Step::Idle | Step::Scanning => None,
+            _ => self.segments.front().map(|s| (s.offset, s.end())),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Segment {
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) data: bool,
+    /// A hole confirmed by an EXTENTS of the source while the segment was
+    /// held; only such a hole may be trimmed on the target.
+    pub(super) verified: bool,
+}
+
+impl Segment {
+    pub(super) fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+pub(super) enum Step {
+    Idle,
+    Scanning,
+    /// Holding the front segment: waiting for overlapping writes to drain.
+    Draining,
+    /// Asking the source again, under the lock, whether a hole is still one.
+    Rechecking,
+    Reading,
+    /// Data read from the source, waiting for a slot on the target.
+    ReadDone(SharedBuf),
+    Writing,
+}
+
+// Generations (`election`), write intent (`intent`), the clean detach
+// (`detach`).
+
+pub(super) struct Bump {
+    pub(super) generation: u64,
+}
+
+/// Write-intent state of one region (see `intent`'s module doc). 24 bytes;
+/// a volume has at most `lull_proto::replica::MAX_INTENT_REGIONS` (16,384)
+/// regions, so at most 384 KiB per volume.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Region {
+    /// Replicas whose bit for this region is durable (MARK answered, or
+    /// reported by INTENT_GET before the election).
+    pub(super) marked: ReplicaSet,
+    /// Replicas with a MARK of it in flight.
+    pub(super) marking: ReplicaSet,
+    /// Replicas with a CLEAR of it in flight; writes to it wait meanwhile,
+    /// or a CLEAR overtaken by a write's MARK could erase that MARK.
+    pub(super) clearing: ReplicaSet,
+    /// Modifying client requests in flight over it.
+    pub(super) writes: u32,
+    /// When the last of them finished.
+    pub(super) last_write_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Detach {
+    /// Waiting for every request (client, MARK, CLEAR, rebuild) to finish.
+    Draining,
+    /// FLUSH sent to these replicas, not yet answered.
+    Flushing(ReplicaSet),
+    /// DETACH sent to these replicas, not yet answered.
+    Detaching(ReplicaSet),
+    Done,
+}
