@@ -170,7 +170,7 @@ impl Connection for Conn {
 impl wire::Protocol for Conn {
     type Stream = Stream;
 
-    fn link(&mut self) -> &mut Wire<Stream> {
+    fn wire(&mut self) -> &mut Wire<Stream> {
         &mut self.wire
     }
 

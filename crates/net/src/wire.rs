@@ -298,7 +298,7 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
 /// The protocol half of a server connection: what [`pump`] asks of it.
 pub trait Protocol {
     type Stream: Read + Write;
-    fn link(&mut self) -> &mut Wire<Self::Stream>;
+    fn wire(&mut self) -> &mut Wire<Self::Stream>;
     /// Work that needs no new input (device completions into replies,
     /// retries of refused requests, finished waits); whether any moved.
     fn advance(&mut self) -> bool;
@@ -344,13 +344,13 @@ pub trait Protocol {
 /// space and other connections get their turn). A connection that is
 /// finished unregisters its poller, which drops it (and closes it).
 pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollStatus {
-    let flush = |p: &mut P| crate::bufs::with_pool(|pool| p.link().flush(pool));
+    let flush = |p: &mut P| crate::bufs::with_pool(|pool| p.wire().flush(pool));
     let mut status = PollStatus::Idle;
     let mut progressed_last = false;
     for _ in 0..max_rounds {
         let mut progress = p.advance();
         progress |= flush(p);
-        if !p.link().is_closing() {
+        if !p.wire().is_closing() {
             progress |= p.read_and_dispatch();
             progress |= p.advance();
             progress |= flush(p);
@@ -367,7 +367,7 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
         return status;
     };
     let busy = p.busy();
-    if p.link().finished(busy) {
+    if p.wire().finished(busy) {
         // Unregister before the fds close (the stream and the device
         // channel drop with the connection, when the poller closure is).
         t.unregister_poller(me);
@@ -377,7 +377,7 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     p.check_invariants();
     let fd = p.completions_fd();
     let wants_write = p.stream_wants_write();
-    p.link().update_interest(t, me, fd, wants_write);
+    p.wire().update_interest(t, me, fd, wants_write);
     if progressed_last || p.completions_polled() || p.stranded_input() {
         t.wake_poller(me);
     }

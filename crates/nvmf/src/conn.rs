@@ -129,7 +129,7 @@ impl Reply {
 }
 
 pub(crate) struct Conn<S> {
-    link: Wire<S>,
+    wire: Wire<S>,
     shared: Arc<Shared>,
     phase: Phase,
     dg: Digests,
@@ -165,11 +165,11 @@ pub(crate) struct Conn<S> {
 
 impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> {
     fn fd(&self) -> RawFd {
-        self.link.fd()
+        self.wire.fd()
     }
 
     fn interest(&self) -> Interest {
-        self.link.interest()
+        self.wire.interest()
     }
 
     fn greeted(&self) -> Arc<AtomicBool> {
@@ -180,10 +180,10 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
         self.now_ns = now;
         self.socket_drained = false;
         if greeting_expired && !self.greeted.load(Ordering::Relaxed) {
-            self.link.close("no ICReq and Connect in time");
+            self.wire.close("no ICReq and Connect in time");
         }
-        if !self.link.is_closing() && self.shared.conns.stopping() {
-            self.link.close("server shutting down");
+        if !self.wire.is_closing() && self.shared.conns.stopping() {
+            self.wire.close("server shutting down");
         }
         self.watch_controller(t);
         let status = wire::pump(self, t, MAX_ROUNDS);
@@ -192,7 +192,7 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
         // idle queue may not run again until its controller goes).
         self.check_keepalive(t, now);
         self.watch_controller(t);
-        if self.link.is_closing() {
+        if self.wire.is_closing() {
             // The timer goes before the connection does (the pump may
             // have finished it: it is dropped when this call returns).
             if let Some(id) = self.kato_timer.take() {
@@ -204,7 +204,7 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
 
     fn affinity(&self) -> Option<String> {
         match &self.phase {
-            Phase::Connected(Queue { ns: Some(ns), .. }) if !self.link.is_closing() => {
+            Phase::Connected(Queue { ns: Some(ns), .. }) if !self.wire.is_closing() => {
                 Some(ns.volume.name.clone())
             }
             _ => None,
@@ -215,16 +215,16 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
 impl<S: Read + Write> wire::Protocol for Conn<S> {
     type Stream = S;
 
-    fn link(&mut self) -> &mut Wire<S> {
-        &mut self.link
+    fn wire(&mut self) -> &mut Wire<S> {
+        &mut self.wire
     }
 
     fn advance(&mut self) -> bool {
         let reaped = self.reap();
         let retried = self.retry_submit();
         let evented = self.deliver_event();
-        if self.disconnecting && !self.link.is_closing() && self.slots.is_empty() {
-            self.link.close("host sent Disconnect");
+        if self.disconnecting && !self.wire.is_closing() && self.slots.is_empty() {
+            self.wire.close("host sent Disconnect");
         }
         reaped | retried | evented
     }
@@ -233,7 +233,7 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
         let mut progress = false;
         let mut budget = READ_BUDGET_BYTES;
         loop {
-            if self.link.is_closing() || self.disconnecting {
+            if self.wire.is_closing() || self.disconnecting {
                 break;
             }
             let moved = self.step();
@@ -245,8 +245,8 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
                 break;
             }
             let in_flight = self.slots.in_flight();
-            let n = self.link.fill(in_flight, "host disconnected");
-            self.socket_drained = self.link.inb.drained();
+            let n = self.wire.fill(in_flight, "host disconnected");
+            self.socket_drained = self.wire.inb.drained();
             if n == 0 {
                 break;
             }
@@ -307,7 +307,7 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
 impl<S: Read + Write> Conn<S> {
     pub(crate) fn new(stream: S, fd: RawFd, peer: String, shared: Arc<Shared>) -> Conn<S> {
         Conn {
-            link: Wire::new(stream, fd, INBUF_BYTES, "NVMe/TCP", peer),
+            wire: Wire::new(stream, fd, INBUF_BYTES, "NVMe/TCP", peer),
             shared,
             phase: Phase::Init,
             dg: Digests::default(),
@@ -337,7 +337,7 @@ impl<S: Read + Write> Conn<S> {
         let Phase::Connected(q) = &self.phase else {
             return;
         };
-        if self.link.is_closing() {
+        if self.wire.is_closing() {
             return;
         }
         let Some(me) = t.current_poller() else {
@@ -366,12 +366,12 @@ impl<S: Read + Write> Conn<S> {
                 match r {
                     Ok(id) => self.kato_timer = Some(id),
                     Err(e) => {
-                        tracing::warn!(peer = %self.link.peer(), error = %e, "no keep-alive timer: KATO not enforced on this controller")
+                        tracing::warn!(peer = %self.wire.peer(), error = %e, "no keep-alive timer: KATO not enforced on this controller")
                     }
                 }
             }
         } else if !q.ctrl.alive() {
-            self.link
+            self.wire
                 .close("controller gone (its admin queue closed or timed out)");
         } else if self.waker != Some(me) {
             q.ctrl.add_io_waker(t.handle(), me);
@@ -385,14 +385,14 @@ impl<S: Read + Write> Conn<S> {
         let Phase::Connected(q) = &self.phase else {
             return false;
         };
-        if q.qid != 0 || self.aers.is_empty() || self.link.is_closing() {
+        if q.qid != 0 || self.aers.is_empty() || self.wire.is_closing() {
             return false;
         }
         let Some(dw0) = q.ctrl.take_event() else {
             return false;
         };
         let cid = self.aers.remove(0);
-        tracing::info!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, cid, "asynchronous event: namespace attribute changed");
+        tracing::info!(peer = %self.wire.peer(), cntlid = q.ctrl.cntlid, cid, "asynchronous event: namespace attribute changed");
         self.respond(cid, Reply::dw0(dw0));
         true
     }
@@ -403,15 +403,15 @@ impl<S: Read + Write> Conn<S> {
         let Phase::Connected(q) = &self.phase else {
             return;
         };
-        if q.qid != 0 || self.link.is_closing() {
+        if q.qid != 0 || self.wire.is_closing() {
             return;
         }
         let kato_ms = q.ctrl.kato_ms();
         let idle_ns = now.saturating_sub(q.ctrl.last_keepalive_ns());
         let limit_ns = u64::from(kato_ms) * 1_000_000 * KATO_SLACK_PERCENT / 100;
         if kato_ms > 0 && idle_ns > limit_ns {
-            tracing::warn!(peer = %self.link.peer(), cntlid = q.ctrl.cntlid, kato_ms, "keep-alive timeout: tearing the controller down");
-            self.link
+            tracing::warn!(peer = %self.wire.peer(), cntlid = q.ctrl.cntlid, kato_ms, "keep-alive timeout: tearing the controller down");
+            self.wire
                 .close(format!("keep-alive timeout ({kato_ms} ms)"));
             if let Some(me) = t.current_poller() {
                 t.wake_poller(me);
@@ -430,16 +430,16 @@ impl<S: Read + Write> Conn<S> {
     /// Whether reading more input could make progress (back-pressure: a
     /// retry pending, or too many reply bytes queued).
     fn can_read(&self) -> bool {
-        self.retry.is_none() && self.link.out.bytes() < MAX_REPLY_QUEUE_BYTES
+        self.retry.is_none() && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
     }
 
     /// End the connection for a transport error: a C2HTermReq echoing the
     /// offending header, a log line, and a close.
     fn fatal(&mut self, err: &PduError, offending: &[u8]) {
-        tracing::warn!(peer = %self.link.peer(), error = %err, "fatal NVMe/TCP transport error; sending C2HTermReq");
+        tracing::warn!(peer = %self.wire.peer(), error = %err, "fatal NVMe/TCP transport error; sending C2HTermReq");
         let term = pdu::c2h_term_req(err, offending);
-        self.link.push(&[], Payload::Bytes(term));
-        self.link.close(format!("transport error: {err}"));
+        self.wire.push(&[], Payload::Bytes(term));
+        self.wire.close(format!("transport error: {err}"));
     }
 
     /// Parse and handle one whole PDU from the input buffer.
@@ -447,7 +447,7 @@ impl<S: Read + Write> Conn<S> {
         if !self.can_read() {
             return false;
         }
-        let buffered = self.link.inb.peek();
+        let buffered = self.wire.inb.peek();
         let Some(ch) = pdu::common_header(buffered) else {
             return false;
         };
@@ -471,7 +471,7 @@ impl<S: Read + Write> Conn<S> {
                 // Copy out what outlives the input buffer, then consume.
                 match p {
                     Pdu::IcReq(r) if !ic_done => {
-                        self.link.inb.consume(used);
+                        self.wire.inb.consume(used);
                         self.on_icreq(r);
                     }
                     Pdu::CapsuleCmd { sqe, data } => {
@@ -482,12 +482,12 @@ impl<S: Read + Write> Conn<S> {
                             b.as_mut_slice()[..data.len()].copy_from_slice(data);
                             Some(b)
                         };
-                        self.link.inb.consume(used);
+                        self.wire.inb.consume(used);
                         self.on_capsule(Sqe(sqe), data);
                     }
                     Pdu::H2CData { hdr, data } => {
                         let r = Self::place_h2c(&mut self.slots, &hdr, data);
-                        self.link.inb.consume(used);
+                        self.wire.inb.consume(used);
                         match r {
                             Ok(Some(slot)) => self.data_complete(slot),
                             Ok(None) => {}
@@ -504,10 +504,10 @@ impl<S: Read + Write> Conn<S> {
                         }
                     }
                     Pdu::TermReq { fes, fei, .. } => {
-                        self.link.inb.consume(used);
-                        tracing::warn!(peer = %self.link.peer(), fes, fei, "host sent H2CTermReq");
-                        self.link.set_broken();
-                        self.link
+                        self.wire.inb.consume(used);
+                        tracing::warn!(peer = %self.wire.peer(), fes, fei, "host sent H2CTermReq");
+                        self.wire.set_broken();
+                        self.wire
                             .close("host terminated the connection (H2CTermReq)");
                     }
                     Pdu::IcReq(..)
@@ -515,7 +515,7 @@ impl<S: Read + Write> Conn<S> {
                     | Pdu::CapsuleResp { .. }
                     | Pdu::C2HData { .. }
                     | Pdu::R2t(..) => {
-                        let head = self.link.inb.peek()[..pdu::CH_LEN].to_vec();
+                        let head = self.wire.inb.peek()[..pdu::CH_LEN].to_vec();
                         self.fatal(&PduError::Sequence(ch.pdu_type), &head);
                     }
                 }
@@ -525,17 +525,17 @@ impl<S: Read + Write> Conn<S> {
                 // The command is intact (its header digest, if any, was
                 // good); its data is not: a retryable error for it alone.
                 let sqe = Sqe(buffered[8..72].try_into().unwrap_or([0; 64]));
-                self.link.inb.consume(ch.plen as usize);
+                self.wire.inb.consume(ch.plen as usize);
                 self.advance_sqhd();
-                tracing::warn!(peer = %self.link.peer(), cid = sqe.cid(), "data digest error in a command capsule");
+                tracing::warn!(peer = %self.wire.peer(), cid = sqe.cid(), "data digest error in a command capsule");
                 self.respond(sqe.cid(), Reply::status(Status::TRANSIENT_TRANSPORT_ERROR));
                 true
             }
             Err(PduError::DataDigest(t)) if t == pdu::TYPE_H2C_DATA => {
                 let cccid = u16::from_le_bytes([buffered[8], buffered[9]]);
                 let ttag = u16::from_le_bytes([buffered[10], buffered[11]]);
-                self.link.inb.consume(ch.plen as usize);
-                tracing::warn!(peer = %self.link.peer(), cid = cccid, "data digest error in H2CData");
+                self.wire.inb.consume(ch.plen as usize);
+                tracing::warn!(peer = %self.wire.peer(), cid = cccid, "data digest error in H2CData");
                 if let Some(id) = self.find_receiving(ttag, cccid) {
                     if let Some(mut c) = self.slots.take(id.to_wire()) {
                         if let Some(b) = c.buf.take() {
@@ -571,9 +571,9 @@ impl<S: Read + Write> Conn<S> {
             }),
             Digests::default(),
         );
-        self.link.push(&[], Payload::Bytes(resp));
+        self.wire.push(&[], Payload::Bytes(resp));
         self.phase = Phase::Connecting;
-        tracing::debug!(peer = %self.link.peer(), hdgst = r.digests.header, ddgst = r.digests.data, hpda = r.hpda, "ICReq");
+        tracing::debug!(peer = %self.wire.peer(), hdgst = r.digests.header, ddgst = r.digests.data, hpda = r.hpda, "ICReq");
     }
 
     fn advance_sqhd(&mut self) {
@@ -660,7 +660,7 @@ impl<S: Read + Write> Conn<S> {
                     r2tl: len as u32,
                 };
                 let h = pdu::r2t_header(&r2t, self.dg);
-                self.link.push(h.as_slice(), Payload::None);
+                self.wire.push(h.as_slice(), Payload::None);
             }
             _ => {
                 if let Some(b) = data {
@@ -803,7 +803,7 @@ impl<S: Read + Write> Conn<S> {
 
     fn send_resp(&mut self, cqe: Cqe) {
         let h = pdu::capsule_resp_header(&cqe.encode(), self.dg);
-        self.link.push(h.as_slice(), Payload::None);
+        self.wire.push(h.as_slice(), Payload::None);
     }
 
     /// Whether a successful command's data may carry SUCCESS (and so no
@@ -842,14 +842,14 @@ impl<S: Read + Write> Conn<S> {
             buf.set_len(len);
         }
         if h.len() <= lull_net::MAX_HEADER_LEN {
-            self.link.push(h.as_slice(), Payload::Buf(buf));
+            self.wire.push(h.as_slice(), Payload::Buf(buf));
         } else {
             // Padded to a large HPDA: longer than a frame header.
-            self.link.push(&[], Payload::Bytes(h.as_slice().to_vec()));
-            self.link.push(&[], Payload::Buf(buf));
+            self.wire.push(&[], Payload::Bytes(h.as_slice().to_vec()));
+            self.wire.push(&[], Payload::Buf(buf));
         }
         if let Some(d) = ddgst {
-            self.link.push(&d.to_le_bytes(), Payload::None);
+            self.wire.push(&d.to_le_bytes(), Payload::None);
         }
     }
 
@@ -905,7 +905,7 @@ impl<S: Read + Write> Conn<S> {
             Ok(d) => d,
             Err(off) => return invalid(true, off),
         };
-        let peer = self.link.peer().to_string();
+        let peer = self.wire.peer().to_string();
         let discovery = d.subnqn == spec::DISCOVERY_NQN;
         // A discovery controller has no volume (and no I/O queues).
         let volume = if discovery {
@@ -978,7 +978,7 @@ impl<S: Read + Write> Conn<S> {
         }
         tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, "queue connected");
         let what = volume.as_ref().map_or("discovery", |v| v.name.as_str());
-        self.link
+        self.wire
             .set_context(&format!("{what} ctrl {cntlid} q{qid}"));
         self.phase = Phase::Connected(Queue {
             qid,
@@ -1055,7 +1055,7 @@ impl<S: Read + Write> Conn<S> {
             // Nothing is ever aborted: dw0 bit 0 says "not aborted".
             spec::ADMIN_ABORT => Reply::dw0(1),
             op => {
-                tracing::debug!(peer = %self.link.peer(), opcode = op, "unsupported admin command");
+                tracing::debug!(peer = %self.wire.peer(), opcode = op, "unsupported admin command");
                 Reply::status(Status::INVALID_OPCODE)
             }
         }
@@ -1296,7 +1296,7 @@ impl<S: Read + Write> Conn<S> {
     /// A device request finished (`now_ns`: when it was reaped).
     fn complete(&mut self, c: IoCompletion, now_ns: u64) {
         let Some(cmd) = self.slots.take(c.tag) else {
-            tracing::error!(peer = %self.link.peer(), tag = c.tag, "completion for an unknown slot");
+            tracing::error!(peer = %self.wire.peer(), tag = c.tag, "completion for an unknown slot");
             return;
         };
         let cid = cmd.sqe.cid();
@@ -1340,7 +1340,7 @@ impl<S: Read + Write> Conn<S> {
                 self.respond(cid, Reply::ok());
             }
             Err(e) => {
-                tracing::warn!(peer = %self.link.peer(), cid, opcode = opc, error = %e, "I/O failed");
+                tracing::warn!(peer = %self.wire.peer(), cid, opcode = opc, error = %e, "I/O failed");
                 if let Some(b) = c.buf {
                     bufs::put(b);
                 }

@@ -226,7 +226,7 @@ impl Connection for Conn {
 impl wire::Protocol for Conn {
     type Stream = LinkStream;
 
-    fn link(&mut self) -> &mut Wire<LinkStream> {
+    fn wire(&mut self) -> &mut Wire<LinkStream> {
         &mut self.wire
     }
 

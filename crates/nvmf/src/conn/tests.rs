@@ -133,11 +133,11 @@ impl Host {
         for _ in 0..100 {
             let c = &mut self.conn;
             let mut p = c.advance();
-            p |= bufs::with_pool(|pool| c.link.flush(pool));
-            if !c.link.is_closing() {
+            p |= bufs::with_pool(|pool| c.wire.flush(pool));
+            if !c.wire.is_closing() {
                 p |= Protocol::read_and_dispatch(c);
                 p |= c.advance();
-                p |= bufs::with_pool(|pool| c.link.flush(pool));
+                p |= bufs::with_pool(|pool| c.wire.flush(pool));
             } else {
                 p |= c.abandon_input();
             }
@@ -149,7 +149,7 @@ impl Host {
     }
 
     fn send_raw(&mut self, bytes: &[u8]) -> Vec<Got> {
-        self.conn.link.stream.input.extend_from_slice(bytes);
+        self.conn.wire.stream.input.extend_from_slice(bytes);
         self.run();
         self.take()
     }
@@ -167,7 +167,7 @@ impl Host {
     fn take(&mut self) -> Vec<Got> {
         let mut got = Vec::new();
         loop {
-            let out = &self.conn.link.stream.out[self.seen..];
+            let out = &self.conn.wire.stream.out[self.seen..];
             let dg = if got.is_empty() && self.dg == Digests::default() {
                 Digests::default()
             } else {
@@ -510,7 +510,7 @@ fn io_queue_reads_and_writes_the_volume() {
     let mut s = sqe(spec::OPC_FABRICS, 32, 0, &[]);
     s[4] = spec::FCTYPE_DISCONNECT;
     ok(&h.cmd(s, &[])[0]);
-    assert!(h.conn.link.is_closing());
+    assert!(h.conn.wire.is_closing());
 }
 
 /// An I/O queue on controller `cntlid`.
@@ -792,7 +792,7 @@ fn a_deleted_volume_completes_the_async_event_request() {
     );
     ok(&io.cmd(sqe(spec::NVM_FLUSH, 4, 1, &[]), &[])[0]);
     ok(&a.cmd(sqe(spec::ADMIN_KEEP_ALIVE, 48, 0, &[]), &[])[0]);
-    assert!(!a.conn.link.is_closing() && !io.conn.link.is_closing());
+    assert!(!a.conn.wire.is_closing() && !io.conn.wire.is_closing());
     // A new host cannot connect to the deleted volume's subsystem.
     let mut c = Host::new(&shared);
     c.ic(Digests::default());
@@ -1103,7 +1103,7 @@ fn an_io_queue_before_enable_or_unknown_pdus_fail_cleanly() {
             fei: 0
         }]
     );
-    assert!(h.conn.link.is_closing());
+    assert!(h.conn.wire.is_closing());
     // A command before ICReq: a sequence error.
     let mut h = Host::new(&shared);
     let got = h.send(&Pdu::CapsuleCmd {
@@ -1193,13 +1193,13 @@ fn a_drained_socket_is_not_read_again_in_the_same_run() {
     let mut h = io_queue(&shared, cntlid, NQN);
     write_at(&mut h, 1, 8, &[0x5A; 4096]);
 
-    let reads = h.conn.link.stream.reads;
+    let reads = h.conn.wire.stream.reads;
     let mut s = sqe(spec::NVM_READ, 2, 1, &[(10, 8), (12, 7)]);
     set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
     let got = h.cmd(s, &[]);
     assert!(matches!(&got[0], Got::Data { cid: 2, data, .. } if data == &[0x5A; 4096]));
     ok(&got[1]);
-    assert_eq!(h.conn.link.stream.reads - reads, 1, "one read per command");
+    assert_eq!(h.conn.wire.stream.reads - reads, 1, "one read per command");
 
     // Half a command, then the rest in a later run.
     let bytes = pdu::encode(&Pdu::CapsuleCmd { sqe: s, data: &[] }, h.dg);
@@ -1212,11 +1212,11 @@ fn a_drained_socket_is_not_read_again_in_the_same_run() {
     // A short read that leaves bytes behind (a socket that had only part
     // of them): the rest waits for the next run, as the socket, watched
     // level-triggered, is reported again.
-    h.conn.link.stream.read_max = bytes.len() + 10;
-    let reads = h.conn.link.stream.reads;
+    h.conn.wire.stream.read_max = bytes.len() + 10;
+    let reads = h.conn.wire.stream.reads;
     let got = h.send_raw(&[&bytes[..], &bytes[..]].concat());
     assert_eq!(got.len(), 2, "the first command only: {got:?}");
-    assert_eq!(h.conn.link.stream.reads - reads, 1);
+    assert_eq!(h.conn.wire.stream.reads - reads, 1);
     h.run();
     let got = h.take();
     assert_eq!(got.len(), 2, "then the second: {got:?}");
@@ -1235,9 +1235,9 @@ fn an_idle_queue_pair_is_small() {
     let mut h = Host::new(&shared);
     h.ic(Digests::default());
     ok(&h.connect(0, 0xFFFF, NQN));
-    h.conn.link.inb.release();
+    h.conn.wire.inb.release();
     assert!(
-        !h.conn.link.inb.is_held(),
+        !h.conn.wire.inb.is_held(),
         "an idle queue pair holds no input buffer"
     );
 }
@@ -1260,10 +1260,10 @@ proptest! {
                 ok(&h.connect(0, 0xFFFF, NQN));
             }
         }
-        h.conn.link.stream.input.extend_from_slice(&bytes);
+        h.conn.wire.stream.input.extend_from_slice(&bytes);
         h.run();
-        let out = &h.conn.link.stream.out[h.seen..];
-        if h.conn.link.is_closing() && !h.conn.link.is_broken() {
+        let out = &h.conn.wire.stream.out[h.seen..];
+        if h.conn.wire.is_closing() && !h.conn.wire.is_broken() {
             // The last thing written is a TermReq.
             let pos = out.iter().rposition(|&b| b == pdu::TYPE_C2H_TERM_REQ);
             prop_assert!(pos.is_some(), "closed without a TermReq");
