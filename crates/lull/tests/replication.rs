@@ -249,13 +249,50 @@ impl Drop for Replica {
     }
 }
 
-fn serve(volumes: &[String]) -> Server {
-    let mut args: Vec<&str> = vec!["--replica-insecure"];
+/// A `lull serve` from [`serve`]: the server, then its directory (fields
+/// drop in order: the server stops before its socket's directory goes).
+struct Engine {
+    server: Server,
+    _dir: common::Scratch,
+}
+
+impl std::ops::Deref for Engine {
+    type Target = Server;
+
+    fn deref(&self) -> &Server {
+        &self.server
+    }
+}
+
+impl std::ops::DerefMut for Engine {
+    fn deref_mut(&mut self) -> &mut Server {
+        &mut self.server
+    }
+}
+
+/// `lull serve` with these volumes and an RPC socket of its own: on the
+/// shared default (/var/tmp/lull.sock) a server started at the same
+/// instant as another one can have its socket replaced, and then hangs
+/// on SIGTERM (its RPC stop wakes the other server's accept thread
+/// instead of its own, and waits for its own forever).
+fn serve(volumes: &[String]) -> Engine {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = common::Scratch::new(&format!("lull-repl-engine-{n}"));
+    let sock = dir.join("rpc.sock");
+    let mut args: Vec<&str> = vec![
+        "--replica-insecure",
+        "--rpc-socket",
+        sock.to_str().expect("a UTF-8 path"),
+    ];
     for v in volumes {
         args.push("--volume");
         args.push(v);
     }
-    Server::start(&args)
+    Engine {
+        server: Server::start(&args),
+        _dir: dir,
+    }
 }
 
 /// `NAME:SIZE:replicas=T+T` for these replicas (their [`Replica::target`]).
@@ -1274,40 +1311,54 @@ mod crash {
 
 // ---- block status and fast zero on a replicated volume (issue 12) ---------
 
-/// A replicated volume reports its holes (the replica protocol's
-/// BLOCK_STATUS, asked of a healthy replica): a fresh one is one hole, a
-/// write is data, and WRITE_ZEROES punches the hole back on the replica.
-/// Fast zeros are refused with NBD_ENOTSUP (the client writes zeros
-/// itself: the replica protocol has no fast zero), while plain zeros and
-/// structured reads work. crates/lull/tests/sparse_replicated.rs has the
-/// 2-replica maps and copies.
 #[test]
 fn replicated_volume_reports_holes_and_refuses_fast_zero() {
-    require("nbdinfo", "libnbd-bin");
-    let a = free_port();
-    let ra = Replica::start(Kind::Process, a, &scratch("bs-a"));
-    let mut server = serve(&[spec("vol0", &[&ra])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let uri = format!("nbd://{}/vol0", server.addr());
-    let map = || {
-        let out = Command::new("nbdinfo")
-            .args(["--map", &uri])
-            .output()
-            .expect("nbdinfo");
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(out.status.success(), "nbdinfo --map: {text}");
-        text.lines()
-            .map(|l| l.split_whitespace().map(str::to_string).collect())
-            .collect::<Vec<Vec<String>>>()
-    };
-    let one_hole = [vec![
-        "0".to_string(),
-        VOLUME_BYTES.to_string(),
-        "3".into(),
-        "hole,zero".into(),
-    ]];
-    assert_eq!(map(), one_hole);
-    let script = r#"
+    block_status::replicated_volume_reports_holes_and_refuses_fast_zero(Kind::Process);
+}
+
+#[test]
+fn replicated_volume_reports_holes_and_refuses_fast_zero_on_store_replicas() {
+    block_status::replicated_volume_reports_holes_and_refuses_fast_zero(Kind::Store);
+}
+
+/// What a replicated volume says about its holes, on either kind of
+/// replica.
+mod block_status {
+    use super::*;
+
+    /// A replicated volume reports its holes (the replica protocol's
+    /// BLOCK_STATUS, asked of a healthy replica): a fresh one is one hole, a
+    /// write is data, and WRITE_ZEROES punches the hole back on the replica.
+    /// Fast zeros are refused with NBD_ENOTSUP (the client writes zeros
+    /// itself: the replica protocol has no fast zero), while plain zeros and
+    /// structured reads work. crates/lull/tests/sparse_replicated.rs has the
+    /// 2-replica maps and copies.
+    pub(super) fn replicated_volume_reports_holes_and_refuses_fast_zero(kind: Kind) {
+        require("nbdinfo", "libnbd-bin");
+        let a = free_port();
+        let ra = Replica::start(kind, a, &scratch_of(kind, "bs-a"));
+        let mut server = serve(&[spec("vol0", &[&ra])]);
+        let _ = read_when_ready(&server, "vol0", 0, 4096);
+        let uri = format!("nbd://{}/vol0", server.addr());
+        let map = || {
+            let out = Command::new("nbdinfo")
+                .args(["--map", &uri])
+                .output()
+                .expect("nbdinfo");
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(out.status.success(), "nbdinfo --map: {text}");
+            text.lines()
+                .map(|l| l.split_whitespace().map(str::to_string).collect())
+                .collect::<Vec<Vec<String>>>()
+        };
+        let one_hole = [vec![
+            "0".to_string(),
+            VOLUME_BYTES.to_string(),
+            "3".into(),
+            "hole,zero".into(),
+        ]];
+        assert_eq!(map(), one_hole);
+        let script = r#"
 import sys, nbd
 h = nbd.NBD()
 h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
@@ -1332,17 +1383,18 @@ assert h.pread_structured(65536, 0, lambda *a: 0) == bytearray(65536)
 h.shutdown()
 print("ok")
 "#;
-    let out = Command::new("/usr/bin/python3")
-        .args(["-c", script, &uri])
-        .output()
-        .expect("python3 (install python3-libnbd)");
-    assert!(
-        out.status.success(),
-        "libnbd checks failed (python3-libnbd installed?):\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The zeroed write is a hole again on the replica.
-    assert_eq!(map(), one_hole);
-    server.assert_healthy();
+        let out = Command::new("/usr/bin/python3")
+            .args(["-c", script, &uri])
+            .output()
+            .expect("python3 (install python3-libnbd)");
+        assert!(
+            out.status.success(),
+            "libnbd checks failed (python3-libnbd installed?):\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The zeroed write is a hole again on the replica.
+        assert_eq!(map(), one_hole);
+        server.assert_healthy();
+    }
 }

@@ -320,6 +320,8 @@ pub struct RpcServer {
     ino: u64,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
+    /// Closed at stop: wakes the accept thread.
+    wake: Option<std::io::PipeWriter>,
     conns: Arc<ConnSet<UnixStream>>,
 }
 
@@ -337,12 +339,26 @@ impl RpcServer {
         let (listener, ino) = bind_private(path)?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns = ConnSet::new(MAX_RPC_CONNECTIONS);
+        // The accept thread waits on the listener and on this pipe; a stop
+        // closes the write end. (Connecting to our own path to wake it is
+        // not enough: another server may have renamed its socket over the
+        // path since, and the wake-up would reach that one.)
+        let (wake_rx, wake) = match std::io::pipe().and_then(|p| {
+            listener.set_nonblocking(true)?;
+            Ok(p)
+        }) {
+            Ok(p) => p,
+            Err(e) => {
+                remove_if_ours(path, ino);
+                return Err(RpcError::Thread(e));
+            }
+        };
         let accept = {
             let stop = stop.clone();
             let conns = conns.clone();
             std::thread::Builder::new()
                 .name("rpc-accept".into())
-                .spawn(move || accept_loop(listener, registry, stop, conns))
+                .spawn(move || accept_loop(listener, wake_rx, registry, stop, conns))
                 .map_err(RpcError::Thread)
         };
         let accept = match accept {
@@ -358,6 +374,7 @@ impl RpcServer {
             ino,
             stop,
             accept: Some(accept),
+            wake: Some(wake),
             conns,
         })
     }
@@ -376,13 +393,9 @@ impl RpcServer {
             return;
         };
         self.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a connection of our own.
-        let woke = UnixStream::connect(&self.path).is_ok();
-        if woke {
-            let _ = accept.join();
-        } else {
-            tracing::warn!(path = %self.path.display(), "cannot wake the RPC accept thread; leaving it");
-        }
+        // Closing the pipe's write end wakes the accept thread's poll.
+        drop(self.wake.take());
+        let _ = accept.join();
         let left = self.conns.close_all(SHUTDOWN_WAIT);
         if left > 0 {
             tracing::warn!(connections = left, "RPC connections still busy at stop");
@@ -468,16 +481,37 @@ fn bind_private(path: &Path) -> Result<(UnixListener, u64), RpcError> {
 
 fn accept_loop(
     listener: UnixListener,
+    wake: std::io::PipeReader,
     registry: Arc<MethodRegistry>,
     stop: Arc<AtomicBool>,
     conns: Arc<ConnSet<UnixStream>>,
 ) {
-    for conn in listener.incoming() {
+    use rustix::event::{poll, PollFd, PollFlags};
+    loop {
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let stream = match conn {
-            Ok(s) => s,
+        let mut fds = [
+            PollFd::new(&listener, PollFlags::IN),
+            PollFd::new(&wake, PollFlags::IN),
+        ];
+        if let Err(e) = poll(&mut fds, None) {
+            if e != rustix::io::Errno::INTR {
+                tracing::warn!(error = %e, "RPC accept: poll failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            continue;
+        }
+        if !fds[1].revents().is_empty() {
+            // The write end closed: a stop.
+            return;
+        }
+        let stream = match listener.accept() {
+            // The listener is non-blocking for the poll; a connection is
+            // served with blocking reads and writes under its timeouts.
+            Ok((s, _)) if s.set_nonblocking(false).is_ok() => s,
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
                 tracing::warn!(error = %e, "RPC accept failed");

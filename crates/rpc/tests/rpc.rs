@@ -1239,3 +1239,27 @@ fn make_pki(dir: &Path) {
         ]);
     }
 }
+
+/// A stop must not depend on the socket path still being ours: two servers
+/// starting on one path at the same instant may both bind, and the later
+/// rename wins. The stop of the other one used to wake its accept thread by
+/// connecting to the path, reached the winner instead, and waited forever.
+#[test]
+fn stop_returns_when_another_socket_was_renamed_over_the_path() {
+    let dir = TempDir::new();
+    let path = dir.0.join("rpc.sock");
+    let server = RpcServer::start(&path, Arc::new(MethodRegistry::new())).unwrap();
+    let other_path = dir.0.join("other.sock");
+    let other = UnixListener::bind(&other_path).unwrap();
+    std::fs::rename(&other_path, &path).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        server.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the stop returned while another server owns the path");
+    // The winner's socket file is not removed by the loser's stop.
+    assert!(path.exists());
+    drop(other);
+}
