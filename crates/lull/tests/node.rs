@@ -510,6 +510,14 @@ fn bad_input_is_refused_and_nothing_is_created_half_way() {
     assert!(!status.success());
     assert!(err.contains("volumes.json: corrupt at byte"), "{err}");
     std::fs::write(&volumes, &vtext).expect("restore");
+    // A volume recorded by the node and declared by --volume as well: the
+    // daemon refuses to start rather than pick one.
+    let mut twice = Node::new(&dir, "c");
+    twice.replica_port = c.replica_port;
+    twice.extra = vec!["--volume".into(), "good:8M:malloc".into()];
+    let (status, err) = twice.start_fails();
+    assert!(!status.success());
+    assert!(err.contains("\"good\" is declared by --volume"), "{err}");
     // Both back: everything is there.
     let _sa = a.start();
     let _sc = c.start();
