@@ -15,7 +15,7 @@ use lull_bdev::{Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
-use lull_net::wire::{self, Wire};
+use lull_net::wire::{self, Receive as _, Recv, Submissions, Wire};
 use lull_net::{bufs, shared, Payload};
 use lull_proto::nbd::structured::{self, BlockExtent, ReadPiece};
 use lull_proto::nbd::{
@@ -68,24 +68,6 @@ struct InFlight {
     start_ns: u64,
 }
 
-enum Recv {
-    /// Waiting for a request header.
-    Header,
-    /// Receiving the payload of the write in `slot` into `buf`.
-    Payload {
-        slot: SlotId,
-        req: Request,
-        buf: IoBuf,
-        filled: usize,
-    },
-    /// Discarding the payload of a refused write before its error reply.
-    Drain {
-        remaining: u64,
-        cookie: u64,
-        error: u32,
-    },
-}
-
 enum Phase {
     Handshake(ServerHandshake),
     Transmission {
@@ -113,13 +95,11 @@ pub(crate) struct Conn {
     /// deepest queue (at most `MAX_IN_FLIGHT`), so an idle or QD1
     /// connection keeps a few slots, not 128.
     slots: SlotTable<InFlight>,
-    recv: Recv,
-    /// A request the device refused as full; retried before reading more.
-    retry: Option<IoRequest>,
-    /// Requests queued on the channel and not pushed yet: `advance`
-    /// pushes them once per batch (one `io_uring_enter` for every request
-    /// of a socket read, not one each).
-    unflushed: bool,
+    /// Between requests, or in a write's payload (`lull_net::wire`).
+    recv: Recv<Request>,
+    /// A request the device refused as full, and requests queued and not
+    /// pushed yet (`advance` pushes them once per batch).
+    subs: Submissions<IoRequest>,
     pub(crate) handshake_done: Arc<AtomicBool>,
     /// STARTTLS was acknowledged: once the ACK is written, the stream
     /// moves into a TLS session. No plaintext is read meanwhile.
@@ -185,7 +165,15 @@ impl wire::Protocol for Conn {
     }
 
     fn read_and_dispatch(&mut self) -> bool {
-        Conn::read_and_dispatch(self)
+        wire::read_and_dispatch(self, READ_BUDGET_BYTES)
+    }
+
+    /// Closing in the middle of a write payload (a stop, a protocol error
+    /// on the other half): the half-received write's slot is given back,
+    /// so the connection can finish instead of waiting for bytes it will
+    /// never read (it held the slot until the stop timeout before).
+    fn abandon_input(&mut self) -> bool {
+        wire::abandon_frame(self)
     }
 
     fn busy(&self) -> bool {
@@ -207,7 +195,7 @@ impl wire::Protocol for Conn {
             // wake us, so poll until there is room.
             Phase::Transmission { channel, .. } => {
                 (channel.polled() && channel.in_flight() > 0)
-                    || (self.retry.is_some() && channel.in_flight() == 0)
+                    || (self.subs.holding() && channel.in_flight() == 0)
             }
             Phase::Handshake(_) => false,
         }
@@ -221,6 +209,96 @@ impl wire::Protocol for Conn {
         matches!(&self.wire.stream, Stream::Tls(s) if s.pending() > 0)
             && !self.wire.is_closing()
             && self.wants_input()
+    }
+}
+
+impl wire::Receive for Conn {
+    const EOF_REASON: &'static str = "client disconnected";
+
+    fn step(&mut self) -> bool {
+        match self.phase {
+            Phase::Handshake(_) => self.handshake_step(),
+            Phase::Transmission { .. } => wire::step_frame(self),
+        }
+    }
+
+    fn wants_input(&self) -> bool {
+        match &self.phase {
+            // The TLS handshake reads the socket itself.
+            Phase::Handshake(_) => !self.starting_tls && !self.tls_handshaking(),
+            Phase::Transmission { .. } => self.recv.mid_frame() || self.can_take_request(),
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.in_flight()
+    }
+}
+
+/// Requests and their write payloads (`lull_net::wire` moves the bytes).
+impl wire::ReceiveFrames for Conn {
+    type Frame = Request;
+    const EOF_IN_PAYLOAD_REASON: &'static str =
+        "client disconnected in the middle of a write payload";
+
+    fn recv(&mut self) -> &mut Recv<Request> {
+        &mut self.recv
+    }
+
+    /// A request header: refused, answered at once, or started.
+    fn take_frame(&mut self) -> bool {
+        if self.wire.inb.buffered() < REQUEST_LEN || !self.can_take_request() {
+            return false;
+        }
+        let Phase::Transmission { size, tflags, .. } = &self.phase else {
+            return false;
+        };
+        let (size, tflags) = (*size, *tflags);
+        let mut header = [0u8; REQUEST_LEN];
+        let Some(raw) = self.wire.inb.take(REQUEST_LEN) else {
+            return false;
+        };
+        header.copy_from_slice(raw);
+        let req = match nbd::decode_request(&header) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad request header");
+                self.close(format!("bad request: {e}"));
+                return true;
+            }
+        };
+        match nbd::validate(&req, size, tflags) {
+            Verdict::Disconnect(why) => {
+                tracing::warn!(peer = %self.wire.peer(), ?req, why, "request cannot be answered; disconnecting");
+                self.close(why);
+            }
+            Verdict::Error {
+                nbd_error,
+                drain_bytes,
+            } => {
+                tracing::warn!(peer = %self.wire.peer(), ?req, nbd_error, "refused request");
+                if drain_bytes > 0 {
+                    self.recv = Recv::drain(u64::from(drain_bytes), req, nbd_error);
+                } else {
+                    self.push_error(req.cookie, req.command, nbd_error, "request refused");
+                }
+            }
+            Verdict::Ok => self.start_request(req),
+        }
+        true
+    }
+
+    fn payload_received(&mut self, slot: SlotId, req: Request, buf: IoBuf) {
+        let fua = req.flags & nbd::NBD_CMD_FLAG_FUA != 0;
+        self.submit(slot, &req, IoOp::Write { fua }, Some(buf));
+    }
+
+    fn payload_lost(&mut self, slot: SlotId) {
+        self.slots.take(slot.to_wire());
+    }
+
+    fn drained(&mut self, req: Request, error: u32) {
+        self.push_reply(req.cookie, error, None);
     }
 }
 
@@ -251,8 +329,7 @@ impl Conn {
             phase: Phase::Handshake(hs),
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
-            retry: None,
-            unflushed: false,
+            subs: Submissions::default(),
             handshake_done: Arc::new(AtomicBool::new(false)),
             starting_tls: false,
             completions: Vec::new(),
@@ -270,10 +347,6 @@ impl Conn {
 
     fn close(&mut self, reason: impl Into<String>) {
         self.wire.close(reason);
-    }
-
-    fn in_flight(&self) -> usize {
-        self.slots.in_flight()
     }
 
     /// The poller body: the deadline and shutdown checks, then the shared
@@ -635,60 +708,11 @@ impl Conn {
         self.wire.push(&header, payload);
     }
 
-    fn buffered(&self) -> usize {
-        self.wire.inb.buffered()
-    }
-
-    /// Read what the socket has into the input buffer. Returns bytes read;
-    /// EOF and errors close the connection.
-    fn fill(&mut self) -> usize {
-        let in_flight = self.in_flight();
-        self.wire.fill(in_flight, "client disconnected")
-    }
-
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
         !self.slots.is_full()
             && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
-            && self.retry.is_none()
-    }
-
-    fn read_and_dispatch(&mut self) -> bool {
-        let mut progress = false;
-        let mut budget = READ_BUDGET_BYTES;
-        loop {
-            if self.wire.is_closing() {
-                break;
-            }
-            let moved = match self.phase {
-                Phase::Handshake(_) => self.handshake_step(),
-                Phase::Transmission { .. } => self.transmission_step(),
-            };
-            progress |= moved;
-            if moved {
-                continue;
-            }
-            if budget == 0 || !self.wants_input() {
-                break;
-            }
-            let n = self.fill();
-            if n == 0 {
-                break;
-            }
-            progress = true;
-            budget = budget.saturating_sub(n);
-        }
-        progress
-    }
-
-    /// Whether reading more bytes could make progress now.
-    fn wants_input(&self) -> bool {
-        match (&self.phase, &self.recv) {
-            // The TLS handshake reads the socket itself.
-            (Phase::Handshake(_), _) => !self.starting_tls && !self.tls_handshaking(),
-            (_, Recv::Payload { .. }) | (_, Recv::Drain { .. }) => true,
-            _ => self.can_take_request(),
-        }
+            && !self.subs.holding()
     }
 
     fn tls_handshaking(&self) -> bool {
@@ -823,116 +847,6 @@ impl Conn {
         }
     }
 
-    /// Take one step of the transmission phase from buffered input.
-    fn transmission_step(&mut self) -> bool {
-        match std::mem::replace(&mut self.recv, Recv::Header) {
-            Recv::Header => self.take_request(),
-            Recv::Payload {
-                slot,
-                req,
-                mut buf,
-                mut filled,
-            } => {
-                let len = req.length as usize;
-                let progress = match self
-                    .wire
-                    .receive(&mut buf.as_mut_slice()[..len], &mut filled)
-                {
-                    Ok(progress) => progress,
-                    Err(ended) => {
-                        bufs::put(buf);
-                        self.release_slot(slot);
-                        let in_flight = self.in_flight();
-                        self.wire.ended(
-                            ended,
-                            in_flight,
-                            "client disconnected in the middle of a write payload",
-                        );
-                        return true;
-                    }
-                };
-                if filled == req.length as usize {
-                    let fua = req.flags & nbd::NBD_CMD_FLAG_FUA != 0;
-                    self.submit(slot, &req, IoOp::Write { fua }, Some(buf));
-                    true
-                } else {
-                    self.recv = Recv::Payload {
-                        slot,
-                        req,
-                        buf,
-                        filled,
-                    };
-                    progress
-                }
-            }
-            Recv::Drain {
-                remaining,
-                cookie,
-                error,
-            } => {
-                let n = (self.buffered() as u64).min(remaining);
-                self.wire.inb.consume(n as usize);
-                let remaining = remaining - n;
-                if remaining == 0 {
-                    self.push_reply(cookie, error, None);
-                } else {
-                    self.recv = Recv::Drain {
-                        remaining,
-                        cookie,
-                        error,
-                    };
-                }
-                n > 0
-            }
-        }
-    }
-
-    fn take_request(&mut self) -> bool {
-        if self.buffered() < REQUEST_LEN || !self.can_take_request() {
-            return false;
-        }
-        let Phase::Transmission { size, tflags, .. } = &self.phase else {
-            return false;
-        };
-        let (size, tflags) = (*size, *tflags);
-        let mut header = [0u8; REQUEST_LEN];
-        let Some(raw) = self.wire.inb.take(REQUEST_LEN) else {
-            return false;
-        };
-        header.copy_from_slice(raw);
-        let req = match nbd::decode_request(&header) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad request header");
-                self.close(format!("bad request: {e}"));
-                return true;
-            }
-        };
-        match nbd::validate(&req, size, tflags) {
-            Verdict::Disconnect(why) => {
-                tracing::warn!(peer = %self.wire.peer(), ?req, why, "request cannot be answered; disconnecting");
-                self.close(why);
-            }
-            Verdict::Error {
-                nbd_error,
-                drain_bytes,
-            } => {
-                tracing::warn!(peer = %self.wire.peer(), ?req, nbd_error, "refused request");
-                if drain_bytes > 0 {
-                    self.recv = Recv::Drain {
-                        remaining: u64::from(drain_bytes),
-                        cookie: req.cookie,
-                        error: nbd_error,
-                    };
-                } else {
-                    self.push_error(req.cookie, req.command, nbd_error, "request refused");
-                }
-            }
-            Verdict::Ok => self.start_request(req),
-        }
-        true
-    }
-
     fn start_request(&mut self, req: Request) {
         let fua = req.flags & nbd::NBD_CMD_FLAG_FUA != 0;
         let op = match req.command {
@@ -991,12 +905,7 @@ impl Conn {
             }
             IoOp::Write { .. } => {
                 let buf = bufs::get(req.length as usize);
-                self.recv = Recv::Payload {
-                    slot,
-                    req,
-                    buf,
-                    filled: 0,
-                };
+                self.recv = Recv::payload(slot, req, buf);
             }
             _ => self.submit(slot, &req, op, None),
         }
@@ -1025,10 +934,6 @@ impl Conn {
         self.push_reply(req.cookie, error, None);
     }
 
-    fn release_slot(&mut self, slot: SlotId) {
-        self.slots.take(slot.to_wire());
-    }
-
     fn submit(&mut self, slot: SlotId, req: &Request, op: IoOp, buf: Option<IoBuf>) {
         let io = IoRequest {
             tag: slot.to_wire(),
@@ -1044,16 +949,14 @@ impl Conn {
         let Phase::Transmission { channel, .. } = &mut self.phase else {
             return;
         };
-        match channel.queue(io) {
-            Ok(None) => self.unflushed = true,
-            Ok(Some(io)) => self.retry = Some(io),
-            Err(done) => self.complete(done),
+        if let Some(done) = self.subs.queued(channel.queue(io)) {
+            self.complete(done);
         }
     }
 
-    /// Pushes the requests queued since the last push (see `unflushed`).
+    /// Pushes the requests queued since the last push (`Submissions`).
     fn flush_submissions(&mut self) {
-        if !std::mem::take(&mut self.unflushed) {
+        if !self.subs.take_unflushed() {
             return;
         }
         if let Phase::Transmission { channel, .. } = &mut self.phase {
@@ -1062,12 +965,10 @@ impl Conn {
     }
 
     fn retry_submit(&mut self) -> bool {
-        match self.retry.take() {
-            Some(io) => {
-                self.submit_io(io);
-                self.retry.is_none()
-            }
-            None => false,
-        }
+        let Some(io) = self.subs.retry() else {
+            return false;
+        };
+        self.submit_io(io);
+        !self.subs.holding()
     }
 }

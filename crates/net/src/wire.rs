@@ -1,12 +1,23 @@
-//! The transport half of a server connection, shared by the NBD and the
-//! replica server (nbdkit splits `connections.c` from `protocol.c` the
-//! same way): the stream, the bytes read and not yet parsed, the framed
-//! output, the poller's interest, and whether the connection is closing or
-//! broken. The protocol half parses frames out of [`Wire::inb`], starts
-//! requests and pushes replies; it never touches the socket itself. The
-//! engine's replica client uses the same wire with its own payload type
-//! (request frames sharing the client's write buffer), driven by the
-//! engine core rather than by [`pump`].
+//! The transport half of a server connection, shared by the NBD server,
+//! the NVMe/TCP target and the replica server (nbdkit splits
+//! `connections.c` from `protocol.c` the same way): the stream, the bytes
+//! read and not yet parsed, the framed output, the poller's interest, and
+//! whether the connection is closing or broken. The protocol half parses
+//! frames out of [`Wire::inb`], starts requests and pushes replies; it
+//! never touches the socket itself. The engine's replica client uses the
+//! same wire with its own payload type (request frames sharing the
+//! client's write buffer), driven by the engine core rather than by
+//! [`pump`].
+//!
+//! Both halves of the I/O are here once: [`pump`] writes, and
+//! [`read_and_dispatch`] is every server's budgeted read loop (the
+//! protocol answers [`Receive`]: take a step, want input?). A protocol
+//! whose writes carry a payload after their header (NBD, the replica
+//! protocol) keeps a [`Recv`] and lets [`step_frame`] move the payload
+//! into its I/O buffer or drain a refused one ([`ReceiveFrames`]: parse a
+//! header, a payload is in, a drain is done). [`Submissions`] holds what
+//! a device channel refused as full and pushes queued requests once per
+//! batch.
 //!
 //! ```
 //! use lull_net::wire::Wire;
@@ -29,8 +40,9 @@ use std::io::{Read, Write};
 use std::os::fd::RawFd;
 
 use lull_reactor::{Interest, PollStatus, PollerId, Thread};
-use lull_uring::BufPool;
+use lull_uring::{BufPool, IoBuf};
 
+use crate::slots::SlotId;
 use crate::{Fill, InBuf, OutPayload, OutQueue, Payload};
 
 /// How a stream ended in the middle of a payload.
@@ -304,7 +316,8 @@ pub trait Protocol {
     fn advance(&mut self) -> bool;
     /// Parse and start what has arrived, reading more while the protocol
     /// can take it (back-pressure is the protocol's: a full slot table or
-    /// reply queue stops reading); whether anything moved.
+    /// reply queue stops reading); whether anything moved. The servers'
+    /// loop is [`read_and_dispatch`] (the function).
     fn read_and_dispatch(&mut self) -> bool;
     /// Closing: drop input that can no longer complete (a half-received
     /// payload); whether anything changed.
@@ -384,6 +397,282 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     status
 }
 
+/// The receive half of a server protocol: what [`read_and_dispatch`]
+/// asks of it. The protocol's [`Protocol::read_and_dispatch`] calls that
+/// function, after anything that must come first (a TLS handshake that
+/// reads the socket itself).
+pub trait Receive: Protocol {
+    /// Why the connection closes when the peer's stream ends between
+    /// frames ("client disconnected").
+    const EOF_REASON: &'static str;
+    /// Take one step from buffered input: parse a frame and start it, or
+    /// move payload bytes (a protocol with write payloads calls
+    /// [`step_frame`]); whether anything moved.
+    fn step(&mut self) -> bool;
+    /// Whether reading more bytes could make progress now: a frame's
+    /// bytes are still owed ([`Recv::mid_frame`]), or a new request can
+    /// be taken (back-pressure: a full slot table, a full reply queue or
+    /// a request the channel refused stops reading).
+    fn wants_input(&self) -> bool;
+    /// Requests in flight: at the end of the stream a connection with
+    /// none (and nothing queued) owes no reply and breaks at once.
+    fn in_flight(&self) -> usize;
+    /// A read of the stream returned `n` bytes (0: nothing, or the end).
+    fn filled(&mut self, _n: usize) {}
+}
+
+/// Parse and start what has arrived, reading more while the protocol
+/// wants input: the body of [`Protocol::read_and_dispatch`]. Buffered
+/// bytes are stepped through first and the stream is read only when no
+/// step moves, so that the frames of one read are all parsed before the
+/// next (one `recv` for many small requests). At most `budget_bytes` are
+/// read per call (each protocol's `READ_BUDGET_BYTES` says why its
+/// figure). Whether anything moved.
+pub fn read_and_dispatch<P: Receive>(p: &mut P, budget_bytes: usize) -> bool {
+    let mut progress = false;
+    let mut budget = budget_bytes;
+    loop {
+        if p.wire().is_closing() {
+            break;
+        }
+        let moved = p.step();
+        progress |= moved;
+        if moved {
+            continue;
+        }
+        if budget == 0 || !p.wants_input() {
+            break;
+        }
+        let in_flight = p.in_flight();
+        let n = p.wire().fill(in_flight, P::EOF_REASON);
+        p.filled(n);
+        if n == 0 {
+            break;
+        }
+        progress = true;
+        budget = budget.saturating_sub(n);
+    }
+    progress
+}
+
+/// Where a connection's input stands: between frames, or inside the
+/// write payload of a frame whose header was taken. `F` is the decoded
+/// header, kept until its payload is in (or drained).
+pub enum Recv<F> {
+    /// Waiting for a frame header.
+    Header,
+    /// Receiving the write payload of `frame` (its request holds `slot`)
+    /// into `buf`: `filled` of its `buf.len()` bytes are there.
+    Payload {
+        slot: SlotId,
+        frame: F,
+        buf: IoBuf,
+        filled: usize,
+    },
+    /// Discarding the payload of a refused write (`remaining` bytes still
+    /// to come) before its error reply `error`, so that the stream stays
+    /// in sync.
+    Drain {
+        remaining: u64,
+        frame: F,
+        error: u32,
+    },
+}
+
+impl<F> Recv<F> {
+    /// Receive `frame`'s payload, `buf.len()` bytes, into `buf` next.
+    pub fn payload(slot: SlotId, frame: F, buf: IoBuf) -> Self {
+        Recv::Payload {
+            slot,
+            frame,
+            buf,
+            filled: 0,
+        }
+    }
+
+    /// Discard the next `bytes` (`frame`'s payload), then answer `frame`
+    /// with `error`.
+    pub fn drain(bytes: u64, frame: F, error: u32) -> Self {
+        Recv::Drain {
+            remaining: bytes,
+            frame,
+            error,
+        }
+    }
+
+    /// Bytes of a frame are still owed: reading more makes progress
+    /// whatever the back-pressure says.
+    pub fn mid_frame(&self) -> bool {
+        !matches!(self, Recv::Header)
+    }
+}
+
+/// A protocol whose frames are a header and, for a write, a payload that
+/// goes into an I/O buffer (NBD, the replica protocol): the hooks
+/// [`step_frame`] and [`abandon_frame`] call. The protocol keeps its
+/// [`Recv`] and parses headers; payloads and drains are moved here.
+pub trait ReceiveFrames: Receive {
+    /// A decoded frame header.
+    type Frame: std::fmt::Debug;
+    /// Why the connection closes when the stream ends inside a payload.
+    const EOF_IN_PAYLOAD_REASON: &'static str;
+    fn recv(&mut self) -> &mut Recv<Self::Frame>;
+    /// Parse one frame header from [`Wire::inb`] and start it: a write
+    /// sets [`Recv::payload`] (or [`Recv::drain`] when refused); whether
+    /// anything moved.
+    fn take_frame(&mut self) -> bool;
+    /// The whole payload of `frame` is in `buf`: start its request.
+    fn payload_received(&mut self, slot: SlotId, frame: Self::Frame, buf: IoBuf);
+    /// The payload of the request in `slot` will never be whole (the
+    /// stream ended, or the connection closes): free the slot.
+    fn payload_lost(&mut self, slot: SlotId);
+    /// The payload of the refused `frame` is drained: its error reply.
+    fn drained(&mut self, frame: Self::Frame, error: u32);
+}
+
+/// One step of a framed protocol's input ([`Receive::step`] in the
+/// transmission phase): a header ([`ReceiveFrames::take_frame`]), or
+/// payload bytes moved into their buffer (what the input buffer holds,
+/// then once it is empty straight from the stream: a large write is not
+/// copied twice), or drained. Whether anything moved.
+pub fn step_frame<P: ReceiveFrames>(p: &mut P) -> bool {
+    match std::mem::replace(p.recv(), Recv::Header) {
+        Recv::Header => p.take_frame(),
+        Recv::Payload {
+            slot,
+            frame,
+            mut buf,
+            mut filled,
+        } => match p.wire().receive(buf.as_mut_slice(), &mut filled) {
+            Err(ended) => {
+                crate::bufs::put(buf);
+                p.payload_lost(slot);
+                let in_flight = p.in_flight();
+                p.wire().ended(ended, in_flight, P::EOF_IN_PAYLOAD_REASON);
+                true
+            }
+            Ok(_) if filled == buf.len() => {
+                p.payload_received(slot, frame, buf);
+                true
+            }
+            Ok(progress) => {
+                *p.recv() = Recv::Payload {
+                    slot,
+                    frame,
+                    buf,
+                    filled,
+                };
+                progress
+            }
+        },
+        Recv::Drain {
+            remaining,
+            frame,
+            error,
+        } => {
+            let inb = &mut p.wire().inb;
+            let n = (inb.buffered() as u64).min(remaining);
+            inb.consume(n as usize);
+            let remaining = remaining - n;
+            if remaining == 0 {
+                p.drained(frame, error);
+            } else {
+                *p.recv() = Recv::Drain {
+                    remaining,
+                    frame,
+                    error,
+                };
+            }
+            n > 0
+        }
+    }
+}
+
+/// [`Protocol::abandon_input`] of a framed protocol: a closing connection
+/// reads nothing more, so a write whose payload has not fully arrived is
+/// dropped unanswered (never applied, never acknowledged: the peer sees
+/// the connection close), and its slot freed; otherwise the slot would
+/// keep the connection open for good. A refused write being drained
+/// loses its error reply the same way. Whether anything was dropped.
+pub fn abandon_frame<P: ReceiveFrames>(p: &mut P) -> bool {
+    match std::mem::replace(p.recv(), Recv::Header) {
+        Recv::Payload {
+            slot, frame, buf, ..
+        } => {
+            let w = p.wire();
+            tracing::debug!(conn = w.kind, peer = %w.peer, ?frame, "closing: write payload incomplete, dropped");
+            crate::bufs::put(buf);
+            p.payload_lost(slot);
+            true
+        }
+        Recv::Drain { .. } => true,
+        Recv::Header => false,
+    }
+}
+
+/// Requests a connection hands its device channel (`lull_bdev`'s
+/// `Channel::queue`, whose answer each call passes in): one the channel
+/// refused as full, held and retried before more is read, and whether
+/// requests were queued and not pushed yet, so that they are pushed once
+/// per batch (one `io_uring_enter` for every request of a socket read,
+/// not one each). `R` is the request type.
+pub struct Submissions<R> {
+    retry: Option<R>,
+    unflushed: bool,
+}
+
+impl<R> Default for Submissions<R> {
+    fn default() -> Self {
+        Submissions {
+            retry: None,
+            unflushed: false,
+        }
+    }
+}
+
+impl<R> Submissions<R> {
+    /// What the channel said to a request queued and not pushed
+    /// (`Ok(None)`: queued; `Ok(Some(req))`: full, held for a retry;
+    /// `Err(done)`: refused, its completion handed back to be completed
+    /// now).
+    pub fn queued<C>(&mut self, said: Result<Option<R>, C>) -> Option<C> {
+        if matches!(said, Ok(None)) {
+            self.unflushed = true;
+        }
+        self.pushed(said)
+    }
+
+    /// What the channel said to a request it was asked to push at once
+    /// (`Channel::submit_now`): as [`Submissions::queued`], with nothing
+    /// left to push.
+    pub fn pushed<C>(&mut self, said: Result<Option<R>, C>) -> Option<C> {
+        match said {
+            Ok(None) => None,
+            Ok(Some(req)) => {
+                self.retry = Some(req);
+                None
+            }
+            Err(done) => Some(done),
+        }
+    }
+
+    /// The request held for a retry, to be submitted again.
+    pub fn retry(&mut self) -> Option<R> {
+        self.retry.take()
+    }
+
+    /// A request is held: no new one is read until it went.
+    pub fn holding(&self) -> bool {
+        self.retry.is_some()
+    }
+
+    /// Whether requests were queued since the last call: the caller pushes
+    /// them now (`Channel::flush_submissions`).
+    pub fn take_unflushed(&mut self) -> bool {
+        std::mem::take(&mut self.unflushed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The wire against a model: a peer that delivers its bytes in random
@@ -397,7 +686,8 @@ mod tests {
     use std::rc::Rc;
 
     /// A scripted peer: `input` is what it sent, handed out in `reads`-sized
-    /// pieces (0 = would block); writes are accepted `writes`-sized pieces
+    /// pieces (0 = would block), then the end of the stream if `eof` (else
+    /// "would block" for ever); writes are accepted `writes`-sized pieces
     /// at a time (0 = would block); `reset_after` bytes of traffic either
     /// way, it resets. Reads and writes walk their sizes separately (one
     /// shared step let reads [1, 0] and writes [0, 1] always land on the
@@ -412,6 +702,7 @@ mod tests {
         written: Vec<u8>,
         traffic: usize,
         reset_after: Option<usize>,
+        eof: bool,
     }
 
     fn piece(sizes: &[usize], step: &mut usize) -> usize {
@@ -429,6 +720,9 @@ mod tests {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
             if self.reset() {
                 return Err(io::ErrorKind::ConnectionReset.into());
+            }
+            if self.pos == self.input.len() && self.eof {
+                return Ok(0);
             }
             if self.pos == self.input.len() {
                 return Err(io::ErrorKind::WouldBlock.into());
@@ -540,6 +834,7 @@ mod tests {
             written: Vec::new(),
             traffic: 0,
             reset_after: reset_at,
+            eof: false,
         };
         let mut w = Wire::new(peer, -1, 1024, "test", "peer".into());
         let mut pool = BufPool::new(1 << 20);
@@ -625,6 +920,363 @@ mod tests {
             if !w.is_broken() {
                 prop_assert_eq!(recycled.get(), pushed);
             }
+        }
+    }
+
+    /// The receive half ([`read_and_dispatch`], [`step_frame`],
+    /// [`abandon_frame`], [`Submissions`]) under a toy framed protocol.
+    mod receive {
+        use super::*;
+        use crate::slots::SlotTable;
+
+        /// A frame: a 3-byte header (kind, big-endian length), then for a
+        /// write (`WRITE`) `len` payload bytes. `REFUSED` is a write whose
+        /// payload is drained before its error reply; `READ` has no payload.
+        #[derive(Debug, Clone, Copy)]
+        struct Hdr {
+            kind: u8,
+            len: u16,
+        }
+        const WRITE: u8 = 0;
+        const REFUSED: u8 = 1;
+        const READ: u8 = 2;
+        const HDR_LEN: usize = 3;
+        const REFUSED_ERROR: u32 = 7;
+
+        /// Replies: [kind, len, len, status], then a write's payload again.
+        fn reply_header(h: Hdr, status: u32) -> [u8; 4] {
+            let [a, b] = h.len.to_be_bytes();
+            [h.kind, a, b, status as u8]
+        }
+
+        struct Toy {
+            wire: Wire<Peer>,
+            recv: Recv<Hdr>,
+            slots: SlotTable<Hdr>,
+            /// Write payloads received, in order.
+            got: Vec<Vec<u8>>,
+            /// Replies are pushed by `advance` (a device that completes
+            /// later), not at once; the slot of a write is held until then.
+            hold: bool,
+            held: Vec<(Option<SlotId>, [u8; 4], Vec<u8>)>,
+            budget_bytes: usize,
+        }
+
+        impl Toy {
+            fn new(input: Vec<u8>, reads: Vec<usize>, slots: usize) -> Toy {
+                let peer = Peer {
+                    input,
+                    pos: 0,
+                    reads,
+                    writes: vec![1 << 20],
+                    read_step: 0,
+                    write_step: 0,
+                    written: Vec::new(),
+                    traffic: 0,
+                    reset_after: None,
+                    eof: false,
+                };
+                Toy {
+                    wire: Wire::new(peer, -1, 64, "toy", "peer".into()),
+                    recv: Recv::Header,
+                    slots: SlotTable::new(slots),
+                    got: Vec::new(),
+                    hold: false,
+                    held: Vec::new(),
+                    budget_bytes: usize::MAX,
+                }
+            }
+
+            fn answer(&mut self, slot: Option<SlotId>, header: [u8; 4], payload: Vec<u8>) {
+                if self.hold {
+                    self.held.push((slot, header, payload));
+                    return;
+                }
+                if let Some(slot) = slot {
+                    self.slots.take(slot.to_wire()).expect("in flight");
+                }
+                self.wire.push(&header, Payload::Bytes(payload));
+            }
+
+            /// One round of the pump, without a reactor.
+            fn round(&mut self, pool: &mut BufPool) -> bool {
+                let mut progress = self.advance();
+                progress |= self.wire.flush(pool);
+                if !self.wire.is_closing() {
+                    progress |= Protocol::read_and_dispatch(self);
+                    progress |= self.advance();
+                    progress |= self.wire.flush(pool);
+                } else {
+                    progress |= self.abandon_input();
+                }
+                progress
+            }
+        }
+
+        impl Protocol for Toy {
+            type Stream = Peer;
+            fn wire(&mut self) -> &mut Wire<Peer> {
+                &mut self.wire
+            }
+            fn advance(&mut self) -> bool {
+                let held = std::mem::take(&mut self.held);
+                let progress = !held.is_empty();
+                for (slot, header, payload) in held {
+                    if let Some(slot) = slot {
+                        self.slots.take(slot.to_wire()).expect("in flight");
+                    }
+                    self.wire.push(&header, Payload::Bytes(payload));
+                }
+                progress
+            }
+            fn read_and_dispatch(&mut self) -> bool {
+                read_and_dispatch(self, self.budget_bytes)
+            }
+            fn abandon_input(&mut self) -> bool {
+                abandon_frame(self)
+            }
+            fn busy(&self) -> bool {
+                self.slots.in_flight() > 0
+            }
+            fn completions_fd(&self) -> Option<RawFd> {
+                None
+            }
+        }
+
+        impl Receive for Toy {
+            const EOF_REASON: &'static str = "peer left";
+            fn step(&mut self) -> bool {
+                step_frame(self)
+            }
+            fn wants_input(&self) -> bool {
+                self.recv.mid_frame() || !self.slots.is_full()
+            }
+            fn in_flight(&self) -> usize {
+                self.slots.in_flight()
+            }
+        }
+
+        impl ReceiveFrames for Toy {
+            type Frame = Hdr;
+            const EOF_IN_PAYLOAD_REASON: &'static str = "peer left inside a payload";
+            fn recv(&mut self) -> &mut Recv<Hdr> {
+                &mut self.recv
+            }
+            fn take_frame(&mut self) -> bool {
+                if self.slots.is_full() {
+                    return false;
+                }
+                let Some(&[kind, a, b]) = self.wire.inb.take(HDR_LEN) else {
+                    return false;
+                };
+                let h = Hdr {
+                    kind,
+                    len: u16::from_be_bytes([a, b]),
+                };
+                match kind {
+                    WRITE => {
+                        let slot = self.slots.insert(h).expect("checked");
+                        let buf = crate::bufs::get(usize::from(h.len));
+                        self.recv = Recv::payload(slot, h, buf);
+                    }
+                    REFUSED => self.recv = Recv::drain(u64::from(h.len), h, REFUSED_ERROR),
+                    _ => self.answer(None, reply_header(h, 0), Vec::new()),
+                }
+                true
+            }
+            fn payload_received(&mut self, slot: SlotId, h: Hdr, buf: IoBuf) {
+                let payload = buf.as_slice().to_vec();
+                crate::bufs::put(buf);
+                self.got.push(payload.clone());
+                self.answer(Some(slot), reply_header(h, 0), payload);
+            }
+            fn payload_lost(&mut self, slot: SlotId) {
+                self.slots.take(slot.to_wire()).expect("in flight");
+            }
+            fn drained(&mut self, h: Hdr, error: u32) {
+                self.answer(None, reply_header(h, error), Vec::new());
+            }
+        }
+
+        /// What the peer sends for `frames` (kind, payload; a READ's
+        /// "payload" is only its length), and the replies it should get.
+        fn script(frames: &[(u8, Vec<u8>)]) -> (Vec<u8>, Vec<u8>) {
+            let (mut input, mut replies) = (Vec::new(), Vec::new());
+            for (kind, payload) in frames {
+                let h = Hdr {
+                    kind: *kind,
+                    len: payload.len() as u16,
+                };
+                input.push(h.kind);
+                input.extend_from_slice(&h.len.to_be_bytes());
+                match h.kind {
+                    WRITE => {
+                        input.extend_from_slice(payload);
+                        replies.extend_from_slice(&reply_header(h, 0));
+                        replies.extend_from_slice(payload);
+                    }
+                    REFUSED => {
+                        input.extend_from_slice(payload);
+                        replies.extend_from_slice(&reply_header(h, REFUSED_ERROR));
+                    }
+                    _ => replies.extend_from_slice(&reply_header(h, 0)),
+                }
+            }
+            (input, replies)
+        }
+
+        fn writes(frames: &[(u8, Vec<u8>)]) -> Vec<Vec<u8>> {
+            frames
+                .iter()
+                .filter(|(k, _)| *k == WRITE)
+                .map(|(_, p)| p.clone())
+                .collect()
+        }
+
+        proptest! {
+            /// Payloads larger and smaller than the input buffer, split
+            /// anywhere, held or answered at once, with a slot table of
+            /// one or more, with or without a reset: what is received is
+            /// what was sent, in order; refused payloads are drained (the
+            /// stream stays in sync); what is answered is a prefix of the
+            /// replies; without a reset everything is answered, and either
+            /// way no slot is left behind once the connection is done.
+            #[test]
+            fn payloads_arrive_whole_and_drains_keep_the_stream_in_sync(
+                frames in prop::collection::vec(
+                    (0u8..3, prop::collection::vec(any::<u8>(), 0..200)), 0..30),
+                reads in reads(),
+                slots in 1usize..4,
+                hold in any::<bool>(),
+                budget_bytes in prop::option::of(1usize..64),
+                reset_at in prop::option::of(0usize..3000),
+            ) {
+                let (input, replies) = script(&frames);
+                let mut t = Toy::new(input, reads, slots);
+                t.hold = hold;
+                t.budget_bytes = budget_bytes.unwrap_or(usize::MAX);
+                t.wire.stream.reset_after = reset_at;
+                let mut pool = BufPool::new(1 << 20);
+                for _ in 0..20_000 {
+                    let _ = t.round(&mut pool);
+                    if t.wire.finished(t.busy())
+                        || (t.wire.stream.written.len() == replies.len() && t.wire.out.is_empty())
+                    {
+                        break;
+                    }
+                }
+                let sent = writes(&frames);
+                prop_assert!(t.got.len() <= sent.len());
+                prop_assert_eq!(&t.got[..], &sent[..t.got.len()]);
+                let written = &t.wire.stream.written;
+                prop_assert_eq!(&written[..], &replies[..written.len()]);
+                if t.wire.is_closing() {
+                    prop_assert!(reset_at.is_some());
+                    prop_assert!(t.wire.is_broken());
+                    prop_assert_eq!(t.slots.in_flight(), 0, "a closing connection keeps no slot");
+                    prop_assert!(t.wire.finished(t.busy()));
+                } else {
+                    prop_assert_eq!(written.len(), replies.len());
+                    prop_assert_eq!(t.got.len(), sent.len());
+                    prop_assert!(!t.recv.mid_frame());
+                    prop_assert_eq!(t.slots.in_flight(), 0);
+                }
+            }
+        }
+
+        #[test]
+        fn a_full_slot_table_stops_reading_until_a_completion() {
+            let frames = [(WRITE, vec![1; 10]), (WRITE, vec![2; 10])];
+            let (input, replies) = script(&frames);
+            let mut t = Toy::new(input, vec![1 << 20], 1);
+            t.hold = true;
+            assert!(Protocol::read_and_dispatch(&mut t));
+            assert_eq!(t.got, vec![vec![1; 10]]);
+            assert!(!t.wants_input(), "one slot, held");
+            assert_eq!(t.wire.inb.buffered(), HDR_LEN + 10, "the next frame waits");
+            assert!(!Protocol::read_and_dispatch(&mut t));
+            assert!(t.advance());
+            assert!(Protocol::read_and_dispatch(&mut t));
+            assert!(t.advance());
+            crate::bufs::with_pool(|pool| assert!(t.wire.flush(pool)));
+            assert_eq!(t.wire.stream.written, replies);
+        }
+
+        #[test]
+        fn a_call_reads_at_most_its_budget_then_parses_what_it_read() {
+            let frames: Vec<_> = (0..10).map(|_| (READ, Vec::new())).collect();
+            let (input, _) = script(&frames);
+            // Two frames per read.
+            let mut t = Toy::new(input, vec![2 * HDR_LEN], 4);
+            t.budget_bytes = 3 * HDR_LEN;
+            assert!(Protocol::read_and_dispatch(&mut t));
+            // Two reads (the second crossed the budget), four frames.
+            assert_eq!(t.wire.stream.pos, 4 * HDR_LEN);
+            assert_eq!(t.wire.out.bytes(), 4 * 4, "four replies");
+            assert_eq!(t.wire.inb.buffered(), 0);
+        }
+
+        #[test]
+        fn the_end_of_the_stream_inside_a_payload_frees_its_slot() {
+            let (mut input, _) = script(&[(WRITE, vec![9; 100])]);
+            input.truncate(HDR_LEN + 40);
+            let mut t = Toy::new(input, vec![HDR_LEN, 20], 1);
+            t.wire.stream.eof = true;
+            let mut pool = BufPool::new(1 << 20);
+            while t.round(&mut pool) {}
+            assert_eq!(t.wire.closing_reason(), Some(Toy::EOF_IN_PAYLOAD_REASON));
+            assert!(t.wire.is_broken(), "no reply is owed");
+            assert_eq!(t.slots.in_flight(), 0);
+            assert!(t.got.is_empty());
+            assert!(t.wire.finished(t.busy()));
+        }
+
+        #[test]
+        fn the_end_of_the_stream_between_frames_owes_replies_in_flight() {
+            let (input, replies) = script(&[(WRITE, vec![3; 5])]);
+            let mut t = Toy::new(input, vec![1 << 20], 2);
+            t.hold = true;
+            t.wire.stream.eof = true;
+            assert!(Protocol::read_and_dispatch(&mut t));
+            assert_eq!(t.wire.closing_reason(), Some(Toy::EOF_REASON));
+            assert!(!t.wire.is_broken(), "the write in flight is still answered");
+            let mut pool = BufPool::new(1 << 20);
+            while t.round(&mut pool) {}
+            assert_eq!(t.wire.stream.written, replies);
+            assert!(t.wire.finished(t.busy()));
+        }
+
+        #[test]
+        fn closing_abandons_a_payload_or_a_drain_once() {
+            for kind in [WRITE, REFUSED] {
+                let (mut input, _) = script(&[(kind, vec![5; 50])]);
+                input.truncate(HDR_LEN + 10);
+                let mut t = Toy::new(input, vec![1 << 20], 1);
+                assert!(Protocol::read_and_dispatch(&mut t));
+                assert!(t.recv.mid_frame());
+                t.wire.close("stopping");
+                assert!(t.abandon_input());
+                assert!(!t.abandon_input(), "nothing left to drop");
+                assert_eq!(t.slots.in_flight(), 0);
+                assert!(t.wire.finished(t.busy()));
+            }
+        }
+
+        #[test]
+        fn submissions_hold_a_refused_request_and_push_once_per_batch() {
+            let mut s: Submissions<u32> = Submissions::default();
+            assert_eq!(s.queued::<()>(Ok(None)), None);
+            assert_eq!(s.queued::<()>(Ok(None)), None);
+            assert!(s.take_unflushed());
+            assert!(!s.take_unflushed(), "pushed once for the batch");
+            assert_eq!(s.queued::<()>(Ok(Some(7))), None);
+            assert!(s.holding());
+            assert!(!s.take_unflushed(), "a full channel took nothing");
+            assert_eq!(s.retry(), Some(7));
+            assert!(!s.holding());
+            assert_eq!(s.queued(Err("failed")), Some("failed"));
+            assert_eq!(s.pushed::<()>(Ok(None)), None);
+            assert!(!s.take_unflushed(), "already pushed");
         }
     }
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::slots::{SlotId, SlotTable};
-use lull_net::wire::{self, Wire};
+use lull_net::wire::{self, Submissions, Wire};
 use lull_net::{bufs, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
 use lull_volume::{ConnPermit, OpKind, Volume};
@@ -139,7 +139,9 @@ pub(crate) struct Conn<S> {
     /// CIDs of held Asynchronous Event Requests (admin queue).
     aers: Vec<u16>,
     sqhd: u16,
-    retry: Option<IoRequest>,
+    /// A request the device refused as full; retried before reading more
+    /// (each request is pushed as it is queued: `Channel::submit_now`).
+    subs: Submissions<IoRequest>,
     greeted: Arc<AtomicBool>,
     completions: Vec<IoCompletion>,
     now_ns: u64,
@@ -230,31 +232,7 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
     }
 
     fn read_and_dispatch(&mut self) -> bool {
-        let mut progress = false;
-        let mut budget = READ_BUDGET_BYTES;
-        loop {
-            if self.wire.is_closing() || self.disconnecting {
-                break;
-            }
-            let moved = self.step();
-            progress |= moved;
-            if moved {
-                continue;
-            }
-            if budget == 0 || self.socket_drained || !self.can_read() {
-                break;
-            }
-            let in_flight = self.slots.in_flight();
-            let n = self.wire.fill(in_flight, "host disconnected");
-            self.socket_drained = self.wire.inb.drained();
-            if n == 0 {
-                break;
-            }
-            self.received_ns = self.clock_ns();
-            progress = true;
-            budget = budget.saturating_sub(n);
-        }
-        progress
+        wire::read_and_dispatch(self, READ_BUDGET_BYTES)
     }
 
     fn abandon_input(&mut self) -> bool {
@@ -275,7 +253,7 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
     }
 
     fn busy(&self) -> bool {
-        self.slots.in_flight() > 0 || self.retry.is_some()
+        self.slots.in_flight() > 0 || self.subs.holding()
     }
 
     fn completions_fd(&self) -> Option<RawFd> {
@@ -292,7 +270,7 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
             // `lull_volume::VolumeChannel`): poll until there is room.
             Phase::Connected(Queue { ns: Some(ns), .. }) => {
                 (ns.channel.polled() && ns.channel.in_flight() > 0)
-                    || (self.retry.is_some() && ns.channel.in_flight() == 0)
+                    || (self.subs.holding() && ns.channel.in_flight() == 0)
             }
             _ => false,
         }
@@ -301,6 +279,34 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
     fn check_invariants(&self) {
         self.slots.check_invariants();
         debug_assert!(self.aers.len() <= MAX_AERS);
+    }
+}
+
+/// Whole PDUs parsed from the input buffer (see the module doc): the
+/// shared read loop, not the shared frame payloads.
+impl<S: Read + Write> wire::Receive for Conn<S> {
+    const EOF_REASON: &'static str = "host disconnected";
+
+    /// Nothing more is taken once Disconnect was asked.
+    fn step(&mut self) -> bool {
+        !self.disconnecting && self.take_pdu()
+    }
+
+    fn wants_input(&self) -> bool {
+        !self.disconnecting && !self.socket_drained && self.can_read()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.in_flight()
+    }
+
+    /// A short read says the socket is drained (no read again this run);
+    /// the commands of what arrived start their latency now.
+    fn filled(&mut self, n: usize) {
+        self.socket_drained = self.wire.inb.drained();
+        if n > 0 {
+            self.received_ns = self.clock_ns();
+        }
     }
 }
 
@@ -315,7 +321,7 @@ impl<S: Read + Write> Conn<S> {
             slots: SlotTable::new(MAX_QUEUE_ENTRIES),
             aers: Vec::new(),
             sqhd: 0,
-            retry: None,
+            subs: Submissions::default(),
             greeted: Arc::new(AtomicBool::new(false)),
             completions: Vec::new(),
             now_ns: 0,
@@ -430,7 +436,7 @@ impl<S: Read + Write> Conn<S> {
     /// Whether reading more input could make progress (back-pressure: a
     /// retry pending, or too many reply bytes queued).
     fn can_read(&self) -> bool {
-        self.retry.is_none() && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
+        !self.subs.holding() && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
     }
 
     /// End the connection for a transport error: a C2HTermReq echoing the
@@ -443,7 +449,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Parse and handle one whole PDU from the input buffer.
-    fn step(&mut self) -> bool {
+    fn take_pdu(&mut self) -> bool {
         if !self.can_read() {
             return false;
         }
@@ -650,7 +656,7 @@ impl<S: Read + Write> Conn<S> {
                     start_ns,
                     trims: Vec::new(),
                 }) else {
-                    // step() waits for a free slot before taking a capsule.
+                    // take_pdu() waits for a free slot before taking a capsule.
                     return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
                 };
                 let r2t = pdu::R2t {
@@ -1258,24 +1264,18 @@ impl<S: Read + Write> Conn<S> {
         let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase else {
             return;
         };
-        match ns.channel.submit_now(io) {
-            Ok(None) => {}
-            Ok(Some(io)) => self.retry = Some(io),
-            Err(done) => {
-                let now = self.clock_ns();
-                self.complete(done, now);
-            }
+        if let Some(done) = self.subs.pushed(ns.channel.submit_now(io)) {
+            let now = self.clock_ns();
+            self.complete(done, now);
         }
     }
 
     fn retry_submit(&mut self) -> bool {
-        match self.retry.take() {
-            Some(io) => {
-                self.submit_io(io);
-                self.retry.is_none()
-            }
-            None => false,
-        }
+        let Some(io) = self.subs.retry() else {
+            return false;
+        };
+        self.submit_io(io);
+        !self.subs.holding()
     }
 
     fn reap(&mut self) -> bool {

@@ -55,7 +55,7 @@ use lull_net::link::{handshake_hint, LinkStream, TLS_RECORD_HANDSHAKE};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
-use lull_net::wire::{self, Wire};
+use lull_net::wire::{self, Receive as _, Recv, Submissions, Wire};
 use lull_net::{bufs, OutPayload, Payload};
 use lull_proto::replica::{
     self as proto, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
@@ -97,24 +97,6 @@ const READ_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 /// Rounds per poller run (see the module doc); more work wakes the poller
 /// again instead of looping here.
 const MAX_ROUNDS: usize = 8;
-
-enum Recv {
-    /// Waiting for a frame header.
-    Header,
-    /// Receiving the payload of the write in `slot` into `buf`.
-    Payload {
-        slot: SlotId,
-        req: Header,
-        buf: IoBuf,
-        filled: usize,
-    },
-    /// Discarding the payload of a refused write before its error reply.
-    Drain {
-        remaining: u64,
-        req: Header,
-        status: u32,
-    },
-}
 
 enum Phase {
     /// No HELLO yet: the first frame must be one.
@@ -182,13 +164,11 @@ pub(crate) struct Conn {
     /// Request header of each request in flight; a slot's wire id is the
     /// I/O tag. Grows to the deepest queue the peer has used.
     slots: SlotTable<Header>,
-    recv: Recv,
-    /// A request the channel refused as full; retried before reading more.
-    retry: Option<IoRequest>,
-    /// Requests queued on the channel and not pushed yet: `advance`
-    /// pushes them once per batch (one `io_uring_enter` for every request
-    /// of a socket read, not one each).
-    unflushed: bool,
+    /// Between frames, or in a write's payload (`lull_net::wire`).
+    recv: Recv<Header>,
+    /// A request the channel refused as full, and requests queued and not
+    /// pushed yet (`advance` pushes them once per batch).
+    subs: Submissions<IoRequest>,
     pub(crate) hello_done: Arc<AtomicBool>,
     wait: Option<Wait>,
     /// Draws for `--fault-drop` (seeded per connection).
@@ -241,12 +221,23 @@ impl wire::Protocol for Conn {
         waited | reaped | retried
     }
 
+    /// TLS before anything else (the handshake reads the socket itself),
+    /// then frames.
     fn read_and_dispatch(&mut self) -> bool {
-        Conn::read_and_dispatch(self)
+        if self.tls_expected || self.wire.stream.handshaking() {
+            if let Some(progress) = self.tls_step() {
+                return progress;
+            }
+        }
+        wire::read_and_dispatch(self, READ_BUDGET_BYTES)
     }
 
+    /// A write whose payload will not arrive is dropped unanswered
+    /// (`wire::abandon_frame`): otherwise its slot, and its fence count,
+    /// would keep the connection open for good, and a takeover waiting
+    /// for it would wait for ever.
     fn abandon_input(&mut self) -> bool {
-        Conn::abandon_input(self)
+        wire::abandon_frame(self)
     }
 
     /// Requests in flight, or a wait for a metadata write, an intent store
@@ -279,6 +270,160 @@ impl wire::Protocol for Conn {
 
     fn check_invariants(&self) {
         Conn::check_invariants(self);
+    }
+}
+
+impl wire::Receive for Conn {
+    const EOF_REASON: &'static str = "peer disconnected";
+
+    fn step(&mut self) -> bool {
+        wire::step_frame(self)
+    }
+
+    fn wants_input(&self) -> bool {
+        match &self.phase {
+            _ if self.wait.is_some() => false,
+            _ if self.recv.mid_frame() => true,
+            Phase::AwaitHello => true,
+            Phase::Ready { .. } => self.can_take_request(),
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.in_flight()
+    }
+}
+
+/// Frames and their write payloads (`lull_net::wire` moves the bytes).
+impl wire::ReceiveFrames for Conn {
+    type Frame = Header;
+    const EOF_IN_PAYLOAD_REASON: &'static str =
+        "peer disconnected in the middle of a write payload";
+
+    fn recv(&mut self) -> &mut Recv<Header> {
+        &mut self.recv
+    }
+
+    /// A frame header: HELLO first, then requests (see the module doc).
+    fn take_frame(&mut self) -> bool {
+        if self.wire.inb.buffered() < HEADER_LEN {
+            return false;
+        }
+        if self.wait.is_some() {
+            return false;
+        }
+        if matches!(self.phase, Phase::Ready { .. }) && !self.can_take_request() {
+            return false;
+        }
+        let mut raw = [0u8; HEADER_LEN];
+        raw.copy_from_slice(&self.wire.inb.peek()[..HEADER_LEN]);
+        if self.refuse_plain {
+            self.refuse_plaintext(&raw);
+            return true;
+        }
+        let h = match proto::decode_header(&raw) {
+            Ok(h) => h,
+            Err(FrameError::BadVersion(version)) => {
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), version, ours = proto::PROTOCOL_VERSION, "peer speaks another protocol version");
+                let mut header = [0u8; HEADER_LEN];
+                proto::encode_refusal(proto::raw_id(&raw), libc::EPROTO as u32, &mut header);
+                let payload = self.our_hello(self.current_generation());
+                self.wire.out.push(&header, Payload::Bytes(payload));
+                self.close(format!(
+                    "protocol version {version} is not {}",
+                    proto::PROTOCOL_VERSION
+                ));
+                return true;
+            }
+            Err(_)
+                if matches!(self.phase, Phase::AwaitHello)
+                    && raw[0] == TLS_RECORD_HANDSHAKE
+                    && !self.wire.stream.is_tls() =>
+            {
+                self.wire.set_broken();
+                self.wire.refuse(
+                    "the peer opens a TLS handshake, and this replica serves plain links \
+                     (--insecure): start it with --tls-psk or --tls-certs, or the engine \
+                     with --replica-insecure",
+                );
+                return true;
+            }
+            Err(e) => {
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad frame header");
+                self.close(format!("bad frame: {e}"));
+                return true;
+            }
+        };
+        if h.reply {
+            self.wire.inb.consume(HEADER_LEN);
+            tracing::warn!(peer = %self.wire.peer(), ?h, "peer sent a reply frame");
+            self.close("unexpected reply frame");
+            return true;
+        }
+        match (&self.phase, h.kind) {
+            (_, Kind::Hello) => {
+                // The record and the replica's name: at most
+                // MAX_HELLO_REQUEST_LEN, checked by `decode_header`.
+                let end = HEADER_LEN + proto::payload_len(&h);
+                if self.wire.inb.buffered() < end {
+                    return false;
+                }
+                let decoded = proto::decode_hello_request(&self.wire.inb.peek()[HEADER_LEN..end])
+                    .map(|(hello, name)| (hello, name.to_string()));
+                self.wire.inb.consume(end);
+                match decoded {
+                    Ok((hello, name)) => self.handle_hello(h, hello, &name),
+                    Err(e) => {
+                        tracing::warn!(peer = %self.wire.peer(), error = %e, "bad HELLO");
+                        self.close(format!("bad HELLO: {e}"));
+                    }
+                }
+            }
+            (Phase::AwaitHello, kind) => {
+                self.wire.inb.consume(HEADER_LEN);
+                tracing::warn!(peer = %self.wire.peer(), ?kind, "first frame is not HELLO");
+                self.close("first frame is not HELLO");
+            }
+            (_, kind) if kind.modifies() || kind == Kind::Detach => {
+                // Counted before anything is taken (see `crate::fence`).
+                if let Err(owner) = self.server().fences.enter(&self.fence) {
+                    self.wire.inb.consume(HEADER_LEN);
+                    self.fenced_request(h, owner);
+                    return true;
+                }
+                if kind.modifies() && !self.server().dirty.load(Ordering::SeqCst) {
+                    self.fence_exit();
+                    // Leave the frame buffered: it is taken (and counted
+                    // again) once the record says dirty.
+                    self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
+                    return true;
+                }
+                self.wire.inb.consume(HEADER_LEN);
+                self.start_request(h);
+            }
+            _ => {
+                self.wire.inb.consume(HEADER_LEN);
+                self.start_request(h);
+            }
+        }
+        true
+    }
+
+    fn payload_received(&mut self, slot: SlotId, req: Header, buf: IoBuf) {
+        let op = IoOp::Write {
+            fua: req.kind == Kind::WriteFua,
+        };
+        self.submit(slot, &req, op, Some(buf));
+    }
+
+    fn payload_lost(&mut self, slot: SlotId) {
+        self.release_slot(slot);
+    }
+
+    fn drained(&mut self, req: Header, status: u32) {
+        self.push_error(req, status as i32);
     }
 }
 
@@ -328,8 +473,7 @@ impl Conn {
             phase: Phase::AwaitHello,
             slots: SlotTable::new(MAX_IN_FLIGHT),
             recv: Recv::Header,
-            retry: None,
-            unflushed: false,
+            subs: Submissions::default(),
             hello_done: Arc::new(AtomicBool::new(false)),
             drop_draws,
             wait: None,
@@ -342,10 +486,6 @@ impl Conn {
 
     fn close(&mut self, reason: impl Into<String>) {
         self.wire.close(reason);
-    }
-
-    fn in_flight(&self) -> usize {
-        self.slots.in_flight()
     }
 
     /// The poller body. Returns Busy when anything moved.
@@ -712,41 +852,11 @@ impl Conn {
         self.push_reply(req.reply_with(errno as u32), Payload::None);
     }
 
-    fn buffered(&self) -> usize {
-        self.wire.inb.buffered()
-    }
-
-    /// Read what the socket has into the input buffer. Returns bytes read;
-    /// EOF and errors close the connection.
-    fn fill(&mut self) -> usize {
-        let in_flight = self.in_flight();
-        self.wire.fill(in_flight, "peer disconnected")
-    }
-
-    /// A closing connection reads nothing more, so a write whose payload
-    /// has not fully arrived is dropped unanswered (never applied, never
-    /// acknowledged: the peer sees the connection close). Otherwise its
-    /// slot, and its fence count, would keep the connection open for good,
-    /// and a takeover waiting for it would wait for ever. A refused write
-    /// being drained loses its error reply the same way.
-    fn abandon_input(&mut self) -> bool {
-        match std::mem::replace(&mut self.recv, Recv::Header) {
-            Recv::Payload { slot, req, buf, .. } => {
-                tracing::debug!(peer = %self.wire.peer(), ?req, "closing: write payload incomplete, dropped");
-                bufs::put(buf);
-                self.release_slot(slot);
-                true
-            }
-            Recv::Drain { .. } => true,
-            Recv::Header => false,
-        }
-    }
-
     /// Whether a new request may be taken (back-pressure).
     fn can_take_request(&self) -> bool {
         !self.slots.is_full()
             && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
-            && self.retry.is_none()
+            && !self.subs.holding()
     }
 
     /// TLS before anything else: check the peer's first byte, then drive
@@ -824,6 +934,8 @@ impl Conn {
     /// refusal to the engine.
     fn refuse_plaintext(&mut self, raw: &[u8; HEADER_LEN]) {
         let frame = self
+            .wire
+            .inb
             .buffered()
             .min(HEADER_LEN + proto::MAX_HELLO_REQUEST_LEN);
         self.wire.inb.consume(frame);
@@ -836,226 +948,6 @@ impl Conn {
             "not authenticated: the peer speaks plain replica protocol, and this \
              replica requires TLS (an engine started with --replica-insecure?)",
         );
-    }
-
-    fn read_and_dispatch(&mut self) -> bool {
-        if self.tls_expected || self.wire.stream.handshaking() {
-            if let Some(progress) = self.tls_step() {
-                return progress;
-            }
-        }
-        let mut progress = false;
-        let mut budget = READ_BUDGET_BYTES;
-        loop {
-            if self.wire.is_closing() {
-                break;
-            }
-            let moved = self.step();
-            progress |= moved;
-            if moved {
-                continue;
-            }
-            if budget == 0 || !self.wants_input() {
-                break;
-            }
-            let n = self.fill();
-            if n == 0 {
-                break;
-            }
-            progress = true;
-            budget = budget.saturating_sub(n);
-        }
-        progress
-    }
-
-    /// Whether reading more bytes could make progress now.
-    fn wants_input(&self) -> bool {
-        match (&self.phase, &self.recv) {
-            _ if self.wait.is_some() => false,
-            (_, Recv::Payload { .. } | Recv::Drain { .. }) => true,
-            (Phase::AwaitHello, _) => true,
-            _ => self.can_take_request(),
-        }
-    }
-
-    /// Take one step from buffered input.
-    fn step(&mut self) -> bool {
-        match std::mem::replace(&mut self.recv, Recv::Header) {
-            Recv::Header => self.take_frame(),
-            Recv::Payload {
-                slot,
-                req,
-                buf,
-                filled,
-            } => self.receive_payload(slot, req, buf, filled),
-            Recv::Drain {
-                remaining,
-                req,
-                status,
-            } => {
-                let n = (self.buffered() as u64).min(remaining);
-                self.wire.inb.consume(n as usize);
-                let remaining = remaining - n;
-                if remaining == 0 {
-                    self.push_error(req, status as i32);
-                } else {
-                    self.recv = Recv::Drain {
-                        remaining,
-                        req,
-                        status,
-                    };
-                }
-                n > 0
-            }
-        }
-    }
-
-    fn receive_payload(
-        &mut self,
-        slot: SlotId,
-        req: Header,
-        mut buf: IoBuf,
-        mut filled: usize,
-    ) -> bool {
-        let len = req.length as usize;
-        let progress = match self
-            .wire
-            .receive(&mut buf.as_mut_slice()[..len], &mut filled)
-        {
-            Ok(progress) => progress,
-            Err(ended) => {
-                bufs::put(buf);
-                self.release_slot(slot);
-                let in_flight = self.in_flight();
-                self.wire.ended(
-                    ended,
-                    in_flight,
-                    "peer disconnected in the middle of a write payload",
-                );
-                return true;
-            }
-        };
-        if filled == req.length as usize {
-            let op = IoOp::Write {
-                fua: req.kind == Kind::WriteFua,
-            };
-            self.submit(slot, &req, op, Some(buf));
-            true
-        } else {
-            self.recv = Recv::Payload {
-                slot,
-                req,
-                buf,
-                filled,
-            };
-            progress
-        }
-    }
-
-    fn take_frame(&mut self) -> bool {
-        if self.buffered() < HEADER_LEN {
-            return false;
-        }
-        if self.wait.is_some() {
-            return false;
-        }
-        if matches!(self.phase, Phase::Ready { .. }) && !self.can_take_request() {
-            return false;
-        }
-        let mut raw = [0u8; HEADER_LEN];
-        raw.copy_from_slice(&self.wire.inb.peek()[..HEADER_LEN]);
-        if self.refuse_plain {
-            self.refuse_plaintext(&raw);
-            return true;
-        }
-        let h = match proto::decode_header(&raw) {
-            Ok(h) => h,
-            Err(FrameError::BadVersion(version)) => {
-                self.wire.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.wire.peer(), version, ours = proto::PROTOCOL_VERSION, "peer speaks another protocol version");
-                let mut header = [0u8; HEADER_LEN];
-                proto::encode_refusal(proto::raw_id(&raw), libc::EPROTO as u32, &mut header);
-                let payload = self.our_hello(self.current_generation());
-                self.wire.out.push(&header, Payload::Bytes(payload));
-                self.close(format!(
-                    "protocol version {version} is not {}",
-                    proto::PROTOCOL_VERSION
-                ));
-                return true;
-            }
-            Err(_)
-                if matches!(self.phase, Phase::AwaitHello)
-                    && raw[0] == TLS_RECORD_HANDSHAKE
-                    && !self.wire.stream.is_tls() =>
-            {
-                self.wire.set_broken();
-                self.wire.refuse(
-                    "the peer opens a TLS handshake, and this replica serves plain links \
-                     (--insecure): start it with --tls-psk or --tls-certs, or the engine \
-                     with --replica-insecure",
-                );
-                return true;
-            }
-            Err(e) => {
-                self.wire.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.wire.peer(), error = %e, "bad frame header");
-                self.close(format!("bad frame: {e}"));
-                return true;
-            }
-        };
-        if h.reply {
-            self.wire.inb.consume(HEADER_LEN);
-            tracing::warn!(peer = %self.wire.peer(), ?h, "peer sent a reply frame");
-            self.close("unexpected reply frame");
-            return true;
-        }
-        match (&self.phase, h.kind) {
-            (_, Kind::Hello) => {
-                // The record and the replica's name: at most
-                // MAX_HELLO_REQUEST_LEN, checked by `decode_header`.
-                let end = HEADER_LEN + proto::payload_len(&h);
-                if self.buffered() < end {
-                    return false;
-                }
-                let decoded = proto::decode_hello_request(&self.wire.inb.peek()[HEADER_LEN..end])
-                    .map(|(hello, name)| (hello, name.to_string()));
-                self.wire.inb.consume(end);
-                match decoded {
-                    Ok((hello, name)) => self.handle_hello(h, hello, &name),
-                    Err(e) => {
-                        tracing::warn!(peer = %self.wire.peer(), error = %e, "bad HELLO");
-                        self.close(format!("bad HELLO: {e}"));
-                    }
-                }
-            }
-            (Phase::AwaitHello, kind) => {
-                self.wire.inb.consume(HEADER_LEN);
-                tracing::warn!(peer = %self.wire.peer(), ?kind, "first frame is not HELLO");
-                self.close("first frame is not HELLO");
-            }
-            (_, kind) if kind.modifies() || kind == Kind::Detach => {
-                // Counted before anything is taken (see `crate::fence`).
-                if let Err(owner) = self.server().fences.enter(&self.fence) {
-                    self.wire.inb.consume(HEADER_LEN);
-                    self.fenced_request(h, owner);
-                    return true;
-                }
-                if kind.modifies() && !self.server().dirty.load(Ordering::SeqCst) {
-                    self.fence_exit();
-                    // Leave the frame buffered: it is taken (and counted
-                    // again) once the record says dirty.
-                    self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
-                    return true;
-                }
-                self.wire.inb.consume(HEADER_LEN);
-                self.start_request(h);
-            }
-            _ => {
-                self.wire.inb.consume(HEADER_LEN);
-                self.start_request(h);
-            }
-        }
-        true
     }
 
     /// A modifying request or DETACH from a session that does not own the
@@ -1076,11 +968,7 @@ impl Conn {
     /// An error reply, after draining a write's payload.
     fn refuse(&mut self, req: Header, errno: i32) {
         if req.kind.is_write() && req.length > 0 {
-            self.recv = Recv::Drain {
-                remaining: u64::from(req.length),
-                req,
-                status: errno as u32,
-            };
+            self.recv = Recv::drain(u64::from(req.length), req, errno as u32);
         } else {
             self.push_error(req, errno);
         }
@@ -1304,12 +1192,7 @@ impl Conn {
             }
             IoOp::Write { .. } => {
                 let buf = bufs::get(req.length as usize);
-                self.recv = Recv::Payload {
-                    slot,
-                    req,
-                    buf,
-                    filled: 0,
-                };
+                self.recv = Recv::payload(slot, req, buf);
             }
             _ => self.submit(slot, &req, op, None),
         }
@@ -1484,16 +1367,14 @@ impl Conn {
         let Phase::Ready { channel } = &mut self.phase else {
             return;
         };
-        match channel.queue(io) {
-            Ok(None) => self.unflushed = true,
-            Ok(Some(io)) => self.retry = Some(io),
-            Err(done) => self.complete(done),
+        if let Some(done) = self.subs.queued(channel.queue(io)) {
+            self.complete(done);
         }
     }
 
-    /// Pushes the requests queued since the last push (see `unflushed`).
+    /// Pushes the requests queued since the last push (`Submissions`).
     fn flush_submissions(&mut self) {
-        if !std::mem::take(&mut self.unflushed) {
+        if !self.subs.take_unflushed() {
             return;
         }
         if let Phase::Ready { channel } = &mut self.phase {
@@ -1502,12 +1383,10 @@ impl Conn {
     }
 
     fn retry_submit(&mut self) -> bool {
-        match self.retry.take() {
-            Some(io) => {
-                self.submit_io(io);
-                self.retry.is_none()
-            }
-            None => false,
-        }
+        let Some(io) = self.subs.retry() else {
+            return false;
+        };
+        self.submit_io(io);
+        !self.subs.holding()
     }
 }
