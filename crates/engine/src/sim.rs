@@ -30,7 +30,7 @@ use lull_bdev::{IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 
 use crate::core::ids::{ConnId, ReplicaId};
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Milestone, Payload};
+use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Milestone, Payload, Received, Sink};
 use crate::{EngineOptions, ReplicaState};
 
 /// splitmix64: tiny, deterministic, good enough to pick faults.
@@ -392,6 +392,13 @@ pub(crate) struct Sim {
     /// Block status answers, in completion order, each checked true
     /// against the oracle.
     block_status: Vec<Vec<lull_bdev::Extent>>,
+    /// The client's channel takes pipes, and the sim's sockets splice
+    /// what the engine lets them ([`Sink::Pipe`]: a real, empty pipe as
+    /// the token, the data in the buffer for the oracle). Off in the
+    /// seeded runs.
+    pipes: bool,
+    /// Client reads whose completion brought their pipe back.
+    spliced_reads: u64,
 }
 
 /// What a run exercised, counted from the sim's own events and the
@@ -471,6 +478,8 @@ impl Sim {
             stats: SimStats::default(),
             completed: Vec::new(),
             block_status: Vec::new(),
+            pipes: false,
+            spliced_reads: 0,
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
         let mut out = Vec::new();
@@ -528,8 +537,20 @@ impl Sim {
                     );
                 }
                 Action::Complete {
-                    tag, result, buf, ..
-                } => self.on_complete(tag, result.is_ok(), buf),
+                    tag,
+                    result,
+                    buf,
+                    spliced,
+                    ..
+                } => {
+                    if let Some(pipe) = spliced {
+                        let op = self.inflight.get(&tag).map(|c| c.op);
+                        assert!(self.pipes && op == Some(IoOp::Read) && result.is_ok());
+                        self.spliced_reads += 1;
+                        lull_uring::pipes::put(pipe);
+                    }
+                    self.on_complete(tag, result.is_ok(), buf)
+                }
                 Action::Connect { conn, .. } => {
                     let up = self.replicas[conn.replica.get()].up;
                     let d = self.rng.below(20 * MS);
@@ -683,11 +704,26 @@ impl Sim {
                 Dir::ToEngine if m.session != self.session => {}
                 Dir::ToEngine => {
                     let h = proto::decode_header(&m.header).expect("sim replica header");
-                    let payload = (!m.payload.is_empty()).then(|| {
-                        let mut b = self.engine.get_buf(m.payload.len());
-                        b.as_mut_slice().copy_from_slice(&m.payload);
-                        b
-                    });
+                    // As the shell's socket: the header first, then the
+                    // payload into the sink the engine gives for it (no
+                    // pipes here: a pipe sink takes it in its buffer).
+                    let n = proto::payload_len(&h);
+                    assert_eq!(n, m.payload.len(), "a sim frame's payload is its header's");
+                    let payload = match n {
+                        0 => Received::None,
+                        _ => match self.engine.payload_sink(m.conn, &h) {
+                            Sink::Pipe(mut buf) if self.pipes => {
+                                buf.as_mut_slice().copy_from_slice(&m.payload);
+                                let pipe = lull_uring::pipes::get().expect("a pipe");
+                                Received::Spliced { buf, pipe }
+                            }
+                            sink => {
+                                let mut b = sink.into_buf();
+                                b.as_mut_slice().copy_from_slice(&m.payload);
+                                Received::Buf(b)
+                            }
+                        },
+                    };
                     self.apply(Event::Frame {
                         conn: m.conn,
                         header: h,
@@ -817,6 +853,7 @@ impl Sim {
         );
         self.apply(Event::Client(ClientReq {
             channel: 0,
+            takes_pipe: self.pipes,
             io: IoRequest {
                 tag,
                 op,
@@ -1048,6 +1085,7 @@ impl Sim {
         );
         self.apply(Event::Client(ClientReq {
             channel: 0,
+            takes_pipe: false,
             io: IoRequest {
                 tag,
                 op: IoOp::Read,
@@ -1632,7 +1670,11 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
             len,
             buf: Some(buf),
         };
-        sim.apply(Event::Client(ClientReq { channel: 0, io }));
+        sim.apply(Event::Client(ClientReq {
+            channel: 0,
+            io,
+            takes_pipe: false,
+        }));
         (tag, stamp)
     };
     // Region 1 is marked by a first write; region 0 is not.
@@ -1708,7 +1750,11 @@ fn sim_block_status_asks_a_healthy_replica() {
             len,
             buf: Some(buf),
         };
-        sim.apply(Event::Client(ClientReq { channel: 0, io }));
+        sim.apply(Event::Client(ClientReq {
+            channel: 0,
+            io,
+            takes_pipe: false,
+        }));
         tag
     };
     let mut data = IoBuf::with_capacity(2 * BLOCK);
@@ -1778,4 +1824,21 @@ fn sim_block_status_asks_a_healthy_replica() {
     sim.step_until(sim.now + 200 * MS, false);
     assert_eq!(sim.eio, 1);
     assert_eq!(sim.block_status.len(), answered + 3);
+}
+
+/// A client whose channel takes pipes: a read's data goes from its reply
+/// frame (`Received::Spliced`) to its completion (`Action::Complete`'s
+/// `spliced`) with the pipe, through replica failures and retries, and
+/// every read still checks out against the oracle.
+#[test]
+fn sim_a_spliced_read_carries_its_pipe_to_its_completion() {
+    let mut sim = Sim::new(0, 2);
+    sim.pipes = true;
+    sim.run(8_000);
+    assert!(sim.spliced_reads > 0, "no read was spliced");
+    assert!(sim.reads_checked > 0);
+    assert!(
+        sim.stats.replica_failures > 0,
+        "the faults did not fail a replica"
+    );
 }

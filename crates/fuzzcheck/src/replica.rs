@@ -76,7 +76,7 @@ pub fn replica_frame(data: &[u8]) {
 const MAX_REPLY_FRAMES: usize = 256;
 
 /// Decodes a stream of frames the way the engine reads a replica's socket
-/// (`engine/src/shell.rs`: header, then `payload_len` bytes, frame after
+/// (`engine/src/shell/socket.rs`: header, then `payload_len` bytes, frame after
 /// frame) and parses each reply payload the engine parses: HELLO
 /// (`core/replicas.rs`), EXTENTS (`core/rebuild.rs`), INTENT_GET
 /// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`).

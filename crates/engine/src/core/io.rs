@@ -4,11 +4,12 @@
 
 use lull_bdev::{BdevError, IoBuf, IoOp};
 use lull_proto::replica::{self as proto, Header, Kind};
+use lull_uring::pipes::SplicePipe;
 
 use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, MAX_REPLICAS};
 use super::types::{
-    Action, ClientIo, ClientReq, Engine, IoData, IoId, Payload, Rebuild, Sub, SubKind,
-    MAX_CLIENT_IOS,
+    Action, ClientIo, ClientReq, Engine, IoData, IoId, Payload, Rebuild, Received, Sink, Sub,
+    SubKind, MAX_CLIENT_IOS,
 };
 
 /// Requests that wait for their regions' MARKs and that later requests
@@ -41,7 +42,7 @@ impl Engine {
     // ---- client requests -----------------------------------------------
 
     pub(super) fn on_client(&mut self, req: ClientReq) {
-        let (channel, mut req) = (req.channel, req.io);
+        let (channel, takes_pipe, mut req) = (req.channel, req.takes_pipe, req.io);
         if self.detach.is_some() {
             let buf = req.buf.take();
             let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());
@@ -50,6 +51,7 @@ impl Engine {
                 tag: req.tag,
                 result: Err(e),
                 buf,
+                spliced: None,
             });
             return;
         }
@@ -60,6 +62,7 @@ impl Engine {
                 tag: req.tag,
                 result: Err(e),
                 buf,
+                spliced: None,
             });
             return;
         }
@@ -72,6 +75,7 @@ impl Engine {
                 tag: req.tag,
                 result: Err(e),
                 buf,
+                spliced: None,
             });
             return;
         }
@@ -82,6 +86,7 @@ impl Engine {
                 tag: req.tag,
                 result: Ok(()),
                 buf,
+                spliced: None,
             });
             return;
         }
@@ -95,6 +100,7 @@ impl Engine {
                 tag: req.tag,
                 result: Err(e),
                 buf,
+                spliced: None,
             });
             return;
         }
@@ -109,6 +115,7 @@ impl Engine {
         let flush_after = matches!(req.op, IoOp::WriteZeroes { fua: true, .. });
         let Some(id) = self.ios.insert(ClientIo {
             channel,
+            takes_pipe,
             tag: req.tag,
             op: req.op,
             offset: req.offset,
@@ -127,6 +134,17 @@ impl Engine {
 
     /// Complete client request `id` and free its entry.
     pub(super) fn finish_io(&mut self, id: IoId, result: Result<(), BdevError>) {
+        self.complete_io(id, result, None);
+    }
+
+    /// [`Engine::finish_io`], with a READ's data in the pipe it was spliced
+    /// into, if it was.
+    fn complete_io(
+        &mut self,
+        id: IoId,
+        result: Result<(), BdevError>,
+        spliced: Option<SplicePipe>,
+    ) {
         self.release_regions(id);
         let Some(io) = self.ios.take(id) else {
             return;
@@ -153,6 +171,7 @@ impl Engine {
             tag: io.tag,
             result,
             buf,
+            spliced,
         });
     }
 
@@ -313,25 +332,40 @@ impl Engine {
         Dispatch::Done
     }
 
-    /// The buffer a reply's payload of `len` bytes is received into. A
-    /// successful READ reply for a client read goes straight into the
-    /// client's own buffer (taken out of the request now; the reply puts
-    /// it back, or one from another replica does if this connection
-    /// fails first), so a read holds one buffer, not two, and the NBD
-    /// reply is sent from the bytes the socket wrote. Anything else gets
-    /// a buffer from the thread's cache ([`Engine::get_buf`]).
+    /// Where the payload of frame `h`, arriving on connection `c`, is to
+    /// be received. The receiver (the shell's socket; the simulator alike)
+    /// asks once per frame whose header announces a payload
+    /// (`proto::payload_len(h) > 0`), when the header has arrived and
+    /// before any byte of the payload is read, and gives the sink back
+    /// with the frame in [`Event::Frame`](super::Event::Frame) as
+    /// [`Received`] (or drops it with the connection, if that fails
+    /// first). The payload always fits: every buffer given is
+    /// `payload_len(h)` bytes long.
     ///
-    /// With the buffer comes the channel of the client READ when it is
-    /// that client's: the shell may hand such a reply's data to the
-    /// channel in a pipe instead, if the channel takes one.
-    pub fn reply_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> (IoBuf, Option<u64>) {
+    /// A successful READ reply to a client read goes straight into the
+    /// client's own buffer ([`Sink::ClientBuffer`], or [`Sink::Pipe`] when
+    /// the client's channel takes pipes), taken out of the request now:
+    /// the frame puts it back, or, if this connection fails first, the
+    /// read is retried on another replica into a buffer of the engine's.
+    /// Anything else gets a buffer from the thread's cache
+    /// ([`Sink::Own`], [`Engine::get_buf`]).
+    ///
+    /// Nothing else changes and no action follows: what the frame means
+    /// (an answer, or a protocol error whose buffer is dropped with it) is
+    /// decided when it arrives, in `apply`, like any other event.
+    pub fn payload_sink(&mut self, c: ConnRef, h: &Header) -> Sink {
+        let len = proto::payload_len(h);
+        debug_assert!(len > 0, "payload_sink for a frame without payload");
         match self.client_read_buf(c, h, len) {
-            Some((buf, channel)) => (buf, Some(channel)),
-            None => (self.get_buf(len), None),
+            Some((buf, true)) => Sink::Pipe(buf),
+            Some((buf, false)) => Sink::ClientBuffer(buf),
+            None => Sink::Own(self.get_buf(len)),
         }
     }
 
-    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<(IoBuf, u64)> {
+    /// The client's buffer for `len` bytes of read reply `h`, and whether
+    /// its channel takes pipes.
+    fn client_read_buf(&mut self, c: ConnRef, h: &Header, len: usize) -> Option<(IoBuf, bool)> {
         if !h.reply || h.kind != Kind::Read || h.status != 0 {
             return None;
         }
@@ -349,7 +383,7 @@ impl Engine {
         };
         let mut buf = slot.take_if(|b| b.capacity() >= len)?;
         buf.set_len(len);
-        Some((buf, io.channel))
+        Some((buf, io.takes_pipe))
     }
 
     pub(super) fn on_client_reply(
@@ -358,14 +392,14 @@ impl Engine {
         sub: Sub,
         id: IoId,
         h: Header,
-        payload: Option<IoBuf>,
+        payload: Received,
     ) {
         if self.ios.get(id).is_none() {
             debug_assert!(false, "reply for a finished client request");
             return;
         }
         if h.status != 0 {
-            if let Some(b) = payload {
+            if let Some(b) = payload.into_buf() {
                 lull_net::bufs::put(b);
             }
             self.sub_failed(r, sub);
@@ -376,13 +410,18 @@ impl Engine {
             return self.fail_replica(r, &why, false);
         }
         if h.kind == Kind::BlockStatus {
-            return self.on_block_status_reply(r, sub, id, h, payload);
+            return self.on_block_status_reply(r, sub, id, h, payload.into_buf());
         }
         if h.kind == Kind::Read {
-            let Some(mut data) = payload else {
-                return self.protocol_error(r, Some(sub), "READ reply without data".into());
+            let (mut data, spliced) = match payload {
+                Received::Buf(b) => (b, None),
+                Received::Spliced { buf, pipe } => (buf, Some(pipe)),
+                Received::None => {
+                    return self.protocol_error(r, Some(sub), "READ reply without data".into())
+                }
             };
             if data.len() != sub.length as usize {
+                // A pipe with it closes here, and its data with it.
                 lull_net::bufs::put(data);
                 return self.protocol_error(r, Some(sub), "READ reply of the wrong length".into());
             }
@@ -390,16 +429,16 @@ impl Engine {
             if let Some(io) = self.ios.get_mut(id) {
                 io.outstanding = 0;
                 // Hand the received buffer to the client; recycle theirs
-                // (none when it was received into theirs: `reply_buf`).
+                // (none when it was received into theirs: `payload_sink`).
                 if let IoData::Read(slot) = &mut io.data {
                     if let Some(old) = slot.replace(data) {
                         lull_net::bufs::put(old);
                     }
                 }
             }
-            return self.finish_io(id, Ok(()));
+            return self.complete_io(id, Ok(()), spliced);
         }
-        if let Some(b) = payload {
+        if let Some(b) = payload.into_buf() {
             lull_net::bufs::put(b);
         }
         let Some(io) = self.ios.get_mut(id) else {

@@ -134,8 +134,8 @@ pub use rebuild::{
 };
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
 pub use types::{
-    Action, ClientReq, Engine, EngineOptions, Event, LogLevel, Milestone, Payload, ReplicaState,
-    ReplicaStatus, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    Action, ClientReq, Engine, EngineOptions, Event, LogLevel, Milestone, Payload, Received,
+    ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
 };
 
 impl Engine {

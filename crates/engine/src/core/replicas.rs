@@ -12,8 +12,8 @@ use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, ReplicaTarget, MAX_REPL
 use super::io::eio;
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
 use super::types::{
-    Action, CState, Conn, Detach, Engine, LogLevel, Milestone, Payload, RState, Replica, Sub,
-    SubKind,
+    Action, CState, Conn, Detach, Engine, LogLevel, Milestone, Payload, RState, Received, Replica,
+    Sub, SubKind,
 };
 
 /// The longest wait between attempts on a replica that cannot be
@@ -457,9 +457,12 @@ impl Engine {
         self.fail_replica(r, &format!("protocol error: {why}"), false);
     }
 
-    pub(super) fn on_frame(&mut self, c: ConnRef, h: Header, payload: Option<IoBuf>) {
+    /// A frame arrived; its payload was received where `payload_sink`
+    /// said. On a refusal below the payload drops with the frame (a pipe
+    /// with it closes, its data unsent).
+    pub(super) fn on_frame(&mut self, c: ConnRef, h: Header, payload: Received) {
         let Some(r) = self.live_conn(c) else {
-            if let Some(b) = payload {
+            if let Some(b) = payload.into_buf() {
                 lull_net::bufs::put(b);
             }
             return;
@@ -501,7 +504,7 @@ impl Engine {
             );
         }
         match sub.what {
-            SubKind::Probe => self.on_probe_reply(r, ci, h, payload),
+            SubKind::Probe => self.on_probe_reply(r, ci, h, payload.into_buf()),
             SubKind::Attach(g) => {
                 self.replicas[r].attach_in_flight = false;
                 if h.status != 0 {
@@ -522,8 +525,8 @@ impl Engine {
                 }
             }
             SubKind::Client(id) => self.on_client_reply(r, sub, id, h, payload),
-            SubKind::Rebuild(run) => self.on_rebuild_reply(r, sub, run, h, payload),
-            SubKind::IntentGet => self.on_intent_get_reply(r, h, payload),
+            SubKind::Rebuild(run) => self.on_rebuild_reply(r, sub, run, h, payload.into_buf()),
+            SubKind::IntentGet => self.on_intent_get_reply(r, h, payload.into_buf()),
             SubKind::Intent => self.on_intent_reply(r, sub, h),
             SubKind::Detach => self.on_detach_reply(r, h),
         }
@@ -778,7 +781,7 @@ mod tests {
             Event::Frame {
                 conn: conns[0],
                 header: hello.reply_with(0),
-                payload: Some(payload),
+                payload: Received::Buf(payload),
             },
             now,
             &mut out,

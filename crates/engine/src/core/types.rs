@@ -22,6 +22,7 @@ use lull_bdev::{BdevError, IoBuf, IoOp, IoRequest};
 use lull_net::shared::{SharedBuf, SharedBufs};
 use lull_net::slots::SlotTable;
 use lull_proto::replica::{Header, Hello, Kind, HEADER_LEN};
+use lull_uring::pipes::SplicePipe;
 
 use super::ids::{ConnData, ConnRef, ReplicaData, ReplicaId, ReplicaSet, ReplicaTarget};
 
@@ -80,6 +81,10 @@ pub struct ClientReq {
     /// The shell's id for the channel, given back in the completion.
     pub channel: u64,
     pub io: IoRequest,
+    /// The channel sends READ data on with `splice` and takes it in a pipe
+    /// ([`lull_bdev::Channel::allow_splice`]): this read's reply may be
+    /// spliced ([`Sink::Pipe`]).
+    pub takes_pipe: bool,
 }
 
 /// What happened.
@@ -100,11 +105,12 @@ pub enum Event {
         conn: ConnRef,
         reason: String,
     },
-    /// A decoded frame (payload of `payload_len(&header)` bytes, if any).
+    /// A decoded frame, with its payload of `payload_len(&header)` bytes
+    /// received where [`Engine::payload_sink`] said when the header came.
     Frame {
         conn: ConnRef,
         header: Header,
-        payload: Option<IoBuf>,
+        payload: Received,
     },
     /// Time passed (timeouts, keep-alives, reconnects, progress logs).
     Tick,
@@ -140,6 +146,66 @@ impl AsRef<[u8]> for Payload {
     }
 }
 
+/// Where a frame's payload is to be received: the core's answer to its
+/// header ([`Engine::payload_sink`]), asked before any byte of the payload
+/// is read. The payload then comes back in the frame's [`Event::Frame`] as
+/// [`Received`].
+#[derive(Debug)]
+pub enum Sink {
+    /// The buffer of the client READ the frame answers, lent by its
+    /// request until the frame comes back: the client's reply is sent from
+    /// the bytes the socket wrote, and a read holds one buffer, not two.
+    ClientBuffer(IoBuf),
+    /// As `ClientBuffer`, for a client whose channel takes pipes: the
+    /// payload may be spliced from the socket into a pipe instead
+    /// ([`Received::Spliced`], no copy in lull), if the socket can (a plain
+    /// link, a read of 32 KiB or more that fits a pipe, none of it
+    /// buffered yet, a pipe to be had: the shell's socket knows);
+    /// otherwise it is received into the buffer.
+    Pipe(IoBuf),
+    /// A buffer of the engine's, from the thread's cache: any other
+    /// payload (HELLO, INTENT_GET, EXTENTS, BLOCK_STATUS, rebuild reads, a
+    /// client READ whose buffer cannot take it).
+    Own(IoBuf),
+}
+
+impl Sink {
+    /// The buffer to receive into, whatever the sink (for a receiver that
+    /// cannot splice, such as the simulator).
+    pub fn into_buf(self) -> IoBuf {
+        match self {
+            Sink::ClientBuffer(b) | Sink::Pipe(b) | Sink::Own(b) => b,
+        }
+    }
+}
+
+/// A frame's payload as received, in the sink [`Engine::payload_sink`]
+/// gave for it.
+#[derive(Debug)]
+pub enum Received {
+    /// The frame has none (`payload_len` is 0).
+    None,
+    /// In the buffer of a [`Sink`].
+    Buf(IoBuf),
+    /// A client READ's data spliced into `pipe` ([`Sink::Pipe`]); `buf` is
+    /// the client's buffer, whose bytes are not the data. Both go to the
+    /// read's completion ([`Action::Complete`]).
+    Spliced { buf: IoBuf, pipe: SplicePipe },
+}
+
+impl Received {
+    /// The payload's buffer, for a frame whose data cannot be in a pipe
+    /// (any but a client READ's) or whose reply is refused: a pipe with it
+    /// is dropped, which closes it and drops the data it holds (as
+    /// `lull_uring::pipes::put` does with a pipe that is not empty).
+    pub(super) fn into_buf(self) -> Option<IoBuf> {
+        match self {
+            Received::None => None,
+            Received::Buf(b) | Received::Spliced { buf: b, .. } => Some(b),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogLevel {
     Info,
@@ -160,6 +226,9 @@ pub enum Action {
         tag: u64,
         result: Result<(), BdevError>,
         buf: Option<IoBuf>,
+        /// A successful READ's data in the pipe it was spliced into
+        /// ([`Received::Spliced`]); `buf`'s bytes are then not the data.
+        spliced: Option<SplicePipe>,
     },
     Connect {
         conn: ConnRef,
@@ -391,6 +460,8 @@ pub(super) type IoId = u64;
 
 pub(super) struct ClientIo {
     pub(super) channel: u64,
+    /// The channel takes a READ's data in a pipe (`ClientReq::takes_pipe`).
+    pub(super) takes_pipe: bool,
     pub(super) tag: u64,
     pub(super) op: IoOp,
     pub(super) offset: u64,

@@ -1,0 +1,490 @@
+//! The replicated device, [`ReplicatedDev`]: the `BlockDevice` a volume
+//! holds, which starts the engine's thread and is its control path (status,
+//! readiness, adding and removing replicas, the clean detach, channels);
+//! and the set-up of replica links: a short-lived connect thread per
+//! attempt (TCP connect, TLS client handshake) that hands the stream to
+//! the engine thread, where it becomes a socket with its poller.
+//!
+//! ```ignore
+//! let dev = ReplicatedDev::start(fw.handle(), 0, "vol0", addrs, size, EngineOptions::default(), tls)?;
+//! dev.wait_ready(Duration::from_secs(10));    // main thread only
+//! dev.add_replica(target)?;                   // an Event for the core
+//! let ch = dev.open_channel()?;               // channel.rs
+//! dev.detach(Duration::from_secs(30))?;       // at `lull serve`'s stop
+//! ```
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use lull_bdev::{BdevError, BlockDevice, Channel};
+use lull_net::link::{self as replica_link, LinkStream};
+use lull_net::tls::TlsContext;
+use lull_net::wire::Wire;
+use lull_reactor::{FrameworkHandle, PollerKind, Thread, ThreadHandle};
+
+use super::channel::{Doorbell, EngineChannel};
+use super::run::{lock, Shell, TICK_US};
+use super::socket::{Sock, READ_BUFFER_BYTES};
+use crate::core::ids::{ConnData, ReplicaTarget};
+use crate::core::{ConnRef, Engine, Event, MAX_CHANNELS};
+use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
+
+/// A connect attempt gives up after this long (or the replica timeout, if
+/// shorter): it runs on its own short-lived OS thread.
+const CONNECT_TIMEOUT_MS_MAX: u64 = 10_000;
+
+/// What the engine thread publishes for the device's callers on other
+/// threads (`Shell::publish_status`).
+pub(super) struct StatusShared {
+    pub(super) snapshot: Mutex<Vec<ReplicaStatus>>,
+    /// Set (under `snapshot`'s lock) once a clean detach has finished.
+    pub(super) detached: AtomicBool,
+    pub(super) ready: Condvar,
+}
+
+/// A session for this engine: the wall clock in nanoseconds, so that a
+/// later engine has a larger session and the replicas refuse the frames of
+/// an earlier one (see `lull_proto::replica`). Two engines started within
+/// the same nanosecond, or a clock behind the last engine's, are handled by
+/// the core (it takes a session past the replica's owner before the first
+/// election).
+fn new_session() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    u64::try_from(t).unwrap_or(u64::MAX).max(1)
+}
+
+/// A replicated volume: a `BlockDevice` whose I/O goes to replica servers.
+pub struct ReplicatedDev {
+    volume: String,
+    size_bytes: u64,
+    replicas_desc: String,
+    /// The replicas as the operator configured them, changed by
+    /// `add_replica`/`remove_replica` as the core will (a node records
+    /// them; the core's own view is `replica_status`).
+    targets: Mutex<Vec<ReplicaTarget>>,
+    engine: ThreadHandle,
+    doorbell: Arc<Doorbell>,
+    shell: Arc<Mutex<Shell>>,
+    status: Arc<StatusShared>,
+    open_channels: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for ReplicatedDev {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReplicatedDev({}, {})", self.volume, self.replicas_desc)
+    }
+}
+
+impl ReplicatedDev {
+    /// Start the engine of `volume` on a new lull thread on `reactor`. Does
+    /// not block: connections are made in the background; see `wait_ready`.
+    pub fn start(
+        fw: &FrameworkHandle,
+        reactor: usize,
+        volume: &str,
+        replicas: Vec<ReplicaTarget>,
+        size_bytes: u64,
+        opts: EngineOptions,
+        tls: Option<TlsContext>,
+    ) -> Result<Arc<ReplicatedDev>, EngineError> {
+        opts.validate()?;
+        if replicas.is_empty() || replicas.len() > crate::core::MAX_REPLICAS {
+            return Err(EngineError::ReplicaCount {
+                got: replicas.len(),
+            });
+        }
+        if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+            return Err(EngineError::BadSize(size_bytes));
+        }
+        let replicas_desc = replicas
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join("+");
+        let status = Arc::new(StatusShared {
+            snapshot: Mutex::new(Vec::new()),
+            detached: AtomicBool::new(false),
+            ready: Condvar::new(),
+        });
+        let doorbell = Arc::new(Doorbell::new());
+        let shell = Arc::new_cyclic(|weak| {
+            let core = Engine::new(
+                volume,
+                size_bytes,
+                replicas.clone(),
+                opts.clone(),
+                new_session(),
+            );
+            Mutex::new(Shell::new(
+                volume,
+                core,
+                opts.clone(),
+                tls,
+                doorbell.clone(),
+                weak.clone(),
+                status.clone(),
+            ))
+        });
+        let init_shell = shell.clone();
+        let engine = fw.spawn_thread(
+            reactor,
+            &format!("engine-{volume}"),
+            move |t: &mut Thread| lock(&init_shell).start(t, &init_shell),
+        )?;
+        Ok(Arc::new(ReplicatedDev {
+            volume: volume.to_string(),
+            size_bytes,
+            replicas_desc,
+            targets: Mutex::new(replicas),
+            engine,
+            doorbell,
+            shell,
+            status,
+            open_channels: Arc::new(AtomicUsize::new(0)),
+        }))
+    }
+
+    /// Wait until at least one replica is healthy. For the main thread
+    /// (start-up, tools), never for a reactor.
+    pub fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut snap = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            if snap.iter().any(|s| s.state == ReplicaState::Healthy) {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            snap = match self.status.ready.wait_timeout(snap, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// Detach cleanly (for `lull serve`'s stop, after the frontends have
+    /// drained): new requests are refused, those in flight finish, every
+    /// healthy replica is flushed and marked clean, so the next start trusts
+    /// them as identical without reconciling. Blocks the calling thread
+    /// (never a reactor) up to `timeout`; false if it did not finish (the
+    /// replicas then stay dirty and the next start reconciles them).
+    pub fn detach(&self, timeout: Duration) -> Result<bool, EngineError> {
+        self.event(Event::Detach)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut snap = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.status.detached.load(Ordering::Acquire) {
+                return Ok(true);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline || self.engine.has_exited() {
+                return Ok(false);
+            }
+            snap = match self.status.ready.wait_timeout(snap, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// The replicas as of the engine's last tick (at most 100 ms old) or
+    /// state change. Readable from any thread.
+    pub fn replica_status(&self) -> Vec<ReplicaStatus> {
+        self.status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Send keep-alives on idle replica connections every `period_us`
+    /// (hybrid mode uses Longhorn's `nvme_adminq_poll_period_us`, 10 ms by
+    /// default; the other modes the engine's `keepalive_interval_ms`). The
+    /// engine's tick runs at least that often.
+    pub fn set_keepalive_period_us(&self, period_us: u64) -> Result<(), EngineError> {
+        let shell = self.shell.clone();
+        self.engine
+            .send(move |t| {
+                let mut sh = lock(&shell);
+                sh.core.set_keepalive_interval_ms(period_us.div_ceil(1000));
+                sh.register_tick(t, &shell, period_us.clamp(1, TICK_US));
+            })
+            .map_err(|_| EngineError::Stopped)
+    }
+
+    /// Add a replica (it is rebuilt, then joins the healthy set).
+    pub fn add_replica(&self, addr: ReplicaTarget) -> Result<(), EngineError> {
+        {
+            let mut targets = self.targets.lock().unwrap_or_else(|e| e.into_inner());
+            if !targets.contains(&addr) && targets.len() < crate::core::MAX_REPLICAS {
+                targets.push(addr.clone());
+            }
+        }
+        self.event(Event::AddReplica(addr))
+    }
+
+    /// Remove a replica from the volume (its connections close now).
+    pub fn remove_replica(&self, addr: ReplicaTarget) -> Result<(), EngineError> {
+        self.targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|t| *t != addr);
+        self.event(Event::RemoveReplica(addr))
+    }
+
+    /// The replicas configured now (the volume's `replicas=`, with those
+    /// added and removed since).
+    pub fn replica_targets(&self) -> Vec<ReplicaTarget> {
+        self.targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn event(&self, ev: Event) -> Result<(), EngineError> {
+        let shell = self.shell.clone();
+        self.engine
+            .send(move |t| {
+                let now = t.now_ns();
+                lock(&shell).run(t, ev, now);
+            })
+            .map_err(|_| EngineError::Stopped)
+    }
+
+    pub fn volume(&self) -> &str {
+        &self.volume
+    }
+}
+
+impl BlockDevice for ReplicatedDev {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn describe(&self) -> String {
+        format!("replicas={}", self.replicas_desc)
+    }
+
+    fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
+        if self.engine.has_exited() {
+            return Err(BdevError::Failed("volume engine stopped".into()));
+        }
+        let n = self.open_channels.fetch_add(1, Ordering::AcqRel);
+        if n >= MAX_CHANNELS {
+            self.open_channels.fetch_sub(1, Ordering::AcqRel);
+            return Err(BdevError::Full {
+                capacity: MAX_CHANNELS,
+            });
+        }
+        let channel = EngineChannel::new(
+            self.engine.clone(),
+            self.doorbell.clone(),
+            self.shell.clone(),
+            self.open_channels.clone(),
+        );
+        match channel {
+            Ok(ch) => Ok(Box::new(ch)),
+            Err(e) => {
+                self.open_channels.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Block status is a BLOCK_STATUS request to one healthy replica, sent
+    /// like a read (`IoOp::BlockStatus` on a channel); `extents` keeps the
+    /// default "all data", which is true but tells a client nothing.
+    fn extents_by_channel(&self) -> bool {
+        true
+    }
+
+    /// Acknowledged FLUSHes are durable on every healthy replica already;
+    /// each replica also syncs on its own clean shutdown. At process exit
+    /// the reactors (and this engine's thread) are gone, so there is nothing
+    /// left to send.
+    fn sync(&self) -> Result<(), BdevError> {
+        Ok(())
+    }
+}
+
+impl Drop for ReplicatedDev {
+    fn drop(&mut self) {
+        let shell = self.shell.clone();
+        let _ = self.engine.send(move |t| lock(&shell).shutdown(t));
+    }
+}
+
+// ---- replica links ----------------------------------------------------------
+
+/// Why a replica link could not be made; each carries the reason the
+/// core logs.
+enum LinkError {
+    /// No connection (refused, unreachable, timed out).
+    Connect(String),
+    /// Connected, but the TLS handshake failed: the replica could not be
+    /// authenticated or refused this engine's credentials.
+    Auth(String),
+}
+
+/// Connect to a replica (blocking, on a connect helper thread) and, with
+/// credentials, authenticate before any frame: the whole of it within
+/// `timeout`.
+fn connect_link(
+    addr: SocketAddr,
+    timeout: Duration,
+    tls: Option<&TlsContext>,
+) -> Result<LinkStream, LinkError> {
+    let deadline = std::time::Instant::now() + timeout;
+    let tcp = TcpStream::connect_timeout(&addr, timeout)
+        .and_then(|s| {
+            s.set_nodelay(true)?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        })
+        .map_err(|e| LinkError::Connect(format!("connect failed: {e}")))?;
+    let Some(ctx) = tls else {
+        return Ok(LinkStream::Plain(tcp));
+    };
+    match replica_link::client_handshake(ctx, tcp, addr.ip(), deadline) {
+        Ok(s) => Ok(LinkStream::Tls(Box::new(s))),
+        Err(e) => {
+            let hint = replica_link::handshake_hint(&e.to_string());
+            Err(LinkError::Auth(format!(
+                "replica not authenticated: {e} ({hint})"
+            )))
+        }
+    }
+}
+
+impl Shell {
+    /// std has no non-blocking connect (and socket2 is not a dependency), so
+    /// a short-lived OS thread does the blocking `connect_timeout` (and, with
+    /// credentials, the TLS handshake, blocking too, within the same
+    /// timeout) and hands the stream to the engine thread as a message. A
+    /// replica that cannot be authenticated is a failed connection like a
+    /// refused one: the core fails the replica and retries it every
+    /// `reconnect_interval_ms`, one log line each time. At most one attempt per
+    /// connection is outstanding (the core issues a new one only after this
+    /// one is resolved or abandoned, and the timeout bounds it).
+    pub(super) fn connect(&mut self, conn: ConnRef, target: ReplicaTarget) {
+        let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else {
+            return;
+        };
+        let timeout =
+            Duration::from_millis(self.opts.replica_timeout_ms.min(CONNECT_TIMEOUT_MS_MAX));
+        let tls = self.tls.clone();
+        let spawned = std::thread::Builder::new()
+            .name("lull-connect".into())
+            .spawn(move || {
+                let result = connect_link(target.addr, timeout, tls.as_ref());
+                let _ = me.send(move |t| {
+                    let now = t.now_ns();
+                    lock(&shell).on_connected(t, conn, result, now);
+                });
+            });
+        if let Err(e) = spawned {
+            self.followups.push_back(Event::ConnDown {
+                conn,
+                reason: format!("cannot start a connect thread: {e}"),
+            });
+        }
+    }
+
+    /// On the engine thread, a connect attempt's result: a link becomes a
+    /// socket with its poller (`Event::ConnUp`), a failure an event for
+    /// the core.
+    fn on_connected(
+        &mut self,
+        t: &mut Thread,
+        conn: ConnRef,
+        result: Result<LinkStream, LinkError>,
+        now: u64,
+    ) {
+        if !self.core.conn_connecting(conn) {
+            return; // an attempt the engine gave up on; the stream drops here
+        }
+        let stream = match result {
+            Ok(s) => s,
+            Err(LinkError::Connect(reason)) => {
+                self.run(t, Event::ConnDown { conn, reason }, now);
+                return;
+            }
+            Err(LinkError::Auth(reason)) => {
+                self.run(t, Event::AuthFailed { conn, reason }, now);
+                return;
+            }
+        };
+        let Some(shell) = self.this.upgrade() else {
+            return;
+        };
+        let Some(tcp) = stream.tcp() else {
+            return; // never: a connected link has its socket
+        };
+        let fd = tcp.as_raw_fd();
+        let name = format!("{}-r{}c{}", self.volume, conn.replica, conn.conn);
+        let peer = tcp
+            .peer_addr()
+            .map_or_else(|_| "-".to_string(), |a| a.to_string());
+        let plain = !stream.is_tls();
+        let mut wire = Wire::new(stream, fd, READ_BUFFER_BYTES, "replica client", peer);
+        wire.set_context(&name);
+        if plain {
+            // READ replies may be spliced from the socket (`Recv::Spliced`).
+            wire.allow_splice();
+        }
+        let poller = t.register_poller(
+            &name,
+            PollerKind::Active,
+            &[(fd, wire.interest())],
+            Box::new(move |t, now| lock(&shell).on_socket(t, conn, now)),
+        );
+        let poller = match poller {
+            Ok(p) => p,
+            Err(e) => {
+                self.run(
+                    t,
+                    Event::ConnDown {
+                        conn,
+                        reason: format!("cannot poll the socket: {e}"),
+                    },
+                    now,
+                );
+                return;
+            }
+        };
+        // The initiator side: in hybrid mode drained every
+        // nvme_ioq_poll_period_us instead of woken by the socket.
+        if let Err(e) = t.mark_initiator(poller) {
+            tracing::warn!(volume = %self.volume, error = %e, "cannot mark a replica connection as initiator");
+        }
+        let (r, c) = (conn.replica, conn.conn);
+        while self.socks.len() <= r.get() {
+            self.socks.push(ConnData::new());
+        }
+        while self.socks[r].len() <= c.get() {
+            self.socks[r].push(None);
+        }
+        if let Some(old) = self.socks[r][c].take() {
+            t.unregister_poller(old.poller);
+        }
+        let sock = self.socks[r][c].insert(Sock::new(wire, poller));
+        // A new wire waits for writability too; nothing is queued yet.
+        sock.wire.update_interest(t, poller, None, false);
+        self.run(t, Event::ConnUp(conn), now);
+    }
+}
