@@ -9,8 +9,8 @@
 //! Meta { clean: false, ..meta }.store(dir)?; // blocking: never on a reactor
 //! ```
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::fs::File;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -21,6 +21,9 @@ pub const META_FORMAT_VERSION: u32 = 1;
 
 /// File name of the record inside the replica directory.
 pub const META_FILE: &str = "meta.json";
+/// The temporary file a store writes before it renames it over the
+/// record (`crate::durable`: the record's name and `.tmp`).
+#[cfg(test)]
 const META_TMP_FILE: &str = "meta.json.tmp";
 
 /// Largest metadata file accepted. The record is ~100 bytes; anything much
@@ -129,37 +132,18 @@ impl Meta {
     /// fsyncs): call it from a helper thread or at startup and shutdown,
     /// never from a reactor.
     pub fn store(&self, dir: &Path) -> Result<(), MetaError> {
-        let tmp = dir.join(META_TMP_FILE);
         let path = dir.join(META_FILE);
         let text = self.encode().map_err(|e| MetaError::Corrupt {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let write = || -> io::Result<()> {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&tmp)?;
-            f.write_all(text.as_bytes())?;
-            f.sync_all()?;
-            Ok(())
-        };
-        write().map_err(|source| MetaError::Io {
-            path: tmp.clone(),
-            source,
-        })?;
-        std::fs::rename(&tmp, &path).map_err(|source| MetaError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        // The rename is durable only once the directory is.
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|source| MetaError::Io {
-                path: dir.to_path_buf(),
-                source,
-            })
+        crate::durable::store_bytes(&path, text.as_bytes()).map_err(|e| match e {
+            crate::durable::RecordError::Io { path, source } => MetaError::Io { path, source },
+            other => MetaError::Corrupt {
+                path,
+                reason: other.to_string(),
+            },
+        })
     }
 }
 

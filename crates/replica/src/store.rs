@@ -556,22 +556,38 @@ impl Store {
                 tracing::warn!(path = %rdir.display(), error = %e, "cannot remove the directory of a replica not created");
             }
         };
-        let replica = match open_replica(
-            &rdir,
+        let replica = self.add(name, &rdir, size_bytes, current, undo)?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(replica = name, size_bytes, "replica created");
+        Ok(info_of(name, &replica))
+    }
+
+    /// The last steps of a create or an import, with the replica's files
+    /// in place under `rdir`: open it, write the record naming it, then
+    /// serve it. A failed step calls `undo` (with the replica once it is
+    /// open) and nothing of it stays in the store.
+    fn add(
+        &self,
+        name: &str,
+        rdir: &Path,
+        size_bytes: u64,
+        current: BTreeMap<String, Arc<Shared>>,
+        undo: impl Fn(Option<&Arc<Shared>>),
+    ) -> Result<Arc<Shared>, StoreError> {
+        let opened = open_replica(
+            rdir,
             Some(name.to_string()),
             size_bytes,
             &self.data,
             self.conns.clone(),
-        ) {
-            Ok(r) => r,
-            Err(source) => {
-                undo(None);
-                return Err(StoreError::Replica {
-                    name: name.into(),
-                    source,
-                });
+        );
+        let replica = opened.map_err(|source| {
+            undo(None);
+            StoreError::Replica {
+                name: name.into(),
+                source,
             }
-        };
+        })?;
         let mut next = current;
         next.insert(name.to_string(), replica.clone());
         if let Err(e) = self.store_record(&next) {
@@ -579,9 +595,7 @@ impl Store {
             return Err(e);
         }
         self.index.write().insert(name.to_string(), replica.clone());
-        self.created.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(replica = name, size_bytes, "replica created");
-        Ok(info_of(name, &replica))
+        Ok(replica)
     }
 
     /// Deletes a replica and its data. Refused while an engine holds it.
@@ -708,30 +722,13 @@ impl Store {
                     "import failed and the directory could not be moved back: it is left under the store");
             }
         };
-        let replica = match open_replica(
-            &rdir,
-            Some(name.to_string()),
-            meta.volume_size,
-            &self.data,
-            self.conns.clone(),
-        ) {
-            Ok(r) => r,
-            Err(source) => {
-                move_back();
-                return Err(StoreError::Replica {
-                    name: name.into(),
-                    source,
-                });
+        let undo = |r: Option<&Arc<Shared>>| {
+            if let Some(r) = r {
+                r.intent.stop();
             }
-        };
-        let mut next = current;
-        next.insert(name.to_string(), replica.clone());
-        if let Err(e) = self.store_record(&next) {
-            replica.intent.stop();
             move_back();
-            return Err(e);
-        }
-        self.index.write().insert(name.to_string(), replica.clone());
+        };
+        let replica = self.add(name, &rdir, meta.volume_size, current, undo)?;
         tracing::info!(replica = name, from = %from.display(), size_bytes = meta.volume_size,
             generation = meta.generation, clean = meta.clean, "replica imported");
         Ok(info_of(name, &replica))
