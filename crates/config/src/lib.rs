@@ -34,6 +34,7 @@
 //! # rpc_listen = "0.0.0.0:10910"
 //! # rpc_tls_certs = "/etc/lull/rpc-pki"  # ca-cert.pem, server-cert.pem, server-key.pem
 //! # rpc_tls_psk = "/etc/lull/rpc.psk"
+//! stall_threshold_ms = 1000        # a reactor silent this long is reported stalled; 0 = off
 //! fixed_buffers_mib = 16           # per reactor: prefaulted, registered I/O buffers; 0 = off
 //! scheduler = "static"             # static | dynamic (moves threads between cores)
 //! scheduler_period_us = 1000000    # how often the scheduler balances
@@ -222,7 +223,14 @@ pub struct ServeSettings {
     pub store: Option<StoreSettings>,
     /// JSON-RPC over TCP with TLS (`--rpc-listen`); off when `None`.
     pub rpc_listen: Option<RpcListen>,
+    /// A reactor that does not answer the watchdog this long is reported
+    /// as stalled (`--stall-threshold-ms`; 0: no watchdog).
+    pub stall_threshold_ms: u64,
 }
+
+/// Largest `stall_threshold_ms`: a reactor silent for a minute is long
+/// past stalled; a larger value is a typo for "off" (0).
+pub const MAX_STALL_THRESHOLD_MS: u64 = 60_000;
 
 /// `--store DIR` and its settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,6 +352,8 @@ pub struct ConfigFile {
     pub rpc_listen: Option<String>,
     pub rpc_tls_certs: Option<PathBuf>,
     pub rpc_tls_psk: Option<PathBuf>,
+    /// The reactor watchdog's stall threshold (0: off).
+    pub stall_threshold_ms: Option<u64>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
     pub scheduler_load_limit: Option<u8>,
@@ -413,6 +423,7 @@ pub struct Overrides {
     pub rpc_listen: Option<String>,
     pub rpc_tls_certs: Option<PathBuf>,
     pub rpc_tls_psk: Option<PathBuf>,
+    pub stall_threshold_ms: Option<u64>,
     pub scheduler: Option<String>,
     pub scheduler_period_us: Option<u64>,
 }
@@ -548,6 +559,15 @@ pub fn resolve(
     let replica_link = resolve_replica_link(&flags, &file)?;
     let store = resolve_store(&flags, &file)?;
     let rpc_listen = resolve_rpc_listen(&flags, &file)?;
+    let stall_threshold_ms = flags
+        .stall_threshold_ms
+        .or(file.stall_threshold_ms)
+        .unwrap_or(lull_reactor::watchdog::DEFAULT_STALL_THRESHOLD_MS);
+    if stall_threshold_ms > MAX_STALL_THRESHOLD_MS {
+        return err(format!(
+            "stall_threshold_ms = {stall_threshold_ms}: must be 0 (off) to {MAX_STALL_THRESHOLD_MS}"
+        ));
+    }
     let listen_s = flags.listen.or(file.listen);
     let socket = flags.socket.or(file.socket);
     // A socket alone serves instead of TCP; with --listen too, as well.
@@ -789,6 +809,7 @@ pub fn resolve(
         fixed_buffers_mib,
         store,
         rpc_listen,
+        stall_threshold_ms,
     })
 }
 

@@ -51,6 +51,9 @@ enum Command {
     /// Measure lull in each mode against peer NBD servers with fio, or
     /// (--profile nvmf) against SPDK's nvmf_tgt with spdk_nvme_perf.
     Bench(cli::bench::BenchArgs),
+    /// A live terminal view of a running server: reactors, threads,
+    /// volumes, replicas (--once: a plain-text snapshot).
+    Top(cli::top::TopArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -183,6 +186,11 @@ struct ServeArgs {
     /// JSON-RPC over TCP with pre-shared keys (username:hexkey lines).
     #[arg(long, value_name = "FILE")]
     rpc_tls_psk: Option<PathBuf>,
+    /// Report a reactor that does not answer its heartbeat this long as
+    /// stalled (a WARN line naming what it runs; framework_get_reactors'
+    /// stalled_ms); 0: no watchdog [default: 1000].
+    #[arg(long, value_name = "MS")]
+    stall_threshold_ms: Option<u64>,
     /// TOML configuration file; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -202,6 +210,7 @@ fn main() -> ExitCode {
         Command::Replica(args) => cli::replica::run(&args),
         Command::Rpc(args) => cli::rpc::run(&args),
         Command::Bench(args) => cli::bench::run(&args),
+        Command::Top(args) => cli::top::run(&args),
     }
 }
 
@@ -247,6 +256,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         rpc_listen: args.rpc_listen,
         rpc_tls_certs: args.rpc_tls_certs,
         rpc_tls_psk: args.rpc_tls_psk,
+        stall_threshold_ms: args.stall_threshold_ms,
     };
     let allowed =
         lull_reactor::sys::allowed_cpus().map_err(|e| format!("cannot read CPU affinity: {e}"))?;
@@ -586,6 +596,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         s.fixed_buffers_mib,
         FrameworkConfig {
             ioq_poll_period_us: s.ioq_poll_period_us,
+            stall_threshold_ms: s.stall_threshold_ms,
             scheduler: s.scheduler,
             ..FrameworkConfig::new(s.cores.clone(), s.mode)
         },

@@ -39,6 +39,7 @@ pub mod scheduler;
 #[allow(unsafe_code)]
 pub mod sys;
 mod thread;
+pub mod watchdog;
 
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use cores::{parse_core_list, MAX_CORE};

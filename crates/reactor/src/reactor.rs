@@ -162,6 +162,9 @@ pub struct FrameworkConfig {
     /// `io_uring_enter_source` is (the binary reports
     /// `lull_uring::thread_arena_stats`). `None`: the figures stay zero.
     pub fixed_buffer_source: Option<fn() -> FixedBufferUsage>,
+    /// A reactor that does not answer the watchdog's heartbeat this long is
+    /// reported as stalled (`crate::watchdog`); 0: no watchdog.
+    pub stall_threshold_ms: u64,
 }
 
 /// The scheduler and its period.
@@ -222,6 +225,7 @@ impl FrameworkConfig {
             io_uring_enter_source: None,
             reactor_start_hook: None,
             fixed_buffer_source: None,
+            stall_threshold_ms: crate::watchdog::DEFAULT_STALL_THRESHOLD_MS,
         }
     }
 }
@@ -236,6 +240,8 @@ enum Control {
         to: usize,
     },
     SetMode(Mode, u64, ModeReply),
+    /// The watchdog's heartbeat: answered by storing its sequence number.
+    Heartbeat(u64),
     Stop,
 }
 
@@ -270,6 +276,16 @@ struct ReactorCounters {
     sleeping: AtomicBool,
     threads_moved_in: AtomicU64,
     threads_moved_out: AtomicU64,
+    /// The last heartbeat answered (`crate::watchdog`).
+    heartbeat_answered: AtomicU64,
+    /// Blocked in `epoll_wait`: idle, so not stalled.
+    waiting: AtomicBool,
+    /// The lull thread running now (its id; 0: none) and since when.
+    running_thread: AtomicU64,
+    running_since_ns: AtomicU64,
+    /// When the stall being reported began (0: none), and stalls so far.
+    stalled_since_ns: AtomicU64,
+    stalls: AtomicU64,
 }
 
 /// A snapshot of one reactor's counters.
@@ -322,6 +338,11 @@ pub struct ReactorStats {
     /// Threads the scheduler moved here and away.
     pub threads_moved_in: u64,
     pub threads_moved_out: u64,
+    /// How long the reactor has not answered the watchdog's heartbeat,
+    /// while that is longer than the stall threshold (0: not stalled).
+    pub stalled_ms: u64,
+    /// Stalls reported since start.
+    pub stalls: u64,
 }
 
 impl ReactorStats {
@@ -347,6 +368,10 @@ struct FrameworkShared {
     clock: Arc<dyn Clock>,
     sched: Mutex<SchedState>,
     sched_wake: Condvar,
+    /// Set at stop: the watchdog exits (woken through `watchdog_wake`; a
+    /// condvar serves one mutex).
+    watchdog_stop: Mutex<bool>,
+    watchdog_wake: Condvar,
 }
 
 struct SchedState {
@@ -551,6 +576,11 @@ impl FrameworkHandle {
                     sleeping: c.sleeping.load(Ordering::Relaxed),
                     threads_moved_in: g(&c.threads_moved_in),
                     threads_moved_out: g(&c.threads_moved_out),
+                    stalled_ms: match g(&c.stalled_since_ns) {
+                        0 => 0,
+                        since => self.shared.clock.now_ns().saturating_sub(since) / 1_000_000,
+                    },
+                    stalls: g(&c.stalls),
                 }
             })
             .collect()
@@ -619,6 +649,7 @@ impl Host for FrameworkHandle {
 /// The running framework: owns the reactor OS threads and the scheduler's.
 pub struct Framework {
     handle: FrameworkHandle,
+    watchdog: Option<std::thread::JoinHandle<()>>,
     joins: Vec<JoinHandle<()>>,
     scheduler: Option<JoinHandle<()>>,
 }
@@ -698,6 +729,8 @@ impl Framework {
                     stop: false,
                 }),
                 sched_wake: Condvar::new(),
+                watchdog_stop: Mutex::new(false),
+                watchdog_wake: Condvar::new(),
             }),
         };
         let mut joins = Vec::new();
@@ -741,6 +774,7 @@ impl Framework {
         drop(ready_tx);
         let mut fw = Framework {
             handle,
+            watchdog: None,
             joins,
             scheduler: None,
         };
@@ -754,6 +788,20 @@ impl Framework {
                 Err(_) => {
                     fw.stop();
                     return Err(ReactorError::Stopped);
+                }
+            }
+        }
+        if config.stall_threshold_ms > 0 {
+            let watch_fw = fw.handle.clone();
+            let threshold_ms = config.stall_threshold_ms;
+            match std::thread::Builder::new()
+                .name("lull_watchdog".into())
+                .spawn(move || run_watchdog(watch_fw, threshold_ms))
+            {
+                Ok(j) => fw.watchdog = Some(j),
+                Err(e) => {
+                    fw.stop();
+                    return Err(ReactorError::Sys(e));
                 }
             }
         }
@@ -781,8 +829,13 @@ impl Framework {
         // The scheduler first, so that no thread is in flight between two
         // reactors when they stop.
         lock(&self.handle.shared.sched).stop = true;
+        *lock(&self.handle.shared.watchdog_stop) = true;
+        self.handle.shared.watchdog_wake.notify_all();
         self.handle.shared.sched_wake.notify_all();
         if let Some(j) = self.scheduler.take() {
+            let _ = j.join();
+        }
+        if let Some(j) = self.watchdog.take() {
             let _ = j.join();
         }
         for r in &self.handle.shared.reactors {
@@ -1080,7 +1133,11 @@ impl Reactor {
             }
             // Its timers may have moved.
             self.idle_deadline = None;
+            let c = &self.shared.counters;
+            c.running_since_ns.store(at, Ordering::Relaxed);
+            c.running_thread.store(t.id(), Ordering::Relaxed);
             let (status, end) = t.poll_ready_timed(at, scope, ready, clock);
+            c.running_thread.store(0, Ordering::Relaxed);
             busy |= status == PollStatus::Busy;
             at = end;
         }
@@ -1116,6 +1173,9 @@ impl Reactor {
             self.shared.counters.sleeping.store(true, Ordering::Relaxed);
         }
         let cpu_before = if sleeping { sys::thread_cpu_ns() } else { 0 };
+        if sleeping {
+            self.shared.counters.waiting.store(true, Ordering::Relaxed);
+        }
         let n = self
             .epoll
             .wait(&mut self.events, timeout)
@@ -1124,6 +1184,7 @@ impl Reactor {
                 0
             });
         if sleeping {
+            self.shared.counters.waiting.store(false, Ordering::Relaxed);
             self.shared
                 .counters
                 .sleeping
@@ -1271,6 +1332,11 @@ impl Reactor {
                 Control::AddThread(t) => self.add_thread(t),
                 Control::MoveThread { id, to } => self.move_thread(id, to),
                 Control::SetMode(mode, period, reply) => reply(self.set_mode(mode, period)),
+                Control::Heartbeat(seq) => self
+                    .shared
+                    .counters
+                    .heartbeat_answered
+                    .store(seq, Ordering::Relaxed),
                 Control::Stop => self.stopping = true,
             }
         }
@@ -1555,6 +1621,94 @@ struct Seen {
 /// sleeps between periods, so no reactor blocks or carries it). Reads
 /// only the counters threads and reactors publish; moves go through the
 /// reactors' control queues.
+/// The watchdog's loop (see `crate::watchdog`): every period, each
+/// reactor's heartbeat is checked and the next one sent; stalls and
+/// recoveries are logged and published in the reactor's counters.
+fn run_watchdog(fw: FrameworkHandle, threshold_ms: u64) {
+    use crate::watchdog::{watch_period_ms, Verdict, Watch};
+    let period = Duration::from_millis(watch_period_ms(threshold_ms));
+    let threshold_ns = threshold_ms * 1_000_000;
+    let mut watches = vec![Watch::default(); fw.shared.reactors.len()];
+    loop {
+        {
+            let stop = lock(&fw.shared.watchdog_stop);
+            if *stop {
+                return;
+            }
+            let (stop, _) = fw
+                .shared
+                .watchdog_wake
+                .wait_timeout(stop, period)
+                .unwrap_or_else(|p| p.into_inner());
+            if *stop {
+                return;
+            }
+        }
+        let now = fw.shared.clock.now_ns();
+        for (r, w) in fw.shared.reactors.iter().zip(watches.iter_mut()) {
+            let c = &r.counters;
+            let answered = c.heartbeat_answered.load(Ordering::Relaxed);
+            let waiting = c.waiting.load(Ordering::Relaxed);
+            let seq = match w.observe(now, answered, waiting, threshold_ns) {
+                Verdict::Nothing => continue,
+                Verdict::Send(seq) => seq,
+                Verdict::Stalled { for_ns } => {
+                    c.stalled_since_ns
+                        .store(w.stalled_since_ns.unwrap_or(now).max(1), Ordering::Relaxed);
+                    c.stalls.fetch_add(1, Ordering::Relaxed);
+                    report_stall(&fw, r, now, for_ns);
+                    continue;
+                }
+                Verdict::Recovered { lasted_ns, seq } => {
+                    c.stalled_since_ns.store(0, Ordering::Relaxed);
+                    tracing::info!(
+                        reactor = r.index,
+                        core = r.core,
+                        stalled_ms = lasted_ns / 1_000_000,
+                        "reactor recovered: it answers its heartbeat again"
+                    );
+                    seq
+                }
+            };
+            // A full control queue: the reactor has plenty to read already
+            // and will answer the next one.
+            let _ = r.control.push(Control::Heartbeat(seq));
+        }
+    }
+}
+
+/// The WARN line of a stall: the reactor, what it runs and for how long.
+fn report_stall(fw: &FrameworkHandle, r: &ReactorShared, now: u64, for_ns: u64) {
+    let c = &r.counters;
+    let thread_id = c.running_thread.load(Ordering::Relaxed);
+    let since = c.running_since_ns.load(Ordering::Relaxed);
+    let thread = (thread_id != 0)
+        .then(|| lock(&fw.shared.threads).get(&thread_id).cloned())
+        .flatten();
+    let (thread_name, poller) = match &thread {
+        Some(t) => (
+            t.name.clone(),
+            t.running_poller_name()
+                .unwrap_or_else(|| "(between pollers: messages or timers)".into()),
+        ),
+        None => ("(none: the reactor's own loop)".into(), "(none)".into()),
+    };
+    let in_it_ms = if thread.is_some() {
+        now.saturating_sub(since) / 1_000_000
+    } else {
+        0
+    };
+    tracing::warn!(
+        reactor = r.index,
+        core = r.core,
+        thread = %thread_name,
+        poller = %poller,
+        in_it_ms,
+        no_answer_ms = for_ns / 1_000_000,
+        "reactor stalled: it has not answered its heartbeat; every source on it waits (a poller that loops or blocks?)"
+    );
+}
+
 fn run_scheduler(fw: FrameworkHandle) {
     let shared = &fw.shared;
     let main = 0;

@@ -246,6 +246,25 @@ pub(crate) struct ThreadShared {
     pub counters: ThreadCounters,
     pub exited: AtomicBool,
     pub pinned: AtomicBool,
+    /// The poller running now (its slot index + 1; 0: none), for the
+    /// framework's stall report, read from another OS thread.
+    pub running_poller: AtomicU64,
+    /// Every live poller's name by slot index: a copy the stall report can
+    /// read (the pollers themselves belong to the reactor running the
+    /// thread). Changed at registration, never per run.
+    pub poller_names: std::sync::Mutex<std::collections::HashMap<u32, String>>,
+}
+
+impl ThreadShared {
+    /// The name of the poller running now, if one is.
+    pub(crate) fn running_poller_name(&self) -> Option<String> {
+        let index = self.running_poller.load(Ordering::Relaxed).checked_sub(1)?;
+        self.poller_names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(index as u32))
+            .cloned()
+    }
 }
 
 /// Why a message could not be sent.
@@ -477,6 +496,8 @@ impl Thread {
             counters: ThreadCounters::default(),
             exited: AtomicBool::new(false),
             pinned: AtomicBool::new(false),
+            running_poller: AtomicU64::new(0),
+            poller_names: std::sync::Mutex::new(std::collections::HashMap::new()),
         });
         let epoll = Epoll::new().map_err(ReactorError::Sys)?;
         let timer = TimerFd::new().map_err(ReactorError::Sys)?;
@@ -623,6 +644,11 @@ impl Thread {
             PollerKind::Active | PollerKind::Woken => 0,
             PollerKind::Timed { period_ns } => self.now_ns.saturating_add(period_ns),
         };
+        self.shared
+            .poller_names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(index, name.to_string());
         self.pollers[index as usize].entry = Some(PollerEntry {
             name: name.to_string(),
             kind,
@@ -714,6 +740,11 @@ impl Thread {
         let entry = slot.entry.take();
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push(id.index);
+        self.shared
+            .poller_names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id.index);
         if let Some(entry) = entry {
             for (fd, _) in &entry.fds {
                 let _ = self.epoll.delete(*fd);
@@ -1255,7 +1286,14 @@ impl Thread {
             return PollStatus::Idle;
         };
         let previous = self.current.replace(id);
+        self.shared
+            .running_poller
+            .store(u64::from(id.index) + 1, Ordering::Relaxed);
         let status = f(self, now);
+        self.shared.running_poller.store(
+            previous.map_or(0, |p| u64::from(p.index) + 1),
+            Ordering::Relaxed,
+        );
         self.current = previous;
         // The poller may have unregistered itself (and its slot been reused).
         if let Some(e) = self.entry_mut(id) {

@@ -545,3 +545,117 @@ fn start_hook_runs_on_each_reactor_and_fixed_buffer_usage_is_reported() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Log lines of every test in this binary, for the one that checks the
+/// watchdog's WARN line (the line is what an operator sees).
+fn captured_logs() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOGS: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        buf
+    })
+    .clone()
+}
+
+struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A poller that blocks its reactor for 2 s: the watchdog reports the
+/// stall within 2x its threshold, names the thread and the poller, shows
+/// it in `stalled_ms` while it lasts, and reports the recovery.
+#[test]
+fn a_blocking_poller_is_reported_as_a_stall_and_its_recovery() {
+    let logs = captured_logs();
+    const THRESHOLD_MS: u64 = 400;
+    let fw = Framework::start(FrameworkConfig {
+        stall_threshold_ms: THRESHOLD_MS,
+        ..config(1, Mode::Adaptive)
+    })
+    .expect("framework");
+    let h = fw.handle().clone();
+    let (id_tx, id_rx) = mpsc::channel();
+    let t = h
+        .spawn_thread(0, "stall-test", move |t| {
+            let id = t
+                .register_poller(
+                    "blocks-2s",
+                    PollerKind::Woken,
+                    &[],
+                    Box::new(|_, _| {
+                        std::thread::sleep(Duration::from_secs(2));
+                        PollStatus::Busy
+                    }),
+                )
+                .unwrap();
+            id_tx.send(id).unwrap();
+        })
+        .unwrap();
+    let id = id_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    // Quiet first: nothing stalls while the reactor idles.
+    std::thread::sleep(Duration::from_millis(3 * THRESHOLD_MS));
+    assert_eq!(h.reactor_stats()[0].stalls, 0);
+    let blocked_at = Instant::now();
+    t.wake_poller(id).unwrap();
+    let seen = loop {
+        let r = &h.reactor_stats()[0];
+        if r.stalled_ms > 0 {
+            break blocked_at.elapsed();
+        }
+        assert!(
+            blocked_at.elapsed() < Duration::from_secs(2),
+            "no stall reported while the poller blocks: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        seen <= Duration::from_millis(2 * THRESHOLD_MS),
+        "stall reported {seen:?} after the block began (threshold {THRESHOLD_MS} ms)"
+    );
+    loop {
+        let r = &h.reactor_stats()[0];
+        if r.stalled_ms == 0 && blocked_at.elapsed() > Duration::from_secs(2) {
+            assert_eq!(r.stalls, 1, "{r:?}");
+            break;
+        }
+        assert!(
+            blocked_at.elapsed() < Duration::from_secs(10),
+            "no recovery: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The recovery line follows the answer; give the watchdog a period.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        let stall = text
+            .lines()
+            .find(|l| l.contains("reactor stalled") && l.contains("stall-test"));
+        if let Some(line) = stall {
+            assert!(
+                line.contains("WARN") && line.contains("poller=blocks-2s"),
+                "{line}"
+            );
+            if text.contains("reactor recovered") {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "log:\n{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fw);
+}

@@ -456,6 +456,11 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "sleeping": r.sleeping,
                 "threads_moved_in": r.threads_moved_in,
                 "threads_moved_out": r.threads_moved_out,
+                // The watchdog: how long the reactor has not answered its
+                // heartbeat while that is past the threshold (0: fine), and
+                // the stalls reported since start.
+                "stalled_ms": r.stalled_ms,
+                "stalls": r.stalls,
                 "lw_threads": lw_threads,
             })
         })

@@ -116,6 +116,10 @@ pub struct ReactorMetrics {
     pub fixed_buffer_bytes: u64,
     pub fixed_buffer_in_use_bytes: u64,
     pub fixed_buffer_locked: bool,
+    /// Stalls the watchdog reported, and how long the current one lasts
+    /// (0: not stalled).
+    pub stalls: u64,
+    pub stalled_ms: u64,
 }
 
 impl ReactorMetrics {
@@ -145,6 +149,8 @@ impl ReactorMetrics {
             fixed_buffer_bytes: s.fixed_buffers.bytes,
             fixed_buffer_in_use_bytes: s.fixed_buffers.in_use_bytes,
             fixed_buffer_locked: s.fixed_buffers.locked,
+            stalls: s.stalls,
+            stalled_ms: s.stalled_ms,
         }
     }
 }
@@ -522,6 +528,23 @@ impl Collector for SnapshotCollector {
             r,
             reactor_labels,
             |x| i64::from(x.interrupt_mode_enabled),
+        )?;
+        counters(
+            &mut enc,
+            "lull_reactor_stalls",
+            "Stalls the watchdog reported: the reactor did not answer its heartbeat within the stall threshold.",
+            None,
+            r,
+            reactor_labels,
+            |x| x.stalls,
+        )?;
+        gauges(
+            &mut enc,
+            "lull_reactor_stalled_ms",
+            "How long the reactor has not answered its heartbeat, while it is stalled (0: not stalled).",
+            r,
+            reactor_labels,
+            |x| i64::try_from(x.stalled_ms).unwrap_or(i64::MAX),
         )?;
 
         let v = &s.volumes[..];

@@ -442,6 +442,8 @@ fn scrape() {
         ("lull_reactor_fixed_buffer_locked", "gauge"),
         ("lull_reactor_mode", "gauge"),
         ("lull_reactor_interrupt_mode_enabled", "gauge"),
+        ("lull_reactor_stalls", "counter"),
+        ("lull_reactor_stalled_ms", "gauge"),
         ("lull_volume_reads", "counter"),
         ("lull_volume_writes", "counter"),
         ("lull_volume_read_bytes", "counter"),

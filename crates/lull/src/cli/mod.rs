@@ -9,12 +9,14 @@
 //! | `lull replica` | [`replica`] | `lull_replica::ReplicaServer` |
 //! | `lull rpc` | [`rpc`] | `lull_rpc::call` |
 //! | `lull bench` | [`bench`] | `lull_bench::run` |
+//! | `lull top` | [`top`] | `lull_rpc::call`, `call_tcp` (read-only) |
 
 pub(crate) mod bench;
 mod choice;
 pub(crate) mod replica;
 pub(crate) mod rpc;
 pub(crate) mod signals;
+pub(crate) mod top;
 
 use std::process::ExitCode;
 
