@@ -46,7 +46,7 @@ use crate::conn::Conn;
 use crate::stream::Stream;
 
 /// Connections the server holds at once. An idle connection is a poller in
-/// a poll group and costs a few KiB (docs/BENCHMARKS.md §1.2); a busy one
+/// a poll group and costs a few KiB (5.4 KiB measured, docs/BENCHMARKS.md §1.3); a busy one
 /// up to its input buffer and `MAX_IN_FLIGHT` requests. Real nodes hold
 /// hundreds of volumes with a few connections each; past this a new
 /// connection is accepted and closed at once (with a log line), so a flood
