@@ -101,6 +101,10 @@ struct SimReplica {
 /// so that reconciling some regions and not others is exercised.
 const SIM_REGION_BYTES: u64 = 256 << 10;
 
+/// Data segment of a simulated copy: 64 per volume, so that the copy
+/// window fills and segments finish out of order.
+const SIM_CHUNK_BYTES: u64 = 64 << 10;
+
 fn sim_regions() -> usize {
     SIZE.div_ceil(SIM_REGION_BYTES) as usize
 }
@@ -482,6 +486,7 @@ impl Sim {
             spliced_reads: 0,
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
+        sim.engine.set_rebuild_chunk_bytes(SIM_CHUNK_BYTES);
         let mut out = Vec::new();
         sim.engine.start(0, &mut out);
         sim.perform(out);
@@ -1157,6 +1162,7 @@ impl Sim {
         self.session += 1;
         self.engine = Engine::new("sim", SIZE, self.addrs.clone(), opts, self.session);
         self.engine.set_region_bytes(SIM_REGION_BYTES);
+        self.engine.set_rebuild_chunk_bytes(SIM_CHUNK_BYTES);
         let mut out = Vec::new();
         self.engine.start(self.now, &mut out);
         self.perform(out);

@@ -461,7 +461,7 @@ fn parse_addr(addr: &str) -> Result<lull_engine::ReplicaTarget, ControlError> {
 }
 
 fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
-    let (state, progress) = match r.state {
+    let (state, mut progress) = match r.state {
         lull_engine::ReplicaState::Connecting => ("connecting", Value::Null),
         lull_engine::ReplicaState::Healthy => ("healthy", Value::Null),
         lull_engine::ReplicaState::Failed => ("failed", Value::Null),
@@ -480,10 +480,25 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
             json!({"done_bytes": done_bytes, "total_bytes": total_bytes}),
         ),
     };
+    if let (Some(p), Some(obj)) = (&r.rebuild, progress.as_object_mut()) {
+        obj.insert("kind".into(), json!(p.kind.as_str()));
+        obj.insert("bytes_total".into(), json!(p.bytes_total));
+        obj.insert("bytes_done".into(), json!(p.bytes_done));
+        obj.insert("rate_bytes_per_sec".into(), json!(p.rate_bytes_per_sec));
+    }
+    let last_rebuild = r.last_rebuild.map_or(Value::Null, |l| {
+        json!({
+            "kind": l.kind.as_str(),
+            "bytes": l.bytes,
+            "bytes_copied": l.bytes_copied,
+            "secs": l.duration_ns as f64 / 1e9,
+        })
+    });
     json!({
         "addr": r.addr.to_string(),
         "state": state,
         "rebuild": progress,
+        "last_rebuild": last_rebuild,
         "generation": r.generation,
         "in_flight": r.in_flight,
         "errors": r.errors,

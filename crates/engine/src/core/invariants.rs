@@ -5,7 +5,11 @@ use std::cell::RefCell;
 
 use lull_net::slots::SlotId;
 
-use super::types::{CState, Engine, IoId, RState, SubKind};
+use lull_proto::replica::Kind;
+
+use super::io::overlaps;
+use super::rebuild::REBUILD_WINDOW_SEGMENTS;
+use super::types::{CState, Engine, IoId, RState, Rebuild, Step, SubKind};
 
 impl Engine {
     /// Every client request is in exactly one place, every slot belongs to
@@ -85,7 +89,7 @@ impl Engine {
         if let Some(rb) = &self.rebuild {
             assert_eq!(self.replicas[rb.target].state, RState::Rebuilding);
             assert_eq!(self.replicas[rb.source].state, RState::Healthy);
-            assert!(rb.cursor <= self.size_bytes);
+            self.check_rebuild(rb);
         }
         if self.healthy_set().is_empty() {
             assert!(
@@ -140,6 +144,90 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+impl Engine {
+    /// The copy window: bounded, in offset order, below the queue and the
+    /// scan; no client write in flight overlaps a segment past waiting for
+    /// them; every request of the run in flight is the one its segment's
+    /// step (or the scan) says, and nothing else is.
+    fn check_rebuild(&self, rb: &Rebuild) {
+        // Admission stops at the bound; a recheck that splits a hole adds
+        // its rest to the window, and none starts over the bound.
+        assert!(
+            rb.window.len() <= 2 * REBUILD_WINDOW_SEGMENTS,
+            "copy window over its bound"
+        );
+        assert!(
+            rb.done_bytes <= rb.total_bytes,
+            "copy progress past its total"
+        );
+        assert!(rb.scanned <= self.size_bytes);
+        let mut prev_end = 0;
+        for e in &rb.window {
+            assert!(
+                e.seg.len > 0 && e.seg.offset >= prev_end,
+                "copy window out of order"
+            );
+            prev_end = e.seg.end();
+            if !matches!(e.step, Step::Draining) {
+                let range = (e.seg.offset, e.seg.end());
+                assert!(
+                    !self
+                        .writes_in_flight
+                        .iter()
+                        .any(|&(_, s, end)| overlaps((s, end), range)),
+                    "a client write in flight over a segment being copied"
+                );
+            }
+        }
+        for s in &rb.segments {
+            assert!(s.len > 0 && s.offset >= prev_end, "copy queue out of order");
+            prev_end = s.end();
+        }
+        assert!(prev_end <= rb.scanned, "segments past the scan");
+        assert!(rb.cursor() <= rb.scanned);
+        if let Some(start) = rb.scan {
+            assert!(start >= rb.scanned, "a scan behind the scanned range");
+        }
+        let mut subs = 0;
+        for (ri, r) in self.replicas.iter_with_ids() {
+            for c in &r.conns {
+                for (_, s) in c.slots.iter() {
+                    if !matches!(s.what, SubKind::Rebuild(run) if run == rb.run) {
+                        continue;
+                    }
+                    subs += 1;
+                    if s.kind == Kind::Extents && rb.scan == Some(s.offset) {
+                        assert_eq!(ri, rb.source);
+                        continue;
+                    }
+                    let e = rb
+                        .window
+                        .iter()
+                        .find(|e| e.seg.offset == s.offset)
+                        .expect("a copy request with no segment in the window");
+                    let (who, ok) = match e.step {
+                        Step::Rechecking => (rb.source, s.kind == Kind::Extents),
+                        Step::Reading => (rb.source, s.kind == Kind::Read),
+                        Step::Writing => (rb.target, matches!(s.kind, Kind::Write | Kind::Trim)),
+                        Step::Draining | Step::ReadDone(_) => (ri, false),
+                    };
+                    assert!(
+                        ok && who == ri,
+                        "copy request {:?} for a segment not at that step",
+                        s.kind
+                    );
+                }
+            }
+        }
+        let expected = usize::from(rb.scan.is_some())
+            + rb.window
+                .iter()
+                .filter(|e| matches!(e.step, Step::Rechecking | Step::Reading | Step::Writing))
+                .count();
+        assert_eq!(subs, expected, "copy requests in flight");
     }
 }
 

@@ -8,8 +8,8 @@ use lull_uring::pipes::SplicePipe;
 
 use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, MAX_REPLICAS};
 use super::types::{
-    Action, ClientIo, ClientReq, Engine, IoData, IoId, Payload, Rebuild, Received, Sink, Sub,
-    SubKind, MAX_CLIENT_IOS,
+    Action, ClientIo, ClientReq, Engine, IoData, IoId, Payload, Received, Sink, Sub, SubKind,
+    MAX_CLIENT_IOS,
 };
 
 /// Requests that wait for their regions' MARKs and that later requests
@@ -253,12 +253,7 @@ impl Engine {
         let io_range = (offset, offset + u64::from(len));
         let modifies = !matches!(op, IoOp::Flush);
         if modifies {
-            if self
-                .rebuild
-                .as_ref()
-                .and_then(Rebuild::lock)
-                .is_some_and(|l| overlaps(l, io_range))
-            {
+            if self.rebuild.as_ref().is_some_and(|rb| rb.locks(io_range)) {
                 return Dispatch::Wait;
             }
             if self

@@ -42,13 +42,16 @@
 //!
 //! A replica that comes back is Rebuilding: it receives every new write but
 //! serves no read. The copy walks the volume in order: EXTENTS on the
-//! source gives data and hole segments; each segment (at most
-//! `REBUILD_CHUNK_BYTES`) is *locked*: new client writes overlapping it
-//! wait, writes already in flight over it drain, and only then is the
-//! segment read from the source (so the read sees every acknowledged
-//! write) and written to the target (holes are trimmed on the target).
-//! Writes outside the lock go to both replicas; those beyond the copy
-//! cursor are later overwritten by the copy with the same data.
+//! source gives data and hole segments; up to `REBUILD_WINDOW_SEGMENTS`
+//! segments (each at most `REBUILD_CHUNK_BYTES`) are copied at once, and
+//! each is *locked* from the moment it enters that window: new client
+//! writes overlapping it wait, writes already in flight over it drain, and
+//! only then is the segment read from the source (so the read sees every
+//! acknowledged write) and written to the target (holes are trimmed on the
+//! target); the lock ends when the target acknowledges, in whatever order
+//! the segments finish. Writes outside the locks go to both replicas;
+//! those to segments not copied yet are later overwritten by the copy with
+//! the same data.
 //!
 //! # Engine crashes: clean detach, write intent, reconcile
 //!
@@ -131,11 +134,13 @@ pub use io::MARK_LOOKAHEAD;
 pub use lull_net::shared::SharedBuf;
 pub use rebuild::{
     REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
+    REBUILD_WINDOW_SEGMENTS,
 };
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
 pub use types::{
-    Action, ClientReq, Engine, EngineOptions, Event, LogLevel, Milestone, Payload, Received,
-    ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    Action, ClientReq, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions, Event, LogLevel,
+    Milestone, Payload, Received, ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS,
+    MAX_CLIENT_IOS,
 };
 
 impl Engine {
@@ -175,6 +180,7 @@ impl Engine {
             election_logged_ns: None,
             session: session.max(1),
             region_bytes: proto::intent_region_bytes(size_bytes),
+            rebuild_chunk_bytes: REBUILD_CHUNK_BYTES,
             regions: vec![Region::default(); proto::intent_regions(size_bytes) as usize],
             detach: None,
             shares: SharedBufs::new(MAX_CLIENT_IOS),
@@ -202,6 +208,14 @@ impl Engine {
         let n = self.size_bytes.div_ceil(region_bytes) as usize;
         assert!(n <= proto::MAX_INTENT_REGIONS as usize);
         self.regions = vec![Region::default(); n];
+    }
+
+    /// Copy data in segments of `chunk_bytes`: the simulator's volume is
+    /// four real chunks, smaller ones fill the copy window.
+    #[cfg(test)]
+    pub(crate) fn set_rebuild_chunk_bytes(&mut self, chunk_bytes: u64) {
+        assert!(chunk_bytes > 0 && chunk_bytes <= REBUILD_CHUNK_BYTES);
+        self.rebuild_chunk_bytes = chunk_bytes;
     }
 
     /// Buffer for an incoming payload of `len` bytes (read replies land in
@@ -320,8 +334,20 @@ impl Engine {
                     }
                 }
             };
+            let rebuild = self.rebuild.as_ref().filter(|rb| rb.target == i).map(|rb| {
+                let elapsed_ns = self.now.saturating_sub(rb.started_ns).max(1);
+                CopyProgress {
+                    kind: rb.kind(),
+                    bytes_total: rb.total_bytes,
+                    bytes_done: rb.done_bytes,
+                    rate_bytes_per_sec: (u128::from(rb.done_bytes) * 1_000_000_000
+                        / u128::from(elapsed_ns)) as u64,
+                }
+            });
             let fresh = ReplicaStatus {
                 addr: r.addr.clone(),
+                rebuild,
+                last_rebuild: r.last_rebuild,
                 state,
                 generation: r.generation,
                 in_flight: r.conns.iter().map(|c| c.slots.in_flight()).sum(),

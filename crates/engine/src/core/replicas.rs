@@ -55,6 +55,7 @@ impl Engine {
             intent: None,
             intent_lost: false,
             reconcile: None,
+            last_rebuild: None,
         };
         if let Some(i) = self.replicas.position(|r| r.state == RState::Removed) {
             let epochs: Vec<u32> = self.replicas[i].conns.iter().map(|c| c.epoch).collect();

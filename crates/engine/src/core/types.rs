@@ -317,6 +317,10 @@ pub struct ReplicaStatus {
     /// Times it was failed.
     pub errors: u64,
     pub last_error: Option<String>,
+    /// The copy to it running now, if one is.
+    pub rebuild: Option<CopyProgress>,
+    /// The last copy to it that finished.
+    pub last_rebuild: Option<CopyDone>,
 }
 
 // ---- the engine's state -----------------------------------------------------
@@ -356,6 +360,9 @@ pub struct Engine {
     pub(super) session: u64,
     pub(super) region_bytes: u64,
     pub(super) regions: Vec<Region>,
+    /// Data segment size of a copy: `REBUILD_CHUNK_BYTES` (smaller in the
+    /// simulator).
+    pub(super) rebuild_chunk_bytes: u64,
     pub(super) detach: Option<Detach>,
     /// The `Arc`s write buffers are shared in, kept between writes: as many
     /// as writes the engine can hold, so a steady load never allocates
@@ -449,6 +456,8 @@ pub(super) struct Replica {
     /// While Rebuilding: the regions to reconcile (a copy restricted to
     /// them), or `None` for a full rebuild.
     pub(super) reconcile: Option<Vec<u8>>,
+    /// The last copy to this replica that finished.
+    pub(super) last_rebuild: Option<CopyDone>,
 }
 
 // Client requests (`io`).
@@ -505,13 +514,24 @@ pub(super) struct Rebuild {
     /// regions); `None` copies the whole volume.
     pub(super) regions: Option<Vec<u8>>,
     /// Bytes the run covers (the volume, or its regions to reconcile), and
-    /// how many of them are done.
+    /// how many of them are done (counted as each segment's write or trim
+    /// is acknowledged, in whatever order they come).
     pub(super) total_bytes: u64,
     pub(super) done_bytes: u64,
-    /// Everything below is copied.
-    pub(super) cursor: u64,
+    /// Everything below has been scanned: its segments are queued, in the
+    /// window or done.
+    pub(super) scanned: u64,
+    /// The start of the EXTENTS scan in flight, if one is.
+    pub(super) scan: Option<u64>,
+    /// Segments scanned and not started yet, in offset order, all above
+    /// the window's.
     pub(super) segments: VecDeque<Segment>,
-    pub(super) step: Step,
+    /// Segments being copied, in offset order: admitted while fewer than
+    /// `REBUILD_WINDOW_SEGMENTS`, and at most twice that when rechecked
+    /// holes split (the rest of each stays in). Each holds its range from
+    /// client writes from the moment it enters until its write or trim is
+    /// acknowledged, when it leaves (possibly before older ones).
+    pub(super) window: VecDeque<InFlight>,
     pub(super) started_ns: u64,
     pub(super) copied_bytes: u64,
     pub(super) last_log_ns: u64,
@@ -519,10 +539,30 @@ pub(super) struct Rebuild {
 }
 
 impl Rebuild {
-    pub(super) fn lock(&self) -> Option<(u64, u64)> {
-        match self.step {
-            Step::Idle | Step::Scanning => None,
-            _ => self.segments.front().map(|s| (s.offset, s.end())),
+    /// Whether a segment in the window holds a range overlapping `range`
+    /// (a client write to it waits).
+    pub(super) fn locks(&self, range: (u64, u64)) -> bool {
+        self.window
+            .iter()
+            .any(|e| e.seg.offset < range.1 && range.0 < e.seg.end())
+    }
+
+    /// Everything below is copied (or outside the run's regions): the
+    /// oldest segment not finished bounds it, since segments finish out of
+    /// order.
+    pub(super) fn cursor(&self) -> u64 {
+        self.window
+            .front()
+            .map(|e| e.seg.offset)
+            .or_else(|| self.segments.front().map(|s| s.offset))
+            .unwrap_or(self.scanned)
+    }
+
+    pub(super) fn kind(&self) -> CopyKind {
+        if self.regions.is_some() {
+            CopyKind::Reconcile
+        } else {
+            CopyKind::Full
         }
     }
 }
@@ -543,10 +583,14 @@ impl Segment {
     }
 }
 
+/// A segment in the copy window and where its copy stands.
+pub(super) struct InFlight {
+    pub(super) seg: Segment,
+    pub(super) step: Step,
+}
+
 pub(super) enum Step {
-    Idle,
-    Scanning,
-    /// Holding the front segment: waiting for overlapping writes to drain.
+    /// Holding the segment: waiting for overlapping writes to drain.
     Draining,
     /// Asking the source again, under the lock, whether a hole is still one.
     Rechecking,
@@ -554,6 +598,46 @@ pub(super) enum Step {
     /// Data read from the source, waiting for a slot on the target.
     ReadDone(SharedBuf),
     Writing,
+}
+
+/// What a copy to a replica covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// The whole volume (a replica behind, or new).
+    Full,
+    /// The regions write-intent records name after an engine crash.
+    Reconcile,
+}
+
+impl CopyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CopyKind::Full => "full",
+            CopyKind::Reconcile => "reconcile",
+        }
+    }
+}
+
+/// A copy running to a replica (`replica_list`'s `rebuild`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyProgress {
+    pub kind: CopyKind,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    /// `bytes_done` over the time since the copy started.
+    pub rate_bytes_per_sec: u64,
+}
+
+/// The last copy to a replica that finished (`replica_list`'s
+/// `last_rebuild`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyDone {
+    pub kind: CopyKind,
+    /// Bytes the copy covered (holes included).
+    pub bytes: u64,
+    /// Bytes of data read from the source and written.
+    pub bytes_copied: u64,
+    pub duration_ns: u64,
 }
 
 // Generations (`election`), write intent (`intent`), the clean detach
