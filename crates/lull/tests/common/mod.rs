@@ -11,12 +11,30 @@
 //!
 //! Every socket has read and write timeouts of [`IO_TIMEOUT`], so a server
 //! that hangs fails the test instead of hanging it.
+//!
+//! Every tier's binary (tests/fast, tests/clients, tests/replication,
+//! tests/spdk, tests/system; docs/TESTING.md) holds this module once, as
+//! `mod common`; its files use `crate::common`. Beside this file:
+//! [`replica`] (the test replica: a `lull replica` process or a replica
+//! in a store daemon), [`state`] (waiting on what the server reports:
+//! `replica_list`, the kernel's socket table) and [`tools`] (the real
+//! clients and SPDK's tools, run and read).
 
+// Each binary uses only some of the helpers.
 #![allow(dead_code)]
+
+pub mod replica;
+pub mod state;
+pub mod tools;
+
+// Not every binary starts replicas.
+#[allow(unused_imports)]
+pub use replica::{Kind, Replica};
+pub use state::{wait_until, ReplicaStatus};
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,16 +54,41 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(10);
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A fresh scratch directory under `CARGO_TARGET_TMPDIR`, named after the
-/// test and the process. A passing test removes it when the value drops; a
-/// failing one (the drop runs while panicking) keeps it and prints where,
-/// so its files can be looked at. Declare it before the server that uses
-/// it: values drop in reverse order, so the server stops first.
+/// test, the process and a count (tests of one binary run side by side).
+/// A passing test removes it when the value drops; a failing one (the drop
+/// runs while panicking) keeps it and prints where, so its files can be
+/// looked at. Declare it before the server that uses it: values drop in
+/// reverse order, so the server stops first.
 pub struct Scratch(PathBuf);
 
 impl Scratch {
     pub fn new(name: &str) -> Scratch {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("{name}-{}", std::process::id()));
+        Scratch::under(Path::new(env!("CARGO_TARGET_TMPDIR")), name)
+    }
+
+    /// A scratch directory on tmpfs (/dev/shm), for what a memory
+    /// filesystem does differently (inline I/O, no ZERO_RANGE). Fails the
+    /// test, saying so, where /dev/shm is missing or not tmpfs (Debian and
+    /// containers have it): the test does not pass without it.
+    pub fn on_tmpfs(name: &str) -> Scratch {
+        let mounts = std::fs::read_to_string("/proc/mounts").expect("read /proc/mounts");
+        assert!(
+            mounts.lines().any(|l| {
+                let mut f = l.split_whitespace().skip(1);
+                (f.next(), f.next()) == (Some("/dev/shm"), Some("tmpfs"))
+            }),
+            "this test needs /dev/shm mounted as tmpfs"
+        );
+        Scratch::under(Path::new("/dev/shm"), &format!("lull-{name}"))
+    }
+
+    fn under(base: &Path, name: &str) -> Scratch {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = base.join(format!(
+            "{name}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the scratch directory");
         Scratch(dir)
@@ -78,12 +121,17 @@ pub fn remove_unless_panicking(dir: &Path) {
 
 /// A running `lull serve`, stopped (SIGTERM, then SIGKILL) when dropped.
 /// Its stderr (the log) goes to a file in a fresh directory under
-/// `CARGO_TARGET_TMPDIR`.
+/// `CARGO_TARGET_TMPDIR`, and so does its JSON-RPC socket unless the
+/// arguments name one (or a config file): tests ask the server for its
+/// state there, and no two servers share the default socket.
 pub struct Server {
     child: Child,
     addr: SocketAddr,
     dir: PathBuf,
     stderr_path: PathBuf,
+    /// The JSON-RPC socket: `--rpc-socket` from the arguments, or one in
+    /// `dir`; `None` when a config file chooses.
+    rpc_socket: Option<PathBuf>,
     /// What the server printed before its NBD address (volumes, the
     /// NVMe/TCP address).
     startup: Vec<String>,
@@ -104,28 +152,20 @@ impl Server {
         std::fs::create_dir_all(&dir).expect("create the test directory");
         let stderr_path = dir.join("stderr.log");
         let stderr = File::create(&stderr_path).expect("create the stderr log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
+        let named = args
+            .iter()
+            .position(|a| *a == "--rpc-socket")
+            .map(|i| PathBuf::from(args[i + 1]));
+        let by_config = args.contains(&"--config");
+        let own = (named.is_none() && !by_config).then(|| dir.join("rpc.sock"));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_lull"));
+        command
             .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(stderr))
-            .spawn()
-            .expect("spawn the lull binary");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        // Keeps draining stdout for the life of the process, so the server
-        // never blocks on a full pipe.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    // Nobody listens any more; keep draining.
-                    continue;
-                }
-            }
-        });
+            .args(args);
+        if let Some(sock) = &own {
+            command.arg("--rpc-socket").arg(sock);
+        }
+        let (mut child, rx) = spawn_with_stdout(&mut command, stderr);
         let deadline = Instant::now() + START_TIMEOUT;
         let mut startup = Vec::new();
         let addr = loop {
@@ -152,6 +192,7 @@ impl Server {
             addr,
             dir,
             stderr_path,
+            rpc_socket: named.or(own),
             startup,
         };
         server.wait_until_connectable();
@@ -193,31 +234,78 @@ impl Server {
         &self.dir
     }
 
+    /// The server's JSON-RPC socket.
+    pub fn rpc_socket(&self) -> &Path {
+        self.rpc_socket
+            .as_deref()
+            .expect("test bug: a server started with --config has the socket its file names")
+    }
+
+    /// `lull rpc METHOD PARAMS` on the server's socket: the JSON result.
+    pub fn rpc(&self, method: &str, params: &str) -> serde_json::Value {
+        rpc(self.rpc_socket(), method, params)
+    }
+
+    /// The replicas of `volume`, as `replica_list` reports them.
+    pub fn replicas(&self, volume: &str) -> Vec<ReplicaStatus> {
+        state::replica_states(self.rpc_socket(), volume)
+    }
+
+    /// Waits up to `timeout` until `pred` holds for `replica_list` of
+    /// `volume`, and returns that list; fails the test naming `what`, the
+    /// last list and the log.
+    pub fn wait_replicas(
+        &self,
+        volume: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&[ReplicaStatus]) -> bool,
+    ) -> Vec<ReplicaStatus> {
+        let mut last = Vec::new();
+        if wait_until(timeout, || {
+            last = self.replicas(volume);
+            pred(&last)
+        }) {
+            return last;
+        }
+        panic!(
+            "{what}: not within {timeout:?}; replica_list {volume}: {last:#?}\nlog:\n{}",
+            self.stderr()
+        );
+    }
+
+    /// Waits until the replica `target` of `volume` is in a state `pred`
+    /// accepts; returns its status.
+    pub fn wait_replica(
+        &self,
+        volume: &str,
+        target: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&ReplicaStatus) -> bool,
+    ) -> ReplicaStatus {
+        let list = self.wait_replicas(volume, timeout, what, |l| {
+            l.iter().any(|r| r.addr == target && pred(r))
+        });
+        list.into_iter()
+            .find(|r| r.addr == target)
+            .expect("the replica just seen")
+    }
+
     /// Everything the server has logged so far.
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
-    /// Waits up to `timeout` for the log to contain `needle`.
-    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.stderr().contains(needle) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Asserts the log holds `needle` (waiting briefly: a line about a
-    /// client that went away may trail the test's last socket call).
-    pub fn assert_logged(&self, needle: &str) {
+    /// Asserts the log holds a line with every one of `needles` (waiting
+    /// briefly: a line about a client that went away may trail the test's
+    /// last socket call). Only for a line that is itself the feature: a
+    /// warning an operator must see, or a refusal whose reason nothing
+    /// but the log carries (docs/TESTING.md); a test waits on state.
+    pub fn assert_logged(&self, needles: &[&str]) {
         assert!(
-            self.wait_for_log(needle, IO_TIMEOUT),
-            "expected a log line containing {needle:?}; stderr:\n{}",
+            wait_until(IO_TIMEOUT, || log_has(&self.stderr(), needles)),
+            "expected a log line with {needles:?}; stderr:\n{}",
             self.stderr()
         );
     }
@@ -269,6 +357,41 @@ impl Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Whether one line of `log` holds every one of `needles`.
+pub fn log_has(log: &str, needles: &[&str]) -> bool {
+    log.lines().any(|l| needles.iter().all(|n| l.contains(n)))
+}
+
+/// A loopback port free at the time of the call (for a process that must
+/// come back on the same address, and for addresses nothing listens on).
+pub fn free_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+/// Spawns `cmd` (the lull binary, logging at info) with its stderr into
+/// `log` and its stdout drained by a thread for the life of the process,
+/// so the process never blocks on a full pipe: the lines come on the
+/// receiver (what it says it serves, the address it bound).
+pub fn spawn_with_stdout(cmd: &mut Command, log: File) -> (Child, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            // Once nobody listens, the lines are dropped: keep draining.
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
 }
 
 /// A TCP connection to `addr` with the test timeouts set.
@@ -513,6 +636,34 @@ impl NbdClient {
     /// `NBD_CMD_DISC`, then close.
     pub fn disconnect(mut self) {
         let _ = self.send(nbd::Command::Disc, 0, 0, 0, &[]);
+    }
+}
+
+/// Reads `[offset, offset + len)` of `export` with a fresh connection,
+/// retrying until the volume answers (a replicated volume may still be
+/// electing its replicas); fails the test after `timeout`.
+pub fn read_when_ready(
+    server: &Server,
+    export: &str,
+    offset: u64,
+    len: u32,
+    timeout: Duration,
+) -> Vec<u8> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let data = NbdClient::connect(server.addr(), export)
+            .ok()
+            .and_then(|mut c| c.read(offset, len).ok()?.ok());
+        if let Some(data) = data {
+            return data;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "volume {export} never became readable in {timeout:?}; log:\n{}",
+            server.stderr()
+        );
+        // Each try is a new connection: not too many of them.
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

@@ -1,53 +1,12 @@
 //! The data path proven by real NBD clients: nbdinfo, qemu-io, qemu-img,
 //! nbdcopy and fio's nbd engine against the real binary on loopback.
 
-mod common;
-
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{pattern, require, Server};
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn uri(server: &Server, export: &str) -> String {
-    format!("nbd://{}/{}", server.addr(), export)
-}
-
-/// qemu-io commands against an export; fails on any verification error.
-fn qemu_io(server: &Server, export: &str, cmds: &[String]) -> String {
-    require("qemu-io", "qemu-utils");
-    let mut c = Command::new("qemu-io");
-    c.args(["-f", "raw"]);
-    for cmd in cmds {
-        c.args(["-c", cmd]);
-    }
-    c.arg(uri(server, export));
-    let out = run(&mut c);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !text.contains("failed") && !text.contains("error"),
-        "qemu-io reported a failure:\n{text}"
-    );
-    text
-}
+use crate::common::tools::{qemu_io, run, uri};
+use crate::common::{self, pattern, require, Server};
 
 fn write_file(path: &Path, data: &[u8]) {
     std::fs::write(path, data).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
@@ -288,22 +247,22 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
             &server,
             "vol",
             &[
-                "write -P 0x5a 0 4M".into(),
+                "write -P 0x5a 0 4M",
                 // TRIM
-                "discard 64k 64k".into(),
+                "discard 64k 64k",
                 // WRITE_ZEROES with NO_HOLE (qemu sets it without -u) and without.
-                "write -z 256k 100k".into(),
-                "write -z -u 1M 1M".into(),
+                "write -z 256k 100k",
+                "write -z -u 1M 1M",
                 // Unaligned zeroing.
-                "write -z 3000001 777".into(),
-                "read -P 0 64k 64k".into(),
-                "read -P 0 256k 100k".into(),
-                "read -P 0 1M 1M".into(),
-                "read -P 0 3000001 777".into(),
-                "read -P 0x5a 0 64k".into(),
-                "read -P 0x5a 128k 128k".into(),
-                "read -P 0x5a 2M 902849".into(),
-                "read -P 0x5a 3000778 100".into(),
+                "write -z 3000001 777",
+                "read -P 0 64k 64k",
+                "read -P 0 256k 100k",
+                "read -P 0 1M 1M",
+                "read -P 0 3000001 777",
+                "read -P 0x5a 0 64k",
+                "read -P 0x5a 128k 128k",
+                "read -P 0x5a 2M 902849",
+                "read -P 0x5a 3000778 100",
             ],
         );
         server.assert_healthy();
@@ -318,11 +277,7 @@ fn after_flush_the_file_holds_the_data() {
     qemu_io(
         &server,
         "vol",
-        &[
-            "write -P 0x77 4096 128k".into(),
-            "write -P 0x78 100000 3".into(),
-            "flush".into(),
-        ],
+        &["write -P 0x77 4096 128k", "write -P 0x78 100000 3", "flush"],
     );
     let file = std::fs::read(&img).unwrap();
     assert_eq!(file.len(), 8 << 20);
@@ -445,15 +400,13 @@ fn a_volume_grown_over_rpc_shows_its_new_size_to_new_nbd_connections() {
     require("qemu-io", "qemu-utils");
     let dir = tempdir("grow");
     let img = dir.join("g.img");
-    let sock = std::path::PathBuf::from(format!("/tmp/lull-t-{}-grow.sock", std::process::id()));
     let mut server = Server::start(&[
         "--volume",
         "mem:8M",
         "--volume",
         &format!("file:8M:file={},direct", img.display()),
-        "--rpc-socket",
-        sock.to_str().unwrap(),
     ]);
+    let sock = server.rpc_socket().to_path_buf();
     for (volume, new_size) in [("mem", "24M"), ("file", "20M")] {
         let new_bytes = lull_bdev::parse_size_bytes(new_size).unwrap();
         let old_bytes = 8u64 << 20;
@@ -516,6 +469,19 @@ fn a_volume_grown_over_rpc_shows_its_new_size_to_new_nbd_connections() {
     }
     let out = run(Command::new("nbdinfo").args(["--size", &uri(&server, "mem")]));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "25165824");
-    server.assert_logged("volume grown over RPC");
+    // The server reports the sizes it serves.
+    let list = server.rpc("volume_list", "");
+    let sizes: Vec<(&str, u64)> = list
+        .as_array()
+        .expect("volume_list returns a list")
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap(),
+                v["size_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(sizes, [("mem", 24 << 20), ("file", 20 << 20)], "{list}");
     server.assert_healthy();
 }

@@ -2,129 +2,26 @@
 //! clients: nbdinfo --map, qemu-img map and convert, and libnbd's Python
 //! bindings (what nbdsh runs) against the real binary on loopback.
 
-mod common;
-
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
-use common::{require, Server};
+use crate::common::tools::{nbdinfo_map, qemu_img_map, qemu_io, run, uri, write_around_holes};
+use crate::common::{self, Server};
 
 const MIB: u64 = 1 << 20;
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn uri(server: &Server, export: &str) -> String {
-    format!("nbd://{}/{}", server.addr(), export)
-}
 
 /// Removed when the test passes (`common::Scratch`).
 fn tempdir(name: &str) -> common::Scratch {
     common::Scratch::new(&format!("sparse-{name}"))
 }
 
-/// `nbdinfo --map`: (offset, length, type) per line.
-fn nbdinfo_map(server: &Server, export: &str) -> Vec<(u64, u64, u32)> {
-    require("nbdinfo", "libnbd-bin");
-    let out = run(Command::new("nbdinfo").args(["--map", &uri(server, export)]));
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("nbdinfo --map {export}:\n{text}");
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (
-                f[0].parse().expect("offset"),
-                f[1].parse().expect("length"),
-                f[2].parse().expect("type"),
-            )
-        })
-        .collect()
-}
-
-/// `qemu-img map --output=json`: (start, length, data, zero) per entry.
-fn qemu_img_map(server: &Server, export: &str) -> Vec<(u64, u64, bool, bool)> {
-    require("qemu-img", "qemu-utils");
-    let out = run(Command::new("qemu-img").args([
-        "map",
-        "--output=json",
-        "-f",
-        "raw",
-        &uri(server, export),
-    ]));
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("qemu-img JSON");
-    json.as_array()
-        .expect("array")
-        .iter()
-        .map(|e| {
-            (
-                e["start"].as_u64().unwrap(),
-                e["length"].as_u64().unwrap(),
-                e["data"].as_bool().unwrap(),
-                e["zero"].as_bool().unwrap(),
-            )
-        })
-        .collect()
-}
-
-fn qemu_io(server: &Server, export: &str, cmds: &[&str]) {
-    require("qemu-io", "qemu-utils");
-    let mut c = Command::new("qemu-io");
-    c.args(["-f", "raw"]);
-    for cmd in cmds {
-        c.args(["-c", cmd]);
-    }
-    c.arg(uri(server, export));
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!text.contains("failed"), "qemu-io: {text}");
-}
-
-const HOLE_ZERO: u32 = 3;
-
 /// Fresh: one hole of the whole size. After writing [1, 3) MiB and
 /// [8, 9) MiB and discarding [2, 3) MiB: data exactly there.
 fn maps_follow_writes(args: &[&str]) {
-    let size = 16 * MIB;
     let mut server = Server::start(args);
-    assert_eq!(nbdinfo_map(&server, "v"), [(0, size, HOLE_ZERO)]);
-    assert_eq!(qemu_img_map(&server, "v"), [(0, size, false, true)]);
-
-    qemu_io(
-        &server,
-        "v",
-        &[
-            "write -P 0x11 1M 2M",
-            "write -P 0x22 8M 1M",
-            "discard 2M 1M",
-            "read -P 0x11 1M 1M",
-            "read -P 0 2M 1M",
-        ],
-    );
-    let expected = [
-        (0, MIB, HOLE_ZERO),
-        (MIB, MIB, 0),
-        (2 * MIB, 6 * MIB, HOLE_ZERO),
-        (8 * MIB, MIB, 0),
-        (9 * MIB, 7 * MIB, HOLE_ZERO),
-    ];
-    assert_eq!(nbdinfo_map(&server, "v"), expected);
-    let qemu: Vec<(u64, u64, bool, bool)> = expected
-        .iter()
-        .map(|&(o, l, t)| (o, l, t == 0, t != 0))
-        .collect();
+    let (nbdinfo, qemu) = write_around_holes(&server, "v");
+    assert_eq!(nbdinfo_map(&server, "v"), nbdinfo);
     assert_eq!(qemu_img_map(&server, "v"), qemu);
     server.assert_healthy();
 }
@@ -178,17 +75,9 @@ fn libnbd_structured_reads_block_status_fast_zero_file() {
 fn libnbd_fast_zero_is_refused_where_the_filesystem_cannot() {
     // tmpfs punches holes but has no ZERO_RANGE: a fast NO_HOLE zero gets
     // NBD_ENOTSUP and leaves the data alone; a plain fast zero works.
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() {
-        eprintln!("note: no /dev/shm; skipping the tmpfs fast zero case");
-        return;
-    }
-    let dir = shm.join(format!("lull-sparse-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir in /dev/shm");
+    let dir = common::Scratch::on_tmpfs("sparse");
     let spec = format!("v:16M:file={}", dir.join("v.img").display());
     libnbd_checks(&["--volume", &spec], "1", "0");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// qemu-img convert of a sparse 1 GiB volume to a sparse file moves only

@@ -3,8 +3,7 @@
 //! the real binary, fio and libnbd. The long version's results are in
 //! docs/CAMPAIGN.md.
 
-mod common;
-
+use crate::common;
 use std::path::Path;
 use std::process::Command;
 

@@ -2,12 +2,10 @@
 //! answers some requests with EIO and stays usable; a replica started with
 //! fault flags does not stop a replicated volume from serving correct data.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::Server;
+use crate::common::{self, Server};
 
 /// The counts `faulty.py` printed, by name.
 fn count(text: &str, name: &str) -> u64 {
@@ -24,8 +22,8 @@ fn faulty_backend_replies_eio_and_the_connection_stays_usable() {
         "--volume",
         "v:16M:faulty=malloc,read_err=0.3,write_err=0.3,flush_err=0.3,delay_us=500,seed=11",
     ]);
-    server.assert_logged("FAULT INJECTION ENABLED");
-    server.assert_logged("seed=11");
+    // The warning an operator must see, with the seed that replays it.
+    server.assert_logged(&["FAULT INJECTION ENABLED", "seed=11"]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/faulty.py");
     let out = Command::new(python)
         .arg(script)
@@ -76,10 +74,7 @@ fn faulty_backend_replies_eio_and_the_connection_stays_usable() {
 
 #[test]
 fn faulty_backend_from_the_config_file() {
-    let dir =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("faults-conf-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
+    let dir = common::Scratch::new("faults-conf");
     let conf = dir.join("lull.toml");
     std::fs::write(
         &conf,
@@ -87,7 +82,7 @@ fn faulty_backend_from_the_config_file() {
     )
     .expect("write the config");
     let mut server = Server::start(&["--config", conf.to_str().expect("utf-8 path")]);
-    server.assert_logged("FAULT INJECTION ENABLED");
+    server.assert_logged(&["FAULT INJECTION ENABLED"]);
     let mut client = common::NbdClient::connect(server.addr(), "v").expect("connect");
     assert_eq!(client.write(0, &[1; 512]).expect("write"), 0);
     assert_eq!(client.read(0, 512).expect("read"), Err(libc::EIO as u32));
@@ -97,5 +92,4 @@ fn faulty_backend_from_the_config_file() {
         "every read fails at p = 1"
     );
     server.assert_healthy();
-    std::fs::remove_dir_all(&dir).expect("clean up");
 }

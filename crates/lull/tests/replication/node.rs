@@ -6,29 +6,22 @@
 //! check the data.
 //!
 //! ```text
-//! cargo test -p lull --test node
+//! cargo test -p lull --profile ci --test replication node::
 //! ```
 
-mod common;
-
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{require, rpc, rpc_outcome, Scratch, Server};
+use crate::common::{self, require, rpc, rpc_outcome, state, Kind, Replica, Scratch, Server};
 use serde_json::{json, Value};
 
 /// How long volumes may take to have every replica healthy after a start
 /// (a reconcile after a crash included) on a loaded 2-core machine.
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(90);
 const RPC_TIMEOUT: Duration = Duration::from_secs(20);
-
-fn free_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr")
-}
 
 /// A PSK file (`identity:hexkey`) for the network RPC.
 fn psk_file(path: &Path, key_byte: u8) {
@@ -64,7 +57,7 @@ impl Node {
     fn new(dir: &Path, name: &str) -> Node {
         Node {
             store: dir.join(name),
-            replica_port: free_port(),
+            replica_port: common::free_port(),
             rpc_sock: dir.join(format!("{name}.sock")),
             rpc_tcp: None,
             extra: Vec::new(),
@@ -157,24 +150,16 @@ fn params_text(p: &Value) -> String {
 fn wait_healthy(node: &Node, server: &Server, volumes: &[String]) {
     let deadline = Instant::now() + HEALTHY_TIMEOUT;
     for v in volumes {
-        loop {
-            let list = node.rpc("replica_list", json!({ "volume": v }));
-            let states: Vec<&str> = list
-                .as_array()
-                .expect("replica_list array")
-                .iter()
-                .map(|r| r["state"].as_str().unwrap_or("?"))
-                .collect();
-            if states.iter().all(|s| *s == "healthy") && !states.is_empty() {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "volume {v}: replicas {list}; log:\n{}",
-                server.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mut list = Vec::new();
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            common::wait_until(left, || {
+                list = state::replica_states(&node.rpc_sock, v);
+                state::all_healthy(&list)
+            }),
+            "volume {v}: replicas {list:?}; log:\n{}",
+            server.stderr()
+        );
     }
 }
 
@@ -257,7 +242,7 @@ fn five_hundred_replicas_and_a_hundred_volumes_survive_sigkill() {
     // Thin provisioning lets a small CI disk hold the test (the data
     // written is a few MiB).
     let mut a = Node::new(&dir, "a");
-    a.rpc_tcp = Some((free_port(), psk.clone()));
+    a.rpc_tcp = Some((common::free_port(), psk.clone()));
     a.extra = vec!["--store-overcommit".into(), "50".into()];
     let mut b = Node::new(&dir, "b");
     b.extra = a.extra.clone();
@@ -389,7 +374,7 @@ fn bad_input_is_refused_and_nothing_is_created_half_way() {
     let psk = dir.join("rpc.psk");
     psk_file(&psk, 0x11);
     let mut a = Node::new(&dir, "a");
-    let a_tcp = free_port();
+    let a_tcp = common::free_port();
     a.rpc_tcp = Some((a_tcp, psk.clone()));
     let c = Node::new(&dir, "c");
     let mut sa = a.start();
@@ -615,38 +600,13 @@ fn a_full_store_fails_its_replica_and_acknowledged_data_stays() {
 fn a_lull_replica_directory_is_adopted_by_a_store() {
     require("qemu-io", "qemu-utils");
     let dir = Scratch::new("node-import");
-    let old = dir.join("old-replica");
-    let port = free_port();
-    let spawn_replica = |d: &Path, p: SocketAddr| {
-        let child = Command::new(env!("CARGO_BIN_EXE_lull"))
-            .args([
-                "replica",
-                "--listen",
-                &p.to_string(),
-                "--size",
-                "8M",
-                "--insecure",
-                "--dir",
-            ])
-            .arg(d)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn lull replica");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(p).is_err() {
-            assert!(Instant::now() < deadline, "lull replica did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        child
-    };
-    let mut replica = spawn_replica(&old, port);
+    let mut replica = Replica::start(Kind::Process, &dir.join("old-replica"), "8M");
+    let old = replica.replica_dir();
     {
         let engine = Server::start(&[
             "--replica-insecure",
             "--volume",
-            &format!("v:8M:replicas={port}"),
+            &format!("v:8M:replicas={}", replica.target()),
         ]);
         qemu_io(&engine, "v", &["write -P 0x77 4k 1M", "flush"]);
         // A clean stop detaches: the replica is clean.
@@ -664,8 +624,7 @@ fn a_lull_replica_directory_is_adopted_by_a_store() {
     );
     assert!(busy.contains("in use"), "{busy}");
     assert!(old.join("data.img").exists());
-    let _ = replica.kill();
-    let _ = replica.wait();
+    replica.kill();
     let got = a.rpc(
         "replica_import",
         json!({"name": "old", "dir": old.display().to_string()}),

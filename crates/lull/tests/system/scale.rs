@@ -7,21 +7,19 @@
 //! Each event mode gets its own server, one after the other:
 //!
 //! ```text
-//! cargo test -p lull --profile ci --test scale -- --nocapture
+//! cargo test -p lull --profile ci --test system scale:: -- --nocapture
 //! ```
 //!
 //! The per-connection memory figure is printed (`--nocapture` shows it).
 //! fio (Debian package fio) must be installed; the test fails, naming the
 //! package, when it is not.
 
-mod common;
-
 use std::io;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assert_good_client_works, pattern, require, NbdClient, Server, IO_TIMEOUT};
+use crate::common::{assert_good_client_works, pattern, require, NbdClient, Server, IO_TIMEOUT};
 use lull_proto::nbd;
 
 /// The issue's figure: enough connections that a per-connection cost of a

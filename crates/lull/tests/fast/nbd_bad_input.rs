@@ -1,6 +1,7 @@
 //! Bad input on the NBD socket (issue 3): each gets the protocol's answer
-//! or a clean disconnect plus a log line; never a panic, never an effect on
-//! other clients, never a write outside the request.
+//! or a clean disconnect plus a log line saying why (the close itself says
+//! nothing); never a panic, never an effect on other clients, never a write
+//! outside the request.
 //!
 //! Every test starts its own `lull serve` on a kernel-chosen port, sends
 //! one kind of bad input from a raw socket, checks the answer, then checks
@@ -8,19 +9,17 @@
 //! nor logged a panic.
 //!
 //! ```text
-//! cargo test -p lull --test nbd_bad_input
+//! cargo test -p lull --profile ci --test fast nbd_bad_input::
 //! ```
-
-mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use common::{
-    assert_closed, assert_good_client_works, connect_raw, encode_go, encode_option, pattern,
-    read_greeting, read_option_reply, wait_closed, Closed, NbdClient, Server, CLIENT_FLAGS,
+use crate::common::{
+    self, assert_closed, assert_good_client_works, connect_raw, encode_go, encode_option, pattern,
+    read_greeting, read_option_reply, state, wait_closed, Closed, NbdClient, Server, CLIENT_FLAGS,
     IO_TIMEOUT,
 };
 use lull_proto::nbd::{self, Command};
@@ -98,9 +97,8 @@ fn garbage_instead_of_client_flags_closes() {
     sock.write_all(&0u32.to_be_bytes()).expect("send flags");
     assert_closed(&mut sock, "client flags without FIXED_NEWSTYLE");
 
-    server.assert_logged("bad handshake");
-    server.assert_logged("set bits this server did not offer");
-    server.assert_logged("lack NBD_FLAG_C_FIXED_NEWSTYLE");
+    server.assert_logged(&["bad handshake", "set bits this server did not offer"]);
+    server.assert_logged(&["bad handshake", "lack NBD_FLAG_C_FIXED_NEWSTYLE"]);
     assert_good_client_works(server.addr(), EXPORT, 0);
     server.assert_healthy();
 }
@@ -159,7 +157,7 @@ fn garbage_after_a_valid_option_and_bad_option_magic_close() {
         }
     }
 
-    server.assert_logged("is not IHAVEOPT");
+    server.assert_logged(&["bad handshake", "is not IHAVEOPT"]);
     assert_good_client_works(server.addr(), EXPORT, 4096);
     server.assert_healthy();
 }
@@ -195,7 +193,7 @@ fn option_longer_than_its_limit_closes_before_the_payload() {
     sock.write_all(&bytes).expect("send");
     assert_closed(&mut sock, "option of 4 GiB");
 
-    server.assert_logged("more than the");
+    server.assert_logged(&["bad handshake", "more than the"]);
     assert_good_client_works(server.addr(), EXPORT, 8192);
     server.assert_healthy();
 }
@@ -237,7 +235,7 @@ fn too_many_options_close_after_the_limit() {
         "{replies:?}"
     );
 
-    server.assert_logged("client sent more than 32 options");
+    server.assert_logged(&["bad handshake", "client sent more than 32 options"]);
     assert_good_client_works(server.addr(), EXPORT, 0);
     server.assert_healthy();
 }
@@ -294,8 +292,6 @@ fn request_past_the_end_is_refused_and_the_connection_stays_usable() {
     assert_eq!(c.write(4096, &data).expect("write"), nbd::NBD_SUCCESS);
     assert_eq!(c.read(4096, 4096).expect("read"), Ok(data));
     c.disconnect();
-
-    server.assert_logged("refused request");
     server.assert_healthy();
 }
 
@@ -321,8 +317,6 @@ fn unknown_command_gets_einval() {
     assert_eq!(c.write(0, &data).expect("write"), nbd::NBD_SUCCESS);
     assert_eq!(c.read(0, 4096).expect("read"), Ok(data));
     c.disconnect();
-
-    server.assert_logged("refused request");
     server.assert_healthy();
 }
 
@@ -371,7 +365,7 @@ fn length_over_the_maximum_is_refused_or_disconnects() {
         .expect("send");
     assert_closed(&mut c.sock, "4 GiB write");
 
-    server.assert_logged("too large to drain");
+    server.assert_logged(&["too large to drain"]);
     assert_good_client_works(server.addr(), EXPORT, 0);
     server.assert_healthy();
 }
@@ -408,7 +402,7 @@ fn bad_request_magic_disconnects() {
     c.sock.write_all(&header).expect("send");
     assert_closed(&mut c.sock, "extended request magic");
 
-    server.assert_logged("bad request header");
+    server.assert_logged(&["bad request header"]);
     let mut c = client(&server);
     assert_eq!(
         c.read(0, 4096).expect("read"),
@@ -427,10 +421,13 @@ fn client_vanishing_mid_write_writes_nothing() {
     let length = 1u32 << 20;
 
     let mut c = client(&server);
+    let peer = c.sock.local_addr().expect("local address").port();
     c.send(Command::Write, 0, offset, length, &[0xee; 1000])
         .expect("send a partial write");
     drop(c);
-    server.assert_logged("in the middle of a write payload");
+    // The server has seen the client go and closed its end: whatever it
+    // did with the partial write is done before the read below.
+    state::wait_server_closed(server.addr().port(), peer, IO_TIMEOUT);
 
     // Vanishing in the middle of a request header is harmless too.
     let mut c = client(&server);
@@ -567,8 +564,9 @@ fn misbehaving_client_does_not_disturb_a_good_one() {
     });
 
     // Every misbehaving write was refused or cut short: none reached the
-    // volume (they aimed at the first MiB and at the last 512 bytes).
-    server.assert_logged("in the middle of a write payload");
+    // volume (they aimed at the first MiB and at the last 512 bytes). The
+    // server has closed every misbehaving connection before the reads.
+    state::wait_no_connections(server.addr().port(), IO_TIMEOUT);
     let mut c = client(&server);
     let head = c
         .read(0, 1 << 20)
@@ -669,7 +667,8 @@ fn out_of_file_descriptors_closes_new_connections_without_spinning() {
         "only {shed} of {FLOOD} connections past the limit were closed"
     );
     drop(flood);
-    server.assert_logged("out of file descriptors");
+    // The warning an operator must see (and act on).
+    server.assert_logged(&["out of file descriptors"]);
     prlimit(soft);
     assert_good_client_works(server.addr(), EXPORT, 0);
     server.assert_healthy();

@@ -4,15 +4,11 @@
 //! option; the steady state of a `direct` file volume takes (almost) no
 //! page faults; the counters behind both are exposed over RPC.
 
-mod common;
-
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{require, Server, START_TIMEOUT};
+use crate::common::{self, require, Kind, Replica, Scratch, Server, START_TIMEOUT};
 
 /// Page faults per I/O the server may take in steady state (issue 13): a
 /// fault per thousand requests, i.e. none on the per-request path.
@@ -67,22 +63,13 @@ fn fio_verify(server: &Server) {
 fn start_or_refused(args: &[&str], dir: &Path) -> Result<Server, String> {
     let log_path = dir.join("refused.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let mut child: Child = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--rpc-socket"])
-        .arg(dir.join("probe.sock"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .expect("spawn lull");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (mut child, rx) = common::spawn_with_stdout(
+        Command::new(env!("CARGO_BIN_EXE_lull"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--rpc-socket"])
+            .arg(dir.join("probe.sock"))
+            .args(args),
+        log,
+    );
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -169,27 +156,10 @@ fn file_ring_options_carry_verified_io_or_are_refused_by_name() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A directory on tmpfs (/dev/shm), where a file volume reads and writes
-/// inline by default. Fails with a message where /dev/shm is missing or
-/// not tmpfs (Debian and containers have it).
-fn shm_dir(name: &str) -> PathBuf {
-    let mounts = std::fs::read_to_string("/proc/mounts").expect("read /proc/mounts");
-    assert!(
-        mounts
-            .lines()
-            .any(|l| l.split_whitespace().nth(1) == Some("/dev/shm")
-                && l.split_whitespace().nth(2) == Some("tmpfs")),
-        "this test needs /dev/shm mounted as tmpfs (the inline path is for memory filesystems)"
-    );
-    let d = Path::new("/dev/shm").join(format!("lull-perio-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 #[test]
 fn file_on_tmpfs_runs_inline_and_carries_verified_io() {
-    let shm = shm_dir("inline");
+    // A file volume on tmpfs reads and writes inline by default.
+    let shm = Scratch::on_tmpfs("perio-inline");
     let img = shm.join("f.img");
     let img = img.display();
     for (flags, inline) in [("", true), ("inline", true), ("inline=off", false)] {
@@ -247,7 +217,6 @@ fn file_on_tmpfs_runs_inline_and_carries_verified_io() {
             Ok(_) => panic!("{flags} on {} started; it must be refused", file.display()),
         }
     }
-    std::fs::remove_dir_all(&shm).unwrap();
     std::fs::remove_dir_all(&disk).unwrap();
 }
 
@@ -317,9 +286,12 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
             .map(|r| r["io_uring_enters"].as_u64().expect("io_uring_enters"))
             .sum()
     };
-    // Reactors publish their counters every 50 ms.
-    std::thread::sleep(Duration::from_millis(200));
-    let reactors_after = common::rpc(&sock, "framework_get_reactors", "");
+    // Reactors publish their counters every 50 ms: wait for the rise.
+    let mut reactors_after = serde_json::Value::Null;
+    common::wait_until(common::IO_TIMEOUT, || {
+        reactors_after = common::rpc(&sock, "framework_get_reactors", "");
+        enters(&reactors_after) > enters(&reactors_before)
+    });
     assert!(
         enters(&reactors_after) > enters(&reactors_before),
         "no io_uring_enter counted on any reactor: {reactors_after}"
@@ -353,151 +325,72 @@ fn steady_state_direct_file_volume_takes_no_page_faults() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn free_port() -> std::net::SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr")
+/// A `lull replica` with these `--uring` options and more flags.
+fn replica(dir: &Path, uring: &str, extra: &[&str]) -> Result<Replica, String> {
+    let flags = [&["--uring", uring][..], extra].concat();
+    Replica::try_start_with(Kind::Process, dir, "16M", &flags)
 }
 
-/// `lull replica` with `uring` options on `dir`: `Ok(child)` once it
-/// accepts, or `Err(log)` when it exits first.
-fn replica(dir: &Path, uring: &str) -> Result<Child, String> {
-    replica_with(dir, uring, &[])
-}
-
-/// [`replica`] with more arguments.
-fn replica_with(dir: &Path, uring: &str, extra: &[&str]) -> Result<Child, String> {
-    let addr = free_port();
-    let log_path = dir.join(format!("replica-{uring}.log"));
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args([
-            "replica",
-            "--listen",
-            &addr.to_string(),
-            "--size",
-            "16M",
-            "--uring",
-            uring,
-            // Plain links: authentication is tests/replica_tls.rs's.
-            "--insecure",
-        ])
-        .args(extra)
-        .arg("--dir")
-        .arg(dir.join("data"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .expect("spawn lull replica");
-    let deadline = Instant::now() + START_TIMEOUT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(!status.success(), "lull replica exited 0 at start");
-            return Err(std::fs::read_to_string(&log_path).unwrap_or_default());
-        }
-        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            // Tell the caller where: the listen address is the child's.
-            std::fs::write(dir.join("replica.addr"), addr.to_string()).unwrap();
-            return Ok(child);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "lull replica neither started nor exited"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Stops a `lull replica` (SIGTERM, a clean stop) and reads the data
-/// file's `(fixed, plain)` buffer I/O counts from its log.
-fn stop_replica(child: &mut Child, dir: &Path, uring: &str) -> (u64, u64) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill -TERM");
-    assert!(status.success());
-    let deadline = Instant::now() + START_TIMEOUT;
-    while child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "lull replica did not stop");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// Stops a `lull replica` (SIGTERM, a clean stop) and reads its data
+/// file's `(fixed, plain)` buffer I/O counts from its stop line.
+fn stop_replica(r: &mut Replica, label: &str) -> (u64, u64) {
+    r.stop();
     let counts = (
-        replica_count(dir, uring, "fixed_buffer_ios"),
-        replica_count(dir, uring, "plain_buffer_ios"),
+        r.stop_counter("fixed_buffer_ios"),
+        r.stop_counter("plain_buffer_ios"),
     );
-    eprintln!("replica --uring {uring}: (fixed, plain) buffer I/Os {counts:?}");
+    eprintln!("replica {label}: (fixed, plain) buffer I/Os {counts:?}");
     counts
-}
-
-/// A counter from a stopped replica's stop line (`key=N`).
-fn replica_count(dir: &Path, uring: &str, key: &str) -> u64 {
-    let log = std::fs::read_to_string(dir.join(format!("replica-{uring}.log"))).unwrap();
-    let at = log
-        .find(&format!("{key}="))
-        .unwrap_or_else(|| panic!("no {key} in the replica's log:\n{log}"));
-    log[at + key.len() + 1..]
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect::<String>()
-        .parse()
-        .unwrap()
 }
 
 #[test]
 fn replica_data_file_takes_the_same_ring_options() {
-    let dir = tempdir("replica");
+    let dir = Scratch::new("perio-replica");
     // SQPOLL on an O_DIRECT data file carries a replicated volume.
-    let mut child = match replica(&dir, "direct,sqpoll=5") {
-        Ok(child) => child,
+    let mut r = match replica(&dir.join("sqpoll"), "direct,sqpoll=5", &[]) {
+        Ok(r) => r,
         Err(log) => panic!("lull replica --uring direct,sqpoll=5 refused:\n{log}"),
     };
-    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
     let mut server = Server::start(&[
         "--replica-insecure",
         "--volume",
-        &format!("vol:16M:replicas={addr}"),
+        &format!("vol:16M:replicas={}", r.target()),
     ]);
     fio_verify(&server);
     server.assert_healthy();
     drop(server);
     // Its data file's I/O went through the reactors' fixed buffers.
-    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,sqpoll=5");
+    let (fixed, plain) = stop_replica(&mut r, "direct,sqpoll=5");
     assert!(
         fixed > 0,
         "replica I/O from fixed buffers: {fixed} fixed, {plain} plain"
     );
     // fixed=off: none did.
-    let mut child = match replica(&dir, "direct,fixed=off") {
-        Ok(child) => child,
+    let mut r = match replica(&dir.join("fixed-off"), "direct,fixed=off", &[]) {
+        Ok(r) => r,
         Err(log) => panic!("lull replica --uring direct,fixed=off refused:\n{log}"),
     };
-    let addr = std::fs::read_to_string(dir.join("replica.addr")).unwrap();
     let mut server = Server::start(&[
         "--replica-insecure",
         "--volume",
-        &format!("vol:16M:replicas={addr}"),
+        &format!("vol:16M:replicas={}", r.target()),
     ]);
     fio_verify(&server);
     server.assert_healthy();
     drop(server);
-    let (fixed, plain) = stop_replica(&mut child, &dir, "direct,fixed=off");
+    let (fixed, plain) = stop_replica(&mut r, "direct,fixed=off");
     assert!(
         fixed == 0 && plain > 0,
         "fixed=off: {fixed} fixed, {plain} plain"
     );
     // IOPOLL without O_DIRECT is refused by name, at start.
-    match replica(&dir, "iopoll") {
+    match replica(&dir.join("iopoll"), "iopoll", &[]) {
         Err(log) => assert!(
             log.contains("option iopoll refused: ") && log.contains("O_DIRECT"),
             "no clear refusal in:\n{log}"
         ),
-        Ok(mut child) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("lull replica --uring iopoll started without O_DIRECT");
-        }
+        Ok(_) => panic!("lull replica --uring iopoll started without O_DIRECT"),
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// fio's nbd engine writes `size` at `bs` (random 4 KiB, or sequential
@@ -571,9 +464,18 @@ fn fixed_buffers_carry_verified_io_and_are_counted() {
             assert_eq!(fixed, 0, "{stats}");
             assert!(plain >= ios, "{stats}");
         }
-        // Reactors publish their arena's state every 50 ms.
-        std::thread::sleep(Duration::from_millis(200));
-        let reactors = common::rpc(&sock, "framework_get_reactors", "");
+        // Reactors publish their arena's state every 50 ms: wait until
+        // each has (without an arena there is nothing to wait for).
+        let mut reactors = serde_json::Value::Null;
+        common::wait_until(common::IO_TIMEOUT, || {
+            reactors = common::rpc(&sock, "framework_get_reactors", "");
+            extra == Some("0")
+                || reactors["reactors"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|r| r["fixed_buffer_bytes"].as_u64() > Some(0))
+        });
         for r in reactors["reactors"].as_array().unwrap() {
             let bytes = r["fixed_buffer_bytes"]
                 .as_u64()
@@ -608,34 +510,24 @@ fn fixed_buffers_carry_verified_io_and_are_counted() {
 fn replicated_reads_are_spliced_and_carry_verified_data() {
     require("fio", "fio");
     let python = common::python_with_nbd();
-    let dir = tempdir("spliced");
+    let dir = Scratch::new("perio-spliced");
     for extra in [&[][..], &["--no-sendfile"][..]] {
         let label = if extra.is_empty() {
             "sendfile"
         } else {
             "no-sendfile"
         };
-        let (d0, d1) = (
-            dir.join(format!("{label}-r0")),
-            dir.join(format!("{label}-r1")),
-        );
-        std::fs::create_dir_all(&d0).unwrap();
-        std::fs::create_dir_all(&d1).unwrap();
-        let start = |d: &Path| match replica_with(d, "inline=auto", extra) {
-            Ok(child) => child,
+        let start = |name: &str| match replica(
+            &dir.join(format!("{label}-{name}")),
+            "inline=auto",
+            extra,
+        ) {
+            Ok(r) => r,
             Err(log) => panic!("lull replica {extra:?} refused:\n{log}"),
         };
-        let (mut r0, mut r1) = (start(&d0), start(&d1));
-        let addrs = [&d0, &d1].map(|d| std::fs::read_to_string(d.join("replica.addr")).unwrap());
-        let sock = dir.join(format!("{label}.sock"));
-        let spec = format!("vol:16M:replicas={}+{}", addrs[0], addrs[1]);
-        let mut server = Server::start(&[
-            "--replica-insecure",
-            "--volume",
-            &spec,
-            "--rpc-socket",
-            sock.to_str().unwrap(),
-        ]);
+        let (mut r0, mut r1) = (start("r0"), start("r1"));
+        let spec = format!("vol:16M:replicas={}+{}", r0.target(), r1.target());
+        let mut server = Server::start(&["--replica-insecure", "--volume", &spec]);
         fio_verify_bs(&server, "128k", "write");
         fio_verify_bs(&server, "4k-256k", "randwrite");
         // Simple replies (libnbd asks for structured ones by default).
@@ -660,7 +552,7 @@ fn replicated_reads_are_spliced_and_carry_verified_data() {
             "libnbd with simple replies ({label}): {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let stats = common::rpc(&sock, "volume_get_stats", r#"{"name":"vol"}"#);
+        let stats = server.rpc("volume_get_stats", r#"{"name":"vol"}"#);
         let spliced = stats["spliced_reads"].as_u64().expect("spliced_reads");
         let reads = stats["reads"].as_u64().expect("reads");
         eprintln!("{label}: {spliced} of {reads} reads spliced");
@@ -670,11 +562,11 @@ fn replicated_reads_are_spliced_and_carry_verified_data() {
         );
         server.assert_healthy();
         drop(server);
-        stop_replica(&mut r0, &d0, "inline=auto");
-        stop_replica(&mut r1, &d1, "inline=auto");
-        let sent: u64 = [&d0, &d1]
+        stop_replica(&mut r0, "inline=auto");
+        stop_replica(&mut r1, "inline=auto");
+        let sent: u64 = [&r0, &r1]
             .iter()
-            .map(|d| replica_count(d, "inline=auto", "sendfile_reads"))
+            .map(|r| r.stop_counter("sendfile_reads"))
             .sum();
         eprintln!("{label}: replicas sent {sent} reads with sendfile");
         if extra.is_empty() {
@@ -683,5 +575,4 @@ fn replicated_reads_are_spliced_and_carry_verified_data() {
             assert_eq!(sent, 0, "--no-sendfile: no sendfile");
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }

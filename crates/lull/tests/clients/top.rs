@@ -5,19 +5,17 @@
 //! one line and exit status 1.
 //!
 //! ```text
-//! cargo test -p lull --profile ci --test top -- --nocapture
+//! cargo test -p lull --profile ci --test clients top:: -- --nocapture
 //! ```
 //!
 //! fio and tmux (Debian packages fio and tmux) must be installed; a test
 //! fails, naming the package, when one is not (scripts/test installs both).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{require, rpc, Scratch, Server};
+use crate::common::{require, rpc, Scratch, Server};
 
 /// The volumes: two under fio, one idle; their names sort differently by
 /// name and by IOPS, so a sort key shows in the order.

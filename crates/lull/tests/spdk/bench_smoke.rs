@@ -1,4 +1,9 @@
-//! `lull bench --quick` end to end: the report files exist and parse.
+//! The benchmarks' smoke runs: `lull bench --quick`, scripts/bench-per-io
+//! and `lull bench --profile nvmf` end to end, the report files exist and
+//! parse. Only that they run and record what they should: the numbers of
+//! so short a run mean nothing, and none is asserted.
+
+use crate::common::tools;
 
 #[test]
 fn bench_quick_smoke_writes_reports() {
@@ -140,33 +145,17 @@ fn bench_per_io_script_smoke() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Where the SPDK tools are, or `None` (with a SKIP line) when absent, as in
-/// tests/nvmf.rs; scripts/test says so loudly before the suite runs.
-fn spdk_tools(test: &str) -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os("LULL_SPDK_TOOLS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tools/spdk")
-        });
-    if dir.join("bin/spdk_nvme_perf").exists() && dir.join("bin/nvmf_tgt").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP {test}: SPDK tools (spdk_nvme_perf, nvmf_tgt) not found at {} (set LULL_SPDK_TOOLS; they need libssl3 libnuma1 libuuid1 libkeyutils1 libaio1)",
-            dir.display()
-        );
-        println!("SKIP {test}: no SPDK tools at {}", dir.display());
-        None
-    }
-}
-
 /// `lull bench --profile nvmf` end to end, one short job against lull and
 /// against SPDK's nvmf_tgt: both measured, numbers in report.json.
 #[test]
 fn bench_nvmf_smoke_measures_lull_and_nvmf_tgt() {
-    let Some(tools) = spdk_tools("bench_nvmf_smoke_measures_lull_and_nvmf_tgt") else {
+    let Some(tools) = tools::spdk_tools(
+        "bench_nvmf_smoke_measures_lull_and_nvmf_tgt",
+        &["spdk_nvme_perf", "nvmf_tgt"],
+    ) else {
         return;
     };
+    let _one = tools::spdk_alone();
     let out = std::env::temp_dir().join(format!("lull-bench-nvmf-smoke-{}", std::process::id()));
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_lull"))
         .args([

@@ -1,14 +1,12 @@
 //! The control plane against the real binary: `lull rpc` methods, mode
 //! switches under fio verify load, and a Prometheus scrape.
 
-mod common;
-
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::Server;
+use crate::common::{self, Server};
 
 fn rpc(sock: &Path, method: &str, params: Option<&str>) -> (i32, serde_json::Value, String) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_lull"));
@@ -28,20 +26,10 @@ fn rpc(sock: &Path, method: &str, params: Option<&str>) -> (i32, serde_json::Val
     (out.status.code().unwrap_or(-1), json, stderr)
 }
 
-fn sock_path(name: &str) -> PathBuf {
-    // Unix socket paths are limited to 108 bytes: keep it short.
-    PathBuf::from(format!("/tmp/lull-t-{}-{name}.sock", std::process::id()))
-}
-
 #[test]
 fn rpc_methods_answer() {
-    let sock = sock_path("m");
-    let mut server = Server::start(&[
-        "--volume",
-        "vol:16M",
-        "--rpc-socket",
-        sock.to_str().unwrap(),
-    ]);
+    let mut server = Server::start(&["--volume", "vol:16M"]);
+    let sock = server.rpc_socket().to_path_buf();
     let (code, r, _) = rpc(&sock, "framework_get_reactors", None);
     assert_eq!(code, 0);
     let reactors = r["reactors"].as_array().expect("reactors");
@@ -132,15 +120,8 @@ fn rpc_methods_answer() {
 
 #[test]
 fn switching_modes_every_200ms_under_fio_verify() {
-    let sock = sock_path("sw");
-    let mut server = Server::start(&[
-        "--volume",
-        "vol:64M",
-        "--rpc-socket",
-        sock.to_str().unwrap(),
-        "--cores",
-        "0-1",
-    ]);
+    let mut server = Server::start(&["--volume", "vol:64M", "--cores", "0-1"]);
+    let sock = server.rpc_socket().to_path_buf();
     // One fio run may end before the modes have cycled twice (a quiet
     // machine writes its 384 MiB in about a second): run it again, each
     // run verified, until they have.
@@ -199,17 +180,10 @@ fn switching_modes_every_200ms_under_fio_verify() {
 
 #[test]
 fn metrics_scrape_parses() {
-    let sock = sock_path("pm");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port().port();
     let mut server = Server::start(&[
         "--volume",
         "vol:16M",
-        "--rpc-socket",
-        sock.to_str().unwrap(),
         "--metrics",
         &format!("127.0.0.1:{port}"),
         "--mode",

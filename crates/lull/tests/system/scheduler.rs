@@ -6,20 +6,17 @@
 //! the second reactor sleeps again.
 //!
 //! ```text
-//! cargo test -p lull --profile ci --test scheduler -- --nocapture
+//! cargo test -p lull --profile ci --test system scheduler:: -- --nocapture
 //! ```
 //!
 //! fio (Debian package fio) must be installed; the test fails, naming the
 //! package, when it is not.
 
-mod common;
-
 use std::io::Read;
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{require, Server};
+use crate::common::{self, require, Server};
 use serde_json::Value;
 
 /// The scheduling period the test runs with: short, so the test is.
@@ -33,24 +30,9 @@ const GATHER_PERIODS: u64 = 3 + 1;
 /// Longest the loaded phase may take before the test gives up.
 const FIO_DEADLINE: Duration = Duration::from_secs(120);
 
-fn rpc(sock: &Path, method: &str, params: Option<&str>) -> Value {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_lull"));
-    c.args(["rpc", "-s"]).arg(sock).arg(method);
-    if let Some(p) = params {
-        c.arg(p);
-    }
-    let out = c.output().expect("run lull rpc");
-    assert!(
-        out.status.success(),
-        "lull rpc {method}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON from lull rpc")
-}
-
 /// (names of the threads on reactor 1, whether reactor 1 sleeps).
-fn second_reactor(sock: &Path) -> (Vec<String>, bool) {
-    let r = rpc(sock, "framework_get_reactors", None);
+fn second_reactor(server: &Server) -> (Vec<String>, bool) {
+    let r = server.rpc("framework_get_reactors", "");
     let r1 = &r["reactors"][1];
     let names = r1["lw_threads"]
         .as_array()
@@ -61,21 +43,15 @@ fn second_reactor(sock: &Path) -> (Vec<String>, bool) {
     (names, r1["sleeping"].as_bool().expect("sleeping"))
 }
 
-fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+/// How long `cond` took to hold, or `None` if it did not within `limit`.
+fn time_until(limit: Duration, cond: impl FnMut() -> bool) -> Option<Duration> {
     let start = Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
+    common::wait_until(limit, cond).then(|| start.elapsed())
 }
 
 #[test]
 fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() {
     require("fio", "fio");
-    let sock = PathBuf::from(format!("/tmp/lull-t-{}-sched.sock", std::process::id()));
     let period = PERIOD_US.to_string();
     let mut args = vec![
         "--cores",
@@ -86,24 +62,22 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
         "dynamic",
         "--scheduler-period-us",
         &period,
-        "--rpc-socket",
-        sock.to_str().unwrap(),
     ];
     let vols: Vec<String> = (0..8).map(|i| format!("vol{i}:64M")).collect();
     for v in &vols {
         args.extend(["--volume", v.as_str()]);
     }
     let mut server = Server::start(&args);
-    let s = rpc(&sock, "framework_get_scheduler", None);
+    let s = server.rpc("framework_get_scheduler", "");
     assert_eq!(s["scheduler_name"], "dynamic", "{s}");
 
     // Idle: everything gathers on reactor 0, reactor 1 sleeps.
     let limit = Duration::from_micros(PERIOD_US * GATHER_PERIODS);
-    let took = wait_until(limit, || {
-        let (names, sleeping) = second_reactor(&sock);
+    let took = time_until(limit, || {
+        let (names, sleeping) = second_reactor(&server);
         names.is_empty() && sleeping
     });
-    let (names, sleeping) = second_reactor(&sock);
+    let (names, sleeping) = second_reactor(&server);
     assert!(
         took.is_some(),
         "after {limit:?} reactor 1 still holds {names:?} (sleeping: {sleeping})"
@@ -115,10 +89,9 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
     // drives a poll group to only ~25 % of a core, which fits on the main
     // reactor under the default core_limit (80); so the test asks less of
     // the main reactor, through the run-time tunables.
-    rpc(
-        &sock,
+    server.rpc(
         "framework_set_scheduler",
-        Some(r#"{"name": "dynamic", "load_limit": 10, "core_limit": 15}"#),
+        r#"{"name": "dynamic", "load_limit": 10, "core_limit": 15}"#,
     );
     let mut fio = Command::new("fio")
         .args([
@@ -151,7 +124,7 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
             panic!("fio did not finish in {FIO_DEADLINE:?}");
         }
         if moved_off.is_none() {
-            let (names, sleeping) = second_reactor(&sock);
+            let (names, sleeping) = second_reactor(&server);
             if !names.is_empty() && !sleeping {
                 moved_off = Some((start.elapsed(), names));
             }
@@ -171,7 +144,7 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
         panic!(
             "no thread left reactor 0 during {:?} of fio; threads: {}",
             start.elapsed(),
-            rpc(&sock, "thread_get_stats", None)
+            server.rpc("thread_get_stats", "")
         )
     });
     assert!(
@@ -181,16 +154,16 @@ fn dynamic_scheduler_packs_idle_volumes_and_moves_a_busy_one_under_fio_verify() 
     println!("{names:?} moved to reactor 1 after {when:?} of fio");
 
     // Idle again: back to one reactor.
-    let took = wait_until(limit + Duration::from_micros(PERIOD_US * 2), || {
-        let (names, sleeping) = second_reactor(&sock);
+    let took = time_until(limit + Duration::from_micros(PERIOD_US * 2), || {
+        let (names, sleeping) = second_reactor(&server);
         names.is_empty() && sleeping
     });
     assert!(
         took.is_some(),
         "idle again, reactor 1 still holds {:?}",
-        second_reactor(&sock)
+        second_reactor(&server)
     );
-    let s = rpc(&sock, "framework_get_scheduler", None);
+    let s = server.rpc("framework_get_scheduler", "");
     assert!(s["threads_moved"].as_u64().unwrap() >= 2, "{s}");
     server.assert_healthy();
 }
@@ -212,6 +185,9 @@ fn a_volumes_connections_spread_over_poll_groups() {
             clients.push((export, i, c));
         }
     }
+    // No RPC says which poll group holds a volume's connections (a
+    // group's count of event sources is the same before and after a
+    // swap): the moves are counted in the log.
     let moved = |s: &Server| {
         s.stderr()
             .matches("connection moved to spread its volume")

@@ -2,11 +2,9 @@
 //! Functional checks (does it sleep, does it serve); speed is measured by
 //! `lull bench`, never asserted here.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_good_client_works, process_cpu_ticks, NbdClient, Server};
+use crate::common::{assert_good_client_works, process_cpu_ticks, NbdClient, Server};
 
 #[test]
 fn adaptive_with_16_idle_clients_sleeps() {

@@ -1,298 +1,63 @@
 //! Replicated volumes end to end: real replicas and a real `lull serve`
 //! on loopback, real clients (fio's nbd engine, the NBD test client),
-//! replicas and engines killed with SIGKILL mid-run.
+//! replicas and engines killed with SIGKILL mid-run. The tests wait on
+//! what the engine reports (`replica_list`: each replica's state, its
+//! error count and last error) and check the data files themselves.
 //!
 //! ```text
-//! cargo test -p lull --test replication
+//! cargo test -p lull --profile ci --test replication replication::
 //! ```
 //!
 //! Needs `fio` (package `fio`). The server is started with
-//! `--volume NAME:SIZE:replicas=T+T`. A replica is either a `lull replica
-//! --listen ADDR --dir DIR --size SIZE` process (target `ADDR`) or a
-//! replica named "r" in a `lull serve --store DIR --replica-listen ADDR`
-//! daemon (target `ADDR/r`): the failover and crash tests run on both
-//! kinds (the `_on_store_replicas` tests), those that inject faults on
-//! processes only.
-
-mod common;
+//! `--volume NAME:SIZE:replicas=T+T`. A replica ([`common::Replica`]) is
+//! either a `lull replica` process (target `ADDR`) or a replica named "r"
+//! in a `lull serve --store` daemon (target `ADDR/r`): the failover and
+//! crash tests run on both kinds (the `_on_store_replicas` tests), those
+//! that inject faults on processes only.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{NbdClient, Server};
+use crate::common::state::{all_healthy, none_healthy};
+use crate::common::{self, require, Kind, NbdClient, Replica, Server};
 use lull_proto::nbd::Command as NbdCommand;
 
 /// How long a rebuild of a test volume may take on a loaded 2-core box.
 const REBUILD_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the volume may take to have a healthy replica after start.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the engine may take to fail a replica that died or misbehaves
+/// (a broken connection at once; a silent one at its timeout).
+const FAIL_TIMEOUT: Duration = Duration::from_secs(20);
 const VOLUME: &str = "64M";
 const VOLUME_BYTES: u64 = 64 << 20;
 
-fn free_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr")
+/// Where a test's replica of `kind` lives: the two kinds of one test run
+/// side by side.
+fn dir_of(kind: Kind, name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "lull-repl-{}-{name}-{}",
+        std::process::id(),
+        kind.tag()
+    ))
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("lull-repl-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create the scratch directory");
-    dir
+/// A replica of `kind` for a test volume, in its [`dir_of`].
+fn replica(kind: Kind, name: &str) -> Replica {
+    Replica::start(kind, &dir_of(kind, name), VOLUME)
 }
 
-/// What serves a test replica.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    /// A `lull replica --dir` process: one replica, fault injection
-    /// available.
-    Process,
-    /// A `lull serve --store` daemon holding one replica named "r"
-    /// (created with `replica_create`), addressed as `HOST:PORT/r`.
-    Store,
-}
-
-impl Kind {
-    /// Short, for the names of a test's files: the two kinds of one test
-    /// run side by side.
-    fn tag(self) -> &'static str {
-        match self {
-            Kind::Process => "proc",
-            Kind::Store => "store",
-        }
-    }
-}
-
-/// A [`scratch`] directory for a replica of `kind`.
-fn scratch_of(kind: Kind, name: &str) -> PathBuf {
-    scratch(&format!("{name}-{}", kind.tag()))
-}
-
-/// The name of the one replica a [`Kind::Store`] daemon holds.
-const STORE_REPLICA: &str = "r";
-
-/// A replica of either [`Kind`] in a [`scratch`] directory, killed (and
-/// the directory removed if the test passed) when dropped. Its process's
-/// stderr goes to `replica.log` there, across restarts.
-struct Replica {
-    kind: Kind,
-    child: Option<Child>,
-    addr: SocketAddr,
-    dir: PathBuf,
-    /// More `lull replica` flags (fault injection): [`Kind::Process`] only.
-    extra: Vec<String>,
-}
-
-impl Replica {
-    fn start(kind: Kind, addr: SocketAddr, dir: &Path) -> Replica {
-        Replica::start_with(kind, addr, dir, &[])
-    }
-
-    fn start_with(kind: Kind, addr: SocketAddr, dir: &Path, extra: &[&str]) -> Replica {
-        assert!(
-            kind == Kind::Process || extra.is_empty(),
-            "test bug: {extra:?} are `lull replica` flags, a store replica has none"
-        );
-        let mut r = Replica {
-            kind,
-            child: None,
-            addr,
-            dir: dir.to_path_buf(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        r.restart();
-        if kind == Kind::Store {
-            // Once: a restarted store restores its replicas.
-            common::rpc(
-                &r.rpc_socket(),
-                "replica_create",
-                &format!(r#"{{"name": "{STORE_REPLICA}", "size": "{VOLUME}"}}"#),
-            );
-        }
-        r
-    }
-
-    /// Starts the process (again) on the same directory and address.
-    fn restart(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("replica.log"))
-            .expect("replica log");
-        match self.kind {
-            Kind::Process => self.start_process(log),
-            Kind::Store => self.start_store(log),
-        }
-    }
-
-    fn start_process(&mut self, log: std::fs::File) {
-        let child = Command::new(env!("CARGO_BIN_EXE_lull"))
-            .args([
-                "replica",
-                "--listen",
-                &self.addr.to_string(),
-                "--size",
-                VOLUME,
-                // Plain links: these tests are about replication, not
-                // authentication (tests/replica_tls.rs covers that).
-                "--insecure",
-            ])
-            .arg("--dir")
-            .arg(self.dir.join("data"))
-            .args(&self.extra)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn lull replica");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "replica on {} did not start; log:\n{}",
-                self.addr,
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// `lull serve --store`: it prints "listening on" (its NBD port, which
-    /// nothing uses) once its replica port is bound and its replicas are
-    /// restored.
-    fn start_store(&mut self, log: std::fs::File) {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lull"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--store"])
-            .arg(self.dir.join("store"))
-            .args(["--replica-listen", &self.addr.to_string()])
-            .arg("--replica-insecure")
-            .arg("--rpc-socket")
-            .arg(self.rpc_socket())
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn lull serve --store");
-        let stdout = child.stdout.take().expect("piped stdout");
-        self.child = Some(child);
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Drains stdout for the life of the process, so it never blocks on
-        // a full pipe.
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if line.starts_with("listening on ") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        if let Err(e) = rx.recv_timeout(common::START_TIMEOUT) {
-            self.kill();
-            panic!(
-                "store daemon for {} did not start ({e}); log:\n{}",
-                self.addr,
-                self.log()
-            );
-        }
-    }
-
-    fn rpc_socket(&self) -> PathBuf {
-        self.dir.join("store.sock")
-    }
-
-    /// How the engine names this replica: `ADDR`, or `ADDR/r` in a store.
-    fn target(&self) -> String {
-        match self.kind {
-            Kind::Process => self.addr.to_string(),
-            Kind::Store => format!("{}/{STORE_REPLICA}", self.addr),
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill(); // SIGKILL
-            let _ = c.wait();
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("replica.log")).unwrap_or_default()
-    }
-
-    /// The directory with `data.img`, `meta.json` and `intent.bin`.
-    fn replica_dir(&self) -> PathBuf {
-        match self.kind {
-            Kind::Process => self.dir.join("data"),
-            Kind::Store => self.dir.join("store").join("replicas").join(STORE_REPLICA),
-        }
-    }
-
-    fn data_file(&self) -> PathBuf {
-        self.replica_dir().join("data.img")
-    }
-}
-
-impl Drop for Replica {
-    /// Kills the process; a passing test also removes its directory (a
-    /// failing one keeps it, with the replica's log).
-    fn drop(&mut self) {
-        self.kill();
-        common::remove_unless_panicking(&self.dir);
-    }
-}
-
-/// A `lull serve` from [`serve`]: the server, then its directory (fields
-/// drop in order: the server stops before its socket's directory goes).
-struct Engine {
-    server: Server,
-    _dir: common::Scratch,
-}
-
-impl std::ops::Deref for Engine {
-    type Target = Server;
-
-    fn deref(&self) -> &Server {
-        &self.server
-    }
-}
-
-impl std::ops::DerefMut for Engine {
-    fn deref_mut(&mut self) -> &mut Server {
-        &mut self.server
-    }
-}
-
-/// `lull serve` with these volumes and an RPC socket of its own: on the
-/// shared default (/var/tmp/lull.sock) a server started at the same
-/// instant as another one can have its socket replaced, and then hangs
-/// on SIGTERM (its RPC stop wakes the other server's accept thread
-/// instead of its own, and waits for its own forever).
-fn serve(volumes: &[String]) -> Engine {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = common::Scratch::new(&format!("lull-repl-engine-{n}"));
-    let sock = dir.join("rpc.sock");
-    let mut args: Vec<&str> = vec![
-        "--replica-insecure",
-        "--rpc-socket",
-        sock.to_str().expect("a UTF-8 path"),
-    ];
+/// `lull serve` with these replicated volumes (its own RPC socket, as
+/// every test server has).
+fn serve(volumes: &[String]) -> Server {
+    let mut args = vec!["--replica-insecure"];
     for v in volumes {
-        args.push("--volume");
-        args.push(v);
+        args.extend(["--volume", v.as_str()]);
     }
-    Engine {
-        server: Server::start(&args),
-        _dir: dir,
-    }
+    Server::start(&args)
 }
 
 /// `NAME:SIZE:replicas=T+T` for these replicas (their [`Replica::target`]).
@@ -306,34 +71,9 @@ fn spec_of(name: &str, targets: &[String]) -> String {
     format!("{name}:{VOLUME}:replicas={}", targets.join("+"))
 }
 
-fn require(tool: &str, package: &str) {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        found,
-        "{tool} is not installed: install the `{package}` package"
-    );
-}
-
 /// Retry a read until the volume answers (it may still be electing).
 fn read_when_ready(server: &Server, export: &str, offset: u64, len: u32) -> Vec<u8> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    loop {
-        if let Ok(mut c) = NbdClient::connect(server.addr(), export) {
-            if let Ok(Ok(data)) = c.read(offset, len) {
-                return data;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "volume {export} never became readable; log:\n{}",
-            server.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    common::read_when_ready(server, export, offset, len, READY_TIMEOUT)
 }
 
 fn flush(c: &mut NbdClient) -> u32 {
@@ -404,9 +144,8 @@ mod failover {
 
     pub(super) fn fio_survives_a_killed_replica_and_rebuild_converges(kind: Kind) {
         require("fio", "fio");
-        let (a, b) = (free_port(), free_port());
-        let mut ra = Replica::start(kind, a, &scratch_of(kind, "kill-a"));
-        let mut rb = Replica::start(kind, b, &scratch_of(kind, "kill-b"));
+        let mut ra = replica(kind, "kill-a");
+        let mut rb = replica(kind, "kill-b");
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
 
@@ -445,19 +184,20 @@ mod failover {
             String::from_utf8_lossy(&out.stderr),
             server.stderr()
         );
-        assert!(
-            server.wait_for_log("failed", Duration::from_secs(20)),
-            "the kill was not noticed:\n{}",
-            server.stderr()
+        server.wait_replica(
+            "vol0",
+            &rb.target(),
+            FAIL_TIMEOUT,
+            "the kill noticed",
+            |r| r.errors >= 1,
         );
 
+        // Back, it is rebuilt: healthy again only once the copy is done.
         rb.restart();
-        assert!(
-            server.wait_for_log("rebuild complete", REBUILD_TIMEOUT),
-            "rebuild did not complete; server log:\n{}",
-            server.stderr()
-        );
-        // Quiesce: a flush makes every replica durable and nothing is in flight.
+        server.wait_replicas("vol0", REBUILD_TIMEOUT, "the rebuild done", all_healthy);
+        // Quiesce: a flush makes every replica durable and nothing is in
+        // flight. fio wrote on without B, so equal files mean B was
+        // rebuilt.
         let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
         assert_eq!(flush(&mut c), 0);
         c.disconnect();
@@ -465,13 +205,11 @@ mod failover {
             panic!("{e}; server log:\n{}", server.stderr());
         }
         ra.kill();
-        server.assert_logged("rebuild of replica");
     }
 
     pub(super) fn all_replicas_down_is_eio_then_flushed_data_is_back(kind: Kind) {
-        let (a, b) = (free_port(), free_port());
-        let mut ra = Replica::start(kind, a, &scratch_of(kind, "down-a"));
-        let mut rb = Replica::start(kind, b, &scratch_of(kind, "down-b"));
+        let mut ra = replica(kind, "down-a");
+        let mut rb = replica(kind, "down-b");
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
 
@@ -502,11 +240,7 @@ mod failover {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        assert!(
-            server.wait_for_log("no healthy replica", Duration::from_secs(10)),
-            "{}",
-            server.stderr()
-        );
+        server.wait_replicas("vol0", FAIL_TIMEOUT, "every replica failed", none_healthy);
 
         ra.restart();
         rb.restart();
@@ -522,9 +256,8 @@ mod failover {
     /// (I/O fails meanwhile), never serve the stale one's older bytes; once the
     /// fresh replica is back, the newest data reads back.
     pub(super) fn restart_waits_for_the_replica_with_the_newest_writes(kind: Kind) {
-        let (a, b) = (free_port(), free_port());
-        let mut ra = Replica::start(kind, a, &scratch_of(kind, "fresh-a"));
-        let mut rb = Replica::start(kind, b, &scratch_of(kind, "stale-b"));
+        let mut ra = replica(kind, "fresh-a");
+        let mut rb = replica(kind, "stale-b");
         let old = common::pattern(21, 64 << 10);
         let new = common::pattern(22, 64 << 10);
         {
@@ -537,11 +270,9 @@ mod failover {
             // Acknowledged on replica A alone, at a generation B never saw.
             assert_eq!(c.write(1 << 20, &new).expect("write"), 0);
             assert_eq!(flush(&mut c), 0);
-            assert!(
-                server.wait_for_log("failed", Duration::from_secs(20)),
-                "{}",
-                server.stderr()
-            );
+            server.wait_replica("vol0", &rb.target(), FAIL_TIMEOUT, "B failed", |r| {
+                r.errors >= 1
+            });
         }
         ra.kill();
         rb.restart();
@@ -562,7 +293,10 @@ mod failover {
             }
             std::thread::sleep(Duration::from_millis(250));
         }
-        server.assert_logged("waiting for replica(s) 127.0.0.1");
+        // No replica serves, and the operator is told which one to bring
+        // back (or remove).
+        assert!(none_healthy(&server.replicas("vol0")));
+        server.assert_logged(&["volume not started: waiting for replica(s)", &ra.target()]);
         ra.restart();
         let got = read_when_ready(&server, "vol0", 1 << 20, new.len() as u32);
         assert!(
@@ -584,12 +318,11 @@ mod failover {
 #[test]
 fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
     require("fio", "fio");
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(Kind::Process, a, &scratch("faulty-a"));
+    let ra = replica(Kind::Process, "faulty-a");
     let rb = Replica::start_with(
         Kind::Process,
-        b,
-        &scratch("faulty-b"),
+        &dir_of(Kind::Process, "faulty-b"),
+        VOLUME,
         &[
             "--fault-drop",
             "0.002",
@@ -601,8 +334,9 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
             "5",
         ],
     );
+    // The warning an operator must see.
     assert!(
-        rb.log().contains("FAULT INJECTION ENABLED"),
+        common::log_has(&rb.log(), &["FAULT INJECTION ENABLED"]),
         "the faulty replica did not say so:\n{}",
         rb.log()
     );
@@ -635,23 +369,16 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
         String::from_utf8_lossy(&out.stderr),
         server.stderr()
     );
-    // 8192 writes and as many reads at 1 % errors: the faulty replica failed
-    // at least once, and its own log shows what it injected.
-    assert!(
-        server.wait_for_log("failed", Duration::from_secs(20)),
-        "the engine never failed the faulty replica:\n{}",
-        server.stderr()
-    );
-    assert!(
-        server.wait_for_log("it will be rebuilt", Duration::from_secs(20)),
-        "the engine never reconnected to the faulty replica:\n{}",
-        server.stderr()
-    );
-    let rlog = rb.log();
-    assert!(
-        rlog.contains("fault injection") || rlog.contains("I/O failed"),
-        "the faulty replica injected nothing:\n{rlog}"
-    );
+    // 8192 writes and as many reads at 1 % errors: the engine failed the
+    // faulty replica at least once (for what it injected), and connected
+    // to it again to rebuild it.
+    let failed = server.wait_replica("vol0", &rb.target(), FAIL_TIMEOUT, "failed", |r| {
+        r.errors >= 1
+    });
+    assert!(failed.last_error.is_some(), "{failed:?}");
+    server.wait_replica("vol0", &rb.target(), FAIL_TIMEOUT, "reconnected", |r| {
+        ["rebuilding", "reconciling", "healthy"].contains(&r.state.as_str())
+    });
     server.assert_healthy();
     drop(ra);
 }
@@ -662,9 +389,8 @@ fn a_faulty_replica_does_not_stop_the_volume_serving_correct_data() {
 /// cap is set higher.
 #[test]
 fn replicated_volume_refusals_come_in_the_handshake() {
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(Kind::Process, a, &scratch("refuse-a"));
-    let rb = Replica::start(Kind::Process, b, &scratch("refuse-b"));
+    let ra = replica(Kind::Process, "refuse-a");
+    let rb = replica(Kind::Process, "refuse-b");
     let go_refused = |server: &Server, cap: &str| {
         let err = match NbdClient::connect(server.addr(), "vol0") {
             Ok(_) => panic!("a connection past {cap} was admitted"),
@@ -708,11 +434,6 @@ fn replicated_volume_refusals_come_in_the_handshake() {
         .collect();
     let err = go_refused(&server, "MAX_CHANNELS");
     assert!(err.contains("cannot take a connection now"), "{err}");
-    assert!(
-        server.wait_for_log("cannot open a device channel", Duration::from_secs(5)),
-        "{}",
-        server.stderr()
-    );
     drop(held);
     server.assert_healthy();
 }
@@ -722,27 +443,15 @@ fn replicated_volume_refusals_come_in_the_handshake() {
 /// size.
 #[test]
 fn resizing_a_replicated_volume_is_refused() {
-    let (a, b) = (free_port(), free_port());
-    let ra = Replica::start(Kind::Process, a, &scratch("resize-a"));
-    let rb = Replica::start(Kind::Process, b, &scratch("resize-b"));
-    let sock = PathBuf::from(format!(
-        "/tmp/lull-t-{}-repl-resize.sock",
-        std::process::id()
-    ));
-    let mut server = Server::start(&[
-        "--replica-insecure",
-        "--volume",
-        &spec("vol0", &[&ra, &rb]),
-        "--rpc-socket",
-        sock.to_str().unwrap(),
-    ]);
+    let ra = replica(Kind::Process, "resize-a");
+    let rb = replica(Kind::Process, "resize-b");
+    let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
     let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
-        .args(["rpc", "-s"])
-        .arg(&sock)
-        .args(["volume_resize", r#"{"name": "vol0", "size": "1G"}"#])
-        .output()
-        .expect("run lull rpc");
+    let out = common::rpc_output(
+        server.rpc_socket(),
+        "volume_resize",
+        r#"{"name": "vol0", "size": "1G"}"#,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a replicated volume was resized");
     assert!(
@@ -760,8 +469,7 @@ fn resizing_a_replicated_volume_is_refused() {
 /// eventfd with nothing behind it would keep the reactor awake).
 #[test]
 fn replicated_volume_sleeps_when_idle() {
-    let a = free_port();
-    let ra = Replica::start(Kind::Process, a, &scratch("idle-a"));
+    let ra = replica(Kind::Process, "idle-a");
     for mode in ["interrupt", "adaptive"] {
         let volume = spec("vol0", &[&ra]);
         let mut server =
@@ -848,26 +556,23 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
     v2.extend_from_slice(&(libc::EPROTO as u32).to_be_bytes());
     v2.extend_from_slice(&[0u8; 32]);
     let wrong_version = fake_replica(v2);
-    let good = free_port();
-    let rg = Replica::start(Kind::Process, good, &scratch("bad-good"));
+    let rg = replica(Kind::Process, "bad-good");
 
     let server = serve(&[
         spec_of("bad", &[garbage.to_string()]),
         spec_of("old", &[wrong_version.to_string()]),
         spec("ok", &[&rg]),
     ]);
-    assert!(
-        server.wait_for_log("undecodable frame", Duration::from_secs(15)),
-        "{}",
-        server.stderr()
-    );
-    assert!(
-        server.wait_for_log(
-            "replica speaks protocol version 2, this engine speaks 3",
-            Duration::from_secs(15)
-        ),
-        "{}",
-        server.stderr()
+    // Each bad replica is failed, with the reason.
+    server.wait_replica("bad", &garbage.to_string(), FAIL_TIMEOUT, "failed", |r| {
+        r.failed_because(&["undecodable frame"])
+    });
+    server.wait_replica(
+        "old",
+        &wrong_version.to_string(),
+        FAIL_TIMEOUT,
+        "failed",
+        |r| r.failed_because(&["replica speaks protocol version 2, this engine speaks 3"]),
     );
 
     // The volume with a good replica is unaffected.
@@ -892,8 +597,7 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
 /// intact, in every period tried.
 #[test]
 fn hybrid_mode_serves_a_replicated_volume() {
-    let a = free_port();
-    let ra = Replica::start(Kind::Process, a, &scratch("hybrid-a"));
+    let ra = replica(Kind::Process, "hybrid-a");
     for period in ["10", "1000"] {
         let mut args: Vec<String> = vec![
             "--replica-insecure".into(),
@@ -939,14 +643,11 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid} failed");
 }
 
-impl Replica {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("replica running").id()
-    }
-
-    fn intent_file(&self) -> PathBuf {
-        self.replica_dir().join("intent.bin")
-    }
+/// When a file was last written.
+fn modified(path: &Path) -> std::time::SystemTime {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Bytes `[offset, offset + len)` of a file (what a replica holds, page
@@ -1066,9 +767,8 @@ mod crash {
         kind: Kind,
     ) {
         require("qemu-img", "qemu-utils");
-        let (a, b) = (free_port(), free_port());
-        let ra = Replica::start(kind, a, &scratch_of(kind, "crash-a"));
-        let rb = Replica::start(kind, b, &scratch_of(kind, "crash-b"));
+        let ra = replica(kind, "crash-a");
+        let rb = replica(kind, "crash-b");
         let at = 1u64 << 20;
         let old = common::pattern(31, 64 << 10);
         let new = common::pattern(32, 64 << 10);
@@ -1095,11 +795,6 @@ mod crash {
         signal(rb.pid(), "-CONT");
 
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
-        assert!(
-            server.wait_for_log("unclean stop: reconciling", READY_TIMEOUT),
-            "the restart did not see the unclean stop:\n{}",
-            server.stderr()
-        );
         // Until the reconcile completes reads come from the source alone; after
         // it, from either replica. Either way the same bytes, every time.
         let first = read_when_ready(&server, "vol0", at, new.len() as u32);
@@ -1118,11 +813,10 @@ mod crash {
                 "read {i} returned other data than the first read (reads alternate)"
             );
         }
-        assert!(
-            server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
-            "reconcile did not finish:\n{}",
-            server.stderr()
-        );
+        // B is healthy again once the reconcile is done.
+        server.wait_replicas("vol0", REBUILD_TIMEOUT, "the reconcile done", all_healthy);
+        // The warning an operator must see: the engine had crashed.
+        server.assert_logged(&["unclean stop: reconciling", &rb.target()]);
         for i in 0..8 {
             let got = c
                 .read(at, new.len() as u32)
@@ -1145,9 +839,8 @@ mod crash {
     pub(super) fn fio_verify_across_repeated_engine_kills(kind: Kind) {
         require("fio", "fio");
         require("qemu-img", "qemu-utils");
-        let (a, b) = (free_port(), free_port());
-        let ra = Replica::start(kind, a, &scratch_of(kind, "fiokill-a"));
-        let rb = Replica::start(kind, b, &scratch_of(kind, "fiokill-b"));
+        let ra = replica(kind, "fiokill-a");
+        let rb = replica(kind, "fiokill-b");
         for round in 0..3 {
             let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
             let _ = read_when_ready(&server, "vol0", 0, 4096);
@@ -1198,18 +891,12 @@ mod crash {
         }
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
-        assert!(
-            server.wait_for_log("unclean stop", READY_TIMEOUT),
-            "{}",
-            server.stderr()
-        );
         // A kill during the previous round's reconcile leaves its target a
-        // generation behind: then it is rebuilt in full instead.
-        assert!(
-            server.wait_for_log("complete: replica", REBUILD_TIMEOUT),
-            "recovery did not finish:\n{}",
-            server.stderr()
-        );
+        // generation behind: then it is rebuilt in full instead. Either
+        // way both are healthy once the copy is done.
+        server.wait_replicas("vol0", REBUILD_TIMEOUT, "the recovery done", all_healthy);
+        // The warning an operator must see: the engine had crashed.
+        server.assert_logged(&["unclean stop"]);
         assert_converged(&server, &ra, &rb, &format!("fiokill-img-{}", kind.tag()));
     }
 
@@ -1218,9 +905,8 @@ mod crash {
     /// where no record says a write was in flight (here: bytes put into the
     /// replica's file by hand, in a region nobody wrote).
     pub(super) fn a_corrupt_write_intent_record_means_a_full_repair(kind: Kind) {
-        let (a, b) = (free_port(), free_port());
-        let ra = Replica::start(kind, a, &scratch_of(kind, "lost-a"));
-        let mut rb = Replica::start(kind, b, &scratch_of(kind, "lost-b"));
+        let ra = replica(kind, "lost-a");
+        let mut rb = replica(kind, "lost-b");
         let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
         let mut c = NbdClient::connect(server.addr(), "vol0").expect("connect");
@@ -1253,16 +939,9 @@ mod crash {
         rb.restart();
 
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
-        assert!(
-            server.wait_for_log("write-intent record lost", READY_TIMEOUT),
-            "not reported:\n{}",
-            server.stderr()
-        );
-        assert!(
-            server.wait_for_log("reconcile complete", REBUILD_TIMEOUT),
-            "repair did not finish:\n{}",
-            server.stderr()
-        );
+        server.wait_replicas("vol0", REBUILD_TIMEOUT, "the repair done", all_healthy);
+        // The warning an operator must see: a replica's record was lost.
+        server.assert_logged(&["write-intent record lost", &rb.target()]);
         quiesce(&server);
         if let Err(e) = files_equal(&ra.data_file(), &rb.data_file(), VOLUME_BYTES) {
             panic!("{e}; server log:\n{}", server.stderr());
@@ -1272,9 +951,8 @@ mod crash {
     /// A clean stop (SIGTERM) detaches: the replicas are marked clean, and the
     /// next start trusts them as identical without reconciling anything.
     pub(super) fn a_clean_stop_detaches_and_the_next_start_reconciles_nothing(kind: Kind) {
-        let (a, b) = (free_port(), free_port());
-        let ra = Replica::start(kind, a, &scratch_of(kind, "clean-a"));
-        let rb = Replica::start(kind, b, &scratch_of(kind, "clean-b"));
+        let ra = replica(kind, "clean-a");
+        let rb = replica(kind, "clean-b");
         let data = common::pattern(51, 64 << 10);
         let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
@@ -1289,22 +967,23 @@ mod crash {
             "lull serve exited with {status}:\n{}",
             server.stderr()
         );
-        server.assert_logged("detached cleanly");
+        // Each replica's record says so.
+        assert!(ra.clean() && rb.clean(), "a replica is not marked clean");
 
+        let written = || [&ra, &rb].map(|r| modified(&r.data_file()));
+        let before = written();
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
         assert_eq!(
             read_when_ready(&server, "vol0", 1 << 20, data.len() as u32),
             data
         );
-        assert!(
-            server.wait_for_log("clean true", READY_TIMEOUT),
-            "{}",
+        server.wait_replicas("vol0", READY_TIMEOUT, "both healthy", all_healthy);
+        // Trusted as identical: nothing was copied onto either data file.
+        assert_eq!(
+            written(),
+            before,
+            "a clean restart reconciled or rebuilt (a data file was written); log:\n{}",
             server.stderr()
-        );
-        let log = server.stderr();
-        assert!(
-            !log.contains("unclean stop") && !log.contains("rebuild of replica"),
-            "a clean restart reconciled or rebuilt:\n{log}"
         );
     }
 }
@@ -1331,12 +1010,11 @@ mod block_status {
     /// write is data, and WRITE_ZEROES punches the hole back on the replica.
     /// Fast zeros are refused with NBD_ENOTSUP (the client writes zeros
     /// itself: the replica protocol has no fast zero), while plain zeros and
-    /// structured reads work. crates/lull/tests/sparse_replicated.rs has the
+    /// structured reads work. replication/sparse_replicated.rs has the
     /// 2-replica maps and copies.
     pub(super) fn replicated_volume_reports_holes_and_refuses_fast_zero(kind: Kind) {
         require("nbdinfo", "libnbd-bin");
-        let a = free_port();
-        let ra = Replica::start(kind, a, &scratch_of(kind, "bs-a"));
+        let ra = replica(kind, "bs-a");
         let mut server = serve(&[spec("vol0", &[&ra])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
         let uri = format!("nbd://{}/vol0", server.addr());
