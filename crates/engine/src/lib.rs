@@ -115,13 +115,7 @@ pub fn parse_replica(part: &str) -> Result<ReplicaTarget, String> {
     if part.is_empty() {
         return Err("empty replica address".into());
     }
-    let (host, name) = match part.split_once('/') {
-        Some((host, name)) => {
-            lull_proto::replica::check_replica_name(name).map_err(|e| format!("{part}: {e}"))?;
-            (host, Some(std::sync::Arc::<str>::from(name)))
-        }
-        None => (part, None),
-    };
+    let (host, name) = ReplicaTarget::split_name(part)?;
     let addr: SocketAddr = host
         .to_socket_addrs()
         .map_err(|e| format!("{part}: {e}"))?

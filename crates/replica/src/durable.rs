@@ -65,25 +65,33 @@ pub fn parse_json<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T, Rec
     })
 }
 
+/// The first `max_bytes + 1` bytes of the file at `path` (one more than
+/// allowed, so a caller sees that it is too large without reading it all);
+/// `Ok(None)` when there is no such file.
+pub fn read_capped(path: &Path, max_bytes: u64) -> io::Result<Option<Vec<u8>>> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut bytes = Vec::new();
+    file.take(max_bytes + 1).read_to_end(&mut bytes)?;
+    Ok(Some(bytes))
+}
+
 /// Reads and decodes the record at `path`; `Ok(None)` when there is none.
 /// A record over `max_bytes` is refused unread.
 pub fn load_json<T: DeserializeOwned>(
     path: &Path,
     max_bytes: u64,
 ) -> Result<Option<T>, RecordError> {
-    let io_err = |source| RecordError::Io {
+    let read = read_capped(path, max_bytes).map_err(|source| RecordError::Io {
         path: path.to_path_buf(),
         source,
+    })?;
+    let Some(bytes) = read else {
+        return Ok(None);
     };
-    let file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err(e)),
-    };
-    let mut bytes = Vec::new();
-    file.take(max_bytes + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io_err)?;
     if bytes.len() as u64 > max_bytes {
         return Err(RecordError::TooLarge {
             path: path.to_path_buf(),

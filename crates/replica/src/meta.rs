@@ -9,8 +9,7 @@
 //! Meta { clean: false, ..meta }.store(dir)?; // blocking: never on a reactor
 //! ```
 
-use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -86,15 +85,12 @@ impl Meta {
             path: path.clone(),
             source,
         };
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_err(e)),
+        let Some(bytes) = crate::durable::read_capped(&path, META_MAX_BYTES).map_err(io_err)?
+        else {
+            return Ok(None);
         };
-        let mut text = String::new();
-        file.take(META_MAX_BYTES + 1)
-            .read_to_string(&mut text)
-            .map_err(io_err)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
         Meta::parse(&path, &text).map(Some)
     }
 

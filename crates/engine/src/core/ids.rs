@@ -45,6 +45,18 @@ impl ReplicaTarget {
         ReplicaTarget { addr, name: None }
     }
 
+    /// `HOST:PORT` and the checked name of `HOST:PORT[/NAME]`: the one
+    /// place that reads a replica's name from text.
+    pub fn split_name(s: &str) -> Result<(&str, Option<Arc<str>>), String> {
+        match s.split_once('/') {
+            Some((addr, name)) => {
+                lull_proto::replica::check_replica_name(name).map_err(|e| format!("{s}: {e}"))?;
+                Ok((addr, Some(Arc::from(name))))
+            }
+            None => Ok((s, None)),
+        }
+    }
+
     /// The name a HELLO carries (`""`: none).
     pub fn hello_name(&self) -> &str {
         self.name.as_deref().unwrap_or("")
@@ -71,13 +83,7 @@ impl std::str::FromStr for ReplicaTarget {
     type Err = String;
 
     fn from_str(s: &str) -> Result<ReplicaTarget, String> {
-        let (addr, name) = match s.split_once('/') {
-            Some((addr, name)) => {
-                lull_proto::replica::check_replica_name(name).map_err(|e| format!("{s}: {e}"))?;
-                (addr, Some(Arc::from(name)))
-            }
-            None => (s, None),
-        };
+        let (addr, name) = ReplicaTarget::split_name(s)?;
         let addr = addr
             .parse()
             .map_err(|e| format!("{s}: {e} (expected IP:PORT[/NAME])"))?;
