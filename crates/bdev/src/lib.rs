@@ -28,6 +28,7 @@ use std::os::fd::RawFd;
 
 pub use lull_uring::{BufPool, IoBuf};
 
+pub mod chain;
 mod deferred;
 pub mod faulty;
 pub mod file;
@@ -36,6 +37,7 @@ pub mod malloc;
 mod ring_options;
 pub mod units;
 
+pub use chain::{ChainDev, SnapshotInfo};
 pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, FILE_SIZE_MAX_BYTES, MAX_PREFETCH_BYTES};
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES, MALLOC_SIZE_MAX_BYTES};
@@ -133,6 +135,19 @@ pub enum BdevError {
     /// A resize to a size that is not a multiple of [`RESIZE_ALIGN_BYTES`].
     #[error("cannot grow the device to {requested} bytes: the size must be a multiple of {RESIZE_ALIGN_BYTES}")]
     ResizeUnaligned { requested: u64 },
+    /// A write, trim or zero on a read-only device (a snapshot).
+    #[error("the device is read-only")]
+    ReadOnly,
+    /// A snapshot name the device does not have.
+    #[error("no snapshot {0:?}")]
+    NoSuchSnapshot(String),
+    /// A name refused (a snapshot's: bad characters, taken already).
+    #[error("{0}")]
+    BadName(String),
+    /// Something else uses what the operation would change or drop (a
+    /// clone's base, a merge running).
+    #[error("{0}")]
+    InUse(String),
 }
 
 impl BdevError {
@@ -148,6 +163,10 @@ impl BdevError {
             | BdevError::Shrink { .. }
             | BdevError::TooLarge { .. }
             | BdevError::ResizeUnaligned { .. } => libc::EINVAL,
+            BdevError::ReadOnly => libc::EPERM,
+            BdevError::NoSuchSnapshot(_) => libc::ENOENT,
+            BdevError::BadName(_) => libc::EINVAL,
+            BdevError::InUse(_) => libc::EBUSY,
         }
     }
 }
@@ -309,6 +328,35 @@ pub fn extent_records(buf: &[u8]) -> impl Iterator<Item = Extent> + '_ {
     })
 }
 
+/// A run of bytes of one state in a "changed since a snapshot" map, from
+/// [`BlockDevice::changed_since`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChangeRun {
+    pub length_bytes: u64,
+    /// Written (or trimmed, or zeroed) after the snapshot was taken: an
+    /// incremental backup copies it.
+    pub changed: bool,
+}
+
+/// Appends `run` to `out`, merging it into the last run of the same state.
+/// Returns false (leaving `out` alone) when that needs a run beyond `max`.
+pub fn push_change(out: &mut Vec<ChangeRun>, run: ChangeRun, max: usize) -> bool {
+    if run.length_bytes == 0 {
+        return true;
+    }
+    if let Some(last) = out.last_mut() {
+        if last.changed == run.changed {
+            last.length_bytes += run.length_bytes;
+            return true;
+        }
+    }
+    if out.len() >= max {
+        return false;
+    }
+    out.push(run);
+    true
+}
+
 /// A volume's storage, shared by all its connections.
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes. Hot paths call it (an atomic load where the device
@@ -374,6 +422,50 @@ pub trait BlockDevice: Send + Sync {
     fn prefetch(&self, offset: u64, len: u64) -> Result<(), BdevError> {
         let _ = (offset, len);
         Ok(())
+    }
+    /// A read-only device (a snapshot's view): its channels refuse writes,
+    /// trims and zeroes with [`BdevError::ReadOnly`], and frontends tell
+    /// clients (NBD's `NBD_FLAG_READ_ONLY`). Default: writable.
+    fn read_only(&self) -> bool {
+        false
+    }
+    /// Whether the device has a snapshot of this name (so
+    /// [`BlockDevice::changed_since`] and [`BlockDevice::snapshot_view`]
+    /// can answer for it). Default: a device without snapshots.
+    fn has_snapshot(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+    /// The names of the device's snapshots, oldest first (for a snapshot's
+    /// view: the snapshots older than it). Default: none.
+    fn snapshot_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Which bytes of `[offset, offset + len)` (inside the device, `len`
+    /// above 0) were written since the snapshot `since` was taken: at most
+    /// `max_runs` (>= 1) runs, in order, adjacent ones in different
+    /// states, covering a non-empty prefix of the range. On a snapshot's
+    /// view, "since" ends at that snapshot. A metadata lookup, called on a
+    /// reactor: it must not block on I/O. Default: no snapshots, so
+    /// [`BdevError::NoSuchSnapshot`].
+    fn changed_since(
+        &self,
+        since: &str,
+        offset: u64,
+        len: u64,
+        max_runs: usize,
+    ) -> Result<Vec<ChangeRun>, BdevError> {
+        let _ = (offset, len, max_runs);
+        Err(BdevError::NoSuchSnapshot(since.to_string()))
+    }
+    /// A read-only device showing the snapshot `name` as it was taken, or
+    /// `None` when there is no such snapshot. The view keeps what it reads
+    /// alive (a snapshot deleted meanwhile stays readable through it until
+    /// the view is dropped, or the delete waits; the device documents
+    /// which). Default: `None`.
+    fn snapshot_view(&self, name: &str) -> Option<std::sync::Arc<dyn BlockDevice>> {
+        let _ = name;
+        None
     }
 }
 

@@ -1368,6 +1368,11 @@ fn bdev_status(e: &BdevError) -> Status {
         BdevError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
         BdevError::Unsupported(_) => Status::INVALID_OPCODE,
         BdevError::BadRequest(_) => Status::INVALID_FIELD,
+        BdevError::ReadOnly => Status::NAMESPACE_WRITE_PROTECTED,
+        // Snapshots are named on the control path, never on an I/O.
+        BdevError::NoSuchSnapshot(_) | BdevError::BadName(_) | BdevError::InUse(_) => {
+            Status::INVALID_FIELD
+        }
         // A replicated volume with no healthy replica fails with Failed;
         // the host may retry once one is back.
         BdevError::Failed(_) => Status::NAMESPACE_NOT_READY,

@@ -97,6 +97,8 @@ impl Status {
     pub const TRANSIENT_TRANSPORT_ERROR: Status = Status::generic(0x22);
     pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80).no_retry();
     pub const NAMESPACE_NOT_READY: Status = Status::generic(0x82);
+    /// Namespace is Write Protected (a snapshot's namespace).
+    pub const NAMESPACE_WRITE_PROTECTED: Status = Status::generic(0x20).no_retry();
     pub const INVALID_LOG_PAGE: Status = Status::specific(0x09).no_retry();
     pub const INVALID_QUEUE_ID: Status = Status::specific(0x01).no_retry();
     pub const INVALID_QUEUE_SIZE: Status = Status::specific(0x02).no_retry();

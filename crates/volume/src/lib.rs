@@ -34,6 +34,10 @@ pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_
 /// the NBD frontend asserts the two agree).
 pub const MAX_VOLUME_NAME_LEN: usize = 4096;
 
+/// Separates a volume's name from one of its snapshots' in an export name
+/// (`vol0@s1`, as `zfs` and `rbd` write it). Snapshot names never hold it.
+pub const SNAPSHOT_SEPARATOR: char = '@';
+
 /// Connections (NBD clients past the handshake) one volume serves at once
 /// unless configured otherwise. Idle connections are cheap (a poller of a
 /// few KiB; the scale test holds 2,000 on one volume), so the default sits
@@ -489,6 +493,21 @@ impl Volumes {
             return self.read().first().cloned();
         }
         self.named(name).ok()
+    }
+
+    /// What a frontend serves under an export name: the volume of that
+    /// name (`""`: the default), or for `VOLUME@SNAPSHOT` a read-only view
+    /// of that volume's snapshot ([`BlockDevice::snapshot_view`]), a new
+    /// [`Volume`] outside the registry with its own counters. A volume
+    /// whose own name holds the separator wins over a snapshot's view.
+    pub fn resolve(&self, name: &str) -> Option<Arc<Volume>> {
+        if let Some(v) = self.get(name) {
+            return Some(v);
+        }
+        let (volume, snapshot) = name.rsplit_once(SNAPSHOT_SEPARATOR)?;
+        let v = self.named(volume).ok()?;
+        let view = v.dev().snapshot_view(snapshot)?;
+        Some(Arc::new(Volume::new(name, Storage::Local(view))))
     }
 
     /// The volume with exactly this name (`""` names none), for control

@@ -1,0 +1,465 @@
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::{FileOptions, IoBuf, IoCompletion, IoOp, IoRequest, MallocDev};
+
+const SIZE: u64 = 256 << 10;
+
+fn memory_chain(size: u64) -> ChainDev {
+    let base: Arc<dyn BlockDevice> = Arc::new(MallocDev::new(size).expect("malloc"));
+    ChainDev::open(Arc::new(MemoryStore::new(base)), size).expect("chain")
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(what: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!(
+            "lull-chain-{what}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn file_store(dir: &TempDir) -> Arc<dyn LayerStore> {
+    Arc::new(FileStore::new(
+        dir.0.join("vol.img"),
+        FileOptions {
+            create: true,
+            ..FileOptions::default()
+        },
+    ))
+}
+
+/// Runs one request to completion on `ch`.
+fn run(ch: &mut dyn Channel, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>) -> IoCompletion {
+    let mut req = IoRequest {
+        tag: 42,
+        op,
+        offset,
+        len,
+        buf,
+    };
+    loop {
+        match ch.submit(req) {
+            Ok(()) => break,
+            Err((r, BdevError::Full { .. })) => {
+                req = r;
+                ch.reap(&mut |_| panic!("no other request is in flight"));
+                std::thread::yield_now();
+            }
+            Err((_, e)) => {
+                return IoCompletion {
+                    tag: 42,
+                    result: Err(e),
+                    buf: None,
+                    spliced: None,
+                }
+            }
+        }
+    }
+    ch.flush_submissions();
+    loop {
+        let mut out = None;
+        ch.reap(&mut |c| out = Some(c));
+        if let Some(c) = out {
+            assert_eq!(c.tag, 42);
+            return c;
+        }
+        match ch.event_fd() {
+            Some(fd) => {
+                lull_uring::wait_readable(fd, 1000).expect("poll");
+            }
+            None => std::thread::yield_now(),
+        }
+    }
+}
+
+fn write(ch: &mut dyn Channel, offset: u64, data: &[u8]) {
+    let mut buf = IoBuf::with_capacity(data.len());
+    buf.set_len(data.len());
+    buf.as_mut_slice().copy_from_slice(data);
+    let c = run(
+        ch,
+        IoOp::Write { fua: false },
+        offset,
+        data.len() as u32,
+        Some(buf),
+    );
+    c.result.expect("write");
+}
+
+fn read(ch: &mut dyn Channel, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = IoBuf::with_capacity(len);
+    buf.set_len(len);
+    buf.as_mut_slice().fill(0xEE);
+    let c = run(ch, IoOp::Read, offset, len as u32, Some(buf));
+    c.result.expect("read");
+    c.buf.expect("buffer back").as_slice()[..len].to_vec()
+}
+
+fn zero(ch: &mut dyn Channel, offset: u64, len: u32, trim: bool) {
+    let op = if trim {
+        IoOp::Trim
+    } else {
+        IoOp::WriteZeroes {
+            no_hole: false,
+            fua: false,
+            fast: false,
+        }
+    };
+    run(ch, op, offset, len, None).result.expect("zero");
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i / 512) as u8) | 1)
+        .collect()
+}
+
+#[test]
+fn snapshot_keeps_what_was_written_before_it() {
+    let chain = memory_chain(SIZE);
+    let mut ch = chain.open_channel().expect("channel");
+    let a = pattern(1, 64 << 10);
+    write(ch.as_mut(), 0, &a);
+    chain.snapshot("s1").expect("snapshot");
+    let b = pattern(100, 16 << 10);
+    write(ch.as_mut(), 8 << 10, &b);
+    let mut want = a.clone();
+    want[8 << 10..24 << 10].copy_from_slice(&b);
+    assert_eq!(
+        read(ch.as_mut(), 0, 64 << 10),
+        want,
+        "the live volume has B"
+    );
+    let view = chain.snapshot_view("s1").expect("view of s1");
+    assert!(view.read_only());
+    let mut v = view.open_channel().expect("view channel");
+    assert_eq!(read(v.as_mut(), 0, 64 << 10), a, "the snapshot has A");
+    let refused = run(
+        v.as_mut(),
+        IoOp::Write { fua: false },
+        0,
+        512,
+        Some(IoBuf::with_capacity(512)),
+    );
+    assert!(matches!(refused.result, Err(BdevError::ReadOnly)));
+    // What changed since s1: exactly the 16 KiB of B.
+    let runs = chain.changed_since("s1", 0, SIZE, 100).expect("changed");
+    assert_eq!(
+        runs,
+        [
+            ChangeRun {
+                length_bytes: 8 << 10,
+                changed: false
+            },
+            ChangeRun {
+                length_bytes: 16 << 10,
+                changed: true
+            },
+            ChangeRun {
+                length_bytes: SIZE - (24 << 10),
+                changed: false
+            },
+        ]
+    );
+    assert!(matches!(
+        chain.changed_since("nope", 0, 4096, 4),
+        Err(BdevError::NoSuchSnapshot(_))
+    ));
+    assert_eq!(chain.snapshot_names(), ["s1"]);
+}
+
+#[test]
+fn unaligned_writes_copy_the_rest_of_the_block_up() {
+    let chain = memory_chain(SIZE);
+    let mut ch = chain.open_channel().expect("channel");
+    let a = pattern(7, 16 << 10);
+    write(ch.as_mut(), 0, &a);
+    chain.snapshot("s1").expect("snapshot");
+    // 512 bytes in the middle of a block, and a write across two blocks'
+    // edges.
+    write(ch.as_mut(), 1024, &[0xAB; 512]);
+    write(ch.as_mut(), 4096 + 3000, &[0xCD; 4000]);
+    let mut want = a.clone();
+    want[1024..1536].fill(0xAB);
+    want[7096..11096].fill(0xCD);
+    assert_eq!(read(ch.as_mut(), 0, 16 << 10), want);
+    let mut v = chain.snapshot_view("s1").unwrap().open_channel().unwrap();
+    assert_eq!(read(v.as_mut(), 0, 16 << 10), a);
+}
+
+#[test]
+fn trim_and_zeroes_over_a_snapshot_read_zeros_and_keep_the_snapshot() {
+    let chain = memory_chain(SIZE);
+    let mut ch = chain.open_channel().expect("channel");
+    let a = pattern(9, 3 << 20 >> 4);
+    write(ch.as_mut(), 0, &a);
+    chain.snapshot("s1").expect("snapshot");
+    zero(ch.as_mut(), 100, 5000, true);
+    zero(ch.as_mut(), 20_000, 30_000, false);
+    let mut want = a.clone();
+    want[100..5100].fill(0);
+    want[20_000..50_000].fill(0);
+    assert_eq!(read(ch.as_mut(), 0, a.len()), want);
+    let mut v = chain.snapshot_view("s1").unwrap().open_channel().unwrap();
+    assert_eq!(read(v.as_mut(), 0, a.len()), a);
+}
+
+#[test]
+fn revert_clone_and_delete() {
+    let chain = memory_chain(SIZE);
+    let mut ch = chain.open_channel().expect("channel");
+    let a = pattern(1, 32 << 10);
+    write(ch.as_mut(), 0, &a);
+    chain.snapshot("s1").unwrap();
+    write(ch.as_mut(), 0, &pattern(50, 8 << 10));
+    chain.snapshot("s2").unwrap();
+    write(ch.as_mut(), 4096, &pattern(90, 4 << 10));
+    let live = read(ch.as_mut(), 0, 32 << 10);
+
+    // A clone of s1 is writable and independent.
+    let base: Arc<dyn BlockDevice> = Arc::new(MallocDev::new(SIZE).unwrap());
+    let clone = chain
+        .clone_snapshot("s1", "c1", Arc::new(MemoryStore::new(base)))
+        .expect("clone");
+    let mut c = clone.open_channel().unwrap();
+    assert_eq!(read(c.as_mut(), 0, 32 << 10), a);
+    write(c.as_mut(), 0, &[0x11; 4096]);
+    assert_eq!(
+        read(ch.as_mut(), 0, 32 << 10),
+        live,
+        "the origin did not change"
+    );
+    let e = chain.delete_snapshot("s1").expect_err("s1 has a clone");
+    assert!(e.to_string().contains("c1"), "{e}");
+
+    // Deleting s2 merges it into the head; the volume reads the same.
+    chain.delete_snapshot("s2").expect("delete s2");
+    chain.wait_merge().expect("merge");
+    assert_eq!(chain.snapshot_names(), ["s1"]);
+    drop(ch);
+    let mut ch = chain.open_channel().unwrap();
+    assert_eq!(read(ch.as_mut(), 0, 32 << 10), live);
+
+    // Flattening the clone lets go of s1.
+    assert!(clone.flatten().expect("flatten"));
+    assert!(chain.forget_clone("c1"));
+    drop(c);
+    let mut c = clone.open_channel().unwrap();
+    let mut want = a.clone();
+    want[..4096].fill(0x11);
+    assert_eq!(read(c.as_mut(), 0, 32 << 10), want);
+    assert_eq!(clone.layer_count(), 1);
+
+    // Revert to s1 reads A again; s1 can go now too.
+    assert_eq!(chain.revert("s1").expect("revert"), Vec::<String>::new());
+    drop(ch);
+    let mut ch = chain.open_channel().unwrap();
+    assert_eq!(read(ch.as_mut(), 0, 32 << 10), a);
+    chain.delete_snapshot("s1").expect("delete s1");
+    chain.wait_merge().expect("merge");
+    assert!(chain.snapshots().is_empty());
+    drop(ch);
+    let mut ch = chain.open_channel().unwrap();
+    assert_eq!(read(ch.as_mut(), 0, 32 << 10), a);
+}
+
+#[test]
+fn bad_names_and_the_layer_limit() {
+    let chain = memory_chain(64 << 10);
+    for bad in [
+        "",
+        "a@b",
+        "a/b",
+        ".hidden",
+        "with space",
+        &"n".repeat(MAX_SNAPSHOT_NAME_LEN + 1),
+    ] {
+        assert!(
+            matches!(chain.snapshot(bad), Err(BdevError::BadName(_))),
+            "{bad:?}"
+        );
+    }
+    chain.snapshot("s").unwrap();
+    assert!(
+        matches!(chain.snapshot("s"), Err(BdevError::BadName(_))),
+        "duplicate"
+    );
+    for i in 2..MAX_CHAIN_LAYERS {
+        chain.snapshot(&format!("s{i}")).unwrap();
+    }
+    let e = chain.snapshot("one-too-many").expect_err("at the limit");
+    assert!(e.to_string().contains("maximum"), "{e}");
+}
+
+#[test]
+fn a_file_chain_survives_reopening() {
+    let dir = TempDir::new("reopen");
+    let a = pattern(3, 64 << 10);
+    let b = pattern(33, 8 << 10);
+    {
+        let chain = ChainDev::open(file_store(&dir), SIZE).expect("open");
+        let mut ch = chain.open_channel().unwrap();
+        write(ch.as_mut(), 0, &a);
+        chain.snapshot("s1").unwrap();
+        write(ch.as_mut(), 4096, &b);
+        zero(ch.as_mut(), 32 << 10, 4096, true);
+        chain.snapshot("s2").unwrap();
+        chain.sync().unwrap();
+    }
+    // An orphan from a snapshot a crash cut short is removed at open.
+    std::fs::write(dir.0.join("vol.img.lull/L99.img"), b"x").unwrap();
+    let chain = ChainDev::open(file_store(&dir), SIZE).expect("reopen");
+    assert!(!dir.0.join("vol.img.lull/L99.img").exists());
+    assert_eq!(chain.snapshot_names(), ["s1", "s2"]);
+    let mut ch = chain.open_channel().unwrap();
+    let mut want = a.clone();
+    want[4096..4096 + b.len()].copy_from_slice(&b);
+    want[32 << 10..36 << 10].fill(0);
+    assert_eq!(read(ch.as_mut(), 0, 64 << 10), want);
+    let mut v = chain.snapshot_view("s1").unwrap().open_channel().unwrap();
+    assert_eq!(read(v.as_mut(), 0, 64 << 10), a);
+    let runs = chain.changed_since("s1", 0, 64 << 10, 16).unwrap();
+    let changed: u64 = runs
+        .iter()
+        .filter(|r| r.changed)
+        .map(|r| r.length_bytes)
+        .sum();
+    assert_eq!(changed, 12 << 10, "{runs:?}");
+}
+
+/// One step of the model test.
+#[derive(Debug, Clone)]
+enum Step {
+    Write { offset: u64, len: u32, seed: u8 },
+    Zero { offset: u64, len: u32, trim: bool },
+    Snapshot,
+    Delete(usize),
+    Revert(usize),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let size = 64u64 << 10;
+    prop_oneof![
+        6 => (0..size, 1u32..12_000, any::<u8>()).prop_map(move |(o, l, s)| {
+            let l = l.min((size - o) as u32).max(1);
+            Step::Write { offset: o, len: l, seed: s }
+        }),
+        2 => (0..size, 1u32..20_000, any::<bool>()).prop_map(move |(o, l, t)| {
+            let l = l.min((size - o) as u32).max(1);
+            Step::Zero { offset: o, len: l, trim: t }
+        }),
+        2 => Just(Step::Snapshot),
+        1 => (0usize..8).prop_map(Step::Delete),
+        1 => (0usize..8).prop_map(Step::Revert),
+    ]
+}
+
+fn check_against_model(steps: Vec<Step>, file: bool) {
+    let size = 64u64 << 10;
+    let dir = TempDir::new("model");
+    let chain = if file {
+        ChainDev::open(file_store(&dir), size).unwrap()
+    } else {
+        memory_chain(size)
+    };
+    let mut live = vec![0u8; size as usize];
+    let mut snaps: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut n = 0;
+    let mut ch = chain.open_channel().unwrap();
+    for s in steps {
+        match s {
+            Step::Write { offset, len, seed } => {
+                let data = pattern(seed, len as usize);
+                write(ch.as_mut(), offset, &data);
+                live[offset as usize..][..len as usize].copy_from_slice(&data);
+            }
+            Step::Zero { offset, len, trim } => {
+                zero(ch.as_mut(), offset, len, trim);
+                live[offset as usize..][..len as usize].fill(0);
+            }
+            Step::Snapshot => {
+                n += 1;
+                let name = format!("s{n}");
+                chain.snapshot(&name).unwrap();
+                snaps.push((name, live.clone()));
+            }
+            Step::Delete(i) if !snaps.is_empty() => {
+                let (name, _) = snaps.remove(i % snaps.len());
+                chain.delete_snapshot(&name).unwrap();
+                chain.wait_merge().unwrap();
+            }
+            Step::Revert(i) if !snaps.is_empty() => {
+                let i = i % snaps.len();
+                chain.revert(&snaps[i].0).unwrap();
+                live = snaps[i].1.clone();
+                snaps.truncate(i + 1);
+            }
+            Step::Delete(_) | Step::Revert(_) => {}
+        }
+        assert_eq!(read(ch.as_mut(), 0, size as usize), live, "live volume");
+    }
+    for (name, want) in &snaps {
+        let mut v = chain.snapshot_view(name).unwrap().open_channel().unwrap();
+        assert_eq!(&read(v.as_mut(), 0, size as usize), want, "snapshot {name}");
+    }
+    // The map of changes since each snapshot covers every byte that differs.
+    for (name, want) in &snaps {
+        let runs = chain.changed_since(name, 0, size, usize::MAX).unwrap();
+        let mut pos = 0usize;
+        for r in runs {
+            let end = pos + r.length_bytes as usize;
+            if !r.changed {
+                assert_eq!(
+                    live[pos..end],
+                    want[pos..end],
+                    "unchanged since {name} at {pos}"
+                );
+            }
+            pos = end;
+        }
+    }
+    drop(ch);
+    if file {
+        drop(chain);
+        let chain = ChainDev::open(file_store(&dir), size).unwrap();
+        let mut ch = chain.open_channel().unwrap();
+        assert_eq!(read(ch.as_mut(), 0, size as usize), live, "after reopening");
+        for (name, want) in &snaps {
+            let mut v = chain.snapshot_view(name).unwrap().open_channel().unwrap();
+            assert_eq!(
+                &read(v.as_mut(), 0, size as usize),
+                want,
+                "snapshot {name} reopened"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn memory_chain_matches_a_model(steps in proptest::collection::vec(step(), 1..40)) {
+        check_against_model(steps, false);
+    }
+
+    #[test]
+    fn file_chain_matches_a_model(steps in proptest::collection::vec(step(), 1..25)) {
+        check_against_model(steps, true);
+    }
+}
