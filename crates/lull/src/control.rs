@@ -174,10 +174,31 @@ impl Control {
     }
 
     /// The replicated device behind a volume, if it is one.
+    /// The chain of a volume that takes snapshots.
+    fn chain(&self, volume: &str) -> Result<(Arc<Volume>, Arc<lull_bdev::ChainDev>), ControlError> {
+        let v = self.volumes.named(volume)?;
+        let chain = match &v.storage {
+            Storage::Layered(c) => c.clone(),
+            Storage::Replicated(_) => {
+                return Err(ControlError::Refused(format!(
+                    "volume {volume:?} is replicated: snapshots of replicated volumes are not built yet"
+                )))
+            }
+            Storage::Local(_) => {
+                return Err(ControlError::Refused(format!(
+                    "volume {volume:?} cannot take snapshots (a faulty= test device)"
+                )))
+            }
+        };
+        Ok((v, chain))
+    }
+
     fn replicated(&self, volume: &str) -> Result<Arc<lull_engine::ReplicatedDev>, ControlError> {
         match &self.volumes.named(volume)?.storage {
             Storage::Replicated(dev) => Ok(dev.clone()),
-            Storage::Local(_) => Err(ControlError::NotReplicated(volume.into())),
+            Storage::Local(_) | Storage::Layered(_) => {
+                Err(ControlError::NotReplicated(volume.into()))
+            }
         }
     }
 }
@@ -431,10 +452,189 @@ impl ControlPlane for Control {
     fn store_get(&self) -> Result<Value, ControlError> {
         Ok(json!(self.store()?.info().map_err(store_error)?))
     }
+
+    fn snapshot_create(&self, volume: &str, name: &str) -> Result<Value, ControlError> {
+        let (_, chain) = self.chain(volume)?;
+        let start = std::time::Instant::now();
+        let info = chain.snapshot(name).map_err(snapshot_error)?;
+        tracing::info!(
+            volume,
+            snapshot = name,
+            took_us = start.elapsed().as_micros() as u64,
+            "snapshot created over RPC"
+        );
+        Ok(snapshot_json(volume, &info))
+    }
+
+    fn snapshot_list(&self, volume: &str) -> Result<Value, ControlError> {
+        let (_, chain) = self.chain(volume)?;
+        Ok(Value::Array(
+            chain
+                .snapshots()
+                .iter()
+                .map(|s| snapshot_json(volume, s))
+                .collect(),
+        ))
+    }
+
+    fn snapshot_delete(&self, volume: &str, name: &str) -> Result<(), ControlError> {
+        let (_, chain) = self.chain(volume)?;
+        chain.delete_snapshot(name).map_err(snapshot_error)?;
+        tracing::info!(
+            volume,
+            snapshot = name,
+            "snapshot delete started over RPC (merging into its child)"
+        );
+        Ok(())
+    }
+
+    fn volume_revert(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        force: bool,
+    ) -> Result<Value, ControlError> {
+        let (v, chain) = self.chain(volume)?;
+        let connected = v.connections();
+        if connected > 0 && !force {
+            return Err(ControlError::Refused(format!(
+                "volume {volume:?} has {connected} connected clients: disconnect them first, or pass force (they see the data change under them)"
+            )));
+        }
+        let dropped = chain.revert(snapshot).map_err(snapshot_error)?;
+        tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "volume reverted over RPC");
+        Ok(json!({ "volume": volume, "snapshot": snapshot, "dropped_snapshots": dropped }))
+    }
+
+    fn volume_clone(
+        &self,
+        snapshot: &str,
+        name: &str,
+        backend: Option<&str>,
+    ) -> Result<VolumeInfo, ControlError> {
+        let Some((origin, snap)) = snapshot.rsplit_once(lull_volume::SNAPSHOT_SEPARATOR) else {
+            return Err(ControlError::InvalidParams(format!(
+                "snapshot must be VOLUME@SNAPSHOT, not {snapshot:?}"
+            )));
+        };
+        let (ov, chain) = self.chain(origin)?;
+        let _one = self
+            .volume_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.volumes.named(name).is_ok() {
+            return Err(lull_volume::VolumeError::DuplicateVolume(name.into()).into());
+        }
+        let size = ov.dev().size_bytes();
+        // The clone's own writes: the origin's kind unless told (a file
+        // next to the origin's file).
+        let backend = match (backend, chain.volume_path()) {
+            (Some(b), _) => b.to_string(),
+            (None, Some(path)) => {
+                let dir = path.parent().unwrap_or(std::path::Path::new("."));
+                format!("file={}", dir.join(format!("{name}.img")).display())
+            }
+            (None, None) => "malloc".to_string(),
+        };
+        let spec = config::parse_volume(&format!("{name}:{size}:{backend}"))
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        let store: Arc<dyn lull_bdev::chain::LayerStore> = match &spec.backend {
+            config::Backend::Malloc => Arc::new(lull_bdev::chain::MemoryStore::new(Arc::new(
+                lull_bdev::MallocDev::new(size).map_err(|e| ControlError::Failed(e.into()))?,
+            ))),
+            config::Backend::File { path, direct, ring } => {
+                if path.exists() {
+                    return Err(ControlError::Refused(format!(
+                        "{}: exists already; a clone starts from an empty file",
+                        path.display()
+                    )));
+                }
+                Arc::new(lull_bdev::chain::FileStore::new(
+                    path,
+                    lull_bdev::FileOptions {
+                        direct: *direct,
+                        create: true,
+                        ring: *ring,
+                    },
+                ))
+            }
+            _ => {
+                return Err(ControlError::Refused(
+                    "a clone's backend is malloc or file=PATH".into(),
+                ))
+            }
+        };
+        let clone = chain
+            .clone_snapshot(snap, name, store)
+            .map_err(snapshot_error)?;
+        let v = self
+            .volumes
+            .add(Volume::new(name, Storage::Layered(Arc::new(clone))))?;
+        let entry = crate::node::VolumeEntry {
+            name: name.to_string(),
+            size_bytes: size,
+            backend: backend.clone(),
+            nvmf_nqn: None,
+            nvmf_lba: None,
+            nvmf_allow_hosts: Vec::new(),
+        };
+        if let Err(e) = self.persist(|m| {
+            m.insert(entry.name.clone(), entry);
+        }) {
+            let _ = self.volumes.remove(name);
+            chain.forget_clone(name);
+            return Err(e);
+        }
+        tracing::info!(volume = name, snapshot, backend, "clone created over RPC");
+        Ok(VolumeInfo::of(&v))
+    }
+
+    fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
+        let (_, chain) = self.chain(volume)?;
+        if !chain.flatten().map_err(snapshot_error)? {
+            return Err(ControlError::Refused(format!(
+                "volume {volume:?} is not a clone (it has no base to copy in)"
+            )));
+        }
+        for other in self.volumes.list() {
+            if let Some(c) = other.storage.layered() {
+                c.forget_clone(volume);
+            }
+        }
+        tracing::info!(volume, "clone flattened over RPC: it stands alone");
+        Ok(())
+    }
 }
 
 /// A store error as the RPC reports it: bad parameters as -32602, other
 /// refusals with their reason, failures logged in full first.
+/// A chain's refusal as the RPC says it: names and states are the
+/// caller's to fix, I/O failures the server's.
+fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
+    use lull_bdev::BdevError as E;
+    match e {
+        E::BadName(_) | E::NoSuchSnapshot(_) | E::InUse(_) | E::Unsupported(_) => {
+            ControlError::Refused(e.to_string())
+        }
+        E::Failed(ref m) if m.contains("maximum") => ControlError::Refused(e.to_string()),
+        e => ControlError::Failed(e.into()),
+    }
+}
+
+fn snapshot_json(volume: &str, s: &lull_bdev::SnapshotInfo) -> Value {
+    json!({
+        "volume": volume,
+        "name": s.name,
+        "export": format!("{volume}{}{}", lull_volume::SNAPSHOT_SEPARATOR, s.name),
+        "created_unix": s.created_unix,
+        "size_bytes": s.size_bytes,
+        "allocated_bytes": s.allocated_bytes,
+        "parent": s.parent,
+        "clones": s.clones,
+        "merging": s.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
+    })
+}
+
 fn store_error(e: lull_replica::StoreError) -> ControlError {
     use lull_replica::StoreError;
     match e {

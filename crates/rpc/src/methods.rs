@@ -109,6 +109,51 @@ pub trait ControlPlane: Send + Sync {
     fn store_get(&self) -> Result<Value, ControlError> {
         Err(no_store())
     }
+    /// `snapshot_create`: the new snapshot as `snapshot_list` shows it.
+    fn snapshot_create(&self, volume: &str, name: &str) -> Result<Value, ControlError> {
+        let _ = (volume, name);
+        Err(no_snapshots())
+    }
+    /// `snapshot_list`: the volume's snapshots, oldest first.
+    fn snapshot_list(&self, volume: &str) -> Result<Value, ControlError> {
+        let _ = volume;
+        Err(no_snapshots())
+    }
+    /// `snapshot_delete`: starts merging the snapshot into its child.
+    fn snapshot_delete(&self, volume: &str, name: &str) -> Result<(), ControlError> {
+        let _ = (volume, name);
+        Err(no_snapshots())
+    }
+    /// `volume_revert`: the volume's data back to a snapshot (refused
+    /// while clients are connected unless `force`); what was dropped.
+    fn volume_revert(
+        &self,
+        volume: &str,
+        snapshot: &str,
+        force: bool,
+    ) -> Result<Value, ControlError> {
+        let _ = (volume, snapshot, force);
+        Err(no_snapshots())
+    }
+    /// `volume_clone`: a new volume `name` over `VOLUME@SNAPSHOT`.
+    fn volume_clone(
+        &self,
+        snapshot: &str,
+        name: &str,
+        backend: Option<&str>,
+    ) -> Result<VolumeInfo, ControlError> {
+        let _ = (snapshot, name, backend);
+        Err(no_snapshots())
+    }
+    /// `volume_flatten`: copies a clone's base into it so it stands alone.
+    fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
+        let _ = volume;
+        Err(no_snapshots())
+    }
+}
+
+fn no_snapshots() -> ControlError {
+    ControlError::Refused("this server does not take snapshots".into())
 }
 
 /// The refusal of a store method on a daemon without a store.
@@ -299,6 +344,12 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_get",
     "replica_import",
     "store_get",
+    "snapshot_create",
+    "snapshot_list",
+    "snapshot_delete",
+    "volume_revert",
+    "volume_clone",
+    "volume_flatten",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -400,9 +451,54 @@ pub fn register_lull_methods(
         check_name("dir", &p.dir, MAX_IMPORT_DIR_LEN)?;
         c.control.replica_import(&p.name, &p.dir)
     })?;
-    let c = ctx;
+    let c = ctx.clone();
     method(registry, "store_get", move |NoParams {}| {
         c.control.store_get()
+    })?;
+    let c = ctx.clone();
+    method(registry, "snapshot_create", move |p: SnapshotName| {
+        p.check()?;
+        c.control.snapshot_create(&p.volume, &p.name)
+    })?;
+    let c = ctx.clone();
+    method(registry, "snapshot_list", move |p: ReplicaVolume| {
+        check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
+        c.control.snapshot_list(&p.volume)
+    })?;
+    let c = ctx.clone();
+    method(registry, "snapshot_delete", move |p: SnapshotName| {
+        p.check()?;
+        c.control.snapshot_delete(&p.volume, &p.name)?;
+        Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "volume_revert", move |p: VolumeRevert| {
+        check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
+        check_name("snapshot", &p.snapshot, MAX_SNAPSHOT_NAME_LEN)?;
+        c.control.volume_revert(&p.volume, &p.snapshot, p.force)
+    })?;
+    let c = ctx.clone();
+    method(registry, "volume_clone", move |p: VolumeClone| {
+        check_name(
+            "snapshot",
+            &p.snapshot,
+            MAX_VOLUME_NAME_LEN + 1 + MAX_SNAPSHOT_NAME_LEN,
+        )?;
+        check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
+        if let Some(b) = &p.backend {
+            check_name("backend", b, MAX_BACKEND_LEN)?;
+        }
+        Ok(json!(c.control.volume_clone(
+            &p.snapshot,
+            &p.name,
+            p.backend.as_deref()
+        )?))
+    })?;
+    let c = ctx;
+    method(registry, "volume_flatten", move |p: VolumeName| {
+        p.check()?;
+        c.control.volume_flatten(&p.name)?;
+        Ok(Value::Bool(true))
     })?;
     Ok(())
 }
@@ -581,6 +677,50 @@ impl VolumeName {
     fn check(&self) -> Result<(), ControlError> {
         check_name("name", &self.name, MAX_VOLUME_NAME_LEN)
     }
+}
+
+/// Longest snapshot name the RPC passes on (the server checks the rest:
+/// `lull_bdev::chain::check_snapshot_name`).
+pub const MAX_SNAPSHOT_NAME_LEN: usize = lull_bdev::chain::MAX_SNAPSHOT_NAME_LEN;
+
+/// `snapshot_create` and `snapshot_delete` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct SnapshotName {
+    volume: String,
+    name: String,
+}
+
+impl SnapshotName {
+    fn check(&self) -> Result<(), ControlError> {
+        check_name("volume", &self.volume, MAX_VOLUME_NAME_LEN)?;
+        check_name("name", &self.name, MAX_SNAPSHOT_NAME_LEN)
+    }
+}
+
+/// `volume_revert` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct VolumeRevert {
+    volume: String,
+    snapshot: String,
+    /// Revert although clients are connected (they see the data change
+    /// under them, as after a disk swap).
+    #[serde(default)]
+    force: bool,
+}
+
+/// `volume_clone` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct VolumeClone {
+    /// `VOLUME@SNAPSHOT`.
+    snapshot: String,
+    name: String,
+    /// Where the clone's own writes go: `malloc`, or `file=PATH`. Default:
+    /// the origin's kind (a file next to the origin's file).
+    #[serde(default)]
+    backend: Option<String>,
 }
 
 /// `replica_create` parameters.

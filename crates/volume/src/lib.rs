@@ -24,7 +24,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use lull_bdev::{BdevError, BlockDevice, Channel, IoCompletion, IoRequest};
+use lull_bdev::{BdevError, BlockDevice, ChainDev, Channel, IoCompletion, IoRequest};
 use lull_engine::ReplicatedDev;
 
 pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
@@ -130,6 +130,9 @@ pub enum Storage {
     Local(Arc<dyn BlockDevice>),
     /// A volume replicated to replica servers by its engine.
     Replicated(Arc<ReplicatedDev>),
+    /// A local device that takes snapshots: a chain of layers over
+    /// memory or a file (`lull_bdev::chain`).
+    Layered(Arc<ChainDev>),
 }
 
 impl Storage {
@@ -138,13 +141,22 @@ impl Storage {
         match self {
             Storage::Local(dev) => dev.as_ref(),
             Storage::Replicated(dev) => dev.as_ref(),
+            Storage::Layered(dev) => dev.as_ref(),
+        }
+    }
+
+    /// The chain of a volume that takes snapshots; `None` otherwise.
+    pub fn layered(&self) -> Option<&Arc<ChainDev>> {
+        match self {
+            Storage::Layered(dev) => Some(dev),
+            _ => None,
         }
     }
 
     /// The engine of a replicated volume; `None` for local storage.
     pub fn replicated(&self) -> Option<&Arc<ReplicatedDev>> {
         match self {
-            Storage::Local(_) => None,
+            Storage::Local(_) | Storage::Layered(_) => None,
             Storage::Replicated(dev) => Some(dev),
         }
     }
@@ -155,6 +167,7 @@ impl std::fmt::Debug for Storage {
         let kind = match self {
             Storage::Local(_) => "Local",
             Storage::Replicated(_) => "Replicated",
+            Storage::Layered(_) => "Layered",
         };
         write!(f, "{kind}({})", self.dev().describe())
     }
@@ -449,8 +462,9 @@ impl Volumes {
     /// are told when the size changed. A replicated volume is refused.
     pub fn resize(&self, name: &str, size_bytes: u64) -> Result<Arc<Volume>, VolumeError> {
         let v = self.named(name)?;
-        let dev = match &v.storage {
-            Storage::Local(dev) => dev,
+        let dev: &dyn BlockDevice = match &v.storage {
+            Storage::Local(dev) => dev.as_ref(),
+            Storage::Layered(dev) => dev.as_ref(),
             Storage::Replicated(_) => return Err(VolumeError::ResizeReplicated(name.into())),
         };
         let old = dev.size_bytes();

@@ -395,7 +395,7 @@ impl ChainChannel {
             let fua = matches!(op.op, IoOp::Write { fua: true });
             (op.offset, u64::from(op.len), fua)
         };
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let (b0, b1) = block_span(offset, len);
         if self.shared.blocks_locked(b0, b1) {
             return false;
@@ -753,7 +753,7 @@ impl Channel for ChainChannel {
             }
             return Ok(());
         }
-        if let Err(e) = validate_request(&req, self.shared.size_bytes) {
+        if let Err(e) = validate_request(&req, self.shared.size()) {
             self.set_busy(self.parents);
             return Err((req, e));
         }

@@ -157,7 +157,8 @@ impl State {
 
 /// What channels share: the state, the pause, the copy-up locks.
 pub(crate) struct Shared {
-    pub(crate) size_bytes: u64,
+    /// Grows only while the chain has one layer (then it is the layer's).
+    size_bytes: AtomicU64,
     pub(crate) state: RwLock<Arc<State>>,
     pub(crate) generation: AtomicU64,
     pub(crate) paused: AtomicBool,
@@ -171,7 +172,7 @@ pub(crate) struct Shared {
 impl Shared {
     fn new(size_bytes: u64, state: State) -> Arc<Shared> {
         Arc::new(Shared {
-            size_bytes,
+            size_bytes: AtomicU64::new(size_bytes),
             state: RwLock::new(Arc::new(state)),
             generation: AtomicU64::new(0),
             paused: AtomicBool::new(false),
@@ -179,6 +180,10 @@ impl Shared {
             copyups: Mutex::default(),
             copyups_active: AtomicUsize::new(0),
         })
+    }
+
+    pub(crate) fn size(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
     }
 
     pub(crate) fn state(&self) -> Arc<State> {
@@ -418,7 +423,7 @@ impl ChainDev {
             )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let new_head = self.store.create_layer(id, size)?;
         let quiet = self.shared.quiesce()?;
         let state = self.shared.state();
@@ -491,7 +496,7 @@ impl ChainDev {
             out.push(SnapshotInfo {
                 name: s.name.clone(),
                 created_unix: s.created_unix,
-                size_bytes: self.shared.size_bytes,
+                size_bytes: self.shared.size(),
                 allocated_bytes: l.held.count() * CHAIN_BLOCK_BYTES,
                 parent: parent.replace(s.name.clone()),
                 clones: clones
@@ -538,7 +543,7 @@ impl ChainDev {
             )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let head = self.store.create_layer(id, size)?;
         let quiet = self.shared.quiesce()?;
         let state = self.shared.state();
@@ -607,7 +612,7 @@ impl ChainDev {
                 "a clone of {name:?} would have more than {MAX_CHAIN_LAYERS} layers"
             )));
         }
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let mut layers = Vec::with_capacity(i + 2);
         for l in &state.layers[..=i] {
             layers.push(Arc::new(Layer {
@@ -799,8 +804,14 @@ impl ChainDev {
     /// Bytes of the maps this chain holds (bitmaps and top map).
     pub fn map_bytes(&self) -> u64 {
         let s = self.shared.state();
-        let bitmap = s.layers.len() as u64 * blocks_of(self.shared.size_bytes).div_ceil(8);
+        let bitmap = s.layers.len() as u64 * blocks_of(self.shared.size()).div_ceil(8);
         bitmap + s.top.as_ref().map_or(0, |t| t.bytes() as u64)
+    }
+
+    /// The volume's own file when its layers are files (a clone's head
+    /// goes next to it by default).
+    pub fn volume_path(&self) -> Option<std::path::PathBuf> {
+        self.store.volume_path()
     }
 
     /// Layers in the chain now (snapshots, shared base layers and the head).
@@ -862,7 +873,7 @@ impl MergeJob {
     }
 
     fn copy(&self) -> Result<(), BdevError> {
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let blocks = blocks_of(size);
         let step = MERGE_STEP_BYTES / CHAIN_BLOCK_BYTES;
         let mut io = channel::SyncIo::default();
@@ -976,7 +987,7 @@ fn merge_runs(
 /// The device over the current state (the live volume).
 impl BlockDevice for ChainDev {
     fn size_bytes(&self) -> u64 {
-        self.shared.size_bytes
+        self.shared.size()
     }
 
     fn describe(&self) -> String {
@@ -996,20 +1007,27 @@ impl BlockDevice for ChainDev {
         self.shared.state().head().dev.sync()
     }
 
+    /// A chain of one layer grows as its layer does; with snapshots the
+    /// size is fixed (every layer and map would have to grow together).
     fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
         let s = self.shared.state();
-        if s.layers.len() > 1 || size_bytes != self.shared.size_bytes {
+        if s.layers.len() > 1 {
             return Err(BdevError::Unsupported(
-                "a volume that can take snapshots keeps its size",
+                "a volume with snapshots (or a clone) keeps its size: delete its snapshots first",
             ));
         }
+        s.head().dev.grow(size_bytes)?;
+        self.shared
+            .size_bytes
+            .store(s.head().dev.size_bytes(), Ordering::Release);
         Ok(())
     }
 
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
         extents_of(
             &self.shared.state(),
-            self.shared.size_bytes,
+            self.shared.size(),
             offset,
             len,
             max_extents,
@@ -1057,7 +1075,7 @@ impl BlockDevice for ChainDev {
         changed_of(
             &state,
             last,
-            self.shared.size_bytes,
+            self.shared.size(),
             since,
             offset,
             len,
@@ -1069,7 +1087,7 @@ impl BlockDevice for ChainDev {
         let state = self.shared.state();
         let i = state.index_of(name)?;
         let layers: Vec<Arc<Layer>> = state.layers[..=i].to_vec();
-        let size = self.shared.size_bytes;
+        let size = self.shared.size();
         let top = State::build_top(&layers, blocks_of(size));
         Some(Arc::new(SnapshotView {
             name: name.to_string(),
@@ -1184,7 +1202,7 @@ struct SnapshotView {
 
 impl BlockDevice for SnapshotView {
     fn size_bytes(&self) -> u64 {
-        self.shared.size_bytes
+        self.shared.size()
     }
 
     fn describe(&self) -> String {
@@ -1198,7 +1216,7 @@ impl BlockDevice for SnapshotView {
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
         extents_of(
             &self.shared.state(),
-            self.shared.size_bytes,
+            self.shared.size(),
             offset,
             len,
             max_extents,
@@ -1231,7 +1249,7 @@ impl BlockDevice for SnapshotView {
         changed_of(
             &state,
             last,
-            self.shared.size_bytes,
+            self.shared.size(),
             since,
             offset,
             len,

@@ -69,6 +69,10 @@ pub trait LayerStore: Send + Sync {
     /// Where layer `id` lives, for a clone's record (a file's path);
     /// `None` where only the process holds it (memory).
     fn layer_location(&self, id: u64) -> Option<String>;
+    /// The volume's own file, for a store of files.
+    fn volume_path(&self) -> Option<PathBuf> {
+        None
+    }
     fn describe(&self) -> String;
 }
 
@@ -303,6 +307,10 @@ impl LayerStore for FileStore {
     fn layer_location(&self, id: u64) -> Option<String> {
         let p = self.layer_path(id);
         Some(fs::canonicalize(&p).unwrap_or(p).display().to_string())
+    }
+
+    fn volume_path(&self) -> Option<PathBuf> {
+        Some(self.path.clone())
     }
 
     fn describe(&self) -> String {
