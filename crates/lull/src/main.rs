@@ -339,6 +339,9 @@ pub(crate) fn open_device(
             .map(Storage::Replicated)
             .map_err(|e| e.to_string());
         }
+        Backend::Malloc | Backend::File { .. } => {
+            return open_chain(&spec.backend, spec.size_bytes).map(Storage::Layered)
+        }
         local => open_local(&spec.name, local, spec.size_bytes)?,
     };
     Ok(Storage::Local(dev))
@@ -379,6 +382,33 @@ pub(crate) fn init_fixed_buffers(mib: u64, framework: FrameworkConfig) -> Framew
         );
     }
     framework
+}
+
+/// A memory or file volume as a chain of layers, so it can take
+/// snapshots (`lull_bdev::chain`): a file volume finds its snapshots
+/// again in `PATH.lull/`.
+pub(crate) fn open_chain(
+    backend: &Backend,
+    size_bytes: u64,
+) -> Result<Arc<lull_bdev::ChainDev>, String> {
+    let store: Arc<dyn lull_bdev::chain::LayerStore> = match backend {
+        Backend::Malloc => Arc::new(lull_bdev::chain::MemoryStore::new(Arc::new(
+            MallocDev::new(size_bytes).map_err(|e| e.to_string())?,
+        ))),
+        Backend::File { path, direct, ring } => Arc::new(lull_bdev::chain::FileStore::new(
+            path,
+            FileOptions {
+                direct: *direct,
+                create: true,
+                ring: *ring,
+            },
+        )),
+        _ => return Err("only memory and file volumes take snapshots".into()),
+    };
+    let describe = store.describe();
+    lull_bdev::ChainDev::open(store, size_bytes)
+        .map(Arc::new)
+        .map_err(|e| format!("{describe}: {e}"))
 }
 
 /// A device in this process: memory, a file, or either with faults injected.

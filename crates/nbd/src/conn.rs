@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{BdevError, ChangeRun, Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
@@ -19,7 +19,7 @@ use lull_net::wire::{self, Receive as _, Recv, Submissions, Wire};
 use lull_net::{bufs, shared, Payload};
 use lull_proto::nbd::structured::{self, BlockExtent, ReadPiece};
 use lull_proto::nbd::{
-    self, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
+    self, ChangedContext, Command, HandshakeStatus, Request, ServerHandshake, Verdict, REQUEST_LEN,
     SIMPLE_REPLY_LEN,
 };
 use lull_reactor::{Clock, Interest, PollStatus, Thread};
@@ -61,6 +61,8 @@ struct InFlight {
     length: u32,
     /// A WriteZeroes with `NBD_CMD_FLAG_FAST_ZERO`: a refusal is `NBD_ENOTSUP`.
     fast_zero: bool,
+    /// A BlockStatus with `NBD_CMD_FLAG_REQ_ONE`: one extent per context.
+    req_one: bool,
     /// When the request was taken, for the latency histogram: read from
     /// the framework's clock (`clock_ns`), which falls back to the run's
     /// `now` only when no clock was set. The protocol logic itself takes
@@ -79,8 +81,12 @@ enum Phase {
         tflags: u16,
         /// Reads (and block status) answer in structured chunks.
         structured: bool,
-        /// `base:allocation` was negotiated: block status is served.
+        /// `base:allocation` was negotiated: block status reports it.
         base_allocation: bool,
+        /// The `lull:changed:SNAPSHOT` context negotiated, if any: block
+        /// status reports it too (asking the device inline, see
+        /// `push_block_status`).
+        changed: Option<ChangedContext>,
     },
 }
 
@@ -276,7 +282,14 @@ impl wire::ReceiveFrames for Conn {
                 nbd_error,
                 drain_bytes,
             } => {
-                tracing::warn!(peer = %self.wire.peer(), ?req, nbd_error, "refused request");
+                if nbd_error == nbd::NBD_EPERM {
+                    // A write to a read-only export (a snapshot): the
+                    // client's mistake or probe, answered, not a fault of
+                    // the server worth a warning.
+                    tracing::debug!(peer = %self.wire.peer(), ?req, "refused a modifying request on a read-only export");
+                } else {
+                    tracing::warn!(peer = %self.wire.peer(), ?req, nbd_error, "refused request");
+                }
                 if drain_bytes > 0 {
                     self.recv = Recv::drain(u64::from(drain_bytes), req, nbd_error);
                 } else {
@@ -409,8 +422,13 @@ impl Conn {
                 }
                 // The device wrote at most as many records as the buffer
                 // had room for: one for REQ_ONE.
-                let max = structured::MAX_BLOCK_STATUS_EXTENTS;
-                self.push_block_status(inflight.cookie, inflight.length, &extents, max);
+                self.push_block_status(
+                    inflight.cookie,
+                    inflight.offset,
+                    inflight.length,
+                    inflight.req_one,
+                    Some(&extents),
+                );
             }
             Ok(()) if inflight.command == Command::Read => match (c.spliced, c.buf) {
                 (Some(pipe), buf) => {
@@ -611,22 +629,26 @@ impl Conn {
         }
     }
 
-    /// Answers `NBD_CMD_BLOCK_STATUS` for `base:allocation` from the
-    /// device's extents: at most one extent with `REQ_ONE`, else at most
+    /// Answers `NBD_CMD_BLOCK_STATUS`: one chunk per negotiated context,
+    /// each at most one extent with `REQ_ONE`, else at most
     /// `MAX_BLOCK_STATUS_EXTENTS` (a prefix of the range; the client asks
-    /// again for the rest). A device that must do I/O to know (a
-    /// replicated volume asks a replica) gets an `IoOp::BlockStatus` on
-    /// the channel, in a slot like a read, answered in `complete`.
+    /// again for the rest). `base:allocation` comes from the device's
+    /// extents; a device that must do I/O to know (a replicated volume
+    /// asks a replica) gets an `IoOp::BlockStatus` on the channel, in a
+    /// slot like a read, and the reply is made in `complete`.
+    /// `lull:changed:` is a metadata lookup, always inline, made when the
+    /// reply is (`push_block_status`).
     fn block_status(&mut self, req: &Request) {
         let Phase::Transmission {
             volume,
             base_allocation,
+            changed,
             ..
         } = &self.phase
         else {
             return;
         };
-        if !base_allocation {
+        if !base_allocation && changed.is_none() {
             self.push_error(
                 req.cookie,
                 req.command,
@@ -635,12 +657,9 @@ impl Conn {
             );
             return;
         }
-        let max = if req.flags & nbd::NBD_CMD_FLAG_REQ_ONE != 0 {
-            1
-        } else {
-            structured::MAX_BLOCK_STATUS_EXTENTS
-        };
-        if volume.dev().extents_by_channel() {
+        let req_one = req.flags & nbd::NBD_CMD_FLAG_REQ_ONE != 0;
+        let max = max_extents(req_one);
+        if *base_allocation && volume.dev().extents_by_channel() {
             let start_ns = self.clock_ns();
             let Some(slot) = self.slots.insert(InFlight {
                 cookie: req.cookie,
@@ -648,6 +667,7 @@ impl Conn {
                 offset: req.offset,
                 length: req.length,
                 fast_zero: false,
+                req_one,
                 start_ns,
             }) else {
                 debug_assert!(false, "take_request checked for a free slot");
@@ -657,43 +677,112 @@ impl Conn {
             self.submit(slot, req, IoOp::BlockStatus, Some(buf));
             return;
         }
-        match volume.dev().extents(req.offset, u64::from(req.length), max) {
-            Ok(extents) => self.push_block_status(req.cookie, req.length, &extents, max),
-            Err(e) => {
-                tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
-                let error = nbd::errno_to_nbd(e.errno());
-                self.push_error(req.cookie, req.command, error, &e.to_string());
+        let base = if *base_allocation {
+            match volume.dev().extents(req.offset, u64::from(req.length), max) {
+                Ok(extents) => Some(extents),
+                Err(e) => {
+                    tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
+                    let error = nbd::errno_to_nbd(e.errno());
+                    self.push_error(req.cookie, req.command, error, &e.to_string());
+                    return;
+                }
             }
-        }
+        } else {
+            None
+        };
+        self.push_block_status(req.cookie, req.offset, req.length, req_one, base.as_deref());
     }
 
-    /// One `base:allocation` block status chunk (with DONE) for a request
-    /// of `length` bytes: at most `max` of `extents`, clamped to it.
-    fn push_block_status(&mut self, cookie: u64, length: u32, extents: &[Extent], max: usize) {
-        if extents.is_empty() {
+    /// The reply to a block status request of `length` bytes at `offset`:
+    /// the `base:allocation` chunk from `base` (when that context was
+    /// negotiated), then the `lull:changed:` chunk (when that one was),
+    /// asked of the device here; the last chunk carries DONE. Each
+    /// context's extents are cut to what `REQ_ONE` allows and to the
+    /// request's length. Any failure answers the whole request with one
+    /// error chunk instead: in particular a snapshot deleted while the
+    /// client is connected (`NBD_EINVAL`: the context the client chose
+    /// names nothing any more, which no retry mends; the connection stays
+    /// up and its base:allocation is still served if selected).
+    fn push_block_status(
+        &mut self,
+        cookie: u64,
+        offset: u64,
+        length: u32,
+        req_one: bool,
+        base: Option<&[Extent]>,
+    ) {
+        let Phase::Transmission {
+            volume, changed, ..
+        } = &self.phase
+        else {
+            return;
+        };
+        let max = max_extents(req_one);
+        // An extent inside the request fits its u32 length.
+        let cap = |len: u64| len.min(u64::from(length)) as u32;
+        let changed_chunk = match changed {
+            None => None,
+            Some(context) => {
+                match volume
+                    .dev()
+                    .changed_since(&context.snapshot, offset, u64::from(length), max)
+                {
+                    Ok(runs) => Some((context.id, change_extents(&runs, max, cap))),
+                    Err(e) => {
+                        let error = match e {
+                            BdevError::NoSuchSnapshot(_) => nbd::NBD_EINVAL,
+                            _ => nbd::errno_to_nbd(e.errno()),
+                        };
+                        let message = format!("{}: {e}", context.name());
+                        tracing::warn!(peer = %self.wire.peer(), cookie, offset, length,
+                            context = %context.name(), error = %e, "block status of the changed context failed");
+                        self.push_error(cookie, Command::BlockStatus, error, &message);
+                        return;
+                    }
+                }
+            }
+        };
+        let base_chunk = base.map(|extents| {
+            let extents: Vec<BlockExtent> = extents
+                .iter()
+                .filter(|e| e.length_bytes > 0)
+                .take(max)
+                .map(|e| BlockExtent {
+                    length: cap(e.length_bytes),
+                    flags: if e.hole {
+                        structured::NBD_STATE_HOLE
+                    } else {
+                        0
+                    } | if e.zero {
+                        structured::NBD_STATE_ZERO
+                    } else {
+                        0
+                    },
+                })
+                .collect();
+            (structured::BASE_ALLOCATION_ID, extents)
+        });
+        let chunks: Vec<(u32, Vec<BlockExtent>)> =
+            base_chunk.into_iter().chain(changed_chunk).collect();
+        if chunks.is_empty() || chunks.iter().any(|(_, extents)| extents.is_empty()) {
             debug_assert!(false, "a device reported no extents");
             self.push_error(cookie, Command::BlockStatus, nbd::NBD_EIO, "no extents");
             return;
         }
-        let extents: Vec<BlockExtent> = extents
+        let bytes: usize = chunks
             .iter()
-            .take(max)
-            .map(|e| BlockExtent {
-                // Inside the request, whose length is a u32.
-                length: e.length_bytes.min(u64::from(length)) as u32,
-                flags: if e.hole {
-                    structured::NBD_STATE_HOLE
-                } else {
-                    0
-                } | if e.zero {
-                    structured::NBD_STATE_ZERO
-                } else {
-                    0
-                },
-            })
-            .collect();
-        let mut out = Vec::with_capacity(structured::CHUNK_HEADER_LEN + 4 + 8 * extents.len());
-        structured::encode_block_status(&mut out, cookie, structured::BASE_ALLOCATION_ID, &extents);
+            .map(|(_, e)| structured::CHUNK_HEADER_LEN + 4 + 8 * e.len())
+            .sum();
+        let mut out = Vec::with_capacity(bytes);
+        let last = chunks.len() - 1;
+        for (i, (id, extents)) in chunks.iter().enumerate() {
+            let flags = if i == last {
+                nbd::NBD_REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            structured::encode_block_status(&mut out, cookie, flags, *id, extents);
+        }
         self.wire.push(&[], Payload::Bytes(out));
     }
 
@@ -820,6 +909,7 @@ impl Conn {
                     tflags: info.transmission_flags,
                     structured: negotiated.structured_replies,
                     base_allocation: negotiated.base_allocation,
+                    changed: negotiated.changed,
                     volume,
                 };
                 true
@@ -893,6 +983,7 @@ impl Conn {
             offset: req.offset,
             length: req.length,
             fast_zero: matches!(op, IoOp::WriteZeroes { fast: true, .. }),
+            req_one: false,
             start_ns,
         }) else {
             debug_assert!(false, "take_request checked for a free slot");
@@ -971,4 +1062,30 @@ impl Conn {
         self.submit_io(io);
         !self.subs.holding()
     }
+}
+
+/// Extents per block status chunk: one with `REQ_ONE`.
+fn max_extents(req_one: bool) -> usize {
+    if req_one {
+        1
+    } else {
+        structured::MAX_BLOCK_STATUS_EXTENTS
+    }
+}
+
+/// A `lull:changed:` chunk's extents from the device's runs: at most
+/// `max`, none empty, each cut by `cap` to the request.
+fn change_extents(runs: &[ChangeRun], max: usize, cap: impl Fn(u64) -> u32) -> Vec<BlockExtent> {
+    runs.iter()
+        .filter(|r| r.length_bytes > 0)
+        .take(max)
+        .map(|r| BlockExtent {
+            length: cap(r.length_bytes),
+            flags: if r.changed {
+                structured::LULL_STATE_CHANGED
+            } else {
+                0
+            },
+        })
+        .collect()
 }

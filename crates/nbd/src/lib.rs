@@ -15,7 +15,11 @@
 //! and then spread so a volume's connections sit in different groups. That scaffolding
 //! (acceptor, connection table and limit, handshake deadline, drain) is
 //! `lull_net::server`; the protocol is in `conn`. Volumes (and their I/O
-//! counters) come from the `lull_volume` registry; an export is a volume.
+//! counters) come from the `lull_volume` registry; an export is a volume,
+//! or `VOLUME@SNAPSHOT`, a read-only view of one of its snapshots
+//! ([`Volumes::resolve`]), served with `NBD_FLAG_READ_ONLY`. The metadata
+//! context `lull:changed:SNAPSHOT` reports which blocks changed since a
+//! snapshot (see `lull_proto::nbd::structured::LULL_CHANGED_PREFIX`).
 
 #![forbid(unsafe_code)]
 
@@ -75,6 +79,39 @@ pub const EXPORT_FLAGS: u16 = nbd::NBD_FLAG_HAS_FLAGS
     | nbd::NBD_FLAG_SEND_CACHE
     | nbd::NBD_FLAG_SEND_FAST_ZERO;
 
+/// Transmission flags of a read-only export (a snapshot's view): no trim,
+/// write zeroes or fast zero, as nbdkit and qemu-nbd advertise read-only
+/// exports (the spec only requires refusing writes; advertising commands
+/// that always fail would mislead clients that plan around them, and
+/// `NBD_FLAG_SEND_FAST_ZERO` MUST be clear without `SEND_WRITE_ZEROES`).
+/// Writes, trims and zeroes sent anyway get `NBD_EPERM`
+/// (`lull_proto::nbd::validate`). Flush and FUA stay: harmless no-ops that
+/// clients such as qemu send regardless; CACHE and multi-conn hold as on
+/// any export.
+pub const READ_ONLY_EXPORT_FLAGS: u16 = (EXPORT_FLAGS
+    & !(nbd::NBD_FLAG_SEND_TRIM | nbd::NBD_FLAG_SEND_WRITE_ZEROES | nbd::NBD_FLAG_SEND_FAST_ZERO))
+    | nbd::NBD_FLAG_READ_ONLY;
+
+/// Snapshots of one volume `NBD_OPT_LIST` names as `VOLUME@SNAPSHOT`
+/// after the volume itself, oldest first. A real chain is far shorter and
+/// is listed whole; the cap bounds the reply one volume with a very long
+/// chain adds (at most 256 names of at most 4 KiB). A snapshot past it is
+/// still served by name.
+pub const MAX_LISTED_SNAPSHOTS_PER_VOLUME: usize = 256;
+
+/// Export names one handshake step keeps resolved (see [`ExportList`]).
+/// Every option names at most one export and a handshake has at most
+/// `MAX_OPTIONS` options, so a step never needs more; past it, a name is
+/// resolved again (correct, only slower).
+const MAX_RESOLVED_EXPORTS: usize = nbd::MAX_OPTIONS as usize;
+
+// The codec refuses `lull:changed:` queries naming a snapshot with the
+// registry's separator: no snapshot holds it.
+const _: () = assert!(
+    nbd::structured::SNAPSHOT_NAME_FORBIDDEN[0] == lull_volume::SNAPSHOT_SEPARATOR
+        || nbd::structured::SNAPSHOT_NAME_FORBIDDEN[1] == lull_volume::SNAPSHOT_SEPARATOR
+);
+
 /// Errors of the NBD frontend.
 #[derive(Debug, thiserror::Error)]
 pub enum NbdError {
@@ -84,16 +121,23 @@ pub enum NbdError {
     Reactor(#[from] ReactorError),
 }
 
-/// The export list of a handshake: the volumes as they are when it starts.
-/// The volumes as one handshake step sees them. A GO or EXPORT_NAME
-/// takes a connection place on its volume and opens the device channel
-/// before it is answered ([`Exports::admit`]), so a volume that cannot take
-/// the connection refuses it in the handshake; what was taken waits in
-/// `admitted` for the connection.
+/// The volumes as one handshake step sees them. An export name resolves
+/// through [`Volumes::resolve`]: a volume, or for `VOLUME@SNAPSHOT` a new
+/// read-only [`Volume`] over the snapshot's view. What a name resolved to
+/// is kept for the step (at most [`MAX_RESOLVED_EXPORTS`] names), so the
+/// `lookup` and `admit` of one `NBD_OPT_GO` (and a meta context option's
+/// lookups) see the same `Arc<Volume>`, and a snapshot's view is made once,
+/// not per question. A GO or EXPORT_NAME takes a connection place on its
+/// volume and opens the device channel before it is answered
+/// ([`Exports::admit`]), so a volume that cannot take the connection
+/// refuses it in the handshake; what was taken waits in `admitted` for the
+/// connection.
 pub(crate) struct ExportList<'a> {
-    list: Vec<Arc<Volume>>,
+    volumes: &'a Volumes,
     limits: VolumeLimits,
     peer: &'a str,
+    /// Names resolved in this step, with what they resolved to.
+    resolved: std::cell::RefCell<Vec<(String, Option<Arc<Volume>>)>>,
     pub(crate) admitted: std::cell::RefCell<Option<Admitted>>,
 }
 
@@ -105,27 +149,48 @@ pub(crate) struct Admitted {
 }
 
 impl<'a> ExportList<'a> {
-    pub(crate) fn of(volumes: &Volumes, peer: &'a str) -> ExportList<'a> {
+    pub(crate) fn of(volumes: &'a Volumes, peer: &'a str) -> ExportList<'a> {
         ExportList {
-            list: volumes.list(),
+            volumes,
             limits: volumes.limits(),
             peer,
+            resolved: std::cell::RefCell::new(Vec::new()),
             admitted: std::cell::RefCell::new(None),
         }
     }
 
-    fn find(&self, name: &str) -> Option<&Arc<Volume>> {
-        if name.is_empty() {
-            self.list.first()
-        } else {
-            self.list.iter().find(|v| v.name == name)
+    /// The volume (or snapshot view) an export name stands for, resolved
+    /// once per step (a name that resolved to nothing is kept too).
+    fn find(&self, name: &str) -> Option<Arc<Volume>> {
+        if let Some((_, volume)) = self.resolved.borrow().iter().find(|(n, _)| n == name) {
+            return volume.clone();
         }
+        let volume = self.volumes.resolve(name);
+        let mut resolved = self.resolved.borrow_mut();
+        if resolved.len() < MAX_RESOLVED_EXPORTS {
+            resolved.push((name.to_owned(), volume.clone()));
+        }
+        volume
     }
 }
 
 impl Exports for ExportList<'_> {
+    /// Each volume, then its snapshots as `VOLUME@SNAPSHOT` (at most
+    /// [`MAX_LISTED_SNAPSHOTS_PER_VOLUME`]; a combined name that breaks
+    /// the NBD string rules is left out, as no client could send it back).
     fn names(&self) -> Vec<String> {
-        self.list.iter().map(|v| v.name.clone()).collect()
+        let mut names = Vec::new();
+        for volume in self.volumes.list() {
+            let snapshots = volume.dev().snapshot_names();
+            names.push(volume.name.clone());
+            let views = snapshots
+                .iter()
+                .map(|s| format!("{}{}{s}", volume.name, lull_volume::SNAPSHOT_SEPARATOR))
+                .filter(|name| name.len() <= nbd::MAX_EXPORT_NAME_LEN && !name.contains('\0'))
+                .take(MAX_LISTED_SNAPSHOTS_PER_VOLUME);
+            names.extend(views);
+        }
+        names
     }
 
     fn admit(&self, name: &str) -> Result<(), String> {
@@ -147,7 +212,7 @@ impl Exports for ExportList<'_> {
             format!("export {:?} cannot take a connection now: {e}", volume.name)
         })?;
         *self.admitted.borrow_mut() = Some(Admitted {
-            volume: volume.clone(),
+            volume,
             channel,
             permit,
         });
@@ -156,11 +221,27 @@ impl Exports for ExportList<'_> {
 
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
         let v = self.find(name)?;
+        let transmission_flags = if v.dev().read_only() {
+            READ_ONLY_EXPORT_FLAGS
+        } else {
+            EXPORT_FLAGS
+        };
         Some(ExportInfo {
             size_bytes: v.dev().size_bytes(),
-            transmission_flags: EXPORT_FLAGS,
+            transmission_flags,
             description: Some(v.dev().describe()),
         })
+    }
+
+    fn snapshot_names(&self, export: &str) -> Vec<String> {
+        self.find(export)
+            .map(|v| v.dev().snapshot_names())
+            .unwrap_or_default()
+    }
+
+    fn has_snapshot(&self, export: &str, snapshot: &str) -> bool {
+        self.find(export)
+            .is_some_and(|v| v.dev().has_snapshot(snapshot))
     }
 }
 

@@ -5,11 +5,13 @@
 //! Only the fixed newstyle handshake is served (no oldstyle).
 //! `NBD_OPT_STARTTLS` is answered as the server's [`TlsPolicy`] says;
 //! the TLS session itself is the caller's (see [`HandshakeStatus::StartTls`]).
-//! Structured replies and the `base:allocation` metadata context are
-//! negotiated on request ([`structured`]); clients that do not ask get
-//! simple replies. The reference is the NBD protocol document,
-//! `doc/proto.md` in the NetworkBlockDevice/nbd repository; caps on
-//! negotiation follow nbdkit's `server/protocol-handshake-newstyle.c`.
+//! Structured replies and the metadata contexts `base:allocation` and
+//! `lull:changed:SNAPSHOT` (blocks written since a snapshot, for
+//! incremental backups) are negotiated on request ([`structured`]);
+//! clients that do not ask get simple replies. The reference is the NBD
+//! protocol document, `doc/proto.md` in the NetworkBlockDevice/nbd
+//! repository; caps on negotiation follow nbdkit's
+//! `server/protocol-handshake-newstyle.c`.
 //!
 //! # Worked example
 //!
@@ -367,6 +369,21 @@ pub trait Exports {
     /// The export a client asked for. `""` is the default export; what it
     /// means (or whether there is one) is the server's choice.
     fn lookup(&self, name: &str) -> Option<ExportInfo>;
+    /// The snapshots of `export` (one `lookup` found) that a
+    /// `lull:changed:SNAPSHOT` context may name there, for
+    /// `NBD_OPT_LIST_META_CONTEXT`; the codec lists at most
+    /// [`structured::MAX_LISTED_CHANGED_CONTEXTS`] of them. Default: none.
+    fn snapshot_names(&self, export: &str) -> Vec<String> {
+        let _ = export;
+        Vec::new()
+    }
+    /// Whether `export` has the snapshot `snapshot`, so that
+    /// `lull:changed:SNAPSHOT` can be listed and selected for it.
+    /// Default: no.
+    fn has_snapshot(&self, export: &str, snapshot: &str) -> bool {
+        let _ = (export, snapshot);
+        false
+    }
     /// Called when an `NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME` for `name` (an
     /// export `lookup` found) is about to succeed, before anything of the
     /// answer is sent: the server takes the export for this client here (a
@@ -497,19 +514,29 @@ pub struct ServerHandshake {
     options_seen: u32,
     /// The client sent `NBD_OPT_STRUCTURED_REPLY` (and was acknowledged).
     structured: bool,
-    /// The export the last `NBD_OPT_SET_META_CONTEXT` selected
-    /// `base:allocation` for; `None` when the selection is empty.
-    meta_export: Option<String>,
-    /// Whether the export chosen at the end selected `base:allocation`.
-    base_allocation: bool,
+    /// What the last `NBD_OPT_SET_META_CONTEXT` selected, and for which
+    /// export; `None` when the selection is empty.
+    selection: Option<MetaSelection>,
+    /// The export chosen at the end is the one `selection` was made for.
+    selection_holds: bool,
     tls: TlsPolicy,
     /// The TLS session is up (STARTTLS was acknowledged and the caller
     /// said the handshake finished).
     tls_active: bool,
 }
 
+/// The metadata contexts an `NBD_OPT_SET_META_CONTEXT` selected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MetaSelection {
+    /// The export they were selected for.
+    export: String,
+    base_allocation: bool,
+    /// The snapshot of the selected `lull:changed:` context.
+    changed: Option<String>,
+}
+
 /// What a finished handshake agreed to besides the export.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Negotiated {
     /// Replies use structured chunks for reads and block status.
     pub structured_replies: bool,
@@ -517,6 +544,30 @@ pub struct Negotiated {
     /// requests are served with context id
     /// [`structured::BASE_ALLOCATION_ID`].
     pub base_allocation: bool,
+    /// The `lull:changed:SNAPSHOT` context selected for the chosen export,
+    /// if any: block status replies carry a chunk for it too. One per
+    /// connection: a SET naming several selects the first the export has
+    /// (the others are not selected, so the client sees which one holds
+    /// from the replies); a client wanting two comparisons opens two
+    /// connections.
+    pub changed: Option<ChangedContext>,
+}
+
+/// A selected `lull:changed:SNAPSHOT` context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangedContext {
+    /// The snapshot the export is compared with.
+    pub snapshot: String,
+    /// The context id its block status chunks carry
+    /// ([`structured::LULL_CHANGED_ID`]).
+    pub id: u32,
+}
+
+impl ChangedContext {
+    /// The context's name, `lull:changed:SNAPSHOT`.
+    pub fn name(&self) -> String {
+        format!("{}{}", structured::LULL_CHANGED_PREFIX, self.snapshot)
+    }
 }
 
 /// What one whole option did to the negotiation.
@@ -546,8 +597,8 @@ impl ServerHandshake {
             no_zeroes: false,
             options_seen: 0,
             structured: false,
-            meta_export: None,
-            base_allocation: false,
+            selection: None,
+            selection_holds: false,
             tls,
             tls_active: false,
         }
@@ -567,7 +618,8 @@ impl ServerHandshake {
             self.phase = Phase::Options;
             self.tls_active = true;
             self.structured = false;
-            self.meta_export = None;
+            self.selection = None;
+            self.selection_holds = false;
         }
     }
 
@@ -578,9 +630,19 @@ impl ServerHandshake {
 
     /// What the client negotiated; meaningful once `feed` returned `Done`.
     pub fn negotiated(&self) -> Negotiated {
+        let selection = self
+            .selection
+            .as_ref()
+            .filter(|_| self.structured && self.selection_holds);
         Negotiated {
             structured_replies: self.structured,
-            base_allocation: self.structured && self.base_allocation,
+            base_allocation: selection.is_some_and(|s| s.base_allocation),
+            changed: selection
+                .and_then(|s| s.changed.clone())
+                .map(|snapshot| ChangedContext {
+                    snapshot,
+                    id: structured::LULL_CHANGED_ID,
+                }),
         }
     }
 
@@ -588,7 +650,10 @@ impl ServerHandshake {
     /// contexts hold only if they were selected for that export.
     fn finish_with(&mut self, status: &HandshakeStatus) {
         if let HandshakeStatus::Done { export_name, .. } = status {
-            self.base_allocation = self.meta_export.as_deref() == Some(export_name.as_str());
+            self.selection_holds = self
+                .selection
+                .as_ref()
+                .is_some_and(|s| s.export == *export_name);
         }
     }
 
@@ -636,11 +701,23 @@ impl ServerHandshake {
             );
             assert!(!self.no_zeroes, "NO_ZEROES set before the client flags");
         }
-        if self.meta_export.is_some() {
+        if let Some(selection) = &self.selection {
             assert!(
                 self.structured,
                 "a metadata context without structured replies"
             );
+            assert!(
+                selection.base_allocation || selection.changed.is_some(),
+                "an empty selection kept"
+            );
+            if let Some(snapshot) = &selection.changed {
+                assert!(
+                    structured::changed_context_name(snapshot).is_some(),
+                    "selected a changed context no client could name: {snapshot:?}"
+                );
+            }
+        } else {
+            assert!(!self.selection_holds, "no selection holds");
         }
         if self.tls_active {
             assert_ne!(self.tls, TlsPolicy::Off, "TLS on without a policy");
@@ -830,9 +907,10 @@ impl ServerHandshake {
     }
 
     /// Answers `NBD_OPT_LIST_META_CONTEXT` or `NBD_OPT_SET_META_CONTEXT`:
-    /// one `NBD_REP_META_CONTEXT` for `base:allocation` if a query names it
-    /// (or, for LIST, if there are no queries), then ACK. SET replaces the
-    /// selection, even when it fails.
+    /// one `NBD_REP_META_CONTEXT` per context listed or selected, then
+    /// ACK. The contexts are `base:allocation` and `lull:changed:SNAPSHOT`
+    /// for each snapshot of the export (see [`structured::LULL_NAMESPACE`]
+    /// for the queries). SET replaces the selection, even when it fails.
     fn meta_context(
         &mut self,
         option: u32,
@@ -842,7 +920,7 @@ impl ServerHandshake {
     ) {
         let setting = option == NBD_OPT_SET_META_CONTEXT;
         if setting {
-            self.meta_export = None;
+            self.selection = None;
             if !self.structured {
                 // The spec: SET before structured replies is invalid.
                 put_reply(
@@ -865,28 +943,21 @@ impl ServerHandshake {
             put_reply(out, option, NBD_REP_ERR_UNKNOWN, &[b"unknown export"]);
             return;
         }
-        let selected = if request.queries.is_empty() {
-            // LIST with no query lists everything; SET with none selects
-            // nothing.
-            !setting
-        } else {
-            request
-                .queries
-                .iter()
-                .any(|q| structured::query_matches(q, !setting))
-        };
-        if selected {
-            let id = structured::BASE_ALLOCATION_ID.to_be_bytes();
-            // LIST may send id 0; the spec lets it be anything there.
-            put_reply(
-                out,
-                option,
-                NBD_REP_META_CONTEXT,
-                &[&id, structured::BASE_ALLOCATION.as_bytes()],
-            );
-            if setting {
-                self.meta_export = Some(request.export.to_owned());
+        // At most MAX_META_QUERIES, checked by the parser.
+        let mut queries = Vec::with_capacity(request.queries.len());
+        for query in &request.queries {
+            match structured::parse_query(query) {
+                Ok(query) => queries.push(query),
+                Err(message) => {
+                    put_reply(out, option, NBD_REP_ERR_INVALID, &[message.as_bytes()]);
+                    return;
+                }
             }
+        }
+        if setting {
+            self.selection = select_meta_contexts(request.export, &queries, exports, out);
+        } else {
+            list_meta_contexts(request.export, &queries, exports, out);
         }
         put_reply(out, option, NBD_REP_ACK, &[]);
     }
@@ -1050,6 +1121,112 @@ fn info_or_go(
         export_name: request.name.to_owned(),
         info,
     })
+}
+
+/// The `NBD_REP_META_CONTEXT` replies of an `NBD_OPT_LIST_META_CONTEXT`
+/// for `export`: with no query, every context; else those the queries
+/// match. The id is 0, as the spec asks of LIST (it is reserved there).
+fn list_meta_contexts(
+    export: &str,
+    queries: &[structured::Query<'_>],
+    exports: &dyn Exports,
+    out: &mut Vec<u8>,
+) {
+    use structured::Query;
+    let option = NBD_OPT_LIST_META_CONTEXT;
+    let everything = queries.is_empty();
+    let any = |wanted: &dyn Fn(&Query<'_>) -> bool| everything || queries.iter().any(wanted);
+    if any(&|q| matches!(q, Query::BaseAll | Query::BaseAllocation)) {
+        put_meta_context(out, option, 0, structured::BASE_ALLOCATION);
+    }
+    // Names already listed, so an exact query after a wildcard does not
+    // list a context twice (at most MAX_LISTED_CHANGED_CONTEXTS plus
+    // MAX_META_QUERIES entries).
+    let mut listed: Vec<String> = Vec::new();
+    if any(&|q| matches!(q, Query::ChangedAll)) {
+        let names = exports.snapshot_names(export);
+        let contexts = names
+            .iter()
+            .filter_map(|snapshot| structured::changed_context_name(snapshot))
+            .take(structured::MAX_LISTED_CHANGED_CONTEXTS);
+        for name in contexts {
+            put_meta_context(out, option, 0, &name);
+            listed.push(name);
+        }
+    }
+    for query in queries {
+        let Query::Changed(snapshot) = query else {
+            continue;
+        };
+        let Some(name) = structured::changed_context_name(snapshot) else {
+            continue;
+        };
+        if !listed.contains(&name) && exports.has_snapshot(export, snapshot) {
+            put_meta_context(out, option, 0, &name);
+            listed.push(name);
+        }
+    }
+}
+
+/// The `NBD_REP_META_CONTEXT` replies of an `NBD_OPT_SET_META_CONTEXT`
+/// for `export`, each with its own id, and the selection they make:
+/// `base:allocation` if named, and the first `lull:changed:SNAPSHOT`
+/// whose snapshot the export has (one per connection, see
+/// [`Negotiated::changed`]). Wildcards and unknown contexts select
+/// nothing, as the spec says. `None` when nothing was selected.
+fn select_meta_contexts(
+    export: &str,
+    queries: &[structured::Query<'_>],
+    exports: &dyn Exports,
+    out: &mut Vec<u8>,
+) -> Option<MetaSelection> {
+    use structured::Query;
+    let option = NBD_OPT_SET_META_CONTEXT;
+    let base_allocation = queries.contains(&Query::BaseAllocation);
+    let changed = queries.iter().find_map(|query| match query {
+        Query::Changed(snapshot)
+            if structured::changed_context_name(snapshot).is_some()
+                && exports.has_snapshot(export, snapshot) =>
+        {
+            Some((*snapshot).to_owned())
+        }
+        _ => None,
+    });
+    if base_allocation {
+        put_meta_context(
+            out,
+            option,
+            structured::BASE_ALLOCATION_ID,
+            structured::BASE_ALLOCATION,
+        );
+    }
+    if let Some(snapshot) = &changed {
+        let context = ChangedContext {
+            snapshot: snapshot.clone(),
+            id: structured::LULL_CHANGED_ID,
+        };
+        put_meta_context(out, option, context.id, &context.name());
+    }
+    (base_allocation || changed.is_some()).then(|| MetaSelection {
+        export: export.to_owned(),
+        base_allocation,
+        changed,
+    })
+}
+
+/// One `NBD_REP_META_CONTEXT`: a context id and name.
+fn put_meta_context(out: &mut Vec<u8>, option: u32, id: u32, name: &str) {
+    debug_assert!(
+        name.len() <= MAX_STRING_LEN,
+        "context name of {} bytes",
+        name.len()
+    );
+    put_reply(
+        out,
+        option,
+        NBD_REP_META_CONTEXT,
+        &[&id.to_be_bytes(), name.as_bytes()],
+    );
 }
 
 /// Answers `NBD_OPT_LIST`: one `NBD_REP_SERVER` per export, then ACK.
@@ -1327,10 +1504,13 @@ pub enum Verdict {
 ///    ignoring it); `NO_HOLE` and `FAST_ZERO` only on `WriteZeroes`, `DF`
 ///    only on `Read`, each only if the flag exposing it was advertised;
 ///    `REQ_ONE` only on `BlockStatus`.
-/// 4. `Flush`, `Trim`, `WriteZeroes` or `Cache` not advertised:
+/// 4. `Write`, `Trim` or `WriteZeroes` on a read-only export: `NBD_EPERM`,
+///    as the spec asks, even though a read-only export does not advertise
+///    trim or write zeroes (nbdkit orders its checks the same way): the
+///    client learns the export is read-only, not that it sent nonsense.
+/// 5. `Flush`, `Trim`, `WriteZeroes` or `Cache` not advertised:
 ///    `NBD_EINVAL`. (`BlockStatus` needs a negotiated metadata context,
 ///    which the connection checks.)
-/// 5. `Write`, `Trim` or `WriteZeroes` on a read-only export: `NBD_EPERM`.
 /// 6. `Flush` with a nonzero offset or length (reserved, MUST be zero):
 ///    `NBD_EINVAL`.
 /// 7. `Read`/`Write` longer than [`MAX_PAYLOAD_BYTES`], the advertised
@@ -1365,6 +1545,9 @@ pub fn validate(request: &Request, export_size: u64, transmission_flags: u16) ->
     if request.flags & !allowed_flags(command, tflags) != 0 {
         return refuse(NBD_EINVAL);
     }
+    if command.modifies() && tflags & NBD_FLAG_READ_ONLY != 0 {
+        return refuse(NBD_EPERM);
+    }
     let advertised = match command {
         Command::Flush => tflags & NBD_FLAG_SEND_FLUSH != 0,
         Command::Trim => tflags & NBD_FLAG_SEND_TRIM != 0,
@@ -1376,9 +1559,6 @@ pub fn validate(request: &Request, export_size: u64, transmission_flags: u16) ->
     };
     if !advertised {
         return refuse(NBD_EINVAL);
-    }
-    if command.modifies() && tflags & NBD_FLAG_READ_ONLY != 0 {
-        return refuse(NBD_EPERM);
     }
     if command == Command::Flush {
         return if request.offset == 0 && request.length == 0 {

@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 use crate::{push_change, BdevError, BlockDevice, ChangeRun, Channel, Extent};
 use map::{blocks_of, Bitmap, TopMap};
 
+pub use channel::CHAIN_CHANNEL_DEPTH;
 pub use store::{ChainRecord, CloneRef, FileStore, LayerRecord, LayerStore, MemoryStore};
 
 /// The unit of the allocation maps: what a layer holds, what a write

@@ -13,6 +13,7 @@
 mod common;
 
 mod real_clients;
+mod snapshots;
 mod sparse_clients;
 mod tls;
 mod top;

@@ -1,5 +1,6 @@
 //! Structured replies (`NBD_OPT_STRUCTURED_REPLY`) and block status
-//! (`base:allocation`), as pure encoders and decoders.
+//! (`base:allocation` and lull's `lull:changed:SNAPSHOT`), as pure
+//! encoders and decoders.
 //!
 //! A structured reply is one or more chunks, each a 20-byte header (magic,
 //! flags, type, cookie, payload length) and a payload; the last chunk of a
@@ -45,11 +46,50 @@ pub const NBD_STATE_HOLE: u32 = 1 << 0;
 /// `base:allocation` extent flag: the range reads as zeros.
 pub const NBD_STATE_ZERO: u32 = 1 << 1;
 
-/// The one metadata context lull serves.
+/// The spec's allocation context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// The id lull gives `base:allocation` in `NBD_REP_META_CONTEXT`; the spec
 /// leaves ids to the server, which only needs them distinct.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// lull's own namespace of metadata contexts. The spec asks a server to
+/// document its namespace's queries: `lull:` and `lull:changed:` list
+/// every `lull:changed:SNAPSHOT` of the export (LIST only; SET selects
+/// nothing with them, as the spec recommends for an empty leaf-name);
+/// `lull:changed:SNAPSHOT` names one. Any other `lull:` leaf is an
+/// unknown context, ignored.
+pub const LULL_NAMESPACE: &str = "lull:";
+/// `lull:changed:SNAPSHOT`: which bytes of the export were written (or
+/// trimmed, or zeroed) after SNAPSHOT was taken. On a snapshot's export
+/// (`vol@s2`) "after" ends at that snapshot, so `lull:changed:s1` there is
+/// what changed between s1 and s2: what an incremental backup copies.
+pub const LULL_CHANGED_PREFIX: &str = "lull:changed:";
+/// The id lull gives the `lull:changed:` context a client selected. A
+/// connection has at most one (see `nbd::Negotiated::changed`), so one id
+/// serves every snapshot's context.
+pub const LULL_CHANGED_ID: u32 = 2;
+const _: () = assert!(LULL_CHANGED_ID != BASE_ALLOCATION_ID);
+/// `lull:changed:` extent flag: the range changed since the snapshot; a
+/// range without it did not.
+pub const LULL_STATE_CHANGED: u32 = 1 << 0;
+/// Characters no snapshot name holds (the volume registry's separator in
+/// `VOLUME@SNAPSHOT` export names, and a path separator): a
+/// `lull:changed:` query naming one is malformed (`NBD_REP_ERR_INVALID`),
+/// not merely unknown.
+pub const SNAPSHOT_NAME_FORBIDDEN: [char; 2] = ['@', '/'];
+/// Longest snapshot name a `lull:changed:` context can carry: the whole
+/// context name is an NBD string, at most [`super::MAX_STRING_LEN`]
+/// bytes. A longer snapshot is never listed (no query could name it).
+pub const MAX_CHANGED_SNAPSHOT_NAME_LEN: usize = super::MAX_STRING_LEN - LULL_CHANGED_PREFIX.len();
+/// Most `lull:changed:` contexts one `NBD_OPT_LIST_META_CONTEXT` answer
+/// lists (a wildcard query or no query). A real chain of snapshots is far
+/// shorter and is listed whole; the cap bounds what a device with a very
+/// long chain makes one answer cost: at most 256 replies of at most
+/// 4 KiB + 24 bytes, about 1 MiB with maximal names (a few KiB with real
+/// ones). The spec lets a server list fewer than every context; a
+/// snapshot past the cap is still listed for its exact name and can be
+/// selected.
+pub const MAX_LISTED_CHANGED_CONTEXTS: usize = 256;
 
 /// Most extents in one `NBD_REPLY_TYPE_BLOCK_STATUS` chunk. The spec lets
 /// a server describe only a prefix of the range (the client asks again
@@ -188,13 +228,15 @@ pub struct BlockExtent {
     pub flags: u32,
 }
 
-/// A whole `NBD_REPLY_TYPE_BLOCK_STATUS` chunk with `DONE` for
-/// `context_id`, appended to `out`. `extents` must be non-empty, at most
-/// [`MAX_BLOCK_STATUS_EXTENTS`] long, with no zero lengths (the spec's
-/// rules; asserted).
+/// A whole `NBD_REPLY_TYPE_BLOCK_STATUS` chunk for `context_id`, appended
+/// to `out`. `flags` is `NBD_REPLY_FLAG_DONE` on the last chunk of the
+/// reply (one chunk per selected context), else 0. `extents` must be
+/// non-empty, at most [`MAX_BLOCK_STATUS_EXTENTS`] long, with no zero
+/// lengths (the spec's rules; asserted).
 pub fn encode_block_status(
     out: &mut Vec<u8>,
     cookie: u64,
+    flags: u16,
     context_id: u32,
     extents: &[BlockExtent],
 ) {
@@ -204,8 +246,12 @@ pub fn encode_block_status(
         extents.len()
     );
     debug_assert!(extents.iter().all(|e| e.length > 0), "zero-length extent");
+    debug_assert!(
+        flags & !NBD_REPLY_FLAG_DONE == 0,
+        "block status flags {flags:#x}"
+    );
     out.extend_from_slice(&encode_chunk_header(&ChunkHeader {
-        flags: NBD_REPLY_FLAG_DONE,
+        flags,
         reply_type: NBD_REPLY_TYPE_BLOCK_STATUS,
         cookie,
         // At most 4 + 8 * 1024.
@@ -379,12 +425,16 @@ pub(super) fn parse_meta_request(payload: &[u8]) -> Result<MetaRequest<'_>, (u32
         let len = r
             .u32()
             .ok_or((INVALID, "query length overruns the option"))?;
-        let bytes = usize::try_from(len)
+        // A query is an NBD string, so a context name can be no longer.
+        let len = usize::try_from(len)
             .ok()
             .filter(|&len| len <= super::MAX_STRING_LEN)
-            .and_then(|len| r.bytes(len))
-            .ok_or((INVALID, "query overruns the option"))?;
+            .ok_or((INVALID, "query longer than the 4096 bytes of an NBD string"))?;
+        let bytes = r.bytes(len).ok_or((INVALID, "query overruns the option"))?;
         let query = std::str::from_utf8(bytes).map_err(|_| (INVALID, "query is not UTF-8"))?;
+        if query.contains('\0') {
+            return Err((INVALID, "query contains NUL"));
+        }
         queries.push(query);
     }
     if !r.rest().is_empty() {
@@ -393,11 +443,55 @@ pub(super) fn parse_meta_request(payload: &[u8]) -> Result<MetaRequest<'_>, (u32
     Ok(MetaRequest { export, queries })
 }
 
-/// Whether `query` selects `base:allocation`: for SET only the exact name;
-/// for LIST also the namespace `base:` (the spec's "all contexts of this
-/// namespace" form).
-pub(super) fn query_matches(query: &str, listing: bool) -> bool {
-    query == BASE_ALLOCATION || (listing && query == "base:")
+/// What one metadata context query names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Query<'a> {
+    /// `base:`: every `base:` context (LIST only; the spec says SET MUST
+    /// ignore it).
+    BaseAll,
+    /// `base:allocation`.
+    BaseAllocation,
+    /// `lull:` or `lull:changed:`: every snapshot's changed context (LIST
+    /// only; SET selects nothing with an empty leaf-name).
+    ChangedAll,
+    /// `lull:changed:SNAPSHOT`, with a name that could be a snapshot's.
+    Changed(&'a str),
+    /// A context lull does not serve: another namespace, another leaf,
+    /// or no namespace at all. The spec says to ignore it.
+    Unknown,
+}
+
+/// Classifies a query; `Err` (a message for `NBD_REP_ERR_INVALID`, which
+/// the spec allows for "a leaf name that is invalid for a known
+/// namespace") when it names a snapshot no snapshot could be.
+pub(super) fn parse_query(query: &str) -> Result<Query<'_>, &'static str> {
+    if query == "base:" {
+        return Ok(Query::BaseAll);
+    }
+    if query == BASE_ALLOCATION {
+        return Ok(Query::BaseAllocation);
+    }
+    if query == LULL_NAMESPACE || query == LULL_CHANGED_PREFIX {
+        return Ok(Query::ChangedAll);
+    }
+    let Some(snapshot) = query.strip_prefix(LULL_CHANGED_PREFIX) else {
+        return Ok(Query::Unknown);
+    };
+    if snapshot.contains(SNAPSHOT_NAME_FORBIDDEN) {
+        return Err("lull:changed: names a snapshot, and snapshot names hold no '@' or '/'");
+    }
+    Ok(Query::Changed(snapshot))
+}
+
+/// The `lull:changed:` context of `snapshot`, or `None` when no client
+/// could name it (empty, a forbidden character, NUL, too long): such a
+/// name from a device is not listed.
+pub fn changed_context_name(snapshot: &str) -> Option<String> {
+    let valid = !snapshot.is_empty()
+        && snapshot.len() <= MAX_CHANGED_SNAPSHOT_NAME_LEN
+        && !snapshot.contains(SNAPSHOT_NAME_FORBIDDEN)
+        && !snapshot.contains('\0');
+    valid.then(|| format!("{LULL_CHANGED_PREFIX}{snapshot}"))
 }
 
 #[cfg(test)]
@@ -481,7 +575,13 @@ mod tests {
             },
         ];
         let mut out = Vec::new();
-        encode_block_status(&mut out, 3, BASE_ALLOCATION_ID, &extents);
+        encode_block_status(
+            &mut out,
+            3,
+            NBD_REPLY_FLAG_DONE,
+            BASE_ALLOCATION_ID,
+            &extents,
+        );
         let h = decode_chunk_header(out[..20].try_into().unwrap()).unwrap();
         assert_eq!(h.reply_type, NBD_REPLY_TYPE_BLOCK_STATUS);
         assert_eq!(h.length as usize, out.len() - 20);
@@ -499,7 +599,13 @@ mod tests {
             length: 1,
             flags: 0,
         };
-        encode_block_status(&mut Vec::new(), 1, 1, &[e; MAX_BLOCK_STATUS_EXTENTS + 1]);
+        encode_block_status(
+            &mut Vec::new(),
+            1,
+            NBD_REPLY_FLAG_DONE,
+            1,
+            &[e; MAX_BLOCK_STATUS_EXTENTS + 1],
+        );
     }
 
     #[test]
@@ -556,9 +662,77 @@ mod tests {
             parse_meta_request(&many).unwrap_err().0,
             crate::nbd::NBD_REP_ERR_TOO_BIG
         );
-        assert!(query_matches("base:", true));
-        assert!(!query_matches("base:", false));
-        assert!(query_matches("base:allocation", false));
+        // A query longer than an NBD string is refused as such.
+        let long = "x".repeat(crate::nbd::MAX_STRING_LEN + 1);
+        let mut p = Vec::new();
+        p.extend_from_slice(&0u32.to_be_bytes());
+        p.extend_from_slice(&1u32.to_be_bytes());
+        p.extend_from_slice(&(long.len() as u32).to_be_bytes());
+        p.extend_from_slice(long.as_bytes());
+        let (reply, message) = parse_meta_request(&p).unwrap_err();
+        assert_eq!(reply, crate::nbd::NBD_REP_ERR_INVALID);
+        assert!(message.contains("4096"), "{message}");
+        let mut nul = Vec::new();
+        nul.extend_from_slice(&0u32.to_be_bytes());
+        nul.extend_from_slice(&1u32.to_be_bytes());
+        nul.extend_from_slice(&3u32.to_be_bytes());
+        nul.extend_from_slice(b"a\0b");
+        assert_eq!(
+            parse_meta_request(&nul).unwrap_err().1,
+            "query contains NUL"
+        );
+    }
+
+    #[test]
+    fn queries_are_classified() {
+        assert_eq!(parse_query("base:"), Ok(Query::BaseAll));
+        assert_eq!(parse_query("base:allocation"), Ok(Query::BaseAllocation));
+        assert_eq!(parse_query("base:other"), Ok(Query::Unknown));
+        assert_eq!(parse_query("lull:"), Ok(Query::ChangedAll));
+        assert_eq!(parse_query("lull:changed:"), Ok(Query::ChangedAll));
+        assert_eq!(parse_query("lull:changed:s1"), Ok(Query::Changed("s1")));
+        // Leaf-names may hold colons.
+        assert_eq!(parse_query("lull:changed:a:b"), Ok(Query::Changed("a:b")));
+        assert_eq!(parse_query("lull:changes"), Ok(Query::Unknown));
+        assert_eq!(parse_query("lull:other:x"), Ok(Query::Unknown));
+        assert_eq!(parse_query("qemu:dirty-bitmap:x"), Ok(Query::Unknown));
+        assert_eq!(parse_query("no-namespace"), Ok(Query::Unknown));
+        assert_eq!(parse_query(""), Ok(Query::Unknown));
+        assert!(parse_query("lull:changed:vol0@s1").is_err());
+        assert!(parse_query("lull:changed:a/b").is_err());
+        assert!(parse_query("lull:changed:/").is_err());
+    }
+
+    #[test]
+    fn changed_context_names_meet_the_string_rules() {
+        assert_eq!(
+            changed_context_name("s1").as_deref(),
+            Some("lull:changed:s1")
+        );
+        assert_eq!(changed_context_name(""), None);
+        assert_eq!(changed_context_name("a@b"), None);
+        assert_eq!(changed_context_name("a/b"), None);
+        assert_eq!(changed_context_name("a\0b"), None);
+        let longest = "s".repeat(MAX_CHANGED_SNAPSHOT_NAME_LEN);
+        let name = changed_context_name(&longest).unwrap();
+        assert_eq!(name.len(), crate::nbd::MAX_STRING_LEN);
+        assert_eq!(changed_context_name(&format!("{longest}s")), None);
+    }
+
+    #[test]
+    fn block_status_chunks_before_the_last_lack_done() {
+        let e = [BlockExtent {
+            length: 4096,
+            flags: LULL_STATE_CHANGED,
+        }];
+        let mut out = Vec::new();
+        encode_block_status(&mut out, 4, 0, LULL_CHANGED_ID, &e);
+        let h = decode_chunk_header(out[..20].try_into().unwrap()).unwrap();
+        assert_eq!(h.flags, 0);
+        assert_eq!(
+            decode_block_status(&out[20..]),
+            Some((LULL_CHANGED_ID, e.to_vec()))
+        );
     }
 
     fn zero_ranges(len: u32) -> impl Strategy<Value = Vec<(u32, u32)>> {

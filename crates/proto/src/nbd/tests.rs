@@ -1185,7 +1185,8 @@ fn base_allocation_is_negotiated_after_structured_replies() {
         negotiated,
         Negotiated {
             structured_replies: true,
-            base_allocation: true
+            base_allocation: true,
+            changed: None,
         }
     );
 }
@@ -1468,4 +1469,528 @@ fn on_serves_plain_clients() {
     let input = client(1, &[option(NBD_OPT_GO, &info_payload(b"disk", &[]))]);
     let (_, result, _) = run_tls(TlsPolicy::On, &input);
     assert!(matches!(result, Ok((_, HandshakeStatus::Done { .. }))));
+}
+
+// ---------------------------------------------------------------------------
+// Snapshot exports and the `lull:changed:` metadata context.
+
+/// "vol" with the snapshots s1 and s2, and "vol@s2", s2's read-only
+/// view, which has s1 (the snapshots older than it).
+struct SnapExports {
+    /// Extra snapshots of "vol" named `many{i}`, for the listing cap.
+    many: usize,
+}
+
+impl SnapExports {
+    fn snapshots(&self, export: &str) -> Vec<String> {
+        match export {
+            "vol" => ["s1", "s2"]
+                .iter()
+                .map(|s| s.to_string())
+                .chain((0..self.many).map(|i| format!("many{i}")))
+                .collect(),
+            "vol@s2" => vec!["s1".to_string()],
+            _ => Vec::new(),
+        }
+    }
+}
+
+impl Exports for SnapExports {
+    fn names(&self) -> Vec<String> {
+        vec!["vol".to_string(), "vol@s2".to_string()]
+    }
+
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        match name {
+            "vol" => Some(ExportInfo {
+                size_bytes: DISK_SIZE,
+                transmission_flags: DISK_FLAGS,
+                description: None,
+            }),
+            "vol@s2" => Some(ExportInfo {
+                size_bytes: DISK_SIZE,
+                transmission_flags: NBD_FLAG_HAS_FLAGS | NBD_FLAG_READ_ONLY,
+                description: None,
+            }),
+            _ => None,
+        }
+    }
+
+    fn snapshot_names(&self, export: &str) -> Vec<String> {
+        self.snapshots(export)
+    }
+
+    fn has_snapshot(&self, export: &str, snapshot: &str) -> bool {
+        self.snapshots(export).iter().any(|s| s == snapshot)
+    }
+}
+
+/// Runs `options` against `exports` (structured replies first unless
+/// `plain`); returns the replies, what was negotiated and whether a GO
+/// finished the handshake.
+fn negotiate_with(
+    exports: &dyn Exports,
+    options: &[Vec<u8>],
+    plain: bool,
+) -> (Vec<Reply>, Negotiated, bool) {
+    let mut all = Vec::new();
+    if !plain {
+        all.push(option(NBD_OPT_STRUCTURED_REPLY, &[]));
+    }
+    all.extend_from_slice(options);
+    let input = client(1, &all);
+    let mut out = Vec::new();
+    let mut hs = ServerHandshake::new(&mut out);
+    out.clear();
+    let (used, status) = hs.feed(&input, exports, &mut out).expect("handshake");
+    assert_eq!(used, input.len());
+    let mut replies = replies(&out);
+    if !plain {
+        assert_eq!(replies[0].reply_type, NBD_REP_ACK);
+        replies.remove(0);
+    }
+    let done = matches!(status, HandshakeStatus::Done { .. });
+    (replies, hs.negotiated(), done)
+}
+
+/// The `(id, name)` of each `NBD_REP_META_CONTEXT` reply, in order.
+fn contexts(replies: &[Reply]) -> Vec<(u32, String)> {
+    replies
+        .iter()
+        .filter(|r| r.reply_type == NBD_REP_META_CONTEXT)
+        .map(|r| {
+            let id = u32::from_be_bytes(r.payload[..4].try_into().unwrap());
+            (id, String::from_utf8(r.payload[4..].to_vec()).unwrap())
+        })
+        .collect()
+}
+
+fn list_meta(export: &[u8], queries: &[&str]) -> Vec<u8> {
+    option(NBD_OPT_LIST_META_CONTEXT, &meta_payload(export, queries))
+}
+
+fn set_meta(export: &[u8], queries: &[&str]) -> Vec<u8> {
+    option(NBD_OPT_SET_META_CONTEXT, &meta_payload(export, queries))
+}
+
+fn named(list: &[(u32, String)]) -> Vec<&str> {
+    list.iter().map(|(_, name)| name.as_str()).collect()
+}
+
+#[test]
+fn list_meta_context_lists_each_snapshots_changed_context() {
+    let exports = SnapExports { many: 0 };
+    for queries in [&["lull:"][..], &["lull:changed:"][..]] {
+        let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", queries)], false);
+        assert_eq!(
+            contexts(&replies),
+            [(0, "lull:changed:s1".into()), (0, "lull:changed:s2".into())],
+            "{queries:?}"
+        );
+        assert_eq!(replies.last().unwrap().reply_type, NBD_REP_ACK);
+    }
+    // No query: every context, base:allocation first.
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", &[])], false);
+    assert_eq!(
+        named(&contexts(&replies)),
+        ["base:allocation", "lull:changed:s1", "lull:changed:s2"]
+    );
+    // A snapshot's export lists the snapshots older than it.
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol@s2", &["lull:"])], false);
+    assert_eq!(named(&contexts(&replies)), ["lull:changed:s1"]);
+    // Exact names: listed when the export has the snapshot, once.
+    let queries = [
+        "lull:changed:s2",
+        "lull:changed:nope",
+        "lull:changed:s2",
+        "lull:other",
+        "base:allocation",
+    ];
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", &queries)], false);
+    assert_eq!(
+        named(&contexts(&replies)),
+        ["base:allocation", "lull:changed:s2"]
+    );
+    let (replies, _, _) = negotiate_with(
+        &exports,
+        &[list_meta(b"vol", &["lull:", "lull:changed:s1"])],
+        false,
+    );
+    assert_eq!(
+        named(&contexts(&replies)),
+        ["lull:changed:s1", "lull:changed:s2"]
+    );
+    // An export without snapshots lists none; LIST works without
+    // structured replies, as before.
+    let (replies, _, _) = negotiate_with(&TestExports, &[list_meta(b"disk", &["lull:"])], true);
+    assert_eq!(reply_types(&replies_bytes(&replies)), [NBD_REP_ACK]);
+}
+
+/// Re-encodes parsed replies, for `reply_types`.
+fn replies_bytes(replies: &[Reply]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for r in replies {
+        put_reply(&mut out, r.option, r.reply_type, &[&r.payload]);
+    }
+    out
+}
+
+#[test]
+fn list_meta_context_stops_at_the_listing_cap() {
+    let exports = SnapExports {
+        many: structured::MAX_LISTED_CHANGED_CONTEXTS + 10,
+    };
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", &["lull:"])], false);
+    let listed = contexts(&replies);
+    assert_eq!(listed.len(), structured::MAX_LISTED_CHANGED_CONTEXTS);
+    assert_eq!(replies.last().unwrap().reply_type, NBD_REP_ACK);
+    // A snapshot past the cap is still listed by name, and selectable.
+    let last = format!(
+        "lull:changed:many{}",
+        structured::MAX_LISTED_CHANGED_CONTEXTS + 9
+    );
+    assert!(!named(&listed).contains(&last.as_str()));
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", &["lull:", &last])], false);
+    assert_eq!(
+        contexts(&replies).len(),
+        structured::MAX_LISTED_CHANGED_CONTEXTS + 1
+    );
+}
+
+#[test]
+fn set_meta_context_selects_both_contexts_with_distinct_ids() {
+    let exports = SnapExports { many: 0 };
+    let (replies, negotiated, done) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol@s2", &["lull:changed:s1", "base:allocation"]),
+            option(NBD_OPT_GO, &info_payload(b"vol@s2", &[])),
+        ],
+        false,
+    );
+    assert!(done);
+    let selected = contexts(&replies);
+    assert_eq!(
+        selected,
+        [
+            (structured::BASE_ALLOCATION_ID, "base:allocation".into()),
+            (structured::LULL_CHANGED_ID, "lull:changed:s1".into()),
+        ]
+    );
+    assert_ne!(selected[0].0, selected[1].0);
+    let changed = ChangedContext {
+        snapshot: "s1".into(),
+        id: structured::LULL_CHANGED_ID,
+    };
+    assert_eq!(changed.name(), "lull:changed:s1");
+    assert_eq!(
+        negotiated,
+        Negotiated {
+            structured_replies: true,
+            base_allocation: true,
+            changed: Some(changed),
+        }
+    );
+    // The changed context alone.
+    let (_, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:changed:s2"]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert!(!negotiated.base_allocation);
+    assert_eq!(negotiated.changed.unwrap().snapshot, "s2");
+}
+
+#[test]
+fn set_meta_context_selects_one_changed_context_the_export_has() {
+    let exports = SnapExports { many: 0 };
+    // Unknown snapshots are not selected, and that is no error; of
+    // several, the first the export has.
+    let queries = [
+        "lull:changed:nope",
+        "lull:changed:s2",
+        "lull:changed:s1",
+        "qemu:dirty-bitmap:x",
+    ];
+    let (replies, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &queries),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert_eq!(
+        contexts(&replies),
+        [(structured::LULL_CHANGED_ID, "lull:changed:s2".into())]
+    );
+    assert_eq!(negotiated.changed.unwrap().snapshot, "s2");
+    // Only an unknown snapshot: nothing selected, just the ACK.
+    let (replies, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol@s2", &["lull:changed:s2"]),
+            option(NBD_OPT_GO, &info_payload(b"vol@s2", &[])),
+        ],
+        false,
+    );
+    assert_eq!(replies[0].reply_type, NBD_REP_ACK);
+    assert_eq!(
+        negotiated,
+        Negotiated {
+            structured_replies: true,
+            ..Negotiated::default()
+        }
+    );
+    // Wildcards select nothing in SET.
+    let (replies, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:", "lull:changed:", "base:"]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert!(contexts(&replies).is_empty());
+    assert_eq!(negotiated.changed, None);
+    assert!(!negotiated.base_allocation);
+}
+
+#[test]
+fn changed_context_holds_only_for_its_export_and_with_structured_replies() {
+    let exports = SnapExports { many: 0 };
+    // Selected on "vol", GO on "vol@s2": nothing holds.
+    let (_, negotiated, done) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:changed:s1", "base:allocation"]),
+            option(NBD_OPT_GO, &info_payload(b"vol@s2", &[])),
+        ],
+        false,
+    );
+    assert!(done);
+    assert_eq!(negotiated.changed, None);
+    assert!(!negotiated.base_allocation);
+    // SET without structured replies is refused and selects nothing.
+    let (replies, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:changed:s1"]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        true,
+    );
+    assert_eq!(replies[0].reply_type, NBD_REP_ERR_INVALID);
+    assert_eq!(negotiated, Negotiated::default());
+    // A later SET replaces the selection.
+    let (_, negotiated, _) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:changed:s1"]),
+            set_meta(b"vol", &["base:allocation"]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert!(negotiated.base_allocation);
+    assert_eq!(negotiated.changed, None);
+}
+
+#[test]
+fn malformed_changed_queries_are_invalid() {
+    let exports = SnapExports { many: 0 };
+    for bad in ["lull:changed:vol@s1", "lull:changed:a/b"] {
+        for opt in [
+            list_meta(b"vol", &["base:allocation", bad]),
+            set_meta(b"vol", &[bad]),
+        ] {
+            let (replies, _, _) = negotiate_with(&exports, &[opt], false);
+            assert_eq!(replies.len(), 1, "{bad}: an error and nothing else");
+            assert_eq!(replies[0].reply_type, NBD_REP_ERR_INVALID, "{bad}");
+        }
+    }
+    // A failed SET still clears what an earlier one selected.
+    let (replies, negotiated, done) = negotiate_with(
+        &exports,
+        &[
+            set_meta(b"vol", &["lull:changed:s1"]),
+            set_meta(b"vol", &["lull:changed:a/b"]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert!(done);
+    assert_eq!(replies[2].reply_type, NBD_REP_ERR_INVALID);
+    assert_eq!(negotiated.changed, None);
+    // A query longer than an NBD string: invalid, and negotiation goes on.
+    let long = format!("lull:changed:{}", "s".repeat(MAX_STRING_LEN));
+    let (replies, _, done) = negotiate_with(
+        &exports,
+        &[
+            list_meta(b"", &[&long]),
+            option(NBD_OPT_GO, &info_payload(b"vol", &[])),
+        ],
+        false,
+    );
+    assert_eq!(replies[0].reply_type, NBD_REP_ERR_INVALID);
+    assert!(done);
+    // The longest query that fits is fine: an unknown snapshot.
+    let longest = format!(
+        "lull:changed:{}",
+        "s".repeat(structured::MAX_CHANGED_SNAPSHOT_NAME_LEN)
+    );
+    assert_eq!(longest.len(), MAX_STRING_LEN);
+    let (replies, _, _) = negotiate_with(&exports, &[list_meta(b"vol", &[&longest])], false);
+    assert_eq!(replies[0].reply_type, NBD_REP_ACK);
+}
+
+#[test]
+fn starttls_forgets_the_changed_context() {
+    let input = client(
+        1,
+        &[
+            option(NBD_OPT_STRUCTURED_REPLY, &[]),
+            set_meta(b"vol", &["lull:changed:s1"]),
+            option(NBD_OPT_STARTTLS, &[]),
+        ],
+    );
+    let mut out = Vec::new();
+    let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::On);
+    let exports = SnapExports { many: 0 };
+    let (_, status) = hs.feed(&input, &exports, &mut out).unwrap();
+    assert_eq!(status, HandshakeStatus::StartTls);
+    hs.tls_started();
+    let inside = client(0, &[option(NBD_OPT_GO, &info_payload(b"vol", &[]))]);
+    let (_, status) = hs.feed(&inside[4..], &exports, &mut out).unwrap();
+    assert!(matches!(status, HandshakeStatus::Done { .. }));
+    assert_eq!(hs.negotiated(), Negotiated::default());
+}
+
+#[test]
+fn modifying_commands_on_a_read_only_export_are_eperm() {
+    // What lull advertises for a snapshot: no trim, no write zeroes.
+    let read_only =
+        NBD_FLAG_HAS_FLAGS | NBD_FLAG_READ_ONLY | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_FUA;
+    assert_eq!(
+        validate(&req(Command::Write, 0, 0, 4096), SIZE, read_only),
+        drain(NBD_EPERM, 4096)
+    );
+    assert_eq!(
+        validate(
+            &req(Command::Write, NBD_CMD_FLAG_FUA, 0, 4096),
+            SIZE,
+            read_only
+        ),
+        drain(NBD_EPERM, 4096)
+    );
+    assert_eq!(
+        validate(&req(Command::Trim, 0, 0, 4096), SIZE, read_only),
+        error(NBD_EPERM)
+    );
+    assert_eq!(
+        validate(
+            &req(Command::WriteZeroes, NBD_CMD_FLAG_NO_HOLE, 0, 4096),
+            SIZE,
+            read_only
+        ),
+        error(NBD_EPERM)
+    );
+    // Reads, flushes and block status are served.
+    assert_eq!(
+        validate(&req(Command::Read, 0, 0, 4096), SIZE, read_only),
+        Verdict::Ok
+    );
+    assert_eq!(
+        validate(&req(Command::Flush, 0, 0, 0), SIZE, read_only),
+        Verdict::Ok
+    );
+    assert_eq!(
+        validate(
+            &req(Command::BlockStatus, NBD_CMD_FLAG_REQ_ONE, 0, 4096),
+            SIZE,
+            read_only
+        ),
+        Verdict::Ok
+    );
+    // On a writable export without the flags, trim and zeroes stay EINVAL.
+    let plain = read_only & !NBD_FLAG_READ_ONLY;
+    assert_eq!(
+        validate(&req(Command::Trim, 0, 0, 4096), SIZE, plain),
+        error(NBD_EINVAL)
+    );
+}
+
+fn arb_query() -> BoxedStrategy<String> {
+    prop_oneof![
+        Just("base:allocation".to_string()),
+        Just("base:".to_string()),
+        Just("lull:".to_string()),
+        Just("lull:changed:".to_string()),
+        Just("lull:changed:s1".to_string()),
+        Just("lull:changed:s2".to_string()),
+        Just("lull:changed:nope".to_string()),
+        Just("lull:changed:a@b".to_string()),
+        "(lull:changed:)?[a-z12:@/]{0,6}",
+    ]
+    .boxed()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Whatever a SET asks, what it replies is what the GO negotiates: at
+    /// most `base:allocation` (id 1) and one `lull:changed:` of a
+    /// snapshot the export has (id 2), or an error and nothing.
+    #[test]
+    fn set_meta_context_replies_match_the_selection(
+        on_view in any::<bool>(),
+        queries in prop::collection::vec(arb_query(), 0..6),
+    ) {
+        let exports = SnapExports { many: 0 };
+        let export = if on_view { "vol@s2" } else { "vol" };
+        let queries: Vec<&str> = queries.iter().map(String::as_str).collect();
+        let (replies, negotiated, done) = negotiate_with(
+            &exports,
+            &[
+                set_meta(export.as_bytes(), &queries),
+                option(NBD_OPT_GO, &info_payload(export.as_bytes(), &[])),
+            ],
+            false,
+        );
+        prop_assert!(done);
+        let set_replies: Vec<&Reply> = replies
+            .iter()
+            .filter(|r| r.option == NBD_OPT_SET_META_CONTEXT)
+            .collect();
+        let last = set_replies.last().unwrap().reply_type;
+        let selected = contexts(&replies);
+        if last != NBD_REP_ACK {
+            prop_assert_eq!(last, NBD_REP_ERR_INVALID);
+            prop_assert!(selected.is_empty());
+            prop_assert_eq!(negotiated.changed, None);
+            prop_assert!(!negotiated.base_allocation);
+            return Ok(());
+        }
+        let mut ids: Vec<u32> = selected.iter().map(|(id, _)| *id).collect();
+        ids.dedup();
+        prop_assert_eq!(ids.len(), selected.len(), "ids distinct: {:?}", selected);
+        prop_assert!(selected.len() <= 2);
+        let base = selected.iter().any(|(id, name)| {
+            *id == structured::BASE_ALLOCATION_ID && name == "base:allocation"
+        });
+        prop_assert_eq!(negotiated.base_allocation, base);
+        prop_assert_eq!(base, queries.contains(&"base:allocation"));
+        let changed = selected
+            .iter()
+            .find(|(id, _)| *id == structured::LULL_CHANGED_ID)
+            .map(|(_, name)| name.clone());
+        prop_assert_eq!(negotiated.changed.as_ref().map(ChangedContext::name), changed);
+        if let Some(c) = &negotiated.changed {
+            prop_assert!(exports.has_snapshot(export, &c.snapshot));
+            prop_assert!(queries.contains(&c.name().as_str()));
+        }
+    }
 }
