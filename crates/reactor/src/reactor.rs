@@ -1165,6 +1165,9 @@ impl Reactor {
             }
         }
         if spinning && self.spin_look() {
+            // A spin look is idle time: without this, a reactor that has
+            // only spun since it started would report no idle time at all.
+            self.idle_ns += self.clock_now().saturating_sub(now);
             return false;
         }
         let sleeping = timeout == -1;
@@ -1202,6 +1205,9 @@ impl Reactor {
                 .measured_wake(latency, (cpu > 0).then_some(cpu));
             self.slept_while_idle = true;
             self.idle_ns += woke_at.saturating_sub(now);
+        } else if spinning {
+            // A full look while spinning (epoll without sleeping): idle too.
+            self.idle_ns += self.clock_now().saturating_sub(now);
         }
         self.ready_events += n as u64;
         let mut control = false;
