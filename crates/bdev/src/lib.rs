@@ -533,6 +533,13 @@ pub trait Channel: Send {
     fn polled(&self) -> bool {
         false
     }
+    /// After a `submit` handed a request back as `Full` because of a rate
+    /// limit (a volume's QoS), the monotonic time (ns) at which it may go:
+    /// the owner waits for that time rather than polling. `None`: the
+    /// channel was full for want of room, and a completion makes room.
+    fn retry_at_ns(&self) -> Option<u64> {
+        None
+    }
     /// The owner sends READ data on to a plain socket and can take it in a
     /// pipe ([`IoCompletion::spliced`]); a device that moves its data from
     /// a socket (a replicated volume) may then hand it over that way, with

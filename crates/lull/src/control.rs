@@ -297,6 +297,7 @@ impl ControlPlane for Control {
             nvmf_nqn: volume.nvmf_nqn.clone(),
             nvmf_lba: volume.nvmf_lba,
             nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
+            qos: None,
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);
@@ -393,6 +394,7 @@ impl ControlPlane for Control {
             // Reads whose data went from a replica's socket to the
             // client's with splice, never copied into memory.
             "spliced_reads": s.spliced_reads,
+            "qos": qos_json(&v),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -577,6 +579,7 @@ impl ControlPlane for Control {
             nvmf_nqn: None,
             nvmf_lba: None,
             nvmf_allow_hosts: Vec::new(),
+            qos: None,
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);
@@ -587,6 +590,25 @@ impl ControlPlane for Control {
         }
         tracing::info!(volume = name, snapshot, backend, "clone created over RPC");
         Ok(VolumeInfo::of(&v))
+    }
+
+    fn volume_set_qos(
+        &self,
+        name: &str,
+        limits: lull_volume::QosLimits,
+    ) -> Result<Value, ControlError> {
+        use lull_reactor::Clock;
+        let v = self.volumes.named(name)?;
+        // Recorded first where volumes are: a limit must not vanish at the
+        // next start after the RPC said it is set.
+        self.persist(|m| {
+            if let Some(e) = m.get_mut(name) {
+                e.qos = (!limits.is_unlimited()).then_some(limits);
+            }
+        })?;
+        v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
+        tracing::info!(volume = name, ?limits, "QoS limits set over RPC");
+        Ok(qos_json(&v))
     }
 
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
@@ -608,6 +630,17 @@ impl ControlPlane for Control {
 
 /// A store error as the RPC reports it: bad parameters as -32602, other
 /// refusals with their reason, failures logged in full first.
+/// A volume's QoS: its limits (0: unlimited), the requests the limits
+/// held and how long they waited in all.
+fn qos_json(v: &Volume) -> Value {
+    let (throttled, throttled_ns) = v.qos.throttled();
+    json!({
+        "limits": v.qos.limits(),
+        "throttled_requests": throttled,
+        "throttled_seconds": throttled_ns as f64 / 1e9,
+    })
+}
+
 /// A chain's refusal as the RPC says it: names and states are the
 /// caller's to fix, I/O failures the server's.
 fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
@@ -730,6 +763,9 @@ impl MetricsSource for Control {
                     plain_buffer_ios: v.dev().buffer_ios().map(|b| b.plain),
                     inline_ios: v.dev().buffer_ios().map(|b| b.inline),
                     spliced_reads: s.spliced_reads,
+                    qos_throttled: v.qos.throttled().0,
+                    qos_throttled_seconds: v.qos.throttled().1 as f64 / 1e9,
+                    qos_rw_ios_per_sec: v.qos.limits().rw_ios_per_sec,
                 }
             })
             .collect();

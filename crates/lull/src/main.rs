@@ -685,9 +685,19 @@ fn serve(args: ServeArgs) -> ExitCode {
                 return usage_error(format!("volume {}: {e}", spec.name));
             }
         };
-        if let Err(e) = volumes.add(Volume::new(&spec.name, dev)) {
-            fw.stop();
-            return usage_error(e);
+        match volumes.add(Volume::new(&spec.name, dev)) {
+            Ok(v) => {
+                let qos = node.as_ref().and_then(|n| n.volume_qos(&spec.name));
+                if let Some(limits) = qos {
+                    use lull_reactor::Clock;
+                    v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
+                    tracing::info!(volume = %spec.name, ?limits, "QoS limits restored");
+                }
+            }
+            Err(e) => {
+                fw.stop();
+                return usage_error(e);
+            }
         }
     }
     wait_for_replicas(&volumes);

@@ -48,6 +48,9 @@ pub struct VolumeEntry {
     pub nvmf_lba: Option<u32>,
     #[serde(default)]
     pub nvmf_allow_hosts: Vec<String>,
+    /// `volume_set_qos` limits; `None`: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<lull_volume::QosLimits>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -132,6 +135,11 @@ impl NodeState {
         Ok(())
     }
 
+    /// The QoS limits recorded for a volume.
+    pub fn volume_qos(&self, name: &str) -> Option<lull_volume::QosLimits> {
+        self.lock().get(name).and_then(|v| v.qos)
+    }
+
     /// Whether `name` is a volume of the record.
     pub fn holds(&self, name: &str) -> bool {
         self.lock().contains_key(name)
@@ -156,6 +164,10 @@ mod tests {
             nvmf_nqn: None,
             nvmf_lba: Some(4096),
             nvmf_allow_hosts: vec![],
+            qos: Some(lull_volume::QosLimits {
+                rw_ios_per_sec: 100,
+                ..Default::default()
+            }),
         };
         state
             .update(|m| {

@@ -199,11 +199,22 @@ impl wire::Protocol for Conn {
             // volume's other connections (its in-flight cap, see
             // `lull_volume::VolumeChannel`): no completion of ours will
             // wake us, so poll until there is room.
+            // One held by a rate limit waits for its time instead
+            // (`wake_at_ns`).
             Phase::Transmission { channel, .. } => {
                 (channel.polled() && channel.in_flight() > 0)
-                    || (self.subs.holding() && channel.in_flight() == 0)
+                    || (self.subs.holding()
+                        && channel.in_flight() == 0
+                        && channel.retry_at_ns().is_none())
             }
             Phase::Handshake(_) => false,
+        }
+    }
+
+    fn wake_at_ns(&self) -> Option<u64> {
+        match &self.phase {
+            Phase::Transmission { channel, .. } if self.subs.holding() => channel.retry_at_ns(),
+            _ => None,
         }
     }
 

@@ -336,6 +336,12 @@ pub trait Protocol {
     fn completions_polled(&self) -> bool {
         false
     }
+    /// A request is held until this monotonic time (ns) by a rate limit
+    /// (see `Channel::retry_at_ns`): the poller is woken then, not by an
+    /// fd and without spinning.
+    fn wake_at_ns(&self) -> Option<u64> {
+        None
+    }
     /// The stream must become writable before it can go on (a TLS
     /// handshake or key update stopped on a full socket).
     fn stream_wants_write(&self) -> bool {
@@ -393,6 +399,8 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     p.wire().update_interest(t, me, fd, wants_write);
     if progressed_last || p.completions_polled() || p.stranded_input() {
         t.wake_poller(me);
+    } else if let Some(at) = p.wake_at_ns() {
+        t.wake_poller_at(me, at);
     }
     status
 }

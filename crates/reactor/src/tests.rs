@@ -532,3 +532,35 @@ fn a_woken_poller_runs_only_when_woken_from_any_thread() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     t.check_invariants();
 }
+
+#[test]
+fn a_poller_woken_at_a_time_runs_once_then_and_not_before() {
+    let clock = FakeClock::new(0);
+    let mut t = thread();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (id, _efd) = evented_counted(&mut t, "held", runs.clone());
+    assert!(t.wake_poller_at(id, 1_000));
+    // A later wake-up does not push the armed one back; an earlier wins.
+    assert!(t.wake_poller_at(id, 5_000));
+    assert_eq!(t.next_deadline(), Some(1_000));
+    t.poll(999, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "not before its time");
+    assert!(t.has_immediate_work(1_000));
+    t.poll(1_000, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    t.poll(10_000, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one-shot");
+    assert_eq!(t.next_deadline(), None);
+    // Paused with a wake-up armed: it does not run, and the count of
+    // armed wake-ups stays right through pause, re-arm and unregister.
+    assert!(t.wake_poller_at(id, 20_000));
+    t.pause_poller(id);
+    t.poll(30_000, Scope::Ready, &clock);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    t.resume_poller(id);
+    assert!(t.wake_poller_at(id, 40_000));
+    assert!(t.unregister_poller(id));
+    t.poll(50_000, Scope::Ready, &clock);
+    assert!(!t.wake_poller_at(id, 60_000), "a stale id");
+    t.check_invariants();
+}

@@ -379,6 +379,9 @@ struct PollerEntry {
     /// A timed poller's entry in the timer heap (heap items with another
     /// sequence number are stale).
     timer_seq: u64,
+    /// An untimed poller with a one-shot wake-up in the timer heap
+    /// ([`Thread::wake_poller_at`]).
+    deadline: bool,
     /// `None` while the poller runs (it is out of its slot) .
     f: Option<PollFn>,
 }
@@ -458,6 +461,8 @@ pub struct Thread {
     scratch_due: Vec<TimerItem>,
     n_active: u64,
     n_timed: u64,
+    /// Untimed pollers with a wake-up armed in the timer heap.
+    n_deadlines: u64,
     n_paused: u64,
     ready_events: u64,
     current: Option<PollerId>,
@@ -530,6 +535,7 @@ impl Thread {
             scratch_due: Vec::new(),
             n_active: 0,
             n_timed: 0,
+            n_deadlines: 0,
             n_paused: 0,
             ready_events: 0,
             current: None,
@@ -658,6 +664,7 @@ impl Thread {
             fds: fds.to_vec(),
             initiator: false,
             timer_seq: 0,
+            deadline: false,
             f: Some(f),
         });
         match kind {
@@ -708,7 +715,7 @@ impl Thread {
         }
         // Stale items deeper in the heap are dropped as they surface; if
         // churn lets them pile up, rebuild from the live ones.
-        if self.timers.len() > 2 * self.n_timed as usize + 64 {
+        if self.timers.len() > 2 * (self.n_timed + self.n_deadlines) as usize + 64 {
             let items = std::mem::take(&mut self.timers).into_vec();
             let live = items.into_iter().filter(|i| self.timer_item_live(i));
             self.timers = live.collect();
@@ -751,6 +758,9 @@ impl Thread {
             }
             if entry.woken {
                 self.woken -= 1;
+            }
+            if entry.deadline {
+                self.n_deadlines -= 1;
             }
             if entry.paused {
                 self.n_paused -= 1;
@@ -828,6 +838,11 @@ impl Thread {
         }
         e.paused = true;
         let (kind, woken) = (e.kind, std::mem::take(&mut e.woken));
+        // A one-shot wake-up goes (its heap item is stale from now on); a
+        // resumed poller runs at once anyway.
+        if std::mem::take(&mut e.deadline) {
+            self.n_deadlines -= 1;
+        }
         if woken {
             self.woken -= 1;
         }
@@ -895,6 +910,30 @@ impl Thread {
         e.woken = true;
         self.woken += 1;
         self.woken_list.push(id);
+        true
+    }
+
+    /// Run an untimed poller once at `due_ns` (the thread's clock) even if
+    /// none of its fds is ready: a connection held by a rate limit waits
+    /// for the time its tokens come back, not for an fd and not spinning.
+    /// One wake-up per poller: an earlier one armed already stays; a later
+    /// one replaces nothing. False for a stale id or a timed poller (it
+    /// runs on its period anyway).
+    pub fn wake_poller_at(&mut self, id: PollerId, due_ns: u64) -> bool {
+        let Some(e) = self.entry_mut(id) else {
+            return false;
+        };
+        if matches!(e.kind, PollerKind::Timed { .. }) {
+            return false;
+        }
+        if e.deadline && e.next_ns <= due_ns {
+            return true;
+        }
+        if !e.deadline {
+            e.deadline = true;
+            self.n_deadlines += 1;
+        }
+        self.schedule_timer(id, due_ns);
         true
     }
 
@@ -1222,10 +1261,21 @@ impl Thread {
                 index,
                 generation: slot.generation,
             };
-            let Some(PollerKind::Timed { period_ns }) = slot.entry.as_ref().map(|e| e.kind) else {
+            let Some(kind) = slot.entry.as_ref().map(|e| e.kind) else {
                 continue;
             };
-            self.schedule_timer(id, now.saturating_add(period_ns.max(1)));
+            match kind {
+                PollerKind::Timed { period_ns } => {
+                    self.schedule_timer(id, now.saturating_add(period_ns.max(1)));
+                }
+                // A one-shot wake-up of an untimed poller.
+                _ => {
+                    if let Some(e) = self.entry_mut(id) {
+                        e.deadline = false;
+                    }
+                    self.n_deadlines -= 1;
+                }
+            }
             status = status.or(self.run_poller(id));
         }
         due.clear();
@@ -1392,6 +1442,13 @@ impl Thread {
                 assert!(!e.paused, "{}: paused and woken", e.name);
             }
         }
+        let deadlines = self
+            .pollers
+            .iter()
+            .filter_map(|s| s.entry.as_ref())
+            .filter(|e| e.deadline)
+            .count() as u64;
+        assert_eq!(deadlines, self.n_deadlines, "armed wake-up count");
         let (mut active, mut timed, mut paused) = (0, 0, 0);
         for (i, e) in self.pollers.iter().enumerate() {
             let Some(e) = e.entry.as_ref() else { continue };

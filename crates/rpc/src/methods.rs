@@ -145,6 +145,16 @@ pub trait ControlPlane: Send + Sync {
         let _ = (snapshot, name, backend);
         Err(no_snapshots())
     }
+    /// `volume_set_qos`: the volume's rate limits (0: unlimited), in force
+    /// for its next request; the volume's QoS as `volume_get_stats` shows it.
+    fn volume_set_qos(
+        &self,
+        name: &str,
+        limits: lull_volume::QosLimits,
+    ) -> Result<Value, ControlError> {
+        let _ = (name, limits);
+        Err(ControlError::Refused("this server has no QoS".into()))
+    }
     /// `volume_flatten`: copies a clone's base into it so it stands alone.
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let _ = volume;
@@ -350,6 +360,7 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_revert",
     "volume_clone",
     "volume_flatten",
+    "volume_set_qos",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -493,6 +504,18 @@ pub fn register_lull_methods(
             &p.name,
             p.backend.as_deref()
         )?))
+    })?;
+    let c = ctx.clone();
+    method(registry, "volume_set_qos", move |p: SetQos| {
+        check_name("name", &p.name, MAX_VOLUME_NAME_LEN)?;
+        let limits = lull_volume::QosLimits {
+            rw_ios_per_sec: p.rw_ios_per_sec,
+            rw_mbytes_per_sec: p.rw_mbytes_per_sec,
+            r_mbytes_per_sec: p.r_mbytes_per_sec,
+            w_mbytes_per_sec: p.w_mbytes_per_sec,
+        };
+        limits.check().map_err(ControlError::InvalidParams)?;
+        c.control.volume_set_qos(&p.name, limits)
     })?;
     let c = ctx;
     method(registry, "volume_flatten", move |p: VolumeName| {
@@ -708,6 +731,22 @@ struct VolumeRevert {
     /// under them, as after a disk swap).
     #[serde(default)]
     force: bool,
+}
+
+/// `volume_set_qos` parameters: SPDK's `bdev_set_qos_limit` names,
+/// each 0 (unlimited) when left out.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct SetQos {
+    name: String,
+    #[serde(default)]
+    rw_ios_per_sec: u64,
+    #[serde(default)]
+    rw_mbytes_per_sec: u64,
+    #[serde(default)]
+    r_mbytes_per_sec: u64,
+    #[serde(default)]
+    w_mbytes_per_sec: u64,
 }
 
 /// `volume_clone` parameters.

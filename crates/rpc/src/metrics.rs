@@ -190,6 +190,11 @@ pub struct VolumeMetrics {
     /// Reads whose data went from a replica's socket to the client's with
     /// splice, never copied into memory (replicated volumes; 0 elsewhere).
     pub spliced_reads: u64,
+    /// Requests its QoS limits held, and how long they waited in all.
+    pub qos_throttled: u64,
+    pub qos_throttled_seconds: f64,
+    /// Its `rw_ios_per_sec` limit (0: unlimited).
+    pub qos_rw_ios_per_sec: u64,
 }
 
 /// One replica's state.
@@ -593,6 +598,24 @@ impl Collector for SnapshotCollector {
             v,
             volume_labels,
             |x| x.spliced_reads,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_qos_throttled",
+            "Requests the volume's QoS limits held (they waited, none failed).",
+            None,
+            v,
+            volume_labels,
+            |x| x.qos_throttled,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_qos_throttled",
+            "Time requests waited for the volume's QoS limits, summed.",
+            Some(&Unit::Seconds),
+            v,
+            volume_labels,
+            |x| x.qos_throttled_seconds,
         )?;
         let uring_volumes: Vec<&VolumeMetrics> =
             v.iter().filter(|x| x.io_uring_enters.is_some()).collect();

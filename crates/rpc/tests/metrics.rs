@@ -316,6 +316,9 @@ fn snapshot() -> MetricsSnapshot {
                 plain_buffer_ios: Some(5),
                 inline_ios: Some(7),
                 spliced_reads: 3,
+                qos_throttled: 4,
+                qos_throttled_seconds: 0.25,
+                qos_rw_ios_per_sec: 2000,
             },
             VolumeMetrics {
                 name: "we\"ird\\name\nx".into(),
@@ -449,6 +452,8 @@ fn scrape() {
         ("lull_volume_read_bytes", "counter"),
         ("lull_volume_written_bytes", "counter"),
         ("lull_volume_spliced_reads", "counter"),
+        ("lull_volume_qos_throttled", "counter"),
+        ("lull_volume_qos_throttled_seconds", "counter"),
         ("lull_volume_io_uring_enters", "counter"),
         ("lull_volume_fixed_buffer_ios", "counter"),
         ("lull_volume_plain_buffer_ios", "counter"),
@@ -639,6 +644,26 @@ fn scrape() {
         )
         .value,
         3.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_qos_throttled",
+            "lull_volume_qos_throttled_total",
+            &v0
+        )
+        .value,
+        4.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_qos_throttled_seconds",
+            "lull_volume_qos_throttled_seconds_total",
+            &v0
+        )
+        .value,
+        0.25
     );
     assert_eq!(
         sample(

@@ -18,6 +18,7 @@
 
 #![forbid(unsafe_code)]
 
+mod qos;
 mod stats;
 
 use std::os::fd::RawFd;
@@ -27,6 +28,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use lull_bdev::{BdevError, BlockDevice, ChainDev, Channel, IoCompletion, IoRequest};
 use lull_engine::ReplicatedDev;
 
+pub use qos::{Qos, QosLimits, QOS_BURST_NS, QOS_MAX_IOS_PER_SEC, QOS_MAX_MBYTES_PER_SEC};
 pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
 
 /// Longest volume name, in bytes. A volume's name is its NBD export name,
@@ -178,6 +180,8 @@ pub struct Volume {
     pub name: String,
     pub storage: Storage,
     pub stats: VolumeStats,
+    /// Rate limits over all the volume's connections (`qos` module).
+    pub qos: Qos,
     /// Connections holding a [`ConnPermit`].
     connections: AtomicUsize,
     /// Requests in flight through the volume's [`Volume::open_channel`]
@@ -205,6 +209,7 @@ impl Volume {
             name: name.to_string(),
             storage,
             stats: VolumeStats::default(),
+            qos: Qos::default(),
             connections: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             in_flight_waits: AtomicU64::new(0),
@@ -251,6 +256,8 @@ impl Volume {
             volume: self.clone(),
             max_in_flight,
             mine: 0,
+            retry_at: None,
+            held_since: None,
         }))
     }
 
@@ -295,10 +302,15 @@ pub struct VolumeChannel {
     max_in_flight: usize,
     /// Requests of this channel counted in the volume's `in_flight`.
     mine: usize,
+    /// The last `submit` was refused by the volume's QoS until then.
+    retry_at: Option<u64>,
+    /// When the QoS first held the request being retried.
+    held_since: Option<u64>,
 }
 
 impl Channel for VolumeChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        self.retry_at = None;
         if !self.volume.take_in_flight(self.max_in_flight) {
             return Err((
                 req,
@@ -306,6 +318,28 @@ impl Channel for VolumeChannel {
                     capacity: self.max_in_flight,
                 },
             ));
+        }
+        if self.volume.qos.limited() {
+            use lull_reactor::Clock;
+            let now = lull_reactor::MonotonicClock.now_ns();
+            match self.volume.qos.take(req.op, req.len, now) {
+                Ok(()) => {
+                    if let Some(since) = self.held_since.take() {
+                        self.volume.qos.note_wait(now.saturating_sub(since));
+                    }
+                }
+                Err(at) => {
+                    self.volume.give_in_flight(1);
+                    self.retry_at = Some(at);
+                    self.held_since.get_or_insert(now);
+                    return Err((
+                        req,
+                        BdevError::Full {
+                            capacity: self.max_in_flight,
+                        },
+                    ));
+                }
+            }
         }
         match self.inner.submit(req) {
             Ok(()) => {
@@ -346,6 +380,10 @@ impl Channel for VolumeChannel {
 
     fn allow_splice(&mut self) {
         self.inner.allow_splice();
+    }
+
+    fn retry_at_ns(&self) -> Option<u64> {
+        self.retry_at
     }
 }
 

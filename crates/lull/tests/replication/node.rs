@@ -652,3 +652,38 @@ fn a_lull_replica_directory_is_adopted_by_a_store() {
     );
     assert!(text.contains("not a lull replica directory"), "{text}");
 }
+
+/// Volumes a node records keep their QoS limits and their snapshots over
+/// a restart (a file volume's chain is found again next to its file).
+#[test]
+fn a_nodes_volumes_keep_their_qos_and_snapshots_over_a_restart() {
+    let dir = Scratch::new("node-qos");
+    let a = Node::new(&dir, "a");
+    let server = a.start();
+    let file = dir.join("v.img");
+    a.rpc(
+        "volume_create",
+        json!({"name": "v", "size": "8M", "backend": format!("file={}", file.display())}),
+    );
+    a.rpc(
+        "volume_set_qos",
+        json!({"name": "v", "rw_ios_per_sec": 1500, "w_mbytes_per_sec": 3}),
+    );
+    qemu_io(&server, "v", &["write -P 0x3c 0 1M"]);
+    a.rpc("snapshot_create", json!({"volume": "v", "name": "before"}));
+    qemu_io(&server, "v", &["write -P 0x3d 0 1M"]);
+    drop(server);
+    let server = a.start();
+    let stats = a.rpc("volume_get_stats", json!({"name": "v"}));
+    assert_eq!(stats["qos"]["limits"]["rw_ios_per_sec"], 1500, "{stats}");
+    assert_eq!(stats["qos"]["limits"]["w_mbytes_per_sec"], 3, "{stats}");
+    let list = a.rpc("snapshot_list", json!({"volume": "v"}));
+    assert_eq!(list[0]["name"], "before", "{list}");
+    qemu_io(&server, "v", &["read -P 0x3d 0 1M"]);
+    // Unlimited again: the record forgets the limits.
+    a.rpc("volume_set_qos", json!({"name": "v"}));
+    drop(server);
+    let _server = a.start();
+    let stats = a.rpc("volume_get_stats", json!({"name": "v"}));
+    assert_eq!(stats["qos"]["limits"]["rw_ios_per_sec"], 0, "{stats}");
+}

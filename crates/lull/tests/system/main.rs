@@ -14,5 +14,6 @@ mod common;
 
 mod campaign;
 mod per_io;
+mod qos;
 mod scale;
 mod scheduler;

@@ -162,6 +162,11 @@ pub(crate) struct VolumeRow {
     pub connections: u64,
     pub errors: u64,
     pub health: Health,
+    /// The QoS limits, short (`-`: none).
+    pub qos: String,
+    /// Milliseconds of waiting for the QoS limits per second (summed over
+    /// the requests held: 500 is half a request held all the time).
+    pub throttled_ms_s: Rate,
 }
 
 impl VolumeRow {
@@ -323,6 +328,14 @@ impl Model {
                 connections: s.connections,
                 errors: s.errors,
                 health: health(&v.backend, v.replicas.as_deref()),
+                qos: s.qos.limits.short(),
+                throttled_ms_s: interval
+                    .filter(|i| i.as_secs_f64() > 0.0)
+                    .zip(b)
+                    .map(|(i, b)| {
+                        (s.qos.throttled_seconds - b.qos.throttled_seconds).max(0.0) * 1000.0
+                            / i.as_secs_f64()
+                    }),
             });
             for r in v.replicas.iter().flatten() {
                 let earlier = before

@@ -338,6 +338,8 @@ fn volumes(model: &Model, view: &View) -> Table {
         col("INFL", Right, 4),
         col("CONN", Right, 5),
         col("ERR", Right, 8),
+        col("QOS", Left, 10),
+        col("THRms/s", Right, 11),
         col("STATE", Left, 2),
     ]);
     let shown = model.shown_volumes(view);
@@ -354,6 +356,8 @@ fn volumes(model: &Model, view: &View) -> Table {
                 v.in_flight.to_string(),
                 v.connections.to_string(),
                 v.errors.to_string(),
+                v.qos.clone(),
+                count(v.throttled_ms_s),
                 health(&v.health),
             ],
             v.health.is_alert(),

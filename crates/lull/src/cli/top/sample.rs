@@ -154,6 +154,50 @@ pub(crate) struct VolumeStats {
     pub in_flight: u64,
     #[serde(rename = "latency_ns")]
     pub latency: Latency,
+    pub qos: Qos,
+}
+
+/// `volume_get_stats`'s QoS: the limits (0: unlimited) and what they held.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(default)]
+pub(crate) struct Qos {
+    pub limits: QosLimits,
+    pub throttled_requests: u64,
+    pub throttled_seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(default)]
+pub(crate) struct QosLimits {
+    pub rw_ios_per_sec: u64,
+    pub rw_mbytes_per_sec: u64,
+    pub r_mbytes_per_sec: u64,
+    pub w_mbytes_per_sec: u64,
+}
+
+impl QosLimits {
+    /// `2000io` / `100MB` / `r50MB+w20MB`, `-` when unlimited: what fits
+    /// a column.
+    pub(crate) fn short(&self) -> String {
+        let mut parts = Vec::new();
+        if self.rw_ios_per_sec > 0 {
+            parts.push(format!("{}io", self.rw_ios_per_sec));
+        }
+        if self.rw_mbytes_per_sec > 0 {
+            parts.push(format!("{}MB", self.rw_mbytes_per_sec));
+        }
+        if self.r_mbytes_per_sec > 0 {
+            parts.push(format!("r{}MB", self.r_mbytes_per_sec));
+        }
+        if self.w_mbytes_per_sec > 0 {
+            parts.push(format!("w{}MB", self.w_mbytes_per_sec));
+        }
+        if parts.is_empty() {
+            "-".into()
+        } else {
+            parts.join("+")
+        }
+    }
 }
 
 /// Rebuild or reconcile progress of a replica.
