@@ -128,6 +128,12 @@ fn table(text: &str, title: &str) -> (Vec<String>, Vec<Vec<String>>) {
 fn once_names_every_reactor_and_volume_with_rates_for_the_busy_ones() {
     let dir = Scratch::new("top-once");
     let (server, sock) = server(&dir);
+    // A QoS limit on one busy volume, low enough to hold fio back.
+    rpc(
+        &sock,
+        "volume_set_qos",
+        &format!(r#"{{"name": "{}", "rw_ios_per_sec": 500}}"#, BUSY[0]),
+    );
     let _fio = load(&server, &sock);
     let out = Command::new(LULL)
         .args(["top", "--once", "--period-ms", "1000", "--socket"])
@@ -173,6 +179,21 @@ fn once_names_every_reactor_and_volume_with_rates_for_the_busy_ones() {
     assert_eq!(iops(IDLE), 0.0, "{IDLE} is idle:\n{text}");
     // The default sort is by IOPS, busiest first: the idle volume is last.
     assert_eq!(rows[2][0], IDLE, "{text}");
+    // The limited volume shows its limit and time held by it.
+    let at = |h: &str| {
+        header
+            .iter()
+            .position(|x| x == h)
+            .unwrap_or_else(|| panic!("no {h}"))
+    };
+    let limited = rows.iter().find(|r| r[0] == BUSY[0]).expect("limited row");
+    assert_eq!(limited[at("QOS")], "500io", "{text}");
+    assert!(
+        limited[at("THRms/s")].parse::<f64>().unwrap_or(0.0) > 0.0,
+        "{text}"
+    );
+    let free = rows.iter().find(|r| r[0] == BUSY[1]).expect("free row");
+    assert_eq!(free[at("QOS")], "-", "{text}");
 }
 
 /// A tmux server of the test's own (its socket in the test's directory,
