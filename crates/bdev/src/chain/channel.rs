@@ -702,7 +702,7 @@ fn mark(state: &State, b0: u64, b1: u64) {
 
 impl Channel for ChainChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
-        if self.shared.paused.load(Ordering::SeqCst) {
+        if self.shared.paused.load(Ordering::SeqCst) > 0 {
             return Err((
                 req,
                 BdevError::Full {
@@ -730,7 +730,7 @@ impl Channel for ChainChannel {
         // the pause, then sums the counts (both SeqCst), so one of the
         // two sees the other.
         self.set_busy(self.parents + 1);
-        if self.shared.paused.load(Ordering::SeqCst) {
+        if self.shared.paused.load(Ordering::SeqCst) > 0 {
             self.set_busy(self.parents);
             return Err((
                 req,

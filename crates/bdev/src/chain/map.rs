@@ -39,10 +39,6 @@ impl Bitmap {
         Bitmap { words, blocks }
     }
 
-    pub(crate) fn blocks(&self) -> u64 {
-        self.blocks
-    }
-
     pub(crate) fn get(&self, block: u64) -> bool {
         match self.words.get((block / 64) as usize) {
             Some(w) => w.load(Ordering::Acquire) & (1 << (block % 64)) != 0,

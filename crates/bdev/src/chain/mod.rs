@@ -44,7 +44,7 @@ mod channel;
 pub(crate) mod map;
 mod store;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -114,7 +114,10 @@ pub fn check_snapshot_name(name: &str) -> Result<(), BdevError> {
 pub(crate) struct Layer {
     pub(crate) id: u64,
     pub(crate) dev: Arc<dyn BlockDevice>,
-    pub(crate) held: Bitmap,
+    /// Shared by the states that hold this layer (a snapshot freezing the
+    /// head keeps its bitmap; a merge into a frozen layer sets bits while
+    /// another operation may make a new state).
+    pub(crate) held: Arc<Bitmap>,
     /// `None` for the head.
     pub(crate) snapshot: Option<SnapshotMeta>,
     /// The layer belongs to another chain (a clone's base): never written,
@@ -150,7 +153,7 @@ impl State {
 
     fn build_top(layers: &[Arc<Layer>], blocks: u64) -> Option<Arc<TopMap>> {
         (layers.len() > 1).then(|| {
-            let maps: Vec<&Bitmap> = layers.iter().map(|l| &l.held).collect();
+            let maps: Vec<&Bitmap> = layers.iter().map(|l| l.held.as_ref()).collect();
             Arc::new(TopMap::build(blocks, &maps))
         })
     }
@@ -162,7 +165,9 @@ pub(crate) struct Shared {
     size_bytes: AtomicU64,
     pub(crate) state: RwLock<Arc<State>>,
     pub(crate) generation: AtomicU64,
-    pub(crate) paused: AtomicBool,
+    /// Quiesces in force (a merge step and a snapshot may overlap): new
+    /// requests are held while it is above 0.
+    pub(crate) paused: AtomicUsize,
     /// Each channel's count of requests in flight, for the quiesce.
     pub(crate) channels: Mutex<Vec<Weak<AtomicUsize>>>,
     /// Block ranges `[first, end)` under a copy-up, and how many.
@@ -176,7 +181,7 @@ impl Shared {
             size_bytes: AtomicU64::new(size_bytes),
             state: RwLock::new(Arc::new(state)),
             generation: AtomicU64::new(0),
-            paused: AtomicBool::new(false),
+            paused: AtomicUsize::new(0),
             channels: Mutex::default(),
             copyups: Mutex::default(),
             copyups_active: AtomicUsize::new(0),
@@ -199,7 +204,7 @@ impl Shared {
     /// Holds new requests and waits for those in flight; I/O resumes when
     /// the guard drops.
     fn quiesce(&self) -> Result<Quiesced<'_>, BdevError> {
-        self.paused.store(true, Ordering::SeqCst);
+        self.paused.fetch_add(1, Ordering::SeqCst);
         let guard = Quiesced { shared: self };
         let start = Instant::now();
         loop {
@@ -258,7 +263,7 @@ struct Quiesced<'a> {
 
 impl Drop for Quiesced<'_> {
     fn drop(&mut self) {
-        self.shared.paused.store(false, Ordering::SeqCst);
+        self.shared.paused.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -292,9 +297,9 @@ pub struct ChainDev {
     shared: Arc<Shared>,
     store: Arc<dyn LayerStore>,
     /// The committed record's clone references (volumes using a snapshot).
-    clones: Mutex<Vec<CloneRef>>,
-    /// Serialises control operations.
-    control: Mutex<()>,
+    clones: Arc<Mutex<Vec<CloneRef>>>,
+    /// Serialises control operations (and a merge's last step).
+    control: Arc<Mutex<()>>,
     next_id: AtomicU64,
     merge: Mutex<Option<Merge>>,
 }
@@ -342,7 +347,7 @@ impl ChainDev {
         let (record, devs) = store.load(size_bytes)?;
         let mut layers = Vec::with_capacity(devs.len());
         for (rec, dev) in record.layers.iter().zip(devs) {
-            let held = held_of(dev.as_ref(), size_bytes)?;
+            let held = Arc::new(held_of(dev.as_ref(), size_bytes)?);
             layers.push(Arc::new(Layer {
                 id: rec.id,
                 dev,
@@ -377,8 +382,8 @@ impl ChainDev {
                 },
             ),
             store,
-            clones: Mutex::new(record.clones),
-            control: Mutex::default(),
+            clones: Arc::new(Mutex::new(record.clones)),
+            control: Arc::default(),
             next_id: AtomicU64::new(next_id),
             merge: Mutex::default(),
         })
@@ -433,9 +438,9 @@ impl ChainDev {
         // nothing is in flight.
         let old_head = state.head();
         let held = if state.layers.len() == 1 {
-            held_of(old_head.dev.as_ref(), size)?
+            Arc::new(held_of(old_head.dev.as_ref(), size)?)
         } else {
-            copy_bitmap(&old_head.held)
+            old_head.held.clone()
         };
         let frozen = Arc::new(Layer {
             id: old_head.id,
@@ -452,7 +457,7 @@ impl ChainDev {
         layers.push(Arc::new(Layer {
             id,
             dev: new_head,
-            held: Bitmap::new(blocks_of(size)),
+            held: Arc::new(Bitmap::new(blocks_of(size))),
             snapshot: None,
             foreign: None,
         }));
@@ -552,7 +557,7 @@ impl ChainDev {
         layers.push(Arc::new(Layer {
             id,
             dev: head,
-            held: Bitmap::new(blocks_of(size)),
+            held: Arc::new(Bitmap::new(blocks_of(size))),
             snapshot: None,
             foreign: None,
         }));
@@ -604,6 +609,8 @@ impl ChainDev {
         store: Arc<dyn LayerStore>,
     ) -> Result<ChainDev, BdevError> {
         let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        // A merge drops a layer a new clone would stand on.
+        self.no_merge_running()?;
         let state = self.shared.state();
         let i = state
             .index_of(name)
@@ -619,7 +626,7 @@ impl ChainDev {
             layers.push(Arc::new(Layer {
                 id: l.id,
                 dev: l.dev.clone(),
-                held: copy_bitmap(&l.held),
+                held: l.held.clone(),
                 snapshot: l.snapshot.clone(),
                 foreign: Some(
                     l.foreign
@@ -633,7 +640,7 @@ impl ChainDev {
         layers.push(Arc::new(Layer {
             id: head_id,
             dev: store.create_layer(head_id, size)?,
-            held: Bitmap::new(blocks_of(size)),
+            held: Arc::new(Bitmap::new(blocks_of(size))),
             snapshot: None,
             foreign: None,
         }));
@@ -648,8 +655,8 @@ impl ChainDev {
                 },
             ),
             store: store.clone(),
-            clones: Mutex::default(),
-            control: Mutex::default(),
+            clones: Arc::default(),
+            control: Arc::default(),
             next_id: AtomicU64::new(head_id + 1),
             merge: Mutex::default(),
         };
@@ -754,12 +761,12 @@ impl ChainDev {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .iter()
-                    .filter(|c| &c.snapshot == name)
+                    .filter(|c| state.index_of(&c.snapshot).is_some_and(|ci| ci >= i))
                     .map(|c| c.volume.clone())
                     .collect();
                 if !used.is_empty() {
                     return Err(BdevError::InUse(format!(
-                        "snapshot {name:?} is the base of clones {}: flatten or delete them first",
+                        "snapshot {name:?} is in the base of clones {}: flatten or delete them first",
                         used.join(", ")
                     )));
                 }
@@ -778,11 +785,8 @@ impl ChainDev {
         let job = MergeJob {
             shared: self.shared.clone(),
             store: self.store.clone(),
-            clones: self
-                .clones
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            clones: self.clones.clone(),
+            control: self.control.clone(),
             first: state.layers[range.start].id,
             last: state.layers[range.end - 1].id,
             done: done.clone(),
@@ -821,20 +825,6 @@ impl ChainDev {
     }
 }
 
-fn copy_bitmap(from: &Bitmap) -> Bitmap {
-    let to = Bitmap::new(from.blocks());
-    for w in 0..from.blocks().div_ceil(64) {
-        let bits = from.word(w);
-        let mut b = bits;
-        while b != 0 {
-            let i = w * 64 + u64::from(b.trailing_zeros());
-            b &= b - 1;
-            to.set_range(i, i + 1);
-        }
-    }
-    to
-}
-
 enum MergeWhat {
     Snapshot(String),
     Base,
@@ -845,7 +835,11 @@ enum MergeWhat {
 struct MergeJob {
     shared: Arc<Shared>,
     store: Arc<dyn LayerStore>,
-    clones: Vec<CloneRef>,
+    /// The chain's clone references, read when the record is written.
+    clones: Arc<Mutex<Vec<CloneRef>>>,
+    /// The chain's control lock, taken for the last step (no other
+    /// operation's record may cross this one's).
+    control: Arc<Mutex<()>>,
     first: u64,
     last: u64,
     done: Arc<AtomicU64>,
@@ -921,6 +915,7 @@ impl MergeJob {
         let (a, b) = Self::indices(&state, self.first, self.last)
             .ok_or_else(|| BdevError::Failed("the chain changed under the merge".into()))?;
         io.flush(state.layers[b + 1].dev.as_ref())?;
+        let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
         let quiet = self.shared.quiesce()?;
         let state = self.shared.state();
         let (a2, b2) = Self::indices(&state, self.first, self.last)
@@ -946,7 +941,11 @@ impl MergeJob {
                     foreign: l.foreign.clone(),
                 })
                 .collect(),
-            clones: self.clones.clone(),
+            clones: self
+                .clones
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
         };
         self.store.commit(&record)?;
         self.shared.set_state(next);

@@ -463,3 +463,70 @@ proptest! {
         check_against_model(steps, true);
     }
 }
+
+/// A snapshot taken and writes made while a delete's merge runs: the
+/// merged blocks stay visible after the merge drops its layer, the new
+/// snapshot holds what was acknowledged before it, and a clone of a
+/// snapshot above the merged one stops the merge.
+#[test]
+fn snapshots_while_a_merge_runs_lose_nothing() {
+    for file in [false, true] {
+        let dir = TempDir::new(if file { "merge-file" } else { "merge-mem" });
+        let size = 8u64 << 20;
+        let chain = if file {
+            ChainDev::open(file_store(&dir), size).unwrap()
+        } else {
+            memory_chain(size)
+        };
+        let mut ch = chain.open_channel().unwrap();
+        let a = pattern(5, size as usize);
+        write(ch.as_mut(), 0, &a);
+        chain.snapshot("s1").unwrap();
+        let b = pattern(77, 1 << 20);
+        write(ch.as_mut(), 2 << 20, &b);
+        chain.snapshot("s2").unwrap();
+        let mut live = a.clone();
+        live[2 << 20..3 << 20].copy_from_slice(&b);
+        // s1 merges into s2 (a frozen layer) while the head moves on.
+        chain.delete_snapshot("s1").unwrap();
+        write(ch.as_mut(), 0, &[9; 4096]);
+        live[..4096].fill(9);
+        chain.snapshot("s3").unwrap();
+        let at_s3 = live.clone();
+        write(ch.as_mut(), 4096, &[8; 4096]);
+        live[4096..8192].fill(8);
+        chain.wait_merge().unwrap();
+        assert_eq!(chain.snapshot_names(), ["s2", "s3"]);
+        drop(ch);
+        let mut ch = chain.open_channel().unwrap();
+        assert!(
+            read(ch.as_mut(), 0, size as usize) == live,
+            "live after the merge"
+        );
+        let mut v = chain.snapshot_view("s3").unwrap().open_channel().unwrap();
+        assert!(read(v.as_mut(), 0, size as usize) == at_s3, "s3");
+        let mut v = chain.snapshot_view("s2").unwrap().open_channel().unwrap();
+        let mut at_s2 = a.clone();
+        at_s2[2 << 20..3 << 20].copy_from_slice(&b);
+        assert!(
+            read(v.as_mut(), 0, size as usize) == at_s2,
+            "s2 took s1's blocks"
+        );
+        // A clone of s3 stands on s2: s2 cannot be merged away under it.
+        let base: Arc<dyn BlockDevice> = Arc::new(MallocDev::new(size).unwrap());
+        let _clone = chain
+            .clone_snapshot("s3", "c", Arc::new(MemoryStore::new(base)))
+            .unwrap();
+        let e = chain
+            .delete_snapshot("s2")
+            .expect_err("in the clone's base");
+        assert!(e.to_string().contains("base of clones c"), "{e}");
+        if file {
+            drop((ch, v));
+            drop(chain);
+            let chain = ChainDev::open(file_store(&dir), size).unwrap();
+            let mut ch = chain.open_channel().unwrap();
+            assert!(read(ch.as_mut(), 0, size as usize) == live, "live reopened");
+        }
+    }
+}

@@ -351,18 +351,32 @@ fn incremental_backup_with_libnbd_restores_the_later_snapshot() {
     let dir = common::Scratch::new("incremental");
     let mut server = Server::start(&["--volume", "vol0:16M"]);
     qemu_io(&server, "vol0", &["write -P 0x11 0 12M"]);
-    rpc_ok(&server, "snapshot_create", r#"{"volume":"vol0","name":"s1"}"#);
+    rpc_ok(
+        &server,
+        "snapshot_create",
+        r#"{"volume":"vol0","name":"s1"}"#,
+    );
     let backup = dir.join("backup.img");
-    run(Command::new("nbdcopy").arg(uri(&server, "vol0@s1")).arg(&backup));
+    run(Command::new("nbdcopy")
+        .arg(uri(&server, "vol0@s1"))
+        .arg(&backup));
     // 1% of the 4 KiB blocks, spread out, one unaligned.
     let writes: Vec<(u64, u64)> = (0..40u64)
         .map(|i| (i * 397 * 4096 % SIZE, 4096))
         .chain([(13 * MIB + 10, 100)])
         .collect();
     for (i, &(o, l)) in writes.iter().enumerate() {
-        qemu_io(&server, "vol0", &[format!("write -P {:#x} {o} {l}", 0x20 + i as u8)]);
+        qemu_io(
+            &server,
+            "vol0",
+            &[format!("write -P {:#x} {o} {l}", 0x20 + i as u8)],
+        );
     }
-    rpc_ok(&server, "snapshot_create", r#"{"volume":"vol0","name":"s2"}"#);
+    rpc_ok(
+        &server,
+        "snapshot_create",
+        r#"{"volume":"vol0","name":"s2"}"#,
+    );
     qemu_io(&server, "vol0", &["write -P 0x99 0 1M"]);
     let python = common::python_with_nbd();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/incremental-backup.py");
@@ -379,6 +393,9 @@ fn incremental_backup_with_libnbd_restores_the_later_snapshot() {
         "only the changed blocks ({changed} bytes) are sent: {text}"
     );
     let s2 = copy_out(&server, "vol0@s2", &dir);
-    assert!(std::fs::read(&backup).expect("backup") == s2, "backup == s2");
+    assert!(
+        std::fs::read(&backup).expect("backup") == s2,
+        "backup == s2"
+    );
     server.assert_healthy();
 }
