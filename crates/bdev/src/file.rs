@@ -89,7 +89,8 @@ pub const FILE_CHANNEL_DEPTH: u32 = 256;
 /// may name up to 4 GiB; the advice is only advice, so a prefix is as
 /// valid as the whole, and this bounds the page cache one request can
 /// fill and the time `fadvise` spends starting readahead on the reactor.
-/// 32 MiB is the largest read lull serves.
+/// 32 MiB is half the largest read lull serves (64 MiB) and the largest
+/// most clients send.
 pub const MAX_PREFETCH_BYTES: u64 = 32 << 20;
 
 /// Size of the zero buffer used when the filesystem cannot zero a range by

@@ -131,10 +131,10 @@ pub const MAX_REPLICA_NAME_BYTES: usize = 253;
 pub const MAX_HELLO_REQUEST_LEN: usize = HELLO_LEN + MAX_REPLICA_NAME_BYTES;
 /// Bytes in one EXTENTS record: (offset u64, length u64).
 pub const EXTENT_LEN: usize = 16;
-/// Largest READ or WRITE payload in one frame. 32 MiB matches the NBD
+/// Largest READ or WRITE payload in one frame. 64 MiB matches the NBD
 /// frontend's payload cap, so one NBD request maps to one replica request,
 /// and it bounds the receive buffer a peer can make us allocate.
-pub const MAX_IO_BYTES: u32 = 32 << 20;
+pub const MAX_IO_BYTES: u32 = 64 << 20;
 /// Most extents in one EXTENTS reply. 256 records are 4 KiB of payload and
 /// at most ~512 `lseek` calls on the replica, which keeps one request's
 /// inline work on the reactor short; callers continue from the scan end.

@@ -40,7 +40,7 @@ pub const ARENA_CLASS_MIN_BYTES: usize = 4096;
 /// workloads (kbench's 128 KiB jobs) and of the kernel's default
 /// readahead (`read_ahead_kb` = 128), the unit of buffered sequential
 /// reads through a kernel NBD device. Larger requests (clients may send
-/// up to 32 MiB) take heap buffers and plain READ/WRITE: a class of 1 MiB
+/// up to 64 MiB) take heap buffers and plain READ/WRITE: a class of 1 MiB
 /// buffers would cost 8 times the memory of the 128 KiB one.
 pub const ARENA_CLASS_MAX_BYTES: usize = 128 << 10;
 const ARENA_CLASSES: usize =

@@ -177,8 +177,10 @@ impl fmt::Debug for IoBuf {
 
 /// Smallest pooled size class: one page.
 pub const POOL_CLASS_MIN_BYTES: usize = 4096;
-/// Largest pooled size class: 32 MiB, the NBD maximum payload. Larger
-/// buffers are allocated exactly and freed on `put`.
+/// Largest pooled size class: 32 MiB, half the NBD maximum payload (the
+/// common clients' largest request). Larger buffers (40 and 64 MiB
+/// requests of clients that do not negotiate block sizes) are allocated
+/// exactly and freed on `put`, so a pool never caches them.
 pub const POOL_CLASS_MAX_BYTES: usize = 32 << 20;
 const POOL_CLASSES: usize =
     (POOL_CLASS_MAX_BYTES.trailing_zeros() - POOL_CLASS_MIN_BYTES.trailing_zeros()) as usize + 1;

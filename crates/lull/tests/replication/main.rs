@@ -13,6 +13,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod large_requests;
 mod node;
 mod replica_tls;
 mod replication;
