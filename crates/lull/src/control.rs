@@ -36,6 +36,9 @@ pub struct Control {
     /// Volumes created over RPC, written under the store and restored at
     /// start (with `--store`).
     node: Option<Arc<crate::node::NodeState>>,
+    /// `volume_set_rebuild_limit` without a name: the limit (bytes/s) of
+    /// replicated volumes created from then on.
+    rebuild_limit_default: AtomicU64,
 }
 
 impl Control {
@@ -55,6 +58,7 @@ impl Control {
             volume_changes: std::sync::Mutex::new(()),
             store: None,
             node: None,
+            rebuild_limit_default: AtomicU64::new(0),
         }
     }
 
@@ -290,6 +294,12 @@ impl ControlPlane for Control {
         if let Some(r) = self.fw.reactor_stats().first() {
             self.apply_keepalive(r.mode);
         }
+        let limit = self.rebuild_limit_default.load(Ordering::Relaxed);
+        if let (Some(dev), true) = (v.storage.replicated(), limit > 0) {
+            if let Err(e) = dev.set_rebuild_limit(limit) {
+                tracing::warn!(volume = %v.name, error = %e, "cannot apply the rebuild limit");
+            }
+        }
         let entry = crate::node::VolumeEntry {
             name: v.name.clone(),
             size_bytes: spec.size_bytes,
@@ -298,6 +308,7 @@ impl ControlPlane for Control {
             nvmf_lba: volume.nvmf_lba,
             nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
             qos: None,
+            rebuild_mbytes_per_sec: None,
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);
@@ -395,6 +406,8 @@ impl ControlPlane for Control {
             // client's with splice, never copied into memory.
             "spliced_reads": s.spliced_reads,
             "qos": qos_json(&v),
+            // Replicated volumes: the rebuild bandwidth limit (0: none).
+            "rebuild_limit_bytes_per_sec": v.storage.replicated().map(|d| d.rebuild_limit()),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -580,6 +593,7 @@ impl ControlPlane for Control {
             nvmf_lba: None,
             nvmf_allow_hosts: Vec::new(),
             qos: None,
+            rebuild_mbytes_per_sec: None,
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);
@@ -609,6 +623,49 @@ impl ControlPlane for Control {
         v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
         tracing::info!(volume = name, ?limits, "QoS limits set over RPC");
         Ok(qos_json(&v))
+    }
+
+    fn volume_set_rebuild_limit(
+        &self,
+        name: Option<&str>,
+        mbytes_per_sec: u64,
+    ) -> Result<Value, ControlError> {
+        let bytes = mbytes_per_sec * 1_000_000;
+        let targets: Vec<Arc<Volume>> = match name {
+            Some(n) => {
+                self.replicated(n)?;
+                vec![self.volumes.named(n)?]
+            }
+            None => {
+                self.rebuild_limit_default.store(bytes, Ordering::Relaxed);
+                self.volumes
+                    .list()
+                    .into_iter()
+                    .filter(|v| v.storage.replicated().is_some())
+                    .collect()
+            }
+        };
+        let mut names = Vec::new();
+        for v in &targets {
+            if let Some(dev) = v.storage.replicated() {
+                dev.set_rebuild_limit(bytes)
+                    .map_err(|e| ControlError::Failed(e.into()))?;
+                names.push(v.name.clone());
+            }
+        }
+        if let Some(n) = name {
+            self.persist(|m| {
+                if let Some(e) = m.get_mut(n) {
+                    e.rebuild_mbytes_per_sec = (mbytes_per_sec > 0).then_some(mbytes_per_sec);
+                }
+            })?;
+        }
+        tracing::info!(
+            volume = name.unwrap_or("(every replicated volume)"),
+            mbytes_per_sec,
+            "rebuild bandwidth limit set over RPC"
+        );
+        Ok(json!({ "mbytes_per_sec": mbytes_per_sec, "volumes": names }))
     }
 
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {

@@ -693,6 +693,17 @@ fn serve(args: ServeArgs) -> ExitCode {
                     v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
                     tracing::info!(volume = %spec.name, ?limits, "QoS limits restored");
                 }
+                let rebuild = node
+                    .as_ref()
+                    .and_then(|n| n.volume_rebuild_limit(&spec.name));
+                if let (Some(mb), Some(dev)) = (rebuild, v.storage.replicated()) {
+                    match dev.set_rebuild_limit(mb * 1_000_000) {
+                        Ok(()) => tracing::info!(volume = %spec.name, mbytes_per_sec = mb,
+                            "rebuild bandwidth limit restored"),
+                        Err(e) => tracing::warn!(volume = %spec.name, error = %e,
+                            "cannot restore the rebuild bandwidth limit"),
+                    }
+                }
             }
             Err(e) => {
                 fw.stop();

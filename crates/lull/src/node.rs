@@ -51,6 +51,9 @@ pub struct VolumeEntry {
     /// `volume_set_qos` limits; `None`: unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qos: Option<lull_volume::QosLimits>,
+    /// `volume_set_rebuild_limit` of this volume, MB/s; `None`: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild_mbytes_per_sec: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -140,6 +143,11 @@ impl NodeState {
         self.lock().get(name).and_then(|v| v.qos)
     }
 
+    /// The rebuild limit recorded for a volume, MB/s.
+    pub fn volume_rebuild_limit(&self, name: &str) -> Option<u64> {
+        self.lock().get(name).and_then(|v| v.rebuild_mbytes_per_sec)
+    }
+
     /// Whether `name` is a volume of the record.
     pub fn holds(&self, name: &str) -> bool {
         self.lock().contains_key(name)
@@ -168,6 +176,7 @@ mod tests {
                 rw_ios_per_sec: 100,
                 ..Default::default()
             }),
+            rebuild_mbytes_per_sec: Some(50),
         };
         state
             .update(|m| {

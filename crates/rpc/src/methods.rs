@@ -155,6 +155,19 @@ pub trait ControlPlane: Send + Sync {
         let _ = (name, limits);
         Err(ControlError::Refused("this server has no QoS".into()))
     }
+    /// `volume_set_rebuild_limit`: the rebuild bandwidth limit of one
+    /// replicated volume, or (no name) of every replicated volume now and
+    /// created later; the volumes it applies to.
+    fn volume_set_rebuild_limit(
+        &self,
+        name: Option<&str>,
+        mbytes_per_sec: u64,
+    ) -> Result<Value, ControlError> {
+        let _ = (name, mbytes_per_sec);
+        Err(ControlError::Refused(
+            "this server has no rebuild limit".into(),
+        ))
+    }
     /// `volume_flatten`: copies a clone's base into it so it stands alone.
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let _ = volume;
@@ -361,6 +374,7 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_clone",
     "volume_flatten",
     "volume_set_qos",
+    "volume_set_rebuild_limit",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -517,6 +531,23 @@ pub fn register_lull_methods(
         limits.check().map_err(ControlError::InvalidParams)?;
         c.control.volume_set_qos(&p.name, limits)
     })?;
+    let c = ctx.clone();
+    method(
+        registry,
+        "volume_set_rebuild_limit",
+        move |p: SetRebuildLimit| {
+            if let Some(n) = &p.name {
+                check_name("name", n, MAX_VOLUME_NAME_LEN)?;
+            }
+            if p.mbytes_per_sec > MAX_REBUILD_MBYTES_PER_SEC {
+                return Err(ControlError::InvalidParams(format!(
+                    "mbytes_per_sec: at most {MAX_REBUILD_MBYTES_PER_SEC}"
+                )));
+            }
+            c.control
+                .volume_set_rebuild_limit(p.name.as_deref(), p.mbytes_per_sec)
+        },
+    )?;
     let c = ctx;
     method(registry, "volume_flatten", move |p: VolumeName| {
         p.check()?;
@@ -747,6 +778,21 @@ struct SetQos {
     r_mbytes_per_sec: u64,
     #[serde(default)]
     w_mbytes_per_sec: u64,
+}
+
+/// Largest rebuild bandwidth limit taken, MB/s: far above any link
+/// (100 GB/s); a larger value is a mistake.
+pub const MAX_REBUILD_MBYTES_PER_SEC: u64 = 100_000;
+
+/// `volume_set_rebuild_limit` parameters (Longhorn's
+/// `replica-rebuilding-bandwidth-limit`, in MB = 10^6 bytes per second;
+/// 0: no limit).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct SetRebuildLimit {
+    #[serde(default)]
+    name: Option<String>,
+    mbytes_per_sec: u64,
 }
 
 /// `volume_clone` parameters.

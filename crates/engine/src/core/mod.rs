@@ -125,7 +125,7 @@ use lull_net::slots::SlotTable;
 use lull_proto::replica as proto;
 
 use ids::ReplicaData;
-use types::{RState, Region};
+use types::{RState, RebuildLimit, Region};
 
 pub use election::{ELECTION_LOG_INTERVAL_NS, ELECTION_WAIT_NS};
 pub use ids::{ConnRef, ReplicaTarget, MAX_REPLICAS};
@@ -174,6 +174,7 @@ impl Engine {
             bump: None,
             rebuild: None,
             rebuild_runs: 0,
+            rebuild_limit: RebuildLimit::default(),
             read_rr: 0,
             election_start_ns: None,
             elected_once: false,
@@ -268,6 +269,13 @@ impl Engine {
             Event::Tick => self.on_tick(),
             Event::AddReplica(addr) => self.add_replica(addr),
             Event::RemoveReplica(addr) => self.remove_replica(addr),
+            Event::SetRebuildLimit(bytes_per_sec) => {
+                self.rebuild_limit.set(bytes_per_sec, now_ns);
+                self.log(
+                    LogLevel::Info,
+                    format!("rebuild bandwidth limit {bytes_per_sec} bytes/s (0: none)"),
+                );
+            }
             Event::Detach => self.start_detach(),
         }
         self.progress();

@@ -128,11 +128,17 @@ impl Engine {
             return;
         };
         let run = rb.run;
-        // Admit queued segments into the window.
+        // Admit queued segments into the window, data ones within the
+        // bandwidth limit (holes move no data).
+        let now = self.now;
         while rb.window.len() < REBUILD_WINDOW_SEGMENTS {
-            let Some(seg) = rb.segments.pop_front() else {
+            let Some(&seg) = rb.segments.front() else {
                 break;
             };
+            if seg.data && !self.rebuild_limit.take(seg.len, now) {
+                break;
+            }
+            rb.segments.pop_front();
             rb.window.push_back(InFlight {
                 seg,
                 step: Step::Draining,

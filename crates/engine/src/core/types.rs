@@ -116,9 +116,59 @@ pub enum Event {
     Tick,
     AddReplica(ReplicaTarget),
     RemoveReplica(ReplicaTarget),
+    /// Limit rebuild and reconcile copies to this many data bytes per
+    /// second (0: no limit), from the next segment on.
+    SetRebuildLimit(u64),
     /// Detach cleanly: refuse new requests, let those in flight finish,
     /// FLUSH and DETACH every healthy replica (they become clean).
     Detach,
+}
+
+/// A token bucket over the data bytes rebuild and reconcile copy: a
+/// segment enters the copy window only while the bucket holds tokens, and
+/// takes its length (the bucket may go into debt by one segment). Refilled
+/// from the engine's clock at every event; the shell's tick (100 ms) wakes
+/// a run that waits. Client I/O never takes from it: the limit is a fixed
+/// share left to the rebuild, the rest of the link is the clients'.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RebuildLimit {
+    pub bytes_per_sec: u64,
+    pub(super) tokens: f64,
+    pub(super) last_ns: u64,
+}
+
+impl RebuildLimit {
+    /// Most a bucket saves: 200 ms of its rate (two shell ticks, so a run
+    /// waiting between ticks loses none of its share), at least one
+    /// segment.
+    fn cap(&self) -> f64 {
+        (self.bytes_per_sec as f64 * 0.2).max(super::rebuild::REBUILD_CHUNK_BYTES as f64)
+    }
+
+    pub(super) fn set(&mut self, bytes_per_sec: u64, now: u64) {
+        *self = RebuildLimit {
+            bytes_per_sec,
+            tokens: 0.0,
+            last_ns: now,
+        };
+        self.tokens = self.cap();
+    }
+
+    /// Whether a segment of `len` bytes may start now (taking its tokens).
+    pub(super) fn take(&mut self, len: u64, now: u64) -> bool {
+        if self.bytes_per_sec == 0 {
+            return true;
+        }
+        let elapsed = now.saturating_sub(self.last_ns);
+        self.last_ns = self.last_ns.max(now);
+        self.tokens =
+            (self.tokens + self.bytes_per_sec as f64 * elapsed as f64 / 1e9).min(self.cap());
+        if self.tokens <= 0.0 {
+            return false;
+        }
+        self.tokens -= len as f64;
+        true
+    }
 }
 
 /// Bytes that follow a header on the wire.
@@ -351,6 +401,8 @@ pub struct Engine {
     pub(super) bump: Option<Bump>,
     pub(super) rebuild: Option<Rebuild>,
     pub(super) rebuild_runs: u64,
+    /// The rebuild bandwidth limit (`Event::SetRebuildLimit`).
+    pub(super) rebuild_limit: RebuildLimit,
     pub(super) read_rr: usize,
     pub(super) election_start_ns: Option<u64>,
     /// An election has run in this process (so `generation` is known).
@@ -675,4 +727,36 @@ pub(super) enum Detach {
     /// DETACH sent to these replicas, not yet answered.
     Detaching(ReplicaSet),
     Done,
+}
+
+#[cfg(test)]
+mod rebuild_limit_tests {
+    use super::RebuildLimit;
+
+    /// Bytes a limited copy moves in `secs` seconds of 1 MiB segments,
+    /// looking again every 100 ms (the shell's tick) when told to wait.
+    fn copied(limit: &mut RebuildLimit, start_ns: u64, secs: u64) -> u64 {
+        let (mut now, end, mut bytes) = (start_ns, start_ns + secs * 1_000_000_000, 0);
+        while now < end {
+            if limit.take(1 << 20, now) {
+                bytes += 1 << 20;
+            } else {
+                now += 100_000_000;
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_rebuild_limit_holds_its_rate_and_changes_at_once() {
+        let mut l = RebuildLimit::default();
+        assert!(l.take(1 << 30, 0), "no limit: everything goes");
+        l.set(10_000_000, 0);
+        let b = copied(&mut l, 0, 10) as f64;
+        // The rate, plus the 200 ms saved at the start and one segment of debt.
+        assert!((100e6..=104e6).contains(&b), "{b}");
+        l.set(50_000_000, 10_000_000_000);
+        let b = copied(&mut l, 10_000_000_000, 10) as f64;
+        assert!((500e6..=512e6).contains(&b), "{b}");
+    }
 }

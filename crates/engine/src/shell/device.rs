@@ -72,6 +72,9 @@ pub struct ReplicatedDev {
     shell: Arc<Mutex<Shell>>,
     status: Arc<StatusShared>,
     open_channels: Arc<AtomicUsize>,
+    /// The rebuild bandwidth limit last set (bytes per second, 0: none),
+    /// as the core has it once the event arrived.
+    rebuild_limit: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ReplicatedDev {
@@ -141,6 +144,7 @@ impl ReplicatedDev {
             size_bytes,
             replicas_desc,
             targets: Mutex::new(replicas),
+            rebuild_limit: std::sync::atomic::AtomicU64::new(0),
             engine,
             doorbell,
             shell,
@@ -245,6 +249,21 @@ impl ReplicatedDev {
             .unwrap_or_else(|e| e.into_inner())
             .retain(|t| *t != addr);
         self.event(Event::RemoveReplica(addr))
+    }
+
+    /// Limits the volume's rebuild and reconcile copies to `bytes_per_sec`
+    /// data bytes per second (0: no limit), from the next segment on.
+    pub fn set_rebuild_limit(&self, bytes_per_sec: u64) -> Result<(), EngineError> {
+        self.event(Event::SetRebuildLimit(bytes_per_sec))?;
+        self.rebuild_limit
+            .store(bytes_per_sec, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The rebuild bandwidth limit (bytes per second, 0: none).
+    pub fn rebuild_limit(&self) -> u64 {
+        self.rebuild_limit
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The replicas configured now (the volume's `replicas=`, with those

@@ -496,14 +496,15 @@ fn bad_requests_inside_tls_get_the_same_answers() {
     tls.write_all(&flagged).unwrap();
     assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 4));
 
-    // A 33 MiB write with its whole payload: drained, then EINVAL; the
-    // volume is unchanged.
+    // A write 1 MiB past the maximum with its whole payload: drained,
+    // then EINVAL; the volume is unchanged.
     let over = nbd::MAX_PAYLOAD_BYTES + (1 << 20);
     tls.write_all(&request(Cmd::Write, 5, 0, over)).unwrap();
     tls.write_all(&vec![0xee; over as usize]).unwrap();
     assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 5));
-    // 64 MiB and zero-length reads: EINVAL, no data.
-    tls.write_all(&request(Cmd::Read, 6, 0, 64 << 20)).unwrap();
+    // Reads one byte past the maximum and of zero length: EINVAL, no data.
+    tls.write_all(&request(Cmd::Read, 6, 0, nbd::MAX_PAYLOAD_BYTES + 1))
+        .unwrap();
     assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 6));
     tls.write_all(&request(Cmd::Read, 7, 0, 0)).unwrap();
     assert_eq!(simple_reply(&mut tls), (nbd::NBD_EINVAL, 7));
