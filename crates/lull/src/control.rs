@@ -830,10 +830,14 @@ impl MetricsSource for Control {
         for v in self.volumes.list() {
             if let Some(dev) = v.storage.replicated() {
                 for r in dev.replica_status() {
+                    let p = r.rebuild.as_ref();
                     replicas.push(lull_rpc::ReplicaMetrics {
                         volume: v.name.clone(),
                         addr: r.addr.to_string(),
                         healthy: r.state == lull_engine::ReplicaState::Healthy,
+                        rebuild_bytes_total: p.map_or(0, |p| p.bytes_total),
+                        rebuild_bytes_done: p.map_or(0, |p| p.bytes_done),
+                        rebuild_rate_bytes_per_sec: p.map_or(0, |p| p.rate_bytes_per_sec),
                     });
                 }
             }

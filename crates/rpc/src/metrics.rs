@@ -203,6 +203,11 @@ pub struct ReplicaMetrics {
     pub volume: String,
     pub addr: String,
     pub healthy: bool,
+    /// While a rebuild or reconcile copies to it: bytes to copy, copied,
+    /// and the copy's rate (bytes per second); 0 otherwise.
+    pub rebuild_bytes_total: u64,
+    pub rebuild_bytes_done: u64,
+    pub rebuild_rate_bytes_per_sec: u64,
 }
 
 /// A node's replica store (`lull serve --store`): its filesystem's space
@@ -684,6 +689,37 @@ impl Collector for SnapshotCollector {
                 ]
             },
             |x| i64::from(x.healthy),
+        )?;
+        let replica_labels = |x: &ReplicaMetrics| {
+            vec![
+                ("volume", Label(x.volume.clone())),
+                ("replica", Label(x.addr.clone())),
+            ]
+        };
+        let clamp_u = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        gauges(
+            &mut enc,
+            "lull_replica_rebuild_total_bytes",
+            "Bytes the running rebuild or reconcile of the replica copies in all (0: none runs).",
+            &s.replicas,
+            replica_labels,
+            |x| clamp_u(x.rebuild_bytes_total),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_replica_rebuild_done_bytes",
+            "Bytes the running rebuild or reconcile of the replica has done.",
+            &s.replicas,
+            replica_labels,
+            |x| clamp_u(x.rebuild_bytes_done),
+        )?;
+        gauges(
+            &mut enc,
+            "lull_replica_rebuild_rate_bytes_per_second",
+            "The running copy's rate (under volume_set_rebuild_limit when one is set).",
+            &s.replicas,
+            replica_labels,
+            |x| clamp_u(x.rebuild_rate_bytes_per_sec),
         )?;
         let store: &[StoreMetrics] = s.store.as_slice();
         let no_labels = |_: &StoreMetrics| Vec::new();

@@ -330,11 +330,15 @@ fn snapshot() -> MetricsSnapshot {
                 volume: "vol0".into(),
                 addr: "10.0.0.2:9502".into(),
                 healthy: true,
+                ..Default::default()
             },
             ReplicaMetrics {
                 volume: "vol0".into(),
                 addr: "10.0.0.3:9502".into(),
                 healthy: false,
+                rebuild_bytes_total: 1 << 30,
+                rebuild_bytes_done: 1 << 20,
+                rebuild_rate_bytes_per_sec: 5_000_000,
             },
         ],
         store: Some(StoreMetrics {
@@ -460,6 +464,9 @@ fn scrape() {
         ("lull_volume_inline_ios", "counter"),
         ("lull_volume_latency_seconds", "histogram"),
         ("lull_replica_healthy", "gauge"),
+        ("lull_replica_rebuild_total_bytes", "gauge"),
+        ("lull_replica_rebuild_done_bytes", "gauge"),
+        ("lull_replica_rebuild_rate_bytes_per_second", "gauge"),
         ("lull_store_capacity_bytes", "gauge"),
         ("lull_store_free_bytes", "gauge"),
         ("lull_store_allocated_bytes", "gauge"),
@@ -777,6 +784,23 @@ fn scrape() {
         .value
     };
     assert_eq!((rep("10.0.0.2:9502"), rep("10.0.0.3:9502")), (1.0, 0.0));
+    let rebuild = |name: &str| {
+        sample(
+            &f,
+            name,
+            name,
+            &[("volume", "vol0"), ("replica", "10.0.0.3:9502")],
+        )
+        .value
+    };
+    assert_eq!(
+        (
+            rebuild("lull_replica_rebuild_total_bytes"),
+            rebuild("lull_replica_rebuild_done_bytes"),
+            rebuild("lull_replica_rebuild_rate_bytes_per_second"),
+        ),
+        ((1u64 << 30) as f64, (1u64 << 20) as f64, 5e6)
+    );
 
     // HEAD: same headers, no body.
     let head = request(addr, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
