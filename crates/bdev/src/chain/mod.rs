@@ -201,6 +201,32 @@ impl Shared {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// Allocation from the maps (see [`extents_of`]).
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, BdevError> {
+        extents_of(&self.state(), self.size(), offset, len, max)
+    }
+
+    /// What changed since `since` up to the top of this state (the head,
+    /// or a view's snapshot).
+    fn changed_since(
+        &self,
+        since: &str,
+        offset: u64,
+        len: u64,
+        max: usize,
+    ) -> Result<Vec<ChangeRun>, BdevError> {
+        changed_of(&self.state(), self.size(), since, offset, len, max)
+    }
+
+    /// The snapshots in this state, oldest first.
+    fn snapshot_names(&self) -> Vec<String> {
+        self.state()
+            .layers
+            .iter()
+            .filter_map(|l| l.snapshot.as_ref().map(|s| s.name.clone()))
+            .collect()
+    }
+
     /// Holds new requests and waits for those in flight; I/O resumes when
     /// the guard drops.
     fn quiesce(&self) -> Result<Quiesced<'_>, BdevError> {
@@ -1025,13 +1051,7 @@ impl BlockDevice for ChainDev {
     }
 
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
-        extents_of(
-            &self.shared.state(),
-            self.shared.size(),
-            offset,
-            len,
-            max_extents,
-        )
+        self.shared.extents(offset, len, max_extents)
     }
 
     fn zeroes_fast(&self) -> bool {
@@ -1060,7 +1080,7 @@ impl BlockDevice for ChainDev {
     }
 
     fn snapshot_names(&self) -> Vec<String> {
-        names_of(&self.shared.state(), usize::MAX)
+        self.shared.snapshot_names()
     }
 
     fn changed_since(
@@ -1070,17 +1090,7 @@ impl BlockDevice for ChainDev {
         len: u64,
         max_runs: usize,
     ) -> Result<Vec<ChangeRun>, BdevError> {
-        let state = self.shared.state();
-        let last = state.layers.len() - 1;
-        changed_of(
-            &state,
-            last,
-            self.shared.size(),
-            since,
-            offset,
-            len,
-            max_runs,
-        )
+        self.shared.changed_since(since, offset, len, max_runs)
     }
 
     fn snapshot_view(&self, name: &str) -> Option<Arc<dyn BlockDevice>> {
@@ -1102,15 +1112,6 @@ impl BlockDevice for ChainDev {
             ),
         }))
     }
-}
-
-fn names_of(state: &State, below: usize) -> Vec<String> {
-    state
-        .layers
-        .iter()
-        .take(below)
-        .filter_map(|l| l.snapshot.as_ref().map(|s| s.name.clone()))
-        .collect()
 }
 
 fn check_range(offset: u64, len: u64, size: u64) -> Result<u64, BdevError> {
@@ -1150,12 +1151,10 @@ fn extents_of(
     Ok(out)
 }
 
-/// What changed between snapshot `since` and layer `upto` (the view's
-/// snapshot, or the head): blocks some layer above `since`, up to
-/// `upto`, holds.
+/// What changed between snapshot `since` and the top of `state` (the
+/// view's snapshot, or the head): blocks some layer above `since` holds.
 fn changed_of(
     state: &State,
-    upto: usize,
     size: u64,
     since: &str,
     offset: u64,
@@ -1165,9 +1164,8 @@ fn changed_of(
     let end = check_range(offset, len, size)?;
     let i = state
         .index_of(since)
-        .filter(|&i| i <= upto)
         .ok_or_else(|| BdevError::NoSuchSnapshot(since.into()))?;
-    let above = &state.layers[i + 1..=upto];
+    let above = &state.layers[i + 1..];
     let mut out = Vec::new();
     let mut pos = offset;
     while pos < end {
@@ -1214,13 +1212,7 @@ impl BlockDevice for SnapshotView {
     }
 
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>, BdevError> {
-        extents_of(
-            &self.shared.state(),
-            self.shared.size(),
-            offset,
-            len,
-            max_extents,
-        )
+        self.shared.extents(offset, len, max_extents)
     }
 
     fn read_only(&self) -> bool {
@@ -1232,9 +1224,7 @@ impl BlockDevice for SnapshotView {
     }
 
     fn snapshot_names(&self) -> Vec<String> {
-        let s = self.shared.state();
-        let n = s.layers.len();
-        names_of(&s, n)
+        self.shared.snapshot_names()
     }
 
     fn changed_since(
@@ -1244,17 +1234,7 @@ impl BlockDevice for SnapshotView {
         len: u64,
         max_runs: usize,
     ) -> Result<Vec<ChangeRun>, BdevError> {
-        let state = self.shared.state();
-        let last = state.layers.len() - 1;
-        changed_of(
-            &state,
-            last,
-            self.shared.size(),
-            since,
-            offset,
-            len,
-            max_runs,
-        )
+        self.shared.changed_since(since, offset, len, max_runs)
     }
 }
 

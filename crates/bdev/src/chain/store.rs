@@ -48,6 +48,21 @@ pub struct ChainRecord {
     pub clones: Vec<CloneRef>,
 }
 
+impl ChainRecord {
+    /// The record of a volume that never took a snapshot: one layer, id 0
+    /// (the volume's own device).
+    pub fn new_volume() -> ChainRecord {
+        ChainRecord {
+            layers: vec![LayerRecord {
+                id: 0,
+                snapshot: None,
+                foreign: None,
+            }],
+            clones: Vec::new(),
+        }
+    }
+}
+
 /// Largest chain record read at open: 64 layers and as many clones with
 /// names of a few hundred bytes each fit in a small fraction of it; a
 /// bigger file is not one lull wrote.
@@ -93,14 +108,7 @@ impl LayerStore for MemoryStore {
         &self,
         _size_bytes: u64,
     ) -> Result<(ChainRecord, Vec<Arc<dyn BlockDevice>>), BdevError> {
-        let record = ChainRecord {
-            layers: vec![LayerRecord {
-                id: 0,
-                snapshot: None,
-                foreign: None,
-            }],
-            clones: Vec::new(),
-        };
+        let record = ChainRecord::new_volume();
         Ok((record, vec![self.base.clone()]))
     }
 
@@ -227,14 +235,7 @@ impl FileStore {
 impl LayerStore for FileStore {
     fn load(&self, size_bytes: u64) -> Result<(ChainRecord, Vec<Arc<dyn BlockDevice>>), BdevError> {
         let Some(record) = self.read_record()? else {
-            let record = ChainRecord {
-                layers: vec![LayerRecord {
-                    id: 0,
-                    snapshot: None,
-                    foreign: None,
-                }],
-                clones: Vec::new(),
-            };
+            let record = ChainRecord::new_volume();
             let dev = self.open_layer(&self.path, size_bytes, self.options.create)?;
             return Ok((record, vec![dev]));
         };
