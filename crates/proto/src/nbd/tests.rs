@@ -238,10 +238,10 @@ fn go_reply_bytes_match_the_spec_layout() {
     expected.extend_from_slice(REP_MAGIC);
     expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x03\x00\x00\x00\x0c");
     expected.extend_from_slice(b"\x00\x00\x00\x00\x00\x00\x00\x10\x00\x00\x00\x0d");
-    // NBD_REP_INFO, NBD_INFO_BLOCK_SIZE: 1, 4096, 32 MiB.
+    // NBD_REP_INFO, NBD_INFO_BLOCK_SIZE: 1, 4096, 64 MiB.
     expected.extend_from_slice(REP_MAGIC);
     expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x03\x00\x00\x00\x0e");
-    expected.extend_from_slice(b"\x00\x03\x00\x00\x00\x01\x00\x00\x10\x00\x02\x00\x00\x00");
+    expected.extend_from_slice(b"\x00\x03\x00\x00\x00\x01\x00\x00\x10\x00\x04\x00\x00\x00");
     // NBD_REP_ACK.
     expected.extend_from_slice(REP_MAGIC);
     expected.extend_from_slice(b"\x00\x00\x00\x07\x00\x00\x00\x01\x00\x00\x00\x00");
