@@ -17,3 +17,4 @@ mod per_io;
 mod qos;
 mod scale;
 mod scheduler;
+mod snapshot_crash;
