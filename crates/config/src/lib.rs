@@ -52,6 +52,9 @@
 //! nvmf_lba = 4096                  # LBA size: 512 (default) or 4096
 //! nvmf_nqn = "nqn.2026-11.io.example:vol0"  # default nqn.2026-11.io.lull:vol0
 //! nvmf_allow_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # default: any host
+//! # NVMe/TCP over TLS 1.3: a host's key file (PSK interchange format,
+//! # NVMeTLSkey-1:01:...:); a volume with any key refuses plaintext hosts.
+//! # nvmf_psk = [{ host = "nqn.2014-08.org.nvmexpress:uuid:...", key_file = "/etc/lull/vol0-host1.key" }]
 //! # Fault injection, to rehearse failures (any setting may be left out):
 //! # backend = "faulty=malloc,read_err=0.01,write_err=0.01,flush_err=0,delay_us=500,seed=1"
 //! # file flags: direct, sqpoll[=IDLE_MS], iopoll, iopoll=auto, hybrid_iopoll, fixed=off, inline[=on|off|auto]
@@ -170,6 +173,16 @@ pub struct NvmfVolume {
     pub allow_hosts: Vec<String>,
 }
 
+/// A host's NVMe/TCP TLS key for a volume (`--nvmf-psk
+/// VOLUME=HOSTNQN=KEYFILE`, or a volume's `nvmf_psk` table). The file is
+/// read when the target starts, not here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmfPsk {
+    pub volume: String,
+    pub hostnqn: String,
+    pub key_file: PathBuf,
+}
+
 /// LBA sizes the NVMe/TCP target offers: 512 B (what every host handles)
 /// and 4 KiB (what 4K-native filesystems and databases prefer).
 pub const NVMF_LBA_SIZES: [u32; 2] = [512, 4096];
@@ -201,6 +214,8 @@ pub struct ServeSettings {
     pub nvmf_listen: Option<SocketAddr>,
     /// Per-volume NVMe/TCP settings (volumes not named use the defaults).
     pub nvmf_volumes: std::collections::BTreeMap<String, NvmfVolume>,
+    /// NVMe/TCP TLS keys, per volume and host.
+    pub nvmf_psks: Vec<NvmfPsk>,
     /// TLS on the NBD server.
     pub tls: NbdTlsSettings,
     /// How the engines' links to replicas are secured; `None` when not
@@ -377,6 +392,19 @@ pub struct VolumeTable {
     /// NVMe/TCP host NQNs allowed to connect (absent or empty: any).
     #[serde(default)]
     pub nvmf_allow_hosts: Vec<String>,
+    /// NVMe/TCP TLS keys of hosts (a volume with any requires TLS).
+    #[serde(default)]
+    pub nvmf_psk: Vec<NvmfPskTable>,
+}
+
+/// One `nvmf_psk` entry of a volume table.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfPskTable {
+    /// The host's NQN.
+    pub host: String,
+    /// A file holding the host's key in the PSK interchange format.
+    pub key_file: PathBuf,
 }
 
 impl ConfigFile {
@@ -404,6 +432,9 @@ pub struct Overrides {
     /// `VOLUME=HOSTNQN`, repeatable: hosts allowed to connect to a
     /// volume's subsystem (replacing the config file's list for it).
     pub nvmf_allow_host: Vec<String>,
+    /// `VOLUME=HOSTNQN=KEYFILE`, repeatable: a host's TLS key for a
+    /// volume (replacing the config file's keys for that volume).
+    pub nvmf_psk: Vec<String>,
     pub tls: Option<String>,
     pub tls_certs: Option<PathBuf>,
     pub tls_psk: Option<PathBuf>,
@@ -617,7 +648,17 @@ pub fn resolve(
         );
     }
     let mut nvmf_volumes = std::collections::BTreeMap::new();
+    let mut nvmf_psks = Vec::new();
     if flags.volumes.is_empty() {
+        for v in &file.volume {
+            for p in &v.nvmf_psk {
+                nvmf_psks.push(NvmfPsk {
+                    volume: v.name.clone(),
+                    hostnqn: p.host.clone(),
+                    key_file: p.key_file.clone(),
+                });
+            }
+        }
         for v in &file.volume {
             if v.nvmf_lba.is_some() || v.nvmf_nqn.is_some() || !v.nvmf_allow_hosts.is_empty() {
                 nvmf_volumes.insert(
@@ -670,6 +711,8 @@ pub fn resolve(
         &mut nvmf_volumes,
     )?;
     check_nvmf_volumes(&nvmf_volumes, &volumes)?;
+    apply_nvmf_psk_flags(&flags.nvmf_psk, &mut nvmf_psks)?;
+    check_nvmf_psks(&nvmf_psks, &volumes)?;
     let metrics = match flags.metrics.or(file.metrics) {
         Some(m) => Some(m.parse().map_err(|_| {
             ConfigError(format!("invalid metrics address {m:?}: expected ADDR:PORT"))
@@ -684,6 +727,11 @@ pub fn resolve(
         })?),
         None => None,
     };
+    if nvmf_listen.is_none() && !nvmf_psks.is_empty() {
+        tracing::warn!(
+            "NVMe/TCP PSKs are configured and NVMe/TCP is off (no nvmf_listen): they are not used"
+        );
+    }
     let tls = resolve_tls(
         flags.tls.or(file.tls).as_deref(),
         flags.tls_certs.or(file.tls_certs),
@@ -799,6 +847,7 @@ pub fn resolve(
         metrics,
         nvmf_listen,
         nvmf_volumes,
+        nvmf_psks,
         tls,
         replica_link,
         engine,
@@ -948,6 +997,66 @@ fn apply_nvmf_flags(
             e.allow_hosts.clear();
         }
         e.allow_hosts.push(host.into());
+    }
+    Ok(())
+}
+
+/// `--nvmf-psk VOLUME=HOSTNQN=KEYFILE` flags: the keys they give a
+/// volume replace the config file's keys for it.
+fn apply_nvmf_psk_flags(flags: &[String], psks: &mut Vec<NvmfPsk>) -> Result<(), ConfigError> {
+    let mut from_flags = Vec::new();
+    for s in flags {
+        let parsed = s.split_once('=').and_then(|(v, rest)| {
+            let (host, file) = rest.split_once('=')?;
+            (!v.is_empty() && !host.is_empty() && !file.is_empty()).then_some((v, host, file))
+        });
+        let Some((volume, host, file)) = parsed else {
+            return err(format!("--nvmf-psk {s:?}: expected VOLUME=HOSTNQN=KEYFILE"));
+        };
+        from_flags.push(NvmfPsk {
+            volume: volume.into(),
+            hostnqn: host.into(),
+            key_file: file.into(),
+        });
+    }
+    psks.retain(|p| !from_flags.iter().any(|f| f.volume == p.volume));
+    psks.extend(from_flags);
+    Ok(())
+}
+
+/// Most NVMe/TCP TLS keys configured: each is a few dozen bytes held for
+/// the life of the target; more than this is rather a generated mistake.
+pub const MAX_NVMF_PSKS: usize = 4096;
+
+/// Every key names a volume and a valid host NQN, once per pair.
+fn check_nvmf_psks(psks: &[NvmfPsk], volumes: &[VolumeSpec]) -> Result<(), ConfigError> {
+    if psks.len() > MAX_NVMF_PSKS {
+        return err(format!(
+            "{} NVMe/TCP PSKs: at most {MAX_NVMF_PSKS}",
+            psks.len()
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for p in psks {
+        if !volumes.iter().any(|v| v.name == p.volume) {
+            return err(format!(
+                "NVMe/TCP PSK for {:?}, which is not a volume",
+                p.volume
+            ));
+        }
+        check_nqn(&format!("volume {:?}: PSK host", p.volume), &p.hostnqn)?;
+        if p.hostnqn.contains(' ') {
+            return err(format!(
+                "volume {:?}: PSK host {:?}: an NQN in a PSK identity holds no space",
+                p.volume, p.hostnqn
+            ));
+        }
+        if !seen.insert((p.volume.clone(), p.hostnqn.clone())) {
+            return err(format!(
+                "volume {:?}: two PSKs for host {:?}",
+                p.volume, p.hostnqn
+            ));
+        }
     }
     Ok(())
 }
@@ -1108,6 +1217,49 @@ mod tests {
         for bad in ["a", ":1G", "a:1G:disk", "a:1G:file=", "a b:1G", "a:zero"] {
             assert!(parse_volume(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn nvmf_psks_from_the_file_and_flags() {
+        let file = || {
+            ConfigFile::parse(
+            "[[volume]]\nname = \"a\"\nsize = \"1M\"\nnvmf_psk = [{ host = \"nqn.h1\", key_file = \"/k/a1\" }, { host = \"nqn.h2\", key_file = \"/k/a2\" }]\n[[volume]]\nname = \"b\"\nsize = \"1M\"\nnvmf_psk = [{ host = \"nqn.h1\", key_file = \"/k/b1\" }]\n",
+        )
+        .unwrap()
+        };
+        let s = resolve(file(), Overrides::default(), &[0]).unwrap();
+        assert_eq!(s.nvmf_psks.len(), 3);
+        assert_eq!(s.nvmf_psks[2].key_file, PathBuf::from("/k/b1"));
+        // A flag for "a" replaces the file's keys for "a", not for "b".
+        let flags = Overrides {
+            nvmf_psk: vec!["a=nqn.h3=/k/a3".into()],
+            ..Overrides::default()
+        };
+        let s = resolve(file(), flags, &[0]).unwrap();
+        let hosts: Vec<_> = s
+            .nvmf_psks
+            .iter()
+            .map(|p| (p.volume.as_str(), p.hostnqn.as_str()))
+            .collect();
+        assert_eq!(hosts, vec![("b", "nqn.h1"), ("a", "nqn.h3")]);
+        for bad in [
+            "a=nqn.h3",
+            "zz=nqn.h3=/k",
+            "a=host=/k",
+            "=nqn.h3=/k",
+            "a=nqn.h3=",
+        ] {
+            let flags = Overrides {
+                nvmf_psk: vec![bad.into()],
+                ..Overrides::default()
+            };
+            assert!(resolve(file(), flags, &[0]).is_err(), "{bad}");
+        }
+        let twice = Overrides {
+            nvmf_psk: vec!["a=nqn.h3=/k/1".into(), "a=nqn.h3=/k/2".into()],
+            ..Overrides::default()
+        };
+        assert!(resolve(file(), twice, &[0]).is_err());
     }
 
     #[test]

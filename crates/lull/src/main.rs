@@ -98,6 +98,11 @@ struct ServeArgs {
     /// repeatable (a volume with none allows any host) [default: any host].
     #[arg(long, value_name = "VOLUME=HOSTNQN")]
     nvmf_allow_host: Vec<String>,
+    /// A host's NVMe/TCP TLS key for a volume: a file in the PSK
+    /// interchange format (NVMeTLSkey-1:01:...:); repeatable. A volume
+    /// with a key takes TLS 1.3 connections only (docs/NVMF.md).
+    #[arg(long, value_name = "VOLUME=HOSTNQN=KEYFILE")]
+    nvmf_psk: Vec<String>,
     /// Serve Prometheus metrics over HTTP at ADDR:PORT/metrics [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
@@ -236,6 +241,7 @@ fn settings(args: ServeArgs) -> Result<ServeSettings, String> {
         nvmf_lba: args.nvmf_lba,
         nvmf_nqn: args.nvmf_nqn,
         nvmf_allow_host: args.nvmf_allow_host,
+        nvmf_psk: args.nvmf_psk,
         tls: args.tls,
         tls_certs: args.tls_certs,
         tls_psk: args.tls_psk,
@@ -741,9 +747,25 @@ fn serve(args: ServeArgs) -> ExitCode {
             (name.clone(), options)
         })
         .collect();
+    let psks: Vec<_> = s
+        .nvmf_psks
+        .iter()
+        .map(|p| lull_nvmf::PskEntry {
+            volume: p.volume.clone(),
+            hostnqn: p.hostnqn.clone(),
+            key_file: p.key_file.clone(),
+        })
+        .collect();
     let nvmf = match s.nvmf_listen {
         Some(addr) => {
-            match lull_nvmf::NvmfServer::start(fw.handle(), volumes.clone(), addr, subsystems) {
+            let started = lull_nvmf::NvmfServer::start_with_psks(
+                fw.handle(),
+                volumes.clone(),
+                addr,
+                subsystems,
+                &psks,
+            );
+            match started {
                 Ok(n) => Some(n),
                 Err(e) => {
                     eprintln!("lull: error: {e}");

@@ -330,9 +330,173 @@ fn psk(b: &mut SslContextBuilder, keys: PskKeys, role: Role) {
     }
 }
 
+/// The TLS 1.3 suite of [`ExternalPskContext`]: OpenSSL's PSK callbacks
+/// give TLS 1.3 a key without a hash, which it uses with the SHA-256 suite
+/// only; NVMe/TCP names this suite for 32-byte keys (TP 8011).
+pub const EXTERNAL_PSK_CIPHERSUITE: &str = "TLS_AES_128_GCM_SHA256";
+
+/// TLS 1.3 with external pre-shared keys looked up per identity by the
+/// caller (NVMe/TCP's TLS, TP 8011): no certificates, one cipher suite
+/// ([`EXTERNAL_PSK_CIPHERSUITE`]), no session tickets, nothing older than
+/// TLS 1.3. Unlike [`TlsContext`]'s `username:hexkey` files, the caller
+/// computes each key from the identity (NVMe derives it from the host's
+/// configured key and the identity itself).
+#[derive(Clone)]
+pub struct ExternalPskContext {
+    ctx: SslContext,
+    role: Role,
+}
+
+impl std::fmt::Debug for ExternalPskContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExternalPskContext({:?})", self.role)
+    }
+}
+
+/// Where a server session keeps the identity its client presented:
+/// OpenSSL records none for a TLS 1.3 PSK found through the server
+/// callback (`SSL_get_psk_identity` returns NULL then), so the callback
+/// keeps it. One process-wide index (OpenSSL's indexes are never freed).
+fn identity_index() -> Result<openssl::ex_data::Index<Ssl, String>, TlsError> {
+    static INDEX: std::sync::OnceLock<openssl::ex_data::Index<Ssl, String>> =
+        std::sync::OnceLock::new();
+    if let Some(i) = INDEX.get() {
+        return Ok(*i);
+    }
+    let i = Ssl::new_ex_index::<String>()?;
+    Ok(*INDEX.get_or_init(|| i))
+}
+
+fn tls13_only(role: Role) -> Result<SslContextBuilder, TlsError> {
+    let method = match role {
+        Role::Server => SslMethod::tls_server(),
+        Role::Client => SslMethod::tls_client(),
+    };
+    let mut b = SslContext::builder(method)?;
+    b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
+    b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
+    b.set_ciphersuites(EXTERNAL_PSK_CIPHERSUITE)?;
+    b.set_options(SslOptions::NO_RENEGOTIATION | SslOptions::NO_TICKET);
+    b.set_mode(SslMode::ENABLE_PARTIAL_WRITE | SslMode::ACCEPT_MOVING_WRITE_BUFFER);
+    if role == Role::Server {
+        b.set_num_tickets(0)?;
+    }
+    Ok(b)
+}
+
+impl ExternalPskContext {
+    /// A server context: `key_of(identity)` returns the key for the
+    /// identity a client presents, or `None` to fail the handshake (an
+    /// unknown identity is the caller's to log). Keys longer than
+    /// [`MAX_PSK_KEY_BYTES`] fail the handshake too.
+    pub fn server<F>(key_of: F) -> Result<ExternalPskContext, TlsError>
+    where
+        F: Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync + 'static,
+    {
+        let mut b = tls13_only(Role::Server)?;
+        let index = identity_index()?;
+        b.set_psk_server_callback(move |ssl, identity, out| {
+            let Some(identity) = identity else {
+                return Ok(0);
+            };
+            if identity.len() <= MAX_PSK_IDENTITY_LEN {
+                ssl.set_ex_data(index, String::from_utf8_lossy(identity).into_owned());
+            }
+            let Some(mut key) = key_of(identity) else {
+                return Ok(0);
+            };
+            let n = key.len();
+            let fits = n <= out.len();
+            if fits {
+                out[..n].copy_from_slice(&key);
+            }
+            // Do not leave key bytes in a freed allocation.
+            key.fill(0);
+            Ok(if fits { n } else { 0 })
+        });
+        Ok(ExternalPskContext {
+            ctx: b.build(),
+            role: Role::Server,
+        })
+    }
+
+    /// A client context presenting `identity` with `key` (tests, tools).
+    pub fn client(identity: &str, key: &[u8]) -> Result<ExternalPskContext, TlsError> {
+        if identity.len() > MAX_PSK_IDENTITY_LEN || key.is_empty() || key.len() > MAX_PSK_KEY_BYTES
+        {
+            return Err(TlsError::Handshake(
+                "PSK identity or key too long, or an empty key".into(),
+            ));
+        }
+        let mut b = tls13_only(Role::Client)?;
+        let identity = identity.to_string();
+        let key = key.to_vec();
+        b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
+            if identity.len() >= id_out.len() || key.len() > key_out.len() {
+                return Ok(0);
+            }
+            id_out[..identity.len()].copy_from_slice(identity.as_bytes());
+            id_out[identity.len()] = 0;
+            key_out[..key.len()].copy_from_slice(&key);
+            Ok(key.len())
+        });
+        Ok(ExternalPskContext {
+            ctx: b.build(),
+            role: Role::Client,
+        })
+    }
+}
+
+/// The hash an [`hkdf`] runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HkdfHash {
+    Sha256,
+    Sha384,
+}
+
+impl HkdfHash {
+    /// The hash's output length in bytes.
+    pub fn len_bytes(self) -> usize {
+        match self {
+            HkdfHash::Sha256 => 32,
+            HkdfHash::Sha384 => 48,
+        }
+    }
+}
+
+/// HKDF (RFC 5869): Extract with an empty salt, then Expand with `info`
+/// to the hash's length, as OpenSSL's `EVP_PKEY_HKDF` does in its default
+/// mode (what SPDK's `nvme_tcp_derive_*_psk` call).
+pub fn hkdf(hash: HkdfHash, ikm: &[u8], info: &[u8]) -> Result<Vec<u8>, TlsError> {
+    use openssl::md::Md;
+    use openssl::pkey::Id;
+    use openssl::pkey_ctx::PkeyCtx;
+    let md = match hash {
+        HkdfHash::Sha256 => Md::sha256(),
+        HkdfHash::Sha384 => Md::sha384(),
+    };
+    let mut ctx = PkeyCtx::new_id(Id::HKDF)?;
+    ctx.derive_init()?;
+    ctx.set_hkdf_md(md)?;
+    ctx.set_hkdf_key(ikm)?;
+    ctx.set_hkdf_salt(&[])?;
+    ctx.add_hkdf_info(info)?;
+    let mut out = vec![0u8; hash.len_bytes()];
+    let n = ctx.derive(Some(&mut out))?;
+    out.truncate(n);
+    Ok(out)
+}
+
+/// Largest plaintext of one TLS record (RFC 8446 §5.1): what
+/// [`TlsStream::write_coalesced`] gathers into one record at most.
+pub const MAX_RECORD_PLAINTEXT_BYTES: usize = 16 * 1024;
+
 /// A TLS session over a non-blocking stream.
 pub struct TlsStream<S> {
     ssl: SslStream<S>,
+    /// Small slices gathered into one record ([`TlsStream::write_coalesced`]);
+    /// empty until the first use, then [`MAX_RECORD_PLAINTEXT_BYTES`].
+    gather: Vec<u8>,
     established: bool,
     /// The last operation stopped because the socket could not take the
     /// bytes OpenSSL had to send: wait for writability.
@@ -349,7 +513,7 @@ impl<S: Read + Write> TlsStream<S> {
     /// A session on `stream`, as the server or the client `ctx` was built
     /// for; the handshake runs through [`TlsStream::handshake`].
     pub fn new(ctx: &TlsContext, stream: S) -> Result<TlsStream<S>, TlsError> {
-        TlsStream::with_ssl(Ssl::new(&ctx.ctx)?, stream, ctx)
+        TlsStream::with_ssl(Ssl::new(&ctx.ctx)?, stream, ctx.role)
     }
 
     /// A client session that also checks the server's certificate names
@@ -363,17 +527,23 @@ impl<S: Read + Write> TlsStream<S> {
         if matches!(ctx.creds, Creds::X509(_)) {
             ssl.param_mut().set_ip(ip)?;
         }
-        TlsStream::with_ssl(ssl, stream, ctx)
+        TlsStream::with_ssl(ssl, stream, ctx.role)
     }
 
-    fn with_ssl(mut ssl: Ssl, stream: S, ctx: &TlsContext) -> Result<TlsStream<S>, TlsError> {
+    /// A server session for an external-PSK context (NVMe/TCP's TLS).
+    pub fn external_psk(ctx: &ExternalPskContext, stream: S) -> Result<TlsStream<S>, TlsError> {
+        TlsStream::with_ssl(Ssl::new(&ctx.ctx)?, stream, ctx.role)
+    }
+
+    fn with_ssl(mut ssl: Ssl, stream: S, role: Role) -> Result<TlsStream<S>, TlsError> {
         // A server context accepts, a client context connects.
-        match ctx.role {
+        match role {
             Role::Server => ssl.set_accept_state(),
             Role::Client => ssl.set_connect_state(),
         }
         Ok(TlsStream {
             ssl: SslStream::new(ssl, stream)?,
+            gather: Vec::new(),
             established: false,
             wants_write: false,
         })
@@ -426,12 +596,47 @@ impl<S: Read + Write> TlsStream<S> {
         self.ssl.get_ref()
     }
 
-    /// The identity a PSK client presented (for log lines).
+    /// The identity a PSK client presented (for log lines; for an
+    /// [`ExternalPskContext`] server, the identity whose key the
+    /// handshake proved).
     pub fn psk_identity(&self) -> Option<String> {
-        self.ssl
-            .ssl()
-            .psk_identity()
-            .map(|id| String::from_utf8_lossy(id).into_owned())
+        let ssl = self.ssl.ssl();
+        if let Some(id) = ssl.psk_identity() {
+            return Some(String::from_utf8_lossy(id).into_owned());
+        }
+        let index = identity_index().ok()?;
+        ssl.ex_data(index).cloned()
+    }
+
+    /// `write_vectored` that puts small slices into one record: a frame
+    /// header, a small payload and the next frame's header go out as one
+    /// record (one `send`, one record for the peer to open) where
+    /// `Write::write_vectored` makes one record of each. When the first
+    /// non-empty slice is shorter than a record, slices are copied
+    /// together up to [`MAX_RECORD_PLAINTEXT_BYTES`]; a larger first slice
+    /// is written as it is. A retry after `WouldBlock` is given the same
+    /// bytes first (the queue has not moved) and at least as many, as
+    /// OpenSSL requires of a repeated write.
+    pub fn write_coalesced(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let Some(first) = bufs.iter().find(|b| !b.is_empty()) else {
+            return Ok(0);
+        };
+        if first.len() >= MAX_RECORD_PLAINTEXT_BYTES || bufs.len() == 1 {
+            return self.write(first);
+        }
+        let mut gather = std::mem::take(&mut self.gather);
+        gather.clear();
+        gather.reserve_exact(MAX_RECORD_PLAINTEXT_BYTES);
+        for b in bufs {
+            let room = MAX_RECORD_PLAINTEXT_BYTES - gather.len();
+            if room == 0 {
+                break;
+            }
+            gather.extend_from_slice(&b[..b.len().min(room)]);
+        }
+        let r = self.write(&gather);
+        self.gather = gather;
+        r
     }
 
     /// Map an OpenSSL error of a read or write: `Ok(0)` at the end of the
@@ -528,5 +733,59 @@ mod tests {
         assert_eq!(PskKeys::parse("a:00\na:11\n").unwrap_err().0, 2);
         assert_eq!(PskKeys::parse("a:\n").unwrap_err().0, 1);
         assert_eq!(PskKeys::parse("\n# none\n").unwrap_err().0, 0);
+    }
+
+    /// RFC 5869 test case 3 (SHA-256, empty salt and info): the first 32
+    /// bytes of its OKM are T(1), what [`hkdf`] returns.
+    #[test]
+    fn hkdf_matches_rfc_5869() {
+        let okm = hkdf(HkdfHash::Sha256, &[0x0b; 22], &[]).unwrap();
+        let hex: String = okm.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d"
+        );
+        assert_eq!(hkdf(HkdfHash::Sha384, b"k", b"i").unwrap().len(), 48);
+    }
+
+    /// A blocking handshake of `client` against `server` over a socket
+    /// pair; the server's result, after one line echoed when it succeeds.
+    fn external_psk_session(client: ExternalPskContext, server: ExternalPskContext) -> bool {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut c = TlsStream::external_psk(&client, a).unwrap();
+            // The client's context is a client: it connects.
+            while !c.handshake().unwrap_or(true) {}
+            let _ = c.write(b"ping");
+        });
+        let mut s = TlsStream::external_psk(&server, b).unwrap();
+        let ok = loop {
+            match s.handshake() {
+                Ok(true) => break true,
+                Ok(false) => {}
+                Err(_) => break false,
+            }
+        };
+        if ok {
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf).unwrap();
+            assert_eq!(&buf, b"ping");
+            assert_eq!(s.psk_identity().as_deref(), Some("id-1"));
+        }
+        drop(s);
+        t.join().unwrap();
+        ok
+    }
+
+    #[test]
+    fn external_psk_handshakes_with_the_right_key_only() {
+        let server =
+            || ExternalPskContext::server(|id| (id == b"id-1").then(|| vec![7u8; 32])).unwrap();
+        let right = ExternalPskContext::client("id-1", &[7u8; 32]).unwrap();
+        assert!(external_psk_session(right, server()));
+        let wrong = ExternalPskContext::client("id-1", &[8u8; 32]).unwrap();
+        assert!(!external_psk_session(wrong, server()));
+        let unknown = ExternalPskContext::client("id-2", &[7u8; 32]).unwrap();
+        assert!(!external_psk_session(unknown, server()));
     }
 }

@@ -30,7 +30,9 @@ use lull_volume::{ConnPermit, OpKind, Volume};
 
 use crate::limits::*;
 use crate::pdu::{self, DataHeader, Digests, IcResp, Pdu, PduError};
+use crate::psk;
 use crate::spec::{self, Cqe, Sqe, Status};
+use crate::stream::{Stream, TLS_RECORD_HANDSHAKE};
 use crate::target::{Controller, ControllerRef, Shared};
 
 /// What a command in flight waits for.
@@ -129,7 +131,11 @@ impl Reply {
 }
 
 pub(crate) struct Conn<S> {
-    wire: Wire<S>,
+    wire: Wire<Stream<S>>,
+    /// After a TLS handshake: the host and subsystem NQNs of the PSK
+    /// identity the host proved it holds the key of. Connect must name
+    /// the same two.
+    tls_peer: Option<(String, String)>,
     shared: Arc<Shared>,
     phase: Phase,
     dg: Digests,
@@ -163,6 +169,9 @@ pub(crate) struct Conn<S> {
     /// When the bytes now being parsed were read (the clock is read once
     /// per read, not once per command): a command's latency starts here.
     received_ns: u64,
+    /// Run on the socket after each read of a TLS session
+    /// (`stream::quickack` for TCP).
+    tls_after_read: Option<fn(&S)>,
 }
 
 impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> {
@@ -182,7 +191,17 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
         self.now_ns = now;
         self.socket_drained = false;
         if greeting_expired && !self.greeted.load(Ordering::Relaxed) {
-            self.wire.close("no ICReq and Connect in time");
+            if self.tls_handshaking() {
+                // A handshake that stalls holds a socket and OpenSSL's
+                // buffers: bounded by TLS_HANDSHAKE_TIMEOUT_US.
+                self.wire.set_broken();
+                self.wire.refuse(format!(
+                    "TLS handshake not finished within {} ms",
+                    TLS_HANDSHAKE_TIMEOUT_US / 1000
+                ));
+            } else {
+                self.wire.close("no ICReq and Connect in time");
+            }
         }
         if !self.wire.is_closing() && self.shared.conns.stopping() {
             self.wire.close("server shutting down");
@@ -215,10 +234,22 @@ impl<S: Read + Write + Send + 'static> lull_net::server::Connection for Conn<S> 
 }
 
 impl<S: Read + Write> wire::Protocol for Conn<S> {
-    type Stream = S;
+    type Stream = Stream<S>;
 
-    fn wire(&mut self) -> &mut Wire<S> {
+    fn wire(&mut self) -> &mut Wire<Stream<S>> {
         &mut self.wire
+    }
+
+    fn stream_wants_write(&self) -> bool {
+        self.wire.stream.tls().is_some_and(|s| s.wants_write())
+    }
+
+    /// Decrypted bytes OpenSSL holds are announced by no socket event.
+    fn stranded_input(&self) -> bool {
+        self.wire.stream.tls().is_some_and(|s| s.pending() > 0)
+            && !self.wire.is_closing()
+            && !self.disconnecting
+            && self.can_read()
     }
 
     fn advance(&mut self) -> bool {
@@ -268,11 +299,23 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
             // A held request with nothing of ours in flight waits for the
             // volume's other connections (its in-flight cap, see
             // `lull_volume::VolumeChannel`): poll until there is room.
+            // One held by a QoS limit waits for its time (`wake_at_ns`).
             Phase::Connected(Queue { ns: Some(ns), .. }) => {
                 (ns.channel.polled() && ns.channel.in_flight() > 0)
-                    || (self.subs.holding() && ns.channel.in_flight() == 0)
+                    || (self.subs.holding()
+                        && ns.channel.in_flight() == 0
+                        && ns.channel.retry_at_ns().is_none())
             }
             _ => false,
+        }
+    }
+
+    fn wake_at_ns(&self) -> Option<u64> {
+        match &self.phase {
+            Phase::Connected(Queue { ns: Some(ns), .. }) if self.subs.holding() => {
+                ns.channel.retry_at_ns()
+            }
+            _ => None,
         }
     }
 
@@ -289,11 +332,15 @@ impl<S: Read + Write> wire::Receive for Conn<S> {
 
     /// Nothing more is taken once Disconnect was asked.
     fn step(&mut self) -> bool {
+        if self.tls_handshaking() {
+            return self.tls_step();
+        }
         !self.disconnecting && self.take_pdu()
     }
 
+    /// The TLS handshake reads the socket itself.
     fn wants_input(&self) -> bool {
-        !self.disconnecting && !self.socket_drained && self.can_read()
+        !self.disconnecting && !self.socket_drained && self.can_read() && !self.tls_handshaking()
     }
 
     fn in_flight(&self) -> usize {
@@ -303,7 +350,9 @@ impl<S: Read + Write> wire::Receive for Conn<S> {
     /// A short read says the socket is drained (no read again this run);
     /// the commands of what arrived start their latency now.
     fn filled(&mut self, n: usize) {
-        self.socket_drained = self.wire.inb.drained();
+        // A TLS read returns one record's plaintext at most, short of the
+        // buffer while more records wait in the socket: no conclusion.
+        self.socket_drained = self.wire.inb.drained() && self.wire.stream.tls().is_none();
         if n > 0 {
             self.received_ns = self.clock_ns();
         }
@@ -313,7 +362,8 @@ impl<S: Read + Write> wire::Receive for Conn<S> {
 impl<S: Read + Write> Conn<S> {
     pub(crate) fn new(stream: S, fd: RawFd, peer: String, shared: Arc<Shared>) -> Conn<S> {
         Conn {
-            wire: Wire::new(stream, fd, INBUF_BYTES, "NVMe/TCP", peer),
+            wire: Wire::new(Stream::Plain(stream), fd, INBUF_BYTES, "NVMe/TCP", peer),
+            tls_peer: None,
             shared,
             phase: Phase::Init,
             dg: Digests::default(),
@@ -331,7 +381,13 @@ impl<S: Read + Write> Conn<S> {
             waker: None,
             socket_drained: false,
             received_ns: 0,
+            tls_after_read: None,
         }
+    }
+
+    /// What to run on the socket after each read once it carries TLS.
+    pub(crate) fn set_tls_after_read(&mut self, hook: fn(&S)) {
+        self.tls_after_read = Some(hook);
     }
 
     /// Keep-alive and controller teardown. An admin queue with a KATO
@@ -439,6 +495,62 @@ impl<S: Read + Write> Conn<S> {
         !self.subs.holding() && self.wire.out.bytes() < MAX_REPLY_QUEUE_BYTES
     }
 
+    fn tls_handshaking(&self) -> bool {
+        self.wire.stream.tls().is_some_and(|s| !s.is_established())
+    }
+
+    /// The host's first byte opened a TLS record: move the stream into a
+    /// TLS session, the bytes read so far in front of the socket.
+    fn start_tls(&mut self) -> bool {
+        let shared = self.shared.clone();
+        let Some(ctx) = &shared.tls else {
+            self.wire.set_broken();
+            self.wire
+                .refuse("a TLS ClientHello, and the target has no TLS context");
+            return true;
+        };
+        let head = self.wire.inb.peek().to_vec();
+        self.wire.inb.consume(head.len());
+        if let Err(e) = self.wire.stream.start_tls(ctx, head, self.tls_after_read) {
+            self.wire.set_broken();
+            self.wire.refuse(format!("cannot start TLS: {e}"));
+        }
+        true
+    }
+
+    /// Drive the TLS handshake; once done, the ICReq comes inside it.
+    fn tls_step(&mut self) -> bool {
+        let Some(s) = self.wire.stream.tls_mut() else {
+            return false;
+        };
+        match s.handshake() {
+            Ok(true) => {
+                let identity = s.psk_identity().unwrap_or_default();
+                match psk::parse_identity(identity.as_bytes()) {
+                    Some((_, host, sub)) => {
+                        tracing::debug!(peer = %self.wire.peer(), identity = %identity, "TLS 1.3 session established");
+                        self.tls_peer = Some((host.to_string(), sub.to_string()));
+                    }
+                    None => {
+                        self.wire.set_broken();
+                        self.wire.refuse(format!(
+                            "TLS session with a PSK identity that is not NVMe's: {identity:?}"
+                        ));
+                    }
+                }
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                // A wrong key (bad binder), an unknown identity, a host
+                // that gave up: the one log line is the refusal's.
+                self.wire.set_broken();
+                self.wire.refuse(e.to_string());
+                true
+            }
+        }
+    }
+
     /// End the connection for a transport error: a C2HTermReq echoing the
     /// offending header, a log line, and a close.
     fn fatal(&mut self, err: &PduError, offending: &[u8]) {
@@ -454,6 +566,12 @@ impl<S: Read + Write> Conn<S> {
             return false;
         }
         let buffered = self.wire.inb.peek();
+        if matches!(self.phase, Phase::Init)
+            && self.wire.stream.tls().is_none()
+            && buffered.first() == Some(&TLS_RECORD_HANDSHAKE)
+        {
+            return self.start_tls();
+        }
         let Some(ch) = pdu::common_header(buffered) else {
             return false;
         };
@@ -928,8 +1046,21 @@ impl<S: Read + Write> Conn<S> {
                 tracing::warn!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, qid, "Connect refused: host not on the subsystem's allowlist");
                 return Reply::status(Status::CONNECT_INVALID_HOST);
             }
+            if self.tls_peer.is_none() && self.shared.secure_channel_required(&v.name) {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, qid, "Connect refused: the subsystem requires a secure channel (TLS with a PSK) and this queue pair is plaintext");
+                return Reply::status(Status::CONNECT_INVALID_HOST);
+            }
             Some(v)
         };
+        if let Some((host, sub)) = &self.tls_peer {
+            // The key proved who the host is for one subsystem: another
+            // subsystem or host NQN over that session is refused.
+            if *host != d.hostnqn || *sub != d.subnqn {
+                tracing::warn!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, tls_hostnqn = %host, tls_subnqn = %sub, qid,
+                    "Connect refused: the NQNs differ from the TLS PSK identity's");
+                return Reply::status(Status::CONNECT_INVALID_HOST);
+            }
+        }
         let ctrl = if qid == 0 {
             if d.cntlid != 0xFFFF {
                 // Dynamic controller model: the host must let us choose.
@@ -982,7 +1113,8 @@ impl<S: Read + Write> Conn<S> {
         if qid == 0 {
             ctrl.touch(self.now_ns);
         }
-        tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, "queue connected");
+        let tls = self.tls_peer.is_some();
+        tracing::info!(peer = %peer, subnqn = %d.subnqn, hostnqn = %d.hostnqn, cntlid, qid, entries = sqsize + 1, tls, "queue connected");
         let what = volume.as_ref().map_or("discovery", |v| v.name.as_str());
         self.wire
             .set_context(&format!("{what} ctrl {cntlid} q{qid}"));

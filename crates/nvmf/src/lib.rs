@@ -13,20 +13,26 @@
 //! NVMe-oF structures, pure), [`limits`] (every bound and why), `target`
 //! (controllers shared by a host's queue pairs) and `conn` (one queue
 //! pair: a `lull_net::server::Connection` whose protocol runs on
-//! `lull_net::wire::pump`). docs/NVMF.md says what is implemented.
+//! `lull_net::wire::pump`), [`psk`] (TLS pre-shared keys: the interchange
+//! format, the identity, the derivation) and `stream` (a queue pair's
+//! socket, plain or TLS 1.3: one listener serves both, told apart by the
+//! host's first byte). docs/NVMF.md says what is implemented.
 
 #![forbid(unsafe_code)]
 
 mod conn;
 pub mod limits;
 pub mod pdu;
+pub mod psk;
 pub mod spec;
+mod stream;
 mod target;
 
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,6 +89,19 @@ pub enum NvmfError {
     Options(String),
     #[error(transparent)]
     Reactor(#[from] ReactorError),
+    #[error(transparent)]
+    KeyFile(#[from] psk::KeyFileError),
+}
+
+/// A host's TLS key for a volume's subsystem, from a key file in the PSK
+/// interchange format (`lull serve --nvmf-psk VOLUME=HOSTNQN=KEYFILE`).
+/// A volume with any key requires a secure channel: plaintext Connects
+/// to it are refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PskEntry {
+    pub volume: String,
+    pub hostnqn: String,
+    pub key_file: PathBuf,
 }
 
 /// What the target itself requires of a volume's options (the config
@@ -129,6 +148,31 @@ impl Subsystems {
     pub fn nqn_of(&self, volume: &str) -> String {
         self.shared.nqn_of(volume)
     }
+
+    /// Give `hostnqn` a TLS key (PSK interchange format) for `volume`'s
+    /// subsystem, replacing the one it had; the subsystem then requires a
+    /// secure channel. Queue pairs already connected are not affected.
+    /// Refused for 48-byte keys (the SHA-384 suite is not offered) and
+    /// identities too long for OpenSSL.
+    pub fn set_host_psk(
+        &self,
+        volume: &str,
+        hostnqn: &str,
+        key: &psk::ConfiguredKey,
+    ) -> Result<(), NvmfError> {
+        self.shared.set_host_key(volume, hostnqn, key)
+    }
+
+    /// Take `hostnqn`'s key for `volume` away (the last key gone, the
+    /// subsystem takes plaintext Connects again); whether it had one.
+    pub fn remove_host_psk(&self, volume: &str, hostnqn: &str) -> bool {
+        self.shared.remove_host_key(volume, hostnqn)
+    }
+
+    /// Whether the volume's subsystem refuses plaintext Connects.
+    pub fn secure_channel_required(&self, volume: &str) -> bool {
+        self.shared.secure_channel_required(volume)
+    }
 }
 
 /// A running NVMe/TCP target.
@@ -155,8 +199,27 @@ impl NvmfServer {
         addr: SocketAddr,
         subsystems: HashMap<String, SubsystemOptions>,
     ) -> Result<NvmfServer, NvmfError> {
+        NvmfServer::start_with_psks(fw, volumes, addr, subsystems, &[])
+    }
+
+    /// [`NvmfServer::start`], with TLS keys for some hosts: every key file
+    /// is read and checked first (an error names the file), and a volume
+    /// with a key takes TLS 1.3 connections only. TLS and plaintext hosts
+    /// share the listener (a TLS ClientHello's first byte is 0x16, an
+    /// ICReq's 0x00).
+    pub fn start_with_psks(
+        fw: &FrameworkHandle,
+        volumes: Arc<Volumes>,
+        addr: SocketAddr,
+        subsystems: HashMap<String, SubsystemOptions>,
+        psks: &[PskEntry],
+    ) -> Result<NvmfServer, NvmfError> {
         for (name, o) in &subsystems {
             check_options(name, o)?;
+        }
+        let mut keys = Vec::with_capacity(psks.len());
+        for p in psks {
+            keys.push((p, psk::load_key_file(&p.key_file)?));
         }
         let err = |source| NvmfError::Listen { addr, source };
         let listener = TcpListener::bind(addr).map_err(err)?;
@@ -168,6 +231,17 @@ impl NvmfServer {
             greeting_timeout_us: limits::CONNECT_TIMEOUT_US,
         }));
         let shared = Shared::new(volumes, conns.clone(), subsystems, addr);
+        for (p, key) in &keys {
+            shared
+                .set_host_key(&p.volume, &p.hostnqn, key)
+                .map_err(|e| match e {
+                    NvmfError::Options(reason) => NvmfError::KeyFile(psk::KeyFileError {
+                        path: p.key_file.clone(),
+                        reason,
+                    }),
+                    other => other,
+                })?;
+        }
         let s = shared.clone();
         let clock = fw.clock();
         let acceptor = Acceptor::start(fw, &conns, vec![listener], move |stream: TcpStream| {
@@ -177,6 +251,7 @@ impl NvmfServer {
                 .map_or_else(|_| "tcp:?".into(), |a| a.to_string());
             let mut c = Conn::new(stream, fd, peer, s.clone());
             c.set_clock(clock.clone());
+            c.set_tls_after_read(stream::quickack);
             c
         })?;
         Ok(NvmfServer {

@@ -63,6 +63,14 @@ pub const MAX_CONNECTIONS: usize = 16_384;
 /// A new connection must finish ICReq and Connect in this time.
 pub const CONNECT_TIMEOUT_US: u64 = 10_000_000;
 
+/// A TLS handshake must be done in this time, or the connection is
+/// dropped with a log line: a host that stalls mid-handshake holds a
+/// socket and OpenSSL's two record buffers (about 34 KiB). The handshake
+/// is part of the connect window (the same timer ends both), so it is
+/// that window: SPDK's and Linux's hosts finish in milliseconds.
+pub const TLS_HANDSHAKE_TIMEOUT_US: u64 = CONNECT_TIMEOUT_US;
+const _: () = assert!(TLS_HANDSHAKE_TIMEOUT_US <= CONNECT_TIMEOUT_US);
+
 /// Asynchronous Event Requests held per controller (AERL + 1). Linux
 /// sends one; SPDK sends up to AERL + 1.
 pub const MAX_AERS: usize = 4;

@@ -356,11 +356,12 @@ pub fn name_guid(name: &str) -> [u8; 16] {
 }
 
 /// One subsystem in a discovery log: its NQN, reachable over TCP at
-/// `addr`.
+/// `addr`, over TLS 1.3 only when `secure_channel`.
 #[derive(Debug, Clone)]
 pub struct DiscoveryEntry {
     pub subnqn: String,
     pub addr: std::net::SocketAddr,
+    pub secure_channel: bool,
 }
 
 /// Size of the discovery log header and of each entry.
@@ -368,8 +369,9 @@ pub const DISCOVERY_RECORD_BYTES: usize = 1024;
 
 /// The discovery log page (NVMe-oF 1.1 §5.3): a 1 KiB header (generation
 /// counter, number of records, record format 0) and one 1 KiB record per
-/// subsystem (TCP, IPv4 or IPv6, NVM subsystem, no secure channel
-/// required, dynamic controllers, the address and port as text).
+/// subsystem (TCP, IPv4 or IPv6, NVM subsystem, secure channel required
+/// or not, dynamic controllers, the address and port as text, TLS 1.3 or
+/// no security).
 pub fn discovery_log(genctr: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
     let mut b = vec![0u8; DISCOVERY_RECORD_BYTES * (1 + entries.len())];
     put64(&mut b, 0, genctr);
@@ -379,7 +381,8 @@ pub fn discovery_log(genctr: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
         r[0] = 3; // TRTYPE: TCP
         r[1] = if e.addr.is_ipv4() { 1 } else { 2 }; // ADRFAM
         r[2] = 2; // SUBTYPE: NVM subsystem
-        r[3] = 0b10; // TREQ: secure channel not required
+                  // TREQ: secure channel required (01b) or not required (10b).
+        r[3] = if e.secure_channel { 0b01 } else { 0b10 };
         put16(r, 4, 0); // PORTID
         put16(r, 6, 0xFFFF); // CNTLID: dynamic
         put16(r, 8, crate::limits::MAX_QUEUE_ENTRIES as u16); // ASQSZ
@@ -393,7 +396,8 @@ pub fn discovery_log(genctr: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
         copy(&mut r[256..512], &e.subnqn);
         r[512..768].fill(b' ');
         copy(&mut r[512..768], &e.addr.ip().to_string());
-        // TSAS for TCP: SECTYPE 0 (no security).
+        // TSAS for TCP: SECTYPE 2 (TLS 1.3) or 0 (no security).
+        r[768] = if e.secure_channel { 2 } else { 0 };
     }
     b
 }
@@ -481,13 +485,24 @@ mod tests {
         let addr: std::net::SocketAddr = "127.0.0.1:4420".parse().unwrap();
         let log = discovery_log(
             3,
-            &[DiscoveryEntry {
-                subnqn: "nqn.x".into(),
-                addr,
-            }],
+            &[
+                DiscoveryEntry {
+                    subnqn: "nqn.x".into(),
+                    addr,
+                    secure_channel: false,
+                },
+                DiscoveryEntry {
+                    subnqn: "nqn.tls".into(),
+                    addr,
+                    secure_channel: true,
+                },
+            ],
         );
-        assert_eq!(log.len(), 2048);
-        assert_eq!(u64::from_le_bytes(log[8..16].try_into().unwrap()), 1);
+        assert_eq!(log.len(), 3072);
+        assert_eq!(u64::from_le_bytes(log[8..16].try_into().unwrap()), 2);
+        // TREQ and TSAS.SECTYPE: not required and none; required and TLS 1.3.
+        assert_eq!((log[1024 + 3], log[1024 + 768]), (0b10, 0));
+        assert_eq!((log[2048 + 3], log[2048 + 768]), (0b01, 2));
         let r = &log[1024..];
         assert_eq!((r[0], r[1], r[2]), (3, 1, 2));
         assert_eq!(&r[32..37], b"4420 ");

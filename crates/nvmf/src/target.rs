@@ -4,20 +4,37 @@
 //! name it). A controller's state is control-path only (properties,
 //! features), behind a mutex; the data path never touches it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use lull_reactor::{PollerId, ThreadHandle};
 
 use lull_net::server::Connections;
+use lull_net::tls::ExternalPskContext;
 use lull_volume::{Volume, VolumeChange, Volumes};
 
 use crate::limits::{
     ERROR_LOG_ENTRIES, MAX_AERS, MAX_CONTROLLERS, MAX_IN_CAPSULE_DATA_BYTES, MAX_IO_QUEUES, MDTS,
 };
+use crate::psk::{self, Cipher};
 use crate::spec::{self, ConnectData, Sqe, Status};
 use crate::SubsystemOptions;
+
+/// A host's TLS key for one subsystem: the retained PSK (derived from the
+/// configured key and the host NQN when the key was added), and the suite
+/// it is used with. Never printed.
+#[derive(Clone)]
+pub(crate) struct HostKey {
+    pub(crate) cipher: Cipher,
+    pub(crate) retained: Vec<u8>,
+}
+
+impl Drop for HostKey {
+    fn drop(&mut self) {
+        self.retained.fill(0);
+    }
+}
 
 pub(crate) struct Shared {
     pub(crate) volumes: Arc<Volumes>,
@@ -29,6 +46,14 @@ pub(crate) struct Shared {
     /// Where the target listens, for the discovery log.
     pub(crate) listen: std::net::SocketAddr,
     ctrls: Mutex<Ctrls>,
+    /// TLS keys by (volume, host NQN). A volume with any key requires a
+    /// secure channel. Keys belong to the volume's name and outlive its
+    /// deletion (a volume created again under the name is not silently
+    /// served in plaintext).
+    psks: RwLock<BTreeMap<(String, String), HostKey>>,
+    /// The TLS 1.3 server context; its PSK callback looks keys up here.
+    /// `None` only if OpenSSL could not set one up (logged at start).
+    pub(crate) tls: Option<ExternalPskContext>,
 }
 
 #[derive(Default)]
@@ -46,12 +71,25 @@ impl Shared {
         subsystems: HashMap<String, SubsystemOptions>,
         listen: std::net::SocketAddr,
     ) -> Arc<Shared> {
-        let shared = Arc::new(Shared {
-            volumes: volumes.clone(),
-            conns,
-            subsystems: RwLock::new(subsystems),
-            listen,
-            ctrls: Mutex::new(Ctrls::default()),
+        let shared = Arc::new_cyclic(|weak: &std::sync::Weak<Shared>| {
+            let weak = weak.clone();
+            let tls = ExternalPskContext::server(move |identity| weak.upgrade()?.tls_key(identity));
+            let tls = match tls {
+                Ok(ctx) => Some(ctx),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot set up TLS: NVMe/TCP serves plaintext only");
+                    None
+                }
+            };
+            Shared {
+                volumes: volumes.clone(),
+                conns,
+                subsystems: RwLock::new(subsystems),
+                listen,
+                ctrls: Mutex::new(Ctrls::default()),
+                psks: RwLock::new(BTreeMap::new()),
+                tls,
+            }
         });
         let weak = Arc::downgrade(&shared);
         let watching = volumes.watch(move |change| {
@@ -179,6 +217,112 @@ impl Shared {
         })
     }
 
+    fn psks(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<(String, String), HostKey>> {
+        self.psks.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn psks_mut(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<(String, String), HostKey>> {
+        self.psks.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Give `hostnqn` a TLS key for `volume`'s subsystem (replacing one it
+    /// had); from then on the subsystem requires a secure channel.
+    pub(crate) fn set_host_key(
+        &self,
+        volume: &str,
+        hostnqn: &str,
+        key: &psk::ConfiguredKey,
+    ) -> Result<(), crate::NvmfError> {
+        let refuse = |reason: String| {
+            Err(crate::NvmfError::Options(format!(
+                "volume {volume:?}, host {hostnqn:?}: {reason}"
+            )))
+        };
+        if self.tls.is_none() {
+            return refuse("TLS could not be set up at start".into());
+        }
+        if key.cipher() != Cipher::Aes128GcmSha256 {
+            return refuse(
+                "a 48-byte key needs TLS_AES_256_GCM_SHA384, which lull does not offer: use a 32-byte key (NVMeTLSkey-1:01:...)".into(),
+            );
+        }
+        let subnqn = self.nqn_of(volume);
+        if !psk::identity_fits(hostnqn, &subnqn)
+            || !psk::identity_fits(hostnqn, spec::DISCOVERY_NQN)
+        {
+            return refuse(format!(
+                "the PSK identity (NVMe0R01 HOSTNQN SUBNQN) would be longer than {} bytes",
+                psk::MAX_IDENTITY_LEN
+            ));
+        }
+        let retained = match key.retained(hostnqn) {
+            Ok(r) => r,
+            Err(e) => return refuse(e.to_string()),
+        };
+        let k = HostKey {
+            cipher: key.cipher(),
+            retained,
+        };
+        self.psks_mut()
+            .insert((volume.to_string(), hostnqn.to_string()), k);
+        Ok(())
+    }
+
+    /// Take `hostnqn`'s key for `volume` away; whether it had one.
+    pub(crate) fn remove_host_key(&self, volume: &str, hostnqn: &str) -> bool {
+        self.psks_mut()
+            .remove(&(volume.to_string(), hostnqn.to_string()))
+            .is_some()
+    }
+
+    /// Whether a plaintext Connect to the volume's subsystem is refused:
+    /// some host has a TLS key for it.
+    pub(crate) fn secure_channel_required(&self, volume: &str) -> bool {
+        self.psks()
+            .range((volume.to_string(), String::new())..)
+            .next()
+            .is_some_and(|((v, _), _)| v == volume)
+    }
+
+    fn has_key(&self, volume: &str, hostnqn: &str) -> bool {
+        self.psks()
+            .contains_key(&(volume.to_string(), hostnqn.to_string()))
+    }
+
+    /// The TLS PSK for the identity a host presented, or `None` (logged)
+    /// to fail the handshake. A discovery identity is answered with the
+    /// host's first key (by volume name): any key proves the host.
+    pub(crate) fn tls_key(&self, identity: &[u8]) -> Option<Vec<u8>> {
+        let Some((cipher, host, sub)) = psk::parse_identity(identity) else {
+            tracing::warn!(identity = %String::from_utf8_lossy(identity), "TLS refused: not an NVMe PSK identity (NVMe0R01 HOSTNQN SUBNQN)");
+            return None;
+        };
+        let keys = self.psks();
+        let key = if sub == spec::DISCOVERY_NQN {
+            keys.iter().find(|((_, h), _)| h == host).map(|(_, k)| k)
+        } else {
+            let volume = self.volume_by_nqn(sub);
+            volume.and_then(|v| keys.get(&(v.name.clone(), host.to_string())))
+        };
+        let Some(key) = key else {
+            tracing::warn!(hostnqn = %host, subnqn = %sub, "TLS refused: no PSK for this host and subsystem");
+            return None;
+        };
+        if key.cipher != cipher {
+            tracing::warn!(hostnqn = %host, subnqn = %sub, "TLS refused: the identity names another hash than the host's key");
+            return None;
+        }
+        // The identity is UTF-8 (parse_identity checked).
+        let id = std::str::from_utf8(identity).ok()?;
+        match psk::tls_psk(&key.retained, id, cipher) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::error!(hostnqn = %host, subnqn = %sub, error = %e, "TLS refused: cannot derive the TLS PSK");
+                None
+            }
+        }
+    }
+
     /// The volume whose subsystem is `subnqn`.
     pub(crate) fn volume_by_nqn(&self, subnqn: &str) -> Option<Arc<Volume>> {
         self.volumes
@@ -287,12 +431,21 @@ impl Shared {
     /// log again).
     pub(crate) fn discovery_log(&self, hostnqn: &str) -> Vec<u8> {
         let all = self.volumes.list();
+        // A subsystem that requires a secure channel is listed to the
+        // hosts that have a key for it, saying so (TREQ, TSAS).
         let entries: Vec<_> = all
             .iter()
             .filter(|v| self.host_allowed(&v.name, hostnqn))
-            .map(|v| spec::DiscoveryEntry {
-                subnqn: self.nqn_of(&v.name),
-                addr: self.listen,
+            .filter_map(|v| {
+                let secure_channel = self.secure_channel_required(&v.name);
+                if secure_channel && !self.has_key(&v.name, hostnqn) {
+                    return None;
+                }
+                Some(spec::DiscoveryEntry {
+                    subnqn: self.nqn_of(&v.name),
+                    addr: self.listen,
+                    secure_channel,
+                })
             })
             .collect();
         spec::discovery_log(all.len() as u64, &entries)
