@@ -416,25 +416,7 @@ impl ChainDev {
     }
 
     fn record_of(&self, state: &State) -> ChainRecord {
-        ChainRecord {
-            layers: state
-                .layers
-                .iter()
-                .map(|l| LayerRecord {
-                    id: l.id,
-                    snapshot: l
-                        .snapshot
-                        .as_ref()
-                        .map(|s| (s.name.clone(), s.created_unix)),
-                    foreign: l.foreign.clone(),
-                })
-                .collect(),
-            clones: self
-                .clones
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-        }
+        record_of(state, &self.clones)
     }
 
     /// Takes snapshot `name`: every write acknowledged before the call is
@@ -851,6 +833,25 @@ impl ChainDev {
     }
 }
 
+/// The durable record of `state` with the clone references current now.
+fn record_of(state: &State, clones: &Mutex<Vec<CloneRef>>) -> ChainRecord {
+    ChainRecord {
+        layers: state
+            .layers
+            .iter()
+            .map(|l| LayerRecord {
+                id: l.id,
+                snapshot: l
+                    .snapshot
+                    .as_ref()
+                    .map(|s| (s.name.clone(), s.created_unix)),
+                foreign: l.foreign.clone(),
+            })
+            .collect(),
+        clones: clones.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+    }
+}
+
 enum MergeWhat {
     Snapshot(String),
     Base,
@@ -954,25 +955,7 @@ impl MergeJob {
             layers,
             read_only: false,
         };
-        let record = ChainRecord {
-            layers: next
-                .layers
-                .iter()
-                .map(|l| LayerRecord {
-                    id: l.id,
-                    snapshot: l
-                        .snapshot
-                        .as_ref()
-                        .map(|s| (s.name.clone(), s.created_unix)),
-                    foreign: l.foreign.clone(),
-                })
-                .collect(),
-            clones: self
-                .clones
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-        };
+        let record = record_of(&next, &self.clones);
         self.store.commit(&record)?;
         self.shared.set_state(next);
         drop(quiet);

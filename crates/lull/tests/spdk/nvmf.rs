@@ -216,7 +216,7 @@ fn perf_on(
     let args = perf_args(tr, workload, qd, io_bytes, seconds, extra);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = spdk(tools, "spdk_nvme_perf", &args);
-    check_perf(&out, workload, qd)
+    check_perf(&out, &format!("{workload} QD{qd}"))
 }
 
 fn perf_args(
@@ -252,14 +252,14 @@ fn perf_args(
 }
 
 /// perf's output had no error and did I/O; its "Total" line.
-fn check_perf(out: &str, workload: &str, qd: u32) -> String {
+pub(crate) fn check_perf(out: &str, what: &str) -> String {
     // perf's only error line on success is its I/O queue's "CQ transport
     // error -6" as it disconnects (SPDK's nvmf_tgt gets the same).
     for line in out.lines() {
         let l = line.to_ascii_lowercase();
         assert!(
             !(l.contains("fail") || (l.contains("error") && !l.contains("cq transport error -6"))),
-            "perf {workload} QD{qd} reported: {line}\n{out}"
+            "perf {what} reported: {line}\n{out}"
         );
     }
     let total = out
@@ -272,7 +272,7 @@ fn check_perf(out: &str, workload: &str, qd: u32) -> String {
         .nth(2)
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
-    assert!(iops > 0.0, "perf {workload} QD{qd} did no I/O: {total}");
+    assert!(iops > 0.0, "perf {what} did no I/O: {total}");
     total
 }
 
@@ -610,7 +610,7 @@ fn four_io_queues_and_two_hosts_at_once() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(out.status.success(), "host {name}: perf failed:\n{text}");
-        let total = check_perf(&text, "randrw", 16);
+        let total = check_perf(&text, "randrw QD16");
         eprintln!("lull nvmf host {name}: {total}");
     }
     let log = server.stderr();

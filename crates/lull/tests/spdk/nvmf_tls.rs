@@ -125,30 +125,11 @@ fn perf_tls(
     spdk_run(tools, "spdk_nvme_perf", &args)
 }
 
-/// perf's Total line, after checking it reported no error but its I/O
-/// queue's "CQ transport error -6" at the end of a run (nvmf_tgt gets
-/// the same).
+/// perf's Total line, after checking it exited 0, reported no error
+/// (`nvmf::check_perf`) and did I/O.
 fn total(ok: bool, out: &str, what: &str) -> String {
     assert!(ok, "{what}: perf failed:\n{out}");
-    for line in out.lines() {
-        let l = line.to_ascii_lowercase();
-        assert!(
-            !(l.contains("fail") || (l.contains("error") && !l.contains("cq transport error -6"))),
-            "{what}: perf reported: {line}\n{out}"
-        );
-    }
-    let t = out
-        .lines()
-        .find(|l| l.starts_with("Total"))
-        .unwrap_or_else(|| panic!("{what}: no Total line:\n{out}"))
-        .to_string();
-    let iops: f64 = t
-        .split_whitespace()
-        .nth(2)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    assert!(iops > 0.0, "{what}: no I/O: {t}");
-    t
+    crate::nvmf::check_perf(out, what)
 }
 
 #[test]
