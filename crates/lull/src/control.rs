@@ -668,6 +668,41 @@ impl ControlPlane for Control {
         Ok(json!({ "mbytes_per_sec": mbytes_per_sec, "volumes": names }))
     }
 
+    fn snapshot_expose(&self, volume: &str, name: &str) -> Result<VolumeInfo, ControlError> {
+        let (v, _) = self.chain(volume)?;
+        let export = format!("{volume}{}{name}", lull_volume::SNAPSHOT_SEPARATOR);
+        let view = v.dev().snapshot_view(name).ok_or_else(|| {
+            ControlError::Refused(format!("volume {volume:?} has no snapshot {name:?}"))
+        })?;
+        let _one = self
+            .volume_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let exposed = self
+            .volumes
+            .add(Volume::new(&export, Storage::Local(view)))?;
+        tracing::info!(volume, snapshot = name, export = %export,
+            "snapshot exposed as a read-only volume (NVMe/TCP subsystem; not recorded: gone at restart)");
+        Ok(VolumeInfo::of(&exposed))
+    }
+
+    fn snapshot_unexpose(&self, volume: &str, name: &str) -> Result<(), ControlError> {
+        let export = format!("{volume}{}{name}", lull_volume::SNAPSHOT_SEPARATOR);
+        let _one = self
+            .volume_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let v = self.volumes.named(&export)?;
+        if !v.dev().read_only() {
+            return Err(ControlError::Refused(format!(
+                "{export:?} is a volume, not an exposed snapshot"
+            )));
+        }
+        self.volumes.remove(&export)?;
+        tracing::info!(export = %export, "exposed snapshot removed (connected hosts keep it until they disconnect)");
+        Ok(())
+    }
+
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let (_, chain) = self.chain(volume)?;
         if !chain.flatten().map_err(snapshot_error)? {

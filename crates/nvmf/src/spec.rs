@@ -306,6 +306,8 @@ pub struct NamespaceInfo {
     /// log2 of the LBA size (9 for 512 B, 12 for 4 KiB).
     pub lba_shift: u8,
     pub nguid: [u8; 16],
+    /// A snapshot's namespace: writes are refused (NSATTR bit 0).
+    pub write_protected: bool,
 }
 
 /// Identify Namespace data (CNS 0), 4 KiB.
@@ -318,6 +320,7 @@ pub fn identify_namespace(ns: &NamespaceInfo) -> Vec<u8> {
     b[25] = 0; // NLBAF: one format (0-based)
     b[26] = 0; // FLBAS: format 0
     b[33] = 0b1001; // DLFEAT: deallocated blocks read as zeros; WZ deallocates
+    b[99] = u8::from(ns.write_protected); // NSATTR: write protected
     b[104..120].copy_from_slice(&ns.nguid);
     // LBA format 0: no metadata, LBADS, best relative performance.
     b[128 + 2] = ns.lba_shift;
@@ -469,13 +472,18 @@ mod tests {
         assert_eq!(c[77], 5);
         assert_eq!(&c[768..789], b"nqn.2026-11.io.lull:v");
         assert_eq!(u32::from_le_bytes(c[1792..1796].try_into().unwrap()), 516);
-        let ns = identify_namespace(&NamespaceInfo {
+        let mut info = NamespaceInfo {
             blocks: 2048,
             lba_shift: 9,
             nguid: [1; 16],
-        });
+            write_protected: false,
+        };
+        let ns = identify_namespace(&info);
         assert_eq!(u64::from_le_bytes(ns[0..8].try_into().unwrap()), 2048);
         assert_eq!(ns[130], 9);
+        assert_eq!(ns[99], 0, "NSATTR: writable");
+        info.write_protected = true;
+        assert_eq!(identify_namespace(&info)[99], 1, "NSATTR: write protected");
         assert_ne!(name_guid("a"), name_guid("b"));
         assert_eq!(cap(128) & 0xFFFF, 127);
     }

@@ -168,6 +168,18 @@ pub trait ControlPlane: Send + Sync {
             "this server has no rebuild limit".into(),
         ))
     }
+    /// `snapshot_expose`: serves `VOLUME@SNAPSHOT` as a read-only volume
+    /// of its own (an NVMe/TCP subsystem with a write-protected
+    /// namespace; NBD serves the name anyway) until `snapshot_unexpose`.
+    fn snapshot_expose(&self, volume: &str, name: &str) -> Result<VolumeInfo, ControlError> {
+        let _ = (volume, name);
+        Err(no_snapshots())
+    }
+    /// `snapshot_unexpose`: stops serving it as a volume of its own.
+    fn snapshot_unexpose(&self, volume: &str, name: &str) -> Result<(), ControlError> {
+        let _ = (volume, name);
+        Err(no_snapshots())
+    }
     /// `volume_flatten`: copies a clone's base into it so it stands alone.
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let _ = volume;
@@ -375,6 +387,8 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_flatten",
     "volume_set_qos",
     "volume_set_rebuild_limit",
+    "snapshot_expose",
+    "snapshot_unexpose",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -494,6 +508,17 @@ pub fn register_lull_methods(
     method(registry, "snapshot_delete", move |p: SnapshotName| {
         p.check()?;
         c.control.snapshot_delete(&p.volume, &p.name)?;
+        Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "snapshot_expose", move |p: SnapshotName| {
+        p.check()?;
+        Ok(json!(c.control.snapshot_expose(&p.volume, &p.name)?))
+    })?;
+    let c = ctx.clone();
+    method(registry, "snapshot_unexpose", move |p: SnapshotName| {
+        p.check()?;
+        c.control.snapshot_unexpose(&p.volume, &p.name)?;
         Ok(Value::Bool(true))
     })?;
     let c = ctx.clone();

@@ -1305,3 +1305,75 @@ fn a_qos_limit_holds_over_nvme_tcp() {
     );
     server.assert_healthy();
 }
+
+/// `snapshot_expose` (issue 28): a snapshot served as an NVMe/TCP
+/// subsystem of its own, its namespace write protected: spdk_dd reads
+/// the snapshot's bytes (not the volume's later writes) and a write
+/// through SPDK's initiator fails; `snapshot_unexpose` takes it away.
+#[test]
+fn an_exposed_snapshot_is_a_read_only_namespace() {
+    let Some(tools) = spdk_tools("an_exposed_snapshot_is_a_read_only_namespace") else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let dir = Scratch::new("nvmf-snapshot");
+    let (mut server, addr) = serve();
+    tools::qemu_io(&server, VOLUME, &["write -P 0xa5 0 4M"]);
+    server.rpc(
+        "snapshot_create",
+        &format!(r#"{{"volume":"{VOLUME}","name":"s1"}}"#),
+    );
+    tools::qemu_io(&server, VOLUME, &["write -P 0xb6 0 1M"]);
+    let info = server.rpc(
+        "snapshot_expose",
+        &format!(r#"{{"volume":"{VOLUME}","name":"s1"}}"#),
+    );
+    let export = format!("{VOLUME}@s1");
+    assert_eq!(info["name"], export.as_str(), "{info}");
+    let nqn = lull_nvmf::subsystem_nqn(&export);
+    let config = dd_config(&dir, addr, &nqn);
+    let got = dd_read(&tools, &config, &dir.join("s1.bin"), 1 << 20, 4 << 20);
+    assert!(
+        got.iter().all(|&b| b == 0xa5),
+        "the snapshot's bytes over NVMe/TCP"
+    );
+    let input = dir.join("in.bin");
+    std::fs::write(&input, vec![0x11u8; 1 << 20]).expect("write the input");
+    let (ok, out) = spdk_run(
+        &tools,
+        "spdk_dd",
+        &[
+            "--no-huge",
+            "-s",
+            "1024",
+            "--json",
+            config.to_str().unwrap(),
+            "--if",
+            input.to_str().unwrap(),
+            "--ob",
+            "N0n1",
+            "--bs",
+            "1048576",
+        ],
+    );
+    // spdk_dd exits 0 although its writes fail (SPDK v26.05); the target
+    // refused each one (counted as errors, no byte written).
+    println!("spdk_dd to the snapshot: exit ok {ok}\n{out}");
+    let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{export}"}}"#));
+    assert!(stats["errors"].as_u64().unwrap_or(0) > 0, "writes refused: {stats}");
+    assert_eq!(stats["errors"], stats["writes"], "every write refused: {stats}");
+    assert_eq!(stats["write_bytes"], 0, "no byte written: {stats}");
+    let again = dd_read(&tools, &config, &dir.join("s1b.bin"), 1 << 20, 4 << 20);
+    assert!(again == got, "the refused write changed nothing");
+    server.rpc(
+        "snapshot_unexpose",
+        &format!(r#"{{"volume":"{VOLUME}","name":"s1"}}"#),
+    );
+    let (ok, _) = spdk_run(
+        &tools,
+        "spdk_nvme_identify",
+        &["--no-huge", "-d", "256", "-r", &trid_of(addr, &nqn)],
+    );
+    assert!(!ok, "the subsystem is gone after snapshot_unexpose");
+    server.assert_healthy();
+}
