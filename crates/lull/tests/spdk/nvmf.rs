@@ -1360,8 +1360,14 @@ fn an_exposed_snapshot_is_a_read_only_namespace() {
     // refused each one (counted as errors, no byte written).
     println!("spdk_dd to the snapshot: exit ok {ok}\n{out}");
     let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{export}"}}"#));
-    assert!(stats["errors"].as_u64().unwrap_or(0) > 0, "writes refused: {stats}");
-    assert_eq!(stats["errors"], stats["writes"], "every write refused: {stats}");
+    assert!(
+        stats["errors"].as_u64().unwrap_or(0) > 0,
+        "writes refused: {stats}"
+    );
+    assert_eq!(
+        stats["errors"], stats["writes"],
+        "every write refused: {stats}"
+    );
     assert_eq!(stats["write_bytes"], 0, "no byte written: {stats}");
     let again = dd_read(&tools, &config, &dir.join("s1b.bin"), 1 << 20, 4 << 20);
     assert!(again == got, "the refused write changed nothing");
