@@ -109,11 +109,13 @@ impl ChainChannel {
         let state = shared.state();
         let generation = shared.generation.load(Ordering::Acquire);
         let busy = Arc::new(AtomicUsize::new(0));
-        shared
-            .channels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Arc::downgrade(&busy));
+        {
+            // Closed channels' entries go as new ones come (a volume that
+            // never quiesces must not keep one per connection it ever had).
+            let mut list = shared.channels.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&busy));
+        }
         let mut ch = ChainChannel {
             layers: (0..state.layers.len()).map(|_| None).collect(),
             shared,
