@@ -346,6 +346,14 @@ impl ControlPlane for Control {
             }
             v
         };
+        // A deleted clone no longer holds its origin's snapshot.
+        if v.storage.layered().is_some_and(|c| c.has_base()) {
+            for other in self.volumes.list() {
+                if let Some(c) = other.storage.layered() {
+                    c.forget_clone(name);
+                }
+            }
+        }
         // Connected clients keep the device until they disconnect; flush
         // what is there now.
         if let Err(e) = v.dev().sync() {

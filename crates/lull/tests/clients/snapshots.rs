@@ -208,6 +208,15 @@ fn snapshots_end_to_end(backend: Option<&Path>) {
         refused.contains("c1"),
         "the error names the clone: {refused}"
     );
+    // A second clone, deleted: it lets go of s1 (c1 still holds it).
+    rpc_ok(
+        &server,
+        "volume_clone",
+        r#"{"snapshot":"vol0@s1","name":"c2"}"#,
+    );
+    rpc_ok(&server, "volume_delete", r#"{"name":"c2"}"#);
+    let list = rpc_ok(&server, "snapshot_list", r#"{"volume":"vol0"}"#);
+    assert_eq!(list[0]["clones"], serde_json::json!(["c1"]), "{list}");
 
     // Revert is refused while a client is connected, then done.
     let client = NbdClient::connect(server.addr(), "vol0").expect("connect");
