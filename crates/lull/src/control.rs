@@ -711,6 +711,47 @@ impl ControlPlane for Control {
         Ok(())
     }
 
+    fn nvmf_host_psk_add(
+        &self,
+        volume: &str,
+        hostnqn: &str,
+        key_file: &str,
+    ) -> Result<Value, ControlError> {
+        let subsystems = self.nvmf.as_ref().ok_or_else(no_nvmf)?;
+        self.volumes.named(volume)?;
+        let key = lull_nvmf::psk::load_key_file(std::path::Path::new(key_file))
+            .map_err(|e| ControlError::InvalidParams(e.to_string()))?;
+        subsystems
+            .set_host_psk(volume, hostnqn, &key)
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        tracing::info!(
+            volume,
+            hostnqn,
+            key_file,
+            "NVMe/TCP host key set over RPC: the volume takes TLS only"
+        );
+        Ok(json!({
+            "volume": volume,
+            "hostnqn": hostnqn,
+            "secure_channel_required": subsystems.secure_channel_required(volume),
+        }))
+    }
+
+    fn nvmf_host_psk_remove(&self, volume: &str, hostnqn: &str) -> Result<Value, ControlError> {
+        let subsystems = self.nvmf.as_ref().ok_or_else(no_nvmf)?;
+        if !subsystems.remove_host_psk(volume, hostnqn) {
+            return Err(ControlError::Refused(format!(
+                "volume {volume:?} has no key for host {hostnqn:?}"
+            )));
+        }
+        tracing::info!(volume, hostnqn, "NVMe/TCP host key removed over RPC");
+        Ok(json!({
+            "volume": volume,
+            "hostnqn": hostnqn,
+            "secure_channel_required": subsystems.secure_channel_required(volume),
+        }))
+    }
+
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let (_, chain) = self.chain(volume)?;
         if !chain.flatten().map_err(snapshot_error)? {
@@ -730,6 +771,10 @@ impl ControlPlane for Control {
 
 /// A store error as the RPC reports it: bad parameters as -32602, other
 /// refusals with their reason, failures logged in full first.
+fn no_nvmf() -> ControlError {
+    ControlError::Refused("this server serves no NVMe/TCP (start it with --nvmf-listen)".into())
+}
+
 /// A volume's QoS: its limits (0: unlimited), the requests the limits
 /// held and how long they waited in all.
 fn qos_json(v: &Volume) -> Value {

@@ -180,6 +180,27 @@ pub trait ControlPlane: Send + Sync {
         let _ = (volume, name);
         Err(no_snapshots())
     }
+    /// `nvmf_host_psk_add`: a host's NVMe/TCP TLS key for a volume, from
+    /// a key file (PSK interchange format) on the server's filesystem; the
+    /// volume then takes TLS connections only. Never echoes the key.
+    fn nvmf_host_psk_add(
+        &self,
+        volume: &str,
+        hostnqn: &str,
+        key_file: &str,
+    ) -> Result<Value, ControlError> {
+        let _ = (volume, hostnqn, key_file);
+        Err(ControlError::Refused(
+            "this server serves no NVMe/TCP".into(),
+        ))
+    }
+    /// `nvmf_host_psk_remove`: forgets a host's key for a volume.
+    fn nvmf_host_psk_remove(&self, volume: &str, hostnqn: &str) -> Result<Value, ControlError> {
+        let _ = (volume, hostnqn);
+        Err(ControlError::Refused(
+            "this server serves no NVMe/TCP".into(),
+        ))
+    }
     /// `volume_flatten`: copies a clone's base into it so it stands alone.
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
         let _ = volume;
@@ -389,6 +410,8 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_set_rebuild_limit",
     "snapshot_expose",
     "snapshot_unexpose",
+    "nvmf_host_psk_add",
+    "nvmf_host_psk_remove",
 ];
 
 /// Register one method: its parameters decode into `P` (bad → -32602),
@@ -520,6 +543,28 @@ pub fn register_lull_methods(
         p.check()?;
         c.control.snapshot_unexpose(&p.volume, &p.name)?;
         Ok(Value::Bool(true))
+    })?;
+    let c = ctx.clone();
+    method(registry, "nvmf_host_psk_add", move |p: HostPsk| {
+        check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
+        check_name("hostnqn", &p.hostnqn, MAX_NQN_LEN)?;
+        let key_file = p
+            .key_file
+            .ok_or_else(|| ControlError::InvalidParams("key_file is required".into()))?;
+        check_name("key_file", &key_file, MAX_IMPORT_DIR_LEN)?;
+        c.control
+            .nvmf_host_psk_add(&p.volume, &p.hostnqn, &key_file)
+    })?;
+    let c = ctx.clone();
+    method(registry, "nvmf_host_psk_remove", move |p: HostPsk| {
+        check_name("volume", &p.volume, MAX_VOLUME_NAME_LEN)?;
+        check_name("hostnqn", &p.hostnqn, MAX_NQN_LEN)?;
+        if p.key_file.is_some() {
+            return Err(ControlError::InvalidParams(
+                "nvmf_host_psk_remove takes volume and hostnqn only".into(),
+            ));
+        }
+        c.control.nvmf_host_psk_remove(&p.volume, &p.hostnqn)
     })?;
     let c = ctx.clone();
     method(registry, "volume_revert", move |p: VolumeRevert| {
@@ -818,6 +863,18 @@ struct SetRebuildLimit {
     #[serde(default)]
     name: Option<String>,
     mbytes_per_sec: u64,
+}
+
+/// `nvmf_host_psk_add` and `nvmf_host_psk_remove` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct HostPsk {
+    volume: String,
+    hostnqn: String,
+    /// A file in the PSK interchange format (`NVMeTLSkey-1:01:...:`);
+    /// the key itself never travels over the RPC.
+    #[serde(default)]
+    key_file: Option<String>,
 }
 
 /// `volume_clone` parameters.

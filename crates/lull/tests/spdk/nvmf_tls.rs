@@ -588,3 +588,72 @@ fn a_stalled_or_garbled_handshake_is_dropped() {
     server.assert_logged(&["refusing connection", "TLS handshake not finished"]);
     server.assert_healthy();
 }
+
+/// Host keys over RPC: `nvmf_host_psk_add` makes the open volume take
+/// TLS only (the key works, plaintext is refused), `nvmf_host_psk_remove`
+/// opens it again; a bad key file and an unknown volume are refused and
+/// change nothing.
+#[test]
+fn host_keys_are_added_and_removed_over_rpc() {
+    let Some(tools) = spdk_tools("host_keys_are_added_and_removed_over_rpc") else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let (mut server, addr, key) = serve_tls();
+    let dir = key.parent().expect("key dir").to_path_buf();
+    let tr = trid(addr, &lull_nvmf::subsystem_nqn("open"), OTHER_HOST);
+    let other_key = key_file(&dir, "other.key", 0x0be);
+    let bad = dir.join("bad.key");
+    std::fs::write(&bad, "NVMeTLSkey-1:01:not a key:").expect("write");
+    for (params, why) in [
+        (
+            format!(
+                r#"{{"volume":"open","hostnqn":"{OTHER_HOST}","key_file":"{}"}}"#,
+                bad.display()
+            ),
+            "bad.key",
+        ),
+        (
+            format!(
+                r#"{{"volume":"nope","hostnqn":"{OTHER_HOST}","key_file":"{}"}}"#,
+                other_key.display()
+            ),
+            "nope",
+        ),
+    ] {
+        let (ok, text) =
+            crate::common::rpc_outcome(server.rpc_socket(), "nvmf_host_psk_add", &params);
+        assert!(!ok && text.contains(why), "{params}: {text}");
+    }
+    let (ok, out) = perf_tls(&tools, &tr, None, "randread", 1, 1);
+    total(ok, &out, "plaintext to the open volume before any key");
+
+    let reply = server.rpc(
+        "nvmf_host_psk_add",
+        &format!(
+            r#"{{"volume":"open","hostnqn":"{OTHER_HOST}","key_file":"{}"}}"#,
+            other_key.display()
+        ),
+    );
+    assert_eq!(reply["secure_channel_required"], true, "{reply}");
+    assert!(
+        !reply.to_string().contains("NVMeTLSkey"),
+        "the key is never echoed"
+    );
+    let (ok, out) = perf_tls(&tools, &tr, Some(&other_key), "randread", 1, 1);
+    total(ok, &out, "TLS with the key added over RPC");
+    let (_, out) = perf_tls(&tools, &tr, None, "randread", 1, 1);
+    assert!(
+        out.contains("sct 1, sc 132"),
+        "plaintext refused once keyed:\n{out}"
+    );
+
+    let reply = server.rpc(
+        "nvmf_host_psk_remove",
+        &format!(r#"{{"volume":"open","hostnqn":"{OTHER_HOST}"}}"#),
+    );
+    assert_eq!(reply["secure_channel_required"], false, "{reply}");
+    let (ok, out) = perf_tls(&tools, &tr, None, "randread", 1, 1);
+    total(ok, &out, "plaintext again once the key is gone");
+    server.assert_healthy();
+}
