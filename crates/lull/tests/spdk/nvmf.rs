@@ -52,7 +52,7 @@ fn trid_of(addr: SocketAddr, nqn: &str) -> String {
 }
 
 /// Run an SPDK tool; (whether it exited 0, its stdout and stderr).
-fn spdk_run(tools: &Path, bin: &str, args: &[&str]) -> (bool, String) {
+pub(crate) fn spdk_run(tools: &Path, bin: &str, args: &[&str]) -> (bool, String) {
     let out = Command::new(tools.join("bin").join(bin))
         .args(args)
         .output()
@@ -219,7 +219,7 @@ fn perf_on(
     check_perf(&out, &format!("{workload} QD{qd}"))
 }
 
-fn perf_args(
+pub(crate) fn perf_args(
     tr: &str,
     workload: &str,
     qd: u32,

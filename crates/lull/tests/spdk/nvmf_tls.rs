@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{pattern, tools, Server, IO_TIMEOUT};
+use crate::nvmf::{perf_args, spdk_run};
 use lull_net::tls::{ExternalPskContext, TlsStream};
 use lull_nvmf::pdu::{self, Digests, IcReq, Pdu};
 use lull_nvmf::psk::{self, RetainedHash};
@@ -74,20 +75,6 @@ fn trid(addr: SocketAddr, subnqn: &str, hostnqn: &str) -> String {
     )
 }
 
-/// Run an SPDK tool: (exit status 0, stdout and stderr).
-fn spdk_run(tools: &Path, bin: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(tools.join("bin").join(bin))
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 /// spdk_nvme_perf over TLS (`-S ssl --psk-path`, or plaintext with no
 /// key) for `seconds`: (exit status, output).
 fn perf_tls(
@@ -98,30 +85,13 @@ fn perf_tls(
     qd: u32,
     seconds: u32,
 ) -> (bool, String) {
-    let qd = qd.to_string();
-    let secs = seconds.to_string();
-    let mut args = vec![
-        "--no-huge",
-        "-s",
-        "256",
-        "-c",
-        "0x1",
-        "-q",
-        &qd,
-        "-o",
-        "4096",
-        "-w",
-        workload,
-        "-t",
-        &secs,
-        "-r",
-        tr,
-    ];
-    let key_arg;
-    if let Some(k) = key {
-        key_arg = k.display().to_string();
-        args.extend(["-S", "ssl", "--psk-path", &key_arg]);
-    }
+    let key_arg = key.map(|k| k.display().to_string());
+    let tls: Vec<&str> = match &key_arg {
+        Some(k) => vec!["-S", "ssl", "--psk-path", k],
+        None => Vec::new(),
+    };
+    let args = perf_args(tr, workload, qd, 4096, seconds, &tls);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     spdk_run(tools, "spdk_nvme_perf", &args)
 }
 
@@ -147,38 +117,11 @@ fn spdk_perf_over_tls_at_qd1_and_qd32() {
     }
     // 128 KiB reads and writes (R2T, H2CData and C2HData of many
     // records) with header and data digests, inside TLS.
-    let qd = "32".to_string();
-    let secs = "2".to_string();
     let key_arg = key.display().to_string();
-    let (ok, out) = spdk_run(
-        &tools,
-        "spdk_nvme_perf",
-        &[
-            "--no-huge",
-            "-s",
-            "256",
-            "-c",
-            "0x1",
-            "-q",
-            &qd,
-            "-o",
-            "131072",
-            "-w",
-            "randrw",
-            "-M",
-            "50",
-            "-t",
-            &secs,
-            "-H",
-            "-I",
-            "-r",
-            &tr,
-            "-S",
-            "ssl",
-            "--psk-path",
-            &key_arg,
-        ],
-    );
+    let extra = ["-M", "50", "-H", "-I", "-S", "ssl", "--psk-path", &key_arg];
+    let args = perf_args(&tr, "randrw", 32, 131072, 2, &extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out) = spdk_run(&tools, "spdk_nvme_perf", &args);
     let t = total(ok, &out, "TLS randrw 128k QD32 with digests");
     eprintln!("lull nvmf TLS randrw 128k QD32 digests: {t}");
     // The queue pairs were TLS ones (the one place that says so).
