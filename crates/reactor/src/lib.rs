@@ -34,6 +34,7 @@ pub mod adaptive;
 mod clock;
 mod cores;
 pub mod governor;
+pub mod rate;
 mod reactor;
 pub mod scheduler;
 #[allow(unsafe_code)]

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use lull_bdev::IoOp;
+use lull_reactor::rate::TokenBucket;
 
 /// The longest a bucket saves up: 10 ms of its rate. A limit holds over
 /// any window from 10 ms up; an idle volume cannot burst past it.
@@ -67,50 +68,13 @@ impl QosLimits {
     }
 }
 
-/// One limit's bucket: tokens (I/Os or bytes) per second.
-#[derive(Debug, Default, Clone, Copy)]
-struct Bucket {
-    rate: u64,
-    /// May be negative (one request's debt).
-    tokens: f64,
-}
-
-impl Bucket {
-    fn new(rate: u64) -> Bucket {
-        Bucket {
-            rate,
-            tokens: Self::cap(rate),
-        }
-    }
-
-    fn cap(rate: u64) -> f64 {
-        rate as f64 * QOS_BURST_NS as f64 / 1e9
-    }
-
-    fn refill(&mut self, elapsed_ns: u64) {
-        if self.rate > 0 {
-            self.tokens = (self.tokens + self.rate as f64 * elapsed_ns as f64 / 1e9)
-                .min(Self::cap(self.rate));
-        }
-    }
-
-    /// Nanoseconds until the bucket holds a token again (0: it does).
-    fn wait_ns(&self) -> u64 {
-        if self.rate == 0 || self.tokens > 0.0 {
-            0
-        } else {
-            ((-self.tokens + 1e-6) * 1e9 / self.rate as f64).ceil() as u64 + 1
-        }
-    }
-}
-
+/// One bucket per limit (`TokenBucket`: I/Os or bytes per second).
 #[derive(Debug, Default)]
 struct Buckets {
-    last_ns: u64,
-    ios: Bucket,
-    rw_bytes: Bucket,
-    r_bytes: Bucket,
-    w_bytes: Bucket,
+    ios: TokenBucket,
+    rw_bytes: TokenBucket,
+    r_bytes: TokenBucket,
+    w_bytes: TokenBucket,
 }
 
 /// A volume's QoS state, shared by its channels.
@@ -130,12 +94,12 @@ impl Qos {
     pub fn set(&self, limits: QosLimits, now_ns: u64) {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = limits;
         let mb = 1_000_000;
+        let bucket = |rate: u64| TokenBucket::new(rate, QOS_BURST_NS).starting_at(now_ns);
         *self.buckets.lock().unwrap_or_else(|p| p.into_inner()) = Buckets {
-            last_ns: now_ns,
-            ios: Bucket::new(limits.rw_ios_per_sec),
-            rw_bytes: Bucket::new(limits.rw_mbytes_per_sec * mb),
-            r_bytes: Bucket::new(limits.r_mbytes_per_sec * mb),
-            w_bytes: Bucket::new(limits.w_mbytes_per_sec * mb),
+            ios: bucket(limits.rw_ios_per_sec),
+            rw_bytes: bucket(limits.rw_mbytes_per_sec * mb),
+            r_bytes: bucket(limits.r_mbytes_per_sec * mb),
+            w_bytes: bucket(limits.w_mbytes_per_sec * mb),
         };
         self.limited
             .store(!limits.is_unlimited(), Ordering::Release);
@@ -160,33 +124,24 @@ impl Qos {
         };
         let mut guard = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let b = &mut *guard;
-        let elapsed = now_ns.saturating_sub(b.last_ns);
-        b.last_ns = b.last_ns.max(now_ns);
-        for bucket in [&mut b.ios, &mut b.rw_bytes, &mut b.r_bytes, &mut b.w_bytes] {
-            bucket.refill(elapsed);
-        }
-        let mut wait = b.ios.wait_ns().max(b.rw_bytes.wait_ns());
+        let mut wait = b.ios.wait_ns(now_ns).max(b.rw_bytes.wait_ns(now_ns));
         if read {
-            wait = wait.max(b.r_bytes.wait_ns());
+            wait = wait.max(b.r_bytes.wait_ns(now_ns));
         }
         if write {
-            wait = wait.max(b.w_bytes.wait_ns());
+            wait = wait.max(b.w_bytes.wait_ns(now_ns));
         }
         if wait > 0 {
             return Err(now_ns + wait);
         }
         let bytes = f64::from(len);
-        if b.ios.rate > 0 {
-            b.ios.tokens -= 1.0;
+        b.ios.spend(1.0);
+        b.rw_bytes.spend(bytes);
+        if read {
+            b.r_bytes.spend(bytes);
         }
-        if b.rw_bytes.rate > 0 {
-            b.rw_bytes.tokens -= bytes;
-        }
-        if read && b.r_bytes.rate > 0 {
-            b.r_bytes.tokens -= bytes;
-        }
-        if write && b.w_bytes.rate > 0 {
-            b.w_bytes.tokens -= bytes;
+        if write {
+            b.w_bytes.spend(bytes);
         }
         Ok(())
     }

@@ -132,42 +132,22 @@ pub enum Event {
 /// share left to the rebuild, the rest of the link is the clients'.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RebuildLimit {
-    pub bytes_per_sec: u64,
-    pub(super) tokens: f64,
-    pub(super) last_ns: u64,
+    bucket: lull_reactor::rate::TokenBucket,
 }
 
 impl RebuildLimit {
-    /// Most a bucket saves: 200 ms of its rate (two shell ticks, so a run
-    /// waiting between ticks loses none of its share), at least one
-    /// segment.
-    fn cap(&self) -> f64 {
-        (self.bytes_per_sec as f64 * 0.2).max(super::rebuild::REBUILD_CHUNK_BYTES as f64)
-    }
-
+    /// A limit of `bytes_per_sec` (0: none) from `now`. The bucket saves
+    /// 200 ms of its rate (two shell ticks, so a run waiting between ticks
+    /// loses none of its share), at least one segment.
     pub(super) fn set(&mut self, bytes_per_sec: u64, now: u64) {
-        *self = RebuildLimit {
-            bytes_per_sec,
-            tokens: 0.0,
-            last_ns: now,
-        };
-        self.tokens = self.cap();
+        let cap = (bytes_per_sec as f64 * 0.2).max(super::rebuild::REBUILD_CHUNK_BYTES as f64);
+        self.bucket =
+            lull_reactor::rate::TokenBucket::with_cap(bytes_per_sec, cap).starting_at(now);
     }
 
     /// Whether a segment of `len` bytes may start now (taking its tokens).
     pub(super) fn take(&mut self, len: u64, now: u64) -> bool {
-        if self.bytes_per_sec == 0 {
-            return true;
-        }
-        let elapsed = now.saturating_sub(self.last_ns);
-        self.last_ns = self.last_ns.max(now);
-        self.tokens =
-            (self.tokens + self.bytes_per_sec as f64 * elapsed as f64 / 1e9).min(self.cap());
-        if self.tokens <= 0.0 {
-            return false;
-        }
-        self.tokens -= len as f64;
-        true
+        self.bucket.take(len as f64, now)
     }
 }
 
