@@ -561,32 +561,15 @@ impl ControlPlane for Control {
         };
         let spec = config::parse_volume(&format!("{name}:{size}:{backend}"))
             .map_err(|e| ControlError::Refused(e.to_string()))?;
-        let store: Arc<dyn lull_bdev::chain::LayerStore> = match &spec.backend {
-            config::Backend::Malloc => Arc::new(lull_bdev::chain::MemoryStore::new(Arc::new(
-                lull_bdev::MallocDev::new(size).map_err(|e| ControlError::Failed(e.into()))?,
-            ))),
-            config::Backend::File { path, direct, ring } => {
-                if path.exists() {
-                    return Err(ControlError::Refused(format!(
-                        "{}: exists already; a clone starts from an empty file",
-                        path.display()
-                    )));
-                }
-                Arc::new(lull_bdev::chain::FileStore::new(
-                    path,
-                    lull_bdev::FileOptions {
-                        direct: *direct,
-                        create: true,
-                        ring: *ring,
-                    },
-                ))
+        if let config::Backend::File { path, .. } = &spec.backend {
+            if path.exists() {
+                return Err(ControlError::Refused(format!(
+                    "{}: exists already; a clone starts from an empty file",
+                    path.display()
+                )));
             }
-            _ => {
-                return Err(ControlError::Refused(
-                    "a clone's backend is malloc or file=PATH".into(),
-                ))
-            }
-        };
+        }
+        let store = crate::chain_store(&spec.backend, size).map_err(ControlError::Refused)?;
         let clone = chain
             .clone_snapshot(snap, name, store)
             .map_err(snapshot_error)?;
@@ -678,7 +661,7 @@ impl ControlPlane for Control {
 
     fn snapshot_expose(&self, volume: &str, name: &str) -> Result<VolumeInfo, ControlError> {
         let (v, _) = self.chain(volume)?;
-        let export = format!("{volume}{}{name}", lull_volume::SNAPSHOT_SEPARATOR);
+        let export = lull_volume::snapshot_export(volume, name);
         let view = v.dev().snapshot_view(name).ok_or_else(|| {
             ControlError::Refused(format!("volume {volume:?} has no snapshot {name:?}"))
         })?;
@@ -695,7 +678,7 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_unexpose(&self, volume: &str, name: &str) -> Result<(), ControlError> {
-        let export = format!("{volume}{}{name}", lull_volume::SNAPSHOT_SEPARATOR);
+        let export = lull_volume::snapshot_export(volume, name);
         let _one = self
             .volume_changes
             .lock()
@@ -803,7 +786,7 @@ fn snapshot_json(volume: &str, s: &lull_bdev::SnapshotInfo) -> Value {
     json!({
         "volume": volume,
         "name": s.name,
-        "export": format!("{volume}{}{}", lull_volume::SNAPSHOT_SEPARATOR, s.name),
+        "export": lull_volume::snapshot_export(volume, &s.name),
         "created_unix": s.created_unix,
         "size_bytes": s.size_bytes,
         "allocated_bytes": s.allocated_bytes,

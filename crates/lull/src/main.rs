@@ -397,7 +397,20 @@ pub(crate) fn open_chain(
     backend: &Backend,
     size_bytes: u64,
 ) -> Result<Arc<lull_bdev::ChainDev>, String> {
-    let store: Arc<dyn lull_bdev::chain::LayerStore> = match backend {
+    let store = chain_store(backend, size_bytes)?;
+    let describe = store.describe();
+    lull_bdev::ChainDev::open(store, size_bytes)
+        .map(Arc::new)
+        .map_err(|e| format!("{describe}: {e}"))
+}
+
+/// Where a chain of `backend` keeps its layers: memory, or files next to
+/// the volume's file. Also a clone's head (`volume_clone`).
+pub(crate) fn chain_store(
+    backend: &Backend,
+    size_bytes: u64,
+) -> Result<Arc<dyn lull_bdev::chain::LayerStore>, String> {
+    Ok(match backend {
         Backend::Malloc => Arc::new(lull_bdev::chain::MemoryStore::new(Arc::new(
             MallocDev::new(size_bytes).map_err(|e| e.to_string())?,
         ))),
@@ -410,11 +423,7 @@ pub(crate) fn open_chain(
             },
         )),
         _ => return Err("only memory and file volumes take snapshots".into()),
-    };
-    let describe = store.describe();
-    lull_bdev::ChainDev::open(store, size_bytes)
-        .map(Arc::new)
-        .map_err(|e| format!("{describe}: {e}"))
+    })
 }
 
 /// A device in this process: memory, a file, or either with faults injected.

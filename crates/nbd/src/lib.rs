@@ -185,7 +185,7 @@ impl Exports for ExportList<'_> {
             names.push(volume.name.clone());
             let views = snapshots
                 .iter()
-                .map(|s| format!("{}{}{s}", volume.name, lull_volume::SNAPSHOT_SEPARATOR))
+                .map(|s| lull_volume::snapshot_export(&volume.name, s))
                 .filter(|name| name.len() <= nbd::MAX_EXPORT_NAME_LEN && !name.contains('\0'))
                 .take(MAX_LISTED_SNAPSHOTS_PER_VOLUME);
             names.extend(views);

@@ -40,6 +40,12 @@ pub const MAX_VOLUME_NAME_LEN: usize = 4096;
 /// (`vol0@s1`, as `zfs` and `rbd` write it). Snapshot names never hold it.
 pub const SNAPSHOT_SEPARATOR: char = '@';
 
+/// The export name of `volume`'s snapshot `snapshot` (`vol0@s1`), as
+/// [`Volumes::resolve`] takes it apart.
+pub fn snapshot_export(volume: &str, snapshot: &str) -> String {
+    format!("{volume}{SNAPSHOT_SEPARATOR}{snapshot}")
+}
+
 /// Connections (NBD clients past the handshake) one volume serves at once
 /// unless configured otherwise. Idle connections are cheap (a poller of a
 /// few KiB; the scale test holds 2,000 on one volume), so the default sits
