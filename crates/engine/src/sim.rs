@@ -30,7 +30,9 @@ use lull_bdev::{IoBuf, IoOp, IoRequest};
 use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 
 use crate::core::ids::{ConnId, ReplicaId};
-use crate::core::{Action, ClientReq, ConnRef, Engine, Event, Milestone, Payload, Received, Sink};
+use crate::core::{
+    Action, ClientReq, ConnRef, CopyKind, Engine, Event, Milestone, Payload, Received, Sink,
+};
 use crate::{EngineOptions, ReplicaState};
 
 /// splitmix64: tiny, deterministic, good enough to pick faults.
@@ -94,6 +96,8 @@ struct SimReplica {
     intent: Vec<bool>,
     /// The record was lost: it reports every region, and not clean.
     lost: bool,
+    /// Change records: (peer, generation, one flag per change region).
+    changes: Vec<(String, u64, Vec<bool>)>,
 }
 
 /// Write-intent region of the simulated volume. The protocol's regions are
@@ -184,6 +188,14 @@ impl SimReplica {
         if h.kind.modifies() {
             self.clean = false;
         }
+        if matches!(
+            h.kind,
+            Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes
+        ) && range_ok
+            && l > 0
+        {
+            self.note_change(h.offset, l as u64);
+        }
         Some(match h.kind {
             Kind::Hello => {
                 let Ok(hello) = proto::decode_hello(payload) else {
@@ -234,6 +246,50 @@ impl SimReplica {
                     self.intent[g] = h.kind == Kind::IntentMark;
                 }
                 (h.reply_with(0), Vec::new())
+            }
+            Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop => {
+                let Ok(key) = proto::decode_change_key(h.kind, payload) else {
+                    return Some((h.reply_with(libc::EPROTO as u32), Vec::new()));
+                };
+                let crb = proto::change_region_bytes(SIZE);
+                let n = proto::change_regions(SIZE) as usize;
+                let at = self.changes.iter().position(|c| c.0 == key.peer);
+                match h.kind {
+                    Kind::ChangesStart => {
+                        let bits: Vec<bool> = (0..n)
+                            .map(|g| key.seed.get(g / 8).is_some_and(|b| b & (1 << (g % 8)) != 0))
+                            .collect();
+                        if let Some(i) = at {
+                            self.changes.remove(i);
+                        }
+                        self.changes.push((key.peer, key.generation, bits));
+                        (h.reply_with(0), Vec::new())
+                    }
+                    Kind::ChangesDrop => {
+                        if let Some(i) = at {
+                            self.changes.remove(i);
+                        }
+                        (h.reply_with(0), Vec::new())
+                    }
+                    _ => match at.map(|i| &self.changes[i]) {
+                        None => (h.reply_with(libc::ENOENT as u32), Vec::new()),
+                        Some((_, g, _)) if *g != key.generation => {
+                            let mut r = h.reply_with(libc::ESTALE as u32);
+                            r.offset = *g;
+                            (r, Vec::new())
+                        }
+                        Some((_, _, flags)) => {
+                            let mut out = vec![0u8; n.div_ceil(8)];
+                            for (g, _) in flags.iter().enumerate().filter(|(_, &b)| b) {
+                                out[g / 8] |= 1 << (g % 8);
+                            }
+                            let mut r = h.reply_with(0);
+                            r.offset = crb;
+                            r.length = out.len() as u32;
+                            (r, out)
+                        }
+                    },
+                }
             }
             Kind::IntentGet => {
                 let mut bits = vec![0u8; self.intent.len().div_ceil(8)];
@@ -293,6 +349,16 @@ impl SimReplica {
                 (r, out)
             }
         })
+    }
+
+    /// A modifying request arrived: every change record notes its regions.
+    fn note_change(&mut self, offset: u64, len: u64) {
+        let crb = proto::change_region_bytes(SIZE);
+        for c in &mut self.changes {
+            for g in offset / crb..(offset + len).div_ceil(crb) {
+                c.2[g as usize] = true;
+            }
+        }
     }
 
     /// Writes land only in regions whose intent bit is set (what the
@@ -415,6 +481,8 @@ pub(crate) struct SimStats {
     pub no_healthy: u64,
     pub elections: u64,
     pub rebuilds: u64,
+    /// Delta rebuilds (copies restricted to a change record).
+    pub deltas: u64,
     pub reconciles: u64,
     pub engine_crashes: u64,
     /// Crashes with a write sent to some replicas and not to others.
@@ -457,6 +525,7 @@ impl Sim {
                     owner: 0,
                     intent: vec![false; sim_regions()],
                     lost: false,
+                    changes: Vec::new(),
                 })
                 .collect(),
             queue: BTreeMap::new(),
@@ -525,7 +594,7 @@ impl Sim {
                 } => {
                     let bytes = match payload {
                         Payload::None => Vec::new(),
-                        Payload::Hello(h) => h.to_vec(),
+                        Payload::Control(h) => h.to_vec(),
                         Payload::Data { buf, len } => buf.as_slice()[..len].to_vec(),
                     };
                     let d = self.net_delay();
@@ -576,10 +645,16 @@ impl Sim {
             Milestone::NoHealthyReplica => st.no_healthy += 1,
             Milestone::Elected { .. } => st.elections += 1,
             Milestone::CopyComplete {
-                reconcile: false, ..
+                kind: CopyKind::Full,
+                ..
             } => st.rebuilds += 1,
             Milestone::CopyComplete {
-                reconcile: true, ..
+                kind: CopyKind::Delta,
+                ..
+            } => st.deltas += 1,
+            Milestone::CopyComplete {
+                kind: CopyKind::Reconcile,
+                ..
             } => st.reconciles += 1,
             Milestone::WaitingForReplicas { .. } | Milestone::Detached { .. } => {}
         }
@@ -1294,6 +1369,7 @@ impl Coverage {
         t.elections += s.elections;
         t.rebuilds += s.rebuilds;
         t.reconciles += s.reconciles;
+        t.deltas += s.deltas;
         t.engine_crashes += s.engine_crashes;
         t.crashes_mid_fanout += s.crashes_mid_fanout;
         t.crashes_in_rebuild += s.crashes_in_rebuild;
@@ -1458,6 +1534,7 @@ fn sim_many_seeds() {
         seeds < 50
             || (s.replica_failures > 0
                 && s.rebuilds > 0
+                && s.deltas > 0
                 && s.no_healthy > 0
                 && s.engine_crashes > 0
                 && s.crashes_mid_fanout > 0
@@ -1546,6 +1623,8 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
 
     // Replica 0 returns: it is elected, replica 1 rebuilt from it, and the
     // whole volume reads back as acknowledged (`run` checks every block).
+    // The rebuild is a delta: replica 0 kept a change record for replica 1
+    // from the moment it left, and the new engine finds it there.
     sim.replicas[0].up_at = sim.now;
     sim.step_until(sim.now + 500 * MS, false);
     sim.run(0);
@@ -1561,9 +1640,9 @@ fn sim_restart_never_elects_a_stale_replica_alone() {
         sim.milestone_since(restarted_at, |m| *m
             == Milestone::CopyComplete {
                 replica: stale.clone(),
-                reconcile: false
+                kind: CopyKind::Delta
             }),
-        "the stale replica was not rebuilt: {:?}",
+        "the stale replica was not rebuilt from its change record: {:?}",
         &sim.milestones[restarted_at..]
     );
 }

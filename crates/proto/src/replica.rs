@@ -24,6 +24,8 @@
 //! | INTENT_MARK, INTENT_CLEAR | none (`offset` = first region, `length` = regions) | none | echo |
 //! | INTENT_GET | none (`offset`, `length` 0) | [`INTENT_HEADER_LEN`] + bitmap bytes | regions / payload bytes |
 //! | BLOCK_STATUS | none (`length` = range) | N × 16 ([`StatusExtent`]) | echo `offset` / `16 × N` |
+//! | CHANGES_START, CHANGES_DROP | [`ChangeKey`] (`length` = 10 + name, + seed for START) | none | 0 / 0 |
+//! | CHANGES_GET | [`ChangeKey`] | the record's bitmap | region bytes / bitmap bytes |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -79,6 +81,25 @@
 //! are the union of their bitmaps (INTENT_GET). A replica whose record is
 //! unreadable reports every bit set and [`HELLO_FLAG_INTENT_LOST`].
 //!
+//! # Change records (version 4)
+//!
+//! When a replica leaves the healthy set, the engine asks every replica
+//! still healthy to keep a **change record** for it (CHANGES_START with a
+//! [`ChangeKey`]: the engine's name for the absent replica and the
+//! generation it had): one bit per region of [`change_region_bytes`]
+//! (64 KiB and up), seeded with the regions of the writes that were in
+//! flight when it left (the key's seed) and set by the replica for every
+//! modifying request it takes from then on, whoever sends it. (The engine
+//! holds new writes until every START is answered.) When the
+//! absent replica comes back with that generation, the engine reads the
+//! record (CHANGES_GET) and copies only those regions (a delta rebuild);
+//! `ENOENT` (no record for that name) or `ESTALE` (a record for another
+//! generation; the reply's `offset` is that generation) mean a full
+//! rebuild. CHANGES_DROP ends a record once its replica is healthy again.
+//! A replica keeps the records across an engine's death (in memory) and
+//! its own (on disk, stored with the write-intent record and completed
+//! from it at start), and loses them only with its write-intent record.
+//!
 //! # Worked example
 //!
 //! ```
@@ -115,8 +136,9 @@ pub const MAGIC: u32 = 0x4C55_4C52;
 /// Protocol version carried in every header; a peer with another version
 /// is refused at HELLO (EPROTO) rather than misparsed later. Version 2
 /// added sessions (fencing), DETACH and the write-intent record; version 3
-/// added BLOCK_STATUS.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// added BLOCK_STATUS; version 4 the change records (CHANGES_START, _GET,
+/// _DROP).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
 /// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
@@ -203,6 +225,32 @@ pub const KIND_INTENT_MARK: u16 = 11;
 pub const KIND_INTENT_CLEAR: u16 = 12;
 pub const KIND_INTENT_GET: u16 = 13;
 pub const KIND_BLOCK_STATUS: u16 = 14;
+pub const KIND_CHANGES_START: u16 = 15;
+pub const KIND_CHANGES_GET: u16 = 16;
+pub const KIND_CHANGES_DROP: u16 = 17;
+
+/// Smallest change-record region: the unit a delta rebuild copies for a
+/// write made while a replica was away. 64 KiB: a random 4 KiB write
+/// costs 64 KiB of copy (16×) where a write-intent region would cost
+/// 4 MiB (1,024×), and a 1 GiB volume's record is 2 KiB.
+pub const CHANGE_REGION_MIN_BYTES: u64 = 64 << 10;
+/// Most change-record regions per volume: a record (and a CHANGES_GET
+/// reply) is at most 128 KiB; volumes above 64 GiB get larger regions (a
+/// power of two).
+pub const MAX_CHANGE_REGIONS: u64 = 1 << 20;
+/// Largest change-record bitmap, in bytes.
+pub const MAX_CHANGE_BITMAP_BYTES: u32 = (MAX_CHANGE_REGIONS / 8) as u32;
+/// Longest peer name in a change request: the engine's name for the
+/// replica (`NAME@HOST:PORT`): a replica name ([`MAX_REPLICA_NAME_BYTES`])
+/// and a host name (253) with a port fit.
+pub const MAX_CHANGE_PEER_BYTES: usize = 512;
+/// A change request's payload before the peer name: the peer's generation
+/// (u64) and the name's length (u16).
+pub const CHANGE_KEY_HEADER_LEN: usize = 8 + 2;
+/// Longest CHANGES_GET / CHANGES_DROP payload.
+pub const MAX_CHANGE_KEY_LEN: usize = CHANGE_KEY_HEADER_LEN + MAX_CHANGE_PEER_BYTES;
+/// Longest CHANGES_START payload: a key and a seed bitmap.
+pub const MAX_CHANGE_START_LEN: usize = MAX_CHANGE_KEY_LEN + MAX_CHANGE_BITMAP_BYTES as usize;
 
 const _: () = assert!(4 + 2 + 2 + 8 + 8 + 4 + 4 == HEADER_LEN);
 const _: () = assert!(4 * 8 == HELLO_LEN);
@@ -232,11 +280,21 @@ pub enum Kind {
     /// The allocation of `[offset, offset + length)`: hole / zero flags
     /// per extent, for NBD block status (version 3).
     BlockStatus,
+    /// Start recording, on this replica, which change regions are written
+    /// from now on for the peer a [`ChangeKey`] names (a replica that left
+    /// the healthy set at that generation), seeded with the write-intent
+    /// record; replaces a record for the same peer. Answered once durable.
+    ChangesStart,
+    /// Read the change record of a peer ([`ChangeKey`]): the bitmap when
+    /// the record is for that generation.
+    ChangesGet,
+    /// End the change record of a peer (it is healthy again, or removed).
+    ChangesDrop,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 17] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -251,6 +309,9 @@ impl Kind {
         Kind::IntentClear,
         Kind::IntentGet,
         Kind::BlockStatus,
+        Kind::ChangesStart,
+        Kind::ChangesGet,
+        Kind::ChangesDrop,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -270,6 +331,9 @@ impl Kind {
             KIND_INTENT_CLEAR => Kind::IntentClear,
             KIND_INTENT_GET => Kind::IntentGet,
             KIND_BLOCK_STATUS => Kind::BlockStatus,
+            KIND_CHANGES_START => Kind::ChangesStart,
+            KIND_CHANGES_GET => Kind::ChangesGet,
+            KIND_CHANGES_DROP => Kind::ChangesDrop,
             _ => return None,
         })
     }
@@ -291,6 +355,9 @@ impl Kind {
             Kind::IntentClear => KIND_INTENT_CLEAR,
             Kind::IntentGet => KIND_INTENT_GET,
             Kind::BlockStatus => KIND_BLOCK_STATUS,
+            Kind::ChangesStart => KIND_CHANGES_START,
+            Kind::ChangesGet => KIND_CHANGES_GET,
+            Kind::ChangesDrop => KIND_CHANGES_DROP,
         }
     }
 
@@ -310,6 +377,16 @@ impl Kind {
                 | Kind::WriteZeroes
                 | Kind::IntentMark
                 | Kind::IntentClear
+                | Kind::ChangesStart
+                | Kind::ChangesDrop
+        )
+    }
+
+    /// Kinds whose request carries a [`ChangeKey`] payload.
+    pub fn has_change_key(self) -> bool {
+        matches!(
+            self,
+            Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop
         )
     }
 }
@@ -349,7 +426,12 @@ impl Header {
     pub fn reply_with(&self, status: u32) -> Header {
         let (offset, length) = match self.kind {
             Kind::Hello => (0, HELLO_LEN as u32),
-            Kind::Flush | Kind::Ping | Kind::Detach => (0, 0),
+            Kind::Flush
+            | Kind::Ping
+            | Kind::Detach
+            | Kind::ChangesStart
+            | Kind::ChangesGet
+            | Kind::ChangesDrop => (0, 0),
             Kind::Extents | Kind::IntentGet | Kind::BlockStatus => (self.offset, 0),
             Kind::Read
             | Kind::Write
@@ -483,6 +565,28 @@ fn check(h: &Header) -> Result<(), FrameError> {
                 too_long(0)?;
             }
         }
+        Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop if !h.reply => {
+            let length = h.length as usize;
+            let max = if h.kind == Kind::ChangesStart {
+                MAX_CHANGE_START_LEN
+            } else {
+                MAX_CHANGE_KEY_LEN
+            };
+            if !(CHANGE_KEY_HEADER_LEN + 1..=max).contains(&length) {
+                return Err(FrameError::BadPayload(
+                    "change request length must be a key with a peer name of 1 to MAX_CHANGE_PEER_BYTES (and a seed for CHANGES_START)",
+                ));
+            }
+        }
+        Kind::ChangesGet => {
+            too_long(MAX_CHANGE_BITMAP_BYTES)?;
+            if h.status != 0 && h.length != 0 {
+                return Err(FrameError::BadPayload(
+                    "CHANGES_GET error reply carries a payload",
+                ));
+            }
+        }
+        Kind::ChangesStart | Kind::ChangesDrop => too_long(0)?,
         Kind::BlockStatus => {
             if h.reply {
                 too_long(MAX_BLOCK_STATUS_BYTES)?;
@@ -580,11 +684,11 @@ pub fn payload_len(h: &Header) -> usize {
         (Kind::Hello, true) => HELLO_LEN,
         (Kind::Hello, false) => length,
         (Kind::Write | Kind::WriteFua, false) => length,
-        (Kind::Read | Kind::Extents | Kind::IntentGet | Kind::BlockStatus, true)
-            if h.status == 0 =>
-        {
-            length
-        }
+        (Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop, false) => length,
+        (
+            Kind::Read | Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::ChangesGet,
+            true,
+        ) if h.status == 0 => length,
         _ => 0,
     }
 }
@@ -695,6 +799,87 @@ pub fn intent_regions(volume_size: u64) -> u32 {
 /// Bitmap bytes of a volume of `volume_size` bytes.
 pub fn intent_bitmap_bytes(volume_size: u64) -> usize {
     (intent_regions(volume_size) as usize).div_ceil(8)
+}
+
+/// Bytes per change-record region of a volume of `volume_size` bytes: at
+/// least [`CHANGE_REGION_MIN_BYTES`], a power of two, and large enough
+/// that the volume has at most [`MAX_CHANGE_REGIONS`] regions. Both sides
+/// compute it; a CHANGES_GET reply names it too.
+pub fn change_region_bytes(volume_size: u64) -> u64 {
+    volume_size
+        .div_ceil(MAX_CHANGE_REGIONS)
+        .checked_next_power_of_two()
+        .unwrap_or(1 << 63)
+        .max(CHANGE_REGION_MIN_BYTES)
+}
+
+/// Change-record regions of a volume of `volume_size` bytes.
+pub fn change_regions(volume_size: u64) -> u64 {
+    volume_size
+        .div_ceil(change_region_bytes(volume_size))
+        .min(MAX_CHANGE_REGIONS)
+}
+
+/// The payload of CHANGES_START, _GET and _DROP: which replica a change
+/// record is for (the engine's name for it) and the generation it had when
+/// it left the healthy set; for CHANGES_START also the regions to seed the
+/// record with (the writes in flight when it left), a bitmap of
+/// [`change_regions`] bits or empty. Wire: generation u64, name length
+/// u16, the name's bytes, the seed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangeKey {
+    pub generation: u64,
+    pub peer: String,
+    pub seed: Vec<u8>,
+}
+
+/// Encodes a change request's payload; the peer name must be 1 to
+/// [`MAX_CHANGE_PEER_BYTES`] bytes, the seed at most
+/// [`MAX_CHANGE_BITMAP_BYTES`].
+pub fn encode_change_key(key: &ChangeKey) -> Result<Vec<u8>, FrameError> {
+    if key.peer.is_empty() || key.peer.len() > MAX_CHANGE_PEER_BYTES {
+        return Err(FrameError::BadPayload(
+            "change peer name must be 1 to MAX_CHANGE_PEER_BYTES bytes",
+        ));
+    }
+    if key.seed.len() > MAX_CHANGE_BITMAP_BYTES as usize {
+        return Err(FrameError::BadPayload("change seed longer than a record"));
+    }
+    let mut out = Vec::with_capacity(CHANGE_KEY_HEADER_LEN + key.peer.len() + key.seed.len());
+    out.extend_from_slice(&key.generation.to_be_bytes());
+    out.extend_from_slice(&(key.peer.len() as u16).to_be_bytes());
+    out.extend_from_slice(key.peer.as_bytes());
+    out.extend_from_slice(&key.seed);
+    Ok(out)
+}
+
+/// Decodes the payload of a `kind` change request (a seed only with
+/// CHANGES_START).
+pub fn decode_change_key(kind: Kind, b: &[u8]) -> Result<ChangeKey, FrameError> {
+    if b.len() > MAX_CHANGE_START_LEN {
+        return Err(FrameError::BadPayload("change key too long"));
+    }
+    let Some((head, rest)) = b.split_first_chunk::<CHANGE_KEY_HEADER_LEN>() else {
+        return Err(FrameError::BadPayload("change key shorter than its header"));
+    };
+    let generation = u64::from_be_bytes([
+        head[0], head[1], head[2], head[3], head[4], head[5], head[6], head[7],
+    ]);
+    let len = usize::from(u16::from_be_bytes([head[8], head[9]]));
+    if len == 0 || len > MAX_CHANGE_PEER_BYTES || len > rest.len() {
+        return Err(FrameError::BadPayload("bad change peer name length"));
+    }
+    let (name, seed) = rest.split_at(len);
+    if !seed.is_empty() && kind != Kind::ChangesStart {
+        return Err(FrameError::BadPayload("only CHANGES_START carries a seed"));
+    }
+    let peer = std::str::from_utf8(name)
+        .map_err(|_| FrameError::BadPayload("change peer name is not UTF-8"))?;
+    Ok(ChangeKey {
+        generation,
+        peer: peer.to_string(),
+        seed: seed.to_vec(),
+    })
 }
 
 /// Encodes an INTENT_GET reply payload: flags, then the bitmap (bit `i`
@@ -898,7 +1083,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 3, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 4, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -931,16 +1116,99 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 15;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x800f)));
-        // The version before BLOCK_STATUS is refused, naming both.
+        b[7] = 18;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8012)));
+        // The version before the change records is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
-        b[5] = 2;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(2)));
+        b[5] = 3;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(3)));
         assert_eq!(
-            FrameError::BadVersion(2).to_string(),
-            "protocol version 2, expected 3"
+            FrameError::BadVersion(3).to_string(),
+            "protocol version 3, expected 4"
         );
+    }
+
+    #[test]
+    fn change_keys_and_regions() {
+        let key = ChangeKey {
+            generation: 7,
+            peer: "r1@10.0.0.2:10900".into(),
+            seed: Vec::new(),
+        };
+        let wire = encode_change_key(&key).unwrap();
+        assert_eq!(&wire[..10], &[0, 0, 0, 0, 0, 0, 0, 7, 0, 17]);
+        assert_eq!(decode_change_key(Kind::ChangesGet, &wire).unwrap(), key);
+        let seeded = ChangeKey {
+            seed: vec![0xff; 2048],
+            ..key.clone()
+        };
+        let seeded_wire = encode_change_key(&seeded).unwrap();
+        assert_eq!(
+            decode_change_key(Kind::ChangesStart, &seeded_wire).unwrap(),
+            seeded
+        );
+        assert!(decode_change_key(Kind::ChangesDrop, &seeded_wire).is_err());
+        let h = Header::request(Kind::ChangesStart, 1, 0, MAX_CHANGE_START_LEN as u32);
+        assert_eq!(decode_header(&enc(&h)).unwrap(), h);
+        let len = wire.len() as u32;
+        for kind in [Kind::ChangesStart, Kind::ChangesGet, Kind::ChangesDrop] {
+            let h = Header::request(kind, 1, 0, len);
+            assert_eq!(decode_header(&enc(&h)).unwrap(), h);
+            assert_eq!(payload_len(&h), wire.len());
+            let mut out = [0u8; HEADER_LEN];
+            let max = if kind == Kind::ChangesStart {
+                MAX_CHANGE_START_LEN
+            } else {
+                MAX_CHANGE_KEY_LEN
+            };
+            for bad in [0, 10, max as u32 + 1] {
+                let h = Header::request(kind, 1, 0, bad);
+                assert!(encode_header(&h, &mut out).is_err(), "{kind:?} {bad}");
+            }
+        }
+        // Replies: only CHANGES_GET carries a payload, the bitmap.
+        let get = Header::request(Kind::ChangesGet, 1, 0, len);
+        let mut ok = get.reply_with(0);
+        ok.offset = CHANGE_REGION_MIN_BYTES;
+        ok.length = MAX_CHANGE_BITMAP_BYTES;
+        assert_eq!(
+            payload_len(&decode_header(&enc(&ok)).unwrap()),
+            MAX_CHANGE_BITMAP_BYTES as usize
+        );
+        let mut out = [0u8; HEADER_LEN];
+        ok.length += 1;
+        assert!(encode_header(&ok, &mut out).is_err());
+        let stale = get.reply_with(libc::ESTALE as u32);
+        assert_eq!(payload_len(&stale), 0);
+        let start = Header::request(Kind::ChangesStart, 1, 0, len).reply_with(0);
+        assert_eq!((start.length, payload_len(&start)), (0, 0));
+        assert!(Kind::ChangesStart.modifies() && Kind::ChangesDrop.modifies());
+        assert!(!Kind::ChangesGet.modifies());
+        // Bad payloads.
+        assert!(decode_change_key(Kind::ChangesGet, &wire[..10]).is_err());
+        assert!(decode_change_key(Kind::ChangesGet, &wire[..wire.len() - 1]).is_err());
+        assert!(
+            decode_change_key(Kind::ChangesGet, &[0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0xff]).is_err()
+        );
+        let empty = ChangeKey {
+            peer: String::new(),
+            ..key.clone()
+        };
+        assert!(encode_change_key(&empty).is_err());
+        let long = ChangeKey {
+            peer: "x".repeat(MAX_CHANGE_PEER_BYTES + 1),
+            ..key.clone()
+        };
+        assert!(encode_change_key(&long).is_err());
+        // Geometry: 64 KiB up to 64 GiB, then powers of two; never more
+        // than MAX_CHANGE_REGIONS.
+        assert_eq!(change_region_bytes(1 << 30), 64 << 10);
+        assert_eq!(change_regions(1 << 30), 16384);
+        assert_eq!(change_region_bytes(64 << 30), 64 << 10);
+        assert_eq!(change_region_bytes((64 << 30) + 1), 128 << 10);
+        assert_eq!(change_regions(1 << 40), MAX_CHANGE_REGIONS);
+        assert_eq!(change_regions(1), 1);
+        assert!(change_regions(u64::MAX) <= MAX_CHANGE_REGIONS);
     }
 
     #[test]

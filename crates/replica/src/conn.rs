@@ -386,6 +386,38 @@ impl wire::ReceiveFrames for Conn {
                 tracing::warn!(peer = %self.wire.peer(), ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
+            (_, kind) if kind.has_change_key() => {
+                // The key follows the header: at most MAX_CHANGE_KEY_LEN,
+                // checked by `decode_header`.
+                let end = HEADER_LEN + proto::payload_len(&h);
+                if self.wire.inb.buffered() < end {
+                    return false;
+                }
+                if kind.modifies() {
+                    if let Err(owner) = self.server().fences.enter(&self.fence) {
+                        self.wire.inb.consume(end);
+                        self.fenced_request(h, owner);
+                        return true;
+                    }
+                    if !self.server().dirty.load(Ordering::SeqCst) {
+                        self.fence_exit();
+                        self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
+                        return true;
+                    }
+                }
+                let key = proto::decode_change_key(kind, &self.wire.inb.peek()[HEADER_LEN..end]);
+                self.wire.inb.consume(end);
+                match key {
+                    Ok(key) => self.changes_request(h, key),
+                    Err(e) => {
+                        if kind.modifies() {
+                            self.fence_exit();
+                        }
+                        tracing::warn!(peer = %self.wire.peer(), error = %e, "bad change key");
+                        self.close(format!("bad change key: {e}"));
+                    }
+                }
+            }
             (_, kind) if kind.modifies() || kind == Kind::Detach => {
                 // Counted before anything is taken (see `crate::fence`).
                 if let Err(owner) = self.server().fences.enter(&self.fence) {
@@ -1137,22 +1169,34 @@ impl Conn {
                 }
                 return;
             }
+            Kind::Write | Kind::WriteFua | Kind::Trim | Kind::WriteZeroes => {
+                // In range and not empty: every change record notes it
+                // before it can reach the data.
+                self.server()
+                    .intent
+                    .note_write(req.offset, u64::from(req.length));
+                match req.kind {
+                    Kind::Write => IoOp::Write { fua: false },
+                    Kind::WriteFua => IoOp::Write { fua: true },
+                    Kind::Trim => IoOp::Trim,
+                    _ => IoOp::WriteZeroes {
+                        no_hole: false,
+                        fua: false,
+                        fast: false,
+                    },
+                }
+            }
             Kind::Read => IoOp::Read,
-            Kind::Write => IoOp::Write { fua: false },
-            Kind::WriteFua => IoOp::Write { fua: true },
             Kind::Flush => IoOp::Flush,
-            Kind::Trim => IoOp::Trim,
-            Kind::WriteZeroes => IoOp::WriteZeroes {
-                no_hole: false,
-                fua: false,
-                fast: false,
-            },
             Kind::Ping
             | Kind::Hello
             | Kind::Detach
             | Kind::IntentMark
             | Kind::IntentClear
-            | Kind::IntentGet => {
+            | Kind::IntentGet
+            | Kind::ChangesStart
+            | Kind::ChangesGet
+            | Kind::ChangesDrop => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
@@ -1231,6 +1275,66 @@ impl Conn {
             Err(e) => {
                 self.fence_exit();
                 self.intent_failed(req, e);
+            }
+        }
+    }
+
+    /// CHANGES_START / _GET / _DROP with its key (START and DROP counted
+    /// in the fence). START waits until durable, as INTENT_MARK does; DROP
+    /// is answered at once; GET answers the record's bitmap, `ENOENT` when
+    /// there is none for the peer, `ESTALE` (with the record's generation
+    /// as the reply's offset) when it is for another generation.
+    fn changes_request(&mut self, req: Header, key: proto::ChangeKey) {
+        let intent = self.server().intent.clone();
+        match req.kind {
+            Kind::ChangesStart => match intent.changes_start(&key) {
+                Ok(Ok(seq)) => {
+                    tracing::info!(peer = %self.wire.peer(), replica = %key.peer,
+                        generation = key.generation, "change record started for a replica away");
+                    self.wait = Some(Wait::Intent { req, seq });
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(peer = %self.wire.peer(), replica = %key.peer, error = %e,
+                        "change record refused");
+                    self.fence_exit();
+                    self.push_error(req, e.errno());
+                }
+                Err(e) => {
+                    self.fence_exit();
+                    self.intent_failed(req, e);
+                }
+            },
+            Kind::ChangesDrop => {
+                let dropped = intent.changes_drop(&key.peer);
+                self.fence_exit();
+                match dropped {
+                    Ok(dropped) => {
+                        if dropped {
+                            tracing::info!(peer = %self.wire.peer(), replica = %key.peer,
+                                "change record ended");
+                        }
+                        self.push_reply(req.reply_with(0), Payload::None);
+                    }
+                    Err(e) => self.intent_failed(req, e),
+                }
+            }
+            _ => {
+                let (record, region_bytes) = intent.changes_get(&key.peer);
+                match record {
+                    None => self.push_error(req, libc::ENOENT),
+                    Some((generation, _)) if generation != key.generation => {
+                        let mut reply = req.reply_with(libc::ESTALE as u32);
+                        reply.offset = generation;
+                        self.push_reply(reply, Payload::None);
+                    }
+                    Some((_, bitmap)) => {
+                        let mut reply = req.reply_with(0);
+                        reply.offset = region_bytes;
+                        // At most MAX_CHANGE_BITMAP_BYTES by the region size.
+                        reply.length = bitmap.len() as u32;
+                        self.push_reply(reply, Payload::Bytes(bitmap));
+                    }
+                }
             }
         }
     }

@@ -5,7 +5,7 @@
 //!
 //! ```ignore
 //! let (file, loaded) = IntentFile::open(dir, size_bytes, missing_is_empty)?; // blocking
-//! let persister = Persister::start(file, loaded)?;     // "lull-replica-intent"
+//! let persister = Persister::start(file, loaded, changes)?; // "lull-replica-intent"
 //! let seq = persister.mark(3, 2)?;                     // regions 3 and 4, in memory
 //! persister.wait_durable(seq)?;                        // a reactor polls instead
 //! persister.stop();
@@ -59,9 +59,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use lull_proto::replica::{
-    intent_bitmap_bytes, intent_region_bytes, intent_regions, MAX_INTENT_BITMAP_BYTES,
+    intent_bitmap_bytes, intent_region_bytes, intent_regions, ChangeKey, MAX_INTENT_BITMAP_BYTES,
 };
 use lull_reactor::{PollerId, ThreadHandle};
+
+use crate::changes::{self, Changes, StartError};
 
 /// File name of the record inside the replica directory.
 pub const INTENT_FILE: &str = "intent.bin";
@@ -101,15 +103,20 @@ pub enum IntentError {
     Spawn(Arc<io::Error>),
     #[error("the write-intent persister has stopped")]
     Stopped,
+    #[error("{path}: cannot store the change records: {source}")]
+    Changes {
+        path: PathBuf,
+        source: Arc<io::Error>,
+    },
 }
 
 impl IntentError {
     /// The errno a peer is told.
     pub fn errno(&self) -> i32 {
         match self {
-            IntentError::Io { source, .. } | IntentError::Spawn(source) => {
-                source.raw_os_error().unwrap_or(libc::EIO)
-            }
+            IntentError::Io { source, .. }
+            | IntentError::Spawn(source)
+            | IntentError::Changes { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             IntentError::Stopped => libc::ESHUTDOWN,
         }
     }
@@ -155,6 +162,9 @@ pub struct IntentFile {
     /// Seq of the newest valid slot (0 when none), and which slot holds it.
     seq: u64,
     newest: Option<usize>,
+    /// The bitmap the file holds (loaded or last stored; all set when the
+    /// record was lost).
+    held: Vec<u8>,
 }
 
 impl IntentFile {
@@ -184,6 +194,7 @@ impl IntentFile {
                     regions,
                     seq: 0,
                     newest: None,
+                    held: all_set(regions),
                 };
                 if missing_is_empty {
                     let empty = vec![0u8; bitmap_bytes];
@@ -214,11 +225,13 @@ impl IntentFile {
             regions,
             seq: 0,
             newest: None,
+            held: all_set(regions),
         };
         let lost = match me.read_slots() {
             Ok(Some((slot, seq, bitmap))) => {
                 me.seq = seq;
                 me.newest = Some(slot);
+                me.held = bitmap.clone();
                 return Ok((me, Loaded { bitmap, lost: None }));
             }
             Ok(None) => Lost::NoValidSlot,
@@ -274,6 +287,7 @@ impl IntentFile {
             .map_err(io)?;
         self.seq = seq;
         self.newest = Some(slot);
+        self.held = bitmap.to_vec();
         Ok(())
     }
 
@@ -396,6 +410,9 @@ fn wake(waiters: Vec<Waiter>) {
 struct State {
     bitmap: Vec<u8>,
     regions: u32,
+    /// The change records (`crate::changes`), stored before each store of
+    /// `bitmap` when they changed.
+    changes: Changes,
     /// Bumped on every change of `bitmap`.
     changed_seq: u64,
     /// The `changed_seq` of the last snapshot made durable.
@@ -441,7 +458,13 @@ pub(crate) struct Persister {
     cv: Condvar,
     /// Mirror of the lost state, readable without the lock.
     lost: AtomicBool,
+    /// Some change record is kept: modifying requests are noted.
+    tracking: AtomicBool,
     path: PathBuf,
+    /// The replica directory (where the change records are stored).
+    dir: PathBuf,
+    /// The data file, synced before a store clears a bit (see `run`).
+    data: Option<File>,
     /// The record file until the thread starts and takes it: the thread
     /// starts at the first change, so a replica no engine writes to (most
     /// of a node's store, most of the time) costs no thread.
@@ -454,11 +477,24 @@ pub(crate) struct Persister {
 impl Persister {
     /// The record of `file`; the thread "lull-replica-intent", which owns
     /// the file from then on, starts at the first change.
-    pub(crate) fn start(file: IntentFile, loaded: Loaded) -> Result<Arc<Persister>, IntentError> {
+    pub(crate) fn start(
+        file: IntentFile,
+        loaded: Loaded,
+        changes: Changes,
+        data: Option<File>,
+    ) -> Result<Arc<Persister>, IntentError> {
+        let dir = file
+            .path
+            .parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
         Ok(Arc::new_cyclic(|me| Persister {
+            tracking: AtomicBool::new(!changes.is_empty()),
+            data,
+            dir,
             state: Mutex::new(State {
                 bitmap: loaded.bitmap,
                 regions: file.regions,
+                changes,
                 changed_seq: 0,
                 durable_seq: 0,
                 failed: None,
@@ -518,7 +554,7 @@ impl Persister {
 
     fn run(&self, mut file: IntentFile) {
         loop {
-            let (snapshot, seq) = {
+            let snapshot = {
                 let mut s = self.lock();
                 while s.failed.is_none() && s.changed_seq == s.durable_seq && !s.stop {
                     s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -527,9 +563,45 @@ impl Persister {
                 if s.failed.is_some() || s.changed_seq == s.durable_seq {
                     break;
                 }
-                (s.bitmap.clone(), s.changed_seq)
+                (s.bitmap.clone(), s.changes.take_changed(), s.changed_seq)
             };
-            let result = file.store(&snapshot);
+            let (snapshot, changed, seq) = snapshot;
+            // Two steps. First the marks (the bits set, none cleared) and
+            // the change records, which marks and starts wait for. Then,
+            // if bits were cleared, the data file is synced before the
+            // clears are stored: a bit cleared on disk means the writes
+            // under it are on disk too, so a crash of this replica loses
+            // nothing its record does not name (what a delta rebuild of
+            // it relies on). The change records go before both: an intent
+            // bit is cleared on disk only after the change bits set before
+            // its clear are (`crate::changes`).
+            let marks: Vec<u8> = file
+                .held
+                .iter()
+                .zip(&snapshot)
+                .map(|(o, n)| o | n)
+                .collect();
+            let mut result = match changed {
+                Some(bytes) => {
+                    changes::store(&self.dir, &bytes).map_err(|e| IntentError::Changes {
+                        path: self.dir.join(changes::CHANGES_FILE),
+                        source: Arc::new(e),
+                    })
+                }
+                None => Ok(()),
+            };
+            if result.is_ok()
+                && (marks != file.held || file.seq == 0 || self.lost.load(Ordering::SeqCst))
+            {
+                result = file.store(&marks);
+            }
+            if result.is_ok() && marks != snapshot {
+                result = match &self.data {
+                    Some(data) => data.sync_data().map_err(IntentError::io(&self.path)),
+                    None => Ok(()),
+                }
+                .and_then(|()| file.store(&snapshot));
+            }
             let waiters = {
                 let mut s = self.lock();
                 match result {
@@ -590,6 +662,71 @@ impl Persister {
             self.ensure_running()?;
         }
         Ok(seq)
+    }
+
+    /// A modifying request over `[offset, offset + len)` arrived (checked
+    /// against the volume): noted in every change record, in memory (a
+    /// load and nothing else while no record is kept).
+    pub(crate) fn note_write(&self, offset: u64, len: u64) {
+        if self.tracking.load(Ordering::SeqCst) {
+            self.lock().changes.note(offset, len);
+        }
+    }
+
+    /// CHANGES_START: a record for `key`, seeded with its seed. Returns
+    /// the seq to wait for (durable as marks are).
+    pub(crate) fn changes_start(
+        &self,
+        key: &ChangeKey,
+    ) -> Result<Result<u64, StartError>, IntentError> {
+        let mut s = self.lock();
+        if let Some(e) = s.broken() {
+            return Err(e);
+        }
+        if let Err(e) = s.changes.start(key) {
+            return Ok(Err(e));
+        }
+        self.tracking.store(true, Ordering::SeqCst);
+        s.changed_seq += 1;
+        self.cv.notify_all();
+        let seq = s.changed_seq;
+        drop(s);
+        self.ensure_running()?;
+        Ok(Ok(seq))
+    }
+
+    /// CHANGES_DROP: ends the record of `peer`, persisted lazily. A drop
+    /// lost in a crash brings the record back, which costs only the noting
+    /// of writes until the next START or DROP for that peer: the peer was
+    /// healthy again, at a later generation, so the record never matches
+    /// it. Whether there was one.
+    pub(crate) fn changes_drop(&self, peer: &str) -> Result<bool, IntentError> {
+        let mut s = self.lock();
+        if let Some(e) = s.broken() {
+            return Err(e);
+        }
+        let dropped = s.changes.drop_peer(peer);
+        self.tracking.store(!s.changes.is_empty(), Ordering::SeqCst);
+        if dropped {
+            s.changed_seq += 1;
+            self.cv.notify_all();
+        }
+        drop(s);
+        if dropped {
+            self.ensure_running()?;
+        }
+        Ok(dropped)
+    }
+
+    /// CHANGES_GET: (generation, bitmap) of `peer`'s record, and the
+    /// region size.
+    pub(crate) fn changes_get(&self, peer: &str) -> (Option<(u64, Vec<u8>)>, u64) {
+        let s = self.lock();
+        let record = s
+            .changes
+            .get(peer)
+            .map(|r| (r.generation, r.bitmap.clone()));
+        (record, s.changes.region_bytes())
     }
 
     /// Whether everything up to `seq` is durable: `Some(Ok)` yes,
@@ -901,7 +1038,7 @@ mod tests {
     fn persister_group_commits_and_survives_restart() {
         let d = tmpdir("persister");
         let (f, loaded) = IntentFile::open(&d, SIZE, true).unwrap();
-        let p = Persister::start(f, loaded).unwrap();
+        let p = Persister::start(f, loaded, Changes::new(SIZE), None).unwrap();
         let s1 = p.mark(0, 2).unwrap();
         let s2 = p.mark(10, 1).unwrap();
         assert!(s2 > s1);
@@ -926,7 +1063,7 @@ mod tests {
         flip(&d.join(INTENT_FILE), 1);
         flip(&d.join(INTENT_FILE), INTENT_SLOT_BYTES as u64 + 1);
         let (f, loaded) = IntentFile::open(&d, SIZE, false).unwrap();
-        let p = Persister::start(f, loaded).unwrap();
+        let p = Persister::start(f, loaded, Changes::new(SIZE), None).unwrap();
         assert!(p.lost());
         assert_eq!(p.snapshot().1, vec![0xff; 32]);
         p.clear_all_durably().unwrap();
@@ -943,7 +1080,7 @@ mod tests {
         let (mut f, loaded) = IntentFile::open(&d, SIZE, true).unwrap();
         // A read-only descriptor: the next store fails with EBADF.
         f.file = File::open(d.join(INTENT_FILE)).unwrap();
-        let p = Persister::start(f, loaded).unwrap();
+        let p = Persister::start(f, loaded, Changes::new(SIZE), None).unwrap();
         let seq = p.mark(1, 1).unwrap();
         let err = p.wait_durable(seq).unwrap_err();
         assert!(matches!(err, IntentError::Io { .. }), "{err}");

@@ -23,7 +23,8 @@
 //!
 //! Layout of `DIR`: `data.img` (the volume, sparse, through io_uring),
 //! `meta.json` ([`Meta`]: size, generation, clean flag), `intent.bin` (the
-//! write-intent record, see [`intent`]) and `lock` (an exclusive advisory
+//! write-intent record, see [`intent`]), `changes.bin` (the change records
+//! for replicas away, see [`changes`]) and `lock` (an exclusive advisory
 //! lock, so two replicas never share a directory).
 //!
 //! Threads: one acceptor thread on the main reactor; each connection is a
@@ -65,6 +66,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod changes;
 mod conn;
 pub mod durable;
 mod fence;
@@ -534,7 +536,15 @@ pub(crate) fn open_replica(
             "write-intent record lost: every region is reported as possibly different, and the replica as not clean");
     }
     let regions = lull_proto::replica::intent_regions(size_bytes);
-    let intent = Persister::start(intent_file, loaded)?;
+    let changes = changes::load(
+        &dir,
+        size_bytes,
+        &loaded.bitmap,
+        lull_proto::replica::intent_region_bytes(size_bytes),
+        loaded.lost.is_some(),
+    );
+    let data_sync = File::open(&data_path).map_err(io_err(&data_path))?;
+    let intent = Persister::start(intent_file, loaded, changes, Some(data_sync))?;
     let f = data.faults;
     let faulty = (f.error.get() > 0.0 || f.delay_us > 0).then(|| {
         let faults = Faults {

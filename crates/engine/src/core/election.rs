@@ -75,7 +75,7 @@ impl Engine {
                 Kind::Hello,
                 0,
                 length,
-                Payload::Hello(payload),
+                Payload::Control(payload),
             ) {
                 self.replicas[r].attach_in_flight = true;
             }
@@ -184,15 +184,18 @@ impl Engine {
             if self.replicas[i].state != RState::Probed {
                 continue;
             }
-            self.replicas[i].intent = None;
             if i == source || (all_clean && peers.contains(i)) {
+                self.replicas[i].intent = None;
                 self.replicas[i].state = RState::Healthy;
                 healthy.push(self.replicas[i].addr.to_string());
             } else {
                 self.replicas[i].state = RState::Rebuilding;
                 if peers.contains(i) {
+                    self.replicas[i].intent = None;
                     self.replicas[i].reconcile = union.clone();
                     reconciling.push(self.replicas[i].addr.clone());
+                } else {
+                    self.begin_lookup(i);
                 }
             }
         }

@@ -233,6 +233,7 @@ impl Engine {
         if !self.healthy_set().is_empty() {
             self.replicas[r].state = RState::Rebuilding;
             self.replicas[r].reconcile = None;
+            self.begin_lookup(r);
             self.log(
                 LogLevel::Info,
                 format!("replica {addr} connected (generation {generation}); it will be rebuilt"),

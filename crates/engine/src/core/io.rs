@@ -253,6 +253,11 @@ impl Engine {
         let io_range = (offset, offset + u64::from(len));
         let modifies = !matches!(op, IoOp::Flush);
         if modifies {
+            // A replica just left: its change records must be in place on
+            // every healthy replica before they take another write.
+            if self.changes_starting > 0 {
+                return Dispatch::Wait;
+            }
             if self.rebuild.as_ref().is_some_and(|rb| rb.locks(io_range)) {
                 return Dispatch::Wait;
             }

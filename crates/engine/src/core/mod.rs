@@ -98,7 +98,8 @@
 //! `replicas` the replicas, their connections, frames and time (timeouts,
 //! keep-alives, reconnects); `election` generations and elections; `intent`
 //! the write-intent regions; `io` the client request table, overlap
-//! tracking and dispatch; `rebuild` rebuild and reconcile; `detach` the
+//! tracking and dispatch; `rebuild` rebuild and reconcile; `changes` the
+//! change records of replicas away and delta rebuilds; `detach` the
 //! clean detach; `invariants` [`Engine::check_invariants`]. A write's buffer
 //! is shared by its frames to every replica (`lull_net::shared`).
 //!
@@ -107,6 +108,7 @@
 //! another behaviour file that does not import it back; nothing imports
 //! this file, and nothing in the core imports from the crate around it.
 
+mod changes;
 mod detach;
 mod election;
 pub mod ids;
@@ -169,6 +171,7 @@ impl Engine {
             pending: VecDeque::new(),
             writes_in_flight: Vec::new(),
             deferred: Vec::new(),
+            changes_starting: 0,
             generation: 0,
             generation_started: 0,
             bump: None,
@@ -300,6 +303,7 @@ impl Engine {
     fn progress(&mut self) {
         self.maybe_elect();
         self.progress_bump();
+        self.progress_lookups();
         self.progress_rebuild();
         self.dispatch_pending();
         // Sending may have freed the rebuild to move (and vice versa).
@@ -330,12 +334,16 @@ impl Engine {
                 RState::Rebuilding => {
                     let run = self.rebuild.as_ref().filter(|rb| rb.target == i);
                     let done_bytes = run.map_or(0, |rb| rb.done_bytes);
-                    match &r.reconcile {
-                        Some(bits) => ReplicaState::Reconciling {
+                    match (&r.reconcile, run) {
+                        (Some(bits), _) => ReplicaState::Reconciling {
                             done_bytes,
                             total_bytes: self.bitmap_bytes(bits),
                         },
-                        None => ReplicaState::Rebuilding {
+                        (None, Some(rb)) => ReplicaState::Rebuilding {
+                            done_bytes,
+                            total_bytes: rb.total_bytes,
+                        },
+                        (None, None) => ReplicaState::Rebuilding {
                             done_bytes,
                             total_bytes: self.size_bytes,
                         },

@@ -16,8 +16,8 @@ use super::ids::{ReplicaId, ReplicaSet};
 use super::intent::has_bit;
 use super::io::overlaps;
 use super::types::{
-    CopyDone, Engine, InFlight, LogLevel, Milestone, Payload, RState, Rebuild, Segment, Step, Sub,
-    SubKind,
+    CopyDone, CopyKind, CopyMap, Engine, InFlight, LogLevel, Lookup, Milestone, Payload, RState,
+    Rebuild, Segment, Step, Sub, SubKind,
 };
 
 /// Bytes copied per rebuild step. 1 MiB amortises the round trips while
@@ -53,22 +53,46 @@ impl Engine {
         if self.rebuild.is_some() {
             return;
         }
-        let Some(target) = self.replicas.position(|r| r.state == RState::Rebuilding) else {
+        // A replica still looking for a change record waits.
+        let Some(target) = self.replicas.position(|r| {
+            r.state == RState::Rebuilding
+                && !matches!(r.lookup, Lookup::Ask { .. } | Lookup::Asking { .. })
+        }) else {
             return;
         };
-        let Some(source) = self.healthy_set().iter().next() else {
+        let healthy = self.healthy_set();
+        let Some(first) = healthy.iter().next() else {
             return;
+        };
+        let (source, regions, kind) = match (
+            &self.replicas[target].reconcile,
+            &self.replicas[target].lookup,
+        ) {
+            (Some(bits), _) => (
+                first,
+                Some(CopyMap {
+                    bits: bits.clone(),
+                    region_bytes: self.region_bytes,
+                }),
+                CopyKind::Reconcile,
+            ),
+            (None, Lookup::Found { from, map }) if healthy.contains(*from) => {
+                (*from, Some(map.clone()), CopyKind::Delta)
+            }
+            // Its record's holder left: `progress_lookups` asks again.
+            (None, Lookup::Found { .. }) => return,
+            (None, _) => (first, None, CopyKind::Full),
         };
         self.rebuild_runs += 1;
-        let regions = self.replicas[target].reconcile.clone();
         let total_bytes = regions
-            .as_deref()
-            .map_or(self.size_bytes, |b| self.bitmap_bytes(b));
+            .as_ref()
+            .map_or(self.size_bytes, |m| self.map_bytes(m));
         let rb = Rebuild {
             run: self.rebuild_runs,
             target,
             source,
             regions,
+            kind,
             total_bytes,
             done_bytes: 0,
             scanned: 0,
@@ -80,17 +104,17 @@ impl Engine {
             last_log_ns: self.now,
             last_log_pct: 0,
         };
-        let kind = rb.kind().as_str();
         self.rebuild = Some(rb);
         let (t, s) = (
             self.replicas[target].addr.clone(),
             self.replicas[source].addr.clone(),
         );
-        let what = if self.replicas[target].reconcile.is_some() {
+        let what = if kind == CopyKind::Reconcile {
             "reconcile"
         } else {
             "rebuild"
         };
+        let kind = kind.as_str();
         self.log(
             LogLevel::Info,
             format!("{what} of replica {t} from {s} started (kind {kind}, {total_bytes} bytes)"),
@@ -104,22 +128,23 @@ impl Engine {
         if rb.scanned >= self.size_bytes {
             return None;
         }
-        let Some(bits) = rb.regions.as_deref() else {
+        let Some(map) = rb.regions.as_ref() else {
             return Some((rb.scanned, self.size_bytes));
         };
-        let n = self.regions.len();
-        let mut g = (rb.scanned / self.region_bytes) as usize;
+        let (bits, region_bytes) = (&map.bits, map.region_bytes);
+        let n = self.size_bytes.div_ceil(region_bytes) as usize;
+        let mut g = (rb.scanned / region_bytes) as usize;
         while g < n && !has_bit(bits, g) {
             g += 1;
         }
         if g == n {
             return None;
         }
-        let start = rb.scanned.max(g as u64 * self.region_bytes);
+        let start = rb.scanned.max(g as u64 * region_bytes);
         while g < n && has_bit(bits, g) {
             g += 1;
         }
-        Some((start, self.region_end(g - 1)))
+        Some((start, (g as u64 * region_bytes).min(self.size_bytes)))
     }
 
     pub(super) fn progress_rebuild(&mut self) {
@@ -346,10 +371,10 @@ impl Engine {
         let mib_s = rb.copied_bytes as f64 / (1 << 20) as f64 / secs;
         format!(
             "{} of replica {}: {}% ({} of {} bytes scanned, {:.1} MiB copied, {:.1} MiB/s)",
-            if rb.regions.is_some() {
-                "reconcile"
-            } else {
-                "rebuild"
+            match rb.kind {
+                CopyKind::Reconcile => "reconcile",
+                CopyKind::Delta => "delta rebuild",
+                CopyKind::Full => "rebuild",
             },
             self.replicas[rb.target].addr,
             rb.done_bytes.saturating_mul(100) / rb.total_bytes.max(1),
@@ -443,6 +468,8 @@ impl Engine {
         let addr = self.replicas[rb.target].addr.clone();
         self.replicas[rb.target].state = RState::Healthy;
         self.replicas[rb.target].reconcile = None;
+        self.replicas[rb.target].lookup = Lookup::Off;
+        self.replicas[rb.target].intent = None;
         self.replicas[rb.target].last_rebuild = Some(CopyDone {
             kind: rb.kind(),
             bytes: rb.done_bytes,
@@ -454,7 +481,7 @@ impl Engine {
             format!(
                 "{} complete: replica {addr} is healthy (kind {}, {} bytes in {:.1} s, \
                  {:.1} MiB copied, {:.1} MiB/s)",
-                if rb.regions.is_some() {
+                if rb.kind == CopyKind::Reconcile {
                     "reconcile"
                 } else {
                     "rebuild"
@@ -468,8 +495,10 @@ impl Engine {
         );
         self.milestone(Milestone::CopyComplete {
             replica: addr,
-            reconcile: rb.regions.is_some(),
+            kind: rb.kind,
         });
+        // Healthy again: the records kept for it while it was away end.
+        self.drop_change_records(rb.target);
         self.start_bump();
     }
 }

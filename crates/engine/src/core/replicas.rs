@@ -12,8 +12,8 @@ use super::ids::{ConnId, ConnRef, ReplicaId, ReplicaSet, ReplicaTarget, MAX_REPL
 use super::io::eio;
 use super::rebuild::REBUILD_LOG_INTERVAL_NS;
 use super::types::{
-    Action, CState, Conn, Detach, Engine, LogLevel, Milestone, Payload, RState, Received, Replica,
-    Sub, SubKind,
+    Action, CState, Conn, Detach, Engine, LogLevel, Lookup, Milestone, Payload, RState, Received,
+    Replica, Sub, SubKind,
 };
 
 /// The longest wait between attempts on a replica that cannot be
@@ -55,6 +55,7 @@ impl Engine {
             intent: None,
             intent_lost: false,
             reconcile: None,
+            lookup: Lookup::Off,
             last_rebuild: None,
         };
         if let Some(i) = self.replicas.position(|r| r.state == RState::Removed) {
@@ -199,7 +200,7 @@ impl Engine {
             Kind::Hello,
             0,
             payload.len() as u32,
-            Payload::Hello(payload),
+            Payload::Control(payload),
         ) {
             self.fail_replica(r, "no slot for the HELLO probe", false);
         }
@@ -324,6 +325,9 @@ impl Engine {
             rep.intent = None;
             rep.intent_lost = false;
             rep.reconcile = None;
+            // A lookup in flight answers into nothing: the next return
+            // starts a new one.
+            rep.lookup = Lookup::Off;
         }
         // Its bits are no longer known: a replica that comes back is
         // rebuilt in full, and marked again before it is written.
@@ -342,6 +346,12 @@ impl Engine {
         // failed replica, which lacks it, still has the same generation.
         if was == RState::Healthy && !self.healthy_set().is_empty() {
             self.start_bump();
+            if !remove {
+                self.start_change_records(r);
+            }
+        }
+        if remove {
+            self.drop_change_records(r);
         }
         let mut drained = Vec::new();
         for c in self.replicas[r].conns.ids() {
@@ -438,6 +448,10 @@ impl Engine {
                     rep.attach_in_flight = false;
                 }
             }
+            SubKind::ChangesGet(target) => self.lookup_failed(target, r),
+            SubKind::Changes if sub.kind == Kind::ChangesStart => {
+                self.changes_starting = self.changes_starting.saturating_sub(1);
+            }
             // `fail_replica` forgets the replica's region masks and detach
             // steps: nothing to undo per request.
             SubKind::Probe
@@ -445,6 +459,7 @@ impl Engine {
             | SubKind::Ping
             | SubKind::Rebuild(_)
             | SubKind::Intent
+            | SubKind::Changes
             | SubKind::Detach => {}
         }
     }
@@ -530,6 +545,10 @@ impl Engine {
             SubKind::IntentGet => self.on_intent_get_reply(r, h, payload.into_buf()),
             SubKind::Intent => self.on_intent_reply(r, sub, h),
             SubKind::Detach => self.on_detach_reply(r, h),
+            SubKind::Changes => self.on_changes_reply(r, h),
+            SubKind::ChangesGet(target) => {
+                self.on_changes_get_reply(r, target, h, payload.into_buf())
+            }
         }
     }
 

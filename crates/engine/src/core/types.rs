@@ -156,8 +156,9 @@ impl RebuildLimit {
 pub enum Payload {
     None,
     /// A HELLO record and the replica's name (none for a `lull replica`
-    /// process): made once per connection or attach, never per I/O.
-    Hello(Vec<u8>),
+    /// process), or a change key: made once per connection, attach or
+    /// change of the healthy set, never per I/O.
+    Control(Vec<u8>),
     /// The first `len` bytes of a shared write buffer (shared by every
     /// replica the write goes to; returned to the client afterwards).
     Data {
@@ -170,7 +171,7 @@ impl AsRef<[u8]> for Payload {
     fn as_ref(&self) -> &[u8] {
         match self {
             Payload::None => &[],
-            Payload::Hello(h) => h,
+            Payload::Control(h) => h,
             Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
         }
     }
@@ -307,11 +308,11 @@ pub enum Milestone {
         clean: bool,
         reconciling: Vec<ReplicaTarget>,
     },
-    /// A rebuild (`reconcile`: restricted to write-intent regions) finished
-    /// and `replica` is healthy.
+    /// A copy of `kind` (full, or restricted to write-intent regions or
+    /// to a change record) finished and `replica` is healthy.
     CopyComplete {
         replica: ReplicaTarget,
-        reconcile: bool,
+        kind: CopyKind,
     },
     /// A clean detach finished; `clean` are the replicas it marked clean.
     Detached { clean: Vec<ReplicaTarget> },
@@ -370,6 +371,9 @@ pub struct Engine {
     /// each request's entry in `ios`.
     pub(super) writes_in_flight: Vec<(IoId, u64, u64)>,
     pub(super) deferred: Vec<IoId>,
+    /// CHANGES_START requests not answered yet: no write goes out
+    /// meanwhile (`changes`).
+    pub(super) changes_starting: u32,
     pub(super) generation: u64,
     /// The highest generation any bump of this process has started (and
     /// so may have sent in an ATTACH). A bump that does not finish (every
@@ -440,6 +444,10 @@ pub(super) enum SubKind {
     Rebuild(u64),
     /// INTENT_MARK or INTENT_CLEAR of regions `[offset, offset + length)`.
     Intent,
+    /// CHANGES_START or CHANGES_DROP (`changes`).
+    Changes,
+    /// CHANGES_GET for the replica that came back.
+    ChangesGet(ReplicaId),
     /// FLUSH or DETACH of a clean detach.
     Detach,
 }
@@ -488,8 +496,39 @@ pub(super) struct Replica {
     /// While Rebuilding: the regions to reconcile (a copy restricted to
     /// them), or `None` for a full rebuild.
     pub(super) reconcile: Option<Vec<u8>>,
+    /// While Rebuilding and not reconciling: the search for a change
+    /// record that makes its copy a delta (`changes`).
+    pub(super) lookup: Lookup,
     /// The last copy to this replica that finished.
     pub(super) last_rebuild: Option<CopyDone>,
+}
+
+/// The search for a change record of a replica that came back
+/// (`changes`).
+#[derive(Debug, Clone)]
+pub(super) enum Lookup {
+    /// None (a full rebuild, or a reconcile).
+    Off,
+    /// Ask the healthy replicas not in `asked`, one at a time.
+    Ask { asked: ReplicaSet },
+    /// A CHANGES_GET is out to `from`. `racing`: the ranges of writes in
+    /// flight when it was sent, which may reach `from` after it and are
+    /// not going to the replica that came back.
+    Asking {
+        from: ReplicaId,
+        asked: ReplicaSet,
+        racing: Vec<(u64, u64)>,
+    },
+    /// `from` holds a record: copy the regions of `map`.
+    Found { from: ReplicaId, map: CopyMap },
+}
+
+/// Regions to copy: bit `i` covers `[i × region_bytes, (i + 1) ×
+/// region_bytes)` of the volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct CopyMap {
+    pub(super) bits: Vec<u8>,
+    pub(super) region_bytes: u64,
 }
 
 // Client requests (`io`).
@@ -542,9 +581,10 @@ pub(super) struct Rebuild {
     pub(super) run: u64,
     pub(super) target: ReplicaId,
     pub(super) source: ReplicaId,
-    /// Reconcile: only these regions are copied (bitmap over write-intent
-    /// regions); `None` copies the whole volume.
-    pub(super) regions: Option<Vec<u8>>,
+    /// Reconcile and delta: only these regions are copied; `None` copies
+    /// the whole volume.
+    pub(super) regions: Option<CopyMap>,
+    pub(super) kind: CopyKind,
     /// Bytes the run covers (the volume, or its regions to reconcile), and
     /// how many of them are done (counted as each segment's write or trim
     /// is acknowledged, in whatever order they come).
@@ -591,11 +631,7 @@ impl Rebuild {
     }
 
     pub(super) fn kind(&self) -> CopyKind {
-        if self.regions.is_some() {
-            CopyKind::Reconcile
-        } else {
-            CopyKind::Full
-        }
+        self.kind
     }
 }
 
@@ -639,6 +675,8 @@ pub enum CopyKind {
     Full,
     /// The regions write-intent records name after an engine crash.
     Reconcile,
+    /// The regions written while the replica was away (a change record).
+    Delta,
 }
 
 impl CopyKind {
@@ -646,6 +684,7 @@ impl CopyKind {
         match self {
             CopyKind::Full => "full",
             CopyKind::Reconcile => "reconcile",
+            CopyKind::Delta => "delta",
         }
     }
 }
