@@ -100,13 +100,18 @@ impl Engine {
     /// change record of its generation; generation 0 is a new replica.
     pub(super) fn begin_lookup(&mut self, r: ReplicaId) {
         let rep = &mut self.replicas[r];
-        rep.lookup = if rep.generation == 0 {
-            Lookup::Off
-        } else {
-            Lookup::Ask {
+        if rep.generation > 0 {
+            rep.lookup = Lookup::Ask {
                 asked: ReplicaSet::EMPTY,
-            }
-        };
+            };
+            return;
+        }
+        rep.lookup = Lookup::Off;
+        let addr = rep.addr.clone();
+        self.log(
+            LogLevel::Info,
+            format!("replica {addr} is new (generation 0): full rebuild"),
+        );
     }
 
     /// Sends the CHANGES_GETs due: each replica in `Lookup::Ask` asks the

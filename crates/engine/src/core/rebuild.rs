@@ -122,8 +122,10 @@ impl Engine {
     }
 
     /// The next range `[start, end)` the run scans from `scanned` on: the
-    /// rest of the volume, or for a reconcile the next run of regions to
-    /// reconcile. `None` when nothing is left.
+    /// rest of the volume, or for a copy restricted to regions the rest of
+    /// the volume from the next of them (one scan covers many scattered
+    /// regions; `on_extents` keeps what lies in them). `None` when nothing
+    /// is left.
     fn next_copy_range(&self, rb: &Rebuild) -> Option<(u64, u64)> {
         if rb.scanned >= self.size_bytes {
             return None;
@@ -140,11 +142,7 @@ impl Engine {
         if g == n {
             return None;
         }
-        let start = rb.scanned.max(g as u64 * region_bytes);
-        while g < n && has_bit(bits, g) {
-            g += 1;
-        }
-        Some((start, (g as u64 * region_bytes).min(self.size_bytes)))
+        Some((rb.scanned.max(g as u64 * region_bytes), self.size_bytes))
     }
 
     pub(super) fn progress_rebuild(&mut self) {
@@ -455,7 +453,10 @@ impl Engine {
         } else if rb.scan == Some(start) {
             rb.scan = None;
             rb.scanned = scan_end;
-            rb.segments.extend(segs);
+            match &rb.regions {
+                Some(map) => rb.segments.extend(clip(segs, &map.bits, map.region_bytes)),
+                None => rb.segments.extend(segs),
+            }
         }
     }
 
@@ -503,6 +504,35 @@ impl Engine {
     }
 }
 
+/// The parts of `segs` inside the regions set in `bits` (regions of
+/// `region_bytes`), in order.
+fn clip(segs: VecDeque<Segment>, bits: &[u8], region_bytes: u64) -> VecDeque<Segment> {
+    let mut out = VecDeque::new();
+    for s in segs {
+        let mut pos = s.offset;
+        while pos < s.end() {
+            let g = pos / region_bytes;
+            let run_end = {
+                let mut e = g;
+                let set = has_bit(bits, g as usize);
+                while (e + 1) * region_bytes < s.end() && has_bit(bits, (e + 1) as usize) == set {
+                    e += 1;
+                }
+                ((e + 1) * region_bytes).min(s.end())
+            };
+            if has_bit(bits, g as usize) {
+                out.push_back(Segment {
+                    offset: pos,
+                    len: run_end - pos,
+                    ..s
+                });
+            }
+            pos = run_end;
+        }
+    }
+    out
+}
+
 fn rb_len(e: &Engine) -> usize {
     e.rebuild.as_ref().map_or(0, |rb| rb.window.len())
 }
@@ -527,6 +557,25 @@ fn push_segments(segs: &mut VecDeque<Segment>, from: u64, to: u64, data: bool, d
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clipping_keeps_only_the_regions_set() {
+        let seg = |offset, len, data| Segment {
+            offset,
+            len,
+            data,
+            verified: false,
+        };
+        // Regions of 10: 1, 2 and 5 set.
+        let bits = [0b0010_0110u8];
+        let segs = VecDeque::from([seg(0, 25, true), seg(25, 40, false)]);
+        let got: Vec<(u64, u64, bool)> = clip(segs, &bits, 10)
+            .iter()
+            .map(|s| (s.offset, s.len, s.data))
+            .collect();
+        assert_eq!(got, [(10, 15, true), (25, 5, false), (50, 10, false)]);
+        assert!(clip(VecDeque::from([seg(30, 20, true)]), &bits, 10).is_empty());
+    }
 
     #[test]
     fn segments_are_cut_at_the_chunk_of_their_kind() {

@@ -13,6 +13,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod delta;
 mod large_requests;
 mod node;
 mod replica_tls;
