@@ -572,7 +572,7 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
         &wrong_version.to_string(),
         FAIL_TIMEOUT,
         "failed",
-        |r| r.failed_because(&["replica speaks protocol version 2, this engine speaks 3"]),
+        |r| r.failed_because(&["replica speaks protocol version 2, this engine speaks 4"]),
     );
 
     // The volume with a good replica is unaffected.
