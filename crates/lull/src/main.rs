@@ -54,6 +54,9 @@ enum Command {
     /// A live terminal view of a running server: reactors, threads,
     /// volumes, replicas (--once: a plain-text snapshot).
     Top(cli::top::TopArgs),
+    /// The Kubernetes CSI plugin: Identity, Controller and Node services
+    /// over gRPC on a Unix socket (docs/KUBERNETES.md).
+    Csi(cli::csi::CsiArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -216,6 +219,7 @@ fn main() -> ExitCode {
         Command::Rpc(args) => cli::rpc::run(&args),
         Command::Bench(args) => cli::bench::run(&args),
         Command::Top(args) => cli::top::run(&args),
+        Command::Csi(args) => cli::csi::run(&args),
     }
 }
 

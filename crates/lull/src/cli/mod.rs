@@ -10,9 +10,11 @@
 //! | `lull rpc` | [`rpc`] | `lull_rpc::call` |
 //! | `lull bench` | [`bench`] | `lull_bench::run` |
 //! | `lull top` | [`top`] | `lull_rpc::call`, `call_tcp` (read-only) |
+//! | `lull csi` | [`csi`] | `lull_csi::run` |
 
 pub(crate) mod bench;
 mod choice;
+pub(crate) mod csi;
 pub(crate) mod replica;
 pub(crate) mod rpc;
 pub(crate) mod signals;

@@ -1,0 +1,297 @@
+//! `lull csi`: lull's Kubernetes CSI plugin, the bridge between
+//! Kubernetes (which keeps the desired state) and the node daemons
+//! (`lull serve --store`, which keep the replicas and run the engines).
+//! gRPC with tonic over a Unix socket, from the official CSI v1 proto
+//! (`proto/csi.proto`).
+//!
+//! ```text
+//! lull csi --endpoint unix:///csi/csi.sock --nodes /etc/lull/nodes.json \
+//!          --role all --node-id node-a --attach fuse
+//! ```
+//!
+//! | module | what |
+//! |---|---|
+//! | [`identity`] | plugin name, capabilities, probe |
+//! | [`controller`] | stateless placement: CreateVolume, DeleteVolume, ListVolumes, GetCapacity, ControllerGetVolume, ControllerGetVolumeHealth ([`health`]) |
+//! | [`node`] | stage (engine + attach), publish (bind mounts), stats |
+//! | [`volume_id`] | the placement written into the volume id |
+//! | [`placement`] | the pure choice of distinct nodes with room |
+//! | [`cluster`], [`nodes`] | the node list and the calls to the daemons |
+//! | [`attach`], [`mounts`], [`cmd`] | the node's tools and what the kernel says is mounted |
+
+#![forbid(unsafe_code)]
+
+pub mod attach;
+pub mod capability;
+pub mod cluster;
+pub mod cmd;
+pub mod controller;
+pub mod health;
+pub mod identity;
+pub mod mounts;
+pub mod node;
+pub mod nodes;
+pub mod placement;
+pub mod volume_id;
+
+/// The CSI v1 messages and services, generated from `proto/csi.proto`.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("csi.v1");
+}
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::Status;
+
+use crate::attach::Method;
+use crate::cluster::Cluster;
+use crate::controller::ControllerPlugin;
+use crate::identity::IdentityPlugin;
+use crate::node::{NodeConfig, NodePlugin};
+
+/// Which services a plugin process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Controller,
+    Node,
+    /// Both, in one process (a single-node set-up, csi-sanity).
+    All,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "controller" => Some(Role::Controller),
+            "node" => Some(Role::Node),
+            "all" => Some(Role::All),
+            _ => None,
+        }
+    }
+}
+
+/// Everything `lull csi` needs, resolved from its flags.
+#[derive(Debug, Clone)]
+pub struct CsiConfig {
+    /// `unix:///PATH` (or `unix:PATH`): where the CO connects.
+    pub endpoint: String,
+    pub nodes_file: PathBuf,
+    pub role: Role,
+    /// This node's id in the node list (the node role needs it).
+    pub node_id: Option<String>,
+    pub state_dir: PathBuf,
+    pub attach: Method,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CsiError {
+    #[error("--endpoint {0:?}: a Unix socket, unix:///PATH")]
+    Endpoint(String),
+    #[error("node list: {0}")]
+    Nodes(#[from] nodes::NodesError),
+    #[error("node {0:?}: {1}")]
+    Tls(String, lull_rpc::RpcTlsError),
+    #[error("the node role needs --node-id, one of the node list's ids")]
+    NoNodeId,
+    #[error("--node-id {0:?} is not in the node list")]
+    UnknownNodeId(String),
+    #[error("{path}: {source}", path = path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// The socket path of a `unix://` endpoint.
+pub fn endpoint_path(endpoint: &str) -> Result<PathBuf, CsiError> {
+    let path = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .ok_or_else(|| CsiError::Endpoint(endpoint.to_string()))?;
+    if !path.starts_with('/') {
+        return Err(CsiError::Endpoint(endpoint.to_string()));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Serves the plugin until `shutdown` completes.
+pub async fn serve(
+    config: CsiConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), CsiError> {
+    let path = endpoint_path(&config.endpoint)?;
+    let nodes = nodes::load(&config.nodes_file)?;
+    let cluster = Arc::new(Cluster::new(nodes).map_err(|(n, e)| CsiError::Tls(n, e))?);
+    let serves_node = matches!(config.role, Role::Node | Role::All);
+    let serves_controller = matches!(config.role, Role::Controller | Role::All);
+    let node = if serves_node {
+        let node_id = config.node_id.clone().ok_or(CsiError::NoNodeId)?;
+        if cluster.node(&node_id).is_none() {
+            return Err(CsiError::UnknownNodeId(node_id));
+        }
+        if let Err(reason) = config.attach.check() {
+            // Served all the same: NodeStageVolume answers with the
+            // reason, and the CO shows it on the workload.
+            tracing::warn!("{reason}");
+        }
+        std::fs::create_dir_all(&config.state_dir).map_err(|source| CsiError::Io {
+            path: config.state_dir.clone(),
+            source,
+        })?;
+        Some(NodePlugin::new(
+            Arc::clone(&cluster),
+            NodeConfig {
+                node_id,
+                state_dir: config.state_dir.clone(),
+                attach: config.attach,
+            },
+        ))
+    } else {
+        None
+    };
+    // A socket left by a previous run would refuse the bind.
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(CsiError::Io { path, source: e })
+        }
+        _ => {}
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| CsiError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let listener = UnixListener::bind(&path).map_err(|source| CsiError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let router = tonic::transport::Server::builder().add_service(
+        pb::identity_server::IdentityServer::new(IdentityPlugin {
+            controller: serves_controller,
+        }),
+    );
+    let router = {
+        let r = router.add_optional_service(serves_controller.then(|| {
+            pb::controller_server::ControllerServer::new(ControllerPlugin::new(Arc::clone(
+                &cluster,
+            )))
+        }));
+        r.add_optional_service(node.map(pb::node_server::NodeServer::new))
+    };
+    tracing::info!(endpoint = %path.display(), role = ?config.role, nodes = cluster.nodes().len(), "lull csi listening on {}", path.display());
+    router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await?;
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
+
+/// Runs the plugin on its own tokio runtime until `wait_for_stop`
+/// returns (the binary passes a wait for SIGINT/SIGTERM; it runs on a
+/// thread of its own, so it may block).
+pub fn run(
+    config: CsiConfig,
+    wait_for_stop: impl FnOnce() + Send + 'static,
+) -> Result<(), CsiError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(CSI_WORKER_THREADS)
+        .enable_all()
+        .build()
+        .map_err(|source| CsiError::Io {
+            path: PathBuf::from("(tokio runtime)"),
+            source,
+        })?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("csi-stop".into())
+        .spawn(move || {
+            wait_for_stop();
+            let _ = stop_tx.send(());
+        })
+        .map_err(|source| CsiError::Io {
+            path: PathBuf::from("(stop thread)"),
+            source,
+        })?;
+    runtime.block_on(serve(config, async {
+        let _ = stop_rx.await;
+        tracing::info!("lull csi stopping");
+    }))
+}
+
+/// Worker threads of the plugin's runtime: calls spend their time waiting
+/// on node daemons and tools (on the blocking pool), so two are plenty on
+/// any node and leave the cores to the data path.
+pub const CSI_WORKER_THREADS: usize = 2;
+
+/// Volumes with a call in progress. CSI asks a plugin to answer ABORTED
+/// to a second call for a volume while one is running; each call takes
+/// its volume's name for its duration.
+#[derive(Debug, Default, Clone)]
+pub struct Busy(Arc<Mutex<HashSet<String>>>);
+
+/// A volume taken by [`Busy::take`], given back when dropped.
+#[derive(Debug)]
+pub struct BusyGuard {
+    set: Arc<Mutex<HashSet<String>>>,
+    name: String,
+}
+
+impl Busy {
+    pub fn take(&self, name: &str) -> Result<BusyGuard, Status> {
+        let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !set.insert(name.to_string()) {
+            return Err(Status::aborted(format!(
+                "an operation on volume {name} is in progress"
+            )));
+        }
+        Ok(BusyGuard {
+            set: Arc::clone(&self.0),
+            name: name.to_string(),
+        })
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            endpoint_path("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            endpoint_path("unix:/x.sock").unwrap(),
+            PathBuf::from("/x.sock")
+        );
+        assert!(endpoint_path("tcp://127.0.0.1:1").is_err());
+        assert!(endpoint_path("unix://relative.sock").is_err());
+    }
+
+    #[test]
+    fn a_busy_volume_is_aborted_until_released() {
+        let busy = Busy::default();
+        let guard = busy.take("v").unwrap();
+        assert_eq!(busy.take("v").unwrap_err().code(), tonic::Code::Aborted);
+        assert!(busy.take("w").is_ok());
+        drop(guard);
+        assert!(busy.take("v").is_ok());
+    }
+}

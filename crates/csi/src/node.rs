@@ -1,0 +1,735 @@
+//! The Node service: on the node a volume is used on, stage creates the
+//! volume's engine in this node's daemon (its replicas stay where the
+//! volume id says) and attaches it; publish hands it to the workload.
+//!
+//! ```text
+//! NodeStageVolume   volume_create NAME replicas=A/NAME+B/NAME   (this node's daemon)
+//!                   nbdfuse + losetup -> /dev/loopN              (attach method fuse)
+//!                   mount: mkfs on first use, mount at the staging path
+//! NodePublishVolume block: bind-mount /dev/loopN on the target file
+//!                   mount: bind-mount the staging path on the target directory
+//! NodeUnpublish / NodeUnstage undo exactly that; each call can be repeated.
+//! ```
+//!
+//! What is staged is read back from the kernel (mountinfo, `losetup -j`)
+//! and the daemon, never from a record of the plugin's own.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+use crate::attach::{self, FuseDirs, Method};
+use crate::capability::{self, Access};
+use crate::cluster::Cluster;
+use crate::cmd;
+use crate::health;
+use crate::mounts;
+use crate::nodes::Node;
+use crate::pb::node_server::Node as NodeService;
+use crate::pb::*;
+use crate::volume_id::VolumeId;
+use crate::Busy;
+
+/// How long a new engine may take to reach its replicas (TCP, TLS, HELLO
+/// and the election): well under a second on a healthy network; a
+/// replica's own connect timeout is 8 s, so 30 s lets a slow one be
+/// retried a few times.
+pub const ENGINE_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long a deleted engine may take to let go of its replicas (a
+/// clean detach: in-flight I/O drained, the clean flag written).
+pub const ENGINE_RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often the wait for the engine asks `replica_list` again.
+const ENGINE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The node plugin's settings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// This node's id in the node list.
+    pub node_id: String,
+    /// Where the attach method keeps its per-volume files.
+    pub state_dir: PathBuf,
+    pub attach: Method,
+}
+
+#[derive(Debug)]
+pub struct NodePlugin {
+    cluster: Arc<Cluster>,
+    config: NodeConfig,
+    busy: Busy,
+}
+
+impl NodePlugin {
+    pub fn new(cluster: Arc<Cluster>, config: NodeConfig) -> NodePlugin {
+        NodePlugin {
+            cluster,
+            config,
+            busy: Busy::default(),
+        }
+    }
+
+    fn me(&self) -> &Node {
+        self.cluster
+            .node(&self.config.node_id)
+            .expect("the node id was checked against the node list at start")
+    }
+
+    fn nbd_addr(&self) -> Result<&str, Status> {
+        self.me().nbd.as_deref().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "node {:?} has no \"nbd\" address in the node list: the attach method connects there",
+                self.config.node_id
+            ))
+        })
+    }
+
+    /// The volume's engine on this node's daemon, created if missing;
+    /// whether this call created it.
+    async fn ensure_engine(&self, id: &VolumeId) -> Result<bool, Status> {
+        let me = &self.config.node_id;
+        let mut links = Vec::with_capacity(id.nodes.len());
+        for node in &id.nodes {
+            if self.cluster.node(node).is_none() {
+                return Err(Status::failed_precondition(format!(
+                    "volume {}: its replica node {node:?} is not in the node list",
+                    id.name
+                )));
+            }
+            let store = self
+                .cluster
+                .call(node, "store_get", json!({}))
+                .await
+                .map_err(|e| e.status())?;
+            let addr = store["replica_addr"].as_str().ok_or_else(|| {
+                Status::internal(format!("node {node:?}: store_get has no replica_addr"))
+            })?;
+            links.push(format!("{addr}/{}", id.name));
+        }
+        let size = self.replica_size(id).await?;
+        let params = json!({
+            "name": id.name,
+            "size": size,
+            "backend": format!("replicas={}", links.join("+")),
+        });
+        let created = match self.cluster.call(me, "volume_create", params).await {
+            Ok(_) => true,
+            Err(e) if e.refusal().is_some_and(|m| m.contains("already exists")) => false,
+            Err(e) => return Err(e.status()),
+        };
+        if let Err(e) = self.wait_engine_ready(id).await {
+            if created {
+                self.delete_engine(id).await;
+            }
+            return Err(e);
+        }
+        Ok(created)
+    }
+
+    /// Deletes the volume's engine on this node, undoing a stage that
+    /// failed; a failure here is logged (the stage's own error is the
+    /// one the CO sees).
+    async fn delete_engine(&self, id: &VolumeId) {
+        if let Err(e) = self
+            .cluster
+            .call(
+                &self.config.node_id,
+                "volume_delete",
+                json!({ "name": id.name }),
+            )
+            .await
+        {
+            tracing::warn!(volume = %id.name, error = %e, "could not delete the engine of a failed stage");
+        }
+    }
+
+    /// Waits until the engine's replicas are out of "connecting" and one
+    /// is healthy: I/O before that would fail (no healthy replica). A
+    /// replica still failed at the deadline (its node down) leaves the
+    /// volume degraded, which serves.
+    async fn wait_engine_ready(&self, id: &VolumeId) -> Result<(), Status> {
+        let deadline = std::time::Instant::now() + ENGINE_READY_TIMEOUT;
+        loop {
+            let list = self
+                .cluster
+                .call(
+                    &self.config.node_id,
+                    "replica_list",
+                    json!({ "volume": id.name }),
+                )
+                .await
+                .map_err(|e| e.status())?;
+            let states: Vec<&str> = list
+                .as_array()
+                .map(|a| a.iter().filter_map(|r| r["state"].as_str()).collect())
+                .unwrap_or_default();
+            let healthy = states.contains(&"healthy");
+            let settled = !states.contains(&"connecting");
+            if healthy && settled {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                if healthy {
+                    tracing::warn!(volume = %id.name, ?states, "staging degraded: not every replica answered");
+                    return Ok(());
+                }
+                return Err(Status::unavailable(format!(
+                    "volume {}: no healthy replica within {ENGINE_READY_TIMEOUT:?} (replica states: {states:?})",
+                    id.name
+                )));
+            }
+            tokio::time::sleep(ENGINE_POLL_INTERVAL).await;
+        }
+    }
+
+    /// The volume's size, from the first replica node that answers.
+    async fn replica_size(&self, id: &VolumeId) -> Result<u64, Status> {
+        let mut last = None;
+        for node in &id.nodes {
+            match self
+                .cluster
+                .call(node, "replica_get", json!({ "name": id.name }))
+                .await
+            {
+                Ok(r) => {
+                    return r["size_bytes"].as_u64().ok_or_else(|| {
+                        Status::internal(format!("node {node:?}: replica_get has no size_bytes"))
+                    })
+                }
+                Err(e) if e.refusal().is_some_and(|m| m.contains("no replica")) => {
+                    return Err(Status::not_found(format!(
+                        "volume {}: no replica on node {node:?}",
+                        id.name
+                    )))
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.map_or_else(
+            || Status::internal("volume id names no node"),
+            |e| e.status(),
+        ))
+    }
+
+    async fn stage(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
+        // Every missing field is INVALID_ARGUMENT before an unknown
+        // volume is NOT_FOUND.
+        require("volume_id", &req.volume_id)?;
+        require("staging_target_path", &req.staging_target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
+        let (access, _) = capability::check(cap).map_err(Status::invalid_argument)?;
+        let id = parse_id(&req.volume_id)?;
+        self.config
+            .attach
+            .check()
+            .map_err(Status::failed_precondition)?;
+        let nbd = self.nbd_addr()?.to_string();
+        let _busy = self.busy.take(&id.name)?;
+        let staging = PathBuf::from(&req.staging_target_path);
+        if let Access::Mount { .. } = access {
+            if mounted(&staging)?.is_some() {
+                return Ok(());
+            }
+        }
+        let engine_created = self.ensure_engine(&id).await?;
+        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
+        let was_attached = !attach::loops_of(&dirs.file)
+            .await
+            .unwrap_or_default()
+            .is_empty();
+        let outcome = self
+            .attach_and_mount(&id, &dirs, &nbd, access, &staging)
+            .await;
+        if outcome.is_err() {
+            // Never half-staged: undo what this call set up, so that the
+            // node is as it was (a retry starts again from there).
+            if !was_attached {
+                if let Err(e) = attach::fuse_detach(&dirs).await {
+                    tracing::warn!(volume = %id.name, error = %e, "could not detach after a failed stage");
+                }
+            }
+            if engine_created {
+                self.delete_engine(&id).await;
+            }
+        }
+        outcome
+    }
+
+    /// Attaches the volume's engine and, for the mount access type, makes
+    /// its filesystem on first use and mounts it at the staging path.
+    async fn attach_and_mount(
+        &self,
+        id: &VolumeId,
+        dirs: &FuseDirs,
+        nbd: &str,
+        access: Access,
+        staging: &Path,
+    ) -> Result<(), Status> {
+        let dev = attach::fuse_attach(dirs, nbd, &id.name)
+            .await
+            .map_err(|e| Status::internal(format!("volume {}: attach: {e}", id.name)))?;
+        if let Access::Mount { fs_type, flags } = access {
+            format_if_blank(&dev, &fs_type).await?;
+            std::fs::create_dir_all(staging).map_err(|e| io_status(staging, e))?;
+            let mut args = vec!["-t".to_string(), fs_type];
+            if !flags.is_empty() {
+                args.push("-o".into());
+                args.push(flags.join(","));
+            }
+            args.push(dev);
+            args.push(staging.to_string_lossy().into_owned());
+            cmd::run("mount", &args).await.map_err(tool_status)?;
+        }
+        Ok(())
+    }
+
+    async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<(), Status> {
+        if req.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        if req.staging_target_path.is_empty() {
+            return Err(Status::invalid_argument("staging_target_path is required"));
+        }
+        let Some(id) = VolumeId::parse(&req.volume_id) else {
+            return Err(Status::not_found(format!(
+                "no volume {:?} (not an id of this plugin)",
+                req.volume_id
+            )));
+        };
+        let _busy = self.busy.take(&id.name)?;
+        let staging = PathBuf::from(&req.staging_target_path);
+        if mounted(&staging)?.is_some() {
+            cmd::run("umount", &[staging.as_os_str()])
+                .await
+                .map_err(tool_status)?;
+        }
+        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
+        attach::fuse_detach(&dirs)
+            .await
+            .map_err(|e| Status::internal(format!("volume {}: detach: {e}", id.name)))?;
+        match self
+            .cluster
+            .call(
+                &self.config.node_id,
+                "volume_delete",
+                json!({ "name": id.name }),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.refusal().is_some_and(|m| m.contains("no volume")) => {}
+            Err(e) => return Err(e.status()),
+        }
+        self.wait_replicas_released(&id).await;
+        Ok(())
+    }
+
+    /// Waits until no engine holds the volume's replicas any more: the
+    /// engine's detach finishes after `volume_delete` answers, and a
+    /// DeleteVolume right after the unstage would be refused while it
+    /// runs. A node that does not answer is not waited for.
+    async fn wait_replicas_released(&self, id: &VolumeId) {
+        let deadline = std::time::Instant::now() + ENGINE_RELEASE_TIMEOUT;
+        for node in &id.nodes {
+            loop {
+                let held = match self
+                    .cluster
+                    .call(node, "replica_get", json!({ "name": id.name }))
+                    .await
+                {
+                    Ok(r) => !r["held_by_session"].is_null(),
+                    Err(_) => false,
+                };
+                if !held {
+                    break;
+                }
+                if std::time::Instant::now() >= deadline {
+                    tracing::warn!(volume = %id.name, node = %node, "unstaged, but the replica is still held by an engine session");
+                    return;
+                }
+                tokio::time::sleep(ENGINE_POLL_INTERVAL).await;
+            }
+        }
+    }
+
+    async fn publish(&self, req: NodePublishVolumeRequest) -> Result<(), Status> {
+        require("volume_id", &req.volume_id)?;
+        require("target_path", &req.target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
+        let (access, cap_read_only) = capability::check(cap).map_err(Status::invalid_argument)?;
+        let id = parse_id(&req.volume_id)?;
+        if req.staging_target_path.is_empty() {
+            return Err(Status::failed_precondition(
+                "staging_target_path is required: this plugin stages volumes (STAGE_UNSTAGE_VOLUME)",
+            ));
+        }
+        let _busy = self.busy.take(&id.name)?;
+        let target = PathBuf::from(&req.target_path);
+        if mounted(&target)?.is_some() {
+            return Ok(());
+        }
+        let source = match access {
+            Access::Block => {
+                let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
+                let dev = attach::loops_of(&dirs.file)
+                    .await
+                    .ok()
+                    .and_then(|d| d.into_iter().next())
+                    .ok_or_else(|| {
+                        Status::failed_precondition(format!(
+                            "volume {} is not staged on this node",
+                            id.name
+                        ))
+                    })?;
+                if let Some(parent) = target.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| io_status(parent, e))?;
+                }
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&target)
+                    .map_err(|e| io_status(&target, e))?;
+                dev
+            }
+            Access::Mount { .. } => {
+                let staging = PathBuf::from(&req.staging_target_path);
+                if mounted(&staging)?.is_none() {
+                    return Err(Status::failed_precondition(format!(
+                        "volume {} is not staged at {}",
+                        id.name, req.staging_target_path
+                    )));
+                }
+                std::fs::create_dir_all(&target).map_err(|e| io_status(&target, e))?;
+                req.staging_target_path.clone()
+            }
+        };
+        cmd::run("mount", &["--bind", &source, &req.target_path])
+            .await
+            .map_err(tool_status)?;
+        if req.readonly || cap_read_only {
+            if let Err(e) = cmd::run("mount", &["-o", "remount,bind,ro", &req.target_path]).await {
+                // Never leave a writable mount where a read-only one was asked for.
+                let _ = cmd::run("umount", &[&req.target_path]).await;
+                return Err(tool_status(e));
+            }
+        }
+        Ok(())
+    }
+
+    async fn unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<(), Status> {
+        if req.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        if req.target_path.is_empty() {
+            return Err(Status::invalid_argument("target_path is required"));
+        }
+        let name = VolumeId::parse(&req.volume_id).map_or(req.volume_id.clone(), |id| id.name);
+        let _busy = self.busy.take(&name)?;
+        let target = PathBuf::from(&req.target_path);
+        if mounted(&target)?.is_some() {
+            cmd::run("umount", &[target.as_os_str()])
+                .await
+                .map_err(tool_status)?;
+        }
+        // The plugin created the target (a file for block, a directory
+        // for mount): it removes it.
+        match std::fs::symlink_metadata(&target) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir(&target),
+            Ok(_) => std::fs::remove_file(&target),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| io_status(&target, e))?;
+        Ok(())
+    }
+
+    async fn stats(
+        &self,
+        req: NodeGetVolumeStatsRequest,
+    ) -> Result<NodeGetVolumeStatsResponse, Status> {
+        if req.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        if req.volume_path.is_empty() {
+            return Err(Status::invalid_argument("volume_path is required"));
+        }
+        let id = VolumeId::parse(&req.volume_id).ok_or_else(|| {
+            Status::not_found(format!(
+                "no volume {:?} (not an id of this plugin)",
+                req.volume_id
+            ))
+        })?;
+        let path = PathBuf::from(&req.volume_path);
+        if mounted(&path)?.is_none() {
+            return Err(Status::not_found(format!(
+                "volume {} is not published at {}",
+                id.name, req.volume_path
+            )));
+        }
+        let meta = std::fs::metadata(&path).map_err(|e| io_status(&path, e))?;
+        use volume_usage::Unit;
+        let usage = if meta.is_dir() {
+            let st = rustix::fs::statvfs(&path)
+                .map_err(|e| io_status(&path, std::io::Error::from(e)))?;
+            let block = st.f_frsize;
+            vec![
+                VolumeUsage {
+                    available: clamp_i64(st.f_bavail.saturating_mul(block)),
+                    total: clamp_i64(st.f_blocks.saturating_mul(block)),
+                    used: clamp_i64(st.f_blocks.saturating_sub(st.f_bfree).saturating_mul(block)),
+                    unit: Unit::Bytes as i32,
+                },
+                VolumeUsage {
+                    available: clamp_i64(st.f_favail),
+                    total: clamp_i64(st.f_files),
+                    used: clamp_i64(st.f_files.saturating_sub(st.f_ffree)),
+                    unit: Unit::Inodes as i32,
+                },
+            ]
+        } else {
+            // A published block device (the device bind-mounted on a
+            // file): its size is all there is to say.
+            let out = cmd::run("blockdev", &["--getsize64", &req.volume_path])
+                .await
+                .map_err(tool_status)?;
+            let total: i64 = out.trim().parse().map_err(|_| {
+                Status::internal(format!("blockdev --getsize64 {}: {out:?}", req.volume_path))
+            })?;
+            vec![VolumeUsage {
+                available: 0,
+                total,
+                used: 0,
+                unit: Unit::Bytes as i32,
+            }]
+        };
+        Ok(NodeGetVolumeStatsResponse { usage })
+    }
+}
+
+fn clamp_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A required string field: INVALID_ARGUMENT naming it when empty.
+fn require(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(Status::invalid_argument(format!("{field} is required")));
+    }
+    Ok(())
+}
+
+/// A volume id the node can act on: required, and one this plugin wrote.
+fn parse_id(id: &str) -> Result<VolumeId, Status> {
+    if id.is_empty() {
+        return Err(Status::invalid_argument("volume_id is required"));
+    }
+    VolumeId::parse(id)
+        .ok_or_else(|| Status::not_found(format!("no volume {id:?} (not an id of this plugin)")))
+}
+
+fn mounted(path: &Path) -> Result<Option<mounts::Mount>, Status> {
+    mounts::mounted_at(path).map_err(|e| io_status(path, e))
+}
+
+fn io_status(path: &Path, e: std::io::Error) -> Status {
+    Status::internal(format!("{}: {e}", path.display()))
+}
+
+fn tool_status(e: cmd::CmdError) -> Status {
+    match e {
+        cmd::CmdError::Missing { .. } => Status::failed_precondition(e.to_string()),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
+/// Makes `fs_type` on `dev` unless it already holds a filesystem (of any
+/// type: a volume is never formatted twice).
+async fn format_if_blank(dev: &str, fs_type: &str) -> Result<(), Status> {
+    // blkid -p exits 2 when it finds no filesystem signature.
+    match cmd::run("blkid", &["-p", "-o", "value", "-s", "TYPE", dev]).await {
+        Ok(found) => {
+            let found = found.trim();
+            if !found.is_empty() && found != fs_type {
+                return Err(Status::failed_precondition(format!(
+                    "{dev} already holds a {found} filesystem, not {fs_type}"
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.exit_code() == Some(2) => {
+            let mkfs = format!("mkfs.{fs_type}");
+            let args: &[&str] = if fs_type == "ext4" {
+                &["-q", "-F", dev]
+            } else {
+                &["-q", "-f", dev]
+            };
+            cmd::run(&mkfs, args).await.map_err(tool_status)?;
+            Ok(())
+        }
+        Err(e) => Err(tool_status(e)),
+    }
+}
+
+#[tonic::async_trait]
+impl NodeService for NodePlugin {
+    async fn node_stage_volume(
+        &self,
+        request: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        self.stage(request.into_inner()).await?;
+        Ok(Response::new(NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        self.unstage(request.into_inner()).await?;
+        Ok(Response::new(NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        self.publish(request.into_inner()).await?;
+        Ok(Response::new(NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        self.unpublish(request.into_inner()).await?;
+        Ok(Response::new(NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        Ok(Response::new(self.stats(request.into_inner()).await?))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        request: Request<NodeGetVolumeHealthRequest>,
+    ) -> Result<Response<NodeGetVolumeHealthResponse>, Status> {
+        let req = request.into_inner();
+        let id = parse_id(&req.volume_id)?;
+        let states = match self
+            .cluster
+            .call(
+                &self.config.node_id,
+                "replica_list",
+                json!({ "volume": id.name }),
+            )
+            .await
+        {
+            Ok(list) => list,
+            Err(e) if e.refusal().is_some_and(|m| m.contains("no volume")) => {
+                return Err(Status::not_found(format!(
+                    "volume {} is not staged on this node",
+                    id.name
+                )))
+            }
+            Err(e) => return Err(e.status()),
+        };
+        let states: Vec<(String, String)> = states
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|r| {
+                        (
+                            r["addr"].as_str().unwrap_or("?").to_string(),
+                            r["state"].as_str().unwrap_or("?").to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut health_statuses = health::engine_only(&[(self.config.node_id.clone(), states)]);
+        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
+        if attach::loops_of(&dirs.file)
+            .await
+            .map_or(true, |d| d.is_empty())
+        {
+            health_statuses.push(volume_health::VolumeHealthEntry {
+                status: VolumeHealthErrorType::Inaccessible as i32,
+                reason: "NotAttached".into(),
+                message: format!(
+                    "the engine runs, but no device is attached on {}",
+                    self.config.node_id
+                ),
+            });
+        }
+        Ok(Response::new(NodeGetVolumeHealthResponse {
+            volume_health: Some(VolumeHealth {
+                volume_id: req.volume_id,
+                health_statuses,
+            }),
+        }))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _request: Request<NodeGetStorageHealthRequest>,
+    ) -> Result<Response<NodeGetStorageHealthResponse>, Status> {
+        Err(Status::unimplemented(
+            "NodeGetStorageHealth: not offered (no GET_STORAGE_HEALTH capability)",
+        ))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _request: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "NodeExpandVolume: not offered (no EXPAND_VOLUME capability: replicated volumes do not resize yet)",
+        ))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        use node_service_capability::rpc::Type;
+        let capabilities = [
+            Type::StageUnstageVolume,
+            Type::GetVolumeStats,
+            Type::GetVolumeHealth,
+        ]
+        .into_iter()
+        .map(|t| NodeServiceCapability {
+            r#type: Some(node_service_capability::Type::Rpc(
+                node_service_capability::Rpc { r#type: t as i32 },
+            )),
+        })
+        .collect();
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _request: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        Ok(Response::new(NodeGetInfoResponse {
+            node_id: self.config.node_id.clone(),
+            // Loop devices are created on demand (loop-control): no
+            // limit of the plugin's own.
+            max_volumes_per_node: 0,
+            accessible_topology: Some(Topology {
+                segments: self.me().segments().into_iter().collect(),
+            }),
+        }))
+    }
+}

@@ -1,0 +1,253 @@
+//! What the tests that run real node daemons share: three `lull serve
+//! --store` processes on loopback (the `lull` binary the workspace
+//! built), their node list and keys, and the clean-up of whatever a
+//! failed test left attached.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lull_csi::cluster::Cluster;
+use serde_json::{json, Value};
+
+/// How long the daemons get to start, and a fenced engine to give up.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The `lull` binary: `LULL_BIN`, else the one cargo built beside this
+/// test (`target/<profile>/lull`; `cargo test --workspace` builds it).
+pub fn lull_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("LULL_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .join("lull");
+    assert!(
+        bin.exists(),
+        "no lull binary at {} (build it: cargo build -p lull, or cargo test --workspace; or set LULL_BIN)",
+        bin.display()
+    );
+    bin
+}
+
+/// `n` distinct free ports on loopback, all bound at once so that none
+/// is handed out twice.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("an ephemeral port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("local addr").port())
+        .collect()
+}
+
+/// One node daemon, killed when dropped.
+pub struct Daemon {
+    pub dir: PathBuf,
+    pub rpc_port: u16,
+    pub replica_port: u16,
+    pub nbd_port: u16,
+    /// Extra flags of `lull serve` (e.g. another --store-overcommit).
+    pub extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    pub fn start(&mut self, work: &Path) {
+        std::fs::create_dir_all(self.dir.join("store")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("log"))
+            .unwrap();
+        let child = Command::new(lull_bin())
+            .arg("serve")
+            .arg("--store")
+            .arg(self.dir.join("store"))
+            .args([
+                "--replica-listen",
+                &format!("127.0.0.1:{}", self.replica_port),
+            ])
+            .arg("--replica-tls-psk")
+            .arg(work.join("replica.psk"))
+            .args(["--rpc-listen", &format!("127.0.0.1:{}", self.rpc_port)])
+            .arg("--rpc-tls-psk")
+            .arg(work.join("rpc.psk"))
+            .arg("--rpc-socket")
+            .arg(self.dir.join("rpc.sock"))
+            .args(["--listen", &format!("127.0.0.1:{}", self.nbd_port)])
+            .args(["--fixed-buffers-mib", "0"])
+            .args(&self.extra)
+            // Thin-provisioned unless the test says: test volumes are
+            // never written in full.
+            .args(if self.extra.iter().any(|a| a == "--store-overcommit") {
+                &[][..]
+            } else {
+                &["--store-overcommit", "100"][..]
+            })
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start lull serve");
+        self.child = Some(child);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Whatever a failed run left attached under the test's directory: its
+/// FUSE mounts (lazily unmounted) and loop devices.
+pub struct Leftovers(pub PathBuf);
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        self.clean();
+    }
+}
+
+impl Leftovers {
+    pub fn clean(&self) {
+        let dir = self.0.to_string_lossy().into_owned();
+        if let Ok(out) = Command::new("losetup").arg("-a").output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Some((dev, rest)) = line.split_once(':') {
+                    if rest.contains(&dir) {
+                        let _ = Command::new("losetup").args(["-d", dev]).status();
+                    }
+                }
+            }
+        }
+        if let Ok(mounts) = lull_csi::mounts::current() {
+            for m in mounts.iter().rev() {
+                if m.mount_point.starts_with(&self.0) {
+                    let _ = Command::new("umount")
+                        .arg("-l")
+                        .arg(&m.mount_point)
+                        .status();
+                }
+            }
+        }
+    }
+}
+
+pub fn psk(path: &Path, user: &str, byte: u8) {
+    let hex: String = (0..32).map(|i| format!("{:02x}", byte ^ i)).collect();
+    std::fs::write(path, format!("{user}:{hex}\n")).unwrap();
+}
+
+/// Waits, with the deadline, until `check` gives a value.
+pub async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Three node daemons, node1 to node3, started, with their node list and
+/// the plugin's view of them.
+pub struct Nodes {
+    pub work: PathBuf,
+    pub daemons: Vec<Daemon>,
+    pub cluster: Arc<Cluster>,
+    _leftovers: Leftovers,
+}
+
+impl Nodes {
+    /// Starts them under a fresh directory named after `test`; `extra`
+    /// gives each daemon's extra flags.
+    pub async fn start(test: &str, extra: [Vec<String>; 3]) -> Nodes {
+        let work = std::env::temp_dir().join(format!("lull-csi-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).unwrap();
+        let leftovers = Leftovers(work.clone());
+        psk(&work.join("rpc.psk"), "admin", 0x5a);
+        psk(&work.join("replica.psk"), "lull", 0xa5);
+        let ports = free_ports(9);
+        let mut daemons: Vec<Daemon> = extra
+            .into_iter()
+            .enumerate()
+            .map(|(i, extra)| Daemon {
+                dir: work.join(format!("node{}", i + 1)),
+                rpc_port: ports[3 * i],
+                replica_port: ports[3 * i + 1],
+                nbd_port: ports[3 * i + 2],
+                extra,
+                child: None,
+            })
+            .collect();
+        let nodes: Vec<Value> = daemons
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                json!({"id": format!("node{}", i + 1), "rpc": format!("127.0.0.1:{}", d.rpc_port),
+                       "tls_psk": "rpc.psk", "nbd": format!("127.0.0.1:{}", d.nbd_port)})
+            })
+            .collect();
+        std::fs::write(
+            work.join("nodes.json"),
+            json!({ "nodes": nodes }).to_string(),
+        )
+        .unwrap();
+        for d in &mut daemons {
+            d.start(&work);
+        }
+        let cluster = Arc::new(
+            Cluster::new(lull_csi::nodes::load(&work.join("nodes.json")).unwrap()).unwrap(),
+        );
+        for n in 1..=3 {
+            let node = format!("node{n}");
+            let c = Arc::clone(&cluster);
+            wait_for("the node daemons", || {
+                let (c, node) = (Arc::clone(&c), node.clone());
+                async move { c.call(&node, "store_get", json!({})).await.ok() }
+            })
+            .await;
+        }
+        Nodes {
+            work,
+            daemons,
+            cluster,
+            _leftovers: leftovers,
+        }
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for d in &mut self.daemons {
+            d.kill();
+        }
+        self._leftovers.clean();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.work);
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! The plugin against real node daemons: three `lull serve --store`
+//! processes on loopback (the `lull` binary the workspace built), the
+//! controller and two node services in this process, the fuse attach
+//! method (nbdfuse and loop devices: needs root and /dev/fuse).
+//!
+//! Failover: a volume staged on node A (which holds none of its replicas)
+//! is written and flushed; A's daemon is killed; staging on node B (a
+//! replica node) creates a new engine there that reads back every
+//! acknowledged byte. Then (ignored: it fails today) A's daemon restarted
+//! brings back its old engine (its volume record), which the replicas
+//! must fence: no healthy replica, no write, B's data as it was.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{wait_for, Nodes, DEADLINE};
+use lull_csi::attach::{self, FuseDirs, Method};
+use lull_csi::controller::ControllerPlugin;
+use lull_csi::node::{NodeConfig, NodePlugin};
+use lull_csi::pb::controller_server::Controller;
+use lull_csi::pb::node_server::Node as _;
+use lull_csi::pb::volume_capability::access_mode::Mode;
+use lull_csi::pb::volume_capability::{AccessMode, AccessType, BlockVolume};
+use lull_csi::pb::*;
+use lull_csi::volume_id::VolumeId;
+use serde_json::{json, Value};
+use tonic::Request;
+
+/// Bytes written through node A and read back through node B.
+const DATA_BYTES: usize = 4 << 20;
+
+fn block_cap() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+fn pattern() -> Vec<u8> {
+    (0..DATA_BYTES)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1])
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_fails_over_to_another_node() {
+    failover(false).await;
+}
+
+/// Fails today: the restarted daemon recreates its recorded engine with a
+/// new session (the wall clock), newer than B's engine's, so the replicas
+/// take it as the owner and fence B's engine instead (and, the owner being
+/// the largest session seen, for good). The engine's sessions or a node's
+/// restored volumes must change before this passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a restarted node's recorded engine takes the replicas back from the failover engine: newest session wins"]
+async fn a_restarted_nodes_old_engine_is_fenced() {
+    failover(true).await;
+}
+
+/// Stages on A, writes, kills A, stages on B and reads back; with
+/// `restart_a`, brings A back and checks that its old engine is fenced.
+async fn failover(restart_a: bool) {
+    assert!(
+        Method::Fuse.check().is_ok(),
+        "this test attaches with nbdfuse and loop devices: {:?} (run as root; Debian package libnbd-bin)",
+        Method::Fuse.check()
+    );
+    let mut nodes = Nodes::start(
+        if restart_a {
+            "failover-restart"
+        } else {
+            "failover"
+        },
+        Default::default(),
+    )
+    .await;
+    let (work, cluster) = (nodes.work.clone(), Arc::clone(&nodes.cluster));
+    let controller = ControllerPlugin::new(Arc::clone(&cluster));
+    let node_plugin = |id: &str| {
+        NodePlugin::new(
+            Arc::clone(&cluster),
+            NodeConfig {
+                node_id: id.to_string(),
+                state_dir: work.join(format!("state-{id}")),
+                attach: Method::Fuse,
+            },
+        )
+    };
+
+    // Two replicas on two of the three nodes; the engine goes on the third.
+    let created = controller
+        .create_volume(Request::new(CreateVolumeRequest {
+            name: "failover".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 64 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![block_cap()],
+            parameters: HashMap::from([("replicas".to_string(), "2".to_string())]),
+            ..Default::default()
+        }))
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let volume_id = created.volume.unwrap().volume_id;
+    let id = VolumeId::parse(&volume_id).unwrap();
+    assert_eq!(id.nodes.len(), 2);
+    assert_ne!(id.nodes[0], id.nodes[1], "two replicas on one node");
+    let a = ["node1", "node2", "node3"]
+        .into_iter()
+        .find(|n| !id.nodes.iter().any(|r| r == n))
+        .unwrap()
+        .to_string();
+    let b = id.nodes[0].clone();
+    let a_index: usize = a[4..].parse::<usize>().unwrap() - 1;
+    let (node_a, node_b) = (node_plugin(&a), node_plugin(&b));
+    let stage = |path: PathBuf| NodeStageVolumeRequest {
+        volume_id: volume_id.clone(),
+        staging_target_path: path.to_string_lossy().into_owned(),
+        volume_capability: Some(block_cap()),
+        ..Default::default()
+    };
+
+    // Stage on A, write and flush: every byte acknowledged.
+    node_a
+        .node_stage_volume(Request::new(stage(work.join("stage-a"))))
+        .await
+        .expect("NodeStageVolume on A");
+    let dirs_a = FuseDirs::new(&work.join(format!("state-{a}")), &id.name);
+    let dev_a = attach::loops_of(&dirs_a.file).await.unwrap().remove(0);
+    let data = pattern();
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&dev_a)
+            .unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().expect("flush through A's engine");
+    }
+
+    // A's daemon dies; staging on B makes a new engine on the same replicas.
+    nodes.daemons[a_index].kill();
+    node_b
+        .node_stage_volume(Request::new(stage(work.join("stage-b"))))
+        .await
+        .expect("NodeStageVolume on B after A died");
+    let dirs_b = FuseDirs::new(&work.join(format!("state-{b}")), &id.name);
+    let dev_b = attach::loops_of(&dirs_b.file).await.unwrap().remove(0);
+    // Each read drops the device's page cache first (BLKFLSBUF), so that
+    // it shows the volume, not what B read before.
+    let read_b = |dev: String| {
+        let flushed = Command::new("blockdev")
+            .args(["--flushbufs", &dev])
+            .status()
+            .expect("blockdev (Debian package util-linux)");
+        assert!(flushed.success(), "blockdev --flushbufs {dev}");
+        let mut f = std::fs::File::open(&dev).unwrap();
+        let mut back = vec![0u8; DATA_BYTES];
+        f.seek(SeekFrom::Start(0)).unwrap();
+        f.read_exact(&mut back).unwrap();
+        back
+    };
+    assert!(
+        read_b(dev_b.clone()) == data,
+        "B does not read back what A acknowledged"
+    );
+
+    if restart_a {
+        // A comes back with its old engine (its volume record): the replicas,
+        // held by B's engine, fence it.
+        nodes.daemons[a_index].start(&work);
+        let deadline = Instant::now() + DEADLINE;
+        let mut last = Value::Null;
+        let states = loop {
+            if let Ok(list) = cluster
+                .call(&a, "replica_list", json!({ "volume": id.name }))
+                .await
+            {
+                let states: Vec<(String, u64)> = list
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        (
+                            r["state"].as_str().unwrap_or("?").to_string(),
+                            r["errors"].as_u64().unwrap_or(0),
+                        )
+                    })
+                    .collect();
+                last = list;
+                if !states.is_empty()
+                    && states
+                        .iter()
+                        .all(|(s, errors)| s == "failed" && *errors > 0)
+                {
+                    break states;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "A's old engine did not give up on its replicas: {last:#}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(states.len(), 2, "{states:?}");
+        // A write through A's export must fail: its engine has no replica.
+        let a_export = format!(
+            "nbd://127.0.0.1:{}/{}",
+            nodes.daemons[a_index].nbd_port, id.name
+        );
+        let out = Command::new("nbdcopy")
+            .args(["--", "[", "nbdkit", "-s", "pattern", "1M", "]", &a_export])
+            .output()
+            .expect("nbdcopy (Debian package libnbd-bin) and nbdkit");
+        assert!(
+            !out.status.success(),
+            "a write through A's fenced engine succeeded"
+        );
+        assert!(
+            read_b(dev_b) == data,
+            "B's data changed after A's engine came back"
+        );
+    }
+
+    // Undo: B unstages cleanly; A's attachment (its engine was killed
+    // under it) is detached by hand, its engine deleted; then the volume.
+    node_b
+        .node_unstage_volume(Request::new(NodeUnstageVolumeRequest {
+            volume_id: volume_id.clone(),
+            staging_target_path: work.join("stage-b").to_string_lossy().into_owned(),
+        }))
+        .await
+        .expect("NodeUnstageVolume on B");
+    attach::fuse_detach(&dirs_a)
+        .await
+        .expect("detach A's dead attachment");
+    if restart_a {
+        cluster
+            .call(&a, "volume_delete", json!({ "name": id.name }))
+            .await
+            .expect("delete A's old engine");
+    }
+    let c = Arc::clone(&cluster);
+    let vid = volume_id.clone();
+    wait_for("DeleteVolume to be accepted", || {
+        let (c, vid) = (Arc::clone(&c), vid.clone());
+        async move {
+            ControllerPlugin::new(c)
+                .delete_volume(Request::new(DeleteVolumeRequest {
+                    volume_id: vid,
+                    ..Default::default()
+                }))
+                .await
+                .ok()
+        }
+    })
+    .await;
+}

@@ -1,0 +1,72 @@
+//! `lull csi`: the Kubernetes CSI plugin ([`lull_csi::run`]) with its
+//! flags; SIGINT and SIGTERM stop it.
+//!
+//! ```text
+//! $ lull csi --endpoint unix:///csi/csi.sock --nodes /etc/lull/nodes.json \
+//!       --role node --node-id node-a --attach fuse
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use lull_csi::attach::Method;
+use lull_csi::{CsiConfig, Role};
+
+use crate::cli::{signals, usage_error};
+
+/// `lull csi`: serve the CSI Identity, Controller and Node services.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CsiArgs {
+    /// Where the container orchestrator connects: unix:///PATH.
+    #[arg(long, value_name = "unix:///PATH")]
+    pub endpoint: String,
+    /// The node list: a JSON file of nodes (id, rpc address, TLS
+    /// material, nbd address, topology); docs/KUBERNETES.md.
+    #[arg(long, value_name = "FILE")]
+    pub nodes: PathBuf,
+    /// Which services to serve: controller, node or all.
+    #[arg(long, default_value = "all", value_name = "ROLE")]
+    pub role: String,
+    /// This node's id in the node list (the node role needs it).
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+    /// How a staged volume becomes a block device on this node: fuse
+    /// (nbdfuse and a loop device), nbd or nvme-tcp (kernel modules).
+    #[arg(long, default_value = "fuse", value_name = "METHOD")]
+    pub attach: String,
+    /// Where the node plugin keeps its per-volume files (FUSE mounts).
+    #[arg(long, default_value = "/var/lib/lull-csi", value_name = "DIR")]
+    pub state_dir: PathBuf,
+}
+
+/// Runs the plugin until SIGINT or SIGTERM; exit 2 for bad flags, 1 when
+/// the plugin cannot start or stops with an error.
+pub fn run(args: &CsiArgs) -> ExitCode {
+    let Some(role) = Role::parse(&args.role) else {
+        return usage_error(format!("--role {:?}: controller, node or all", args.role));
+    };
+    let Some(attach) = Method::parse(&args.attach) else {
+        return usage_error(format!("--attach {:?}: fuse, nbd or nvme-tcp", args.attach));
+    };
+    let mut stop = match signals::stop_signals() {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let config = CsiConfig {
+        endpoint: args.endpoint.clone(),
+        nodes_file: args.nodes.clone(),
+        role,
+        node_id: args.node_id.clone(),
+        state_dir: args.state_dir.clone(),
+        attach,
+    };
+    match lull_csi::run(config, move || {
+        stop.forever().next();
+    }) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lull csi: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
