@@ -109,10 +109,14 @@ impl NodePlugin {
             links.push(format!("{addr}/{}", id.name));
         }
         let size = self.replica_size(id).await?;
+        // Not recorded on the node: Kubernetes stages the volume again
+        // where it wants it, and a daemon that restarts must not bring
+        // back an engine another node has taken over since.
         let params = json!({
             "name": id.name,
             "size": size,
             "backend": format!("replicas={}", links.join("+")),
+            "persist": false,
         });
         let created = match self.cluster.call(me, "volume_create", params).await {
             Ok(_) => true,

@@ -6,9 +6,14 @@
 //! Failover: a volume staged on node A (which holds none of its replicas)
 //! is written and flushed; A's daemon is killed; staging on node B (a
 //! replica node) creates a new engine there that reads back every
-//! acknowledged byte. Then (ignored: it fails today) A's daemon restarted
-//! brings back its old engine (its volume record), which the replicas
-//! must fence: no healthy replica, no write, B's data as it was.
+//! acknowledged byte. Two ways A comes back:
+//!
+//! - its daemon restarted: it does not recreate the engine (the plugin
+//!   creates engines with `"persist": false`: Kubernetes stages volumes,
+//!   a node's own record must not), so it holds nothing of the volume;
+//! - its daemon frozen (SIGSTOP) while B took over, then thawed: its old
+//!   engine comes back to life, and the replicas fence it (B's engine has a
+//!   newer session): no healthy replica, no write, B's data as it was.
 
 mod common;
 
@@ -50,35 +55,47 @@ fn pattern() -> Vec<u8> {
         .collect()
 }
 
+/// How node A goes away and comes back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Away {
+    /// Killed, not brought back.
+    Killed,
+    /// Killed, then its daemon started again.
+    Restarted,
+    /// Frozen (SIGSTOP) while B takes over, then thawed (SIGCONT).
+    Frozen,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_fails_over_to_another_node() {
-    failover(false).await;
+    failover(Away::Killed).await;
 }
 
-/// Fails today: the restarted daemon recreates its recorded engine with a
-/// new session (the wall clock), newer than B's engine's, so the replicas
-/// take it as the owner and fence B's engine instead (and, the owner being
-/// the largest session seen, for good). The engine's sessions or a node's
-/// restored volumes must change before this passes.
+/// A restarted daemon does not bring the engine back: the volume is B's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a restarted node's recorded engine takes the replicas back from the failover engine: newest session wins"]
-async fn a_restarted_nodes_old_engine_is_fenced() {
-    failover(true).await;
+async fn a_restarted_node_does_not_take_the_volume_back() {
+    failover(Away::Restarted).await;
 }
 
-/// Stages on A, writes, kills A, stages on B and reads back; with
-/// `restart_a`, brings A back and checks that its old engine is fenced.
-async fn failover(restart_a: bool) {
+/// An engine that comes back to life after B took over is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_nodes_old_engine_is_fenced_when_it_thaws() {
+    failover(Away::Frozen).await;
+}
+
+/// Stages on A, writes, takes A away (as `away` says), stages on B and
+/// reads back; then checks what A holds when it comes back.
+async fn failover(away: Away) {
     assert!(
         Method::Fuse.check().is_ok(),
         "this test attaches with nbdfuse and loop devices: {:?} (run as root; Debian package libnbd-bin)",
         Method::Fuse.check()
     );
     let mut nodes = Nodes::start(
-        if restart_a {
-            "failover-restart"
-        } else {
-            "failover"
+        match away {
+            Away::Killed => "failover",
+            Away::Restarted => "failover-restart",
+            Away::Frozen => "failover-frozen",
         },
         Default::default(),
     )
@@ -147,8 +164,13 @@ async fn failover(restart_a: bool) {
         f.sync_all().expect("flush through A's engine");
     }
 
-    // A's daemon dies; staging on B makes a new engine on the same replicas.
-    nodes.daemons[a_index].kill();
+    // A's daemon dies (or freezes); staging on B makes a new engine on the
+    // same replicas.
+    if away == Away::Frozen {
+        nodes.daemons[a_index].signal("-STOP");
+    } else {
+        nodes.daemons[a_index].kill();
+    }
     node_b
         .node_stage_volume(Request::new(stage(work.join("stage-b"))))
         .await
@@ -174,10 +196,40 @@ async fn failover(restart_a: bool) {
         "B does not read back what A acknowledged"
     );
 
-    if restart_a {
-        // A comes back with its old engine (its volume record): the replicas,
-        // held by B's engine, fence it.
+    if away == Away::Restarted {
+        // A comes back without the engine: the plugin's engines are not
+        // recorded on the node. B's engine keeps the volume and writes.
         nodes.daemons[a_index].start(&work);
+        wait_for("A's daemon to answer", || {
+            let c = Arc::clone(&cluster);
+            let a = a.clone();
+            async move { c.call(&a, "store_get", json!({})).await.ok() }
+        })
+        .await;
+        let list = cluster
+            .call(&a, "volume_list", json!({}))
+            .await
+            .expect("volume_list on A");
+        assert!(
+            !list.to_string().contains(&format!("\"{}\"", id.name)),
+            "A's daemon brought the volume back: {list}"
+        );
+        let more: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
+        {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&dev_b)
+                .unwrap();
+            f.write_all(&more).unwrap();
+            f.sync_all()
+                .expect("flush through B's engine after A is back");
+        }
+        assert!(read_b(dev_b.clone()) == more, "B lost its writes");
+    }
+    if away == Away::Frozen {
+        // A thaws with its old engine: the replicas, held by B's engine,
+        // fence it.
+        nodes.daemons[a_index].signal("-CONT");
         let deadline = Instant::now() + DEADLINE;
         let mut last = Value::Null;
         let states = loop {
@@ -243,7 +295,7 @@ async fn failover(restart_a: bool) {
     attach::fuse_detach(&dirs_a)
         .await
         .expect("detach A's dead attachment");
-    if restart_a {
+    if away == Away::Frozen {
         cluster
             .call(&a, "volume_delete", json!({ "name": id.name }))
             .await

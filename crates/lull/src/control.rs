@@ -310,9 +310,14 @@ impl ControlPlane for Control {
             qos: None,
             rebuild_mbytes_per_sec: None,
         };
-        if let Err(e) = self.persist(|m| {
-            m.insert(entry.name.clone(), entry);
-        }) {
+        let recorded = if volume.persist {
+            self.persist(|m| {
+                m.insert(entry.name.clone(), entry);
+            })
+        } else {
+            Ok(())
+        };
+        if let Err(e) = recorded {
             // Not kept, so not created: a volume must not vanish at the
             // next restart after the RPC said it exists.
             if let Ok(gone) = self.volumes.remove(&v.name) {
@@ -323,7 +328,8 @@ impl ControlPlane for Control {
             forget();
             return Err(e);
         }
-        tracing::info!(volume = %v.name, size_bytes, backend, "volume created over RPC");
+        tracing::info!(volume = %v.name, size_bytes, backend, persist = volume.persist,
+            "volume created over RPC");
         Ok(VolumeInfo::of(&v))
     }
 

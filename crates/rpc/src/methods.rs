@@ -328,6 +328,12 @@ pub struct NewVolume {
     pub nvmf_lba: Option<u32>,
     /// Host NQNs allowed over NVMe/TCP; empty: any host.
     pub nvmf_allow_hosts: Vec<String>,
+    /// Recorded in the node's state (`--store`) and recreated at its
+    /// restart (the default). `false`: a volume a cluster manager owns
+    /// (the CSI plugin's engines), which it creates again where it wants
+    /// it; a daemon coming back must not recreate an engine that another
+    /// node has taken over since.
+    pub persist: bool,
 }
 
 impl NewVolume {
@@ -733,6 +739,7 @@ struct VolumeCreate {
     nvmf_lba: Option<u32>,
     #[serde(default)]
     nvmf_allow_hosts: Vec<String>,
+    persist: Option<bool>,
 }
 
 impl VolumeCreate {
@@ -766,6 +773,7 @@ impl VolumeCreate {
             nvmf_nqn: self.nvmf_nqn,
             nvmf_lba: self.nvmf_lba,
             nvmf_allow_hosts: self.nvmf_allow_hosts,
+            persist: self.persist.unwrap_or(true),
         })
     }
 }

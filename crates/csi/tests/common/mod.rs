@@ -101,6 +101,16 @@ impl Daemon {
         self.child = Some(child);
     }
 
+    /// Sends `sig` (`-STOP`, `-CONT`) to the running daemon.
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("the daemon runs").id();
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    }
+
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
