@@ -31,8 +31,8 @@ use std::net::SocketAddr;
 
 pub use core::ids::MAX_CONNECTIONS_PER_REPLICA;
 pub use core::{
-    CopyDone, CopyKind, CopyProgress, EngineOptions, ReplicaState, ReplicaStatus, ReplicaTarget,
-    CHANNEL_DEPTH, MAX_CHANNELS,
+    CopyDone, CopyKind, CopyProgress, EngineOptions, NodeRebuildLimit, ReplicaState, ReplicaStatus,
+    ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS,
 };
 pub use shell::ReplicatedDev;
 

@@ -39,6 +39,9 @@ pub struct Control {
     /// `volume_set_rebuild_limit` without a name: the limit (bytes/s) of
     /// replicated volumes created from then on.
     rebuild_limit_default: AtomicU64,
+    /// `node_set_rebuild_limit`: the budget every replicated volume's
+    /// copies take from (given to each at its creation).
+    node_rebuild: lull_engine::NodeRebuildLimit,
 }
 
 impl Control {
@@ -59,7 +62,15 @@ impl Control {
             store: None,
             node: None,
             rebuild_limit_default: AtomicU64::new(0),
+            node_rebuild: lull_engine::NodeRebuildLimit::default(),
         }
+    }
+
+    /// The node's rebuild budget, the one the volumes opened at start
+    /// were given.
+    pub fn with_node_rebuild(mut self, node_rebuild: lull_engine::NodeRebuildLimit) -> Control {
+        self.node_rebuild = node_rebuild;
+        self
     }
 
     /// The node's store and the record of its RPC-created volumes.
@@ -278,7 +289,14 @@ impl ControlPlane for Control {
                 subsystems.forget(&spec.name);
             }
         };
-        let dev = crate::open_device(&spec, &self.fw, &self.engine, &self.links).map_err(|e| {
+        let dev = crate::open_device(
+            &spec,
+            &self.fw,
+            &self.engine,
+            &self.links,
+            &self.node_rebuild,
+        )
+        .map_err(|e| {
             forget();
             ControlError::Failed(e.into())
         })?;
@@ -620,6 +638,18 @@ impl ControlPlane for Control {
         v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
         tracing::info!(volume = name, ?limits, "QoS limits set over RPC");
         Ok(qos_json(&v))
+    }
+
+    fn node_set_rebuild_limit(&self, mbytes_per_sec: u64) -> Result<Value, ControlError> {
+        self.node_rebuild.set(mbytes_per_sec * 1_000_000);
+        tracing::info!(
+            mbytes_per_sec,
+            "node rebuild bandwidth limit (the total of every copy) set over RPC"
+        );
+        Ok(json!({
+            "mbytes_per_sec": mbytes_per_sec,
+            "copies_running": self.node_rebuild.copies(),
+        }))
     }
 
     fn volume_set_rebuild_limit(

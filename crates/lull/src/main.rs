@@ -321,6 +321,7 @@ pub(crate) fn open_device(
     fw: &lull_reactor::FrameworkHandle,
     engine: &lull_engine::EngineOptions,
     links: &ReplicaLinks,
+    node_rebuild: &lull_engine::NodeRebuildLimit,
 ) -> Result<Storage, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
@@ -346,6 +347,10 @@ pub(crate) fn open_device(
                 engine.clone(),
                 tls,
             )
+            .and_then(|dev| {
+                dev.set_node_rebuild_limit(node_rebuild.clone())?;
+                Ok(dev)
+            })
             .map(Storage::Replicated)
             .map_err(|e| e.to_string());
         }
@@ -696,8 +701,11 @@ fn serve(args: ServeArgs) -> ExitCode {
             }
         }
     }
+    // One rebuild budget for the node (`node_set_rebuild_limit`), shared
+    // by every replicated volume's engine; no limit until set.
+    let node_rebuild = lull_engine::NodeRebuildLimit::default();
     for spec in s.volumes.iter().chain(&recorded) {
-        let dev = match open_device(spec, fw.handle(), &s.engine, &links) {
+        let dev = match open_device(spec, fw.handle(), &s.engine, &links, &node_rebuild) {
             Ok(d) => d,
             Err(e) => {
                 fw.stop();
@@ -807,7 +815,8 @@ fn serve(args: ServeArgs) -> ExitCode {
             links,
         )
         .with_nvmf(nvmf.as_ref().map(|n| n.subsystems()))
-        .with_store(store.clone(), node.clone()),
+        .with_store(store.clone(), node.clone())
+        .with_node_rebuild(node_rebuild),
     );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {

@@ -168,6 +168,14 @@ pub trait ControlPlane: Send + Sync {
             "this server has no rebuild limit".into(),
         ))
     }
+    /// `node_set_rebuild_limit`: the total of every rebuild and reconcile
+    /// copy of this node's volumes (0: none), besides each volume's own.
+    fn node_set_rebuild_limit(&self, mbytes_per_sec: u64) -> Result<Value, ControlError> {
+        let _ = mbytes_per_sec;
+        Err(ControlError::Refused(
+            "this server has no rebuild limit".into(),
+        ))
+    }
     /// `snapshot_expose`: serves `VOLUME@SNAPSHOT` as a read-only volume
     /// of its own (an NVMe/TCP subsystem with a write-protected
     /// namespace; NBD serves the name anyway) until `snapshot_unexpose`.
@@ -414,6 +422,7 @@ pub const LULL_METHODS: &[&str] = &[
     "volume_flatten",
     "volume_set_qos",
     "volume_set_rebuild_limit",
+    "node_set_rebuild_limit",
     "snapshot_expose",
     "snapshot_unexpose",
     "nvmf_host_psk_add",
@@ -622,6 +631,19 @@ pub fn register_lull_methods(
             }
             c.control
                 .volume_set_rebuild_limit(p.name.as_deref(), p.mbytes_per_sec)
+        },
+    )?;
+    let c = ctx.clone();
+    method(
+        registry,
+        "node_set_rebuild_limit",
+        move |p: NodeRebuildLimit| {
+            if p.mbytes_per_sec > MAX_REBUILD_MBYTES_PER_SEC {
+                return Err(ControlError::InvalidParams(format!(
+                    "mbytes_per_sec: at most {MAX_REBUILD_MBYTES_PER_SEC}"
+                )));
+            }
+            c.control.node_set_rebuild_limit(p.mbytes_per_sec)
         },
     )?;
     let c = ctx;
@@ -870,6 +892,14 @@ pub const MAX_REBUILD_MBYTES_PER_SEC: u64 = 100_000;
 struct SetRebuildLimit {
     #[serde(default)]
     name: Option<String>,
+    mbytes_per_sec: u64,
+}
+
+/// `node_set_rebuild_limit` parameters (MB = 10^6 bytes per second, the
+/// total over the node's copies; 0: no limit).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct NodeRebuildLimit {
     mbytes_per_sec: u64,
 }
 

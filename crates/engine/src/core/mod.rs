@@ -141,8 +141,8 @@ pub use rebuild::{
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
 pub use types::{
     Action, ClientReq, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions, Event, LogLevel,
-    Milestone, Payload, Received, ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS,
-    MAX_CLIENT_IOS,
+    Milestone, NodeRebuildLimit, Payload, Received, ReplicaState, ReplicaStatus, Sink,
+    CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
 };
 
 impl Engine {
@@ -279,9 +279,11 @@ impl Engine {
                     format!("rebuild bandwidth limit {bytes_per_sec} bytes/s (0: none)"),
                 );
             }
+            Event::SetNodeRebuildLimit(node) => self.rebuild_limit.set_node(node),
             Event::Detach => self.start_detach(),
         }
         self.progress();
+        self.rebuild_limit.count(self.rebuild.is_some());
         #[cfg(debug_assertions)]
         self.check_invariants();
         out.append(&mut self.out);

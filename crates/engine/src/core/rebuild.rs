@@ -559,6 +559,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_node_limit_is_shared_equally_by_running_copies() {
+        use crate::core::types::{NodeRebuildLimit, RebuildLimit};
+        let node = NodeRebuildLimit::default();
+        node.set(10_000_000);
+        let (mut a, mut b) = (RebuildLimit::default(), RebuildLimit::default());
+        a.set_node(node.clone());
+        b.set_node(node.clone());
+        a.count(true);
+        b.count(true);
+        assert_eq!(node.copies(), 2);
+        // Over 10 s, each takes 1 MiB segments whenever it may.
+        let mut got = [0u64; 2];
+        let mut now = 0;
+        while now < 10_000_000_000 {
+            for (i, l) in [&mut a, &mut b].into_iter().enumerate() {
+                while l.take(REBUILD_CHUNK_BYTES, now) {
+                    got[i] += REBUILD_CHUNK_BYTES;
+                }
+            }
+            now += 10_000_000;
+        }
+        for g in got {
+            // 5 MB/s each for 10 s, plus the saved burst and one segment
+            // of debt.
+            assert!((50_000_000..=53_500_000).contains(&g), "{got:?}");
+        }
+        b.count(false);
+        assert_eq!(node.copies(), 1);
+        drop(a);
+        assert_eq!(node.copies(), 0, "a dropped engine leaves the count");
+    }
+
+    #[test]
     fn clipping_keeps_only_the_regions_set() {
         let seg = |offset, len, data| Segment {
             offset,

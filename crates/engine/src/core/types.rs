@@ -119,6 +119,8 @@ pub enum Event {
     /// Limit rebuild and reconcile copies to this many data bytes per
     /// second (0: no limit), from the next segment on.
     SetRebuildLimit(u64),
+    /// Take rebuild and reconcile copies from this node-wide budget too.
+    SetNodeRebuildLimit(NodeRebuildLimit),
     /// Detach cleanly: refuse new requests, let those in flight finish,
     /// FLUSH and DETACH every healthy replica (they become clean).
     Detach,
@@ -130,24 +132,120 @@ pub enum Event {
 /// from the engine's clock at every event; the shell's tick (100 ms) wakes
 /// a run that waits. Client I/O never takes from it: the limit is a fixed
 /// share left to the rebuild, the rest of the link is the clients'.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Default)]
 pub struct RebuildLimit {
     bucket: lull_reactor::rate::TokenBucket,
+    /// The node's total, shared by every engine of the process
+    /// ([`NodeRebuildLimit`]): this engine's copy takes its share of it
+    /// from `node_bucket` too.
+    node: Option<NodeRebuildLimit>,
+    node_bucket: lull_reactor::rate::TokenBucket,
+    /// Counted among the node's running copies.
+    counted: bool,
+}
+
+/// The node's total for rebuild and reconcile copies
+/// (`node_set_rebuild_limit`), shared by every engine of the process:
+/// each running copy gets an equal share of it (the total over the number
+/// of copies running), so the sum holds and no volume starves another.
+/// Cloned handles share it. 0 is no limit.
+#[derive(Debug, Clone, Default)]
+pub struct NodeRebuildLimit(std::sync::Arc<NodeShared>);
+
+#[derive(Debug, Default)]
+struct NodeShared {
+    bytes_per_sec: std::sync::atomic::AtomicU64,
+    copies: std::sync::atomic::AtomicU64,
+}
+
+impl NodeRebuildLimit {
+    pub fn set(&self, bytes_per_sec: u64) {
+        self.0
+            .bytes_per_sec
+            .store(bytes_per_sec, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn bytes_per_sec(&self) -> u64 {
+        self.0
+            .bytes_per_sec
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Copies running now, on every volume of the node.
+    pub fn copies(&self) -> u64 {
+        self.0.copies.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One running copy's share (0: no limit).
+    fn share(&self) -> u64 {
+        let total = self.bytes_per_sec();
+        if total == 0 {
+            return 0;
+        }
+        (total / self.copies().max(1)).max(1)
+    }
+}
+
+/// A bucket of `bytes_per_sec` saving 200 ms of its rate (two shell ticks,
+/// so a run waiting between ticks loses none of its share), at least one
+/// segment.
+fn rebuild_bucket(bytes_per_sec: u64, now: u64) -> lull_reactor::rate::TokenBucket {
+    let cap = (bytes_per_sec as f64 * 0.2).max(super::rebuild::REBUILD_CHUNK_BYTES as f64);
+    lull_reactor::rate::TokenBucket::with_cap(bytes_per_sec, cap).starting_at(now)
 }
 
 impl RebuildLimit {
-    /// A limit of `bytes_per_sec` (0: none) from `now`. The bucket saves
-    /// 200 ms of its rate (two shell ticks, so a run waiting between ticks
-    /// loses none of its share), at least one segment.
+    /// A limit of `bytes_per_sec` (0: none) from `now`.
     pub(super) fn set(&mut self, bytes_per_sec: u64, now: u64) {
-        let cap = (bytes_per_sec as f64 * 0.2).max(super::rebuild::REBUILD_CHUNK_BYTES as f64);
-        self.bucket =
-            lull_reactor::rate::TokenBucket::with_cap(bytes_per_sec, cap).starting_at(now);
+        self.bucket = rebuild_bucket(bytes_per_sec, now);
     }
 
-    /// Whether a segment of `len` bytes may start now (taking its tokens).
+    /// Whether a segment of `len` bytes may start now (taking its tokens
+    /// from the volume's bucket and its share of the node's, or from
+    /// neither).
     pub(super) fn take(&mut self, len: u64, now: u64) -> bool {
-        self.bucket.take(len as f64, now)
+        if let Some(node) = &self.node {
+            let share = node.share();
+            if share != self.node_bucket.rate() {
+                self.node_bucket = rebuild_bucket(share, now);
+            }
+        }
+        if self.bucket.wait_ns(now) > 0 || self.node_bucket.wait_ns(now) > 0 {
+            return false;
+        }
+        self.bucket.spend(len as f64);
+        self.node_bucket.spend(len as f64);
+        true
+    }
+
+    pub(super) fn set_node(&mut self, node: NodeRebuildLimit) {
+        let running = self.counted;
+        self.count(false);
+        self.node = Some(node);
+        self.count(running);
+    }
+
+    /// Whether this engine's copy is running (counted in the node's
+    /// shares); called after every event.
+    pub(super) fn count(&mut self, running: bool) {
+        let Some(node) = &self.node else { return };
+        if running != self.counted {
+            let copies = &node.0.copies;
+            if running {
+                copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            } else {
+                copies.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.counted = running;
+        }
+    }
+}
+
+impl Drop for RebuildLimit {
+    /// An engine dropped in the middle of a copy (its volume deleted)
+    /// leaves the node's count.
+    fn drop(&mut self) {
+        self.count(false);
     }
 }
 

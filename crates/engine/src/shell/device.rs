@@ -29,7 +29,7 @@ use super::channel::{Doorbell, EngineChannel};
 use super::run::{lock, Shell, TICK_US};
 use super::socket::{Sock, READ_BUFFER_BYTES};
 use crate::core::ids::{ConnData, ReplicaTarget};
-use crate::core::{ConnRef, Engine, Event, MAX_CHANNELS};
+use crate::core::{ConnRef, Engine, Event, NodeRebuildLimit, MAX_CHANNELS};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
 
 /// A connect attempt gives up after this long (or the replica timeout, if
@@ -258,6 +258,12 @@ impl ReplicatedDev {
         self.rebuild_limit
             .store(bytes_per_sec, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Takes this volume's rebuild and reconcile copies from the node's
+    /// total too (one budget shared by every volume of the process).
+    pub fn set_node_rebuild_limit(&self, node: NodeRebuildLimit) -> Result<(), EngineError> {
+        self.event(Event::SetNodeRebuildLimit(node))
     }
 
     /// The rebuild bandwidth limit (bytes per second, 0: none).

@@ -1136,3 +1136,102 @@ fn the_rebuild_bandwidth_limit_holds_and_changes_at_run_time() {
     common::tools::qemu_io(&server, "v", &["read -P 0x5a 0 240M"]);
     server.assert_healthy();
 }
+
+/// The node's rebuild limit is a total (issue 29): two volumes rebuilt at
+/// once under `node_set_rebuild_limit` 10 MB/s move 10 MB/s between them
+/// (+-10% over 6 s), in equal shares; lifted, both finish and the
+/// replicas hold the data.
+#[test]
+fn the_node_rebuild_limit_is_a_total_over_its_volumes() {
+    let scratch = common::Scratch::new("node-rebuild-limit");
+    let mut pairs = Vec::new();
+    for v in ["v1", "v2"] {
+        let a = Replica::start(Kind::Process, &scratch.join(&format!("{v}a")), "128M");
+        let b = Replica::start(Kind::Process, &scratch.join(&format!("{v}b")), "128M");
+        pairs.push((v, a, b));
+    }
+    let specs: Vec<String> = pairs
+        .iter()
+        .map(|(v, a, b)| format!("{v}:128M:replicas={}+{}", a.target(), b.target()))
+        .collect();
+    let mut args = vec!["--replica-insecure"];
+    for s in &specs {
+        args.extend(["--volume", s.as_str()]);
+    }
+    let mut server = Server::start(&args);
+    for (v, _, b) in &mut pairs {
+        common::read_when_ready(&server, v, 0, 4096, Duration::from_secs(30));
+        b.kill();
+        common::tools::qemu_io(&server, v, &["write -P 0x5a 0 120M"]);
+    }
+    let reply = server.rpc("node_set_rebuild_limit", r#"{"mbytes_per_sec":10}"#);
+    assert_eq!(reply["mbytes_per_sec"], 10, "{reply}");
+    for (_, _, b) in &mut pairs {
+        b.restart();
+    }
+    let done = |server: &Server, v: &str, target: &str| -> Option<u64> {
+        let list = server.rpc("replica_list", &format!(r#"{{"volume":"{v}"}}"#));
+        list.as_array()?
+            .iter()
+            .find(|r| r["addr"] == target)
+            .and_then(|r| r["rebuild"]["bytes_done"].as_u64())
+    };
+    let targets: Vec<(&str, String)> = pairs.iter().map(|(v, _, b)| (*v, b.target())).collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while targets
+        .iter()
+        .any(|(v, t)| done(&server, v, t).is_none_or(|d| d == 0))
+    {
+        assert!(Instant::now() < deadline, "both rebuilds did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let sum = |server: &Server| -> u64 {
+        targets
+            .iter()
+            .map(|(v, t)| done(server, v, t).expect("rebuilding"))
+            .sum()
+    };
+    let (d0, t0) = (sum(&server), Instant::now());
+    let each0: Vec<u64> = targets
+        .iter()
+        .map(|(v, t)| done(&server, v, t).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_secs(6));
+    let d1 = sum(&server);
+    let each1: Vec<u64> = targets
+        .iter()
+        .map(|(v, t)| done(&server, v, t).unwrap())
+        .collect();
+    let rate = (d1 - d0) as f64 / t0.elapsed().as_secs_f64();
+    println!(
+        "node limit 10 MB/s: {:.2} MB/s in total; per volume {:?} bytes",
+        rate / 1e6,
+        each1
+            .iter()
+            .zip(&each0)
+            .map(|(a, b)| a - b)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        (rate - 10e6).abs() <= 1e6,
+        "10 MB/s +-10% in total: {rate:.0} B/s"
+    );
+    // Equal shares: neither volume below 30% of what moved.
+    let moved = d1 - d0;
+    assert!(
+        each1
+            .iter()
+            .zip(&each0)
+            .all(|(a, b)| (a - b) * 10 >= moved * 3),
+        "unequal shares of the node's limit: {each0:?} -> {each1:?}"
+    );
+    server.rpc("node_set_rebuild_limit", r#"{"mbytes_per_sec":0}"#);
+    for (v, _, _) in &pairs {
+        server.wait_replicas(v, Duration::from_secs(60), "both healthy", |rs| {
+            rs.iter().all(|r| r.state == "healthy")
+        });
+        common::tools::qemu_io(&server, v, &["read -P 0x5a 0 120M"]);
+    }
+    server.assert_healthy();
+}
