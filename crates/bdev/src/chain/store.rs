@@ -236,6 +236,10 @@ impl LayerStore for FileStore {
     fn load(&self, size_bytes: u64) -> Result<(ChainRecord, Vec<Arc<dyn BlockDevice>>), BdevError> {
         let Some(record) = self.read_record()? else {
             let record = ChainRecord::new_volume();
+            // No record: the volume is its file alone, and a layer file
+            // here is a first snapshot that a crash cut short before its
+            // record was written.
+            self.remove_orphans(&record);
             let dev = self.open_layer(&self.path, size_bytes, self.options.create)?;
             return Ok((record, vec![dev]));
         };
