@@ -1146,8 +1146,8 @@ fn the_node_rebuild_limit_is_a_total_over_its_volumes() {
     let scratch = common::Scratch::new("node-rebuild-limit");
     let mut pairs = Vec::new();
     for v in ["v1", "v2"] {
-        let a = Replica::start(Kind::Process, &scratch.join(&format!("{v}a")), "128M");
-        let b = Replica::start(Kind::Process, &scratch.join(&format!("{v}b")), "128M");
+        let a = Replica::start(Kind::Process, &scratch.join(format!("{v}a")), "128M");
+        let b = Replica::start(Kind::Process, &scratch.join(format!("{v}b")), "128M");
         pairs.push((v, a, b));
     }
     let specs: Vec<String> = pairs
