@@ -82,6 +82,42 @@ fn block_stamp(data: &[u8], block: usize) -> Option<u64> {
     (expect == data).then_some(stamp)
 }
 
+/// A pipe holding `data` (spliced from a scratch file), as the shell's
+/// socket leaves a spliced payload.
+fn pipe_with(data: &[u8]) -> lull_uring::pipes::SplicePipe {
+    use std::io::{Seek, Write};
+    use std::os::fd::AsRawFd;
+    let mut pipe = lull_uring::pipes::get().expect("a pipe");
+    let mut f = tempfile_in_tmp();
+    f.write_all(data).expect("write a sim payload");
+    f.rewind().expect("rewind");
+    let mut moved = 0;
+    while moved < data.len() {
+        moved += pipe
+            .fill_from(f.as_raw_fd(), data.len() - moved)
+            .expect("splice a sim payload into a pipe");
+    }
+    pipe
+}
+
+/// A scratch file, removed at once (it lives while open).
+fn tempfile_in_tmp() -> std::fs::File {
+    let path = std::env::temp_dir().join(format!(
+        "lull-sim-pipe-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .expect("a scratch file");
+    let _ = std::fs::remove_file(&path);
+    f
+}
+
 struct SimReplica {
     data: Vec<u8>,
     allocated: Vec<bool>,
@@ -595,6 +631,13 @@ impl Sim {
                     let bytes = match payload {
                         Payload::None => Vec::new(),
                         Payload::Control(h) => h.to_vec(),
+                        Payload::Pipe(mut p) => {
+                            let mut v = vec![0u8; p.held()];
+                            let n = p.read_into(&mut v).expect("read a sim pipe");
+                            assert_eq!(n, v.len(), "a sim pipe holds its payload");
+                            lull_uring::pipes::put(p);
+                            v
+                        }
                         Payload::Data { buf, len } => buf.as_slice()[..len].to_vec(),
                     };
                     let d = self.net_delay();
@@ -793,9 +836,13 @@ impl Sim {
                         0 => Received::None,
                         _ => match self.engine.payload_sink(m.conn, &h) {
                             Sink::Pipe(mut buf) if self.pipes => {
+                                // The data in both: a client read's check
+                                // reads the buffer, a copy's WRITE the pipe.
                                 buf.as_mut_slice().copy_from_slice(&m.payload);
-                                let pipe = lull_uring::pipes::get().expect("a pipe");
-                                Received::Spliced { buf, pipe }
+                                Received::Spliced {
+                                    buf,
+                                    pipe: pipe_with(&m.payload),
+                                }
                             }
                             sink => {
                                 let mut b = sink.into_buf();

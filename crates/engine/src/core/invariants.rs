@@ -212,7 +212,7 @@ impl Engine {
                         Step::Rechecking => (rb.source, s.kind == Kind::Extents),
                         Step::Reading => (rb.source, s.kind == Kind::Read),
                         Step::Writing => (rb.target, matches!(s.kind, Kind::Write | Kind::Trim)),
-                        Step::Draining | Step::ReadDone(_) => (ri, false),
+                        Step::Draining | Step::ReadDone(_) | Step::ReadSpliced(_) => (ri, false),
                     };
                     assert!(
                         ok && who == ri,

@@ -359,8 +359,23 @@ impl Engine {
         match self.client_read_buf(c, h, len) {
             Some((buf, true)) => Sink::Pipe(buf),
             Some((buf, false)) => Sink::ClientBuffer(buf),
+            None if self.is_copy_read(c, h) => Sink::Pipe(self.get_buf(len)),
             None => Sink::Own(self.get_buf(len)),
         }
+    }
+
+    /// Whether `h` answers a rebuild or reconcile READ with data: it may
+    /// be spliced into a pipe and from there into the target's socket.
+    fn is_copy_read(&self, c: ConnRef, h: &Header) -> bool {
+        h.reply
+            && h.kind == Kind::Read
+            && h.status == 0
+            && self.live_conn(c).is_some_and(|r| {
+                self.replicas[r].conns[c.conn]
+                    .slots
+                    .get(h.id)
+                    .is_some_and(|s| matches!(s.what, SubKind::Rebuild(_)))
+            })
     }
 
     /// The client's buffer for `len` bytes of read reply `h`, and whether

@@ -541,7 +541,7 @@ impl Engine {
                 }
             }
             SubKind::Client(id) => self.on_client_reply(r, sub, id, h, payload),
-            SubKind::Rebuild(run) => self.on_rebuild_reply(r, sub, run, h, payload.into_buf()),
+            SubKind::Rebuild(run) => self.on_rebuild_reply(r, sub, run, h, payload),
             SubKind::IntentGet => self.on_intent_get_reply(r, h, payload.into_buf()),
             SubKind::Intent => self.on_intent_reply(r, sub, h),
             SubKind::Detach => self.on_detach_reply(r, h),

@@ -263,6 +263,10 @@ pub enum Payload {
         buf: SharedBuf,
         len: usize,
     },
+    /// A copy's data as the source replica sent it, spliced from its
+    /// socket into a pipe and from the pipe into the target's (no copy in
+    /// lull; plain links only).
+    Pipe(SplicePipe),
 }
 
 impl AsRef<[u8]> for Payload {
@@ -271,6 +275,8 @@ impl AsRef<[u8]> for Payload {
             Payload::None => &[],
             Payload::Control(h) => h,
             Payload::Data { buf, len } => &buf.as_slice()[..(*len).min(buf.len())],
+            // Its bytes are in the pipe: the socket sends them as a tail.
+            Payload::Pipe(_) => &[],
         }
     }
 }
@@ -761,8 +767,10 @@ pub(super) enum Step {
     /// Asking the source again, under the lock, whether a hole is still one.
     Rechecking,
     Reading,
-    /// Data read from the source, waiting for a slot on the target.
+    /// Data read from the source, waiting for a slot on the target: in a
+    /// buffer, or in a pipe (`Payload::Pipe`).
     ReadDone(SharedBuf),
+    ReadSpliced(SplicePipe),
     Writing,
 }
 

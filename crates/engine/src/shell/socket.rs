@@ -93,7 +93,33 @@ pub(super) struct Sock {
 /// written they are only dropped (the core returns client buffers on
 /// completion).
 impl OutPayload for Payload {
-    fn recycle(self, _: &mut BufPool) {}
+    fn recycle(self, _: &mut BufPool) {
+        if let Payload::Pipe(p) = self {
+            lull_uring::pipes::put(p);
+        }
+    }
+
+    /// A copy's spliced data: sent from its pipe after the header.
+    fn tail_len(&self) -> usize {
+        match self {
+            Payload::Pipe(p) => p.held(),
+            _ => 0,
+        }
+    }
+
+    fn send_tail(
+        &mut self,
+        sock: std::os::fd::RawFd,
+        done: usize,
+        left: usize,
+        more: bool,
+    ) -> std::io::Result<usize> {
+        let _ = done;
+        match self {
+            Payload::Pipe(p) => p.drain_to(sock, left, more),
+            _ => Err(std::io::ErrorKind::Unsupported.into()),
+        }
+    }
 }
 
 /// A READ request or reply of at least `HEADER_ALONE_READ_BYTES` (a reply
