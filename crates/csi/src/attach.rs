@@ -31,9 +31,10 @@ use crate::mounts;
 /// most on a healthy node.
 pub const FUSE_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How often the wait for nbdfuse's mount or a loop device's release
-/// looks again: short against [`FUSE_READY_TIMEOUT`], long against the
-/// cost of reading mountinfo.
+/// The longest wait between two looks at nbdfuse's mount or a loop
+/// device's release (the first come sooner: `crate::Backoff`): short
+/// against [`FUSE_READY_TIMEOUT`], long against the cost of reading
+/// mountinfo.
 const STATE_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
 /// How long a detached loop device may take to let go of its file
@@ -192,6 +193,7 @@ pub async fn fuse_attach(
             .spawn()
             .map_err(|e| cmd::spawn_error("nbdfuse", e))?;
         let deadline = Instant::now() + FUSE_READY_TIMEOUT;
+        let mut backoff = crate::Backoff::new(STATE_POLL_INTERVAL);
         loop {
             if dirs.pid.exists() && fuse_mounted(dirs).await? {
                 break;
@@ -209,7 +211,7 @@ pub async fn fuse_attach(
                     log: read_log(&dirs.log),
                 });
             }
-            tokio::time::sleep(STATE_POLL_INTERVAL).await;
+            backoff.wait().await;
         }
     }
     if let Some(dev) = loops_of(&dirs.file).await?.into_iter().next() {
@@ -242,6 +244,7 @@ pub async fn fuse_detach(dirs: &FuseDirs) -> Result<(), AttachError> {
             }
         }
         let deadline = Instant::now() + LOOP_RELEASE_TIMEOUT;
+        let mut backoff = crate::Backoff::new(STATE_POLL_INTERVAL);
         loop {
             let left = loops_of(&dirs.file).await?;
             if left.is_empty() {
@@ -253,7 +256,7 @@ pub async fn fuse_detach(dirs: &FuseDirs) -> Result<(), AttachError> {
                     devices: left,
                 });
             }
-            tokio::time::sleep(STATE_POLL_INTERVAL).await;
+            backoff.wait().await;
         }
         cmd::run("umount", &[dirs.mount.as_os_str()]).await?;
     }

@@ -42,7 +42,8 @@ pub const ENGINE_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_
 /// clean detach: in-flight I/O drained, the clean flag written).
 pub const ENGINE_RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// How often the wait for the engine asks `replica_list` again.
+/// The longest wait between two looks at the engine's `replica_list`
+/// (the first looks come sooner: `crate::Backoff`).
 const ENGINE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The node plugin's settings.
@@ -155,6 +156,7 @@ impl NodePlugin {
     /// volume degraded, which serves.
     async fn wait_engine_ready(&self, id: &VolumeId) -> Result<(), Status> {
         let deadline = std::time::Instant::now() + ENGINE_READY_TIMEOUT;
+        let mut backoff = crate::Backoff::new(ENGINE_POLL_INTERVAL);
         loop {
             let list = self
                 .cluster
@@ -184,7 +186,7 @@ impl NodePlugin {
                     id.name
                 )));
             }
-            tokio::time::sleep(ENGINE_POLL_INTERVAL).await;
+            backoff.wait().await;
         }
     }
 
@@ -340,6 +342,7 @@ impl NodePlugin {
     async fn wait_replicas_released(&self, id: &VolumeId) {
         let deadline = std::time::Instant::now() + ENGINE_RELEASE_TIMEOUT;
         for node in &id.nodes {
+            let mut backoff = crate::Backoff::new(ENGINE_POLL_INTERVAL);
             loop {
                 let held = match self
                     .cluster
@@ -356,7 +359,7 @@ impl NodePlugin {
                     tracing::warn!(volume = %id.name, node = %node, "unstaged, but the replica is still held by an engine session");
                     return;
                 }
-                tokio::time::sleep(ENGINE_POLL_INTERVAL).await;
+                backoff.wait().await;
             }
         }
     }

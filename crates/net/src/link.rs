@@ -134,27 +134,31 @@ pub fn client_handshake(
     deadline: Instant,
 ) -> Result<TlsStream<TcpStream>, TlsError> {
     let setup = |e: io::Error| TlsError::Handshake(format!("socket setup: {e}"));
-    tcp.set_nonblocking(false).map_err(setup)?;
+    // Non-blocking, waiting in `poll` between rounds: a blocking socket
+    // with a timeout fails a read cut short by a signal with EINTR even
+    // under SA_RESTART (signal(7)), which OpenSSL cannot resume (a process
+    // with children takes SIGCHLD: `lull csi` under its nbdfuse).
+    tcp.set_nonblocking(true).map_err(setup)?;
     let mut tls = TlsStream::client_for_ip(ctx, tcp, ip)?;
-    loop {
+    while !tls.handshake()? {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(TlsError::Handshake(
                 "timed out (the peer accepted the connection and did not answer)".into(),
             ));
         }
-        // Each round blocks in the socket for at most what is left: a
-        // timed-out read comes back as "want read" and ends here.
-        tls.get_ref().set_read_timeout(Some(left)).map_err(setup)?;
-        tls.get_ref().set_write_timeout(Some(left)).map_err(setup)?;
-        if tls.handshake()? {
-            break;
+        let flags = if tls.wants_write() {
+            rustix::event::PollFlags::OUT
+        } else {
+            rustix::event::PollFlags::IN
+        };
+        let mut fds = [rustix::event::PollFd::new(tls.get_ref(), flags)];
+        let timeout = rustix::event::Timespec::try_from(left).ok();
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(setup(e.into())),
         }
     }
-    let tcp = tls.get_ref();
-    tcp.set_read_timeout(None).map_err(setup)?;
-    tcp.set_write_timeout(None).map_err(setup)?;
-    tcp.set_nonblocking(true).map_err(setup)?;
     Ok(tls)
 }
 
