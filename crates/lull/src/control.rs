@@ -882,6 +882,11 @@ fn replica_json(r: &lull_engine::ReplicaStatus) -> Value {
         obj.insert("bytes_total".into(), json!(p.bytes_total));
         obj.insert("bytes_done".into(), json!(p.bytes_done));
         obj.insert("rate_bytes_per_sec".into(), json!(p.rate_bytes_per_sec));
+        // At the rate so far; null until a byte is done.
+        let eta = (p.rate_bytes_per_sec > 0).then(|| {
+            p.bytes_total.saturating_sub(p.bytes_done) as f64 / p.rate_bytes_per_sec as f64
+        });
+        obj.insert("eta_secs".into(), json!(eta));
     }
     let last_rebuild = r.last_rebuild.map_or(Value::Null, |l| {
         json!({

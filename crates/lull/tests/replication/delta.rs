@@ -199,6 +199,13 @@ fn engine_kills_keep_a_delta_rebuild_a_delta() {
     loop {
         let e = entry(&server, &b.target());
         if e["rebuild"]["kind"] == "delta" && e["rebuild"]["bytes_done"].as_u64() > Some(0) {
+            // Progress and its ETA at the rate so far (1 MB/s here).
+            let eta = e["rebuild"]["eta_secs"]
+                .as_f64()
+                .expect("an ETA once bytes are done");
+            let left = e["rebuild"]["bytes_total"].as_u64().unwrap_or(0)
+                - e["rebuild"]["bytes_done"].as_u64().unwrap_or(0);
+            assert!(eta > 0.0 && left > 0, "{e}");
             break;
         }
         assert!(
