@@ -144,21 +144,21 @@ impl ControllerPlugin {
                     })
                 })
                 .collect();
-            let more = placement::place(&candidates, replicas - chosen.len(), size_bytes).map_err(
-                |e| {
-                    if unreachable.is_empty() {
-                        Status::resource_exhausted(format!("volume {:?}: {e}", req.name))
-                    } else {
-                        // Nodes that did not answer may have the room:
-                        // the CO retries rather than give up on the claim.
-                        Status::unavailable(format!(
-                            "volume {:?}: {e}; unreachable: {}",
-                            req.name,
-                            unreachable.join("; ")
-                        ))
-                    }
-                },
-            )?;
+            let more =
+                placement::place(&candidates, replicas - chosen.len(), size_bytes, &req.name)
+                    .map_err(|e| {
+                        if unreachable.is_empty() {
+                            Status::resource_exhausted(format!("volume {:?}: {e}", req.name))
+                        } else {
+                            // Nodes that did not answer may have the room:
+                            // the CO retries rather than give up on the claim.
+                            Status::unavailable(format!(
+                                "volume {:?}: {e}; unreachable: {}",
+                                req.name,
+                                unreachable.join("; ")
+                            ))
+                        }
+                    })?;
             let made = futures::future::join_all(more.iter().map(|node| {
                 self.cluster.call(
                     node,
