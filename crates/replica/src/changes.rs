@@ -204,10 +204,7 @@ impl Changes {
 
     fn add_intent(&self, bitmap: &mut [u8], intent: &[u8], intent_region_bytes: u64) {
         let size = self.regions * self.region_bytes;
-        for (i, _) in (0..intent.len() * 8)
-            .map(|i| (i, intent[i / 8] & (1 << (i % 8)) != 0))
-            .filter(|&(_, set)| set)
-        {
+        for i in (0..intent.len() * 8).filter(|&i| intent[i / 8] & (1 << (i % 8)) != 0) {
             let start = i as u64 * intent_region_bytes;
             if start >= size {
                 break;

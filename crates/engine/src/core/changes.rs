@@ -285,11 +285,7 @@ impl Engine {
 
     /// Bytes of the volume the regions of `map` cover.
     pub(super) fn map_bytes(&self, map: &CopyMap) -> u64 {
-        let rb = map.region_bytes;
-        (0..self.size_bytes.div_ceil(rb))
-            .filter(|&g| super::intent::has_bit(&map.bits, g as usize))
-            .map(|g| ((g + 1) * rb).min(self.size_bytes) - g * rb)
-            .sum()
+        self.regions_bytes(&map.bits, map.region_bytes)
     }
 }
 

@@ -29,11 +29,18 @@ pub(super) fn count_bits(bitmap: &[u8]) -> u64 {
 }
 
 impl Engine {
-    /// Bytes of the volume covered by the regions set in `bitmap`.
+    /// Bytes of the volume covered by the write-intent regions set in
+    /// `bitmap`.
     pub(super) fn bitmap_bytes(&self, bitmap: &[u8]) -> u64 {
-        (0..self.regions.len())
-            .filter(|&g| has_bit(bitmap, g))
-            .map(|g| self.region_end(g) - g as u64 * self.region_bytes)
+        self.regions_bytes(bitmap, self.region_bytes)
+    }
+
+    /// Bytes of the volume covered by the regions of `region_bytes` set in
+    /// `bitmap` (write-intent regions, or a change record's).
+    pub(super) fn regions_bytes(&self, bitmap: &[u8], region_bytes: u64) -> u64 {
+        (0..self.size_bytes.div_ceil(region_bytes))
+            .filter(|&g| has_bit(bitmap, g as usize))
+            .map(|g| ((g + 1) * region_bytes).min(self.size_bytes) - g * region_bytes)
             .sum()
     }
 

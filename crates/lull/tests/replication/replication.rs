@@ -643,6 +643,21 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid} failed");
 }
 
+/// Waits for a verifying fio (stdout and stderr piped) and fails the test
+/// if it saw bad data (it may have failed otherwise: its server was
+/// killed under it).
+pub(crate) fn assert_fio_saw_no_bad_data(fio: std::process::Child, what: &str) {
+    let out = fio.wait_with_output().expect("fio output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
+        assert!(!text.contains(bad), "{what}fio saw bad data:\n{text}");
+    }
+}
+
 /// When a file was last written.
 fn modified(path: &Path) -> std::time::SystemTime {
     std::fs::metadata(path)
@@ -874,20 +889,9 @@ mod crash {
                 server.stderr()
             );
             server.kill();
-            let out = fio.wait_with_output().expect("fio output");
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
             // fio fails because its server vanished; it must not have seen
             // bad data before that.
-            for bad in ["verify failed", "bad magic", "bad header", "crc32c: verify"] {
-                assert!(
-                    !text.contains(bad),
-                    "round {round}: fio saw bad data:\n{text}"
-                );
-            }
+            assert_fio_saw_no_bad_data(fio, &format!("round {round}: "));
         }
         let server = serve(&[spec("vol0", &[&ra, &rb])]);
         let _ = read_when_ready(&server, "vol0", 0, 4096);
