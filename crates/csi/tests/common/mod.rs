@@ -5,7 +5,6 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -37,21 +36,12 @@ pub fn lull_bin() -> PathBuf {
     bin
 }
 
-/// `n` distinct free ports on loopback, all bound at once so that none
-/// is handed out twice.
-pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("an ephemeral port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().expect("local addr").port())
-        .collect()
-}
-
 /// One node daemon, killed when dropped.
 pub struct Daemon {
     pub dir: PathBuf,
+    /// The ports it serves on: 0 until its first start binds them (the
+    /// kernel picks, so no other test or outgoing connection holds them);
+    /// a restart binds the same ones again.
     pub rpc_port: u16,
     pub replica_port: u16,
     pub nbd_port: u16,
@@ -61,6 +51,9 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// Starts it and waits until it serves (its stdout's `listening on`),
+    /// learning the ports it bound; panics with its log if it exits or
+    /// takes longer than [`DEADLINE`].
     pub fn start(&mut self, work: &Path) {
         std::fs::create_dir_all(self.dir.join("store")).unwrap();
         let log = std::fs::OpenOptions::new()
@@ -68,7 +61,7 @@ impl Daemon {
             .append(true)
             .open(self.dir.join("log"))
             .unwrap();
-        let child = Command::new(lull_bin())
+        let mut child = Command::new(lull_bin())
             .arg("serve")
             .arg("--store")
             .arg(self.dir.join("store"))
@@ -94,11 +87,70 @@ impl Daemon {
                 &["--store-overcommit", "100"][..]
             })
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(log)
             .spawn()
             .expect("start lull serve");
+        let stdout = child.stdout.take().expect("piped stdout");
         self.child = Some(child);
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Reads the start-up lines, then drains the rest so the daemon
+        // never blocks on a full pipe.
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            let port = |addr: &str| addr.trim().rsplit(':').next()?.parse::<u16>().ok();
+            let (mut replica, mut rpc) = (None, None);
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("replica store ") {
+                    replica = rest
+                        .rsplit_once(" on ")
+                        .and_then(|(_, a)| a.split_once(": "))
+                        .and_then(|(a, _)| port(a));
+                } else if let Some(rest) = line.strip_prefix("rpc on tcp ") {
+                    rpc = port(rest.trim_end_matches(" (TLS)"));
+                } else if let Some(rest) = line.strip_prefix("listening on ") {
+                    let _ = tx.send((replica, rpc, port(rest)));
+                }
+            }
+        });
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok((Some(replica), Some(rpc), Some(nbd))) => {
+                    (self.replica_port, self.rpc_port, self.nbd_port) = (replica, rpc, nbd);
+                    return;
+                }
+                Ok(ports) => panic!(
+                    "{}: start-up lines without every port {ports:?}; log:\n{}",
+                    self.dir.display(),
+                    self.log()
+                ),
+                Err(_) => {}
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "{}: lull serve exited ({status}) before it served; log:\n{}",
+                    self.dir.display(),
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: lull serve did not serve within {DEADLINE:?}; log:\n{}",
+                self.dir.display(),
+                self.log()
+            );
+        }
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
     }
 
     /// Sends `sig` (`-STOP`, `-CONT`) to the running daemon.
@@ -200,19 +252,21 @@ impl Nodes {
         let leftovers = Leftovers(work.clone());
         psk(&work.join("rpc.psk"), "admin", 0x5a);
         psk(&work.join("replica.psk"), "lull", 0xa5);
-        let ports = free_ports(9);
         let mut daemons: Vec<Daemon> = extra
             .into_iter()
             .enumerate()
             .map(|(i, extra)| Daemon {
                 dir: work.join(format!("node{}", i + 1)),
-                rpc_port: ports[3 * i],
-                replica_port: ports[3 * i + 1],
-                nbd_port: ports[3 * i + 2],
+                rpc_port: 0,
+                replica_port: 0,
+                nbd_port: 0,
                 extra,
                 child: None,
             })
             .collect();
+        for d in &mut daemons {
+            d.start(&work);
+        }
         let nodes: Vec<Value> = daemons
             .iter()
             .enumerate()
@@ -226,9 +280,6 @@ impl Nodes {
             json!({ "nodes": nodes }).to_string(),
         )
         .unwrap();
-        for d in &mut daemons {
-            d.start(&work);
-        }
         let cluster = Arc::new(
             Cluster::new(lull_csi::nodes::load(&work.join("nodes.json")).unwrap()).unwrap(),
         );
