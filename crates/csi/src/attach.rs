@@ -41,6 +41,20 @@ const STATE_POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// (autoclear happens when its last opener closes it).
 pub const LOOP_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the unmount of nbdfuse's mount is tried again while the
+/// kernel says it is busy. `losetup -j` stops naming the FUSE file a
+/// moment before the kernel lets go of it: the loop driver clears the
+/// device's backing file, announces the change, then drops its reference
+/// (`__loop_clr_fd`, drivers/block/loop.c), and a detached device is
+/// cleared only at its last close, which may be another process's
+/// (`losetup -j` opens every bound loop device to read its status, so
+/// volumes unstaged at once open each other's). A stress of 200 such
+/// unmounts at once met "target is busy" once, and the next try 2 ms
+/// later succeeded; 5 s is far above that under any load, and a file
+/// someone really holds open still fails the unstage then (the CO
+/// retries it).
+pub const FUSE_UNMOUNT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The method a node plugin attaches with (`lull csi --attach`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
@@ -258,7 +272,7 @@ pub async fn fuse_detach(dirs: &FuseDirs) -> Result<(), AttachError> {
             }
             backoff.wait().await;
         }
-        cmd::run("umount", &[dirs.mount.as_os_str()]).await?;
+        unmount_fuse(&dirs.mount).await?;
     }
     for file in [&dirs.pid, &dirs.log] {
         match std::fs::remove_file(file) {
@@ -273,6 +287,23 @@ pub async fn fuse_detach(dirs: &FuseDirs) -> Result<(), AttachError> {
         }
     }
     Ok(())
+}
+
+/// Unmounts nbdfuse's mount (nbdfuse exits), trying again while it is
+/// busy for up to [`FUSE_UNMOUNT_BUSY_TIMEOUT`].
+async fn unmount_fuse(mount: &Path) -> Result<(), AttachError> {
+    let deadline = Instant::now() + FUSE_UNMOUNT_BUSY_TIMEOUT;
+    let mut backoff = crate::Backoff::new(STATE_POLL_INTERVAL);
+    loop {
+        match cmd::run("umount", &[mount.as_os_str()]).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.says_busy() && Instant::now() < deadline => {
+                tracing::debug!(mount = %mount.display(), error = %e, "FUSE mount busy; unmounting again");
+                backoff.wait().await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// The loop devices backed by `file` (`losetup -j`).

@@ -1,28 +1,67 @@
-//! The node daemons as the plugin reaches them: one JSON-RPC call per
-//! request over TCP with TLS ([`lull_rpc::call_tcp`]), run on tokio's
-//! blocking pool so that a slow node holds no gRPC worker.
+//! The node daemons as the plugin reaches them: JSON-RPC over TCP with
+//! TLS, on a few persistent connections per node
+//! ([`lull_rpc::RpcTcpConnection`]), each call run on tokio's blocking
+//! pool so that a slow node holds no gRPC worker.
 //!
 //! ```ignore
 //! let cluster = Cluster::new(nodes::load(path)?)?;
 //! let store = cluster.call("node-a", "store_get", json!({})).await?;
 //! ```
+//!
+//! A call takes one of its node's [`MAX_NODE_CONNECTIONS`] permits,
+//! waiting in its task (not on a thread) while all are taken, then the
+//! node's most recently used idle connection, or dials one. A connection
+//! that carried its call to the end goes back idle; one idle for
+//! [`NODE_IDLE_TIMEOUT`] is closed. A daemon serves any number of calls
+//! on one connection, so a burst costs it at most
+//! [`MAX_NODE_CONNECTIONS`] of its `MAX_RPC_CONNECTIONS` (64) per plugin
+//! process, instead of one per call in flight.
+//!
+//! A request is never sent twice if the daemon may have run it: it is
+//! sent again, once and on a new connection, only when
+//! [`RpcTcpConnection::send`] failed on an idle connection, which means
+//! the daemon never had all of it (the daemon closed that connection
+//! while it was idle: a restart or a stop).
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use lull_net::tls::TlsContext;
-use lull_rpc::{call_tcp, RpcClientError, RpcTlsError};
+use lull_rpc::{RpcClientError, RpcTcpConnection, RpcTlsError};
 use serde_json::Value;
+use tokio::sync::Semaphore;
 use tonic::Status;
 
 use crate::nodes::Node;
 
-/// How long one call to a node daemon may take, connect and TLS
-/// handshake included. Store methods write and fsync a small record
-/// (milliseconds); 30 s is far above that and still answers a CSI caller
-/// (whose own timeouts are usually 60 s or more) before it gives up.
+/// How long one call to a node daemon may take, the wait for a free
+/// connection, connect and TLS handshake included. Store methods write
+/// and fsync a small record (milliseconds); 30 s is far above that and
+/// still answers a CSI caller (whose own timeouts are usually 60 s or
+/// more) before it gives up.
 pub const NODE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connections to one node daemon open at once, per plugin process;
+/// calls beyond wait for one to be free. A daemon takes at most 64 RPC
+/// connections (`lull_rpc::MAX_RPC_CONNECTIONS`) from all its clients:
+/// the controller and the node plugins of the nodes staging its volumes,
+/// `lull top` and the operator. 8 leaves room for seven such processes
+/// in a burst, and is plenty for throughput: a store method takes about
+/// a millisecond, so 8 connections carry thousands of calls a second,
+/// far above what a CO sends.
+pub const MAX_NODE_CONNECTIONS: usize = 8;
+
+/// An idle connection is closed after this long unused. CSI calls come
+/// in bursts (a StatefulSet scaling up, a node drained) whose calls
+/// follow each other within seconds; a connection unused for longer is
+/// likely unused for minutes, and meanwhile holds one of the daemon's 64
+/// RPC connections and a thread there.
+pub const NODE_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often idle connections are looked over for [`NODE_IDLE_TIMEOUT`]:
+/// a connection is closed within 1.5 times the timeout.
+const IDLE_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Why a call to a node failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +76,10 @@ pub enum CallError {
         // Boxed: the client's error is large, and every call returns it.
         source: Box<RpcClientError>,
     },
+    /// Every connection to the node stayed taken by other calls until
+    /// the call's deadline.
+    #[error("node {node:?} ({addr}): all {MAX_NODE_CONNECTIONS} of the plugin's connections to it stayed busy for {NODE_CALL_TIMEOUT:?} (its calls are slow or stuck)")]
+    Busy { node: String, addr: String },
     /// The node answered with an error.
     #[error("node {node:?}: {method}: {message}")]
     Refused {
@@ -59,11 +102,11 @@ impl CallError {
     }
 
     /// The gRPC status of a failure the caller has no better code for:
-    /// an unreachable node is UNAVAILABLE (the CO retries), a refusal is
-    /// INTERNAL with the node's message.
+    /// an unreachable or busy node is UNAVAILABLE (the CO retries), a
+    /// refusal is INTERNAL with the node's message.
     pub fn status(&self) -> Status {
         match self {
-            CallError::Unreachable { .. } | CallError::UnknownNode(_) => {
+            CallError::Unreachable { .. } | CallError::Busy { .. } | CallError::UnknownNode(_) => {
                 Status::unavailable(self.to_string())
             }
             CallError::Refused { .. } | CallError::Join(..) => Status::internal(self.to_string()),
@@ -71,23 +114,32 @@ impl CallError {
     }
 }
 
-/// The node list with each node's TLS client context, loaded once.
+/// The node list with each node's connections, their TLS material
+/// loaded once.
 #[derive(Debug)]
 pub struct Cluster {
     nodes: Vec<Node>,
-    tls: HashMap<String, Arc<TlsContext>>,
+    pools: Arc<HashMap<String, Arc<NodePool>>>,
+    /// The task that closes connections idle past [`NODE_IDLE_TIMEOUT`],
+    /// started by the first call (a runtime is needed) and again should
+    /// its runtime have ended; it ends with the cluster.
+    sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Cluster {
     /// Loads every node's TLS material (a missing key file stops the
     /// plugin at start, not at the first volume).
     pub fn new(nodes: Vec<Node>) -> Result<Cluster, (String, RpcTlsError)> {
-        let mut tls = HashMap::new();
+        let mut pools = HashMap::new();
         for n in &nodes {
-            let ctx = n.tls.client().map_err(|e| (n.id.clone(), e))?;
-            tls.insert(n.id.clone(), Arc::new(ctx));
+            let tls = n.tls.client().map_err(|e| (n.id.clone(), e))?;
+            pools.insert(n.id.clone(), Arc::new(NodePool::new(n, tls)));
         }
-        Ok(Cluster { nodes, tls })
+        Ok(Cluster {
+            nodes,
+            pools: Arc::new(pools),
+            sweeper: Mutex::new(None),
+        })
     }
 
     pub fn nodes(&self) -> &[Node] {
@@ -98,38 +150,56 @@ impl Cluster {
         self.nodes.iter().find(|n| n.id == id)
     }
 
-    /// Calls `method` on node `id`.
+    /// Calls `method` on node `id`, within [`NODE_CALL_TIMEOUT`].
     pub async fn call(
         &self,
         id: &str,
         method: &'static str,
         params: Value,
     ) -> Result<Value, CallError> {
-        let node = self
-            .node(id)
+        let deadline = Instant::now() + NODE_CALL_TIMEOUT;
+        let pool = self
+            .pools
+            .get(id)
             .ok_or_else(|| CallError::UnknownNode(id.to_string()))?;
-        let tls = Arc::clone(&self.tls[id]);
-        let addr = node.rpc.clone();
-        let node_id = id.to_string();
+        self.start_sweeper();
+        let permit =
+            tokio::time::timeout_at(deadline.into(), Arc::clone(&pool.permits).acquire_owned())
+                .await;
+        let permit = match permit {
+            Ok(Ok(p)) => p,
+            // The semaphore is never closed.
+            Ok(Err(_)) | Err(_) => {
+                return Err(CallError::Busy {
+                    node: id.to_string(),
+                    addr: pool.addr.clone(),
+                })
+            }
+        };
+        let idle = pool.take_idle(Instant::now());
+        let pool = Arc::clone(pool);
+        // The permit and the connection go with the blocking call: a
+        // caller that gives up (its gRPC request cancelled) frees neither
+        // while the call still uses them.
         let outcome = tokio::task::spawn_blocking(move || {
-            call_tcp(&addr, &tls, method, Some(params), NODE_CALL_TIMEOUT).map_err(|e| match e {
-                RpcClientError::Rpc { message, .. } => CallError::Refused {
-                    node: node_id.clone(),
-                    method,
-                    message,
-                },
-                source => CallError::Unreachable {
-                    node: node_id.clone(),
-                    addr: addr.clone(),
-                    source: Box::new(source),
-                },
-            })
+            let outcome = pool.call_blocking(idle, method, &params, deadline);
+            drop(permit);
+            outcome
         })
         .await;
         match outcome {
             Ok(result) => result,
             Err(e) => Err(CallError::Join(id.to_string(), e.to_string())),
         }
+    }
+
+    fn start_sweeper(&self) {
+        let mut sweeper = self.sweeper.lock().unwrap_or_else(|p| p.into_inner());
+        if sweeper.as_ref().is_some_and(|t| !t.is_finished()) {
+            return;
+        }
+        let pools = Arc::downgrade(&self.pools);
+        *sweeper = Some(tokio::spawn(sweep_idle(pools)));
     }
 
     /// `store_get` on every node at once; each node's answer or error,
@@ -150,6 +220,150 @@ impl Cluster {
         });
         futures::future::join_all(calls).await
     }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let sweeper = self.sweeper.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = sweeper.take() {
+            t.abort();
+        }
+    }
+}
+
+/// Closes idle connections past [`NODE_IDLE_TIMEOUT`] every
+/// [`IDLE_SWEEP_INTERVAL`], until the cluster is gone.
+async fn sweep_idle(pools: Weak<HashMap<String, Arc<NodePool>>>) {
+    loop {
+        tokio::time::sleep(IDLE_SWEEP_INTERVAL).await;
+        let Some(pools) = pools.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        for pool in pools.values() {
+            pool.close_expired(now);
+        }
+    }
+}
+
+/// One node's connections: at most [`MAX_NODE_CONNECTIONS`] open, idle
+/// or carrying a call (a call holds a permit while it holds a connection,
+/// and dials only when none is idle).
+#[derive(Debug)]
+struct NodePool {
+    id: String,
+    addr: String,
+    tls: TlsContext,
+    permits: Arc<Semaphore>,
+    /// Most recently used last: calls take from the end, so the surplus
+    /// of a burst ages out at the front.
+    idle: Mutex<Vec<Idle>>,
+}
+
+#[derive(Debug)]
+struct Idle {
+    conn: RpcTcpConnection,
+    since: Instant,
+}
+
+impl NodePool {
+    fn new(node: &Node, tls: TlsContext) -> NodePool {
+        NodePool {
+            id: node.id.clone(),
+            addr: node.rpc.clone(),
+            tls,
+            permits: Arc::new(Semaphore::new(MAX_NODE_CONNECTIONS)),
+            idle: Mutex::new(Vec::with_capacity(MAX_NODE_CONNECTIONS)),
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The most recently used idle connection not past its timeout.
+    fn take_idle(&self, now: Instant) -> Option<RpcTcpConnection> {
+        let mut idle = self.idle();
+        retain_fresh(&mut idle, now);
+        idle.pop().map(|i| i.conn)
+    }
+
+    fn put_idle(&self, conn: RpcTcpConnection) {
+        let mut idle = self.idle();
+        idle.push(Idle {
+            conn,
+            since: Instant::now(),
+        });
+        debug_assert!(idle.len() <= MAX_NODE_CONNECTIONS);
+    }
+
+    fn close_expired(&self, now: Instant) {
+        retain_fresh(&mut self.idle(), now);
+    }
+
+    /// One call on `idle` (or a new connection), by the rule in the
+    /// module doc; blocking, within `deadline`.
+    fn call_blocking(
+        &self,
+        idle: Option<RpcTcpConnection>,
+        method: &'static str,
+        params: &Value,
+        deadline: Instant,
+    ) -> Result<Value, CallError> {
+        let reused = idle.is_some();
+        let mut conn = match idle {
+            Some(c) => c,
+            None => self.dial(deadline)?,
+        };
+        let sent = match conn.send(method, Some(params), left(deadline)) {
+            Ok(sent) => sent,
+            Err(e) if reused => {
+                // The daemon never had the whole request (see
+                // `RpcTcpConnection::send`): a new connection may carry it.
+                tracing::debug!(node = %self.id, error = %e, "idle connection to the node daemon is gone; dialling again");
+                conn = self.dial(deadline)?;
+                conn.send(method, Some(params), left(deadline))
+                    .map_err(|e| self.error(method, e))?
+            }
+            Err(e) => return Err(self.error(method, e)),
+        };
+        let result = conn.receive(sent, left(deadline));
+        if conn.is_usable() {
+            self.put_idle(conn);
+        }
+        result.map_err(|e| self.error(method, e))
+    }
+
+    fn dial(&self, deadline: Instant) -> Result<RpcTcpConnection, CallError> {
+        RpcTcpConnection::connect(&self.addr, &self.tls, left(deadline))
+            .map_err(|e| self.error("connect", e))
+    }
+
+    fn error(&self, method: &'static str, e: RpcClientError) -> CallError {
+        match e {
+            RpcClientError::Rpc { message, .. } => CallError::Refused {
+                node: self.id.clone(),
+                method,
+                message,
+            },
+            source => CallError::Unreachable {
+                node: self.id.clone(),
+                addr: self.addr.clone(),
+                source: Box::new(source),
+            },
+        }
+    }
+}
+
+/// Drops (closes) the idle connections unused for [`NODE_IDLE_TIMEOUT`].
+fn retain_fresh(idle: &mut Vec<Idle>, now: Instant) {
+    idle.retain(|i| now.saturating_duration_since(i.since) < NODE_IDLE_TIMEOUT);
+}
+
+/// What is left of a call's time (zero once past: the client then
+/// reports a timeout without waiting).
+fn left(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
 }
 
 /// What the plugin reads of `store_get` (docs/NODE.md).
@@ -183,5 +397,156 @@ impl Store {
             self.provisioned_bytes,
             self.overcommit_percent,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use lull_rpc::{MethodRegistry, RpcTcpServer, RpcTls};
+    use serde_json::json;
+
+    use super::*;
+
+    const KEY: &str = "admin:2b7e151628aed2a6abf7158809cf4f3c8a1e0b2c3d4e5f60718293a4b5c6d7e8";
+
+    /// A PSK file, removed on drop.
+    struct KeyFile(PathBuf);
+
+    impl KeyFile {
+        fn new() -> KeyFile {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "lull-csi-cluster-{}-{}.psk",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::write(&path, format!("{KEY}\n")).unwrap();
+            KeyFile(path)
+        }
+    }
+
+    impl Drop for KeyFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// What a test daemon saw: the calls it ran, and the connections
+    /// they came on (the server runs each connection on a thread of its
+    /// own, and a method on its connection's thread).
+    #[derive(Default)]
+    struct Seen {
+        calls: AtomicUsize,
+        connections: Mutex<HashSet<std::thread::ThreadId>>,
+    }
+
+    /// A daemon on `port` (0: any) whose `work` method takes a few
+    /// milliseconds, as a store method does.
+    fn daemon(key: &KeyFile, port: u16) -> (RpcTcpServer, Arc<Seen>) {
+        let seen = Arc::new(Seen::default());
+        let mut reg = MethodRegistry::new();
+        let s = Arc::clone(&seen);
+        reg.register(
+            "work",
+            Box::new(move |_| {
+                s.connections
+                    .lock()
+                    .unwrap()
+                    .insert(std::thread::current().id());
+                std::thread::sleep(Duration::from_millis(5));
+                Ok(json!(s.calls.fetch_add(1, Ordering::SeqCst) + 1))
+            }),
+        )
+        .unwrap();
+        let tls = RpcTls::Psk(key.0.clone()).server().unwrap();
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let server = RpcTcpServer::start(addr, tls, Arc::new(reg)).unwrap();
+        (server, seen)
+    }
+
+    fn cluster(key: &KeyFile, server: &RpcTcpServer) -> Cluster {
+        Cluster::new(vec![Node {
+            id: "n1".into(),
+            rpc: server.local_addr().to_string(),
+            tls: RpcTls::Psk(key.0.clone()),
+            nbd: None,
+            topology: Default::default(),
+        }])
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_of_calls_shares_a_few_connections() {
+        let key = KeyFile::new();
+        let (server, seen) = daemon(&key, 0);
+        let cluster = cluster(&key, &server);
+        const CALLS: usize = 100;
+        let calls = (0..CALLS).map(|_| cluster.call("n1", "work", json!({})));
+        for r in futures::future::join_all(calls).await {
+            r.unwrap();
+        }
+        assert_eq!(seen.calls.load(Ordering::SeqCst), CALLS);
+        let connections = seen.connections.lock().unwrap().len();
+        assert!(
+            (1..=MAX_NODE_CONNECTIONS).contains(&connections),
+            "{connections} connections"
+        );
+        // They stay open for the next calls, on the same connections.
+        assert_eq!(cluster.pools["n1"].idle().len(), connections);
+        cluster.call("n1", "work", json!({})).await.unwrap();
+        assert_eq!(seen.connections.lock().unwrap().len(), connections);
+        // Until unused for the idle timeout.
+        let later = Instant::now() + NODE_IDLE_TIMEOUT;
+        assert!(cluster.pools["n1"].take_idle(later).is_none());
+        assert!(cluster.pools["n1"].idle().is_empty());
+    }
+
+    /// A daemon restarted: the idle connection to the old one fails
+    /// before its request is written, and the call goes to the new one,
+    /// run once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restarted_daemon_is_dialled_again_and_runs_the_call_once() {
+        let key = KeyFile::new();
+        let (old, old_seen) = daemon(&key, 0);
+        let cluster = cluster(&key, &old);
+        assert_eq!(
+            cluster.call("n1", "work", json!({})).await.unwrap(),
+            json!(1)
+        );
+        assert_eq!(cluster.pools["n1"].idle().len(), 1);
+        let port = old.local_addr().port();
+        // The stop closes the connection (on loopback its end of stream
+        // is with the client before the stop returns).
+        old.shutdown();
+        let (new, new_seen) = daemon(&key, port);
+        assert_eq!(
+            cluster.call("n1", "work", json!({})).await.unwrap(),
+            json!(1)
+        );
+        assert_eq!(old_seen.calls.load(Ordering::SeqCst), 1);
+        assert_eq!(new_seen.calls.load(Ordering::SeqCst), 1);
+        drop(new);
+        // A daemon gone for good: unreachable (UNAVAILABLE), not retried
+        // past the one new connection.
+        let err = cluster.call("n1", "work", json!({})).await.unwrap_err();
+        assert!(matches!(err, CallError::Unreachable { .. }), "{err}");
+        assert_eq!(err.status().code(), tonic::Code::Unavailable);
+        assert!(cluster.pools["n1"].idle().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_unknown_node_is_named() {
+        let key = KeyFile::new();
+        let (server, _) = daemon(&key, 0);
+        let cluster = cluster(&key, &server);
+        let err = cluster.call("n9", "work", json!({})).await.unwrap_err();
+        assert!(
+            matches!(err, CallError::UnknownNode(ref n) if n == "n9"),
+            "{err}"
+        );
     }
 }

@@ -44,6 +44,12 @@ pub enum CmdError {
 }
 
 impl CmdError {
+    /// Whether a tool that ran and failed said its target is busy
+    /// (umount's "target is busy", EBUSY's "Device or resource busy").
+    pub fn says_busy(&self) -> bool {
+        matches!(self, CmdError::Failed { stderr, .. } if stderr.contains("busy"))
+    }
+
     /// The exit code of a tool that ran and failed.
     pub fn exit_code(&self) -> Option<i32> {
         match self {
@@ -76,6 +82,9 @@ pub async fn run<S: AsRef<OsStr>>(program: &str, args: &[S]) -> Result<String, C
         .join(" ");
     let child = Command::new(program)
         .args(args)
+        // Messages in one language: the plugin reads some
+        // (`CmdError::says_busy`), and its errors are in English.
+        .env("LC_ALL", "C")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -135,7 +144,15 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.exit_code(), Some(3));
+        assert!(!err.says_busy());
         assert!(err.to_string().contains("oops"), "{err}");
+        let err = run(
+            "sh",
+            &["-c", "echo 'umount: /x: target is busy.' >&2; exit 32"],
+        )
+        .await
+        .unwrap_err();
+        assert!(err.says_busy(), "{err}");
         let err = run("no-such-tool-lull", &["x"]).await.unwrap_err();
         assert!(matches!(err, CmdError::Missing { .. }), "{err}");
         assert!(installed("sh"));

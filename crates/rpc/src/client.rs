@@ -1,6 +1,8 @@
-//! The client side: one call per connection, as SPDK's rpc.py does (the
-//! `lull rpc METHOD [PARAMS]` command is this call in the binary), over the
-//! Unix socket or over TCP with TLS.
+//! The client side. Over the Unix socket, one call per connection, as
+//! SPDK's rpc.py does (the `lull rpc METHOD [PARAMS]` command is this call
+//! in the binary); over TCP with TLS, [`crate::call_tcp`] does the same
+//! and [`crate::RpcTcpConnection`] keeps a session for many calls
+//! (`tcp_client.rs`).
 //!
 //! ```ignore
 //! let reactors = call(Path::new(DEFAULT_RPC_SOCKET), "framework_get_reactors", None, Duration::from_secs(5))?;
@@ -8,17 +10,16 @@
 //! let volumes = call_tcp("10.0.0.7:5260", &tls, "volume_list", None, Duration::from_secs(5))?;
 //! ```
 
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use lull_net::link::client_handshake;
-use lull_net::tls::{TlsContext, TlsError, TlsStream};
-use serde_json::{json, Value};
+use lull_net::tls::TlsError;
+use serde_json::Value;
 
 use crate::framing::{FrameError, JsonFramer};
+use crate::server::MAX_RPC_CONNECTIONS;
 
 /// Where `lull serve` listens and `lull rpc` connects by default (SPDK uses
 /// /var/tmp/spdk.sock).
@@ -51,6 +52,12 @@ pub enum RpcClientError {
         source: TlsError,
         hint: &'static str,
     },
+    /// The server ended the connection before it answered the TLS
+    /// handshake with a single byte, so no credentials were compared. A
+    /// `lull serve` does this to a connection past its
+    /// `MAX_RPC_CONNECTIONS`, and when it stops.
+    #[error("{addr} hung up before answering the TLS handshake: {source} (no credentials were compared: the server may be at its limit of {MAX_RPC_CONNECTIONS} JSON-RPC connections, or stopping)")]
+    ClosedBeforeTls { addr: String, source: io::Error },
     #[error("connection error: {0}")]
     Io(#[source] io::Error),
     #[error("the server closed the connection without a response")]
@@ -81,108 +88,16 @@ pub fn call(
     exchange(&mut stream, method, params, deadline, timeout)
 }
 
-/// Call `method` on the TCP server at `addr` (`HOST:PORT`; each address
-/// it resolves to is tried in turn) through TLS with the client context
-/// `tls` (see [`crate::RpcTls::client`]), and return its `result`.
-/// `timeout` bounds connect, handshake, request and response together;
-/// only the name lookup is the system resolver's to bound.
-///
-/// With certificates, the server's must name the IP address connected to.
-/// A server that refuses this client's certificate does so after the
-/// client's side of a TLS 1.3 handshake is done: that comes back as an
-/// `Io` error (OpenSSL's alert) or `Closed`, not as `Tls`.
-pub fn call_tcp(
-    addr: &str,
-    tls: &TlsContext,
-    method: &str,
-    params: Option<Value>,
-    timeout: Duration,
-) -> Result<Value, RpcClientError> {
-    let deadline = Instant::now() + timeout;
-    let connect_err = |source| RpcClientError::ConnectTcp {
-        addr: addr.to_string(),
-        source,
-    };
-    let mut last_err = io::Error::new(io::ErrorKind::NotFound, "the name has no address");
-    let mut connected = None;
-    for peer in addr.to_socket_addrs().map_err(connect_err)? {
-        match TcpStream::connect_timeout(&peer, remaining(deadline, timeout)?) {
-            Ok(tcp) => {
-                connected = Some((tcp, peer));
-                break;
-            }
-            Err(e) => last_err = e,
-        }
-    }
-    let Some((tcp, peer)) = connected else {
-        return Err(connect_err(last_err));
-    };
-    // One small request and one reply: no Nagle delay on either.
-    tcp.set_nodelay(true).map_err(RpcClientError::Io)?;
-    let mut stream = client_handshake(tls, tcp, peer.ip(), deadline).map_err(|source| {
-        if Instant::now() >= deadline {
-            return RpcClientError::Timeout(timeout);
-        }
-        let hint = crate::tcp::rpc_handshake_hint(&source.to_string());
-        RpcClientError::Tls {
-            addr: peer_name(addr, peer),
-            source,
-            hint,
-        }
-    })?;
-    // The handshake leaves the socket non-blocking (for a reactor); this
-    // call blocks with timeouts.
-    stream
-        .get_ref()
-        .set_nonblocking(false)
-        .map_err(RpcClientError::Io)?;
-    exchange(&mut stream, method, params, deadline, timeout)
-}
-
-/// `addr` as given, with the address it resolved to when that differs.
-fn peer_name(addr: &str, peer: SocketAddr) -> String {
-    if addr == peer.to_string() {
-        addr.to_string()
-    } else {
-        format!("{addr} ({peer})")
-    }
-}
-
-/// A connected stream whose socket timeouts the client sets before each
-/// read and write.
-trait Timed: Read + Write {
-    fn set_timeouts(&self, t: Duration) -> io::Result<()>;
-}
-
-impl Timed for UnixStream {
-    fn set_timeouts(&self, t: Duration) -> io::Result<()> {
-        self.set_read_timeout(Some(t))?;
-        self.set_write_timeout(Some(t))
-    }
-}
-
-impl Timed for TlsStream<TcpStream> {
-    fn set_timeouts(&self, t: Duration) -> io::Result<()> {
-        self.get_ref().set_read_timeout(Some(t))?;
-        self.get_ref().set_write_timeout(Some(t))
-    }
-}
-
 /// Send one request and read its response before `deadline`.
-fn exchange<S: Timed>(
-    stream: &mut S,
+fn exchange(
+    stream: &mut UnixStream,
     method: &str,
     params: Option<Value>,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<Value, RpcClientError> {
     const ID: u64 = 1;
-    let mut request = json!({"jsonrpc": "2.0", "method": method, "id": ID});
-    if let Some(p) = params {
-        request["params"] = p;
-    }
-    let bytes =
-        serde_json::to_vec(&request).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
+    let bytes = request_bytes(method, params.as_ref(), ID)?;
     let io_err = |e: io::Error| {
         if matches!(
             e.kind(),
@@ -193,15 +108,17 @@ fn exchange<S: Timed>(
             RpcClientError::Io(e)
         }
     };
-    stream
-        .set_timeouts(remaining(deadline, timeout)?)
-        .map_err(io_err)?;
+    let set_timeouts = |s: &UnixStream| -> Result<(), RpcClientError> {
+        let t = remaining(deadline, timeout)?;
+        s.set_read_timeout(Some(t))
+            .and_then(|()| s.set_write_timeout(Some(t)))
+            .map_err(io_err)
+    };
+    set_timeouts(stream)?;
     stream.write_all(&bytes).map_err(io_err)?;
     let mut framer = JsonFramer::new(MAX_RESPONSE_BYTES);
     let frame = loop {
-        stream
-            .set_timeouts(remaining(deadline, timeout)?)
-            .map_err(io_err)?;
+        set_timeouts(stream)?;
         match framer.read_frame(stream) {
             Ok(Some(f)) => break f,
             Ok(None) | Err(FrameError::Truncated) => return Err(RpcClientError::Closed),
@@ -210,8 +127,49 @@ fn exchange<S: Timed>(
             Err(e) => return Err(RpcClientError::BadResponse(e.to_string())),
         }
     };
-    let response: Value =
-        serde_json::from_slice(&frame).map_err(|e| RpcClientError::BadResponse(e.to_string()))?;
+    match parse_response(&frame) {
+        (outcome @ Err(RpcClientError::Rpc { .. }), _) => outcome,
+        (outcome, Some(ID)) => outcome,
+        (Err(e), _) => Err(e),
+        (Ok(_), _) => Err(RpcClientError::BadResponse(format!(
+            "unexpected id in {}",
+            String::from_utf8_lossy(&frame)
+        ))),
+    }
+}
+
+/// A request object's bytes.
+pub(crate) fn request_bytes(
+    method: &str,
+    params: Option<&Value>,
+    id: u64,
+) -> Result<Vec<u8>, RpcClientError> {
+    #[derive(serde::Serialize)]
+    struct Request<'a> {
+        jsonrpc: &'static str,
+        method: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        params: Option<&'a Value>,
+        id: u64,
+    }
+    serde_json::to_vec(&Request {
+        jsonrpc: "2.0",
+        method,
+        params,
+        id,
+    })
+    .map_err(|e| RpcClientError::BadResponse(e.to_string()))
+}
+
+/// A response's outcome (its `result`, or its error object as `Rpc`) and
+/// its id when that is a number; the caller compares the id with its
+/// request's.
+pub(crate) fn parse_response(frame: &[u8]) -> (Result<Value, RpcClientError>, Option<u64>) {
+    let response: Value = match serde_json::from_slice(frame) {
+        Ok(v) => v,
+        Err(e) => return (Err(RpcClientError::BadResponse(e.to_string())), None),
+    };
+    let id = response.get("id").and_then(Value::as_u64);
     if let Some(err) = response.get("error") {
         let code = err.get("code").and_then(Value::as_i64).unwrap_or_default();
         let message = err
@@ -219,23 +177,20 @@ fn exchange<S: Timed>(
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
-        return Err(RpcClientError::Rpc {
+        let e = RpcClientError::Rpc {
             code,
             message,
             data: err.get("data").cloned(),
-        });
+        };
+        return (Err(e), id);
     }
-    if response.get("id") != Some(&json!(ID)) {
-        return Err(RpcClientError::BadResponse(format!(
-            "unexpected id in {response}"
-        )));
-    }
-    response.get("result").cloned().ok_or_else(|| {
+    let outcome = response.get("result").cloned().ok_or_else(|| {
         RpcClientError::BadResponse(format!("neither result nor error in {response}"))
-    })
+    });
+    (outcome, id)
 }
 
-fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RpcClientError> {
+pub(crate) fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RpcClientError> {
     let left = deadline.saturating_duration_since(Instant::now());
     // A zero timeout means "block forever" to set_read_timeout (an error).
     if left.is_zero() {

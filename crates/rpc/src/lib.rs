@@ -1,7 +1,8 @@
 //! lull's control plane: JSON-RPC 2.0 over a Unix socket (SPDK's
 //! convention, method names after SPDK's) and over TCP with TLS only (see
-//! [`RpcTcpServer`]), the client `lull rpc` uses, and Prometheus metrics
-//! over HTTP.
+//! [`RpcTcpServer`]), the client `lull rpc` uses (and
+//! [`RpcTcpConnection`], a TCP session for many calls), and Prometheus
+//! metrics over HTTP.
 //!
 //! ```ignore
 //! use lull_rpc::*;
@@ -33,6 +34,7 @@ mod metrics;
 mod scheduler;
 mod server;
 mod tcp;
+mod tcp_client;
 pub mod testing;
 
 pub use scheduler::{framework_get_scheduler, register_scheduler_methods};
@@ -43,8 +45,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 pub use client::{
-    call, call_tcp, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET,
-    MAX_RESPONSE_BYTES,
+    call, RpcClientError, DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_RPC_SOCKET, MAX_RESPONSE_BYTES,
 };
 pub use framing::{FrameError, JsonFramer};
 pub use http::{parse_head, HttpError, RequestHead};
@@ -67,6 +68,7 @@ pub use server::{
     INVALID_REQUEST, MAX_BATCH_LEN, MAX_METHOD_NAME_LEN, MAX_REQUEST_BYTES, MAX_RPC_CONNECTIONS,
     METHOD_NOT_FOUND, PARSE_ERROR, REQUEST_IO_TIMEOUT, RPC_GET_METHODS, SERVER_BUSY,
 };
+pub use tcp_client::{call_tcp, RpcTcpConnection, SentCall};
 
 /// Errors of the RPC server and registry.
 #[derive(Debug, thiserror::Error)]

@@ -131,7 +131,8 @@ impl RpcTls {
     }
 
     /// Load the client side (`client-cert.pem`, `client-key.pem`,
-    /// `ca-cert.pem`, or the PSK file), for [`crate::call_tcp`].
+    /// `ca-cert.pem`, or the PSK file), for [`crate::call_tcp`] and
+    /// [`crate::RpcTcpConnection`].
     pub fn client(&self) -> Result<TlsContext, RpcTlsError> {
         Ok(TlsContext::new(&self.creds(), Role::Client)?)
     }
@@ -393,8 +394,14 @@ fn authenticate(tcp: TcpStream, tls: &TlsContext) -> Result<TlsStream<Bounded>, 
 
 /// A hint for an operator reading a failed handshake's OpenSSL reason:
 /// `handshake_hint`'s where it recognises the reason; its catch-all names
-/// replica settings, so RPC gives its own.
+/// replica settings, so RPC gives its own. A socket reset or broken
+/// mid-handshake says nothing about credentials, so it gets a hint of its
+/// own, not the catch-all's.
 pub(crate) fn rpc_handshake_hint(reason: &str) -> &'static str {
+    let r = reason.to_ascii_lowercase();
+    if r.contains("reset by peer") || r.contains("broken pipe") {
+        return "the peer reset the connection during the handshake: it went away or gave up; nothing says the credentials differ";
+    }
     let hint = handshake_hint(reason);
     // An empty reason matches nothing: that is the catch-all.
     if hint == handshake_hint("") {
@@ -475,6 +482,15 @@ mod tests {
             let hint = rpc_handshake_hint(reason);
             assert!(hint.contains("JSON-RPC"), "{reason:?}: {hint}");
             assert!(!hint.contains("replica"), "{reason:?}: {hint}");
+        }
+        // A reset is no credentials mismatch.
+        for reason in [
+            "Connection reset by peer (os error 104)",
+            "Broken pipe (os error 32)",
+        ] {
+            let hint = rpc_handshake_hint(reason);
+            assert!(hint.contains("reset the connection"), "{reason:?}: {hint}");
+            assert!(!hint.contains("credentials do not match"), "{hint}");
         }
         // A reason handshake_hint knows keeps its hint.
         let psk = rpc_handshake_hint("binder does not verify: decrypt error");

@@ -1134,6 +1134,17 @@ fn tcp_connection_cap() {
     let (peer, got) = tls_attempt(addr, &client);
     assert!(got.is_empty());
     refused_once(peer, "too many connections");
+    // What a client is told: the server hung up before the handshake,
+    // perhaps at its limit; not that the credentials differ.
+    match call_tcp(&addr.to_string(), &client, RPC_GET_METHODS, None, TIMEOUT) {
+        Err(e @ RpcClientError::ClosedBeforeTls { .. }) => {
+            let text = e.to_string();
+            let limit = format!("at its limit of {MAX_RPC_CONNECTIONS} JSON-RPC connections");
+            assert!(text.contains(&limit), "{text}");
+            assert!(!text.contains("credentials do not match"), "{text}");
+        }
+        other => panic!("past the cap: {other:?}"),
+    }
     drop(held);
     // The slots come back as the server sees the closes.
     let deadline = Instant::now() + TIMEOUT;
