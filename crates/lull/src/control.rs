@@ -67,9 +67,15 @@ impl Control {
     }
 
     /// The node's rebuild budget, the one the volumes opened at start
-    /// were given.
-    pub fn with_node_rebuild(mut self, node_rebuild: lull_engine::NodeRebuildLimit) -> Control {
+    /// were given, and the per-volume limit of volumes created from now
+    /// on (bytes/s, 0: none), as restored at start.
+    pub fn with_node_rebuild(
+        mut self,
+        node_rebuild: lull_engine::NodeRebuildLimit,
+        volume_default: u64,
+    ) -> Control {
         self.node_rebuild = node_rebuild;
+        self.rebuild_limit_default = AtomicU64::new(volume_default);
         self
     }
 
@@ -100,6 +106,20 @@ impl Control {
     ) -> Result<(), ControlError> {
         match &self.node {
             Some(node) => node.update(change).map_err(|e| {
+                tracing::error!(error = %e, "cannot write the node state");
+                ControlError::Failed(e.into())
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// As `persist`, for the node's own limits.
+    fn persist_limits(
+        &self,
+        change: impl FnOnce(&mut crate::node::NodeLimits),
+    ) -> Result<(), ControlError> {
+        match &self.node {
+            Some(node) => node.update_limits(change).map_err(|e| {
                 tracing::error!(error = %e, "cannot write the node state");
                 ControlError::Failed(e.into())
             }),
@@ -440,6 +460,12 @@ impl ControlPlane for Control {
             "qos": qos_json(&v),
             // Replicated volumes: the rebuild bandwidth limit (0: none).
             "rebuild_limit_bytes_per_sec": v.storage.replicated().map(|d| d.rebuild_limit()),
+            // The node's total over every copy (0: none), which this
+            // volume's copies share with the others'.
+            "node_rebuild_limit_bytes_per_sec": v
+                .storage
+                .replicated()
+                .map(|_| self.node_rebuild.bytes_per_sec()),
             "latency_ns": {
                 "mean": s.latency_mean_ns(),
                 "p50_le": s.latency_quantile_le_ns(0.5),
@@ -641,6 +667,11 @@ impl ControlPlane for Control {
     }
 
     fn node_set_rebuild_limit(&self, mbytes_per_sec: u64) -> Result<Value, ControlError> {
+        // Recorded first: the limit must not vanish at the next start
+        // after the RPC said it is set.
+        self.persist_limits(|l| {
+            l.rebuild_mbytes_per_sec = (mbytes_per_sec > 0).then_some(mbytes_per_sec)
+        })?;
         self.node_rebuild.set(mbytes_per_sec * 1_000_000);
         tracing::info!(
             mbytes_per_sec,
@@ -664,6 +695,9 @@ impl ControlPlane for Control {
                 vec![self.volumes.named(n)?]
             }
             None => {
+                self.persist_limits(|l| {
+                    l.volume_rebuild_mbytes_per_sec = (mbytes_per_sec > 0).then_some(mbytes_per_sec)
+                })?;
                 self.rebuild_limit_default.store(bytes, Ordering::Relaxed);
                 self.volumes
                     .list()

@@ -702,8 +702,14 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     }
     // One rebuild budget for the node (`node_set_rebuild_limit`), shared
-    // by every replicated volume's engine; no limit until set.
+    // by every replicated volume's engine; no limit until set, or as the
+    // node recorded it.
     let node_rebuild = lull_engine::NodeRebuildLimit::default();
+    let limits = node.as_ref().map(|n| n.limits()).unwrap_or_default();
+    if let Some(mb) = limits.rebuild_mbytes_per_sec {
+        node_rebuild.set(mb * 1_000_000);
+        tracing::info!(mbytes_per_sec = mb, "node rebuild bandwidth limit restored");
+    }
     for spec in s.volumes.iter().chain(&recorded) {
         let dev = match open_device(spec, fw.handle(), &s.engine, &links, &node_rebuild) {
             Ok(d) => d,
@@ -720,9 +726,12 @@ fn serve(args: ServeArgs) -> ExitCode {
                     v.qos.set(limits, lull_reactor::MonotonicClock.now_ns());
                     tracing::info!(volume = %spec.name, ?limits, "QoS limits restored");
                 }
+                // The volume's own limit, else the one set for every
+                // volume.
                 let rebuild = node
                     .as_ref()
-                    .and_then(|n| n.volume_rebuild_limit(&spec.name));
+                    .and_then(|n| n.volume_rebuild_limit(&spec.name))
+                    .or(limits.volume_rebuild_mbytes_per_sec);
                 if let (Some(mb), Some(dev)) = (rebuild, v.storage.replicated()) {
                     match dev.set_rebuild_limit(mb * 1_000_000) {
                         Ok(()) => tracing::info!(volume = %spec.name, mbytes_per_sec = mb,
@@ -816,7 +825,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         )
         .with_nvmf(nvmf.as_ref().map(|n| n.subsystems()))
         .with_store(store.clone(), node.clone())
-        .with_node_rebuild(node_rebuild),
+        .with_node_rebuild(
+            node_rebuild,
+            limits.volume_rebuild_mbytes_per_sec.unwrap_or(0) * 1_000_000,
+        ),
     );
     control.apply_keepalive(s.mode);
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {

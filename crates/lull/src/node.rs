@@ -11,6 +11,10 @@
 //!    "nvmf_nqn": null, "nvmf_lba": null, "nvmf_allow_hosts": []}]}
 //! ```
 //!
+//! The node's own rebuild limits (`node_set_rebuild_limit`, and
+//! `volume_set_rebuild_limit` without a name) are kept beside the volumes
+//! as `"limits": {"rebuild_mbytes_per_sec", "volume_rebuild_mbytes_per_sec"}`.
+//!
 //! Every change (create, delete, resize, a replica added or removed) writes
 //! the whole record atomically (`lull_replica::durable`: temporary file,
 //! fsync, rename, directory fsync) before the RPC answers; a change whose
@@ -56,11 +60,32 @@ pub struct VolumeEntry {
     pub rebuild_mbytes_per_sec: Option<u64>,
 }
 
+/// The node's own rebuild limits, MB/s; `None`: none set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLimits {
+    /// `node_set_rebuild_limit`: the total of every copy on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild_mbytes_per_sec: Option<u64>,
+    /// `volume_set_rebuild_limit` without a name: every replicated
+    /// volume's own limit, those created later included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_rebuild_mbytes_per_sec: Option<u64>,
+}
+
+impl NodeLimits {
+    fn is_empty(&self) -> bool {
+        *self == NodeLimits::default()
+    }
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct VolumesRecord {
     format_version: u32,
     volumes: Vec<VolumeEntry>,
+    #[serde(default, skip_serializing_if = "NodeLimits::is_empty")]
+    limits: NodeLimits,
 }
 
 /// The record and what it holds now.
@@ -68,6 +93,8 @@ struct VolumesRecord {
 pub struct NodeState {
     path: PathBuf,
     volumes: Mutex<BTreeMap<String, VolumeEntry>>,
+    /// Written under the `volumes` lock, with the volumes.
+    limits: Mutex<NodeLimits>,
 }
 
 impl NodeState {
@@ -79,7 +106,9 @@ impl NodeState {
         let record: Option<VolumesRecord> = durable::load_json(&path, VOLUMES_RECORD_MAX_BYTES)
             .map_err(|e| format!("node state: {e}"))?;
         let mut volumes = BTreeMap::new();
+        let mut limits = NodeLimits::default();
         if let Some(r) = record {
+            limits = r.limits;
             if r.format_version != VOLUMES_FORMAT_VERSION {
                 return Err(format!(
                     "node state: {}: format version {}, this lull reads {VOLUMES_FORMAT_VERSION}",
@@ -100,6 +129,7 @@ impl NodeState {
         Ok(NodeState {
             path,
             volumes: Mutex::new(volumes),
+            limits: Mutex::new(limits),
         })
     }
 
@@ -132,9 +162,35 @@ impl NodeState {
         let record = VolumesRecord {
             format_version: VOLUMES_FORMAT_VERSION,
             volumes: next.values().cloned().collect(),
+            limits: self.limits(),
         };
         durable::store_json(&self.path, &record)?;
         *volumes = next;
+        Ok(())
+    }
+
+    /// The node's rebuild limits as recorded.
+    pub fn limits(&self) -> NodeLimits {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies `change` to the node's limits and writes the record; when
+    /// the write fails the limits are left as they were. Blocking, as
+    /// [`NodeState::update`].
+    pub fn update_limits(&self, change: impl FnOnce(&mut NodeLimits)) -> Result<(), RecordError> {
+        let volumes = self.lock();
+        let mut next = self.limits();
+        change(&mut next);
+        if next == self.limits() {
+            return Ok(());
+        }
+        let record = VolumesRecord {
+            format_version: VOLUMES_FORMAT_VERSION,
+            volumes: volumes.values().cloned().collect(),
+            limits: next,
+        };
+        durable::store_json(&self.path, &record)?;
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = next;
         Ok(())
     }
 
@@ -184,6 +240,24 @@ mod tests {
             })
             .unwrap();
         assert_eq!(NodeState::load(&dir).unwrap().volumes(), vec![v.clone()]);
+        let limits = NodeLimits {
+            rebuild_mbytes_per_sec: Some(200),
+            volume_rebuild_mbytes_per_sec: Some(40),
+        };
+        state.update_limits(|l| *l = limits).unwrap();
+        let back = NodeState::load(&dir).unwrap();
+        assert_eq!((back.volumes(), back.limits()), (vec![v.clone()], limits));
+        state
+            .update_limits(|l| l.rebuild_mbytes_per_sec = None)
+            .unwrap();
+        assert_eq!(
+            NodeState::load(&dir)
+                .unwrap()
+                .limits()
+                .rebuild_mbytes_per_sec,
+            None
+        );
+        state.update_limits(|l| *l = limits).unwrap();
 
         let text = std::fs::read_to_string(state.path()).unwrap();
         std::fs::write(state.path(), &text[..text.len() / 2]).unwrap();

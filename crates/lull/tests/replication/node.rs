@@ -687,3 +687,71 @@ fn a_nodes_volumes_keep_their_qos_and_snapshots_over_a_restart() {
     let stats = a.rpc("volume_get_stats", json!({"name": "v"}));
     assert_eq!(stats["qos"]["limits"]["rw_ios_per_sec"], 0, "{stats}");
 }
+
+/// The node's rebuild limits (`node_set_rebuild_limit`, and
+/// `volume_set_rebuild_limit` without a name) are recorded with its
+/// volumes and restored at start; a volume's own limit wins over the
+/// one set for every volume.
+#[test]
+fn a_nodes_rebuild_limits_survive_a_restart() {
+    let dir = Scratch::new("node-rebuild-limits");
+    let a = Node::new(&dir, "a");
+    let server = a.start();
+    let mut names = Vec::new();
+    for v in ["v", "w"] {
+        for r in ["r0", "r1"] {
+            a.rpc(
+                "replica_create",
+                json!({"name": format!("{v}.{r}"), "size": "8M"}),
+            );
+        }
+        a.rpc(
+            "volume_create",
+            json!({"name": v, "size": "8M", "backend": format!("replicas={}+{}",
+                a.target(&format!("{v}.r0")), a.target(&format!("{v}.r1")))}),
+        );
+        names.push(v.to_string());
+    }
+    wait_healthy(&a, &server, &names);
+    a.rpc("node_set_rebuild_limit", json!({"mbytes_per_sec": 30}));
+    a.rpc("volume_set_rebuild_limit", json!({"mbytes_per_sec": 20}));
+    a.rpc(
+        "volume_set_rebuild_limit",
+        json!({"name": "w", "mbytes_per_sec": 5}),
+    );
+    let limits = |a: &Node, v: &str| {
+        let stats = a.rpc("volume_get_stats", json!({"name": v}));
+        (
+            stats["node_rebuild_limit_bytes_per_sec"].as_u64(),
+            stats["rebuild_limit_bytes_per_sec"].as_u64(),
+        )
+    };
+    assert_eq!(limits(&a, "v"), (Some(30_000_000), Some(20_000_000)));
+    assert_eq!(limits(&a, "w"), (Some(30_000_000), Some(5_000_000)));
+    drop(server);
+    let server = a.start();
+    wait_healthy(&a, &server, &names);
+    assert_eq!(limits(&a, "v"), (Some(30_000_000), Some(20_000_000)));
+    assert_eq!(limits(&a, "w"), (Some(30_000_000), Some(5_000_000)));
+    // A volume created now takes the limit set for every volume.
+    for r in ["r0", "r1"] {
+        a.rpc(
+            "replica_create",
+            json!({"name": format!("x.{r}"), "size": "8M"}),
+        );
+    }
+    a.rpc(
+        "volume_create",
+        json!({"name": "x", "size": "8M", "backend": format!("replicas={}+{}",
+            a.target("x.r0"), a.target("x.r1"))}),
+    );
+    assert_eq!(limits(&a, "x"), (Some(30_000_000), Some(20_000_000)));
+    // Cleared: the record forgets them.
+    a.rpc("node_set_rebuild_limit", json!({"mbytes_per_sec": 0}));
+    a.rpc("volume_set_rebuild_limit", json!({"mbytes_per_sec": 0}));
+    drop(server);
+    let server = a.start();
+    names.push("x".into());
+    wait_healthy(&a, &server, &names);
+    assert_eq!(limits(&a, "v"), (Some(0), Some(0)));
+}
