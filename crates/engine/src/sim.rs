@@ -283,6 +283,10 @@ impl SimReplica {
                 }
                 (h.reply_with(0), Vec::new())
             }
+            // The simulation takes no snapshots (the engine sends them
+            // only when asked over RPC).
+            Kind::Snapshot => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
+            Kind::SnapshotList => (h.reply_with(0), Vec::new()),
             Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop => {
                 let Ok(key) = proto::decode_change_key(h.kind, payload) else {
                     return Some((h.reply_with(libc::EPROTO as u32), Vec::new()));

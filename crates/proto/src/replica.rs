@@ -26,6 +26,8 @@
 //! | BLOCK_STATUS | none (`length` = range) | N × 16 ([`StatusExtent`]) | echo `offset` / `16 × N` |
 //! | CHANGES_START, CHANGES_DROP | [`ChangeKey`] (`length` = 10 + name, + seed for START) | none | 0 / 0 |
 //! | CHANGES_GET | [`ChangeKey`] | the record's bitmap | region bytes / bitmap bytes |
+//! | SNAPSHOT | [`SnapshotRequest`] (op u8, then the name) | none | 0 / 0 |
+//! | SNAPSHOT_LIST | none (`length` 0) | N × [`SnapshotRecord`] | 0 / payload bytes |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -100,6 +102,24 @@
 //! its own (on disk, stored with the write-intent record and completed
 //! from it at start), and loses them only with its write-intent record.
 //!
+//! # Snapshots (version 5)
+//!
+//! A replica's data is a chain of layers (`lull_bdev::chain`): a writable
+//! head over read-only snapshots. SNAPSHOT runs one control operation on
+//! the chain by snapshot name ([`SnapshotOp`]): **create** freezes the
+//! head as the snapshot and starts an empty one, **delete** merges the
+//! snapshot into its child (in the background; the reply comes once the
+//! merge has started, SNAPSHOT_LIST shows its progress), **revert** makes
+//! the live data the snapshot's and drops the newer snapshots. It is a
+//! modifying request (fenced like a write), answered once the chain's
+//! record is durable; errors: `EEXIST` (create: the name is taken),
+//! `ENOENT` (no such snapshot), `EINVAL` (a bad name or op), `EMLINK` (the
+//! chain is at its layer limit), `EBUSY` (a merge runs), `EIO` otherwise.
+//! The engine holds new writes and lets those in flight finish before it
+//! sends SNAPSHOT to every healthy replica, so the snapshot holds the same
+//! writes on each. SNAPSHOT_LIST answers the replica's snapshots, oldest
+//! first ([`SnapshotRecord`]).
+//!
 //! # Worked example
 //!
 //! ```
@@ -137,8 +157,8 @@ pub const MAGIC: u32 = 0x4C55_4C52;
 /// is refused at HELLO (EPROTO) rather than misparsed later. Version 2
 /// added sessions (fencing), DETACH and the write-intent record; version 3
 /// added BLOCK_STATUS; version 4 the change records (CHANGES_START, _GET,
-/// _DROP).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// _DROP); version 5 the snapshots (SNAPSHOT, SNAPSHOT_LIST).
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
 /// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
@@ -228,6 +248,24 @@ pub const KIND_BLOCK_STATUS: u16 = 14;
 pub const KIND_CHANGES_START: u16 = 15;
 pub const KIND_CHANGES_GET: u16 = 16;
 pub const KIND_CHANGES_DROP: u16 = 17;
+pub const KIND_SNAPSHOT: u16 = 18;
+pub const KIND_SNAPSHOT_LIST: u16 = 19;
+
+/// Longest snapshot name, in bytes: the chain's own bound
+/// (`lull_bdev::chain::MAX_SNAPSHOT_NAME_LEN`), which keeps an export name
+/// `VOLUME@SNAPSHOT` and a layer's file name short.
+pub const MAX_SNAPSHOT_NAME_BYTES: usize = 200;
+/// Longest SNAPSHOT request payload: the op and the longest name.
+pub const MAX_SNAPSHOT_REQUEST_LEN: usize = 1 + MAX_SNAPSHOT_NAME_BYTES;
+/// Most records in a SNAPSHOT_LIST reply: a chain's layers
+/// (`lull_bdev::chain::MAX_CHAIN_LAYERS`, 64) bound its snapshots.
+pub const MAX_SNAPSHOT_RECORDS: usize = 64;
+/// Bytes of a [`SnapshotRecord`] before its name: four u64 and the name's
+/// length (u16).
+pub const SNAPSHOT_RECORD_HEADER_LEN: usize = 4 * 8 + 2;
+/// Largest SNAPSHOT_LIST reply payload.
+pub const MAX_SNAPSHOT_LIST_BYTES: u32 =
+    (MAX_SNAPSHOT_RECORDS * (SNAPSHOT_RECORD_HEADER_LEN + MAX_SNAPSHOT_NAME_BYTES)) as u32;
 
 /// Smallest change-record region: the unit a delta rebuild copies for a
 /// write made while a replica was away. 64 KiB: a random 4 KiB write
@@ -290,11 +328,16 @@ pub enum Kind {
     ChangesGet,
     /// End the change record of a peer (it is healthy again, or removed).
     ChangesDrop,
+    /// Create, delete or revert to a snapshot ([`SnapshotRequest`]);
+    /// answered once durable (version 5).
+    Snapshot,
+    /// The replica's snapshots, oldest first ([`SnapshotRecord`]s).
+    SnapshotList,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 17] = [
+    pub const ALL: [Kind; 19] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -312,6 +355,8 @@ impl Kind {
         Kind::ChangesStart,
         Kind::ChangesGet,
         Kind::ChangesDrop,
+        Kind::Snapshot,
+        Kind::SnapshotList,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -334,6 +379,8 @@ impl Kind {
             KIND_CHANGES_START => Kind::ChangesStart,
             KIND_CHANGES_GET => Kind::ChangesGet,
             KIND_CHANGES_DROP => Kind::ChangesDrop,
+            KIND_SNAPSHOT => Kind::Snapshot,
+            KIND_SNAPSHOT_LIST => Kind::SnapshotList,
             _ => return None,
         })
     }
@@ -358,6 +405,8 @@ impl Kind {
             Kind::ChangesStart => KIND_CHANGES_START,
             Kind::ChangesGet => KIND_CHANGES_GET,
             Kind::ChangesDrop => KIND_CHANGES_DROP,
+            Kind::Snapshot => KIND_SNAPSHOT,
+            Kind::SnapshotList => KIND_SNAPSHOT_LIST,
         }
     }
 
@@ -379,6 +428,7 @@ impl Kind {
                 | Kind::IntentClear
                 | Kind::ChangesStart
                 | Kind::ChangesDrop
+                | Kind::Snapshot
         )
     }
 
@@ -431,7 +481,9 @@ impl Header {
             | Kind::Detach
             | Kind::ChangesStart
             | Kind::ChangesGet
-            | Kind::ChangesDrop => (0, 0),
+            | Kind::ChangesDrop
+            | Kind::Snapshot
+            | Kind::SnapshotList => (0, 0),
             Kind::Extents | Kind::IntentGet | Kind::BlockStatus => (self.offset, 0),
             Kind::Read
             | Kind::Write
@@ -587,6 +639,26 @@ fn check(h: &Header) -> Result<(), FrameError> {
             }
         }
         Kind::ChangesStart | Kind::ChangesDrop => too_long(0)?,
+        Kind::Snapshot if !h.reply => {
+            if !(2..=MAX_SNAPSHOT_REQUEST_LEN).contains(&(h.length as usize)) {
+                return Err(FrameError::BadPayload(
+                    "SNAPSHOT length must be the op and a name of 1 to MAX_SNAPSHOT_NAME_BYTES",
+                ));
+            }
+        }
+        Kind::Snapshot => too_long(0)?,
+        Kind::SnapshotList => {
+            if h.reply {
+                too_long(MAX_SNAPSHOT_LIST_BYTES)?;
+                if h.status != 0 && h.length != 0 {
+                    return Err(FrameError::BadPayload(
+                        "SNAPSHOT_LIST error reply carries a payload",
+                    ));
+                }
+            } else {
+                too_long(0)?;
+            }
+        }
         Kind::BlockStatus => {
             if h.reply {
                 too_long(MAX_BLOCK_STATUS_BYTES)?;
@@ -684,9 +756,16 @@ pub fn payload_len(h: &Header) -> usize {
         (Kind::Hello, true) => HELLO_LEN,
         (Kind::Hello, false) => length,
         (Kind::Write | Kind::WriteFua, false) => length,
-        (Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop, false) => length,
+        (Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop | Kind::Snapshot, false) => {
+            length
+        }
         (
-            Kind::Read | Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::ChangesGet,
+            Kind::Read
+            | Kind::Extents
+            | Kind::IntentGet
+            | Kind::BlockStatus
+            | Kind::ChangesGet
+            | Kind::SnapshotList,
             true,
         ) if h.status == 0 => length,
         _ => 0,
@@ -880,6 +959,161 @@ pub fn decode_change_key(kind: Kind, b: &[u8]) -> Result<ChangeKey, FrameError> 
         peer: peer.to_string(),
         seed: seed.to_vec(),
     })
+}
+
+/// What a SNAPSHOT request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SnapshotOp {
+    /// Freeze the live data as the snapshot; writes go to a new head.
+    Create,
+    /// Merge the snapshot into its child (in the background), then drop it.
+    Delete,
+    /// Make the live data the snapshot's; newer snapshots are dropped.
+    Revert,
+}
+
+impl SnapshotOp {
+    pub fn to_wire(self) -> u8 {
+        match self {
+            SnapshotOp::Create => 1,
+            SnapshotOp::Delete => 2,
+            SnapshotOp::Revert => 3,
+        }
+    }
+
+    pub fn from_wire(b: u8) -> Option<SnapshotOp> {
+        Some(match b {
+            1 => SnapshotOp::Create,
+            2 => SnapshotOp::Delete,
+            3 => SnapshotOp::Revert,
+            _ => return None,
+        })
+    }
+}
+
+/// A SNAPSHOT request's payload: the op (u8), then the snapshot's name
+/// (1 to [`MAX_SNAPSHOT_NAME_BYTES`] bytes of UTF-8; the replica checks
+/// the chain's naming rule).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRequest {
+    pub op: SnapshotOp,
+    pub name: String,
+}
+
+/// Encodes a SNAPSHOT request's payload.
+pub fn encode_snapshot_request(r: &SnapshotRequest) -> Result<Vec<u8>, FrameError> {
+    if r.name.is_empty() || r.name.len() > MAX_SNAPSHOT_NAME_BYTES {
+        return Err(FrameError::BadPayload(
+            "snapshot name must be 1 to MAX_SNAPSHOT_NAME_BYTES bytes",
+        ));
+    }
+    let mut out = Vec::with_capacity(1 + r.name.len());
+    out.push(r.op.to_wire());
+    out.extend_from_slice(r.name.as_bytes());
+    Ok(out)
+}
+
+/// Decodes a SNAPSHOT request's payload.
+pub fn decode_snapshot_request(b: &[u8]) -> Result<SnapshotRequest, FrameError> {
+    let Some((&op, name)) = b.split_first() else {
+        return Err(FrameError::BadPayload("empty SNAPSHOT payload"));
+    };
+    let op = SnapshotOp::from_wire(op).ok_or(FrameError::BadPayload("unknown SNAPSHOT op"))?;
+    if name.is_empty() || name.len() > MAX_SNAPSHOT_NAME_BYTES {
+        return Err(FrameError::BadPayload(
+            "snapshot name must be 1 to MAX_SNAPSHOT_NAME_BYTES bytes",
+        ));
+    }
+    let name = std::str::from_utf8(name)
+        .map_err(|_| FrameError::BadPayload("snapshot name is not UTF-8"))?;
+    Ok(SnapshotRequest {
+        op,
+        name: name.to_string(),
+    })
+}
+
+/// One snapshot in a SNAPSHOT_LIST reply. Wire: created_unix u64,
+/// allocated_bytes u64, merge_done u64, merge_total u64 (both 0 unless a
+/// delete is merging it), name length u16, the name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    pub name: String,
+    /// Seconds since the Unix epoch when it was taken.
+    pub created_unix: u64,
+    /// Bytes its own layer holds.
+    pub allocated_bytes: u64,
+    /// A delete's merge: bytes copied so far and in all.
+    pub merge_done: u64,
+    pub merge_total: u64,
+}
+
+/// Encodes a SNAPSHOT_LIST reply payload: at most
+/// [`MAX_SNAPSHOT_RECORDS`] records, names of 1 to
+/// [`MAX_SNAPSHOT_NAME_BYTES`] bytes.
+pub fn encode_snapshot_list(records: &[SnapshotRecord]) -> Result<Vec<u8>, FrameError> {
+    if records.len() > MAX_SNAPSHOT_RECORDS {
+        return Err(FrameError::BadPayload(
+            "more than MAX_SNAPSHOT_RECORDS snapshots",
+        ));
+    }
+    let mut out = Vec::new();
+    for r in records {
+        if r.name.is_empty() || r.name.len() > MAX_SNAPSHOT_NAME_BYTES {
+            return Err(FrameError::BadPayload(
+                "snapshot name must be 1 to MAX_SNAPSHOT_NAME_BYTES bytes",
+            ));
+        }
+        for v in [
+            r.created_unix,
+            r.allocated_bytes,
+            r.merge_done,
+            r.merge_total,
+        ] {
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        out.extend_from_slice(&(r.name.len() as u16).to_be_bytes());
+        out.extend_from_slice(r.name.as_bytes());
+    }
+    Ok(out)
+}
+
+/// Decodes a SNAPSHOT_LIST reply payload.
+pub fn decode_snapshot_list(mut b: &[u8]) -> Result<Vec<SnapshotRecord>, FrameError> {
+    if b.len() > MAX_SNAPSHOT_LIST_BYTES as usize {
+        return Err(FrameError::BadPayload("SNAPSHOT_LIST reply too long"));
+    }
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        if out.len() == MAX_SNAPSHOT_RECORDS {
+            return Err(FrameError::BadPayload(
+                "more than MAX_SNAPSHOT_RECORDS snapshots",
+            ));
+        }
+        let Some((head, rest)) = b.split_first_chunk::<SNAPSHOT_RECORD_HEADER_LEN>() else {
+            return Err(FrameError::BadPayload("snapshot record cut short"));
+        };
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&head[i * 8..i * 8 + 8]);
+            u64::from_be_bytes(w)
+        };
+        let len = usize::from(u16::from_be_bytes([head[32], head[33]]));
+        if len == 0 || len > MAX_SNAPSHOT_NAME_BYTES || len > rest.len() {
+            return Err(FrameError::BadPayload("bad snapshot name length"));
+        }
+        let (name, rest) = rest.split_at(len);
+        let name = std::str::from_utf8(name)
+            .map_err(|_| FrameError::BadPayload("snapshot name is not UTF-8"))?;
+        out.push(SnapshotRecord {
+            name: name.to_string(),
+            created_unix: word(0),
+            allocated_bytes: word(1),
+            merge_done: word(2),
+            merge_total: word(3),
+        });
+        b = rest;
+    }
+    Ok(out)
 }
 
 /// Encodes an INTENT_GET reply payload: flags, then the bitmap (bit `i`
@@ -1083,7 +1317,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 4, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 5, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -1116,16 +1350,101 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 18;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8012)));
-        // The version before the change records is refused, naming both.
+        b[7] = 20;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8014)));
+        // The version before the snapshots is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
-        b[5] = 3;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(3)));
+        b[5] = 4;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(4)));
         assert_eq!(
-            FrameError::BadVersion(3).to_string(),
-            "protocol version 3, expected 4"
+            FrameError::BadVersion(4).to_string(),
+            "protocol version 4, expected 5"
         );
+    }
+
+    #[test]
+    fn snapshot_requests_and_lists() {
+        for op in [SnapshotOp::Create, SnapshotOp::Delete, SnapshotOp::Revert] {
+            let r = SnapshotRequest {
+                op,
+                name: "daily-2026.11.27".into(),
+            };
+            let b = encode_snapshot_request(&r).unwrap();
+            assert_eq!(decode_snapshot_request(&b).unwrap(), r);
+            // The header check takes the payload's length.
+            let h = Header::request(Kind::Snapshot, 9, 0, b.len() as u32);
+            let mut wire = [0u8; HEADER_LEN];
+            encode_header(&h, &mut wire).unwrap();
+            assert_eq!(decode_header(&wire).unwrap(), h);
+            assert_eq!(payload_len(&h), b.len());
+            assert!(Kind::Snapshot.modifies());
+        }
+        let long = "x".repeat(MAX_SNAPSHOT_NAME_BYTES + 1);
+        for name in ["", long.as_str()] {
+            let r = SnapshotRequest {
+                op: SnapshotOp::Create,
+                name: name.into(),
+            };
+            assert!(encode_snapshot_request(&r).is_err(), "{name:?}");
+        }
+        assert!(decode_snapshot_request(&[9, b'a']).is_err(), "unknown op");
+        assert!(decode_snapshot_request(&[1]).is_err(), "no name");
+        assert!(decode_snapshot_request(&[1, 0xff]).is_err(), "not UTF-8");
+        let mut too_long = [0u8; HEADER_LEN];
+        let h = Header::request(Kind::Snapshot, 1, 0, MAX_SNAPSHOT_REQUEST_LEN as u32);
+        encode_header(&h, &mut too_long).unwrap();
+        too_long[24..28].copy_from_slice(&(MAX_SNAPSHOT_REQUEST_LEN as u32 + 1).to_be_bytes());
+        assert!(decode_header(&too_long).is_err());
+
+        let records: Vec<SnapshotRecord> = (0..MAX_SNAPSHOT_RECORDS)
+            .map(|i| SnapshotRecord {
+                name: format!("s{i}"),
+                created_unix: 1_790_000_000 + i as u64,
+                allocated_bytes: 4096 * i as u64,
+                merge_done: i as u64,
+                merge_total: 2 * i as u64,
+            })
+            .collect();
+        let b = encode_snapshot_list(&records).unwrap();
+        assert_eq!(decode_snapshot_list(&b).unwrap(), records);
+        assert_eq!(decode_snapshot_list(&[]).unwrap(), vec![]);
+        assert!(
+            decode_snapshot_list(&b[..b.len() - 1]).is_err(),
+            "cut short"
+        );
+        let mut more = records.clone();
+        more.push(records[0].clone());
+        assert!(encode_snapshot_list(&more).is_err());
+        let full = vec![
+            SnapshotRecord {
+                name: "n".repeat(MAX_SNAPSHOT_NAME_BYTES),
+                created_unix: 0,
+                allocated_bytes: 0,
+                merge_done: 0,
+                merge_total: 0,
+            };
+            MAX_SNAPSHOT_RECORDS
+        ];
+        assert_eq!(
+            encode_snapshot_list(&full).unwrap().len(),
+            MAX_SNAPSHOT_LIST_BYTES as usize
+        );
+        // A reply header with the list's length passes; an error reply
+        // with a payload does not.
+        let reply = Header::request(Kind::SnapshotList, 3, 0, 0).reply_with(0);
+        let ok = Header {
+            length: b.len() as u32,
+            ..reply
+        };
+        let mut wire = [0u8; HEADER_LEN];
+        encode_header(&ok, &mut wire).unwrap();
+        assert_eq!(payload_len(&decode_header(&wire).unwrap()), b.len());
+        let bad = Header {
+            status: 5,
+            length: 10,
+            ..reply
+        };
+        assert!(encode_header(&bad, &mut wire).is_err());
     }
 
     #[test]
@@ -1525,6 +1844,20 @@ mod tests {
                 let mut out = Vec::new();
                 encode_extents(&ext, &mut out).unwrap();
                 prop_assert_eq!(out, bytes);
+            }
+        }
+
+        #[test]
+        fn snapshot_list_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            if let Ok(records) = decode_snapshot_list(&bytes) {
+                prop_assert_eq!(encode_snapshot_list(&records).unwrap(), bytes);
+            }
+        }
+
+        #[test]
+        fn snapshot_request_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..260)) {
+            if let Ok(r) = decode_snapshot_request(&bytes) {
+                prop_assert_eq!(encode_snapshot_request(&r).unwrap(), bytes);
             }
         }
 

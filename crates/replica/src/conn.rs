@@ -1134,6 +1134,19 @@ impl Conn {
             }
             Kind::IntentGet => return self.intent_get(req),
             Kind::IntentMark | Kind::IntentClear => return self.intent_update(req),
+            // Placeholder until the replica's chain serves them: the
+            // SNAPSHOT payload is drained, the request refused.
+            Kind::Snapshot | Kind::SnapshotList => {
+                if counted {
+                    self.fence_exit();
+                }
+                if req.length > 0 && req.kind == Kind::Snapshot {
+                    self.recv = Recv::drain(u64::from(req.length), req, libc::EOPNOTSUPP as u32);
+                } else {
+                    self.push_error(req, libc::EOPNOTSUPP);
+                }
+                return;
+            }
             Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
             _ => {}
         }
@@ -1196,7 +1209,9 @@ impl Conn {
             | Kind::IntentGet
             | Kind::ChangesStart
             | Kind::ChangesGet
-            | Kind::ChangesDrop => {
+            | Kind::ChangesDrop
+            | Kind::Snapshot
+            | Kind::SnapshotList => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
