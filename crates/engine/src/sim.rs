@@ -134,6 +134,8 @@ struct SimReplica {
     lost: bool,
     /// Change records: (peer, generation, one flag per change region).
     changes: Vec<(String, u64, Vec<bool>)>,
+    /// Snapshots taken (SNAPSHOT create): name and a copy of the data.
+    snapshots: Vec<(String, Vec<u8>)>,
 }
 
 /// Write-intent region of the simulated volume. The protocol's regions are
@@ -283,10 +285,37 @@ impl SimReplica {
                 }
                 (h.reply_with(0), Vec::new())
             }
-            // The simulation takes no snapshots (the engine sends them
-            // only when asked over RPC).
-            Kind::Snapshot => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
-            Kind::SnapshotList => (h.reply_with(0), Vec::new()),
+            // Snapshots are copies of the data; the simulation creates
+            // them (`Sim::maybe_snapshot`) and deletes none.
+            Kind::Snapshot => match proto::decode_snapshot_request(payload) {
+                Ok(req) if req.op == proto::SnapshotOp::Create => {
+                    if self.snapshots.iter().any(|(n, _)| *n == req.name) {
+                        (h.reply_with(libc::EEXIST as u32), Vec::new())
+                    } else {
+                        self.snapshots.push((req.name, self.data.clone()));
+                        (h.reply_with(0), Vec::new())
+                    }
+                }
+                Ok(_) => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
+                Err(_) => (h.reply_with(libc::EINVAL as u32), Vec::new()),
+            },
+            Kind::SnapshotList => {
+                let records: Vec<proto::SnapshotRecord> = self
+                    .snapshots
+                    .iter()
+                    .map(|(name, _)| proto::SnapshotRecord {
+                        name: name.clone(),
+                        created_unix: 0,
+                        allocated_bytes: 0,
+                        merge_done: 0,
+                        merge_total: 0,
+                    })
+                    .collect();
+                let out = proto::encode_snapshot_list(&records).unwrap_or_default();
+                let mut r = h.reply_with(0);
+                r.length = out.len() as u32;
+                (r, out)
+            }
             Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop => {
                 let Ok(key) = proto::decode_change_key(h.kind, payload) else {
                     return Some((h.reply_with(libc::EPROTO as u32), Vec::new()));
@@ -509,6 +538,11 @@ pub(crate) struct Sim {
     pipes: bool,
     /// Client reads whose completion brought their pipe back.
     spliced_reads: u64,
+    /// Decides when snapshots are taken, apart from `rng`.
+    snap_rng: Rng,
+    /// The snapshot operation asked for and not answered: token, name.
+    snap_pending: Option<(u64, String)>,
+    snap_next: u64,
 }
 
 /// What a run exercised, counted from the sim's own events and the
@@ -534,6 +568,10 @@ pub(crate) struct SimStats {
     pub records_lost: u64,
     pub clean_detaches: u64,
     pub stable_reads: u64,
+    /// Snapshots taken on every healthy replica, and refused (a replica
+    /// not healthy, another operation running).
+    pub snapshots: u64,
+    pub snapshots_refused: u64,
 }
 
 impl Sim {
@@ -566,6 +604,7 @@ impl Sim {
                     intent: vec![false; sim_regions()],
                     lost: false,
                     changes: Vec::new(),
+                    snapshots: Vec::new(),
                 })
                 .collect(),
             queue: BTreeMap::new(),
@@ -593,6 +632,9 @@ impl Sim {
             block_status: Vec::new(),
             pipes: false,
             spliced_reads: 0,
+            snap_rng: Rng(seed ^ 0x5eed_5a70),
+            snap_pending: None,
+            snap_next: 1,
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
         sim.engine.set_rebuild_chunk_bytes(SIM_CHUNK_BYTES);
@@ -680,6 +722,7 @@ impl Sim {
                 Action::Close { conn } => self.drop_conn(conn),
                 Action::Log { msg, .. } => self.log.push(format!("{:>8} ms {msg}", self.now / MS)),
                 Action::Milestone(m) => self.on_milestone(m),
+                Action::ControlDone { token, outcome } => self.on_control_done(token, outcome),
             }
         }
     }
@@ -1143,6 +1186,7 @@ impl Sim {
                     for _ in 0..4 {
                         self.client_issue();
                     }
+                    self.maybe_snapshot();
                 }
             }
             while let Some((&k, _)) = self.queue.iter().next() {
@@ -1157,6 +1201,72 @@ impl Sim {
                     self.client_issue();
                 }
             }
+        }
+    }
+
+    /// Now and then (while the client writes) asks the engine for a
+    /// snapshot; one at a time.
+    fn maybe_snapshot(&mut self) {
+        if self.snap_pending.is_some() || !self.snap_rng.chance(30_000) {
+            return;
+        }
+        let token = self.snap_next;
+        let name = format!("s{token}");
+        self.snap_next += 1;
+        self.snap_pending = Some((token, name.clone()));
+        self.apply(Event::Snapshot {
+            token,
+            op: proto::SnapshotOp::Create,
+            name,
+        });
+    }
+
+    /// A snapshot taken must be the same on every replica that holds it,
+    /// and hold every write acknowledged before it (the engine held new
+    /// writes and drained those in flight, so nothing was written since
+    /// the replicas took it).
+    fn on_control_done(&mut self, token: u64, outcome: crate::core::ControlOutcome) {
+        let Some((pending, name)) = self.snap_pending.take() else {
+            return;
+        };
+        assert_eq!(token, pending, "an answer for another request");
+        match outcome {
+            crate::core::ControlOutcome::Snapshot(Ok(())) => {
+                self.stats.snapshots += 1;
+                let copies: Vec<&Vec<u8>> = self
+                    .replicas
+                    .iter()
+                    .filter_map(|r| r.snapshots.iter().find(|(n, _)| *n == name))
+                    .map(|(_, d)| d)
+                    .collect();
+                assert!(!copies.is_empty(), "snapshot {name} is on no replica");
+                for c in &copies[1..] {
+                    assert!(
+                        *c == copies[0],
+                        "snapshot {name} differs between replicas\n{}",
+                        self.log.join("\n")
+                    );
+                }
+                for b in 0..BLOCKS {
+                    let s = block_stamp(&copies[0][b * BLOCK..(b + 1) * BLOCK], b);
+                    let ok = s == Some(self.oracle.committed[b])
+                        || s.is_some_and(|s| self.oracle.maybe[b].contains(&s));
+                    assert!(
+                        ok,
+                        "snapshot {name}, block {b}: {s:?}, acknowledged {}\n{}",
+                        self.oracle.committed[b],
+                        self.log.join("\n")
+                    );
+                }
+            }
+            crate::core::ControlOutcome::Snapshot(Err(why)) => {
+                self.stats.snapshots_refused += 1;
+                self.log.push(format!(
+                    "{:>8} ms SIM snapshot {name} refused: {why}",
+                    self.now / MS
+                ));
+            }
+            other => panic!("unexpected control outcome {other:?}"),
         }
     }
 
@@ -1285,6 +1395,8 @@ impl Sim {
                 }
             }
         }
+        // The old engine's snapshot operation dies with it.
+        self.snap_pending = None;
         self.session += 1;
         self.engine = Engine::new("sim", SIZE, self.addrs.clone(), opts, self.session);
         self.engine.set_region_bytes(SIM_REGION_BYTES);
@@ -1430,6 +1542,8 @@ impl Coverage {
         t.records_lost += s.records_lost;
         t.clean_detaches += s.clean_detaches;
         t.stable_reads += s.stable_reads;
+        t.snapshots += s.snapshots;
+        t.snapshots_refused += s.snapshots_refused;
     }
 }
 
@@ -1594,7 +1708,9 @@ fn sim_many_seeds() {
                 && s.old_frames_fenced > 0
                 && s.old_frames_applied > 0
                 && s.clean_detaches > 0
-                && s.stable_reads > 0),
+                && s.stable_reads > 0
+                && s.snapshots > 0
+                && s.snapshots_refused > 0),
         "{cov:?}"
     );
 }

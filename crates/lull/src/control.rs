@@ -216,7 +216,7 @@ impl Control {
             Storage::Layered(c) => c.clone(),
             Storage::Replicated(_) => {
                 return Err(ControlError::Refused(format!(
-                    "volume {volume:?} is replicated: snapshots of replicated volumes are not built yet"
+                    "volume {volume:?} is replicated: clones, snapshot exports and reading a snapshot of a replicated volume are not built yet (snapshot_create, snapshot_list, snapshot_delete and volume_revert are)"
                 )))
             }
             Storage::Local(_) => {
@@ -226,6 +226,18 @@ impl Control {
             }
         };
         Ok((v, chain))
+    }
+
+    /// The engine of `volume` when it is replicated (its snapshots are
+    /// the replicas'), `None` for a local volume.
+    fn replicated_snapshots(
+        &self,
+        volume: &str,
+    ) -> Result<Option<Arc<lull_engine::ReplicatedDev>>, ControlError> {
+        match &self.volumes.named(volume)?.storage {
+            Storage::Replicated(dev) => Ok(Some(dev.clone())),
+            Storage::Local(_) | Storage::Layered(_) => Ok(None),
+        }
     }
 
     fn replicated(&self, volume: &str) -> Result<Arc<lull_engine::ReplicatedDev>, ControlError> {
@@ -527,6 +539,36 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_create(&self, volume: &str, name: &str) -> Result<Value, ControlError> {
+        if let Some(dev) = self.replicated_snapshots(volume)? {
+            lull_bdev::chain::check_snapshot_name(name).map_err(snapshot_error)?;
+            if let Some(s) = replicated_snapshots(&dev)?
+                .into_iter()
+                .find(|s| s.name == name)
+            {
+                return Err(ControlError::Refused(format!(
+                    "snapshot {name:?} exists already (on {})",
+                    s.replicas.join(", ")
+                )));
+            }
+            let start = std::time::Instant::now();
+            replicated_op(&dev, SnapshotOp::Create, name)?;
+            tracing::info!(
+                volume,
+                snapshot = name,
+                took_us = start.elapsed().as_micros() as u64,
+                "snapshot of a replicated volume created over RPC"
+            );
+            let list = replicated_snapshots(&dev)?;
+            return list
+                .iter()
+                .find(|s| s.name == name)
+                .map(|s| s.json(volume, lull_bdev::BlockDevice::size_bytes(dev.as_ref())))
+                .ok_or_else(|| {
+                    ControlError::Failed(
+                        format!("snapshot {name:?} was taken and is missing from the list").into(),
+                    )
+                });
+        }
         let (_, chain) = self.chain(volume)?;
         let start = std::time::Instant::now();
         let info = chain.snapshot(name).map_err(snapshot_error)?;
@@ -540,6 +582,14 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_list(&self, volume: &str) -> Result<Value, ControlError> {
+        if let Some(dev) = self.replicated_snapshots(volume)? {
+            return Ok(Value::Array(
+                replicated_snapshots(&dev)?
+                    .iter()
+                    .map(|s| s.json(volume, lull_bdev::BlockDevice::size_bytes(dev.as_ref())))
+                    .collect(),
+            ));
+        }
         let (_, chain) = self.chain(volume)?;
         Ok(Value::Array(
             chain
@@ -551,6 +601,20 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_delete(&self, volume: &str, name: &str) -> Result<(), ControlError> {
+        if let Some(dev) = self.replicated_snapshots(volume)? {
+            if !replicated_snapshots(&dev)?.iter().any(|s| s.name == name) {
+                return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
+                    name.to_string(),
+                )));
+            }
+            replicated_op(&dev, SnapshotOp::Delete, name)?;
+            tracing::info!(
+                volume,
+                snapshot = name,
+                "snapshot delete of a replicated volume started over RPC (each replica merges it into its child)"
+            );
+            return Ok(());
+        }
         let (_, chain) = self.chain(volume)?;
         chain.delete_snapshot(name).map_err(snapshot_error)?;
         tracing::info!(
@@ -567,13 +631,28 @@ impl ControlPlane for Control {
         snapshot: &str,
         force: bool,
     ) -> Result<Value, ControlError> {
-        let (v, chain) = self.chain(volume)?;
+        let v = self.volumes.named(volume)?;
         let connected = v.connections();
         if connected > 0 && !force {
             return Err(ControlError::Refused(format!(
                 "volume {volume:?} has {connected} connected clients: disconnect them first, or pass force (they see the data change under them)"
             )));
         }
+        if let Some(dev) = self.replicated_snapshots(volume)? {
+            let list = replicated_snapshots(&dev)?;
+            let Some(at) = list.iter().position(|s| s.name == snapshot) else {
+                return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
+                    snapshot.to_string(),
+                )));
+            };
+            let dropped: Vec<String> = list[at + 1..].iter().map(|s| s.name.clone()).collect();
+            replicated_op(&dev, SnapshotOp::Revert, snapshot)?;
+            tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "replicated volume reverted over RPC");
+            return Ok(
+                json!({ "volume": volume, "snapshot": snapshot, "dropped_snapshots": dropped }),
+            );
+        }
+        let (_, chain) = self.chain(volume)?;
         let dropped = chain.revert(snapshot).map_err(snapshot_error)?;
         tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "volume reverted over RPC");
         Ok(json!({ "volume": volume, "snapshot": snapshot, "dropped_snapshots": dropped }))
@@ -850,6 +929,104 @@ fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
         E::Failed(ref m) if m.contains("maximum") => ControlError::Refused(e.to_string()),
         e => ControlError::Failed(e.into()),
     }
+}
+
+/// How long an RPC waits for a snapshot operation of a replicated volume:
+/// the writes in flight finish (each bounded by the replica timeout, 10 s
+/// by default), then every replica quiesces its chain (its own 10 s bound,
+/// `lull_bdev::chain::QUIESCE_TIMEOUT`) and syncs its record.
+const REPLICATED_SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+use lull_proto::replica::SnapshotOp;
+
+/// Runs `op` on every healthy replica of `dev`.
+fn replicated_op(
+    dev: &lull_engine::ReplicatedDev,
+    op: SnapshotOp,
+    name: &str,
+) -> Result<(), ControlError> {
+    dev.snapshot(op, name, REPLICATED_SNAPSHOT_TIMEOUT)
+        .map_err(ControlError::Refused)
+}
+
+/// One snapshot of a replicated volume, merged over the healthy replicas'
+/// lists.
+struct ReplicatedSnapshot {
+    name: String,
+    created_unix: u64,
+    allocated_bytes: u64,
+    merging: Option<(u64, u64)>,
+    parent: Option<String>,
+    /// The healthy replicas that hold it.
+    replicas: Vec<String>,
+    /// Every healthy replica holds it.
+    complete: bool,
+}
+
+impl ReplicatedSnapshot {
+    fn json(&self, volume: &str, size_bytes: u64) -> Value {
+        json!({
+            "volume": volume,
+            "name": self.name,
+            // Reading a replicated volume's snapshot over NBD is not built
+            // yet (docs/SNAPSHOTS.md).
+            "export": Value::Null,
+            "created_unix": self.created_unix,
+            "size_bytes": size_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "parent": self.parent,
+            "clones": [],
+            "merging": self.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
+            "replicas": self.replicas,
+            "complete": self.complete,
+        })
+    }
+}
+
+/// The snapshots of a replicated volume, oldest first: each healthy
+/// replica's list merged by name (in the order of the longest list), with
+/// the replicas holding each. A snapshot that some replicas lack (a crash
+/// during its creation) shows `complete: false`; deleting it cleans up.
+fn replicated_snapshots(
+    dev: &lull_engine::ReplicatedDev,
+) -> Result<Vec<ReplicatedSnapshot>, ControlError> {
+    let lists = dev
+        .snapshot_lists(REPLICATED_SNAPSHOT_TIMEOUT)
+        .map_err(ControlError::Refused)?;
+    let mut answered = Vec::new();
+    for (addr, list) in lists {
+        match list {
+            Ok(l) => answered.push((addr.to_string(), l)),
+            Err(e) => {
+                return Err(ControlError::Refused(format!(
+                    "replica {addr} did not list its snapshots: {e}"
+                )))
+            }
+        }
+    }
+    answered.sort_by_key(|(_, l)| std::cmp::Reverse(l.len()));
+    let mut out: Vec<ReplicatedSnapshot> = Vec::new();
+    for (addr, list) in &answered {
+        for (i, rec) in list.iter().enumerate() {
+            if let Some(s) = out.iter_mut().find(|s| s.name == rec.name) {
+                s.replicas.push(addr.clone());
+                continue;
+            }
+            out.push(ReplicatedSnapshot {
+                name: rec.name.clone(),
+                created_unix: rec.created_unix,
+                allocated_bytes: rec.allocated_bytes,
+                merging: (rec.merge_total > 0).then_some((rec.merge_done, rec.merge_total)),
+                parent: i.checked_sub(1).map(|p| list[p].name.clone()),
+                replicas: vec![addr.clone()],
+                complete: false,
+            });
+        }
+    }
+    for s in &mut out {
+        s.complete = s.replicas.len() == answered.len();
+    }
+    Ok(out)
 }
 
 fn snapshot_json(volume: &str, s: &lull_bdev::SnapshotInfo) -> Value {

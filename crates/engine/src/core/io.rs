@@ -258,6 +258,11 @@ impl Engine {
             if self.changes_starting > 0 {
                 return Dispatch::Wait;
             }
+            // A snapshot operation holds new writes until every replica
+            // has answered it (`snapshot`).
+            if self.snapshot_holds_writes() {
+                return Dispatch::Wait;
+            }
             if self.rebuild.as_ref().is_some_and(|rb| rb.locks(io_range)) {
                 return Dispatch::Wait;
             }

@@ -117,6 +117,7 @@ mod invariants;
 mod io;
 mod rebuild;
 mod replicas;
+mod snapshot;
 mod types;
 
 use std::collections::VecDeque;
@@ -139,10 +140,11 @@ pub use rebuild::{
     REBUILD_WINDOW_SEGMENTS,
 };
 pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
+pub use snapshot::ReplicaSnapshots;
 pub use types::{
-    Action, ClientReq, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions, Event, LogLevel,
-    Milestone, NodeRebuildLimit, Payload, Received, ReplicaState, ReplicaStatus, Sink,
-    CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    Action, ClientReq, ControlOutcome, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions,
+    Event, LogLevel, Milestone, NodeRebuildLimit, Payload, Received, ReplicaState, ReplicaStatus,
+    Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
 };
 
 impl Engine {
@@ -187,6 +189,8 @@ impl Engine {
             rebuild_chunk_bytes: REBUILD_CHUNK_BYTES,
             regions: vec![Region::default(); proto::intent_regions(size_bytes) as usize],
             detach: None,
+            snapshot: None,
+            snapshot_lists: Vec::new(),
             shares: SharedBufs::new(MAX_CLIENT_IOS),
             now: 0,
             out: Vec::new(),
@@ -281,6 +285,8 @@ impl Engine {
             }
             Event::SetNodeRebuildLimit(node) => self.rebuild_limit.set_node(node),
             Event::Detach => self.start_detach(),
+            Event::Snapshot { token, op, name } => self.start_snapshot(token, op, name),
+            Event::SnapshotList { token } => self.start_snapshot_list(token),
         }
         self.progress();
         self.rebuild_limit.count(self.rebuild.is_some());
@@ -311,6 +317,7 @@ impl Engine {
         // Sending may have freed the rebuild to move (and vice versa).
         self.progress_rebuild();
         self.progress_bump();
+        self.progress_snapshot();
         self.progress_detach();
     }
 

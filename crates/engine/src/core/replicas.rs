@@ -339,6 +339,7 @@ impl Engine {
         if let Some(Detach::Flushing(m) | Detach::Detaching(m)) = self.detach.as_mut() {
             m.remove(r);
         }
+        self.snapshot_replica_gone(r);
         // The healthy set shrank: acknowledgements wait for a new
         // generation on the replicas left, and that must hold before the
         // failed replica's requests are drained below, or a write that
@@ -449,6 +450,8 @@ impl Engine {
                 }
             }
             SubKind::ChangesGet(target) => self.lookup_failed(target, r),
+            SubKind::Snapshot => self.snapshot_sub_failed(r, None),
+            SubKind::SnapshotList(token) => self.snapshot_sub_failed(r, Some(token)),
             SubKind::Changes if sub.kind == Kind::ChangesStart => {
                 self.changes_starting = self.changes_starting.saturating_sub(1);
             }
@@ -548,6 +551,10 @@ impl Engine {
             SubKind::Changes => self.on_changes_reply(r, h),
             SubKind::ChangesGet(target) => {
                 self.on_changes_get_reply(r, target, h, payload.into_buf())
+            }
+            SubKind::Snapshot => self.on_snapshot_reply(r, h),
+            SubKind::SnapshotList(token) => {
+                self.on_snapshot_list_reply(r, token, h, payload.into_buf())
             }
         }
     }

@@ -124,6 +124,26 @@ pub enum Event {
     /// Detach cleanly: refuse new requests, let those in flight finish,
     /// FLUSH and DETACH every healthy replica (they become clean).
     Detach,
+    /// A snapshot operation on every healthy replica (`snapshot`); its
+    /// outcome comes out as [`Action::ControlDone`] with `token`.
+    Snapshot {
+        token: u64,
+        op: lull_proto::replica::SnapshotOp,
+        name: String,
+    },
+    /// Every healthy replica's snapshots, as [`Action::ControlDone`].
+    SnapshotList {
+        token: u64,
+    },
+}
+
+/// The outcome of a control request ([`Event::Snapshot`],
+/// [`Event::SnapshotList`]), for the caller waiting on its token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlOutcome {
+    Snapshot(Result<(), String>),
+    /// Each healthy replica's answer.
+    SnapshotLists(Result<Vec<super::snapshot::ReplicaSnapshots>, String>),
 }
 
 /// A token bucket over the data bytes rebuild and reconcile copy: a
@@ -379,6 +399,11 @@ pub enum Action {
     /// A state change of the volume, as data (its log line says the same
     /// in words).
     Milestone(Milestone),
+    /// A control request finished.
+    ControlDone {
+        token: u64,
+        outcome: ControlOutcome,
+    },
 }
 
 /// A state change of the volume that an observer may count or check: the
@@ -504,6 +529,10 @@ pub struct Engine {
     /// simulator).
     pub(super) rebuild_chunk_bytes: u64,
     pub(super) detach: Option<Detach>,
+    /// The snapshot operation running, if one is (writes wait meanwhile).
+    pub(super) snapshot: Option<SnapshotJob>,
+    /// SNAPSHOT_LIST requests waiting for answers.
+    pub(super) snapshot_lists: Vec<SnapshotList>,
     /// The `Arc`s write buffers are shared in, kept between writes: as many
     /// as writes the engine can hold, so a steady load never allocates
     /// (about 40 bytes each, 640 KiB at most).
@@ -511,6 +540,33 @@ pub struct Engine {
     pub(super) now: u64,
     pub(super) out: Vec<Action>,
     pub(super) started: bool,
+}
+
+/// A snapshot operation (`snapshot`).
+pub(super) struct SnapshotJob {
+    pub(super) token: u64,
+    pub(super) op: lull_proto::replica::SnapshotOp,
+    pub(super) name: String,
+    /// The SNAPSHOT request's payload.
+    pub(super) payload: Vec<u8>,
+    pub(super) step: SnapshotStep,
+    pub(super) started_ns: u64,
+    /// Refusals so far, one line per replica.
+    pub(super) errors: Vec<String>,
+}
+
+pub(super) enum SnapshotStep {
+    /// Writes are held; waiting for those in flight to finish.
+    Draining,
+    /// SNAPSHOT sent; these replicas have not answered.
+    Sent(ReplicaSet),
+}
+
+/// A SNAPSHOT_LIST request to every healthy replica (`snapshot`).
+pub(super) struct SnapshotList {
+    pub(super) token: u64,
+    pub(super) waiting: ReplicaSet,
+    pub(super) got: Vec<super::snapshot::ReplicaSnapshots>,
 }
 
 // Replicas and their connections (`replicas`).
@@ -554,6 +610,10 @@ pub(super) enum SubKind {
     ChangesGet(ReplicaId),
     /// FLUSH or DETACH of a clean detach.
     Detach,
+    /// SNAPSHOT of the operation running (`snapshot`).
+    Snapshot,
+    /// SNAPSHOT_LIST for the list request of this token.
+    SnapshotList(u64),
 }
 
 /// One request in a connection's slot table.

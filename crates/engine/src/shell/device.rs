@@ -29,7 +29,7 @@ use super::channel::{Doorbell, EngineChannel};
 use super::run::{lock, Shell, TICK_US};
 use super::socket::{Sock, READ_BUFFER_BYTES};
 use crate::core::ids::{ConnData, ReplicaTarget};
-use crate::core::{ConnRef, Engine, Event, NodeRebuildLimit, MAX_CHANNELS};
+use crate::core::{ConnRef, ControlOutcome, Engine, Event, NodeRebuildLimit, MAX_CHANNELS};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
 
 /// A connect attempt gives up after this long (or the replica timeout, if
@@ -43,6 +43,10 @@ pub(super) struct StatusShared {
     /// Set (under `snapshot`'s lock) once a clean detach has finished.
     pub(super) detached: AtomicBool,
     pub(super) ready: Condvar,
+    /// Outcomes of control requests (snapshots), by token, until their
+    /// caller takes them.
+    pub(super) control: Mutex<std::collections::HashMap<u64, ControlOutcome>>,
+    pub(super) control_done: Condvar,
 }
 
 /// A session for this engine: the wall clock in nanoseconds, so that a
@@ -75,6 +79,9 @@ pub struct ReplicatedDev {
     /// The rebuild bandwidth limit last set (bytes per second, 0: none),
     /// as the core has it once the event arrived.
     rebuild_limit: std::sync::atomic::AtomicU64,
+    /// Tokens of control requests (snapshots), so each caller finds its
+    /// own outcome.
+    control_tokens: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ReplicatedDev {
@@ -112,6 +119,8 @@ impl ReplicatedDev {
         let status = Arc::new(StatusShared {
             snapshot: Mutex::new(Vec::new()),
             detached: AtomicBool::new(false),
+            control: Mutex::new(std::collections::HashMap::new()),
+            control_done: Condvar::new(),
             ready: Condvar::new(),
         });
         let doorbell = Arc::new(Doorbell::new());
@@ -145,6 +154,7 @@ impl ReplicatedDev {
             replicas_desc,
             targets: Mutex::new(replicas),
             rebuild_limit: std::sync::atomic::AtomicU64::new(0),
+            control_tokens: std::sync::atomic::AtomicU64::new(1),
             engine,
             doorbell,
             shell,
@@ -200,6 +210,79 @@ impl ReplicatedDev {
                 return Ok(false);
             }
             snap = match self.status.ready.wait_timeout(snap, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    /// Runs snapshot operation `op` on `name` on every healthy replica
+    /// (the engine holds new writes until all have answered; see
+    /// `core::snapshot`). Blocks the calling thread (never a reactor) up
+    /// to `timeout`. `Err` says why, in words.
+    pub fn snapshot(
+        &self,
+        op: lull_proto::replica::SnapshotOp,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let token = self.next_token();
+        self.event(Event::Snapshot {
+            token,
+            op,
+            name: name.to_string(),
+        })
+        .map_err(|e| e.to_string())?;
+        match self.wait_control(token, timeout)? {
+            ControlOutcome::Snapshot(r) => r,
+            other => Err(format!("unexpected answer {other:?}")),
+        }
+    }
+
+    /// Every healthy replica's snapshots (oldest first), or why not.
+    pub fn snapshot_lists(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<crate::core::ReplicaSnapshots>, String> {
+        let token = self.next_token();
+        self.event(Event::SnapshotList { token })
+            .map_err(|e| e.to_string())?;
+        match self.wait_control(token, timeout)? {
+            ControlOutcome::SnapshotLists(r) => r,
+            other => Err(format!("unexpected answer {other:?}")),
+        }
+    }
+
+    fn next_token(&self) -> u64 {
+        self.control_tokens.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Waits for the outcome of control request `token`.
+    fn wait_control(&self, token: u64, timeout: Duration) -> Result<ControlOutcome, String> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut done = self
+            .status
+            .control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(outcome) = done.remove(&token) {
+                return Ok(outcome);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "no answer within {timeout:?} (the operation may still finish)"
+                ));
+            }
+            if self.engine.has_exited() {
+                return Err("the engine has stopped".into());
+            }
+            done = match self
+                .status
+                .control_done
+                .wait_timeout(done, (deadline - now).min(Duration::from_millis(100)))
+            {
                 Ok((g, _)) => g,
                 Err(e) => e.into_inner().0,
             };

@@ -197,6 +197,16 @@ impl Shell {
             // The log line emitted with it says the same; milestones are
             // for the simulation's checks.
             Action::Milestone(_) => {}
+            Action::ControlDone { token, outcome } => {
+                let mut done = self
+                    .status
+                    .control
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                done.insert(token, outcome);
+                drop(done);
+                self.status.control_done.notify_all();
+            }
         }
     }
 

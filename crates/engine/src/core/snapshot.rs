@@ -1,0 +1,322 @@
+//! Snapshots of a replicated volume: one control operation (create,
+//! delete, revert; [`SnapshotOp`]) on every healthy replica under one
+//! name, and the replicas' snapshot lists.
+//!
+//! An operation first holds new writes (trims and zeroing too) and lets
+//! those in flight finish; then it sends SNAPSHOT to every healthy
+//! replica at once and, once all have answered, lets writes go again. So
+//! every write acknowledged before the operation started is in the
+//! snapshot on every replica, and none that started after it is: the
+//! snapshot is crash-consistent across the replicas. Reads go on
+//! meanwhile (each replica holds its own for the moment its chain
+//! switches heads).
+//!
+//! It needs every replica of the volume healthy: a replica away would
+//! miss the operation, and a rebuild that copies snapshot layers is not
+//! built yet (docs/SNAPSHOTS.md). A replica that fails during the
+//! operation leaves the healthy set as a failed write would, and the
+//! operation completes on the others. An answer other than success fails
+//! the operation and names the replica; for a delete, a replica that
+//! does not hold the snapshot counts as done (so deleting a snapshot that
+//! a crash left on some replicas only cleans it up).
+
+use lull_proto::replica::{self as proto, Header, Kind, SnapshotOp, SnapshotRequest};
+
+use super::ids::{ReplicaId, ReplicaSet, ReplicaTarget};
+use super::types::{
+    Action, ControlOutcome, Engine, LogLevel, Payload, RState, SnapshotJob, SnapshotList,
+    SnapshotStep, SubKind,
+};
+
+impl Engine {
+    /// Starts `op` on snapshot `name`; its outcome goes out as
+    /// [`Action::ControlDone`] with `token`.
+    pub(super) fn start_snapshot(&mut self, token: u64, op: SnapshotOp, name: String) {
+        if let Err(why) = self.snapshot_refusal(&name) {
+            return self.control_done(token, ControlOutcome::Snapshot(Err(why)));
+        }
+        let Ok(payload) = proto::encode_snapshot_request(&SnapshotRequest {
+            op,
+            name: name.clone(),
+        }) else {
+            return self.control_done(
+                token,
+                ControlOutcome::Snapshot(Err(format!("invalid snapshot name {name:?}"))),
+            );
+        };
+        self.log(
+            LogLevel::Info,
+            format!("snapshot {op:?} {name:?}: holding new writes until every replica answers"),
+        );
+        self.snapshot = Some(SnapshotJob {
+            token,
+            op,
+            name,
+            payload,
+            step: SnapshotStep::Draining,
+            started_ns: self.now,
+            errors: Vec::new(),
+        });
+    }
+
+    /// Why an operation cannot start now, in words for the operator.
+    fn snapshot_refusal(&self, name: &str) -> Result<(), String> {
+        if self.snapshot.is_some() {
+            return Err("another snapshot operation of this volume is running".into());
+        }
+        if self.detach.is_some() {
+            return Err("the volume is detaching".into());
+        }
+        if name.is_empty() || name.len() > proto::MAX_SNAPSHOT_NAME_BYTES {
+            return Err(format!(
+                "a snapshot name is 1 to {} bytes",
+                proto::MAX_SNAPSHOT_NAME_BYTES
+            ));
+        }
+        let mut healthy = 0;
+        for r in self.replicas.iter() {
+            match r.state {
+                RState::Healthy => healthy += 1,
+                RState::Removed => {}
+                state => {
+                    return Err(format!(
+                        "replica {} is {}: snapshots of a replicated volume need every replica healthy (one away would miss it; copying snapshots to a replica that comes back is not built yet)",
+                        r.addr,
+                        match state {
+                            RState::Rebuilding => "being rebuilt",
+                            RState::Failed => "failed",
+                            _ => "connecting",
+                        }
+                    ))
+                }
+            }
+        }
+        if healthy == 0 || !self.elected_once || self.bump.is_some() {
+            return Err("the volume has no healthy replica yet".into());
+        }
+        Ok(())
+    }
+
+    /// Whether writes wait for a snapshot operation.
+    pub(super) fn snapshot_holds_writes(&self) -> bool {
+        self.snapshot.is_some()
+    }
+
+    /// Moves the operation on: once the writes in flight have finished and
+    /// every healthy replica has a free slot, SNAPSHOT goes to all of
+    /// them; once all have answered, the outcome goes out.
+    pub(super) fn progress_snapshot(&mut self) {
+        let (draining, answered) = match &self.snapshot {
+            None => return,
+            Some(job) => match &job.step {
+                SnapshotStep::Draining => (true, false),
+                SnapshotStep::Sent(waiting) => (false, waiting.is_empty()),
+            },
+        };
+        if draining {
+            if !self.writes_in_flight.is_empty() || self.bump.is_some() || self.changes_starting > 0
+            {
+                return;
+            }
+            let healthy = self.healthy_set();
+            if healthy.iter().any(|r| self.pick_conn(r).is_none()) {
+                return;
+            }
+            let Some(payload) = self.snapshot.as_ref().map(|j| j.payload.clone()) else {
+                return;
+            };
+            let mut sent = ReplicaSet::EMPTY;
+            for r in healthy.iter() {
+                if self.send_any(
+                    r,
+                    SubKind::Snapshot,
+                    Kind::Snapshot,
+                    0,
+                    payload.len() as u32,
+                    Payload::Control(payload.clone()),
+                ) {
+                    sent.insert(r);
+                }
+            }
+            if let Some(job) = self.snapshot.as_mut() {
+                job.step = SnapshotStep::Sent(sent);
+            }
+            return self.progress_snapshot();
+        }
+        if !answered {
+            return;
+        }
+        let Some(job) = self.snapshot.take() else {
+            return;
+        };
+        let took_ms = self.now.saturating_sub(job.started_ns) / 1_000_000;
+        let outcome = if job.errors.is_empty() {
+            self.log(
+                LogLevel::Info,
+                format!(
+                    "snapshot {:?} {:?} done on every healthy replica in {took_ms} ms; writes go on",
+                    job.op, job.name
+                ),
+            );
+            Ok(())
+        } else {
+            let why = job.errors.join("; ");
+            self.log(
+                LogLevel::Warn,
+                format!("snapshot {:?} {:?} failed: {why}", job.op, job.name),
+            );
+            Err(why)
+        };
+        self.control_done(job.token, ControlOutcome::Snapshot(outcome));
+    }
+
+    pub(super) fn on_snapshot_reply(&mut self, r: ReplicaId, h: Header) {
+        let addr = self.replicas[r].addr.clone();
+        let Some(job) = self.snapshot.as_mut() else {
+            return;
+        };
+        let SnapshotStep::Sent(waiting) = &mut job.step else {
+            return;
+        };
+        waiting.remove(r);
+        let errno = h.status as i32;
+        let done = errno == 0 || (errno == libc::ENOENT && job.op == SnapshotOp::Delete);
+        if !done {
+            let what = match errno {
+                libc::EEXIST => "a snapshot of that name exists".to_string(),
+                libc::ENOENT => "no snapshot of that name".to_string(),
+                libc::EINVAL => "invalid snapshot name".to_string(),
+                libc::EMLINK => "its chain holds the most layers it can".to_string(),
+                libc::EBUSY => "a snapshot is being merged (deleted)".to_string(),
+                libc::EOPNOTSUPP => "it takes no snapshots".to_string(),
+                e => format!("errno {e}"),
+            };
+            job.errors.push(format!("replica {addr}: {what}"));
+            if errno == libc::EIO {
+                // Its data path failed: it leaves the healthy set, as a
+                // replica that fails a write does.
+                self.fail_replica(r, "SNAPSHOT failed with EIO", false);
+            }
+        }
+    }
+
+    /// A replica left while the operation waited for it: it is no longer
+    /// in the healthy set, which the operation is about.
+    pub(super) fn snapshot_replica_gone(&mut self, r: ReplicaId) {
+        if let Some(SnapshotStep::Sent(waiting)) = self.snapshot.as_mut().map(|j| &mut j.step) {
+            waiting.remove(r);
+        }
+        for list in &mut self.snapshot_lists {
+            if list.waiting.contains(r) {
+                list.waiting.remove(r);
+                let addr = self.replicas[r].addr.clone();
+                list.got.push((addr, Err("the replica failed".into())));
+            }
+        }
+    }
+
+    /// A SNAPSHOT or SNAPSHOT_LIST request of replica `r` ended without a
+    /// reply (its connection went down).
+    pub(super) fn snapshot_sub_failed(&mut self, r: ReplicaId, list: Option<u64>) {
+        let addr = self.replicas[r].addr.clone();
+        match list {
+            None => {
+                if let Some(job) = self.snapshot.as_mut() {
+                    if let SnapshotStep::Sent(waiting) = &mut job.step {
+                        if waiting.contains(r) {
+                            waiting.remove(r);
+                            job.errors
+                                .push(format!("replica {addr}: its connection went down"));
+                        }
+                    }
+                }
+            }
+            Some(token) => {
+                if let Some(l) = self.snapshot_lists.iter_mut().find(|l| l.token == token) {
+                    if l.waiting.contains(r) {
+                        l.waiting.remove(r);
+                        l.got.push((addr, Err("its connection went down".into())));
+                    }
+                }
+                self.finish_snapshot_lists();
+            }
+        }
+    }
+
+    /// Asks every healthy replica for its snapshots; the answers go out
+    /// as [`Action::ControlDone`] with `token`.
+    pub(super) fn start_snapshot_list(&mut self, token: u64) {
+        let mut list = SnapshotList {
+            token,
+            waiting: ReplicaSet::EMPTY,
+            got: Vec::new(),
+        };
+        for r in self.healthy_set().iter() {
+            if self.send_any(
+                r,
+                SubKind::SnapshotList(token),
+                Kind::SnapshotList,
+                0,
+                0,
+                Payload::None,
+            ) {
+                list.waiting.insert(r);
+            } else {
+                let addr = self.replicas[r].addr.clone();
+                list.got
+                    .push((addr, Err("no free request slot; try again".into())));
+            }
+        }
+        self.snapshot_lists.push(list);
+        self.finish_snapshot_lists();
+    }
+
+    pub(super) fn on_snapshot_list_reply(
+        &mut self,
+        r: ReplicaId,
+        token: u64,
+        h: Header,
+        payload: Option<lull_bdev::IoBuf>,
+    ) {
+        let addr = self.replicas[r].addr.clone();
+        let answer = if h.status != 0 {
+            Err(format!("errno {}", h.status))
+        } else {
+            proto::decode_snapshot_list(payload.as_ref().map_or(&[][..], |b| b.as_slice()))
+                .map_err(|e| format!("bad SNAPSHOT_LIST reply: {e}"))
+        };
+        if let Some(b) = payload {
+            lull_net::bufs::put(b);
+        }
+        if let Some(list) = self.snapshot_lists.iter_mut().find(|l| l.token == token) {
+            list.waiting.remove(r);
+            list.got.push((addr, answer));
+        }
+        self.finish_snapshot_lists();
+    }
+
+    /// Sends out the lists that have every answer.
+    fn finish_snapshot_lists(&mut self) {
+        let mut i = 0;
+        while i < self.snapshot_lists.len() {
+            if self.snapshot_lists[i].waiting.is_empty() {
+                let list = self.snapshot_lists.swap_remove(i);
+                let outcome = if list.got.is_empty() {
+                    Err("the volume has no healthy replica".into())
+                } else {
+                    Ok(list.got)
+                };
+                self.control_done(list.token, ControlOutcome::SnapshotLists(outcome));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn control_done(&mut self, token: u64, outcome: ControlOutcome) {
+        self.out.push(Action::ControlDone { token, outcome });
+    }
+}
+
+/// One replica's answer to SNAPSHOT_LIST.
+pub type ReplicaSnapshots = (ReplicaTarget, Result<Vec<proto::SnapshotRecord>, String>);
