@@ -56,6 +56,7 @@ impl Engine {
             step: SnapshotStep::Draining,
             started_ns: self.now,
             errors: Vec::new(),
+            took: 0,
         });
     }
 
@@ -119,6 +120,17 @@ impl Engine {
                 return;
             }
             let healthy = self.healthy_set();
+            if healthy.is_empty() {
+                // Every replica failed while writes drained: nothing
+                // took it.
+                let Some(job) = self.snapshot.take() else {
+                    return;
+                };
+                return self.control_done(
+                    job.token,
+                    ControlOutcome::Snapshot(Err("no healthy replica is left".into())),
+                );
+            }
             if healthy.iter().any(|r| self.pick_conn(r).is_none()) {
                 return;
             }
@@ -150,7 +162,17 @@ impl Engine {
             return;
         };
         let took_ms = self.now.saturating_sub(job.started_ns) / 1_000_000;
-        let outcome = if job.errors.is_empty() {
+        let outcome = if job.errors.is_empty() && job.took == 0 {
+            // Every replica it went to failed before answering.
+            self.log(
+                LogLevel::Warn,
+                format!(
+                    "snapshot {:?} {:?}: no replica answered before failing",
+                    job.op, job.name
+                ),
+            );
+            Err("every replica it went to failed before answering".into())
+        } else if job.errors.is_empty() {
             self.log(
                 LogLevel::Info,
                 format!(
@@ -181,7 +203,9 @@ impl Engine {
         waiting.remove(r);
         let errno = h.status as i32;
         let done = errno == 0 || (errno == libc::ENOENT && job.op == SnapshotOp::Delete);
-        if !done {
+        if done {
+            job.took += 1;
+        } else {
             let what = match errno {
                 libc::EEXIST => "a snapshot of that name exists".to_string(),
                 libc::ENOENT => "no snapshot of that name".to_string(),

@@ -553,6 +553,8 @@ pub(super) struct SnapshotJob {
     pub(super) started_ns: u64,
     /// Refusals so far, one line per replica.
     pub(super) errors: Vec<String>,
+    /// Replicas that answered it with success.
+    pub(super) took: u32,
 }
 
 pub(super) enum SnapshotStep {
