@@ -572,7 +572,12 @@ fn bad_replicas_are_refused_cleanly_and_other_volumes_work() {
         &wrong_version.to_string(),
         FAIL_TIMEOUT,
         "failed",
-        |r| r.failed_because(&["replica speaks protocol version 2, this engine speaks 4"]),
+        |r| {
+            r.failed_because(&[&format!(
+                "replica speaks protocol version 2, this engine speaks {}",
+                lull_proto::replica::PROTOCOL_VERSION
+            )])
+        },
     );
 
     // The volume with a good replica is unaffected.
