@@ -347,6 +347,12 @@ impl Channel for FaultyChannel {
     fn polled(&self) -> bool {
         self.inner.polled()
     }
+
+    /// A request the inner channel handed back (a chain quiesced for a
+    /// snapshot) is tried again when it says.
+    fn retry_at_ns(&self) -> Option<u64> {
+        self.inner.retry_at_ns()
+    }
 }
 
 #[cfg(test)]

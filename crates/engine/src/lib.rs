@@ -32,7 +32,7 @@ use std::net::SocketAddr;
 pub use core::ids::MAX_CONNECTIONS_PER_REPLICA;
 pub use core::{
     CopyDone, CopyKind, CopyProgress, EngineOptions, NodeRebuildLimit, ReplicaState, ReplicaStatus,
-    ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS,
+    ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS, SNAPSHOT_EXTRA_TIMEOUT_NS,
 };
 pub use shell::ReplicatedDev;
 

@@ -8,12 +8,14 @@ use lull_replica::{Meta, META_FORMAT_VERSION, META_MAX_BYTES};
 
 /// Decodes arbitrary replica frames the way a replica or engine reads its
 /// socket: a 32-byte header, then the payload it announces, which for
-/// HELLO, EXTENTS and BLOCK_STATUS replies is parsed too.
+/// HELLO, EXTENTS, BLOCK_STATUS and SNAPSHOT_LIST replies and SNAPSHOT
+/// requests is parsed too.
 ///
 /// Input layout: 32 bytes of header, then payload bytes (as many as given).
 /// Checks: no panic; a header that decodes re-encodes to the same bytes;
 /// the announced payload never exceeds the protocol limits; a parsed
-/// HELLO / EXTENTS / BLOCK_STATUS payload re-encodes to the same bytes.
+/// HELLO / EXTENTS / BLOCK_STATUS / SNAPSHOT_LIST / SNAPSHOT payload
+/// re-encodes to the same bytes.
 pub fn replica_frame(data: &[u8]) {
     let Some((raw, rest)) = data.split_first_chunk::<{ replica::HEADER_LEN }>() else {
         return;
@@ -67,6 +69,22 @@ pub fn replica_frame(data: &[u8]) {
                 assert_eq!(out, payload);
             }
         }
+        Kind::SnapshotList if header.reply => {
+            assert!(len <= replica::MAX_SNAPSHOT_LIST_BYTES as usize);
+            if let Ok(list) = replica::decode_snapshot_list(payload) {
+                let out = replica::encode_snapshot_list(&list)
+                    .expect("a decoded snapshot list must re-encode");
+                assert_eq!(out, payload);
+            }
+        }
+        Kind::Snapshot if !header.reply => {
+            assert!(len <= replica::MAX_SNAPSHOT_REQUEST_LEN);
+            if let Ok(request) = replica::decode_snapshot_request(payload) {
+                let out = replica::encode_snapshot_request(&request)
+                    .expect("a decoded SNAPSHOT request must re-encode");
+                assert_eq!(out, payload);
+            }
+        }
         _ => {}
     }
 }
@@ -79,7 +97,8 @@ const MAX_REPLY_FRAMES: usize = 256;
 /// (`engine/src/shell/socket.rs`: header, then `payload_len` bytes, frame after
 /// frame) and parses each reply payload the engine parses: HELLO
 /// (`core/replicas.rs`), EXTENTS (`core/rebuild.rs`), INTENT_GET
-/// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`).
+/// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`), SNAPSHOT_LIST
+/// (`core/snapshot.rs`).
 ///
 /// Input layout: the replica's byte stream, frames back to back.
 /// Checks: no panic; every header that decodes re-encodes to the same
@@ -144,6 +163,15 @@ pub fn replica_reply(data: &[u8]) {
                 replica::encode_intent(flags, bitmap, &mut out)
                     .expect("decoded intent must re-encode");
                 assert_eq!(out, payload);
+            }
+            Kind::SnapshotList if header.status == 0 => {
+                assert!(len <= replica::MAX_SNAPSHOT_LIST_BYTES as usize);
+                if let Ok(list) = replica::decode_snapshot_list(payload) {
+                    assert!(list.len() <= replica::MAX_SNAPSHOT_RECORDS);
+                    let out = replica::encode_snapshot_list(&list)
+                        .expect("a decoded snapshot list must re-encode");
+                    assert_eq!(out, payload);
+                }
             }
             _ => {}
         }

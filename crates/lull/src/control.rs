@@ -932,10 +932,11 @@ fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
 }
 
 /// How long an RPC waits for a snapshot operation of a replicated volume:
-/// the writes in flight finish (each bounded by the replica timeout, 10 s
-/// by default), then every replica quiesces its chain (its own 10 s bound,
-/// `lull_bdev::chain::QUIESCE_TIMEOUT`) and syncs its record.
-const REPLICATED_SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// the writes in flight finish (each bounded by the replica timeout, 8 s
+/// by default), then SNAPSHOT may take that timeout and
+/// `lull_engine::SNAPSHOT_EXTRA_TIMEOUT_NS` (20 s) before its replica is
+/// failed; past this the RPC says so and the operation may still end.
+const REPLICATED_SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 use lull_proto::replica::SnapshotOp;
 

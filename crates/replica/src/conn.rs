@@ -28,6 +28,11 @@
 //! - Takeover: a HELLO of a non-zero session is answered only once no
 //!   connection of another session has a modifying request in flight
 //!   (see `crate::fence`).
+//! - Snapshots: SNAPSHOT (counted in the fence, like a write) and
+//!   SNAPSHOT_LIST run on a helper thread (`crate::snapshots`) and are
+//!   answered when it is done. The chain's quiesce waits for every
+//!   channel's requests in flight, this connection's too: they go on
+//!   completing while it waits.
 //!
 //! Fencing: every modifying request (and ATTACH, DETACH) is counted in the
 //! connection's fence from the moment its header is decoded until its
@@ -43,6 +48,7 @@
 //! (`--insecure`) refuses a peer whose first byte opens a TLS handshake
 //! with a warning too, so a half-configured pair says so on both ends.
 
+use std::fs::File;
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -50,7 +56,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use lull_bdev::faulty::SplitMix64;
-use lull_bdev::{Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{BlockDevice as _, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::link::{handshake_hint, LinkStream, TLS_RECORD_HANDSHAKE};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
@@ -65,6 +71,7 @@ use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::fence::{Claim, ConnFence};
 use crate::intent::IntentError;
+use crate::snapshots::{SnapshotDone, SnapshotError, SnapshotJob};
 use crate::{MetaJob, Port, ReplicaError, Shared};
 
 /// Requests in flight per connection: the file channel's ring depth
@@ -85,6 +92,13 @@ pub const MAX_REPLY_QUEUE_BYTES: usize = 2 * MAX_IO_BYTES as usize;
 /// payload straight from the socket (`HEADER_ALONE_READ_BYTES` in
 /// `lull_engine`), so the second system call per reply is paid there too.
 pub const SENDFILE_READ_BYTES_MIN: u32 = 32 * 1024;
+
+/// Bytes of a layered chain's maps one EXTENTS or BLOCK_STATUS reply
+/// scans (the peer asks again from where the reply stopped): a lookup per
+/// 4 KiB block, 65,536 of them, about 100 µs on the reactor. A chain of
+/// one layer answers from SEEK_DATA/SEEK_HOLE, whose cost does not grow
+/// with the range, and is not bounded by this.
+pub const MAX_MAP_SCAN_BYTES: u64 = 256 << 20;
 
 /// Input buffer size: many small frames per read syscall; write payloads
 /// larger than what it holds are read straight into their I/O buffer.
@@ -128,19 +142,28 @@ enum Wait {
     /// A HELLO of this connection's session, answered once other sessions
     /// have drained.
     Takeover { req: Header, hello: Hello },
+    /// A SNAPSHOT (counted in the fence) or SNAPSHOT_LIST on a helper
+    /// thread.
+    Snapshot {
+        req: Header,
+        /// What it does, for the log line of its answer.
+        what: String,
+        rx: mpsc::Receiver<Result<SnapshotDone, SnapshotError>>,
+    },
 }
 
 impl Wait {
     /// Whether the wait holds a fence count.
     fn counted(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Wait::Intent { .. }
-                | Wait::Meta {
-                    what: MetaFor::Attach(_) | MetaFor::Detach(_),
-                    ..
-                }
-        )
+            | Wait::Meta {
+                what: MetaFor::Attach(_) | MetaFor::Detach(_),
+                ..
+            } => true,
+            Wait::Snapshot { req, .. } => req.kind.modifies(),
+            Wait::Meta { .. } | Wait::Takeover { .. } => false,
+        }
     }
 }
 
@@ -183,6 +206,9 @@ pub(crate) struct Conn {
     me: Option<(ThreadHandle, PollerId)>,
     /// Completions of one `reap`, kept so the hot path does not allocate.
     completions: Vec<IoCompletion>,
+    /// The file `sendfile` READ replies go from (`None`: none may now),
+    /// as found at a layers generation of the chain (`Conn::sendfile_file`).
+    sendfile_cache: Option<(u64, Option<Arc<File>>)>,
 }
 
 impl Connection for Conn {
@@ -249,6 +275,16 @@ impl wire::Protocol for Conn {
     fn completions_fd(&self) -> Option<RawFd> {
         match &self.phase {
             Phase::Ready { channel } => channel.event_fd(),
+            _ => None,
+        }
+    }
+
+    /// A request the chain handed back while it is quiesced (a snapshot
+    /// operation) is tried again at the time it says: no completion may
+    /// come to wake this connection before.
+    fn wake_at_ns(&self) -> Option<u64> {
+        match &self.phase {
+            Phase::Ready { channel } if self.subs.holding() => channel.retry_at_ns(),
             _ => None,
         }
     }
@@ -418,6 +454,38 @@ impl wire::ReceiveFrames for Conn {
                     }
                 }
             }
+            (_, Kind::Snapshot) => {
+                // The op and the name: at most MAX_SNAPSHOT_REQUEST_LEN,
+                // checked by `decode_header`.
+                let end = HEADER_LEN + proto::payload_len(&h);
+                if self.wire.inb.buffered() < end {
+                    return false;
+                }
+                if let Err(owner) = self.server().fences.enter(&self.fence) {
+                    self.wire.inb.consume(end);
+                    self.fenced_request(h, owner);
+                    return true;
+                }
+                if !self.server().dirty.load(Ordering::SeqCst) {
+                    self.fence_exit();
+                    // Left buffered: taken again once the record says dirty.
+                    self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
+                    return true;
+                }
+                let decoded =
+                    proto::decode_snapshot_request(&self.wire.inb.peek()[HEADER_LEN..end]);
+                self.wire.inb.consume(end);
+                match decoded {
+                    Ok(request) => self.start_snapshot(h, SnapshotJob::Run(request)),
+                    Err(e) => {
+                        // Framed right, so the stream is in sync: a bad op
+                        // or name is refused, the connection goes on.
+                        tracing::warn!(peer = %self.wire.peer(), error = %e, "SNAPSHOT refused: bad request");
+                        self.fence_exit();
+                        self.push_error(h, libc::EINVAL);
+                    }
+                }
+            }
             (_, kind) if kind.modifies() || kind == Kind::Detach => {
                 // Counted before anything is taken (see `crate::fence`).
                 if let Err(owner) = self.server().fences.enter(&self.fence) {
@@ -513,6 +581,7 @@ impl Conn {
             fence,
             me: None,
             completions: Vec::new(),
+            sendfile_cache: None,
         }
     }
 
@@ -638,6 +707,7 @@ impl Conn {
             Some(Wait::Meta { .. }) => self.check_meta_wait(),
             Some(Wait::Intent { .. }) => self.check_intent_wait(),
             Some(Wait::Takeover { .. }) => self.check_takeover(),
+            Some(Wait::Snapshot { .. }) => self.check_snapshot_wait(),
         }
     }
 
@@ -717,6 +787,72 @@ impl Conn {
         }
     }
 
+    /// Starts a SNAPSHOT (arriving counted in the fence) or SNAPSHOT_LIST
+    /// on a helper thread and makes this connection wait for it.
+    fn start_snapshot(&mut self, req: Header, job: SnapshotJob) {
+        let what = match &job {
+            SnapshotJob::Run(r) => format!("{:?} {:?}", r.op, r.name),
+            SnapshotJob::List => "list".to_string(),
+        };
+        let started = match self.me.clone() {
+            Some((thread, poller)) => self.server().snapshot_async(job, thread, poller),
+            // `poll` learns `me` before reading anything.
+            None => Err(ReplicaError::ShuttingDown),
+        };
+        match started {
+            Ok(rx) => self.wait = Some(Wait::Snapshot { req, what, rx }),
+            Err(e) => {
+                tracing::error!(peer = %self.wire.peer(), what, error = %e, "cannot start a snapshot operation");
+                if req.kind.modifies() {
+                    self.fence_exit();
+                }
+                self.push_error(req, e.errno());
+            }
+        }
+    }
+
+    /// Answer a SNAPSHOT or SNAPSHOT_LIST once its helper is done.
+    fn check_snapshot_wait(&mut self) -> bool {
+        let Some(Wait::Snapshot { rx, .. }) = &self.wait else {
+            return false;
+        };
+        let result = match rx.try_recv() {
+            Ok(r) => r,
+            Err(mpsc::TryRecvError::Empty) => return false,
+            Err(mpsc::TryRecvError::Disconnected) => Err(SnapshotError::Closed),
+        };
+        let Some(Wait::Snapshot { req, what, .. }) = self.wait.take() else {
+            return false;
+        };
+        if req.kind.modifies() {
+            self.fence_exit();
+        }
+        let replica = self.server().name.clone().unwrap_or_default();
+        match result {
+            Ok(SnapshotDone::List(payload)) => {
+                let mut reply = req.reply_with(0);
+                // At most MAX_SNAPSHOT_LIST_BYTES (`snapshot_list`).
+                reply.length = payload.len() as u32;
+                self.push_reply(reply, Payload::Bytes(payload));
+            }
+            Ok(SnapshotDone::Ran) => {
+                tracing::info!(peer = %self.wire.peer(), replica, what, "snapshot operation done");
+                self.push_reply(req.reply_with(0), Payload::None);
+            }
+            Err(e) if e.is_refusal() => {
+                tracing::warn!(peer = %self.wire.peer(), replica, what, error = %e, errno = e.errno(),
+                    "snapshot operation refused");
+                self.push_error(req, e.errno());
+            }
+            Err(e) => {
+                tracing::error!(peer = %self.wire.peer(), replica, what, error = %e, errno = e.errno(),
+                    "snapshot operation failed");
+                self.push_error(req, e.errno());
+            }
+        }
+        true
+    }
+
     /// Answer an INTENT_MARK once it is durable.
     fn check_intent_wait(&mut self) -> bool {
         let (Some(Wait::Intent { req, seq }), Some(me)) = (&self.wait, &self.me) else {
@@ -785,10 +921,9 @@ impl Conn {
     }
 
     fn open_channel(&self) -> Option<Box<dyn Channel>> {
-        use lull_bdev::BlockDevice;
         let opened = match &self.server().faulty {
             Some(faulty) => faulty.open_channel(),
-            None => self.server().dev.open_channel(),
+            None => self.server().chain.open_channel(),
         };
         match opened {
             Ok(c) => Some(c),
@@ -1134,17 +1269,14 @@ impl Conn {
             }
             Kind::IntentGet => return self.intent_get(req),
             Kind::IntentMark | Kind::IntentClear => return self.intent_update(req),
-            // Placeholder until the replica's chain serves them: the
-            // SNAPSHOT payload is drained, the request refused.
-            Kind::Snapshot | Kind::SnapshotList => {
+            Kind::SnapshotList => return self.start_snapshot(req, SnapshotJob::List),
+            Kind::Snapshot => {
+                // `take_frame` takes SNAPSHOT with its payload.
+                debug_assert!(false, "SNAPSHOT handled in take_frame");
                 if counted {
                     self.fence_exit();
                 }
-                if req.length > 0 && req.kind == Kind::Snapshot {
-                    self.recv = Recv::drain(u64::from(req.length), req, libc::EOPNOTSUPP as u32);
-                } else {
-                    self.push_error(req, libc::EOPNOTSUPP);
-                }
+                self.push_error(req, libc::EINVAL);
                 return;
             }
             Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
@@ -1218,14 +1350,14 @@ impl Conn {
         };
         if matches!(op, IoOp::Read) && req.length >= SENDFILE_READ_BYTES_MIN && self.wire.splices()
         {
-            if let Some(file) = &self.server().sendfile {
+            if let Some(file) = self.sendfile_file() {
                 // Straight from the page cache, in order with the other
                 // replies. The socket's bytes are the file's pages, read
                 // when the engine receives them (docs/PER_IO.md, "Spliced
                 // reads": the engine has no write to the range
                 // outstanding then).
                 let payload = Payload::File {
-                    file: file.clone(),
+                    file,
                     offset: req.offset,
                     len: req.length as usize,
                 };
@@ -1372,36 +1504,47 @@ impl Conn {
         self.push_reply(reply, Payload::Bytes(payload));
     }
 
-    /// Answers EXTENTS inline. SEEK_DATA/SEEK_HOLE on a local file are
-    /// non-sleeping metadata lookups (no data I/O), and a reply holds at
-    /// most `MAX_EXTENTS_PER_REPLY` extents (≤ 2 lseeks each), so the
-    /// reactor is held for microseconds; the peer continues from the scan
-    /// end the reply reports.
+    /// Answers EXTENTS inline from the chain's allocation
+    /// (`BlockDevice::extents`): a chain of one layer asks its file
+    /// (SEEK_DATA/SEEK_HOLE, non-sleeping metadata lookups, ≤ 2 lseeks per
+    /// extent), a layered one its maps (at most [`MAX_MAP_SCAN_BYTES`] of
+    /// them per reply). A reply holds at most `MAX_EXTENTS_PER_REPLY`
+    /// extents, so the reactor is held for microseconds; the peer
+    /// continues from the scan end the reply reports. A block any layer
+    /// holds is data: what a rebuild copies is the live volume.
     fn extents(&mut self, req: Header) {
-        let end = req.offset + u64::from(req.length);
+        let chain = self.server().chain.clone();
+        let mut end = req.offset + u64::from(req.length);
+        if chain.single_layer_id().is_none() {
+            end = end.min(req.offset.saturating_add(MAX_MAP_SCAN_BYTES));
+        }
         let mut pos = req.offset;
         let mut found: Vec<(u64, u64)> = Vec::new();
-        while pos < end && found.len() < MAX_EXTENTS_PER_REPLY {
-            match lull_uring::seek_data_hole(&self.server().scan, pos) {
-                Ok(Some((data, hole))) if data < end => {
-                    // A data range may begin before `pos` only if the kernel
-                    // misreports; clamp so extents stay inside the request.
-                    let start = data.max(pos);
-                    let stop = hole.min(end);
-                    if stop <= start {
-                        // A hole at or before `pos` cannot be: stop scanning
-                        // rather than loop.
-                        pos = end;
-                        break;
-                    }
-                    found.push((start, stop - start));
-                    pos = stop;
-                }
-                Ok(_) => pos = end,
+        'scan: while pos < end && found.len() < MAX_EXTENTS_PER_REPLY {
+            // Holes and data alternate: twice as many cover as many data.
+            let extents = match chain.extents(pos, end - pos, 2 * MAX_EXTENTS_PER_REPLY) {
+                Ok(extents) if !extents.is_empty() => extents,
+                Ok(_) => break,
                 Err(e) => {
-                    tracing::warn!(peer = %self.wire.peer(), offset = pos, error = %e, "SEEK_DATA/SEEK_HOLE failed");
-                    self.push_error(req, e.raw_os_error().unwrap_or(libc::EIO));
+                    tracing::warn!(peer = %self.wire.peer(), offset = pos, error = %e, "allocation scan failed");
+                    self.push_error(req, e.errno());
                     return;
+                }
+            };
+            for e in extents {
+                // Within the range asked, whatever the device reports.
+                let len = e.length_bytes.min(end - pos);
+                if !e.hole {
+                    let full = found.len() == MAX_EXTENTS_PER_REPLY;
+                    match found.last_mut() {
+                        Some(last) if last.0 + last.1 == pos => last.1 += len,
+                        _ if full => break 'scan,
+                        _ => found.push((pos, len)),
+                    }
+                }
+                pos += len;
+                if pos >= end {
+                    break;
                 }
             }
         }
@@ -1417,24 +1560,24 @@ impl Conn {
         self.push_reply(reply, Payload::Bytes(payload));
     }
 
-    /// Answers BLOCK_STATUS inline from the data file's allocation
-    /// (`FileDev::extents`: SEEK_DATA/SEEK_HOLE, non-sleeping metadata
-    /// lookups, at most `MAX_BLOCK_STATUS_PER_REPLY` extents), like
-    /// EXTENTS. A hole in the data file reads as zeros, so it is reported
-    /// as hole and zero; allocated ranges as data. The range was checked
-    /// against the volume by the caller.
+    /// Answers BLOCK_STATUS inline from the chain's allocation, like
+    /// EXTENTS (at most `MAX_BLOCK_STATUS_PER_REPLY` extents; a layered
+    /// chain scans at most [`MAX_MAP_SCAN_BYTES`] of its maps). A block
+    /// no layer holds reads as zeros, so it is reported as hole and
+    /// zero; allocated ranges as data. The range was checked against the
+    /// volume by the caller.
     fn block_status(&mut self, req: Header) {
-        use lull_bdev::BlockDevice;
         if req.length == 0 {
             tracing::warn!(peer = %self.wire.peer(), ?req, "refused request: empty BLOCK_STATUS");
             self.push_error(req, libc::EINVAL);
             return;
         }
-        let extents = match self.server().dev.extents(
-            req.offset,
-            u64::from(req.length),
-            proto::MAX_BLOCK_STATUS_PER_REPLY,
-        ) {
+        let chain = &self.server().chain;
+        let mut length = u64::from(req.length);
+        if chain.single_layer_id().is_none() {
+            length = length.min(MAX_MAP_SCAN_BYTES);
+        }
+        let extents = match chain.extents(req.offset, length, proto::MAX_BLOCK_STATUS_PER_REPLY) {
             Ok(extents) => extents,
             Err(e) => {
                 tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
@@ -1459,6 +1602,51 @@ impl Conn {
         let mut reply = req.reply_with(0);
         reply.length = payload.len() as u32;
         self.push_reply(reply, Payload::Bytes(payload));
+    }
+
+    /// The file a READ reply may go from with `sendfile`, decided per
+    /// request: the chain's only layer's while it has one layer (every
+    /// request then passes straight to that file, so its pages are the
+    /// volume's bytes); none once it has snapshots (a block may be in any
+    /// layer). Looked up again only when the chain's layers generation
+    /// moved: one atomic load per read otherwise.
+    ///
+    /// A reply queued just before a snapshot is still right, though the
+    /// socket reads its bytes from the file after the snapshot: the
+    /// snapshot freezes that file as it is (every write acknowledged
+    /// before it is in it) and sends later writes to the new head, so the
+    /// range keeps its bytes there; and the engine sends no write to a
+    /// range while a read of it is outstanding (docs/PER_IO.md, "Spliced
+    /// reads"). The only layer never leaves a chain by being dropped, only
+    /// frozen (a revert or a merge drops layers only when there are
+    /// snapshots), and a file unlinked later stays readable through the
+    /// descriptor the reply holds.
+    ///
+    /// A generation that moved during the lookup leaves this request
+    /// without `sendfile`. One that did not may hide a state a control
+    /// operation is installing (it sets the state, then the generation),
+    /// which it does under its quiesce, with the layer it freezes synced
+    /// or the merge into the child done: the answer fits either state.
+    fn sendfile_file(&mut self) -> Option<Arc<File>> {
+        let r = self.replica.as_ref()?;
+        if !r.sendfile {
+            return None;
+        }
+        let generation = r.chain.layers_generation();
+        if let Some((seen, file)) = &self.sendfile_cache {
+            if *seen == generation {
+                return file.clone();
+            }
+        }
+        let file = r
+            .chain
+            .single_layer_id()
+            .and_then(|id| r.layers.page_cache_file(id));
+        if r.chain.layers_generation() != generation {
+            return None;
+        }
+        self.sendfile_cache = Some((generation, file.clone()));
+        file
     }
 
     /// Frees a slot whose request is abandoned (a write whose payload

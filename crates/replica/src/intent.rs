@@ -451,6 +451,11 @@ impl State {
     }
 }
 
+/// Makes the replica's data durable (blocking): whatever layer of its
+/// chain takes writes now, and every layer frozen before it already is
+/// (a snapshot syncs the head it freezes before its record names it).
+pub(crate) type DataSync = Box<dyn Fn() -> io::Result<()> + Send + Sync>;
+
 /// The in-memory record and its group-commit thread (see the module doc).
 pub(crate) struct Persister {
     state: Mutex<State>,
@@ -463,8 +468,9 @@ pub(crate) struct Persister {
     path: PathBuf,
     /// The replica directory (where the change records are stored).
     dir: PathBuf,
-    /// The data file, synced before a store clears a bit (see `run`).
-    data: Option<File>,
+    /// Makes the replica's data durable, before a store clears a bit
+    /// (see `run`).
+    data: Option<DataSync>,
     /// The record file until the thread starts and takes it: the thread
     /// starts at the first change, so a replica no engine writes to (most
     /// of a node's store, most of the time) costs no thread.
@@ -481,7 +487,7 @@ impl Persister {
         file: IntentFile,
         loaded: Loaded,
         changes: Changes,
-        data: Option<File>,
+        data: Option<DataSync>,
     ) -> Result<Arc<Persister>, IntentError> {
         let dir = file
             .path
@@ -568,13 +574,14 @@ impl Persister {
             let (snapshot, changed, seq) = snapshot;
             // Two steps. First the marks (the bits set, none cleared) and
             // the change records, which marks and starts wait for. Then,
-            // if bits were cleared, the data file is synced before the
-            // clears are stored: a bit cleared on disk means the writes
-            // under it are on disk too, so a crash of this replica loses
-            // nothing its record does not name (what a delta rebuild of
-            // it relies on). The change records go before both: an intent
-            // bit is cleared on disk only after the change bits set before
-            // its clear are (`crate::changes`).
+            // if bits were cleared, the data (the chain's head; layers
+            // frozen earlier were synced by their snapshot) is synced
+            // before the clears are stored: a bit cleared on disk means
+            // the writes under it are on disk too, so a crash of this
+            // replica loses nothing its record does not name (what a delta
+            // rebuild of it relies on). The change records go before both:
+            // an intent bit is cleared on disk only after the change bits
+            // set before its clear are (`crate::changes`).
             let marks: Vec<u8> = file
                 .held
                 .iter()
@@ -597,7 +604,7 @@ impl Persister {
             }
             if result.is_ok() && marks != snapshot {
                 result = match &self.data {
-                    Some(data) => data.sync_data().map_err(IntentError::io(&self.path)),
+                    Some(data) => data().map_err(IntentError::io(&self.path)),
                     None => Ok(()),
                 }
                 .and_then(|()| file.store(&snapshot));

@@ -21,11 +21,20 @@
 //! server.shutdown(Duration::from_secs(30))?;
 //! ```
 //!
-//! Layout of `DIR`: `data.img` (the volume, sparse, through io_uring),
+//! Layout of `DIR`: `data.img` (the volume, sparse, through io_uring; the
+//! first layer of its chain, see below), `data.img.lull/` (the later
+//! layers and the chain's record, once a snapshot was taken),
 //! `meta.json` ([`Meta`]: size, generation, clean flag), `intent.bin` (the
 //! write-intent record, see [`intent`]), `changes.bin` (the change records
 //! for replicas away, see [`changes`]) and `lock` (an exclusive advisory
 //! lock, so two replicas never share a directory).
+//!
+//! The data is a chain of layers (`lull_bdev::chain::ChainDev` over a
+//! `FileStore` on `data.img`), as a file volume of `lull serve` is: a
+//! replica that never took a snapshot is one layer, `data.img`, every
+//! request passing straight to it (a directory from before snapshots
+//! opens as it is). SNAPSHOT and SNAPSHOT_LIST (version 5) are the
+//! [`snapshots`] module's.
 //!
 //! Threads: one acceptor thread on the main reactor; each connection is a
 //! poller in one of the server's poll groups (one lull thread per reactor,
@@ -36,7 +45,7 @@
 //! thread ("lull-replica-intent") that group-commits them. No reactor ever
 //! blocks on a disk sync.
 //!
-//! Protocol rules on top of the codec (version 2, see
+//! Protocol rules on top of the codec (versions 2 to 5, see
 //! [`lull_proto::replica`]):
 //!
 //! - The first frame of a connection is HELLO; more may follow (the engine
@@ -72,6 +81,7 @@ pub mod durable;
 mod fence;
 pub mod intent;
 pub mod meta;
+pub mod snapshots;
 pub mod store;
 
 use std::fs::{File, OpenOptions};
@@ -82,7 +92,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use lull_bdev::{BdevError, BlockDevice, Faults, FaultyDev, FileDev, FileOptions, Probability};
+use lull_bdev::chain::{ChainDev, FileStore};
+use lull_bdev::{BdevError, BlockDevice, Faults, FaultyDev, FileOptions, Probability};
 use lull_net::link::LinkAuth;
 use lull_net::server::{Acceptor, Connections, Limits};
 use lull_net::tls::{Role, TlsContext, TlsError};
@@ -91,11 +102,13 @@ use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION, META_MAX_BYTES};
+pub use snapshots::SnapshotError;
 pub use store::{ReplicaInfo, Store, StoreConfig, StoreError, StoreInfo};
 
 use crate::conn::Conn;
 use crate::fence::Fences;
-use crate::intent::{IntentFile, Persister};
+use crate::intent::{DataSync, IntentFile, Persister};
+use crate::snapshots::Control;
 use lull_proto::replica::{HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST};
 
 /// File name of the volume data inside the replica directory.
@@ -295,13 +308,17 @@ pub(crate) struct Shared {
     pub(crate) deleted: AtomicBool,
     pub(crate) dir: PathBuf,
     pub(crate) size_bytes: u64,
-    pub(crate) dev: Arc<FileDev>,
-    /// With `--fault-error`/`--fault-delay-us`: the data file behind the
+    /// The data: a chain of layers, `data.img` first (one layer until a
+    /// snapshot is taken: every request passes straight to it).
+    pub(crate) chain: Arc<ChainDev>,
+    /// Where the chain's layers live (`data.img`, `data.img.lull/`).
+    pub(crate) layers: Arc<FileStore>,
+    /// Serialises the chain's control operations (SNAPSHOT), closed
+    /// when the replica stops or is deleted.
+    pub(crate) control: Control,
+    /// With `--fault-error`/`--fault-delay-us`: the chain behind the
     /// fault injector, where connections open their channels.
     pub(crate) faulty: Option<FaultyDev>,
-    /// A descriptor on the data file for SEEK_DATA/SEEK_HOLE only (its file
-    /// offset is moved by those calls; no I/O goes through it).
-    pub(crate) scan: File,
     pub(crate) conns: Arc<Connections>,
     /// The durable generation, readable without the metadata lock.
     pub(crate) generation: AtomicU64,
@@ -317,9 +334,11 @@ pub(crate) struct Shared {
     pub(crate) regions: u32,
     pub(crate) intent: Arc<Persister>,
     pub(crate) fences: Fences,
-    /// The data file READ replies are sent from with `sendfile`, when
-    /// they may be ([`ReplicaConfig::sendfile`]).
-    pub(crate) sendfile: Option<Arc<File>>,
+    /// READ replies may be sent with `sendfile` from the page cache of
+    /// the chain's only layer ([`ReplicaConfig::sendfile`], plain links,
+    /// no fault injected); each connection decides per request whether
+    /// the chain has one layer now (`Conn::sendfile_file`).
+    pub(crate) sendfile: bool,
     /// READ replies sent with `sendfile` (counted in the stop line).
     pub(crate) sendfile_reads: AtomicU64,
     meta: Mutex<MetaState>,
@@ -423,7 +442,7 @@ impl Shared {
             ..state.meta
         };
         let result = self
-            .dev
+            .chain
             .sync()
             .map_err(ReplicaError::from)
             .and_then(|()| self.intent.clear_all_durably().map_err(ReplicaError::from))
@@ -492,6 +511,14 @@ pub(crate) fn open_replica(
 ) -> Result<Arc<Shared>, ReplicaError> {
     let dir = dir.to_path_buf();
     let data_path = dir.join(DATA_FILE);
+    let layers = Arc::new(FileStore::new(
+        &data_path,
+        FileOptions {
+            direct: data.direct,
+            create: true,
+            ring: data.ring,
+        },
+    ));
     let meta = match Meta::load(&dir)? {
         Some(m) if m.volume_size != size_bytes => {
             return Err(ReplicaError::SizeMismatch {
@@ -506,7 +533,7 @@ pub(crate) fn open_replica(
             // files put there by hand. Its content is unknown, so it
             // starts dirty at generation 0 (the least fresh).
             let mut m = Meta::new(size_bytes);
-            if data_path.exists() {
+            if data_path.exists() || layers.dir().exists() {
                 tracing::warn!(dir = %dir.display(), "data file without metadata: starting dirty at generation 0");
                 m.clean = false;
             }
@@ -514,20 +541,12 @@ pub(crate) fn open_replica(
         }
     };
     // The data file first, then the record: a record always describes
-    // a data file that exists.
-    let dev = Arc::new(FileDev::open(
-        &data_path,
-        size_bytes,
-        FileOptions {
-            direct: data.direct,
-            create: true,
-            ring: data.ring,
-        },
-    )?);
+    // a data file that exists. The chain's record (if a snapshot was ever
+    // taken) says which layers there are; without one, `data.img` alone.
+    let chain = Arc::new(ChainDev::open(layers.clone(), size_bytes)?);
     if Meta::load(&dir)?.is_none() {
         meta.store(&dir)?;
     }
-    let scan = File::open(&data_path).map_err(io_err(&data_path))?;
     // A missing record is empty only where nothing can differ: a new
     // replica, or one whose last engine detached cleanly.
     let (intent_file, loaded) = IntentFile::open(&dir, size_bytes, meta.clean)?;
@@ -543,7 +562,14 @@ pub(crate) fn open_replica(
         lull_proto::replica::intent_region_bytes(size_bytes),
         loaded.lost.is_some(),
     );
-    let data_sync = File::open(&data_path).map_err(io_err(&data_path))?;
+    // Syncs the head, whichever layer it is when the persister asks.
+    let head = chain.clone();
+    let data_sync: DataSync = Box::new(move || {
+        head.sync().map_err(|e| match e {
+            BdevError::Io(e) => e,
+            e => io::Error::other(e.to_string()),
+        })
+    });
     let intent = Persister::start(intent_file, loaded, changes, Some(data_sync))?;
     let f = data.faults;
     let faulty = (f.error.get() > 0.0 || f.delay_us > 0).then(|| {
@@ -554,23 +580,20 @@ pub(crate) fn open_replica(
             delay_us: f.delay_us,
             seed: f.seed,
         };
-        FaultyDev::new(dev.clone(), faults)
+        FaultyDev::new(chain.clone(), faults)
     });
     // Not through the fault injector (its read errors and delays must
     // apply); the caller said whether links are plain.
-    let sendfile = if data.sendfile && faulty.is_none() {
-        dev.page_cache_file()
-    } else {
-        None
-    };
+    let sendfile = data.sendfile && faulty.is_none();
     Ok(Arc::new(Shared {
         name,
         deleted: AtomicBool::new(false),
         dir,
         size_bytes,
-        dev,
+        chain,
+        layers,
+        control: Control::default(),
         faulty,
-        scan,
         conns,
         generation: AtomicU64::new(meta.generation),
         dirty: AtomicBool::new(!meta.clean),
@@ -704,7 +727,7 @@ impl ReplicaServer {
         };
         tracing::info!(
             addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
-            generation, clean, intent_lost = shared.intent.lost(), data = %shared.dev.describe(),
+            generation, clean, intent_lost = shared.intent.lost(), data = %shared.chain.describe(),
             "replica serving"
         );
         Ok(ReplicaServer {
@@ -750,6 +773,11 @@ impl ReplicaServer {
         self.shared.conns.len()
     }
 
+    /// READ replies sent with `sendfile` so far (also in the stop line).
+    pub fn sendfile_reads(&self) -> u64 {
+        self.shared.sendfile_reads.load(Ordering::Relaxed)
+    }
+
     /// Stops cleanly: no new connections; every connection finishes its
     /// in-flight requests, sends their replies and closes; the data file is
     /// fdatasynced and pending write-intent changes are persisted. The
@@ -764,7 +792,9 @@ impl ReplicaServer {
         if open > 0 {
             return Err(ReplicaError::Unclean { open });
         }
-        self.shared.dev.sync()?;
+        // No snapshot operation or merge touches the files from here.
+        self.shared.close_chain();
+        self.shared.chain.sync()?;
         self.shared.intent.flush()?;
         self.shared.intent.stop();
         let mut state = self.shared.lock_meta();
@@ -773,7 +803,7 @@ impl ReplicaServer {
         let generation = state.meta.generation;
         // How the data file's reads and writes named their buffers
         // (registered arenas vs not): the replica's only I/O counters.
-        if let Some(ios) = self.shared.dev.buffer_ios() {
+        if let Some(ios) = self.shared.chain.buffer_ios() {
             tracing::info!(%dir, fixed_buffer_ios = ios.fixed, plain_buffer_ios = ios.plain,
                 inline_ios = ios.inline, sendfile_reads = self.shared.sendfile_reads.load(Ordering::Relaxed),
                 "data file I/O by buffer kind");
@@ -788,10 +818,14 @@ impl ReplicaServer {
 }
 
 impl Drop for ReplicaServer {
-    /// Without `shutdown`, connections are told to close, and the
-    /// write-intent thread stores what is pending and stops.
+    /// Without `shutdown`, connections are told to close, the
+    /// write-intent thread stores what is pending and stops, and a merge
+    /// in the background stops (after its current step).
     fn drop(&mut self) {
         self.acceptor.stop();
         self.shared.intent.stop();
+        // A merge in the background must not outlive the server (the
+        // directory may be opened again at once).
+        self.shared.close_chain();
     }
 }

@@ -23,7 +23,8 @@
 //! Layout of `DIR`: `store.json` (the replicas this store holds: name and
 //! size; replaced atomically, see [`crate::durable`]), `lock` (one daemon
 //! per store), and `replicas/NAME/` for each replica, laid out as a `lull
-//! replica --dir` directory (`data.img`, `meta.json`, `intent.bin`).
+//! replica --dir` directory (`data.img` and, once it took a snapshot,
+//! `data.img.lull/` with its other layers; `meta.json`, `intent.bin`).
 //!
 //! Rules:
 //! - A replica exists once `store.json` names it: `replica_create` makes
@@ -202,7 +203,7 @@ impl StoreError {
 pub struct ReplicaInfo {
     pub name: String,
     pub size_bytes: u64,
-    /// Bytes the data file occupies on disk (it is sparse).
+    /// Bytes the data files (every layer) occupy on disk (they are sparse).
     pub allocated_bytes: u64,
     pub generation: u64,
     /// The last engine detached cleanly and nothing wrote since.
@@ -301,12 +302,6 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     }
 }
 
-/// Bytes a file occupies on disk.
-fn allocated_bytes(path: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
-}
-
 /// (capacity, free) bytes of the filesystem holding `dir`.
 fn fs_space(dir: &Path) -> Result<(u64, u64), StoreError> {
     let st = rustix::fs::statvfs(dir).map_err(|e| StoreError::Io {
@@ -339,7 +334,7 @@ fn info_of(name: &str, r: &Shared) -> ReplicaInfo {
     ReplicaInfo {
         name: name.to_string(),
         size_bytes: r.size_bytes,
-        allocated_bytes: allocated_bytes(&r.dir.join(DATA_FILE)),
+        allocated_bytes: r.allocated_bytes(),
         generation: r.generation.load(Ordering::SeqCst),
         clean: r.hello_flags() & lull_proto::replica::HELLO_FLAG_CLEAN != 0,
         intent_lost: lost,
@@ -521,10 +516,7 @@ impl Store {
             return Err(StoreError::Full);
         }
         let (_, free) = fs_space(&self.dir)?;
-        let allocated: u64 = current
-            .values()
-            .map(|r| allocated_bytes(&r.dir.join(DATA_FILE)))
-            .sum();
+        let allocated: u64 = current.values().map(|r| r.allocated_bytes()).sum();
         let provisioned: u64 = current.values().map(|r| r.size_bytes).sum();
         let room = (u128::from(free + allocated) * u128::from(self.overcommit_percent) / 100)
             .min(u128::from(u64::MAX)) as u64;
@@ -620,6 +612,9 @@ impl Store {
         self.index.write().remove(name);
         replica.deleted.store(true, Ordering::SeqCst);
         replica.intent.stop();
+        // No snapshot operation or merge writes under the directory once
+        // it is removed (a merge's record would make it again).
+        replica.close_chain();
         if let Err(e) = std::fs::remove_dir_all(&replica.dir) {
             tracing::warn!(replica = name, path = %replica.dir.display(), error = %e,
                 "replica deleted from the store, and its directory could not be removed");
@@ -682,7 +677,16 @@ impl Store {
         let meta = Meta::load(from)
             .map_err(|e| bad(e.to_string()))?
             .ok_or_else(|| bad(format!("no {META_FILE}: not a lull replica directory")))?;
-        if !from.join(DATA_FILE).is_file() {
+        // `data.img` is the first layer; a replica whose first layer was
+        // merged away (its oldest snapshot deleted) lives in
+        // `data.img.lull/`, named by the chain's record there.
+        let layers = lull_bdev::chain::FileStore::new(from.join(DATA_FILE), Default::default());
+        if !from.join(DATA_FILE).is_file()
+            && !layers
+                .dir()
+                .join(lull_bdev::chain::CHAIN_RECORD_FILE)
+                .is_file()
+        {
             return Err(bad(format!("no {DATA_FILE}: not a lull replica directory")));
         }
         check_size(meta.volume_size)?;
@@ -744,8 +748,9 @@ impl Store {
         let replicas = self.index.read().clone();
         let mut first_err = None;
         for (name, r) in &replicas {
+            r.close_chain();
             let result = r
-                .dev
+                .chain
                 .sync()
                 .map_err(ReplicaError::from)
                 .and_then(|()| r.intent.flush().map_err(ReplicaError::from));
@@ -778,6 +783,7 @@ impl Drop for Store {
         self.acceptor.stop();
         for r in self.index.read().values() {
             r.intent.stop();
+            r.close_chain();
         }
     }
 }

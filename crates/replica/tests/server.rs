@@ -8,13 +8,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lull_proto::replica::{
-    self as wire, Header, Hello, Kind, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN,
-    HELLO_FLAG_INTENT_LOST, HELLO_LEN, INTENT_FLAG_LOST,
+    self as wire, Header, Hello, Kind, SnapshotOp, SnapshotRecord, SnapshotRequest, HEADER_LEN,
+    HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST, HELLO_LEN, INTENT_FLAG_LOST,
 };
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_replica::intent::IntentFile;
 use lull_replica::{
-    Meta, ReplicaConfig, ReplicaError, ReplicaServer, INTENT_FILE, INTENT_SLOT_BYTES,
+    Meta, ReplicaConfig, ReplicaError, ReplicaServer, Store, StoreConfig, INTENT_FILE,
+    INTENT_SLOT_BYTES,
 };
 
 const MIB: u64 = 1 << 20;
@@ -1193,6 +1194,472 @@ fn a_psk_replica_refuses_plaintext_and_wrong_keys() {
     tls.read_exact(&mut p).unwrap();
     assert_eq!(wire::decode_hello(&p).unwrap().volume_size, SIZE);
     drop(tls);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+// Snapshots (protocol version 5): SNAPSHOT and SNAPSHOT_LIST over the
+// socket, on the chain of layers a replica's data is.
+
+impl Client {
+    /// SNAPSHOT `op` of `name`: the reply's status.
+    fn snapshot(&mut self, op: SnapshotOp, name: &str) -> u32 {
+        let payload = wire::encode_snapshot_request(&SnapshotRequest {
+            op,
+            name: name.into(),
+        })
+        .expect("encodable");
+        self.call(Kind::Snapshot, 0, payload.len() as u32, &payload)
+            .0
+            .status
+    }
+
+    /// SNAPSHOT with a raw payload (what the codec would refuse to make).
+    fn snapshot_raw(&mut self, payload: &[u8]) -> u32 {
+        self.call(Kind::Snapshot, 0, payload.len() as u32, payload)
+            .0
+            .status
+    }
+
+    /// SNAPSHOT_LIST, oldest first.
+    fn snapshots(&mut self) -> Vec<SnapshotRecord> {
+        let (h, p) = self.call(Kind::SnapshotList, 0, 0, &[]);
+        assert_eq!(h.status, 0);
+        assert_eq!(h.length as usize, p.len());
+        wire::decode_snapshot_list(&p).expect("snapshot list")
+    }
+
+    fn snapshot_names(&mut self) -> Vec<String> {
+        self.snapshots().into_iter().map(|s| s.name).collect()
+    }
+
+    /// Every data extent of the volume (EXTENTS, continued to the end).
+    fn all_extents(&mut self) -> Vec<(u64, u64)> {
+        let mut extents = Vec::new();
+        let mut pos = 0;
+        while pos < SIZE {
+            let (h, p) = self.call(Kind::Extents, pos, (SIZE - pos) as u32, &[]);
+            assert_eq!(h.status, 0);
+            assert!(h.offset > pos, "the scan advances");
+            extents.extend(wire::decode_extents(&p).unwrap());
+            pos = h.offset;
+        }
+        extents
+    }
+
+    /// Waits (bounded) until no snapshot of the list is `name`.
+    fn wait_snapshot_gone(&mut self, name: &str) {
+        for _ in 0..1000 {
+            if !self.snapshot_names().iter().any(|n| n == name) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("snapshot {name} still listed after 10 s");
+    }
+}
+
+fn layers_dir(dir: &Path) -> PathBuf {
+    dir.join("data.img.lull")
+}
+
+#[test]
+fn snapshot_create_list_write_revert_and_delete() {
+    let dir = TempDir::new("snap");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x50);
+    c.attach(1);
+    assert_eq!(c.snapshots(), vec![], "a new replica has no snapshot");
+    // A change record for a replica away: a revert must note every region.
+    let key = wire::encode_change_key(&wire::ChangeKey {
+        generation: 1,
+        peer: "r9@h:1".into(),
+        seed: Vec::new(),
+    })
+    .unwrap();
+    assert_eq!(
+        c.call(Kind::ChangesStart, 0, key.len() as u32, &key)
+            .0
+            .status,
+        0
+    );
+
+    // A: 256 KiB at 1 MiB (sendfile-sized reads) and a small write.
+    let a = pattern(1, 256 * 1024);
+    assert_eq!(c.write(MIB, &a), 0);
+    assert_eq!(c.write(5 * MIB + 100, b"small A"), 0);
+    assert!(!layers_dir(&dir.0).exists(), "no layer before a snapshot");
+    let sent = server.sendfile_reads();
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    assert_eq!(server.sendfile_reads(), sent + 1, "one layer: sendfile");
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    let list = c.snapshots();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].name, "s1");
+    assert!(list[0].created_unix >= before, "{list:?}");
+    assert!(list[0].allocated_bytes >= a.len() as u64, "{list:?}");
+    assert_eq!((list[0].merge_done, list[0].merge_total), (0, 0));
+    assert!(layers_dir(&dir.0).join("chain.json").is_file());
+
+    // B after the snapshot: the volume reads B, unaligned writes over
+    // the snapshot's blocks copy up, and the snapshot keeps A.
+    let b = pattern(2, 128 * 1024);
+    assert_eq!(c.write(MIB + 64 * 1024, &b), 0);
+    assert_eq!(c.write(5 * MIB + 102, b"ALL"), 0);
+    let mut ab = a.clone();
+    ab[64 * 1024..64 * 1024 + b.len()].copy_from_slice(&b);
+    let sent = server.sendfile_reads();
+    assert_eq!(c.read(MIB, a.len() as u32), ab);
+    assert_eq!(server.sendfile_reads(), sent, "layers: no sendfile");
+    assert_eq!(c.read(5 * MIB + 100, 7), b"smALL A");
+    // B in a region A never touched, and the allocation covers both.
+    assert_eq!(c.write(40 * MIB, &b), 0);
+    let extents = c.all_extents();
+    let covered = |off: u64, len: u64| extents.iter().any(|&(o, l)| o <= off && off + len <= o + l);
+    assert!(covered(MIB, a.len() as u64), "{extents:?}");
+    assert!(covered(40 * MIB, b.len() as u64), "{extents:?}");
+    assert!(!covered(20 * MIB, 4096), "{extents:?}");
+    let (h, p) = c.call(Kind::BlockStatus, 40 * MIB - 4096, 8192, &[]);
+    assert_eq!(h.status, 0);
+    let st = |length, flags| wire::StatusExtent { length, flags };
+    assert_eq!(
+        wire::decode_block_status(&p).unwrap(),
+        [st(4096, wire::STATUS_HOLE | wire::STATUS_ZERO), st(4096, 0)]
+    );
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+
+    // Revert: the snapshot's bytes again, and every region possibly
+    // different (write-intent and change record).
+    assert_eq!(c.snapshot(SnapshotOp::Revert, "s1"), 0);
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    assert_eq!(c.read(5 * MIB + 100, 7), b"small A");
+    assert_eq!(c.read(40 * MIB, b.len() as u32), vec![0; b.len()]);
+    assert_eq!(c.snapshot_names(), ["s1"], "reverting keeps the snapshot");
+    assert_eq!(c.intent(), (0, (0..REGIONS).collect()));
+    assert_eq!(intent_on_disk(&dir.0), (0..REGIONS).collect::<Vec<_>>());
+    let (h, bitmap) = c.call(Kind::ChangesGet, 0, key.len() as u32, &key);
+    assert_eq!(h.status, 0);
+    let regions = wire::change_regions(SIZE) as u32;
+    assert_eq!(set_bits(&bitmap), (0..regions).collect::<Vec<_>>());
+
+    // A second snapshot over C, then delete the first: it merges into
+    // its child and leaves the list; the data does not change.
+    let cc = pattern(3, 64 * 1024);
+    assert_eq!(c.write(2 * MIB, &cc), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s2"), 0);
+    assert_eq!(c.write(3 * MIB, &cc), 0);
+    assert_eq!(c.snapshot_names(), ["s1", "s2"]);
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1"), 0);
+    c.wait_snapshot_gone("s1");
+    assert_eq!(c.snapshot_names(), ["s2"]);
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    assert_eq!(c.read(2 * MIB, cc.len() as u32), cc);
+    assert_eq!(c.read(3 * MIB, cc.len() as u32), cc);
+    // The first layer was merged away: data.img is gone, the volume
+    // lives in its later layers. Reverting to s2 drops C at 3 MiB.
+    assert_eq!(c.snapshot(SnapshotOp::Revert, "s2"), 0);
+    assert_eq!(c.read(3 * MIB, cc.len() as u32), vec![0; cc.len()]);
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    // Deleting the last snapshot leaves one layer: reads (sendfile-sized
+    // too) pass straight to it again.
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s2"), 0);
+    c.wait_snapshot_gone("s2");
+    assert!(!dir.0.join("data.img").exists(), "merged away");
+    let sent = server.sendfile_reads();
+    assert_eq!(c.read(MIB, a.len() as u32), a);
+    assert_eq!(
+        server.sendfile_reads(),
+        sent + 1,
+        "one layer again (not data.img): sendfile"
+    );
+    assert_eq!(c.read(2 * MIB, cc.len() as u32), cc);
+    assert_eq!(c.write(MIB, &b), 0);
+    assert_eq!(c.read(MIB, b.len() as u32), b);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn bad_snapshot_requests_are_refused_with_their_errno() {
+    let dir = TempDir::new("snap-bad");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x60);
+    c.attach(1);
+    assert_eq!(c.write(0, b"data"), 0);
+    for name in ["a@b", "a/b", ".hidden", "with space", "é"] {
+        assert_eq!(
+            c.snapshot(SnapshotOp::Create, name) as i32,
+            libc::EINVAL,
+            "{name:?}"
+        );
+    }
+    // An unknown op and a name that is not UTF-8: EINVAL, and the
+    // connection goes on.
+    assert_eq!(c.snapshot_raw(&[9, b's']) as i32, libc::EINVAL);
+    assert_eq!(c.snapshot_raw(&[1, 0xff, 0xfe]) as i32, libc::EINVAL);
+    assert_eq!(c.snapshot_names(), Vec::<String>::new());
+    let longest = "n".repeat(wire::MAX_SNAPSHOT_NAME_BYTES);
+    assert_eq!(c.snapshot(SnapshotOp::Create, &longest), 0);
+    assert_eq!(
+        c.snapshot(SnapshotOp::Create, &longest) as i32,
+        libc::EEXIST
+    );
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "nope") as i32, libc::ENOENT);
+    assert_eq!(c.snapshot(SnapshotOp::Revert, "nope") as i32, libc::ENOENT);
+    // The chain's limit: 64 layers (63 snapshots and the head).
+    for i in 1..lull_bdev::chain::MAX_CHAIN_LAYERS - 1 {
+        assert_eq!(c.snapshot(SnapshotOp::Create, &format!("s{i}")), 0, "s{i}");
+    }
+    assert_eq!(c.snapshots().len(), lull_bdev::chain::MAX_CHAIN_LAYERS - 1);
+    assert_eq!(
+        c.snapshot(SnapshotOp::Create, "one-more") as i32,
+        libc::EMLINK
+    );
+    assert_eq!(c.read(0, 4), b"data");
+    // A name longer than the protocol's bound is a framing error: the
+    // connection closes.
+    let mut raw = [0u8; HEADER_LEN];
+    let h = Header::request(Kind::Snapshot, 77, 0, wire::MAX_SNAPSHOT_REQUEST_LEN as u32);
+    wire::encode_header(&h, &mut raw).unwrap();
+    raw[24..28].copy_from_slice(&(wire::MAX_SNAPSHOT_REQUEST_LEN as u32 + 1).to_be_bytes());
+    c.s.write_all(&raw).unwrap();
+    c.s.write_all(&vec![b'x'; wire::MAX_SNAPSHOT_REQUEST_LEN + 1])
+        .unwrap();
+    c.expect_closed();
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn snapshots_are_for_the_owner_only() {
+    let dir = TempDir::new("snap-fence");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut tool = Client::connect(server.local_addr());
+    tool.probe();
+    // With no engine owning it, a tool may take one (and a clean replica
+    // is marked dirty first, as for any modifying request).
+    assert!(server.is_clean());
+    assert_eq!(tool.snapshot(SnapshotOp::Create, "by-tool"), 0);
+    assert!(!meta(&dir.0).clean);
+    let mut e = Client::engine(server.local_addr(), 0x70);
+    e.attach(1);
+    // Once an engine owns it: a tool gets ESTALE, and may still list.
+    assert_eq!(tool.snapshot(SnapshotOp::Create, "t2") as i32, libc::ESTALE);
+    assert_eq!(
+        tool.snapshot(SnapshotOp::Delete, "by-tool") as i32,
+        libc::ESTALE
+    );
+    assert_eq!(tool.snapshot_names(), ["by-tool"]);
+    // An engine fenced by a newer one: its connection closes instead.
+    let mut newer = Client::engine(server.local_addr(), 0x71);
+    newer.probe();
+    let payload = wire::encode_snapshot_request(&SnapshotRequest {
+        op: SnapshotOp::Create,
+        name: "late".into(),
+    })
+    .unwrap();
+    let mut raw = [0u8; HEADER_LEN];
+    let h = Header::request(Kind::Snapshot, 99, 0, payload.len() as u32);
+    wire::encode_header(&h, &mut raw).unwrap();
+    // The socket may already be closed: a failed send is fine.
+    let _ = e.s.write_all(&raw).and_then(|()| e.s.write_all(&payload));
+    e.expect_closed();
+    assert_eq!(newer.snapshot_names(), ["by-tool"]);
+    assert_eq!(newer.snapshot(SnapshotOp::Create, "s2"), 0);
+    assert_eq!(newer.snapshot_names(), ["by-tool", "s2"]);
+    drop((tool, newer));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn snapshots_survive_a_restart_and_old_directories_open_unchanged() {
+    let dir = TempDir::new("snap-restart");
+    let mut fw = framework();
+    let a = pattern(4, 96 * 1024);
+    let b = pattern(5, 96 * 1024);
+
+    // A replica from before snapshots: data.img alone, and it stays so.
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x80);
+    c.attach(1);
+    assert_eq!(c.write(0, &a), 0);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(!layers_dir(&dir.0).exists());
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x81);
+    c.attach(2);
+    assert_eq!(c.read(0, a.len() as u32), a);
+    assert!(!layers_dir(&dir.0).exists(), "opened without migration");
+
+    assert_eq!(c.snapshot(SnapshotOp::Create, "before-b"), 0);
+    assert_eq!(c.write(0, &b), 0);
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x82);
+    c.attach(3);
+    assert_eq!(c.snapshot_names(), ["before-b"]);
+    assert_eq!(c.read(0, b.len() as u32), b);
+    assert_eq!(c.snapshot(SnapshotOp::Revert, "before-b"), 0);
+    assert_eq!(c.read(0, a.len() as u32), a);
+    // A merge stopped by a shutdown leaves the snapshot in place.
+    assert_eq!(c.write(8 * MIB, &b), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "before-b"), 0);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x83);
+    c.attach(4);
+    let left = c.snapshot_names();
+    assert!(left.is_empty() || left == ["before-b"], "{left:?}");
+    assert_eq!(c.read(0, a.len() as u32), a);
+    assert_eq!(c.read(8 * MIB, b.len() as u32), b);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_store_replica_deleted_takes_its_layers_along() {
+    let dir = TempDir::new("snap-store");
+    let mut fw = framework();
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: dir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create("r1", SIZE).unwrap();
+    let rdir = dir.0.join("replicas").join("r1");
+    let mut c = Client::connect(store.local_addr());
+    let body = wire::encode_hello_request(
+        &Hello {
+            volume_size: SIZE,
+            generation: 0,
+            flags: 0,
+            session: 0,
+        },
+        "r1",
+    );
+    let (h, _) = c.call(Kind::Hello, 0, body.len() as u32, &body);
+    assert_eq!(h.status, 0);
+    // Enough data that the merge below runs for a while.
+    let chunk = pattern(6, 1 << 20);
+    for i in 0..32 {
+        assert_eq!(c.write(i * MIB, &chunk), 0);
+    }
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.write(40 * MIB, &chunk), 0);
+    let info = store.get("r1").unwrap();
+    assert!(
+        info.allocated_bytes >= 33 * MIB,
+        "every layer counts: {info:?}"
+    );
+    assert!(layers_dir(&rdir).join("chain.json").is_file());
+    // Delete the snapshot (a merge starts), then the replica.
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1"), 0);
+    drop(c);
+    store.delete("r1").unwrap();
+    assert!(!rdir.exists());
+    // A merge stopped, not running on: nothing comes back.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!rdir.exists(), "the replica's directory came back");
+    assert_eq!(
+        std::fs::read_dir(dir.0.join("replicas")).unwrap().count(),
+        0
+    );
+    // The name is free again.
+    store.create("r1", SIZE).unwrap();
+
+    // A `lull replica` directory whose first layer was merged away (no
+    // data.img, its chain in data.img.lull/) is adopted with its layers.
+    let outside = TempDir::new("snap-store-import");
+    let server = ReplicaServer::start(fw.handle(), &config(&outside.0, SIZE)).unwrap();
+    let mut c = Client::connect(server.local_addr());
+    c.probe();
+    assert_eq!(c.write(0, &chunk), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "a"), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "b"), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "a"), 0);
+    c.wait_snapshot_gone("a");
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(!outside.0.join("data.img").exists());
+    store.import("r2", &outside.0).unwrap();
+    let mut c = Client::connect(store.local_addr());
+    let body = wire::encode_hello_request(
+        &Hello {
+            volume_size: SIZE,
+            generation: 0,
+            flags: 0,
+            session: 0,
+        },
+        "r2",
+    );
+    assert_eq!(c.call(Kind::Hello, 0, body.len() as u32, &body).0.status, 0);
+    assert_eq!(c.snapshot_names(), ["b"]);
+    assert_eq!(c.read(0, chunk.len() as u32), chunk);
+    drop(c);
+    store.shutdown(Duration::from_secs(10)).unwrap();
+    drop(store);
+    fw.stop();
+}
+
+#[test]
+fn writes_and_reads_go_on_while_snapshots_are_taken() {
+    let dir = TempDir::new("snap-load");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let mut c = Client::engine(server.local_addr(), 0x90);
+    c.attach(1);
+    let addr = server.local_addr();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // One request at a time: a request the chain holds during a
+    // snapshot has nothing else in flight to wake its connection.
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut w = Client::engine(addr, 0x90);
+            w.probe();
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let off = (n % 512) * 64 * 1024;
+                let data = pattern(n as u8, 36 * 1024);
+                assert_eq!(w.write(off, &data), 0);
+                assert_eq!(w.read(off, data.len() as u32), data, "write {n}");
+                n += 1;
+            }
+            n
+        })
+    };
+    for i in 0..20 {
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(c.snapshot(SnapshotOp::Create, &format!("s{i}")), 0);
+    }
+    for i in 0..19 {
+        assert_eq!(c.snapshot(SnapshotOp::Delete, &format!("s{i}")), 0);
+        c.wait_snapshot_gone(&format!("s{i}"));
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = writer.join().expect("the writer saw its data");
+    assert!(n > 20, "{n} writes");
+    assert_eq!(c.snapshot_names(), ["s19"]);
+    drop(c);
     server.shutdown(Duration::from_secs(10)).unwrap();
     fw.stop();
 }

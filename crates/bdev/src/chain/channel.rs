@@ -32,6 +32,15 @@ const ZERO_CHUNKS_IN_FLIGHT: u32 = 2;
 /// Slots: every owner's request and the zero-fill chunks they may have.
 const MAX_OPS: usize = CHAIN_CHANNEL_DEPTH * (1 + ZERO_CHUNKS_IN_FLIGHT as usize);
 
+/// How long an owner whose request was handed back because the chain is
+/// quiesced (a snapshot, revert or merge step) or because a copy-up holds
+/// a block of it waits before it tries again. No completion of its own
+/// may come to wake it (it may have nothing else in flight), so it is
+/// told a time ([`Channel::retry_at_ns`]); a quiesce lasts a sync of the
+/// head or one merge step (milliseconds), so 100 µs keeps the added
+/// latency small at a few wake-ups per millisecond.
+pub(super) const PAUSED_RETRY_NS: u64 = 100_000;
+
 /// What a slot's op is doing.
 enum Stage {
     /// Subs read into the op's buffer (or the buffer is lent to the one
@@ -102,6 +111,9 @@ pub(crate) struct ChainChannel {
     wake: Option<Wake>,
     polled: bool,
     reaped: Vec<(usize, IoCompletion)>,
+    /// The last `submit` was handed back for a pause or a copy-up lock:
+    /// when to try again (monotonic ns).
+    retry_at: Option<u64>,
 }
 
 impl ChainChannel {
@@ -133,6 +145,7 @@ impl ChainChannel {
             wake: None,
             polled: false,
             reaped: Vec::new(),
+            retry_at: None,
         };
         // The head's channel decides how completions are waited for, for
         // the channel's whole life (an owner registers the fd once).
@@ -218,6 +231,20 @@ impl ChainChannel {
 
     fn set_busy(&self, n: usize) {
         self.busy.store(n, Ordering::SeqCst);
+    }
+
+    /// `req` handed back as full for a reason no completion of this
+    /// channel ends (a pause, another channel's copy-up): the owner is
+    /// told when to try again.
+    fn held(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        use lull_reactor::Clock;
+        self.retry_at = Some(lull_reactor::MonotonicClock.now_ns() + PAUSED_RETRY_NS);
+        Err((
+            req,
+            BdevError::Full {
+                capacity: CHAIN_CHANNEL_DEPTH,
+            },
+        ))
     }
 
     fn alloc(&mut self, op: Op) -> Option<u32> {
@@ -704,13 +731,9 @@ fn mark(state: &State, b0: u64, b1: u64) {
 
 impl Channel for ChainChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        self.retry_at = None;
         if self.shared.paused.load(Ordering::SeqCst) > 0 {
-            return Err((
-                req,
-                BdevError::Full {
-                    capacity: CHAIN_CHANNEL_DEPTH,
-                },
-            ));
+            return self.held(req);
         }
         self.refresh();
         let modifies = matches!(
@@ -734,12 +757,7 @@ impl Channel for ChainChannel {
         self.set_busy(self.parents + 1);
         if self.shared.paused.load(Ordering::SeqCst) > 0 {
             self.set_busy(self.parents);
-            return Err((
-                req,
-                BdevError::Full {
-                    capacity: CHAIN_CHANNEL_DEPTH,
-                },
-            ));
+            return self.held(req);
         }
         if self.passthrough() {
             let r = match self.layer(0) {
@@ -811,18 +829,13 @@ impl Channel for ChainChannel {
                     self.free.push(slot);
                     self.parents -= 1;
                     self.set_busy(self.parents);
-                    return Err((
-                        IoRequest {
-                            tag: o.tag,
-                            op: o.op,
-                            offset: o.offset,
-                            len: o.len,
-                            buf: o.buf,
-                        },
-                        BdevError::Full {
-                            capacity: CHAIN_CHANNEL_DEPTH,
-                        },
-                    ));
+                    return self.held(IoRequest {
+                        tag: o.tag,
+                        op: o.op,
+                        offset: o.offset,
+                        len: o.len,
+                        buf: o.buf,
+                    });
                 }
             }
             IoOp::Trim | IoOp::WriteZeroes { .. } => self.start_zero(slot),
@@ -893,6 +906,10 @@ impl Channel for ChainChannel {
 
     fn polled(&self) -> bool {
         self.polled
+    }
+
+    fn retry_at_ns(&self) -> Option<u64> {
+        self.retry_at
     }
 }
 

@@ -44,7 +44,7 @@ mod channel;
 pub(crate) mod map;
 mod store;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -52,7 +52,9 @@ use crate::{push_change, BdevError, BlockDevice, ChangeRun, Channel, Extent};
 use map::{blocks_of, Bitmap, TopMap};
 
 pub use channel::CHAIN_CHANNEL_DEPTH;
-pub use store::{ChainRecord, CloneRef, FileStore, LayerRecord, LayerStore, MemoryStore};
+pub use store::{
+    ChainRecord, CloneRef, FileStore, LayerRecord, LayerStore, MemoryStore, CHAIN_RECORD_FILE,
+};
 
 /// The unit of the allocation maps: what a layer holds, what a write
 /// copies up. 4 KiB is the page and filesystem block size, so a layer
@@ -315,6 +317,8 @@ struct Merge {
     snapshot: String,
     done_bytes: Arc<AtomicU64>,
     total_bytes: u64,
+    /// Set by [`ChainDev::stop_merge`]: the merge stops before its next step.
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), BdevError>>>,
 }
 
@@ -439,14 +443,39 @@ impl ChainDev {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let size = self.shared.size();
         let new_head = self.store.create_layer(id, size)?;
-        let quiet = self.shared.quiesce()?;
+        // The head becomes the snapshot: its data must be durable before
+        // the record names it one, or a crash could leave a snapshot
+        // without writes acknowledged before it. Most of it is synced
+        // here, with I/O running; what was written since, under the
+        // quiesce below.
+        if let Err(e) = before.head().dev.sync() {
+            self.store.discard_layer(id);
+            return Err(e);
+        }
+        let quiet = match self.shared.quiesce() {
+            Ok(q) => q,
+            Err(e) => {
+                self.store.discard_layer(id);
+                return Err(e);
+            }
+        };
         let state = self.shared.state();
+        let old_head = state.head();
+        if let Err(e) = old_head.dev.sync() {
+            self.store.discard_layer(id);
+            return Err(e);
+        }
         // A head of a one-layer chain was never tracked (everything
         // passed through): its map comes from its extents, now that
         // nothing is in flight.
-        let old_head = state.head();
         let held = if state.layers.len() == 1 {
-            Arc::new(held_of(old_head.dev.as_ref(), size)?)
+            match held_of(old_head.dev.as_ref(), size) {
+                Ok(h) => Arc::new(h),
+                Err(e) => {
+                    self.store.discard_layer(id);
+                    return Err(e);
+                }
+            }
         } else {
             old_head.held.clone()
         };
@@ -518,9 +547,13 @@ impl ChainDev {
                     .filter(|c| c.snapshot == s.name)
                     .map(|c| c.volume.clone())
                     .collect(),
+                // A merge that failed or was stopped left the snapshot
+                // in place: not merging any more (delete it again).
                 merging: merge
                     .as_ref()
-                    .filter(|m| m.snapshot == s.name)
+                    .filter(|m| {
+                        m.snapshot == s.name && m.thread.as_ref().is_some_and(|t| !t.is_finished())
+                    })
                     .map(|m| (m.done_bytes.load(Ordering::Relaxed), m.total_bytes)),
             });
         }
@@ -733,6 +766,27 @@ impl ChainDev {
         Ok(true)
     }
 
+    /// Stops a merge in the background, if one runs, and waits for its
+    /// thread (at most one step, [`MERGE_STEP_BYTES`] of copy, or its last
+    /// record write). The chain is left as it was: the snapshot is still
+    /// there, and what was copied is the same data. Whether one was
+    /// stopped. For an owner that closes the chain (a replica stopping or
+    /// deleted), so no merge writes to its files afterwards.
+    pub fn stop_merge(&self) -> bool {
+        let running = {
+            let m = self.merge.lock().unwrap_or_else(|p| p.into_inner());
+            match m.as_ref() {
+                Some(merge) if merge.thread.as_ref().is_some_and(|t| !t.is_finished()) => {
+                    merge.stop.store(true, Ordering::SeqCst);
+                    true
+                }
+                _ => false,
+            }
+        };
+        let _ = self.wait_merge();
+        running
+    }
+
     /// Waits for a merge in the background to finish; its result.
     pub fn wait_merge(&self) -> Result<(), BdevError> {
         let thread = self
@@ -790,7 +844,9 @@ impl ChainDev {
             .map(|l| l.held.count() * CHAIN_BLOCK_BYTES)
             .sum();
         let done = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
         let job = MergeJob {
+            stop: stop.clone(),
             shared: self.shared.clone(),
             store: self.store.clone(),
             clones: self.clones.clone(),
@@ -809,6 +865,7 @@ impl ChainDev {
             snapshot: label,
             done_bytes: done,
             total_bytes: total,
+            stop,
             thread: Some(thread),
         });
         Ok(())
@@ -830,6 +887,25 @@ impl ChainDev {
     /// Layers in the chain now (snapshots, shared base layers and the head).
     pub fn layer_count(&self) -> usize {
         self.shared.state().layers.len()
+    }
+
+    /// A number that changes whenever the layers do (a snapshot, a
+    /// revert, the end of a merge): one atomic load, so a caller can keep
+    /// what it derived from the layers (see [`ChainDev::single_layer_id`])
+    /// and look again only when this moved.
+    pub fn layers_generation(&self) -> u64 {
+        self.shared.generation.load(Ordering::Acquire)
+    }
+
+    /// The id of the chain's only layer (its store's name for it) while
+    /// the chain has one layer: every request then passes straight to
+    /// it, so its file holds the volume's bytes as they are. `None` with
+    /// snapshots or a base.
+    pub fn single_layer_id(&self) -> Option<u64> {
+        match &self.shared.state().layers[..] {
+            [only] => Some(only.id),
+            _ => None,
+        }
     }
 }
 
@@ -871,7 +947,12 @@ struct MergeJob {
     last: u64,
     done: Arc<AtomicU64>,
     label: String,
+    /// Stop before the next step ([`ChainDev::stop_merge`]).
+    stop: Arc<AtomicBool>,
 }
+
+/// The error of a merge that [`ChainDev::stop_merge`] stopped.
+const MERGE_STOPPED: &str = "merge stopped: the chain is being closed";
 
 impl MergeJob {
     fn run(self) -> Result<(), BdevError> {
@@ -879,6 +960,10 @@ impl MergeJob {
         match &result {
             Ok(()) => {
                 tracing::info!(chain = %self.store.describe(), what = %self.label, "merge done")
+            }
+            Err(_) if self.stop.load(Ordering::SeqCst) => {
+                tracing::info!(chain = %self.store.describe(), what = %self.label,
+                    "merge stopped before its end; the chain is unchanged (delete the snapshot again to merge it)")
             }
             Err(e) => {
                 tracing::error!(chain = %self.store.describe(), what = %self.label, error = %e,
@@ -900,7 +985,15 @@ impl MergeJob {
         let step = MERGE_STEP_BYTES / CHAIN_BLOCK_BYTES;
         let mut io = channel::SyncIo::default();
         let mut b0 = 0;
+        let stopped = || {
+            if self.stop.load(Ordering::SeqCst) {
+                Err(BdevError::Failed(MERGE_STOPPED.into()))
+            } else {
+                Ok(())
+            }
+        };
         while b0 < blocks {
+            stopped()?;
             let b1 = (b0 + step).min(blocks);
             let state = self.shared.state();
             let (a, b) = Self::indices(&state, self.first, self.last)
@@ -943,6 +1036,7 @@ impl MergeJob {
             .ok_or_else(|| BdevError::Failed("the chain changed under the merge".into()))?;
         io.flush(state.layers[b + 1].dev.as_ref())?;
         let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        stopped()?;
         let quiet = self.shared.quiesce()?;
         let state = self.shared.state();
         let (a2, b2) = Self::indices(&state, self.first, self.last)
@@ -1042,12 +1136,25 @@ impl BlockDevice for ChainDev {
         s.layers.len() == 1 && s.head().dev.zeroes_fast()
     }
 
+    /// Summed over the chain's own layers (a snapshot's reads go to its
+    /// layer; a clone's shared base is counted by its origin). Layers
+    /// dropped take their counts with them.
     fn io_uring_enters(&self) -> Option<u64> {
-        self.shared.state().head().dev.io_uring_enters()
+        let s = self.shared.state();
+        own_layers(&s)
+            .filter_map(|l| l.dev.io_uring_enters())
+            .reduce(|a, b| a + b)
     }
 
     fn buffer_ios(&self) -> Option<crate::BufferIos> {
-        self.shared.state().head().dev.buffer_ios()
+        let s = self.shared.state();
+        own_layers(&s)
+            .filter_map(|l| l.dev.buffer_ios())
+            .reduce(|a, b| crate::BufferIos {
+                fixed: a.fixed + b.fixed,
+                plain: a.plain + b.plain,
+                inline: a.inline + b.inline,
+            })
     }
 
     fn prefetch(&self, offset: u64, len: u64) -> Result<(), BdevError> {
@@ -1095,6 +1202,11 @@ impl BlockDevice for ChainDev {
             ),
         }))
     }
+}
+
+/// The layers a chain owns (not a clone's shared base).
+fn own_layers(state: &State) -> impl Iterator<Item = &Arc<Layer>> {
+    state.layers.iter().filter(|l| l.foreign.is_none())
 }
 
 fn check_range(offset: u64, len: u64, size: u64) -> Result<u64, BdevError> {

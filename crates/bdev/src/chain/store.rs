@@ -13,7 +13,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::file::{FileDev, FileOptions};
 use crate::malloc::MallocDev;
@@ -136,9 +136,14 @@ pub struct FileStore {
     path: PathBuf,
     dir: PathBuf,
     options: FileOptions,
+    /// The layers this store opened, by id, for
+    /// [`FileStore::page_cache_file`]; an entry goes stale when its layer
+    /// is dropped (and is pruned at the next open).
+    opened: Mutex<Vec<(u64, Weak<FileDev>)>>,
 }
 
-const RECORD: &str = "chain.json";
+/// File name of a chain's record inside its layers' directory.
+pub const CHAIN_RECORD_FILE: &str = "chain.json";
 
 impl FileStore {
     pub fn new(path: impl AsRef<Path>, options: FileOptions) -> FileStore {
@@ -149,7 +154,21 @@ impl FileStore {
             path,
             dir: PathBuf::from(dir),
             options,
+            opened: Mutex::default(),
         }
+    }
+
+    /// The file of layer `id` for reading its bytes out of the page cache
+    /// by other means than a channel (a replica's `sendfile` READ
+    /// replies), while the layer is open; `None` with `direct` (reads
+    /// bypass the page cache) or for a layer this store did not open.
+    pub fn page_cache_file(&self, id: u64) -> Option<Arc<File>> {
+        let opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        opened
+            .iter()
+            .find(|(lid, _)| *lid == id)
+            .and_then(|(_, dev)| dev.upgrade())
+            .and_then(|dev| dev.page_cache_file())
     }
 
     /// The directory of the layers after the first and of the record.
@@ -167,6 +186,7 @@ impl FileStore {
 
     fn open_layer(
         &self,
+        id: u64,
         path: &Path,
         size_bytes: u64,
         create: bool,
@@ -175,7 +195,11 @@ impl FileStore {
             create,
             ..self.options
         };
-        Ok(Arc::new(FileDev::open(path, size_bytes, options)?))
+        let dev = Arc::new(FileDev::open(path, size_bytes, options)?);
+        let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        opened.retain(|(lid, d)| *lid != id && d.strong_count() > 0);
+        opened.push((id, Arc::downgrade(&dev)));
+        Ok(dev)
     }
 
     fn sync_dir(&self) -> Result<(), BdevError> {
@@ -184,7 +208,7 @@ impl FileStore {
     }
 
     fn read_record(&self) -> Result<Option<ChainRecord>, BdevError> {
-        let path = self.dir.join(RECORD);
+        let path = self.dir.join(CHAIN_RECORD_FILE);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -240,13 +264,13 @@ impl LayerStore for FileStore {
             // here is a first snapshot that a crash cut short before its
             // record was written.
             self.remove_orphans(&record);
-            let dev = self.open_layer(&self.path, size_bytes, self.options.create)?;
+            let dev = self.open_layer(0, &self.path, size_bytes, self.options.create)?;
             return Ok((record, vec![dev]));
         };
         if record.layers.is_empty() {
             return Err(BdevError::Failed(format!(
                 "{}: the chain record names no layer",
-                self.dir.join(RECORD).display()
+                self.dir.join(CHAIN_RECORD_FILE).display()
             )));
         }
         self.remove_orphans(&record);
@@ -256,14 +280,16 @@ impl LayerStore for FileStore {
                 Some(p) => PathBuf::from(p),
                 None => self.layer_path(l.id),
             };
-            let dev = self.open_layer(&path, size_bytes, false).map_err(|e| {
-                BdevError::Failed(format!(
-                    "{}: layer {} ({}) cannot be opened: {e}",
-                    self.dir.join(RECORD).display(),
-                    l.id,
-                    path.display()
-                ))
-            })?;
+            let dev = self
+                .open_layer(l.id, &path, size_bytes, false)
+                .map_err(|e| {
+                    BdevError::Failed(format!(
+                        "{}: layer {} ({}) cannot be opened: {e}",
+                        self.dir.join(CHAIN_RECORD_FILE).display(),
+                        l.id,
+                        path.display()
+                    ))
+                })?;
             devs.push(dev);
         }
         tracing::info!(chain = %self.dir.display(), layers = record.layers.len(),
@@ -275,7 +301,7 @@ impl LayerStore for FileStore {
     fn create_layer(&self, id: u64, size_bytes: u64) -> Result<Arc<dyn BlockDevice>, BdevError> {
         fs::create_dir_all(&self.dir)?;
         let path = self.layer_path(id);
-        let dev = self.open_layer(&path, size_bytes, true)?;
+        let dev = self.open_layer(id, &path, size_bytes, true)?;
         File::open(&path)?.sync_all()?;
         self.sync_dir()?;
         Ok(dev)
@@ -283,7 +309,7 @@ impl LayerStore for FileStore {
 
     fn commit(&self, record: &ChainRecord) -> Result<(), BdevError> {
         fs::create_dir_all(&self.dir)?;
-        let tmp = self.dir.join(format!("{RECORD}.tmp"));
+        let tmp = self.dir.join(format!("{CHAIN_RECORD_FILE}.tmp"));
         let bytes = serde_json::to_vec_pretty(record)
             .map_err(|e| BdevError::Failed(format!("chain record: {e}")))?;
         let mut f = OpenOptions::new()
@@ -293,7 +319,7 @@ impl LayerStore for FileStore {
             .open(&tmp)?;
         f.write_all(&bytes)?;
         f.sync_all()?;
-        fs::rename(&tmp, self.dir.join(RECORD))?;
+        fs::rename(&tmp, self.dir.join(CHAIN_RECORD_FILE))?;
         self.sync_dir()?;
         Ok(())
     }

@@ -546,3 +546,97 @@ fn snapshots_while_a_merge_runs_lose_nothing() {
         }
     }
 }
+
+#[test]
+fn a_request_held_by_a_quiesce_names_a_retry_time() {
+    let chain = memory_chain(SIZE);
+    let mut ch = chain.open_channel().expect("channel");
+    let quiet = chain.shared.quiesce().expect("quiesce");
+    let mut buf = IoBuf::with_capacity(4096);
+    buf.set_len(4096);
+    let req = IoRequest {
+        tag: 1,
+        op: IoOp::Write { fua: false },
+        offset: 0,
+        len: 4096,
+        buf: Some(buf),
+    };
+    use lull_reactor::Clock;
+    let before = lull_reactor::MonotonicClock.now_ns();
+    let Err((req, BdevError::Full { .. })) = ch.submit(req) else {
+        panic!("a quiesced chain takes no request");
+    };
+    let at = ch.retry_at_ns().expect("a time to try again");
+    assert!(at > before && at <= before + 10 * channel::PAUSED_RETRY_NS);
+    drop(quiet);
+    ch.submit(req)
+        .map_err(|(_, e)| e)
+        .expect("taken once resumed");
+    assert_eq!(ch.retry_at_ns(), None);
+}
+
+#[test]
+fn the_one_layer_and_its_file_are_known_before_and_after_a_merge() {
+    let dir = TempDir::new("durable");
+    let store = Arc::new(FileStore::new(
+        dir.0.join("vol.img"),
+        FileOptions {
+            create: true,
+            ..FileOptions::default()
+        },
+    ));
+    let chain = ChainDev::open(store.clone(), SIZE).expect("chain");
+    assert_eq!(chain.single_layer_id(), Some(0));
+    assert!(store.page_cache_file(0).is_some());
+    let g0 = chain.layers_generation();
+    let mut ch = chain.open_channel().expect("channel");
+    write(ch.as_mut(), 0, &pattern(1, 8192));
+    chain.snapshot("s1").expect("snapshot");
+    assert_eq!(chain.single_layer_id(), None);
+    assert_ne!(chain.layers_generation(), g0);
+    write(ch.as_mut(), 8192, &pattern(2, 4096));
+    chain.delete_snapshot("s1").expect("delete");
+    chain.wait_merge().expect("merge");
+    // The one layer left is the head the snapshot started, not vol.img.
+    let id = chain.single_layer_id().expect("one layer");
+    assert_ne!(id, 0);
+    assert!(!dir.0.join("vol.img").exists());
+    let file = store.page_cache_file(id).expect("its file");
+    let mut got = vec![0u8; 8192];
+    std::os::unix::fs::FileExt::read_exact_at(file.as_ref(), &mut got, 0).unwrap();
+    assert_eq!(
+        got,
+        pattern(1, 8192),
+        "the merged blocks are in the one layer"
+    );
+    assert_eq!(read(ch.as_mut(), 8192, 4096), pattern(2, 4096));
+}
+
+#[test]
+fn a_stopped_merge_leaves_the_snapshot_and_can_run_again() {
+    let size: u64 = 64 << 20;
+    let chain = memory_chain(size);
+    let mut ch = chain.open_channel().expect("channel");
+    let data = pattern(3, 1 << 20);
+    for i in 0..64 {
+        write(ch.as_mut(), i << 20, &data);
+    }
+    chain.snapshot("s1").expect("snapshot");
+    write(ch.as_mut(), 0, &pattern(4, 4096));
+    assert!(!chain.stop_merge(), "no merge runs");
+    chain.delete_snapshot("s1").expect("delete");
+    let stopped = chain.stop_merge();
+    let names: Vec<String> = chain.snapshots().into_iter().map(|s| s.name).collect();
+    if stopped {
+        assert_eq!(names, ["s1"], "a stopped merge leaves its snapshot");
+        assert!(chain.snapshots()[0].merging.is_none(), "and merges no more");
+    }
+    assert_eq!(read(ch.as_mut(), 0, 4096), pattern(4, 4096));
+    assert_eq!(read(ch.as_mut(), 32 << 20, 4096), data[..4096].to_vec());
+    if stopped {
+        chain.delete_snapshot("s1").expect("delete again");
+        chain.wait_merge().expect("merge");
+    }
+    assert!(chain.snapshots().is_empty());
+    assert_eq!(read(ch.as_mut(), 63 << 20, 4096), data[..4096].to_vec());
+}

@@ -139,7 +139,7 @@ pub use rebuild::{
     REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
     REBUILD_WINDOW_SEGMENTS,
 };
-pub use replicas::AUTH_RETRY_INTERVAL_MS_MAX;
+pub use replicas::{AUTH_RETRY_INTERVAL_MS_MAX, SNAPSHOT_EXTRA_TIMEOUT_NS};
 pub use snapshot::ReplicaSnapshots;
 pub use types::{
     Action, ClientReq, ControlOutcome, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions,

@@ -16,6 +16,13 @@ use super::types::{
     Replica, Sub, SubKind,
 };
 
+/// What a SNAPSHOT request may take beyond the replica timeout before
+/// the replica is failed: its chain waits up to 10 s for the requests in
+/// flight to finish (`lull_bdev::chain::QUIESCE_TIMEOUT`) and then syncs
+/// the head it freezes and its record, which on a busy disk takes longer
+/// than a write; 20 s covers both.
+pub const SNAPSHOT_EXTRA_TIMEOUT_NS: u64 = 20_000_000_000;
+
 /// The longest wait between attempts on a replica that cannot be
 /// authenticated: a wrong key or certificate is an operator's mistake, so
 /// each end logs a refusal about once a minute until it is fixed, and a
@@ -679,10 +686,17 @@ impl Engine {
             }
             let mut why = None;
             for (ci, conn) in self.replicas[r].conns.iter_with_ids() {
+                let limit = |s: &Sub| {
+                    if s.kind == Kind::Snapshot {
+                        timeout.saturating_add(SNAPSHOT_EXTRA_TIMEOUT_NS)
+                    } else {
+                        timeout
+                    }
+                };
                 if let Some((_, sub)) = conn
                     .slots
                     .iter()
-                    .find(|(_, s)| now.saturating_sub(s.sent_ns) > timeout)
+                    .find(|(_, s)| now.saturating_sub(s.sent_ns) > limit(s))
                 {
                     why = Some(format!(
                         "{:?} request timed out on connection {ci}",
@@ -690,7 +704,13 @@ impl Engine {
                     ));
                     break;
                 }
-                if conn.state != CState::Down && now.saturating_sub(conn.last_rx_ns) > timeout {
+                // A connection answering a SNAPSHOT reads nothing else
+                // until it is done: its own limit applies.
+                let snapshotting = conn.slots.iter().any(|(_, s)| s.kind == Kind::Snapshot);
+                if conn.state != CState::Down
+                    && !snapshotting
+                    && now.saturating_sub(conn.last_rx_ns) > timeout
+                {
                     why = Some(format!(
                         "silent for more than {} ms on connection {ci}",
                         self.opts.replica_timeout_ms

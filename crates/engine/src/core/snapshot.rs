@@ -56,7 +56,7 @@ impl Engine {
             step: SnapshotStep::Draining,
             started_ns: self.now,
             errors: Vec::new(),
-            took: 0,
+            took: ReplicaSet::EMPTY,
         });
     }
 
@@ -162,7 +162,18 @@ impl Engine {
             return;
         };
         let took_ms = self.now.saturating_sub(job.started_ns) / 1_000_000;
-        let outcome = if job.errors.is_empty() && job.took == 0 {
+        if job.op == SnapshotOp::Revert && !job.took.is_empty() {
+            // A replica sets every write-intent region durably before it
+            // reverts (its data differs from its peers' everywhere until
+            // each has reverted). Every region is marked on them now, as
+            // the engine sees it, and cleared the usual way once quiet.
+            let now = self.now;
+            for x in &mut self.regions {
+                x.marked = x.marked.union(job.took);
+                x.last_write_ns = now;
+            }
+        }
+        let outcome = if job.errors.is_empty() && job.took.is_empty() {
             // Every replica it went to failed before answering.
             self.log(
                 LogLevel::Warn,
@@ -204,7 +215,7 @@ impl Engine {
         let errno = h.status as i32;
         let done = errno == 0 || (errno == libc::ENOENT && job.op == SnapshotOp::Delete);
         if done {
-            job.took += 1;
+            job.took.insert(r);
         } else {
             let what = match errno {
                 libc::EEXIST => "a snapshot of that name exists".to_string(),

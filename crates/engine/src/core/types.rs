@@ -554,7 +554,7 @@ pub(super) struct SnapshotJob {
     /// Refusals so far, one line per replica.
     pub(super) errors: Vec<String>,
     /// Replicas that answered it with success.
-    pub(super) took: u32,
+    pub(super) took: ReplicaSet,
 }
 
 pub(super) enum SnapshotStep {

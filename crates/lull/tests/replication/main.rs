@@ -18,4 +18,5 @@ mod large_requests;
 mod node;
 mod replica_tls;
 mod replication;
+mod snapshots;
 mod sparse_replicated;
