@@ -18,9 +18,9 @@ fn short_crash_and_fault_campaign() {
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_lull"))
         .env("SEED", "21")
-        .env("ROUNDS", "3")
+        .env("ROUNDS", "4")
         .env("ROUND_S", "2")
-        .env("ACTIONS", "kill-serve kill-replica io-errors")
+        .env("ACTIONS", "kill-serve kill-replica io-errors snapshot-kill")
         .env("TMPDIR", env!("CARGO_TARGET_TMPDIR"))
         .output()
         .expect("run scripts/campaign");
@@ -39,6 +39,7 @@ fn short_crash_and_fault_campaign() {
         "round 1: kill-serve",
         "round 2: kill-replica",
         "round 3: io-errors",
+        "round 4: snapshot-kill",
     ] {
         assert!(text.contains(round), "no {round:?} in:\n{text}");
     }
