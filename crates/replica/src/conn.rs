@@ -426,20 +426,8 @@ impl wire::ReceiveFrames for Conn {
                 // The key follows the header: at most MAX_CHANGE_KEY_LEN,
                 // checked by `decode_header`.
                 let end = HEADER_LEN + proto::payload_len(&h);
-                if self.wire.inb.buffered() < end {
-                    return false;
-                }
-                if kind.modifies() {
-                    if let Err(owner) = self.server().fences.enter(&self.fence) {
-                        self.wire.inb.consume(end);
-                        self.fenced_request(h, owner);
-                        return true;
-                    }
-                    if !self.server().dirty.load(Ordering::SeqCst) {
-                        self.fence_exit();
-                        self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
-                        return true;
-                    }
+                if let Some(taken) = self.admit_with_payload(h, end) {
+                    return taken;
                 }
                 let key = proto::decode_change_key(kind, &self.wire.inb.peek()[HEADER_LEN..end]);
                 self.wire.inb.consume(end);
@@ -458,19 +446,8 @@ impl wire::ReceiveFrames for Conn {
                 // The op and the name: at most MAX_SNAPSHOT_REQUEST_LEN,
                 // checked by `decode_header`.
                 let end = HEADER_LEN + proto::payload_len(&h);
-                if self.wire.inb.buffered() < end {
-                    return false;
-                }
-                if let Err(owner) = self.server().fences.enter(&self.fence) {
-                    self.wire.inb.consume(end);
-                    self.fenced_request(h, owner);
-                    return true;
-                }
-                if !self.server().dirty.load(Ordering::SeqCst) {
-                    self.fence_exit();
-                    // Left buffered: taken again once the record says dirty.
-                    self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
-                    return true;
+                if let Some(taken) = self.admit_with_payload(h, end) {
+                    return taken;
                 }
                 let decoded =
                     proto::decode_snapshot_request(&self.wire.inb.peek()[HEADER_LEN..end]);
@@ -1133,6 +1110,31 @@ impl Conn {
     }
 
     /// An error reply, after draining a write's payload.
+    /// For a request whose small payload is taken with its header (a
+    /// change key, a SNAPSHOT): `Some(false)` while the payload is not all
+    /// buffered; for a modifying one, `Some(true)` when it was refused
+    /// (a fenced session) or waits (the record must say dirty first; the
+    /// frame stays buffered and is taken, and counted, again then).
+    /// `None`: go on, counted in the fence if it modifies.
+    fn admit_with_payload(&mut self, h: Header, end: usize) -> Option<bool> {
+        if self.wire.inb.buffered() < end {
+            return Some(false);
+        }
+        if h.kind.modifies() {
+            if let Err(owner) = self.server().fences.enter(&self.fence) {
+                self.wire.inb.consume(end);
+                self.fenced_request(h, owner);
+                return Some(true);
+            }
+            if !self.server().dirty.load(Ordering::SeqCst) {
+                self.fence_exit();
+                self.start_meta_wait(MetaFor::Dirty, MetaJob::Attach(0));
+                return Some(true);
+            }
+        }
+        None
+    }
+
     fn refuse(&mut self, req: Header, errno: i32) {
         if req.kind.is_write() && req.length > 0 {
             self.recv = Recv::drain(u64::from(req.length), req, errno as u32);
