@@ -92,8 +92,14 @@ impl Engine {
                 }
             }
         }
-        if healthy == 0 || !self.elected_once || self.bump.is_some() {
+        if healthy == 0 || !self.elected_once {
             return Err("the volume has no healthy replica yet".into());
+        }
+        if self.bump.is_some() {
+            return Err(
+                "the volume's healthy set just changed and its new generation is being stored on the replicas: try again"
+                    .into(),
+            );
         }
         Ok(())
     }
