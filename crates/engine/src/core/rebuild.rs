@@ -177,7 +177,11 @@ impl Engine {
                 .as_ref()
                 .and_then(|rb| self.next_copy_range(rb));
             match next {
-                None if empty => return self.finish_rebuild(),
+                // Not while a snapshot operation runs: the replica would
+                // join the healthy set without the snapshot the others
+                // take (`snapshot`); it finishes once that one ends.
+                None if empty && self.snapshot.is_none() => return self.finish_rebuild(),
+                None if empty => return,
                 None => {}
                 Some((start, end)) => {
                     let len = REBUILD_SCAN_BYTES.min(end - start) as u32;
