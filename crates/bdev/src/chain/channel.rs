@@ -760,6 +760,14 @@ impl Channel for ChainChannel {
             return self.held(req);
         }
         if self.passthrough() {
+            if modifies {
+                // The one layer's map stays current (a trim leaves its
+                // bits set: held blocks read as what they hold), so a
+                // first snapshot takes it as it is, with no scan while
+                // writes wait.
+                let (first, end) = block_span(req.offset, u64::from(req.len));
+                self.state.layers[0].held.set_range(first, end);
+            }
             let r = match self.layer(0) {
                 Ok(ch) => ch.submit(req),
                 Err(e) => Err((req, e)),

@@ -76,6 +76,11 @@ impl Bitmap {
         }
     }
 
+    /// Blocks it has a bit for.
+    pub(crate) fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
     /// Blocks held.
     pub(crate) fn count(&self) -> u64 {
         self.words

@@ -465,10 +465,12 @@ impl ChainDev {
             self.store.discard_layer(id);
             return Err(e);
         }
-        // A head of a one-layer chain was never tracked (everything
-        // passed through): its map comes from its extents, now that
-        // nothing is in flight.
-        let held = if state.layers.len() == 1 {
+        // A head of a one-layer chain has the map made at open from its
+        // extents, kept current by every write since (`ChainChannel`).
+        // Only a chain grown since it opened has blocks past that map:
+        // then it is made again from the extents, now that nothing is in
+        // flight.
+        let held = if state.layers.len() == 1 && old_head.held.blocks() < blocks_of(size) {
             match held_of(old_head.dev.as_ref(), size) {
                 Ok(h) => Arc::new(h),
                 Err(e) => {
