@@ -642,12 +642,13 @@ fn a_stopped_merge_leaves_the_snapshot_and_can_run_again() {
     assert_eq!(read(ch.as_mut(), 63 << 20, 4096), data[..4096].to_vec());
 }
 
-/// A first snapshot maps a one-layer file chain's head from its extents
-/// while writes go on: a block written during that scan must still be
-/// found in the frozen layer afterwards (the scan may miss it; the chain
-/// notes it). A fragmented head (every other block written) makes the
-/// scan long, and a writer fills the gaps meanwhile; every acknowledged
-/// write then reads back through the live volume.
+/// A first snapshot takes a one-layer file chain's map as its writes
+/// kept it (made at open, a bit per write since): every block written
+/// before or while it is taken must be found afterwards. A fragmented
+/// head (every other block written before the chain's writer starts)
+/// and a writer filling the gaps meanwhile; every acknowledged write then
+/// reads back through the live volume, and the snapshot holds what was
+/// written before it began.
 #[test]
 fn writes_during_a_first_snapshots_scan_are_kept() {
     let dir = TempDir::new("first-scan");
