@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::adaptive::{Adaptive, WakeCost};
+use crate::adaptive::{Adaptive, AdaptiveStatus, Regime, Switch, SwitchReason, WakeCost};
 use crate::clock::{Clock, MonotonicClock};
 use crate::governor::{Cpufreq, Governor};
 use crate::scheduler::{self, CoreLoad, DynamicParams, Policy, ThreadLoad};
@@ -261,6 +261,7 @@ struct ReactorCounters {
     spin_window_ns: AtomicU64,
     wake_latency_ns: AtomicU64,
     wake_cpu_ns: AtomicU64,
+    adaptive: AdaptiveCounters,
     ready_events: AtomicU64,
     tid: AtomicU64,
     user_ns: AtomicU64,
@@ -286,6 +287,99 @@ struct ReactorCounters {
     /// When the stall being reported began (0: none), and stalls so far.
     stalled_since_ns: AtomicU64,
     stalls: AtomicU64,
+}
+
+/// The adaptive decision as a reactor publishes it (`AdaptiveStatus` in
+/// atomics), after each decision: once per idle period, never while work
+/// is found on every look.
+#[derive(Default)]
+struct AdaptiveCounters {
+    spinning: AtomicBool,
+    /// The regime a probe tries (`regime_code`; 0: none).
+    probing: AtomicU8,
+    /// Costs in percent of the busy time; `NONE` before measured.
+    spin_cost_pct: AtomicU64,
+    sleep_cost_pct: AtomicU64,
+    gap_ns: AtomicU64,
+    switches: AtomicU64,
+    probes: AtomicU64,
+    /// `SwitchReason::code` (0: none yet) and the switch's figures.
+    last_reason: AtomicU8,
+    last_at_ns: AtomicU64,
+    last_spin_cost_pct: AtomicU64,
+    last_sleep_cost_pct: AtomicU64,
+    last_gap_ns: AtomicU64,
+}
+
+/// An unmeasured cost in `AdaptiveCounters`.
+const NONE: u64 = u64::MAX;
+
+fn regime_code(r: Option<Regime>) -> u8 {
+    match r {
+        None => 0,
+        Some(Regime::Sleep) => 1,
+        Some(Regime::Spin) => 2,
+    }
+}
+
+fn regime_from_code(c: u8) -> Option<Regime> {
+    match c {
+        1 => Some(Regime::Sleep),
+        2 => Some(Regime::Spin),
+        _ => None,
+    }
+}
+
+impl AdaptiveCounters {
+    fn store(&self, s: &AdaptiveStatus) {
+        let r = Ordering::Relaxed;
+        self.spinning.store(s.regime == Regime::Spin, r);
+        self.probing.store(regime_code(s.probing), r);
+        self.spin_cost_pct.store(s.spin_cost_pct.unwrap_or(NONE), r);
+        self.sleep_cost_pct
+            .store(s.sleep_cost_pct.unwrap_or(NONE), r);
+        self.gap_ns.store(s.gap_ns, r);
+        self.switches.store(s.switches, r);
+        self.probes.store(s.probes, r);
+        if let Some(w) = s.last_switch {
+            self.last_at_ns.store(w.at_ns, r);
+            self.last_spin_cost_pct
+                .store(w.spin_cost_pct.unwrap_or(NONE), r);
+            self.last_sleep_cost_pct
+                .store(w.sleep_cost_pct.unwrap_or(NONE), r);
+            self.last_gap_ns.store(w.gap_ns, r);
+            self.last_reason.store(w.reason.code(), r);
+        }
+    }
+
+    fn load(&self, wake: WakeCost, window_ns: u64) -> AdaptiveStatus {
+        let r = Ordering::Relaxed;
+        let opt = |a: &AtomicU64| Some(a.load(r)).filter(|&v| v != NONE);
+        AdaptiveStatus {
+            regime: if self.spinning.load(r) {
+                Regime::Spin
+            } else {
+                Regime::Sleep
+            },
+            probing: regime_from_code(self.probing.load(r)),
+            spin_cost_pct: opt(&self.spin_cost_pct),
+            sleep_cost_pct: opt(&self.sleep_cost_pct),
+            gap_ns: self.gap_ns.load(r),
+            wake,
+            spin_below_ns: wake.spin_below_ns(),
+            sleep_above_ns: wake.sleep_above_ns(),
+            window_ns,
+            switches: self.switches.load(r),
+            probes: self.probes.load(r),
+            last_switch: SwitchReason::from_code(self.last_reason.load(r)).map(|reason| Switch {
+                reason,
+                at_ns: self.last_at_ns.load(r),
+                spin_cost_pct: opt(&self.last_spin_cost_pct),
+                sleep_cost_pct: opt(&self.last_sleep_cost_pct),
+                gap_ns: self.last_gap_ns.load(r),
+            }),
+        }
+    }
 }
 
 /// A snapshot of one reactor's counters.
@@ -314,6 +408,10 @@ pub struct ReactorStats {
     pub wake_latency_ns: u64,
     /// ... and CPU.
     pub wake_cpu_ns: u64,
+    /// The adaptive decision: its regime, the gaps and wake-up cost it
+    /// rests on, and the last switch (meaningful in adaptive mode; see
+    /// [`ReactorStats::adaptive_regime`]).
+    pub adaptive: AdaptiveStatus,
     /// Lull threads the reactor's epoll reported ready, in total (divide by
     /// `iterations` for ready threads per iteration).
     pub ready_events: u64,
@@ -349,6 +447,11 @@ impl ReactorStats {
     /// Longhorn's `InterruptModeEnabled`.
     pub fn interrupt_mode_enabled(&self) -> bool {
         self.mode.event_driven()
+    }
+
+    /// The adaptive regime, in adaptive mode only.
+    pub fn adaptive_regime(&self) -> Option<Regime> {
+        (self.mode == Mode::Adaptive).then_some(self.adaptive.regime)
     }
 }
 
@@ -556,6 +659,13 @@ impl FrameworkHandle {
                     spin_window_ns: g(&c.spin_window_ns),
                     wake_latency_ns: g(&c.wake_latency_ns),
                     wake_cpu_ns: g(&c.wake_cpu_ns),
+                    adaptive: c.adaptive.load(
+                        WakeCost {
+                            latency_ns: g(&c.wake_latency_ns),
+                            cpu_ns: g(&c.wake_cpu_ns),
+                        },
+                        g(&c.spin_window_ns),
+                    ),
                     ready_events: g(&c.ready_events),
                     busy_ns: g(&c.busy_ns),
                     idle_ns: g(&c.idle_ns),
@@ -1077,6 +1187,7 @@ impl Reactor {
     /// ends an iteration starts the next (only the counters' stores lie
     /// between them). A quiet spin look thus costs one read.
     fn run(&mut self) {
+        self.shared.counters.adaptive.store(&self.adaptive.status());
         let mut now = self.clock_now();
         loop {
             let mut busy = self.handle_control();
@@ -1098,8 +1209,10 @@ impl Reactor {
                 }
                 self.adaptive.found_work(start, self.slept_while_idle);
                 self.slept_while_idle = false;
-            } else if self.mode == Mode::Adaptive {
+            } else if self.mode == Mode::Adaptive && !self.adaptive.is_idle() {
+                // One decision per idle period, published at once.
                 self.adaptive.went_idle(end);
+                self.shared.counters.adaptive.store(&self.adaptive.status());
             }
             self.account(busy, end.saturating_sub(start), end);
             self.last_busy = busy;
@@ -1175,7 +1288,16 @@ impl Reactor {
         if empty && sleeping {
             self.shared.counters.sleeping.store(true, Ordering::Relaxed);
         }
-        let cpu_before = if sleeping { sys::thread_cpu_ns() } else { 0 };
+        // A sleep its timer is due to end in between the calibration's
+        // delay and the longest sample is measured as at start
+        // (`Adaptive::measured_wake`): the CPU clock (a syscall) is read
+        // around that kind of sleep only, not around every sleep of a
+        // loaded reactor that an fd ends.
+        let sample = sleeping
+            && deadline.is_some_and(|d| {
+                (CALIBRATION_DELAY_NS..=WAKE_SAMPLE_MAX_NS).contains(&d.saturating_sub(now))
+            });
+        let cpu_before = if sample { sys::thread_cpu_ns() } else { 0 };
         if sleeping {
             self.shared.counters.waiting.store(true, Ordering::Relaxed);
         }
@@ -1193,16 +1315,21 @@ impl Reactor {
                 .sleeping
                 .store(false, Ordering::Relaxed);
             let woke_at = self.clock_now();
-            let cpu = sys::thread_cpu_ns().saturating_sub(cpu_before);
+            let cpu_after = if sample { sys::thread_cpu_ns() } else { 0 };
             self.finish_sleep(n > 0);
             // A wake-up by the timer tells how late a sleeper runs after its
-            // event: the wake-up latency.
+            // event (the wake-up latency) and what the sleep cost. A sleep
+            // an fd ended is not a sample: its cost depends on how long it
+            // lasted, so on the regime (see `crate::adaptive`).
             let latency = deadline
-                .filter(|&d| woke_at >= d)
+                .filter(|&d| sample && woke_at >= d)
                 .map(|d| woke_at - d)
                 .filter(|&l| l <= WAKE_SAMPLE_MAX_NS);
-            self.adaptive
-                .measured_wake(latency, (cpu > 0).then_some(cpu));
+            // (A thread CPU clock that failed reads 0: no sample.)
+            if let (Some(latency_ns), true) = (latency, cpu_before > 0) {
+                let cpu_ns = cpu_after.saturating_sub(cpu_before);
+                self.adaptive.measured_wake(WakeCost { latency_ns, cpu_ns });
+            }
             self.slept_while_idle = true;
             self.idle_ns += woke_at.saturating_sub(now);
         } else if spinning {
@@ -1481,6 +1608,7 @@ impl Reactor {
             self.spins_idle += 1;
             self.spin_ns_idle += self.clock_now().saturating_sub(spin.start_ns);
         }
+        self.shared.counters.adaptive.store(&self.adaptive.status());
         // Every thread runs on the next iteration, so nothing that was ready
         // under the old mode is left waiting.
         self.last_busy = true;

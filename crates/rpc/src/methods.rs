@@ -689,6 +689,9 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
                 "spin_window_ns": r.spin_window_ns,
                 "wake_latency_ns": r.wake_latency_ns,
                 "wake_cpu_ns": r.wake_cpu_ns,
+                // The adaptive decision (null outside adaptive mode): the
+                // regime, the gaps and band it rests on, the last switch.
+                "adaptive": adaptive_json(r, fw.clock().now_ns()),
                 "ready_events": r.ready_events,
                 "usr": r.user_ns,
                 "sys": r.system_ns,
@@ -714,6 +717,46 @@ pub fn framework_get_reactors(fw: &lull_reactor::FrameworkHandle) -> Value {
         })
         .collect();
     json!({"tick_rate": TICK_RATE_HZ, "pid": std::process::id(), "reactors": reactors})
+}
+
+/// A reactor's adaptive decision (lull-reactor's `adaptive` module):
+/// `regime` "spin" or "sleep", `probing` (the regime a probe tries now),
+/// `spin_cost_pct` and `sleep_cost_pct` (what each regime's idle periods
+/// cost per unit of work, in percent of the busy time: CPU spun, each
+/// sleep's CPU and latency), `gap_ns` (the median idle period while
+/// spinning), `saved_ns` (a wake-up's latency and CPU), `spin_below_ns`
+/// and `sleep_above_ns` (the band for gaps of one length), and the last
+/// switch with its reason and the costs it was decided on. Null outside
+/// adaptive mode.
+fn adaptive_json(r: &lull_reactor::ReactorStats, now_ns: u64) -> Value {
+    if r.adaptive_regime().is_none() {
+        return Value::Null;
+    }
+    let a = &r.adaptive;
+    let last = a.last_switch.map(|s| {
+        json!({
+            "reason": s.reason.as_str(),
+            "to": s.reason.to().as_str(),
+            "spin_cost_pct": s.spin_cost_pct,
+            "sleep_cost_pct": s.sleep_cost_pct,
+            "gap_ns": s.gap_ns,
+            "ago_ms": now_ns.saturating_sub(s.at_ns) / 1_000_000,
+        })
+    });
+    json!({
+        "regime": a.regime.as_str(),
+        "probing": a.probing.map(|p| p.as_str()),
+        "spin_cost_pct": a.spin_cost_pct,
+        "sleep_cost_pct": a.sleep_cost_pct,
+        "gap_ns": a.gap_ns,
+        "saved_ns": a.wake.saved_ns(),
+        "spin_below_ns": a.spin_below_ns,
+        "sleep_above_ns": a.sleep_above_ns,
+        "window_ns": a.window_ns,
+        "switches": a.switches,
+        "probes": a.probes,
+        "last_switch": last,
+    })
 }
 
 /// SPDK's `thread_get_stats` shape, plus the reactor and lull's counters.

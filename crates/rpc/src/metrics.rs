@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use lull_reactor::adaptive::{AdaptiveStatus, Regime};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeCounterValue, EncodeLabelValue, LabelValueEncoder,
@@ -102,6 +103,10 @@ pub struct ReactorMetrics {
     pub spin_window_ns: u64,
     pub wake_latency_ns: u64,
     pub wake_cpu_ns: u64,
+    /// The adaptive decision (adaptive mode only): the regime, the median
+    /// gap and the band it is weighed against, switches by the reason of
+    /// the last, and probes.
+    pub adaptive: Option<AdaptiveStatus>,
     /// Lull threads reported ready by the reactor's epoll.
     pub ready_events: u64,
     /// The reactor thread's getrusage (refreshed every 50 ms) ...
@@ -140,6 +145,7 @@ impl ReactorMetrics {
             spin_window_ns: s.spin_window_ns,
             wake_latency_ns: s.wake_latency_ns,
             wake_cpu_ns: s.wake_cpu_ns,
+            adaptive: s.adaptive_regime().map(|_| s.adaptive),
             ready_events: s.ready_events,
             minor_faults: s.minor_faults,
             major_faults: s.major_faults,
@@ -315,6 +321,89 @@ fn gauges<T>(
     Ok(())
 }
 
+/// The adaptive decision's families (`ReactorMetrics::adaptive`).
+fn adaptive_families(
+    enc: &mut DescriptorEncoder,
+    adaptive: &[(&ReactorMetrics, AdaptiveStatus)],
+) -> std::fmt::Result {
+    gauges(
+        enc,
+        "lull_reactor_adaptive_regime",
+        "Adaptive reactors: 1 for the current regime label (spin or sleep); last_switch: why it was entered (none, spin_cheaper, sleep_cheaper, gaps_long).",
+        adaptive,
+        |(x, a)| {
+            let mut l = reactor_labels(x);
+            l.push(("regime", Label(a.regime.as_str().into())));
+            let why = a.last_switch.map_or("none", |s| s.reason.as_str());
+            l.push(("last_switch", Label(why.into())));
+            l
+        },
+        |_| 1,
+    )?;
+    gauges(
+        enc,
+        "lull_reactor_adaptive_cost_percent",
+        "Adaptive reactors: what each regime's idle periods cost per unit of work, in percent of the busy time (CPU spun, each sleep's CPU and latency); the own regime's as it goes, the other's from the last probe.",
+        &adaptive
+            .iter()
+            .flat_map(|&(x, a)| {
+                [(Regime::Spin, a.spin_cost_pct), (Regime::Sleep, a.sleep_cost_pct)]
+                    .into_iter()
+                    .filter_map(move |(regime, c)| c.map(|c| (x, regime, c)))
+            })
+            .collect::<Vec<_>>(),
+        |(x, regime, _)| {
+            let mut l = reactor_labels(x);
+            l.push(("regime", Label(regime.as_str().into())));
+            l
+        },
+        |(_, _, c)| *c as i64,
+    )?;
+    gauges(
+        enc,
+        "lull_reactor_adaptive_gap_ns",
+        "Adaptive reactors: the median idle period while spinning (the spin window's basis).",
+        adaptive,
+        |(x, _)| reactor_labels(x),
+        |(_, a)| a.gap_ns as i64,
+    )?;
+    gauges(
+        enc,
+        "lull_reactor_adaptive_spin_below_ns",
+        "Adaptive reactors: gaps of one length below this make a sleeping reactor spin (3/4 of a wake-up's cost).",
+        adaptive,
+        |(x, _)| reactor_labels(x),
+        |(_, a)| a.spin_below_ns as i64,
+    )?;
+    gauges(
+        enc,
+        "lull_reactor_adaptive_sleep_above_ns",
+        "Adaptive reactors: gaps of one length above this make a spinning reactor sleep (4/3 of a wake-up's cost).",
+        adaptive,
+        |(x, _)| reactor_labels(x),
+        |(_, a)| a.sleep_above_ns as i64,
+    )?;
+    counters(
+        enc,
+        "lull_reactor_adaptive_switches",
+        "Adaptive reactors: regime switches.",
+        None,
+        adaptive,
+        |(x, _)| reactor_labels(x),
+        |(_, a)| a.switches,
+    )?;
+    counters(
+        enc,
+        "lull_reactor_adaptive_probes",
+            "Adaptive reactors: probes of the other regime that kept the regime (one that did not is a switch).",
+        None,
+        adaptive,
+        |(x, _)| reactor_labels(x),
+        |(_, a)| a.probes,
+    )?;
+    Ok(())
+}
+
 /// Histogram buckets for prometheus-client: ascending finite bounds in
 /// seconds, non-cumulative counts, ending with the +Inf bucket (`f64::MAX`).
 /// Returns them with the total count (never below the buckets' sum, so the
@@ -450,6 +539,14 @@ impl Collector for SnapshotCollector {
             reactor_labels,
             |x| x.wake_cpu_ns as i64,
         )?;
+        let adaptive: Vec<(&ReactorMetrics, AdaptiveStatus)> = r
+            .iter()
+            .filter_map(|x| x.adaptive.map(|a| (x, a)))
+            .collect();
+        // The adaptive families only where a reactor is adaptive.
+        if !adaptive.is_empty() {
+            adaptive_families(&mut enc, &adaptive)?;
+        }
         counters(
             &mut enc,
             "lull_reactor_minor_faults",

@@ -1,7 +1,8 @@
 //! The fast tier: the server alone on loopback, seconds in all. The
 //! control plane (`lull rpc`, mode switches, the Prometheus scrape), fault
-//! injection, the configured limits, the event modes, and bad input on the
-//! NBD socket. docs/TESTING.md has every tier.
+//! injection, the configured limits, the event modes (and the adaptive
+//! mode's regime under a steady load), and bad input on the NBD socket.
+//! docs/TESTING.md has every tier.
 //!
 //! ```text
 //! cargo test -p lull --profile ci --test fast
@@ -11,6 +12,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod adaptive_regime;
 mod control_plane;
 mod faults;
 mod limits;
