@@ -47,6 +47,9 @@ pub(super) struct StatusShared {
     /// caller takes them.
     pub(super) control: Mutex<std::collections::HashMap<u64, ControlOutcome>>,
     pub(super) control_done: Condvar,
+    /// Tokens whose caller stopped waiting: their outcome is dropped when
+    /// it comes, not kept.
+    pub(super) control_abandoned: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// A session for this engine: the wall clock in nanoseconds, so that a
@@ -121,6 +124,7 @@ impl ReplicatedDev {
             detached: AtomicBool::new(false),
             control: Mutex::new(std::collections::HashMap::new()),
             control_done: Condvar::new(),
+            control_abandoned: Mutex::new(std::collections::HashSet::new()),
             ready: Condvar::new(),
         });
         let doorbell = Arc::new(Doorbell::new());
@@ -271,6 +275,11 @@ impl ReplicatedDev {
             }
             let now = std::time::Instant::now();
             if now >= deadline {
+                self.status
+                    .control_abandoned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(token);
                 return Err(format!(
                     "no answer within {timeout:?} (the operation may still finish)"
                 ));

@@ -198,11 +198,29 @@ impl Shell {
             // for the simulation's checks.
             Action::Milestone(_) => {}
             Action::ControlDone { token, outcome } => {
+                // The outcomes' lock, then the abandoned set's: the order
+                // the waiting caller takes them in (`wait_control`), so a
+                // caller giving up and its outcome arriving cannot cross.
                 let mut done = self
                     .status
                     .control
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
+                let abandoned = self
+                    .status
+                    .control_abandoned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&token);
+                if abandoned {
+                    drop(done);
+                    tracing::warn!(
+                        token,
+                        ?outcome,
+                        "a control request ended after its caller gave up waiting"
+                    );
+                    return;
+                }
                 done.insert(token, outcome);
                 drop(done);
                 self.status.control_done.notify_all();
