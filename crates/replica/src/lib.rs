@@ -354,22 +354,11 @@ impl Shared {
         thread: ThreadHandle,
         poller: PollerId,
     ) -> Result<mpsc::Receiver<Result<u64, ReplicaError>>, ReplicaError> {
-        let (tx, rx) = mpsc::sync_channel(1);
         let shared = self.clone();
-        std::thread::Builder::new()
-            .name("lull-replica-meta".into())
-            .spawn(move || {
-                let result = match job {
-                    MetaJob::Attach(generation) => shared.attach(generation),
-                    MetaJob::Detach => shared.detach(),
-                };
-                let _ = tx.send(result);
-                let _ = thread.send(move |t| {
-                    t.wake_poller(poller);
-                });
-            })
-            .map_err(ReplicaError::Helper)?;
-        Ok(rx)
+        on_helper_thread("lull-replica-meta", thread, poller, move || match job {
+            MetaJob::Attach(generation) => shared.attach(generation),
+            MetaJob::Detach => shared.detach(),
+        })
     }
 
     /// The HELLO reply flags now.
@@ -496,6 +485,29 @@ pub(crate) struct DataOptions {
     pub(crate) faults: ReplicaFaults,
     /// `sendfile` READ replies where the port's links are plain.
     pub(crate) sendfile: bool,
+}
+
+/// Runs blocking `work` (a disk sync, a chain's control operation) on a
+/// short-lived OS thread named `name`, so no reactor waits: its result
+/// arrives on the returned channel, and then `poller` on `thread` is woken
+/// to take it.
+pub(crate) fn on_helper_thread<T: Send + 'static>(
+    name: &str,
+    thread: ThreadHandle,
+    poller: PollerId,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<mpsc::Receiver<T>, ReplicaError> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(work());
+            let _ = thread.send(move |t| {
+                t.wake_poller(poller);
+            });
+        })
+        .map_err(ReplicaError::Helper)?;
+    Ok(rx)
 }
 
 /// Opens (or creates) the replica in `dir`: its data file, metadata record

@@ -159,22 +159,11 @@ impl Shared {
         thread: ThreadHandle,
         poller: PollerId,
     ) -> Result<mpsc::Receiver<Result<SnapshotDone, SnapshotError>>, ReplicaError> {
-        let (tx, rx) = mpsc::sync_channel(1);
         let shared = self.clone();
-        std::thread::Builder::new()
-            .name("lull-replica-snap".into())
-            .spawn(move || {
-                let result = match job {
-                    SnapshotJob::Run(req) => shared.snapshot_run(&req).map(|()| SnapshotDone::Ran),
-                    SnapshotJob::List => Ok(SnapshotDone::List(shared.snapshot_list())),
-                };
-                let _ = tx.send(result);
-                let _ = thread.send(move |t| {
-                    t.wake_poller(poller);
-                });
-            })
-            .map_err(ReplicaError::Helper)?;
-        Ok(rx)
+        crate::on_helper_thread("lull-replica-snap", thread, poller, move || match job {
+            SnapshotJob::Run(req) => shared.snapshot_run(&req).map(|()| SnapshotDone::Ran),
+            SnapshotJob::List => Ok(SnapshotDone::List(shared.snapshot_list())),
+        })
     }
 
     /// Blocking: one SNAPSHOT operation (module doc).
