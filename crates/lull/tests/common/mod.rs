@@ -909,3 +909,16 @@ pub fn make_pki(dir: &Path) {
         ]);
     }
 }
+
+/// GET /metrics from the Prometheus endpoint on `port`: the body of a
+/// 200 reply (panics with the reply otherwise).
+pub fn scrape_metrics(port: u16) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to metrics");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    resp[resp.find("\r\n\r\n").expect("headers end") + 4..].to_string()
+}

@@ -7,13 +7,11 @@
 //! cargo test -p lull --profile ci --test fast adaptive_regime::
 //! ```
 
-use std::io::{Read, Write};
 use std::process::Command;
-use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::common::{fio_json, free_port, require, rpc, Server};
+use crate::common::{fio_json, free_port, require, rpc, scrape_metrics, Server};
 
 /// Fresh servers, one after the other.
 const STARTS: usize = 4;
@@ -93,7 +91,7 @@ fn a_steady_qd4_load_gets_the_same_regime_from_every_fresh_server() {
         }
 
         // The metrics say the same.
-        let body = scrape(metrics_port);
+        let body = scrape_metrics(metrics_port);
         let line = body
             .lines()
             .find(|l| l.starts_with("lull_reactor_adaptive_regime{"))
@@ -115,16 +113,4 @@ fn a_steady_qd4_load_gets_the_same_regime_from_every_fresh_server() {
             .collect::<Vec<_>>()
             .join("\n")
     );
-}
-
-/// GET /metrics; the body.
-fn scrape(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to metrics");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    resp[resp.find("\r\n\r\n").expect("headers end") + 4..].to_string()
 }

@@ -190,15 +190,8 @@ fn metrics_scrape_parses() {
         "adaptive",
     ]);
     common::assert_good_client_works(server.addr(), "vol", 0);
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    let body = &resp[resp.find("\r\n\r\n").unwrap() + 4..];
-    let samples = parse_exposition(body);
+    let body = common::scrape_metrics(port);
+    let samples = parse_exposition(&body);
     let get = |name: &str, label: &str| {
         samples
             .iter()
