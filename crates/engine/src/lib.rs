@@ -23,6 +23,7 @@
 
 pub mod core;
 mod shell;
+mod view;
 
 #[cfg(test)]
 mod sim;
@@ -35,6 +36,7 @@ pub use core::{
     ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS, SNAPSHOT_EXTRA_TIMEOUT_NS,
 };
 pub use shell::ReplicatedDev;
+pub use view::{ReplicatedSnapshotView, MAX_VIEW_CHANNELS, VIEW_CHANNEL_DEPTH};
 
 /// Upper bounds on the options, checked by `EngineOptions::validate`.
 /// Connections: [`MAX_CONNECTIONS_PER_REPLICA`] (kept with the typed

@@ -23,7 +23,7 @@
 //! it in flight in between return the same data: reads never alternate.
 
 use crate::core::ids::ReplicaTarget;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 
 use lull_bdev::{IoBuf, IoOp, IoRequest};
@@ -285,18 +285,43 @@ impl SimReplica {
                 }
                 (h.reply_with(0), Vec::new())
             }
-            // Snapshots are copies of the data; the simulation creates
-            // them (`Sim::maybe_snapshot`) and deletes none.
+            // Snapshots are copies of the data (`Sim::maybe_snapshot`).
             Kind::Snapshot => match proto::decode_snapshot_request(payload) {
-                Ok(req) if req.op == proto::SnapshotOp::Create => {
-                    if self.snapshots.iter().any(|(n, _)| *n == req.name) {
-                        (h.reply_with(libc::EEXIST as u32), Vec::new())
-                    } else {
-                        self.snapshots.push((req.name, self.data.clone()));
-                        (h.reply_with(0), Vec::new())
-                    }
+                Ok(req) => {
+                    let at = self.snapshots.iter().position(|(n, _)| *n == req.name);
+                    let status = match (req.op, at) {
+                        (proto::SnapshotOp::Create, Some(_)) => libc::EEXIST,
+                        (proto::SnapshotOp::Create, None) => {
+                            self.snapshots.push((req.name, self.data.clone()));
+                            0
+                        }
+                        (_, None) => libc::ENOENT,
+                        (proto::SnapshotOp::Delete, Some(i)) => {
+                            self.snapshots.remove(i);
+                            0
+                        }
+                        (proto::SnapshotOp::Revert, Some(i)) => {
+                            // As a replica does: every region noted in the
+                            // change records and the intent record first.
+                            self.note_change(0, SIZE);
+                            self.intent.iter_mut().for_each(|g| *g = true);
+                            self.data = self.snapshots[i].1.clone();
+                            self.snapshots.truncate(i + 1);
+                            // What holds data is allocated (the chain's
+                            // head is the snapshot's maps again).
+                            for b in 0..BLOCKS {
+                                if self.data[b * BLOCK..(b + 1) * BLOCK]
+                                    .iter()
+                                    .any(|&x| x != 0)
+                                {
+                                    self.allocated[b] = true;
+                                }
+                            }
+                            0
+                        }
+                    };
+                    (h.reply_with(status as u32), Vec::new())
                 }
-                Ok(_) => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
                 Err(_) => (h.reply_with(libc::EINVAL as u32), Vec::new()),
             },
             Kind::SnapshotList => {
@@ -408,6 +433,9 @@ impl SimReplica {
                 r.length = out.len() as u32;
                 (r, out)
             }
+            // The engine never asks it (views of snapshots ask it, over
+            // their own connections).
+            Kind::Changed => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
             Kind::Extents => {
                 let (end, ext) = self.extents(h.offset, u64::from(h.length));
                 let mut out = Vec::new();
@@ -540,8 +568,15 @@ pub(crate) struct Sim {
     spliced_reads: u64,
     /// Decides when snapshots are taken, apart from `rng`.
     snap_rng: Rng,
-    /// The snapshot operation asked for and not answered: token, name.
-    snap_pending: Option<(u64, String)>,
+    /// The snapshot operation asked for and not answered: token, op, name.
+    snap_pending: Option<(u64, proto::SnapshotOp, String)>,
+    /// Client writes in flight when a revert was asked for, and that
+    /// snapshot's bytes per block: the engine drains writes it had sent
+    /// before the revert runs, so such a write may have landed before it
+    /// and been undone, though acknowledged after it.
+    revert_racers: HashMap<u64, std::sync::Arc<Vec<u64>>>,
+    /// The client also asks for snapshot operations now and then.
+    random_snapshots: bool,
     snap_next: u64,
 }
 
@@ -572,6 +607,11 @@ pub(crate) struct SimStats {
     /// not healthy, another operation running).
     pub snapshots: u64,
     pub snapshots_refused: u64,
+    /// Reverts done, and those where a healthy replica lacked the
+    /// snapshot (it is failed and copied in full from the others).
+    pub reverts: u64,
+    pub reverts_partial: u64,
+    pub deletes: u64,
 }
 
 impl Sim {
@@ -634,6 +674,8 @@ impl Sim {
             spliced_reads: 0,
             snap_rng: Rng(seed ^ 0x5eed_5a70),
             snap_pending: None,
+            revert_racers: HashMap::new(),
+            random_snapshots: true,
             snap_next: 1,
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
@@ -1064,6 +1106,7 @@ impl Sim {
         }
         if !ok {
             self.eio += 1;
+            self.revert_racers.remove(&tag);
             return; // a failed write stays "maybe" until superseded
         }
         match c.op {
@@ -1133,9 +1176,13 @@ impl Sim {
                 self.block_status.push(ext);
             }
             _ => {
+                let undone = self.revert_racers.remove(&tag);
                 for b in first..first + blocks {
                     self.oracle.committed[b] = c.stamp;
                     self.oracle.maybe[b].clear();
+                    if let Some(stamps) = &undone {
+                        self.oracle.maybe[b].push(stamps[b]);
+                    }
                     // Writes still in flight over this block stay possible.
                     let others: Vec<u64> = self
                         .inflight
@@ -1186,7 +1233,9 @@ impl Sim {
                     for _ in 0..4 {
                         self.client_issue();
                     }
-                    self.maybe_snapshot();
+                    if self.random_snapshots {
+                        self.maybe_snapshot();
+                    }
                 }
             }
             while let Some((&k, _)) = self.queue.iter().next() {
@@ -1211,14 +1260,119 @@ impl Sim {
             return;
         }
         let token = self.snap_next;
-        let name = format!("s{token}");
         self.snap_next += 1;
-        self.snap_pending = Some((token, name.clone()));
+        // Mostly creates; a revert or a delete of a snapshot some replica
+        // holds one time in eight each.
+        let held: Vec<String> = self
+            .replicas
+            .iter()
+            .flat_map(|r| r.snapshots.iter().map(|(n, _)| n.clone()))
+            .collect();
+        let pick = self.snap_rng.below(8);
+        let (op, name) = match (pick, held.is_empty()) {
+            (0, false) => (
+                proto::SnapshotOp::Revert,
+                held[self.snap_rng.below(held.len() as u64) as usize].clone(),
+            ),
+            (1, false) => (
+                proto::SnapshotOp::Delete,
+                held[self.snap_rng.below(held.len() as u64) as usize].clone(),
+            ),
+            _ => (proto::SnapshotOp::Create, format!("s{token}")),
+        };
+        if op == proto::SnapshotOp::Revert {
+            self.revert_may_land(&name);
+        }
+        self.snap_pending = Some((token, op, name.clone()));
+        self.apply(Event::Snapshot { token, op, name });
+    }
+
+    /// Runs snapshot operation `op` on `name` while the client goes on,
+    /// until its outcome is in.
+    fn snapshot_op(&mut self, op: proto::SnapshotOp, name: &str) {
+        assert!(self.snap_pending.is_none(), "one operation at a time");
+        let token = self.snap_next;
+        self.snap_next += 1;
+        if op == proto::SnapshotOp::Revert {
+            self.revert_may_land(name);
+        }
+        self.snap_pending = Some((token, op, name.to_string()));
         self.apply(Event::Snapshot {
             token,
-            op: proto::SnapshotOp::Create,
-            name,
+            op,
+            name: name.to_string(),
         });
+        let deadline = self.now + 10_000 * MS;
+        while self.snap_pending.is_some() {
+            assert!(self.now < deadline, "{op:?} {name} never answered");
+            self.step_until(self.now + 10 * MS, true);
+        }
+    }
+
+    /// The bytes snapshot `name` holds, per block, from a replica that has
+    /// it (every replica that has it holds the same, checked when it was
+    /// taken).
+    fn snapshot_stamps(&self, name: &str) -> Option<Vec<u64>> {
+        let data = self
+            .replicas
+            .iter()
+            .find_map(|r| r.snapshots.iter().find(|(n, _)| n == name))
+            .map(|(_, d)| d)?;
+        Some(
+            (0..BLOCKS)
+                .map(|b| block_stamp(&data[b * BLOCK..(b + 1) * BLOCK], b).unwrap_or(0))
+                .collect(),
+        )
+    }
+
+    /// A revert to `name` is asked for: from now on a read may see the
+    /// snapshot's bytes (a replica reverts while reads go on), and no
+    /// read sees the same bytes across it for want of a write.
+    fn revert_may_land(&mut self, name: &str) {
+        let Some(stamps) = self.snapshot_stamps(name) else {
+            return;
+        };
+        for (b, &stamp) in stamps.iter().enumerate() {
+            self.oracle.maybe[b].push(stamp);
+            self.epoch[b] += 1;
+        }
+        let stamps = std::sync::Arc::new(stamps);
+        for (&tag, c) in &self.inflight {
+            if !matches!(c.op, IoOp::Read | IoOp::Flush | IoOp::BlockStatus) {
+                self.revert_racers.insert(tag, stamps.clone());
+            }
+        }
+        for c in self.inflight.values_mut() {
+            if c.op == IoOp::Read {
+                let first = c.offset as usize / BLOCK;
+                for (i, allowed) in c.allowed.iter_mut().enumerate() {
+                    allowed.push(stamps[first + i]);
+                }
+            }
+        }
+    }
+
+    /// A revert to `name` is done: the volume holds the snapshot's bytes,
+    /// and writes still in flight (held while it ran) may land on them.
+    fn reverted(&mut self, name: &str) {
+        let stamps = self
+            .snapshot_stamps(name)
+            .expect("a reverted snapshot is held by the replicas that reverted");
+        for (b, &stamp) in stamps.iter().enumerate() {
+            self.oracle.committed[b] = stamp;
+            self.epoch[b] += 1;
+            let others: Vec<u64> = self
+                .inflight
+                .values()
+                .filter(|o| !matches!(o.op, IoOp::Read | IoOp::Flush | IoOp::BlockStatus))
+                .filter(|o| {
+                    (o.offset as usize) / BLOCK <= b
+                        && b < (o.offset as usize + o.len as usize) / BLOCK
+                })
+                .map(|o| o.stamp)
+                .collect();
+            self.oracle.maybe[b] = others;
+        }
     }
 
     /// A snapshot taken must be the same on every replica that holds it,
@@ -1226,11 +1380,28 @@ impl Sim {
     /// writes and drained those in flight, so nothing was written since
     /// the replicas took it).
     fn on_control_done(&mut self, token: u64, outcome: crate::core::ControlOutcome) {
-        let Some((pending, name)) = self.snap_pending.take() else {
+        let Some((pending, op, name)) = self.snap_pending.take() else {
             return;
         };
         assert_eq!(token, pending, "an answer for another request");
         match outcome {
+            crate::core::ControlOutcome::Snapshot(Ok(())) if op == proto::SnapshotOp::Delete => {
+                self.stats.deletes += 1;
+            }
+            crate::core::ControlOutcome::Snapshot(Ok(())) if op == proto::SnapshotOp::Revert => {
+                self.stats.reverts += 1;
+                let lacking = self.engine.status().iter().any(|s| {
+                    s.last_error
+                        .as_deref()
+                        .is_some_and(|e| e.contains("did not revert"))
+                });
+                if lacking {
+                    self.stats.reverts_partial += 1;
+                }
+                self.log
+                    .push(format!("{:>8} ms SIM reverted to {name}", self.now / MS));
+                self.reverted(&name);
+            }
             crate::core::ControlOutcome::Snapshot(Ok(())) => {
                 self.stats.snapshots += 1;
                 let copies: Vec<&Vec<u8>> = self
@@ -1338,9 +1509,28 @@ impl Sim {
         self.step_until(self.now + 1000 * MS, false);
         assert!(self.inflight.is_empty(), "final read did not complete");
         for r in 1..self.replicas.len() {
+            let differ: Vec<String> = (0..BLOCKS)
+                .filter(|&b| {
+                    self.replicas[r].data[b * BLOCK..(b + 1) * BLOCK]
+                        != self.replicas[0].data[b * BLOCK..(b + 1) * BLOCK]
+                })
+                .take(8)
+                .map(|b| {
+                    let stamp = |i: usize| {
+                        block_stamp(&self.replicas[i].data[b * BLOCK..(b + 1) * BLOCK], b)
+                    };
+                    format!(
+                        "block {b}: {:?} against {:?} (allocated {} and {})",
+                        stamp(r),
+                        stamp(0),
+                        self.replicas[r].allocated[b],
+                        self.replicas[0].allocated[b]
+                    )
+                })
+                .collect();
             assert!(
-                self.replicas[r].data == self.replicas[0].data,
-                "replica {r} differs from replica 0\n{}",
+                differ.is_empty(),
+                "replica {r} differs from replica 0: {differ:?}\n{}",
                 self.log.join("\n")
             );
         }
@@ -1544,6 +1734,9 @@ impl Coverage {
         t.stable_reads += s.stable_reads;
         t.snapshots += s.snapshots;
         t.snapshots_refused += s.snapshots_refused;
+        t.reverts += s.reverts;
+        t.reverts_partial += s.reverts_partial;
+        t.deletes += s.deletes;
     }
 }
 
@@ -1710,8 +1903,58 @@ fn sim_many_seeds() {
                 && s.clean_detaches > 0
                 && s.stable_reads > 0
                 && s.snapshots > 0
-                && s.snapshots_refused > 0),
+                && s.snapshots_refused > 0
+                && s.reverts > 0
+                && s.deletes > 0),
         "{cov:?}"
+    );
+}
+
+/// A revert where a healthy replica lacks the snapshot (a replica
+/// replaced after it was taken, or one a crash left without it): that
+/// replica answers ENOENT, leaves the healthy set, and is copied in full
+/// from those that reverted (its change record covers the whole volume),
+/// so every replica ends with the same bytes, the snapshot's plus later
+/// writes (`run`'s checks).
+#[test]
+fn sim_a_revert_fails_and_fully_rebuilds_a_replica_without_the_snapshot() {
+    let mut sim = Sim::new(7, 2);
+    sim.faults = false;
+    sim.random_snapshots = false;
+    sim.step_until(1_000 * MS, false);
+    sim.step_until(2_000 * MS, true);
+    sim.snapshot_op(proto::SnapshotOp::Create, "s1");
+    assert_eq!(sim.stats.snapshots, 1, "{}", sim.log.join("\n"));
+    sim.replicas[1].snapshots.clear();
+    sim.step_until(sim.now + 1_000 * MS, true);
+    // Quiet until every write-intent bit is cleared: the writes since s1
+    // are then in no record but the revert's.
+    sim.step_until(
+        sim.now + crate::core::INTENT_CLEAR_IDLE_NS + 2_000 * MS,
+        false,
+    );
+    assert!(
+        sim.replicas.iter().all(|r| r.intent.iter().all(|&g| !g)),
+        "intent bits left"
+    );
+    let copies = sim.stats.rebuilds + sim.stats.deltas;
+    sim.snapshot_op(proto::SnapshotOp::Revert, "s1");
+    assert_eq!(sim.stats.reverts, 1, "{}", sim.log.join("\n"));
+    assert_eq!(sim.stats.reverts_partial, 1, "{}", sim.log.join("\n"));
+    sim.run(1_000);
+    assert!(
+        sim.stats.rebuilds + sim.stats.deltas > copies,
+        "{}",
+        sim.log.join("\n")
+    );
+    let whole =
+        format!("change record on 10.0.0.1:7000: 64 region(s) of 65536 bytes, {SIZE} bytes;");
+    assert!(
+        sim.log
+            .iter()
+            .any(|l| l.contains("replica 10.0.0.2:7000") && l.contains(&whole)),
+        "a delta of the whole volume: {}",
+        sim.log.join("\n")
     );
 }
 

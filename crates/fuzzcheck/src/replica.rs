@@ -8,14 +8,15 @@ use lull_replica::{Meta, META_FORMAT_VERSION, META_MAX_BYTES};
 
 /// Decodes arbitrary replica frames the way a replica or engine reads its
 /// socket: a 32-byte header, then the payload it announces, which for
-/// HELLO, EXTENTS, BLOCK_STATUS and SNAPSHOT_LIST replies and SNAPSHOT
-/// requests is parsed too.
+/// HELLO, EXTENTS, BLOCK_STATUS, CHANGED and SNAPSHOT_LIST replies and
+/// HELLO, SNAPSHOT and CHANGED requests is parsed too.
 ///
 /// Input layout: 32 bytes of header, then payload bytes (as many as given).
 /// Checks: no panic; a header that decodes re-encodes to the same bytes;
 /// the announced payload never exceeds the protocol limits; a parsed
-/// HELLO / EXTENTS / BLOCK_STATUS / SNAPSHOT_LIST / SNAPSHOT payload
-/// re-encodes to the same bytes.
+/// HELLO (a replica's name or a view's `REPLICA@SNAPSHOT`) / EXTENTS /
+/// BLOCK_STATUS / CHANGED / SNAPSHOT_LIST / SNAPSHOT payload re-encodes to
+/// the same bytes.
 pub fn replica_frame(data: &[u8]) {
     let Some((raw, rest)) = data.split_first_chunk::<{ replica::HEADER_LEN }>() else {
         return;
@@ -48,7 +49,14 @@ pub fn replica_frame(data: &[u8]) {
             // A request: the record, then the replica's name (maybe none).
             assert!(len <= replica::MAX_HELLO_REQUEST_LEN);
             if let Ok((hello, name)) = replica::decode_hello_request(payload) {
-                assert!(name.is_empty() || replica::check_replica_name(name).is_ok());
+                let (replica_name, snapshot) = replica::split_hello_name(name);
+                assert!(
+                    replica_name.is_empty() || replica::check_replica_name(replica_name).is_ok()
+                );
+                assert!(snapshot.is_none_or(|s| replica::check_snapshot_name(s).is_ok()));
+                if let Some(snapshot) = snapshot {
+                    assert_eq!(replica::view_hello_name(replica_name, snapshot), name);
+                }
                 assert_eq!(replica::encode_hello_request(&hello, name), payload);
             }
         }
@@ -60,12 +68,20 @@ pub fn replica_frame(data: &[u8]) {
                 assert_eq!(out, payload);
             }
         }
-        Kind::BlockStatus if header.reply => {
+        Kind::BlockStatus | Kind::Changed if header.reply => {
             assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
             if let Ok(ext) = replica::decode_block_status(payload) {
                 let mut out = Vec::new();
                 replica::encode_block_status(&ext, &mut out)
                     .expect("decoded block status must re-encode");
+                assert_eq!(out, payload);
+            }
+        }
+        Kind::Changed => {
+            assert!(len <= replica::MAX_CHANGED_REQUEST_LEN);
+            if let Ok(request) = replica::decode_changed_request(payload) {
+                let out = replica::encode_changed_request(&request)
+                    .expect("a decoded CHANGED request must re-encode");
                 assert_eq!(out, payload);
             }
         }
@@ -98,7 +114,7 @@ const MAX_REPLY_FRAMES: usize = 256;
 /// frame) and parses each reply payload the engine parses: HELLO
 /// (`core/replicas.rs`), EXTENTS (`core/rebuild.rs`), INTENT_GET
 /// (`core/intent.rs`), BLOCK_STATUS (`core/io.rs`), SNAPSHOT_LIST
-/// (`core/snapshot.rs`).
+/// (`core/snapshot.rs`), CHANGED (BLOCK_STATUS-shaped records).
 ///
 /// Input layout: the replica's byte stream, frames back to back.
 /// Checks: no panic; every header that decodes re-encodes to the same
@@ -145,7 +161,7 @@ pub fn replica_reply(data: &[u8]) {
                     assert_eq!(out, payload);
                 }
             }
-            Kind::BlockStatus if header.status == 0 => {
+            Kind::BlockStatus | Kind::Changed if header.status == 0 => {
                 assert!(len <= replica::MAX_BLOCK_STATUS_BYTES as usize);
                 if let Ok(ext) = replica::decode_block_status(payload) {
                     assert!(!ext.is_empty() && ext.len() <= replica::MAX_BLOCK_STATUS_PER_REPLY);
@@ -205,4 +221,70 @@ pub fn replica_meta(data: &[u8]) {
     let again = Meta::parse(path, &encoded).expect("an encoded record parses");
     assert_eq!(again, meta);
     assert_eq!(again.encode().expect("a record encodes"), encoded);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lull_proto::replica::{ChangedRequest, Header, Hello, StatusExtent};
+
+    /// A frame: `h`'s header, then `payload`.
+    fn frame(h: &Header, payload: &[u8]) -> Vec<u8> {
+        let mut raw = [0; replica::HEADER_LEN];
+        replica::encode_header(h, &mut raw).expect("encodable");
+        let mut out = raw.to_vec();
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// The version 6 frames the corpora do not hold yet pass both checks:
+    /// view HELLOs (with and without a replica's name), CHANGED requests
+    /// and their replies.
+    #[test]
+    fn view_hellos_and_changed_frames_pass() {
+        let hello = Hello {
+            volume_size: 1 << 30,
+            generation: 3,
+            flags: 0,
+            session: 0,
+        };
+        for name in ["", "r1", "@s1", "r1@s1", "r1@2024-01-01T00:00"] {
+            let body = replica::encode_hello_request(&hello, name);
+            let h = Header::request(Kind::Hello, 1, 0, body.len() as u32);
+            replica_frame(&frame(&h, &body));
+        }
+        let body = replica::encode_changed_request(&ChangedRequest {
+            length: 1 << 20,
+            since: "s1".into(),
+        })
+        .expect("encodable");
+        let request = Header::request(Kind::Changed, 2, 4096, body.len() as u32);
+        replica_frame(&frame(&request, &body));
+        // A bad name in a well-framed request is no finding.
+        replica_frame(&frame(&request, b"\0\0\0\x01a b"));
+
+        let mut records = Vec::new();
+        replica::encode_block_status(
+            &[
+                StatusExtent {
+                    length: 4096,
+                    flags: replica::STATUS_CHANGED,
+                },
+                StatusExtent {
+                    length: 8192,
+                    flags: 0,
+                },
+            ],
+            &mut records,
+        )
+        .expect("encodable");
+        let mut reply = request.reply_with(0);
+        reply.length = records.len() as u32;
+        let reply = frame(&reply, &records);
+        replica_frame(&reply);
+        let refused = frame(&request.reply_with(libc::ENOENT as u32), &[]);
+        let mut stream = reply.clone();
+        stream.extend_from_slice(&refused);
+        replica_reply(&stream);
+    }
 }

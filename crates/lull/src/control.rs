@@ -969,9 +969,9 @@ impl ReplicatedSnapshot {
         json!({
             "volume": volume,
             "name": self.name,
-            // Reading a replicated volume's snapshot over NBD is not built
-            // yet (docs/SNAPSHOTS.md).
-            "export": Value::Null,
+            // Served read-only over NBD, from a replica that holds it
+            // (`lull_engine::ReplicatedSnapshotView`).
+            "export": lull_volume::snapshot_export(volume, &self.name),
             "created_unix": self.created_unix,
             "size_bytes": size_bytes,
             "allocated_bytes": self.allocated_bytes,

@@ -28,6 +28,7 @@
 //! | CHANGES_GET | [`ChangeKey`] | the record's bitmap | region bytes / bitmap bytes |
 //! | SNAPSHOT | [`SnapshotRequest`] (op u8, then the name) | none | 0 / 0 |
 //! | SNAPSHOT_LIST | none (`length` 0) | N × [`SnapshotRecord`] | 0 / payload bytes |
+//! | CHANGED | [`ChangedRequest`] (range length u32, then a snapshot name) | N × 16 ([`StatusExtent`], flag [`STATUS_CHANGED`]) | echo `offset` / `16 × N` |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -120,6 +121,30 @@
 //! writes on each. SNAPSHOT_LIST answers the replica's snapshots, oldest
 //! first ([`SnapshotRecord`]).
 //!
+//! # Snapshot views and CHANGED (version 6)
+//!
+//! A HELLO whose name is `REPLICA@SNAPSHOT` (`@SNAPSHOT` for a `lull
+//! replica` process; [`view_hello_name`]) opens a **view** connection: it
+//! reads the snapshot as it was taken. It must carry session 0 and no
+//! attach flag (it never takes the replica over, and is never fenced: a
+//! snapshot does not change), else `EINVAL`; a snapshot the replica does
+//! not hold is `ENOENT` (the reply carries the replica's [`Hello`]), and
+//! the connection closes after either. On a view connection READ,
+//! BLOCK_STATUS, EXTENTS, CHANGED and PING are served from the snapshot;
+//! every other request is answered `EROFS`, and the connection goes on. A
+//! view keeps its layers readable while it is open: a delete of the
+//! snapshot merges it meanwhile, and the view still reads the snapshot's
+//! bytes.
+//!
+//! CHANGED asks which bytes of `[offset, offset + length)` were written
+//! (or trimmed, or zeroed) since snapshot `since` was taken: on a view,
+//! up to the view's snapshot. The reply holds 1 to
+//! [`MAX_BLOCK_STATUS_PER_REPLY`] records as BLOCK_STATUS's, with
+//! [`STATUS_CHANGED`] set on written runs, covering a prefix of the range
+//! (the caller asks again for the rest). `ENOENT`: no snapshot `since`
+//! (or not older than the view's); `EINVAL`: a range outside the volume
+//! or empty.
+//!
 //! # Worked example
 //!
 //! ```
@@ -157,8 +182,9 @@ pub const MAGIC: u32 = 0x4C55_4C52;
 /// is refused at HELLO (EPROTO) rather than misparsed later. Version 2
 /// added sessions (fencing), DETACH and the write-intent record; version 3
 /// added BLOCK_STATUS; version 4 the change records (CHANGES_START, _GET,
-/// _DROP); version 5 the snapshots (SNAPSHOT, SNAPSHOT_LIST).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// _DROP); version 5 the snapshots (SNAPSHOT, SNAPSHOT_LIST); version 6
+/// the snapshot views (a HELLO naming `REPLICA@SNAPSHOT`) and CHANGED.
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
 /// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
@@ -169,8 +195,15 @@ pub const HELLO_LEN: usize = 32;
 /// subdomain, at most 253 bytes) fits, and so does the directory the store
 /// keeps it in (NAME_MAX is 255). It bounds a HELLO request's payload.
 pub const MAX_REPLICA_NAME_BYTES: usize = 253;
+/// Separates the replica's name from a snapshot's in a view HELLO
+/// (`REPLICA@SNAPSHOT`, or `@SNAPSHOT` for a `lull replica` process):
+/// neither a replica's nor a snapshot's name holds it.
+pub const VIEW_SEPARATOR: char = '@';
+/// Longest name a HELLO request carries: a replica's, the separator and
+/// a snapshot's.
+pub const MAX_HELLO_NAME_BYTES: usize = MAX_REPLICA_NAME_BYTES + 1 + MAX_SNAPSHOT_NAME_BYTES;
 /// Longest HELLO request payload: the record and the longest name.
-pub const MAX_HELLO_REQUEST_LEN: usize = HELLO_LEN + MAX_REPLICA_NAME_BYTES;
+pub const MAX_HELLO_REQUEST_LEN: usize = HELLO_LEN + MAX_HELLO_NAME_BYTES;
 /// Bytes in one EXTENTS record: (offset u64, length u64).
 pub const EXTENT_LEN: usize = 16;
 /// Largest READ or WRITE payload in one frame. 64 MiB matches the NBD
@@ -250,6 +283,15 @@ pub const KIND_CHANGES_GET: u16 = 16;
 pub const KIND_CHANGES_DROP: u16 = 17;
 pub const KIND_SNAPSHOT: u16 = 18;
 pub const KIND_SNAPSHOT_LIST: u16 = 19;
+pub const KIND_CHANGED: u16 = 20;
+
+/// CHANGED request payload before the name: the range's length (u32).
+pub const CHANGED_HEADER_LEN: usize = 4;
+/// Longest CHANGED request payload: the range's length and the longest
+/// snapshot name.
+pub const MAX_CHANGED_REQUEST_LEN: usize = CHANGED_HEADER_LEN + MAX_SNAPSHOT_NAME_BYTES;
+/// Flag of a CHANGED reply record: the run was written since the snapshot.
+pub const STATUS_CHANGED: u32 = 1 << 0;
 
 /// Longest snapshot name, in bytes: the chain's own bound
 /// (`lull_bdev::chain::MAX_SNAPSHOT_NAME_LEN`), which keeps an export name
@@ -333,11 +375,15 @@ pub enum Kind {
     Snapshot,
     /// The replica's snapshots, oldest first ([`SnapshotRecord`]s).
     SnapshotList,
+    /// Which runs of a range were written since a snapshot ([`ChangedRequest`];
+    /// version 6): on a view connection, between that snapshot and the
+    /// view's.
+    Changed,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 19] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -357,6 +403,7 @@ impl Kind {
         Kind::ChangesDrop,
         Kind::Snapshot,
         Kind::SnapshotList,
+        Kind::Changed,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -381,6 +428,7 @@ impl Kind {
             KIND_CHANGES_DROP => Kind::ChangesDrop,
             KIND_SNAPSHOT => Kind::Snapshot,
             KIND_SNAPSHOT_LIST => Kind::SnapshotList,
+            KIND_CHANGED => Kind::Changed,
             _ => return None,
         })
     }
@@ -407,6 +455,7 @@ impl Kind {
             Kind::ChangesDrop => KIND_CHANGES_DROP,
             Kind::Snapshot => KIND_SNAPSHOT,
             Kind::SnapshotList => KIND_SNAPSHOT_LIST,
+            Kind::Changed => KIND_CHANGED,
         }
     }
 
@@ -484,7 +533,7 @@ impl Header {
             | Kind::ChangesDrop
             | Kind::Snapshot
             | Kind::SnapshotList => (0, 0),
-            Kind::Extents | Kind::IntentGet | Kind::BlockStatus => (self.offset, 0),
+            Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::Changed => (self.offset, 0),
             Kind::Read
             | Kind::Write
             | Kind::WriteFua
@@ -584,7 +633,7 @@ fn check(h: &Header) -> Result<(), FrameError> {
             }
             if !h.reply && !(HELLO_LEN..=MAX_HELLO_REQUEST_LEN).contains(&length) {
                 return Err(FrameError::BadPayload(
-                    "HELLO length must be HELLO_LEN plus a name of at most MAX_REPLICA_NAME_BYTES",
+                    "HELLO length must be HELLO_LEN plus a name of at most MAX_HELLO_NAME_BYTES",
                 ));
             }
         }
@@ -659,7 +708,14 @@ fn check(h: &Header) -> Result<(), FrameError> {
                 too_long(0)?;
             }
         }
-        Kind::BlockStatus => {
+        Kind::Changed if !h.reply => {
+            if !(CHANGED_HEADER_LEN + 1..=MAX_CHANGED_REQUEST_LEN).contains(&(h.length as usize)) {
+                return Err(FrameError::BadPayload(
+                    "CHANGED length must be the range's length and a name of 1 to MAX_SNAPSHOT_NAME_BYTES",
+                ));
+            }
+        }
+        Kind::BlockStatus | Kind::Changed => {
             if h.reply {
                 too_long(MAX_BLOCK_STATUS_BYTES)?;
                 if !(h.length as usize).is_multiple_of(STATUS_EXTENT_LEN) {
@@ -756,16 +812,22 @@ pub fn payload_len(h: &Header) -> usize {
         (Kind::Hello, true) => HELLO_LEN,
         (Kind::Hello, false) => length,
         (Kind::Write | Kind::WriteFua, false) => length,
-        (Kind::ChangesStart | Kind::ChangesGet | Kind::ChangesDrop | Kind::Snapshot, false) => {
-            length
-        }
+        (
+            Kind::ChangesStart
+            | Kind::ChangesGet
+            | Kind::ChangesDrop
+            | Kind::Snapshot
+            | Kind::Changed,
+            false,
+        ) => length,
         (
             Kind::Read
             | Kind::Extents
             | Kind::IntentGet
             | Kind::BlockStatus
             | Kind::ChangesGet
-            | Kind::SnapshotList,
+            | Kind::SnapshotList
+            | Kind::Changed,
             true,
         ) if h.status == 0 => length,
         _ => 0,
@@ -829,10 +891,15 @@ pub fn check_replica_name(name: &str) -> Result<(), &'static str> {
 }
 
 /// Encodes a HELLO request payload: the record, then `name` (empty: an
-/// unnamed HELLO, for a `lull replica` process). The caller checked the
-/// name ([`check_replica_name`]).
+/// unnamed HELLO, for a `lull replica` process; `REPLICA@SNAPSHOT` for a
+/// view, [`view_hello_name`]). The caller checked the names
+/// ([`check_replica_name`], [`check_snapshot_name`]).
 pub fn encode_hello_request(h: &Hello, name: &str) -> Vec<u8> {
-    debug_assert!(name.is_empty() || check_replica_name(name).is_ok());
+    debug_assert!({
+        let (replica, snapshot) = split_hello_name(name);
+        (replica.is_empty() || check_replica_name(replica).is_ok())
+            && snapshot.is_none_or(|s| check_snapshot_name(s).is_ok())
+    });
     let mut out = Vec::with_capacity(HELLO_LEN + name.len());
     out.extend_from_slice(&encode_hello(h));
     out.extend_from_slice(name.as_bytes());
@@ -851,10 +918,81 @@ pub fn decode_hello_request(b: &[u8]) -> Result<(Hello, &str), FrameError> {
     let hello = decode_hello(record)?;
     let name = std::str::from_utf8(name)
         .map_err(|_| FrameError::BadPayload("HELLO replica name is not UTF-8"))?;
-    if !name.is_empty() {
-        check_replica_name(name).map_err(FrameError::BadPayload)?;
+    let (replica, snapshot) = split_hello_name(name);
+    if !replica.is_empty() {
+        check_replica_name(replica).map_err(FrameError::BadPayload)?;
+    }
+    if let Some(snapshot) = snapshot {
+        check_snapshot_name(snapshot).map_err(FrameError::BadPayload)?;
     }
     Ok((hello, name))
+}
+
+/// A HELLO's name split into the replica's (empty: a `lull replica`
+/// process's one replica) and, for a snapshot view, the snapshot's.
+pub fn split_hello_name(name: &str) -> (&str, Option<&str>) {
+    match name.split_once(VIEW_SEPARATOR) {
+        Some((replica, snapshot)) => (replica, Some(snapshot)),
+        None => (name, None),
+    }
+}
+
+/// The HELLO name of a view of `snapshot` of replica `replica` (empty for
+/// a `lull replica` process).
+pub fn view_hello_name(replica: &str, snapshot: &str) -> String {
+    format!("{replica}{VIEW_SEPARATOR}{snapshot}")
+}
+
+/// The snapshot naming rule, as the chain has it
+/// (`lull_bdev::chain::check_snapshot_name`): 1 to
+/// [`MAX_SNAPSHOT_NAME_BYTES`] bytes of letters, digits, `-`, `_`, `.`
+/// and `:`, not starting with `.`.
+pub fn check_snapshot_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > MAX_SNAPSHOT_NAME_BYTES {
+        return Err("a snapshot name has 1 to 200 bytes");
+    }
+    if name.starts_with('.') {
+        return Err("a snapshot name does not start with '.'");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    {
+        return Err("a snapshot name has only A-Z a-z 0-9 - _ . :");
+    }
+    Ok(())
+}
+
+/// A CHANGED request: the runs of `[offset, offset + length)` (`offset` in
+/// the header) written since snapshot `since`. Wire: length u32, then the
+/// name (`length` in the header is the payload's bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangedRequest {
+    pub length: u32,
+    pub since: String,
+}
+
+/// Encodes a CHANGED request's payload.
+pub fn encode_changed_request(r: &ChangedRequest) -> Result<Vec<u8>, FrameError> {
+    check_snapshot_name(&r.since).map_err(FrameError::BadPayload)?;
+    let mut out = Vec::with_capacity(CHANGED_HEADER_LEN + r.since.len());
+    out.extend_from_slice(&r.length.to_be_bytes());
+    out.extend_from_slice(r.since.as_bytes());
+    Ok(out)
+}
+
+/// Decodes a CHANGED request's payload.
+pub fn decode_changed_request(b: &[u8]) -> Result<ChangedRequest, FrameError> {
+    let Some((length, name)) = b.split_first_chunk::<CHANGED_HEADER_LEN>() else {
+        return Err(FrameError::BadPayload("CHANGED payload without its length"));
+    };
+    let since = std::str::from_utf8(name)
+        .map_err(|_| FrameError::BadPayload("CHANGED snapshot name is not UTF-8"))?;
+    check_snapshot_name(since).map_err(FrameError::BadPayload)?;
+    Ok(ChangedRequest {
+        length: u32::from_be_bytes(*length),
+        since: since.to_string(),
+    })
 }
 
 /// Bytes per write-intent region of a volume of `volume_size` bytes: at
@@ -1317,7 +1455,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 5, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 6, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -1350,15 +1488,15 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 20;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8014)));
-        // The version before the snapshots is refused, naming both.
+        b[7] = 21;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8015)));
+        // The version before the snapshot views is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
-        b[5] = 4;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(4)));
+        b[5] = 5;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(5)));
         assert_eq!(
-            FrameError::BadVersion(4).to_string(),
-            "protocol version 4, expected 5"
+            FrameError::BadVersion(5).to_string(),
+            "protocol version 5, expected 6"
         );
     }
 
@@ -1613,6 +1751,44 @@ mod tests {
     }
 
     #[test]
+    fn changed_requests_round_trip_and_bad_ones_are_refused() {
+        let r = ChangedRequest {
+            length: 1 << 20,
+            since: "s1".into(),
+        };
+        let p = encode_changed_request(&r).unwrap();
+        assert_eq!(decode_changed_request(&p).unwrap(), r);
+        let mut out = [0u8; HEADER_LEN];
+        let req = Header::request(Kind::Changed, 9, 4096, p.len() as u32);
+        encode_header(&req, &mut out).unwrap();
+        let got = decode_header(&out).unwrap();
+        assert_eq!(payload_len(&got), p.len());
+        // The reply: records like BLOCK_STATUS's, the offset echoed.
+        let mut reply = req.reply_with(0);
+        assert_eq!((reply.offset, reply.length), (4096, 0));
+        reply.length = 2 * STATUS_EXTENT_LEN as u32;
+        encode_header(&reply, &mut out).unwrap();
+        assert_eq!(payload_len(&decode_header(&out).unwrap()), 32);
+        reply.length = 17;
+        assert!(
+            encode_header(&reply, &mut out).is_err(),
+            "not whole records"
+        );
+        for bad in [&b""[..], b"\0\0\0\x01", b"\0\0\0\x01.s", b"\0\0\0\x01a@b"] {
+            assert!(decode_changed_request(bad).is_err(), "{bad:?} accepted");
+        }
+        for len in [CHANGED_HEADER_LEN, MAX_CHANGED_REQUEST_LEN + 1] {
+            let h = Header::request(Kind::Changed, 1, 0, len as u32);
+            assert!(encode_header(&h, &mut out).is_err(), "length {len}");
+        }
+        assert!(encode_changed_request(&ChangedRequest {
+            length: 1,
+            since: "a".repeat(MAX_SNAPSHOT_NAME_BYTES + 1)
+        })
+        .is_err());
+    }
+
+    #[test]
     fn hello_request_names_a_replica() {
         let h = Hello {
             volume_size: 1 << 30,
@@ -1623,14 +1799,30 @@ mod tests {
         let named = encode_hello_request(&h, "pvc-1.r0");
         assert_eq!(decode_hello_request(&named).unwrap(), (h, "pvc-1.r0"));
         assert_eq!(decode_hello_request(&encode_hello(&h)).unwrap(), (h, ""));
-        let longest = "a".repeat(MAX_REPLICA_NAME_BYTES);
+        let longest = view_hello_name(
+            &"a".repeat(MAX_REPLICA_NAME_BYTES),
+            &"s".repeat(MAX_SNAPSHOT_NAME_BYTES),
+        );
         let frame = encode_hello_request(&h, &longest);
         assert_eq!(frame.len(), MAX_HELLO_REQUEST_LEN);
+        // A view: the replica's name (or none), '@', the snapshot's.
+        for (name, replica, snapshot) in [
+            ("r0@s1", "r0", Some("s1")),
+            ("@daily:2026-11-27", "", Some("daily:2026-11-27")),
+            ("r0", "r0", None),
+        ] {
+            let p = encode_hello_request(&h, name);
+            assert_eq!(decode_hello_request(&p).unwrap(), (h, name));
+            assert_eq!(split_hello_name(name), (replica, snapshot));
+        }
         assert!(decode_hello_request(&frame).is_ok());
         let mut too_long = frame.clone();
         too_long.push(b'a');
         assert!(decode_hello_request(&too_long).is_err());
-        for bad in ["..", ".hidden", "a/b", "a\0b", "é", "-x", "a b"] {
+        for bad in [
+            "..", ".hidden", "a/b", "a\0b", "é", "-x", "a b", "r0@", "r0@.s", "r0@s/1", "r0@s@t",
+            "@",
+        ] {
             let mut p = encode_hello(&h).to_vec();
             p.extend_from_slice(bad.as_bytes());
             assert!(decode_hello_request(&p).is_err(), "{bad:?} accepted");

@@ -40,6 +40,15 @@
 //! replica is not taken: an engine's connection (non-zero session) is
 //! closed, a tool's (session 0) gets `ESTALE`.
 //!
+//! Snapshot views (version 6): a HELLO naming `REPLICA@SNAPSHOT` makes
+//! the connection a view of that snapshot (`BlockDevice::snapshot_view`,
+//! read-only, holding its layers while it is open). Its data channel is
+//! the view's; READ, BLOCK_STATUS, EXTENTS, CHANGED and PING are served
+//! from it (READs never with `sendfile`: the head file is not the
+//! snapshot), and every other request is answered `EROFS` (a write's
+//! payload drained) before it is counted anywhere: a view never takes
+//! the replica over, is never fenced, and changes no record.
+//!
 //! Authentication: with TLS credentials, the first byte must open a TLS
 //! handshake (a plain peer is refused with a warning naming it), and the
 //! handshake runs on the poller like any read, before the HELLO; it counts
@@ -56,7 +65,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use lull_bdev::faulty::SplitMix64;
-use lull_bdev::{BlockDevice as _, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{BlockDevice, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
 use lull_net::link::{handshake_hint, LinkStream, TLS_RECORD_HANDSHAKE};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
@@ -64,8 +73,9 @@ use lull_net::tls::TlsStream;
 use lull_net::wire::{self, Receive as _, Recv, Submissions, Wire};
 use lull_net::{bufs, OutPayload, Payload};
 use lull_proto::replica::{
-    self as proto, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH,
-    HELLO_LEN, INTENT_FLAG_LOST, MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
+    self as proto, ChangedRequest, FrameError, Header, Hello, Kind, StatusExtent, HEADER_LEN,
+    HELLO_FLAG_ATTACH, HELLO_LEN, INTENT_FLAG_LOST, MAX_BLOCK_STATUS_PER_REPLY,
+    MAX_EXTENTS_PER_REPLY, MAX_IO_BYTES,
 };
 use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
@@ -152,6 +162,16 @@ enum Wait {
     },
 }
 
+/// The snapshot a view connection reads (see the module doc).
+struct View {
+    /// As its first HELLO named it; a later HELLO must name it again.
+    snapshot: String,
+    /// Read-only; it holds the snapshot's layers while the connection is
+    /// open, so a delete of the snapshot merges it meanwhile and the view
+    /// still reads the bytes it had.
+    dev: Arc<dyn BlockDevice>,
+}
+
 impl Wait {
     /// Whether the wait holds a fence count.
     fn counted(&self) -> bool {
@@ -177,6 +197,9 @@ pub(crate) struct Conn {
     /// The replica the first HELLO named (found through `port`); `None`
     /// before it.
     replica: Option<Arc<Shared>>,
+    /// The snapshot a view connection reads (its first HELLO named
+    /// `REPLICA@SNAPSHOT`); `None` for a connection to the live data.
+    view: Option<View>,
     /// TLS is required and the peer's first byte has not been seen yet
     /// (the stream is still plain).
     tls_expected: bool,
@@ -422,6 +445,28 @@ impl wire::ReceiveFrames for Conn {
                 tracing::warn!(peer = %self.wire.peer(), ?kind, "first frame is not HELLO");
                 self.close("first frame is not HELLO");
             }
+            // Before anything below counts the request in the fence or
+            // waits for the dirty record: a view changes nothing.
+            (_, kind) if self.view.is_some() && !served_on_view(kind) => self.refuse_on_view(h),
+            (_, Kind::Changed) => {
+                // The range's length and a snapshot name: at most
+                // MAX_CHANGED_REQUEST_LEN, checked by `decode_header`.
+                let end = HEADER_LEN + proto::payload_len(&h);
+                if self.wire.inb.buffered() < end {
+                    return false;
+                }
+                let decoded = proto::decode_changed_request(&self.wire.inb.peek()[HEADER_LEN..end]);
+                self.wire.inb.consume(end);
+                match decoded {
+                    Ok(request) => self.changed(h, &request),
+                    Err(e) => {
+                        // Framed right, so the stream is in sync: refused,
+                        // the connection goes on.
+                        tracing::warn!(peer = %self.wire.peer(), ?h, error = %e, "CHANGED refused: bad request");
+                        self.push_error(h, libc::EINVAL);
+                    }
+                }
+            }
             (_, kind) if kind.has_change_key() => {
                 // The key follows the header: at most MAX_CHANGE_KEY_LEN,
                 // checked by `decode_header`.
@@ -545,6 +590,7 @@ impl Conn {
             wire,
             port,
             replica: None,
+            view: None,
             tls_expected,
             refuse_plain: false,
             phase: Phase::AwaitHello,
@@ -897,10 +943,14 @@ impl Conn {
         true
     }
 
+    /// The data channel: the view's on a view connection (no faults
+    /// injected there: `--fault-*` wraps the live chain), else the chain's
+    /// (behind the fault injector when there is one).
     fn open_channel(&self) -> Option<Box<dyn Channel>> {
-        let opened = match &self.server().faulty {
-            Some(faulty) => faulty.open_channel(),
-            None => self.server().chain.open_channel(),
+        let opened = match (&self.view, &self.server().faulty) {
+            (Some(view), _) => view.dev.open_channel(),
+            (None, Some(faulty)) => faulty.open_channel(),
+            (None, None) => self.server().chain.open_channel(),
         };
         match opened {
             Ok(c) => Some(c),
@@ -1135,6 +1185,22 @@ impl Conn {
         None
     }
 
+    /// A request a view does not serve ([`served_on_view`]): `EROFS`,
+    /// after draining whatever payload it carries (a write's, a change
+    /// key, a SNAPSHOT's op and name), so the stream stays in sync and the
+    /// connection goes on. Nothing was counted or noted for it.
+    fn refuse_on_view(&mut self, req: Header) {
+        self.wire.inb.consume(HEADER_LEN);
+        tracing::warn!(peer = %self.wire.peer(), ?req, snapshot = self.view.as_ref().map(|v| v.snapshot.as_str()),
+            "refused request: a snapshot view is read-only");
+        let payload = proto::payload_len(&req) as u64;
+        if payload > 0 {
+            self.recv = Recv::drain(payload, req, libc::EROFS as u32);
+        } else {
+            self.push_error(req, libc::EROFS);
+        }
+    }
+
     fn refuse(&mut self, req: Header, errno: i32) {
         if req.kind.is_write() && req.length > 0 {
             self.recv = Recv::drain(u64::from(req.length), req, errno as u32);
@@ -1143,31 +1209,66 @@ impl Conn {
         }
     }
 
-    /// A HELLO: the first opens the data channel and fixes the session. A
-    /// non-zero session newer than the owner takes the replica over (older
-    /// ones get `ESTALE`); an engine's HELLO is answered once other
-    /// sessions have drained, then as [`Conn::finish_hello`] says.
+    /// A HELLO: the first opens the data channel (a view's, when it names
+    /// a snapshot) and fixes the session. A non-zero session newer than
+    /// the owner takes the replica over (older ones get `ESTALE`); an
+    /// engine's HELLO is answered once other sessions have drained, then
+    /// as [`Conn::finish_hello`] says.
     fn handle_hello(&mut self, req: Header, hello: Hello, name: &str) {
         self.hello_done.store(true, Ordering::Relaxed);
+        let (replica_name, snapshot) = proto::split_hello_name(name);
         match &self.replica {
-            None => match self.port.find(name) {
+            None => match self.port.find(replica_name) {
                 Ok(replica) => {
+                    // A view's fence is counted too (it lists the
+                    // connection), and never entered: session 0, and
+                    // `take_frame` refuses what it would count.
                     replica.fences.adopt(&self.fence);
                     self.replica = Some(replica);
                 }
                 Err((errno, why)) => {
-                    tracing::warn!(peer = %self.wire.peer(), replica = name, "{why}");
+                    tracing::warn!(peer = %self.wire.peer(), replica = replica_name, "{why}");
                     self.refuse_hello(req, errno);
                     self.close(why);
                     return;
                 }
             },
-            Some(r) if r.name.as_deref().unwrap_or("") != name => {
-                tracing::warn!(peer = %self.wire.peer(), first = ?r.name, now = name, "HELLO names another replica");
+            Some(r) if r.name.as_deref().unwrap_or("") != replica_name => {
+                tracing::warn!(peer = %self.wire.peer(), first = ?r.name, now = replica_name, "HELLO names another replica");
                 self.close("HELLO names another replica than the connection's first");
                 return;
             }
             Some(_) => {}
+        }
+        let first = matches!(self.phase, Phase::AwaitHello);
+        if !first && self.view.as_ref().map(|v| v.snapshot.as_str()) != snapshot {
+            tracing::warn!(peer = %self.wire.peer(), first = ?self.view.as_ref().map(|v| &v.snapshot),
+                now = ?snapshot, "HELLO names another snapshot view");
+            self.close("HELLO names another snapshot view than the connection's first");
+            return;
+        }
+        if let Some(snapshot) = snapshot {
+            if hello.session != 0 || hello.flags & HELLO_FLAG_ATTACH != 0 {
+                tracing::warn!(peer = %self.wire.peer(), snapshot, session = hello.session, flags = hello.flags,
+                    "view HELLO refused: a snapshot view takes session 0 and no attach flag");
+                self.refuse_hello(req, libc::EINVAL);
+                self.close("a snapshot view HELLO with a session or the attach flag");
+                return;
+            }
+            if first {
+                let Some(dev) = self.server().chain.snapshot_view(snapshot) else {
+                    tracing::warn!(peer = %self.wire.peer(), replica = replica_name, snapshot,
+                        "view HELLO refused: no such snapshot");
+                    self.refuse_hello(req, libc::ENOENT);
+                    self.close(format!("no snapshot {snapshot:?} to view"));
+                    return;
+                };
+                tracing::info!(peer = %self.wire.peer(), replica = replica_name, snapshot, "snapshot view opened");
+                self.view = Some(View {
+                    snapshot: snapshot.to_string(),
+                    dev,
+                });
+            }
         }
         if hello.volume_size != self.server().size_bytes {
             tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
@@ -1272,9 +1373,9 @@ impl Conn {
             Kind::IntentGet => return self.intent_get(req),
             Kind::IntentMark | Kind::IntentClear => return self.intent_update(req),
             Kind::SnapshotList => return self.start_snapshot(req, SnapshotJob::List),
-            Kind::Snapshot => {
-                // `take_frame` takes SNAPSHOT with its payload.
-                debug_assert!(false, "SNAPSHOT handled in take_frame");
+            Kind::Snapshot | Kind::Changed => {
+                // `take_frame` takes these with their payload.
+                debug_assert!(false, "{:?} handled in take_frame", req.kind);
                 if counted {
                     self.fence_exit();
                 }
@@ -1299,11 +1400,13 @@ impl Conn {
         }
         let op = match req.kind {
             Kind::Extents => {
-                self.extents(req);
+                let (dev, layered) = self.data_device();
+                self.extents(req, &*dev, layered);
                 return;
             }
             Kind::BlockStatus => {
-                self.block_status(req);
+                let (dev, layered) = self.data_device();
+                self.block_status(req, &*dev, layered);
                 return;
             }
             // Nothing to do for an empty range; the device need not see it.
@@ -1345,7 +1448,8 @@ impl Conn {
             | Kind::ChangesGet
             | Kind::ChangesDrop
             | Kind::Snapshot
-            | Kind::SnapshotList => {
+            | Kind::SnapshotList
+            | Kind::Changed => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
@@ -1506,25 +1610,42 @@ impl Conn {
         self.push_reply(reply, Payload::Bytes(payload));
     }
 
-    /// Answers EXTENTS inline from the chain's allocation
-    /// (`BlockDevice::extents`): a chain of one layer asks its file
-    /// (SEEK_DATA/SEEK_HOLE, non-sleeping metadata lookups, ≤ 2 lseeks per
-    /// extent), a layered one its maps (at most [`MAX_MAP_SCAN_BYTES`] of
-    /// them per reply). A reply holds at most `MAX_EXTENTS_PER_REPLY`
-    /// extents, so the reactor is held for microseconds; the peer
-    /// continues from the scan end the reply reports. A block any layer
-    /// holds is data: what a rebuild copies is the live volume.
-    fn extents(&mut self, req: Header) {
-        let chain = self.server().chain.clone();
+    /// The device this connection's data requests ask: its snapshot's
+    /// view, or the live chain. With whether it answers allocation from
+    /// layer maps (`layered`: a scan per 4 KiB block, bounded per reply by
+    /// [`MAX_MAP_SCAN_BYTES`]); a view is taken as layered, since the
+    /// device does not say how many layers it has (at worst the peer asks
+    /// again more often).
+    fn data_device(&self) -> (Arc<dyn BlockDevice>, bool) {
+        match &self.view {
+            Some(view) => (view.dev.clone(), true),
+            None => {
+                let chain = self.server().chain.clone();
+                let layered = chain.single_layer_id().is_none();
+                (chain, layered)
+            }
+        }
+    }
+
+    /// Answers EXTENTS inline from `dev`'s allocation
+    /// (`BlockDevice::extents`; [`Conn::data_device`]): a chain of one
+    /// layer asks its file (SEEK_DATA/SEEK_HOLE, non-sleeping metadata
+    /// lookups, ≤ 2 lseeks per extent), a `layered` one its maps (at most
+    /// [`MAX_MAP_SCAN_BYTES`] of them per reply). A reply holds at most
+    /// `MAX_EXTENTS_PER_REPLY` extents, so the reactor is held for
+    /// microseconds; the peer continues from the scan end the reply
+    /// reports. A block any layer holds is data: what a rebuild copies is
+    /// the live volume (a view's: the snapshot).
+    fn extents(&mut self, req: Header, dev: &dyn BlockDevice, layered: bool) {
         let mut end = req.offset + u64::from(req.length);
-        if chain.single_layer_id().is_none() {
+        if layered {
             end = end.min(req.offset.saturating_add(MAX_MAP_SCAN_BYTES));
         }
         let mut pos = req.offset;
         let mut found: Vec<(u64, u64)> = Vec::new();
         'scan: while pos < end && found.len() < MAX_EXTENTS_PER_REPLY {
             // Holes and data alternate: twice as many cover as many data.
-            let extents = match chain.extents(pos, end - pos, 2 * MAX_EXTENTS_PER_REPLY) {
+            let extents = match dev.extents(pos, end - pos, 2 * MAX_EXTENTS_PER_REPLY) {
                 Ok(extents) if !extents.is_empty() => extents,
                 Ok(_) => break,
                 Err(e) => {
@@ -1562,24 +1683,23 @@ impl Conn {
         self.push_reply(reply, Payload::Bytes(payload));
     }
 
-    /// Answers BLOCK_STATUS inline from the chain's allocation, like
-    /// EXTENTS (at most `MAX_BLOCK_STATUS_PER_REPLY` extents; a layered
-    /// chain scans at most [`MAX_MAP_SCAN_BYTES`] of its maps). A block
-    /// no layer holds reads as zeros, so it is reported as hole and
-    /// zero; allocated ranges as data. The range was checked against the
+    /// Answers BLOCK_STATUS inline from `dev`'s allocation, like EXTENTS
+    /// (at most `MAX_BLOCK_STATUS_PER_REPLY` extents; a `layered` device
+    /// scans at most [`MAX_MAP_SCAN_BYTES`] of its maps). A block no
+    /// layer holds reads as zeros, so it is reported as hole and zero;
+    /// allocated ranges as data. The range was checked against the
     /// volume by the caller.
-    fn block_status(&mut self, req: Header) {
+    fn block_status(&mut self, req: Header, dev: &dyn BlockDevice, layered: bool) {
         if req.length == 0 {
             tracing::warn!(peer = %self.wire.peer(), ?req, "refused request: empty BLOCK_STATUS");
             self.push_error(req, libc::EINVAL);
             return;
         }
-        let chain = &self.server().chain;
         let mut length = u64::from(req.length);
-        if chain.single_layer_id().is_none() {
+        if layered {
             length = length.min(MAX_MAP_SCAN_BYTES);
         }
-        let extents = match chain.extents(req.offset, length, proto::MAX_BLOCK_STATUS_PER_REPLY) {
+        let extents = match dev.extents(req.offset, length, MAX_BLOCK_STATUS_PER_REPLY) {
             Ok(extents) => extents,
             Err(e) => {
                 tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
@@ -1598,6 +1718,74 @@ impl Conn {
         let mut payload = Vec::with_capacity(records.len() * proto::STATUS_EXTENT_LEN);
         if let Err(e) = proto::encode_block_status(&records, &mut payload) {
             tracing::error!(peer = %self.wire.peer(), error = %e, "cannot encode block status");
+            self.push_error(req, libc::EIO);
+            return;
+        }
+        let mut reply = req.reply_with(0);
+        reply.length = payload.len() as u32;
+        self.push_reply(reply, Payload::Bytes(payload));
+    }
+
+    /// Answers CHANGED inline: which runs of `[offset, offset + length)`
+    /// were written since snapshot `since` (`BlockDevice::changed_since`
+    /// of the live chain, or of a view: up to its snapshot), as
+    /// BLOCK_STATUS-shaped records flagged [`proto::STATUS_CHANGED`]. It
+    /// looks at the layer maps block by block whatever the chain's shape,
+    /// so a reply scans at most [`MAX_MAP_SCAN_BYTES`] of them and covers
+    /// a prefix of the range (the peer asks again for the rest). `EINVAL`
+    /// for a range empty or outside the volume; `ENOENT` for no snapshot
+    /// `since` on this device (on a view, one not older than the view's).
+    fn changed(&mut self, req: Header, request: &ChangedRequest) {
+        let size = self.server().size_bytes;
+        let in_range = request.length > 0
+            && req
+                .offset
+                .checked_add(u64::from(request.length))
+                .is_some_and(|end| end <= size);
+        if !in_range {
+            tracing::warn!(peer = %self.wire.peer(), ?req, length = request.length, size,
+                "refused request: CHANGED range empty or out of range");
+            self.push_error(req, libc::EINVAL);
+            return;
+        }
+        // A view's own snapshot is in its chain, as its top layer: the
+        // protocol wants a snapshot older than the view's.
+        if self
+            .view
+            .as_ref()
+            .is_some_and(|v| v.snapshot == request.since)
+        {
+            tracing::warn!(peer = %self.wire.peer(), since = %request.since,
+                "refused CHANGED: since is the view's own snapshot, not an older one");
+            self.push_error(req, libc::ENOENT);
+            return;
+        }
+        let (dev, _) = self.data_device();
+        let length = u64::from(request.length).min(MAX_MAP_SCAN_BYTES);
+        let runs = match dev.changed_since(
+            &request.since,
+            req.offset,
+            length,
+            MAX_BLOCK_STATUS_PER_REPLY,
+        ) {
+            Ok(runs) => runs,
+            Err(e) => {
+                tracing::warn!(peer = %self.wire.peer(), ?req, since = %request.since, error = %e,
+                    errno = e.errno(), "CHANGED failed");
+                self.push_error(req, e.errno());
+                return;
+            }
+        };
+        let records: Vec<StatusExtent> = runs
+            .iter()
+            .map(|r| StatusExtent {
+                length: r.length_bytes,
+                flags: if r.changed { proto::STATUS_CHANGED } else { 0 },
+            })
+            .collect();
+        let mut payload = Vec::with_capacity(records.len() * proto::STATUS_EXTENT_LEN);
+        if let Err(e) = proto::encode_block_status(&records, &mut payload) {
+            tracing::error!(peer = %self.wire.peer(), ?req, error = %e, "cannot encode a CHANGED reply");
             self.push_error(req, libc::EIO);
             return;
         }
@@ -1629,9 +1817,12 @@ impl Conn {
     /// operation is installing (it sets the state, then the generation),
     /// which it does under its quiesce, with the layer it freezes synced
     /// or the merge into the child done: the answer fits either state.
+    ///
+    /// None on a view connection: the head file holds the live data, not
+    /// the snapshot's.
     fn sendfile_file(&mut self) -> Option<Arc<File>> {
         let r = self.replica.as_ref()?;
-        if !r.sendfile {
+        if !r.sendfile || self.view.is_some() {
             return None;
         }
         let generation = r.chain.layers_generation();
@@ -1697,5 +1888,50 @@ impl Conn {
         };
         self.submit_io(io);
         !self.subs.holding()
+    }
+}
+
+/// Whether a view connection serves `kind` (from its snapshot); it
+/// answers every other request `EROFS` (`Conn::refuse_on_view`). Every
+/// kind is named, so a new one is placed here on purpose.
+fn served_on_view(kind: Kind) -> bool {
+    match kind {
+        Kind::Hello
+        | Kind::Read
+        | Kind::BlockStatus
+        | Kind::Extents
+        | Kind::Changed
+        | Kind::Ping => true,
+        Kind::Write
+        | Kind::WriteFua
+        | Kind::Flush
+        | Kind::Trim
+        | Kind::WriteZeroes
+        | Kind::Detach
+        | Kind::IntentMark
+        | Kind::IntentClear
+        | Kind::IntentGet
+        | Kind::ChangesStart
+        | Kind::ChangesGet
+        | Kind::ChangesDrop
+        | Kind::Snapshot
+        | Kind::SnapshotList => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A view serves only what reads, and nothing that modifies (what
+    /// the fence counts) gets past its check.
+    #[test]
+    fn a_view_serves_no_modifying_request() {
+        for kind in Kind::ALL {
+            if kind.modifies() || kind == Kind::Detach {
+                assert!(!served_on_view(kind), "{kind:?}");
+            }
+        }
+        assert!(!Kind::Changed.modifies());
     }
 }

@@ -34,7 +34,8 @@
 //! replica that never took a snapshot is one layer, `data.img`, every
 //! request passing straight to it (a directory from before snapshots
 //! opens as it is). SNAPSHOT and SNAPSHOT_LIST (version 5) are the
-//! [`snapshots`] module's.
+//! [`snapshots`] module's; snapshot views and CHANGED (version 6) the
+//! connection's (see the rules below).
 //!
 //! Threads: one acceptor thread on the main reactor; each connection is a
 //! poller in one of the server's poll groups (one lull thread per reactor,
@@ -45,7 +46,7 @@
 //! thread ("lull-replica-intent") that group-commits them. No reactor ever
 //! blocks on a disk sync.
 //!
-//! Protocol rules on top of the codec (versions 2 to 5, see
+//! Protocol rules on top of the codec (versions 2 to 6, see
 //! [`lull_proto::replica`]):
 //!
 //! - The first frame of a connection is HELLO; more may follow (the engine
@@ -70,6 +71,18 @@
 //!   `HELLO_FLAG_CLEAN` when the durable record says clean now and the
 //!   write-intent record is not lost, and `HELLO_FLAG_INTENT_LOST` when it
 //!   is.
+//! - **Views** (version 6): a first HELLO naming `REPLICA@SNAPSHOT`
+//!   (`@SNAPSHOT` on a `lull replica` process) opens the connection on
+//!   the snapshot's read-only view (`BlockDevice::snapshot_view`) instead
+//!   of the live chain. It must carry session 0 and no attach flag
+//!   (`EINVAL`), and name a snapshot the replica holds (`ENOENT`); both
+//!   refusals close. READ, BLOCK_STATUS, EXTENTS, CHANGED and PING read
+//!   the snapshot; everything else gets `EROFS` before it is counted in
+//!   the fence, marks the replica dirty or touches a record. The view
+//!   holds its layers: a delete of the snapshot merges meanwhile and the
+//!   view reads on. **CHANGED** (any connection) answers which 4 KiB
+//!   blocks of a range were written since a snapshot (on a view: up to
+//!   the view's), from the chain's maps; it modifies nothing.
 //!
 //! [`Kind::modifies`]: lull_proto::replica::Kind::modifies
 

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lull_proto::replica::{
-    self as wire, Header, Hello, Kind, SnapshotOp, SnapshotRecord, SnapshotRequest, HEADER_LEN,
-    HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST, HELLO_LEN, INTENT_FLAG_LOST,
+    self as wire, ChangedRequest, Header, Hello, Kind, SnapshotOp, SnapshotRecord, SnapshotRequest,
+    StatusExtent, HEADER_LEN, HELLO_FLAG_ATTACH, HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST,
+    HELLO_LEN, INTENT_FLAG_LOST,
 };
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_replica::intent::IntentFile;
@@ -1661,5 +1662,509 @@ fn writes_and_reads_go_on_while_snapshots_are_taken() {
     assert_eq!(c.snapshot_names(), ["s19"]);
     drop(c);
     server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+// Snapshot views and CHANGED (protocol version 6): a HELLO naming
+// `REPLICA@SNAPSHOT` reads the snapshot; CHANGED lists what was written
+// since one.
+
+impl Client {
+    /// A HELLO naming `name` (a replica, or a view `REPLICA@SNAPSHOT`)
+    /// with `flags` and this client's session: the reply and its HELLO.
+    fn hello_named(&mut self, name: &str, flags: u64) -> (Header, Hello) {
+        let body = wire::encode_hello_request(
+            &Hello {
+                volume_size: SIZE,
+                generation: 0,
+                flags,
+                session: self.session,
+            },
+            name,
+        );
+        let (h, p) = self.call(Kind::Hello, 0, body.len() as u32, &body);
+        (h, wire::decode_hello(&p).expect("hello payload"))
+    }
+
+    /// A view of `snapshot` on a `lull replica` process, opened.
+    fn view(addr: SocketAddr, snapshot: &str) -> Client {
+        let mut v = Client::connect(addr);
+        let (h, hello) = v.hello_named(&wire::view_hello_name("", snapshot), 0);
+        assert_eq!(h.status, 0, "view of {snapshot}");
+        assert_eq!(hello.volume_size, SIZE);
+        v
+    }
+
+    /// CHANGED since `since` over `[offset, offset + length)`: the status
+    /// and the records (none on an error).
+    fn changed(&mut self, offset: u64, length: u32, since: &str) -> (u32, Vec<StatusExtent>) {
+        let payload = wire::encode_changed_request(&ChangedRequest {
+            length,
+            since: since.into(),
+        })
+        .expect("encodable");
+        let (h, p) = self.call(Kind::Changed, offset, payload.len() as u32, &payload);
+        if h.status != 0 {
+            assert!(p.is_empty());
+            return (h.status, Vec::new());
+        }
+        assert_eq!(h.offset, offset, "the offset is echoed");
+        assert_eq!(h.length as usize, p.len());
+        (h.status, wire::decode_block_status(&p).expect("records"))
+    }
+
+    /// The byte ranges of the whole volume written since `since`
+    /// (CHANGED, continued to the end), merged.
+    fn changed_ranges(&mut self, since: &str) -> Vec<(u64, u64)> {
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        let mut pos = 0;
+        while pos < SIZE {
+            let (status, records) = self.changed(pos, (SIZE - pos) as u32, since);
+            assert_eq!(status, 0, "CHANGED since {since} at {pos}");
+            assert!(!records.is_empty() && records.len() <= wire::MAX_BLOCK_STATUS_PER_REPLY);
+            for r in records {
+                assert!(
+                    r.length > 0 && r.flags & !wire::STATUS_CHANGED == 0,
+                    "{r:?}"
+                );
+                if r.flags & wire::STATUS_CHANGED != 0 {
+                    match ranges.last_mut() {
+                        Some(last) if last.0 + last.1 == pos => last.1 += r.length,
+                        _ => ranges.push((pos, r.length)),
+                    }
+                }
+                pos += r.length;
+            }
+        }
+        assert_eq!(pos, SIZE, "the records end at the range's end");
+        ranges
+    }
+
+    /// BLOCK_STATUS of `[offset, offset + length)`, status 0 expected.
+    fn block_status(&mut self, offset: u64, length: u32) -> Vec<StatusExtent> {
+        let (h, p) = self.call(Kind::BlockStatus, offset, length, &[]);
+        assert_eq!(h.status, 0);
+        wire::decode_block_status(&p).unwrap()
+    }
+}
+
+const HOLE_ZERO: u32 = wire::STATUS_HOLE | wire::STATUS_ZERO;
+
+fn status_extent(length: u64, flags: u32) -> StatusExtent {
+    StatusExtent { length, flags }
+}
+
+#[test]
+fn a_view_reads_its_snapshot_not_the_live_data() {
+    let dir = TempDir::new("view");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::engine(addr, 0x80);
+    c.attach(1);
+    let a = pattern(1, 256 * 1024);
+    let small = pattern(2, 8192);
+    assert_eq!(c.write(MIB, &a), 0);
+    assert_eq!(c.write(8 * MIB, &small), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    // After s1: `a` overwritten in part, `small` trimmed, new data where
+    // s1 holds none.
+    let b = pattern(3, 128 * 1024);
+    assert_eq!(c.write(MIB + 64 * 1024, &b), 0);
+    assert_eq!(c.status(Kind::Trim, 8 * MIB, small.len() as u32), 0);
+    assert_eq!(c.write(20 * MIB, &b), 0);
+    let mut ab = a.clone();
+    ab[64 * 1024..64 * 1024 + b.len()].copy_from_slice(&b);
+    assert_eq!(c.read(MIB, a.len() as u32), ab);
+
+    let mut v = Client::view(addr, "s1");
+    let sent = server.sendfile_reads();
+    assert_eq!(v.read(MIB, a.len() as u32), a, "s1's bytes");
+    assert_eq!(v.read(8 * MIB, small.len() as u32), small);
+    assert_eq!(v.read(20 * MIB, 4096), vec![0; 4096]);
+    assert_eq!(
+        server.sendfile_reads(),
+        sent,
+        "a view never sends the head file"
+    );
+    assert_eq!(v.status(Kind::Ping, 0, 0), 0);
+    // The allocation is s1's: nothing at 20 MiB (the head has data).
+    assert_eq!(
+        v.block_status(20 * MIB - 4096, 8192),
+        [status_extent(8192, HOLE_ZERO)]
+    );
+    assert_eq!(
+        c.block_status(20 * MIB - 4096, 8192),
+        [status_extent(4096, HOLE_ZERO), status_extent(4096, 0)]
+    );
+    assert_eq!(
+        v.block_status(MIB - 4096, 4096 + a.len() as u32 + 4096),
+        [
+            status_extent(4096, HOLE_ZERO),
+            status_extent(a.len() as u64, 0),
+            status_extent(4096, HOLE_ZERO),
+        ]
+    );
+    let extents = v.all_extents();
+    let covered = |off: u64, len: u64| extents.iter().any(|&(o, l)| o <= off && off + len <= o + l);
+    assert!(covered(MIB, a.len() as u64), "{extents:?}");
+    assert!(covered(8 * MIB, small.len() as u64), "{extents:?}");
+    assert!(!covered(20 * MIB, 4096), "{extents:?}");
+    assert!(c
+        .all_extents()
+        .iter()
+        .any(|&(o, l)| o <= 20 * MIB && 20 * MIB < o + l));
+    // Out of range on a view, as on any connection.
+    assert_eq!(v.status(Kind::Read, SIZE - 4096, 8192) as i32, libc::EINVAL);
+    assert_eq!(v.status(Kind::BlockStatus, SIZE, 1) as i32, libc::EINVAL);
+    // A later HELLO naming the same view is answered.
+    let (h, _) = v.hello_named("@s1", 0);
+    assert_eq!(h.status, 0);
+    assert_eq!(v.read(MIB, 4096), a[..4096].to_vec());
+    // The live data did not change under the view.
+    assert_eq!(c.read(MIB, a.len() as u32), ab);
+    drop((c, v));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_view_refuses_what_modifies_and_changes_no_record() {
+    let dir = TempDir::new("view-rofs");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::engine(addr, 0x81);
+    c.attach(1);
+    let a = pattern(4, 64 * 1024);
+    assert_eq!(c.write(MIB, &a), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    assert_eq!(c.detach(), 0);
+    assert!(server.is_clean() && meta(&dir.0).clean);
+    assert_eq!(c.intent(), (0, vec![]));
+
+    let mut v = Client::view(addr, "s1");
+    let erofs = libc::EROFS as u32;
+    // Writes, one larger than the replica's input buffer: their payloads
+    // are drained.
+    assert_eq!(v.write(MIB, &pattern(5, 4096)), erofs);
+    assert_eq!(v.write(0, &pattern(6, 1 << 20)), erofs);
+    assert_eq!(
+        v.call(Kind::WriteFua, MIB, 4096, &pattern(7, 4096))
+            .0
+            .status,
+        erofs
+    );
+    for (kind, offset, length) in [
+        (Kind::Trim, MIB, 4096),
+        (Kind::WriteZeroes, MIB, 4096),
+        (Kind::Flush, 0, 0),
+        (Kind::Detach, 0, 0),
+        (Kind::IntentMark, 0, 1),
+        (Kind::IntentClear, 0, 1),
+        (Kind::IntentGet, 0, 0),
+        (Kind::SnapshotList, 0, 0),
+    ] {
+        assert_eq!(v.status(kind, offset, length), erofs, "{kind:?}");
+    }
+    assert_eq!(v.snapshot(SnapshotOp::Create, "v1"), erofs);
+    assert_eq!(v.snapshot(SnapshotOp::Delete, "s1"), erofs);
+    assert_eq!(v.snapshot(SnapshotOp::Revert, "s1"), erofs);
+    let key = |seed: Vec<u8>| {
+        wire::encode_change_key(&wire::ChangeKey {
+            generation: 1,
+            peer: "r9@h:1".into(),
+            seed,
+        })
+        .unwrap()
+    };
+    let (start, key) = (key(vec![0xff; 8]), key(Vec::new()));
+    assert_eq!(
+        v.call(Kind::ChangesStart, 0, start.len() as u32, &start)
+            .0
+            .status,
+        erofs
+    );
+    for kind in [Kind::ChangesGet, Kind::ChangesDrop] {
+        assert_eq!(
+            v.call(kind, 0, key.len() as u32, &key).0.status,
+            erofs,
+            "{kind:?}"
+        );
+    }
+    // The connection goes on, and reads s1.
+    assert_eq!(v.status(Kind::Ping, 0, 0), 0);
+    assert_eq!(v.read(MIB, a.len() as u32), a);
+
+    // Nothing changed: data, snapshots, the clean record, the
+    // write-intent record, the change records.
+    let mut t = Client::connect(addr);
+    let probe = t.probe();
+    assert_eq!(probe.flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
+    assert!(server.is_clean() && meta(&dir.0).clean);
+    assert_eq!(t.read(MIB, a.len() as u32), a);
+    assert_eq!(t.read(0, 4096), vec![0; 4096]);
+    assert_eq!(t.snapshot_names(), ["s1"]);
+    assert_eq!(t.intent(), (0, vec![]));
+    assert_eq!(intent_on_disk(&dir.0), Vec::<u32>::new());
+    assert_eq!(
+        t.call(Kind::ChangesGet, 0, key.len() as u32, &key).0.status as i32,
+        libc::ENOENT
+    );
+    // The view counts in no fence: the engine's session still owns the
+    // replica, and takes it again at once.
+    assert_eq!(c.attach(2).generation, 2);
+    drop((c, v, t));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn bad_view_hellos_are_refused_and_close() {
+    let dir = TempDir::new("view-bad");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::connect(addr);
+    c.probe();
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s2"), 0);
+
+    // No such snapshot: ENOENT, with the replica's HELLO.
+    let mut v = Client::connect(addr);
+    let (h, hello) = v.hello_named("@nope", 0);
+    assert_eq!(h.status as i32, libc::ENOENT);
+    assert_eq!(hello.volume_size, SIZE);
+    v.expect_closed();
+    // A replica name on a `lull replica` process: ENOENT.
+    let mut v = Client::connect(addr);
+    assert_eq!(v.hello_named("r1@s1", 0).0.status as i32, libc::ENOENT);
+    v.expect_closed();
+    // A session, or the attach flag: EINVAL.
+    let mut v = Client::engine(addr, 0x99);
+    assert_eq!(v.hello_named("@s1", 0).0.status as i32, libc::EINVAL);
+    v.expect_closed();
+    let mut v = Client::connect(addr);
+    let (h, _) = v.hello_named("@s1", HELLO_FLAG_ATTACH);
+    assert_eq!(h.status as i32, libc::EINVAL);
+    v.expect_closed();
+    // A later HELLO naming another view, or the live data, closes.
+    let mut v = Client::view(addr, "s1");
+    let body = wire::encode_hello_request(
+        &Hello {
+            volume_size: SIZE,
+            generation: 0,
+            flags: 0,
+            session: 0,
+        },
+        "@s2",
+    );
+    v.send(
+        &Header::request(Kind::Hello, 50, 0, body.len() as u32),
+        &body,
+    );
+    v.expect_closed();
+    let mut v = Client::view(addr, "s1");
+    v.send(
+        &Header::request(Kind::Hello, 51, 0, HELLO_LEN as u32),
+        &body[..HELLO_LEN],
+    );
+    v.expect_closed();
+    // And a live connection does not become a view.
+    c.send(
+        &Header::request(Kind::Hello, 52, 0, body.len() as u32),
+        &body,
+    );
+    c.expect_closed();
+    // The replica serves on.
+    let mut c = Client::connect(addr);
+    c.probe();
+    assert_eq!(c.snapshot_names(), ["s1", "s2"]);
+    drop(c);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn changed_lists_the_blocks_written_since_a_snapshot() {
+    let dir = TempDir::new("changed");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::engine(addr, 0x82);
+    c.attach(1);
+    // Before s1 (and a snapshot-free replica has nothing to compare to).
+    assert_eq!(c.write(0, &pattern(1, 8192)), 0);
+    assert_eq!(c.changed(0, 4096, "s1").0 as i32, libc::ENOENT);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.changed_ranges("s1"), vec![], "nothing written yet");
+    // Between s1 and s2: an unaligned write over two 4 KiB blocks, a
+    // small one, a trim of data s1 holds.
+    assert_eq!(c.write(MIB + 100, &pattern(2, 4096)), 0);
+    assert_eq!(c.write(5 * MIB + 10, b"ten bytes!"), 0);
+    assert_eq!(c.status(Kind::Trim, 0, 4096), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s2"), 0);
+    // After s2.
+    assert_eq!(c.write(9 * MIB, &pattern(3, 4096)), 0);
+
+    let s1_to_s2 = vec![(0, 4096), (MIB, 8192), (5 * MIB, 4096)];
+    let mut s1_to_now = s1_to_s2.clone();
+    s1_to_now.push((9 * MIB, 4096));
+    assert_eq!(c.changed_ranges("s1"), s1_to_now);
+    assert_eq!(c.changed_ranges("s2"), vec![(9 * MIB, 4096)]);
+    // A sub-range: records cover it from its offset.
+    assert_eq!(
+        c.changed(MIB - 4096, 4 * 4096, "s1"),
+        (
+            0,
+            vec![
+                status_extent(4096, 0),
+                status_extent(8192, wire::STATUS_CHANGED),
+                status_extent(4096, 0),
+            ]
+        )
+    );
+
+    // On a view of s2: what was written between s1 and s2, not later.
+    let mut v = Client::view(addr, "s2");
+    assert_eq!(v.changed_ranges("s1"), s1_to_s2);
+    // Not older than the view's snapshot: ENOENT.
+    assert_eq!(v.changed(0, 4096, "s2").0 as i32, libc::ENOENT);
+    let mut v1 = Client::view(addr, "s1");
+    assert_eq!(v1.changed(0, 4096, "s2").0 as i32, libc::ENOENT);
+
+    // Refusals; the connection goes on.
+    for conn in [&mut c, &mut v] {
+        assert_eq!(conn.changed(0, 4096, "nope").0 as i32, libc::ENOENT);
+        assert_eq!(conn.changed(SIZE - 4096, 8192, "s1").0 as i32, libc::EINVAL);
+        assert_eq!(conn.changed(SIZE, 1, "s1").0 as i32, libc::EINVAL);
+        assert_eq!(conn.changed(0, 0, "s1").0 as i32, libc::EINVAL);
+        assert_eq!(
+            conn.changed(u64::MAX - 10, 4096, "s1").0 as i32,
+            libc::EINVAL
+        );
+        // A payload the codec would not make: a bad name, not UTF-8.
+        for bad in [&b"\0\0\x10\0a b"[..], b"\0\0\x10\0\xff\xfe"] {
+            let (h, _) = conn.call(Kind::Changed, 0, bad.len() as u32, bad);
+            assert_eq!(h.status as i32, libc::EINVAL, "{bad:?}");
+        }
+        assert_eq!(conn.status(Kind::Ping, 0, 0), 0);
+    }
+    // CHANGED modifies nothing: a clean replica stays clean under it.
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    assert_eq!(c.detach(), 0);
+    assert_eq!(c.changed_ranges("s2"), vec![(9 * MIB, 4096)]);
+    assert!(server.is_clean());
+    drop((c, v, v1));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_view_reads_its_snapshot_while_it_is_deleted() {
+    let dir = TempDir::new("view-delete");
+    let mut fw = framework();
+    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let addr = server.local_addr();
+    let mut c = Client::engine(addr, 0x83);
+    c.attach(1);
+    // Enough data that the merge runs for a while.
+    let a = pattern(1, 1 << 20);
+    for i in 0..16 {
+        assert_eq!(c.write(i * MIB, &a), 0);
+    }
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    let b = pattern(2, 256 * 1024);
+    assert_eq!(c.write(MIB, &b), 0);
+    assert_eq!(c.write(40 * MIB, &b), 0);
+
+    let mut v = Client::view(addr, "s1");
+    assert_eq!(v.read(MIB, b.len() as u32), a[..b.len()].to_vec());
+    let status_before = v.block_status(0, SIZE as u32);
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1"), 0);
+    // Reads during the merge and after it: s1's bytes throughout.
+    let mut rounds = 0;
+    while c.snapshot_names().iter().any(|n| n == "s1") {
+        assert_eq!(v.read(MIB, b.len() as u32), a[..b.len()].to_vec());
+        rounds += 1;
+        assert!(rounds < 10_000, "the merge of s1 does not end");
+    }
+    assert_eq!(c.snapshot_names(), Vec::<String>::new());
+    // The live chain is one layer again: its reads go with sendfile; the
+    // view's (the same range, sendfile-sized) must not, or it would send
+    // the live bytes.
+    let sent = server.sendfile_reads();
+    assert_eq!(c.read(MIB, b.len() as u32), b);
+    assert_eq!(server.sendfile_reads(), sent + 1, "one layer: sendfile");
+    for i in 0..16 {
+        assert_eq!(v.read(i * MIB, a.len() as u32), a, "MiB {i}");
+    }
+    assert_eq!(v.read(40 * MIB, 4096), vec![0; 4096]);
+    assert_eq!(server.sendfile_reads(), sent + 1, "never for a view");
+    assert_eq!(v.block_status(0, SIZE as u32), status_before);
+    // The snapshot is gone for new views and for CHANGED.
+    let mut late = Client::connect(addr);
+    assert_eq!(late.hello_named("@s1", 0).0.status as i32, libc::ENOENT);
+    assert_eq!(c.changed(0, 4096, "s1").0 as i32, libc::ENOENT);
+    // The view's layers go when it closes: the live data is unchanged.
+    drop(v);
+    assert_eq!(c.read(MIB, b.len() as u32), b);
+    assert_eq!(c.read(2 * MIB, a.len() as u32), a);
+    assert_eq!(c.read(40 * MIB, b.len() as u32), b);
+    drop((c, late));
+    server.shutdown(Duration::from_secs(10)).unwrap();
+    fw.stop();
+}
+
+#[test]
+fn a_store_serves_views_by_replica_and_snapshot() {
+    let dir = TempDir::new("view-store");
+    let mut fw = framework();
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: dir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.create("r1", SIZE).unwrap();
+    store.create("r2", SIZE).unwrap();
+    let addr = store.local_addr();
+    let mut c = Client::connect(addr);
+    assert_eq!(c.hello_named("r1", 0).0.status, 0);
+    let a = pattern(1, 8192);
+    assert_eq!(c.write(0, &a), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.write(0, &pattern(2, 8192)), 0);
+
+    let mut v = Client::connect(addr);
+    assert_eq!(
+        v.hello_named(&wire::view_hello_name("r1", "s1"), 0)
+            .0
+            .status,
+        0
+    );
+    assert_eq!(v.read(0, 8192), a);
+    assert_eq!(v.changed(0, 8192, "s1").0 as i32, libc::ENOENT, "not older");
+    // The other replica has no such snapshot; an unknown one, no data.
+    let mut v2 = Client::connect(addr);
+    let (h, _) = v2.hello_named(&wire::view_hello_name("r2", "s1"), 0);
+    assert_eq!(h.status as i32, libc::ENOENT);
+    v2.expect_closed();
+    let mut v3 = Client::connect(addr);
+    let (h, _) = v3.hello_named(&wire::view_hello_name("r3", "s1"), 0);
+    assert_eq!(h.status as i32, libc::ENOENT);
+    v3.expect_closed();
+    // A view needs a replica's name on a store.
+    let mut v4 = Client::connect(addr);
+    let (h, _) = v4.hello_named("@s1", 0);
+    assert_eq!(h.status as i32, libc::ENOENT);
+    v4.expect_closed();
+    assert_eq!(c.changed_ranges("s1"), vec![(0, 8192)]);
+    drop((c, v));
+    store.shutdown(Duration::from_secs(10)).unwrap();
+    drop(store);
     fw.stop();
 }

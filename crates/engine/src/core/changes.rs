@@ -55,6 +55,10 @@ impl Engine {
         for &(_, start, end) in &self.writes_in_flight {
             set_map_range(&mut seed, start, end);
         }
+        if self.diverged.contains(r) {
+            self.diverged.remove(r);
+            set_map_range(&mut seed, 0, self.size_bytes);
+        }
         let Some(key) = self.change_key(r, seed.bits) else {
             let addr = self.replicas[r].addr.clone();
             return self.log(

@@ -141,9 +141,15 @@ impl Engine {
     /// Clear the write-intent bits of regions quiet for
     /// `INTENT_CLEAR_IDLE_NS`. Not while any replica is rebuilt or
     /// reconciled (the bits say what a reconcile interrupted by a crash
-    /// still has to do) nor while detaching (DETACH clears everything).
+    /// still has to do) nor while detaching (DETACH clears everything),
+    /// nor while a revert waits to start (it waits for CLEARs in flight:
+    /// `core::snapshot`).
     pub(super) fn clear_quiet_regions(&mut self) {
         if self.detach.is_some()
+            || self
+                .snapshot
+                .as_ref()
+                .is_some_and(|j| j.op == lull_proto::replica::SnapshotOp::Revert)
             || self.rebuild.is_some()
             || self.replicas.iter().any(|r| r.state == RState::Rebuilding)
         {

@@ -174,6 +174,7 @@ impl Engine {
             writes_in_flight: Vec::new(),
             deferred: Vec::new(),
             changes_starting: 0,
+            diverged: ids::ReplicaSet::EMPTY,
             generation: 0,
             generation_started: 0,
             bump: None,

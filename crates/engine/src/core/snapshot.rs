@@ -104,6 +104,12 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether the volume has had a healthy set (an election) yet: from
+    /// then on its replicas' snapshot lists can be asked for.
+    pub fn elected_once(&self) -> bool {
+        self.elected_once
+    }
+
     /// Whether writes wait for a snapshot operation.
     pub(super) fn snapshot_holds_writes(&self) -> bool {
         self.snapshot.is_some()
@@ -123,6 +129,17 @@ impl Engine {
         if draining {
             if !self.writes_in_flight.is_empty() || self.bump.is_some() || self.changes_starting > 0
             {
+                return;
+            }
+            // A revert sets every write-intent bit on the replicas; a CLEAR
+            // still in flight could land after that and clear one (its
+            // region then goes unrepaired if the engine dies halfway
+            // through the revert). Let those finish first.
+            let reverting = self
+                .snapshot
+                .as_ref()
+                .is_some_and(|j| j.op == SnapshotOp::Revert);
+            if reverting && self.regions.iter().any(|x| !x.clearing.is_empty()) {
                 return;
             }
             let healthy = self.healthy_set();
@@ -175,8 +192,30 @@ impl Engine {
             // the engine sees it, and cleared the usual way once quiet.
             let now = self.now;
             for x in &mut self.regions {
-                x.marked = x.marked.union(job.took);
+                // A MARK in flight makes its bit marked when answered.
+                for r in job.took.iter() {
+                    if !x.marking.contains(r) {
+                        x.marked.insert(r);
+                    }
+                }
                 x.last_write_ns = now;
+            }
+            // A healthy replica that did not revert (it lacked the
+            // snapshot, or failed the request) now differs from those that
+            // did, everywhere: it leaves the healthy set and is copied in
+            // full from them when it returns, never read meanwhile.
+            for r in self.healthy_set().iter() {
+                if !job.took.contains(r) {
+                    self.diverged.insert(r);
+                    self.fail_replica(
+                        r,
+                        &format!(
+                            "it did not revert to snapshot {:?} as its peers did: it is rebuilt from them",
+                            job.name
+                        ),
+                        false,
+                    );
+                }
             }
         }
         let outcome = if job.errors.is_empty() && job.took.is_empty() {
@@ -189,6 +228,20 @@ impl Engine {
                 ),
             );
             Err("every replica it went to failed before answering".into())
+        } else if job.op == SnapshotOp::Revert && !job.took.is_empty() && !job.errors.is_empty() {
+            // The volume is reverted (those that did not were failed above
+            // and are rebuilt from those that did): that is the outcome.
+            self.log(
+                LogLevel::Warn,
+                format!(
+                    "snapshot {:?} {:?} done on {} replica(s) in {took_ms} ms; the others are rebuilt from them: {}",
+                    job.op,
+                    job.name,
+                    job.took.len(),
+                    job.errors.join("; ")
+                ),
+            );
+            Ok(())
         } else if job.errors.is_empty() {
             self.log(
                 LogLevel::Info,

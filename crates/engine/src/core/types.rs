@@ -503,6 +503,11 @@ pub struct Engine {
     /// CHANGES_START requests not answered yet: no write goes out
     /// meanwhile (`changes`).
     pub(super) changes_starting: u32,
+    /// Replicas failed because their data differs from their peers'
+    /// everywhere (a revert they did not take): the change records
+    /// started for them cover the whole volume, so their return copies
+    /// it all.
+    pub(super) diverged: ReplicaSet,
     pub(super) generation: u64,
     /// The highest generation any bump of this process has started (and
     /// so may have sent in an ATTACH). A bump that does not finish (every

@@ -50,6 +50,37 @@ pub(super) struct StatusShared {
     /// Tokens whose caller stopped waiting: their outcome is dropped when
     /// it comes, not kept.
     pub(super) control_abandoned: Mutex<std::collections::HashSet<u64>>,
+    /// The names the volume's snapshots are served under, oldest first:
+    /// every snapshot some healthy replica held at the last list (`None`
+    /// before the first). Read on reactors (NBD's export list and
+    /// `VOLUME@SNAPSHOT`), so never a network round trip there.
+    pub(super) snapshots: Mutex<Option<Vec<String>>>,
+}
+
+impl StatusShared {
+    /// Takes the names from the replicas' lists: each snapshot any of them
+    /// holds (a view reads from one that has it), oldest first. Lists that
+    /// all failed change nothing.
+    pub(super) fn set_snapshots(&self, lists: &[crate::core::ReplicaSnapshots]) {
+        let mut seen: Vec<(u64, String)> = Vec::new();
+        let mut any = false;
+        for (_, list) in lists {
+            let Ok(records) = list else { continue };
+            any = true;
+            for r in records {
+                if !seen.iter().any(|(_, n)| *n == r.name) {
+                    seen.push((r.created_unix, r.name.clone()));
+                }
+            }
+        }
+        if !any {
+            return;
+        }
+        // Stable: replicas list oldest first, and a second's ties keep it.
+        seen.sort_by_key(|(created, _)| *created);
+        *self.snapshots.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(seen.into_iter().map(|(_, n)| n).collect());
+    }
 }
 
 /// A session for this engine: the wall clock in nanoseconds, so that a
@@ -85,6 +116,10 @@ pub struct ReplicatedDev {
     /// Tokens of control requests (snapshots), so each caller finds its
     /// own outcome.
     control_tokens: std::sync::atomic::AtomicU64,
+    /// What a snapshot's view connects with: the links' credentials and
+    /// the replica timeout.
+    tls: Option<TlsContext>,
+    view_timeout: Duration,
 }
 
 impl std::fmt::Debug for ReplicatedDev {
@@ -125,6 +160,7 @@ impl ReplicatedDev {
             control: Mutex::new(std::collections::HashMap::new()),
             control_done: Condvar::new(),
             control_abandoned: Mutex::new(std::collections::HashSet::new()),
+            snapshots: Mutex::new(None),
             ready: Condvar::new(),
         });
         let doorbell = Arc::new(Doorbell::new());
@@ -140,7 +176,7 @@ impl ReplicatedDev {
                 volume,
                 core,
                 opts.clone(),
-                tls,
+                tls.clone(),
                 doorbell.clone(),
                 weak.clone(),
                 status.clone(),
@@ -159,6 +195,8 @@ impl ReplicatedDev {
             targets: Mutex::new(replicas),
             rebuild_limit: std::sync::atomic::AtomicU64::new(0),
             control_tokens: std::sync::atomic::AtomicU64::new(1),
+            tls,
+            view_timeout: Duration::from_millis(opts.replica_timeout_ms),
             engine,
             doorbell,
             shell,
@@ -237,9 +275,22 @@ impl ReplicatedDev {
             name: name.to_string(),
         })
         .map_err(|e| e.to_string())?;
-        match self.wait_control(token, timeout)? {
+        let outcome = self.wait_control(token, timeout);
+        // Whatever the outcome (a failed create may have landed on some
+        // replicas), the names served change only with the lists.
+        self.refresh_snapshots();
+        match outcome? {
             ControlOutcome::Snapshot(r) => r,
             other => Err(format!("unexpected answer {other:?}")),
+        }
+    }
+
+    /// Asks the replicas for their snapshots in the background, to update
+    /// the names the volume serves snapshots under.
+    fn refresh_snapshots(&self) {
+        let token = super::run::REFRESH_TOKEN_BIT | self.next_token();
+        if let Err(e) = self.event(Event::SnapshotList { token }) {
+            tracing::warn!(volume = %self.volume, error = %e, "cannot refresh the snapshot names");
         }
     }
 
@@ -436,6 +487,47 @@ impl BlockDevice for ReplicatedDev {
     /// left to send.
     fn sync(&self) -> Result<(), BdevError> {
         Ok(())
+    }
+
+    /// The snapshots some replica held at the last list: asked for once
+    /// the volume first had a healthy replica, and after every snapshot
+    /// operation. (`has_snapshot` stays false: the live volume's
+    /// `lull:changed` context is not served for a replicated volume.)
+    fn snapshot_names(&self) -> Vec<String> {
+        self.status
+            .snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
+    }
+
+    /// A read-only view reading from a replica that holds the snapshot
+    /// (`crate::view`): no I/O here, its channels connect.
+    fn snapshot_view(&self, name: &str) -> Option<Arc<dyn BlockDevice>> {
+        if !self.snapshot_names().iter().any(|n| n == name) {
+            return None;
+        }
+        // Those the engine last saw healthy first: they hold every
+        // snapshot taken while they were.
+        let mut status = self.replica_status();
+        status.sort_by_key(|r| r.state != ReplicaState::Healthy);
+        let mut targets: Vec<ReplicaTarget> = status.into_iter().map(|r| r.addr).collect();
+        for t in self.replica_targets() {
+            if !targets.contains(&t) {
+                targets.push(t);
+            }
+        }
+        Some(Arc::new(crate::view::ReplicatedSnapshotView::new(
+            crate::view::ViewConfig {
+                volume: self.volume.clone(),
+                snapshot: name.to_string(),
+                size_bytes: self.size_bytes,
+                targets,
+                tls: self.tls.clone(),
+                timeout: self.view_timeout,
+            },
+        )))
     }
 }
 

@@ -61,7 +61,15 @@ pub(super) struct Shell {
     frames: Vec<FrameIn>,
     status: Arc<StatusShared>,
     status_dirty: bool,
+    /// The replicas' snapshot lists were asked for once the volume first
+    /// had a healthy replica (they fill `StatusShared::snapshots`).
+    snapshots_asked: bool,
 }
+
+/// Tokens with this bit set are snapshot-list requests nobody waits for:
+/// their outcome only refreshes the names the volume serves snapshots
+/// under (`StatusShared::snapshots`).
+pub(super) const REFRESH_TOKEN_BIT: u64 = 1 << 63;
 
 /// Lock the shell. Only the engine thread locks it; a poisoned lock means
 /// a panic there, and the state is still the engine's to judge.
@@ -97,6 +105,7 @@ impl Shell {
             frames: Vec::new(),
             status,
             status_dirty: true,
+            snapshots_asked: false,
         }
     }
 
@@ -198,6 +207,16 @@ impl Shell {
             // for the simulation's checks.
             Action::Milestone(_) => {}
             Action::ControlDone { token, outcome } => {
+                if let crate::core::ControlOutcome::SnapshotLists(Ok(lists)) = &outcome {
+                    self.status.set_snapshots(lists);
+                }
+                if token & REFRESH_TOKEN_BIT != 0 {
+                    if let crate::core::ControlOutcome::SnapshotLists(Err(why)) = &outcome {
+                        tracing::warn!(volume = %self.volume, reason = %why,
+                            "cannot refresh the names of the volume's snapshots");
+                    }
+                    return;
+                }
                 // The outcomes' lock, then the abandoned set's: the order
                 // the waiting caller takes them in (`wait_control`), so a
                 // caller giving up and its outcome arriving cannot cross.
@@ -354,6 +373,18 @@ impl Shell {
         let acted = self.run(t, Event::Tick, now);
         self.reclaim_channels();
         self.publish_status();
+        if !self.snapshots_asked && self.core.elected_once() {
+            // The names the volume's snapshots are served under, known
+            // before a client asks for one (`ReplicatedDev::snapshot_view`).
+            self.snapshots_asked = true;
+            self.run(
+                t,
+                Event::SnapshotList {
+                    token: REFRESH_TOKEN_BIT,
+                },
+                now,
+            );
+        }
         if acted {
             PollStatus::Busy
         } else {

@@ -196,3 +196,107 @@ fn snapshots_under_load_hold_writes_briefly_and_lose_none() {
     assert_eq!(list.len(), 10, "{list:?}");
     server.assert_healthy();
 }
+
+/// The bytes `nbdcopy` reads from `export`.
+fn copy_out(server: &Server, scratch: &Scratch, export: &str) -> Vec<u8> {
+    common::require("nbdcopy", "libnbd-bin");
+    let out = scratch.join(format!("{}.img", export.replace('@', "_at_")));
+    let _ = std::fs::remove_file(&out);
+    tools::run(
+        std::process::Command::new("nbdcopy")
+            .arg(tools::uri(server, export))
+            .arg(&out),
+    );
+    std::fs::read(&out).expect("read the copy")
+}
+
+/// A 64 MiB image with `fill` bytes written over `(offset, len)` ranges.
+fn image(fills: &[(u8, u64, u64)]) -> Vec<u8> {
+    let mut img = vec![0u8; 64 << 20];
+    for &(byte, offset, len) in fills {
+        img[offset as usize..(offset + len) as usize].fill(byte);
+    }
+    img
+}
+
+/// A replicated volume's snapshot, read by real clients through its
+/// read-only export `v@s1` while the live volume holds later writes:
+/// nbdcopy copies the snapshot's bytes, nbdinfo maps its allocation,
+/// libnbd sees the read-only flag and a write refused with EPERM. With the
+/// replica the view reads from killed, the copy reads from the other.
+#[test]
+fn a_replicated_snapshot_is_served_read_only_over_nbd() {
+    let (scratch, mut a, _b, mut server) = start("snap-repl-view");
+    tools::qemu_io(&server, "v", &["write -P 0xa1 0 4M", "write -P 0xa2 8M 1M"]);
+    let snap = server.rpc("snapshot_create", r#"{"volume":"v","name":"s1"}"#);
+    assert_eq!(snap["export"], "v@s1", "{snap}");
+    tools::qemu_io(
+        &server,
+        "v",
+        &["write -P 0xb1 0 2M", "write -P 0xb2 32M 1M"],
+    );
+    let at_s1 = image(&[(0xa1, 0, 4 << 20), (0xa2, 8 << 20, 1 << 20)]);
+    let now = image(&[
+        (0xa1, 0, 4 << 20),
+        (0xa2, 8 << 20, 1 << 20),
+        (0xb1, 0, 2 << 20),
+        (0xb2, 32 << 20, 1 << 20),
+    ]);
+    assert!(
+        copy_out(&server, &scratch, "v@s1") == at_s1,
+        "v@s1 holds what was written before s1"
+    );
+    assert!(
+        copy_out(&server, &scratch, "v") == now,
+        "v holds every write"
+    );
+
+    // Its map is the snapshot's: 32M.. is a hole there, data live.
+    let data_at = |map: &tools::NbdinfoMap, offset: u64| {
+        map.iter()
+            .find(|(o, l, _)| *o <= offset && offset < o + l)
+            .map(|(_, _, t)| t & 1 == 0)
+            .expect("the map covers the volume")
+    };
+    let snap_map = tools::nbdinfo_map(&server, "v@s1");
+    assert!(
+        data_at(&snap_map, 0) && data_at(&snap_map, 8 << 20),
+        "{snap_map:?}"
+    );
+    assert!(
+        !data_at(&snap_map, 32 << 20),
+        "32M is a hole in s1: {snap_map:?}"
+    );
+    assert!(data_at(&tools::nbdinfo_map(&server, "v"), 32 << 20));
+
+    // Read-only: the flag, and a write refused.
+    let python = common::python_with_nbd();
+    let out = tools::run(std::process::Command::new(python).args([
+        "-c",
+        "import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\nassert h.is_read_only(), 'read-only flag'\ntry:\n    h.pwrite(b'x' * 4096, 0)\n    print('written')\nexcept nbd.Error as e:\n    print('refused', e.errno)\n",
+        &tools::uri(&server, "v@s1"),
+    ]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.trim() == "refused EPERM" || text.trim() == "refused 1",
+        "a write to v@s1: {text}"
+    );
+    // A snapshot that does not exist is no export.
+    common::require("nbdinfo", "libnbd-bin");
+    let missing = std::process::Command::new("nbdinfo")
+        .arg(tools::uri(&server, "v@nope"))
+        .output()
+        .expect("run nbdinfo");
+    assert!(!missing.status.success(), "v@nope was served");
+
+    // The replica listed first (both healthy) is killed: the view reads
+    // from the other.
+    a.kill();
+    assert!(
+        copy_out(&server, &scratch, "v@s1") == at_s1,
+        "v@s1 read from the replica left"
+    );
+    a.restart();
+    server.wait_replicas("v", HEAL_TIMEOUT, "both healthy again", all_healthy);
+    server.assert_healthy();
+}
