@@ -254,7 +254,7 @@ struct FaultyChannel {
 impl FaultyChannel {
     fn injects(&mut self, op: IoOp) -> bool {
         let p = match op {
-            IoOp::Read | IoOp::BlockStatus => self.faults.read_err,
+            IoOp::Read | IoOp::BlockStatus | IoOp::ChangedSince => self.faults.read_err,
             IoOp::Write { .. } | IoOp::Trim | IoOp::WriteZeroes { .. } => self.faults.write_err,
             IoOp::Flush => self.faults.flush_err,
         };

@@ -835,7 +835,7 @@ impl Channel for FileChannel {
         } = req;
         let (kind, fua) = match op {
             // Refused below: `FileDev::extents` answers inline.
-            IoOp::BlockStatus => (Kind::Flush, false),
+            IoOp::BlockStatus | IoOp::ChangedSince => (Kind::Flush, false),
             IoOp::Read => (Kind::Read, false),
             IoOp::Write { fua } => (Kind::Write, fua),
             IoOp::Flush => (Kind::Flush, false),
@@ -889,6 +889,9 @@ impl Channel for FileChannel {
             _ if op == IoOp::BlockStatus => Some(BdevError::Unsupported(
                 "block status of a file device: BlockDevice::extents answers it",
             )),
+            _ if op == IoOp::ChangedSince => {
+                Some(BdevError::Unsupported("a file device has no snapshots"))
+            }
             _ => error,
         };
         let (slot_buf, spare_buf) = match kind {

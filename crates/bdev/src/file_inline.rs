@@ -229,6 +229,7 @@ impl InlineFile {
             IoOp::BlockStatus => Err(BdevError::Unsupported(
                 "block status of a file device: BlockDevice::extents answers it",
             )),
+            IoOp::ChangedSince => Err(BdevError::Unsupported("a file device has no snapshots")),
         }
     }
 }

@@ -75,6 +75,16 @@ pub enum IoOp {
     /// whose [`BlockDevice::extents_by_channel`] is true serve it; the
     /// others refuse it with `Unsupported`.
     BlockStatus,
+    /// Which bytes of `[offset, offset + len)` were written since the
+    /// snapshot the channel was told ([`Channel::set_changed_since`]), for
+    /// devices that cannot answer [`BlockDevice::changed_since`] inline (a
+    /// replicated snapshot's view asks a replica): the completion's buffer
+    /// holds [`EXTENT_RECORD_LEN`]-byte records ([`put_change_records`])
+    /// covering a non-empty prefix of the range, as many as it has room
+    /// for, and its length is set to the bytes written. Only channels of
+    /// devices whose [`BlockDevice::changed_by_channel`] is true serve it;
+    /// the others refuse it with `Unsupported`.
+    ChangedSince,
 }
 
 /// One request handed to a channel. `buf` is `Some` for `Read` (length at
@@ -218,7 +228,7 @@ pub fn validate_request(req: &IoRequest, size_bytes: u64) -> Result<(), BdevErro
             }
         }
     }
-    if matches!(op, IoOp::BlockStatus) {
+    if matches!(op, IoOp::BlockStatus | IoOp::ChangedSince) {
         if len == 0 {
             return Err(BdevError::BadRequest("block status of an empty range"));
         }
@@ -328,6 +338,34 @@ pub fn extent_records(buf: &[u8]) -> impl Iterator<Item = Extent> + '_ {
     })
 }
 
+/// Writes as many of `runs` as fit into `buf` as [`EXTENT_RECORD_LEN`]-byte
+/// records (the length, then flags: bit 0 changed; little-endian), for
+/// [`IoOp::ChangedSince`]; returns the bytes written.
+pub fn put_change_records(runs: &[ChangeRun], buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    for (r, rec) in runs.iter().zip(buf.chunks_exact_mut(EXTENT_RECORD_LEN)) {
+        rec[..8].copy_from_slice(&r.length_bytes.to_le_bytes());
+        rec[8..].copy_from_slice(&u64::from(r.changed).to_le_bytes());
+        n += EXTENT_RECORD_LEN;
+    }
+    n
+}
+
+/// The runs in a buffer filled by [`put_change_records`] (whole records
+/// only).
+pub fn change_records(buf: &[u8]) -> impl Iterator<Item = ChangeRun> + '_ {
+    buf.chunks_exact(EXTENT_RECORD_LEN).map(|rec| {
+        let mut length = [0u8; 8];
+        let mut flags = [0u8; 8];
+        length.copy_from_slice(&rec[..8]);
+        flags.copy_from_slice(&rec[8..]);
+        ChangeRun {
+            length_bytes: u64::from_le_bytes(length),
+            changed: u64::from_le_bytes(flags) & 1 != 0,
+        }
+    })
+}
+
 /// A run of bytes of one state in a "changed since a snapshot" map, from
 /// [`BlockDevice::changed_since`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -396,6 +434,14 @@ pub trait BlockDevice: Send + Sync {
     /// volume asks a replica over the network); [`BlockDevice::extents`]
     /// then only says "all data". Default: false, `extents` answers.
     fn extents_by_channel(&self) -> bool {
+        false
+    }
+    /// True when "changed since a snapshot" must be asked for through a
+    /// channel ([`IoOp::ChangedSince`], after
+    /// [`Channel::set_changed_since`]) because finding it takes I/O (a
+    /// replicated snapshot's view asks a replica);
+    /// [`BlockDevice::changed_since`] is then not called. Default: false.
+    fn changed_by_channel(&self) -> bool {
         false
     }
     /// Whether `IoOp::WriteZeroes { fast: true, .. }` can succeed: the
@@ -545,6 +591,13 @@ pub trait Channel: Send {
     /// a socket (a replicated volume) may then hand it over that way, with
     /// no copy. Others ignore it.
     fn allow_splice(&mut self) {}
+    /// The snapshot [`IoOp::ChangedSince`] requests of this channel ask
+    /// about (a connection selects one `lull:changed:` context). Only
+    /// channels of devices whose [`BlockDevice::changed_by_channel`] is
+    /// true use it; others ignore it.
+    fn set_changed_since(&mut self, since: &str) {
+        let _ = since;
+    }
 }
 
 #[cfg(test)]

@@ -322,6 +322,7 @@ impl Inner {
             IoOp::Trim | IoOp::WriteZeroes { .. } => self.zero(req.offset, len),
             // What `extents` says, as records (validated: a buffer of at
             // least one record).
+            IoOp::ChangedSince => Err(BdevError::Unsupported("a memory device has no snapshots")),
             IoOp::BlockStatus => match req.buf.as_mut() {
                 Some(buf) => {
                     let max = buf.len() / crate::EXTENT_RECORD_LEN;

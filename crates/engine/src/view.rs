@@ -48,7 +48,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lull_bdev::{BdevError, BlockDevice, Channel, Extent, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{
+    BdevError, BlockDevice, ChangeRun, Channel, Extent, IoCompletion, IoOp, IoRequest,
+};
 use lull_net::link::{self as replica_link, LinkStream};
 use lull_net::tls::TlsContext;
 use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
@@ -73,6 +75,9 @@ pub(crate) struct ViewConfig {
     pub(crate) size_bytes: u64,
     /// The replicas to try, in order.
     pub(crate) targets: Vec<ReplicaTarget>,
+    /// The volume's snapshots older than this one, oldest first: those
+    /// `lull:changed:` may name on this view.
+    pub(crate) older: Vec<String>,
     pub(crate) tls: Option<TlsContext>,
     /// Bounds every connect, handshake, send and reply wait.
     pub(crate) timeout: Duration,
@@ -132,6 +137,21 @@ impl BlockDevice for ReplicatedSnapshotView {
     fn read_only(&self) -> bool {
         true
     }
+
+    /// The snapshots older than this one (as for a local view).
+    fn snapshot_names(&self) -> Vec<String> {
+        self.config.older.clone()
+    }
+
+    fn has_snapshot(&self, name: &str) -> bool {
+        self.config.older.iter().any(|n| n == name)
+    }
+
+    /// "Changed since" an older snapshot is a CHANGED request to the
+    /// replica the channel reads from (`IoOp::ChangedSince`).
+    fn changed_by_channel(&self) -> bool {
+        true
+    }
 }
 
 /// Completions from the worker, and the eventfd that says there are some.
@@ -150,9 +170,17 @@ impl Done {
     }
 }
 
+/// A request for the worker, with the snapshot a CHANGED asks about.
+struct Job {
+    req: IoRequest,
+    since: Option<Arc<str>>,
+}
+
 struct ViewChannel {
     /// To the worker; dropping it ends the worker once its batch is done.
-    to_worker: mpsc::Sender<IoRequest>,
+    to_worker: mpsc::Sender<Job>,
+    /// The snapshot `IoOp::ChangedSince` asks about (`set_changed_since`).
+    since: Option<Arc<str>>,
     done: Arc<Done>,
     /// Accepted and not yet handed to the worker.
     queued: Vec<IoRequest>,
@@ -178,6 +206,7 @@ impl ViewChannel {
             .map_err(BdevError::Io)?;
         Ok(ViewChannel {
             to_worker,
+            since: None,
             done,
             queued: Vec::new(),
             local: Vec::new(),
@@ -216,6 +245,13 @@ impl Channel for ViewChannel {
         }
         match req.op {
             IoOp::Read | IoOp::BlockStatus => {}
+            IoOp::ChangedSince if self.since.is_some() => {}
+            IoOp::ChangedSince => {
+                return Err((
+                    req,
+                    BdevError::BadRequest("changed-since without a snapshot to compare with"),
+                ));
+            }
             // Nothing is ever written: nothing to make durable.
             IoOp::Flush => {
                 self.in_flight += 1;
@@ -239,7 +275,10 @@ impl Channel for ViewChannel {
 
     fn flush_submissions(&mut self) {
         for req in self.queued.drain(..) {
-            if let Err(mpsc::SendError(req)) = self.to_worker.send(req) {
+            let since = (req.op == IoOp::ChangedSince)
+                .then(|| self.since.clone())
+                .flatten();
+            if let Err(mpsc::SendError(Job { req, .. })) = self.to_worker.send(Job { req, since }) {
                 // The worker is gone (it cannot start a connection
                 // thread's work again): fail the request here.
                 self.local.push(IoCompletion {
@@ -283,6 +322,10 @@ impl Channel for ViewChannel {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    fn set_changed_since(&mut self, since: &str) {
+        self.since = Some(Arc::from(since));
     }
 }
 
@@ -329,7 +372,7 @@ impl Worker {
     }
 
     /// Serves batches until the channel is dropped.
-    fn run(mut self, from_channel: &mpsc::Receiver<IoRequest>) {
+    fn run(mut self, from_channel: &mpsc::Receiver<Job>) {
         while let Ok(first) = from_channel.recv() {
             let mut batch = vec![first];
             while batch.len() < VIEW_CHANNEL_DEPTH {
@@ -344,7 +387,7 @@ impl Worker {
 
     /// Serves one batch: on the current replica, then on the next ones
     /// for what is left, each replica at most once.
-    fn serve(&mut self, mut batch: Vec<IoRequest>) {
+    fn serve(&mut self, mut batch: Vec<Job>) {
         let n = self.config.targets.len();
         let mut reasons: Vec<String> = Vec::new();
         for _ in 0..n {
@@ -383,7 +426,7 @@ impl Worker {
         );
         tracing::error!(volume = %self.config.volume, snapshot = %self.config.snapshot,
             requests = batch.len(), "{why}");
-        for req in batch {
+        for Job { req, .. } in batch {
             self.done.push(IoCompletion {
                 tag: req.tag,
                 result: Err(BdevError::Failed(why.clone())),
@@ -450,25 +493,42 @@ impl Worker {
 
     /// Sends every request of `batch`, then completes each as its reply
     /// comes. On a failure the requests not yet answered stay in `batch`.
-    fn send_and_complete(&mut self, batch: &mut Vec<IoRequest>) -> Result<(), String> {
+    fn send_and_complete(&mut self, batch: &mut Vec<Job>) -> Result<(), String> {
         let Some(link) = self.link.as_mut() else {
             return Err("no connection".into());
         };
         let first_id = self.next_id;
         let mut out = Vec::with_capacity(batch.len() * HEADER_LEN);
-        for (i, req) in batch.iter().enumerate() {
-            let kind = match req.op {
-                IoOp::BlockStatus => Kind::BlockStatus,
-                _ => Kind::Read,
+        for (i, Job { req, since }) in batch.iter().enumerate() {
+            let id = first_id + i as u64;
+            let (h, payload) = match (req.op, since) {
+                (IoOp::BlockStatus, _) => (
+                    Header::request(Kind::BlockStatus, id, req.offset, req.len),
+                    None,
+                ),
+                (IoOp::ChangedSince, Some(since)) => {
+                    let p = proto::encode_changed_request(&proto::ChangedRequest {
+                        length: req.len,
+                        since: since.to_string(),
+                    })
+                    .map_err(|e| format!("cannot encode CHANGED: {e}"))?;
+                    (
+                        Header::request(Kind::Changed, id, req.offset, p.len() as u32),
+                        Some(p),
+                    )
+                }
+                _ => (Header::request(Kind::Read, id, req.offset, req.len), None),
             };
-            let h = Header::request(kind, first_id + i as u64, req.offset, req.len);
             out.extend_from_slice(&encode(&h).map_err(|e| e.to_string())?);
+            if let Some(p) = payload {
+                out.extend_from_slice(&p);
+            }
         }
         self.next_id += batch.len() as u64;
         write_all(link, &out, Instant::now() + self.config.timeout)
             .map_err(|e| format!("send: {e}"))?;
         // Requests by wire id; answered ones become `None`.
-        let mut waiting: Vec<Option<IoRequest>> = batch.drain(..).map(Some).collect();
+        let mut waiting: Vec<Option<Job>> = batch.drain(..).map(Some).collect();
         let mut left = waiting.len();
         let result = (|| {
             while left > 0 {
@@ -479,7 +539,7 @@ impl Worker {
                     .checked_sub(first_id)
                     .and_then(|i| usize::try_from(i).ok())
                     .filter(|&i| i < waiting.len());
-                let Some(req) = index.and_then(|i| waiting[i].take()) else {
+                let Some(Job { req, since }) = index.and_then(|i| waiting[i].take()) else {
                     return Err(format!("a reply to no request of this batch: {reply:?}"));
                 };
                 left -= 1;
@@ -490,7 +550,7 @@ impl Worker {
                         // The stream is out of step: this request goes to
                         // the next replica with the others.
                         if let Some(slot) = index.and_then(|i| waiting.get_mut(i)) {
-                            *slot = Some(req);
+                            *slot = Some(Job { req, since });
                         }
                         return Err(why);
                     }
@@ -513,6 +573,7 @@ fn complete(
 ) -> Result<IoCompletion, (IoRequest, String)> {
     let expected = match req.op {
         IoOp::BlockStatus => Kind::BlockStatus,
+        IoOp::ChangedSince => Kind::Changed,
         _ => Kind::Read,
     };
     if h.kind != expected || !h.reply {
@@ -547,15 +608,32 @@ fn complete(
         _ => {
             let mut payload = vec![0u8; len];
             if let Err(e) = read_exact(link, &mut payload, deadline) {
-                return Err((req, format!("read BLOCK_STATUS extents: {e}")));
+                return Err((req, format!("read {expected:?} records: {e}")));
             }
             let ext = match proto::decode_block_status(&payload) {
                 Ok(ext) => ext,
-                Err(e) => return Err((req, format!("bad BLOCK_STATUS reply: {e}"))),
+                Err(e) => return Err((req, format!("bad {expected:?} reply: {e}"))),
             };
             let covered: u64 = ext.iter().map(|e| e.length).sum();
             if h.offset != req.offset || covered > u64::from(req.len) {
-                return Err((req, "BLOCK_STATUS reply outside the requested range".into()));
+                return Err((
+                    req,
+                    format!("{expected:?} reply outside the requested range"),
+                ));
+            }
+            if expected == Kind::Changed {
+                let runs: Vec<ChangeRun> = ext
+                    .iter()
+                    .map(|e| ChangeRun {
+                        length_bytes: e.length,
+                        changed: e.flags & proto::STATUS_CHANGED != 0,
+                    })
+                    .collect();
+                if let Some(buf) = req.buf.as_mut() {
+                    let n = lull_bdev::put_change_records(&runs, buf.as_mut_slice());
+                    buf.set_len(n);
+                }
+                return Ok(done(req, Ok(())));
             }
             let extents: Vec<Extent> = ext
                 .iter()

@@ -63,6 +63,10 @@ struct InFlight {
     fast_zero: bool,
     /// A BlockStatus with `NBD_CMD_FLAG_REQ_ONE`: one extent per context.
     req_one: bool,
+    /// A BlockStatus whose device request now is the `lull:changed:`
+    /// one (`IoOp::ChangedSince`); its `base:allocation` extents, if any,
+    /// wait in `Conn::stashed_base`.
+    changed_step: bool,
     /// When the request was taken, for the latency histogram: read from
     /// the framework's clock (`clock_ns`), which falls back to the run's
     /// `now` only when no clock was set. The protocol logic itself takes
@@ -116,6 +120,10 @@ pub(crate) struct Conn {
     /// reason (each at most `structured::MAX_READ_CHUNKS` long).
     read_zeros: Vec<(u32, u32)>,
     read_pieces: Vec<ReadPiece>,
+    /// The `base:allocation` extents of block status requests whose
+    /// `lull:changed:` part is being asked of the device, by slot (wire
+    /// id); at most one per slot in flight.
+    stashed_base: Vec<(u64, Vec<Extent>)>,
     /// `now` of the current poller run.
     now_ns: u64,
     /// The framework's clock, read when a request starts and completes
@@ -359,6 +367,7 @@ impl Conn {
             completions: Vec::new(),
             read_zeros: Vec::new(),
             read_pieces: Vec::new(),
+            stashed_base: Vec::new(),
             now_ns: 0,
             clock: None,
         }
@@ -421,13 +430,75 @@ impl Conn {
                     .record(op, u64::from(inflight.length), latency, c.result.is_ok());
             }
         }
+        let base = if inflight.changed_step {
+            self.stashed_base
+                .iter()
+                .position(|(tag, _)| *tag == c.tag)
+                .map(|i| self.stashed_base.swap_remove(i).1)
+        } else {
+            None
+        };
         match c.result {
+            Ok(()) if inflight.command == Command::BlockStatus && inflight.changed_step => {
+                let runs: Vec<ChangeRun> = c
+                    .buf
+                    .as_ref()
+                    .map(|b| lull_bdev::change_records(b.as_slice()).collect())
+                    .unwrap_or_default();
+                if let Some(b) = c.buf {
+                    bufs::put(b);
+                }
+                self.push_block_status(
+                    inflight.cookie,
+                    inflight.offset,
+                    inflight.length,
+                    inflight.req_one,
+                    base.as_deref(),
+                    Some(runs),
+                );
+            }
             Ok(()) if inflight.command == Command::BlockStatus => {
                 let extents: Vec<Extent> = c
                     .buf
                     .as_ref()
                     .map(|b| lull_bdev::extent_records(b.as_slice()).collect())
                     .unwrap_or_default();
+                let changed_by_channel = match &self.phase {
+                    Phase::Transmission {
+                        volume, changed, ..
+                    } => changed.is_some() && volume.dev().changed_by_channel(),
+                    Phase::Handshake(_) => false,
+                };
+                if changed_by_channel {
+                    // Now the `lull:changed:` part, in a slot again, with
+                    // these extents kept for the reply.
+                    let Some(slot) = self.slots.insert(InFlight {
+                        changed_step: true,
+                        ..inflight
+                    }) else {
+                        debug_assert!(false, "the slot just freed");
+                        if let Some(b) = c.buf {
+                            bufs::put(b);
+                        }
+                        return;
+                    };
+                    self.stashed_base.push((slot.to_wire(), extents));
+                    let mut buf = c
+                        .buf
+                        .unwrap_or_else(|| bufs::get(lull_bdev::EXTENT_RECORD_LEN));
+                    let records = max_extents(inflight.req_one) * lull_bdev::EXTENT_RECORD_LEN;
+                    if buf.capacity() >= records {
+                        buf.set_len(records);
+                    }
+                    self.submit_io(IoRequest {
+                        tag: slot.to_wire(),
+                        op: IoOp::ChangedSince,
+                        offset: inflight.offset,
+                        len: inflight.length,
+                        buf: Some(buf),
+                    });
+                    return;
+                }
                 if let Some(b) = c.buf {
                     bufs::put(b);
                 }
@@ -439,6 +510,7 @@ impl Conn {
                     inflight.length,
                     inflight.req_one,
                     Some(&extents),
+                    None,
                 );
             }
             Ok(()) if inflight.command == Command::Read => match (c.spliced, c.buf) {
@@ -647,8 +719,13 @@ impl Conn {
     /// extents; a device that must do I/O to know (a replicated volume
     /// asks a replica) gets an `IoOp::BlockStatus` on the channel, in a
     /// slot like a read, and the reply is made in `complete`.
-    /// `lull:changed:` is a metadata lookup, always inline, made when the
-    /// reply is (`push_block_status`).
+    /// `lull:changed:` is a metadata lookup made when the reply is
+    /// (`push_block_status`), except on a device that must do I/O for it
+    /// too (a replicated snapshot's view): then an `IoOp::ChangedSince`
+    /// follows in the same slot (after the `IoOp::BlockStatus`, if any;
+    /// the base extents wait in `stashed_base`), asking about the
+    /// snapshot the connection's context names
+    /// (`Channel::set_changed_since`, set when transmission starts).
     fn block_status(&mut self, req: &Request) {
         let Phase::Transmission {
             volume,
@@ -670,7 +747,24 @@ impl Conn {
         }
         let req_one = req.flags & nbd::NBD_CMD_FLAG_REQ_ONE != 0;
         let max = max_extents(req_one);
-        if *base_allocation && volume.dev().extents_by_channel() {
+        let base_by_channel = *base_allocation && volume.dev().extents_by_channel();
+        let changed_by_channel = changed.is_some() && volume.dev().changed_by_channel();
+        if base_by_channel || changed_by_channel {
+            // Base first (by channel, or inline and kept for the reply),
+            // then the changed part (`complete` moves on to it).
+            let base = if !base_by_channel && *base_allocation {
+                match volume.dev().extents(req.offset, u64::from(req.length), max) {
+                    Ok(extents) => Some(extents),
+                    Err(e) => {
+                        tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
+                        let error = nbd::errno_to_nbd(e.errno());
+                        self.push_error(req.cookie, req.command, error, &e.to_string());
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
             let start_ns = self.clock_ns();
             let Some(slot) = self.slots.insert(InFlight {
                 cookie: req.cookie,
@@ -679,13 +773,21 @@ impl Conn {
                 length: req.length,
                 fast_zero: false,
                 req_one,
+                changed_step: !base_by_channel,
                 start_ns,
             }) else {
                 debug_assert!(false, "take_request checked for a free slot");
                 return;
             };
             let buf = bufs::get(max * lull_bdev::EXTENT_RECORD_LEN);
-            self.submit(slot, req, IoOp::BlockStatus, Some(buf));
+            if base_by_channel {
+                self.submit(slot, req, IoOp::BlockStatus, Some(buf));
+            } else {
+                if let Some(base) = base {
+                    self.stashed_base.push((slot.to_wire(), base));
+                }
+                self.submit(slot, req, IoOp::ChangedSince, Some(buf));
+            }
             return;
         }
         let base = if *base_allocation {
@@ -701,7 +803,14 @@ impl Conn {
         } else {
             None
         };
-        self.push_block_status(req.cookie, req.offset, req.length, req_one, base.as_deref());
+        self.push_block_status(
+            req.cookie,
+            req.offset,
+            req.length,
+            req_one,
+            base.as_deref(),
+            None,
+        );
     }
 
     /// The reply to a block status request of `length` bytes at `offset`:
@@ -721,6 +830,7 @@ impl Conn {
         length: u32,
         req_one: bool,
         base: Option<&[Extent]>,
+        runs: Option<Vec<ChangeRun>>,
     ) {
         let Phase::Transmission {
             volume, changed, ..
@@ -734,10 +844,17 @@ impl Conn {
         let changed_chunk = match changed {
             None => None,
             Some(context) => {
-                match volume
-                    .dev()
-                    .changed_since(&context.snapshot, offset, u64::from(length), max)
-                {
+                let asked = match runs {
+                    // Asked of the device through the channel.
+                    Some(runs) => Ok(runs),
+                    None => volume.dev().changed_since(
+                        &context.snapshot,
+                        offset,
+                        u64::from(length),
+                        max,
+                    ),
+                };
+                match asked {
                     Ok(runs) => Some((context.id, change_extents(&runs, max, cap))),
                     Err(e) => {
                         let error = match e {
@@ -913,6 +1030,11 @@ impl Conn {
                     channel.allow_splice();
                 }
                 self.wire.set_context(&volume.name);
+                if let Some(context) = &negotiated.changed {
+                    if volume.dev().changed_by_channel() {
+                        channel.set_changed_since(&context.snapshot);
+                    }
+                }
                 self.phase = Phase::Transmission {
                     channel,
                     _permit: permit,
@@ -995,6 +1117,7 @@ impl Conn {
             length: req.length,
             fast_zero: matches!(op, IoOp::WriteZeroes { fast: true, .. }),
             req_one: false,
+            changed_step: false,
             start_ns,
         }) else {
             debug_assert!(false, "take_request checked for a free slot");

@@ -388,6 +388,10 @@ impl Channel for VolumeChannel {
         self.inner.allow_splice();
     }
 
+    fn set_changed_since(&mut self, since: &str) {
+        self.inner.set_changed_since(since);
+    }
+
     fn retry_at_ns(&self) -> Option<u64> {
         self.retry_at
     }

@@ -785,14 +785,14 @@ impl Channel for ChainChannel {
             self.set_busy(self.parents);
             return Err((req, e));
         }
-        if matches!(req.op, IoOp::BlockStatus)
+        if matches!(req.op, IoOp::BlockStatus | IoOp::ChangedSince)
             || matches!(req.op, IoOp::WriteZeroes { fast: true, .. })
         {
             self.set_busy(self.parents);
             return Err((
                 req,
                 BdevError::Unsupported(
-                    "a chain of layers answers block status inline and zeroes by writing",
+                    "a chain of layers answers block status and changed-since inline, and zeroes by writing",
                 ),
             ));
         }
@@ -854,7 +854,7 @@ impl Channel for ChainChannel {
                 let head = self.head();
                 self.send(head, Self::sub(slot, 0, IoOp::Flush, 0, 0, None));
             }
-            IoOp::BlockStatus => unreachable!("refused above"),
+            IoOp::BlockStatus | IoOp::ChangedSince => unreachable!("refused above"),
         }
         if !self.ready.is_empty() || !self.stalled.is_empty() {
             self.ring();

@@ -43,6 +43,22 @@ impl Engine {
 
     pub(super) fn on_client(&mut self, req: ClientReq) {
         let (channel, takes_pipe, mut req) = (req.channel, req.takes_pipe, req.io);
+        if req.op == IoOp::ChangedSince {
+            // The live volume's `lull:changed:` is not served (its device
+            // says `changed_by_channel` false); a snapshot's view asks the
+            // replicas itself.
+            let buf = req.buf.take();
+            self.out.push(Action::Complete {
+                channel,
+                tag: req.tag,
+                result: Err(BdevError::Unsupported(
+                    "changed-since on a replicated volume: ask a snapshot's view",
+                )),
+                buf,
+                spliced: None,
+            });
+            return;
+        }
         if self.detach.is_some() {
             let buf = req.buf.take();
             let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());

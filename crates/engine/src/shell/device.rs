@@ -505,7 +505,8 @@ impl BlockDevice for ReplicatedDev {
     /// A read-only view reading from a replica that holds the snapshot
     /// (`crate::view`): no I/O here, its channels connect.
     fn snapshot_view(&self, name: &str) -> Option<Arc<dyn BlockDevice>> {
-        if !self.snapshot_names().iter().any(|n| n == name) {
+        let names = self.snapshot_names();
+        if !names.iter().any(|n| n == name) {
             return None;
         }
         // Those the engine last saw healthy first: they hold every
@@ -518,12 +519,14 @@ impl BlockDevice for ReplicatedDev {
                 targets.push(t);
             }
         }
+        let older = names.iter().take_while(|n| *n != name).cloned().collect();
         Some(Arc::new(crate::view::ReplicatedSnapshotView::new(
             crate::view::ViewConfig {
                 volume: self.volume.clone(),
                 snapshot: name.to_string(),
                 size_bytes: self.size_bytes,
                 targets,
+                older,
                 tls: self.tls.clone(),
                 timeout: self.view_timeout,
             },

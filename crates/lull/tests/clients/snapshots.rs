@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::tools::{qemu_io, run, uri};
+use crate::common::tools::{nbdinfo_changed, qemu_io, run, uri};
 use crate::common::{self, NbdClient, Server};
 
 const MIB: u64 = 1 << 20;
@@ -38,34 +38,6 @@ fn copy_out(server: &Server, export: &str, dir: &Path) -> Vec<u8> {
     let _ = std::fs::remove_file(&out);
     run(Command::new("nbdcopy").arg(uri(server, export)).arg(&out));
     std::fs::read(&out).expect("read the copy")
-}
-
-/// The extents `nbdinfo --map=CONTEXT` reports with type 1 (changed),
-/// merged: `(offset, length)`.
-fn changed_extents(server: &Server, export: &str, context: &str) -> Vec<(u64, u64)> {
-    common::require("nbdinfo", "libnbd-bin");
-    let out = run(Command::new("nbdinfo")
-        .arg(format!("--map={context}"))
-        .arg(uri(server, export)));
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("nbdinfo --map={context} {export}:\n{text}");
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Some(o), Some(l), Some(t)) = (f.first(), f.get(1), f.get(2)) else {
-            continue;
-        };
-        let (o, l, t): (u64, u64, u32) =
-            (o.parse().unwrap(), l.parse().unwrap(), t.parse().unwrap());
-        if t & 1 == 0 {
-            continue;
-        }
-        match runs.last_mut() {
-            Some((ro, rl)) if *ro + *rl == o => *rl += l,
-            _ => runs.push((o, l)),
-        }
-    }
-    runs
 }
 
 /// Blocks (4 KiB) touched by writes `(offset, length)`, as merged extents.
@@ -158,14 +130,14 @@ fn snapshots_end_to_end(backend: Option<&Path>) {
 
     // What changed between s1 and s2: exactly the blocks written then.
     assert_eq!(
-        changed_extents(&server, "vol0@s2", "lull:changed:s1"),
+        nbdinfo_changed(&server, "vol0@s2", "lull:changed:s1"),
         blocks_of(&between)
     );
     // On the live volume: those and the write after s2.
     let mut since_s1 = between.to_vec();
     since_s1.push((8 * MIB, MIB));
     assert_eq!(
-        changed_extents(&server, "vol0", "lull:changed:s1"),
+        nbdinfo_changed(&server, "vol0", "lull:changed:s1"),
         blocks_of(&since_s1)
     );
 

@@ -81,6 +81,34 @@ pub fn nbdinfo_map(server: &Server, export: &str) -> NbdinfoMap {
         .collect()
 }
 
+/// The extents `nbdinfo --map=CONTEXT` reports with type 1 (changed),
+/// merged: `(offset, length)`.
+pub fn nbdinfo_changed(server: &Server, export: &str, context: &str) -> Vec<(u64, u64)> {
+    require("nbdinfo", "libnbd-bin");
+    let out = run(Command::new("nbdinfo")
+        .arg(format!("--map={context}"))
+        .arg(uri(server, export)));
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("nbdinfo --map={context} {export}:\n{text}");
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(o), Some(l), Some(t)) = (f.first(), f.get(1), f.get(2)) else {
+            continue;
+        };
+        let (o, l, t): (u64, u64, u32) =
+            (o.parse().unwrap(), l.parse().unwrap(), t.parse().unwrap());
+        if t & 1 == 0 {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((ro, rl)) if *ro + *rl == o => *rl += l,
+            _ => runs.push((o, l)),
+        }
+    }
+    runs
+}
+
 /// `qemu-img map --output=json` of an export.
 pub fn qemu_img_map(server: &Server, export: &str) -> QemuImgMap {
     require("qemu-img", "qemu-utils");

@@ -235,13 +235,84 @@ fn a_replicated_snapshot_is_served_read_only_over_nbd() {
         "v",
         &["write -P 0xb1 0 2M", "write -P 0xb2 32M 1M"],
     );
+    // An incremental backup's map: what changed between s1 and s2 (not
+    // what was written after s2), block by block, from the replicas.
+    tools::qemu_io(
+        &server,
+        "v",
+        &["write -P 0xb3 40M 100", "write -P 0xb4 44M 8K"],
+    );
+    server.rpc("snapshot_create", r#"{"volume":"v","name":"s2"}"#);
+    tools::qemu_io(&server, "v", &["write -P 0xc1 48M 1M"]);
+    assert_eq!(
+        tools::nbdinfo_changed(&server, "v@s2", "lull:changed:s1"),
+        [
+            (0, 2 << 20),
+            (32 << 20, 1 << 20),
+            (40 << 20, 4096),
+            (44 << 20, 8192)
+        ]
+    );
+    // Both contexts in one request (base:allocation then lull:changed,
+    // each asked of a replica in turn): libnbd sees both, consistent.
+    let python = common::python_with_nbd();
+    let both = tools::run(std::process::Command::new(python).args([
+        "-c",
+        "import nbd, sys\nh = nbd.NBD()\nh.add_meta_context('base:allocation')\nh.add_meta_context('lull:changed:s1')\nh.connect_uri(sys.argv[1])\nseen = {}\ndef cb(ctx, off, ents, err):\n    seen.setdefault(ctx, []).extend(ents)\n    return 0\noff = 0\nsize = h.get_size()\nwhile off < size:\n    seen.clear()\n    h.block_status(min(size - off, 1 << 30), off, cb)\n    step = min(sum(seen[c][0::2]) for c in seen)\n    for c in sorted(seen):\n        at = off\n        for i in range(0, len(seen[c]), 2):\n            print(c, at, seen[c][i], seen[c][i + 1])\n            at += seen[c][i]\n    off += step\n",
+        &tools::uri(&server, "v@s2"),
+    ]));
+    let text = String::from_utf8_lossy(&both.stdout);
+    let mut changed: Vec<(u64, u64)> = Vec::new();
+    let mut base_data_at_32m = false;
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (o, l, flags): (u64, u64, u32) = (
+            f[1].parse().unwrap(),
+            f[2].parse().unwrap(),
+            f[3].parse().unwrap(),
+        );
+        if f[0] == "lull:changed:s1" && flags & 1 != 0 {
+            match changed.last_mut() {
+                Some((co, cl)) if *co + *cl == o => *cl += l,
+                _ => changed.push((o, l)),
+            }
+        }
+        if f[0] == "base:allocation" && o <= 32 << 20 && 32 << 20 < o + l {
+            base_data_at_32m = flags & 1 == 0;
+        }
+    }
+    assert!(
+        base_data_at_32m,
+        "base:allocation: 32M is data in s2:\n{text}"
+    );
+    assert_eq!(
+        changed,
+        [
+            (0, 2 << 20),
+            (32 << 20, 1 << 20),
+            (40 << 20, 4096),
+            (44 << 20, 8192)
+        ],
+        "{text}"
+    );
+    // The live volume's changed map is not served for a replicated
+    // volume: the context is refused.
+    let live = std::process::Command::new("nbdinfo")
+        .args(["--map=lull:changed:s1", &tools::uri(&server, "v")])
+        .output()
+        .expect("run nbdinfo");
+    assert!(!live.status.success(), "lull:changed:s1 on v was served");
     let at_s1 = image(&[(0xa1, 0, 4 << 20), (0xa2, 8 << 20, 1 << 20)]);
-    let now = image(&[
+    let mut now = image(&[
         (0xa1, 0, 4 << 20),
         (0xa2, 8 << 20, 1 << 20),
         (0xb1, 0, 2 << 20),
         (0xb2, 32 << 20, 1 << 20),
+        (0xb3, 40 << 20, 100),
+        (0xb4, 44 << 20, 8 << 10),
     ]);
+    let at_s2 = now.clone();
+    now[48 << 20..49 << 20].fill(0xc1);
     assert!(
         copy_out(&server, &scratch, "v@s1") == at_s1,
         "v@s1 holds what was written before s1"
@@ -249,6 +320,10 @@ fn a_replicated_snapshot_is_served_read_only_over_nbd() {
     assert!(
         copy_out(&server, &scratch, "v") == now,
         "v holds every write"
+    );
+    assert!(
+        copy_out(&server, &scratch, "v@s2") == at_s2,
+        "v@s2 holds what was written before s2"
     );
 
     // Its map is the snapshot's: 32M.. is a hole there, data live.
