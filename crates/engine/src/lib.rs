@@ -21,6 +21,7 @@
 
 #![forbid(unsafe_code)]
 
+mod client;
 pub mod core;
 mod shell;
 mod view;

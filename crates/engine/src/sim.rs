@@ -136,6 +136,8 @@ struct SimReplica {
     changes: Vec<(String, u64, Vec<bool>)>,
     /// Snapshots taken (SNAPSHOT create): name and a copy of the data.
     snapshots: Vec<(String, Vec<u8>)>,
+    /// Answers a revert EBUSY (as a replica whose merge runs).
+    refuse_revert: bool,
 }
 
 /// Write-intent region of the simulated volume. The protocol's regions are
@@ -300,6 +302,7 @@ impl SimReplica {
                             self.snapshots.remove(i);
                             0
                         }
+                        (proto::SnapshotOp::Revert, Some(_)) if self.refuse_revert => libc::EBUSY,
                         (proto::SnapshotOp::Revert, Some(i)) => {
                             // As a replica does: every region noted in the
                             // change records and the intent record first.
@@ -497,6 +500,15 @@ struct Msg {
 enum Sched {
     Net(Msg),
     ConnResult(ConnRef, bool),
+    /// A layer sync job's end (`Action::SyncLayers`), for the engine of
+    /// `session` (a later engine ignores an earlier one's).
+    Layers {
+        session: u64,
+        replica: crate::core::ids::ReplicaId,
+        token: u64,
+        source: usize,
+        target: usize,
+    },
 }
 
 struct Oracle {
@@ -612,6 +624,8 @@ pub(crate) struct SimStats {
     pub reverts: u64,
     pub reverts_partial: u64,
     pub deletes: u64,
+    /// Snapshots a layer sync copied to a replica that lacked them.
+    pub layers_copied: u64,
 }
 
 impl Sim {
@@ -645,6 +659,7 @@ impl Sim {
                     lost: false,
                     changes: Vec::new(),
                     snapshots: Vec::new(),
+                    refuse_revert: false,
                 })
                 .collect(),
             queue: BTreeMap::new(),
@@ -765,8 +780,86 @@ impl Sim {
                 Action::Log { msg, .. } => self.log.push(format!("{:>8} ms {msg}", self.now / MS)),
                 Action::Milestone(m) => self.on_milestone(m),
                 Action::ControlDone { token, outcome } => self.on_control_done(token, outcome),
+                Action::SyncLayers {
+                    replica,
+                    token,
+                    source,
+                    target,
+                    ..
+                } => {
+                    let index = |t: &ReplicaTarget| {
+                        self.addrs
+                            .iter()
+                            .position(|a| a == t)
+                            .expect("a replica of the sim")
+                    };
+                    let (source, target) = (index(&source), index(&target));
+                    // The job takes a while (a few chunks' round trips).
+                    let d = 2 * MS + self.rng.below(20 * MS);
+                    let session = self.session;
+                    self.schedule(
+                        d,
+                        Sched::Layers {
+                            session,
+                            replica,
+                            token,
+                            source,
+                            target,
+                        },
+                    );
+                }
             }
         }
+    }
+
+    /// What the layer sync job does (`shell::layers`), on the sim's
+    /// replicas at once: the target gets the snapshots the source holds
+    /// and it lacks, and its live data is the newest of them. Fails when
+    /// either is down, or when the target holds snapshots and shares none
+    /// with the source.
+    fn sync_layers(
+        &mut self,
+        source: usize,
+        target: usize,
+    ) -> Result<crate::core::LayersCopied, String> {
+        if !self.replicas[source].up || !self.replicas[target].up {
+            return Err("sim: a replica of the job is down".into());
+        }
+        let wanted: Vec<(String, Vec<u8>)> = self.replicas[source].snapshots.clone();
+        let ours: Vec<String> = self.replicas[target]
+            .snapshots
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect();
+        let k = wanted
+            .iter()
+            .zip(&ours)
+            .take_while(|((a, _), b)| a == *b)
+            .count();
+        if k == wanted.len() {
+            return Ok(crate::core::LayersCopied::default());
+        }
+        if k == 0 && !ours.is_empty() {
+            return Err("sim: no snapshot in common".into());
+        }
+        let t = &mut self.replicas[target];
+        t.clean = false;
+        t.note_change(0, SIZE);
+        t.snapshots.truncate(k);
+        let mut copied = crate::core::LayersCopied::default();
+        for (name, data) in &wanted[k..] {
+            t.data = data.clone();
+            for b in 0..BLOCKS {
+                if t.data[b * BLOCK..(b + 1) * BLOCK].iter().any(|&x| x != 0) {
+                    t.allocated[b] = true;
+                }
+            }
+            t.snapshots.push((name.clone(), data.clone()));
+            copied.layers += 1;
+            copied.bytes += SIZE;
+        }
+        self.stats.layers_copied += u64::from(copied.layers);
+        Ok(copied)
     }
 
     /// Counts an engine milestone and keeps it for the checks.
@@ -804,6 +897,8 @@ impl Sim {
         self.queue.retain(|_, s| match s {
             Sched::Net(m) => m.conn != conn || m.session != session,
             Sched::ConnResult(c, _) => *c != conn,
+            // A job has its own connections.
+            Sched::Layers { .. } => true,
         });
     }
 
@@ -848,6 +943,23 @@ impl Sim {
 
     fn deliver(&mut self, s: Sched) {
         match s {
+            Sched::Layers {
+                session,
+                replica,
+                token,
+                source,
+                target,
+            } => {
+                if session != self.session {
+                    return;
+                }
+                let result = self.sync_layers(source, target);
+                self.apply(Event::LayersSynced {
+                    replica,
+                    token,
+                    result,
+                });
+            }
             Sched::ConnResult(conn, ok) => {
                 let ok = ok && self.replicas[conn.replica.get()].up;
                 if ok {
@@ -1534,6 +1646,21 @@ impl Sim {
                 self.log.join("\n")
             );
         }
+        // A snapshot is the same wherever it is, whether taken there or
+        // copied there by a layer sync.
+        for r in 1..self.replicas.len() {
+            for (name, data) in &self.replicas[r].snapshots {
+                for other in &self.replicas[..r] {
+                    if let Some((_, theirs)) = other.snapshots.iter().find(|(n, _)| n == name) {
+                        assert!(
+                            data == theirs,
+                            "snapshot {name} differs between replicas\n{}",
+                            self.log.join("\n")
+                        );
+                    }
+                }
+            }
+        }
         // Every acknowledged write is there.
         for b in 0..BLOCKS {
             let s = block_stamp(&self.replicas[0].data[b * BLOCK..(b + 1) * BLOCK], b);
@@ -1737,6 +1864,7 @@ impl Coverage {
         t.reverts += s.reverts;
         t.reverts_partial += s.reverts_partial;
         t.deletes += s.deletes;
+        t.layers_copied += s.layers_copied;
     }
 }
 
@@ -1910,14 +2038,16 @@ fn sim_many_seeds() {
     );
 }
 
-/// A revert where a healthy replica lacks the snapshot (a replica
-/// replaced after it was taken, or one a crash left without it): that
-/// replica answers ENOENT, leaves the healthy set, and is copied in full
-/// from those that reverted (its change record covers the whole volume),
-/// so every replica ends with the same bytes, the snapshot's plus later
-/// writes (`run`'s checks).
-#[test]
-fn sim_a_revert_fails_and_fully_rebuilds_a_replica_without_the_snapshot() {
+/// A revert that one healthy replica does not take, after the writes since
+/// the snapshot have left every write-intent record: that replica leaves
+/// the healthy set and must come back with the reverted bytes everywhere
+/// (`run` checks every replica holds the same bytes and every read).
+/// `lacks`: it lacks the snapshot (ENOENT), so its return copies it the
+/// snapshot (a layer sync) and rebuilds it in full; otherwise it holds it
+/// and refuses the revert (EBUSY), its snapshots match, and its delta
+/// rebuild covers the whole volume (the change record the others keep for
+/// it was seeded with all of it).
+fn revert_not_taken_by_one_replica(lacks: bool) -> Sim {
     let mut sim = Sim::new(7, 2);
     sim.faults = false;
     sim.random_snapshots = false;
@@ -1925,7 +2055,11 @@ fn sim_a_revert_fails_and_fully_rebuilds_a_replica_without_the_snapshot() {
     sim.step_until(2_000 * MS, true);
     sim.snapshot_op(proto::SnapshotOp::Create, "s1");
     assert_eq!(sim.stats.snapshots, 1, "{}", sim.log.join("\n"));
-    sim.replicas[1].snapshots.clear();
+    if lacks {
+        sim.replicas[1].snapshots.clear();
+    } else {
+        sim.replicas[1].refuse_revert = true;
+    }
     sim.step_until(sim.now + 1_000 * MS, true);
     // Quiet until every write-intent bit is cleared: the writes since s1
     // are then in no record but the revert's.
@@ -1941,12 +2075,27 @@ fn sim_a_revert_fails_and_fully_rebuilds_a_replica_without_the_snapshot() {
     sim.snapshot_op(proto::SnapshotOp::Revert, "s1");
     assert_eq!(sim.stats.reverts, 1, "{}", sim.log.join("\n"));
     assert_eq!(sim.stats.reverts_partial, 1, "{}", sim.log.join("\n"));
+    sim.replicas[1].refuse_revert = false;
     sim.run(1_000);
     assert!(
         sim.stats.rebuilds + sim.stats.deltas > copies,
         "{}",
         sim.log.join("\n")
     );
+    sim
+}
+
+#[test]
+fn sim_a_replica_without_the_snapshot_gets_it_and_the_reverted_bytes() {
+    let sim = revert_not_taken_by_one_replica(true);
+    assert_eq!(sim.stats.layers_copied, 1, "{}", sim.log.join("\n"));
+    assert_eq!(sim.replicas[1].snapshots, sim.replicas[0].snapshots);
+}
+
+#[test]
+fn sim_a_replica_that_refused_a_revert_is_copied_over_the_whole_volume() {
+    let sim = revert_not_taken_by_one_replica(false);
+    assert_eq!(sim.stats.layers_copied, 0, "{}", sim.log.join("\n"));
     let whole =
         format!("change record on 10.0.0.1:7000: 64 region(s) of 65536 bytes, {SIZE} bytes;");
     assert!(

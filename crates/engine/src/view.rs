@@ -40,9 +40,8 @@
 //! [`MAX_VIEW_CHANNELS`] channels (threads and connections) per view.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -51,11 +50,12 @@ use std::time::{Duration, Instant};
 use lull_bdev::{
     BdevError, BlockDevice, ChangeRun, Channel, Extent, IoCompletion, IoOp, IoRequest,
 };
-use lull_net::link::{self as replica_link, LinkStream};
+use lull_net::link::LinkStream;
 use lull_net::tls::TlsContext;
-use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN, HELLO_LEN};
+use lull_proto::replica::{self as proto, Header, Hello, Kind, HEADER_LEN};
 use lull_reactor::sys::EventFd;
 
+use crate::client::{self, encode, read_exact, read_header, write_all, LinkFailure};
 use crate::core::ReplicaTarget;
 
 /// Requests in flight per view channel: a backup client's queue (nbdcopy
@@ -329,27 +329,6 @@ impl Channel for ViewChannel {
     }
 }
 
-/// Why a connection to one replica ended or could not be made.
-#[derive(Debug)]
-enum LinkFailure {
-    /// The replica does not hold the snapshot (HELLO answered `ENOENT`).
-    NoSnapshot,
-    Other(String),
-}
-
-impl std::fmt::Display for LinkFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LinkFailure::NoSnapshot => write!(f, "it does not hold the snapshot"),
-            LinkFailure::Other(why) => write!(f, "{why}"),
-        }
-    }
-}
-
-fn io_failure(what: &str, e: io::Error) -> LinkFailure {
-    LinkFailure::Other(format!("{what}: {e}"))
-}
-
 /// One channel's worker: its connection and where it is in the list.
 struct Worker {
     config: Arc<ViewConfig>,
@@ -436,32 +415,9 @@ impl Worker {
         }
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.config.timeout
-    }
-
     /// Connects to target `i` and opens the view (HELLO `REPLICA@SNAPSHOT`).
     fn connect(&mut self, i: usize) -> Result<LinkStream, LinkFailure> {
         let target = &self.config.targets[i];
-        let addr: SocketAddr = target.addr;
-        let tcp = TcpStream::connect_timeout(&addr, self.config.timeout)
-            .and_then(|s| {
-                s.set_nodelay(true)?;
-                s.set_nonblocking(true)?;
-                Ok(s)
-            })
-            .map_err(|e| io_failure("connect failed", e))?;
-        let mut link = match &self.config.tls {
-            None => LinkStream::Plain(tcp),
-            Some(ctx) => {
-                let s = replica_link::client_handshake(ctx, tcp, addr.ip(), self.deadline())
-                    .map_err(|e| {
-                        let hint = replica_link::handshake_hint(&e.to_string());
-                        LinkFailure::Other(format!("replica not authenticated: {e} ({hint})"))
-                    })?;
-                LinkStream::Tls(Box::new(s))
-            }
-        };
         let hello = Hello {
             volume_size: self.config.size_bytes,
             generation: 0,
@@ -469,26 +425,13 @@ impl Worker {
             session: 0,
         };
         let name = proto::view_hello_name(target.hello_name(), &self.config.snapshot);
-        let payload = proto::encode_hello_request(&hello, &name);
-        let header = Header::request(Kind::Hello, 0, 0, payload.len() as u32);
-        let mut frame = encode(&header)?;
-        frame.extend_from_slice(&payload);
-        let deadline = self.deadline();
-        write_all(&mut link, &frame, deadline).map_err(|e| io_failure("send HELLO", e))?;
-        let reply = read_header(&mut link, deadline)?;
-        if reply.kind != Kind::Hello || !reply.reply {
-            return Err(LinkFailure::Other(format!("answered HELLO with {reply:?}")));
-        }
-        let mut theirs = [0u8; HELLO_LEN];
-        read_exact(&mut link, &mut theirs, deadline).map_err(|e| io_failure("read HELLO", e))?;
-        match reply.status as i32 {
-            0 => Ok(link),
-            libc::ENOENT => Err(LinkFailure::NoSnapshot),
-            errno => Err(LinkFailure::Other(format!(
-                "HELLO refused: {}",
-                io::Error::from_raw_os_error(errno)
-            ))),
-        }
+        client::open(
+            target.addr,
+            self.config.tls.as_ref(),
+            self.config.timeout,
+            &hello,
+            &name,
+        )
     }
 
     /// Sends every request of `batch`, then completes each as its reply
@@ -650,83 +593,4 @@ fn complete(
             Ok(done(req, Ok(())))
         }
     }
-}
-
-fn encode(h: &Header) -> Result<Vec<u8>, LinkFailure> {
-    let mut out = [0u8; HEADER_LEN];
-    proto::encode_header(h, &mut out)
-        .map_err(|e| LinkFailure::Other(format!("cannot encode {h:?}: {e}")))?;
-    Ok(out.to_vec())
-}
-
-fn read_header(link: &mut LinkStream, deadline: Instant) -> Result<Header, LinkFailure> {
-    let mut raw = [0u8; HEADER_LEN];
-    read_exact(link, &mut raw, deadline).map_err(|e| io_failure("read a reply", e))?;
-    proto::decode_header(&raw).map_err(|e| LinkFailure::Other(format!("bad reply header: {e}")))
-}
-
-/// Waits until the link's socket is ready for `out` (writing) or reading,
-/// or `deadline` passes.
-fn wait(link: &LinkStream, out: bool, deadline: Instant) -> io::Result<()> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "the replica did not answer in time",
-        ));
-    }
-    let Some(tcp) = link.tcp() else {
-        return Err(io::ErrorKind::NotConnected.into());
-    };
-    let flags = if out || link.wants_write() {
-        rustix::event::PollFlags::OUT | rustix::event::PollFlags::IN
-    } else {
-        rustix::event::PollFlags::IN
-    };
-    let fd = tcp.as_fd();
-    let mut fds = [rustix::event::PollFd::new(&fd, flags)];
-    let timeout = rustix::event::Timespec::try_from(left).ok();
-    match rustix::event::poll(&mut fds, timeout.as_ref()) {
-        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn write_all(link: &mut LinkStream, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
-    while !buf.is_empty() {
-        match link.write(buf) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => buf = &buf[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait(link, true, deadline)?,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    loop {
-        match link.flush() {
-            Ok(()) => return Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait(link, true, deadline)?,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-fn read_exact(link: &mut LinkStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut at = 0;
-    while at < buf.len() {
-        match link.read(&mut buf[at..]) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the replica closed the connection",
-                ))
-            }
-            Ok(n) => at += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait(link, false, deadline)?,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -319,6 +319,9 @@ struct Merge {
     total_bytes: u64,
     /// Set by [`ChainDev::stop_merge`]: the merge stops before its next step.
     stop: Arc<AtomicBool>,
+    /// Set by the merge once the chain no longer holds what it merged: all
+    /// that is left is removing the merged layers' files.
+    committed: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), BdevError>>>,
 }
 
@@ -626,7 +629,11 @@ impl ChainDev {
     fn no_merge_running(&self) -> Result<(), BdevError> {
         let mut m = self.merge.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(merge) = m.as_mut() {
-            if merge.thread.as_ref().is_some_and(|t| !t.is_finished()) {
+            // A merge past its commit has only its files to remove: wait for
+            // it rather than refuse (its snapshot is gone from the list
+            // already, and a caller that saw that may go on at once).
+            let running = merge.thread.as_ref().is_some_and(|t| !t.is_finished());
+            if running && !merge.committed.load(Ordering::SeqCst) {
                 return Err(BdevError::InUse(format!(
                     "snapshot {:?} is being merged; try again when it is gone",
                     merge.snapshot
@@ -847,8 +854,10 @@ impl ChainDev {
             .sum();
         let done = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        let committed = Arc::new(AtomicBool::new(false));
         let job = MergeJob {
             stop: stop.clone(),
+            committed: committed.clone(),
             shared: self.shared.clone(),
             store: self.store.clone(),
             clones: self.clones.clone(),
@@ -868,6 +877,7 @@ impl ChainDev {
             done_bytes: done,
             total_bytes: total,
             stop,
+            committed,
             thread: Some(thread),
         });
         Ok(())
@@ -951,6 +961,8 @@ struct MergeJob {
     label: String,
     /// Stop before the next step ([`ChainDev::stop_merge`]).
     stop: Arc<AtomicBool>,
+    /// Set once the new state is in place ([`Merge::committed`]).
+    committed: Arc<AtomicBool>,
 }
 
 /// The error of a merge that [`ChainDev::stop_merge`] stopped.
@@ -1054,6 +1066,7 @@ impl MergeJob {
         let record = record_of(&next, &self.clones);
         self.store.commit(&record)?;
         self.shared.set_state(next);
+        self.committed.store(true, Ordering::SeqCst);
         drop(quiet);
         for l in gone.iter().filter(|l| l.foreign.is_none()) {
             self.store.discard_layer(l.id);

@@ -180,6 +180,7 @@ impl Engine {
         let union = (!all_clean).then(|| self.intent_union(peers));
         let mut healthy = Vec::new();
         let mut reconciling = Vec::new();
+        let mut stale = Vec::new();
         for &i in &live {
             if self.replicas[i].state != RState::Probed {
                 continue;
@@ -188,16 +189,19 @@ impl Engine {
                 self.replicas[i].intent = None;
                 self.replicas[i].state = RState::Healthy;
                 healthy.push(self.replicas[i].addr.to_string());
-            } else {
+            } else if peers.contains(i) {
                 self.replicas[i].state = RState::Rebuilding;
-                if peers.contains(i) {
-                    self.replicas[i].intent = None;
-                    self.replicas[i].reconcile = union.clone();
-                    reconciling.push(self.replicas[i].addr.clone());
-                } else {
-                    self.begin_lookup(i);
-                }
+                self.replicas[i].intent = None;
+                self.replicas[i].reconcile = union.clone();
+                reconciling.push(self.replicas[i].addr.clone());
+            } else {
+                stale.push(i);
             }
+        }
+        // Once the healthy set is whole: the stale ones get the snapshots
+        // first, then their rebuild (`layers`).
+        for i in stale {
+            self.start_layer_sync(i);
         }
         self.election_start_ns = None;
         self.election_logged_ns = None;

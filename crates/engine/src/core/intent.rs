@@ -244,13 +244,11 @@ impl Engine {
             (rep.addr.clone(), rep.generation, rep.clean, rep.intent_lost);
         let marked = self.replicas[r].intent.as_deref().map_or(0, count_bits);
         if !self.healthy_set().is_empty() {
-            self.replicas[r].state = RState::Rebuilding;
-            self.replicas[r].reconcile = None;
-            self.begin_lookup(r);
             self.log(
                 LogLevel::Info,
                 format!("replica {addr} connected (generation {generation}); it will be rebuilt"),
             );
+            self.start_layer_sync(r);
         } else {
             self.replicas[r].state = RState::Probed;
             let record = if lost {

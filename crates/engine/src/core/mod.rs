@@ -115,6 +115,7 @@ pub mod ids;
 mod intent;
 mod invariants;
 mod io;
+mod layers;
 mod rebuild;
 mod replicas;
 mod snapshot;
@@ -143,8 +144,8 @@ pub use replicas::{AUTH_RETRY_INTERVAL_MS_MAX, SNAPSHOT_EXTRA_TIMEOUT_NS};
 pub use snapshot::ReplicaSnapshots;
 pub use types::{
     Action, ClientReq, ControlOutcome, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions,
-    Event, LogLevel, Milestone, NodeRebuildLimit, Payload, Received, ReplicaState, ReplicaStatus,
-    Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    Event, LayersCopied, LogLevel, Milestone, NodeRebuildLimit, Payload, Received, ReplicaState,
+    ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
 };
 
 impl Engine {
@@ -180,6 +181,7 @@ impl Engine {
             bump: None,
             rebuild: None,
             rebuild_runs: 0,
+            layer_syncs: 0,
             rebuild_limit: RebuildLimit::default(),
             read_rr: 0,
             election_start_ns: None,
@@ -288,6 +290,11 @@ impl Engine {
             Event::Detach => self.start_detach(),
             Event::Snapshot { token, op, name } => self.start_snapshot(token, op, name),
             Event::SnapshotList { token } => self.start_snapshot_list(token),
+            Event::LayersSynced {
+                replica,
+                token,
+                result,
+            } => self.on_layers_synced(replica, token, result),
         }
         self.progress();
         self.rebuild_limit.count(self.rebuild.is_some());
@@ -339,6 +346,10 @@ impl Engine {
             let state = match r.state {
                 RState::Removed => continue,
                 RState::Connecting | RState::Probed => ReplicaState::Connecting,
+                RState::Syncing => ReplicaState::Rebuilding {
+                    done_bytes: 0,
+                    total_bytes: self.size_bytes,
+                },
                 RState::Healthy => ReplicaState::Healthy,
                 RState::Failed => ReplicaState::Failed,
                 RState::Rebuilding => {

@@ -64,6 +64,7 @@ impl Engine {
             reconcile: None,
             lookup: Lookup::Off,
             last_rebuild: None,
+            sync_token: 0,
         };
         if let Some(i) = self.replicas.position(|r| r.state == RState::Removed) {
             let epochs: Vec<u32> = self.replicas[i].conns.iter().map(|c| c.epoch).collect();

@@ -81,9 +81,10 @@ impl Engine {
                 RState::Removed => {}
                 state => {
                     return Err(format!(
-                        "replica {} is {}: snapshots of a replicated volume need every replica healthy (one away would miss it; copying snapshots to a replica that comes back is not built yet)",
+                        "replica {} is {}: snapshots of a replicated volume need every replica healthy (one away would miss it; it gets the snapshots taken before when it comes back, then its rebuild)",
                         r.addr,
                         match state {
+                            RState::Syncing => "getting the snapshots it lacks",
                             RState::Rebuilding => "being rebuilt",
                             RState::Failed => "failed",
                             _ => "connecting",

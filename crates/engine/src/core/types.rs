@@ -135,6 +135,21 @@ pub enum Event {
     SnapshotList {
         token: u64,
     },
+    /// The outcome of an [`Action::SyncLayers`] job.
+    LayersSynced {
+        replica: ReplicaId,
+        token: u64,
+        result: Result<LayersCopied, String>,
+    },
+}
+
+/// What a layer sync copied (`layers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayersCopied {
+    /// Snapshots created on the target.
+    pub layers: u32,
+    /// Data bytes written to it for them.
+    pub bytes: u64,
 }
 
 /// The outcome of a control request ([`Event::Snapshot`],
@@ -404,6 +419,17 @@ pub enum Action {
         token: u64,
         outcome: ControlOutcome,
     },
+    /// Copy the snapshots `source` holds and `target` lacks to `target`
+    /// (`layers`), off the engine thread; answer with
+    /// [`Event::LayersSynced`] and `token`. `session` is the engine's (the
+    /// target's writes are fenced by it).
+    SyncLayers {
+        replica: ReplicaId,
+        token: u64,
+        source: ReplicaTarget,
+        target: ReplicaTarget,
+        session: u64,
+    },
 }
 
 /// A state change of the volume that an observer may count or check: the
@@ -519,6 +545,8 @@ pub struct Engine {
     pub(super) bump: Option<Bump>,
     pub(super) rebuild: Option<Rebuild>,
     pub(super) rebuild_runs: u64,
+    /// Layer syncs started (`layers`): the next one's token.
+    pub(super) layer_syncs: u64,
     /// The rebuild bandwidth limit (`Event::SetRebuildLimit`).
     pub(super) rebuild_limit: RebuildLimit,
     pub(super) read_rr: usize,
@@ -584,6 +612,10 @@ pub(super) enum RState {
     Connecting,
     /// Every connection answered HELLO; waiting for an election.
     Probed,
+    /// Stale and about to be rebuilt: first the snapshots a healthy
+    /// replica holds and it lacks are copied to it (`layers`). No writes,
+    /// no reads.
+    Syncing,
     Healthy,
     /// Receives writes, serves no reads, being (or waiting to be) rebuilt.
     Rebuilding,
@@ -672,6 +704,9 @@ pub(super) struct Replica {
     pub(super) lookup: Lookup,
     /// The last copy to this replica that finished.
     pub(super) last_rebuild: Option<CopyDone>,
+    /// The token of the layer sync running for it (Syncing), so that the
+    /// answer of an abandoned one is not taken for it.
+    pub(super) sync_token: u64,
 }
 
 /// The search for a change record of a replica that came back

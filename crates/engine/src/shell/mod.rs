@@ -38,6 +38,7 @@
 
 mod channel;
 mod device;
+mod layers;
 mod run;
 mod socket;
 

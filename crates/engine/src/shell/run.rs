@@ -194,6 +194,13 @@ impl Shell {
                 },
             ),
             Action::Connect { conn, addr } => self.connect(conn, addr),
+            Action::SyncLayers {
+                replica,
+                token,
+                source,
+                target,
+                session,
+            } => self.sync_layers(replica, token, source, target, session),
             Action::Close { conn } => self.close(t, conn),
             Action::Log { level, msg } => {
                 self.status_dirty = true;
