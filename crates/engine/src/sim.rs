@@ -815,15 +815,26 @@ impl Sim {
     /// What the layer sync job does (`shell::layers`), on the sim's
     /// replicas at once: the target gets the snapshots the source holds
     /// and it lacks, and its live data is the newest of them. Fails when
-    /// either is down, or when the target holds snapshots and shares none
-    /// with the source.
+    /// the source is down, or when the target holds snapshots and shares
+    /// none with the source. A target down at the end crashed during the
+    /// job: either before it changed anything, or after some of it (its
+    /// live data reverted or trimmed, some snapshots copied): the answer
+    /// says which.
     fn sync_layers(
         &mut self,
         source: usize,
         target: usize,
-    ) -> Result<crate::core::LayersCopied, String> {
-        if !self.replicas[source].up || !self.replicas[target].up {
-            return Err("sim: a replica of the job is down".into());
+    ) -> Result<crate::core::LayersCopied, crate::core::LayerSyncError> {
+        let fail = |why: &str| crate::core::LayerSyncError {
+            why: why.into(),
+            touched: false,
+        };
+        if !self.replicas[source].up {
+            return Err(fail("sim: the source is down"));
+        }
+        let target_up = self.replicas[target].up;
+        if !target_up && self.rng.chance(500_000) {
+            return Err(fail("sim: the target is down"));
         }
         let wanted: Vec<(String, Vec<u8>)> = self.replicas[source].snapshots.clone();
         let ours: Vec<String> = self.replicas[target]
@@ -840,14 +851,27 @@ impl Sim {
             return Ok(crate::core::LayersCopied::default());
         }
         if k == 0 && !ours.is_empty() {
-            return Err("sim: no snapshot in common".into());
+            return Err(fail("sim: no snapshot in common"));
         }
+        // A target that crashed got this many of the layers before.
+        let layers = if target_up {
+            wanted.len() - k
+        } else {
+            self.rng.below((wanted.len() - k) as u64) as usize
+        };
         let t = &mut self.replicas[target];
         t.clean = false;
         t.note_change(0, SIZE);
         t.snapshots.truncate(k);
+        match k.checked_sub(1) {
+            Some(base) => t.data = wanted[base].1.clone(),
+            None => {
+                t.data.fill(0);
+                t.allocated.fill(false);
+            }
+        }
         let mut copied = crate::core::LayersCopied::default();
-        for (name, data) in &wanted[k..] {
+        for (name, data) in &wanted[k..k + layers] {
             t.data = data.clone();
             for b in 0..BLOCKS {
                 if t.data[b * BLOCK..(b + 1) * BLOCK].iter().any(|&x| x != 0) {
@@ -859,6 +883,12 @@ impl Sim {
             copied.bytes += SIZE;
         }
         self.stats.layers_copied += u64::from(copied.layers);
+        if !target_up {
+            return Err(crate::core::LayerSyncError {
+                why: "sim: the target crashed during the job".into(),
+                touched: true,
+            });
+        }
         Ok(copied)
     }
 
@@ -2033,7 +2063,8 @@ fn sim_many_seeds() {
                 && s.snapshots > 0
                 && s.snapshots_refused > 0
                 && s.reverts > 0
-                && s.deletes > 0),
+                && s.deletes > 0
+                && s.layers_copied > 0),
         "{cov:?}"
     );
 }

@@ -749,22 +749,23 @@ impl Conn {
         let max = max_extents(req_one);
         let base_by_channel = *base_allocation && volume.dev().extents_by_channel();
         let changed_by_channel = changed.is_some() && volume.dev().changed_by_channel();
+        // The base extents, when the device answers them inline.
+        let base = if *base_allocation && !base_by_channel {
+            match volume.dev().extents(req.offset, u64::from(req.length), max) {
+                Ok(extents) => Some(extents),
+                Err(e) => {
+                    tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
+                    let error = nbd::errno_to_nbd(e.errno());
+                    self.push_error(req.cookie, req.command, error, &e.to_string());
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         if base_by_channel || changed_by_channel {
             // Base first (by channel, or inline and kept for the reply),
             // then the changed part (`complete` moves on to it).
-            let base = if !base_by_channel && *base_allocation {
-                match volume.dev().extents(req.offset, u64::from(req.length), max) {
-                    Ok(extents) => Some(extents),
-                    Err(e) => {
-                        tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
-                        let error = nbd::errno_to_nbd(e.errno());
-                        self.push_error(req.cookie, req.command, error, &e.to_string());
-                        return;
-                    }
-                }
-            } else {
-                None
-            };
             let start_ns = self.clock_ns();
             let Some(slot) = self.slots.insert(InFlight {
                 cookie: req.cookie,
@@ -790,19 +791,6 @@ impl Conn {
             }
             return;
         }
-        let base = if *base_allocation {
-            match volume.dev().extents(req.offset, u64::from(req.length), max) {
-                Ok(extents) => Some(extents),
-                Err(e) => {
-                    tracing::warn!(peer = %self.wire.peer(), ?req, error = %e, "block status failed");
-                    let error = nbd::errno_to_nbd(e.errno());
-                    self.push_error(req.cookie, req.command, error, &e.to_string());
-                    return;
-                }
-            }
-        } else {
-            None
-        };
         self.push_block_status(
             req.cookie,
             req.offset,

@@ -12,15 +12,17 @@
 //!
 //! Snapshot operations are refused while a replica is not healthy, so the
 //! source's chain does not change under the job. A job that copied
-//! anything (or failed halfway) has changed the replica's live data, so
-//! its rebuild is a full one; a job that found nothing to copy leaves the
-//! replica as it was, and its rebuild may be a delta. A crash in the
+//! anything (or failed after it changed the replica) has changed the
+//! replica's live data, so its rebuild is a full one; a job that found
+//! nothing to copy, or failed before it changed anything (a connection
+//! refused, a list that did not come), leaves the replica as it was, and
+//! its rebuild may be a delta. A crash in the
 //! middle leaves snapshots that are each complete (taken only after their
 //! blocks were written) and a stale replica, which the next engine syncs
 //! again from where it stopped.
 
 use super::ids::ReplicaId;
-use super::types::{Action, Engine, LayersCopied, LogLevel, Lookup, RState};
+use super::types::{Action, Engine, LayerSyncError, LayersCopied, LogLevel, Lookup, RState};
 
 impl Engine {
     /// Replica `r` was probed stale while a healthy set exists: its layer
@@ -53,7 +55,7 @@ impl Engine {
         &mut self,
         r: ReplicaId,
         token: u64,
-        result: Result<LayersCopied, String>,
+        result: Result<LayersCopied, LayerSyncError>,
     ) {
         let Some(rep) = self.replicas.get(r) else {
             return;
@@ -74,14 +76,20 @@ impl Engine {
                 );
                 true
             }
-            Err(why) => {
+            Err(e) => {
+                let how = if e.touched {
+                    "it is rebuilt in full"
+                } else {
+                    "it is rebuilt without them"
+                };
                 self.log(
                     LogLevel::Warn,
                     format!(
-                        "replica {addr}: its snapshots were not brought up to date ({why}); it is rebuilt in full without them"
+                        "replica {addr}: its snapshots were not brought up to date ({}); {how}",
+                        e.why
                     ),
                 );
-                true
+                e.touched
             }
         };
         if self.healthy_set().is_empty() {

@@ -144,8 +144,8 @@ pub use replicas::{AUTH_RETRY_INTERVAL_MS_MAX, SNAPSHOT_EXTRA_TIMEOUT_NS};
 pub use snapshot::ReplicaSnapshots;
 pub use types::{
     Action, ClientReq, ControlOutcome, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions,
-    Event, LayersCopied, LogLevel, Milestone, NodeRebuildLimit, Payload, Received, ReplicaState,
-    ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    Event, LayerSyncError, LayersCopied, LogLevel, Milestone, NodeRebuildLimit, Payload, Received,
+    ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
 };
 
 impl Engine {

@@ -139,8 +139,17 @@ pub enum Event {
     LayersSynced {
         replica: ReplicaId,
         token: u64,
-        result: Result<LayersCopied, String>,
+        result: Result<LayersCopied, LayerSyncError>,
     },
+}
+
+/// Why a layer sync did not finish, and whether it changed the target
+/// before it stopped (its live data then is no longer what its change
+/// records describe).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerSyncError {
+    pub why: String,
+    pub touched: bool,
 }
 
 /// What a layer sync copied (`layers`).

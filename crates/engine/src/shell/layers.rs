@@ -35,7 +35,7 @@ use lull_proto::replica::{
 use super::run::{lock, Shell};
 use crate::client::Client;
 use crate::core::ids::ReplicaId;
-use crate::core::{Event, LayersCopied, ReplicaTarget, SNAPSHOT_EXTRA_TIMEOUT_NS};
+use crate::core::{Event, LayerSyncError, LayersCopied, ReplicaTarget, SNAPSHOT_EXTRA_TIMEOUT_NS};
 
 /// Bytes read from the source and written to the target per request.
 pub const LAYER_COPY_CHUNK_BYTES: u64 = 1 << 20;
@@ -84,7 +84,10 @@ impl Shell {
         let spawned = std::thread::Builder::new()
             .name("lull-layers".into())
             .spawn(move || {
-                let result = job.run();
+                let mut touched = false;
+                let result = job
+                    .run(&mut touched)
+                    .map_err(|why| LayerSyncError { why, touched });
                 let _ = me.send(move |t| {
                     let now = t.now_ns();
                     let event = Event::LayersSynced {
@@ -99,7 +102,10 @@ impl Shell {
             self.followups.push_back(Event::LayersSynced {
                 replica,
                 token,
-                result: Err(format!("cannot start the layer copy thread: {e}")),
+                result: Err(LayerSyncError {
+                    why: format!("cannot start the layer copy thread: {e}"),
+                    touched: false,
+                }),
             });
         }
     }
@@ -132,7 +138,8 @@ impl Job {
         .map_err(|e| format!("replica {target} ({name:?}): {e}"))
     }
 
-    fn run(&self) -> Result<LayersCopied, String> {
+    /// The job; `touched` is set once it has changed the target.
+    fn run(&self, touched: &mut bool) -> Result<LayersCopied, String> {
         let mut src = self.connect(&self.source, 0, self.source.hello_name())?;
         let mut dst = self.connect(&self.target, self.session, self.target.hello_name())?;
         let theirs = snapshot_list(&mut src)?;
@@ -157,12 +164,14 @@ impl Job {
         tracing::info!(volume = %self.volume, replica = %self.target, source = %self.source,
             missing = ?&wanted[k..], "copying the snapshots the replica lacks");
         if k > 0 {
+            *touched = true;
             snapshot(&mut dst, SnapshotOp::Revert, &wanted[k - 1])?;
         } else if !ours.is_empty() {
             return Err(format!(
                 "it holds snapshots its source does not ({ours:?}) and none in common with it: they are left, and the source's are not copied"
             ));
         } else {
+            *touched = true;
             self.trim_all(&mut dst)?;
         }
         let mut copied = LayersCopied::default();

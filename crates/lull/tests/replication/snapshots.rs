@@ -277,6 +277,17 @@ fn copy_out(server: &Server, scratch: &Scratch, export: &str) -> Vec<u8> {
     std::fs::read(&out).expect("read the copy")
 }
 
+/// Each export's `nbdcopy` equals its image; `when` says what the test
+/// did before, for the failure message.
+fn expect_copies(server: &Server, scratch: &Scratch, exports: &[(&str, &[u8])], when: &str) {
+    for (export, image) in exports {
+        assert!(
+            copy_out(server, scratch, export) == *image,
+            "{export} does not hold what it should ({when})"
+        );
+    }
+}
+
 /// A 64 MiB image with `fill` bytes written over `(offset, len)` ranges.
 fn image(fills: &[(u8, u64, u64)]) -> Vec<u8> {
     let mut img = vec![0u8; 64 << 20];
@@ -380,17 +391,11 @@ fn a_replicated_snapshot_is_served_read_only_over_nbd() {
     ]);
     let at_s2 = now.clone();
     now[48 << 20..49 << 20].fill(0xc1);
-    assert!(
-        copy_out(&server, &scratch, "v@s1") == at_s1,
-        "v@s1 holds what was written before s1"
-    );
-    assert!(
-        copy_out(&server, &scratch, "v") == now,
-        "v holds every write"
-    );
-    assert!(
-        copy_out(&server, &scratch, "v@s2") == at_s2,
-        "v@s2 holds what was written before s2"
+    expect_copies(
+        &server,
+        &scratch,
+        &[("v@s1", &at_s1), ("v", &now), ("v@s2", &at_s2)],
+        "writes after each snapshot",
     );
 
     // Its map is the snapshot's: 32M.. is a hole there, data live.
@@ -434,9 +439,11 @@ fn a_replicated_snapshot_is_served_read_only_over_nbd() {
     // The replica listed first (both healthy) is killed: the view reads
     // from the other.
     a.kill();
-    assert!(
-        copy_out(&server, &scratch, "v@s1") == at_s1,
-        "v@s1 read from the replica left"
+    expect_copies(
+        &server,
+        &scratch,
+        &[("v@s1", &at_s1)],
+        "the first replica killed",
     );
     a.restart();
     server.wait_replicas("v", HEAL_TIMEOUT, "both healthy again", all_healthy);
@@ -489,17 +496,11 @@ fn a_new_replica_gets_every_snapshot() {
     server.wait_replicas("v", HEAL_TIMEOUT, "a and b failed", |rs| {
         rs.iter().filter(|r| r.state == "failed").count() == 2
     });
-    assert!(
-        copy_out(&server, &scratch, "v@s1") == at_s1,
-        "v@s1 from the new replica"
-    );
-    assert!(
-        copy_out(&server, &scratch, "v@s2") == at_s2,
-        "v@s2 from the new replica"
-    );
-    assert!(
-        copy_out(&server, &scratch, "v") == now,
-        "v from the new replica"
+    expect_copies(
+        &server,
+        &scratch,
+        &[("v@s1", &at_s1), ("v@s2", &at_s2), ("v", &now)],
+        "read from the new replica alone",
     );
     a.restart();
     b.restart();
