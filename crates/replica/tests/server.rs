@@ -50,11 +50,16 @@ impl Drop for TempDir {
 }
 
 fn framework() -> Framework {
+    framework_in(Mode::Interrupt)
+}
+
+/// A framework of one unpinned core (the last allowed) in `mode`.
+fn framework_in(mode: Mode) -> Framework {
     let cpus = lull_reactor::sys::allowed_cpus().expect("affinity");
     let core = *cpus.last().expect("a cpu");
     Framework::start(FrameworkConfig {
         pin: false,
-        ..FrameworkConfig::new(vec![core], Mode::Interrupt)
+        ..FrameworkConfig::new(vec![core], mode)
     })
     .expect("framework")
 }
@@ -71,6 +76,57 @@ fn config(dir: &Path, size_bytes: u64) -> ReplicaConfig {
         link: lull_net::link::LinkAuth::Insecure,
         sendfile: true,
     }
+}
+
+/// A replica server of SIZE on `dir`.
+fn serve(fw: &Framework, dir: &Path) -> ReplicaServer {
+    ReplicaServer::start(fw.handle(), &config(dir, SIZE)).unwrap()
+}
+
+/// A test's directory `name`, a framework, and a replica server on it.
+fn replica(name: &str) -> (TempDir, Framework, ReplicaServer) {
+    let dir = TempDir::new(name);
+    let fw = framework();
+    let server = serve(&fw, &dir.0);
+    (dir, fw, server)
+}
+
+/// Drops `clients` (one, a tuple of them, or `()`), then shuts `server`
+/// down.
+fn shut_down<C>(clients: C, server: ReplicaServer) {
+    drop(clients);
+    server.shutdown(Duration::from_secs(10)).unwrap();
+}
+
+/// A test's end: `shut_down`, then the framework stops.
+fn finish<C>(clients: C, server: ReplicaServer, mut fw: Framework) {
+    shut_down(clients, server);
+    fw.stop();
+}
+
+/// A store on `dir` with new replicas `names` of SIZE.
+fn open_store(fw: &Framework, dir: &TempDir, names: &[&str]) -> Store {
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: dir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    for name in names {
+        store.create(name, SIZE).unwrap();
+    }
+    store
+}
+
+/// A store test's end: drops `clients`, shuts `store` down, drops it, and
+/// stops the framework.
+fn finish_store<C>(clients: C, store: Store, mut fw: Framework) {
+    drop(clients);
+    store.shutdown(Duration::from_secs(10)).unwrap();
+    drop(store);
+    fw.stop();
 }
 
 fn meta(dir: &Path) -> Meta {
@@ -175,6 +231,14 @@ impl Client {
         hello
     }
 
+    /// An engine's connection with `session` (0: a tool's), attached with
+    /// `generation`.
+    fn attached(addr: SocketAddr, session: u64, generation: u64) -> Client {
+        let mut c = Client::engine(addr, session);
+        c.attach(generation);
+        c
+    }
+
     fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
         self.call(Kind::Write, offset, data.len() as u32, data)
             .0
@@ -249,9 +313,7 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 
 #[test]
 fn io_round_trip_flush_trim_extents_ping() {
-    let dir = TempDir::new("io");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("io");
     let mut c = Client::connect(server.local_addr());
     let probe = c.probe();
     assert_eq!(
@@ -359,18 +421,13 @@ fn io_round_trip_flush_trim_extents_ping() {
     assert_eq!(c.status(Kind::Ping, 0, 0), 0);
     assert_eq!(c.read(MIB, 16), a[..16].to_vec());
 
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn pipelined_requests_complete_by_id() {
-    let dir = TempDir::new("pipeline");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::connect(server.local_addr());
-    c.attach(1);
+    let (_dir, fw, server) = replica("pipeline");
+    let mut c = Client::attached(server.local_addr(), 0, 1);
     const N: u64 = 300; // more than MAX_IN_FLIGHT: back-pressure must hold
     let chunk = 16 * 1024;
     for i in 0..N {
@@ -398,17 +455,12 @@ fn pipelined_requests_complete_by_id() {
         let i = h.id - 5000;
         assert_eq!(p, pattern(i as u8, chunk), "read {i}");
     }
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn generation_and_clean_flag_persist_across_restarts() {
-    let dir = TempDir::new("meta");
-    let mut fw = framework();
-
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("meta");
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (0, true));
     assert!(server.is_clean());
     let mut c = Client::engine(server.local_addr(), 1);
@@ -421,13 +473,12 @@ fn generation_and_clean_flag_persist_across_restarts() {
     // A second engine connection with a lower generation keeps the higher.
     let mut c2 = Client::engine(server.local_addr(), 1);
     assert_eq!(c2.attach(3).generation, 7);
-    drop((c, c2));
     // A replica stopped with an engine attached stays dirty: that engine
     // may have written to its other replicas what this one never got.
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down((c, c2), server);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, false));
 
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(!server.is_clean());
     assert_eq!(server.generation(), 7);
     let mut c = Client::engine(server.local_addr(), 2);
@@ -438,12 +489,11 @@ fn generation_and_clean_flag_persist_across_restarts() {
     assert_eq!(c.detach(), 0);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, true));
     assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (7, true));
 
     // Restart: clean is reported; a higher generation is taken.
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(server.is_clean());
     let mut c = Client::engine(server.local_addr(), 3);
     assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, HELLO_FLAG_CLEAN);
@@ -458,7 +508,7 @@ fn generation_and_clean_flag_persist_across_restarts() {
     // Let the old connection threads release the lock-holding server.
     std::thread::sleep(Duration::from_millis(200));
 
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(!server.is_clean());
     let mut c = Client::connect(server.local_addr());
     let (h, hello) = c.hello(SIZE, 0, 0);
@@ -466,16 +516,12 @@ fn generation_and_clean_flag_persist_across_restarts() {
         (h.status, hello.generation, hello.flags & HELLO_FLAG_CLEAN),
         (0, 9, 0)
     );
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn size_mismatch_is_refused() {
-    let dir = TempDir::new("size");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, mut fw, server) = replica("size");
     // A HELLO with another size: EINVAL with our size, then close.
     let mut c = Client::connect(server.local_addr());
     let (h, hello) = c.hello(SIZE * 2, 1, HELLO_FLAG_ATTACH);
@@ -502,20 +548,15 @@ fn size_mismatch_is_refused() {
 
 #[test]
 fn a_directory_serves_one_replica_at_a_time() {
-    let dir = TempDir::new("lock");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("lock");
     let err = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap_err();
     assert!(matches!(err, ReplicaError::Locked { .. }), "{err}");
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((), server, fw);
 }
 
 #[test]
 fn wrong_version_gets_eproto_then_close() {
-    let dir = TempDir::new("version");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("version");
     let mut c = Client::connect(server.local_addr());
     let mut raw = [0u8; HEADER_LEN];
     wire::encode_header(
@@ -541,17 +582,13 @@ fn wrong_version_gets_eproto_then_close() {
     assert_eq!(wire::decode_hello(&p).unwrap().volume_size, SIZE);
     c.expect_closed();
     assert!(meta(&dir.0).clean);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((), server, fw);
 }
 
 #[test]
 fn garbage_closes_only_its_connection() {
-    let dir = TempDir::new("garbage");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut good = Client::connect(server.local_addr());
-    good.attach(1);
+    let (_dir, fw, server) = replica("garbage");
+    let mut good = Client::attached(server.local_addr(), 0, 1);
     assert_eq!(good.write(0, b"still here"), 0);
 
     // Garbage before HELLO.
@@ -562,21 +599,18 @@ fn garbage_closes_only_its_connection() {
     bad.expect_closed();
 
     // Garbage after HELLO: bad magic, unknown kind, oversized write.
-    let mut bad = Client::connect(server.local_addr());
-    bad.attach(1);
+    let mut bad = Client::attached(server.local_addr(), 0, 1);
     bad.s.write_all(&[0xffu8; HEADER_LEN]).unwrap();
     bad.expect_closed();
 
-    let mut bad = Client::connect(server.local_addr());
-    bad.attach(1);
+    let mut bad = Client::attached(server.local_addr(), 0, 1);
     let mut raw = [0u8; HEADER_LEN];
     wire::encode_header(&Header::request(Kind::Ping, 1, 0, 0), &mut raw).unwrap();
     raw[6..8].copy_from_slice(&99u16.to_be_bytes());
     bad.s.write_all(&raw).unwrap();
     bad.expect_closed();
 
-    let mut bad = Client::connect(server.local_addr());
-    bad.attach(1);
+    let mut bad = Client::attached(server.local_addr(), 0, 1);
     wire::encode_header(&Header::request(Kind::Write, 1, 0, 0), &mut raw).unwrap();
     raw[24..28].copy_from_slice(&(wire::MAX_IO_BYTES + 1).to_be_bytes());
     bad.s.write_all(&raw).unwrap();
@@ -586,32 +620,25 @@ fn garbage_closes_only_its_connection() {
     let mut bad = Client::connect(server.local_addr());
     bad.send(&Header::request(Kind::Ping, 1, 0, 0), &[]);
     bad.expect_closed();
-    let mut bad = Client::connect(server.local_addr());
-    bad.attach(1);
+    let mut bad = Client::attached(server.local_addr(), 0, 1);
     let (h, _) = bad.hello(SIZE + 4096, 1, 0);
     assert_eq!(h.status as i32, libc::EINVAL);
     bad.expect_closed();
     // A reply frame sent to the replica.
-    let mut bad = Client::connect(server.local_addr());
-    bad.attach(1);
+    let mut bad = Client::attached(server.local_addr(), 0, 1);
     bad.send(&Header::request(Kind::Ping, 1, 0, 0).reply_with(0), &[]);
     bad.expect_closed();
 
     // The first connection is unaffected, and new ones work.
     assert_eq!(good.read(0, 10), b"still here");
-    let mut fresh = Client::connect(server.local_addr());
-    fresh.attach(1);
+    let mut fresh = Client::attached(server.local_addr(), 0, 1);
     assert_eq!(fresh.status(Kind::Ping, 0, 0), 0);
-    drop((good, fresh));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((good, fresh), server, fw);
 }
 
 #[test]
 fn probe_then_attach_and_writes_without_attach_dirty_first() {
-    let dir = TempDir::new("probe");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, mut fw, server) = replica("probe");
 
     // The engine's pattern: a plain HELLO probe, reads, then an attach on
     // the same connection.
@@ -628,15 +655,14 @@ fn probe_then_attach_and_writes_without_attach_dirty_first() {
     assert_eq!(c.attach(4).generation, 4);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
     assert_eq!(c.detach(), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert!(meta(&dir.0).clean);
 
     // A rebuild target is written without an attach: the record turns
     // dirty (durably) before the first write lands, and so do the other
     // modifying requests (here an INTENT_MARK, then after a detach a
     // CLEAR).
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     let mut c = Client::connect(server.local_addr());
     c.hello(SIZE, 0, 0);
     assert!(meta(&dir.0).clean);
@@ -651,21 +677,17 @@ fn probe_then_attach_and_writes_without_attach_dirty_first() {
     assert_eq!(c.detach(), 0);
     assert_eq!(c.status(Kind::IntentClear, 0, 1), 0);
     assert!(!meta(&dir.0).clean);
-    drop(c);
     // Written, not detached: a stop leaves it dirty.
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert_eq!((meta(&dir.0).generation, meta(&dir.0).clean), (4, false));
     fw.stop();
 }
 
 #[test]
 fn shutdown_finishes_connected_peers() {
-    let dir = TempDir::new("shutdown");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, mut fw, server) = replica("shutdown");
     let addr = server.local_addr();
-    let mut c = Client::connect(addr);
-    c.attach(2);
+    let mut c = Client::attached(addr, 0, 2);
     // Queue writes, then stop while they may still be in flight: each gets
     // its reply before the connection closes.
     for i in 0..32u64 {
@@ -695,11 +717,8 @@ fn shutdown_finishes_connected_peers() {
 
 #[test]
 fn extents_continue_past_one_reply() {
-    let dir = TempDir::new("many-extents");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::connect(server.local_addr());
-    c.attach(1);
+    let (_dir, fw, server) = replica("many-extents");
+    let mut c = Client::attached(server.local_addr(), 0, 1);
     let n = wire::MAX_EXTENTS_PER_REPLY as u64 + 44;
     let stride = 64 * 1024;
     for i in 0..n {
@@ -721,31 +740,20 @@ fn extents_continue_past_one_reply() {
         assert_eq!(off, i as u64 * stride);
         assert!(len >= 4096 && len < stride, "{off} {len}");
     }
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn serves_in_poll_mode() {
     let dir = TempDir::new("poll");
-    let cpus = lull_reactor::sys::allowed_cpus().expect("affinity");
-    let core = *cpus.last().expect("a cpu");
-    let mut fw = Framework::start(FrameworkConfig {
-        pin: false,
-        ..FrameworkConfig::new(vec![core], Mode::Poll)
-    })
-    .expect("framework");
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::connect(server.local_addr());
-    c.attach(1);
+    let fw = framework_in(Mode::Poll);
+    let server = serve(&fw, &dir.0);
+    let mut c = Client::attached(server.local_addr(), 0, 1);
     let data = pattern(9, 128 * 1024);
     assert_eq!(c.write(4 * MIB, &data), 0);
     assert_eq!(c.status(Kind::Flush, 0, 0), 0);
     assert_eq!(c.read(4 * MIB, data.len() as u32), data);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 /// Waits (bounded) until the server has closed all but `n` connections.
@@ -764,11 +772,8 @@ fn wait_connections(server: &ReplicaServer, n: usize) {
 
 #[test]
 fn intent_marks_are_durable_before_the_reply_and_clears_persist() {
-    let dir = TempDir::new("intent");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x10);
-    c.attach(1);
+    let (dir, fw, server) = replica("intent");
+    let mut c = Client::attached(server.local_addr(), 0x10, 1);
     assert_eq!(c.intent(), (0, vec![]), "a new replica's record is empty");
     assert_eq!(c.status(Kind::IntentMark, 0, 2), 0);
     // On disk by the time the reply arrives, not only in memory.
@@ -800,7 +805,7 @@ fn intent_marks_are_durable_before_the_reply_and_clears_persist() {
     drop(server);
     std::thread::sleep(Duration::from_millis(200));
 
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     let mut tool = Client::connect(server.local_addr());
     let hello = tool.probe();
     assert_eq!(hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST), 0);
@@ -811,35 +816,27 @@ fn intent_marks_are_durable_before_the_reply_and_clears_persist() {
         "marks lost in a crash: {bits:?}"
     );
     // Clears are lazy, but a stop persists them.
-    let mut c = Client::engine(server.local_addr(), 0x11);
-    c.attach(2);
+    let mut c = Client::attached(server.local_addr(), 0x11, 2);
     assert_eq!(c.status(Kind::IntentClear, 0, 16), 0);
     assert_eq!(c.status(Kind::IntentMark, 1, 1), 0);
     assert_eq!(c.intent(), (0, vec![1]));
-    drop((c, tool));
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down((c, tool), server);
     assert_eq!(intent_on_disk(&dir.0), vec![1]);
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     let mut tool = Client::connect(server.local_addr());
     tool.probe();
     assert_eq!(tool.intent(), (0, vec![1]));
-    drop(tool);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(tool, server, fw);
 }
 
 #[test]
 fn a_corrupt_intent_record_is_lost_and_one_bad_slot_is_survived() {
-    let dir = TempDir::new("intent-lost");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x20);
-    c.attach(1);
+    let (dir, fw, server) = replica("intent-lost");
+    let mut c = Client::attached(server.local_addr(), 0x20, 1);
     // Separate stores (each mark is answered before the next is sent).
     assert_eq!(c.status(Kind::IntentMark, 3, 1), 0);
     assert_eq!(c.status(Kind::IntentMark, 5, 1), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert!(!meta(&dir.0).clean);
     let path = dir.0.join(INTENT_FILE);
 
@@ -850,21 +847,20 @@ fn a_corrupt_intent_record_is_lost_and_one_bad_slot_is_survived() {
     assert_eq!(seqs[newest], seqs[older] + 1);
     let saved = std::fs::read(&path).unwrap();
     flip_byte(&path, (newest * INTENT_SLOT_BYTES + 32) as u64);
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(!server.intent_lost());
     let mut tool = Client::connect(server.local_addr());
     let hello = tool.probe();
     assert_eq!(hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST), 0);
     assert_eq!(tool.intent(), (0, vec![3]));
-    drop(tool);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(tool, server);
 
     // Both slots corrupt while the replica is dirty: lost. Every region
     // is reported, and the replica is not clean.
     std::fs::write(&path, &saved).unwrap();
     flip_byte(&path, 0);
     flip_byte(&path, (INTENT_SLOT_BYTES + 28) as u64);
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(server.intent_lost() && !server.is_clean());
     let mut c = Client::engine(server.local_addr(), 0x21);
     let hello = c.probe();
@@ -883,19 +879,16 @@ fn a_corrupt_intent_record_is_lost_and_one_bad_slot_is_survived() {
         hello.flags & (HELLO_FLAG_CLEAN | HELLO_FLAG_INTENT_LOST),
         HELLO_FLAG_CLEAN
     );
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert_eq!(intent_on_disk(&dir.0), Vec::<u32>::new());
 
     // No record at all on a dirty replica (one an engine left dirty before
     // records existed): lost too.
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x22);
-    c.attach(3);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    let server = serve(&fw, &dir.0);
+    let c = Client::attached(server.local_addr(), 0x22, 3);
+    shut_down(c, server);
     std::fs::remove_file(&path).unwrap();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(server.intent_lost());
     let mut tool = Client::connect(server.local_addr());
     assert_eq!(
@@ -903,18 +896,13 @@ fn a_corrupt_intent_record_is_lost_and_one_bad_slot_is_survived() {
         HELLO_FLAG_INTENT_LOST
     );
     assert_eq!(tool.intent().0, INTENT_FLAG_LOST);
-    drop(tool);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(tool, server, fw);
 }
 
 #[test]
 fn detach_makes_the_replica_clean_and_only_the_owner_may() {
-    let dir = TempDir::new("detach");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x30);
-    c.attach(1);
+    let (dir, mut fw, server) = replica("detach");
+    let mut c = Client::attached(server.local_addr(), 0x30, 1);
     assert_eq!(c.status(Kind::IntentMark, 0, 1), 0);
     assert_eq!(c.write(0, b"detached"), 0);
     assert_eq!(c.status(Kind::Flush, 0, 0), 0);
@@ -927,10 +915,9 @@ fn detach_makes_the_replica_clean_and_only_the_owner_may() {
     assert!(meta(&dir.0).clean);
     assert_eq!(c.intent(), (0, vec![]));
     assert_eq!(intent_on_disk(&dir.0), Vec::<u32>::new());
-    drop((c, tool));
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down((c, tool), server);
 
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let server = serve(&fw, &dir.0);
     assert!(server.is_clean());
     let mut c = Client::engine(server.local_addr(), 0x31);
     let hello = c.probe();
@@ -942,19 +929,15 @@ fn detach_makes_the_replica_clean_and_only_the_owner_may() {
     assert_eq!(c.write(4096, b"x"), 0);
     assert!(!meta(&dir.0).clean);
     assert_eq!(c.probe().flags & HELLO_FLAG_CLEAN, 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert!(!meta(&dir.0).clean);
     fw.stop();
 }
 
 #[test]
 fn a_new_engine_session_fences_the_old_one() {
-    let dir = TempDir::new("fence");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut a = Client::engine(server.local_addr(), 100);
-    a.attach(1);
+    let (_dir, fw, server) = replica("fence");
+    let mut a = Client::attached(server.local_addr(), 100, 1);
     assert_eq!(a.write(0, b"from A"), 0);
     let mut tool = Client::connect(server.local_addr());
     assert_eq!(tool.probe().session, 100);
@@ -1021,19 +1004,14 @@ fn a_new_engine_session_fences_the_old_one() {
     assert_eq!(b.write(4096, b"from B"), 0);
     assert_eq!(b.read(4096, 6), b"from B");
     assert_eq!(tool.read(4096, 6), b"from B");
-    drop((b, tool));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((b, tool), server, fw);
 }
 
 #[test]
 fn a_takeover_answers_after_the_old_writes_and_takes_no_later_one() {
-    let dir = TempDir::new("takeover");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (_dir, fw, server) = replica("takeover");
     let addr = server.local_addr();
-    let mut a = Client::engine(addr, 1000);
-    a.attach(1);
+    let mut a = Client::attached(addr, 1000, 1);
     const CHUNK: usize = MIB as usize;
     const CHUNKS: u64 = 48;
     let (sent_tx, sent_rx) = std::sync::mpsc::channel();
@@ -1084,18 +1062,13 @@ fn a_takeover_answers_after_the_old_writes_and_takes_no_later_one() {
         seen,
         "a write of A landed after B's HELLO reply"
     );
-    drop((a, b));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((a, b), server, fw);
 }
 
 #[test]
 fn intent_ranges_past_the_regions_are_refused() {
-    let dir = TempDir::new("intent-range");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 7);
-    c.attach(1);
+    let (_dir, fw, server) = replica("intent-range");
+    let mut c = Client::attached(server.local_addr(), 7, 1);
     assert_eq!(
         c.status(Kind::IntentMark, u64::from(REGIONS), 1) as i32,
         libc::EINVAL
@@ -1114,9 +1087,7 @@ fn intent_ranges_past_the_regions_are_refused() {
     assert_eq!(c.status(Kind::Ping, 0, 0), 0);
     assert_eq!(c.intent(), (0, vec![REGIONS - 1]));
     assert_eq!(c.write(0, b"ok"), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 /// A replica that requires a PSK: a plaintext engine gets an EACCES HELLO
@@ -1133,7 +1104,7 @@ fn a_psk_replica_refuses_plaintext_and_wrong_keys() {
     let wrong = dir.0.join("wrong.psk");
     std::fs::write(&key, "lull:00112233445566778899aabbccddeeff\n").unwrap();
     std::fs::write(&wrong, "lull:ffeeddccbbaa99887766554433221100\n").unwrap();
-    let mut fw = framework();
+    let fw = framework();
     let psk = |path: &Path| LinkAuth::Tls(Creds::Psk(path.to_path_buf()));
     let cfg = ReplicaConfig {
         link: psk(&key),
@@ -1194,9 +1165,7 @@ fn a_psk_replica_refuses_plaintext_and_wrong_keys() {
     let mut p = vec![0u8; wire::payload_len(&h)];
     tls.read_exact(&mut p).unwrap();
     assert_eq!(wire::decode_hello(&p).unwrap().volume_size, SIZE);
-    drop(tls);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(tls, server, fw);
 }
 
 // Snapshots (protocol version 5): SNAPSHOT and SNAPSHOT_LIST over the
@@ -1266,11 +1235,8 @@ fn layers_dir(dir: &Path) -> PathBuf {
 
 #[test]
 fn snapshot_create_list_write_revert_and_delete() {
-    let dir = TempDir::new("snap");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x50);
-    c.attach(1);
+    let (dir, fw, server) = replica("snap");
+    let mut c = Client::attached(server.local_addr(), 0x50, 1);
     assert_eq!(c.snapshots(), vec![], "a new replica has no snapshot");
     // A change record for a replica away: a revert must note every region.
     let key = wire::encode_change_key(&wire::ChangeKey {
@@ -1381,18 +1347,13 @@ fn snapshot_create_list_write_revert_and_delete() {
     assert_eq!(c.read(2 * MIB, cc.len() as u32), cc);
     assert_eq!(c.write(MIB, &b), 0);
     assert_eq!(c.read(MIB, b.len() as u32), b);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn bad_snapshot_requests_are_refused_with_their_errno() {
-    let dir = TempDir::new("snap-bad");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x60);
-    c.attach(1);
+    let (_dir, fw, server) = replica("snap-bad");
+    let mut c = Client::attached(server.local_addr(), 0x60, 1);
     assert_eq!(c.write(0, b"data"), 0);
     for name in ["a@b", "a/b", ".hidden", "with space", "é"] {
         assert_eq!(
@@ -1434,16 +1395,12 @@ fn bad_snapshot_requests_are_refused_with_their_errno() {
     c.s.write_all(&vec![b'x'; wire::MAX_SNAPSHOT_REQUEST_LEN + 1])
         .unwrap();
     c.expect_closed();
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn snapshots_are_for_the_owner_only() {
-    let dir = TempDir::new("snap-fence");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("snap-fence");
     let mut tool = Client::connect(server.local_addr());
     tool.probe();
     // With no engine owning it, a tool may take one (and a clean replica
@@ -1451,8 +1408,7 @@ fn snapshots_are_for_the_owner_only() {
     assert!(server.is_clean());
     assert_eq!(tool.snapshot(SnapshotOp::Create, "by-tool"), 0);
     assert!(!meta(&dir.0).clean);
-    let mut e = Client::engine(server.local_addr(), 0x70);
-    e.attach(1);
+    let mut e = Client::attached(server.local_addr(), 0x70, 1);
     // Once an engine owns it: a tool gets ESTALE, and may still list.
     assert_eq!(tool.snapshot(SnapshotOp::Create, "t2") as i32, libc::ESTALE);
     assert_eq!(
@@ -1477,41 +1433,34 @@ fn snapshots_are_for_the_owner_only() {
     assert_eq!(newer.snapshot_names(), ["by-tool"]);
     assert_eq!(newer.snapshot(SnapshotOp::Create, "s2"), 0);
     assert_eq!(newer.snapshot_names(), ["by-tool", "s2"]);
-    drop((tool, newer));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((tool, newer), server, fw);
 }
 
 #[test]
 fn snapshots_survive_a_restart_and_old_directories_open_unchanged() {
     let dir = TempDir::new("snap-restart");
-    let mut fw = framework();
+    let fw = framework();
     let a = pattern(4, 96 * 1024);
     let b = pattern(5, 96 * 1024);
 
     // A replica from before snapshots: data.img alone, and it stays so.
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x80);
-    c.attach(1);
+    let server = serve(&fw, &dir.0);
+    let mut c = Client::attached(server.local_addr(), 0x80, 1);
     assert_eq!(c.write(0, &a), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert!(!layers_dir(&dir.0).exists());
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x81);
-    c.attach(2);
+    let server = serve(&fw, &dir.0);
+    let mut c = Client::attached(server.local_addr(), 0x81, 2);
     assert_eq!(c.read(0, a.len() as u32), a);
     assert!(!layers_dir(&dir.0).exists(), "opened without migration");
 
     assert_eq!(c.snapshot(SnapshotOp::Create, "before-b"), 0);
     assert_eq!(c.write(0, &b), 0);
     assert_eq!(c.status(Kind::Flush, 0, 0), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
 
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x82);
-    c.attach(3);
+    let server = serve(&fw, &dir.0);
+    let mut c = Client::attached(server.local_addr(), 0x82, 3);
     assert_eq!(c.snapshot_names(), ["before-b"]);
     assert_eq!(c.read(0, b.len() as u32), b);
     assert_eq!(c.snapshot(SnapshotOp::Revert, "before-b"), 0);
@@ -1519,45 +1468,24 @@ fn snapshots_survive_a_restart_and_old_directories_open_unchanged() {
     // A merge stopped by a shutdown leaves the snapshot in place.
     assert_eq!(c.write(8 * MIB, &b), 0);
     assert_eq!(c.snapshot(SnapshotOp::Delete, "before-b"), 0);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x83);
-    c.attach(4);
+    shut_down(c, server);
+    let server = serve(&fw, &dir.0);
+    let mut c = Client::attached(server.local_addr(), 0x83, 4);
     let left = c.snapshot_names();
     assert!(left.is_empty() || left == ["before-b"], "{left:?}");
     assert_eq!(c.read(0, a.len() as u32), a);
     assert_eq!(c.read(8 * MIB, b.len() as u32), b);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn a_store_replica_deleted_takes_its_layers_along() {
     let dir = TempDir::new("snap-store");
-    let mut fw = framework();
-    let store = Store::open(
-        fw.handle(),
-        &StoreConfig {
-            dir: dir.0.clone(),
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
-    store.create("r1", SIZE).unwrap();
+    let fw = framework();
+    let store = open_store(&fw, &dir, &["r1"]);
     let rdir = dir.0.join("replicas").join("r1");
     let mut c = Client::connect(store.local_addr());
-    let body = wire::encode_hello_request(
-        &Hello {
-            volume_size: SIZE,
-            generation: 0,
-            flags: 0,
-            session: 0,
-        },
-        "r1",
-    );
-    let (h, _) = c.call(Kind::Hello, 0, body.len() as u32, &body);
+    let (h, _) = c.hello_named("r1", 0);
     assert_eq!(h.status, 0);
     // Enough data that the merge below runs for a while.
     let chunk = pattern(6, 1 << 20);
@@ -1590,7 +1518,7 @@ fn a_store_replica_deleted_takes_its_layers_along() {
     // A `lull replica` directory whose first layer was merged away (no
     // data.img, its chain in data.img.lull/) is adopted with its layers.
     let outside = TempDir::new("snap-store-import");
-    let server = ReplicaServer::start(fw.handle(), &config(&outside.0, SIZE)).unwrap();
+    let server = serve(&fw, &outside.0);
     let mut c = Client::connect(server.local_addr());
     c.probe();
     assert_eq!(c.write(0, &chunk), 0);
@@ -1598,36 +1526,20 @@ fn a_store_replica_deleted_takes_its_layers_along() {
     assert_eq!(c.snapshot(SnapshotOp::Create, "b"), 0);
     assert_eq!(c.snapshot(SnapshotOp::Delete, "a"), 0);
     c.wait_snapshot_gone("a");
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
+    shut_down(c, server);
     assert!(!outside.0.join("data.img").exists());
     store.import("r2", &outside.0).unwrap();
     let mut c = Client::connect(store.local_addr());
-    let body = wire::encode_hello_request(
-        &Hello {
-            volume_size: SIZE,
-            generation: 0,
-            flags: 0,
-            session: 0,
-        },
-        "r2",
-    );
-    assert_eq!(c.call(Kind::Hello, 0, body.len() as u32, &body).0.status, 0);
+    assert_eq!(c.hello_named("r2", 0).0.status, 0);
     assert_eq!(c.snapshot_names(), ["b"]);
     assert_eq!(c.read(0, chunk.len() as u32), chunk);
-    drop(c);
-    store.shutdown(Duration::from_secs(10)).unwrap();
-    drop(store);
-    fw.stop();
+    finish_store(c, store, fw);
 }
 
 #[test]
 fn writes_and_reads_go_on_while_snapshots_are_taken() {
-    let dir = TempDir::new("snap-load");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
-    let mut c = Client::engine(server.local_addr(), 0x90);
-    c.attach(1);
+    let (_dir, fw, server) = replica("snap-load");
+    let mut c = Client::attached(server.local_addr(), 0x90, 1);
     let addr = server.local_addr();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // One request at a time: a request the chain holds during a
@@ -1660,9 +1572,7 @@ fn writes_and_reads_go_on_while_snapshots_are_taken() {
     let n = writer.join().expect("the writer saw its data");
     assert!(n > 20, "{n} writes");
     assert_eq!(c.snapshot_names(), ["s19"]);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 // Snapshot views and CHANGED (protocol version 6): a HELLO naming
@@ -1756,12 +1666,9 @@ fn status_extent(length: u64, flags: u32) -> StatusExtent {
 
 #[test]
 fn a_view_reads_its_snapshot_not_the_live_data() {
-    let dir = TempDir::new("view");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (_dir, fw, server) = replica("view");
     let addr = server.local_addr();
-    let mut c = Client::engine(addr, 0x80);
-    c.attach(1);
+    let mut c = Client::attached(addr, 0x80, 1);
     let a = pattern(1, 256 * 1024);
     let small = pattern(2, 8192);
     assert_eq!(c.write(MIB, &a), 0);
@@ -1823,19 +1730,14 @@ fn a_view_reads_its_snapshot_not_the_live_data() {
     assert_eq!(v.read(MIB, 4096), a[..4096].to_vec());
     // The live data did not change under the view.
     assert_eq!(c.read(MIB, a.len() as u32), ab);
-    drop((c, v));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((c, v), server, fw);
 }
 
 #[test]
 fn a_view_refuses_what_modifies_and_changes_no_record() {
-    let dir = TempDir::new("view-rofs");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (dir, fw, server) = replica("view-rofs");
     let addr = server.local_addr();
-    let mut c = Client::engine(addr, 0x81);
-    c.attach(1);
+    let mut c = Client::attached(addr, 0x81, 1);
     let a = pattern(4, 64 * 1024);
     assert_eq!(c.write(MIB, &a), 0);
     assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
@@ -1915,16 +1817,12 @@ fn a_view_refuses_what_modifies_and_changes_no_record() {
     // The view counts in no fence: the engine's session still owns the
     // replica, and takes it again at once.
     assert_eq!(c.attach(2).generation, 2);
-    drop((c, v, t));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((c, v, t), server, fw);
 }
 
 #[test]
 fn bad_view_hellos_are_refused_and_close() {
-    let dir = TempDir::new("view-bad");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (_dir, fw, server) = replica("view-bad");
     let addr = server.local_addr();
     let mut c = Client::connect(addr);
     c.probe();
@@ -1981,19 +1879,14 @@ fn bad_view_hellos_are_refused_and_close() {
     let mut c = Client::connect(addr);
     c.probe();
     assert_eq!(c.snapshot_names(), ["s1", "s2"]);
-    drop(c);
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish(c, server, fw);
 }
 
 #[test]
 fn changed_lists_the_blocks_written_since_a_snapshot() {
-    let dir = TempDir::new("changed");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (_dir, fw, server) = replica("changed");
     let addr = server.local_addr();
-    let mut c = Client::engine(addr, 0x82);
-    c.attach(1);
+    let mut c = Client::attached(addr, 0x82, 1);
     // Before s1 (and a snapshot-free replica has nothing to compare to).
     assert_eq!(c.write(0, &pattern(1, 8192)), 0);
     assert_eq!(c.changed(0, 4096, "s1").0 as i32, libc::ENOENT);
@@ -2056,19 +1949,14 @@ fn changed_lists_the_blocks_written_since_a_snapshot() {
     assert_eq!(c.detach(), 0);
     assert_eq!(c.changed_ranges("s2"), vec![(9 * MIB, 4096)]);
     assert!(server.is_clean());
-    drop((c, v, v1));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((c, v, v1), server, fw);
 }
 
 #[test]
 fn a_view_reads_its_snapshot_while_it_is_deleted() {
-    let dir = TempDir::new("view-delete");
-    let mut fw = framework();
-    let server = ReplicaServer::start(fw.handle(), &config(&dir.0, SIZE)).unwrap();
+    let (_dir, fw, server) = replica("view-delete");
     let addr = server.local_addr();
-    let mut c = Client::engine(addr, 0x83);
-    c.attach(1);
+    let mut c = Client::attached(addr, 0x83, 1);
     // Enough data that the merge runs for a while.
     let a = pattern(1, 1 << 20);
     for i in 0..16 {
@@ -2112,25 +2000,14 @@ fn a_view_reads_its_snapshot_while_it_is_deleted() {
     assert_eq!(c.read(MIB, b.len() as u32), b);
     assert_eq!(c.read(2 * MIB, a.len() as u32), a);
     assert_eq!(c.read(40 * MIB, b.len() as u32), b);
-    drop((c, late));
-    server.shutdown(Duration::from_secs(10)).unwrap();
-    fw.stop();
+    finish((c, late), server, fw);
 }
 
 #[test]
 fn a_store_serves_views_by_replica_and_snapshot() {
     let dir = TempDir::new("view-store");
-    let mut fw = framework();
-    let store = Store::open(
-        fw.handle(),
-        &StoreConfig {
-            dir: dir.0.clone(),
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
-    store.create("r1", SIZE).unwrap();
-    store.create("r2", SIZE).unwrap();
+    let fw = framework();
+    let store = open_store(&fw, &dir, &["r1", "r2"]);
     let addr = store.local_addr();
     let mut c = Client::connect(addr);
     assert_eq!(c.hello_named("r1", 0).0.status, 0);
@@ -2163,8 +2040,5 @@ fn a_store_serves_views_by_replica_and_snapshot() {
     assert_eq!(h.status as i32, libc::ENOENT);
     v4.expect_closed();
     assert_eq!(c.changed_ranges("s1"), vec![(0, 8192)]);
-    drop((c, v));
-    store.shutdown(Duration::from_secs(10)).unwrap();
-    drop(store);
-    fw.stop();
+    finish_store((c, v), store, fw);
 }
