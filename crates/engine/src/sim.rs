@@ -145,6 +145,10 @@ struct SimReplica {
 /// so that reconciling some regions and not others is exercised.
 const SIM_REGION_BYTES: u64 = 256 << 10;
 
+/// Tokens of the reconciles the sim asks for (`Sim::reconcile_snapshots`),
+/// apart from its snapshot operations'.
+const RECONCILE_TOKEN_BIT: u64 = 1 << 63;
+
 /// Data segment of a simulated copy: 64 per volume, so that the copy
 /// window fills and segments finish out of order.
 const SIM_CHUNK_BYTES: u64 = 64 << 10;
@@ -589,6 +593,14 @@ pub(crate) struct Sim {
     revert_racers: HashMap<u64, std::sync::Arc<Vec<u64>>>,
     /// The client also asks for snapshot operations now and then.
     random_snapshots: bool,
+    /// A revert was asked for and may still land on some replica (until
+    /// it answers, or its engine is gone): reads are not held to be
+    /// stable meanwhile.
+    revert_window: bool,
+    /// Every replica was healthy at the last tick (`reconcile_snapshots`).
+    all_healthy: bool,
+    /// Reconciles asked for: their tokens (with `RECONCILE_TOKEN_BIT`).
+    reconciles_asked: u64,
     snap_next: u64,
 }
 
@@ -626,6 +638,8 @@ pub(crate) struct SimStats {
     pub deletes: u64,
     /// Snapshots a layer sync copied to a replica that lacked them.
     pub layers_copied: u64,
+    /// Snapshots on some replicas only, deleted by a reconcile.
+    pub partial_deleted: u64,
 }
 
 impl Sim {
@@ -691,6 +705,9 @@ impl Sim {
             snap_pending: None,
             revert_racers: HashMap::new(),
             random_snapshots: true,
+            revert_window: false,
+            all_healthy: false,
+            reconciles_asked: 0,
             snap_next: 1,
         };
         sim.engine.set_region_bytes(SIM_REGION_BYTES);
@@ -780,6 +797,9 @@ impl Sim {
                 Action::Log { msg, .. } => self.log.push(format!("{:>8} ms {msg}", self.now / MS)),
                 Action::Milestone(m) => self.on_milestone(m),
                 Action::ControlDone { token, outcome } => self.on_control_done(token, outcome),
+                // The sim's job is one step, at its delivery (`sync_layers`);
+                // the engine does not connect the replica before its answer.
+                Action::StopLayerSync { .. } => {}
                 Action::SyncLayers {
                     replica,
                     token,
@@ -1273,15 +1293,22 @@ impl Sim {
                         c.allowed[i]
                     );
                     // No write over the block since the read was issued,
-                    // nor since the last such read: the same data.
-                    if c.epochs[i] == self.epoch[b] {
+                    // nor since the last such read: the same data. (Not
+                    // while a revert may be landing: it changes data
+                    // without a write, on each replica in its own time.)
+                    if c.epochs[i] == self.epoch[b] && !self.revert_window {
                         match self.stable[b] {
                             Some((e, seen)) if e == self.epoch[b] => {
                                 assert_eq!(
                                     stamp,
                                     seen,
-                                    "t={} ms: block {b} read {stamp} after a read of {seen} with no write in between (reads alternate)",
-                                    self.now / MS
+                                    "t={} ms: block {b} read {stamp} after a read of {seen} with no write in between (reads alternate); the replicas hold {:?}\n{}",
+                                    self.now / MS,
+                                    self.replicas
+                                        .iter()
+                                        .map(|r| (block_stamp(&r.data[b * BLOCK..(b + 1) * BLOCK], b), r.allocated[b]))
+                                        .collect::<Vec<_>>(),
+                                    self.log.join("\n")
                                 );
                                 self.stats.stable_reads += 1;
                             }
@@ -1352,6 +1379,13 @@ impl Sim {
             if self.now >= self.next_tick {
                 self.next_tick = self.now + TICK_NS;
                 self.apply(Event::Tick);
+                // As the shell does: when every replica becomes healthy,
+                // reconcile their snapshot lists.
+                let whole = self.engine.all_healthy();
+                if whole && !self.all_healthy {
+                    self.reconcile_snapshots();
+                }
+                self.all_healthy = whole;
                 for r in 0..self.replicas.len() {
                     if !self.replicas[r].up && self.now >= self.replicas[r].up_at {
                         self.replicas[r].up = true;
@@ -1429,6 +1463,14 @@ impl Sim {
         self.apply(Event::Snapshot { token, op, name });
     }
 
+    /// Asks the engine to reconcile the replicas' snapshot lists (the
+    /// shell does when the volume becomes whole).
+    fn reconcile_snapshots(&mut self) {
+        self.reconciles_asked += 1;
+        let token = RECONCILE_TOKEN_BIT | self.reconciles_asked;
+        self.apply(Event::ReconcileSnapshots { token });
+    }
+
     /// Runs snapshot operation `op` on `name` while the client goes on,
     /// until its outcome is in.
     fn snapshot_op(&mut self, op: proto::SnapshotOp, name: &str) {
@@ -1478,6 +1520,7 @@ impl Sim {
             self.oracle.maybe[b].push(stamp);
             self.epoch[b] += 1;
         }
+        self.revert_window = true;
         let stamps = std::sync::Arc::new(stamps);
         for (&tag, c) in &self.inflight {
             if !matches!(c.op, IoOp::Read | IoOp::Flush | IoOp::BlockStatus) {
@@ -1490,6 +1533,15 @@ impl Sim {
                 for (i, allowed) in c.allowed.iter_mut().enumerate() {
                     allowed.push(stamps[first + i]);
                 }
+            }
+        }
+    }
+
+    /// A revert no longer lands anywhere: reads are stable again from here.
+    fn close_revert_window(&mut self) {
+        if std::mem::take(&mut self.revert_window) {
+            for e in &mut self.epoch {
+                *e += 1;
             }
         }
     }
@@ -1522,9 +1574,20 @@ impl Sim {
     /// writes and drained those in flight, so nothing was written since
     /// the replicas took it).
     fn on_control_done(&mut self, token: u64, outcome: crate::core::ControlOutcome) {
+        if token & RECONCILE_TOKEN_BIT != 0 {
+            // A reconcile deleted a partial snapshot: look again.
+            if let crate::core::ControlOutcome::Snapshot(Ok(())) = outcome {
+                self.stats.partial_deleted += 1;
+                self.reconcile_snapshots();
+            }
+            return;
+        }
         let Some((pending, op, name)) = self.snap_pending.take() else {
             return;
         };
+        if op == proto::SnapshotOp::Revert {
+            self.close_revert_window();
+        }
         assert_eq!(token, pending, "an answer for another request");
         match outcome {
             crate::core::ControlOutcome::Snapshot(Ok(())) if op == proto::SnapshotOp::Delete => {
@@ -1676,8 +1739,24 @@ impl Sim {
                 self.log.join("\n")
             );
         }
-        // A snapshot is the same wherever it is, whether taken there or
-        // copied there by a layer sync.
+        // Every replica holds the same snapshots (a reconcile deleted those
+        // a crash left on some only, a layer sync copied the rest) ...
+        let names = |r: &SimReplica| {
+            r.snapshots
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect::<Vec<_>>()
+        };
+        for r in 1..self.replicas.len() {
+            assert_eq!(
+                names(&self.replicas[r]),
+                names(&self.replicas[0]),
+                "replicas {r} and 0 hold other snapshots\n{}",
+                self.log.join("\n")
+            );
+        }
+        // ... and a snapshot is the same wherever it is, whether taken
+        // there or copied there by a layer sync.
         for r in 1..self.replicas.len() {
             for (name, data) in &self.replicas[r].snapshots {
                 for other in &self.replicas[..r] {
@@ -1746,6 +1825,8 @@ impl Sim {
         self.snap_pending = None;
         self.session += 1;
         self.engine = Engine::new("sim", SIZE, self.addrs.clone(), opts, self.session);
+        self.all_healthy = false;
+        self.close_revert_window();
         self.engine.set_region_bytes(SIM_REGION_BYTES);
         self.engine.set_rebuild_chunk_bytes(SIM_CHUNK_BYTES);
         let mut out = Vec::new();
@@ -1895,6 +1976,7 @@ impl Coverage {
         t.reverts_partial += s.reverts_partial;
         t.deletes += s.deletes;
         t.layers_copied += s.layers_copied;
+        t.partial_deleted += s.partial_deleted;
     }
 }
 

@@ -57,11 +57,15 @@ impl Engine {
         token: u64,
         result: Result<LayersCopied, LayerSyncError>,
     ) {
-        let Some(rep) = self.replicas.get(r) else {
+        let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
-        if rep.state != RState::Syncing || rep.sync_token != token {
-            return; // it failed meanwhile, or an older job answered late
+        if rep.sync_token != token {
+            return; // not this replica's job (never: one runs at a time)
+        }
+        rep.sync_token = 0;
+        if rep.state != RState::Syncing {
+            return; // it failed meanwhile: it may be connected again now
         }
         let addr = rep.addr.clone();
         let full = match result {

@@ -194,6 +194,7 @@ impl Engine {
             detach: None,
             snapshot: None,
             snapshot_lists: Vec::new(),
+            snapshot_ops: 0,
             shares: SharedBufs::new(MAX_CLIENT_IOS),
             now: 0,
             out: Vec::new(),
@@ -289,7 +290,11 @@ impl Engine {
             Event::SetNodeRebuildLimit(node) => self.rebuild_limit.set_node(node),
             Event::Detach => self.start_detach(),
             Event::Snapshot { token, op, name } => self.start_snapshot(token, op, name),
-            Event::SnapshotList { token } => self.start_snapshot_list(token),
+            Event::SnapshotList { token } => self.start_snapshot_list(token, None),
+            Event::ReconcileSnapshots { token } => {
+                let ops = self.snapshot_ops;
+                self.start_snapshot_list(token, Some(ops));
+            }
             Event::LayersSynced {
                 replica,
                 token,

@@ -316,6 +316,10 @@ impl Engine {
         }
         let addr = self.replicas[r].addr.clone();
         let now = self.now;
+        if was == RState::Syncing {
+            let token = self.replicas[r].sync_token;
+            self.out.push(Action::StopLayerSync { token });
+        }
         {
             let rep = &mut self.replicas[r];
             rep.state = if remove {
@@ -678,7 +682,9 @@ impl Engine {
             match self.replicas[r].state {
                 RState::Removed => continue,
                 RState::Failed => {
-                    if now >= self.replicas[r].retry_at_ns {
+                    // Not while a layer sync job may still write to it
+                    // (`layers`): it must not be back in use under it.
+                    if now >= self.replicas[r].retry_at_ns && self.replicas[r].sync_token == 0 {
                         self.connect(r);
                     }
                     continue;

@@ -48,6 +48,7 @@ impl Engine {
             LogLevel::Info,
             format!("snapshot {op:?} {name:?}: holding new writes until every replica answers"),
         );
+        self.snapshot_ops += 1;
         self.snapshot = Some(SnapshotJob {
             token,
             op,
@@ -109,6 +110,19 @@ impl Engine {
     /// then on its replicas' snapshot lists can be asked for.
     pub fn elected_once(&self) -> bool {
         self.elected_once
+    }
+
+    /// Whether every replica of the volume is healthy and their
+    /// generation stored (the moment to reconcile their snapshot lists,
+    /// [`super::types::Event::ReconcileSnapshots`]: a snapshot operation
+    /// can run).
+    pub fn all_healthy(&self) -> bool {
+        self.elected_once
+            && self.bump.is_none()
+            && self
+                .replicas
+                .iter()
+                .all(|r| matches!(r.state, RState::Healthy | RState::Removed))
     }
 
     /// Whether writes wait for a snapshot operation.
@@ -192,9 +206,12 @@ impl Engine {
             // each has reverted). Every region is marked on them now, as
             // the engine sees it, and cleared the usual way once quiet.
             let now = self.now;
+            // Those that answered and are still in the write set (one that
+            // failed since is not marked: its bits are not known).
+            let live = self.write_set();
             for x in &mut self.regions {
                 // A MARK in flight makes its bit marked when answered.
-                for r in job.took.iter() {
+                for r in job.took.iter().filter(|&r| live.contains(r)) {
                     if !x.marking.contains(r) {
                         x.marked.insert(r);
                     }
@@ -340,11 +357,12 @@ impl Engine {
 
     /// Asks every healthy replica for its snapshots; the answers go out
     /// as [`Action::ControlDone`] with `token`.
-    pub(super) fn start_snapshot_list(&mut self, token: u64) {
+    pub(super) fn start_snapshot_list(&mut self, token: u64, reconcile: Option<u64>) {
         let mut list = SnapshotList {
             token,
             waiting: ReplicaSet::EMPTY,
             got: Vec::new(),
+            reconcile,
         };
         for r in self.healthy_set().iter() {
             if self.send_any(
@@ -396,6 +414,16 @@ impl Engine {
         while i < self.snapshot_lists.len() {
             if self.snapshot_lists[i].waiting.is_empty() {
                 let list = self.snapshot_lists.swap_remove(i);
+                if let Some(name) = self.partial_snapshot(&list) {
+                    self.log(
+                        LogLevel::Warn,
+                        format!(
+                            "snapshot {name:?} is on some replicas only (a create an engine crash cut): deleting it"
+                        ),
+                    );
+                    self.start_snapshot(list.token, SnapshotOp::Delete, name);
+                    continue;
+                }
                 let outcome = if list.got.is_empty() {
                     Err("the volume has no healthy replica".into())
                 } else {
@@ -406,6 +434,38 @@ impl Engine {
                 i += 1;
             }
         }
+    }
+
+    /// For a reconcile's lists: the first snapshot some replicas hold and
+    /// others lack, when the lists still stand (every replica healthy and
+    /// answered, no snapshot operation started since they were asked
+    /// for). Replicas of one generation took a create together or the
+    /// operation was cut before it answered: the snapshot was never
+    /// acknowledged, and deleting it leaves the state before the create.
+    /// (A replica that failed during a create is rebuilt, and gets it
+    /// then: `layers`.)
+    fn partial_snapshot(&self, list: &SnapshotList) -> Option<String> {
+        let asked_at = list.reconcile?;
+        if asked_at != self.snapshot_ops || self.snapshot.is_some() {
+            return None;
+        }
+        let live = self.replicas.iter().filter(|r| r.state != RState::Removed);
+        if live.clone().any(|r| r.state != RState::Healthy) {
+            return None;
+        }
+        let lists: Vec<&Vec<proto::SnapshotRecord>> = list
+            .got
+            .iter()
+            .filter_map(|(_, l)| l.as_ref().ok())
+            .collect();
+        if lists.len() != list.got.len() || lists.len() != live.count() || lists.len() < 2 {
+            return None;
+        }
+        lists
+            .iter()
+            .flat_map(|l| l.iter())
+            .find(|r| !lists.iter().all(|l| l.iter().any(|o| o.name == r.name)))
+            .map(|r| r.name.clone())
     }
 
     fn control_done(&mut self, token: u64, outcome: ControlOutcome) {

@@ -135,6 +135,14 @@ pub enum Event {
     SnapshotList {
         token: u64,
     },
+    /// The lists as for `SnapshotList`; then, if every replica is healthy
+    /// and no snapshot operation started meanwhile, a snapshot that some
+    /// replicas hold and others lack (a create an engine crash cut) is
+    /// deleted, as an operation with `token` (`snapshot`). Either outcome
+    /// comes out with `token`.
+    ReconcileSnapshots {
+        token: u64,
+    },
     /// The outcome of an [`Action::SyncLayers`] job.
     LayersSynced {
         replica: ReplicaId,
@@ -439,6 +447,11 @@ pub enum Action {
         target: ReplicaTarget,
         session: u64,
     },
+    /// The layer sync job `token` is no longer wanted (its replica
+    /// failed): stop it at its next step. It still answers.
+    StopLayerSync {
+        token: u64,
+    },
 }
 
 /// A state change of the volume that an observer may count or check: the
@@ -575,6 +588,9 @@ pub struct Engine {
     pub(super) snapshot: Option<SnapshotJob>,
     /// SNAPSHOT_LIST requests waiting for answers.
     pub(super) snapshot_lists: Vec<SnapshotList>,
+    /// Snapshot operations started: a reconcile's lists are judged
+    /// against it.
+    pub(super) snapshot_ops: u64,
     /// The `Arc`s write buffers are shared in, kept between writes: as many
     /// as writes the engine can hold, so a steady load never allocates
     /// (about 40 bytes each, 640 KiB at most).
@@ -611,6 +627,10 @@ pub(super) struct SnapshotList {
     pub(super) token: u64,
     pub(super) waiting: ReplicaSet,
     pub(super) got: Vec<super::snapshot::ReplicaSnapshots>,
+    /// A reconcile ([`Event::ReconcileSnapshots`]): the count of snapshot
+    /// operations started when it was asked for (one started since makes
+    /// the lists stale).
+    pub(super) reconcile: Option<u64>,
 }
 
 // Replicas and their connections (`replicas`).
@@ -713,8 +733,10 @@ pub(super) struct Replica {
     pub(super) lookup: Lookup,
     /// The last copy to this replica that finished.
     pub(super) last_rebuild: Option<CopyDone>,
-    /// The token of the layer sync running for it (Syncing), so that the
-    /// answer of an abandoned one is not taken for it.
+    /// The token of the layer sync job running for it (0: none). Set
+    /// while Syncing, and kept if it fails meanwhile: it is not connected
+    /// again until the job has answered (a job still writing to it must
+    /// not find it back in use), and the shell is told to stop the job.
     pub(super) sync_token: u64,
 }
 

@@ -25,6 +25,8 @@
 //! replica missed, a fraction of the volume, and the rebuild that follows
 //! is the pipelined copy.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lull_proto::replica::{
@@ -56,6 +58,9 @@ struct Job {
     size_bytes: u64,
     tls: Option<lull_net::tls::TlsContext>,
     timeout: Duration,
+    /// Set when the engine no longer wants it (its replica failed): it
+    /// stops before its next request.
+    stop: Arc<AtomicBool>,
 }
 
 impl Shell {
@@ -72,7 +77,10 @@ impl Shell {
         let (Some(me), Some(shell)) = (self.me.clone(), self.this.upgrade()) else {
             return;
         };
+        let stop = Arc::new(AtomicBool::new(false));
+        self.layer_jobs.push((token, stop.clone()));
         let job = Job {
+            stop,
             volume: self.volume.clone(),
             source,
             target,
@@ -95,10 +103,13 @@ impl Shell {
                         token,
                         result,
                     };
-                    lock(&shell).run(t, event, now);
+                    let mut shell = lock(&shell);
+                    shell.layer_jobs.retain(|(t, _)| *t != token);
+                    shell.run(t, event, now);
                 });
             });
         if let Err(e) = spawned {
+            self.layer_jobs.retain(|(t, _)| *t != token);
             self.followups.push_back(Event::LayersSynced {
                 replica,
                 token,
@@ -111,7 +122,24 @@ impl Shell {
     }
 }
 
+impl Shell {
+    /// Tells the layer sync job `token` to stop (`Action::StopLayerSync`).
+    pub(super) fn stop_layer_sync(&mut self, token: u64) {
+        if let Some((_, stop)) = self.layer_jobs.iter().find(|(t, _)| *t == token) {
+            stop.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
 impl Job {
+    /// `Err` once the engine asked the job to stop.
+    fn go_on(&self) -> Result<(), String> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err("stopped: the replica failed".into());
+        }
+        Ok(())
+    }
+
     fn hello(&self, session: u64) -> Hello {
         Hello {
             volume_size: self.size_bytes,
@@ -176,6 +204,7 @@ impl Job {
         }
         let mut copied = LayersCopied::default();
         for i in k..wanted.len() {
+            self.go_on()?;
             let name = &wanted[i];
             let view_name = proto::view_hello_name(self.source.hello_name(), name);
             let mut view = self.connect(&self.source, 0, &view_name)?;
@@ -214,6 +243,7 @@ impl Job {
             }
             for (l, copy) in runs {
                 if copy {
+                    self.go_on()?;
                     copy_range(view, dst, pos, l)?;
                     bytes += l;
                 }

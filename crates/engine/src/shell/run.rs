@@ -64,12 +64,25 @@ pub(super) struct Shell {
     /// The replicas' snapshot lists were asked for once the volume first
     /// had a healthy replica (they fill `StatusShared::snapshots`).
     snapshots_asked: bool,
+    /// Every replica was healthy at the last tick: when that becomes true
+    /// their snapshot lists are reconciled.
+    all_healthy: bool,
+    /// Tokens of the shell's own list and reconcile requests
+    /// ([`Shell::own_token`]).
+    own_tokens: u64,
+    /// The layer sync jobs running, by token: the flag that stops one
+    /// (`layers`).
+    pub(super) layer_jobs: Vec<(u64, Arc<std::sync::atomic::AtomicBool>)>,
 }
 
 /// Tokens with this bit set are snapshot-list requests nobody waits for:
 /// their outcome only refreshes the names the volume serves snapshots
 /// under (`StatusShared::snapshots`).
 pub(super) const REFRESH_TOKEN_BIT: u64 = 1 << 63;
+
+/// With [`REFRESH_TOKEN_BIT`]: a request of the shell's own, apart from
+/// those `ReplicatedDev` numbers (each in-flight list has its own token).
+const SHELL_TOKEN_BIT: u64 = 1 << 62;
 
 /// Lock the shell. Only the engine thread locks it; a poisoned lock means
 /// a panic there, and the state is still the engine's to judge.
@@ -106,6 +119,9 @@ impl Shell {
             status,
             status_dirty: true,
             snapshots_asked: false,
+            all_healthy: false,
+            own_tokens: 0,
+            layer_jobs: Vec::new(),
         }
     }
 
@@ -201,6 +217,7 @@ impl Shell {
                 target,
                 session,
             } => self.sync_layers(replica, token, source, target, session),
+            Action::StopLayerSync { token } => self.stop_layer_sync(token),
             Action::Close { conn } => self.close(t, conn),
             Action::Log { level, msg } => {
                 self.status_dirty = true;
@@ -218,9 +235,23 @@ impl Shell {
                     self.status.set_snapshots(lists);
                 }
                 if token & REFRESH_TOKEN_BIT != 0 {
-                    if let crate::core::ControlOutcome::SnapshotLists(Err(why)) = &outcome {
-                        tracing::warn!(volume = %self.volume, reason = %why,
-                            "cannot refresh the names of the volume's snapshots");
+                    match &outcome {
+                        crate::core::ControlOutcome::SnapshotLists(Err(why)) => {
+                            tracing::warn!(volume = %self.volume, reason = %why,
+                                "cannot refresh the names of the volume's snapshots");
+                        }
+                        // A reconcile deleted a partial snapshot: look again
+                        // (there may be more; the names change too).
+                        crate::core::ControlOutcome::Snapshot(Ok(())) => {
+                            let token = self.own_token();
+                            self.followups
+                                .push_back(Event::ReconcileSnapshots { token });
+                        }
+                        crate::core::ControlOutcome::Snapshot(Err(why)) => {
+                            tracing::warn!(volume = %self.volume, reason = %why,
+                                "a snapshot on some replicas only was not deleted; delete it with snapshot_delete");
+                        }
+                        crate::core::ControlOutcome::SnapshotLists(Ok(_)) => {}
                     }
                     return;
                 }
@@ -380,23 +411,34 @@ impl Shell {
         let acted = self.run(t, Event::Tick, now);
         self.reclaim_channels();
         self.publish_status();
+        let all_healthy = self.core.all_healthy();
+        if all_healthy && !self.all_healthy {
+            // A replica rebuilt (or the volume started whole): a snapshot
+            // a crash left on some replicas only can go now.
+            self.snapshots_asked = true;
+            let token = self.own_token();
+            self.run(t, Event::ReconcileSnapshots { token }, now);
+        }
+        self.all_healthy = all_healthy;
         if !self.snapshots_asked && self.core.elected_once() {
             // The names the volume's snapshots are served under, known
-            // before a client asks for one (`ReplicatedDev::snapshot_view`).
+            // before a client asks for one (`ReplicatedDev::snapshot_view`);
+            // and a snapshot a crash left on some replicas only goes.
             self.snapshots_asked = true;
-            self.run(
-                t,
-                Event::SnapshotList {
-                    token: REFRESH_TOKEN_BIT,
-                },
-                now,
-            );
+            let token = self.own_token();
+            self.run(t, Event::ReconcileSnapshots { token }, now);
         }
         if acted {
             PollStatus::Busy
         } else {
             PollStatus::Idle
         }
+    }
+
+    /// A token for a list or reconcile the shell asks for itself.
+    fn own_token(&mut self) -> u64 {
+        self.own_tokens += 1;
+        REFRESH_TOKEN_BIT | SHELL_TOKEN_BIT | self.own_tokens
     }
 
     fn publish_status(&mut self) {
