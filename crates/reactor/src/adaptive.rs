@@ -318,6 +318,10 @@ pub struct AdaptiveStatus {
     pub regime: Regime,
     /// The regime a probe is trying now, if one is.
     pub probing: Option<Regime>,
+    /// The last probe found the other regime cheaper: the next one, after
+    /// `MIN_SAMPLES` idle periods of the own regime, confirms it (a
+    /// switch) or not.
+    pub confirming: bool,
     /// What each regime's idle periods cost per unit of work, in percent
     /// of the busy time (CPU spun, and each sleep's CPU and weighted
     /// latency): the own regime's as it goes, the other's from the last
@@ -856,6 +860,7 @@ impl Adaptive {
         AdaptiveStatus {
             regime: self.regime,
             probing: self.probe.map(|p| p.regime),
+            confirming: self.confirming,
             spin_cost_pct: pct(self.costs[Regime::Spin.index()].per_work()),
             sleep_cost_pct: pct(self.costs[Regime::Sleep.index()].per_work()),
             gap_ns: self.gaps.median_ns(),

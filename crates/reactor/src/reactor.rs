@@ -297,6 +297,8 @@ struct AdaptiveCounters {
     spinning: AtomicBool,
     /// The regime a probe tries (`regime_code`; 0: none).
     probing: AtomicU8,
+    /// A probe found the other regime cheaper; the next confirms or not.
+    confirming: AtomicBool,
     /// Costs in percent of the busy time; `NONE` before measured.
     spin_cost_pct: AtomicU64,
     sleep_cost_pct: AtomicU64,
@@ -335,6 +337,7 @@ impl AdaptiveCounters {
         let r = Ordering::Relaxed;
         self.spinning.store(s.regime == Regime::Spin, r);
         self.probing.store(regime_code(s.probing), r);
+        self.confirming.store(s.confirming, r);
         self.spin_cost_pct.store(s.spin_cost_pct.unwrap_or(NONE), r);
         self.sleep_cost_pct
             .store(s.sleep_cost_pct.unwrap_or(NONE), r);
@@ -362,6 +365,7 @@ impl AdaptiveCounters {
                 Regime::Sleep
             },
             probing: regime_from_code(self.probing.load(r)),
+            confirming: self.confirming.load(r),
             spin_cost_pct: opt(&self.spin_cost_pct),
             sleep_cost_pct: opt(&self.sleep_cost_pct),
             gap_ns: self.gap_ns.load(r),

@@ -746,6 +746,7 @@ fn adaptive_json(r: &lull_reactor::ReactorStats, now_ns: u64) -> Value {
     json!({
         "regime": a.regime.as_str(),
         "probing": a.probing.map(|p| p.as_str()),
+        "confirming": a.confirming,
         "spin_cost_pct": a.spin_cost_pct,
         "sleep_cost_pct": a.sleep_cost_pct,
         "gap_ns": a.gap_ns,
