@@ -1232,6 +1232,7 @@ impl Sim {
         self.apply(Event::Client(ClientReq {
             channel: 0,
             takes_pipe: self.pipes,
+            since: None,
             io: IoRequest {
                 tag,
                 op,
@@ -1703,6 +1704,7 @@ impl Sim {
         self.apply(Event::Client(ClientReq {
             channel: 0,
             takes_pipe: false,
+            since: None,
             io: IoRequest {
                 tag,
                 op: IoOp::Read,
@@ -2431,6 +2433,7 @@ fn sim_a_write_waiting_for_marks_is_passed_but_overlapping_writes_keep_order() {
             channel: 0,
             io,
             takes_pipe: false,
+            since: None,
         }));
         (tag, stamp)
     };
@@ -2511,6 +2514,7 @@ fn sim_block_status_asks_a_healthy_replica() {
             channel: 0,
             io,
             takes_pipe: false,
+            since: None,
         }));
         tag
     };

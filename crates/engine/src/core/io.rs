@@ -42,17 +42,15 @@ impl Engine {
     // ---- client requests -----------------------------------------------
 
     pub(super) fn on_client(&mut self, req: ClientReq) {
-        let (channel, takes_pipe, mut req) = (req.channel, req.takes_pipe, req.io);
-        if req.op == IoOp::ChangedSince {
-            // The live volume's `lull:changed:` is not served (its device
-            // says `changed_by_channel` false); a snapshot's view asks the
-            // replicas itself.
+        let (channel, takes_pipe, since, mut req) =
+            (req.channel, req.takes_pipe, req.since, req.io);
+        if req.op == IoOp::ChangedSince && since.is_none() {
             let buf = req.buf.take();
             self.out.push(Action::Complete {
                 channel,
                 tag: req.tag,
-                result: Err(BdevError::Unsupported(
-                    "changed-since on a replicated volume: ask a snapshot's view",
+                result: Err(BdevError::BadRequest(
+                    "changed-since without a snapshot to compare with",
                 )),
                 buf,
                 spliced: None,
@@ -121,7 +119,7 @@ impl Engine {
             return;
         }
         let data = match req.op {
-            IoOp::Read | IoOp::BlockStatus => IoData::Read(req.buf.take()),
+            IoOp::Read | IoOp::BlockStatus | IoOp::ChangedSince => IoData::Read(req.buf.take()),
             IoOp::Write { .. } => match req.buf.take() {
                 Some(b) => IoData::Write(self.shares.share(b)),
                 None => IoData::None,
@@ -141,6 +139,7 @@ impl Engine {
             acked: ReplicaSet::EMPTY,
             flush_after,
             in_regions: false,
+            since,
         }) else {
             debug_assert!(false, "checked for room above");
             return;
@@ -241,14 +240,26 @@ impl Engine {
             return Dispatch::Done;
         };
         let (op, offset, len) = (io.op, io.offset, io.len);
-        // A read, or a block status, goes to one healthy replica: in sync,
-        // not rebuilding or reconciling, so what it says is what every
-        // healthy replica would read there.
-        if matches!(op, IoOp::Read | IoOp::BlockStatus) {
-            let kind = if op == IoOp::Read {
-                Kind::Read
-            } else {
-                Kind::BlockStatus
+        // A read, a block status or a changed-since goes to one healthy
+        // replica: in sync, not rebuilding or reconciling, so what it says
+        // is what every healthy replica would read there.
+        if matches!(op, IoOp::Read | IoOp::BlockStatus | IoOp::ChangedSince) {
+            let (kind, length, payload) = match op {
+                IoOp::Read => (Kind::Read, len, None),
+                IoOp::BlockStatus => (Kind::BlockStatus, len, None),
+                _ => {
+                    let since = io.since.as_deref().unwrap_or_default().to_string();
+                    match proto::encode_changed_request(&proto::ChangedRequest {
+                        length: len,
+                        since,
+                    }) {
+                        Ok(p) => (Kind::Changed, p.len() as u32, Some(p)),
+                        Err(e) => {
+                            self.finish_io(id, Err(BdevError::Failed(format!("CHANGED: {e}"))));
+                            return Dispatch::Done;
+                        }
+                    }
+                }
             };
             let n = self.replicas.len();
             for k in 0..n {
@@ -256,7 +267,8 @@ impl Engine {
                 if !healthy.contains(r) {
                     continue;
                 }
-                if self.send_any(r, SubKind::Client(id), kind, offset, len, Payload::None) {
+                let payload = payload.clone().map_or(Payload::None, Payload::Control);
+                if self.send_any(r, SubKind::Client(id), kind, offset, length, payload) {
                     self.read_rr = (r.get() + 1) % n;
                     if let Some(io) = self.ios.get_mut(id) {
                         io.outstanding = 1;
@@ -434,6 +446,19 @@ impl Engine {
             debug_assert!(false, "reply for a finished client request");
             return;
         }
+        if h.kind == Kind::Changed && matches!(h.status as i32, libc::ENOENT | libc::EINVAL) {
+            // A refusal of what was asked (no such snapshot, or not
+            // older), not a failure of the replica: the client hears it.
+            if let Some(b) = payload.into_buf() {
+                lull_net::bufs::put(b);
+            }
+            let since = self.ios.get(id).and_then(|io| io.since.clone());
+            if let Some(io) = self.ios.get_mut(id) {
+                io.outstanding = 0;
+            }
+            let e = BdevError::NoSuchSnapshot(since.as_deref().unwrap_or_default().to_string());
+            return self.finish_io(id, Err(e));
+        }
         if h.status != 0 {
             if let Some(b) = payload.into_buf() {
                 lull_net::bufs::put(b);
@@ -447,6 +472,9 @@ impl Engine {
         }
         if h.kind == Kind::BlockStatus {
             return self.on_block_status_reply(r, sub, id, h, payload.into_buf());
+        }
+        if h.kind == Kind::Changed {
+            return self.on_changed_reply(r, sub, id, h, payload.into_buf());
         }
         if h.kind == Kind::Read {
             let (mut data, spliced) = match payload {
@@ -532,6 +560,55 @@ impl Engine {
         io.outstanding = 0;
         if let IoData::Read(Some(buf)) = &mut io.data {
             let n = lull_bdev::put_extent_records(&extents, buf.as_mut_slice());
+            buf.set_len(n);
+        }
+        self.finish_io(id, Ok(()))
+    }
+
+    /// A CHANGED reply: checked (it covers a prefix of the request's
+    /// range), then written into the client's buffer as `lull_bdev`
+    /// change records, as many as it has room for.
+    fn on_changed_reply(
+        &mut self,
+        r: ReplicaId,
+        sub: Sub,
+        id: IoId,
+        h: Header,
+        payload: Option<IoBuf>,
+    ) {
+        let Some(data) = payload else {
+            return self.protocol_error(r, Some(sub), "CHANGED reply without records".into());
+        };
+        let parsed = proto::decode_block_status(data.as_slice());
+        lull_net::bufs::put(data);
+        let ext = match parsed {
+            Ok(ext) => ext,
+            Err(e) => return self.protocol_error(r, Some(sub), format!("bad CHANGED reply: {e}")),
+        };
+        let Some(io) = self.ios.get(id) else {
+            return;
+        };
+        let covered: u64 = ext.iter().map(|e| e.length).sum();
+        if h.offset != io.offset || covered > u64::from(io.len) {
+            return self.protocol_error(
+                r,
+                Some(sub),
+                "CHANGED reply outside the requested range".into(),
+            );
+        }
+        let runs: Vec<lull_bdev::ChangeRun> = ext
+            .iter()
+            .map(|e| lull_bdev::ChangeRun {
+                length_bytes: e.length,
+                changed: e.flags & proto::STATUS_CHANGED != 0,
+            })
+            .collect();
+        let Some(io) = self.ios.get_mut(id) else {
+            return;
+        };
+        io.outstanding = 0;
+        if let IoData::Read(Some(buf)) = &mut io.data {
+            let n = lull_bdev::put_change_records(&runs, buf.as_mut_slice());
             buf.set_len(n);
         }
         self.finish_io(id, Ok(()))

@@ -448,7 +448,7 @@ impl Engine {
                     return;
                 };
                 io.outstanding -= 1;
-                if matches!(io.op, IoOp::Read | IoOp::BlockStatus) {
+                if matches!(io.op, IoOp::Read | IoOp::BlockStatus | IoOp::ChangedSince) {
                     // Try again on another healthy replica.
                     self.pending.push_front(id);
                 } else if io.outstanding == 0 {

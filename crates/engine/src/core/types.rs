@@ -85,6 +85,9 @@ pub struct ClientReq {
     /// ([`lull_bdev::Channel::allow_splice`]): this read's reply may be
     /// spliced ([`Sink::Pipe`]).
     pub takes_pipe: bool,
+    /// For `IoOp::ChangedSince`: the snapshot the channel asks about
+    /// ([`lull_bdev::Channel::set_changed_since`]).
+    pub since: Option<std::sync::Arc<str>>,
 }
 
 /// What happened.
@@ -790,6 +793,8 @@ pub(super) struct ClientIo {
     pub(super) flush_after: bool,
     /// Counted in its regions' `writes` (from dispatch to its last reply).
     pub(super) in_regions: bool,
+    /// `IoOp::ChangedSince`: the snapshot it asks about.
+    pub(super) since: Option<std::sync::Arc<str>>,
 }
 
 impl ClientIo {

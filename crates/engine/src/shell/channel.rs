@@ -124,6 +124,9 @@ pub(super) struct EngineChannel {
     /// The owner takes READ data in a pipe ([`Channel::allow_splice`]);
     /// each request says so to the core (`ClientReq::takes_pipe`).
     takes_pipe: bool,
+    /// The snapshot `IoOp::ChangedSince` asks about
+    /// ([`Channel::set_changed_since`]; `ClientReq::since`).
+    since: Option<Arc<str>>,
 }
 
 impl EngineChannel {
@@ -151,6 +154,7 @@ impl EngineChannel {
             in_flight: 0,
             open,
             takes_pipe: false,
+            since: None,
         })
     }
 
@@ -178,10 +182,14 @@ impl Channel for EngineChannel {
                 },
             ));
         }
+        let since = (req.op == lull_bdev::IoOp::ChangedSince)
+            .then(|| self.since.clone())
+            .flatten();
         match self.shared.submissions.push(ClientReq {
             channel: 0,
             io: req,
             takes_pipe: self.takes_pipe,
+            since,
         }) {
             Ok(()) => {
                 self.in_flight += 1;
@@ -250,6 +258,10 @@ impl Channel for EngineChannel {
 
     fn allow_splice(&mut self) {
         self.takes_pipe = true;
+    }
+
+    fn set_changed_since(&mut self, since: &str) {
+        self.since = Some(Arc::from(since));
     }
 }
 

@@ -489,10 +489,22 @@ impl BlockDevice for ReplicatedDev {
         Ok(())
     }
 
+    /// "Changed since" a snapshot is a CHANGED request to one healthy
+    /// replica, sent like a block status (`IoOp::ChangedSince`).
+    fn changed_by_channel(&self) -> bool {
+        true
+    }
+
+    /// Whether a replica held `name` at the last list: `lull:changed:NAME`
+    /// on the live volume may be selected (a replica that lacks it
+    /// answers the request `ENOENT`, which the client sees).
+    fn has_snapshot(&self, name: &str) -> bool {
+        self.snapshot_names().iter().any(|n| n == name)
+    }
+
     /// The snapshots some replica held at the last list: asked for once
     /// the volume first had a healthy replica, and after every snapshot
-    /// operation. (`has_snapshot` stays false: the live volume's
-    /// `lull:changed` context is not served for a replicated volume.)
+    /// operation.
     fn snapshot_names(&self) -> Vec<String> {
         self.status
             .snapshots
