@@ -216,7 +216,7 @@ impl Control {
             Storage::Layered(c) => c.clone(),
             Storage::Replicated(_) => {
                 return Err(ControlError::Refused(format!(
-                    "volume {volume:?} is replicated: clones, snapshot exports and reading a snapshot of a replicated volume are not built yet (snapshot_create, snapshot_list, snapshot_delete and volume_revert are)"
+                    "volume {volume:?} is replicated: clones of a replicated volume are not built yet (snapshot_create, snapshot_list, snapshot_delete, volume_revert, snapshot_expose and VOLUME@SNAPSHOT exports are)"
                 )))
             }
             Storage::Local(_) => {
@@ -809,7 +809,21 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_expose(&self, volume: &str, name: &str) -> Result<VolumeInfo, ControlError> {
-        let (v, _) = self.chain(volume)?;
+        let v = self.volumes.named(volume)?;
+        match &v.storage {
+            Storage::Layered(_) => {}
+            // The names its snapshots are served under, fresh (a view reads
+            // from a replica that holds the snapshot).
+            Storage::Replicated(dev) => {
+                dev.snapshot_lists(REPLICATED_SNAPSHOT_TIMEOUT)
+                    .map_err(ControlError::Refused)?;
+            }
+            Storage::Local(_) => {
+                return Err(ControlError::Refused(format!(
+                    "volume {volume:?} cannot take snapshots (a faulty= test device)"
+                )))
+            }
+        }
         let export = lull_volume::snapshot_export(volume, name);
         let view = v.dev().snapshot_view(name).ok_or_else(|| {
             ControlError::Refused(format!("volume {volume:?} has no snapshot {name:?}"))

@@ -1383,3 +1383,46 @@ fn an_exposed_snapshot_is_a_read_only_namespace() {
     assert!(!ok, "the subsystem is gone after snapshot_unexpose");
     server.assert_healthy();
 }
+
+/// `snapshot_expose` of a 2-replica volume's snapshot: SPDK's spdk_dd
+/// reads the snapshot's bytes through the exposed namespace (the engine's
+/// snapshot view reads a replica), not the volume's later writes.
+#[test]
+fn an_exposed_replicated_snapshot_reads_over_nvmf() {
+    let Some(tools) = spdk_tools("an_exposed_replicated_snapshot_reads_over_nvmf") else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let dir = Scratch::new("nvmf-repl-snapshot");
+    let (ra, rb) = (
+        Replica::start(Kind::Process, &dir.join("a"), "32M"),
+        Replica::start(Kind::Process, &dir.join("b"), "32M"),
+    );
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("r:32M:replicas={}+{}", ra.target(), rb.target()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    server.wait_replicas(
+        "r",
+        std::time::Duration::from_secs(60),
+        "both healthy",
+        state::all_healthy,
+    );
+    tools::qemu_io(&server, "r", &["write -P 0xa5 0 4M"]);
+    server.rpc("snapshot_create", r#"{"volume":"r","name":"s1"}"#);
+    tools::qemu_io(&server, "r", &["write -P 0xb6 0 1M"]);
+    let info = server.rpc("snapshot_expose", r#"{"volume":"r","name":"s1"}"#);
+    assert_eq!(info["name"], "r@s1", "{info}");
+    let config = dd_config(&dir, addr, &lull_nvmf::subsystem_nqn("r@s1"));
+    let got = dd_read(&tools, &config, &dir.join("s1.bin"), 1 << 20, 4 << 20);
+    assert!(
+        got.iter().all(|&b| b == 0xa5),
+        "the snapshot's bytes over NVMe/TCP"
+    );
+    server.rpc("snapshot_unexpose", r#"{"volume":"r","name":"s1"}"#);
+    server.assert_healthy();
+}
