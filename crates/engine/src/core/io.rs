@@ -470,11 +470,8 @@ impl Engine {
             );
             return self.fail_replica(r, &why, false);
         }
-        if h.kind == Kind::BlockStatus {
-            return self.on_block_status_reply(r, sub, id, h, payload.into_buf());
-        }
-        if h.kind == Kind::Changed {
-            return self.on_changed_reply(r, sub, id, h, payload.into_buf());
+        if matches!(h.kind, Kind::BlockStatus | Kind::Changed) {
+            return self.on_status_reply(r, sub, id, h, payload.into_buf());
         }
         if h.kind == Kind::Read {
             let (mut data, spliced) = match payload {
@@ -515,10 +512,11 @@ impl Engine {
         }
     }
 
-    /// A BLOCK_STATUS reply: checked (it covers a prefix of the request),
-    /// then written into the client's buffer as `lull_bdev` extent records,
-    /// as many as it has room for (one for NBD's REQ_ONE).
-    fn on_block_status_reply(
+    /// A BLOCK_STATUS or CHANGED reply: checked (it covers a prefix of the
+    /// request's range), then written into the client's buffer as
+    /// `lull_bdev` records (extents, or change runs), as many as it has
+    /// room for (one for NBD's REQ_ONE).
+    fn on_status_reply(
         &mut self,
         r: ReplicaId,
         sub: Sub,
@@ -526,89 +524,50 @@ impl Engine {
         h: Header,
         payload: Option<IoBuf>,
     ) {
+        let what = h.kind;
         let Some(data) = payload else {
-            return self.protocol_error(r, Some(sub), "BLOCK_STATUS reply without extents".into());
+            return self.protocol_error(r, Some(sub), format!("{what:?} reply without records"));
         };
         let parsed = proto::decode_block_status(data.as_slice());
         lull_net::bufs::put(data);
         let ext = match parsed {
             Ok(ext) => ext,
-            Err(e) => {
-                return self.protocol_error(r, Some(sub), format!("bad BLOCK_STATUS reply: {e}"))
-            }
+            Err(e) => return self.protocol_error(r, Some(sub), format!("bad {what:?} reply: {e}")),
         };
-        // decode_block_status checked that the sum does not overflow.
-        let covered: u64 = ext.iter().map(|e| e.length).sum();
-        if h.offset != sub.offset || covered > u64::from(sub.length) {
-            return self.protocol_error(
-                r,
-                Some(sub),
-                "BLOCK_STATUS reply outside the requested range".into(),
-            );
-        }
-        let extents: Vec<lull_bdev::Extent> = ext
-            .iter()
-            .map(|e| lull_bdev::Extent {
-                length_bytes: e.length,
-                hole: e.flags & proto::STATUS_HOLE != 0,
-                zero: e.flags & proto::STATUS_ZERO != 0,
-            })
-            .collect();
         let Some(io) = self.ios.get_mut(id) else {
             return;
         };
-        io.outstanding = 0;
-        if let IoData::Read(Some(buf)) = &mut io.data {
-            let n = lull_bdev::put_extent_records(&extents, buf.as_mut_slice());
-            buf.set_len(n);
-        }
-        self.finish_io(id, Ok(()))
-    }
-
-    /// A CHANGED reply: checked (it covers a prefix of the request's
-    /// range), then written into the client's buffer as `lull_bdev`
-    /// change records, as many as it has room for.
-    fn on_changed_reply(
-        &mut self,
-        r: ReplicaId,
-        sub: Sub,
-        id: IoId,
-        h: Header,
-        payload: Option<IoBuf>,
-    ) {
-        let Some(data) = payload else {
-            return self.protocol_error(r, Some(sub), "CHANGED reply without records".into());
-        };
-        let parsed = proto::decode_block_status(data.as_slice());
-        lull_net::bufs::put(data);
-        let ext = match parsed {
-            Ok(ext) => ext,
-            Err(e) => return self.protocol_error(r, Some(sub), format!("bad CHANGED reply: {e}")),
-        };
-        let Some(io) = self.ios.get(id) else {
-            return;
-        };
+        // decode_block_status checked that the sum does not overflow.
         let covered: u64 = ext.iter().map(|e| e.length).sum();
         if h.offset != io.offset || covered > u64::from(io.len) {
             return self.protocol_error(
                 r,
                 Some(sub),
-                "CHANGED reply outside the requested range".into(),
+                format!("{what:?} reply outside the requested range"),
             );
         }
-        let runs: Vec<lull_bdev::ChangeRun> = ext
-            .iter()
-            .map(|e| lull_bdev::ChangeRun {
-                length_bytes: e.length,
-                changed: e.flags & proto::STATUS_CHANGED != 0,
-            })
-            .collect();
-        let Some(io) = self.ios.get_mut(id) else {
-            return;
-        };
         io.outstanding = 0;
         if let IoData::Read(Some(buf)) = &mut io.data {
-            let n = lull_bdev::put_change_records(&runs, buf.as_mut_slice());
+            let n = if what == Kind::Changed {
+                let runs: Vec<lull_bdev::ChangeRun> = ext
+                    .iter()
+                    .map(|e| lull_bdev::ChangeRun {
+                        length_bytes: e.length,
+                        changed: e.flags & proto::STATUS_CHANGED != 0,
+                    })
+                    .collect();
+                lull_bdev::put_change_records(&runs, buf.as_mut_slice())
+            } else {
+                let extents: Vec<lull_bdev::Extent> = ext
+                    .iter()
+                    .map(|e| lull_bdev::Extent {
+                        length_bytes: e.length,
+                        hole: e.flags & proto::STATUS_HOLE != 0,
+                        zero: e.flags & proto::STATUS_ZERO != 0,
+                    })
+                    .collect();
+                lull_bdev::put_extent_records(&extents, buf.as_mut_slice())
+            };
             buf.set_len(n);
         }
         self.finish_io(id, Ok(()))
