@@ -33,11 +33,13 @@ const STARTS: usize = 4;
 ///
 /// No load was found that must spin every time with fio's NBD engine on
 /// these 2-core VMs: its turnaround alone leaves gaps near the band's
-/// lower edge. Tried, with the regime read once the reactor had decided:
-/// QD1 unlimited (gaps of 14-18 µs, spinning 0.6-0.8x sleeping's cost)
-/// got spin in 5 of 8 starts; QD64 unlimited (the reactor almost never
-/// idle: each regime's idle periods cost 2-18% of the work, a ratio of
-/// noise, and either regime behaves as poll there) got spin in 6 of 8;
+/// lower edge. Tried, four fresh servers a run: QD1 unlimited (gaps of
+/// 14-18 µs, spinning 0.6-0.8x sleeping's cost) got spin in 3 of 4 (the
+/// regime read after 2 s of load), then 0, 3 and 2 of 4 (read once the
+/// reactor had decided); QD64 unlimited (the reactor almost never idle:
+/// each regime's idle periods cost 2-18% of the work, a ratio of noise,
+/// and either regime behaves as poll there) got spin in 4 and 3 of 4
+/// (after 2 s), then 2 and 2 of 4 (once decided);
 /// QD4 at 40,000 IOPS stretches its gaps back into the band while the
 /// reactor sleeps (28-34 µs). 20,000 IOPS at QD4, the load that got the
 /// poll regime from one start and the interrupt regime from the next
