@@ -1715,9 +1715,15 @@ impl Conn {
                     | if e.zero { proto::STATUS_ZERO } else { 0 },
             })
             .collect();
+        self.push_status_records(req, &records);
+    }
+
+    /// The reply to a BLOCK_STATUS or CHANGED request: `records`
+    /// encoded (`encode_block_status`), `EIO` if they cannot be.
+    fn push_status_records(&mut self, req: Header, records: &[StatusExtent]) {
         let mut payload = Vec::with_capacity(records.len() * proto::STATUS_EXTENT_LEN);
-        if let Err(e) = proto::encode_block_status(&records, &mut payload) {
-            tracing::error!(peer = %self.wire.peer(), error = %e, "cannot encode block status");
+        if let Err(e) = proto::encode_block_status(records, &mut payload) {
+            tracing::error!(peer = %self.wire.peer(), ?req, error = %e, "cannot encode a status reply");
             self.push_error(req, libc::EIO);
             return;
         }
@@ -1783,15 +1789,7 @@ impl Conn {
                 flags: if r.changed { proto::STATUS_CHANGED } else { 0 },
             })
             .collect();
-        let mut payload = Vec::with_capacity(records.len() * proto::STATUS_EXTENT_LEN);
-        if let Err(e) = proto::encode_block_status(&records, &mut payload) {
-            tracing::error!(peer = %self.wire.peer(), ?req, error = %e, "cannot encode a CHANGED reply");
-            self.push_error(req, libc::EIO);
-            return;
-        }
-        let mut reply = req.reply_with(0);
-        reply.length = payload.len() as u32;
-        self.push_reply(reply, Payload::Bytes(payload));
+        self.push_status_records(req, &records);
     }
 
     /// The file a READ reply may go from with `sendfile`, decided per
