@@ -301,6 +301,9 @@ impl SimReplica {
                             self.snapshots.push((req.name, self.data.clone()));
                             0
                         }
+                        // No simulated replica is a clone: nothing to
+                        // copy in, as a replica without a base answers.
+                        (proto::SnapshotOp::Flatten, _) => 0,
                         (_, None) => libc::ENOENT,
                         (proto::SnapshotOp::Delete, Some(i)) => {
                             self.snapshots.remove(i);
@@ -341,6 +344,7 @@ impl SimReplica {
                         allocated_bytes: 0,
                         merge_done: 0,
                         merge_total: 0,
+                        inherited: false,
                     })
                     .collect();
                 let out = proto::encode_snapshot_list(&records).unwrap_or_default();
@@ -442,7 +446,7 @@ impl SimReplica {
             }
             // The engine never asks it (views of snapshots ask it, over
             // their own connections).
-            Kind::Changed => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
+            Kind::Changed | Kind::Clone => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
             Kind::Extents => {
                 let (end, ext) = self.extents(h.offset, u64::from(h.length));
                 let mut out = Vec::new();

@@ -152,6 +152,102 @@ impl Control {
         })
     }
 
+    /// The volumes of this node that are clones of one of `snapshots` of
+    /// `volume` (as recorded: a node without `--store` records none).
+    fn clones_of(&self, volume: &str, snapshots: &[String]) -> Vec<String> {
+        let Some(node) = &self.node else {
+            return Vec::new();
+        };
+        node.volumes()
+            .into_iter()
+            .filter(|v| {
+                v.clone_of.as_deref().is_some_and(|c| {
+                    c.rsplit_once(lull_volume::SNAPSHOT_SEPARATOR)
+                        .is_some_and(|(o, s)| o == volume && snapshots.iter().any(|n| n == s))
+                })
+            })
+            .map(|v| v.name)
+            .collect()
+    }
+
+    /// A clone of a replicated volume's snapshot: on each replica's store,
+    /// a replica whose base is that replica's snapshot (`{name}.r{i}`,
+    /// shared, not copied), and a replicated volume over them.
+    fn clone_replicated(
+        &self,
+        dev: &lull_engine::ReplicatedDev,
+        snapshot: &str,
+        name: &str,
+        backend: Option<&str>,
+    ) -> Result<VolumeInfo, ControlError> {
+        let (origin, snap) = snapshot
+            .rsplit_once(lull_volume::SNAPSHOT_SEPARATOR)
+            .unwrap_or((snapshot, ""));
+        if backend.is_some() {
+            return Err(ControlError::InvalidParams(format!(
+                "volume {origin:?} is replicated: its clone's replicas are made on the stores of its replicas, sharing the snapshot, and backend does not apply"
+            )));
+        }
+        // The name is checked before any replica is made for it.
+        config::parse_volume(&format!(
+            "{name}:{}:malloc",
+            lull_bdev::BlockDevice::size_bytes(dev)
+        ))
+        .map_err(|e| ControlError::InvalidParams(e.to_string()))?;
+        if self.volumes.named(name).is_ok() {
+            return Err(lull_volume::VolumeError::DuplicateVolume(name.into()).into());
+        }
+        let list = replicated_snapshots(dev)?;
+        let Some(s) = list.iter().find(|s| s.name == snap) else {
+            return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
+                snap.to_string(),
+            )));
+        };
+        let away: Vec<String> = dev
+            .replica_status()
+            .into_iter()
+            .filter(|r| r.state != lull_engine::ReplicaState::Healthy)
+            .map(|r| format!("{} ({:?})", r.addr, r.state))
+            .collect();
+        if !away.is_empty() || !s.complete {
+            return Err(ControlError::Refused(format!(
+                "a clone of a replicated volume is made on every replica, and needs each healthy and holding {snap:?}: not so for {}",
+                if away.is_empty() { "some replica".to_string() } else { away.join(", ") }
+            )));
+        }
+        let made = dev
+            .clone_replicas(snap, |i, _| format!("{name}.r{i}"))
+            .map_err(ControlError::Refused)?;
+        let backend = format!(
+            "replicas={}",
+            made.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join("+")
+        );
+        let info = self.volume_create(&NewVolume {
+            name: name.to_string(),
+            size_bytes: lull_bdev::BlockDevice::size_bytes(dev),
+            backend: backend.clone(),
+            nvmf_nqn: None,
+            nvmf_lba: None,
+            nvmf_allow_hosts: Vec::new(),
+            persist: true,
+        })?;
+        self.persist(|m| {
+            if let Some(e) = m.get_mut(name) {
+                e.clone_of = Some(snapshot.to_string());
+            }
+        })?;
+        tracing::info!(
+            volume = name,
+            snapshot,
+            backend,
+            "clone of a replicated volume created over RPC"
+        );
+        Ok(info)
+    }
+
     /// RPC-created volumes may bring NVMe/TCP options to this target.
     pub fn with_nvmf(mut self, nvmf: Option<lull_nvmf::Subsystems>) -> Control {
         self.nvmf = nvmf;
@@ -216,7 +312,7 @@ impl Control {
             Storage::Layered(c) => c.clone(),
             Storage::Replicated(_) => {
                 return Err(ControlError::Refused(format!(
-                    "volume {volume:?} is replicated: clones of a replicated volume are not built yet (snapshot_create, snapshot_list, snapshot_delete, volume_revert, snapshot_expose and VOLUME@SNAPSHOT exports are)"
+                    "volume {volume:?} is replicated: its snapshots are its replicas' chains, reached through its engine, not a local chain"
                 )))
             }
             Storage::Local(_) => {
@@ -359,6 +455,7 @@ impl ControlPlane for Control {
             nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
             qos: None,
             rebuild_mbytes_per_sec: None,
+            clone_of: None,
         };
         let recorded = if volume.persist {
             self.persist(|m| {
@@ -534,6 +631,20 @@ impl ControlPlane for Control {
         Ok(json!(info))
     }
 
+    fn replica_clone(
+        &self,
+        name: &str,
+        origin: &str,
+        snapshot: &str,
+    ) -> Result<Value, ControlError> {
+        let info = self
+            .store()?
+            .clone_replica(name, origin, snapshot)
+            .map_err(store_error)?;
+        tracing::info!(replica = name, origin, snapshot, "replica cloned over RPC");
+        Ok(json!(info))
+    }
+
     fn store_get(&self) -> Result<Value, ControlError> {
         Ok(json!(self.store()?.info().map_err(store_error)?))
     }
@@ -583,9 +694,12 @@ impl ControlPlane for Control {
 
     fn snapshot_list(&self, volume: &str) -> Result<Value, ControlError> {
         if let Some(dev) = self.replicated_snapshots(volume)? {
+            let mut list = replicated_snapshots(&dev)?;
+            for s in &mut list {
+                s.clones = self.clones_of(volume, std::slice::from_ref(&s.name));
+            }
             return Ok(Value::Array(
-                replicated_snapshots(&dev)?
-                    .iter()
+                list.iter()
                     .map(|s| s.json(volume, lull_bdev::BlockDevice::size_bytes(dev.as_ref())))
                     .collect(),
             ));
@@ -602,9 +716,25 @@ impl ControlPlane for Control {
 
     fn snapshot_delete(&self, volume: &str, name: &str) -> Result<(), ControlError> {
         if let Some(dev) = self.replicated_snapshots(volume)? {
-            if !replicated_snapshots(&dev)?.iter().any(|s| s.name == name) {
+            let list = replicated_snapshots(&dev)?;
+            let Some(at) = list.iter().position(|s| s.name == name) else {
                 return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
                     name.to_string(),
+                )));
+            };
+            if list[at].inherited {
+                return Err(ControlError::Refused(format!(
+                    "snapshot {name:?} belongs to the volume {volume:?} was cloned from; flatten the clone instead"
+                )));
+            }
+            // Merged into its child, it would change the base of a clone
+            // of it or of a newer snapshot (the replicas refuse too).
+            let newer: Vec<String> = list[at..].iter().map(|s| s.name.clone()).collect();
+            let clones = self.clones_of(volume, &newer);
+            if !clones.is_empty() {
+                return Err(ControlError::Refused(format!(
+                    "snapshot {name:?} is in the base of clones {}: flatten or delete them first",
+                    clones.join(", ")
                 )));
             }
             replicated_op(&dev, SnapshotOp::Delete, name)?;
@@ -646,6 +776,13 @@ impl ControlPlane for Control {
                 )));
             };
             let dropped: Vec<String> = list[at + 1..].iter().map(|s| s.name.clone()).collect();
+            let clones = self.clones_of(volume, &dropped);
+            if !clones.is_empty() {
+                return Err(ControlError::Refused(format!(
+                    "reverting to {snapshot:?} would drop snapshots that clones use: {}",
+                    clones.join(", ")
+                )));
+            }
             replicated_op(&dev, SnapshotOp::Revert, snapshot)?;
             tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "replicated volume reverted over RPC");
             return Ok(
@@ -669,6 +806,9 @@ impl ControlPlane for Control {
                 "snapshot must be VOLUME@SNAPSHOT, not {snapshot:?}"
             )));
         };
+        if let Some(dev) = self.replicated_snapshots(origin)? {
+            return self.clone_replicated(&dev, snapshot, name, backend);
+        }
         let (ov, chain) = self.chain(origin)?;
         let _one = self
             .volume_changes
@@ -714,6 +854,7 @@ impl ControlPlane for Control {
             nvmf_allow_hosts: Vec::new(),
             qos: None,
             rebuild_mbytes_per_sec: None,
+            clone_of: Some(snapshot.to_string()),
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);
@@ -899,6 +1040,26 @@ impl ControlPlane for Control {
     }
 
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
+        if let Some(dev) = self.replicated_snapshots(volume)? {
+            let Some(base) = replicated_snapshots(&dev)?
+                .into_iter()
+                .rev()
+                .find(|s| s.inherited)
+            else {
+                return Err(ControlError::Refused(format!(
+                    "volume {volume:?} is not a clone (it has no base to copy in)"
+                )));
+            };
+            replicated_op(&dev, SnapshotOp::Flatten, &base.name)?;
+            self.persist(|m| {
+                if let Some(e) = m.get_mut(volume) {
+                    e.clone_of = None;
+                }
+            })?;
+            tracing::info!(volume, base = %base.name,
+                "flatten of a replicated clone started over RPC: every replica copies its base in the background (snapshot_list shows it merging)");
+            return Ok(());
+        }
         let (_, chain) = self.chain(volume)?;
         if !chain.flatten().map_err(snapshot_error)? {
             return Err(ControlError::Refused(format!(
@@ -910,6 +1071,11 @@ impl ControlPlane for Control {
                 c.forget_clone(volume);
             }
         }
+        self.persist(|m| {
+            if let Some(e) = m.get_mut(volume) {
+                e.clone_of = None;
+            }
+        })?;
         tracing::info!(volume, "clone flattened over RPC: it stands alone");
         Ok(())
     }
@@ -976,6 +1142,10 @@ struct ReplicatedSnapshot {
     replicas: Vec<String>,
     /// Every healthy replica holds it.
     complete: bool,
+    /// Of the base the volume was cloned from (not its own).
+    inherited: bool,
+    /// This node's volumes cloned from it.
+    clones: Vec<String>,
 }
 
 impl ReplicatedSnapshot {
@@ -990,7 +1160,8 @@ impl ReplicatedSnapshot {
             "size_bytes": size_bytes,
             "allocated_bytes": self.allocated_bytes,
             "parent": self.parent,
-            "clones": [],
+            "clones": self.clones,
+            "inherited": self.inherited,
             "merging": self.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
             "replicas": self.replicas,
             "complete": self.complete,
@@ -1035,6 +1206,8 @@ fn replicated_snapshots(
                 parent: i.checked_sub(1).map(|p| list[p].name.clone()),
                 replicas: vec![addr.clone()],
                 complete: false,
+                inherited: rec.inherited,
+                clones: Vec::new(),
             });
         }
     }
@@ -1054,6 +1227,7 @@ fn snapshot_json(volume: &str, s: &lull_bdev::SnapshotInfo) -> Value {
         "allocated_bytes": s.allocated_bytes,
         "parent": s.parent,
         "clones": s.clones,
+        "inherited": s.inherited,
         "merging": s.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
     })
 }

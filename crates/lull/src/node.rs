@@ -58,6 +58,10 @@ pub struct VolumeEntry {
     /// `volume_set_rebuild_limit` of this volume, MB/s; `None`: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild_mbytes_per_sec: Option<u64>,
+    /// `VOLUME@SNAPSHOT` this volume is a clone of, until it is
+    /// flattened: names it when that snapshot's delete is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_of: Option<String>,
 }
 
 /// The node's own rebuild limits, MB/s; `None`: none set.
@@ -233,6 +237,7 @@ mod tests {
                 ..Default::default()
             }),
             rebuild_mbytes_per_sec: Some(50),
+            clone_of: Some("v0@s1".into()),
         };
         state
             .update(|m| {

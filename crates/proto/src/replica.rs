@@ -29,6 +29,7 @@
 //! | SNAPSHOT | [`SnapshotRequest`] (op u8, then the name) | none | 0 / 0 |
 //! | SNAPSHOT_LIST | none (`length` 0) | N × [`SnapshotRecord`] | 0 / payload bytes |
 //! | CHANGED | [`ChangedRequest`] (range length u32, then a snapshot name) | N × 16 ([`StatusExtent`], flag [`STATUS_CHANGED`]) | echo `offset` / `16 × N` |
+//! | CLONE | the new replica's name (1 to [`MAX_REPLICA_NAME_BYTES`]) | none | 0 / 0 |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -145,6 +146,32 @@
 //! (or not older than the view's); `EINVAL`: a range outside the volume
 //! or empty.
 //!
+//! # Clones (version 7)
+//!
+//! CLONE, on a view connection (`REPLICA@SNAPSHOT`) to a node's store,
+//! makes a new replica of the store, named by the payload, whose base is
+//! the view's snapshot: its lower layers are the snapshot and those below
+//! it, shared with the origin replica, not copied (the snapshot and those
+//! below it cannot be deleted while the clone stands on them, and the
+//! origin replica cannot be deleted). The new replica starts clean at
+//! generation 0, as a created one, so replicas cloned from the same
+//! snapshot of one volume's replicas hold the same bytes and attach as
+//! one volume with nothing to rebuild. A CLONE naming a replica that is
+//! already a clone of this same snapshot answers success (a retry);
+//! errors: `EEXIST` (the name is taken otherwise), `ENOSPC` (the store's
+//! room), `EMLINK` (the chain would pass its layer limit), `EINVAL` (a bad
+//! name, or CLONE on a connection that is not a view), `EOPNOTSUPP` (a
+//! `lull replica` process, which serves one replica).
+//!
+//! SNAPSHOT's **flatten** op, named by the base's snapshot, starts
+//! copying a clone's base into it in the background (as a delete's
+//! merge); once it is done the replica stands alone, its inherited
+//! snapshots are gone and its origin may delete them. A replica that
+//! has no base answers success; one whose base is another snapshot,
+//! `ENOENT`. SNAPSHOT_LIST marks a base's snapshots inherited
+//! ([`SNAPSHOT_FLAG_INHERITED`]); they show as merging while a flatten
+//! runs.
+//!
 //! # Worked example
 //!
 //! ```
@@ -183,8 +210,10 @@ pub const MAGIC: u32 = 0x4C55_4C52;
 /// added sessions (fencing), DETACH and the write-intent record; version 3
 /// added BLOCK_STATUS; version 4 the change records (CHANGES_START, _GET,
 /// _DROP); version 5 the snapshots (SNAPSHOT, SNAPSHOT_LIST); version 6
-/// the snapshot views (a HELLO naming `REPLICA@SNAPSHOT`) and CHANGED.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// the snapshot views (a HELLO naming `REPLICA@SNAPSHOT`) and CHANGED;
+/// version 7 clones (CLONE on a view, SNAPSHOT's flatten, and the
+/// inherited flag of a SNAPSHOT_LIST record).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
 /// Bytes in the HELLO / HELLO_REPLY payload: four u64 (size, generation,
@@ -284,6 +313,7 @@ pub const KIND_CHANGES_DROP: u16 = 17;
 pub const KIND_SNAPSHOT: u16 = 18;
 pub const KIND_SNAPSHOT_LIST: u16 = 19;
 pub const KIND_CHANGED: u16 = 20;
+pub const KIND_CLONE: u16 = 21;
 
 /// CHANGED request payload before the name: the range's length (u32).
 pub const CHANGED_HEADER_LEN: usize = 4;
@@ -302,9 +332,12 @@ pub const MAX_SNAPSHOT_REQUEST_LEN: usize = 1 + MAX_SNAPSHOT_NAME_BYTES;
 /// Most records in a SNAPSHOT_LIST reply: a chain's layers
 /// (`lull_bdev::chain::MAX_CHAIN_LAYERS`, 64) bound its snapshots.
 pub const MAX_SNAPSHOT_RECORDS: usize = 64;
-/// Bytes of a [`SnapshotRecord`] before its name: four u64 and the name's
-/// length (u16).
-pub const SNAPSHOT_RECORD_HEADER_LEN: usize = 4 * 8 + 2;
+/// Bytes of a [`SnapshotRecord`] before its name: four u64, the flags
+/// (u32) and the name's length (u16).
+pub const SNAPSHOT_RECORD_HEADER_LEN: usize = 4 * 8 + 4 + 2;
+/// [`SnapshotRecord`] flag: the snapshot belongs to the replica this one
+/// was cloned from (a layer of its base), see [`SnapshotRecord::inherited`].
+pub const SNAPSHOT_FLAG_INHERITED: u32 = 1 << 0;
 /// Largest SNAPSHOT_LIST reply payload.
 pub const MAX_SNAPSHOT_LIST_BYTES: u32 =
     (MAX_SNAPSHOT_RECORDS * (SNAPSHOT_RECORD_HEADER_LEN + MAX_SNAPSHOT_NAME_BYTES)) as u32;
@@ -379,11 +412,14 @@ pub enum Kind {
     /// version 6): on a view connection, between that snapshot and the
     /// view's.
     Changed,
+    /// On a view connection to a store: make a new replica, named by the
+    /// payload, whose base is the view's snapshot (version 7).
+    Clone,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 20] = [
+    pub const ALL: [Kind; 21] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -404,6 +440,7 @@ impl Kind {
         Kind::Snapshot,
         Kind::SnapshotList,
         Kind::Changed,
+        Kind::Clone,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -429,6 +466,7 @@ impl Kind {
             KIND_SNAPSHOT => Kind::Snapshot,
             KIND_SNAPSHOT_LIST => Kind::SnapshotList,
             KIND_CHANGED => Kind::Changed,
+            KIND_CLONE => Kind::Clone,
             _ => return None,
         })
     }
@@ -456,6 +494,7 @@ impl Kind {
             Kind::Snapshot => KIND_SNAPSHOT,
             Kind::SnapshotList => KIND_SNAPSHOT_LIST,
             Kind::Changed => KIND_CHANGED,
+            Kind::Clone => KIND_CLONE,
         }
     }
 
@@ -532,7 +571,8 @@ impl Header {
             | Kind::ChangesGet
             | Kind::ChangesDrop
             | Kind::Snapshot
-            | Kind::SnapshotList => (0, 0),
+            | Kind::SnapshotList
+            | Kind::Clone => (0, 0),
             Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::Changed => (self.offset, 0),
             Kind::Read
             | Kind::Write
@@ -696,6 +736,14 @@ fn check(h: &Header) -> Result<(), FrameError> {
             }
         }
         Kind::Snapshot => too_long(0)?,
+        Kind::Clone if !h.reply => {
+            if !(1..=MAX_REPLICA_NAME_BYTES).contains(&(h.length as usize)) {
+                return Err(FrameError::BadPayload(
+                    "CLONE length must be a replica name of 1 to MAX_REPLICA_NAME_BYTES",
+                ));
+            }
+        }
+        Kind::Clone => too_long(0)?,
         Kind::SnapshotList => {
             if h.reply {
                 too_long(MAX_SNAPSHOT_LIST_BYTES)?;
@@ -817,7 +865,8 @@ pub fn payload_len(h: &Header) -> usize {
             | Kind::ChangesGet
             | Kind::ChangesDrop
             | Kind::Snapshot
-            | Kind::Changed,
+            | Kind::Changed
+            | Kind::Clone,
             false,
         ) => length,
         (
@@ -1108,6 +1157,9 @@ pub enum SnapshotOp {
     Delete,
     /// Make the live data the snapshot's; newer snapshots are dropped.
     Revert,
+    /// Copy a clone's base into it (in the background), after which it
+    /// stands alone; the name is its base's snapshot (version 7).
+    Flatten,
 }
 
 impl SnapshotOp {
@@ -1116,6 +1168,7 @@ impl SnapshotOp {
             SnapshotOp::Create => 1,
             SnapshotOp::Delete => 2,
             SnapshotOp::Revert => 3,
+            SnapshotOp::Flatten => 4,
         }
     }
 
@@ -1124,6 +1177,7 @@ impl SnapshotOp {
             1 => SnapshotOp::Create,
             2 => SnapshotOp::Delete,
             3 => SnapshotOp::Revert,
+            4 => SnapshotOp::Flatten,
             _ => return None,
         })
     }
@@ -1170,9 +1224,25 @@ pub fn decode_snapshot_request(b: &[u8]) -> Result<SnapshotRequest, FrameError> 
     })
 }
 
+/// A CLONE request's payload: the new replica's name
+/// ([`check_replica_name`]).
+pub fn encode_clone_request(name: &str) -> Result<Vec<u8>, FrameError> {
+    check_replica_name(name).map_err(FrameError::BadPayload)?;
+    Ok(name.as_bytes().to_vec())
+}
+
+/// Decodes a CLONE request's payload: the new replica's name.
+pub fn decode_clone_request(b: &[u8]) -> Result<&str, FrameError> {
+    let name =
+        std::str::from_utf8(b).map_err(|_| FrameError::BadPayload("replica name is not UTF-8"))?;
+    check_replica_name(name).map_err(FrameError::BadPayload)?;
+    Ok(name)
+}
+
 /// One snapshot in a SNAPSHOT_LIST reply. Wire: created_unix u64,
 /// allocated_bytes u64, merge_done u64, merge_total u64 (both 0 unless a
-/// delete is merging it), name length u16, the name.
+/// delete or a flatten is merging it), flags u32
+/// ([`SNAPSHOT_FLAG_INHERITED`]), name length u16, the name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SnapshotRecord {
     pub name: String,
@@ -1183,6 +1253,11 @@ pub struct SnapshotRecord {
     /// A delete's merge: bytes copied so far and in all.
     pub merge_done: u64,
     pub merge_total: u64,
+    /// A layer of the replica's base (it was cloned from another
+    /// replica's snapshot): readable, never deleted or merged by this
+    /// replica, and gone once it is flattened. Replicas of one volume
+    /// compare only the snapshots they do not inherit.
+    pub inherited: bool,
 }
 
 /// Encodes a SNAPSHOT_LIST reply payload: at most
@@ -1209,6 +1284,12 @@ pub fn encode_snapshot_list(records: &[SnapshotRecord]) -> Result<Vec<u8>, Frame
         ] {
             out.extend_from_slice(&v.to_be_bytes());
         }
+        let flags = if r.inherited {
+            SNAPSHOT_FLAG_INHERITED
+        } else {
+            0
+        };
+        out.extend_from_slice(&flags.to_be_bytes());
         out.extend_from_slice(&(r.name.len() as u16).to_be_bytes());
         out.extend_from_slice(r.name.as_bytes());
     }
@@ -1235,7 +1316,11 @@ pub fn decode_snapshot_list(mut b: &[u8]) -> Result<Vec<SnapshotRecord>, FrameEr
             w.copy_from_slice(&head[i * 8..i * 8 + 8]);
             u64::from_be_bytes(w)
         };
-        let len = usize::from(u16::from_be_bytes([head[32], head[33]]));
+        let flags = u32::from_be_bytes([head[32], head[33], head[34], head[35]]);
+        if flags & !SNAPSHOT_FLAG_INHERITED != 0 {
+            return Err(FrameError::BadPayload("unknown snapshot record flags"));
+        }
+        let len = usize::from(u16::from_be_bytes([head[36], head[37]]));
         if len == 0 || len > MAX_SNAPSHOT_NAME_BYTES || len > rest.len() {
             return Err(FrameError::BadPayload("bad snapshot name length"));
         }
@@ -1248,6 +1333,7 @@ pub fn decode_snapshot_list(mut b: &[u8]) -> Result<Vec<SnapshotRecord>, FrameEr
             allocated_bytes: word(1),
             merge_done: word(2),
             merge_total: word(3),
+            inherited: flags & SNAPSHOT_FLAG_INHERITED != 0,
         });
         b = rest;
     }
@@ -1455,7 +1541,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 6, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 7, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -1488,15 +1574,15 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 21;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8015)));
-        // The version before the snapshot views is refused, naming both.
+        b[7] = 22;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8016)));
+        // The version before the clones is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
-        b[5] = 5;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(5)));
+        b[5] = 6;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(6)));
         assert_eq!(
-            FrameError::BadVersion(5).to_string(),
-            "protocol version 5, expected 6"
+            FrameError::BadVersion(6).to_string(),
+            "protocol version 6, expected 7"
         );
     }
 
@@ -1541,6 +1627,7 @@ mod tests {
                 allocated_bytes: 4096 * i as u64,
                 merge_done: i as u64,
                 merge_total: 2 * i as u64,
+                inherited: i % 3 == 0,
             })
             .collect();
         let b = encode_snapshot_list(&records).unwrap();
@@ -1553,6 +1640,10 @@ mod tests {
         let mut more = records.clone();
         more.push(records[0].clone());
         assert!(encode_snapshot_list(&more).is_err());
+        // A flag this version does not know is refused, not ignored.
+        let mut unknown = encode_snapshot_list(&records[..1]).unwrap();
+        unknown[35] |= 2;
+        assert!(decode_snapshot_list(&unknown).is_err());
         let full = vec![
             SnapshotRecord {
                 name: "n".repeat(MAX_SNAPSHOT_NAME_BYTES),
@@ -1560,6 +1651,7 @@ mod tests {
                 allocated_bytes: 0,
                 merge_done: 0,
                 merge_total: 0,
+                inherited: true,
             };
             MAX_SNAPSHOT_RECORDS
         ];
@@ -1583,6 +1675,28 @@ mod tests {
             ..reply
         };
         assert!(encode_header(&bad, &mut wire).is_err());
+    }
+
+    #[test]
+    fn clone_requests() {
+        let b = encode_clone_request("pvc-2.r0").unwrap();
+        assert_eq!(decode_clone_request(&b).unwrap(), "pvc-2.r0");
+        assert!(encode_clone_request("").is_err());
+        assert!(encode_clone_request("a/b").is_err());
+        assert!(decode_clone_request(b"a@b").is_err(), "an @ names a view");
+        assert!(decode_clone_request(&[0xff]).is_err(), "not UTF-8");
+        let h = Header::request(Kind::Clone, 4, 0, b.len() as u32);
+        let mut wire = [0u8; HEADER_LEN];
+        encode_header(&h, &mut wire).unwrap();
+        assert_eq!(payload_len(&decode_header(&wire).unwrap()), b.len());
+        for len in [0, MAX_REPLICA_NAME_BYTES + 1] {
+            let bad = Header::request(Kind::Clone, 4, 0, len as u32);
+            assert!(encode_header(&bad, &mut wire).is_err(), "{len}");
+        }
+        assert_eq!(
+            SnapshotOp::from_wire(SnapshotOp::Flatten.to_wire()),
+            Some(SnapshotOp::Flatten)
+        );
     }
 
     #[test]

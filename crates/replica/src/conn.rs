@@ -47,7 +47,10 @@
 //! from it (READs never with `sendfile`: the head file is not the
 //! snapshot), and every other request is answered `EROFS` (a write's
 //! payload drained) before it is counted anywhere: a view never takes
-//! the replica over, is never fenced, and changes no record.
+//! the replica over, is never fenced, and changes no record. CLONE
+//! (version 7) is asked on a view only: it makes a new replica of the
+//! store whose base is the view's snapshot (`store::Index::clone_replica`,
+//! on a helper thread), and changes nothing of this one.
 //!
 //! Authentication: with TLS credentials, the first byte must open a TLS
 //! handshake (a plain peer is refused with a warning naming it), and the
@@ -467,6 +470,32 @@ impl wire::ReceiveFrames for Conn {
                     }
                 }
             }
+            (_, Kind::Clone) => {
+                // The new replica's name: at most MAX_REPLICA_NAME_BYTES,
+                // checked by `decode_header`.
+                let end = HEADER_LEN + proto::payload_len(&h);
+                if self.wire.inb.buffered() < end {
+                    return false;
+                }
+                let decoded = proto::decode_clone_request(&self.wire.inb.peek()[HEADER_LEN..end])
+                    .map(str::to_string);
+                self.wire.inb.consume(end);
+                match (decoded, &self.view) {
+                    (Ok(name), Some(view)) => {
+                        let snapshot = view.snapshot.clone();
+                        self.start_snapshot(h, SnapshotJob::Clone { snapshot, name });
+                    }
+                    (Ok(_), None) => {
+                        tracing::warn!(peer = %self.wire.peer(), ?h,
+                            "CLONE refused: it is asked on a snapshot view connection (REPLICA@SNAPSHOT)");
+                        self.push_error(h, libc::EINVAL);
+                    }
+                    (Err(e), _) => {
+                        tracing::warn!(peer = %self.wire.peer(), ?h, error = %e, "CLONE refused: bad request");
+                        self.push_error(h, libc::EINVAL);
+                    }
+                }
+            }
             (_, kind) if kind.has_change_key() => {
                 // The key follows the header: at most MAX_CHANGE_KEY_LEN,
                 // checked by `decode_header`.
@@ -816,9 +845,16 @@ impl Conn {
         let what = match &job {
             SnapshotJob::Run(r) => format!("{:?} {:?}", r.op, r.name),
             SnapshotJob::List => "list".to_string(),
+            SnapshotJob::Clone { snapshot, name } => format!("clone {snapshot:?} as {name:?}"),
         };
         let started = match self.me.clone() {
-            Some((thread, poller)) => self.server().snapshot_async(job, thread, poller),
+            Some((thread, poller)) => {
+                let store = match &self.port.served {
+                    crate::Served::Store(index) => Some(index.clone()),
+                    crate::Served::One(_) => None,
+                };
+                self.server().snapshot_async(job, store, thread, poller)
+            }
             // `poll` learns `me` before reading anything.
             None => Err(ReplicaError::ShuttingDown),
         };
@@ -1373,7 +1409,7 @@ impl Conn {
             Kind::IntentGet => return self.intent_get(req),
             Kind::IntentMark | Kind::IntentClear => return self.intent_update(req),
             Kind::SnapshotList => return self.start_snapshot(req, SnapshotJob::List),
-            Kind::Snapshot | Kind::Changed => {
+            Kind::Snapshot | Kind::Changed | Kind::Clone => {
                 // `take_frame` takes these with their payload.
                 debug_assert!(false, "{:?} handled in take_frame", req.kind);
                 if counted {
@@ -1449,7 +1485,8 @@ impl Conn {
             | Kind::ChangesDrop
             | Kind::Snapshot
             | Kind::SnapshotList
-            | Kind::Changed => {
+            | Kind::Changed
+            | Kind::Clone => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
@@ -1899,6 +1936,7 @@ fn served_on_view(kind: Kind) -> bool {
         | Kind::BlockStatus
         | Kind::Extents
         | Kind::Changed
+        | Kind::Clone
         | Kind::Ping => true,
         Kind::Write
         | Kind::WriteFua

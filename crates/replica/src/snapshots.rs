@@ -4,7 +4,7 @@
 //!
 //! ```ignore
 //! // On a connection, for SNAPSHOT {create, "s1"} (counted in the fence):
-//! let rx = shared.snapshot_async(SnapshotJob::Run(req), thread, poller)?;
+//! let rx = shared.snapshot_async(SnapshotJob::Run(req), store, thread, poller)?;
 //! // ... the connection reads no frames until `rx` answers, then replies:
 //! match rx.try_recv() {
 //!     Ok(Ok(SnapshotDone::Ran)) => { /* status 0: the record is durable */ }
@@ -47,6 +47,7 @@ use lull_proto::replica::{
 use lull_reactor::{PollerId, ThreadHandle};
 
 use crate::intent::IntentError;
+use crate::store::Index;
 use crate::{ReplicaError, Shared};
 
 // The wire's bounds are the chain's: a name the chain takes fits a
@@ -62,6 +63,8 @@ pub(crate) enum SnapshotJob {
     /// SNAPSHOT_LIST. Off the reactor too: a layer's allocated bytes are
     /// a count over its bitmap (32 KiB per GiB of volume per layer).
     List,
+    /// CLONE on a view of `snapshot`: a new replica `name` of the store.
+    Clone { snapshot: String, name: String },
 }
 
 /// What a job answers.
@@ -93,6 +96,10 @@ pub enum SnapshotError {
     Intent(#[from] IntentError),
     #[error("{0}")]
     Failed(BdevError),
+    #[error("{0}")]
+    Store(#[from] crate::store::StoreError),
+    #[error("a clone is made by a node's replica store (lull serve --store), not by lull replica")]
+    NotAStore,
 }
 
 impl SnapshotError {
@@ -106,16 +113,21 @@ impl SnapshotError {
             SnapshotError::Busy(_) => libc::EBUSY,
             SnapshotError::Closed => libc::ESHUTDOWN,
             SnapshotError::Intent(_) | SnapshotError::Failed(_) => libc::EIO,
+            SnapshotError::Store(e) => e.errno(),
+            SnapshotError::NotAStore => libc::EOPNOTSUPP,
         }
     }
 
     /// A refusal of what was asked (logged as a warning), as opposed to a
     /// failure of the replica (an error).
     pub fn is_refusal(&self) -> bool {
-        !matches!(
-            self,
-            SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
-        )
+        match self {
+            SnapshotError::Store(e) => e.is_refusal(),
+            e => !matches!(
+                e,
+                SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
+            ),
+        }
     }
 
     /// A chain error of an operation on snapshot `name`, whose name was
@@ -153,21 +165,37 @@ impl Shared {
     /// Starts `job` on a helper thread ("lull-replica-snap"). The result
     /// arrives on the returned channel, and then `poller` on `thread` is
     /// woken (as [`Shared::meta_async`]).
+    ///
+    /// `store` is the node's store this replica is in (`None` for `lull
+    /// replica`): a clone is made there, and a flatten tells the origin
+    /// there once done.
     pub(crate) fn snapshot_async(
         self: &Arc<Self>,
         job: SnapshotJob,
+        store: Option<Arc<Index>>,
         thread: ThreadHandle,
         poller: PollerId,
     ) -> Result<mpsc::Receiver<Result<SnapshotDone, SnapshotError>>, ReplicaError> {
         let shared = self.clone();
         crate::on_helper_thread("lull-replica-snap", thread, poller, move || match job {
-            SnapshotJob::Run(req) => shared.snapshot_run(&req).map(|()| SnapshotDone::Ran),
+            SnapshotJob::Run(req) => shared.snapshot_run(&req, store).map(|()| SnapshotDone::Ran),
             SnapshotJob::List => Ok(SnapshotDone::List(shared.snapshot_list())),
+            SnapshotJob::Clone { snapshot, name } => {
+                let (Some(store), Some(origin)) = (store, shared.name.as_deref()) else {
+                    return Err(SnapshotError::NotAStore);
+                };
+                store.clone_replica(&name, origin, &snapshot)?;
+                Ok(SnapshotDone::Ran)
+            }
         })
     }
 
     /// Blocking: one SNAPSHOT operation (module doc).
-    pub(crate) fn snapshot_run(&self, req: &SnapshotRequest) -> Result<(), SnapshotError> {
+    pub(crate) fn snapshot_run(
+        &self,
+        req: &SnapshotRequest,
+        store: Option<Arc<Index>>,
+    ) -> Result<(), SnapshotError> {
         let name = req.name.as_str();
         check_snapshot_name(name).map_err(|e| SnapshotError::BadName(e.to_string()))?;
         let _one = self.control.enter()?;
@@ -187,6 +215,29 @@ impl Shared {
             SnapshotOp::Delete => chain
                 .delete_snapshot(name)
                 .map_err(|e| SnapshotError::of_chain(e, name))?,
+            SnapshotOp::Flatten => {
+                match chain.base_snapshot() {
+                    // Stands alone already (a flatten asked again).
+                    None => return Ok(()),
+                    Some(base) if base != name => {
+                        return Err(SnapshotError::NotFound(name.into()));
+                    }
+                    Some(_) => {}
+                }
+                // Once the base has left the chain, the origin may delete
+                // the snapshots it shared (a crash before that is mended
+                // when the store opens: `Store::open`).
+                let me = self.name.clone();
+                let done: Box<dyn FnOnce() + Send> = Box::new(move || {
+                    if let (Some(store), Some(me)) = (store, me) {
+                        store.forget_clone(&me);
+                    }
+                });
+                chain
+                    .start_flatten(done)
+                    .map_err(|e| SnapshotError::of_chain(e, name))?;
+                tracing::info!(dir = %self.dir.display(), base = name, "flatten started: the base is copied in the background");
+            }
             SnapshotOp::Revert => {
                 if !chain.has_snapshot(name) {
                     return Err(SnapshotError::NotFound(name.into()));
@@ -273,5 +324,6 @@ fn record_of(s: SnapshotInfo) -> SnapshotRecord {
         allocated_bytes: s.allocated_bytes,
         merge_done,
         merge_total,
+        inherited: s.inherited,
     }
 }

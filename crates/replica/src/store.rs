@@ -158,6 +158,15 @@ pub enum StoreError {
     },
     #[error("replica {name:?}: {source}")]
     Replica { name: String, source: ReplicaError },
+    #[error("replica {replica:?} has no snapshot {snapshot:?}")]
+    NoSnapshot { replica: String, snapshot: String },
+    #[error("replica {name:?} is the base of clones {clones}: flatten or delete them first")]
+    HasClones { name: String, clones: String },
+    #[error("clone {name:?}: {source}")]
+    Clone {
+        name: String,
+        source: lull_bdev::BdevError,
+    },
     #[error(transparent)]
     Server(#[from] ReplicaError),
 }
@@ -177,6 +186,13 @@ impl StoreError {
             StoreError::Version { .. } | StoreError::BadRecord { .. } => libc::EINVAL,
             StoreError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             StoreError::Replica { source, .. } | StoreError::Server(source) => source.errno(),
+            StoreError::NoSnapshot { .. } => libc::ENOENT,
+            StoreError::HasClones { .. } => libc::EBUSY,
+            StoreError::Clone { source, .. } => match source {
+                lull_bdev::BdevError::Failed(m) if m.contains("layers") => libc::EMLINK,
+                lull_bdev::BdevError::InUse(_) => libc::EBUSY,
+                e => e.errno(),
+            },
         }
     }
 
@@ -194,6 +210,8 @@ impl StoreError {
                 | StoreError::NoSpace { .. }
                 | StoreError::Leftover { .. }
                 | StoreError::Import { .. }
+                | StoreError::NoSnapshot { .. }
+                | StoreError::HasClones { .. }
         )
     }
 }
@@ -255,6 +273,15 @@ struct RecordEntry {
 /// The store's replicas by name, read by connections at HELLO.
 pub(crate) struct Index {
     replicas: RwLock<BTreeMap<String, Arc<Shared>>>,
+    dir: PathBuf,
+    data: DataOptions,
+    overcommit_percent: u32,
+    conns: Arc<lull_net::server::Connections>,
+    /// Serialises create, clone, delete and import: the record and the
+    /// index change together, one change at a time.
+    changes: Mutex<()>,
+    /// Replica operations done (for the log's totals).
+    created: AtomicU64,
 }
 
 impl Index {
@@ -269,29 +296,221 @@ impl Index {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Arc<Shared>>> {
         self.replicas.write().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Refuses a new replica of `size_bytes` past the store's room (see
+    /// the module doc: thin provisioning with a guard).
+    fn check_room(
+        &self,
+        current: &BTreeMap<String, Arc<Shared>>,
+        size_bytes: u64,
+    ) -> Result<(), StoreError> {
+        let (_, free) = fs_space(&self.dir)?;
+        let allocated: u64 = current.values().map(|r| r.allocated_bytes()).sum();
+        let provisioned: u64 = current.values().map(|r| r.size_bytes).sum();
+        let room = (u128::from(free + allocated) * u128::from(self.overcommit_percent) / 100)
+            .min(u128::from(u64::MAX)) as u64;
+        let committed = provisioned.saturating_add(size_bytes);
+        if committed > room {
+            return Err(StoreError::NoSpace {
+                size_bytes,
+                committed_bytes: committed,
+                room_bytes: room,
+                overcommit_percent: self.overcommit_percent,
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes the directory of new replica `name`; one already there is a
+    /// create cut short, not overwritten.
+    fn new_replica_dir(&self, name: &str) -> Result<PathBuf, StoreError> {
+        let rdir = self.replica_dir(name);
+        if let Err(e) = std::fs::create_dir(&rdir) {
+            return Err(if e.kind() == std::io::ErrorKind::AlreadyExists {
+                StoreError::Leftover {
+                    path: rdir,
+                    reason: "exists but the store record does not name it (a create cut short?): replica_import it or remove it".into(),
+                }
+            } else {
+                io_err(&rdir)(e)
+            });
+        }
+        Ok(rdir)
+    }
+
+    /// Creates replica `name` as a clone of snapshot `snapshot` of
+    /// replica `origin`: its base is that snapshot and those below it
+    /// (the origin's layer files, shared), its head a new empty layer in
+    /// its own directory; it starts clean at generation 0, as a created
+    /// replica (`lull_proto::replica`'s "Clones"). A replica of that name
+    /// that is already a clone of the same snapshot is answered as made
+    /// (a retry). Blocking (file creation and fsyncs).
+    pub(crate) fn clone_replica(
+        &self,
+        name: &str,
+        origin: &str,
+        snapshot: &str,
+    ) -> Result<ReplicaInfo, StoreError> {
+        check_name(name)?;
+        let _one = self.lock_changes();
+        let current = self.read().clone();
+        let from = current
+            .get(origin)
+            .ok_or_else(|| StoreError::NotFound(origin.into()))?
+            .clone();
+        if let Some(existing) = current.get(name) {
+            if from.chain.has_clone(name, snapshot) {
+                return Ok(info_of(name, existing));
+            }
+            return Err(StoreError::Exists(name.into()));
+        }
+        if !from.chain.has_snapshot(snapshot) {
+            return Err(StoreError::NoSnapshot {
+                replica: origin.into(),
+                snapshot: snapshot.into(),
+            });
+        }
+        if current.len() >= MAX_STORE_REPLICAS {
+            return Err(StoreError::Full);
+        }
+        let size_bytes = from.size_bytes;
+        self.check_room(&current, size_bytes)?;
+        let rdir = self.new_replica_dir(name)?;
+        let undo = |r: Option<&Arc<Shared>>| {
+            if let Some(r) = r {
+                r.intent.stop();
+                r.close_chain();
+            }
+            from.chain.forget_clone(name);
+            if let Err(e) = std::fs::remove_dir_all(&rdir) {
+                tracing::warn!(path = %rdir.display(), error = %e, "cannot remove the directory of a clone not made");
+            }
+        };
+        // The clone's chain record (its base and an empty head) and its
+        // metadata first: `add` opens it as any replica's directory.
+        let layers = Arc::new(lull_bdev::chain::FileStore::new(
+            rdir.join(DATA_FILE),
+            lull_bdev::FileOptions {
+                direct: self.data.direct,
+                create: true,
+                ring: self.data.ring,
+            },
+        ));
+        let made = from
+            .chain
+            .clone_snapshot(snapshot, name, layers)
+            .map_err(|source| StoreError::Clone {
+                name: name.into(),
+                source,
+            })
+            .and_then(|chain| {
+                drop(chain);
+                Meta::new(size_bytes)
+                    .store(&rdir)
+                    .map_err(|e| StoreError::Replica {
+                        name: name.into(),
+                        source: e.into(),
+                    })
+            });
+        if let Err(e) = made {
+            undo(None);
+            return Err(e);
+        }
+        let replica = self.add(name, &rdir, size_bytes, current, undo)?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            replica = name,
+            origin,
+            snapshot,
+            size_bytes,
+            "replica cloned from a snapshot"
+        );
+        Ok(info_of(name, &replica))
+    }
+
+    /// Every replica forgets that clone `name` stands on it (the clone was
+    /// flattened or deleted).
+    pub(crate) fn forget_clone(&self, name: &str) {
+        for (origin, r) in self.read().iter() {
+            if r.chain.forget_clone(name) {
+                tracing::info!(replica = %origin, clone = name, "a clone let go of its base");
+            }
+        }
+    }
+
+    fn replica_dir(&self, name: &str) -> PathBuf {
+        self.dir.join(REPLICAS_DIR).join(name)
+    }
+
+    fn lock_changes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.changes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the record for `replicas` (blocking).
+    fn store_record(&self, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
+        let record = StoreRecord {
+            format_version: STORE_FORMAT_VERSION,
+            replicas: replicas
+                .iter()
+                .map(|(name, r)| RecordEntry {
+                    name: name.clone(),
+                    size_bytes: r.size_bytes,
+                })
+                .collect(),
+        };
+        durable::store_json(&self.dir.join(STORE_FILE), &record)?;
+        Ok(())
+    }
+
+    /// The last steps of a create or an import, with the replica's files
+    /// in place under `rdir`: open it, write the record naming it, then
+    /// serve it. A failed step calls `undo` (with the replica once it is
+    /// open) and nothing of it stays in the store.
+    fn add(
+        &self,
+        name: &str,
+        rdir: &Path,
+        size_bytes: u64,
+        current: BTreeMap<String, Arc<Shared>>,
+        undo: impl Fn(Option<&Arc<Shared>>),
+    ) -> Result<Arc<Shared>, StoreError> {
+        let opened = open_replica(
+            rdir,
+            Some(name.to_string()),
+            size_bytes,
+            &self.data,
+            self.conns.clone(),
+        );
+        let replica = opened.map_err(|source| {
+            undo(None);
+            StoreError::Replica {
+                name: name.into(),
+                source,
+            }
+        })?;
+        let mut next = current;
+        next.insert(name.to_string(), replica.clone());
+        if let Err(e) = self.store_record(&next) {
+            undo(Some(&replica));
+            return Err(e);
+        }
+        self.write().insert(name.to_string(), replica.clone());
+        Ok(replica)
+    }
 }
 
 /// A running store.
 pub struct Store {
-    dir: PathBuf,
     index: Arc<Index>,
     acceptor: Acceptor,
     addr: SocketAddr,
-    data: DataOptions,
-    overcommit_percent: u32,
-    conns: Arc<lull_net::server::Connections>,
-    /// Serialises create, delete and import: the record and the index
-    /// change together, one change at a time.
-    changes: Mutex<()>,
-    /// Replica operations done (for the log's totals).
-    created: AtomicU64,
     /// Holds the store's advisory lock until the store is dropped.
     _lock: File,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Store({}, {})", self.addr, self.dir.display())
+        write!(f, "Store({}, {})", self.addr, self.index.dir.display())
     }
 }
 
@@ -416,6 +635,17 @@ impl Store {
                 }
             }
         }
+        // A clone reference whose clone is gone, or stands alone, is what
+        // a crash between a clone's delete or flatten and its origin's
+        // record left: the snapshot it names is free again.
+        for (origin, r) in &replicas {
+            for clone in r.chain.clone_names() {
+                if !replicas.get(&clone).is_some_and(|c| c.chain.has_base()) {
+                    tracing::info!(replica = %origin, clone, "a clone that is gone or flattened let go of its base");
+                    r.chain.forget_clone(&clone);
+                }
+            }
+        }
         if let Ok(entries) = std::fs::read_dir(dir.join(REPLICAS_DIR)) {
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
@@ -427,6 +657,12 @@ impl Store {
         }
         let index = Arc::new(Index {
             replicas: RwLock::new(replicas),
+            dir: dir.clone(),
+            data,
+            overcommit_percent: config.overcommit_percent,
+            conns: conns.clone(),
+            changes: Mutex::new(()),
+            created: AtomicU64::new(0),
         });
         let (listener, addr) = match bind(config.listen) {
             Ok(l) => l,
@@ -456,15 +692,9 @@ impl Store {
         tracing::info!(addr = %addr, dir = %dir.display(), replicas = count,
             overcommit_percent = config.overcommit_percent, "replica store serving");
         Ok(Store {
-            dir,
             index,
             acceptor,
             addr,
-            data,
-            overcommit_percent: config.overcommit_percent,
-            conns,
-            changes: Mutex::new(()),
-            created: AtomicU64::new(0),
             _lock: lock,
         })
     }
@@ -475,31 +705,7 @@ impl Store {
     }
 
     pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    fn replica_dir(&self, name: &str) -> PathBuf {
-        self.dir.join(REPLICAS_DIR).join(name)
-    }
-
-    fn lock_changes(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.changes.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Writes the record for `replicas` (blocking).
-    fn store_record(&self, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
-        let record = StoreRecord {
-            format_version: STORE_FORMAT_VERSION,
-            replicas: replicas
-                .iter()
-                .map(|(name, r)| RecordEntry {
-                    name: name.clone(),
-                    size_bytes: r.size_bytes,
-                })
-                .collect(),
-        };
-        durable::store_json(&self.dir.join(STORE_FILE), &record)?;
-        Ok(())
+        &self.index.dir
     }
 
     /// Creates an empty replica of `size_bytes` (sparse). Blocking (file
@@ -507,7 +713,7 @@ impl Store {
     pub fn create(&self, name: &str, size_bytes: u64) -> Result<ReplicaInfo, StoreError> {
         check_name(name)?;
         check_size(size_bytes)?;
-        let _one = self.lock_changes();
+        let _one = self.index.lock_changes();
         let current = self.index.read().clone();
         if current.contains_key(name) {
             return Err(StoreError::Exists(name.into()));
@@ -515,31 +721,8 @@ impl Store {
         if current.len() >= MAX_STORE_REPLICAS {
             return Err(StoreError::Full);
         }
-        let (_, free) = fs_space(&self.dir)?;
-        let allocated: u64 = current.values().map(|r| r.allocated_bytes()).sum();
-        let provisioned: u64 = current.values().map(|r| r.size_bytes).sum();
-        let room = (u128::from(free + allocated) * u128::from(self.overcommit_percent) / 100)
-            .min(u128::from(u64::MAX)) as u64;
-        let committed = provisioned.saturating_add(size_bytes);
-        if committed > room {
-            return Err(StoreError::NoSpace {
-                size_bytes,
-                committed_bytes: committed,
-                room_bytes: room,
-                overcommit_percent: self.overcommit_percent,
-            });
-        }
-        let rdir = self.replica_dir(name);
-        if let Err(e) = std::fs::create_dir(&rdir) {
-            return Err(if e.kind() == std::io::ErrorKind::AlreadyExists {
-                StoreError::Leftover {
-                    path: rdir,
-                    reason: "exists but the store record does not name it (a create cut short?): replica_import it or remove it".into(),
-                }
-            } else {
-                io_err(&rdir)(e)
-            });
-        }
+        self.index.check_room(&current, size_bytes)?;
+        let rdir = self.index.new_replica_dir(name)?;
         let undo = |r: Option<&Arc<Shared>>| {
             if let Some(r) = r {
                 r.intent.stop();
@@ -548,56 +731,28 @@ impl Store {
                 tracing::warn!(path = %rdir.display(), error = %e, "cannot remove the directory of a replica not created");
             }
         };
-        let replica = self.add(name, &rdir, size_bytes, current, undo)?;
-        self.created.fetch_add(1, Ordering::Relaxed);
+        let replica = self.index.add(name, &rdir, size_bytes, current, undo)?;
+        self.index.created.fetch_add(1, Ordering::Relaxed);
         tracing::info!(replica = name, size_bytes, "replica created");
         Ok(info_of(name, &replica))
-    }
-
-    /// The last steps of a create or an import, with the replica's files
-    /// in place under `rdir`: open it, write the record naming it, then
-    /// serve it. A failed step calls `undo` (with the replica once it is
-    /// open) and nothing of it stays in the store.
-    fn add(
-        &self,
-        name: &str,
-        rdir: &Path,
-        size_bytes: u64,
-        current: BTreeMap<String, Arc<Shared>>,
-        undo: impl Fn(Option<&Arc<Shared>>),
-    ) -> Result<Arc<Shared>, StoreError> {
-        let opened = open_replica(
-            rdir,
-            Some(name.to_string()),
-            size_bytes,
-            &self.data,
-            self.conns.clone(),
-        );
-        let replica = opened.map_err(|source| {
-            undo(None);
-            StoreError::Replica {
-                name: name.into(),
-                source,
-            }
-        })?;
-        let mut next = current;
-        next.insert(name.to_string(), replica.clone());
-        if let Err(e) = self.store_record(&next) {
-            undo(Some(&replica));
-            return Err(e);
-        }
-        self.index.write().insert(name.to_string(), replica.clone());
-        Ok(replica)
     }
 
     /// Deletes a replica and its data. Refused while an engine holds it.
     /// Blocking (an fsync, the removal of its files).
     pub fn delete(&self, name: &str) -> Result<(), StoreError> {
         check_name(name)?;
-        let _one = self.lock_changes();
+        let _one = self.index.lock_changes();
         let Some(replica) = self.index.find(name) else {
             return Err(StoreError::NotFound(name.into()));
         };
+        // Its files are the base of these: they would read files gone.
+        let clones = replica.chain.clone_names();
+        if !clones.is_empty() {
+            return Err(StoreError::HasClones {
+                name: name.into(),
+                clones: clones.join(", "),
+            });
+        }
         if let Some(session) = replica.fences.holder() {
             return Err(StoreError::Held {
                 name: name.into(),
@@ -606,7 +761,7 @@ impl Store {
         }
         let mut next = self.index.read().clone();
         next.remove(name);
-        self.store_record(&next)?;
+        self.index.store_record(&next)?;
         // From here the replica is gone: new HELLOs find nothing, and the
         // connections it still has (tools, a closing engine) close.
         self.index.write().remove(name);
@@ -619,8 +774,25 @@ impl Store {
             tracing::warn!(replica = name, path = %replica.dir.display(), error = %e,
                 "replica deleted from the store, and its directory could not be removed");
         }
+        // A deleted clone no longer holds its origin's snapshots.
+        if replica.chain.has_base() {
+            self.index.forget_clone(name);
+        }
         tracing::info!(replica = name, "replica deleted");
         Ok(())
+    }
+
+    /// Creates replica `name` as a clone of snapshot `snapshot` of replica
+    /// `origin` of this store (shared, not copied; see
+    /// `lull_proto::replica`'s "Clones"). Blocking: an RPC thread.
+    pub fn clone_replica(
+        &self,
+        name: &str,
+        origin: &str,
+        snapshot: &str,
+    ) -> Result<ReplicaInfo, StoreError> {
+        check_name(origin)?;
+        self.index.clone_replica(name, origin, snapshot)
     }
 
     /// One replica's state.
@@ -635,7 +807,7 @@ impl Store {
 
     /// The store's space and every replica.
     pub fn info(&self) -> Result<StoreInfo, StoreError> {
-        let (capacity, free) = fs_space(&self.dir)?;
+        let (capacity, free) = fs_space(&self.index.dir)?;
         let replicas: Vec<ReplicaInfo> = self
             .index
             .read()
@@ -643,13 +815,13 @@ impl Store {
             .map(|(name, r)| info_of(name, r))
             .collect();
         Ok(StoreInfo {
-            dir: self.dir.clone(),
+            dir: self.index.dir.clone(),
             replica_addr: self.addr.to_string(),
             capacity_bytes: capacity,
             free_bytes: free,
             allocated_bytes: replicas.iter().map(|r| r.allocated_bytes).sum(),
             provisioned_bytes: replicas.iter().map(|r| r.size_bytes).sum(),
-            overcommit_percent: self.overcommit_percent,
+            overcommit_percent: self.index.overcommit_percent,
             replicas,
         })
     }
@@ -690,7 +862,7 @@ impl Store {
             return Err(bad(format!("no {DATA_FILE}: not a lull replica directory")));
         }
         check_size(meta.volume_size)?;
-        let _one = self.lock_changes();
+        let _one = self.index.lock_changes();
         let current = self.index.read().clone();
         if current.contains_key(name) {
             return Err(StoreError::Exists(name.into()));
@@ -701,7 +873,7 @@ impl Store {
         // A running `lull replica` holds this lock: refuse rather than
         // serve one data file from two processes.
         let lock = lock_dir(from).map_err(|e| bad(e.to_string()))?;
-        let rdir = self.replica_dir(name);
+        let rdir = self.index.replica_dir(name);
         if rdir.exists() {
             return Err(StoreError::Leftover {
                 path: rdir,
@@ -712,7 +884,7 @@ impl Store {
             if e.raw_os_error() == Some(libc::EXDEV) {
                 bad(format!(
                     "it is on another filesystem than the store ({}): move it there first",
-                    self.dir.display()
+                    self.index.dir.display()
                 ))
             } else {
                 bad(e.to_string())
@@ -732,7 +904,9 @@ impl Store {
             }
             move_back();
         };
-        let replica = self.add(name, &rdir, meta.volume_size, current, undo)?;
+        let replica = self
+            .index
+            .add(name, &rdir, meta.volume_size, current, undo)?;
         tracing::info!(replica = name, from = %from.display(), size_bytes = meta.volume_size,
             generation = meta.generation, clean = meta.clean, "replica imported");
         Ok(info_of(name, &replica))
@@ -766,7 +940,7 @@ impl Store {
         }
         tracing::info!(
             replicas = replicas.len(),
-            created = self.created.load(Ordering::Relaxed),
+            created = self.index.created.load(Ordering::Relaxed),
             "replica store stopped"
         );
         if open > 0 {

@@ -2042,3 +2042,135 @@ fn a_store_serves_views_by_replica_and_snapshot() {
     assert_eq!(c.changed_ranges("s1"), vec![(0, 8192)]);
     finish_store((c, v), store, fw);
 }
+
+impl Client {
+    /// CLONE (on a view connection): the reply's status.
+    fn clone_as(&mut self, name: &str) -> u32 {
+        self.call(Kind::Clone, 0, name.len() as u32, name.as_bytes())
+            .0
+            .status
+    }
+
+    /// Waits until no snapshot is listed as merging (a delete's or a
+    /// flatten's merge ran to its end).
+    fn wait_merges(&mut self) {
+        for _ in 0..1000 {
+            if self.snapshots().iter().all(|s| s.merge_total == 0) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("a merge still runs after 10 s");
+    }
+}
+
+#[test]
+fn a_store_clones_a_snapshot_shared_and_flattens_it() {
+    let dir = TempDir::new("clone-store");
+    let fw = framework();
+    let store = open_store(&fw, &dir, &["r1"]);
+    let addr = store.local_addr();
+    let mut c = Client::connect(addr);
+    assert_eq!(c.hello_named("r1", 0).0.status, 0);
+    let (a, b) = (pattern(1, 8192), pattern(2, 8192));
+    assert_eq!(c.write(0, &a), 0);
+    assert_eq!(c.write(4 * MIB, &a), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.write(0, &b), 0);
+
+    let mut v = Client::connect(addr);
+    let (h, _) = v.hello_named(&wire::view_hello_name("r1", "s1"), 0);
+    assert_eq!(h.status, 0);
+    assert_eq!(v.clone_as("c1"), 0);
+    assert_eq!(v.clone_as("c1"), 0, "the same clone again is a retry");
+    assert_eq!(v.clone_as("r1") as i32, libc::EEXIST);
+    assert_eq!(v.clone_as("bad/name") as i32, libc::EINVAL);
+    assert_eq!(v.read(0, 8192), a, "the view goes on");
+    // CLONE is a view's request.
+    assert_eq!(c.clone_as("c9") as i32, libc::EINVAL);
+    assert!(store.get("c9").is_err());
+    // A new replica: clean at generation 0, as a created one.
+    let info = store.get("c1").unwrap();
+    assert!(info.clean && info.generation == 0, "{info:?}");
+
+    // The clone reads the snapshot, writes on its own, and shares the
+    // origin's layers (its directory holds only its head).
+    let mut k = Client::connect(addr);
+    assert_eq!(k.hello_named("c1", 0).0.status, 0);
+    assert_eq!(k.read(0, 8192), a);
+    let records = k.snapshots();
+    assert_eq!(records.len(), 1);
+    assert!(
+        records[0].name == "s1" && records[0].inherited,
+        "{records:?}"
+    );
+    assert!(!c.snapshots()[0].inherited);
+    let d = pattern(3, 4096);
+    assert_eq!(k.write(4096, &d), 0);
+    assert_eq!(k.read(4096, 4096), d);
+    assert_eq!(c.read(0, 8192), b, "the origin's live data is its own");
+    assert_eq!(v.read(0, 8192), a, "and so is its snapshot");
+    assert!(store.get("c1").unwrap().allocated_bytes < 1 << 20);
+
+    // What the clone stands on cannot go, and the refusals say why.
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1") as i32, libc::EBUSY);
+    assert_eq!(k.snapshot(SnapshotOp::Delete, "s1") as i32, libc::EBUSY);
+    let e = store.delete("r1").unwrap_err();
+    assert!(e.to_string().contains("c1"), "{e}");
+    assert_eq!(e.errno(), libc::EBUSY);
+    // A second clone, kept through a restart below.
+    assert_eq!(v.clone_as("c2"), 0);
+    drop(v);
+
+    // Flatten: a wrong base is refused; the right one copies the base in
+    // the background, after which the clone stands alone.
+    assert_eq!(k.snapshot(SnapshotOp::Flatten, "s0") as i32, libc::ENOENT);
+    assert_eq!(k.snapshot(SnapshotOp::Flatten, "s1"), 0);
+    k.wait_snapshot_gone("s1");
+    assert_eq!(k.read(0, 4096), a[..4096].to_vec());
+    assert_eq!(k.read(4096, 4096), d);
+    assert_eq!(k.read(4 * MIB, 8192), a);
+    assert_eq!(
+        k.snapshot(SnapshotOp::Flatten, "s1"),
+        0,
+        "again: nothing to do"
+    );
+    // c2 still holds s1.
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1") as i32, libc::EBUSY);
+    finish_store((c, k), store, fw);
+
+    // After a restart the clone still stands on its base, and once it is
+    // deleted the origin's snapshot may go.
+    let fw = framework();
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: dir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let addr = store.local_addr();
+    let mut k2 = Client::connect(addr);
+    assert_eq!(k2.hello_named("c2", 0).0.status, 0);
+    assert_eq!(k2.read(0, 8192), a);
+    assert_eq!(k2.read(4 * MIB, 8192), a);
+    drop(k2);
+    store.delete("c2").unwrap();
+    let mut c = Client::connect(addr);
+    assert_eq!(c.hello_named("r1", 0).0.status, 0);
+    assert_eq!(c.snapshot(SnapshotOp::Delete, "s1"), 0);
+    c.wait_merges();
+    c.wait_snapshot_gone("s1");
+    assert_eq!(c.read(0, 8192), b);
+    assert_eq!(c.read(4 * MIB, 8192), a);
+    let mut k = Client::connect(addr);
+    assert_eq!(k.hello_named("c1", 0).0.status, 0);
+    assert_eq!(
+        k.read(4 * MIB, 8192),
+        a,
+        "the flattened clone reads its own copy"
+    );
+    store.delete("r1").unwrap();
+    finish_store((c, k), store, fw);
+}

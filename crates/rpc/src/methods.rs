@@ -105,6 +105,17 @@ pub trait ControlPlane: Send + Sync {
         let _ = (name, dir);
         Err(no_store())
     }
+    /// `replica_clone`: a new replica of the store whose base is snapshot
+    /// `snapshot` of replica `origin` of the store (shared, not copied).
+    fn replica_clone(
+        &self,
+        name: &str,
+        origin: &str,
+        snapshot: &str,
+    ) -> Result<Value, ControlError> {
+        let _ = (name, origin, snapshot);
+        Err(no_store())
+    }
     /// `store_get`: the store's space and every replica in it.
     fn store_get(&self) -> Result<Value, ControlError> {
         Err(no_store())
@@ -413,6 +424,7 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_delete",
     "replica_get",
     "replica_import",
+    "replica_clone",
     "store_get",
     "snapshot_create",
     "snapshot_list",
@@ -521,6 +533,18 @@ pub fn register_lull_methods(
     method(registry, "replica_get", move |p: ReplicaName| {
         check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
         c.control.replica_get(&p.name)
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_clone", move |p: ReplicaClone| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        let Some((origin, snapshot)) = p.snapshot.rsplit_once('@') else {
+            return Err(ControlError::InvalidParams(format!(
+                "snapshot must be REPLICA@SNAPSHOT, not {:?}",
+                p.snapshot
+            )));
+        };
+        check_name("snapshot", origin, MAX_REPLICA_NAME_LEN)?;
+        c.control.replica_clone(&p.name, origin, snapshot)
     })?;
     let c = ctx.clone();
     method(registry, "replica_import", move |p: ReplicaImport| {
@@ -986,6 +1010,16 @@ struct ReplicaCreate {
 #[serde(deny_unknown_fields)]
 struct ReplicaName {
     name: String,
+}
+
+/// `replica_clone` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReplicaClone {
+    /// The new replica.
+    name: String,
+    /// `REPLICA@SNAPSHOT`: a snapshot of a replica of this store.
+    snapshot: String,
 }
 
 /// `replica_import` parameters.

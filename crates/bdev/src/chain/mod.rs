@@ -308,6 +308,9 @@ pub struct SnapshotInfo {
     pub parent: Option<String>,
     /// Clones whose base it is (volume names).
     pub clones: Vec<String>,
+    /// It belongs to the chain this one was cloned from (a layer of the
+    /// clone's base): read, never merged or deleted by this chain.
+    pub inherited: bool,
     /// A delete is merging it into its child: bytes done of the total.
     pub merging: Option<(u64, u64)>,
 }
@@ -315,6 +318,9 @@ pub struct SnapshotInfo {
 /// A merge in the background.
 struct Merge {
     snapshot: String,
+    /// A flatten: the merge copies the clone's base (every inherited
+    /// snapshot shows it as merging).
+    base: bool,
     done_bytes: Arc<AtomicU64>,
     total_bytes: u64,
     /// Set by [`ChainDev::stop_merge`]: the merge stops before its next step.
@@ -552,12 +558,14 @@ impl ChainDev {
                     .filter(|c| c.snapshot == s.name)
                     .map(|c| c.volume.clone())
                     .collect(),
+                inherited: l.foreign.is_some(),
                 // A merge that failed or was stopped left the snapshot
                 // in place: not merging any more (delete it again).
                 merging: merge
                     .as_ref()
                     .filter(|m| {
-                        m.snapshot == s.name && m.thread.as_ref().is_some_and(|t| !t.is_finished())
+                        (m.snapshot == s.name || (m.base && l.foreign.is_some()))
+                            && m.thread.as_ref().is_some_and(|t| !t.is_finished())
                     })
                     .map(|m| (m.done_bytes.load(Ordering::Relaxed), m.total_bytes)),
             });
@@ -759,7 +767,7 @@ impl ChainDev {
     /// layer is dropped. Refused while clones use it (the error names
     /// them) or another merge runs.
     pub fn delete_snapshot(&self, name: &str) -> Result<(), BdevError> {
-        self.start_merge(MergeWhat::Snapshot(name.to_string()))
+        self.start_merge(MergeWhat::Snapshot(name.to_string()), None)
     }
 
     /// Copies a clone's base into its head so it stands alone; the base's
@@ -770,9 +778,56 @@ impl ChainDev {
         if !self.has_base() {
             return Ok(false);
         }
-        self.start_merge(MergeWhat::Base)?;
+        self.start_merge(MergeWhat::Base, None)?;
         self.wait_merge()?;
         Ok(true)
+    }
+
+    /// Starts copying a clone's base into it in the background (as a
+    /// delete's merge: I/O goes on, [`ChainDev::snapshots`] shows every
+    /// inherited snapshot merging) and returns; `done` runs on the merge's
+    /// thread once the base has left the chain (not when the merge fails
+    /// or is stopped: the base is then still in place). Returns whether
+    /// there was a base.
+    pub fn start_flatten(&self, done: Box<dyn FnOnce() + Send>) -> Result<bool, BdevError> {
+        if !self.has_base() {
+            return Ok(false);
+        }
+        self.start_merge(MergeWhat::Base, Some(done))?;
+        Ok(true)
+    }
+
+    /// The volumes (or replicas) whose base is one of this chain's
+    /// snapshots.
+    pub fn clone_names(&self) -> Vec<String> {
+        self.clones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|c| c.volume.clone())
+            .collect()
+    }
+
+    /// Whether the clone named `volume` has snapshot `name` of this chain
+    /// as its base.
+    pub fn has_clone(&self, volume: &str, name: &str) -> bool {
+        self.clones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|c| c.volume == volume && c.snapshot == name)
+    }
+
+    /// The name of the top snapshot of this chain's base (the snapshot it
+    /// was cloned from); `None` when it stands alone.
+    pub fn base_snapshot(&self) -> Option<String> {
+        self.shared
+            .state()
+            .layers
+            .iter()
+            .rev()
+            .find(|l| l.foreign.is_some())
+            .and_then(|l| l.snapshot.as_ref().map(|s| s.name.clone()))
     }
 
     /// Stops a merge in the background, if one runs, and waits for its
@@ -813,10 +868,15 @@ impl ChainDev {
         result
     }
 
-    fn start_merge(&self, what: MergeWhat) -> Result<(), BdevError> {
+    fn start_merge(
+        &self,
+        what: MergeWhat,
+        done: Option<Box<dyn FnOnce() + Send>>,
+    ) -> Result<(), BdevError> {
         let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
         self.no_merge_running()?;
         let state = self.shared.state();
+        let base = matches!(what, MergeWhat::Base);
         let (range, label) = match &what {
             MergeWhat::Snapshot(name) => {
                 let i = state
@@ -852,7 +912,7 @@ impl ChainDev {
             .iter()
             .map(|l| l.held.count() * CHAIN_BLOCK_BYTES)
             .sum();
-        let done = Arc::new(AtomicU64::new(0));
+        let done_bytes = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let committed = Arc::new(AtomicBool::new(false));
         let job = MergeJob {
@@ -864,8 +924,9 @@ impl ChainDev {
             control: self.control.clone(),
             first: state.layers[range.start].id,
             last: state.layers[range.end - 1].id,
-            done: done.clone(),
+            done: done_bytes.clone(),
             label: label.clone(),
+            on_done: done,
         };
         tracing::info!(chain = %self.store.describe(), what = %label, bytes = total, "merge started");
         let thread = std::thread::Builder::new()
@@ -874,7 +935,8 @@ impl ChainDev {
             .map_err(BdevError::Io)?;
         *self.merge.lock().unwrap_or_else(|p| p.into_inner()) = Some(Merge {
             snapshot: label,
-            done_bytes: done,
+            base,
+            done_bytes,
             total_bytes: total,
             stop,
             committed,
@@ -963,17 +1025,22 @@ struct MergeJob {
     stop: Arc<AtomicBool>,
     /// Set once the new state is in place ([`Merge::committed`]).
     committed: Arc<AtomicBool>,
+    /// Runs once the merge is done ([`ChainDev::start_flatten`]).
+    on_done: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// The error of a merge that [`ChainDev::stop_merge`] stopped.
 const MERGE_STOPPED: &str = "merge stopped: the chain is being closed";
 
 impl MergeJob {
-    fn run(self) -> Result<(), BdevError> {
+    fn run(mut self) -> Result<(), BdevError> {
         let result = self.copy();
         match &result {
             Ok(()) => {
-                tracing::info!(chain = %self.store.describe(), what = %self.label, "merge done")
+                tracing::info!(chain = %self.store.describe(), what = %self.label, "merge done");
+                if let Some(done) = self.on_done.take() {
+                    done();
+                }
             }
             Err(_) if self.stop.load(Ordering::SeqCst) => {
                 tracing::info!(chain = %self.store.describe(), what = %self.label,

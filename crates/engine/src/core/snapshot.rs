@@ -461,10 +461,17 @@ impl Engine {
         if lists.len() != list.got.len() || lists.len() != live.count() || lists.len() < 2 {
             return None;
         }
+        // A clone's inherited snapshots are its base, not its own: a
+        // replica that flattened has none, one a crash cut has them still.
         lists
             .iter()
             .flat_map(|l| l.iter())
-            .find(|r| !lists.iter().all(|l| l.iter().any(|o| o.name == r.name)))
+            .filter(|r| !r.inherited)
+            .find(|r| {
+                !lists
+                    .iter()
+                    .all(|l| l.iter().any(|o| o.name == r.name && !o.inherited))
+            })
             .map(|r| r.name.clone())
     }
 

@@ -424,6 +424,69 @@ impl ReplicatedDev {
             .clone()
     }
 
+    /// Makes on each replica's store a clone of snapshot `snapshot` of that
+    /// replica (CLONE on a view, replica protocol version 7), named
+    /// `names(i, replica)`: the replicas of a new volume whose base is the
+    /// snapshot, shared, not copied. Blocking (a connection per replica
+    /// and the stores' file creation): an RPC thread, never a reactor.
+    /// Every replica must hold the snapshot; a CLONE already made is
+    /// answered as made, so a call cut halfway can be made again.
+    pub fn clone_replicas(
+        &self,
+        snapshot: &str,
+        names: impl Fn(usize, &ReplicaTarget) -> String,
+    ) -> Result<Vec<ReplicaTarget>, String> {
+        let timeout =
+            self.view_timeout + Duration::from_nanos(crate::core::SNAPSHOT_EXTRA_TIMEOUT_NS);
+        let hello = lull_proto::replica::Hello {
+            volume_size: self.size_bytes,
+            generation: 0,
+            flags: 0,
+            session: 0,
+        };
+        let mut made = Vec::new();
+        for (i, t) in self.replica_targets().iter().enumerate() {
+            let Some(origin) = t.name.as_deref() else {
+                return Err(format!(
+                    "replica {t} is a lull replica process: clones are made by a node's replica store (lull serve --store)"
+                ));
+            };
+            let name = names(i, t);
+            let failed = |why: String| {
+                let done: Vec<String> =
+                    made.iter().map(|m: &ReplicaTarget| m.to_string()).collect();
+                format!(
+                    "cloning {origin}@{snapshot} on {} as {name:?}: {why} (made before it: {done:?}; volume_clone again completes them, replica_delete on their stores removes them)",
+                    t.addr
+                )
+            };
+            let view = lull_proto::replica::view_hello_name(origin, snapshot);
+            let mut c =
+                crate::client::Client::connect(t.addr, self.tls.as_ref(), timeout, &hello, &view)
+                    .map_err(|e| failed(e.to_string()))?;
+            let payload = lull_proto::replica::encode_clone_request(&name)
+                .map_err(|e| failed(e.to_string()))?;
+            let (reply, _) = c
+                .request(
+                    lull_proto::replica::Kind::Clone,
+                    0,
+                    payload.len() as u32,
+                    &payload,
+                )
+                .map_err(failed)?;
+            if reply.status != 0 {
+                return Err(failed(
+                    std::io::Error::from_raw_os_error(reply.status as i32).to_string(),
+                ));
+            }
+            made.push(ReplicaTarget {
+                addr: t.addr,
+                name: Some(Arc::from(name.as_str())),
+            });
+        }
+        Ok(made)
+    }
+
     fn event(&self, ev: Event) -> Result<(), EngineError> {
         let shell = self.shell.clone();
         self.engine

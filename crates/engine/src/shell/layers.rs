@@ -13,6 +13,10 @@
 //!
 //! With no snapshot in common the target's live data is trimmed first and
 //! the first snapshot's data blocks (BLOCK_STATUS on its view) are copied.
+//! A clone's inherited snapshots (its base, shared with its origin) are
+//! neither compared nor copied: a snapshot's view reads the base's blocks
+//! as its own, so a replica without the base gets them in its first
+//! snapshot (or the rebuild).
 //! A snapshot being merged away on the source (a delete running) is not
 //! copied; the next one's CHANGED covers its blocks. A target holding
 //! snapshots its source lacks below the first they share is not touched
@@ -171,14 +175,18 @@ impl Job {
         let mut src = self.connect(&self.source, 0, self.source.hello_name())?;
         let mut dst = self.connect(&self.target, self.session, self.target.hello_name())?;
         let theirs = snapshot_list(&mut src)?;
+        // A clone's inherited snapshots are its base, shared with its
+        // origin, not copied: a replica cloned from the same snapshot has
+        // them, a flattened one or a new one reads their blocks as its own.
         let ours: Vec<String> = snapshot_list(&mut dst)?
             .into_iter()
+            .filter(|s| !s.inherited)
             .map(|s| s.name)
             .collect();
         // A snapshot being merged away is on its way out: not copied.
         let wanted: Vec<String> = theirs
             .into_iter()
-            .filter(|s| s.merge_total == 0)
+            .filter(|s| s.merge_total == 0 && !s.inherited)
             .map(|s| s.name)
             .collect();
         let k = wanted.iter().zip(&ours).take_while(|(a, b)| a == b).count();

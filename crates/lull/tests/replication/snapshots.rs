@@ -513,3 +513,171 @@ fn a_new_replica_gets_every_snapshot() {
     c.kill();
     server.assert_healthy();
 }
+
+/// Bits of `snapshot_list`: (name, inherited, clones) of each snapshot.
+fn listed(server: &Server, volume: &str) -> Vec<(String, bool, Vec<String>)> {
+    server
+        .rpc("snapshot_list", &format!(r#"{{"volume":"{volume}"}}"#))
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|s| {
+            let clones = s["clones"]
+                .as_array()
+                .expect("clones")
+                .iter()
+                .map(|c| c.as_str().expect("a name").to_string())
+                .collect();
+            (
+                s["name"].as_str().expect("a name").to_string(),
+                s["inherited"].as_bool().expect("inherited"),
+                clones,
+            )
+        })
+        .collect()
+}
+
+/// A clone of a replicated volume's snapshot is a replicated volume whose
+/// replicas are made on its origin's replicas' stores (CLONE on a view),
+/// sharing the snapshot's layers: it reads the snapshot, writes apart
+/// from its origin, survives a replica's restart, and once flattened
+/// stands alone and lets the snapshot go. Real clients read and write.
+#[test]
+fn a_replicated_snapshot_is_cloned_on_its_replicas_stores_and_flattened() {
+    let scratch = Scratch::new("snap-repl-clone");
+    let mut a = Replica::start(Kind::Store, &scratch.join("a"), "64M");
+    let b = Replica::start(Kind::Store, &scratch.join("b"), "64M");
+    let spec = format!("v:64M:replicas={}+{}", a.target(), b.target());
+    // A node (`--store`): it records the clone's origin, and so names the
+    // clone when the snapshot's delete is refused.
+    let node_dir = scratch.join("node");
+    let replica_port = common::free_port().to_string();
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--store",
+        node_dir.to_str().expect("a path"),
+        "--replica-listen",
+        &replica_port,
+        "--volume",
+        &spec,
+    ]);
+    server.wait_replicas("v", HEAL_TIMEOUT, "both healthy", all_healthy);
+    tools::qemu_io(
+        &server,
+        "v",
+        &["write -P 0xa1 0 4M", "write -P 0xa2 20M 1M"],
+    );
+    server.rpc("snapshot_create", r#"{"volume":"v","name":"s1"}"#);
+    tools::qemu_io(&server, "v", &["write -P 0xb1 2M 4M"]);
+    let at_s1 = image(&[(0xa1, 0, 4 << 20), (0xa2, 20 << 20, 1 << 20)]);
+    let v_now = image(&[
+        (0xa1, 0, 4 << 20),
+        (0xa2, 20 << 20, 1 << 20),
+        (0xb1, 2 << 20, 4 << 20),
+    ]);
+
+    // Bad input first: nothing is made for it.
+    let why = refused(
+        &server,
+        "volume_clone",
+        r#"{"snapshot":"v@nope","name":"c"}"#,
+    );
+    assert!(why.contains("nope"), "{why}");
+    let why = refused(
+        &server,
+        "volume_clone",
+        r#"{"snapshot":"v@s1","name":"c","backend":"malloc"}"#,
+    );
+    assert!(why.contains("backend"), "{why}");
+    let why = refused(&server, "volume_clone", r#"{"snapshot":"v@s1","name":"v"}"#);
+    assert!(why.contains("exists"), "{why}");
+
+    let info = server.rpc("volume_clone", r#"{"snapshot":"v@s1","name":"c"}"#);
+    assert_eq!(info["name"], "c", "{info}");
+    server.wait_replicas("c", HEAL_TIMEOUT, "the clone's replicas healthy", |rs| {
+        rs.len() == 2 && all_healthy(rs)
+    });
+    let targets: Vec<String> = server.replicas("c").into_iter().map(|r| r.addr).collect();
+    assert!(
+        targets[0].ends_with("/c.r0") && targets[1].ends_with("/c.r1"),
+        "{targets:?}"
+    );
+    // Made on the origin's stores, sharing its layers: the store lists
+    // it, and its files hold only its own head.
+    let made = common::rpc(&a.rpc_socket(), "replica_get", r#"{"name":"c.r0"}"#);
+    assert!(
+        made["allocated_bytes"].as_u64().expect("bytes") < 1 << 20,
+        "{made}"
+    );
+    expect_copies(&server, &scratch, &[("c", &at_s1)], "a new clone");
+    assert_eq!(listed(&server, "c"), [("s1".to_string(), true, vec![])]);
+    assert_eq!(
+        listed(&server, "v"),
+        [("s1".to_string(), false, vec!["c".to_string()])]
+    );
+
+    // Writes go apart; the snapshot and the origin are untouched.
+    tools::qemu_io(
+        &server,
+        "c",
+        &["write -P 0xc1 20M 64K", "write -P 0xc2 40M 1M"],
+    );
+    let mut c_now = at_s1.clone();
+    c_now[20 << 20..(20 << 20) + (64 << 10)].fill(0xc1);
+    c_now[40 << 20..41 << 20].fill(0xc2);
+    expect_copies(
+        &server,
+        &scratch,
+        &[
+            ("c", &c_now),
+            ("v", &v_now),
+            ("v@s1", &at_s1),
+            ("c@s1", &at_s1),
+        ],
+        "writes to the clone",
+    );
+    server.rpc("snapshot_create", r#"{"volume":"c","name":"cs1"}"#);
+
+    // What the clone stands on cannot go, and the refusal names it.
+    let why = refused(&server, "snapshot_delete", r#"{"volume":"v","name":"s1"}"#);
+    assert!(why.contains("\"c\"") || why.contains(" c"), "{why}");
+    let why = refused(&server, "snapshot_delete", r#"{"volume":"c","name":"s1"}"#);
+    assert!(why.contains("flatten"), "{why}");
+    let (ok, why) = common::rpc_outcome(&a.rpc_socket(), "replica_delete", r#"{"name":"r"}"#);
+    assert!(!ok && why.contains("c.r0"), "{why}");
+
+    // A replica of both volumes away and back: both heal (the clone's
+    // layer sync leaves the inherited base alone).
+    a.kill();
+    server.wait_replicas("c", HEAL_TIMEOUT, "c's first replica failed", |rs| {
+        rs.iter().any(|r| r.state == "failed")
+    });
+    tools::qemu_io(&server, "c", &["write -P 0xc3 48M 1M"]);
+    c_now[48 << 20..49 << 20].fill(0xc3);
+    a.restart();
+    server.wait_replicas("c", HEAL_TIMEOUT, "the clone healthy again", all_healthy);
+    server.wait_replicas("v", HEAL_TIMEOUT, "the origin healthy again", all_healthy);
+
+    // Flatten: every replica copies the base in; then the snapshot is
+    // free, and the clone reads the same.
+    server.rpc("volume_flatten", r#"{"name":"c"}"#);
+    let flat = crate::common::state::wait_until(HEAL_TIMEOUT, || {
+        listed(&server, "c")
+            .iter()
+            .all(|(_, inherited, _)| !inherited)
+    });
+    assert!(flat, "c still lists its base: {:?}", listed(&server, "c"));
+    assert_eq!(listed(&server, "c"), [("cs1".to_string(), false, vec![])]);
+    let why = refused(&server, "volume_flatten", r#"{"name":"c"}"#);
+    assert!(why.contains("not a clone"), "{why}");
+    server.rpc("snapshot_delete", r#"{"volume":"v","name":"s1"}"#);
+    let gone = crate::common::state::wait_until(HEAL_TIMEOUT, || names(&server).is_empty());
+    assert!(gone, "s1 still listed: {:?}", names(&server));
+    expect_copies(
+        &server,
+        &scratch,
+        &[("c", &c_now), ("v", &v_now)],
+        "after the flatten and the origin's delete",
+    );
+    server.assert_healthy();
+}
