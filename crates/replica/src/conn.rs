@@ -685,7 +685,7 @@ impl Conn {
             return vec![0; HELLO_LEN];
         };
         proto::encode_hello(&Hello {
-            volume_size: r.size_bytes,
+            volume_size: r.size_bytes(),
             generation,
             flags: r.hello_flags(),
             session: r.fences.owner(),
@@ -816,6 +816,7 @@ impl Conn {
         let what = match &job {
             SnapshotJob::Run(r) => format!("{:?} {:?}", r.op, r.name),
             SnapshotJob::List => "list".to_string(),
+            SnapshotJob::Grow(size) => format!("grow to {size} bytes"),
         };
         let started = match self.me.clone() {
             Some((thread, poller)) => self.server().snapshot_async(job, thread, poller),
@@ -1270,8 +1271,8 @@ impl Conn {
                 });
             }
         }
-        if hello.volume_size != self.server().size_bytes {
-            tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
+        if hello.volume_size != self.server().size_bytes() {
+            tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes(),
                 "HELLO with another volume size");
             self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
@@ -1383,9 +1384,10 @@ impl Conn {
                 return;
             }
             Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
+            Kind::Grow => return self.start_snapshot(req, SnapshotJob::Grow(req.offset)),
             _ => {}
         }
-        let size = self.server().size_bytes;
+        let size = self.server().size_bytes();
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1449,7 +1451,8 @@ impl Conn {
             | Kind::ChangesDrop
             | Kind::Snapshot
             | Kind::SnapshotList
-            | Kind::Changed => {
+            | Kind::Changed
+            | Kind::Grow => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
@@ -1500,7 +1503,7 @@ impl Conn {
     /// connection reads no frames meanwhile); a clear is answered at once
     /// and persisted lazily.
     fn intent_update(&mut self, req: Header) {
-        let regions = self.server().regions;
+        let regions = self.server().regions();
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1605,7 +1608,7 @@ impl Conn {
             return;
         }
         let mut reply = req.reply_with(0);
-        reply.offset = u64::from(self.server().regions);
+        reply.offset = u64::from(self.server().regions());
         reply.length = payload.len() as u32;
         self.push_reply(reply, Payload::Bytes(payload));
     }
@@ -1742,7 +1745,7 @@ impl Conn {
     /// for a range empty or outside the volume; `ENOENT` for no snapshot
     /// `since` on this device (on a view, one not older than the view's).
     fn changed(&mut self, req: Header, request: &ChangedRequest) {
-        let size = self.server().size_bytes;
+        let size = self.server().size_bytes();
         let in_range = request.length > 0
             && req
                 .offset
@@ -1913,7 +1916,8 @@ fn served_on_view(kind: Kind) -> bool {
         | Kind::ChangesGet
         | Kind::ChangesDrop
         | Kind::Snapshot
-        | Kind::SnapshotList => false,
+        | Kind::SnapshotList
+        | Kind::Grow => false,
     }
 }
 

@@ -62,6 +62,9 @@ pub(crate) enum SnapshotJob {
     /// SNAPSHOT_LIST. Off the reactor too: a layer's allocated bytes are
     /// a count over its bitmap (32 KiB per GiB of volume per layer).
     List,
+    /// GROW to this many bytes (`crate::grow`): a chain control operation
+    /// too, serialised with the others.
+    Grow(u64),
 }
 
 /// What a job answers.
@@ -93,6 +96,8 @@ pub enum SnapshotError {
     Intent(#[from] IntentError),
     #[error("{0}")]
     Failed(BdevError),
+    #[error("{0}")]
+    Grow(#[from] crate::grow::GrowError),
 }
 
 impl SnapshotError {
@@ -106,16 +111,20 @@ impl SnapshotError {
             SnapshotError::Busy(_) => libc::EBUSY,
             SnapshotError::Closed => libc::ESHUTDOWN,
             SnapshotError::Intent(_) | SnapshotError::Failed(_) => libc::EIO,
+            SnapshotError::Grow(e) => e.errno(),
         }
     }
 
     /// A refusal of what was asked (logged as a warning), as opposed to a
     /// failure of the replica (an error).
     pub fn is_refusal(&self) -> bool {
-        !matches!(
-            self,
-            SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
-        )
+        match self {
+            SnapshotError::Grow(e) => e.is_refusal(),
+            e => !matches!(
+                e,
+                SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
+            ),
+        }
     }
 
     /// A chain error of an operation on snapshot `name`, whose name was
@@ -140,7 +149,7 @@ pub(crate) struct Control {
 
 impl Control {
     /// Held across one operation; refused once closed.
-    fn enter(&self) -> Result<MutexGuard<'_, bool>, SnapshotError> {
+    pub(crate) fn enter(&self) -> Result<MutexGuard<'_, bool>, SnapshotError> {
         let guard = self.closed.lock().unwrap_or_else(|p| p.into_inner());
         if *guard {
             return Err(SnapshotError::Closed);
@@ -163,6 +172,7 @@ impl Shared {
         crate::on_helper_thread("lull-replica-snap", thread, poller, move || match job {
             SnapshotJob::Run(req) => shared.snapshot_run(&req).map(|()| SnapshotDone::Ran),
             SnapshotJob::List => Ok(SnapshotDone::List(shared.snapshot_list())),
+            SnapshotJob::Grow(size) => shared.grow(size).map(|()| SnapshotDone::Ran),
         })
     }
 
@@ -200,8 +210,8 @@ impl Shared {
                 // Every byte may change: noted in every change record (a
                 // replica away gets it all back) and in the write-intent
                 // record, durably, before the chain changes.
-                self.intent.note_write(0, self.size_bytes);
-                let seq = self.intent.mark(0, self.regions)?;
+                self.intent.note_write(0, self.size_bytes());
+                let seq = self.intent.mark(0, self.regions())?;
                 self.intent.wait_durable(seq)?;
                 let dropped = chain
                     .revert(name)

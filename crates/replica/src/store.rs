@@ -281,8 +281,8 @@ pub struct Store {
     overcommit_percent: u32,
     conns: Arc<lull_net::server::Connections>,
     /// Serialises create, delete and import: the record and the index
-    /// change together, one change at a time.
-    changes: Mutex<()>,
+    /// change together, one change at a time (and a GROW's record write).
+    changes: Arc<Mutex<()>>,
     /// Replica operations done (for the log's totals).
     created: AtomicU64,
     /// Holds the store's advisory lock until the store is dropped.
@@ -319,6 +319,23 @@ fn check_name(name: &str) -> Result<(), StoreError> {
     })
 }
 
+/// Writes `dir/store.json` naming `replicas` with their sizes now
+/// (blocking).
+fn write_record(dir: &Path, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
+    let record = StoreRecord {
+        format_version: STORE_FORMAT_VERSION,
+        replicas: replicas
+            .iter()
+            .map(|(name, r)| RecordEntry {
+                name: name.clone(),
+                size_bytes: r.size_bytes(),
+            })
+            .collect(),
+    };
+    durable::store_json(&dir.join(STORE_FILE), &record)?;
+    Ok(())
+}
+
 fn check_size(size_bytes: u64) -> Result<(), StoreError> {
     if size_bytes == 0
         || !size_bytes.is_multiple_of(REPLICA_SIZE_ALIGN_BYTES)
@@ -333,13 +350,13 @@ fn info_of(name: &str, r: &Shared) -> ReplicaInfo {
     let (lost, bitmap) = r.intent.snapshot();
     ReplicaInfo {
         name: name.to_string(),
-        size_bytes: r.size_bytes,
+        size_bytes: r.size_bytes(),
         allocated_bytes: r.allocated_bytes(),
         generation: r.generation.load(Ordering::SeqCst),
         clean: r.hello_flags() & lull_proto::replica::HELLO_FLAG_CLEAN != 0,
         intent_lost: lost,
         intent_bits_set: if lost {
-            u64::from(r.regions)
+            u64::from(r.regions())
         } else {
             bitmap.iter().map(|b| u64::from(b.count_ones())).sum()
         },
@@ -455,7 +472,7 @@ impl Store {
         let count = index.read().len();
         tracing::info!(addr = %addr, dir = %dir.display(), replicas = count,
             overcommit_percent = config.overcommit_percent, "replica store serving");
-        Ok(Store {
+        let store = Store {
             dir,
             index,
             acceptor,
@@ -463,10 +480,31 @@ impl Store {
             data,
             overcommit_percent: config.overcommit_percent,
             conns,
-            changes: Mutex::new(()),
+            changes: Arc::default(),
             created: AtomicU64::new(0),
             _lock: lock,
-        })
+        };
+        let opened: Vec<(String, Arc<Shared>)> = store
+            .index
+            .read()
+            .iter()
+            .map(|(n, r)| (n.clone(), r.clone()))
+            .collect();
+        for (_, r) in &opened {
+            store.watch_growth(r);
+        }
+        // A replica grown online whose GROW's record write did not happen
+        // (a crash right after it): its own record was taken at open.
+        if record.replicas.iter().any(|e| {
+            opened
+                .iter()
+                .any(|(n, r)| *n == e.name && r.size_bytes() != e.size_bytes)
+        }) {
+            let _one = store.lock_changes();
+            store.store_record(&store.index.read())?;
+            tracing::info!(dir = %store.dir.display(), "store record updated with the sizes of replicas grown online");
+        }
+        Ok(store)
     }
 
     /// The replica port's address (with the real port for port 0).
@@ -488,18 +526,25 @@ impl Store {
 
     /// Writes the record for `replicas` (blocking).
     fn store_record(&self, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
-        let record = StoreRecord {
-            format_version: STORE_FORMAT_VERSION,
-            replicas: replicas
-                .iter()
-                .map(|(name, r)| RecordEntry {
-                    name: name.clone(),
-                    size_bytes: r.size_bytes,
-                })
-                .collect(),
-        };
-        durable::store_json(&self.dir.join(STORE_FILE), &record)?;
-        Ok(())
+        write_record(&self.dir, replicas)
+    }
+
+    /// What `replica` runs once a GROW of it is durable: the record
+    /// again, with its new size (under the store's change lock, from the
+    /// index as it is then; the index is held weakly, as it holds the
+    /// replica).
+    fn watch_growth(&self, replica: &Shared) {
+        let dir = self.dir.clone();
+        let index = Arc::downgrade(&self.index);
+        let changes = self.changes.clone();
+        let _ = replica.grown_hook.set(Box::new(move || {
+            let Some(index) = index.upgrade() else {
+                return Ok(());
+            };
+            let _one = changes.lock().unwrap_or_else(|p| p.into_inner());
+            let replicas = index.read().clone();
+            write_record(&dir, &replicas).map_err(|e| e.to_string())
+        }));
     }
 
     /// Creates an empty replica of `size_bytes` (sparse). Blocking (file
@@ -517,7 +562,7 @@ impl Store {
         }
         let (_, free) = fs_space(&self.dir)?;
         let allocated: u64 = current.values().map(|r| r.allocated_bytes()).sum();
-        let provisioned: u64 = current.values().map(|r| r.size_bytes).sum();
+        let provisioned: u64 = current.values().map(|r| r.size_bytes()).sum();
         let room = (u128::from(free + allocated) * u128::from(self.overcommit_percent) / 100)
             .min(u128::from(u64::MAX)) as u64;
         let committed = provisioned.saturating_add(size_bytes);
@@ -586,6 +631,7 @@ impl Store {
             undo(Some(&replica));
             return Err(e);
         }
+        self.watch_growth(&replica);
         self.index.write().insert(name.to_string(), replica.clone());
         Ok(replica)
     }
