@@ -1508,7 +1508,7 @@ mod tests {
         };
         let b = enc(&h);
         assert_eq!(&b[0..4], b"LULR");
-        assert_eq!(&b[4..8], &[0, 6, 0, 3]);
+        assert_eq!(&b[4..8], &[0, 7, 0, 3]);
         assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
             &b[16..24],
@@ -1541,15 +1541,15 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 21;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8015)));
-        // The version before the snapshot views is refused, naming both.
+        b[7] = 22;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8016)));
+        // The version before GROW is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
-        b[5] = 5;
-        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(5)));
+        b[5] = 6;
+        assert_eq!(decode_header(&b), Err(FrameError::BadVersion(6)));
         assert_eq!(
-            FrameError::BadVersion(5).to_string(),
-            "protocol version 5, expected 6"
+            FrameError::BadVersion(6).to_string(),
+            "protocol version 6, expected 7"
         );
     }
 
