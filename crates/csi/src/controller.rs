@@ -736,7 +736,7 @@ impl Controller for ControllerPlugin {
         _request: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         Err(Status::unimplemented(
-            "ControllerExpandVolume: not offered (no EXPAND_VOLUME capability: replicated volumes do not resize yet)",
+            "ControllerExpandVolume: not offered yet (no EXPAND_VOLUME capability: the plugin does not drive the node daemons' volume_resize yet)",
         ))
     }
 

@@ -701,7 +701,7 @@ impl NodeService for NodePlugin {
         _request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         Err(Status::unimplemented(
-            "NodeExpandVolume: not offered (no EXPAND_VOLUME capability: replicated volumes do not resize yet)",
+            "NodeExpandVolume: not offered yet (no EXPAND_VOLUME capability: growing an attach's loop device and filesystem is not built yet)",
         ))
     }
 

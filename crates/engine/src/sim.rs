@@ -421,6 +421,10 @@ impl SimReplica {
                 self.clean = true;
                 (h.reply_with(0), Vec::new())
             }
+            // The simulated volume has a fixed size: its replicas refuse
+            // to grow, which exercises the grow's hold, drain, send and
+            // resume without a size change (`sim_a_refused_grow_...`).
+            Kind::Grow => (h.reply_with(libc::EOPNOTSUPP as u32), Vec::new()),
             _ if !range_ok => (h.reply_with(libc::EINVAL as u32), Vec::new()),
             Kind::Read => (h.reply_with(0), self.data[o..o + l].to_vec()),
             Kind::Write | Kind::WriteFua => {
@@ -590,6 +594,8 @@ pub(crate) struct Sim {
     snap_rng: Rng,
     /// The snapshot operation asked for and not answered: token, op, name.
     snap_pending: Option<(u64, proto::SnapshotOp, String)>,
+    /// Outcomes of grows asked for, in order.
+    grow_outcomes: Vec<Result<u64, String>>,
     /// Client writes in flight when a revert was asked for, and that
     /// snapshot's bytes per block: the engine drains writes it had sent
     /// before the revert runs, so such a write may have landed before it
@@ -706,6 +712,7 @@ impl Sim {
             pipes: false,
             spliced_reads: 0,
             snap_rng: Rng(seed ^ 0x5eed_5a70),
+            grow_outcomes: Vec::new(),
             snap_pending: None,
             revert_racers: HashMap::new(),
             random_snapshots: true,
@@ -1579,6 +1586,10 @@ impl Sim {
     /// writes and drained those in flight, so nothing was written since
     /// the replicas took it).
     fn on_control_done(&mut self, token: u64, outcome: crate::core::ControlOutcome) {
+        if let crate::core::ControlOutcome::Grow(r) = outcome {
+            self.grow_outcomes.push(r);
+            return;
+        }
         if token & RECONCILE_TOKEN_BIT != 0 {
             // A reconcile deleted a partial snapshot: look again.
             if let crate::core::ControlOutcome::Snapshot(Ok(())) = outcome {
@@ -2606,4 +2617,50 @@ fn sim_a_spliced_read_carries_its_pipe_to_its_completion() {
         sim.stats.replica_failures > 0,
         "the faults did not fail a replica"
     );
+}
+
+/// A grow holds writes, drains them, sends GROW to every replica and, as
+/// every replica refuses (the simulated volume has a fixed size), keeps
+/// the size and the healthy set and lets writes go on, the oracle checked
+/// throughout. A grow with a replica away, and a shrink, are refused at
+/// once.
+#[test]
+fn sim_a_refused_grow_keeps_the_size_and_the_writes_go_on() {
+    let mut sim = Sim::new(77, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    sim.step_until(1_500 * MS, true);
+    sim.apply(Event::Grow {
+        token: 1,
+        size_bytes: 2 * SIZE,
+    });
+    let deadline = sim.now + 10_000 * MS;
+    while sim.grow_outcomes.is_empty() {
+        assert!(sim.now < deadline, "the grow never answered");
+        sim.step_until(sim.now + 10 * MS, true);
+    }
+    let why = sim.grow_outcomes[0]
+        .clone()
+        .expect_err("every replica refused");
+    assert!(why.contains("cannot grow"), "{why}");
+    assert_eq!(sim.engine.size_bytes(), SIZE);
+    assert_eq!(sim.engine.healthy_count(), 2, "{}", sim.log.join("\n"));
+    sim.apply(Event::Grow {
+        token: 2,
+        size_bytes: SIZE - 4096,
+    });
+    sim.take_down(1, u64::MAX);
+    sim.step_until(sim.now + 5_000 * MS, true);
+    sim.apply(Event::Grow {
+        token: 3,
+        size_bytes: 2 * SIZE,
+    });
+    assert_eq!(sim.grow_outcomes.len(), 3);
+    assert!(sim.grow_outcomes[1]
+        .as_ref()
+        .is_err_and(|w| w.contains("shrink")));
+    assert!(sim.grow_outcomes[2]
+        .as_ref()
+        .is_err_and(|w| w.contains("every replica healthy")));
+    sim.run(0);
 }

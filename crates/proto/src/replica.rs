@@ -30,6 +30,7 @@
 //! | SNAPSHOT_LIST | none (`length` 0) | N × [`SnapshotRecord`] | 0 / payload bytes |
 //! | CHANGED | [`ChangedRequest`] (range length u32, then a snapshot name) | N × 16 ([`StatusExtent`], flag [`STATUS_CHANGED`]) | echo `offset` / `16 × N` |
 //! | CLONE | the new replica's name (1 to [`MAX_REPLICA_NAME_BYTES`]) | none | 0 / 0 |
+//! | GROW | none (`offset` = the new volume size, `length` 0) | none | echo `offset` / 0 |
 //!
 //! EXTENTS replies: `offset` is where the scan stopped (exclusive); the
 //! caller continues from there until it reaches the end of its range. The
@@ -171,6 +172,28 @@
 //! `ENOENT`. SNAPSHOT_LIST marks a base's snapshots inherited
 //! ([`SNAPSHOT_FLAG_INHERITED`]); they show as merging while a flatten
 //! runs.
+//! # Growing a volume: GROW (version 7)
+//!
+//! GROW asks the replica to grow its volume to `offset` bytes online: every
+//! layer of its chain serves the new range as zeros (the files are extended
+//! sparsely), the metadata record holds the new size and the write-intent
+//! record (with the change records) has the new size's regions, all durable
+//! before the reply. From the reply on, requests are checked against the
+//! new size and a HELLO must carry it. It is a modifying request (fenced
+//! like a write). Growing to the current size answers success (a retried
+//! request does nothing). Refused with `EINVAL`: a smaller size (replicas
+//! never shrink), one not a multiple of [`GROW_ALIGN_BYTES`] or past
+//! [`MAX_GROW_BYTES`], or one that would change the volume's write-intent
+//! or change-record region size ([`grow_keeps_regions`]: both sides derive
+//! the regions from the size, and records of writes in flight must keep
+//! meaning the same bytes); `EBUSY` while a snapshot is being merged;
+//! `EIO` when the files or records could not be written.
+//!
+//! The engine sends GROW only when every replica of the volume is healthy,
+//! after holding new writes and letting those in flight finish (as for
+//! SNAPSHOT), and takes the new size once every replica has answered; a
+//! replica that fails it leaves the healthy set and, at the old size, is
+//! refused at HELLO until it is grown.
 //!
 //! # Worked example
 //!
@@ -212,7 +235,8 @@ pub const MAGIC: u32 = 0x4C55_4C52;
 /// _DROP); version 5 the snapshots (SNAPSHOT, SNAPSHOT_LIST); version 6
 /// the snapshot views (a HELLO naming `REPLICA@SNAPSHOT`) and CHANGED;
 /// version 7 clones (CLONE on a view, SNAPSHOT's flatten, and the
-/// inherited flag of a SNAPSHOT_LIST record).
+/// inherited flag of a SNAPSHOT_LIST record) and GROW (online growth of a
+/// replicated volume).
 pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes in a frame header: 4 + 2 + 2 + 8 + 8 + 4 + 4.
 pub const HEADER_LEN: usize = 32;
@@ -314,6 +338,15 @@ pub const KIND_SNAPSHOT: u16 = 18;
 pub const KIND_SNAPSHOT_LIST: u16 = 19;
 pub const KIND_CHANGED: u16 = 20;
 pub const KIND_CLONE: u16 = 21;
+pub const KIND_GROW: u16 = 22;
+
+/// A GROW's new size is a multiple of 4 KiB: the chain's block and the
+/// largest LBA size a frontend serves (`lull_bdev::RESIZE_ALIGN_BYTES`).
+pub const GROW_ALIGN_BYTES: u64 = 4096;
+/// Largest size a GROW asks for: 2^62 bytes, far past any file a replica
+/// can hold, and small enough that offsets plus a request's length never
+/// overflow a u64.
+pub const MAX_GROW_BYTES: u64 = 1 << 62;
 
 /// CHANGED request payload before the name: the range's length (u32).
 pub const CHANGED_HEADER_LEN: usize = 4;
@@ -415,11 +448,13 @@ pub enum Kind {
     /// On a view connection to a store: make a new replica, named by the
     /// payload, whose base is the view's snapshot (version 7).
     Clone,
+    /// Grow the volume to `offset` bytes (version 7); answered once durable.
+    Grow,
 }
 
 impl Kind {
     /// Every kind, for tests and tables.
-    pub const ALL: [Kind; 21] = [
+    pub const ALL: [Kind; 22] = [
         Kind::Hello,
         Kind::Read,
         Kind::Write,
@@ -441,6 +476,7 @@ impl Kind {
         Kind::SnapshotList,
         Kind::Changed,
         Kind::Clone,
+        Kind::Grow,
     ];
 
     /// The kind for a wire code *without* [`REPLY_FLAG`]; `None` if unknown.
@@ -467,6 +503,7 @@ impl Kind {
             KIND_SNAPSHOT_LIST => Kind::SnapshotList,
             KIND_CHANGED => Kind::Changed,
             KIND_CLONE => Kind::Clone,
+            KIND_GROW => Kind::Grow,
             _ => return None,
         })
     }
@@ -495,6 +532,7 @@ impl Kind {
             Kind::SnapshotList => KIND_SNAPSHOT_LIST,
             Kind::Changed => KIND_CHANGED,
             Kind::Clone => KIND_CLONE,
+            Kind::Grow => KIND_GROW,
         }
     }
 
@@ -517,6 +555,7 @@ impl Kind {
                 | Kind::ChangesStart
                 | Kind::ChangesDrop
                 | Kind::Snapshot
+                | Kind::Grow
         )
     }
 
@@ -573,7 +612,9 @@ impl Header {
             | Kind::Snapshot
             | Kind::SnapshotList
             | Kind::Clone => (0, 0),
-            Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::Changed => (self.offset, 0),
+            Kind::Extents | Kind::IntentGet | Kind::BlockStatus | Kind::Changed | Kind::Grow => {
+                (self.offset, 0)
+            }
             Kind::Read
             | Kind::Write
             | Kind::WriteFua
@@ -678,7 +719,7 @@ fn check(h: &Header) -> Result<(), FrameError> {
             }
         }
         Kind::Read | Kind::Write | Kind::WriteFua => too_long(MAX_IO_BYTES)?,
-        Kind::Flush | Kind::Ping | Kind::Detach => too_long(0)?,
+        Kind::Flush | Kind::Ping | Kind::Detach | Kind::Grow => too_long(0)?,
         // The length is a range on the volume, not a payload; u32 bounds it.
         Kind::Trim | Kind::WriteZeroes => {}
         Kind::IntentMark | Kind::IntentClear => {
@@ -1077,6 +1118,17 @@ pub fn change_region_bytes(volume_size: u64) -> u64 {
         .checked_next_power_of_two()
         .unwrap_or(1 << 63)
         .max(CHANGE_REGION_MIN_BYTES)
+}
+
+/// Whether a volume of `old_size` bytes may grow to `new_size` without
+/// changing its write-intent or change-record region size (GROW's
+/// condition): regions are derived from the size on both sides, so a
+/// record of writes in flight must keep naming the same bytes. Up to 64
+/// GiB the regions are the smallest (4 MiB and 64 KiB); past it a volume
+/// grows within its power of two.
+pub fn grow_keeps_regions(old_size: u64, new_size: u64) -> bool {
+    intent_region_bytes(old_size) == intent_region_bytes(new_size)
+        && change_region_bytes(old_size) == change_region_bytes(new_size)
 }
 
 /// Change-record regions of a volume of `volume_size` bytes.
@@ -1574,9 +1626,9 @@ mod tests {
         b[7] = 0;
         assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0)));
         b[6] = 0x80;
-        b[7] = 22;
-        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8016)));
-        // The version before the clones is refused, naming both.
+        b[7] = 23;
+        assert_eq!(decode_header(&b), Err(FrameError::UnknownKind(0x8017)));
+        // The version before clones and GROW is refused, naming both.
         let mut b = enc(&Header::request(Kind::Hello, 1, 0, HELLO_LEN as u32));
         b[5] = 6;
         assert_eq!(decode_header(&b), Err(FrameError::BadVersion(6)));
@@ -2035,6 +2087,29 @@ mod tests {
         err.length = 16;
         assert!(encode_header(&err, &mut h).is_err());
         assert!(!Kind::BlockStatus.modifies());
+    }
+
+    #[test]
+    fn grow_frames_and_regions() {
+        let req = Header::request(Kind::Grow, 3, 2 << 30, 0);
+        let mut h = [0u8; HEADER_LEN];
+        assert!(encode_header(&req, &mut h).is_ok());
+        assert_eq!(decode_header(&h).ok(), Some(req));
+        assert_eq!(payload_len(&req), 0);
+        let reply = req.reply_with(0);
+        assert_eq!((reply.offset, reply.length), (2 << 30, 0));
+        assert!(Kind::Grow.modifies());
+        let mut bad = req;
+        bad.length = 1;
+        assert!(
+            encode_header(&bad, &mut h).is_err(),
+            "GROW carries no payload"
+        );
+        // Up to 64 GiB both region sizes stay the smallest.
+        assert!(grow_keeps_regions(1 << 20, 64 << 30));
+        assert!(!grow_keeps_regions(1 << 30, (64 << 30) + 4096));
+        assert!(grow_keeps_regions(100 << 30, 128 << 30));
+        assert!(!grow_keeps_regions(100 << 30, (128 << 30) + 4096));
     }
 
     #[test]

@@ -121,8 +121,11 @@ impl Changes {
 
     /// Starts (or restarts) the record of `key.peer`, seeded with
     /// `key.seed` (the writes in flight when the peer left; empty: none).
+    /// A seed shorter than the record is one an engine made before the
+    /// volume grew (GROW keeps the region size): its regions are the
+    /// first ones.
     pub fn start(&mut self, key: &ChangeKey) -> Result<(), StartError> {
-        if !key.seed.is_empty() && key.seed.len() != self.bitmap_bytes() {
+        if key.seed.len() > self.bitmap_bytes() {
             return Err(StartError::Seed {
                 len: key.seed.len(),
                 want: self.bitmap_bytes(),
@@ -219,6 +222,19 @@ impl Changes {
 
     fn bitmap_bytes(&self) -> usize {
         (self.regions as usize).div_ceil(8)
+    }
+
+    /// The volume grew to `size_bytes` with the same region size (GROW):
+    /// every record gets the new regions, none written, and is stored
+    /// again with the new geometry.
+    pub fn grow(&mut self, size_bytes: u64) {
+        debug_assert_eq!(change_region_bytes(size_bytes), self.region_bytes);
+        self.regions = change_regions(size_bytes).max(self.regions);
+        let bytes = self.bitmap_bytes();
+        for r in &mut self.records {
+            r.bitmap.resize(bytes, 0);
+        }
+        self.dirty = true;
     }
 
     /// The file's bytes when the records changed since the last call.
@@ -419,11 +435,20 @@ mod tests {
         let r = c.get("b").unwrap();
         assert_eq!(r.generation, 3);
         assert_eq!(set(&r.bitmap), (64..72).collect::<Vec<_>>());
-        let short = ChangeKey {
-            seed: vec![0u8; 7],
+        // A seed longer than the record is refused; a shorter one is an
+        // engine's from before a GROW: its first regions.
+        let long = ChangeKey {
+            seed: vec![0u8; (c.regions as usize).div_ceil(8) + 1],
             ..key("c", 1)
         };
-        assert!(c.start(&short).is_err());
+        assert!(c.start(&long).is_err());
+        let short = ChangeKey {
+            seed: vec![0x01; 1],
+            ..key("c", 1)
+        };
+        c.start(&short).unwrap();
+        assert_eq!(set(&c.get("c").unwrap().bitmap), [0]);
+        assert!(c.drop_peer("c"));
         c.note(0, 4096);
         c.note((64 << 10) - 1, 2);
         c.note(SIZE - 1, 1);

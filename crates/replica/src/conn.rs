@@ -714,7 +714,7 @@ impl Conn {
             return vec![0; HELLO_LEN];
         };
         proto::encode_hello(&Hello {
-            volume_size: r.size_bytes,
+            volume_size: r.size_bytes(),
             generation,
             flags: r.hello_flags(),
             session: r.fences.owner(),
@@ -846,6 +846,7 @@ impl Conn {
             SnapshotJob::Run(r) => format!("{:?} {:?}", r.op, r.name),
             SnapshotJob::List => "list".to_string(),
             SnapshotJob::Clone { snapshot, name } => format!("clone {snapshot:?} as {name:?}"),
+            SnapshotJob::Grow(size) => format!("grow to {size} bytes"),
         };
         let started = match self.me.clone() {
             Some((thread, poller)) => {
@@ -1306,8 +1307,8 @@ impl Conn {
                 });
             }
         }
-        if hello.volume_size != self.server().size_bytes {
-            tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes,
+        if hello.volume_size != self.server().size_bytes() {
+            tracing::warn!(peer = %self.wire.peer(), theirs = hello.volume_size, ours = self.server().size_bytes(),
                 "HELLO with another volume size");
             self.refuse_hello(req, libc::EINVAL);
             self.close("volume size mismatch");
@@ -1419,9 +1420,10 @@ impl Conn {
                 return;
             }
             Kind::Detach => return self.start_meta_wait(MetaFor::Detach(req), MetaJob::Detach),
+            Kind::Grow => return self.start_snapshot(req, SnapshotJob::Grow(req.offset)),
             _ => {}
         }
-        let size = self.server().size_bytes;
+        let size = self.server().size_bytes();
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1486,7 +1488,8 @@ impl Conn {
             | Kind::Snapshot
             | Kind::SnapshotList
             | Kind::Changed
-            | Kind::Clone => {
+            | Kind::Clone
+            | Kind::Grow => {
                 debug_assert!(false, "{:?} handled above", req.kind);
                 return;
             }
@@ -1537,7 +1540,7 @@ impl Conn {
     /// connection reads no frames meanwhile); a clear is answered at once
     /// and persisted lazily.
     fn intent_update(&mut self, req: Header) {
-        let regions = self.server().regions;
+        let regions = self.server().regions();
         let in_range = req
             .offset
             .checked_add(u64::from(req.length))
@@ -1642,7 +1645,7 @@ impl Conn {
             return;
         }
         let mut reply = req.reply_with(0);
-        reply.offset = u64::from(self.server().regions);
+        reply.offset = u64::from(self.server().regions());
         reply.length = payload.len() as u32;
         self.push_reply(reply, Payload::Bytes(payload));
     }
@@ -1779,7 +1782,7 @@ impl Conn {
     /// for a range empty or outside the volume; `ENOENT` for no snapshot
     /// `since` on this device (on a view, one not older than the view's).
     fn changed(&mut self, req: Header, request: &ChangedRequest) {
-        let size = self.server().size_bytes;
+        let size = self.server().size_bytes();
         let in_range = request.length > 0
             && req
                 .offset
@@ -1951,7 +1954,8 @@ fn served_on_view(kind: Kind) -> bool {
         | Kind::ChangesGet
         | Kind::ChangesDrop
         | Kind::Snapshot
-        | Kind::SnapshotList => false,
+        | Kind::SnapshotList
+        | Kind::Grow => false,
     }
 }
 

@@ -569,9 +569,21 @@ impl Persister {
                 if s.failed.is_some() || s.changed_seq == s.durable_seq {
                     break;
                 }
-                (s.bitmap.clone(), s.changes.take_changed(), s.changed_seq)
+                (
+                    s.bitmap.clone(),
+                    s.changes.take_changed(),
+                    s.changed_seq,
+                    s.regions,
+                )
             };
-            let (snapshot, changed, seq) = snapshot;
+            let (snapshot, changed, seq, regions) = snapshot;
+            // The volume grew (GROW): the file's slots take the new
+            // region count from this store on, and this store happens.
+            let relayout = regions != file.regions;
+            if relayout {
+                file.regions = regions;
+                file.held.resize((regions as usize).div_ceil(8), 0);
+            }
             // Two steps. First the marks (the bits set, none cleared) and
             // the change records, which marks and starts wait for. Then,
             // if bits were cleared, the data (the chain's head; layers
@@ -598,7 +610,10 @@ impl Persister {
                 None => Ok(()),
             };
             if result.is_ok()
-                && (marks != file.held || file.seq == 0 || self.lost.load(Ordering::SeqCst))
+                && (relayout
+                    || marks != file.held
+                    || file.seq == 0
+                    || self.lost.load(Ordering::SeqCst))
             {
                 result = file.store(&marks);
             }
@@ -801,6 +816,40 @@ impl Persister {
         self.wait_durable(seq)?;
         self.lost.store(false, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Blocking: the volume grew to `size_bytes` with the same region
+    /// sizes (GROW, `crate::grow`): the record and the change records get
+    /// the new regions, none set, and are stored with the new geometry
+    /// before this returns. A lost record stays lost (all set).
+    pub(crate) fn grow(&self, size_bytes: u64) -> Result<(), IntentError> {
+        let seq = {
+            let mut s = self.lock();
+            if let Some(e) = s.broken() {
+                return Err(e);
+            }
+            debug_assert!(intent_regions(size_bytes) >= s.regions);
+            s.regions = intent_regions(size_bytes).max(s.regions);
+            let bytes = (s.regions as usize).div_ceil(8);
+            let fill = if self.lost.load(Ordering::SeqCst) {
+                0xFF
+            } else {
+                0
+            };
+            s.bitmap.resize(bytes, fill);
+            let regions = s.regions;
+            if !regions.is_multiple_of(8) {
+                if let Some(last) = s.bitmap.last_mut() {
+                    *last &= (1u8 << (regions % 8)) - 1;
+                }
+            }
+            s.changes.grow(size_bytes);
+            s.changed_seq += 1;
+            self.cv.notify_all();
+            s.changed_seq
+        };
+        self.ensure_running()?;
+        self.wait_durable(seq)
     }
 
     /// (lost, bitmap) now.

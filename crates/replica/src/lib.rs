@@ -92,6 +92,7 @@ pub mod changes;
 mod conn;
 pub mod durable;
 mod fence;
+pub mod grow;
 pub mod intent;
 pub mod meta;
 pub mod snapshots;
@@ -101,7 +102,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -122,7 +123,7 @@ use crate::conn::Conn;
 use crate::fence::Fences;
 use crate::intent::{DataSync, IntentFile, Persister};
 use crate::snapshots::Control;
-use lull_proto::replica::{HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST};
+use lull_proto::replica::{GROW_ALIGN_BYTES, HELLO_FLAG_CLEAN, HELLO_FLAG_INTENT_LOST};
 
 /// File name of the volume data inside the replica directory.
 pub const DATA_FILE: &str = "data.img";
@@ -320,7 +321,8 @@ pub(crate) struct Shared {
     /// Set when the store deletes the replica: its connections close.
     pub(crate) deleted: AtomicBool,
     pub(crate) dir: PathBuf,
-    pub(crate) size_bytes: u64,
+    /// The volume's size: raised by GROW (`crate::grow`), never lowered.
+    size_bytes: AtomicU64,
     /// The data: a chain of layers, `data.img` first (one layer until a
     /// snapshot is taken: every request passes straight to it).
     pub(crate) chain: Arc<ChainDev>,
@@ -343,8 +345,10 @@ pub(crate) struct Shared {
     pub(crate) dirty: AtomicBool,
     /// The durable record says clean (a mirror, for HELLO replies).
     clean: AtomicBool,
-    /// Write-intent regions of the volume.
-    pub(crate) regions: u32,
+    /// Write-intent regions of the volume (raised by GROW with the size).
+    regions: AtomicU32,
+    /// Called after a GROW is durable (a store records the new size).
+    pub(crate) grown_hook: std::sync::OnceLock<grow::GrownHook>,
     pub(crate) intent: Arc<Persister>,
     pub(crate) fences: Fences,
     /// READ replies may be sent with `sendfile` from the page cache of
@@ -358,6 +362,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The volume's size now (requests are checked against it).
+    pub(crate) fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// Write-intent regions of the volume now.
+    pub(crate) fn regions(&self) -> u32 {
+        self.regions.load(Ordering::Acquire)
+    }
+
     /// Starts `job` on a helper thread. The result (the durable generation)
     /// arrives on the returned channel, and then `poller` on `thread` is
     /// woken.
@@ -545,6 +559,13 @@ pub(crate) fn open_replica(
         },
     ));
     let meta = match Meta::load(&dir)? {
+        // Grown online (GROW) since whoever opens it recorded its size:
+        // the replica's own record is the truth, and it is never smaller.
+        Some(m) if m.volume_size > size_bytes && m.volume_size % GROW_ALIGN_BYTES == 0 => {
+            tracing::info!(dir = %dir.display(), recorded = m.volume_size, asked = size_bytes,
+                "replica was grown online: opening it at its recorded size");
+            m
+        }
         Some(m) if m.volume_size != size_bytes => {
             return Err(ReplicaError::SizeMismatch {
                 dir,
@@ -565,6 +586,7 @@ pub(crate) fn open_replica(
             m
         }
     };
+    let size_bytes = meta.volume_size;
     // The data file first, then the record: a record always describes
     // a data file that exists. The chain's record (if a snapshot was ever
     // taken) says which layers there are; without one, `data.img` alone.
@@ -614,7 +636,7 @@ pub(crate) fn open_replica(
         name,
         deleted: AtomicBool::new(false),
         dir,
-        size_bytes,
+        size_bytes: AtomicU64::new(size_bytes),
         chain,
         layers,
         control: Control::default(),
@@ -623,7 +645,8 @@ pub(crate) fn open_replica(
         generation: AtomicU64::new(meta.generation),
         dirty: AtomicBool::new(!meta.clean),
         clean: AtomicBool::new(meta.clean),
-        regions,
+        regions: AtomicU32::new(regions),
+        grown_hook: std::sync::OnceLock::new(),
         intent,
         fences: Fences::new(),
         sendfile,
@@ -751,7 +774,7 @@ impl ReplicaServer {
             (m.meta.generation, m.meta.clean)
         };
         tracing::info!(
-            addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes,
+            addr = %addr, dir = %shared.dir.display(), size_bytes = shared.size_bytes(),
             generation, clean, intent_lost = shared.intent.lost(), data = %shared.chain.describe(),
             "replica serving"
         );
@@ -791,7 +814,7 @@ impl ReplicaServer {
     }
 
     pub fn size_bytes(&self) -> u64 {
-        self.shared.size_bytes
+        self.shared.size_bytes()
     }
 
     pub fn connection_count(&self) -> usize {

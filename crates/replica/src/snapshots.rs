@@ -65,6 +65,9 @@ pub(crate) enum SnapshotJob {
     List,
     /// CLONE on a view of `snapshot`: a new replica `name` of the store.
     Clone { snapshot: String, name: String },
+    /// GROW to this many bytes (`crate::grow`): a chain control operation
+    /// too, serialised with the others.
+    Grow(u64),
 }
 
 /// What a job answers.
@@ -100,6 +103,8 @@ pub enum SnapshotError {
     Store(#[from] crate::store::StoreError),
     #[error("a clone is made by a node's replica store (lull serve --store), not by lull replica")]
     NotAStore,
+    #[error("{0}")]
+    Grow(#[from] crate::grow::GrowError),
 }
 
 impl SnapshotError {
@@ -115,6 +120,7 @@ impl SnapshotError {
             SnapshotError::Intent(_) | SnapshotError::Failed(_) => libc::EIO,
             SnapshotError::Store(e) => e.errno(),
             SnapshotError::NotAStore => libc::EOPNOTSUPP,
+            SnapshotError::Grow(e) => e.errno(),
         }
     }
 
@@ -123,6 +129,7 @@ impl SnapshotError {
     pub fn is_refusal(&self) -> bool {
         match self {
             SnapshotError::Store(e) => e.is_refusal(),
+            SnapshotError::Grow(e) => e.is_refusal(),
             e => !matches!(
                 e,
                 SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
@@ -152,7 +159,7 @@ pub(crate) struct Control {
 
 impl Control {
     /// Held across one operation; refused once closed.
-    fn enter(&self) -> Result<MutexGuard<'_, bool>, SnapshotError> {
+    pub(crate) fn enter(&self) -> Result<MutexGuard<'_, bool>, SnapshotError> {
         let guard = self.closed.lock().unwrap_or_else(|p| p.into_inner());
         if *guard {
             return Err(SnapshotError::Closed);
@@ -187,6 +194,7 @@ impl Shared {
                 store.clone_replica(&name, origin, &snapshot)?;
                 Ok(SnapshotDone::Ran)
             }
+            SnapshotJob::Grow(size) => shared.grow(size).map(|()| SnapshotDone::Ran),
         })
     }
 
@@ -251,8 +259,8 @@ impl Shared {
                 // Every byte may change: noted in every change record (a
                 // replica away gets it all back) and in the write-intent
                 // record, durably, before the chain changes.
-                self.intent.note_write(0, self.size_bytes);
-                let seq = self.intent.mark(0, self.regions)?;
+                self.intent.note_write(0, self.size_bytes());
+                let seq = self.intent.mark(0, self.regions())?;
                 self.intent.wait_durable(seq)?;
                 let dropped = chain
                     .revert(name)

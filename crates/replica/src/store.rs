@@ -272,6 +272,8 @@ struct RecordEntry {
 
 /// The store's replicas by name, read by connections at HELLO.
 pub(crate) struct Index {
+    /// Itself, for what a replica calls back (a grow's record write).
+    me: std::sync::Weak<Index>,
     replicas: RwLock<BTreeMap<String, Arc<Shared>>>,
     dir: PathBuf,
     data: DataOptions,
@@ -306,7 +308,7 @@ impl Index {
     ) -> Result<(), StoreError> {
         let (_, free) = fs_space(&self.dir)?;
         let allocated: u64 = current.values().map(|r| r.allocated_bytes()).sum();
-        let provisioned: u64 = current.values().map(|r| r.size_bytes).sum();
+        let provisioned: u64 = current.values().map(|r| r.size_bytes()).sum();
         let room = (u128::from(free + allocated) * u128::from(self.overcommit_percent) / 100)
             .min(u128::from(u64::MAX)) as u64;
         let committed = provisioned.saturating_add(size_bytes);
@@ -373,7 +375,7 @@ impl Index {
         if current.len() >= MAX_STORE_REPLICAS {
             return Err(StoreError::Full);
         }
-        let size_bytes = from.size_bytes;
+        let size_bytes = from.size_bytes();
         self.check_room(&current, size_bytes)?;
         let rdir = self.new_replica_dir(name)?;
         let undo = |r: Option<&Arc<Shared>>| {
@@ -448,18 +450,23 @@ impl Index {
 
     /// Writes the record for `replicas` (blocking).
     fn store_record(&self, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
-        let record = StoreRecord {
-            format_version: STORE_FORMAT_VERSION,
-            replicas: replicas
-                .iter()
-                .map(|(name, r)| RecordEntry {
-                    name: name.clone(),
-                    size_bytes: r.size_bytes,
-                })
-                .collect(),
-        };
-        durable::store_json(&self.dir.join(STORE_FILE), &record)?;
-        Ok(())
+        write_record(&self.dir, replicas)
+    }
+
+    /// What `replica` runs once a GROW of it is durable: the record
+    /// again, with its new size (under the store's change lock, from the
+    /// index as it is then; the index is held weakly, as it holds the
+    /// replica).
+    fn watch_growth(&self, replica: &Shared) {
+        let index = self.me.clone();
+        let _ = replica.grown_hook.set(Box::new(move || {
+            let Some(index) = index.upgrade() else {
+                return Ok(());
+            };
+            let _one = index.lock_changes();
+            let replicas = index.read().clone();
+            write_record(&index.dir, &replicas).map_err(|e| e.to_string())
+        }));
     }
 
     /// The last steps of a create or an import, with the replica's files
@@ -494,6 +501,7 @@ impl Index {
             undo(Some(&replica));
             return Err(e);
         }
+        self.watch_growth(&replica);
         self.write().insert(name.to_string(), replica.clone());
         Ok(replica)
     }
@@ -538,6 +546,23 @@ fn check_name(name: &str) -> Result<(), StoreError> {
     })
 }
 
+/// Writes `dir/store.json` naming `replicas` with their sizes now
+/// (blocking).
+fn write_record(dir: &Path, replicas: &BTreeMap<String, Arc<Shared>>) -> Result<(), StoreError> {
+    let record = StoreRecord {
+        format_version: STORE_FORMAT_VERSION,
+        replicas: replicas
+            .iter()
+            .map(|(name, r)| RecordEntry {
+                name: name.clone(),
+                size_bytes: r.size_bytes(),
+            })
+            .collect(),
+    };
+    durable::store_json(&dir.join(STORE_FILE), &record)?;
+    Ok(())
+}
+
 fn check_size(size_bytes: u64) -> Result<(), StoreError> {
     if size_bytes == 0
         || !size_bytes.is_multiple_of(REPLICA_SIZE_ALIGN_BYTES)
@@ -552,13 +577,13 @@ fn info_of(name: &str, r: &Shared) -> ReplicaInfo {
     let (lost, bitmap) = r.intent.snapshot();
     ReplicaInfo {
         name: name.to_string(),
-        size_bytes: r.size_bytes,
+        size_bytes: r.size_bytes(),
         allocated_bytes: r.allocated_bytes(),
         generation: r.generation.load(Ordering::SeqCst),
         clean: r.hello_flags() & lull_proto::replica::HELLO_FLAG_CLEAN != 0,
         intent_lost: lost,
         intent_bits_set: if lost {
-            u64::from(r.regions)
+            u64::from(r.regions())
         } else {
             bitmap.iter().map(|b| u64::from(b.count_ones())).sum()
         },
@@ -655,7 +680,8 @@ impl Store {
                 }
             }
         }
-        let index = Arc::new(Index {
+        let index = Arc::new_cyclic(|me| Index {
+            me: me.clone(),
             replicas: RwLock::new(replicas),
             dir: dir.clone(),
             data,
@@ -691,12 +717,33 @@ impl Store {
         let count = index.read().len();
         tracing::info!(addr = %addr, dir = %dir.display(), replicas = count,
             overcommit_percent = config.overcommit_percent, "replica store serving");
-        Ok(Store {
+        let store = Store {
             index,
             acceptor,
             addr,
             _lock: lock,
-        })
+        };
+        let opened: Vec<(String, Arc<Shared>)> = store
+            .index
+            .read()
+            .iter()
+            .map(|(n, r)| (n.clone(), r.clone()))
+            .collect();
+        for (_, r) in &opened {
+            store.index.watch_growth(r);
+        }
+        // A replica grown online whose GROW's record write did not happen
+        // (a crash right after it): its own record was taken at open.
+        if record.replicas.iter().any(|e| {
+            opened
+                .iter()
+                .any(|(n, r)| *n == e.name && r.size_bytes() != e.size_bytes)
+        }) {
+            let _one = store.index.lock_changes();
+            store.index.store_record(&store.index.read())?;
+            tracing::info!(dir = %store.index.dir.display(), "store record updated with the sizes of replicas grown online");
+        }
+        Ok(store)
     }
 
     /// The replica port's address (with the real port for port 0).

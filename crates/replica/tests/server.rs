@@ -2174,3 +2174,103 @@ fn a_store_clones_a_snapshot_shared_and_flattens_it() {
     store.delete("r1").unwrap();
     finish_store((c, k), store, fw);
 }
+
+/// GROW (protocol v7): the volume grows online with its snapshots, the
+/// new range reads zeros and takes writes, bad sizes are refused with
+/// EINVAL, only the owner grows it, and a restart (asked for the old
+/// size) opens at the new one with its intent record intact; in a store,
+/// `store.json` follows.
+#[test]
+fn grow_is_online_durable_and_refuses_bad_sizes() {
+    let (dir, fw, server) = replica("grow");
+    let big = 2 * SIZE;
+    let a = pattern(11, 64 * 1024);
+    let b = pattern(12, 64 * 1024);
+    let mut c = Client::attached(server.local_addr(), 0x90, 1);
+    assert_eq!(c.write(0, &a), 0);
+    assert_eq!(c.snapshot(SnapshotOp::Create, "s1"), 0);
+    assert_eq!(c.write(SIZE, &b), libc::EINVAL as u32, "past the end");
+    let einval = libc::EINVAL as u32;
+    assert_eq!(c.status(Kind::Grow, SIZE - 4096, 0), einval, "shrink");
+    assert_eq!(c.status(Kind::Grow, SIZE + 512, 0), einval, "unaligned");
+    assert_eq!(
+        c.status(Kind::Grow, 128 << 30, 0),
+        einval,
+        "the region sizes would change"
+    );
+    // Another session cannot grow what an engine owns.
+    let mut tool = Client::connect(server.local_addr());
+    tool.probe();
+    assert_eq!(
+        tool.status(Kind::Grow, big, 0),
+        libc::ESTALE as u32,
+        "a tool while an engine owns the replica"
+    );
+    assert_eq!(c.status(Kind::Grow, big, 0), 0);
+    assert_eq!(c.status(Kind::Grow, big, 0), 0, "again: nothing to do");
+    assert_eq!(server.size_bytes(), big);
+    assert_eq!(meta(&dir.0).volume_size, big);
+    assert_eq!(
+        c.read(SIZE, 8192),
+        vec![0; 8192],
+        "the new range reads zeros"
+    );
+    assert_eq!(c.write(big - b.len() as u64, &b), 0);
+    assert_eq!(c.read(0, a.len() as u32), a);
+    assert_eq!(c.snapshot_names(), ["s1"]);
+    // The intent record has the new regions (INTENT_GET answers them).
+    let (h, p) = c.call(Kind::IntentGet, 0, 0, &[]);
+    assert_eq!(h.status, 0);
+    assert_eq!(h.offset, u64::from(wire::intent_regions(big)));
+    assert_eq!(
+        wire::decode_intent(&p).expect("intent").1.len(),
+        wire::intent_bitmap_bytes(big)
+    );
+    assert_eq!(c.status(Kind::Flush, 0, 0), 0);
+    shut_down((c, tool), server);
+
+    // Asked for the old size, it opens at the size it was grown to.
+    let server = serve(&fw, &dir.0);
+    assert_eq!(server.size_bytes(), big);
+    let mut c = Client::engine(server.local_addr(), 0x91);
+    let (h, hello) = c.hello(SIZE, 2, HELLO_FLAG_ATTACH);
+    assert_ne!(h.status, 0, "a HELLO of the old size is refused");
+    assert_eq!(hello.volume_size, big);
+    let mut c = Client::engine(server.local_addr(), 0x92);
+    let (h, hello) = c.hello(big, 2, HELLO_FLAG_ATTACH);
+    assert_eq!(h.status, 0);
+    assert_eq!(
+        hello.flags & HELLO_FLAG_INTENT_LOST,
+        0,
+        "intent record kept"
+    );
+    assert_eq!(c.read(0, a.len() as u32), a);
+    assert_eq!(c.read(big - b.len() as u64, b.len() as u32), b);
+    shut_down(c, server);
+
+    // In a store: the record follows the replica's size.
+    let sdir = TempDir::new("grow-store");
+    let store = open_store(&fw, &sdir, &["r1"]);
+    let mut c = Client::connect(store.local_addr());
+    assert_eq!(c.hello_named("r1", 0).0.status, 0);
+    assert_eq!(c.status(Kind::Grow, big, 0), 0);
+    assert_eq!(store.get("r1").unwrap().size_bytes, big);
+    let record = std::fs::read_to_string(sdir.0.join("store.json")).unwrap();
+    assert!(
+        record.contains(&format!("\"size_bytes\": {big}")),
+        "store.json: {record}"
+    );
+    drop(c);
+    store.shutdown(Duration::from_secs(10)).unwrap();
+    drop(store);
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: sdir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(store.get("r1").unwrap().size_bytes, big);
+    finish_store((), store, fw);
+}

@@ -115,10 +115,6 @@ pub enum VolumeError {
     BadVolumeName(String),
     #[error("no volume {0:?}")]
     NoSuchVolume(String),
-    /// Its replicas would have to grow together, in step with the
-    /// engine; that is not built yet.
-    #[error("volume {0:?}: resize of replicated volumes is not supported yet")]
-    ResizeReplicated(String),
     /// The device refused the new size (smaller, unaligned, too big, or
     /// the file could not be extended).
     #[error("volume {name:?}: {source}")]
@@ -505,15 +501,17 @@ impl Volumes {
         Ok(v)
     }
 
-    /// Grow a local volume to `size_bytes` online (see
+    /// Grow a volume to `size_bytes` online (see
     /// [`lull_bdev::BlockDevice::grow`] for the sizes refused); watchers
-    /// are told when the size changed. A replicated volume is refused.
+    /// are told when the size changed. A replicated volume's engine grows
+    /// every replica first (blocking the caller until they answered; it
+    /// refuses unless every replica is healthy).
     pub fn resize(&self, name: &str, size_bytes: u64) -> Result<Arc<Volume>, VolumeError> {
         let v = self.named(name)?;
         let dev: &dyn BlockDevice = match &v.storage {
             Storage::Local(dev) => dev.as_ref(),
             Storage::Layered(dev) => dev.as_ref(),
-            Storage::Replicated(_) => return Err(VolumeError::ResizeReplicated(name.into())),
+            Storage::Replicated(dev) => dev.as_ref(),
         };
         let old = dev.size_bytes();
         dev.grow(size_bytes).map_err(|source| VolumeError::Resize {

@@ -76,6 +76,17 @@ impl Bitmap {
         }
     }
 
+    /// A copy with room for `blocks` blocks (at least its own), the new
+    /// ones not held. For a chain that grows: nothing may set bits in
+    /// this one meanwhile (the chain is quiesced, no merge runs).
+    pub(crate) fn grown(&self, blocks: u64) -> Bitmap {
+        let out = Bitmap::new(blocks.max(self.blocks));
+        for (i, w) in self.words.iter().enumerate() {
+            out.words[i].store(w.load(Ordering::Acquire), Ordering::Relaxed);
+        }
+        out
+    }
+
     /// Blocks it has a bit for.
     pub(crate) fn blocks(&self) -> u64 {
         self.blocks
@@ -163,6 +174,14 @@ mod tests {
         m.set_range(0, 1000);
         assert_eq!(m.count(), 200, "clamped to the map");
         assert!(m.any_in(199, 300) && !Bitmap::new(10).any_in(0, 10));
+        let g = m.grown(300);
+        assert_eq!(
+            (g.blocks(), g.count()),
+            (300, 200),
+            "bits kept, new blocks free"
+        );
+        g.set_range(250, 260);
+        assert!(g.get(255) && !m.get(255));
     }
 
     #[test]

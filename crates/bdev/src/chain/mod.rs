@@ -163,7 +163,7 @@ impl State {
 
 /// What channels share: the state, the pause, the copy-up locks.
 pub(crate) struct Shared {
-    /// Grows only while the chain has one layer (then it is the layer's).
+    /// Raised by `grow` (with one layer, it is the layer's).
     size_bytes: AtomicU64,
     pub(crate) state: RwLock<Arc<State>>,
     pub(crate) generation: AtomicU64,
@@ -1192,20 +1192,70 @@ impl BlockDevice for ChainDev {
         self.shared.state().head().dev.sync()
     }
 
-    /// A chain of one layer grows as its layer does; with snapshots the
-    /// size is fixed (every layer and map would have to grow together).
+    /// A chain of one layer grows as its layer does. With snapshots every
+    /// layer grows (its file is extended sparsely: it reads as zeros past
+    /// the old end, as the chain must), so each layer stays the volume's
+    /// size as [`ChainDev::open`] expects; then, quiesced, every layer's
+    /// map and the top map are made again at the new size (a snapshot
+    /// holds no block of the new range: it reads as zeros from every
+    /// snapshot, and a view or a revert of an older snapshot has the new
+    /// size). Refused for a clone that still stands on another chain's
+    /// layers (they are that chain's files, at its size: flatten first)
+    /// and while a merge runs (it sets bits in the maps being replaced).
+    /// A layer that fails to grow leaves the chain at its old size (the
+    /// layers grown before it are only longer, sparse files).
     fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
         let _one = self.control.lock().unwrap_or_else(|p| p.into_inner());
         let s = self.shared.state();
-        if s.layers.len() > 1 {
+        if s.layers.len() == 1 {
+            s.head().dev.grow(size_bytes)?;
+            self.shared
+                .size_bytes
+                .store(s.head().dev.size_bytes(), Ordering::Release);
+            return Ok(());
+        }
+        if s.layers.iter().any(|l| l.foreign.is_some()) {
             return Err(BdevError::Unsupported(
-                "a volume with snapshots (or a clone) keeps its size: delete its snapshots first",
+                "a clone keeps its size while it stands on its origin's snapshot: flatten it first",
             ));
         }
-        s.head().dev.grow(size_bytes)?;
-        self.shared
-            .size_bytes
-            .store(s.head().dev.size_bytes(), Ordering::Release);
+        let old = self.shared.size();
+        crate::check_grow(old, size_bytes, u64::MAX)?;
+        if size_bytes == old {
+            return Ok(());
+        }
+        self.no_merge_running()?;
+        // The devices grow with I/O running: nothing is asked past the old
+        // end until the chain's size changes below.
+        for l in &s.layers {
+            l.dev.grow(size_bytes)?;
+        }
+        let quiet = self.shared.quiesce()?;
+        let state = self.shared.state();
+        let blocks = blocks_of(size_bytes);
+        let layers: Vec<Arc<Layer>> = state
+            .layers
+            .iter()
+            .map(|l| {
+                Arc::new(Layer {
+                    id: l.id,
+                    dev: l.dev.clone(),
+                    held: Arc::new(l.held.grown(blocks)),
+                    snapshot: l.snapshot.clone(),
+                    foreign: None,
+                })
+            })
+            .collect();
+        let top = State::build_top(&layers, blocks);
+        self.shared.set_state(State {
+            layers,
+            top,
+            read_only: false,
+        });
+        self.shared.size_bytes.store(size_bytes, Ordering::Release);
+        drop(quiet);
+        tracing::info!(chain = %self.store.describe(), from = old, to = size_bytes,
+            layers = state.layers.len(), "chain grown");
         Ok(())
     }
 

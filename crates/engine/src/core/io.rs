@@ -288,7 +288,7 @@ impl Engine {
             }
             // A snapshot operation holds new writes until every replica
             // has answered it (`snapshot`).
-            if self.snapshot_holds_writes() {
+            if self.snapshot_holds_writes() || self.grow_holds_writes() {
                 return Dispatch::Wait;
             }
             if self.rebuild.as_ref().is_some_and(|rb| rb.locks(io_range)) {

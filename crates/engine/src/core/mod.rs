@@ -111,6 +111,7 @@
 mod changes;
 mod detach;
 mod election;
+mod grow;
 pub mod ids;
 mod intent;
 mod invariants;
@@ -193,6 +194,7 @@ impl Engine {
             regions: vec![Region::default(); proto::intent_regions(size_bytes) as usize],
             detach: None,
             snapshot: None,
+            grow: None,
             snapshot_lists: Vec::new(),
             snapshot_ops: 0,
             shares: SharedBufs::new(MAX_CLIENT_IOS),
@@ -291,6 +293,7 @@ impl Engine {
             Event::Detach => self.start_detach(),
             Event::Snapshot { token, op, name } => self.start_snapshot(token, op, name),
             Event::SnapshotList { token } => self.start_snapshot_list(token, None),
+            Event::Grow { token, size_bytes } => self.start_grow(token, size_bytes),
             Event::ReconcileSnapshots { token } => {
                 let ops = self.snapshot_ops;
                 self.start_snapshot_list(token, Some(ops));
@@ -331,6 +334,7 @@ impl Engine {
         self.progress_rebuild();
         self.progress_bump();
         self.progress_snapshot();
+        self.progress_grow();
         self.progress_detach();
     }
 

@@ -352,6 +352,7 @@ impl Engine {
             m.remove(r);
         }
         self.snapshot_replica_gone(r);
+        self.grow_sub_failed(r);
         // The healthy set shrank: acknowledgements wait for a new
         // generation on the replicas left, and that must hold before the
         // failed replica's requests are drained below, or a write that
@@ -463,6 +464,7 @@ impl Engine {
             }
             SubKind::ChangesGet(target) => self.lookup_failed(target, r),
             SubKind::Snapshot => self.snapshot_sub_failed(r, None),
+            SubKind::Grow => self.grow_sub_failed(r),
             SubKind::SnapshotList(token) => self.snapshot_sub_failed(r, Some(token)),
             SubKind::Changes if sub.kind == Kind::ChangesStart => {
                 self.changes_starting = self.changes_starting.saturating_sub(1);
@@ -565,6 +567,7 @@ impl Engine {
                 self.on_changes_get_reply(r, target, h, payload.into_buf())
             }
             SubKind::Snapshot => self.on_snapshot_reply(r, h),
+            SubKind::Grow => self.on_grow_reply(r, h),
             SubKind::SnapshotList(token) => {
                 self.on_snapshot_list_reply(r, token, h, payload.into_buf())
             }
@@ -694,7 +697,7 @@ impl Engine {
             let mut why = None;
             for (ci, conn) in self.replicas[r].conns.iter_with_ids() {
                 let limit = |s: &Sub| {
-                    if s.kind == Kind::Snapshot {
+                    if matches!(s.kind, Kind::Snapshot | Kind::Grow) {
                         timeout.saturating_add(SNAPSHOT_EXTRA_TIMEOUT_NS)
                     } else {
                         timeout

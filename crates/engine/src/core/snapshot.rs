@@ -69,6 +69,9 @@ impl Engine {
         if self.detach.is_some() {
             return Err("the volume is detaching".into());
         }
+        if self.grow.is_some() {
+            return Err("the volume is growing: try again".into());
+        }
         if name.is_empty() || name.len() > proto::MAX_SNAPSHOT_NAME_BYTES {
             return Err(format!(
                 "a snapshot name is 1 to {} bytes",

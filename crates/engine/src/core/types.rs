@@ -138,6 +138,13 @@ pub enum Event {
     SnapshotList {
         token: u64,
     },
+    /// Grow the volume to `size_bytes` on every replica, then itself
+    /// (`grow`); the outcome comes out as [`Action::ControlDone`] with
+    /// `token`.
+    Grow {
+        token: u64,
+        size_bytes: u64,
+    },
     /// The lists as for `SnapshotList`; then, if every replica is healthy
     /// and no snapshot operation started meanwhile, a snapshot that some
     /// replicas hold and others lack (a create an engine crash cut) is
@@ -179,6 +186,8 @@ pub enum ControlOutcome {
     Snapshot(Result<(), String>),
     /// Each healthy replica's answer.
     SnapshotLists(Result<Vec<super::snapshot::ReplicaSnapshots>, String>),
+    /// The volume's size after a grow, or why it did not grow.
+    Grow(Result<u64, String>),
 }
 
 /// A token bucket over the data bytes rebuild and reconcile copy: a
@@ -589,6 +598,8 @@ pub struct Engine {
     pub(super) detach: Option<Detach>,
     /// The snapshot operation running, if one is (writes wait meanwhile).
     pub(super) snapshot: Option<SnapshotJob>,
+    /// The grow running, if one is (writes wait meanwhile).
+    pub(super) grow: Option<GrowJob>,
     /// SNAPSHOT_LIST requests waiting for answers.
     pub(super) snapshot_lists: Vec<SnapshotList>,
     /// Snapshot operations started: a reconcile's lists are judged
@@ -613,6 +624,18 @@ pub(super) struct SnapshotJob {
     pub(super) step: SnapshotStep,
     pub(super) started_ns: u64,
     /// Refusals so far, one line per replica.
+    pub(super) errors: Vec<String>,
+    /// Replicas that answered it with success.
+    pub(super) took: ReplicaSet,
+}
+
+/// A grow of the volume (`grow`).
+pub(super) struct GrowJob {
+    pub(super) token: u64,
+    pub(super) size_bytes: u64,
+    pub(super) step: SnapshotStep,
+    pub(super) started_ns: u64,
+    /// Refusals and failures so far, one line per replica.
     pub(super) errors: Vec<String>,
     /// Replicas that answered it with success.
     pub(super) took: ReplicaSet,
@@ -685,6 +708,8 @@ pub(super) enum SubKind {
     Snapshot,
     /// SNAPSHOT_LIST for the list request of this token.
     SnapshotList(u64),
+    /// GROW of the grow running (`grow`).
+    Grow,
 }
 
 /// One request in a connection's slot table.

@@ -15,7 +15,7 @@
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -35,6 +35,13 @@ use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
 /// A connect attempt gives up after this long (or the replica timeout, if
 /// shorter): it runs on its own short-lived OS thread.
 const CONNECT_TIMEOUT_MS_MAX: u64 = 10_000;
+
+/// How long [`BlockDevice::grow`] of a replicated volume waits for its
+/// outcome: the engine fails a replica whose GROW takes longer than its
+/// replica timeout plus `SNAPSHOT_EXTRA_TIMEOUT_NS` (20 s: a chain's
+/// quiesce, then fsyncs of its records), so with the default timeouts
+/// the answer comes well within it (as for snapshots, 60 s).
+pub const GROW_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What the engine thread publishes for the device's callers on other
 /// threads (`Shell::publish_status`).
@@ -99,7 +106,9 @@ fn new_session() -> u64 {
 /// A replicated volume: a `BlockDevice` whose I/O goes to replica servers.
 pub struct ReplicatedDev {
     volume: String,
-    size_bytes: u64,
+    /// The volume's size: the core's, raised once a grow is done on the
+    /// replicas (`core::grow`).
+    size_bytes: AtomicU64,
     replicas_desc: String,
     /// The replicas as the operator configured them, changed by
     /// `add_replica`/`remove_replica` as the core will (a node records
@@ -190,7 +199,7 @@ impl ReplicatedDev {
         )?;
         Ok(Arc::new(ReplicatedDev {
             volume: volume.to_string(),
-            size_bytes,
+            size_bytes: AtomicU64::new(size_bytes),
             replicas_desc,
             targets: Mutex::new(replicas),
             rebuild_limit: std::sync::atomic::AtomicU64::new(0),
@@ -439,7 +448,7 @@ impl ReplicatedDev {
         let timeout =
             self.view_timeout + Duration::from_nanos(crate::core::SNAPSHOT_EXTRA_TIMEOUT_NS);
         let hello = lull_proto::replica::Hello {
-            volume_size: self.size_bytes,
+            volume_size: self.size_bytes.load(Ordering::Acquire),
             generation: 0,
             flags: 0,
             session: 0,
@@ -504,7 +513,34 @@ impl ReplicatedDev {
 
 impl BlockDevice for ReplicatedDev {
     fn size_bytes(&self) -> u64 {
-        self.size_bytes
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// Grows every replica, then the volume (`core::grow`): writes wait
+    /// meanwhile, reads go on. Refused unless every replica is healthy.
+    /// Blocks the calling thread (never a reactor) up to
+    /// [`GROW_TIMEOUT`].
+    fn grow(&self, size_bytes: u64) -> Result<(), BdevError> {
+        lull_bdev::check_grow(
+            self.size_bytes(),
+            size_bytes,
+            lull_proto::replica::MAX_GROW_BYTES,
+        )?;
+        if size_bytes == self.size_bytes() {
+            return Ok(());
+        }
+        let token = self.next_token();
+        self.event(Event::Grow { token, size_bytes })
+            .map_err(|e| BdevError::Failed(e.to_string()))?;
+        match self.wait_control(token, GROW_TIMEOUT) {
+            Ok(ControlOutcome::Grow(Ok(size))) => {
+                self.size_bytes.fetch_max(size, Ordering::AcqRel);
+                Ok(())
+            }
+            Ok(ControlOutcome::Grow(Err(why))) => Err(BdevError::Failed(why)),
+            Ok(other) => Err(BdevError::Failed(format!("unexpected answer {other:?}"))),
+            Err(why) => Err(BdevError::Failed(why)),
+        }
     }
 
     fn describe(&self) -> String {
@@ -599,7 +635,7 @@ impl BlockDevice for ReplicatedDev {
             crate::view::ViewConfig {
                 volume: self.volume.clone(),
                 snapshot: name.to_string(),
-                size_bytes: self.size_bytes,
+                size_bytes: self.size_bytes(),
                 targets,
                 older,
                 tls: self.tls.clone(),

@@ -251,7 +251,8 @@ impl Shell {
                             tracing::warn!(volume = %self.volume, reason = %why,
                                 "a snapshot on some replicas only was not deleted; delete it with snapshot_delete");
                         }
-                        crate::core::ControlOutcome::SnapshotLists(Ok(_)) => {}
+                        crate::core::ControlOutcome::SnapshotLists(Ok(_))
+                        | crate::core::ControlOutcome::Grow(_) => {}
                     }
                     return;
                 }

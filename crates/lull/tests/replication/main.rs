@@ -14,6 +14,7 @@
 mod common;
 
 mod delta;
+mod grow;
 mod large_requests;
 mod node;
 mod replica_tls;

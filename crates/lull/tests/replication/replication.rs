@@ -438,32 +438,6 @@ fn replicated_volume_refusals_come_in_the_handshake() {
     server.assert_healthy();
 }
 
-/// `volume_resize` refuses a replicated volume with a clear message (its
-/// replicas would have to grow together) and leaves it serving at its
-/// size.
-#[test]
-fn resizing_a_replicated_volume_is_refused() {
-    let ra = replica(Kind::Process, "resize-a");
-    let rb = replica(Kind::Process, "resize-b");
-    let mut server = serve(&[spec("vol0", &[&ra, &rb])]);
-    let _ = read_when_ready(&server, "vol0", 0, 4096);
-    let out = common::rpc_output(
-        server.rpc_socket(),
-        "volume_resize",
-        r#"{"name": "vol0", "size": "1G"}"#,
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a replicated volume was resized");
-    assert!(
-        err.contains("resize of replicated volumes is not supported yet"),
-        "{err}"
-    );
-    let c = NbdClient::connect(server.addr(), "vol0").expect("connect");
-    assert_eq!(c.size_bytes, VOLUME_BYTES);
-    c.disconnect();
-    server.assert_healthy();
-}
-
 /// After I/O, a replicated volume's server sleeps in the event-driven modes:
 /// the engine's completion doorbell must not be left ringing (a readable
 /// eventfd with nothing behind it would keep the reactor awake).
