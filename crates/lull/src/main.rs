@@ -183,6 +183,22 @@ struct ServeArgs {
     /// the store's filesystem can hold (1.0: not at all) [default: 1.0].
     #[arg(long, value_name = "RATIO")]
     store_overcommit: Option<f64>,
+    /// Fault injection for tests, on every replica of the store (as `lull
+    /// replica`'s --fault-drop): each data request closes its connection
+    /// with probability P [default: 0].
+    #[arg(long, value_name = "P", default_value = "0")]
+    store_fault_drop: String,
+    /// Fault injection: each data request of the store's replicas fails
+    /// with EIO with probability P [default: 0].
+    #[arg(long, value_name = "P", default_value = "0")]
+    store_fault_error: String,
+    /// Fault injection: every data reply of the store's replicas is held
+    /// back N microseconds [default: 0].
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    store_fault_delay_us: u64,
+    /// Seed of the store's fault draws [default: from the clock].
+    #[arg(long, value_name = "N")]
+    store_fault_seed: Option<u64>,
     /// Serve JSON-RPC over TCP at ADDR:PORT too, TLS only (with
     /// --rpc-tls-certs or --rpc-tls-psk) [default: off].
     #[arg(long, value_name = "ADDR:PORT")]
@@ -567,7 +583,11 @@ type NodeParts = (
     Option<Arc<node::NodeState>>,
 );
 
-fn open_node(s: &ServeSettings, fw: &lull_reactor::FrameworkHandle) -> Result<NodeParts, String> {
+fn open_node(
+    s: &ServeSettings,
+    faults: lull_replica::ReplicaFaults,
+    fw: &lull_reactor::FrameworkHandle,
+) -> Result<NodeParts, String> {
     let Some(st) = &s.store else {
         return Ok((None, None));
     };
@@ -575,6 +595,15 @@ fn open_node(s: &ServeSettings, fw: &lull_reactor::FrameworkHandle) -> Result<No
         .replica_link
         .clone()
         .ok_or_else(|| LinkAuth::missing(LinkAuth::SERVE_FLAGS))?;
+    if faults.drop.get() > 0.0 || faults.error.get() > 0.0 || faults.delay_us > 0 {
+        tracing::warn!(
+            drop = faults.drop.get(),
+            error = faults.error.get(),
+            delay_us = faults.delay_us,
+            seed = faults.seed,
+            "FAULT INJECTION ENABLED on every replica of the store (--store-fault-*)"
+        );
+    }
     let store = lull_replica::Store::open(
         fw,
         &lull_replica::StoreConfig {
@@ -582,6 +611,7 @@ fn open_node(s: &ServeSettings, fw: &lull_reactor::FrameworkHandle) -> Result<No
             listen: st.replica_listen,
             link,
             overcommit_percent: st.overcommit_percent,
+            faults,
             ..Default::default()
         },
     )
@@ -614,8 +644,42 @@ fn recorded_nvmf(v: &node::VolumeEntry) -> Result<Option<config::NvmfVolume>, St
     Ok(Some(n))
 }
 
+/// `--store-fault-*`: the store's replicas' fault injection, checked.
+fn store_faults(args: &ServeArgs) -> Result<lull_replica::ReplicaFaults, String> {
+    let probability = |flag: &str, v: &str| {
+        v.parse::<lull_bdev::Probability>()
+            .map_err(|e| format!("{flag}: {e}"))
+    };
+    if args.store_fault_delay_us > lull_bdev::MAX_FAULT_DELAY_US {
+        return Err(format!(
+            "--store-fault-delay-us: at most {} (10 s)",
+            lull_bdev::MAX_FAULT_DELAY_US
+        ));
+    }
+    let faults = lull_replica::ReplicaFaults {
+        drop: probability("--store-fault-drop", &args.store_fault_drop)?,
+        error: probability("--store-fault-error", &args.store_fault_error)?,
+        delay_us: args.store_fault_delay_us,
+        seed: args.store_fault_seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        }),
+    };
+    if args.store.is_none()
+        && (faults.drop.get() > 0.0 || faults.error.get() > 0.0 || faults.delay_us > 0)
+    {
+        return Err("--store-fault-* need a store (--store DIR)".into());
+    }
+    Ok(faults)
+}
+
 fn serve(args: ServeArgs) -> ExitCode {
     let started = std::time::Instant::now();
+    let faults = match store_faults(&args) {
+        Ok(f) => f,
+        Err(e) => return usage_error(e),
+    };
     let mut s = match settings(args) {
         Ok(s) => s,
         Err(e) => return usage_error(e),
@@ -661,7 +725,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (store, node) = match open_node(&s, fw.handle()) {
+    let (store, node) = match open_node(&s, faults, fw.handle()) {
         Ok(n) => n,
         Err(e) => {
             eprintln!("lull: error: {e}");

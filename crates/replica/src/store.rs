@@ -103,6 +103,9 @@ pub struct StoreConfig {
     pub direct: bool,
     /// `sendfile` large READ replies on plain links (as `lull replica`).
     pub sendfile: bool,
+    /// Fault injection on every replica (tests: `lull serve
+    /// --store-fault-*`, as `lull replica --fault-*`).
+    pub faults: ReplicaFaults,
 }
 
 impl Default for StoreConfig {
@@ -115,6 +118,7 @@ impl Default for StoreConfig {
             ring: Default::default(),
             direct: false,
             sendfile: true,
+            faults: ReplicaFaults::default(),
         }
     }
 }
@@ -622,7 +626,7 @@ impl Store {
         let data = DataOptions {
             direct: config.direct,
             ring: config.ring,
-            faults: ReplicaFaults::default(),
+            faults: config.faults,
             // Plain links only: a TLS session encrypts in user space.
             sendfile: config.sendfile && tls.is_none(),
         };
@@ -700,7 +704,7 @@ impl Store {
         let port = Arc::new(crate::Port {
             tls,
             conns: conns.clone(),
-            faults: ReplicaFaults::default(),
+            faults: config.faults,
             conns_accepted: AtomicU64::new(0),
             served: Served::Store(index.clone()),
         });

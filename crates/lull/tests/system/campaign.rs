@@ -1,7 +1,8 @@
 //! The crash and fault campaign's short version: `scripts/campaign` for
-//! three rounds (an engine kill, a replica kill, replica I/O errors), with
-//! the real binary, fio and libnbd. The long version's results are in
-//! docs/CAMPAIGN.md.
+//! six rounds (an engine kill, a replica node kill, replica I/O errors, an
+//! engine kill during a snapshot, one during a revert, a clone flattened
+//! and deleted), with the real binary, fio, nbdcopy and libnbd. The long
+//! version's results are in docs/CAMPAIGN.md.
 
 use crate::common;
 use std::path::Path;
@@ -11,6 +12,7 @@ use std::process::Command;
 fn short_crash_and_fault_campaign() {
     common::require("fio", "fio");
     common::require("qemu-io", "qemu-utils");
+    common::require("nbdcopy", "libnbd-bin");
     // scripts/campaign drives libnbd from the system Python.
     common::python_with_nbd();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/campaign");
@@ -18,9 +20,12 @@ fn short_crash_and_fault_campaign() {
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_lull"))
         .env("SEED", "21")
-        .env("ROUNDS", "4")
+        .env("ROUNDS", "6")
         .env("ROUND_S", "2")
-        .env("ACTIONS", "kill-serve kill-replica io-errors snapshot-kill")
+        .env(
+            "ACTIONS",
+            "kill-serve kill-replica io-errors snapshot-kill revert-kill clone",
+        )
         .env("TMPDIR", env!("CARGO_TARGET_TMPDIR"))
         .output()
         .expect("run scripts/campaign");
@@ -40,6 +45,8 @@ fn short_crash_and_fault_campaign() {
         "round 2: kill-replica",
         "round 3: io-errors",
         "round 4: snapshot-kill",
+        "round 5: revert-kill",
+        "round 6: clone",
     ] {
         assert!(text.contains(round), "no {round:?} in:\n{text}");
     }
