@@ -323,14 +323,13 @@ impl ControllerPlugin {
         }
         let current = sizes.iter().copied().max().unwrap_or(0);
         let limit = range.limit_bytes.max(0) as u64;
-        if current > size_bytes {
-            if limit != 0 && current > limit {
-                return Err(Status::out_of_range(format!(
-                    "volume {} has {current} bytes, above limit_bytes {limit}: a volume never shrinks",
-                    id.name
-                )));
-            }
-            // Larger than asked already: nothing to grow but the laggards.
+        // Larger than asked already is fine (nothing to grow but the
+        // laggards), unless the range excludes that size: no shrink.
+        if current > size_bytes && limit != 0 && current > limit {
+            return Err(Status::out_of_range(format!(
+                "volume {} has {current} bytes, above limit_bytes {limit}: a volume never shrinks",
+                id.name
+            )));
         }
         let target = current.max(size_bytes);
 
