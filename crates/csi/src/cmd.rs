@@ -63,7 +63,7 @@ impl CmdError {
 pub fn package_of(program: &str) -> &'static str {
     match program {
         "nbdfuse" => "libnbd-bin",
-        "mkfs.ext4" | "resize2fs" => "e2fsprogs",
+        "mkfs.ext4" | "resize2fs" | "e2fsck" | "dumpe2fs" => "e2fsprogs",
         "mkfs.xfs" | "xfs_growfs" => "xfsprogs",
         "mount" | "umount" => "mount",
         _ => "util-linux",

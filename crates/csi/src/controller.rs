@@ -252,6 +252,166 @@ impl ControllerPlugin {
         Ok(())
     }
 
+    /// ControllerExpandVolume. A volume staged somewhere grows through
+    /// its engine (`volume_resize` on the node running it: every replica
+    /// at once, online); a volume staged nowhere grows replica by replica
+    /// on its stores (`replica_resize`, which a store refuses while an
+    /// engine holds the replica, so the two never race silently).
+    async fn expand(
+        &self,
+        req: ControllerExpandVolumeRequest,
+    ) -> Result<ControllerExpandVolumeResponse, Status> {
+        if req.volume_id.is_empty() {
+            return Err(Status::invalid_argument("volume_id is required"));
+        }
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let id = VolumeId::parse(&req.volume_id).ok_or_else(|| {
+            Status::not_found(format!(
+                "no volume {:?} (not an id of this plugin)",
+                req.volume_id
+            ))
+        })?;
+        if let Some(cap) = &req.volume_capability {
+            capability::check(cap).map_err(Status::invalid_argument)?;
+        }
+        let size_bytes = size_from_range(Some(range))?;
+        // A filesystem grows on the node (NodeExpandVolume); a block
+        // volume is its device, grown here.
+        let node_expansion_required = !matches!(
+            req.volume_capability.as_ref().map(capability::check),
+            Some(Ok((capability::Access::Block, _)))
+        );
+        let _busy = self.busy.take(&id.name)?;
+        let name = id.name.as_str();
+
+        // Every replica's size and holder: all must answer, since all
+        // must grow.
+        let replicas = futures::future::join_all(id.nodes.iter().map(|node| async move {
+            let r = self
+                .cluster
+                .call(node, "replica_get", json!({ "name": name }))
+                .await;
+            (node.clone(), r)
+        }))
+        .await;
+        let mut sizes = Vec::with_capacity(replicas.len());
+        let mut held = false;
+        let mut missing = Vec::new();
+        for (node, r) in &replicas {
+            match r {
+                Ok(r) => {
+                    sizes.push(r["size_bytes"].as_u64().unwrap_or(0));
+                    held |= !r["held_by_session"].is_null();
+                }
+                Err(e) if e.refusal().is_some_and(|m| m.contains("no replica")) => {
+                    missing.push(node.clone())
+                }
+                Err(e) => return Err(e.status()),
+            }
+        }
+        if sizes.is_empty() {
+            return Err(Status::not_found(format!("no volume {}", req.volume_id)));
+        }
+        if !missing.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "volume {}: no replica on node(s) {missing:?}: every replica must grow (replace the missing ones first)",
+                id.name
+            )));
+        }
+        let current = sizes.iter().copied().max().unwrap_or(0);
+        let limit = range.limit_bytes.max(0) as u64;
+        // Larger than asked already is fine (nothing to grow but the
+        // laggards), unless the range excludes that size: no shrink.
+        if current > size_bytes && limit != 0 && current > limit {
+            return Err(Status::out_of_range(format!(
+                "volume {} has {current} bytes, above limit_bytes {limit}: a volume never shrinks",
+                id.name
+            )));
+        }
+        let target = current.max(size_bytes);
+
+        // Where an engine of the volume runs (where it is staged).
+        let engines: Vec<String> =
+            futures::future::join_all(self.cluster.nodes().iter().map(|n| async move {
+                self.cluster
+                    .call(&n.id, "replica_list", json!({ "volume": name }))
+                    .await
+                    .ok()
+                    .map(|_| n.id.clone())
+            }))
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        match engines.as_slice() {
+            [node] => {
+                match self
+                    .cluster
+                    .call(
+                        node,
+                        "volume_resize",
+                        json!({ "name": name, "size": target }),
+                    )
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(volume = %id.name, node = %node, size_bytes = target, error = %e, "ControllerExpandVolume: the engine refused to grow");
+                        return Err(grow_refusal(&e));
+                    }
+                }
+                tracing::info!(volume = %id.name, node = %node, from = current, to = target, "volume grown through its engine (staged there)");
+            }
+            [] if held => {
+                // A replica is held by an engine on a node that did not
+                // answer (or that is going away): it must grow there.
+                return Err(Status::unavailable(format!(
+                    "volume {}: a replica is held by an engine, and no node of the list answers as running it; retry once its node answers",
+                    id.name
+                )));
+            }
+            [] => {
+                if sizes.iter().all(|s| *s == target) {
+                    return Ok(ControllerExpandVolumeResponse {
+                        capacity_bytes: target as i64,
+                        node_expansion_required,
+                    });
+                }
+                let grown = futures::future::join_all(id.nodes.iter().map(|node| async move {
+                    self.cluster
+                        .call(
+                            node,
+                            "replica_resize",
+                            json!({ "name": name, "size": target }),
+                        )
+                        .await
+                }))
+                .await;
+                if let Some(e) = grown.iter().find_map(|r| r.as_ref().err()) {
+                    // A partial grow is completed by the CO's retry: the
+                    // grown replicas answer the same size again at once.
+                    tracing::warn!(volume = %id.name, size_bytes = target, error = %e, "ControllerExpandVolume: a store did not grow its replica");
+                    return Err(grow_refusal(e));
+                }
+                tracing::info!(volume = %id.name, from = current, to = target, replicas = id.nodes.len(), "volume grown on its stores (staged nowhere)");
+            }
+            _ => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {}: engines on several nodes ({}): it grows through one engine; unstage it where it is not used",
+                    id.name,
+                    engines.join(", ")
+                )))
+            }
+        }
+        Ok(ControllerExpandVolumeResponse {
+            capacity_bytes: target as i64,
+            node_expansion_required,
+        })
+    }
+
     /// The volume's size if its replicas exist; NotFound if none of its
     /// nodes holds one.
     async fn existing_size(&self, id: &VolumeId) -> Result<u64, Status> {
@@ -452,6 +612,31 @@ struct Observed {
     replicas: Vec<(String, ReplicaSeen)>,
     /// The nodes running an engine of the volume, with its replicas' states.
     engines: Vec<(String, Vec<(String, String)>)>,
+}
+
+/// The CSI code of a grow a node refused or failed: sizes the engine or
+/// store will not take are OUT_OF_RANGE, a replica not healthy (the
+/// engine grows only with all of them) FAILED_PRECONDITION, a volume
+/// staged while its stores grew it ABORTED (the CO's retry goes through
+/// the engine); the rest as any call.
+fn grow_refusal(e: &CallError) -> Status {
+    match e.refusal() {
+        Some(m)
+            if m.contains("shrink")
+                || m.contains("region size")
+                || m.contains("not enough space")
+                || m.contains("at most") =>
+        {
+            Status::out_of_range(e.to_string())
+        }
+        Some(m) if m.contains("held by engine session") => Status::aborted(format!(
+            "{e} (the volume was staged while it grew; the retry grows it through its engine)"
+        )),
+        Some(m) if m.contains("healthy") || m.contains("flatten") => {
+            Status::failed_precondition(e.to_string())
+        }
+        _ => e.status(),
+    }
 }
 
 /// Whether a node with `node` segments is inside a topology.
@@ -682,6 +867,7 @@ impl Controller for ControllerPlugin {
             Type::GetCapacity,
             Type::GetVolume,
             Type::GetVolumeHealth,
+            Type::ExpandVolume,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -733,11 +919,9 @@ impl Controller for ControllerPlugin {
 
     async fn controller_expand_volume(
         &self,
-        _request: Request<ControllerExpandVolumeRequest>,
+        request: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "ControllerExpandVolume: not offered yet (no EXPAND_VOLUME capability: the plugin does not drive the node daemons' volume_resize yet)",
-        ))
+        Ok(Response::new(self.expand(request.into_inner()).await?))
     }
 
     async fn controller_get_volume(

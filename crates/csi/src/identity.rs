@@ -39,7 +39,7 @@ impl Identity for IdentityPlugin {
         if self.controller {
             services.push(ServiceType::ControllerService);
         }
-        let capabilities = services
+        let mut capabilities: Vec<PluginCapability> = services
             .into_iter()
             .map(|t| PluginCapability {
                 r#type: Some(plugin_capability::Type::Service(
@@ -47,6 +47,16 @@ impl Identity for IdentityPlugin {
                 )),
             })
             .collect();
+        // ONLINE: the engine grows a volume in use (ControllerExpandVolume
+        // on a staged volume); what the node's attach can then show is
+        // NodeExpandVolume's to say (docs/KUBERNETES.md, "Expansion").
+        capabilities.push(PluginCapability {
+            r#type: Some(plugin_capability::Type::VolumeExpansion(
+                plugin_capability::VolumeExpansion {
+                    r#type: plugin_capability::volume_expansion::Type::Online as i32,
+                },
+            )),
+        });
         Ok(Response::new(GetPluginCapabilitiesResponse {
             capabilities,
         }))

@@ -281,6 +281,9 @@ impl NodePlugin {
             .map_err(|e| Status::internal(format!("volume {}: attach: {e}", id.name)))?;
         if let Access::Mount { fs_type, flags } = access {
             format_if_blank(&dev, &fs_type).await?;
+            if fs_type == "ext4" {
+                grow_ext4_unmounted(&id.name, &dev).await?;
+            }
             std::fs::create_dir_all(staging).map_err(|e| io_status(staging, e))?;
             let mut args = vec!["-t".to_string(), fs_type];
             if !flags.is_empty() {
@@ -459,6 +462,134 @@ impl NodePlugin {
         Ok(())
     }
 
+    /// The size of the volume's engine on this node (`volume_list`);
+    /// NOT_FOUND when no engine of it runs here.
+    async fn engine_size(&self, id: &VolumeId) -> Result<u64, Status> {
+        let list = self
+            .cluster
+            .call(&self.config.node_id, "volume_list", json!({}))
+            .await
+            .map_err(|e| e.status())?;
+        list.as_array()
+            .and_then(|a| a.iter().find(|v| v["name"] == id.name.as_str()))
+            .and_then(|v| v["size_bytes"].as_u64())
+            .ok_or_else(|| {
+                Status::not_found(format!("volume {} is not staged on this node", id.name))
+            })
+    }
+
+    /// NodeExpandVolume: the attach's device takes the engine's size,
+    /// then a mounted filesystem grows to the device. With `fuse` the
+    /// device grows only when nbdfuse serves the new size, which it does
+    /// from its next connection (a stage) on: [`FUSE_GROWS_ONLY_AT_STAGE`].
+    async fn expand(
+        &self,
+        req: NodeExpandVolumeRequest,
+    ) -> Result<NodeExpandVolumeResponse, Status> {
+        require("volume_id", &req.volume_id)?;
+        require("volume_path", &req.volume_path)?;
+        let id = parse_id(&req.volume_id)?;
+        let access = match &req.volume_capability {
+            Some(cap) => Some(capability::check(cap).map_err(Status::invalid_argument)?.0),
+            None => None,
+        };
+        let _busy = self.busy.take(&id.name)?;
+        let path = PathBuf::from(&req.volume_path);
+        let meta = match std::fs::metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Status::not_found(format!(
+                    "volume {}: no volume_path {}",
+                    id.name, req.volume_path
+                )))
+            }
+            Err(e) => return Err(io_status(&path, e)),
+        };
+        // Without a capability (it is optional), the path says: a
+        // directory is a published filesystem, a file a block device.
+        let is_mount = match access {
+            Some(Access::Mount { .. }) => true,
+            Some(Access::Block) => false,
+            None => meta.is_dir(),
+        };
+        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
+        let dev = attach::loops_of(&dirs.file)
+            .await
+            .map_err(|e| Status::internal(format!("volume {}: {e}", id.name)))?
+            .into_iter()
+            .next()
+            .ok_or_else(|| {
+                Status::not_found(format!("volume {} is not staged on this node", id.name))
+            })?;
+        let engine_bytes = self.engine_size(&id).await?;
+        if let Some(range) = &req.capacity_range {
+            let required = u64::try_from(range.required_bytes).unwrap_or(0);
+            if required > engine_bytes {
+                return Err(Status::failed_precondition(format!(
+                    "volume {} has {engine_bytes} bytes, less than the {required} asked: ControllerExpandVolume grows it first",
+                    id.name
+                )));
+            }
+        }
+        let mut dev_bytes = device_size(&dev).await?;
+        if dev_bytes < engine_bytes {
+            // The loop device takes its file's size again (a file that
+            // grew; nbdfuse's does not, below).
+            cmd::run("losetup", &["-c", &dev])
+                .await
+                .map_err(tool_status)?;
+            dev_bytes = device_size(&dev).await?;
+        }
+        if dev_bytes < engine_bytes {
+            tracing::warn!(volume = %id.name, device = %dev, device_bytes = dev_bytes, volume_bytes = engine_bytes,
+                "NodeExpandVolume: the fuse attach cannot grow while staged; the device takes the new size at the next stage");
+            return Err(Status::failed_precondition(format!(
+                "volume {}: {dev} has {dev_bytes} bytes of the volume's {engine_bytes}: {FUSE_GROWS_ONLY_AT_STAGE}",
+                id.name
+            )));
+        }
+        if is_mount {
+            let mount = mounted(&path)?.ok_or_else(|| {
+                Status::not_found(format!(
+                    "volume {} is not mounted at {}",
+                    id.name, req.volume_path
+                ))
+            })?;
+            let grown = match mount.fs_type.as_str() {
+                // Online growth of a mounted ext4: resize2fs takes the
+                // device; run again on a grown filesystem it does nothing.
+                "ext4" => cmd::run("resize2fs", &[dev.as_str()]).await,
+                "xfs" => cmd::run("xfs_growfs", &[req.volume_path.as_str()]).await,
+                other => {
+                    return Err(Status::failed_precondition(format!(
+                        "volume {}: cannot grow a {other} filesystem (ext4 and xfs grow)",
+                        id.name
+                    )))
+                }
+            };
+            match grown {
+                Ok(_) => {}
+                // The kernel refuses an online ext4 grow to a process
+                // without CAP_SYS_RESOURCE (resize2fs: "Permission denied
+                // to resize filesystem").
+                Err(e @ cmd::CmdError::Failed { .. })
+                    if mount.fs_type == "ext4" && e.to_string().contains("Permission denied") =>
+                {
+                    tracing::warn!(volume = %id.name, device = %dev, error = %e, "online ext4 grow refused: the node plugin lacks CAP_SYS_RESOURCE");
+                    return Err(Status::failed_precondition(format!(
+                        "volume {}: {e}: an online ext4 grow needs CAP_SYS_RESOURCE (run the node plugin privileged); without it the filesystem grows at its next stage",
+                        id.name
+                    )));
+                }
+                Err(e) => return Err(tool_status(e)),
+            }
+            tracing::info!(volume = %id.name, device = %dev, bytes = dev_bytes, fs = %mount.fs_type, "filesystem grown to its device");
+        }
+        Ok(NodeExpandVolumeResponse {
+            capacity_bytes: clamp_i64(dev_bytes),
+        })
+    }
+
     async fn stats(
         &self,
         req: NodeGetVolumeStatsRequest,
@@ -520,6 +651,68 @@ impl NodePlugin {
         };
         Ok(NodeGetVolumeStatsResponse { usage })
     }
+}
+
+/// Why the `fuse` attach does not grow a staged volume, for the error
+/// of NodeExpandVolume (docs/KUBERNETES.md, "Expansion"). Found by
+/// experiment with libnbd 1.14's nbdfuse: its file keeps the size the
+/// NBD handshake gave after the export grew (a new connection sees the
+/// new size); and a read-write loop device cannot move to another file
+/// (LOOP_CHANGE_FD is for read-only devices only).
+pub const FUSE_GROWS_ONLY_AT_STAGE: &str = "the fuse attach method cannot grow a staged volume: nbdfuse serves the size the NBD handshake gave when it connected (NBD has no resize notice), and the loop device (with the filesystem or the workload on it) cannot move to a new nbdfuse file while in use; the volume grew, and its device and filesystem take the new size when it is staged again (NodeExpandVolume after the next NodeStageVolume, e.g. when the pod restarts)";
+
+/// Grows an unmounted ext4 filesystem to its device when the volume
+/// grew since it was last mounted (the stage after an expansion): an
+/// offline grow needs no capability beyond the device, where an online
+/// one (NodeExpandVolume's) needs CAP_SYS_RESOURCE. resize2fs asks for a
+/// forced check first; `e2fsck -p` fixes only what is safe unattended
+/// and exits 4 or more otherwise, which fails the stage.
+async fn grow_ext4_unmounted(volume: &str, dev: &str) -> Result<(), Status> {
+    let header = cmd::run("dumpe2fs", &["-h", dev])
+        .await
+        .map_err(tool_status)?;
+    let field = |name: &str| -> Option<u64> {
+        header
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let (Some(blocks), Some(block_bytes)) = (field("Block count:"), field("Block size:")) else {
+        return Err(Status::internal(format!(
+            "dumpe2fs -h {dev}: no block count or block size"
+        )));
+    };
+    let dev_bytes = device_size(dev).await?;
+    if blocks.saturating_mul(block_bytes) + block_bytes > dev_bytes {
+        return Ok(());
+    }
+    match cmd::run("e2fsck", &["-f", "-p", dev]).await {
+        Ok(_) => {}
+        // 1: errors corrected.
+        Err(e) if e.exit_code() == Some(1) => {
+            tracing::warn!(volume, device = dev, error = %e, "e2fsck corrected errors before the filesystem grew");
+        }
+        Err(e) => return Err(tool_status(e)),
+    }
+    cmd::run("resize2fs", &[dev]).await.map_err(tool_status)?;
+    tracing::info!(
+        volume,
+        device = dev,
+        from = blocks * block_bytes,
+        to = dev_bytes,
+        "ext4 grown to its device before mounting"
+    );
+    Ok(())
+}
+
+/// A block device's size in bytes (`blockdev --getsize64`).
+async fn device_size(dev: &str) -> Result<u64, Status> {
+    let out = cmd::run("blockdev", &["--getsize64", dev])
+        .await
+        .map_err(tool_status)?;
+    out.trim()
+        .parse()
+        .map_err(|_| Status::internal(format!("blockdev --getsize64 {dev}: {out:?}")))
 }
 
 fn clamp_i64(v: u64) -> i64 {
@@ -698,11 +891,9 @@ impl NodeService for NodePlugin {
 
     async fn node_expand_volume(
         &self,
-        _request: Request<NodeExpandVolumeRequest>,
+        request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "NodeExpandVolume: not offered yet (no EXPAND_VOLUME capability: growing an attach's loop device and filesystem is not built yet)",
-        ))
+        Ok(Response::new(self.expand(request.into_inner()).await?))
     }
 
     async fn node_get_capabilities(
@@ -714,6 +905,7 @@ impl NodeService for NodePlugin {
             Type::StageUnstageVolume,
             Type::GetVolumeStats,
             Type::GetVolumeHealth,
+            Type::ExpandVolume,
         ]
         .into_iter()
         .map(|t| NodeServiceCapability {

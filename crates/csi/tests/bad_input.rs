@@ -290,12 +290,44 @@ async fn controller_requests() {
         code(c.create_snapshot(Request::new(Default::default())).await),
         Code::Unimplemented
     );
+    // Expansion: the id, then the range, then an id of this plugin.
+    let expand = |id: &str, range: Option<CapacityRange>| {
+        Request::new(ControllerExpandVolumeRequest {
+            volume_id: id.into(),
+            capacity_range: range,
+            ..Default::default()
+        })
+    };
+    let range = || {
+        Some(CapacityRange {
+            required_bytes: 1 << 30,
+            limit_bytes: 0,
+        })
+    };
+    assert_eq!(
+        code(c.controller_expand_volume(expand("", range())).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.controller_expand_volume(expand(SOME_ID, None)).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.controller_expand_volume(expand("fake", range())).await),
+        Code::NotFound
+    );
     assert_eq!(
         code(
-            c.controller_expand_volume(Request::new(Default::default()))
-                .await
+            c.controller_expand_volume(expand(
+                SOME_ID,
+                Some(CapacityRange {
+                    required_bytes: 2 << 30,
+                    limit_bytes: 1 << 30,
+                })
+            ))
+            .await
         ),
-        Code::Unimplemented
+        Code::InvalidArgument
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -456,9 +488,28 @@ async fn node_requests() {
         ),
         Code::InvalidArgument
     );
+    let expand = |id: &str, path: &str| {
+        Request::new(NodeExpandVolumeRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            ..Default::default()
+        })
+    };
     assert_eq!(
-        code(n.node_expand_volume(Request::new(Default::default())).await),
-        Code::Unimplemented
+        code(n.node_expand_volume(expand("", "/")).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(n.node_expand_volume(expand(SOME_ID, "")).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(n.node_expand_volume(expand("fake", "/")).await),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(n.node_expand_volume(expand(SOME_ID, "some/path")).await),
+        Code::NotFound
     );
     let info = n
         .node_get_info(Request::new(NodeGetInfoRequest {}))

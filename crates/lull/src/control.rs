@@ -623,6 +623,17 @@ impl ControlPlane for Control {
         Ok(json!(self.store()?.get(name).map_err(store_error)?))
     }
 
+    fn replica_resize(&self, name: &str, size_bytes: u64) -> Result<Value, ControlError> {
+        let info = self
+            .store()?
+            .grow(name, size_bytes)
+            .inspect_err(|e| {
+                tracing::warn!(replica = name, size_bytes, error = %e, "replica_resize refused");
+            })
+            .map_err(store_error)?;
+        Ok(json!(info))
+    }
+
     fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
         let info = self
             .store()?

@@ -114,11 +114,28 @@ impl Shared {
     /// Blocking: one GROW (module doc). Serialised with the snapshot
     /// operations (`Control`).
     pub(crate) fn grow(&self, requested: u64) -> Result<(), SnapshotError> {
+        self.grow_durable(requested)?;
+        // Outside the control lock: a store's record lock is taken before
+        // a replica's control lock elsewhere (a delete closes the chain).
+        if let Some(hook) = self.grown_hook.get() {
+            if let Err(e) = hook() {
+                tracing::error!(dir = %self.dir.display(), error = %e,
+                    "the store's record still has the replica's old size (its own record has the new one, which the store takes when it opens it)");
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocking: the steps of a GROW (module doc) without the store's
+    /// hook; `Ok(false)` when the replica had that size already. A store
+    /// growing a replica no engine holds (`Store::grow`) calls this under
+    /// its record lock and writes its record itself.
+    pub(crate) fn grow_durable(&self, requested: u64) -> Result<bool, SnapshotError> {
         {
             let _one = self.control.enter()?;
             let size = self.size_bytes();
             if !check_grow(size, requested)? {
-                return Ok(());
+                return Ok(false);
             }
             self.chain.grow(requested).map_err(|e| match e {
                 BdevError::InUse(why) => GrowError::Busy(why),
@@ -132,15 +149,7 @@ impl Shared {
             tracing::info!(dir = %self.dir.display(), replica = self.name.as_deref().unwrap_or(""),
                 from = size, to = requested, "replica grown");
         }
-        // Outside the control lock: a store's record lock is taken before
-        // a replica's control lock elsewhere (a delete closes the chain).
-        if let Some(hook) = self.grown_hook.get() {
-            if let Err(e) = hook() {
-                tracing::error!(dir = %self.dir.display(), error = %e,
-                    "the store's record still has the replica's old size (its own record has the new one, which the store takes when it opens it)");
-            }
-        }
-        Ok(())
+        Ok(true)
     }
 
     /// Blocking: the metadata record with `size_bytes`.

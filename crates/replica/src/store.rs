@@ -136,6 +136,13 @@ pub enum StoreError {
     NotFound(String),
     #[error("replica {name:?} is held by engine session {session:#x} (it has connections open): detach or delete its volume first")]
     Held { name: String, session: u64 },
+    #[error("replica {name:?} is held by engine session {session:#x}: a replica in use grows through its engine (volume_resize on the node running it), which grows every replica at once")]
+    GrowHeld { name: String, session: u64 },
+    #[error("replica {name:?}: {source}")]
+    Grow {
+        name: String,
+        source: Box<crate::snapshots::SnapshotError>,
+    },
     #[error("the store holds {MAX_STORE_REPLICAS} replicas, its most")]
     Full,
     #[error("not enough space for a {size_bytes}-byte replica: replicas would total {committed_bytes} bytes, and the filesystem holds {room_bytes} bytes for them (x{overcommit_percent}% overcommit); raise store_overcommit to thin-provision more")]
@@ -182,7 +189,8 @@ impl StoreError {
             StoreError::BadName { .. } | StoreError::BadSize(_) => libc::EINVAL,
             StoreError::Exists(_) | StoreError::Leftover { .. } => libc::EEXIST,
             StoreError::NotFound(_) => libc::ENOENT,
-            StoreError::Held { .. } => libc::EBUSY,
+            StoreError::Held { .. } | StoreError::GrowHeld { .. } => libc::EBUSY,
+            StoreError::Grow { source, .. } => source.errno(),
             StoreError::Full => libc::EMFILE,
             StoreError::NoSpace { .. } => libc::ENOSPC,
             StoreError::Import { .. } => libc::EINVAL,
@@ -203,6 +211,9 @@ impl StoreError {
     /// Whether the caller asked for something this store refuses (a bad
     /// name or size, a name taken, no room), as opposed to a failure.
     pub fn is_refusal(&self) -> bool {
+        if let StoreError::Grow { source, .. } = self {
+            return source.is_refusal();
+        }
         matches!(
             self,
             StoreError::BadName { .. }
@@ -210,6 +221,7 @@ impl StoreError {
                 | StoreError::Exists(_)
                 | StoreError::NotFound(_)
                 | StoreError::Held { .. }
+                | StoreError::GrowHeld { .. }
                 | StoreError::Full
                 | StoreError::NoSpace { .. }
                 | StoreError::Leftover { .. }
@@ -831,6 +843,61 @@ impl Store {
         }
         tracing::info!(replica = name, "replica deleted");
         Ok(())
+    }
+
+    /// Grows replica `name`, which no engine holds, to `size_bytes` (a
+    /// GROW done by the store: `crate::grow`); the same size again
+    /// changes nothing. Refused while an engine holds the replica: an
+    /// engine grows its replicas together (GROW, under its own hold of
+    /// writes), and a replica grown under it alone would leave the
+    /// others behind. Blocking (fsyncs): an RPC thread.
+    ///
+    /// An engine that connects while this runs either meets the old size
+    /// (its volume is that size; a later grow through it takes every
+    /// replica to the new one) or the new size, and then its HELLO is
+    /// refused (size mismatch) like any engine of another size.
+    pub fn grow(&self, name: &str, size_bytes: u64) -> Result<ReplicaInfo, StoreError> {
+        check_name(name)?;
+        check_size(size_bytes)?;
+        let _one = self.index.lock_changes();
+        let Some(replica) = self.index.find(name) else {
+            return Err(StoreError::NotFound(name.into()));
+        };
+        let size = replica.size_bytes();
+        if size_bytes != size {
+            if let Some(session) = replica.fences.holder() {
+                return Err(StoreError::GrowHeld {
+                    name: name.into(),
+                    session,
+                });
+            }
+            if size_bytes > size {
+                // Thin provisioning counts the new bytes like a new
+                // replica of that many.
+                let current = self.index.read().clone();
+                self.index.check_room(&current, size_bytes - size)?;
+            }
+            let grown = replica
+                .grow_durable(size_bytes)
+                .map_err(|e| StoreError::Grow {
+                    name: name.into(),
+                    source: Box::new(e),
+                })?;
+            if grown {
+                // The replica's own record has the new size already; the
+                // store's follows (a store opening a replica whose own
+                // record is larger takes that, so a crash here is safe).
+                let current = self.index.read().clone();
+                self.index.store_record(&current)?;
+                tracing::info!(
+                    replica = name,
+                    from = size,
+                    to = size_bytes,
+                    "replica grown by its store (no engine holds it)"
+                );
+            }
+        }
+        Ok(info_of(name, &replica))
     }
 
     /// Creates replica `name` as a clone of snapshot `snapshot` of replica

@@ -2274,3 +2274,99 @@ fn grow_is_online_durable_and_refuses_bad_sizes() {
     assert_eq!(store.get("r1").unwrap().size_bytes, big);
     finish_store((), store, fw);
 }
+
+/// `replica_resize`: a store grows a replica no engine holds (a volume
+/// attached nowhere), and refuses one an engine holds, a shrink, a bad
+/// size and a name it lacks; the same size again changes nothing; data
+/// stays and the size survives a restart.
+#[test]
+fn a_store_grows_a_replica_no_engine_holds() {
+    let fw = framework();
+    let sdir = TempDir::new("store-grow-idle");
+    let store = open_store(&fw, &sdir, &["r1"]);
+    let big = 2 * SIZE;
+    let data = pattern(9, 64 * 1024);
+    let mut c = Client::engine(store.local_addr(), 0x51);
+    assert_eq!(c.hello_named("r1", HELLO_FLAG_ATTACH).0.status, 0);
+    assert_eq!(c.write(SIZE - data.len() as u64, &data), 0);
+    // Held by the engine's session: refused, nothing changes.
+    let held = store.grow("r1", big).unwrap_err();
+    assert!(
+        matches!(
+            held,
+            lull_replica::StoreError::GrowHeld { session: 0x51, .. }
+        ),
+        "{held}"
+    );
+    assert!(held.is_refusal());
+    assert_eq!(store.get("r1").unwrap().size_bytes, SIZE);
+    assert_eq!(c.detach(), 0);
+    drop(c);
+    // The engine's connection closes on the replica's reactor: wait for
+    // the store to see it gone (state, not a sleep).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while store.get("r1").unwrap().held_by_session.is_some() {
+        assert!(std::time::Instant::now() < deadline, "still held");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let grown = store.grow("r1", big).unwrap();
+    assert_eq!(grown.size_bytes, big);
+    assert_eq!(
+        store.grow("r1", big).unwrap().size_bytes,
+        big,
+        "same size again"
+    );
+    let shrink = store.grow("r1", SIZE).unwrap_err();
+    assert!(
+        shrink.is_refusal() && shrink.to_string().contains("shrink"),
+        "{shrink}"
+    );
+    assert!(matches!(
+        store.grow("r1", big + 512).unwrap_err(),
+        lull_replica::StoreError::BadSize(_)
+    ));
+    assert!(matches!(
+        store.grow("nosuch", big).unwrap_err(),
+        lull_replica::StoreError::NotFound(_)
+    ));
+    let record = std::fs::read_to_string(sdir.0.join("store.json")).unwrap();
+    assert!(
+        record.contains(&format!("\"size_bytes\": {big}")),
+        "store.json: {record}"
+    );
+    // An engine of the new size is taken, the old data reads back and
+    // the new range reads as zeros; one of the old size is refused.
+    let mut old = Client::engine(store.local_addr(), 0x52);
+    assert_ne!(old.hello_named("r1", 0).0.status, 0, "old size taken");
+    let mut c = Client::engine(store.local_addr(), 0x53);
+    let body = wire::encode_hello_request(
+        &Hello {
+            volume_size: big,
+            generation: 0,
+            flags: 0,
+            session: 0x53,
+        },
+        "r1",
+    );
+    let id = c.id();
+    c.send(
+        &Header::request(Kind::Hello, id, 0, body.len() as u32),
+        &body,
+    );
+    assert_eq!(c.recv().0.status, 0);
+    assert_eq!(c.read(SIZE - data.len() as u64, data.len() as u32), data);
+    assert_eq!(c.read(big - 4096, 4096), vec![0; 4096]);
+    drop((c, old));
+    store.shutdown(Duration::from_secs(10)).unwrap();
+    drop(store);
+    let store = Store::open(
+        fw.handle(),
+        &StoreConfig {
+            dir: sdir.0.clone(),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(store.get("r1").unwrap().size_bytes, big);
+    finish_store((), store, fw);
+}

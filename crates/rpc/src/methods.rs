@@ -100,6 +100,13 @@ pub trait ControlPlane: Send + Sync {
         let _ = name;
         Err(no_store())
     }
+    /// `replica_resize`: grow a replica of the store that no engine
+    /// holds (a volume not attached anywhere); the replica as
+    /// `replica_get` reports it.
+    fn replica_resize(&self, name: &str, size_bytes: u64) -> Result<Value, ControlError> {
+        let _ = (name, size_bytes);
+        Err(no_store())
+    }
     /// `replica_import`: adopt a `lull replica --dir` directory as `name`.
     fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
         let _ = (name, dir);
@@ -423,6 +430,7 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_create",
     "replica_delete",
     "replica_get",
+    "replica_resize",
     "replica_import",
     "replica_clone",
     "store_get",
@@ -533,6 +541,12 @@ pub fn register_lull_methods(
     method(registry, "replica_get", move |p: ReplicaName| {
         check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
         c.control.replica_get(&p.name)
+    })?;
+    let c = ctx.clone();
+    method(registry, "replica_resize", move |p: ReplicaCreate| {
+        check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+        let size_bytes = parse_size(&p.size).map_err(ControlError::InvalidParams)?;
+        c.control.replica_resize(&p.name, size_bytes)
     })?;
     let c = ctx.clone();
     method(registry, "replica_clone", move |p: ReplicaClone| {
@@ -996,7 +1010,7 @@ struct VolumeClone {
     backend: Option<String>,
 }
 
-/// `replica_create` parameters.
+/// `replica_create` and `replica_resize` parameters.
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct ReplicaCreate {
