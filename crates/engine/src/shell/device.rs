@@ -277,21 +277,23 @@ impl ReplicatedDev {
         name: &str,
         timeout: Duration,
     ) -> Result<(), String> {
-        let token = self.next_token();
-        self.event(Event::Snapshot {
-            token,
-            op,
-            name: name.to_string(),
+        retry_passing(|| {
+            let token = self.next_token();
+            self.event(Event::Snapshot {
+                token,
+                op,
+                name: name.to_string(),
+            })
+            .map_err(|e| e.to_string())?;
+            let outcome = self.wait_control(token, timeout);
+            // Whatever the outcome (a failed create may have landed on
+            // some replicas), the names served change only with the lists.
+            self.refresh_snapshots();
+            match outcome? {
+                ControlOutcome::Snapshot(r) => r,
+                other => Err(format!("unexpected answer {other:?}")),
+            }
         })
-        .map_err(|e| e.to_string())?;
-        let outcome = self.wait_control(token, timeout);
-        // Whatever the outcome (a failed create may have landed on some
-        // replicas), the names served change only with the lists.
-        self.refresh_snapshots();
-        match outcome? {
-            ControlOutcome::Snapshot(r) => r,
-            other => Err(format!("unexpected answer {other:?}")),
-        }
     }
 
     /// Asks the replicas for their snapshots in the background, to update
@@ -529,18 +531,18 @@ impl BlockDevice for ReplicatedDev {
         if size_bytes == self.size_bytes() {
             return Ok(());
         }
-        let token = self.next_token();
-        self.event(Event::Grow { token, size_bytes })
-            .map_err(|e| BdevError::Failed(e.to_string()))?;
-        match self.wait_control(token, GROW_TIMEOUT) {
-            Ok(ControlOutcome::Grow(Ok(size))) => {
-                self.size_bytes.fetch_max(size, Ordering::AcqRel);
-                Ok(())
+        let size = retry_passing(|| {
+            let token = self.next_token();
+            self.event(Event::Grow { token, size_bytes })
+                .map_err(|e| e.to_string())?;
+            match self.wait_control(token, GROW_TIMEOUT)? {
+                ControlOutcome::Grow(r) => r,
+                other => Err(format!("unexpected answer {other:?}")),
             }
-            Ok(ControlOutcome::Grow(Err(why))) => Err(BdevError::Failed(why)),
-            Ok(other) => Err(BdevError::Failed(format!("unexpected answer {other:?}"))),
-            Err(why) => Err(BdevError::Failed(why)),
-        }
+        })
+        .map_err(BdevError::Failed)?;
+        self.size_bytes.fetch_max(size, Ordering::AcqRel);
+        Ok(())
     }
 
     fn describe(&self) -> String {
@@ -649,6 +651,31 @@ impl Drop for ReplicatedDev {
     fn drop(&mut self) {
         let shell = self.shell.clone();
         let _ = self.engine.send(move |t| lock(&shell).shutdown(t));
+    }
+}
+
+/// How long a control operation (a snapshot operation, a grow) that the
+/// core refused for a passing state is asked again, by the RPC thread
+/// that waits for it: a new generation being stored after the healthy
+/// set changed (a replica round trip or two), a grow or a snapshot
+/// operation running. The core says so with "try again" at the end of
+/// its refusal.
+pub const CONTROL_RETRY_WINDOW: Duration = Duration::from_secs(5);
+
+/// Pause between two asks within [`CONTROL_RETRY_WINDOW`].
+const CONTROL_RETRY_PAUSE: Duration = Duration::from_millis(20);
+
+/// `op`, asked again while it is refused for a passing state (see
+/// [`CONTROL_RETRY_WINDOW`]); its last answer.
+fn retry_passing<T>(mut op: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + CONTROL_RETRY_WINDOW;
+    loop {
+        match op() {
+            Err(why) if why.ends_with("try again") && std::time::Instant::now() < deadline => {
+                std::thread::sleep(CONTROL_RETRY_PAUSE);
+            }
+            done => return done,
+        }
     }
 }
 

@@ -42,4 +42,4 @@ mod layers;
 mod run;
 mod socket;
 
-pub use device::{ReplicatedDev, GROW_TIMEOUT};
+pub use device::{ReplicatedDev, CONTROL_RETRY_WINDOW, GROW_TIMEOUT};
