@@ -325,7 +325,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
     .await;
     assert_eq!(
         ids(&by_source),
-        [snap.snapshot_id.clone(), snap2.snapshot_id.clone()]
+        [snap.snapshot_id.as_str(), snap2.snapshot_id.as_str()]
     );
     let by_id = list(
         &c,
@@ -335,7 +335,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
         },
     )
     .await;
-    assert_eq!(ids(&by_id), [snap2.snapshot_id.clone()]);
+    assert_eq!(ids(&by_id), [snap2.snapshot_id.as_str()]);
     assert!(by_id.entries[0].snapshot.as_ref().unwrap().ready_to_use);
     let page = list(
         &c,
@@ -345,7 +345,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
         },
     )
     .await;
-    assert_eq!(ids(&page), [snap.snapshot_id.clone()]);
+    assert_eq!(ids(&page), [snap.snapshot_id.as_str()]);
     let rest = list(
         &c,
         ListSnapshotsRequest {
@@ -354,7 +354,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
         },
     )
     .await;
-    assert_eq!(ids(&rest), [snap2.snapshot_id.clone()]);
+    assert_eq!(ids(&rest), [snap2.snapshot_id.as_str()]);
     assert!(rest.next_token.is_empty());
     let none = list(
         &c,
@@ -374,7 +374,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
         .await
         .expect("DeleteSnapshot again");
     let left = list(&c, ListSnapshotsRequest::default()).await;
-    assert_eq!(ids(&left), [snap.snapshot_id.clone()]);
+    assert_eq!(ids(&left), [snap.snapshot_id.as_str()]);
 
     unstage(&n, &clone.volume_id, &cstaging, &ctarget).await;
     unstage(&n, &source, &staging, &target).await;
@@ -436,6 +436,21 @@ async fn a_volume_staged_nowhere_snapshots_on_its_stores_and_clones_from_a_volum
     )
     .await
     .expect("CreateVolume from a snapshot");
+    // Nor does it grow later: its replicas refuse (flatten first).
+    let grow = c
+        .controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
+            volume_id: from_snap.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: (2 * VOLUME_BYTES) as i64,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(mount_cap()),
+            ..Default::default()
+        }))
+        .await
+        .expect_err("ControllerExpandVolume of a clone");
+    assert_eq!(grow.code(), Code::FailedPrecondition, "{grow:?}");
+    assert!(grow.message().contains("flatten"), "{grow:?}");
     // From the volume: both (a snapshot of it now, then clones).
     let from_vol = create(&c, "from-vol", VOLUME_BYTES, from_volume(&source))
         .await
@@ -453,7 +468,7 @@ async fn a_volume_staged_nowhere_snapshots_on_its_stores_and_clones_from_a_volum
     assert_eq!(again.volume_id, from_vol.volume_id);
     // The snapshot taken for it is not a CSI snapshot.
     let listed = list(&c, ListSnapshotsRequest::default()).await;
-    assert_eq!(ids(&listed), [snap.snapshot_id.clone()]);
+    assert_eq!(ids(&listed), [snap.snapshot_id.as_str()]);
 
     let (cstaging, ctarget) = (nodes.work.join("cstaging"), nodes.work.join("ctarget"));
     stage(&n, &from_snap.volume_id, &cstaging, &ctarget).await;
