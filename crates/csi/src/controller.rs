@@ -284,8 +284,9 @@ impl ControllerPlugin {
                 Err(e) => return Err(e.status()),
             }
         }
-        drop(_busy);
-        // A volume cloned from a volume leaves the snapshot taken for it.
+        // A volume cloned from a volume leaves the snapshot taken for it
+        // (still under this volume's busy mark: a CreateVolume of the same
+        // name must not take that snapshot meanwhile).
         self.delete_clone_snapshot(&id).await;
         tracing::info!(id = %req.volume_id, "volume deleted");
         Ok(())
