@@ -382,6 +382,47 @@ pub struct Store {
 pub struct StoreReplica {
     pub name: String,
     pub size_bytes: u64,
+    /// The store's generation of the replica: an engine taking it over
+    /// raises it.
+    #[serde(default)]
+    pub generation: u64,
+    /// The last engine detached cleanly and nothing wrote since.
+    #[serde(default)]
+    pub clean: bool,
+    /// The engine session holding it (`None`: no engine connected).
+    #[serde(default)]
+    pub held_by_session: Option<String>,
+    /// Its snapshots, oldest first (a store older than `replica_snapshot`
+    /// reports none).
+    #[serde(default)]
+    pub snapshots: Vec<StoreSnapshot>,
+}
+
+/// One snapshot of a replica in a `store_get` or `replica_get` answer.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct StoreSnapshot {
+    pub name: String,
+    #[serde(default)]
+    pub created_unix: u64,
+    /// Replicas of the store whose base it is.
+    #[serde(default)]
+    pub clones: Vec<String>,
+    /// It belongs to the replica this one was cloned from.
+    #[serde(default)]
+    pub inherited: bool,
+    /// Being deleted (merged away).
+    #[serde(default)]
+    pub merging: bool,
+}
+
+impl StoreReplica {
+    /// Its own snapshot `name` (not one it inherits as a clone), unless a
+    /// delete is merging it away.
+    pub fn snapshot(&self, name: &str) -> Option<&StoreSnapshot> {
+        self.snapshots
+            .iter()
+            .find(|s| s.name == name && !s.inherited && !s.merging)
+    }
 }
 
 impl Store {

@@ -49,12 +49,12 @@ pub const PARAM_REPLICAS: &str = "replicas";
 
 /// Parameters the CO adds itself (external-provisioner's
 /// `--extra-create-metadata`): read by nobody, accepted.
-const CO_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
+pub(crate) const CO_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
 
 #[derive(Debug)]
 pub struct ControllerPlugin {
-    cluster: Arc<Cluster>,
-    busy: Busy,
+    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) busy: Busy,
 }
 
 impl ControllerPlugin {
@@ -71,13 +71,38 @@ impl ControllerPlugin {
         }
         capability::check_all(&req.volume_capabilities).map_err(Status::invalid_argument)?;
         let replicas = replicas_param(&req.parameters)?;
-        let size_bytes = size_from_range(req.capacity_range.as_ref())?;
-        if req.volume_content_source.is_some() {
-            return Err(Status::invalid_argument(
-                "volume_content_source: this plugin offers no snapshots or clones yet (no CREATE_DELETE_SNAPSHOT or CLONE_VOLUME capability)",
-            ));
-        }
         let name = lull_name(&req.name);
+        if let Some(source) = &req.volume_content_source {
+            let _busy = self.busy.take(&name)?;
+            let explicit = req
+                .parameters
+                .contains_key(PARAM_REPLICAS)
+                .then_some(replicas);
+            let (mut nodes, size_bytes) = self
+                .create_from_source(&name, source, explicit, req.capacity_range.as_ref())
+                .await?;
+            self.sort_nodes(&mut nodes);
+            let id = VolumeId {
+                name: name.clone(),
+                nodes,
+            };
+            let accessible =
+                accessible_topology(&self.cluster, req.accessibility_requirements.as_ref())?;
+            tracing::info!(volume = %req.name, id = %id.format(), size_bytes, "volume created from a content source");
+            return Ok(CreateVolumeResponse {
+                volume: Some(Volume {
+                    capacity_bytes: size_bytes as i64,
+                    volume_context: HashMap::from([(
+                        PARAM_REPLICAS.to_string(),
+                        id.nodes.len().to_string(),
+                    )]),
+                    volume_id: id.format(),
+                    content_source: Some(source.clone()),
+                    accessible_topology: accessible,
+                }),
+            });
+        }
+        let size_bytes = size_from_range(req.capacity_range.as_ref())?;
         let _busy = self.busy.take(&name)?;
         let stores = self.cluster.stores().await;
         let accessible =
@@ -192,16 +217,7 @@ impl ControllerPlugin {
             }
             chosen.extend(more);
         }
-        // The id lists the nodes in node list order, so the same volume
-        // always has the same id.
-        let order: HashMap<&str, usize> = self
-            .cluster
-            .nodes()
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.id.as_str(), i))
-            .collect();
-        chosen.sort_by_key(|n| order.get(n.as_str()).copied().unwrap_or(usize::MAX));
+        self.sort_nodes(&mut chosen);
         let id = VolumeId {
             name: name.clone(),
             nodes: chosen,
@@ -216,6 +232,19 @@ impl ControllerPlugin {
                 accessible_topology: accessible,
             }),
         })
+    }
+
+    /// The id lists the nodes in node list order, so the same volume
+    /// always has the same id.
+    fn sort_nodes(&self, nodes: &mut [String]) {
+        let order: HashMap<&str, usize> = self
+            .cluster
+            .nodes()
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.id.as_str(), i))
+            .collect();
+        nodes.sort_by_key(|n| order.get(n.as_str()).copied().unwrap_or(usize::MAX));
     }
 
     async fn delete(&self, req: DeleteVolumeRequest) -> Result<(), Status> {
@@ -245,9 +274,20 @@ impl ControllerPlugin {
                         id.name
                     )))
                 }
+                Err(e) if e.refusal().is_some_and(|m| m.contains("base of clones")) => {
+                    tracing::warn!(volume = %id.name, node = %node, error = %e, "DeleteVolume refused: volumes were created from its snapshots");
+                    return Err(Status::failed_precondition(format!(
+                        "volume {}: volumes created from it read its snapshots' files; delete them first: {e}",
+                        id.name
+                    )));
+                }
                 Err(e) => return Err(e.status()),
             }
         }
+        // A volume cloned from a volume leaves the snapshot taken for it
+        // (still under this volume's busy mark: a CreateVolume of the same
+        // name must not take that snapshot meanwhile).
+        self.delete_clone_snapshot(&id).await;
         tracing::info!(id = %req.volume_id, "volume deleted");
         Ok(())
     }
@@ -868,6 +908,9 @@ impl Controller for ControllerPlugin {
             Type::GetVolume,
             Type::GetVolumeHealth,
             Type::ExpandVolume,
+            Type::CreateDeleteSnapshot,
+            Type::ListSnapshots,
+            Type::CloneVolume,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -883,28 +926,27 @@ impl Controller for ControllerPlugin {
 
     async fn create_snapshot(
         &self,
-        _request: Request<CreateSnapshotRequest>,
+        request: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        Err(Status::unimplemented(
-            "CreateSnapshot: not offered yet (no CREATE_DELETE_SNAPSHOT capability)",
+        Ok(Response::new(
+            self.create_snapshot_op(request.into_inner()).await?,
         ))
     }
 
     async fn delete_snapshot(
         &self,
-        _request: Request<DeleteSnapshotRequest>,
+        request: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        Err(Status::unimplemented(
-            "DeleteSnapshot: not offered yet (no CREATE_DELETE_SNAPSHOT capability)",
-        ))
+        self.delete_snapshot_op(request.into_inner()).await?;
+        Ok(Response::new(DeleteSnapshotResponse {}))
     }
 
     async fn list_snapshots(
         &self,
-        _request: Request<ListSnapshotsRequest>,
+        request: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        Err(Status::unimplemented(
-            "ListSnapshots: not offered yet (no LIST_SNAPSHOTS capability)",
+        Ok(Response::new(
+            self.list_snapshots_op(request.into_inner()).await?,
         ))
     }
 

@@ -32,6 +32,8 @@ pub mod mounts;
 pub mod node;
 pub mod nodes;
 pub mod placement;
+pub mod snapshot_id;
+pub mod snapshots;
 pub mod volume_id;
 
 /// The CSI v1 messages and services, generated from `proto/csi.proto`.

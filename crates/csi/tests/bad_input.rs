@@ -150,7 +150,7 @@ async fn controller_requests() {
             Code::OutOfRange,
         ),
         (
-            "a content source",
+            "a content source of no type",
             create(&|r| r.volume_content_source = Some(VolumeContentSource::default())),
             Code::InvalidArgument,
         ),
@@ -287,8 +287,77 @@ async fn controller_requests() {
         Code::Unimplemented
     );
     assert_eq!(
-        code(c.create_snapshot(Request::new(Default::default())).await),
+        code(c.get_snapshot(Request::new(Default::default())).await),
         Code::Unimplemented
+    );
+    // Snapshots: the name and the source, then ids of this plugin.
+    assert_eq!(
+        code(c.create_snapshot(Request::new(Default::default())).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            c.create_snapshot(Request::new(CreateSnapshotRequest {
+                name: "s".into(),
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            c.create_snapshot(Request::new(CreateSnapshotRequest {
+                name: "s".into(),
+                source_volume_id: "not-an-id".into(),
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(
+            c.create_snapshot(Request::new(CreateSnapshotRequest {
+                name: "s".into(),
+                source_volume_id: "v@node1".into(),
+                parameters: HashMap::from([("color".into(), "blue".into())]),
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(c.delete_snapshot(Request::new(Default::default())).await),
+        Code::InvalidArgument
+    );
+    // An id this plugin never wrote is deleted already.
+    c.delete_snapshot(Request::new(DeleteSnapshotRequest {
+        snapshot_id: "not-an-id".into(),
+        ..Default::default()
+    }))
+    .await
+    .expect("DeleteSnapshot of a foreign id");
+    assert_eq!(
+        code(
+            c.list_snapshots(Request::new(ListSnapshotsRequest {
+                max_entries: -1,
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            c.list_snapshots(Request::new(ListSnapshotsRequest {
+                starting_token: "bogus".into(),
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::Aborted
     );
     // Expansion: the id, then the range, then an id of this plugin.
     let expand = |id: &str, range: Option<CapacityRange>| {

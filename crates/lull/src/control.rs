@@ -512,6 +512,23 @@ impl ControlPlane for Control {
         if let Err(e) = v.dev().sync() {
             tracing::warn!(volume = name, error = %e, "flush of a deleted volume failed");
         }
+        // A replicated volume's engine detaches cleanly (as at `lull
+        // serve`'s stop): its replicas are then clean at one generation,
+        // which the next engine trusts without reconciling and a cluster
+        // manager needs to snapshot them on their stores
+        // (`replica_snapshot`). Clients still connected get errors from
+        // now on: the volume is gone.
+        if let Some(dev) = v.storage.replicated() {
+            match dev.detach(DELETE_DETACH_TIMEOUT) {
+                Ok(true) => tracing::info!(volume = name, "detached from its replicas cleanly"),
+                Ok(false) => {
+                    tracing::warn!(volume = name, timeout = ?DELETE_DETACH_TIMEOUT, "clean detach did not finish: the replicas stay dirty (the next engine reconciles them)")
+                }
+                Err(e) => {
+                    tracing::warn!(volume = name, error = %e, "clean detach failed: the replicas stay dirty (the next engine reconciles them)")
+                }
+            }
+        }
         tracing::info!(volume = name, "volume deleted over RPC");
         Ok(())
     }
@@ -653,6 +670,27 @@ impl ControlPlane for Control {
             .clone_replica(name, origin, snapshot)
             .map_err(store_error)?;
         tracing::info!(replica = name, origin, snapshot, "replica cloned over RPC");
+        Ok(json!(info))
+    }
+
+    fn replica_snapshot(
+        &self,
+        name: &str,
+        snapshot: &str,
+        create: bool,
+    ) -> Result<Value, ControlError> {
+        let op = if create {
+            SnapshotOp::Create
+        } else {
+            SnapshotOp::Delete
+        };
+        let info = self
+            .store()?
+            .snapshot(name, snapshot, op)
+            .inspect_err(|e| {
+                tracing::warn!(replica = name, snapshot, ?op, error = %e, "replica_snapshot refused");
+            })
+            .map_err(store_error)?;
         Ok(json!(info))
     }
 
@@ -1121,6 +1159,13 @@ fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
         e => ControlError::Failed(e.into()),
     }
 }
+
+/// How long `volume_delete` waits for a replicated volume's clean detach
+/// (writes in flight finish, every healthy replica syncs and records
+/// clean). A sync takes milliseconds to a few seconds; past 10 s the
+/// replicas stay dirty, which costs the next engine a reconcile, not
+/// data, and the RPC (a CSI unstage) answers.
+const DELETE_DETACH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long an RPC waits for a snapshot operation of a replicated volume:
 /// the writes in flight finish (each bounded by the replica timeout, 8 s

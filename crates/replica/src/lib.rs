@@ -117,7 +117,7 @@ pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION, META_MAX_BYTES};
 pub use snapshots::SnapshotError;
-pub use store::{ReplicaInfo, Store, StoreConfig, StoreError, StoreInfo};
+pub use store::{ReplicaInfo, ReplicaSnapshot, Store, StoreConfig, StoreError, StoreInfo};
 
 use crate::conn::Conn;
 use crate::fence::Fences;

@@ -143,6 +143,13 @@ pub enum StoreError {
         name: String,
         source: Box<crate::snapshots::SnapshotError>,
     },
+    #[error("replica {name:?} is held by engine session {session:#x}: a replica in use takes its snapshots through its engine (snapshot_create on the node running it), on every replica at once")]
+    SnapshotHeld { name: String, session: u64 },
+    #[error("replica {name:?}: {source}")]
+    Snapshot {
+        name: String,
+        source: Box<crate::snapshots::SnapshotError>,
+    },
     #[error("the store holds {MAX_STORE_REPLICAS} replicas, its most")]
     Full,
     #[error("not enough space for a {size_bytes}-byte replica: replicas would total {committed_bytes} bytes, and the filesystem holds {room_bytes} bytes for them (x{overcommit_percent}% overcommit); raise store_overcommit to thin-provision more")]
@@ -189,8 +196,10 @@ impl StoreError {
             StoreError::BadName { .. } | StoreError::BadSize(_) => libc::EINVAL,
             StoreError::Exists(_) | StoreError::Leftover { .. } => libc::EEXIST,
             StoreError::NotFound(_) => libc::ENOENT,
-            StoreError::Held { .. } | StoreError::GrowHeld { .. } => libc::EBUSY,
-            StoreError::Grow { source, .. } => source.errno(),
+            StoreError::Held { .. }
+            | StoreError::GrowHeld { .. }
+            | StoreError::SnapshotHeld { .. } => libc::EBUSY,
+            StoreError::Grow { source, .. } | StoreError::Snapshot { source, .. } => source.errno(),
             StoreError::Full => libc::EMFILE,
             StoreError::NoSpace { .. } => libc::ENOSPC,
             StoreError::Import { .. } => libc::EINVAL,
@@ -211,7 +220,7 @@ impl StoreError {
     /// Whether the caller asked for something this store refuses (a bad
     /// name or size, a name taken, no room), as opposed to a failure.
     pub fn is_refusal(&self) -> bool {
-        if let StoreError::Grow { source, .. } = self {
+        if let StoreError::Grow { source, .. } | StoreError::Snapshot { source, .. } = self {
             return source.is_refusal();
         }
         matches!(
@@ -222,6 +231,7 @@ impl StoreError {
                 | StoreError::NotFound(_)
                 | StoreError::Held { .. }
                 | StoreError::GrowHeld { .. }
+                | StoreError::SnapshotHeld { .. }
                 | StoreError::Full
                 | StoreError::NoSpace { .. }
                 | StoreError::Leftover { .. }
@@ -252,6 +262,24 @@ pub struct ReplicaInfo {
     pub held_by_session: Option<String>,
     /// Connections open on the replica now.
     pub connections: usize,
+    /// The replica's snapshots, oldest first (those it inherits as a
+    /// clone included, marked so).
+    pub snapshots: Vec<ReplicaSnapshot>,
+}
+
+/// One snapshot of a replica as `replica_get` and `store_get` report it:
+/// what a cluster manager needs to find, compare and delete snapshots
+/// with no engine running (the CSI controller's snapshots).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaSnapshot {
+    pub name: String,
+    pub created_unix: u64,
+    /// Replicas of this store whose base it is (`replica_clone`).
+    pub clones: Vec<String>,
+    /// It belongs to the replica this one was cloned from.
+    pub inherited: bool,
+    /// A delete is merging it away (it leaves the list once done).
+    pub merging: bool,
 }
 
 /// The store as `store_get` reports it.
@@ -605,6 +633,18 @@ fn info_of(name: &str, r: &Shared) -> ReplicaInfo {
         },
         held_by_session: r.fences.holder().map(|s| format!("{s:#x}")),
         connections: r.fences.connections(),
+        snapshots: r
+            .chain
+            .snapshots()
+            .into_iter()
+            .map(|s| ReplicaSnapshot {
+                name: s.name,
+                created_unix: s.created_unix,
+                clones: s.clones,
+                inherited: s.inherited,
+                merging: s.merging.is_some(),
+            })
+            .collect(),
     }
 }
 
@@ -897,6 +937,66 @@ impl Store {
                 );
             }
         }
+        Ok(info_of(name, &replica))
+    }
+
+    /// Creates or deletes snapshot `snapshot` of replica `name`, which no
+    /// engine holds (`replica_snapshot`: a volume attached nowhere, whose
+    /// snapshots a cluster manager takes replica by replica); a delete
+    /// starts the merge and returns, as SNAPSHOT does. Refused while an
+    /// engine holds the replica: an engine takes a snapshot on every
+    /// replica at once with writes held, and one taken under it on one
+    /// replica alone would hold other bytes than its peers'. Only create
+    /// and delete: a revert or flatten goes through an engine. Blocking
+    /// (fsyncs): an RPC thread.
+    ///
+    /// The holder is checked under the store's change lock and the chain
+    /// operation is serialised with the engine's, but an engine may
+    /// connect and write between two replicas' calls: the caller compares
+    /// each replica's `generation` and `clean` before and after (as the
+    /// CSI controller does) to know that no write came between.
+    pub fn snapshot(
+        &self,
+        name: &str,
+        snapshot: &str,
+        op: lull_proto::replica::SnapshotOp,
+    ) -> Result<ReplicaInfo, StoreError> {
+        use lull_proto::replica::SnapshotOp;
+        check_name(name)?;
+        let _one = self.index.lock_changes();
+        let Some(replica) = self.index.find(name) else {
+            return Err(StoreError::NotFound(name.into()));
+        };
+        if let Some(session) = replica.fences.holder() {
+            return Err(StoreError::SnapshotHeld {
+                name: name.into(),
+                session,
+            });
+        }
+        if !matches!(op, SnapshotOp::Create | SnapshotOp::Delete) {
+            return Err(StoreError::Snapshot {
+                name: name.into(),
+                source: Box::new(crate::snapshots::SnapshotError::Busy(
+                    "a store takes and deletes snapshots only; a revert or flatten goes through an engine".into(),
+                )),
+            });
+        }
+        let req = lull_proto::replica::SnapshotRequest {
+            op,
+            name: snapshot.to_string(),
+        };
+        replica
+            .snapshot_run(&req, self.index.me.upgrade())
+            .map_err(|e| StoreError::Snapshot {
+                name: name.into(),
+                source: Box::new(e),
+            })?;
+        tracing::info!(
+            replica = name,
+            snapshot,
+            ?op,
+            "snapshot operation by the store (no engine holds the replica)"
+        );
         Ok(info_of(name, &replica))
     }
 

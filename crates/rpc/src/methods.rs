@@ -123,6 +123,17 @@ pub trait ControlPlane: Send + Sync {
         let _ = (name, origin, snapshot);
         Err(no_store())
     }
+    /// `replica_snapshot`: create (`create: true`) or delete snapshot
+    /// `snapshot` of a replica of the store that no engine holds.
+    fn replica_snapshot(
+        &self,
+        name: &str,
+        snapshot: &str,
+        create: bool,
+    ) -> Result<Value, ControlError> {
+        let _ = (name, snapshot, create);
+        Err(no_store())
+    }
     /// `store_get`: the store's space and every replica in it.
     fn store_get(&self) -> Result<Value, ControlError> {
         Err(no_store())
@@ -433,6 +444,7 @@ pub const LULL_METHODS: &[&str] = &[
     "replica_resize",
     "replica_import",
     "replica_clone",
+    "replica_snapshot",
     "store_get",
     "snapshot_create",
     "snapshot_list",
@@ -560,6 +572,24 @@ pub fn register_lull_methods(
         check_name("snapshot", origin, MAX_REPLICA_NAME_LEN)?;
         c.control.replica_clone(&p.name, origin, snapshot)
     })?;
+    let c = ctx.clone();
+    method(
+        registry,
+        "replica_snapshot",
+        move |p: ReplicaSnapshotParams| {
+            check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
+            let create = match p.op.as_str() {
+                "create" => true,
+                "delete" => false,
+                other => {
+                    return Err(ControlError::InvalidParams(format!(
+                        "op must be \"create\" or \"delete\", not {other:?}"
+                    )))
+                }
+            };
+            c.control.replica_snapshot(&p.name, &p.snapshot, create)
+        },
+    )?;
     let c = ctx.clone();
     method(registry, "replica_import", move |p: ReplicaImport| {
         check_name("name", &p.name, MAX_REPLICA_NAME_LEN)?;
@@ -1034,6 +1064,18 @@ struct ReplicaClone {
     name: String,
     /// `REPLICA@SNAPSHOT`: a snapshot of a replica of this store.
     snapshot: String,
+}
+
+/// `replica_snapshot` parameters.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReplicaSnapshotParams {
+    /// A replica of the store.
+    name: String,
+    /// The snapshot's name (the chain checks it).
+    snapshot: String,
+    /// `create` or `delete`.
+    op: String,
 }
 
 /// `replica_import` parameters.

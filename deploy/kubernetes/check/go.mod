@@ -3,6 +3,7 @@ module lull/deploy/kubernetes/check
 go 1.24.0
 
 require (
+	github.com/kubernetes-csi/external-snapshotter/client/v8 v8.2.0
 	k8s.io/apimachinery v0.33.3
 	k8s.io/client-go v0.33.3
 )

@@ -1,6 +1,7 @@
 // Command check validates Kubernetes manifests offline against the API's
 // own types: every document is decoded strictly with client-go's scheme
-// (the types the API server serves), so an unknown kind or apiVersion, a
+// (the types the API server serves) and external-snapshotter's (the
+// VolumeSnapshotClass of the snapshot CRDs), so an unknown kind or apiVersion, a
 // field that does not exist (a typo) or a value of the wrong type is an
 // error naming the file and the field. scripts/check-kubernetes runs it
 // on deploy/kubernetes/*.yaml.
@@ -19,6 +20,8 @@ import (
 	"io"
 	"os"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -29,7 +32,16 @@ func main() {
 		fmt.Fprintln(os.Stderr, "usage: check FILE.yaml...")
 		os.Exit(2)
 	}
-	decoder := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
+	types := runtime.NewScheme()
+	if err := scheme.AddToScheme(types); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	if err := snapshotv1.AddToScheme(types); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	decoder := serializer.NewCodecFactory(types, serializer.EnableStrict).UniversalDeserializer()
 	docs, invalid := 0, 0
 	for _, path := range os.Args[1:] {
 		data, err := os.ReadFile(path)
