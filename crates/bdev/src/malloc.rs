@@ -9,6 +9,15 @@
 //! order, touching the source of each read of the batch first (see
 //! `MallocChannel`).
 //!
+//! A device may draw its chunks from a [`ChunkReserve`] shared with other
+//! devices (a memory chain's layers share one): chunks its whole-chunk
+//! trims and its drop free go there, up to a bound, and its new chunks
+//! come from there, zeroed, before the allocator is asked. A chunk fresh
+//! from the allocator is untouched memory whose every 4 KiB page faults
+//! on its first write (about 1.3 to 2.7 us a page on the benchmark VM,
+//! against 0.2 us for a write to a page already there); a reserved one
+//! costs a 1 MiB memset once (see docs/BENCHMARKS.md, "Snapshots").
+//!
 //! The device grows online ([`BlockDevice::grow`]): the chunk table is a
 //! list of segments of doubling length, created as the size needs them
 //! and never moved, so readers index it without a lock while it grows;
@@ -59,6 +68,64 @@ pub const MALLOC_CHANNEL_DEPTH: usize = 256;
 
 type Chunk = RwLock<Option<Box<[u8]>>>;
 
+/// Most bytes of freed chunks a [`ChunkReserve`] keeps for reuse: 64 MiB
+/// (64 chunks). A memory chain drops whole layers (a revert drops the
+/// head, a merge the snapshot it merged) and takes new chunks for its
+/// new head right after; reusing resident chunks saves the page faults
+/// of fresh ones. The reserve is memory the volume held before, kept
+/// instead of given back: at most this much per chain beyond its data,
+/// whether or not it is used again (docs/LIMITS.md).
+pub const CHUNK_RESERVE_MAX_BYTES: usize = 64 << 20;
+
+/// Full-size chunks freed by devices sharing the reserve, kept (resident)
+/// for their next chunk: at most `max_chunks`. What comes out is zeroed
+/// before use; what goes in is taken as it is.
+#[derive(Debug)]
+pub struct ChunkReserve {
+    chunks: Mutex<Vec<Box<[u8]>>>,
+    max_chunks: usize,
+}
+
+impl ChunkReserve {
+    /// A reserve of at most `max_bytes` (rounded down to whole chunks).
+    pub fn new(max_bytes: usize) -> Arc<ChunkReserve> {
+        let max_chunks = max_bytes / MALLOC_CHUNK_BYTES;
+        Arc::new(ChunkReserve {
+            chunks: Mutex::new(Vec::with_capacity(max_chunks)),
+            max_chunks,
+        })
+    }
+
+    /// Chunks held now (for tests and stats).
+    pub fn chunks(&self) -> usize {
+        self.chunks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// A zeroed chunk of [`MALLOC_CHUNK_BYTES`], if one is kept. Never
+    /// waits: a reserve in use by another thread is skipped (the caller
+    /// allocates).
+    fn take(&self) -> Option<Box<[u8]>> {
+        let mut chunk = self.chunks.try_lock().ok()?.pop()?;
+        chunk.fill(0);
+        Some(chunk)
+    }
+
+    /// Keeps `chunk` if it is full-size and there is room; else it is
+    /// freed.
+    fn give(&self, chunk: Box<[u8]>) {
+        if chunk.len() != MALLOC_CHUNK_BYTES {
+            return;
+        }
+        let mut chunks = self.chunks.lock().unwrap_or_else(PoisonError::into_inner);
+        if chunks.len() < self.max_chunks {
+            chunks.push(chunk);
+        }
+    }
+}
+
 /// Chunks in the first segment of the chunk table; segment `k` holds
 /// `SEGMENT0_CHUNKS << k`. 64 chunks (64 MiB of volume, about 1.5 KiB of
 /// table) keep small devices small; doubling keeps the segment count
@@ -89,6 +156,25 @@ struct Inner {
     segments: [OnceLock<Box<[Chunk]>>; SEGMENTS],
     /// Serializes `grow` (the control plane's; the data path never takes it).
     growing: Mutex<()>,
+    /// Where new chunks come from first and freed ones go (module doc).
+    reserve: Option<Arc<ChunkReserve>>,
+}
+
+impl Drop for Inner {
+    /// The chunks go to the reserve, as many as it keeps.
+    fn drop(&mut self) {
+        let Some(reserve) = &self.reserve else {
+            return;
+        };
+        for seg in self.segments.iter_mut().filter_map(OnceLock::get_mut) {
+            for chunk in seg.iter_mut() {
+                let data = chunk.get_mut().unwrap_or_else(PoisonError::into_inner);
+                if let Some(data) = data.take() {
+                    reserve.give(data);
+                }
+            }
+        }
+    }
 }
 
 /// A sparse memory-backed block device.
@@ -109,6 +195,15 @@ impl std::fmt::Debug for MallocDev {
 impl MallocDev {
     /// A device of `size_bytes` bytes, all reading as zeros.
     pub fn new(size_bytes: u64) -> Result<MallocDev, BdevError> {
+        MallocDev::with_reserve(size_bytes, None)
+    }
+
+    /// A device of `size_bytes` bytes, all reading as zeros, whose chunks
+    /// come from `reserve` first and go back to it (module doc).
+    pub fn with_reserve(
+        size_bytes: u64,
+        reserve: Option<Arc<ChunkReserve>>,
+    ) -> Result<MallocDev, BdevError> {
         if size_bytes > MALLOC_SIZE_MAX_BYTES {
             return Err(BdevError::Unsupported("malloc device larger than 16 TiB"));
         }
@@ -116,6 +211,7 @@ impl MallocDev {
             size_bytes: AtomicU64::new(0),
             segments: std::array::from_fn(|_| OnceLock::new()),
             growing: Mutex::new(()),
+            reserve,
         };
         inner.make_chunks(size_bytes);
         inner.size_bytes.store(size_bytes, Ordering::Release);
@@ -240,9 +336,7 @@ impl Inner {
             let chunk = self.chunk(index)?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
             let need = within + piece;
-            let data = guard.get_or_insert_with(|| {
-                vec![0u8; self.chunk_len(index).max(need)].into_boxed_slice()
-            });
+            let data = guard.get_or_insert_with(|| self.new_chunk(self.chunk_len(index).max(need)));
             if data.len() < need {
                 // Allocated short, as the last chunk, before a grow: extend
                 // it (rare: once per grow at most).
@@ -255,6 +349,17 @@ impl Inner {
         Ok(())
     }
 
+    /// A zeroed chunk of `len` bytes: from the reserve when there is one
+    /// and `len` is a whole chunk, else fresh from the allocator.
+    fn new_chunk(&self, len: usize) -> Box<[u8]> {
+        if len == MALLOC_CHUNK_BYTES {
+            if let Some(chunk) = self.reserve.as_ref().and_then(|r| r.take()) {
+                return chunk;
+            }
+        }
+        vec![0u8; len].into_boxed_slice()
+    }
+
     fn zero(&self, offset: u64, len: usize) -> Result<(), BdevError> {
         for (index, within, piece, _) in pieces(offset, len) {
             let chunk = self.chunk(index)?;
@@ -263,7 +368,9 @@ impl Inner {
             // past the old end, are seen here, so they are not dropped.
             let whole = within == 0 && piece == self.chunk_len(index);
             if whole {
-                *guard = None;
+                if let (Some(data), Some(reserve)) = (guard.take(), &self.reserve) {
+                    reserve.give(data);
+                }
             } else if let Some(data) = guard.as_mut() {
                 let end = (within + piece).min(data.len());
                 data[within.min(end)..end].fill(0);
@@ -758,6 +865,60 @@ mod tests {
         for (i, stripe) in v.chunks(512).enumerate() {
             assert!(stripe.iter().all(|&b| b == (i % 4) as u8 + 1));
         }
+    }
+
+    /// Chunks freed by a whole-chunk trim and by a dropped device go to
+    /// the reserve (as many as it keeps, full-size only); a device taking
+    /// one sees zeros wherever it did not write.
+    #[test]
+    fn a_reserve_reuses_freed_chunks_and_hands_out_zeros() {
+        let reserve = ChunkReserve::new(2 * MALLOC_CHUNK_BYTES + 4096);
+        let mut pool = BufPool::new(64 << 20);
+        {
+            // Three full chunks and a short last one, all written.
+            let dev = MallocDev::with_reserve(3 * CHUNK + 8192, Some(reserve.clone())).unwrap();
+            let mut ch = dev.open_channel().unwrap();
+            write(
+                &mut *ch,
+                &mut pool,
+                0,
+                &vec![0xaa; 3 * CHUNK as usize + 8192],
+            );
+            assert_eq!(reserve.chunks(), 0);
+            run(&mut *ch, 3, IoOp::Trim, CHUNK, CHUNK as u32, None)
+                .result
+                .unwrap();
+            assert_eq!(reserve.chunks(), 1, "a whole-chunk trim gives its chunk");
+            assert_eq!(dev.chunks_allocated(), 3);
+        }
+        assert_eq!(reserve.chunks(), 2, "at most what the reserve keeps");
+        let dev = MallocDev::with_reserve(4 * CHUNK, Some(reserve.clone())).unwrap();
+        let mut ch = dev.open_channel().unwrap();
+        write(&mut *ch, &mut pool, 2 * CHUNK + 5, &[7; 10]);
+        write(&mut *ch, &mut pool, 3 * CHUNK, &[9; 4096]);
+        assert_eq!(reserve.chunks(), 0, "both new chunks came from the reserve");
+        let v = read(&mut *ch, &mut pool, 2 * CHUNK, 2 * CHUNK as usize);
+        let mut want = vec![0u8; 2 * CHUNK as usize];
+        want[5..15].fill(7);
+        want[CHUNK as usize..CHUNK as usize + 4096].fill(9);
+        assert!(
+            v == want,
+            "a reserved chunk reads as zeros where not written"
+        );
+        // Past the reserve: fresh chunks.
+        write(&mut *ch, &mut pool, 0, &[1; 4096]);
+        assert_eq!(dev.chunks_allocated(), 3);
+        assert!(read(&mut *ch, &mut pool, 4096, CHUNK as usize - 4096)
+            .iter()
+            .all(|&b| b == 0));
+        // A reserve of nothing keeps nothing.
+        let none = ChunkReserve::new(MALLOC_CHUNK_BYTES - 1);
+        {
+            let d = MallocDev::with_reserve(CHUNK, Some(none.clone())).unwrap();
+            let mut ch = d.open_channel().unwrap();
+            write(&mut *ch, &mut pool, 0, &[1; 10]);
+        }
+        assert_eq!(none.chunks(), 0);
     }
 
     #[test]

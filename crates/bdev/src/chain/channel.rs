@@ -83,6 +83,10 @@ struct Op {
 struct Wake {
     epoll: Epoll,
     doorbell: EventFd,
+    /// The doorbell was rung since `reap` last drained it: only then is
+    /// it read (a read is a syscall, per `reap`, that a one-layer chain's
+    /// pass-through does not make).
+    rung: std::cell::Cell<bool>,
 }
 
 const DOORBELL_TOKEN: u64 = u64::MAX;
@@ -161,7 +165,11 @@ impl ChainChannel {
             let doorbell = EventFd::new()?;
             epoll.add(doorbell.as_raw_fd(), Interest::READABLE, DOORBELL_TOKEN)?;
             epoll.add(fd, Interest::READABLE, head as u64)?;
-            ch.wake = Some(Wake { epoll, doorbell });
+            ch.wake = Some(Wake {
+                epoll,
+                doorbell,
+                rung: std::cell::Cell::new(false),
+            });
         }
         Ok(ch)
     }
@@ -430,19 +438,25 @@ impl ChainChannel {
             return false;
         }
         let head = self.head();
-        let top = self.state.top.clone().expect("layered");
         let end = offset + len;
         let block_end = |b: u64| ((b + 1) * CHAIN_BLOCK_BYTES).min(size);
         let partial = |b: u64| offset > b * CHAIN_BLOCK_BYTES || end < block_end(b);
-        let lower = |b: u64| {
-            let v = top.get(b);
-            v != 0 && usize::from(v) - 1 != head
+        // The first and last block (the same one for a write inside one
+        // block): only they can be partial. An array, not a Vec: this
+        // runs for every write to a layered chain.
+        let edges = if b1 - 1 != b0 { [b0, b1 - 1] } else { [b0, b0] };
+        let edges = &edges[..if b1 - 1 != b0 { 2 } else { 1 }];
+        // A block-aligned write (the common first write after a snapshot)
+        // asks no map.
+        let copy = {
+            let top = self.state.top.as_deref().expect("layered");
+            edges.iter().any(|&b| {
+                partial(b) && {
+                    let v = top.get(b);
+                    v != 0 && usize::from(v) - 1 != head
+                }
+            })
         };
-        let mut edges = vec![b0];
-        if b1 - 1 != b0 {
-            edges.push(b1 - 1);
-        }
-        let copy = edges.iter().any(|&b| partial(b) && lower(b));
         if !copy {
             let buf = self.op(slot).buf.take();
             let op = self.op(slot);
@@ -457,8 +471,9 @@ impl ChainChannel {
         }
         let a0 = b0 * CHAIN_BLOCK_BYTES;
         let a1 = block_end(b1 - 1);
+        let top = self.state.top.clone().expect("layered");
         let mut reads = Vec::new();
-        for &b in &edges {
+        for &b in edges {
             if partial(b) {
                 let v = top.get(b);
                 if v != 0 {
@@ -675,6 +690,7 @@ impl ChainChannel {
     fn ring(&self) {
         if let Some(w) = &self.wake {
             w.doorbell.notify();
+            w.rung.set(true);
         }
     }
 
@@ -883,7 +899,9 @@ impl Channel for ChainChannel {
             return n;
         }
         if let Some(w) = &self.wake {
-            w.doorbell.drain();
+            if w.rung.replace(false) {
+                w.doorbell.drain();
+            }
         }
         // Layers that complete at `reap` (memory) finish a multi-step op
         // (a copy-up's read, then its write) in one call.

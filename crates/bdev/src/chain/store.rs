@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::file::{FileDev, FileOptions};
-use crate::malloc::MallocDev;
+use crate::malloc::{ChunkReserve, MallocDev, CHUNK_RESERVE_MAX_BYTES};
 use crate::{BdevError, BlockDevice};
 
 /// One layer in a chain's record.
@@ -92,14 +92,30 @@ pub trait LayerStore: Send + Sync {
 }
 
 /// Layers in memory; nothing survives the process, so nothing is recorded.
+///
+/// The layers it creates share one [`ChunkReserve`] of at most
+/// [`CHUNK_RESERVE_MAX_BYTES`] (and no more than the volume's size): a
+/// dropped layer's chunks (a revert's head, a merged snapshot) are
+/// reused, zeroed, by the next head's first writes instead of being
+/// faulted in afresh.
 pub struct MemoryStore {
     base: Arc<dyn BlockDevice>,
+    reserve: Arc<ChunkReserve>,
 }
 
 impl MemoryStore {
     /// A store whose first layer is `base` (a memory device).
     pub fn new(base: Arc<dyn BlockDevice>) -> MemoryStore {
-        MemoryStore { base }
+        let size = usize::try_from(base.size_bytes()).unwrap_or(usize::MAX);
+        MemoryStore {
+            reserve: ChunkReserve::new(CHUNK_RESERVE_MAX_BYTES.min(size)),
+            base,
+        }
+    }
+
+    /// The chunks the store's layers share (for tests and stats).
+    pub fn reserve(&self) -> &Arc<ChunkReserve> {
+        &self.reserve
     }
 }
 
@@ -113,7 +129,10 @@ impl LayerStore for MemoryStore {
     }
 
     fn create_layer(&self, _id: u64, size_bytes: u64) -> Result<Arc<dyn BlockDevice>, BdevError> {
-        Ok(Arc::new(MallocDev::new(size_bytes)?))
+        Ok(Arc::new(MallocDev::with_reserve(
+            size_bytes,
+            Some(self.reserve.clone()),
+        )?))
     }
 
     fn commit(&self, _record: &ChainRecord) -> Result<(), BdevError> {
