@@ -42,6 +42,12 @@ pub struct Control {
     /// `node_set_rebuild_limit`: the budget every replicated volume's
     /// copies take from (given to each at its creation).
     node_rebuild: lull_engine::NodeRebuildLimit,
+    /// Replicated clones made by this process (clone volume to
+    /// `VOLUME@SNAPSHOT`), until flattened or deleted: a node records
+    /// them in its state too (`VolumeEntry::clone_of`), a daemon without
+    /// `--store` only here. They name the clones when a snapshot's delete
+    /// or a revert is refused.
+    clones: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 impl Control {
@@ -63,6 +69,20 @@ impl Control {
             node: None,
             rebuild_limit_default: AtomicU64::new(0),
             node_rebuild: lull_engine::NodeRebuildLimit::default(),
+            clones: Default::default(),
+        }
+    }
+
+    /// Records (`Some`) or forgets (`None`) what clone `volume` stands on.
+    fn note_clone(&self, volume: &str, origin: Option<&str>) {
+        let mut c = self.clones.lock().unwrap_or_else(|p| p.into_inner());
+        match origin {
+            Some(o) => {
+                c.insert(volume.to_string(), o.to_string());
+            }
+            None => {
+                c.remove(volume);
+            }
         }
     }
 
@@ -155,19 +175,27 @@ impl Control {
     /// The volumes of this node that are clones of one of `snapshots` of
     /// `volume` (as recorded: a node without `--store` records none).
     fn clones_of(&self, volume: &str, snapshots: &[String]) -> Vec<String> {
-        let Some(node) = &self.node else {
-            return Vec::new();
+        let on = |c: &str| {
+            c.rsplit_once(lull_volume::SNAPSHOT_SEPARATOR)
+                .is_some_and(|(o, s)| o == volume && snapshots.iter().any(|n| n == s))
         };
-        node.volumes()
-            .into_iter()
-            .filter(|v| {
-                v.clone_of.as_deref().is_some_and(|c| {
-                    c.rsplit_once(lull_volume::SNAPSHOT_SEPARATOR)
-                        .is_some_and(|(o, s)| o == volume && snapshots.iter().any(|n| n == s))
-                })
-            })
-            .map(|v| v.name)
-            .collect()
+        let mut out: std::collections::BTreeSet<String> = self
+            .clones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, c)| on(c))
+            .map(|(v, _)| v.clone())
+            .collect();
+        if let Some(node) = &self.node {
+            out.extend(
+                node.volumes()
+                    .into_iter()
+                    .filter(|v| v.clone_of.as_deref().is_some_and(on))
+                    .map(|v| v.name),
+            );
+        }
+        out.into_iter().collect()
     }
 
     /// A clone of a replicated volume's snapshot: on each replica's store,
@@ -234,6 +262,7 @@ impl Control {
             nvmf_allow_hosts: Vec::new(),
             persist: true,
         })?;
+        self.note_clone(name, Some(snapshot));
         self.persist(|m| {
             if let Some(e) = m.get_mut(name) {
                 e.clone_of = Some(snapshot.to_string());
@@ -490,6 +519,7 @@ impl ControlPlane for Control {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             let v = self.volumes.remove(name)?;
+            self.note_clone(name, None);
             // A record that cannot be written leaves the volume in it: it
             // comes back at the next start, where it can be deleted again.
             if let Err(e) = self.persist(|m| {
@@ -1100,6 +1130,7 @@ impl ControlPlane for Control {
                 )));
             };
             replicated_op(&dev, SnapshotOp::Flatten, &base.name)?;
+            self.note_clone(volume, None);
             self.persist(|m| {
                 if let Some(e) = m.get_mut(volume) {
                     e.clone_of = None;

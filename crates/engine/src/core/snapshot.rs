@@ -302,7 +302,7 @@ impl Engine {
                 libc::ENOENT => "no snapshot of that name".to_string(),
                 libc::EINVAL => "invalid snapshot name".to_string(),
                 libc::EMLINK => "its chain holds the most layers it can".to_string(),
-                libc::EBUSY => "a snapshot is being merged (deleted)".to_string(),
+                libc::EBUSY => "a snapshot is being merged, or clones stand on it (replica_get on its node names them)".to_string(),
                 libc::EOPNOTSUPP => "it takes no snapshots".to_string(),
                 e => format!("errno {e}"),
             };
