@@ -646,26 +646,13 @@ fn recorded_nvmf(v: &node::VolumeEntry) -> Result<Option<config::NvmfVolume>, St
 
 /// `--store-fault-*`: the store's replicas' fault injection, checked.
 fn store_faults(args: &ServeArgs) -> Result<lull_replica::ReplicaFaults, String> {
-    let probability = |flag: &str, v: &str| {
-        v.parse::<lull_bdev::Probability>()
-            .map_err(|e| format!("{flag}: {e}"))
-    };
-    if args.store_fault_delay_us > lull_bdev::MAX_FAULT_DELAY_US {
-        return Err(format!(
-            "--store-fault-delay-us: at most {} (10 s)",
-            lull_bdev::MAX_FAULT_DELAY_US
-        ));
-    }
-    let faults = lull_replica::ReplicaFaults {
-        drop: probability("--store-fault-drop", &args.store_fault_drop)?,
-        error: probability("--store-fault-error", &args.store_fault_error)?,
-        delay_us: args.store_fault_delay_us,
-        seed: args.store_fault_seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        }),
-    };
+    let faults = cli::replica::parse_faults(
+        "--store-fault",
+        &args.store_fault_drop,
+        &args.store_fault_error,
+        args.store_fault_delay_us,
+        args.store_fault_seed,
+    )?;
     if args.store.is_none()
         && (faults.drop.get() > 0.0 || faults.error.get() > 0.0 || faults.delay_us > 0)
     {

@@ -21,7 +21,7 @@ use lull_proto::replica::{self as proto, Header, Kind};
 
 use super::ids::{ReplicaId, ReplicaSet};
 use super::types::{
-    ControlOutcome, Engine, GrowJob, LogLevel, Payload, RState, Region, SnapshotStep, SubKind,
+    ControlOutcome, Engine, GrowJob, LogLevel, Payload, Region, SnapshotStep, SubKind,
 };
 
 impl Engine {
@@ -90,33 +90,9 @@ impl Engine {
         if self.detach.is_some() {
             return Err("the volume is detaching".into());
         }
-        for r in self.replicas.iter() {
-            match r.state {
-                RState::Healthy | RState::Removed => {}
-                state => {
-                    return Err(format!(
-                        "replica {} is {}: a replicated volume grows only with every replica healthy (one away would come back at the old size)",
-                        r.addr,
-                        match state {
-                            RState::Syncing => "getting the snapshots it lacks",
-                            RState::Rebuilding => "being rebuilt",
-                            RState::Failed => "failed",
-                            _ => "connecting",
-                        }
-                    ));
-                }
-            }
-        }
-        if self.healthy_set().is_empty() || !self.elected_once {
-            return Err("the volume has no healthy replica yet".into());
-        }
-        if self.bump.is_some() {
-            return Err(
-                "the volume's healthy set just changed and its new generation is being stored on the replicas: try again"
-                    .into(),
-            );
-        }
-        Ok(())
+        self.every_replica_healthy(
+            "a replicated volume grows only with every replica healthy (one away would come back at the old size)",
+        )
     }
 
     /// Whether writes wait for a grow.

@@ -78,26 +78,28 @@ impl Engine {
                 proto::MAX_SNAPSHOT_NAME_BYTES
             ));
         }
-        let mut healthy = 0;
+        self.every_replica_healthy(
+            "snapshots of a replicated volume need every replica healthy (one away would miss it; it gets the snapshots taken before when it comes back, then its rebuild)",
+        )
+    }
+
+    /// Refuses a control operation that needs every replica healthy (a
+    /// snapshot operation, a grow): names the first replica that is not
+    /// and why the operation needs them all (`needs`); also while the
+    /// volume has had no healthy set yet, or stores a new generation
+    /// (a passing state: "try again").
+    pub(super) fn every_replica_healthy(&self, needs: &str) -> Result<(), String> {
         for r in self.replicas.iter() {
-            match r.state {
-                RState::Healthy => healthy += 1,
-                RState::Removed => {}
-                state => {
-                    return Err(format!(
-                        "replica {} is {}: snapshots of a replicated volume need every replica healthy (one away would miss it; it gets the snapshots taken before when it comes back, then its rebuild)",
-                        r.addr,
-                        match state {
-                            RState::Syncing => "getting the snapshots it lacks",
-                            RState::Rebuilding => "being rebuilt",
-                            RState::Failed => "failed",
-                            _ => "connecting",
-                        }
-                    ))
-                }
-            }
+            let state = match r.state {
+                RState::Healthy | RState::Removed => continue,
+                RState::Syncing => "getting the snapshots it lacks",
+                RState::Rebuilding => "being rebuilt",
+                RState::Failed => "failed",
+                _ => "connecting",
+            };
+            return Err(format!("replica {} is {state}: {needs}", r.addr));
         }
-        if healthy == 0 || !self.elected_once {
+        if self.healthy_set().is_empty() || !self.elected_once {
             return Err("the volume has no healthy replica yet".into());
         }
         if self.bump.is_some() {

@@ -127,26 +127,13 @@ impl ReplicaArgs {
         if self.dir.as_os_str().is_empty() {
             return Err("--dir must not be empty".into());
         }
-        let probability = |flag: &str, v: &str| {
-            v.parse::<lull_bdev::Probability>()
-                .map_err(|e| format!("{flag}: {e}"))
-        };
-        if self.fault_delay_us > lull_bdev::MAX_FAULT_DELAY_US {
-            return Err(format!(
-                "--fault-delay-us: at most {} (10 s)",
-                lull_bdev::MAX_FAULT_DELAY_US
-            ));
-        }
-        let faults = ReplicaFaults {
-            drop: probability("--fault-drop", &self.fault_drop)?,
-            error: probability("--fault-error", &self.fault_error)?,
-            delay_us: self.fault_delay_us,
-            seed: self.fault_seed.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64)
-            }),
-        };
+        let faults = parse_faults(
+            "--fault",
+            &self.fault_drop,
+            &self.fault_error,
+            self.fault_delay_us,
+            self.fault_seed,
+        )?;
         let mut direct = self.direct;
         let ring = match &self.uring {
             Some(list) => lull_bdev::RingOptions::parse_list(list, &mut direct)
@@ -262,6 +249,39 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Fault-injection flags (`{flag}-drop P`, `{flag}-error P`,
+/// `{flag}-delay-us N`, `{flag}-seed N`), checked: `lull replica`'s
+/// `--fault-*` and `lull serve`'s `--store-fault-*`. Without a seed, one
+/// from the clock.
+pub(crate) fn parse_faults(
+    flag: &str,
+    drop: &str,
+    error: &str,
+    delay_us: u64,
+    seed: Option<u64>,
+) -> Result<ReplicaFaults, String> {
+    let probability = |what: &str, v: &str| {
+        v.parse::<lull_bdev::Probability>()
+            .map_err(|e| format!("{flag}-{what}: {e}"))
+    };
+    if delay_us > lull_bdev::MAX_FAULT_DELAY_US {
+        return Err(format!(
+            "{flag}-delay-us: at most {} (10 s)",
+            lull_bdev::MAX_FAULT_DELAY_US
+        ));
+    }
+    Ok(ReplicaFaults {
+        drop: probability("drop", drop)?,
+        error: probability("error", error)?,
+        delay_us,
+        seed: seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        }),
+    })
 }
 
 #[cfg(test)]
