@@ -374,18 +374,7 @@ impl ControllerPlugin {
         let target = current.max(size_bytes);
 
         // Where an engine of the volume runs (where it is staged).
-        let engines: Vec<String> =
-            futures::future::join_all(self.cluster.nodes().iter().map(|n| async move {
-                self.cluster
-                    .call(&n.id, "replica_list", json!({ "volume": name }))
-                    .await
-                    .ok()
-                    .map(|_| n.id.clone())
-            }))
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let engines = self.engine_nodes(name).await;
         match engines.as_slice() {
             [node] => {
                 match self

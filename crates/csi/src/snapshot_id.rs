@@ -13,9 +13,7 @@
 //! engine takes it on every replica at once, or the controller on each
 //! store while no engine runs).
 
-use sha2::{Digest, Sha256};
-
-use crate::volume_id::VolumeId;
+use crate::volume_id::{hashed_name, looks_hashed, VolumeId};
 
 /// The CSI spec's general size limit on a string field (spec "Size
 /// Limits"): a snapshot id must fit.
@@ -32,12 +30,6 @@ pub const MAX_SNAPSHOT_NAME_BYTES: usize = 48;
 /// from a volume (`csi-clone.NEWVOLUME`): not CSI snapshots, so
 /// ListSnapshots leaves them out, and a CSI name starting so is hashed.
 pub const CLONE_SNAPSHOT_PREFIX: &str = "csi-clone.";
-
-/// Hex digits of the SHA-256 kept in a hashed name: 128 bits.
-const HASH_HEX_DIGITS: usize = 32;
-
-/// Prefix of a hashed name.
-const HASH_PREFIX: &str = "h-";
 
 /// Separates the volume id from the snapshot name: in neither.
 const SEPARATOR: char = '/';
@@ -89,24 +81,13 @@ pub fn lull_snapshot_name(csi_name: &str) -> String {
     {
         return csi_name.to_string();
     }
-    let digest = Sha256::digest(csi_name.as_bytes());
-    let mut name = String::from(HASH_PREFIX);
-    for byte in &digest[..HASH_HEX_DIGITS / 2] {
-        name.push_str(&format!("{byte:02x}"));
-    }
-    name
+    hashed_name(csi_name)
 }
 
 /// The snapshot the controller takes of a source volume to clone it into
 /// volume `clone` (lull name).
 pub fn clone_snapshot_name(clone: &str) -> String {
     format!("{CLONE_SNAPSHOT_PREFIX}{clone}")
-}
-
-fn looks_hashed(name: &str) -> bool {
-    name.strip_prefix(HASH_PREFIX).is_some_and(|hex| {
-        hex.len() == HASH_HEX_DIGITS && hex.bytes().all(|b| b.is_ascii_hexdigit())
-    })
 }
 
 /// A snapshot name the replicas take (`lull_bdev::chain`'s rule: letters,
@@ -125,6 +106,7 @@ pub fn valid_snapshot_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::volume_id::HASH_PREFIX;
 
     #[test]
     fn ids_round_trip() {

@@ -35,7 +35,7 @@ pub const MAX_REPLICAS: usize = 3;
 const HASH_HEX_DIGITS: usize = 32;
 
 /// Prefix of a hashed name.
-const HASH_PREFIX: &str = "h-";
+pub(crate) const HASH_PREFIX: &str = "h-";
 
 const _: () =
     assert!(MAX_NAME_BYTES + 1 + MAX_REPLICAS * (MAX_NODE_ID_BYTES + 1) <= MAX_VOLUME_ID_BYTES);
@@ -89,6 +89,12 @@ pub fn lull_name(csi_name: &str) -> String {
     if valid_name(csi_name) && csi_name.len() <= MAX_NAME_BYTES && !looks_hashed(csi_name) {
         return csi_name.to_string();
     }
+    hashed_name(csi_name)
+}
+
+/// `h-` and 32 hex digits of the SHA-256 of `csi_name`: the name of a
+/// volume or snapshot whose CSI name cannot serve as it is.
+pub(crate) fn hashed_name(csi_name: &str) -> String {
     let digest = Sha256::digest(csi_name.as_bytes());
     let mut name = String::from(HASH_PREFIX);
     for byte in &digest[..HASH_HEX_DIGITS / 2] {
@@ -97,7 +103,9 @@ pub fn lull_name(csi_name: &str) -> String {
     name
 }
 
-fn looks_hashed(name: &str) -> bool {
+/// Whether `name` has the shape of [`hashed_name`]'s (a CSI name of that
+/// shape is hashed too, so two CSI names never meet in one lull name).
+pub(crate) fn looks_hashed(name: &str) -> bool {
     name.strip_prefix(HASH_PREFIX).is_some_and(|hex| {
         hex.len() == HASH_HEX_DIGITS && hex.bytes().all(|b| b.is_ascii_hexdigit())
     })
