@@ -936,10 +936,43 @@ impl<S: Read + Write> Conn<S> {
         matches!(&self.phase, Phase::Connected(q) if q.sqflow_disabled)
     }
 
+    /// A read's data the device lent (a memory volume's), sent from its
+    /// memory in one C2HData PDU as [`Conn::send_c2h`] sends a buffer.
+    /// Returns true when that PDU also completed the command (SUCCESS).
+    /// A loan of the wrong length (a device bug) fails the command.
+    fn send_c2h_lent(&mut self, cid: u16, sqe: &Sqe, lent: lull_bdev::Lent) -> bool {
+        let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase else {
+            return false;
+        };
+        let len = (lba_range(sqe).1 << ns.lba_shift) as usize;
+        if lent.len() != len {
+            tracing::error!(peer = %self.wire.peer(), cid, lent = lent.len(), len, "lent read of the wrong length");
+            self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+            return true;
+        }
+        ns.volume.stats.lent_read();
+        let success = self.c2h_success();
+        let h = self.c2h_header(cid, len, success);
+        self.push_c2h(h.as_slice(), Payload::Lent(lent));
+        success
+    }
+
     /// One C2HData PDU with `len` bytes of `buf`, LAST_PDU set, and
     /// SUCCESS when `success` (the command's completion; see
     /// [`Conn::c2h_success`]).
     fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize, success: bool) {
+        let h = self.c2h_header(cid, len, success);
+        let mut buf = buf;
+        if buf.len() != len {
+            // The pooled buffer may be longer than the data it holds.
+            buf.set_len(len);
+        }
+        self.push_c2h(h.as_slice(), Payload::Buf(buf));
+    }
+
+    /// The header of a C2HData PDU of `len` bytes, LAST_PDU set, and
+    /// SUCCESS when `success`.
+    fn c2h_header(&self, cid: u16, len: usize, success: bool) -> pdu::Header {
         let hdr = DataHeader {
             cccid: cid,
             ttag: 0,
@@ -951,26 +984,28 @@ impl<S: Read + Write> Conn<S> {
             },
         };
         let specific = pdu::data_specific(&hdr, len as u32);
-        let h = pdu::encode_header(
+        pdu::encode_header(
             pdu::TYPE_C2H_DATA,
             hdr.flags,
             &specific,
             len,
             self.c2h_align,
             self.dg,
-        );
-        let ddgst = self.dg.data.then(|| pdu::crc32c(&buf.as_slice()[..len]));
-        let mut buf = buf;
-        if buf.len() != len {
-            // The pooled buffer may be longer than the data it holds.
-            buf.set_len(len);
-        }
+        )
+    }
+
+    /// A C2HData PDU's header `h`, then `data` (all of it the PDU's
+    /// data), then its data digest if negotiated: computed over the bytes
+    /// `data` sends (a loan's bytes in the device's memory, which do not
+    /// change while it is held; docs/PER_IO.md, "Lent reads").
+    fn push_c2h(&mut self, h: &[u8], data: Payload) {
+        let ddgst = self.dg.data.then(|| pdu::crc32c(data.as_ref()));
         if h.len() <= lull_net::MAX_HEADER_LEN {
-            self.wire.push(h.as_slice(), Payload::Buf(buf));
+            self.wire.push(h, data);
         } else {
             // Padded to a large HPDA: longer than a frame header.
-            self.wire.push(&[], Payload::Bytes(h.as_slice().to_vec()));
-            self.wire.push(&[], Payload::Buf(buf));
+            self.wire.push(&[], Payload::Bytes(h.to_vec()));
+            self.wire.push(&[], data);
         }
         if let Some(d) = ddgst {
             self.wire.push(&d.to_le_bytes(), Payload::None);
@@ -1093,7 +1128,12 @@ impl<S: Read + Write> Conn<S> {
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             };
             let channel = match volume.open_channel(limits.in_flight) {
-                Ok(ch) => ch,
+                Ok(mut ch) => {
+                    // Read data may be lent by the device and sent from its
+                    // memory (in-memory bytes, TLS or not).
+                    ch.allow_lend();
+                    ch
+                }
                 Err(e) => {
                     tracing::error!(peer = %peer, volume = %volume.name, error = %e, "cannot open a device channel");
                     return Reply::status(Status::INTERNAL_ERROR);
@@ -1453,7 +1493,16 @@ impl<S: Read + Write> Conn<S> {
         }
         match c.result {
             Ok(()) => {
-                if opc == spec::NVM_READ {
+                if opc == spec::NVM_READ && c.lent.is_some() {
+                    if let Some(b) = c.buf {
+                        bufs::put(b);
+                    }
+                    if let Some(lent) = c.lent {
+                        if self.send_c2h_lent(cid, &cmd.sqe, lent) {
+                            return;
+                        }
+                    }
+                } else if opc == spec::NVM_READ {
                     if let Some(b) = c.buf {
                         let len = lba_range(&cmd.sqe).1 as usize;
                         let shift = match &self.phase {

@@ -299,6 +299,7 @@ impl ChainChannel {
             result: Err(e),
             buf: req.buf,
             spliced: None,
+            lent: None,
         });
         self.ring();
     }
@@ -682,6 +683,7 @@ impl ChainChannel {
                     result,
                     buf: op.buf,
                     spliced: None,
+                    lent: None,
                 });
             }
         }

@@ -67,6 +67,7 @@ fn run(ch: &mut dyn Channel, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>
                     result: Err(e),
                     buf: None,
                     spliced: None,
+                    lent: None,
                 }
             }
         }
