@@ -313,15 +313,23 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
 /// An spdk_dd JSON config attaching subsystem `nqn` at `addr` as bdev
 /// `N0` (its namespace is `N0n1`).
 fn dd_config(dir: &Path, addr: SocketAddr, nqn: &str) -> PathBuf {
+    dd_config_digests(dir, addr, nqn, Digests::default())
+}
+
+/// [`dd_config`] with the header and data digests SPDK's initiator asks
+/// for in its ICReq (`hdgst`, `ddgst`).
+fn dd_config_digests(dir: &Path, addr: SocketAddr, nqn: &str, dg: Digests) -> PathBuf {
     let config = dir.join(format!("dd-{}.json", nqn.replace(':', "_")));
     std::fs::write(
         &config,
         format!(
             r#"{{"subsystems":[{{"subsystem":"bdev","config":[{{"method":"bdev_nvme_attach_controller",
  "params":{{"name":"N0","trtype":"tcp","adrfam":"IPv4","traddr":"{}","trsvcid":"{}",
- "subnqn":"{nqn}"}}}}]}}]}}"#,
+ "subnqn":"{nqn}","hdgst":{},"ddgst":{}}}}}]}}]}}"#,
             addr.ip(),
             addr.port(),
+            dg.header,
+            dg.data,
         ),
     )
     .expect("write the dd config");
@@ -1432,5 +1440,164 @@ fn an_exposed_replicated_snapshot_reads_over_nvmf() {
         "the snapshot's bytes over NVMe/TCP"
     );
     server.rpc("snapshot_unexpose", r#"{"volume":"r","name":"s1"}"#);
+    server.assert_healthy();
+}
+
+/// The lean path (issue 33): on a 2-replica volume over plain replica
+/// links, NVMe/TCP reads go from the replica's socket to the host's in a
+/// pipe, never copied by lull (docs/PER_IO.md, "Spliced reads"), when the
+/// queue pair has no data digest: `spliced_reads` counts up, with a header
+/// digest too (it covers the PDU header, which lull writes). With a data
+/// digest (a CRC32C over the bytes) reads stay buffered and the counter
+/// does not move. In every case spdk_dd reads back in 128 KiB requests
+/// byte-identical what it wrote, and spdk_nvme_perf's 128 KiB reads at
+/// QD32 (many C2HData PDUs in flight, spliced or not) keep the stream in
+/// step (a PDU of the wrong length would end the run with transport
+/// errors).
+#[test]
+fn two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on() {
+    let test = "two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on";
+    let Some(tools) = spdk_tools(test) else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let scratch = Scratch::new("nvmf-spliced");
+    let (ra, rb) = (
+        Replica::start(Kind::Process, &scratch.join("a"), "32M"),
+        Replica::start(Kind::Process, &scratch.join("b"), "32M"),
+    );
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("r:32M:replicas={}+{}", ra.target(), rb.target()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("r");
+    let spliced = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", r#"{"name":"r"}"#);
+        stats["spliced_reads"].as_u64().expect("spliced_reads")
+    };
+    let bytes = 8 << 20;
+    for (i, (label, dg, perf_flags)) in [
+        ("no digest", Digests::default(), &[][..]),
+        (
+            "header digest",
+            Digests {
+                header: true,
+                data: false,
+            },
+            &["-H"][..],
+        ),
+        (
+            "header and data digests",
+            Digests {
+                header: true,
+                data: true,
+            },
+            &["-H", "-I"][..],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let before = spliced(&server);
+        let config = dd_config_digests(server.dir(), addr, &nqn, dg);
+        let input = server.dir().join("in.bin");
+        let output = server.dir().join("out.bin");
+        let data = pattern(0x5911ce + i as u64, bytes);
+        std::fs::write(&input, &data).expect("write the input");
+        dd_write(&tools, &config, &input, 131072);
+        let back = dd_read(&tools, &config, &output, 131072, bytes);
+        assert!(
+            back == data,
+            "{label}: spdk_dd read back other bytes than it wrote"
+        );
+        let after_dd = spliced(&server);
+        let total = perf_on(
+            &tools,
+            &trid_of(addr, &nqn),
+            "read",
+            32,
+            131072,
+            1,
+            perf_flags,
+        );
+        let after_perf = spliced(&server);
+        eprintln!(
+            "{label}: spdk_dd's {} reads of 128 KiB: {} spliced; perf 128k read QD32 {total}: {} spliced",
+            bytes / 131072,
+            after_dd - before,
+            after_perf - after_dd
+        );
+        if dg.data {
+            assert_eq!(
+                after_perf, before,
+                "{label}: no read may be spliced on a queue pair with a data digest"
+            );
+        } else {
+            assert!(
+                after_dd > before && after_perf > after_dd,
+                "{label}: reads were spliced (spdk_dd {before} -> {after_dd}, perf -> {after_perf})"
+            );
+        }
+    }
+    server.assert_healthy();
+}
+
+/// Batching (issue 33): the commands of one read round are queued on the
+/// channel and pushed once, so on a file volume spdk_nvme_perf at QD32
+/// costs fewer than one `io_uring_enter` per I/O (each command was pushed
+/// alone before: one or more per I/O), with writes read back by spdk_dd.
+#[test]
+fn file_volume_commands_are_pushed_in_batches_over_nvme_tcp() {
+    let test = "file_volume_commands_are_pushed_in_batches_over_nvme_tcp";
+    let Some(tools) = spdk_tools(test) else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let scratch = Scratch::new("nvmf-batch");
+    let file = scratch.join("f.img");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("f:32M:file={}", file.display()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("f");
+    let tr = trid_of(addr, &nqn);
+    let counts = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", r#"{"name":"f"}"#);
+        let enters = stats["io_uring_enters"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("a file volume counts io_uring_enters: {stats}"));
+        let ios =
+            stats["reads"].as_u64().expect("reads") + stats["writes"].as_u64().expect("writes");
+        (enters, ios)
+    };
+    for workload in ["randwrite", "randread"] {
+        let (enters0, ios0) = counts(&server);
+        let total = perf_on(&tools, &tr, workload, 32, 4096, 2, &[]);
+        let (enters, ios) = counts(&server);
+        let (enters, ios) = (enters - enters0, ios - ios0);
+        assert!(ios > 1000, "{workload}: too little I/O to judge: {total}");
+        let per_io = enters as f64 / ios as f64;
+        eprintln!("{workload} 4k QD32 {total}: {enters} io_uring_enter over {ios} I/Os = {per_io:.3} per I/O");
+        assert!(
+            per_io < 1.0,
+            "{workload} at QD32: {per_io:.3} io_uring_enter per I/O: the commands were not pushed in batches"
+        );
+    }
+    dd_round_trip(
+        &tools,
+        server.dir(),
+        addr,
+        &nqn,
+        0xba7c4,
+        4 << 20,
+        (131072, 4096),
+    );
     server.assert_healthy();
 }
