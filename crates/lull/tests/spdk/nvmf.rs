@@ -896,6 +896,17 @@ impl RawHost {
 
     /// Fabrics Connect of queue `qid` to `cntlid` with a KATO.
     fn fabrics_connect(&mut self, qid: u16, cntlid: u16, kato_ms: u32) -> (u16, u32) {
+        self.fabrics_connect_cattr(qid, cntlid, kato_ms, 0)
+    }
+
+    /// [`RawHost::fabrics_connect`] with Connect attributes (CATTR).
+    fn fabrics_connect_cattr(
+        &mut self,
+        qid: u16,
+        cntlid: u16,
+        kato_ms: u32,
+        cattr: u32,
+    ) -> (u16, u32) {
         let mut sqe = [0u8; 64];
         sqe[0] = 0x7F;
         sqe[2] = 1;
@@ -903,7 +914,7 @@ impl RawHost {
         sqe[32..36].copy_from_slice(&1024u32.to_le_bytes());
         sqe[39] = 0x01; // in-capsule data
         sqe[40..44].copy_from_slice(&(u32::from(qid) << 16).to_le_bytes());
-        sqe[44..48].copy_from_slice(&31u32.to_le_bytes());
+        sqe[44..48].copy_from_slice(&(31u32 | (cattr << 16)).to_le_bytes());
         sqe[48..52].copy_from_slice(&kato_ms.to_le_bytes());
         let mut d = vec![0u8; 1024];
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
@@ -1599,5 +1610,126 @@ fn file_volume_commands_are_pushed_in_batches_over_nvme_tcp() {
         4 << 20,
         (131072, 4096),
     );
+    server.assert_healthy();
+}
+
+/// A spliced read that is the command's completion (issue 33): SPDK's
+/// initiator keeps SQ flow control on, so a raw host disables it (Connect
+/// CATTR) on an I/O queue to a 2-replica volume and reads 128 KiB the NBD
+/// client wrote: one C2HData PDU with LAST_PDU and SUCCESS, its data
+/// spliced and byte-identical, and no CapsuleResp after it (the next
+/// thing on the socket is the next read's PDU); a queue with flow control
+/// gets LAST_PDU only and a CapsuleResp. `spliced_reads` counts them.
+#[test]
+fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
+    let scratch = Scratch::new("nvmf-spliced-success");
+    let (ra, rb) = (
+        Replica::start(Kind::Process, &scratch.join("a"), "16M"),
+        Replica::start(Kind::Process, &scratch.join("b"), "16M"),
+    );
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("{VOLUME}:16M:replicas={}+{}", ra.target(), rb.target()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let data = pattern(0x5cce55, 4 * 131072);
+    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
+    assert_eq!(nbd.write(0, &data).expect("NBD write"), 0);
+    drop(nbd);
+
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 0);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut flow = RawHost::connect(addr);
+    assert_eq!(flow.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    let mut noflow = RawHost::connect(addr);
+    let cattr = lull_nvmf::spec::CATTR_DISABLE_SQ_FLOW;
+    assert_eq!(
+        noflow.fabrics_connect_cattr(2, cntlid as u16, 0, cattr).0,
+        0
+    );
+    let spliced = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{VOLUME}"}}"#));
+        stats["spliced_reads"].as_u64().expect("spliced_reads")
+    };
+    // 128 KiB at LBA `slba` (512-byte LBAs), command id `cid`.
+    let read = |cid: u16, slba: u32| {
+        let mut sqe = raw_sqe(0x02, cid, 1, &[(10, slba), (12, 255)]);
+        sqe[32..36].copy_from_slice(&131072u32.to_le_bytes());
+        sqe[39] = 0x5A; // transport SGL data block
+        pdu::encode(&Pdu::CapsuleCmd { sqe, data: &[] }, Digests::default())
+    };
+    let before = spliced(&server);
+
+    // Flow control on: LAST_PDU, then a CapsuleResp.
+    let (status, got) = {
+        let bytes = read(11, 256);
+        flow.sock.write_all(&bytes).expect("send a read");
+        let mut head = [0u8; 24];
+        flow.sock.read_exact(&mut head).expect("C2HData");
+        assert_eq!(head[0], pdu::TYPE_C2H_DATA, "{head:?}");
+        assert_eq!(head[1], pdu::FLAG_LAST_PDU, "flags {:#x}", head[1]);
+        let mut got = vec![0u8; 131072];
+        flow.sock.read_exact(&mut got).expect("the data");
+        let mut resp = [0u8; 24];
+        flow.sock.read_exact(&mut resp).expect("CapsuleResp");
+        assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+        (u16::from_le_bytes([resp[22], resp[23]]), got)
+    };
+    assert_eq!(status, 0);
+    assert!(got == data[131072..262144], "flow control on: other bytes");
+
+    let after_flow = spliced(&server);
+    // Off: two reads sent together; each answered by its C2HData alone.
+    let mut both = read(21, 512);
+    both.extend_from_slice(&read(22, 0));
+    noflow.sock.write_all(&both).expect("send two reads");
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let mut head = [0u8; 24];
+        noflow.sock.read_exact(&mut head).expect("C2HData");
+        assert_eq!(
+            head[0],
+            pdu::TYPE_C2H_DATA,
+            "a C2HData, not a CapsuleResp: {head:?}"
+        );
+        assert_eq!(
+            head[1],
+            pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS,
+            "flags {:#x}",
+            head[1]
+        );
+        let plen = u32::from_le_bytes(head[4..8].try_into().unwrap());
+        assert_eq!(plen, 24 + 131072);
+        let cid = u16::from_le_bytes([head[8], head[9]]);
+        let mut got = vec![0u8; 131072];
+        noflow.sock.read_exact(&mut got).expect("the data");
+        let at = if cid == 21 { 262144 } else { 0 };
+        assert!(got == data[at..at + 131072], "cid {cid}: other bytes");
+        seen.push(cid);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [21, 22]);
+    let after = spliced(&server);
+    eprintln!(
+        "spliced reads: {} with flow control, {} without",
+        after_flow - before,
+        after - after_flow
+    );
+    // A read finds no pipe only when the pool is empty or its reply's
+    // bytes were already buffered: at least one of these two was spliced,
+    // so SUCCESS went out on a spliced PDU.
+    assert!(
+        after - after_flow >= 1,
+        "no read without flow control was spliced"
+    );
+    // Nothing else is owed on the socket: a Flush gets its CapsuleResp
+    // next.
+    let (status, _) = noflow.command(raw_sqe(0x00, 23, 1, &[]), &[]);
+    assert_eq!(status, 0);
     server.assert_healthy();
 }
