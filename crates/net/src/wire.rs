@@ -7,7 +7,10 @@
 //! never touches the socket itself. The engine's replica client uses the
 //! same wire with its own payload type (request frames sharing the
 //! client's write buffer), driven by the engine core rather than by
-//! [`pump`].
+//! [`pump`] but read by [`read_and_dispatch`] like the servers
+//! ([`Transport`] hands the loop a wire of either payload type;
+//! [`Receive::fill_at_most`] and [`Wire::splice_in`] let it take a large
+//! payload straight into a buffer or a pipe).
 //!
 //! Both halves of the I/O are here once: [`pump`] writes, and
 //! [`read_and_dispatch`] is every server's budgeted read loop (the
