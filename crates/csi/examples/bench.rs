@@ -166,7 +166,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(reason) = Method::Fuse.check() {
+    if let Err(reason) = Method::Fuse.check(&attach::Host::default()).await {
         eprintln!("bench: {reason} (run as root; Debian package libnbd-bin)");
         return ExitCode::FAILURE;
     }
@@ -624,6 +624,7 @@ async fn stage_by_hand(nodes: &Nodes, p: &Plugins, run: usize) -> Result<Parts, 
     attach::fuse_detach(&dirs)
         .await
         .map_err(BenchError::attach("detach"))?;
+    let _ = std::fs::remove_dir(&dirs.dir);
     let _ = nbdfuse.wait().await;
     cluster
         .call(here, "volume_delete", json!({ "name": id.name }))

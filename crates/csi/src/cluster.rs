@@ -515,6 +515,7 @@ mod tests {
             rpc: server.local_addr().to_string(),
             tls: RpcTls::Psk(key.0.clone()),
             nbd: None,
+            nvmf: None,
             topology: Default::default(),
         }])
         .unwrap()

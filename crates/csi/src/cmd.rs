@@ -1,6 +1,6 @@
-//! The node's tools (mount, losetup, mkfs, blkid, nbdfuse) run as child
-//! processes with a deadline; a missing tool is named with its Debian
-//! package.
+//! The node's tools (mount, losetup, mkfs, blkid, nbdfuse, nvme,
+//! nbd-client) run as child processes with a deadline; a missing tool is
+//! named with its Debian package.
 //!
 //! ```ignore
 //! let dev = run("losetup", &["--find", "--show", file]).await?;
@@ -59,10 +59,17 @@ impl CmdError {
     }
 }
 
-/// The Debian package that ships `program`.
+/// The Debian package that ships `program` (a name, or a path to it).
 pub fn package_of(program: &str) -> &'static str {
-    match program {
+    let name = std::path::Path::new(program)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or(program);
+    match name {
         "nbdfuse" => "libnbd-bin",
+        "nvme" => "nvme-cli",
+        "nbd-client" => "nbd-client",
+        "modprobe" => "kmod",
         "mkfs.ext4" | "resize2fs" | "e2fsck" | "dumpe2fs" => "e2fsprogs",
         "mkfs.xfs" | "xfs_growfs" => "xfsprogs",
         "mount" | "umount" => "mount",
@@ -113,8 +120,11 @@ pub async fn run<S: AsRef<OsStr>>(program: &str, args: &[S]) -> Result<String, C
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Whether `program` is on the PATH.
+/// Whether `program` is on the PATH (or, given as a path, is a file).
 pub fn installed(program: &str) -> bool {
+    if program.contains('/') {
+        return std::path::Path::new(program).is_file();
+    }
     std::env::var_os("PATH")
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
 }
@@ -156,6 +166,10 @@ mod tests {
         let err = run("no-such-tool-lull", &["x"]).await.unwrap_err();
         assert!(matches!(err, CmdError::Missing { .. }), "{err}");
         assert!(installed("sh"));
+        assert!(installed("/bin/sh"));
         assert!(!installed("no-such-tool-lull"));
+        assert!(!installed("/no/such/tool"));
+        assert_eq!(package_of("/usr/sbin/nvme"), "nvme-cli");
+        assert_eq!(package_of("nbd-client"), "nbd-client");
     }
 }

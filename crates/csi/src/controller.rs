@@ -899,6 +899,7 @@ impl Controller for ControllerPlugin {
             Type::ExpandVolume,
             Type::CreateDeleteSnapshot,
             Type::ListSnapshots,
+            Type::GetSnapshot,
             Type::CloneVolume,
         ]
         .into_iter()
@@ -941,10 +942,10 @@ impl Controller for ControllerPlugin {
 
     async fn get_snapshot(
         &self,
-        _request: Request<GetSnapshotRequest>,
+        request: Request<GetSnapshotRequest>,
     ) -> Result<Response<GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented(
-            "GetSnapshot: not offered yet (no GET_SNAPSHOT capability)",
+        Ok(Response::new(
+            self.get_snapshot_op(request.into_inner()).await?,
         ))
     }
 

@@ -137,7 +137,7 @@ pub async fn serve(
         if cluster.node(&node_id).is_none() {
             return Err(CsiError::UnknownNodeId(node_id));
         }
-        if let Err(reason) = config.attach.check() {
+        if let Err(reason) = config.attach.check(&attach::Host::default()).await {
             // Served all the same: NodeStageVolume answers with the
             // reason, and the CO shows it on the workload.
             tracing::warn!("{reason}");

@@ -3,16 +3,22 @@
 //! volume id says) and attaches it; publish hands it to the workload.
 //!
 //! ```text
-//! NodeStageVolume   volume_create NAME replicas=A/NAME+B/NAME   (this node's daemon)
-//!                   nbdfuse + losetup -> /dev/loopN              (attach method fuse)
+//! NodeStageVolume   volume_create NAME replicas=A/NAME+B/NAME   (this node's daemon;
+//!                     nvme-tcp: nvmf_nqn, and nvmf_allow_hosts = this host's NQN)
+//!                   attach (crate::attach):
+//!                     fuse      nbdfuse + losetup      -> /dev/loopN
+//!                     nbd       nbd-client             -> /dev/nbdN
+//!                     nvme-tcp  nvme connect           -> /dev/nvmeXnY
 //!                   mount: mkfs on first use, mount at the staging path
-//! NodePublishVolume block: bind-mount /dev/loopN on the target file
+//! NodePublishVolume block: bind-mount the device on the target file
 //!                   mount: bind-mount the staging path on the target directory
 //! NodeUnpublish / NodeUnstage undo exactly that; each call can be repeated.
 //! ```
 //!
-//! What is staged is read back from the kernel (mountinfo, `losetup -j`)
-//! and the daemon, never from a record of the plugin's own.
+//! What is staged is read back from the kernel (mountinfo, `losetup -j`,
+//! sysfs) and the daemon; the plugin's own records (the attach method's,
+//! under the state directory) say only what it attached, so that it is
+//! undone exactly.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,7 +26,7 @@ use std::sync::Arc;
 use serde_json::json;
 use tonic::{Request, Response, Status};
 
-use crate::attach::{self, FuseDirs, Method};
+use crate::attach::{self, Attached, Attacher, Export, Host, Method};
 use crate::capability::{self, Access};
 use crate::cluster::Cluster;
 use crate::cmd;
@@ -60,12 +66,22 @@ pub struct NodeConfig {
 pub struct NodePlugin {
     cluster: Arc<Cluster>,
     config: NodeConfig,
+    attacher: Attacher,
     busy: Busy,
 }
 
 impl NodePlugin {
+    /// The node plugin on this machine ([`Host::default`]: /sys, /dev,
+    /// the tools on the PATH).
     pub fn new(cluster: Arc<Cluster>, config: NodeConfig) -> NodePlugin {
+        NodePlugin::with_host(cluster, config, Host::default())
+    }
+
+    /// The node plugin with its attach reading and running what `host`
+    /// says (tests: a fake sysfs and fake tools).
+    pub fn with_host(cluster: Arc<Cluster>, config: NodeConfig, host: Host) -> NodePlugin {
         NodePlugin {
+            attacher: Attacher::new(config.attach, host, config.state_dir.clone()),
             cluster,
             config,
             busy: Busy::default(),
@@ -78,18 +94,48 @@ impl NodePlugin {
             .expect("the node id was checked against the node list at start")
     }
 
-    fn nbd_addr(&self) -> Result<&str, Status> {
-        self.me().nbd.as_deref().ok_or_else(|| {
+    /// Where the attach method connects to the volume's engine on this
+    /// node's daemon: its NBD server (`fuse`, `nbd`) or its NVMe/TCP
+    /// target (`nvme-tcp`, with this host's NQN when it has one).
+    fn export(&self, id: &VolumeId) -> Result<Export, Status> {
+        let method = self.config.attach;
+        let missing = |field: &str, flag: &str| {
             Status::failed_precondition(format!(
-                "node {:?} has no \"nbd\" address in the node list: the attach method connects there",
-                self.config.node_id
+                "node {:?} has no \"{field}\" address in the node list (its daemon's {flag}): the attach method {} connects there",
+                self.config.node_id,
+                method.name()
             ))
-        })
+        };
+        match method {
+            Method::Fuse | Method::Nbd => Ok(Export::Nbd {
+                addr: self
+                    .me()
+                    .nbd
+                    .clone()
+                    .ok_or_else(|| missing("nbd", "--listen"))?,
+            }),
+            Method::NvmeTcp => Ok(Export::Nvmf {
+                addr: self
+                    .me()
+                    .nvmf
+                    .clone()
+                    .ok_or_else(|| missing("nvmf", "--nvmf-listen"))?,
+                nqn: attach::nqn_of(&id.name),
+                hostnqn: self
+                    .attacher
+                    .host
+                    .host_nqn()
+                    .map_err(|e| Status::failed_precondition(e.to_string()))?,
+            }),
+        }
     }
 
     /// The volume's engine on this node's daemon, created if missing;
-    /// whether this call created it.
-    async fn ensure_engine(&self, id: &VolumeId) -> Result<bool, Status> {
+    /// whether this call created it. For the `nvme-tcp` export the
+    /// engine is created with the volume's NQN and, when the host has
+    /// one, only this host's NQN allowed (docs/NVMF.md): a daemon that
+    /// serves no NVMe/TCP refuses it, and nothing is created.
+    async fn ensure_engine(&self, id: &VolumeId, export: &Export) -> Result<bool, Status> {
         let me = &self.config.node_id;
         let mut links = Vec::with_capacity(id.nodes.len());
         for node in &id.nodes {
@@ -113,15 +159,27 @@ impl NodePlugin {
         // Not recorded on the node: Kubernetes stages the volume again
         // where it wants it, and a daemon that restarts must not bring
         // back an engine another node has taken over since.
-        let params = json!({
+        let mut params = json!({
             "name": id.name,
             "size": size,
             "backend": format!("replicas={}", links.join("+")),
             "persist": false,
         });
+        if let Export::Nvmf { nqn, hostnqn, .. } = export {
+            params["nvmf_nqn"] = json!(nqn);
+            if let Some(h) = hostnqn {
+                params["nvmf_allow_hosts"] = json!([h]);
+            }
+        }
         let created = match self.cluster.call(me, "volume_create", params).await {
             Ok(_) => true,
             Err(e) if e.refusal().is_some_and(|m| m.contains("already exists")) => false,
+            Err(e) if e.refusal().is_some_and(|m| m.contains("--nvmf-listen")) => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {}: attach method nvme-tcp: node {me:?}'s daemon serves no NVMe/TCP (start lull serve with --nvmf-listen): {e}",
+                    id.name
+                )))
+            }
             Err(e) => return Err(e.status()),
         };
         if let Err(e) = self.wait_engine_ready(id).await {
@@ -230,11 +288,13 @@ impl NodePlugin {
             .ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
         let (access, _) = capability::check(cap).map_err(Status::invalid_argument)?;
         let id = parse_id(&req.volume_id)?;
-        self.config
-            .attach
+        // Before anything is created: a method this node cannot do, or
+        // an address the node list lacks, leaves the node untouched.
+        self.attacher
             .check()
+            .await
             .map_err(Status::failed_precondition)?;
-        let nbd = self.nbd_addr()?.to_string();
+        let export = self.export(&id)?;
         let _busy = self.busy.take(&id.name)?;
         let staging = PathBuf::from(&req.staging_target_path);
         if let Access::Mount { .. } = access {
@@ -242,20 +302,22 @@ impl NodePlugin {
                 return Ok(());
             }
         }
-        let engine_created = self.ensure_engine(&id).await?;
-        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
-        let was_attached = !attach::loops_of(&dirs.file)
+        let engine_created = self.ensure_engine(&id, &export).await?;
+        let was_attached = self
+            .attacher
+            .attached(&id.name)
             .await
-            .unwrap_or_default()
-            .is_empty();
-        let outcome = self
-            .attach_and_mount(&id, &dirs, &nbd, access, &staging)
-            .await;
+            .ok()
+            .flatten()
+            .is_some();
+        let outcome = self.attach_and_mount(&id, &export, access, &staging).await;
         if outcome.is_err() {
             // Never half-staged: undo what this call set up, so that the
-            // node is as it was (a retry starts again from there).
+            // node is as it was (a retry starts again from there): the
+            // attach and its records (the volume's state directory), then
+            // the engine.
             if !was_attached {
-                if let Err(e) = attach::fuse_detach(&dirs).await {
+                if let Err(e) = self.attacher.detach(&id.name).await {
                     tracing::warn!(volume = %id.name, error = %e, "could not detach after a failed stage");
                 }
             }
@@ -271,14 +333,15 @@ impl NodePlugin {
     async fn attach_and_mount(
         &self,
         id: &VolumeId,
-        dirs: &FuseDirs,
-        nbd: &str,
+        export: &Export,
         access: Access,
         staging: &Path,
     ) -> Result<(), Status> {
-        let dev = attach::fuse_attach(dirs, nbd, &id.name)
+        let dev = self
+            .attacher
+            .attach(&id.name, export)
             .await
-            .map_err(|e| Status::internal(format!("volume {}: attach: {e}", id.name)))?;
+            .map_err(|e| e.status(&id.name, "attach"))?;
         if let Access::Mount { fs_type, flags } = access {
             format_if_blank(&dev, &fs_type).await?;
             if fs_type == "ext4" {
@@ -317,10 +380,10 @@ impl NodePlugin {
                 .await
                 .map_err(tool_status)?;
         }
-        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
-        attach::fuse_detach(&dirs)
+        self.attacher
+            .detach(&id.name)
             .await
-            .map_err(|e| Status::internal(format!("volume {}: detach: {e}", id.name)))?;
+            .map_err(|e| e.status(&id.name, "detach"))?;
         match self
             .cluster
             .call(
@@ -388,11 +451,13 @@ impl NodePlugin {
         }
         let source = match access {
             Access::Block => {
-                let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
-                let dev = attach::loops_of(&dirs.file)
+                let dev = self
+                    .attacher
+                    .attached(&id.name)
                     .await
                     .ok()
-                    .and_then(|d| d.into_iter().next())
+                    .flatten()
+                    .map(|a| a.device)
                     .ok_or_else(|| {
                         Status::failed_precondition(format!(
                             "volume {} is not staged on this node",
@@ -479,9 +544,12 @@ impl NodePlugin {
     }
 
     /// NodeExpandVolume: the attach's device takes the engine's size,
-    /// then a mounted filesystem grows to the device. With `fuse` the
-    /// device grows only when nbdfuse serves the new size, which it does
-    /// from its next connection (a stage) on: [`FUSE_GROWS_ONLY_AT_STAGE`].
+    /// then a mounted filesystem grows to the device. `nvme-tcp`: `nvme
+    /// ns-rescan`, and a wait (up to [`attach::NVME_RESCAN_TIMEOUT`]) for
+    /// the kernel to read the namespace's new size. With `fuse` and `nbd`
+    /// the device keeps the size its NBD connection started with and
+    /// takes the new one at the next stage: [`FUSE_GROWS_ONLY_AT_STAGE`],
+    /// [`NBD_GROWS_ONLY_AT_STAGE`].
     async fn expand(
         &self,
         req: NodeExpandVolumeRequest,
@@ -512,15 +580,15 @@ impl NodePlugin {
             Some(Access::Block) => false,
             None => meta.is_dir(),
         };
-        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
-        let dev = attach::loops_of(&dirs.file)
+        let attached = self
+            .attacher
+            .attached(&id.name)
             .await
             .map_err(|e| Status::internal(format!("volume {}: {e}", id.name)))?
-            .into_iter()
-            .next()
             .ok_or_else(|| {
                 Status::not_found(format!("volume {} is not staged on this node", id.name))
             })?;
+        let dev = attached.device.clone();
         let engine_bytes = self.engine_size(&id).await?;
         if let Some(range) = &req.capacity_range {
             let required = u64::try_from(range.required_bytes).unwrap_or(0);
@@ -533,20 +601,7 @@ impl NodePlugin {
         }
         let mut dev_bytes = device_size(&dev).await?;
         if dev_bytes < engine_bytes {
-            // The loop device takes its file's size again (a file that
-            // grew; nbdfuse's does not, below).
-            cmd::run("losetup", &["-c", &dev])
-                .await
-                .map_err(tool_status)?;
-            dev_bytes = device_size(&dev).await?;
-        }
-        if dev_bytes < engine_bytes {
-            tracing::warn!(volume = %id.name, device = %dev, device_bytes = dev_bytes, volume_bytes = engine_bytes,
-                "NodeExpandVolume: the fuse attach cannot grow while staged; the device takes the new size at the next stage");
-            return Err(Status::failed_precondition(format!(
-                "volume {}: {dev} has {dev_bytes} bytes of the volume's {engine_bytes}: {FUSE_GROWS_ONLY_AT_STAGE}",
-                id.name
-            )));
+            dev_bytes = self.grow_device(&id, &attached, engine_bytes).await?;
         }
         if is_mount {
             let mount = mounted(&path)?.ok_or_else(|| {
@@ -587,6 +642,55 @@ impl NodePlugin {
         }
         Ok(NodeExpandVolumeResponse {
             capacity_bytes: clamp_i64(dev_bytes),
+        })
+    }
+
+    /// Asks the attached device to take the volume's size
+    /// ([`Attacher::refresh_size`]) and answers its size then; a device
+    /// that cannot grow while attached is FAILED_PRECONDITION with the
+    /// reason, one that did not within the rescan's time UNAVAILABLE
+    /// (the CO retries).
+    async fn grow_device(
+        &self,
+        id: &VolumeId,
+        attached: &Attached,
+        engine_bytes: u64,
+    ) -> Result<u64, Status> {
+        let dev = attached.device.as_str();
+        self.attacher
+            .refresh_size(&id.name, attached)
+            .await
+            .map_err(|e| e.status(&id.name, "grow the device"))?;
+        let mut dev_bytes = device_size(dev).await?;
+        if attached.method == Method::NvmeTcp {
+            // The kernel reads the namespace again in the background.
+            let deadline = std::time::Instant::now() + attach::NVME_RESCAN_TIMEOUT;
+            let mut backoff = crate::Backoff::new(ENGINE_POLL_INTERVAL);
+            while dev_bytes < engine_bytes && std::time::Instant::now() < deadline {
+                backoff.wait().await;
+                dev_bytes = device_size(dev).await?;
+            }
+        }
+        if dev_bytes >= engine_bytes {
+            return Ok(dev_bytes);
+        }
+        tracing::warn!(volume = %id.name, device = %dev, method = attached.method.name(), device_bytes = dev_bytes, volume_bytes = engine_bytes,
+            "NodeExpandVolume: the device did not take the volume's size");
+        let short = format!(
+            "volume {}: {dev} has {dev_bytes} bytes of the volume's {engine_bytes}",
+            id.name
+        );
+        Err(match attached.method {
+            Method::Fuse => {
+                Status::failed_precondition(format!("{short}: {FUSE_GROWS_ONLY_AT_STAGE}"))
+            }
+            Method::Nbd => {
+                Status::failed_precondition(format!("{short}: {NBD_GROWS_ONLY_AT_STAGE}"))
+            }
+            Method::NvmeTcp => Status::unavailable(format!(
+                "{short} {:?} after nvme ns-rescan (the retry rescans again)",
+                attach::NVME_RESCAN_TIMEOUT
+            )),
         })
     }
 
@@ -660,6 +764,15 @@ impl NodePlugin {
 /// new size); and a read-write loop device cannot move to another file
 /// (LOOP_CHANGE_FD is for read-only devices only).
 pub const FUSE_GROWS_ONLY_AT_STAGE: &str = "the fuse attach method cannot grow a staged volume: nbdfuse serves the size the NBD handshake gave when it connected (NBD has no resize notice), and the loop device (with the filesystem or the workload on it) cannot move to a new nbdfuse file while in use; the volume grew, and its device and filesystem take the new size when it is staged again (NodeExpandVolume after the next NodeStageVolume, e.g. when the pod restarts)";
+
+/// Why the `nbd` attach does not grow a staged volume, for the error of
+/// NodeExpandVolume (docs/KUBERNETES.md, "Expansion"): the kernel's nbd
+/// device has the size nbd-client gave it at connect, from the NBD
+/// handshake; NBD has no resize notice, and the netlink interface
+/// nbd-client configures the device with takes no new size for a
+/// connected device (drivers/block/nbd.c; not tried on a kernel here:
+/// no nbd module).
+pub const NBD_GROWS_ONLY_AT_STAGE: &str = "the nbd attach method cannot grow a staged volume: the kernel's nbd device keeps the size the NBD handshake gave when nbd-client connected (NBD has no resize notice); the volume grew, and its device and filesystem take the new size when it is staged again (NodeExpandVolume after the next NodeStageVolume, e.g. when the pod restarts)";
 
 /// Grows an unmounted ext4 filesystem to its device when the volume
 /// grew since it was last mounted (the stage after an expansion): an
@@ -858,10 +971,11 @@ impl NodeService for NodePlugin {
             })
             .unwrap_or_default();
         let mut health_statuses = health::engine_only(&[(self.config.node_id.clone(), states)]);
-        let dirs = FuseDirs::new(&self.config.state_dir, &id.name);
-        if attach::loops_of(&dirs.file)
+        if self
+            .attacher
+            .attached(&id.name)
             .await
-            .map_or(true, |d| d.is_empty())
+            .map_or(true, |a| a.is_none())
         {
             health_statuses.push(volume_health::VolumeHealthEntry {
                 status: VolumeHealthErrorType::Inaccessible as i32,
@@ -923,9 +1037,10 @@ impl NodeService for NodePlugin {
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.config.node_id.clone(),
-            // Loop devices are created on demand (loop-control): no
-            // limit of the plugin's own.
-            max_volumes_per_node: 0,
+            // nbd: the devices the module made (nbds_max). Loop devices
+            // (fuse) are created on demand, and NVMe/TCP controllers are
+            // not counted: no limit of the plugin's own.
+            max_volumes_per_node: self.attacher.max_volumes(),
             accessible_topology: Some(Topology {
                 segments: self.me().segments().into_iter().collect(),
             }),

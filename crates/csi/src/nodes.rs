@@ -1,14 +1,20 @@
 //! The node list (`lull csi --nodes FILE`): every storage node the plugin
 //! may place replicas on or stage volumes on, with how to reach its
-//! daemon's JSON-RPC (TCP, TLS only) and its NBD port. In a cluster the
-//! file comes from a ConfigMap; the TLS material from a Secret.
+//! daemon's JSON-RPC (TCP, TLS only), its NBD port (attach methods `fuse`
+//! and `nbd`) and its NVMe/TCP port (`nvme-tcp`). In a cluster the file
+//! comes from a ConfigMap; the TLS material from a Secret.
 //!
 //! ```json
 //! {"nodes": [
 //!   {"id": "node-a", "rpc": "10.0.0.7:10910", "tls_psk": "/etc/lull/rpc.psk",
-//!    "nbd": "127.0.0.1:10809", "topology": {"topology.kubernetes.io/zone": "z1"}}
+//!    "nbd": "127.0.0.1:10809", "nvmf": "127.0.0.1:4420",
+//!    "topology": {"topology.kubernetes.io/zone": "z1"}}
 //! ]}
 //! ```
+//!
+//! `nbd` and `nvmf` are optional: a node needs the one its plugin's
+//! attach method connects to (a list without `nvmf`, written before it
+//! existed, still loads).
 //!
 //! A relative TLS path is taken from the node list's directory.
 
@@ -45,8 +51,13 @@ pub struct Node {
     pub rpc: String,
     pub tls: RpcTls,
     /// `HOST:PORT` of the daemon's NBD `--listen`, as seen from the node
-    /// plugin on that same node (the attach methods connect there).
+    /// plugin on that same node (the `fuse` and `nbd` attach methods
+    /// connect there).
     pub nbd: Option<String>,
+    /// `HOST:PORT` of the daemon's `--nvmf-listen`, as seen from the node
+    /// plugin on that same node (the `nvme-tcp` attach method connects
+    /// there).
+    pub nvmf: Option<String>,
     /// Topology segments (besides [`TOPOLOGY_NODE_KEY`], always added).
     pub topology: BTreeMap<String, String>,
 }
@@ -96,6 +107,8 @@ struct FileNode {
     tls_certs: Option<PathBuf>,
     #[serde(default)]
     nbd: Option<String>,
+    #[serde(default)]
+    nvmf: Option<String>,
     #[serde(default)]
     topology: BTreeMap<String, String>,
 }
@@ -177,15 +190,30 @@ fn parse(text: &str, base: &Path) -> Result<Vec<Node>, ParseError> {
                 n.id
             ));
         }
+        if let Some(addr) = &n.nvmf {
+            if !host_port(addr) {
+                return invalid(format!(
+                    "node {:?}: nvmf {addr:?}: HOST:PORT of the daemon's --nvmf-listen",
+                    n.id
+                ));
+            }
+        }
         nodes.push(Node {
             id: n.id,
             rpc: n.rpc,
             tls,
             nbd: n.nbd,
+            nvmf: n.nvmf,
             topology: n.topology,
         });
     }
     Ok(nodes)
+}
+
+/// Whether `addr` is `HOST:PORT` (`[V6]:PORT` too) with a port 1 to 65535.
+fn host_port(addr: &str) -> bool {
+    addr.rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0))
 }
 
 #[cfg(test)]
@@ -196,10 +224,14 @@ mod tests {
     fn parses_a_list_and_joins_relative_paths() {
         let text = r#"{"nodes": [
             {"id": "a", "rpc": "127.0.0.1:1", "tls_psk": "rpc.psk", "nbd": "127.0.0.1:2"},
-            {"id": "b", "rpc": "127.0.0.1:3", "tls_certs": "/etc/certs", "topology": {"zone": "z"}}
+            {"id": "b", "rpc": "127.0.0.1:3", "tls_certs": "/etc/certs", "topology": {"zone": "z"},
+             "nvmf": "127.0.0.1:4420"}
         ]}"#;
         let nodes = parse(text, Path::new("/cfg")).unwrap();
         assert_eq!(nodes.len(), 2);
+        assert_eq!(nodes[0].nvmf, None);
+        assert_eq!(nodes[1].nvmf.as_deref(), Some("127.0.0.1:4420"));
+        assert_eq!(nodes[1].nbd, None);
         assert!(matches!(&nodes[0].tls, RpcTls::Psk(p) if p == Path::new("/cfg/rpc.psk")));
         assert!(matches!(&nodes[1].tls, RpcTls::Certs(p) if p == Path::new("/etc/certs")));
         assert_eq!(nodes[1].segments()["zone"], "z");
@@ -221,6 +253,12 @@ mod tests {
         assert!(
             bad(r#"{"nodes": [{"id": "a+b", "rpc": "x:1", "tls_psk": "k"}]}"#).contains("node id")
         );
+        for addr in ["127.0.0.1", "h:0", ":4420", "h:port"] {
+            let text = format!(
+                r#"{{"nodes": [{{"id": "a", "rpc": "x:1", "tls_psk": "k", "nvmf": "{addr}"}}]}}"#
+            );
+            assert!(bad(&text).contains("--nvmf-listen"), "{addr}");
+        }
         assert!(matches!(
             parse(
                 r#"{"nodes": [{"id": "a", "rpc": "x:1", "tls_psk": "k", "typo": 1}]}"#,

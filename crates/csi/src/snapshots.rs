@@ -535,6 +535,38 @@ impl ControllerPlugin {
         })
     }
 
+    /// GetSnapshot: ListSnapshots by id (the same rule: listed once
+    /// every replica of its volume holds it), one entry or NOT_FOUND.
+    /// Like ListSnapshots it asks every node of the list, so a node that
+    /// does not answer makes it UNAVAILABLE.
+    pub(crate) async fn get_snapshot_op(
+        &self,
+        req: GetSnapshotRequest,
+    ) -> Result<GetSnapshotResponse, Status> {
+        if req.snapshot_id.is_empty() {
+            return Err(Status::invalid_argument("snapshot_id is required"));
+        }
+        if SnapshotId::parse(&req.snapshot_id).is_none() {
+            return Err(Status::not_found(format!(
+                "no snapshot {:?} (not an id of this plugin)",
+                req.snapshot_id
+            )));
+        }
+        let list = self
+            .list_snapshots_op(ListSnapshotsRequest {
+                snapshot_id: req.snapshot_id.clone(),
+                ..Default::default()
+            })
+            .await?;
+        list.entries
+            .into_iter()
+            .find_map(|e| e.snapshot)
+            .map(|snapshot| GetSnapshotResponse {
+                snapshot: Some(snapshot),
+            })
+            .ok_or_else(|| Status::not_found(format!("no snapshot {}", req.snapshot_id)))
+    }
+
     /// CreateVolume's content: the new volume `name` (lull name) as clones
     /// of a snapshot of the source on the source's nodes. Returns its
     /// nodes and size. The caller holds `name`'s busy mark.

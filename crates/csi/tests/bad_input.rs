@@ -286,9 +286,20 @@ async fn controller_requests() {
         ),
         Code::Unimplemented
     );
+    // GetSnapshot: the id, then an id of this plugin.
     assert_eq!(
         code(c.get_snapshot(Request::new(Default::default())).await),
-        Code::Unimplemented
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            c.get_snapshot(Request::new(GetSnapshotRequest {
+                snapshot_id: "none-exist-id".into(),
+                ..Default::default()
+            }))
+            .await
+        ),
+        Code::NotFound
     );
     // Snapshots: the name and the source, then ids of this plugin.
     assert_eq!(

@@ -195,7 +195,7 @@ fn device_bytes(path: &Path) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mounted_volume_grows_online_and_its_filesystem_at_the_next_stage() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("expand-mount", Default::default()).await;
     let (c, n) = plugins(&nodes);
     let volume_id = create(&c, "grow-fs", mount_cap()).await;
@@ -269,7 +269,7 @@ async fn a_mounted_volume_grows_online_and_its_filesystem_at_the_next_stage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_volume_grows_on_its_stores_when_staged_nowhere() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("expand-block", Default::default()).await;
     let (c, n) = plugins(&nodes);
     let volume_id = create(&c, "grow-block", block_cap()).await;

@@ -86,11 +86,7 @@ async fn a_frozen_nodes_old_engine_is_fenced_when_it_thaws() {
 /// Stages on A, writes, takes A away (as `away` says), stages on B and
 /// reads back; then checks what A holds when it comes back.
 async fn failover(away: Away) {
-    assert!(
-        Method::Fuse.check().is_ok(),
-        "this test attaches with nbdfuse and loop devices: {:?} (run as root; Debian package libnbd-bin)",
-        Method::Fuse.check()
-    );
+    common::require_fuse().await;
     let mut nodes = Nodes::start(
         match away {
             Away::Killed => "failover",

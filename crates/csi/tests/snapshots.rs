@@ -2,7 +2,8 @@
 //! the engine of a staged volume and on the stores of one staged nowhere,
 //! volumes made from a snapshot and from a volume read what their source
 //! held then (ext4 mounted through the fuse attach), ListSnapshots
-//! filters and pages, and what is refused while clones use a snapshot.
+//! filters and pages, GetSnapshot finds what it lists (NOT_FOUND once
+//! deleted), and what is refused while clones use a snapshot.
 
 mod common;
 
@@ -126,6 +127,19 @@ async fn list(c: &ControllerPlugin, req: ListSnapshotsRequest) -> ListSnapshotsR
         .into_inner()
 }
 
+async fn get_snapshot(c: &ControllerPlugin, id: &str) -> Result<Snapshot, tonic::Status> {
+    c.get_snapshot(Request::new(GetSnapshotRequest {
+        snapshot_id: id.into(),
+        ..Default::default()
+    }))
+    .await
+    .map(|r| {
+        r.into_inner()
+            .snapshot
+            .expect("GetSnapshot answers a snapshot")
+    })
+}
+
 fn ids(r: &ListSnapshotsResponse) -> Vec<String> {
     r.entries
         .iter()
@@ -206,7 +220,7 @@ fn snapshot_names(replica: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_held() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("snap-staged", Default::default()).await;
     let (c, n) = plugins(&nodes);
     let source = create(&c, "src", VOLUME_BYTES, None)
@@ -337,6 +351,19 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
     .await;
     assert_eq!(ids(&by_id), [snap2.snapshot_id.as_str()]);
     assert!(by_id.entries[0].snapshot.as_ref().unwrap().ready_to_use);
+    // GetSnapshot: what ListSnapshots by id lists; NOT_FOUND for an id
+    // of this plugin's form that names no snapshot, INVALID_ARGUMENT
+    // for none.
+    let got = get_snapshot(&c, &snap2.snapshot_id)
+        .await
+        .expect("GetSnapshot after CreateSnapshot");
+    assert_eq!(Some(&got), by_id.entries[0].snapshot.as_ref());
+    assert_eq!(got.source_volume_id, source);
+    let unknown = format!("{source}/no-such-snapshot");
+    let e = get_snapshot(&c, &unknown).await.expect_err("an unknown id");
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = get_snapshot(&c, "").await.expect_err("no id");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let page = list(
         &c,
         ListSnapshotsRequest {
@@ -375,6 +402,10 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
         .expect("DeleteSnapshot again");
     let left = list(&c, ListSnapshotsRequest::default()).await;
     assert_eq!(ids(&left), [snap.snapshot_id.as_str()]);
+    let e = get_snapshot(&c, &snap2.snapshot_id)
+        .await
+        .expect_err("GetSnapshot of a deleted snapshot");
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
 
     unstage(&n, &clone.volume_id, &cstaging, &ctarget).await;
     unstage(&n, &source, &staging, &target).await;
@@ -394,7 +425,7 @@ async fn a_staged_volume_snapshots_through_its_engine_and_a_clone_reads_what_it_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_staged_nowhere_snapshots_on_its_stores_and_clones_from_a_volume() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("snap-stores", Default::default()).await;
     let (c, n) = plugins(&nodes);
     let source = create(&c, "src", VOLUME_BYTES, None)

@@ -71,7 +71,7 @@ fn unstage_req(volume_id: &str, staging: &Path) -> Request<NodeUnstageVolumeRequ
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filesystem_is_made_once_and_its_files_stay() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("stage-mkfs", Default::default()).await;
     let volume_id = create(&nodes, "keep").await;
     let node = NodePlugin::new(
@@ -125,7 +125,7 @@ fn sync_file(path: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_stage_leaves_nothing_behind() {
-    assert!(Method::Fuse.check().is_ok(), "{:?}", Method::Fuse.check());
+    common::require_fuse().await;
     let nodes = Nodes::start("stage-fail", Default::default()).await;
     let volume_id = create(&nodes, "undone").await;
     let id = VolumeId::parse(&volume_id).unwrap();

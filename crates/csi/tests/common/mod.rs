@@ -45,6 +45,10 @@ pub struct Daemon {
     pub rpc_port: u16,
     pub replica_port: u16,
     pub nbd_port: u16,
+    /// Serves NVMe/TCP (`--nvmf-listen`) on this port when `nvmf`: 0
+    /// until its first start binds it, as the others.
+    pub nvmf: bool,
+    pub nvmf_port: u16,
     /// Extra flags of `lull serve` (e.g. another --store-overcommit).
     pub extra: Vec<String>,
     child: Option<Child>,
@@ -77,6 +81,14 @@ impl Daemon {
             .arg("--rpc-socket")
             .arg(self.dir.join("rpc.sock"))
             .args(["--listen", &format!("127.0.0.1:{}", self.nbd_port)])
+            .args(if self.nvmf {
+                vec![
+                    "--nvmf-listen".to_string(),
+                    format!("127.0.0.1:{}", self.nvmf_port),
+                ]
+            } else {
+                Vec::new()
+            })
             .args(["--fixed-buffers-mib", "0"])
             .args(&self.extra)
             // Thin-provisioned unless the test says: test volumes are
@@ -99,10 +111,12 @@ impl Daemon {
         std::thread::spawn(move || {
             use std::io::BufRead;
             let port = |addr: &str| addr.trim().rsplit(':').next()?.parse::<u16>().ok();
-            let (mut replica, mut rpc) = (None, None);
+            let (mut replica, mut rpc, mut nvmf) = (None, None, None);
             for line in std::io::BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("replica store ") {
+                if let Some(rest) = line.strip_prefix("nvmf listening on ") {
+                    nvmf = port(rest);
+                } else if let Some(rest) = line.strip_prefix("replica store ") {
                     replica = rest
                         .rsplit_once(" on ")
                         .and_then(|(_, a)| a.split_once(": "))
@@ -110,15 +124,16 @@ impl Daemon {
                 } else if let Some(rest) = line.strip_prefix("rpc on tcp ") {
                     rpc = port(rest.trim_end_matches(" (TLS)"));
                 } else if let Some(rest) = line.strip_prefix("listening on ") {
-                    let _ = tx.send((replica, rpc, port(rest)));
+                    let _ = tx.send((replica, rpc, port(rest), nvmf));
                 }
             }
         });
         let deadline = Instant::now() + DEADLINE;
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok((Some(replica), Some(rpc), Some(nbd))) => {
+                Ok((Some(replica), Some(rpc), Some(nbd), nvmf)) if nvmf.is_some() == self.nvmf => {
                     (self.replica_port, self.rpc_port, self.nbd_port) = (replica, rpc, nbd);
+                    self.nvmf_port = nvmf.unwrap_or(0);
                     return;
                 }
                 Ok(ports) => panic!(
@@ -217,6 +232,17 @@ pub fn psk(path: &Path, user: &str, byte: u8) {
     std::fs::write(path, format!("{user}:{hex}\n")).unwrap();
 }
 
+/// Panics unless this machine can attach with the fuse method (the tests
+/// that stage with it need root, nbdfuse and loop devices).
+pub async fn require_fuse() {
+    if let Err(reason) = lull_csi::attach::Method::Fuse
+        .check(&lull_csi::attach::Host::default())
+        .await
+    {
+        panic!("this test attaches with nbdfuse and loop devices: {reason} (run as root; Debian package libnbd-bin)");
+    }
+}
+
 /// Waits, with the deadline, until `check` gives a value.
 pub async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> T
 where
@@ -246,6 +272,13 @@ impl Nodes {
     /// Starts them under a fresh directory named after `test`; `extra`
     /// gives each daemon's extra flags.
     pub async fn start(test: &str, extra: [Vec<String>; 3]) -> Nodes {
+        Nodes::start_with_nvmf(test, extra, [false; 3]).await
+    }
+
+    /// As [`Nodes::start`]; the daemons with `nvmf` set also serve
+    /// NVMe/TCP on loopback, and their node list entries say where
+    /// (`"nvmf"`).
+    pub async fn start_with_nvmf(test: &str, extra: [Vec<String>; 3], nvmf: [bool; 3]) -> Nodes {
         let work = std::env::temp_dir().join(format!("lull-csi-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(&work).unwrap();
@@ -254,12 +287,15 @@ impl Nodes {
         psk(&work.join("replica.psk"), "lull", 0xa5);
         let mut daemons: Vec<Daemon> = extra
             .into_iter()
+            .zip(nvmf)
             .enumerate()
-            .map(|(i, extra)| Daemon {
+            .map(|(i, (extra, nvmf))| Daemon {
                 dir: work.join(format!("node{}", i + 1)),
                 rpc_port: 0,
                 replica_port: 0,
                 nbd_port: 0,
+                nvmf,
+                nvmf_port: 0,
                 extra,
                 child: None,
             })
@@ -271,8 +307,12 @@ impl Nodes {
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                json!({"id": format!("node{}", i + 1), "rpc": format!("127.0.0.1:{}", d.rpc_port),
-                       "tls_psk": "rpc.psk", "nbd": format!("127.0.0.1:{}", d.nbd_port)})
+                let mut node = json!({"id": format!("node{}", i + 1), "rpc": format!("127.0.0.1:{}", d.rpc_port),
+                       "tls_psk": "rpc.psk", "nbd": format!("127.0.0.1:{}", d.nbd_port)});
+                if d.nvmf {
+                    node["nvmf"] = json!(format!("127.0.0.1:{}", d.nvmf_port));
+                }
+                node
             })
             .collect();
         std::fs::write(
