@@ -210,8 +210,10 @@ impl Sock {
             frames,
             budget: READ_BUDGET_BYTES,
             error: None,
+            spliced_some: false,
         };
-        let progress = wire::read_and_dispatch(&mut reading, READ_BUDGET_BYTES);
+        let progress =
+            wire::read_and_dispatch(&mut reading, READ_BUDGET_BYTES) || reading.spliced_some;
         if let Some(reason) = reading.error.take() {
             return Err(reason);
         }
@@ -266,6 +268,9 @@ struct Reading<'a> {
     /// Why the connection ends (a bad frame, the stream ended inside a
     /// payload): nothing more is read.
     error: Option<String>,
+    /// Payload bytes were spliced in a step that then waited for the
+    /// socket (a step that moved nothing more, to the loop).
+    spliced_some: bool,
 }
 
 impl Transport for Reading<'_> {
@@ -379,7 +384,13 @@ impl Reading<'_> {
                 let at = sock.wire.splice_in(pipe, len, &mut spliced);
                 self.budget = self.budget.saturating_sub(spliced);
                 match at.map_err(ended)? {
-                    SpliceIn::Waiting => Ok(spliced > 0),
+                    // Nothing more to do until the socket is readable
+                    // again: no second try (a `splice` and a `FIONREAD`
+                    // for nothing), but the bytes moved count.
+                    SpliceIn::Waiting => {
+                        self.spliced_some |= spliced > 0;
+                        Ok(false)
+                    }
                     SpliceIn::PipeFull => {
                         // Receive the rest into the buffer, after what the
                         // pipe holds.
