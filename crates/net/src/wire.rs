@@ -1367,4 +1367,71 @@ mod tests {
             assert!(!s.take_unflushed(), "already pushed");
         }
     }
+
+    /// [`Receive::fill_at_most`]: a protocol that asks for a header alone
+    /// gets no byte of the payload after it in the input buffer; the
+    /// payload comes straight from the stream into its own buffer (the
+    /// engine's replica socket reads large READ replies so).
+    #[test]
+    fn fill_at_most_keeps_a_payload_out_of_the_input_buffer() {
+        struct HeaderAlone {
+            wire: Wire<std::io::Cursor<Vec<u8>>, Vec<u8>>,
+            header: Option<Vec<u8>>,
+            payload: Vec<u8>,
+            got: usize,
+            fills: Vec<usize>,
+        }
+        impl Transport for HeaderAlone {
+            type Stream = std::io::Cursor<Vec<u8>>;
+            type Out = Vec<u8>;
+            fn wire(&mut self) -> &mut Wire<Self::Stream, Vec<u8>> {
+                &mut self.wire
+            }
+        }
+        impl Receive for HeaderAlone {
+            const EOF_REASON: &'static str = "peer left";
+            fn step(&mut self) -> bool {
+                if self.header.is_none() {
+                    let Some(h) = self.wire.inb.take(4) else {
+                        return false;
+                    };
+                    self.header = Some(h.to_vec());
+                    return true;
+                }
+                if self.got == self.payload.len() {
+                    return false;
+                }
+                self.wire
+                    .receive(&mut self.payload, &mut self.got)
+                    .expect("the payload is in the stream")
+            }
+            fn wants_input(&self) -> bool {
+                self.header.is_none()
+            }
+            fn in_flight(&self) -> usize {
+                0
+            }
+            fn filled(&mut self, n: usize) {
+                self.fills.push(n);
+            }
+            fn fill_at_most(&self) -> usize {
+                4 - self.wire.inb.buffered()
+            }
+        }
+        let stream = std::io::Cursor::new(b"HEADpayload!".to_vec());
+        let mut p = HeaderAlone {
+            wire: Wire::new(stream, -1, 64, "test", "peer".into()),
+            header: None,
+            payload: vec![0; 8],
+            got: 0,
+            fills: Vec::new(),
+        };
+        assert!(read_and_dispatch(&mut p, 1 << 20));
+        assert_eq!(p.header.as_deref(), Some(&b"HEAD"[..]));
+        assert_eq!(p.payload, b"payload!");
+        // One read of the header alone; the payload never passed through
+        // the input buffer.
+        assert_eq!(p.fills, [4]);
+        assert!(!p.wire.is_closing());
+    }
 }
