@@ -6,10 +6,21 @@
 //! queue 0 creates a controller (dynamic model: the target picks its id),
 //! queues 1.. join an existing controller by id. Admin commands are
 //! answered at once from the controller's state; I/O commands go to the
-//! volume's device channel, one slot per command in flight. A write whose
+//! volume's device channel, one slot per command in flight. The commands
+//! of one read round are queued on the channel and pushed together, once
+//! (`Channel::queue`, then `flush_submissions` from `advance`: one
+//! `io_uring_enter` for a batch on a file volume, as NBD). A write whose
 //! data is not in the capsule gets one R2T for all of it and its H2CData
 //! PDUs are copied into the command's buffer; a read is answered with one
-//! C2HData PDU and a CapsuleResp.
+//! C2HData PDU and a CapsuleResp (or the C2HData alone, carrying SUCCESS,
+//! when the host disabled SQ flow control).
+//!
+//! Spliced reads: on a queue pair with no TLS and no data digest, a
+//! replicated volume may hand a read's data over in a pipe, spliced from
+//! the replica's socket (`Channel::allow_splice`); the C2HData header goes
+//! out and the pipe is spliced into the socket after it, with no copy in
+//! lull (docs/PER_IO.md, "Spliced reads"). A pipe that does not hold the
+//! command's length is not sent: the command fails with an error status.
 //!
 //! PDUs are parsed whole from the input buffer (`limits::INBUF_BYTES`
 //! holds the largest). Anything malformed at the transport level ends in a
@@ -26,6 +37,7 @@ use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Submissions, Wire};
 use lull_net::{bufs, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
+use lull_uring::pipes::SplicePipe;
 use lull_volume::{ConnPermit, OpKind, Volume};
 
 use crate::limits::*;
@@ -145,8 +157,10 @@ pub(crate) struct Conn<S> {
     /// CIDs of held Asynchronous Event Requests (admin queue).
     aers: Vec<u16>,
     sqhd: u16,
-    /// A request the device refused as full; retried before reading more
-    /// (each request is pushed as it is queued: `Channel::submit_now`).
+    /// A request the device refused as full (retried before reading
+    /// more), and requests queued and not pushed yet: the commands of one
+    /// read round are queued (`Channel::queue`) and `advance` pushes them
+    /// once (`Channel::flush_submissions`), as NBD does.
     subs: Submissions<IoRequest>,
     greeted: Arc<AtomicBool>,
     completions: Vec<IoCompletion>,
@@ -252,9 +266,14 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
             && self.can_read()
     }
 
+    /// Reap, retry a held request, then push what was queued since the
+    /// last round (the commands `read_and_dispatch` queued, which `pump`
+    /// always follows with an `advance`, and any a completion queued: the
+    /// next piece of a Dataset Management).
     fn advance(&mut self) -> bool {
         let reaped = self.reap();
         let retried = self.retry_submit();
+        self.flush_submissions();
         let evented = self.deliver_event();
         if self.disconnecting && !self.wire.is_closing() && self.slots.is_empty() {
             self.wire.close("host sent Disconnect");
@@ -487,6 +506,18 @@ impl<S: Read + Write> Conn<S> {
 
     fn clock_ns(&self) -> u64 {
         self.clock.as_ref().map_or(self.now_ns, |c| c.now_ns())
+    }
+
+    /// Let a replicated volume hand READ data over in a pipe
+    /// (`IoCompletion::spliced`) when its bytes can go from the pipe to
+    /// the socket unchanged: a plain socket (no TLS session, which must
+    /// encrypt them) and no data digest (DDGST, a CRC32C over bytes the
+    /// target would have to read). Otherwise reads stay buffered.
+    fn allow_splice(&mut self, channel: &mut dyn Channel) {
+        if self.wire.stream.tls().is_none() && !self.dg.data {
+            self.wire.allow_splice();
+            channel.allow_splice();
+        }
     }
 
     /// Whether reading more input could make progress (back-pressure: a
@@ -940,6 +971,43 @@ impl<S: Read + Write> Conn<S> {
     /// SUCCESS when `success` (the command's completion; see
     /// [`Conn::c2h_success`]).
     fn send_c2h(&mut self, cid: u16, buf: IoBuf, len: usize, success: bool) {
+        let ddgst = self.dg.data.then(|| pdu::crc32c(&buf.as_slice()[..len]));
+        let mut buf = buf;
+        if buf.len() != len {
+            // The pooled buffer may be longer than the data it holds.
+            buf.set_len(len);
+        }
+        self.push_c2h(cid, len, success, Payload::Buf(buf));
+        if let Some(d) = ddgst {
+            self.wire.push(&d.to_le_bytes(), Payload::None);
+        }
+    }
+
+    /// A read's data in a pipe (a replicated volume's, spliced from the
+    /// replica's socket; only on a connection that allowed it, see
+    /// [`Conn::allow_splice`]): one C2HData PDU whose data is the pipe
+    /// spliced into the socket, no copy. A pipe that holds other than
+    /// `len` bytes is not sent (a short or long PDU would desync the
+    /// host): false, with a log line; the caller answers with an error.
+    fn send_c2h_spliced(&mut self, cid: u16, pipe: SplicePipe, len: usize, success: bool) -> bool {
+        if pipe.held() != len || self.dg.data {
+            // The device handed over less or more than was asked, or a
+            // pipe reached a link with a data digest: a bug either way.
+            tracing::error!(peer = %self.wire.peer(), cid, held = pipe.held(), len,
+                ddgst = self.dg.data, "spliced read of the wrong length or on a digest link");
+            lull_uring::pipes::put(pipe);
+            return false;
+        }
+        if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
+            ns.volume.stats.spliced_read();
+        }
+        self.push_c2h(cid, len, success, Payload::Pipe(pipe));
+        true
+    }
+
+    /// One C2HData PDU's header (LAST_PDU set, SUCCESS when `success`),
+    /// then `payload`, which holds its `len` data bytes.
+    fn push_c2h(&mut self, cid: u16, len: usize, success: bool, payload: Payload) {
         let hdr = DataHeader {
             cccid: cid,
             ttag: 0,
@@ -959,21 +1027,12 @@ impl<S: Read + Write> Conn<S> {
             self.c2h_align,
             self.dg,
         );
-        let ddgst = self.dg.data.then(|| pdu::crc32c(&buf.as_slice()[..len]));
-        let mut buf = buf;
-        if buf.len() != len {
-            // The pooled buffer may be longer than the data it holds.
-            buf.set_len(len);
-        }
         if h.len() <= lull_net::MAX_HEADER_LEN {
-            self.wire.push(h.as_slice(), Payload::Buf(buf));
+            self.wire.push(h.as_slice(), payload);
         } else {
             // Padded to a large HPDA: longer than a frame header.
             self.wire.push(&[], Payload::Bytes(h.as_slice().to_vec()));
-            self.wire.push(&[], Payload::Buf(buf));
-        }
-        if let Some(d) = ddgst {
-            self.wire.push(&d.to_le_bytes(), Payload::None);
+            self.wire.push(&[], payload);
         }
     }
 
@@ -1092,13 +1151,14 @@ impl<S: Read + Write> Conn<S> {
                     "Connect refused: the volume has its maximum of connections");
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             };
-            let channel = match volume.open_channel(limits.in_flight) {
+            let mut channel = match volume.open_channel(limits.in_flight) {
                 Ok(ch) => ch,
                 Err(e) => {
                     tracing::error!(peer = %peer, volume = %volume.name, error = %e, "cannot open a device channel");
                     return Reply::status(Status::INTERNAL_ERROR);
                 }
             };
+            self.allow_splice(channel.as_mut());
             let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
                 lba_shift,
@@ -1392,13 +1452,27 @@ impl<S: Read + Write> Conn<S> {
         });
     }
 
+    /// Queue `io` on the channel; `advance` pushes the batch
+    /// (`flush_submissions`).
     fn submit_io(&mut self, io: IoRequest) {
         let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase else {
             return;
         };
-        if let Some(done) = self.subs.pushed(ns.channel.submit_now(io)) {
+        if let Some(done) = self.subs.queued(ns.channel.queue(io)) {
             let now = self.clock_ns();
             self.complete(done, now);
+        }
+    }
+
+    /// Pushes the requests queued since the last push (`Submissions`):
+    /// one `io_uring_enter` (file volume) or one doorbell (replicated
+    /// volume) for the commands of a read round.
+    fn flush_submissions(&mut self) {
+        if !self.subs.take_unflushed() {
+            return;
+        }
+        if let Phase::Connected(Queue { ns: Some(ns), .. }) = &mut self.phase {
+            ns.channel.flush_submissions();
         }
     }
 
@@ -1454,17 +1528,34 @@ impl<S: Read + Write> Conn<S> {
         match c.result {
             Ok(()) => {
                 if opc == spec::NVM_READ {
-                    if let Some(b) = c.buf {
-                        let len = lba_range(&cmd.sqe).1 as usize;
-                        let shift = match &self.phase {
-                            Phase::Connected(Queue { ns: Some(ns), .. }) => ns.lba_shift,
-                            _ => 9,
-                        };
-                        let success = self.c2h_success();
-                        self.send_c2h(cid, b, len << shift, success);
-                        if success {
-                            return;
+                    let len = lba_range(&cmd.sqe).1 as usize;
+                    let shift = match &self.phase {
+                        Phase::Connected(Queue { ns: Some(ns), .. }) => ns.lba_shift,
+                        _ => 9,
+                    };
+                    let len = len << shift;
+                    // SUCCESS on the data PDU ends the command: no
+                    // CapsuleResp follows (see `c2h_success`).
+                    let success = self.c2h_success();
+                    match (c.spliced, c.buf) {
+                        (Some(pipe), buf) => {
+                            if let Some(b) = buf {
+                                bufs::put(b);
+                            }
+                            if !self.send_c2h_spliced(cid, pipe, len, success) {
+                                return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+                            }
+                            if success {
+                                return;
+                            }
                         }
+                        (None, Some(b)) => {
+                            self.send_c2h(cid, b, len, success);
+                            if success {
+                                return;
+                            }
+                        }
+                        (None, None) => {}
                     }
                 } else if let Some(b) = c.buf {
                     bufs::put(b);

@@ -17,6 +17,13 @@
 //! format, the identity, the derivation) and `stream` (a queue pair's
 //! socket, plain or TLS 1.3: one listener serves both, told apart by the
 //! host's first byte). docs/NVMF.md says what is implemented.
+//!
+//! The per-I/O path is NBD's (issue 33): a queue pair queues the commands
+//! of one socket read on the volume's channel and pushes them once
+//! (`lull_net::wire::Submissions`), and where no TLS session and no data
+//! digest touch the bytes, a replicated volume's read data goes from the
+//! replica's socket to the host's in a pipe (`Channel::allow_splice`,
+//! counted as the volume's `spliced_reads`; docs/PER_IO.md).
 
 #![forbid(unsafe_code)]
 

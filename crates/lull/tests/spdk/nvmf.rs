@@ -313,15 +313,23 @@ fn spdk_perf_randwrite_then_randread_at_qd1_and_qd32() {
 /// An spdk_dd JSON config attaching subsystem `nqn` at `addr` as bdev
 /// `N0` (its namespace is `N0n1`).
 fn dd_config(dir: &Path, addr: SocketAddr, nqn: &str) -> PathBuf {
+    dd_config_digests(dir, addr, nqn, Digests::default())
+}
+
+/// [`dd_config`] with the header and data digests SPDK's initiator asks
+/// for in its ICReq (`hdgst`, `ddgst`).
+fn dd_config_digests(dir: &Path, addr: SocketAddr, nqn: &str, dg: Digests) -> PathBuf {
     let config = dir.join(format!("dd-{}.json", nqn.replace(':', "_")));
     std::fs::write(
         &config,
         format!(
             r#"{{"subsystems":[{{"subsystem":"bdev","config":[{{"method":"bdev_nvme_attach_controller",
  "params":{{"name":"N0","trtype":"tcp","adrfam":"IPv4","traddr":"{}","trsvcid":"{}",
- "subnqn":"{nqn}"}}}}]}}]}}"#,
+ "subnqn":"{nqn}","hdgst":{},"ddgst":{}}}}}]}}]}}"#,
             addr.ip(),
             addr.port(),
+            dg.header,
+            dg.data,
         ),
     )
     .expect("write the dd config");
@@ -888,6 +896,17 @@ impl RawHost {
 
     /// Fabrics Connect of queue `qid` to `cntlid` with a KATO.
     fn fabrics_connect(&mut self, qid: u16, cntlid: u16, kato_ms: u32) -> (u16, u32) {
+        self.fabrics_connect_cattr(qid, cntlid, kato_ms, 0)
+    }
+
+    /// [`RawHost::fabrics_connect`] with Connect attributes (CATTR).
+    fn fabrics_connect_cattr(
+        &mut self,
+        qid: u16,
+        cntlid: u16,
+        kato_ms: u32,
+        cattr: u32,
+    ) -> (u16, u32) {
         let mut sqe = [0u8; 64];
         sqe[0] = 0x7F;
         sqe[2] = 1;
@@ -895,7 +914,7 @@ impl RawHost {
         sqe[32..36].copy_from_slice(&1024u32.to_le_bytes());
         sqe[39] = 0x01; // in-capsule data
         sqe[40..44].copy_from_slice(&(u32::from(qid) << 16).to_le_bytes());
-        sqe[44..48].copy_from_slice(&31u32.to_le_bytes());
+        sqe[44..48].copy_from_slice(&(31u32 | (cattr << 16)).to_le_bytes());
         sqe[48..52].copy_from_slice(&kato_ms.to_le_bytes());
         let mut d = vec![0u8; 1024];
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
@@ -1432,5 +1451,285 @@ fn an_exposed_replicated_snapshot_reads_over_nvmf() {
         "the snapshot's bytes over NVMe/TCP"
     );
     server.rpc("snapshot_unexpose", r#"{"volume":"r","name":"s1"}"#);
+    server.assert_healthy();
+}
+
+/// The lean path (issue 33): on a 2-replica volume over plain replica
+/// links, NVMe/TCP reads go from the replica's socket to the host's in a
+/// pipe, never copied by lull (docs/PER_IO.md, "Spliced reads"), when the
+/// queue pair has no data digest: `spliced_reads` counts up, with a header
+/// digest too (it covers the PDU header, which lull writes). With a data
+/// digest (a CRC32C over the bytes) reads stay buffered and the counter
+/// does not move. In every case spdk_dd reads back in 128 KiB requests
+/// byte-identical what it wrote, and spdk_nvme_perf's 128 KiB reads at
+/// QD32 (many C2HData PDUs in flight, spliced or not) keep the stream in
+/// step (a PDU of the wrong length would end the run with transport
+/// errors).
+#[test]
+fn two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on() {
+    let test = "two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on";
+    let Some(tools) = spdk_tools(test) else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let scratch = Scratch::new("nvmf-spliced");
+    let (ra, rb) = (
+        Replica::start(Kind::Process, &scratch.join("a"), "32M"),
+        Replica::start(Kind::Process, &scratch.join("b"), "32M"),
+    );
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("r:32M:replicas={}+{}", ra.target(), rb.target()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("r");
+    let spliced = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", r#"{"name":"r"}"#);
+        stats["spliced_reads"].as_u64().expect("spliced_reads")
+    };
+    let bytes = 8 << 20;
+    for (i, (label, dg, perf_flags)) in [
+        ("no digest", Digests::default(), &[][..]),
+        (
+            "header digest",
+            Digests {
+                header: true,
+                data: false,
+            },
+            &["-H"][..],
+        ),
+        (
+            "header and data digests",
+            Digests {
+                header: true,
+                data: true,
+            },
+            &["-H", "-I"][..],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let before = spliced(&server);
+        let config = dd_config_digests(server.dir(), addr, &nqn, dg);
+        let input = server.dir().join("in.bin");
+        let output = server.dir().join("out.bin");
+        let data = pattern(0x5911ce + i as u64, bytes);
+        std::fs::write(&input, &data).expect("write the input");
+        dd_write(&tools, &config, &input, 131072);
+        let back = dd_read(&tools, &config, &output, 131072, bytes);
+        assert!(
+            back == data,
+            "{label}: spdk_dd read back other bytes than it wrote"
+        );
+        let after_dd = spliced(&server);
+        let total = perf_on(
+            &tools,
+            &trid_of(addr, &nqn),
+            "read",
+            32,
+            131072,
+            1,
+            perf_flags,
+        );
+        let after_perf = spliced(&server);
+        eprintln!(
+            "{label}: spdk_dd's {} reads of 128 KiB: {} spliced; perf 128k read QD32 {total}: {} spliced",
+            bytes / 131072,
+            after_dd - before,
+            after_perf - after_dd
+        );
+        if dg.data {
+            assert_eq!(
+                after_perf, before,
+                "{label}: no read may be spliced on a queue pair with a data digest"
+            );
+        } else {
+            assert!(
+                after_dd > before && after_perf > after_dd,
+                "{label}: reads were spliced (spdk_dd {before} -> {after_dd}, perf -> {after_perf})"
+            );
+        }
+    }
+    server.assert_healthy();
+}
+
+/// Batching (issue 33): the commands of one read round are queued on the
+/// channel and pushed once, so on a file volume spdk_nvme_perf at QD32
+/// costs fewer than one `io_uring_enter` per I/O (each command was pushed
+/// alone before: one or more per I/O), with writes read back by spdk_dd.
+#[test]
+fn file_volume_commands_are_pushed_in_batches_over_nvme_tcp() {
+    let test = "file_volume_commands_are_pushed_in_batches_over_nvme_tcp";
+    let Some(tools) = spdk_tools(test) else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let scratch = Scratch::new("nvmf-batch");
+    let file = scratch.join("f.img");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("f:32M:file={}", file.display()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("f");
+    let tr = trid_of(addr, &nqn);
+    let counts = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", r#"{"name":"f"}"#);
+        let enters = stats["io_uring_enters"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("a file volume counts io_uring_enters: {stats}"));
+        let ios =
+            stats["reads"].as_u64().expect("reads") + stats["writes"].as_u64().expect("writes");
+        (enters, ios)
+    };
+    for workload in ["randwrite", "randread"] {
+        let (enters0, ios0) = counts(&server);
+        let total = perf_on(&tools, &tr, workload, 32, 4096, 2, &[]);
+        let (enters, ios) = counts(&server);
+        let (enters, ios) = (enters - enters0, ios - ios0);
+        assert!(ios > 1000, "{workload}: too little I/O to judge: {total}");
+        let per_io = enters as f64 / ios as f64;
+        eprintln!("{workload} 4k QD32 {total}: {enters} io_uring_enter over {ios} I/Os = {per_io:.3} per I/O");
+        assert!(
+            per_io < 1.0,
+            "{workload} at QD32: {per_io:.3} io_uring_enter per I/O: the commands were not pushed in batches"
+        );
+    }
+    dd_round_trip(
+        &tools,
+        server.dir(),
+        addr,
+        &nqn,
+        0xba7c4,
+        4 << 20,
+        (131072, 4096),
+    );
+    server.assert_healthy();
+}
+
+/// A spliced read that is the command's completion (issue 33): SPDK's
+/// initiator keeps SQ flow control on, so a raw host disables it (Connect
+/// CATTR) on an I/O queue to a 2-replica volume and reads 128 KiB the NBD
+/// client wrote: one C2HData PDU with LAST_PDU and SUCCESS, its data
+/// spliced and byte-identical, and no CapsuleResp after it (the next
+/// thing on the socket is the next read's PDU); a queue with flow control
+/// gets LAST_PDU only and a CapsuleResp. `spliced_reads` counts them.
+#[test]
+fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
+    let scratch = Scratch::new("nvmf-spliced-success");
+    let (ra, rb) = (
+        Replica::start(Kind::Process, &scratch.join("a"), "16M"),
+        Replica::start(Kind::Process, &scratch.join("b"), "16M"),
+    );
+    let mut server = Server::start(&[
+        "--replica-insecure",
+        "--volume",
+        &format!("{VOLUME}:16M:replicas={}+{}", ra.target(), rb.target()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let data = pattern(0x5cce55, 4 * 131072);
+    let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
+    assert_eq!(nbd.write(0, &data).expect("NBD write"), 0);
+    drop(nbd);
+
+    let mut admin = RawHost::connect(addr);
+    let (status, cntlid) = admin.fabrics_connect(0, 0xFFFF, 0);
+    assert_eq!(status, 0);
+    admin.enable();
+    let mut flow = RawHost::connect(addr);
+    assert_eq!(flow.fabrics_connect(1, cntlid as u16, 0).0, 0);
+    let mut noflow = RawHost::connect(addr);
+    let cattr = lull_nvmf::spec::CATTR_DISABLE_SQ_FLOW;
+    assert_eq!(
+        noflow.fabrics_connect_cattr(2, cntlid as u16, 0, cattr).0,
+        0
+    );
+    let spliced = |server: &Server| {
+        let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{VOLUME}"}}"#));
+        stats["spliced_reads"].as_u64().expect("spliced_reads")
+    };
+    // 128 KiB at LBA `slba` (512-byte LBAs), command id `cid`.
+    let read = |cid: u16, slba: u32| {
+        let mut sqe = raw_sqe(0x02, cid, 1, &[(10, slba), (12, 255)]);
+        sqe[32..36].copy_from_slice(&131072u32.to_le_bytes());
+        sqe[39] = 0x5A; // transport SGL data block
+        pdu::encode(&Pdu::CapsuleCmd { sqe, data: &[] }, Digests::default())
+    };
+    let before = spliced(&server);
+
+    // Flow control on: LAST_PDU, then a CapsuleResp.
+    let (status, got) = {
+        let bytes = read(11, 256);
+        flow.sock.write_all(&bytes).expect("send a read");
+        let mut head = [0u8; 24];
+        flow.sock.read_exact(&mut head).expect("C2HData");
+        assert_eq!(head[0], pdu::TYPE_C2H_DATA, "{head:?}");
+        assert_eq!(head[1], pdu::FLAG_LAST_PDU, "flags {:#x}", head[1]);
+        let mut got = vec![0u8; 131072];
+        flow.sock.read_exact(&mut got).expect("the data");
+        let mut resp = [0u8; 24];
+        flow.sock.read_exact(&mut resp).expect("CapsuleResp");
+        assert_eq!(resp[0], pdu::TYPE_CAPSULE_RESP);
+        (u16::from_le_bytes([resp[22], resp[23]]), got)
+    };
+    assert_eq!(status, 0);
+    assert!(got == data[131072..262144], "flow control on: other bytes");
+
+    let after_flow = spliced(&server);
+    // Off: two reads sent together; each answered by its C2HData alone.
+    let mut both = read(21, 512);
+    both.extend_from_slice(&read(22, 0));
+    noflow.sock.write_all(&both).expect("send two reads");
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let mut head = [0u8; 24];
+        noflow.sock.read_exact(&mut head).expect("C2HData");
+        assert_eq!(
+            head[0],
+            pdu::TYPE_C2H_DATA,
+            "a C2HData, not a CapsuleResp: {head:?}"
+        );
+        assert_eq!(
+            head[1],
+            pdu::FLAG_LAST_PDU | pdu::FLAG_SUCCESS,
+            "flags {:#x}",
+            head[1]
+        );
+        let plen = u32::from_le_bytes(head[4..8].try_into().unwrap());
+        assert_eq!(plen, 24 + 131072);
+        let cid = u16::from_le_bytes([head[8], head[9]]);
+        let mut got = vec![0u8; 131072];
+        noflow.sock.read_exact(&mut got).expect("the data");
+        let at = if cid == 21 { 262144 } else { 0 };
+        assert!(got == data[at..at + 131072], "cid {cid}: other bytes");
+        seen.push(cid);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [21, 22]);
+    let after = spliced(&server);
+    eprintln!(
+        "spliced reads: {} with flow control, {} without",
+        after_flow - before,
+        after - after_flow
+    );
+    // A read finds no pipe only when the pool is empty or its reply's
+    // bytes were already buffered: at least one of these two was spliced,
+    // so SUCCESS went out on a spliced PDU.
+    assert!(
+        after - after_flow >= 1,
+        "no read without flow control was spliced"
+    );
+    // Nothing else is owed on the socket: a Flush gets its CapsuleResp
+    // next.
+    let (status, _) = noflow.command(raw_sqe(0x00, 23, 1, &[]), &[]);
+    assert_eq!(status, 0);
     server.assert_healthy();
 }

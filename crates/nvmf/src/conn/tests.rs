@@ -1376,3 +1376,152 @@ proptest! {
         }
     }
 }
+
+/// A memory device whose channel, once a queue pair allowed splicing,
+/// hands each successful read over in a pipe holding `short_by` bytes
+/// fewer than asked (a device bug the queue pair must not pass on as a
+/// short C2HData PDU), and records that splicing was allowed.
+struct PipeDev {
+    inner: MallocDev,
+    short_by: usize,
+    allowed: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct PipeChannel {
+    inner: Box<dyn Channel>,
+    splice: bool,
+    short_by: usize,
+    allowed: Arc<std::sync::atomic::AtomicUsize>,
+    reads: Vec<(u64, usize)>,
+}
+
+impl lull_bdev::BlockDevice for PipeDev {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn describe(&self) -> String {
+        "pipe test device".into()
+    }
+    fn open_channel(&self) -> Result<Box<dyn Channel>, BdevError> {
+        Ok(Box::new(PipeChannel {
+            inner: self.inner.open_channel()?,
+            splice: false,
+            short_by: self.short_by,
+            allowed: self.allowed.clone(),
+            reads: Vec::new(),
+        }))
+    }
+}
+
+impl Channel for PipeChannel {
+    fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if req.op == IoOp::Read {
+            self.reads.push((req.tag, req.len as usize));
+        }
+        self.inner.submit(req)
+    }
+    fn flush_submissions(&mut self) {
+        self.inner.flush_submissions();
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
+        let (splice, short_by) = (self.splice, self.short_by);
+        let reads = &mut self.reads;
+        self.inner.reap(&mut |mut c| {
+            let read = reads.iter().position(|&(tag, _)| tag == c.tag);
+            if let (true, Some(i), true) = (splice, read, c.result.is_ok()) {
+                let (_, len) = reads.swap_remove(i);
+                let mut pipe = lull_uring::pipes::get().expect("a pipe");
+                let (mut a, b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+                let n = len - short_by;
+                a.write_all(&vec![7u8; n]).expect("fill the socket");
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&b);
+                assert_eq!(pipe.fill_from(fd, n).expect("splice into the pipe"), n);
+                c.spliced = Some(pipe);
+            }
+            done(c)
+        })
+    }
+    fn event_fd(&self) -> Option<RawFd> {
+        self.inner.event_fd()
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+    fn allow_splice(&mut self) {
+        self.splice = true;
+        self.allowed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The lean path's conditions (issue 33): a queue pair allows the device
+/// to hand reads over in a pipe only without a data digest (a header
+/// digest is fine: lull writes the header), and a pipe of the wrong
+/// length fails its command with an error status (no short C2HData PDU,
+/// no SUCCESS flag) while the queue pair goes on; nothing counts as
+/// spliced.
+#[test]
+fn a_spliced_read_needs_no_data_digest_and_the_right_length() {
+    let allowed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let dev = PipeDev {
+        inner: MallocDev::new(VOLUME_BYTES).expect("malloc"),
+        short_by: 512,
+        allowed: allowed.clone(),
+    };
+    let volumes = Arc::new(Volumes::default());
+    volumes
+        .add(Volume::new("v", Storage::Local(Arc::new(dev))))
+        .expect("add");
+    let conns = Arc::new(Connections::new(Limits {
+        name: "nvmf-test",
+        max_connections: 8,
+        greeting_timeout_us: 1_000_000,
+    }));
+    let shared = Shared::new(
+        volumes.clone(),
+        conns,
+        std::collections::HashMap::new(),
+        "127.0.0.1:4420".parse().unwrap(),
+    );
+    let mut a = Host::new(&shared);
+    let cntlid = admin(&mut a);
+    let allowed_now = || allowed.load(std::sync::atomic::Ordering::Relaxed);
+
+    // Both digests: no splicing, reads buffered and right.
+    let mut dg = io_queue(&shared, cntlid, NQN);
+    assert_eq!(allowed_now(), 0);
+    assert!(!dg.conn.wire.splices());
+    write_at(&mut dg, 1, 0, &[3u8; 4096]);
+    assert!(read_at(&mut dg, 2, 0, 4096, 512).iter().all(|&b| b == 3));
+
+    // A header digest only, and no digest: splicing allowed.
+    let mut hdgst = Host::new(&shared);
+    hdgst.ic(Digests {
+        header: true,
+        data: false,
+    });
+    ok(&hdgst.connect(2, cntlid, NQN));
+    assert_eq!(allowed_now(), 1);
+    assert!(hdgst.conn.wire.splices());
+    let mut plain = Host::new(&shared);
+    plain.ic(Digests::default());
+    ok(&plain.connect_cattr(3, cntlid, NQN, "nqn.host", spec::CATTR_DISABLE_SQ_FLOW));
+    assert_eq!(allowed_now(), 2);
+
+    // The device's pipe is 512 bytes short: an error status for the
+    // command, no data PDU, on either kind of queue; the queue goes on.
+    for h in [&mut hdgst, &mut plain] {
+        let mut s = sqe(spec::NVM_READ, 9, 1, &[(12, 7)]);
+        set_sgl(&mut s, spec::SGL_TRANSPORT, 4096);
+        let got = h.cmd(s, &[]);
+        assert!(
+            matches!(&got[..], [Got::Resp { cid: 9, status, .. }] if *status == Status::INTERNAL_ERROR.field()),
+            "{got:?}"
+        );
+        assert!(!h.conn.wire.is_closing());
+        write_at(h, 10, 8, &[5u8; 4096]);
+    }
+    let v = volumes.get("v").expect("the volume");
+    assert_eq!(v.stats.snapshot().spliced_reads, 0);
+    assert_eq!(lull_uring::pipes::live(), 0, "the short pipes went back");
+}
