@@ -7,7 +7,10 @@
 //! never touches the socket itself. The engine's replica client uses the
 //! same wire with its own payload type (request frames sharing the
 //! client's write buffer), driven by the engine core rather than by
-//! [`pump`].
+//! [`pump`] but read by [`read_and_dispatch`] like the servers
+//! ([`Transport`] hands the loop a wire of either payload type;
+//! [`Receive::fill_at_most`] and [`Wire::splice_in`] let it take a large
+//! payload straight into a buffer or a pipe).
 //!
 //! Both halves of the I/O are here once: [`pump`] writes, and
 //! [`read_and_dispatch`] is every server's budgeted read loop (the
@@ -50,6 +53,20 @@ use crate::{Fill, InBuf, OutPayload, OutQueue, Payload};
 pub enum Ended {
     Eof,
     Failed(std::io::Error),
+}
+
+/// Where [`Wire::splice_in`] stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SpliceIn {
+    /// The pipe holds the whole payload.
+    Whole,
+    /// The rest has not arrived: the socket's readiness brings the poller
+    /// back.
+    Waiting,
+    /// The socket has more but the pipe took no more: its slots are full
+    /// (the payload came in more pieces than the pipe has pages). Receive
+    /// the rest another way (into a buffer, after what the pipe holds).
+    PipeFull,
 }
 
 /// A connection's stream and its buffers; `P` is what follows a frame
@@ -249,6 +266,39 @@ impl<S: Read + Write, P: OutPayload> Wire<S, P> {
         Ok(progress)
     }
 
+    /// Move a payload of `len` bytes from the socket into `pipe` (it holds
+    /// `pipe.held()` of them), without it passing through user space: the
+    /// socket's bytes go on as page references (a replicated read's data,
+    /// docs/PER_IO.md, "Spliced reads"). Only on a wire that
+    /// [`Wire::splices`], with nothing buffered (the payload starts at the
+    /// socket: [`Receive::fill_at_most`] kept it out of the input buffer).
+    /// `moved` grows by the bytes spliced. Where it stopped, or the stream
+    /// ended: then [`Wire::ended`] says so, as for [`Wire::receive`].
+    pub fn splice_in(
+        &mut self,
+        pipe: &mut lull_uring::pipes::SplicePipe,
+        len: usize,
+        moved: &mut usize,
+    ) -> Result<SpliceIn, Ended> {
+        debug_assert!(self.splice && self.inb.buffered() == 0);
+        while pipe.held() < len {
+            let left = len - pipe.held();
+            match pipe.fill_from(self.fd, left) {
+                Ok(0) => return Err(Ended::Eof),
+                Ok(k) => *moved += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Ended::Failed(e)),
+            }
+        }
+        if pipe.held() == len {
+            Ok(SpliceIn::Whole)
+        } else if lull_uring::splice::readable_bytes(self.fd).unwrap_or(0) == 0 {
+            Ok(SpliceIn::Waiting)
+        } else {
+            Ok(SpliceIn::PipeFull)
+        }
+    }
+
     /// The stream ended in the middle of a payload: close (with
     /// `eof_reason` at end of stream) and break it if no reply is owed
     /// (`in_flight` counted after the payload's slot was released) or the
@@ -405,11 +455,31 @@ pub fn pump<P: Protocol>(p: &mut P, t: &mut Thread, max_rounds: usize) -> PollSt
     status
 }
 
-/// The receive half of a server protocol: what [`read_and_dispatch`]
-/// asks of it. The protocol's [`Protocol::read_and_dispatch`] calls that
-/// function, after anything that must come first (a TLS handshake that
-/// reads the socket itself).
-pub trait Receive: Protocol {
+/// What the receive half needs of a connection: its wire. Every
+/// [`Protocol`] has one (a server's, carrying [`Payload`]s); the engine's
+/// replica socket has one carrying the engine's own payloads and is not a
+/// [`Protocol`] (the engine core, not [`pump`], drives it).
+pub trait Transport {
+    type Stream: Read + Write;
+    /// What follows a frame header in the output.
+    type Out: OutPayload;
+    fn wire(&mut self) -> &mut Wire<Self::Stream, Self::Out>;
+}
+
+impl<T: Protocol> Transport for T {
+    type Stream = T::Stream;
+    type Out = Payload;
+    fn wire(&mut self) -> &mut Wire<Self::Stream, Self::Out> {
+        Protocol::wire(self)
+    }
+}
+
+/// The receive half of a protocol: what [`read_and_dispatch`] asks of
+/// it. A server's [`Protocol::read_and_dispatch`] calls that function,
+/// after anything that must come first (a TLS handshake that reads the
+/// socket itself); the engine's replica socket calls it for each poller
+/// run.
+pub trait Receive: Transport {
     /// Why the connection closes when the peer's stream ends between
     /// frames ("client disconnected").
     const EOF_REASON: &'static str;
@@ -427,6 +497,15 @@ pub trait Receive: Protocol {
     fn in_flight(&self) -> usize;
     /// A read of the stream returned `n` bytes (0: nothing, or the end).
     fn filled(&mut self, _n: usize) {}
+    /// Read no more than this many bytes from the stream into
+    /// [`Wire::inb`] next (see [`Wire::fill_at_most`]): a protocol that
+    /// receives a large payload straight into its own buffer or a pipe
+    /// asks for the rest of the current frame's header alone, so that no
+    /// byte of the payload after it lands in the input buffer. Unlimited
+    /// by default (many small frames per read).
+    fn fill_at_most(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// Parse and start what has arrived, reading more while the protocol
@@ -452,7 +531,8 @@ pub fn read_and_dispatch<P: Receive>(p: &mut P, budget_bytes: usize) -> bool {
             break;
         }
         let in_flight = p.in_flight();
-        let n = p.wire().fill(in_flight, P::EOF_REASON);
+        let max = p.fill_at_most();
+        let n = p.wire().fill_at_most(max, in_flight, P::EOF_REASON);
         p.filled(n);
         if n == 0 {
             break;
@@ -1286,5 +1366,72 @@ mod tests {
             assert_eq!(s.pushed::<()>(Ok(None)), None);
             assert!(!s.take_unflushed(), "already pushed");
         }
+    }
+
+    /// [`Receive::fill_at_most`]: a protocol that asks for a header alone
+    /// gets no byte of the payload after it in the input buffer; the
+    /// payload comes straight from the stream into its own buffer (the
+    /// engine's replica socket reads large READ replies so).
+    #[test]
+    fn fill_at_most_keeps_a_payload_out_of_the_input_buffer() {
+        struct HeaderAlone {
+            wire: Wire<std::io::Cursor<Vec<u8>>, Vec<u8>>,
+            header: Option<Vec<u8>>,
+            payload: Vec<u8>,
+            got: usize,
+            fills: Vec<usize>,
+        }
+        impl Transport for HeaderAlone {
+            type Stream = std::io::Cursor<Vec<u8>>;
+            type Out = Vec<u8>;
+            fn wire(&mut self) -> &mut Wire<Self::Stream, Vec<u8>> {
+                &mut self.wire
+            }
+        }
+        impl Receive for HeaderAlone {
+            const EOF_REASON: &'static str = "peer left";
+            fn step(&mut self) -> bool {
+                if self.header.is_none() {
+                    let Some(h) = self.wire.inb.take(4) else {
+                        return false;
+                    };
+                    self.header = Some(h.to_vec());
+                    return true;
+                }
+                if self.got == self.payload.len() {
+                    return false;
+                }
+                self.wire
+                    .receive(&mut self.payload, &mut self.got)
+                    .expect("the payload is in the stream")
+            }
+            fn wants_input(&self) -> bool {
+                self.header.is_none()
+            }
+            fn in_flight(&self) -> usize {
+                0
+            }
+            fn filled(&mut self, n: usize) {
+                self.fills.push(n);
+            }
+            fn fill_at_most(&self) -> usize {
+                4 - self.wire.inb.buffered()
+            }
+        }
+        let stream = std::io::Cursor::new(b"HEADpayload!".to_vec());
+        let mut p = HeaderAlone {
+            wire: Wire::new(stream, -1, 64, "test", "peer".into()),
+            header: None,
+            payload: vec![0; 8],
+            got: 0,
+            fills: Vec::new(),
+        };
+        assert!(read_and_dispatch(&mut p, 1 << 20));
+        assert_eq!(p.header.as_deref(), Some(&b"HEAD"[..]));
+        assert_eq!(p.payload, b"payload!");
+        // One read of the header alone; the payload never passed through
+        // the input buffer.
+        assert_eq!(p.fills, [4]);
+        assert!(!p.wire.is_closing());
     }
 }

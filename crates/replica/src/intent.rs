@@ -183,39 +183,9 @@ impl IntentFile {
         let regions = intent_regions(size_bytes);
         let bitmap_bytes = intent_bitmap_bytes(size_bytes);
         let opened = OpenOptions::new().read(true).write(true).open(&path);
-        let file = match opened {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                let file = create(dir, &path)?;
-                let mut me = IntentFile {
-                    file,
-                    path,
-                    region_bytes,
-                    regions,
-                    seq: 0,
-                    newest: None,
-                    held: all_set(regions),
-                };
-                if missing_is_empty {
-                    let empty = vec![0u8; bitmap_bytes];
-                    me.store(&empty)?;
-                    return Ok((
-                        me,
-                        Loaded {
-                            bitmap: empty,
-                            lost: None,
-                        },
-                    ));
-                }
-                let lost = Some(Lost::MissingWhileDirty);
-                return Ok((
-                    me,
-                    Loaded {
-                        bitmap: all_set(regions),
-                        lost,
-                    },
-                ));
-            }
+        let (file, created) = match opened {
+            Ok(f) => (f, false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (create(dir, &path)?, true),
             Err(e) => return Err(IntentError::io(&path)(e)),
         };
         let mut me = IntentFile {
@@ -227,6 +197,27 @@ impl IntentFile {
             newest: None,
             held: all_set(regions),
         };
+        if created {
+            if missing_is_empty {
+                let empty = vec![0u8; bitmap_bytes];
+                me.store(&empty)?;
+                return Ok((
+                    me,
+                    Loaded {
+                        bitmap: empty,
+                        lost: None,
+                    },
+                ));
+            }
+            let lost = Some(Lost::MissingWhileDirty);
+            return Ok((
+                me,
+                Loaded {
+                    bitmap: all_set(regions),
+                    lost,
+                },
+            ));
+        }
         let lost = match me.read_slots() {
             Ok(Some((slot, seq, bitmap))) => {
                 me.seq = seq;

@@ -18,7 +18,7 @@
 
 use std::fmt::Write as _;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -944,20 +944,7 @@ impl MetricsServer {
         let Some(accept) = self.accept.take() else {
             return;
         };
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a connection of our own.
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake.ip() {
-                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
-            });
-        }
-        if TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok() {
-            let _ = accept.join();
-        } else {
-            tracing::warn!(addr = %self.addr, "cannot wake the metrics accept thread; leaving it");
-        }
+        crate::tcp::stop_accept(self.addr, &self.stop, accept, "metrics");
         self.conns.close_all(SHUTDOWN_WAIT);
     }
 }

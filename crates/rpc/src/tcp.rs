@@ -200,17 +200,7 @@ impl RpcTcpServer {
         let Some(accept) = self.accept.take() else {
             return;
         };
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a connection of our own.
-        let woke = TcpStream::connect_timeout(&wake_addr(self.local_addr), WAKE_CONNECT_TIMEOUT);
-        match woke {
-            Ok(_) => {
-                let _ = accept.join();
-            }
-            Err(e) => {
-                tracing::warn!(addr = %self.local_addr, error = %e, "cannot wake the RPC TCP accept thread; leaving it");
-            }
-        }
+        stop_accept(self.local_addr, &self.stop, accept, "RPC TCP");
         let left = self.conns.close_all(SHUTDOWN_WAIT);
         if left > 0 {
             tracing::warn!(connections = left, "RPC TCP connections still busy at stop");
@@ -221,6 +211,22 @@ impl RpcTcpServer {
 impl Drop for RpcTcpServer {
     fn drop(&mut self) {
         self.stop_now();
+    }
+}
+
+/// Stop the blocking accept thread `accept` of a TCP listener bound to
+/// `addr` (the RPC and metrics servers): raise `stop`, wake its accept
+/// with a connection of our own, and join it. If that connection fails
+/// the thread is left (with a warning naming the `what` server).
+pub(crate) fn stop_accept(addr: SocketAddr, stop: &AtomicBool, accept: JoinHandle<()>, what: &str) {
+    stop.store(true, Ordering::SeqCst);
+    match TcpStream::connect_timeout(&wake_addr(addr), WAKE_CONNECT_TIMEOUT) {
+        Ok(_) => {
+            let _ = accept.join();
+        }
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "cannot wake the {what} accept thread; leaving it");
+        }
     }
 }
 

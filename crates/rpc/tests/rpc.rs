@@ -15,6 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+// The lull binary's test certificates (this crate cannot depend on its
+// tests).
+#[path = "../../lull/tests/common/pki.rs"]
+mod pki;
+use pki::make_pki;
+
 use lull_reactor::{Framework, FrameworkConfig, Mode};
 use lull_rpc::testing::FakeControl;
 use lull_rpc::*;
@@ -1157,97 +1163,6 @@ fn tcp_connection_cap() {
             Err(e) => assert!(Instant::now() < deadline, "no slot came back: {e}"),
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
-/// certificate, in qemu's tls-creds-x509 layout, made with the `openssl`
-/// command (as crates/lull/tests/common's `make_pki`, which this test
-/// binary cannot reach). Each call makes a new CA.
-fn make_pki(dir: &Path) {
-    let found = std::process::Command::new("sh")
-        .args(["-c", "command -v openssl"])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        found,
-        "openssl not found: install the Debian package openssl (scripts/test does)"
-    );
-    std::fs::create_dir_all(dir).unwrap();
-    let ossl = |args: &[&str]| {
-        let out = std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    ossl(
-        &[
-            &[
-                "req",
-                "-x509",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=lull test CA",
-            ][..],
-            &ec[..],
-            &["-keyout", "ca-key.pem", "-out", "ca-cert.pem"],
-            &["-addext", "basicConstraints=critical,CA:TRUE"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
-    );
-    let leaf =
-        "keyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n";
-    for (who, ext) in [
-        (
-            "server",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
-        ),
-        ("client", "extendedKeyUsage=clientAuth\n"),
-    ] {
-        let extfile = format!("{who}.ext");
-        std::fs::write(dir.join(&extfile), format!("{ext}{leaf}")).unwrap();
-        let (key, csr, cert) = (
-            format!("{who}-key.pem"),
-            format!("{who}.csr"),
-            format!("{who}-cert.pem"),
-        );
-        let subject = format!("/CN=lull test {who}");
-        ossl(
-            &[
-                &["req", "-nodes", "-subj", &subject][..],
-                &ec[..],
-                &["-keyout", &key, "-out", &csr],
-            ]
-            .concat(),
-        );
-        ossl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            &csr,
-            "-CA",
-            "ca-cert.pem",
-            "-CAkey",
-            "ca-key.pem",
-            "-CAcreateserial",
-            "-extfile",
-            &extfile,
-            "-out",
-            &cert,
-        ]);
     }
 }
 

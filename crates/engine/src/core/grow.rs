@@ -103,16 +103,11 @@ impl Engine {
     /// Moves the grow on: once the writes in flight have finished, GROW
     /// goes to every healthy replica; once all have answered, the size.
     pub(super) fn progress_grow(&mut self) {
-        let (draining, answered) = match &self.grow {
-            None => return,
-            Some(job) => match &job.step {
-                SnapshotStep::Draining => (true, false),
-                SnapshotStep::Sent(waiting) => (false, waiting.is_empty()),
-            },
+        let Some((draining, answered)) = self.grow.as_ref().map(|job| job.step.progress()) else {
+            return;
         };
         if draining {
-            if !self.writes_in_flight.is_empty() || self.bump.is_some() || self.changes_starting > 0
-            {
+            if !self.writes_settled() {
                 return;
             }
             let healthy = self.healthy_set();

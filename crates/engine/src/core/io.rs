@@ -41,82 +41,51 @@ pub(super) fn eio(why: &str) -> BdevError {
 impl Engine {
     // ---- client requests -----------------------------------------------
 
+    /// Answer a client request at once, before it becomes an I/O (refused,
+    /// or nothing to do), its buffer handed back.
+    fn answer_now(
+        &mut self,
+        channel: u64,
+        req: &mut lull_bdev::IoRequest,
+        result: Result<(), BdevError>,
+    ) {
+        let buf = req.buf.take();
+        self.out.push(Action::Complete {
+            channel,
+            tag: req.tag,
+            result,
+            buf,
+            spliced: None,
+        });
+    }
+
     pub(super) fn on_client(&mut self, req: ClientReq) {
         let (channel, takes_pipe, since, mut req) =
             (req.channel, req.takes_pipe, req.since, req.io);
         if req.op == IoOp::ChangedSince && since.is_none() {
-            let buf = req.buf.take();
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Err(BdevError::BadRequest(
-                    "changed-since without a snapshot to compare with",
-                )),
-                buf,
-                spliced: None,
-            });
-            return;
+            let e = BdevError::BadRequest("changed-since without a snapshot to compare with");
+            return self.answer_now(channel, &mut req, Err(e));
         }
         if self.detach.is_some() {
-            let buf = req.buf.take();
             let e = BdevError::Failed("the volume is detaching (engine shutting down)".into());
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Err(e),
-                buf,
-                spliced: None,
-            });
-            return;
+            return self.answer_now(channel, &mut req, Err(e));
         }
         if let Err(e) = lull_bdev::validate_request(&req, self.size_bytes) {
-            let buf = req.buf.take();
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Err(e),
-                buf,
-                spliced: None,
-            });
-            return;
+            return self.answer_now(channel, &mut req, Err(e));
         }
         if matches!(req.op, IoOp::Read | IoOp::Write { .. }) && req.len > proto::MAX_IO_BYTES {
-            let buf = req.buf.take();
             let e =
                 BdevError::BadRequest("request larger than the replica protocol's MAX_IO_BYTES");
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Err(e),
-                buf,
-                spliced: None,
-            });
-            return;
+            return self.answer_now(channel, &mut req, Err(e));
         }
         if req.len == 0 && !matches!(req.op, IoOp::Flush) {
-            let buf = req.buf.take();
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Ok(()),
-                buf,
-                spliced: None,
-            });
-            return;
+            return self.answer_now(channel, &mut req, Ok(()));
         }
         if self.ios.is_full() {
-            let buf = req.buf.take();
             let e = BdevError::Full {
                 capacity: MAX_CLIENT_IOS,
             };
-            self.out.push(Action::Complete {
-                channel,
-                tag: req.tag,
-                result: Err(e),
-                buf,
-                spliced: None,
-            });
-            return;
+            return self.answer_now(channel, &mut req, Err(e));
         }
         let data = match req.op {
             IoOp::Read | IoOp::BlockStatus | IoOp::ChangedSince => IoData::Read(req.buf.take()),

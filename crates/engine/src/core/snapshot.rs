@@ -130,6 +130,13 @@ impl Engine {
                 .all(|r| matches!(r.state, RState::Healthy | RState::Removed))
     }
 
+    /// No write in flight, no generation bump and no change record being
+    /// started: an operation that holds writes (a snapshot, a grow) may
+    /// go to the replicas.
+    pub(super) fn writes_settled(&self) -> bool {
+        self.writes_in_flight.is_empty() && self.bump.is_none() && self.changes_starting == 0
+    }
+
     /// Whether writes wait for a snapshot operation.
     pub(super) fn snapshot_holds_writes(&self) -> bool {
         self.snapshot.is_some()
@@ -139,16 +146,12 @@ impl Engine {
     /// every healthy replica has a free slot, SNAPSHOT goes to all of
     /// them; once all have answered, the outcome goes out.
     pub(super) fn progress_snapshot(&mut self) {
-        let (draining, answered) = match &self.snapshot {
-            None => return,
-            Some(job) => match &job.step {
-                SnapshotStep::Draining => (true, false),
-                SnapshotStep::Sent(waiting) => (false, waiting.is_empty()),
-            },
+        let Some((draining, answered)) = self.snapshot.as_ref().map(|job| job.step.progress())
+        else {
+            return;
         };
         if draining {
-            if !self.writes_in_flight.is_empty() || self.bump.is_some() || self.changes_starting > 0
-            {
+            if !self.writes_settled() {
                 return;
             }
             // A revert sets every write-intent bit on the replicas; a CLEAR

@@ -648,6 +648,16 @@ pub(super) enum SnapshotStep {
     Sent(ReplicaSet),
 }
 
+impl SnapshotStep {
+    /// (still draining, every replica sent to has answered).
+    pub(super) fn progress(&self) -> (bool, bool) {
+        match self {
+            SnapshotStep::Draining => (true, false),
+            SnapshotStep::Sent(waiting) => (false, waiting.is_empty()),
+        }
+    }
+}
+
 /// A SNAPSHOT_LIST request to every healthy replica (`snapshot`).
 pub(super) struct SnapshotList {
     pub(super) token: u64,

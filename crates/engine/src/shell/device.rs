@@ -217,6 +217,20 @@ impl ReplicatedDev {
     /// Wait until at least one replica is healthy. For the main thread
     /// (start-up, tools), never for a reactor.
     pub fn wait_ready(&self, timeout: Duration) -> bool {
+        self.wait_status(timeout, false, |snap| {
+            snap.iter().any(|s| s.state == ReplicaState::Healthy)
+        })
+    }
+
+    /// Block until `done` holds of the replicas' states (it is asked again
+    /// at each change of them, `status.ready`) or `timeout` passes, or
+    /// with `exit_ends` the engine thread has exited: whether it held.
+    fn wait_status(
+        &self,
+        timeout: Duration,
+        exit_ends: bool,
+        done: impl Fn(&[ReplicaStatus]) -> bool,
+    ) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         let mut snap = self
             .status
@@ -224,11 +238,11 @@ impl ReplicatedDev {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         loop {
-            if snap.iter().any(|s| s.state == ReplicaState::Healthy) {
+            if done(&snap) {
                 return true;
             }
             let now = std::time::Instant::now();
-            if now >= deadline {
+            if now >= deadline || (exit_ends && self.engine.has_exited()) {
                 return false;
             }
             snap = match self.status.ready.wait_timeout(snap, deadline - now) {
@@ -246,25 +260,9 @@ impl ReplicatedDev {
     /// replicas then stay dirty and the next start reconciles them).
     pub fn detach(&self, timeout: Duration) -> Result<bool, EngineError> {
         self.event(Event::Detach)?;
-        let deadline = std::time::Instant::now() + timeout;
-        let mut snap = self
-            .status
-            .snapshot
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        loop {
-            if self.status.detached.load(Ordering::Acquire) {
-                return Ok(true);
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline || self.engine.has_exited() {
-                return Ok(false);
-            }
-            snap = match self.status.ready.wait_timeout(snap, deadline - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
-        }
+        Ok(self.wait_status(timeout, true, |_| {
+            self.status.detached.load(Ordering::Acquire)
+        }))
     }
 
     /// Runs snapshot operation `op` on `name` on every healthy replica

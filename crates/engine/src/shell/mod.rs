@@ -19,8 +19,9 @@
 //!   submit to, and the doorbell that wakes the engine thread for them;
 //!   completions back into a channel.
 //! - `socket`: a replica socket ([`lull_net::wire::Wire`]) and its frame
-//!   parser: headers, payloads received or spliced where the core says,
-//!   frames out as events.
+//!   parser, read by the servers' receive loop
+//!   ([`lull_net::wire::read_and_dispatch`]): headers, payloads received or
+//!   spliced where the core says, frames out as events.
 //! - `run`: the event loop: the shell's state, the socket, tick and
 //!   doorbell pollers, feeding events to the core and performing its
 //!   actions.

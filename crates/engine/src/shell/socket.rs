@@ -21,7 +21,7 @@
 
 use lull_bdev::{BufPool, IoBuf};
 use lull_net::link::LinkStream;
-use lull_net::wire::{Ended, Wire};
+use lull_net::wire::{self, Ended, Receive, SpliceIn, Transport, Wire};
 use lull_net::OutPayload;
 use lull_proto::replica::{self as proto, Header, HEADER_LEN};
 use lull_reactor::{PollerId, Thread};
@@ -38,8 +38,9 @@ const REPLICA_CLOSED: &str = "replica closed the connection";
 /// payloads go straight from the socket into their buffer.
 pub(super) const READ_BUFFER_BYTES: usize = 256 * 1024;
 
-/// Bytes read per socket per poller run, so one busy replica connection
-/// cannot hold the engine thread from the others.
+/// Bytes read per socket per poller run (into the input buffer, or
+/// straight into payload buffers and pipes), so one busy replica
+/// connection cannot hold the engine thread from the others.
 const READ_BUDGET_BYTES: usize = 8 << 20;
 
 /// While a READ of at least this many bytes is in flight on a replica
@@ -187,10 +188,12 @@ impl Sock {
         }
     }
 
-    /// Read and decode what the socket has, within the budget. For each
-    /// header that announces a payload the core is asked where it goes
-    /// (`Engine::payload_sink`, the one call into the core); whole frames
-    /// go to `frames`. An error (EOF, bad frame) ends the connection.
+    /// Read and decode what the socket has, within the budget: the
+    /// servers' receive loop ([`wire::read_and_dispatch`]) over this
+    /// socket's frames ([`Reading`]). For each header that announces a
+    /// payload the core is asked where it goes (`Engine::payload_sink`,
+    /// the one call into the core); whole frames go to `frames`. An error
+    /// (EOF, bad frame) ends the connection.
     pub(super) fn read_frames(
         &mut self,
         engine: &mut Engine,
@@ -200,126 +203,23 @@ impl Sock {
         if let Some(reason) = self.failed() {
             return Err(reason);
         }
-        let mut budget = READ_BUDGET_BYTES;
-        let mut progress = false;
-        loop {
-            // Decode what is buffered.
-            loop {
-                match &mut self.recv {
-                    Recv::Header => {
-                        let Some(bytes) = self.wire.inb.take(HEADER_LEN) else {
-                            break;
-                        };
-                        let mut raw = [0u8; HEADER_LEN];
-                        raw.copy_from_slice(bytes);
-                        let header = proto::decode_header(&raw).map_err(|e| match e {
-                            proto::FrameError::BadVersion(v) => format!(
-                                "replica speaks protocol version {v}, this engine speaks {}",
-                                proto::PROTOCOL_VERSION
-                            ),
-                            e => format!("undecodable frame: {e}"),
-                        })?;
-                        if is_large_read(&header) {
-                            self.large_reads = self.large_reads.saturating_sub(1);
-                        }
-                        let n = proto::payload_len(&header);
-                        if n == 0 {
-                            frames.push((header, Received::None));
-                        } else {
-                            let sink = engine.payload_sink(conn, &header);
-                            self.recv = self.receive_into(header, n, sink);
-                        }
-                    }
-                    Recv::Payload { buf, filled, .. } => {
-                        // Buffered bytes first, then large payloads straight
-                        // from the socket; only the latter count against the
-                        // budget (buffered ones did when they were read).
-                        let len = buf.len();
-                        let direct = *filled + self.wire.inb.buffered().min(len - *filled);
-                        match self.wire.receive(buf.as_mut_slice(), filled) {
-                            Ok(_) if *filled > direct => {
-                                progress = true;
-                                budget = budget.saturating_sub(*filled - direct);
-                            }
-                            Ok(_) => {}
-                            Err(Ended::Eof) => return Err(REPLICA_CLOSED.into()),
-                            Err(Ended::Failed(e)) => return Err(format!("read failed: {e}")),
-                        }
-                        if *filled < len {
-                            break;
-                        }
-                        if let Recv::Payload { header, buf, .. } =
-                            std::mem::replace(&mut self.recv, Recv::Header)
-                        {
-                            frames.push((header, Received::Buf(buf)));
-                        }
-                    }
-                    Recv::Spliced { buf, pipe, .. } => {
-                        let fd = self.wire.fd();
-                        let len = buf.len();
-                        while pipe.held() < len {
-                            let left = len - pipe.held();
-                            match pipe.fill_from(fd, left) {
-                                Ok(0) => return Err(REPLICA_CLOSED.into()),
-                                Ok(k) => {
-                                    progress = true;
-                                    budget = budget.saturating_sub(k);
-                                }
-                                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                                Err(e) => return Err(format!("read failed: {e}")),
-                            }
-                        }
-                        if pipe.held() < len {
-                            if lull_uring::splice::readable_bytes(fd).unwrap_or(0) == 0 {
-                                // The rest has not arrived: the socket's
-                                // readiness brings us back.
-                                return Ok(progress);
-                            }
-                            // The socket has more but the pipe took no
-                            // more: its slots are full (the payload came
-                            // in more pieces than pages). Receive the rest
-                            // into the buffer, after what the pipe holds.
-                            let held = pipe.held();
-                            let copied = pipe
-                                .read_into(&mut buf.as_mut_slice()[..held])
-                                .map_err(|e| format!("read failed: {e}"))?;
-                            if let Recv::Spliced { header, buf, pipe } =
-                                std::mem::replace(&mut self.recv, Recv::Header)
-                            {
-                                lull_uring::pipes::put(pipe);
-                                self.recv = Recv::Payload {
-                                    header,
-                                    buf,
-                                    filled: copied,
-                                };
-                            }
-                            continue;
-                        }
-                        if let Recv::Spliced { header, buf, pipe } =
-                            std::mem::replace(&mut self.recv, Recv::Header)
-                        {
-                            frames.push((header, Received::Spliced { buf, pipe }));
-                        }
-                    }
-                }
-            }
-            if budget == 0 {
-                return Ok(progress);
-            }
-            let n = if self.large_reads > 0 && matches!(self.recv, Recv::Header) {
-                let missing = HEADER_LEN.saturating_sub(self.wire.inb.buffered());
-                self.wire.fill_at_most(missing, 0, REPLICA_CLOSED)
-            } else {
-                self.wire.fill(0, REPLICA_CLOSED)
-            };
-            if let Some(reason) = self.failed() {
-                return Err(reason);
-            }
-            if n == 0 {
-                return Ok(progress);
-            }
-            progress = true;
-            budget = budget.saturating_sub(n);
+        let mut reading = Reading {
+            sock: self,
+            engine,
+            conn,
+            frames,
+            budget: READ_BUDGET_BYTES,
+            error: None,
+            spliced_some: false,
+        };
+        let progress =
+            wire::read_and_dispatch(&mut reading, READ_BUDGET_BYTES) || reading.spliced_some;
+        if let Some(reason) = reading.error.take() {
+            return Err(reason);
+        }
+        match self.failed() {
+            Some(reason) => Err(reason),
+            None => Ok(progress),
         }
     }
 
@@ -351,6 +251,184 @@ impl Sock {
             Err(e) if e.to_string().contains("alert") => Some(format!("read failed: {e}")),
             _ => None,
         }
+    }
+}
+
+/// One poller run's read of a replica socket: the socket, the core it
+/// asks where payloads go, and the frames read so far.
+struct Reading<'a> {
+    sock: &'a mut Sock,
+    engine: &'a mut Engine,
+    conn: ConnRef,
+    frames: &'a mut Vec<FrameIn>,
+    /// Bytes this run may still take from the socket: read into the input
+    /// buffer, and received or spliced straight into a payload's buffer or
+    /// pipe (`READ_BUDGET_BYTES`).
+    budget: usize,
+    /// Why the connection ends (a bad frame, the stream ended inside a
+    /// payload): nothing more is read.
+    error: Option<String>,
+    /// Payload bytes were spliced in a step that then waited for the
+    /// socket (a step that moved nothing more, to the loop).
+    spliced_some: bool,
+}
+
+impl Transport for Reading<'_> {
+    type Stream = LinkStream;
+    type Out = Payload;
+    fn wire(&mut self) -> &mut Wire<LinkStream, Payload> {
+        &mut self.sock.wire
+    }
+}
+
+impl Receive for Reading<'_> {
+    const EOF_REASON: &'static str = REPLICA_CLOSED;
+
+    fn step(&mut self) -> bool {
+        if self.error.is_some() {
+            return false;
+        }
+        match self.step_frame() {
+            Ok(moved) => moved,
+            Err(reason) => {
+                self.error = Some(reason);
+                false
+            }
+        }
+    }
+
+    /// The engine reads whatever its replicas send (what it asked for),
+    /// within the budget; a payload being spliced waits for the socket
+    /// alone (a read into the input buffer would take its bytes).
+    fn wants_input(&self) -> bool {
+        self.error.is_none() && self.budget > 0 && !matches!(self.sock.recv, Recv::Spliced { .. })
+    }
+
+    /// No reply is owed to a replica: at its end of stream the connection
+    /// breaks at once.
+    fn in_flight(&self) -> usize {
+        0
+    }
+
+    fn filled(&mut self, n: usize) {
+        self.budget = self.budget.saturating_sub(n);
+    }
+
+    /// While a large READ is in flight, a header is read alone
+    /// (`HEADER_ALONE_READ_BYTES`).
+    fn fill_at_most(&self) -> usize {
+        if self.sock.large_reads > 0 && matches!(self.sock.recv, Recv::Header) {
+            HEADER_LEN.saturating_sub(self.sock.wire.inb.buffered())
+        } else {
+            usize::MAX
+        }
+    }
+}
+
+impl Reading<'_> {
+    /// One step from what is buffered or waiting in the socket: decode a
+    /// header (and ask the core where its payload goes), or move payload
+    /// bytes into their buffer or pipe. Whether anything moved.
+    fn step_frame(&mut self) -> Result<bool, String> {
+        let sock = &mut *self.sock;
+        match &mut sock.recv {
+            Recv::Header => {
+                let Some(bytes) = sock.wire.inb.take(HEADER_LEN) else {
+                    return Ok(false);
+                };
+                let mut raw = [0u8; HEADER_LEN];
+                raw.copy_from_slice(bytes);
+                let header = proto::decode_header(&raw).map_err(|e| match e {
+                    proto::FrameError::BadVersion(v) => format!(
+                        "replica speaks protocol version {v}, this engine speaks {}",
+                        proto::PROTOCOL_VERSION
+                    ),
+                    e => format!("undecodable frame: {e}"),
+                })?;
+                if is_large_read(&header) {
+                    sock.large_reads = sock.large_reads.saturating_sub(1);
+                }
+                let n = proto::payload_len(&header);
+                if n == 0 {
+                    self.frames.push((header, Received::None));
+                } else {
+                    let sink = self.engine.payload_sink(self.conn, &header);
+                    sock.recv = sock.receive_into(header, n, sink);
+                }
+                Ok(true)
+            }
+            Recv::Payload { buf, filled, .. } => {
+                // Buffered bytes first, then large payloads straight from
+                // the socket; only the latter count against the budget
+                // (buffered ones did when they were read).
+                let len = buf.len();
+                let direct = *filled + sock.wire.inb.buffered().min(len - *filled);
+                let moved = sock
+                    .wire
+                    .receive(buf.as_mut_slice(), filled)
+                    .map_err(ended)?;
+                self.budget = self.budget.saturating_sub(filled.saturating_sub(direct));
+                if *filled < len {
+                    return Ok(moved);
+                }
+                if let Recv::Payload { header, buf, .. } =
+                    std::mem::replace(&mut sock.recv, Recv::Header)
+                {
+                    self.frames.push((header, Received::Buf(buf)));
+                }
+                Ok(true)
+            }
+            Recv::Spliced { buf, pipe, .. } => {
+                let len = buf.len();
+                let mut spliced = 0;
+                let at = sock.wire.splice_in(pipe, len, &mut spliced);
+                self.budget = self.budget.saturating_sub(spliced);
+                match at.map_err(ended)? {
+                    // Nothing more to do until the socket is readable
+                    // again: no second try (a `splice` and a `FIONREAD`
+                    // for nothing), but the bytes moved count.
+                    SpliceIn::Waiting => {
+                        self.spliced_some |= spliced > 0;
+                        Ok(false)
+                    }
+                    SpliceIn::PipeFull => {
+                        // Receive the rest into the buffer, after what the
+                        // pipe holds.
+                        let held = pipe.held();
+                        let copied = pipe
+                            .read_into(&mut buf.as_mut_slice()[..held])
+                            .map_err(|e| format!("read failed: {e}"))?;
+                        if let Recv::Spliced { header, buf, pipe } =
+                            std::mem::replace(&mut sock.recv, Recv::Header)
+                        {
+                            lull_uring::pipes::put(pipe);
+                            sock.recv = Recv::Payload {
+                                header,
+                                buf,
+                                filled: copied,
+                            };
+                        }
+                        Ok(true)
+                    }
+                    SpliceIn::Whole => {
+                        if let Recv::Spliced { header, buf, pipe } =
+                            std::mem::replace(&mut sock.recv, Recv::Header)
+                        {
+                            self.frames.push((header, Received::Spliced { buf, pipe }));
+                        }
+                        Ok(true)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Why the connection ends when its stream ended inside a payload.
+fn ended(how: Ended) -> String {
+    match how {
+        Ended::Eof => REPLICA_CLOSED.into(),
+        Ended::Failed(e) => format!("read failed: {e}"),
     }
 }
 

@@ -23,11 +23,15 @@
 // Each binary uses only some of the helpers.
 #![allow(dead_code)]
 
+pub mod pki;
 pub mod replica;
 pub mod state;
 pub mod tools;
 
 // Not every binary starts replicas.
+// Not every binary makes certificates.
+#[allow(unused_imports)]
+pub use pki::make_pki;
 #[allow(unused_imports)]
 pub use replica::{Kind, Replica};
 pub use state::{wait_until, ReplicaStatus};
@@ -826,88 +830,6 @@ pub fn fio_json(out: &std::process::Output) -> serde_json::Value {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(&text[text.find('{').expect("fio JSON")..]).expect("fio JSON")
-}
-
-/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
-/// certificate, in qemu's tls-creds-x509 layout (one directory serves both
-/// ends: each loads only its own files), made with the `openssl` command.
-/// Each call makes a new CA, so two directories do not trust each other.
-pub fn make_pki(dir: &Path) {
-    require("openssl", "openssl");
-    std::fs::create_dir_all(dir).expect("create the pki directory");
-    let ossl = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    let ca = [
-        &[
-            "req",
-            "-x509",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=lull test CA",
-        ][..],
-        &ec[..],
-        &["-keyout", "ca-key.pem", "-out", "ca-cert.pem"],
-        &["-addext", "basicConstraints=critical,CA:TRUE"],
-        &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-    ]
-    .concat();
-    ossl(&ca);
-    let leaf =
-        "keyUsage=critical,digitalSignature,keyEncipherment\nbasicConstraints=critical,CA:FALSE\n";
-    for (who, ext) in [
-        (
-            "server",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
-        ),
-        ("client", "extendedKeyUsage=clientAuth\n"),
-    ] {
-        let extfile = format!("{who}.ext");
-        std::fs::write(dir.join(&extfile), format!("{ext}{leaf}")).expect("extension file");
-        let (key, csr, cert) = (
-            format!("{who}-key.pem"),
-            format!("{who}.csr"),
-            format!("{who}-cert.pem"),
-        );
-        let subject = format!("/CN=lull test {who}");
-        ossl(
-            &[
-                &["req", "-nodes", "-subj", &subject][..],
-                &ec[..],
-                &["-keyout", &key, "-out", &csr],
-            ]
-            .concat(),
-        );
-        ossl(&[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            &csr,
-            "-CA",
-            "ca-cert.pem",
-            "-CAkey",
-            "ca-key.pem",
-            "-CAcreateserial",
-            "-extfile",
-            &extfile,
-            "-out",
-            &cert,
-        ]);
-    }
 }
 
 /// GET /metrics from the Prometheus endpoint on `port`: the body of a

@@ -343,13 +343,13 @@ fn stop_replica(r: &mut Replica, label: &str) -> (u64, u64) {
     counts
 }
 
-#[test]
-fn replica_data_file_takes_the_same_ring_options() {
-    let dir = Scratch::new("perio-replica");
-    // SQPOLL on an O_DIRECT data file carries a replicated volume.
-    let mut r = match replica(&dir.join("sqpoll"), "direct,sqpoll=5", &[]) {
+/// `fio_verify` on a replicated volume whose one replica is a `lull
+/// replica --uring {uring}` in `dir`; that replica's data-file I/O
+/// counters at its stop: (fixed-buffer, plain).
+fn fio_on_replica(dir: &Path, uring: &str) -> (u64, u64) {
+    let mut r = match replica(dir, uring, &[]) {
         Ok(r) => r,
-        Err(log) => panic!("lull replica --uring direct,sqpoll=5 refused:\n{log}"),
+        Err(log) => panic!("lull replica --uring {uring} refused:\n{log}"),
     };
     let mut server = Server::start(&[
         "--replica-insecure",
@@ -359,26 +359,21 @@ fn replica_data_file_takes_the_same_ring_options() {
     fio_verify(&server);
     server.assert_healthy();
     drop(server);
+    stop_replica(&mut r, uring)
+}
+
+#[test]
+fn replica_data_file_takes_the_same_ring_options() {
+    let dir = Scratch::new("perio-replica");
+    // SQPOLL on an O_DIRECT data file carries a replicated volume.
     // Its data file's I/O went through the reactors' fixed buffers.
-    let (fixed, plain) = stop_replica(&mut r, "direct,sqpoll=5");
+    let (fixed, plain) = fio_on_replica(&dir.join("sqpoll"), "direct,sqpoll=5");
     assert!(
         fixed > 0,
         "replica I/O from fixed buffers: {fixed} fixed, {plain} plain"
     );
     // fixed=off: none did.
-    let mut r = match replica(&dir.join("fixed-off"), "direct,fixed=off", &[]) {
-        Ok(r) => r,
-        Err(log) => panic!("lull replica --uring direct,fixed=off refused:\n{log}"),
-    };
-    let mut server = Server::start(&[
-        "--replica-insecure",
-        "--volume",
-        &format!("vol:16M:replicas={}", r.target()),
-    ]);
-    fio_verify(&server);
-    server.assert_healthy();
-    drop(server);
-    let (fixed, plain) = stop_replica(&mut r, "direct,fixed=off");
+    let (fixed, plain) = fio_on_replica(&dir.join("fixed-off"), "direct,fixed=off");
     assert!(
         fixed == 0 && plain > 0,
         "fixed=off: {fixed} fixed, {plain} plain"
