@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use crate::{BdevError, IoCompletion, IoRequest};
+use crate::{BdevError, IoCompletion, IoRequest, Lent};
 
 /// Submitted requests and their completions, at most `depth` together.
 #[derive(Debug)]
@@ -51,22 +51,27 @@ impl Deferred {
     }
 
     /// Runs every pending request with `execute`, in order, then delivers
-    /// every completion to `done`; returns how many.
+    /// every completion to `done`; returns how many. `execute` may answer
+    /// a read with a loan of the device's memory ([`IoCompletion::lent`]).
     pub(crate) fn reap(
         &mut self,
-        mut execute: impl FnMut(&mut IoRequest) -> Result<(), BdevError>,
+        mut execute: impl FnMut(&mut IoRequest) -> Result<Option<Lent>, BdevError>,
         done: &mut dyn FnMut(IoCompletion),
     ) -> usize {
         while let Some(mut req) = self.pending.pop_front() {
-            let result = execute(&mut req);
-            if let Err(e) = &result {
-                tracing::debug!(channel = self.what, tag = req.tag, error = %e, "request failed");
-            }
+            let (result, lent) = match execute(&mut req) {
+                Ok(lent) => (Ok(()), lent),
+                Err(e) => {
+                    tracing::debug!(channel = self.what, tag = req.tag, error = %e, "request failed");
+                    (Err(e), None)
+                }
+            };
             self.done.push_back(IoCompletion {
                 tag: req.tag,
                 result,
                 buf: req.buf,
                 spliced: None,
+                lent,
             });
         }
         let n = self.done.len();

@@ -302,6 +302,7 @@ impl Channel for FaultyChannel {
                 result: Err(BdevError::Io(std::io::Error::from_raw_os_error(libc::EIO))),
                 buf: req.buf,
                 spliced: None,
+                lent: None,
             };
             self.hold(now_ns, c);
             self.arm(now_ns);

@@ -761,6 +761,7 @@ impl FileChannel {
             result: op.error.map_or(Ok(()), Err),
             buf,
             spliced: None,
+            lent: None,
         })
     }
 

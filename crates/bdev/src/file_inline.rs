@@ -243,7 +243,8 @@ impl Channel for InlineChannel {
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
         let file = &mut self.file;
-        self.queue.reap(|req| file.execute(req), done)
+        self.queue
+            .reap(|req| file.execute(req).map(|()| None), done)
     }
 
     fn event_fd(&self) -> Option<RawFd> {

@@ -26,7 +26,7 @@
 
 use std::os::fd::RawFd;
 
-pub use lull_uring::{BufPool, IoBuf};
+pub use lull_uring::{BufPool, IoBuf, Lent, LentRegion};
 
 pub mod chain;
 mod deferred;
@@ -109,6 +109,26 @@ pub struct IoCompletion {
     /// are then not the data): only for a channel that was told
     /// [`Channel::allow_splice`], which sends it on with `splice`.
     pub spliced: Option<lull_uring::pipes::SplicePipe>,
+    /// A successful READ's data lent from the device's memory instead of
+    /// copied into `buf` (whose bytes are then not the data): only for a
+    /// channel that was told [`Channel::allow_lend`], which sends these
+    /// bytes and drops the loan once they are written. The loan keeps
+    /// the memory allocated; what may change the bytes meanwhile is the
+    /// device's rule (`MallocDev`: nothing; docs/PER_IO.md, "Lent reads").
+    pub lent: Option<Lent>,
+}
+
+impl IoCompletion {
+    /// A completion carrying its buffer back, with no spliced or lent data.
+    pub fn new(tag: u64, result: Result<(), BdevError>, buf: Option<IoBuf>) -> IoCompletion {
+        IoCompletion {
+            tag,
+            result,
+            buf,
+            spliced: None,
+            lent: None,
+        }
+    }
 }
 
 /// Errors of the block layer. Each maps to an errno (and from there to an
@@ -562,6 +582,7 @@ pub trait Channel: Send {
                 result: Err(e),
                 buf: req.buf,
                 spliced: None,
+                lent: None,
             }),
         }
     }
@@ -591,6 +612,11 @@ pub trait Channel: Send {
     /// a socket (a replicated volume) may then hand it over that way, with
     /// no copy. Others ignore it.
     fn allow_splice(&mut self) {}
+    /// The owner sends READ data from memory it does not own and can take
+    /// a loan of it ([`IoCompletion::lent`]); a device that holds its data
+    /// in memory (a memory volume) may then lend it instead of copying it
+    /// into the request's buffer. Others ignore it.
+    fn allow_lend(&mut self) {}
     /// The snapshot [`IoOp::ChangedSince`] requests of this channel ask
     /// about (a connection selects one `lull:changed:` context). Only
     /// channels of devices whose [`BlockDevice::changed_by_channel`] is

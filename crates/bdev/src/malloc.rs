@@ -18,6 +18,23 @@
 //! against 0.2 us for a write to a page already there); a reserved one
 //! costs a 1 MiB memset once (see docs/BENCHMARKS.md, "Snapshots").
 //!
+//! A channel told [`Channel::allow_lend`] answers a read that lies in
+//! one written chunk with a loan of the chunk ([`IoCompletion::lent`])
+//! instead of copying it into the request's buffer: the frontend sends
+//! the reply from the chunk, and the kernel's copy into the socket is
+//! the only one. The lifetime rule (docs/PER_IO.md, "Lent reads"): a
+//! loan holds the chunk's memory (an `Arc`) until the reply is written,
+//! and the bytes it shows never change. A write or partial zero of a
+//! chunk that is lent copies the chunk first (copy on write: the device
+//! takes the copy, the loans keep the old memory, freed with the last
+//! one), so a read returns the data as of when it ran, never a mix; a
+//! whole-chunk trim, or the device dropped with its volume, only drops
+//! the device's reference. The device never shrinks, so no loan
+//! outlives its range. Reads that cross a chunk boundary, touch a
+//! never-written chunk (a hole: zeros written into the buffer, no
+//! device memory touched) or run past a short chunk's end are copied as
+//! before.
+//!
 //! The device grows online ([`BlockDevice::grow`]): the chunk table is a
 //! list of segments of doubling length, created as the size needs them
 //! and never moved, so readers index it without a lock while it grows;
@@ -44,7 +61,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use crate::{
     check_grow, push_extent, validate_request, BdevError, BlockDevice, Channel, Extent,
-    IoCompletion, IoOp, IoRequest,
+    IoCompletion, IoOp, IoRequest, Lent, LentRegion,
 };
 
 /// Allocation and locking granularity. 1 MiB keeps the chunk table small
@@ -66,7 +83,10 @@ pub const MALLOC_SIZE_MAX_BYTES: u64 = 16 << 40;
 /// caller that reaps after each batch never sees `Full`.
 pub const MALLOC_CHANNEL_DEPTH: usize = 256;
 
-type Chunk = RwLock<Option<Box<[u8]>>>;
+/// One chunk: its memory once written, shared with the loans of reads
+/// being sent from it (module doc). A writer takes it exclusive first
+/// (`Arc::make_mut`: a copy only while it is lent).
+type Chunk = RwLock<Option<Arc<Box<[u8]>>>>;
 
 /// Most bytes of freed chunks a [`ChunkReserve`] keeps for reuse: 64 MiB
 /// (64 chunks). A memory chain drops whole layers (a revert drops the
@@ -158,6 +178,8 @@ struct Inner {
     growing: Mutex<()>,
     /// Where new chunks come from first and freed ones go (module doc).
     reserve: Option<Arc<ChunkReserve>>,
+    /// Chunks copied because a write met a loan of them (module doc).
+    lend_copies: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -169,7 +191,8 @@ impl Drop for Inner {
         for seg in self.segments.iter_mut().filter_map(OnceLock::get_mut) {
             for chunk in seg.iter_mut() {
                 let data = chunk.get_mut().unwrap_or_else(PoisonError::into_inner);
-                if let Some(data) = data.take() {
+                // A lent chunk stays with its loans, freed with the last.
+                if let Some(Ok(data)) = data.take().map(Arc::try_unwrap) {
                     reserve.give(data);
                 }
             }
@@ -212,12 +235,19 @@ impl MallocDev {
             segments: std::array::from_fn(|_| OnceLock::new()),
             growing: Mutex::new(()),
             reserve,
+            lend_copies: AtomicU64::new(0),
         };
         inner.make_chunks(size_bytes);
         inner.size_bytes.store(size_bytes, Ordering::Release);
         Ok(MallocDev {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Chunks copied because a write or partial zero met a loan of them
+    /// (module doc): what copy-on-write cost so far.
+    pub fn lend_copies(&self) -> u64 {
+        self.inner.lend_copies.load(Ordering::Relaxed)
     }
 
     /// Chunks currently holding memory (for tests and stats).
@@ -331,20 +361,45 @@ impl Inner {
         Ok(())
     }
 
+    /// `[offset, offset + len)` lent, when it lies in one written chunk
+    /// and inside that chunk's memory (module doc); `None`: copy it.
+    fn lend(&self, offset: u64, len: usize) -> Option<Lent> {
+        let mut one = pieces(offset, len);
+        let (index, within, piece, _) = one.next()?;
+        if piece != len {
+            return None;
+        }
+        let chunk = self.chunk(index).ok()?;
+        let data = chunk.read().unwrap_or_else(PoisonError::into_inner);
+        let region: LentRegion = Arc::clone(data.as_ref()?);
+        Lent::new(region, within, len)
+    }
+
+    /// The chunk's memory, for changing: copied first when loans share it
+    /// (module doc), so the bytes they show stay as they were.
+    fn own<'a>(&self, data: &'a mut Arc<Box<[u8]>>) -> &'a mut Box<[u8]> {
+        if Arc::strong_count(data) > 1 {
+            self.lend_copies.fetch_add(1, Ordering::Relaxed);
+        }
+        Arc::make_mut(data)
+    }
+
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, src.len()) {
             let chunk = self.chunk(index)?;
             let mut guard = chunk.write().unwrap_or_else(PoisonError::into_inner);
             let need = within + piece;
-            let data = guard.get_or_insert_with(|| self.new_chunk(self.chunk_len(index).max(need)));
+            let data = guard
+                .get_or_insert_with(|| Arc::new(self.new_chunk(self.chunk_len(index).max(need))));
             if data.len() < need {
                 // Allocated short, as the last chunk, before a grow: extend
-                // it (rare: once per grow at most).
-                let mut longer = std::mem::take(data).into_vec();
+                // a copy of it (rare: once per grow at most; loans keep
+                // the old one).
+                let mut longer = data.to_vec();
                 longer.resize(self.chunk_len(index).max(need), 0);
-                *data = longer.into_boxed_slice();
+                *data = Arc::new(longer.into_boxed_slice());
             }
-            data[within..need].copy_from_slice(&src[at..at + piece]);
+            self.own(data)[within..need].copy_from_slice(&src[at..at + piece]);
         }
         Ok(())
     }
@@ -368,12 +423,17 @@ impl Inner {
             // past the old end, are seen here, so they are not dropped.
             let whole = within == 0 && piece == self.chunk_len(index);
             if whole {
-                if let (Some(data), Some(reserve)) = (guard.take(), &self.reserve) {
+                // A lent chunk stays with its loans, freed with the last.
+                if let (Some(Ok(data)), Some(reserve)) =
+                    (guard.take().map(Arc::try_unwrap), &self.reserve)
+                {
                     reserve.give(data);
                 }
             } else if let Some(data) = guard.as_mut() {
                 let end = (within + piece).min(data.len());
-                data[within.min(end)..end].fill(0);
+                if within < end {
+                    self.own(data)[within..end].fill(0);
+                }
             }
         }
         Ok(())
@@ -410,8 +470,20 @@ impl Inner {
         Ok(out)
     }
 
-    fn execute(&self, req: &mut IoRequest) -> Result<(), BdevError> {
+    /// Runs `req`; a read may be answered with a loan when `lend` (the
+    /// channel was told [`Channel::allow_lend`]), its buffer untouched.
+    fn execute(&self, req: &mut IoRequest, lend: bool) -> Result<Option<Lent>, BdevError> {
         validate_request(req, self.size())?;
+        let len = req.len as usize;
+        if req.op == IoOp::Read && lend && len > 0 {
+            if let Some(lent) = self.lend(req.offset, len) {
+                return Ok(Some(lent));
+            }
+        }
+        self.execute_copying(req).map(|()| None)
+    }
+
+    fn execute_copying(&self, req: &mut IoRequest) -> Result<(), BdevError> {
         let len = req.len as usize;
         match req.op {
             IoOp::Read => match req.buf.as_mut() {
@@ -484,6 +556,7 @@ impl BlockDevice for MallocDev {
         Ok(Box::new(MallocChannel {
             inner: Arc::clone(&self.inner),
             queue: Deferred::new(MALLOC_CHANNEL_DEPTH, false, "malloc"),
+            lend: false,
         }))
     }
 }
@@ -503,6 +576,8 @@ impl BlockDevice for MallocDev {
 struct MallocChannel {
     inner: Arc<Inner>,
     queue: Deferred,
+    /// Reads may be answered with loans ([`Channel::allow_lend`]).
+    lend: bool,
 }
 
 impl Channel for MallocChannel {
@@ -520,8 +595,12 @@ impl Channel for MallocChannel {
                 }
             }
         }
-        let inner = &self.inner;
-        self.queue.reap(|req| inner.execute(req), done)
+        let (inner, lend) = (&self.inner, self.lend);
+        self.queue.reap(|req| inner.execute(req, lend), done)
+    }
+
+    fn allow_lend(&mut self) {
+        self.lend = true;
     }
 
     fn event_fd(&self) -> Option<RawFd> {
@@ -615,6 +694,200 @@ mod tests {
             [&[0][..], &[9; 23]].concat()
         );
         assert_eq!(dev.chunks_allocated(), 5);
+    }
+
+    /// A read on a lending channel, its loan (if lent) and its buffer.
+    fn read_lent(
+        ch: &mut dyn Channel,
+        pool: &mut BufPool,
+        offset: u64,
+        len: usize,
+    ) -> (Option<Lent>, Vec<u8>) {
+        let mut buf = pool.get(len);
+        buf.as_mut_slice().fill(0xee);
+        let c = run(ch, 2, IoOp::Read, offset, len as u32, Some(buf));
+        c.result.expect("read ok");
+        let buf = c.buf.expect("buf back");
+        let v = buf.as_slice()[..len].to_vec();
+        pool.put(buf);
+        (c.lent, v)
+    }
+
+    /// A lending channel lends reads inside one written chunk (the bytes
+    /// written, the buffer untouched); it copies reads of holes (zeros,
+    /// no chunk made), across a chunk boundary and past a short chunk's
+    /// end; a channel not told to lend never does.
+    #[test]
+    fn lends_reads_inside_one_written_chunk() {
+        let dev = MallocDev::new(3 * CHUNK + 8192).unwrap();
+        let mut ch = dev.open_channel().unwrap();
+        ch.allow_lend();
+        let mut pool = BufPool::new(64 << 20);
+        let data: Vec<u8> = (0..3 * CHUNK as usize)
+            .map(|i| (i % 251) as u8 + 1)
+            .collect();
+        write(&mut *ch, &mut pool, 0, &data);
+        for (offset, len) in [
+            (0, 4096),
+            (CHUNK + 512, 131072),
+            (2 * CHUNK, CHUNK as usize),
+            (7, 1),
+        ] {
+            let (lent, buf) = read_lent(&mut *ch, &mut pool, offset, len);
+            let lent = lent.expect("lent");
+            assert!(lent.as_slice() == &data[offset as usize..offset as usize + len]);
+            assert!(buf.iter().all(|&b| b == 0xee), "the buffer is not written");
+        }
+        // Across a boundary: copied, right.
+        let (lent, buf) = read_lent(&mut *ch, &mut pool, CHUNK - 100, 200);
+        assert!(lent.is_none());
+        assert_eq!(buf, &data[CHUNK as usize - 100..CHUNK as usize + 100]);
+        // A hole: zeros in the buffer, nothing lent, no chunk made.
+        let (lent, buf) = read_lent(&mut *ch, &mut pool, 3 * CHUNK, 4096);
+        assert!(lent.is_none());
+        assert!(buf.iter().all(|&b| b == 0));
+        assert_eq!(dev.chunks_allocated(), 3);
+        // A short last chunk, grown past: its old end is where loans stop.
+        write(&mut *ch, &mut pool, 3 * CHUNK, &[5; 4096]);
+        dev.grow(4 * CHUNK).unwrap();
+        let (lent, _) = read_lent(&mut *ch, &mut pool, 3 * CHUNK + 4096, 4096);
+        assert!(lent
+            .expect("inside the short chunk")
+            .as_slice()
+            .iter()
+            .all(|&b| b == 0));
+        let (lent, buf) = read_lent(&mut *ch, &mut pool, 3 * CHUNK + 8192, 4096);
+        assert!(lent.is_none(), "past the short chunk's memory: copied");
+        assert!(buf.iter().all(|&b| b == 0));
+        // Not told to lend: copies.
+        let mut plain = dev.open_channel().unwrap();
+        let (lent, buf) = read_lent(&mut *plain, &mut pool, 0, 4096);
+        assert!(lent.is_none());
+        assert_eq!(buf, &data[..4096]);
+    }
+
+    /// A loan keeps its bytes as they were and its memory alive: a write
+    /// to the lent chunk copies it (the device sees the write, the loan
+    /// the old bytes), a whole-chunk trim and the device's drop leave the
+    /// memory to the loan; an unshared chunk is not copied.
+    #[test]
+    fn a_loan_outlives_writes_trims_and_the_device() {
+        let reserve = ChunkReserve::new(4 * MALLOC_CHUNK_BYTES);
+        let dev = MallocDev::with_reserve(2 * CHUNK, Some(reserve.clone())).unwrap();
+        let mut ch = dev.open_channel().unwrap();
+        ch.allow_lend();
+        let mut pool = BufPool::new(64 << 20);
+        write(&mut *ch, &mut pool, 0, &[1; 8192]);
+        write(&mut *ch, &mut pool, CHUNK, &[2; 8192]);
+        write(&mut *ch, &mut pool, 0, &[3; 4096]);
+        assert_eq!(dev.lend_copies(), 0, "no loan: written in place");
+        let (a, _) = read_lent(&mut *ch, &mut pool, 0, 8192);
+        let a = a.expect("lent");
+        write(&mut *ch, &mut pool, 4096, &[4; 4096]);
+        assert_eq!(dev.lend_copies(), 1, "the lent chunk was copied");
+        assert_eq!(&a.as_slice()[..4096], &[3; 4096][..]);
+        assert_eq!(
+            &a.as_slice()[4096..],
+            &[1; 4096][..],
+            "the loan kept the old bytes"
+        );
+        assert_eq!(read(&mut *ch, &mut pool, 4096, 4096), vec![4; 4096]);
+        // A partial zero of a lent chunk copies it too.
+        let (b, _) = read_lent(&mut *ch, &mut pool, CHUNK, 4096);
+        let b = b.expect("lent");
+        run(
+            &mut *ch,
+            3,
+            IoOp::WriteZeroes {
+                no_hole: true,
+                fua: false,
+                fast: false,
+            },
+            CHUNK,
+            512,
+            None,
+        )
+        .result
+        .unwrap();
+        assert_eq!(dev.lend_copies(), 2);
+        assert_eq!(b.as_slice(), &[2; 4096][..]);
+        // A whole-chunk trim drops the device's reference; the lent memory
+        // does not go to the reserve.
+        let (b2, _) = read_lent(&mut *ch, &mut pool, CHUNK, 4096);
+        let b2 = b2.expect("lent");
+        run(&mut *ch, 4, IoOp::Trim, CHUNK, CHUNK as u32, None)
+            .result
+            .unwrap();
+        assert_eq!(reserve.chunks(), 0);
+        assert_eq!(b.as_slice(), &[2; 4096][..]);
+        assert_eq!(&b2.as_slice()[..512], &[0; 512][..]);
+        assert_eq!(&b2.as_slice()[512..], &[2; 3584][..]);
+        assert!(read(&mut *ch, &mut pool, CHUNK, 4096)
+            .iter()
+            .all(|&x| x == 0));
+        // The device dropped: the loans still read their bytes; the
+        // unshared chunk went to the reserve.
+        let (c, _) = read_lent(&mut *ch, &mut pool, 0, 4096);
+        let c = c.expect("lent");
+        drop(ch);
+        drop(dev);
+        assert_eq!(reserve.chunks(), 0, "the one chunk left is lent");
+        assert_eq!(c.as_slice(), &[3; 4096][..]);
+        assert_eq!(&a.as_slice()[4096..], &[1; 4096][..]);
+        assert_eq!(b.as_slice(), &[2; 4096][..]);
+    }
+
+    /// Writers on other threads rewrite a block with whole patterns while
+    /// a lending channel reads it: every loan shows one whole pattern (the
+    /// old or the new, never a mix), and keeps showing it while it is held.
+    #[test]
+    fn loans_racing_writes_show_whole_old_or_new_data() {
+        let dev = MallocDev::new(2 * CHUNK).unwrap();
+        let rounds = 2000u32;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| {
+                let mut ch = dev.open_channel().unwrap();
+                let mut pool = BufPool::new(1 << 20);
+                let mut i = 0u8;
+                while !stop.load(Ordering::Relaxed) {
+                    i = i.wrapping_add(1);
+                    write(&mut *ch, &mut pool, CHUNK + 4096, &[i; 8192]);
+                }
+            });
+            let mut ch = dev.open_channel().unwrap();
+            ch.allow_lend();
+            let mut pool = BufPool::new(1 << 20);
+            write(&mut *ch, &mut pool, CHUNK + 4096, &[0; 8192]);
+            let mut held = std::collections::VecDeque::new();
+            // At least `rounds`, and on until writes met loans (the
+            // writer may start late on a busy machine), for a bounded time.
+            let start = std::time::Instant::now();
+            let mut done = 0;
+            while done < rounds
+                || (dev.lend_copies() < 10 && start.elapsed() < std::time::Duration::from_secs(20))
+            {
+                done += 1;
+                let (lent, _) = read_lent(&mut *ch, &mut pool, CHUNK + 4096, 8192);
+                let lent = lent.expect("lent");
+                let first = lent.as_slice()[0];
+                assert!(
+                    lent.as_slice().iter().all(|&b| b == first),
+                    "a mix of writes"
+                );
+                held.push_back((first, lent));
+                if held.len() > 8 {
+                    let (first, lent) = held.pop_front().unwrap();
+                    assert!(
+                        lent.as_slice().iter().all(|&b| b == first),
+                        "a loan changed"
+                    );
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            writer.join().unwrap();
+        });
+        assert!(dev.lend_copies() > 0, "writes met loans: the race happened");
     }
 
     /// Requests run in `reap`, in submission order: a read submitted

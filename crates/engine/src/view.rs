@@ -222,6 +222,7 @@ impl ViewChannel {
             result,
             buf: req.buf,
             spliced: None,
+            lent: None,
         });
         self.done.event.notify();
     }
@@ -288,6 +289,7 @@ impl Channel for ViewChannel {
                     )),
                     buf: req.buf,
                     spliced: None,
+                    lent: None,
                 });
                 self.done.event.notify();
             }
@@ -411,6 +413,7 @@ impl Worker {
                 result: Err(BdevError::Failed(why.clone())),
                 buf: req.buf,
                 spliced: None,
+                lent: None,
             });
         }
     }
@@ -527,6 +530,7 @@ fn complete(
         result,
         buf: req.buf,
         spliced: None,
+        lent: None,
     };
     if h.status != 0 {
         let e = io::Error::from_raw_os_error(h.status as i32);

@@ -613,6 +613,9 @@ impl ControlPlane for Control {
             // Reads whose data went from a replica's socket to the
             // client's with splice, never copied into memory.
             "spliced_reads": s.spliced_reads,
+            // Reads sent from the volume's memory, lent, never copied
+            // into a buffer first (memory volumes).
+            "lent_reads": s.lent_reads,
             "qos": qos_json(&v),
             // Replicated volumes: the rebuild bandwidth limit (0: none).
             "rebuild_limit_bytes_per_sec": v.storage.replicated().map(|d| d.rebuild_limit()),
@@ -1419,6 +1422,7 @@ impl MetricsSource for Control {
                     plain_buffer_ios: v.dev().buffer_ios().map(|b| b.plain),
                     inline_ios: v.dev().buffer_ios().map(|b| b.inline),
                     spliced_reads: s.spliced_reads,
+                    lent_reads: s.lent_reads,
                     qos_throttled: v.qos.throttled().0,
                     qos_throttled_seconds: v.qos.throttled().1 as f64 / 1e9,
                     qos_rw_ios_per_sec: v.qos.limits().rw_ios_per_sec,

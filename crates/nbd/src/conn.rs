@@ -513,20 +513,26 @@ impl Conn {
                     None,
                 );
             }
-            Ok(()) if inflight.command == Command::Read => match (c.spliced, c.buf) {
-                (Some(pipe), buf) => {
+            Ok(()) if inflight.command == Command::Read => match (c.spliced, c.lent, c.buf) {
+                (Some(pipe), _, buf) => {
                     if let Some(b) = buf {
                         bufs::put(b);
                     }
                     self.push_read_spliced(&inflight, pipe);
                 }
-                (None, Some(buf)) if self.structured() => self.push_read_structured(
+                (None, Some(lent), buf) => {
+                    if let Some(b) = buf {
+                        bufs::put(b);
+                    }
+                    self.push_read_lent(&inflight, lent);
+                }
+                (None, None, Some(buf)) if self.structured() => self.push_read_structured(
                     inflight.cookie,
                     inflight.offset,
                     buf,
                     inflight.length,
                 ),
-                (None, data) => self.push_reply(inflight.cookie, 0, data),
+                (None, None, data) => self.push_reply(inflight.cookie, 0, data),
             },
             Ok(()) => {
                 if let Some(b) = c.buf {
@@ -647,6 +653,41 @@ impl Conn {
             self.wire.push(&header, Payload::Pipe(pipe));
         } else {
             self.push_simple(inflight.cookie, 0, Payload::Pipe(pipe));
+        }
+    }
+
+    /// A read whose data the device lent (a memory volume's): the reply
+    /// header, then the bytes written from the device's memory (by the
+    /// same `writev` as the header, or through the TLS session); the loan
+    /// goes once they are written. Structured replies send one data
+    /// chunk: a device lends only written memory, which `extents`
+    /// reports as data, so there is no hole chunk to make of it.
+    fn push_read_lent(&mut self, inflight: &InFlight, lent: lull_bdev::Lent) {
+        if lent.len() != inflight.length as usize {
+            // The device lent less or more than was asked: a bug.
+            tracing::error!(peer = %self.wire.peer(), cookie = inflight.cookie, lent = lent.len(),
+                length = inflight.length, "lent read of the wrong length");
+            self.push_error(
+                inflight.cookie,
+                Command::Read,
+                nbd::NBD_EIO,
+                "internal error",
+            );
+            return;
+        }
+        if let Phase::Transmission { volume, .. } = &self.phase {
+            volume.stats.lent_read();
+        }
+        if self.structured() {
+            let header = structured::encode_offset_data_header(
+                inflight.cookie,
+                nbd::NBD_REPLY_FLAG_DONE,
+                inflight.offset,
+                inflight.length,
+            );
+            self.wire.push(&header, Payload::Lent(lent));
+        } else {
+            self.push_simple(inflight.cookie, 0, Payload::Lent(lent));
         }
     }
 
@@ -1011,6 +1052,10 @@ impl Conn {
                 let tls = matches!(self.wire.stream, Stream::Tls(_));
                 tracing::info!(peer = %self.wire.peer(), export = %volume.name, tls, "client connected");
                 let mut channel = channel;
+                // Read data may be lent by the device and written from its
+                // memory (in-memory bytes: a TLS session encrypts them as
+                // it would a buffer).
+                channel.allow_lend();
                 if !tls {
                     // The stream is the plain socket from here on: read
                     // data may come in a pipe and be spliced into it.

@@ -312,6 +312,12 @@ pub enum Payload {
     /// data as it came from the replica, no copy). Only on a
     /// [`wire::Wire`] that allows splicing.
     Pipe(lull_uring::pipes::SplicePipe),
+    /// Bytes a device lent (a memory volume's read data), written from
+    /// the device's memory as in-memory bytes (by `writev`, or through a
+    /// TLS session that encrypts them). The loan is dropped once they are
+    /// all written (or the stream is dropped), not before: until then it
+    /// holds the memory (docs/PER_IO.md, "Lent reads").
+    Lent(lull_uring::Lent),
 }
 
 impl AsRef<[u8]> for Payload {
@@ -325,6 +331,7 @@ impl AsRef<[u8]> for Payload {
                 let start = (*at).min(all.len());
                 &all[start..start.saturating_add(*len).min(all.len())]
             }
+            Payload::Lent(l) => l.as_slice(),
             Payload::File { .. } | Payload::Pipe(_) => &[],
         }
     }
@@ -370,7 +377,7 @@ impl OutPayload for Payload {
             Payload::Buf(b) => pool.put(b),
             Payload::Slice { buf, .. } => shared::release(buf, pool),
             Payload::Pipe(p) => lull_uring::pipes::put(p),
-            Payload::None | Payload::Bytes(_) | Payload::File { .. } => {}
+            Payload::None | Payload::Bytes(_) | Payload::File { .. } | Payload::Lent(_) => {}
         }
     }
 

@@ -1005,6 +1005,36 @@ impl<S: Read + Write> Conn<S> {
         true
     }
 
+    /// A read's data the device lent (a memory volume's): one C2HData PDU
+    /// whose data is written from the device's memory, and its data
+    /// digest, if negotiated, computed over those bytes (which do not
+    /// change while the loan is held; docs/PER_IO.md, "Lent reads"). A
+    /// loan of other than `len` bytes is not sent: false, with a log line;
+    /// the caller answers with an error.
+    fn send_c2h_lent(
+        &mut self,
+        cid: u16,
+        lent: lull_bdev::Lent,
+        len: usize,
+        success: bool,
+    ) -> bool {
+        if lent.len() != len {
+            // The device lent less or more than was asked: a bug.
+            tracing::error!(peer = %self.wire.peer(), cid, lent = lent.len(), len,
+                "lent read of the wrong length");
+            return false;
+        }
+        if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
+            ns.volume.stats.lent_read();
+        }
+        let ddgst = self.dg.data.then(|| pdu::crc32c(lent.as_slice()));
+        self.push_c2h(cid, len, success, Payload::Lent(lent));
+        if let Some(d) = ddgst {
+            self.wire.push(&d.to_le_bytes(), Payload::None);
+        }
+        true
+    }
+
     /// One C2HData PDU's header (LAST_PDU set, SUCCESS when `success`),
     /// then `payload`, which holds its `len` data bytes.
     fn push_c2h(&mut self, cid: u16, len: usize, success: bool, payload: Payload) {
@@ -1159,6 +1189,9 @@ impl<S: Read + Write> Conn<S> {
                 }
             };
             self.allow_splice(channel.as_mut());
+            // Read data may be lent by the device and sent from its memory
+            // (in-memory bytes: TLS or not, digest or not).
+            channel.allow_lend();
             let lba_shift = self.shared.lba_shift_of(&volume.name);
             Some(Namespace {
                 lba_shift,
@@ -1537,8 +1570,19 @@ impl<S: Read + Write> Conn<S> {
                     // SUCCESS on the data PDU ends the command: no
                     // CapsuleResp follows (see `c2h_success`).
                     let success = self.c2h_success();
-                    match (c.spliced, c.buf) {
-                        (Some(pipe), buf) => {
+                    match (c.spliced, c.lent, c.buf) {
+                        (None, Some(lent), buf) => {
+                            if let Some(b) = buf {
+                                bufs::put(b);
+                            }
+                            if !self.send_c2h_lent(cid, lent, len, success) {
+                                return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+                            }
+                            if success {
+                                return;
+                            }
+                        }
+                        (Some(pipe), _, buf) => {
                             if let Some(b) = buf {
                                 bufs::put(b);
                             }
@@ -1549,13 +1593,13 @@ impl<S: Read + Write> Conn<S> {
                                 return;
                             }
                         }
-                        (None, Some(b)) => {
+                        (None, None, Some(b)) => {
                             self.send_c2h(cid, b, len, success);
                             if success {
                                 return;
                             }
                         }
-                        (None, None) => {}
+                        (None, None, None) => {}
                     }
                 } else if let Some(b) = c.buf {
                     bufs::put(b);

@@ -196,6 +196,9 @@ pub struct VolumeMetrics {
     /// Reads whose data went from a replica's socket to the client's with
     /// splice, never copied into memory (replicated volumes; 0 elsewhere).
     pub spliced_reads: u64,
+    /// Reads sent from the device's memory, lent, not copied into a
+    /// buffer first (memory volumes; 0 elsewhere).
+    pub lent_reads: u64,
     /// Requests its QoS limits held, and how long they waited in all.
     pub qos_throttled: u64,
     pub qos_throttled_seconds: f64,
@@ -700,6 +703,15 @@ impl Collector for SnapshotCollector {
             v,
             volume_labels,
             |x| x.spliced_reads,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_lent_reads",
+            "Reads whose data was sent from the volume's memory, lent, not copied into a buffer first.",
+            None,
+            v,
+            volume_labels,
+            |x| x.lent_reads,
         )?;
         counters(
             &mut enc,

@@ -316,6 +316,7 @@ fn snapshot() -> MetricsSnapshot {
                 plain_buffer_ios: Some(5),
                 inline_ios: Some(7),
                 spliced_reads: 3,
+                lent_reads: 6,
                 qos_throttled: 4,
                 qos_throttled_seconds: 0.25,
                 qos_rw_ios_per_sec: 2000,
@@ -456,6 +457,7 @@ fn scrape() {
         ("lull_volume_read_bytes", "counter"),
         ("lull_volume_written_bytes", "counter"),
         ("lull_volume_spliced_reads", "counter"),
+        ("lull_volume_lent_reads", "counter"),
         ("lull_volume_qos_throttled", "counter"),
         ("lull_volume_qos_throttled_seconds", "counter"),
         ("lull_volume_io_uring_enters", "counter"),
@@ -651,6 +653,16 @@ fn scrape() {
         )
         .value,
         3.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_lent_reads",
+            "lull_volume_lent_reads_total",
+            &v0
+        )
+        .value,
+        6.0
     );
     assert_eq!(
         sample(

@@ -7,6 +7,8 @@
 //! - [`Ring`]: one io_uring plus a completion eventfd; pushing is `unsafe`.
 //! - [`IoQueue`]: the safe layer: a slot table owning each operation's
 //!   buffer until its completion arrives.
+//! - [`Lent`]: bytes a device lends to a reply (a memory volume's read),
+//!   sent from the device's memory instead of a copy.
 //! - [`probe`]: kernel feature probes (O_DIRECT alignment).
 //! - [`splice`]: `sendfile` and pipes that move payload pages between
 //!   descriptors without a user-space copy; [`pipes`]: the process's pool
@@ -31,6 +33,7 @@
 
 mod arena;
 mod buf;
+mod lent;
 pub mod pipes;
 pub mod probe;
 mod queue;
@@ -47,6 +50,7 @@ pub use buf::{
     BufPool, BufPoolStats, IoBuf, IO_BUF_ALIGN_BYTES, POOL_BUFS_PER_CLASS_MAX,
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
 };
+pub use lent::{Lent, LentRegion};
 pub use probe::{fadvise_willneed, fallocate, on_memory_filesystem, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{

@@ -384,6 +384,10 @@ impl Channel for VolumeChannel {
         self.inner.allow_splice();
     }
 
+    fn allow_lend(&mut self) {
+        self.inner.allow_lend();
+    }
+
     fn set_changed_since(&mut self, since: &str) {
         self.inner.set_changed_since(since);
     }

@@ -47,6 +47,9 @@ pub struct VolumeStats {
     /// Reads whose data went from the device's socket to the client's
     /// with `splice`, never copied into memory (a replicated volume).
     spliced_reads: AtomicU64,
+    /// Reads whose data was sent from the device's memory, lent, never
+    /// copied into a buffer (a memory volume; docs/PER_IO.md, "Lent reads").
+    lent_reads: AtomicU64,
 }
 
 /// A snapshot of [`VolumeStats`].
@@ -65,6 +68,7 @@ pub struct VolumeStatsSnapshot {
     /// Per-bucket counts (not cumulative); the last is the overflow bucket.
     pub buckets: Vec<u64>,
     pub spliced_reads: u64,
+    pub lent_reads: u64,
 }
 
 impl VolumeStatsSnapshot {
@@ -148,12 +152,18 @@ impl VolumeStats {
             latency_max_ns: g(&self.latency_max_ns),
             buckets: self.buckets.iter().map(g).collect(),
             spliced_reads: g(&self.spliced_reads),
+            lent_reads: g(&self.lent_reads),
         }
     }
 
     /// A read was answered from a pipe (see `spliced_reads`).
     pub fn spliced_read(&self) {
         self.spliced_reads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A read was answered from lent device memory (see `lent_reads`).
+    pub fn lent_read(&self) {
+        self.lent_reads.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -16,7 +16,7 @@ use lull_reactor::Interest;
 
 use super::map::block_span;
 use super::{Shared, State, CHAIN_BLOCK_BYTES};
-use crate::{validate_request, BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use crate::{validate_request, BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Lent};
 
 /// Requests of the owner in flight on one chain channel: a frontend
 /// connection's depth (NBD's 128, an NVMe/TCP queue's) with room to spare.
@@ -75,6 +75,9 @@ struct Op {
     parent: Option<u32>,
     /// Blocks `[first, end)` locked for a copy-up.
     lock: Option<(u64, u64)>,
+    /// A read sent whole to one layer that lent its data: handed on to
+    /// the owner (who allowed lending) instead of the buffer's bytes.
+    lent: Option<Lent>,
 }
 
 /// How the owner learns of completions: an epoll fd over the layers'
@@ -118,6 +121,12 @@ pub(crate) struct ChainChannel {
     /// The last `submit` was handed back for a pause or a copy-up lock:
     /// when to try again (monotonic ns).
     retry_at: Option<u64>,
+    /// The owner takes lent read data ([`Channel::allow_lend`]): the
+    /// layers' channels are told so too. A layer's lent data is copied
+    /// where the chain needs bytes (a read made of several layers' runs,
+    /// a copy-up's read) and handed on when a read went whole to one
+    /// layer (always, without snapshots).
+    lend: bool,
 }
 
 impl ChainChannel {
@@ -150,6 +159,7 @@ impl ChainChannel {
             polled: false,
             reaped: Vec::new(),
             retry_at: None,
+            lend: false,
         };
         // The head's channel decides how completions are waited for, for
         // the channel's whole life (an owner registers the fd once).
@@ -178,7 +188,10 @@ impl ChainChannel {
     fn layer(&mut self, i: usize) -> Result<&mut Box<dyn Channel>, BdevError> {
         let id = self.state.layers[i].id;
         if self.layers[i].as_ref().is_none_or(|(lid, _)| *lid != id) {
-            let c = self.state.layers[i].dev.open_channel()?;
+            let mut c = self.state.layers[i].dev.open_channel()?;
+            if self.lend {
+                c.allow_lend();
+            }
             if let (Some(w), Some(fd)) = (&self.wake, c.event_fd()) {
                 w.epoll.add(fd, Interest::READABLE, i as u64)?;
             }
@@ -299,6 +312,7 @@ impl ChainChannel {
             result: Err(e),
             buf: req.buf,
             spliced: None,
+            lent: None,
         });
         self.ring();
     }
@@ -561,6 +575,7 @@ impl ChainChannel {
                 stage: Stage::Write,
                 parent: Some(slot),
                 lock: None,
+                lent: None,
             };
             let Some(c) = self.alloc(child) else {
                 let op = self.op(slot);
@@ -580,6 +595,7 @@ impl ChainChannel {
         let slot = (c.tag >> 32) as u32;
         let rel = (c.tag & 0xFFFF_FFFF) as usize;
         let mut next_write = None;
+        let lent = c.lent;
         {
             let op = self.op(slot);
             op.pending -= 1;
@@ -588,10 +604,14 @@ impl ChainChannel {
             }
             match &mut op.stage {
                 Stage::Read => match (&mut op.buf, c.buf) {
-                    (None, b) => op.buf = b,
+                    (None, b) => {
+                        op.buf = b;
+                        op.lent = lent;
+                    }
                     (Some(dst), Some(src)) => {
-                        let n = src.len();
-                        dst.as_mut_slice()[rel..rel + n].copy_from_slice(src.as_slice());
+                        let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
+                        let n = data.len();
+                        dst.as_mut_slice()[rel..rel + n].copy_from_slice(data);
                     }
                     (Some(_), None) => {}
                 },
@@ -606,8 +626,9 @@ impl ChainChannel {
                 }
                 Stage::CopyRead { x, a0 } => {
                     if let Some(src) = c.buf {
-                        let n = src.len();
-                        x.as_mut_slice()[rel..rel + n].copy_from_slice(src.as_slice());
+                        let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
+                        let n = data.len();
+                        x.as_mut_slice()[rel..rel + n].copy_from_slice(data);
                     }
                     if op.pending == 0 && op.error.is_none() {
                         let a0 = *a0;
@@ -682,6 +703,7 @@ impl ChainChannel {
                     result,
                     buf: op.buf,
                     spliced: None,
+                    lent: op.lent,
                 });
             }
         }
@@ -840,6 +862,7 @@ impl Channel for ChainChannel {
                 stage: Stage::Read,
                 parent: None,
                 lock: None,
+                lent: None,
             })
             .expect("room checked above");
         self.parents += 1;
@@ -928,6 +951,13 @@ impl Channel for ChainChannel {
 
     fn in_flight(&self) -> usize {
         self.parents
+    }
+
+    fn allow_lend(&mut self) {
+        self.lend = true;
+        for (_, c) in self.layers.iter_mut().flatten() {
+            c.allow_lend();
+        }
     }
 
     fn polled(&self) -> bool {

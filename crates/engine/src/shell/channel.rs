@@ -228,6 +228,7 @@ impl Channel for EngineChannel {
                     result: Err(err),
                     buf: r.io.buf,
                     spliced: None,
+                    lent: None,
                 });
             }
             self.shared.ring();
@@ -340,6 +341,7 @@ impl Shell {
                         }),
                         buf: r.io.buf,
                         spliced: None,
+                        lent: None,
                     });
                 }
                 shared.ring();

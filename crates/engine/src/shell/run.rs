@@ -207,6 +207,7 @@ impl Shell {
                     result,
                     buf,
                     spliced,
+                    lent: None,
                 },
             ),
             Action::Connect { conn, addr } => self.connect(conn, addr),

@@ -407,6 +407,54 @@ fn dd_round_trip(
     );
 }
 
+/// Lent reads (issue 33, docs/PER_IO.md): spdk_dd writes a pattern to a
+/// memory volume and reads it back byte-identical in 4 KiB and 128 KiB
+/// requests, without and then with header and data digests (the data
+/// digest is computed over the lent bytes: a wrong one fails SPDK's
+/// read); the volume's `lent_reads` counts the lent reads of each round.
+#[test]
+fn lent_reads_round_trip_with_and_without_digests() {
+    let Some(tools) = spdk_tools("lent_reads_round_trip_with_and_without_digests") else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let (mut server, addr) = serve();
+    let dir = server.dir().clone();
+    let nqn = lull_nvmf::subsystem_nqn(VOLUME);
+    let lent_reads = |server: &Server| {
+        server.rpc("volume_get_stats", &format!(r#"{{"name":"{VOLUME}"}}"#))["lent_reads"]
+            .as_u64()
+            .expect("lent_reads")
+    };
+    for (round, digests) in [false, true].into_iter().enumerate() {
+        let dg = Digests {
+            header: digests,
+            data: digests,
+        };
+        let config = dd_config_digests(&dir, addr, &nqn, dg);
+        let input = dir.join("lent-in.bin");
+        let output = dir.join("lent-out.bin");
+        let data = pattern(0x1e47 + round as u64, 8 << 20);
+        std::fs::write(&input, &data).expect("write the input");
+        dd_write(&tools, &config, &input, 131072);
+        for bs in [4096, 131072] {
+            let before = lent_reads(&server);
+            let back = dd_read(&tools, &config, &output, bs, data.len());
+            let after = lent_reads(&server);
+            eprintln!("digests {digests}, bs {bs}: {} reads lent", after - before);
+            assert!(
+                back == data,
+                "spdk_dd (digests {digests}, bs {bs}) read back other bytes than it wrote"
+            );
+            assert!(
+                after > before,
+                "the reads were lent (digests {digests}, bs {bs})"
+            );
+        }
+    }
+    server.assert_healthy();
+}
+
 #[test]
 fn spdk_dd_round_trip_is_byte_identical_and_nbd_agrees() {
     let Some(tools) = spdk_tools("spdk_dd_round_trip_is_byte_identical_and_nbd_agrees") else {

@@ -571,3 +571,174 @@ fn replicated_reads_are_spliced_and_carry_verified_data() {
         }
     }
 }
+
+/// Runs a Python script with libnbd; panics with its stderr on failure.
+fn python_nbd(script: &str, what: &str) {
+    let out = Command::new(common::python_with_nbd())
+        .args(["-c", script])
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Lent reads (issue 33, docs/PER_IO.md): a memory volume answers reads
+/// inside one written chunk from its own memory. nbdcopy writes a
+/// pattern and reads the volume back byte-identical (structured replies,
+/// 256 KiB requests), qemu-io verifies a pattern region, libnbd with
+/// simple replies reads unaligned ranges and ranges across a chunk
+/// boundary and in holes; the volume's `lent_reads` counts the lent ones
+/// (some, not all: holes and boundary-crossing reads are copied).
+#[test]
+fn memory_volume_reads_are_lent_and_byte_identical() {
+    common::require("nbdcopy", "libnbd-bin");
+    common::require("qemu-io", "qemu-utils");
+    let dir = Scratch::new("perio-lent");
+    let server = Server::start(&["--volume", "vol:32M"]);
+    let uri = format!("nbd://{}/vol", server.addr());
+    // 24 MiB of pattern, the last 8 MiB left as holes.
+    let data = common::pattern(0x1e47, 24 << 20);
+    let input = dir.join("in.bin");
+    std::fs::write(&input, &data).expect("write the input");
+    let out = Command::new("nbdcopy")
+        .args([input.to_str().unwrap(), &uri])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy to the volume: {out:?}");
+    let before = server.rpc("volume_get_stats", r#"{"name":"vol"}"#)["lent_reads"]
+        .as_u64()
+        .expect("lent_reads");
+    let copy = dir.join("out.bin");
+    let out = Command::new("nbdcopy")
+        .args([&uri, copy.to_str().unwrap()])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy from the volume: {out:?}");
+    let back = std::fs::read(&copy).expect("read the copy");
+    assert_eq!(back.len(), 32 << 20);
+    assert!(
+        back[..data.len()] == data[..],
+        "nbdcopy read other bytes than it wrote"
+    );
+    assert!(
+        back[data.len()..].iter().all(|&b| b == 0),
+        "holes read as zeros"
+    );
+    let after = server.rpc("volume_get_stats", r#"{"name":"vol"}"#)["lent_reads"]
+        .as_u64()
+        .expect("lent_reads");
+    assert!(
+        after > before,
+        "nbdcopy's reads were lent: {before} -> {after}"
+    );
+    let out = Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5c 3M 1M",
+            "-c",
+            "read -P 0x5c 3M 1M",
+            "-c",
+            "read -P 0x5c 3145728 4096",
+            "-c",
+            "read -P 0 28M 64k",
+            &uri,
+        ])
+        .output()
+        .expect("run qemu-io");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !text.contains("fail") && !text.contains("error"),
+        "qemu-io: {out:?}"
+    );
+    // Simple replies, unaligned, across a chunk boundary, in a hole.
+    let script = format!(
+        "import nbd\n\
+         h = nbd.NBD()\n\
+         h.set_request_structured_replies(False)\n\
+         h.connect_uri('{uri}')\n\
+         assert not h.get_structured_replies_negotiated()\n\
+         data = open('{input}', 'rb').read()\n\
+         for off, n in [(5, 4091), (1048576 - 100, 200), (7 << 20, 131072), (2 << 20, 1 << 20)]:\n\
+         \x20   assert h.pread(n, off) == data[off:off + n], (off, n)\n\
+         assert h.pread(4096, 30 << 20) == bytes(4096)\n",
+        input = input.display()
+    );
+    python_nbd(&script, "libnbd with simple replies");
+    let stats = server.rpc("volume_get_stats", r#"{"name":"vol"}"#);
+    let lent = stats["lent_reads"].as_u64().expect("lent_reads");
+    let reads = stats["reads"].as_u64().expect("reads");
+    eprintln!("{lent} of {reads} reads lent");
+    assert!(
+        lent > 0 && lent < reads,
+        "some reads lent, not all: {stats}"
+    );
+    let mut server = server;
+    server.assert_healthy();
+}
+
+/// Writes racing lent reads of the same blocks (issue 33's rule,
+/// docs/PER_IO.md "Lent reads"): libnbd sends, many rounds over, a read
+/// and a write of the same 64 KiB together (read first, then write, then
+/// the other order), and a second connection rewrites the same blocks
+/// meanwhile. Every read returns one whole pattern: the old or the new,
+/// never a mix; the server stays healthy and lent the reads.
+#[test]
+fn writes_racing_lent_reads_return_old_or_new_data() {
+    let server = Server::start(&["--volume", "vol:8M"]);
+    let uri = format!("nbd://{}/vol", server.addr());
+    let script = format!(
+        "import nbd, threading\n\
+         N = 65536\n\
+         OFF = 1048576 + 8192\n\
+         ROUNDS = 400\n\
+         def pat(v):\n\
+         \x20   return bytes([v]) * N\n\
+         h = nbd.NBD()\n\
+         h.connect_uri('{uri}')\n\
+         h.pwrite(pat(1), OFF)\n\
+         stop = threading.Event()\n\
+         def rewrite():\n\
+         \x20   g = nbd.NBD()\n\
+         \x20   g.connect_uri('{uri}')\n\
+         \x20   v = 100\n\
+         \x20   while not stop.is_set():\n\
+         \x20       v = 100 + (v - 99) % 100\n\
+         \x20       g.pwrite(pat(v), OFF)\n\
+         t = threading.Thread(target=rewrite)\n\
+         t.start()\n\
+         try:\n\
+         \x20   for i in range(ROUNDS):\n\
+         \x20       new = 2 + i % 90\n\
+         \x20       rb = nbd.Buffer(N)\n\
+         \x20       wb = nbd.Buffer.from_bytearray(bytearray(pat(new)))\n\
+         \x20       if i % 2 == 0:\n\
+         \x20           c1 = h.aio_pread(rb, OFF)\n\
+         \x20           c2 = h.aio_pwrite(wb, OFF)\n\
+         \x20       else:\n\
+         \x20           c2 = h.aio_pwrite(wb, OFF)\n\
+         \x20           c1 = h.aio_pread(rb, OFF)\n\
+         \x20       d1 = d2 = False\n\
+         \x20       while not (d1 and d2):\n\
+         \x20           d1 = d1 or h.aio_command_completed(c1)\n\
+         \x20           d2 = d2 or h.aio_command_completed(c2)\n\
+         \x20           if not (d1 and d2):\n\
+         \x20               h.poll(-1)\n\
+         \x20       got = rb.to_bytearray()\n\
+         \x20       assert len(set(got)) == 1, ('a mix', i, sorted(set(got))[:8])\n\
+         finally:\n\
+         \x20   stop.set()\n\
+         \x20   t.join()\n"
+    );
+    python_nbd(&script, "reads racing writes");
+    let stats = server.rpc("volume_get_stats", r#"{"name":"vol"}"#);
+    let lent = stats["lent_reads"].as_u64().expect("lent_reads");
+    eprintln!("{lent} reads lent under racing writes");
+    assert!(lent > 0, "the racing reads were lent: {stats}");
+    let mut server = server;
+    server.assert_healthy();
+}
