@@ -628,32 +628,14 @@ impl Conn {
     /// volume's BLOCK_STATUS still reports its holes).
     fn push_read_spliced(&mut self, inflight: &InFlight, pipe: SplicePipe) {
         if pipe.held() != inflight.length as usize {
-            // The device handed over less or more than was asked: a bug.
-            tracing::error!(peer = %self.wire.peer(), cookie = inflight.cookie, held = pipe.held(),
-                length = inflight.length, "spliced read of the wrong length");
+            self.wrong_read_length(inflight, pipe.held(), "spliced");
             lull_uring::pipes::put(pipe);
-            self.push_error(
-                inflight.cookie,
-                Command::Read,
-                nbd::NBD_EIO,
-                "internal error",
-            );
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
             volume.stats.spliced_read();
         }
-        if self.structured() {
-            let header = structured::encode_offset_data_header(
-                inflight.cookie,
-                nbd::NBD_REPLY_FLAG_DONE,
-                inflight.offset,
-                inflight.length,
-            );
-            self.wire.push(&header, Payload::Pipe(pipe));
-        } else {
-            self.push_simple(inflight.cookie, 0, Payload::Pipe(pipe));
-        }
+        self.push_read_whole(inflight, Payload::Pipe(pipe));
     }
 
     /// A read whose data the device lent (a memory volume's): the reply
@@ -664,20 +646,18 @@ impl Conn {
     /// reports as data, so there is no hole chunk to make of it.
     fn push_read_lent(&mut self, inflight: &InFlight, lent: lull_bdev::Lent) {
         if lent.len() != inflight.length as usize {
-            // The device lent less or more than was asked: a bug.
-            tracing::error!(peer = %self.wire.peer(), cookie = inflight.cookie, lent = lent.len(),
-                length = inflight.length, "lent read of the wrong length");
-            self.push_error(
-                inflight.cookie,
-                Command::Read,
-                nbd::NBD_EIO,
-                "internal error",
-            );
+            self.wrong_read_length(inflight, lent.len(), "lent");
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
             volume.stats.lent_read();
         }
+        self.push_read_whole(inflight, Payload::Lent(lent));
+    }
+
+    /// A read's data handed over whole (a pipe or a loan): the reply
+    /// header, then `payload`; a structured reply as one data chunk.
+    fn push_read_whole(&mut self, inflight: &InFlight, payload: Payload) {
         if self.structured() {
             let header = structured::encode_offset_data_header(
                 inflight.cookie,
@@ -685,10 +665,23 @@ impl Conn {
                 inflight.offset,
                 inflight.length,
             );
-            self.wire.push(&header, Payload::Lent(lent));
+            self.wire.push(&header, payload);
         } else {
-            self.push_simple(inflight.cookie, 0, Payload::Lent(lent));
+            self.push_simple(inflight.cookie, 0, payload);
         }
+    }
+
+    /// The device handed over `held` bytes (`how`: spliced or lent) for a
+    /// read of another length: a bug; the read fails with EIO.
+    fn wrong_read_length(&mut self, inflight: &InFlight, held: usize, how: &str) {
+        tracing::error!(peer = %self.wire.peer(), cookie = inflight.cookie, held,
+            length = inflight.length, how, "read data of the wrong length");
+        self.push_error(
+            inflight.cookie,
+            Command::Read,
+            nbd::NBD_EIO,
+            "internal error",
+        );
     }
 
     /// The chunks `plan_read` made of a read: one data chunk (no hole) from
