@@ -1436,7 +1436,7 @@ impl Channel for PipeChannel {
                 a.write_all(&vec![7u8; n]).expect("fill the socket");
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&b);
                 assert_eq!(pipe.fill_from(fd, n).expect("splice into the pipe"), n);
-                c.spliced = Some(pipe);
+                c.spliced = Some(lull_bdev::Spliced::Pipe(pipe));
             }
             done(c)
         })
