@@ -19,8 +19,11 @@
 //! replicated volume may hand a read's data over in a pipe, spliced from
 //! the replica's socket (`Channel::allow_splice`); the C2HData header goes
 //! out and the pipe is spliced into the socket after it, with no copy in
-//! lull (docs/PER_IO.md, "Spliced reads"). A pipe that does not hold the
-//! command's length is not sent: the command fails with an error status.
+//! lull (docs/PER_IO.md, "Spliced reads"). A file volume on a memory
+//! filesystem hands over a file range the same way, sent with `sendfile`
+//! (docs/PER_IO.md, "File reads by sendfile"). Data that does not hold
+//! the command's length is not sent: the command fails with an error
+//! status.
 //!
 //! PDUs are parsed whole from the input buffer (`limits::INBUF_BYTES`
 //! holds the largest). Anything malformed at the transport level ends in a
