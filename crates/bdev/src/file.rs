@@ -2416,6 +2416,26 @@ mod tests {
             assert!(sent[..4096].iter().all(|&b| b == 0x5A));
             assert!(sent[4096..8192].iter().all(|&b| b == 0));
             assert!(sent[8192..] == data[(1 << 20) + 8192..(1 << 20) + min as usize]);
+
+            // A range with a hole in it (that trim) is read into the
+            // buffer: NBD makes hole chunks of holes, which needs the bytes.
+            let at = (1 << 20) - 4096;
+            let (range, c) = read_range(ch.as_mut(), &mut pool, at, 2 * min);
+            assert!(range.is_none(), "a range holding a hole");
+            let got = c.buf.expect("buffer");
+            let got = &got.as_slice()[..2 * min as usize];
+            assert_eq!(got[..4096], data[at as usize..at as usize + 4096]);
+            assert!(got[8192..12288].iter().all(|&b| b == 0));
+            // A never-written file is all hole: nothing lent.
+            let fresh = memory_dir("lend-fresh");
+            let dev = open_flags(&fresh, 1 << 20, "").expect("open");
+            let mut ch = dev.open_channel().expect("channel");
+            ch.allow_splice();
+            let (range, c) = read_range(ch.as_mut(), &mut pool, 0, 128 << 10);
+            assert!(range.is_none(), "a hole");
+            assert!(c.buf.expect("buffer").as_slice()[..128 << 10]
+                .iter()
+                .all(|&b| b == 0));
         }
 
         /// Only the inline channel lends, and only through a buffered

@@ -14,8 +14,9 @@
 //! with `Unsupported`. Nothing is allocated per request.
 //!
 //! A channel told [`Channel::allow_splice`] answers a READ of at least
-//! [`SENDFILE_READ_BYTES_MIN`] bytes with the file range itself
-//! ([`Spliced::File`]) instead of reading it into the buffer: the owner
+//! [`SENDFILE_READ_BYTES_MIN`] bytes that holds no hole with the file
+//! range itself ([`Spliced::File`]) instead of reading it into the
+//! buffer: the owner
 //! sends it with `sendfile`, page-cache pages into the socket, no copy in
 //! lull. Only here: the file is on a memory filesystem, so its pages are
 //! in memory and a `sendfile` on the reactor never waits for a disk (the
@@ -215,13 +216,20 @@ impl InlineFile {
 
     /// The range a READ of `[offset, offset + len)` is answered with on a
     /// splicing channel, or `None` when it is read into the buffer: too
-    /// short to be worth a `sendfile` of its own, or a `direct` file
-    /// (whose writes bypass the page cache `sendfile` reads from). The
-    /// request was validated: the range lies inside the device, whose
-    /// size is raised only once the file is that long.
+    /// short to be worth a `sendfile` of its own, a `direct` file (whose
+    /// writes bypass the page cache `sendfile` reads from), or a range
+    /// with a hole in it (never written, or trimmed: an NBD structured
+    /// reply makes hole chunks of those, which it can only do with the
+    /// bytes; one `lseek`, no copy). The request was validated: the range
+    /// lies inside the device, whose size is raised only once the file is
+    /// that long.
     fn lendable(&self, offset: u64, len: u32) -> Option<FileRange> {
         if len < SENDFILE_READ_BYTES_MIN || self.direct_align_bytes != 0 || self.buffered.is_some()
         {
+            return None;
+        }
+        let end = offset + u64::from(len);
+        if !lull_uring::next_hole(&self.main, offset).is_ok_and(|hole| hole >= end) {
             return None;
         }
         Some(FileRange {
