@@ -16,12 +16,11 @@
 //! A channel told [`Channel::allow_splice`] answers a READ of at least
 //! [`SENDFILE_READ_BYTES_MIN`] bytes that holds no hole with the file
 //! range itself ([`Spliced::File`]) instead of reading it into the
-//! buffer: the owner
-//! sends it with `sendfile`, page-cache pages into the socket, no copy in
-//! lull. Only here: the file is on a memory filesystem, so its pages are
-//! in memory and a `sendfile` on the reactor never waits for a disk (the
-//! io_uring channel's files may be on one; docs/PER_IO.md, "File reads by
-//! sendfile", says why it does not lend).
+//! buffer: the owner sends it with `sendfile`, page-cache pages into the
+//! socket, no copy in lull. Only here: the file is on a memory
+//! filesystem, so its pages are in memory and a `sendfile` on the reactor
+//! never waits for a disk (the io_uring channel's files may be on one;
+//! docs/PER_IO.md, "File reads by sendfile", says why it does not lend).
 
 use std::fs::File;
 use std::io;

@@ -628,7 +628,8 @@ impl Conn {
     /// pipe spliced or the range sent (`sendfile`) into the socket, no
     /// copy. Structured replies send it as one data chunk: the bytes are
     /// not seen, so no hole is looked for in them (the volume's
-    /// BLOCK_STATUS still reports its holes).
+    /// BLOCK_STATUS still reports its holes; a file range holds none, a
+    /// device lends only ranges without a hole).
     fn push_read_spliced(&mut self, inflight: &InFlight, spliced: Spliced) {
         if spliced.len() != inflight.length as usize {
             self.wrong_read_length(inflight, spliced.len(), "spliced");
