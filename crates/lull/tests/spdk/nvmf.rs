@@ -1788,6 +1788,28 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
         "--nvmf-listen",
         "127.0.0.1:0",
     ]);
+    success_on_descriptor_reads(&mut server, "spliced_reads");
+}
+
+/// The same for a file volume on tmpfs, whose reads go by `sendfile`
+/// (docs/PER_IO.md, "File reads by sendfile"): LAST_PDU and SUCCESS on
+/// the C2HData PDU whose data is the file range, byte-identical, no
+/// CapsuleResp after it; `sendfile_reads` counts them.
+#[test]
+fn a_sendfile_read_carries_success_when_the_host_disabled_sq_flow_control() {
+    let shm = Scratch::on_tmpfs("nvmf-sendfile-success");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:16M:file={}", shm.join("f.img").display()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    success_on_descriptor_reads(&mut server, "sendfile_reads");
+}
+
+/// The body of the two tests above: `key` is the volume's counter of
+/// reads sent from a descriptor.
+fn success_on_descriptor_reads(server: &mut Server, key: &str) {
     let addr = server.nvmf_addr().expect("the NVMe/TCP address");
     let data = pattern(0x5cce55, 4 * 131072);
     let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
@@ -1808,7 +1830,9 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     );
     let spliced = |server: &Server| {
         let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{VOLUME}"}}"#));
-        stats["spliced_reads"].as_u64().expect("spliced_reads")
+        stats[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {stats}"))
     };
     // 128 KiB at LBA `slba` (512-byte LBAs), command id `cid`.
     let read = |cid: u16, slba: u32| {
@@ -1817,7 +1841,7 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
         sqe[39] = 0x5A; // transport SGL data block
         pdu::encode(&Pdu::CapsuleCmd { sqe, data: &[] }, Digests::default())
     };
-    let before = spliced(&server);
+    let before = spliced(server);
 
     // Flow control on: LAST_PDU, then a CapsuleResp.
     let (status, got) = {
@@ -1837,7 +1861,7 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     assert_eq!(status, 0);
     assert!(got == data[131072..262144], "flow control on: other bytes");
 
-    let after_flow = spliced(&server);
+    let after_flow = spliced(server);
     // Off: two reads sent together; each answered by its C2HData alone.
     let mut both = read(21, 512);
     both.extend_from_slice(&read(22, 0));
@@ -1868,9 +1892,9 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     }
     seen.sort_unstable();
     assert_eq!(seen, [21, 22]);
-    let after = spliced(&server);
+    let after = spliced(server);
     eprintln!(
-        "spliced reads: {} with flow control, {} without",
+        "{key}: {} with flow control, {} without",
         after_flow - before,
         after - after_flow
     );
