@@ -12,6 +12,15 @@
 //! fallback to writing zeros where the filesystem refuses a mode (tmpfs
 //! has no ZERO_RANGE), and a *fast* WriteZeroes that would need it fails
 //! with `Unsupported`. Nothing is allocated per request.
+//!
+//! A channel told [`Channel::allow_splice`] answers a READ of at least
+//! [`SENDFILE_READ_BYTES_MIN`] bytes that holds no hole with the file
+//! range itself ([`Spliced::File`]) instead of reading it into the
+//! buffer: the owner sends it with `sendfile`, page-cache pages into the
+//! socket, no copy in lull. Only here: the file is on a memory
+//! filesystem, so its pages are in memory and a `sendfile` on the reactor
+//! never waits for a disk (the io_uring channel's files may be on one;
+//! docs/PER_IO.md, "File reads by sendfile", says why it does not lend).
 
 use std::fs::File;
 use std::io;
@@ -20,13 +29,24 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::deferred::Deferred;
+use crate::deferred::{Deferred, Handed};
 use crate::file::uses_main;
-use crate::{validate_request, BdevError, Channel, IoCompletion, IoOp, IoRequest};
+use crate::{
+    validate_request, BdevError, Channel, FileRange, IoCompletion, IoOp, IoRequest, Spliced,
+};
 
 /// Requests an inline channel holds (queued plus completed, not reaped):
 /// the io_uring channel's depth, so both push back at the same point.
 pub const INLINE_CHANNEL_DEPTH: usize = crate::file::FILE_CHANNEL_DEPTH as usize;
+
+/// READs at least this long are answered with the file range on a channel
+/// told [`Channel::allow_splice`]; shorter ones are read into the buffer.
+/// Each range costs its own `sendfile` call when sent, where copied
+/// replies of a batch leave together in one `writev`, so small reads stay
+/// copied. 32 KiB: the replica's threshold for the same trade
+/// (`SENDFILE_READ_BYTES_MIN` in `lull_replica`), where the engine reads
+/// a reply's header alone anyway.
+pub const SENDFILE_READ_BYTES_MIN: u32 = 32 * 1024;
 
 /// Zeros written where the filesystem cannot zero a range by itself, one
 /// `pwrite` per chunk: static, so no channel allocates it (the kernel maps
@@ -57,6 +77,8 @@ impl Data<'_> {
 pub(crate) struct InlineChannel {
     file: InlineFile,
     queue: Deferred,
+    /// Reads may be answered with file ranges ([`Channel::allow_splice`]).
+    splice: bool,
 }
 
 /// What an inline channel runs its requests on.
@@ -94,6 +116,7 @@ impl InlineChannel {
                 inline_ios,
             },
             queue: Deferred::new(INLINE_CHANNEL_DEPTH, true, "inline file"),
+            splice: false,
         }
     }
 }
@@ -190,9 +213,45 @@ impl InlineFile {
         self.main.sync_data().map_err(BdevError::Io)
     }
 
-    /// Runs one request; the buffer goes back with its completion.
-    fn execute(&mut self, req: &mut IoRequest) -> Result<(), BdevError> {
+    /// The range a READ of `[offset, offset + len)` is answered with on a
+    /// splicing channel, or `None` when it is read into the buffer: too
+    /// short to be worth a `sendfile` of its own, a `direct` file (whose
+    /// writes bypass the page cache `sendfile` reads from), or a range
+    /// with a hole in it (never written, or trimmed: an NBD structured
+    /// reply makes hole chunks of those, which it can only do with the
+    /// bytes; one `lseek`, no copy). The request was validated: the range
+    /// lies inside the device, whose size is raised only once the file is
+    /// that long.
+    fn lendable(&self, offset: u64, len: u32) -> Option<FileRange> {
+        if len < SENDFILE_READ_BYTES_MIN || self.direct_align_bytes != 0 || self.buffered.is_some()
+        {
+            return None;
+        }
+        let end = offset + u64::from(len);
+        if !lull_uring::next_hole(&self.main, offset).is_ok_and(|hole| hole >= end) {
+            return None;
+        }
+        Some(FileRange {
+            file: Arc::clone(&self.main),
+            offset,
+            len: len as usize,
+        })
+    }
+
+    /// Runs one request; the buffer goes back with its completion. With
+    /// `splice` a long enough READ is answered with its file range.
+    fn execute(&mut self, req: &mut IoRequest, splice: bool) -> Result<Option<Handed>, BdevError> {
         validate_request(req, self.size_bytes.load(Ordering::Acquire))?;
+        if req.op == IoOp::Read && splice {
+            if let Some(range) = self.lendable(req.offset, req.len) {
+                return Ok(Some(Handed::Spliced(Spliced::File(range))));
+            }
+        }
+        self.run(req).map(|()| None)
+    }
+
+    /// Runs one request with the bytes in its buffer.
+    fn run(&mut self, req: &mut IoRequest) -> Result<(), BdevError> {
         let (offset, len) = (req.offset, u64::from(req.len));
         match req.op {
             IoOp::Read | IoOp::Write { .. } => {
@@ -242,9 +301,12 @@ impl Channel for InlineChannel {
     fn flush_submissions(&mut self) {}
 
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
-        let file = &mut self.file;
-        self.queue
-            .reap(|req| file.execute(req).map(|()| None), done)
+        let (file, splice) = (&mut self.file, self.splice);
+        self.queue.reap(|req| file.execute(req, splice), done)
+    }
+
+    fn allow_splice(&mut self) {
+        self.splice = true;
     }
 
     fn event_fd(&self) -> Option<RawFd> {

@@ -40,6 +40,7 @@ pub mod units;
 pub use chain::{ChainDev, SnapshotInfo};
 pub use faulty::{Faults, FaultyDev, Probability, FAULTY_MAX_HELD, MAX_FAULT_DELAY_US};
 pub use file::{FileDev, FileOptions, FILE_CHANNEL_DEPTH, FILE_SIZE_MAX_BYTES, MAX_PREFETCH_BYTES};
+pub use file_inline::SENDFILE_READ_BYTES_MIN;
 pub use malloc::{MallocDev, MALLOC_CHANNEL_DEPTH, MALLOC_CHUNK_BYTES, MALLOC_SIZE_MAX_BYTES};
 pub use ring_options::{Inline, IoPoll, RingOptions, SQPOLL_IDLE_MS_DEFAULT, SQPOLL_IDLE_MS_MAX};
 pub use units::{human_bytes, parse_size_bytes};
@@ -105,10 +106,11 @@ pub struct IoCompletion {
     pub tag: u64,
     pub result: Result<(), BdevError>,
     pub buf: Option<IoBuf>,
-    /// A successful READ's data in a pipe instead of in `buf` (whose bytes
-    /// are then not the data): only for a channel that was told
-    /// [`Channel::allow_splice`], which sends it on with `splice`.
-    pub spliced: Option<lull_uring::pipes::SplicePipe>,
+    /// A successful READ's data held by a descriptor instead of in `buf`
+    /// (whose bytes are then not the data): a pipe or a file range, only
+    /// for a channel that was told [`Channel::allow_splice`], which sends
+    /// it on with `splice` or `sendfile`.
+    pub spliced: Option<Spliced>,
     /// A successful READ's data lent from the device's memory instead of
     /// copied into `buf` (whose bytes are then not the data): only for a
     /// channel that was told [`Channel::allow_lend`], which sends these
@@ -127,6 +129,64 @@ impl IoCompletion {
             buf,
             spliced: None,
             lent: None,
+        }
+    }
+}
+
+/// A READ's data held by a descriptor, sent on to a plain socket without
+/// passing through lull's memory ([`IoCompletion::spliced`]).
+#[derive(Debug)]
+pub enum Spliced {
+    /// In a pipe: a replicated volume's, spliced from the replica's socket.
+    Pipe(lull_uring::pipes::SplicePipe),
+    /// In a file's page cache: a file volume's on a memory filesystem,
+    /// sent with `sendfile` (docs/PER_IO.md, "File reads by sendfile").
+    File(FileRange),
+}
+
+/// `len` bytes of `file` from `offset`. The bytes are the page cache's
+/// when the kernel copies them out, not when the range was made: a write
+/// to the range meanwhile shows in them (docs/PER_IO.md, "File reads by
+/// sendfile").
+#[derive(Debug, Clone)]
+pub struct FileRange {
+    pub file: std::sync::Arc<std::fs::File>,
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl FileRange {
+    /// Copies the range into `dst` (`len` bytes), for a caller that needs
+    /// the bytes themselves (a chain putting a read together from several
+    /// layers). A file shorter than the range is an error, as a short
+    /// `pread` is on the copying path.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), BdevError> {
+        use std::os::unix::fs::FileExt;
+        let Some(dst) = dst.get_mut(..self.len) else {
+            return Err(BdevError::BadRequest("file range longer than its buffer"));
+        };
+        self.file.read_exact_at(dst, self.offset)?;
+        Ok(())
+    }
+}
+
+impl Spliced {
+    /// The data's length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Spliced::Pipe(p) => p.held(),
+            Spliced::File(r) => r.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Done with it unsent: a pipe goes back to its pool.
+    pub fn release(self) {
+        if let Spliced::Pipe(p) = self {
+            lull_uring::pipes::put(p);
         }
     }
 }
@@ -562,6 +622,10 @@ pub trait Channel: Send {
     /// does: `Ok(None)` when queued; `Ok(Some(req))` when the channel is
     /// full (hold it and retry once completions are reaped); `Err` with the
     /// request's failed completion when the channel refused it.
+    // The Err is a completion (136 bytes since it can carry a file range),
+    // moved once per refused request, as every completion is moved; boxing
+    // it would allocate on that path.
+    #[allow(clippy::result_large_err)]
     fn submit_now(&mut self, req: IoRequest) -> Result<Option<IoRequest>, IoCompletion> {
         let queued = self.queue(req);
         if matches!(queued, Ok(None)) {
@@ -573,6 +637,7 @@ pub trait Channel: Send {
     /// batch (the requests of one socket read) and calls
     /// `flush_submissions` once after it, so a file channel makes one
     /// `io_uring_enter` per batch, not per request.
+    #[allow(clippy::result_large_err)] // as `submit_now`
     fn queue(&mut self, req: IoRequest) -> Result<Option<IoRequest>, IoCompletion> {
         match self.submit(req) {
             Ok(()) => Ok(None),
@@ -607,10 +672,12 @@ pub trait Channel: Send {
     fn retry_at_ns(&self) -> Option<u64> {
         None
     }
-    /// The owner sends READ data on to a plain socket and can take it in a
-    /// pipe ([`IoCompletion::spliced`]); a device that moves its data from
-    /// a socket (a replicated volume) may then hand it over that way, with
-    /// no copy. Others ignore it.
+    /// The owner sends READ data on to a plain socket and can take it held
+    /// by a descriptor ([`IoCompletion::spliced`]): a device that moves its
+    /// data from a socket (a replicated volume) may then hand it over in a
+    /// pipe, and a file whose pages are in memory (a file volume on a
+    /// memory filesystem, read inline) as a file range, with no copy in
+    /// lull. Others ignore it.
     fn allow_splice(&mut self) {}
     /// The owner sends READ data from memory it does not own and can take
     /// a loan of it ([`IoCompletion::lent`]); a device that holds its data

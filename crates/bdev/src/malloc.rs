@@ -54,7 +54,7 @@
 //! assert_eq!(results, vec![(1, true)]);
 //! ```
 
-use crate::deferred::Deferred;
+use crate::deferred::{Deferred, Handed};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
@@ -596,7 +596,10 @@ impl Channel for MallocChannel {
             }
         }
         let (inner, lend) = (&self.inner, self.lend);
-        self.queue.reap(|req| inner.execute(req, lend), done)
+        self.queue.reap(
+            |req| inner.execute(req, lend).map(|l| l.map(Handed::Lent)),
+            done,
+        )
     }
 
     fn allow_lend(&mut self) {

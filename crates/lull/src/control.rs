@@ -616,6 +616,10 @@ impl ControlPlane for Control {
             // Reads sent from the volume's memory, lent, never copied
             // into a buffer first (memory volumes).
             "lent_reads": s.lent_reads,
+            // Reads sent from the volume's file with sendfile, never
+            // copied into a buffer first (file volumes on a memory
+            // filesystem).
+            "sendfile_reads": s.sendfile_reads,
             "qos": qos_json(&v),
             // Replicated volumes: the rebuild bandwidth limit (0: none).
             "rebuild_limit_bytes_per_sec": v.storage.replicated().map(|d| d.rebuild_limit()),
@@ -1423,6 +1427,7 @@ impl MetricsSource for Control {
                     inline_ios: v.dev().buffer_ios().map(|b| b.inline),
                     spliced_reads: s.spliced_reads,
                     lent_reads: s.lent_reads,
+                    sendfile_reads: s.sendfile_reads,
                     qos_throttled: v.qos.throttled().0,
                     qos_throttled_seconds: v.qos.throttled().1 as f64 / 1e9,
                     qos_rw_ios_per_sec: v.qos.limits().rw_ios_per_sec,

@@ -11,7 +11,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{BdevError, ChangeRun, Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{
+    BdevError, ChangeRun, Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest, Spliced,
+};
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::tls::TlsStream;
@@ -23,7 +25,6 @@ use lull_proto::nbd::{
     SIMPLE_REPLY_LEN,
 };
 use lull_reactor::{Clock, Interest, PollStatus, Thread};
-use lull_uring::pipes::SplicePipe;
 use lull_volume::{OpKind, Volume};
 
 use crate::stream::Stream;
@@ -514,11 +515,11 @@ impl Conn {
                 );
             }
             Ok(()) if inflight.command == Command::Read => match (c.spliced, c.lent, c.buf) {
-                (Some(pipe), _, buf) => {
+                (Some(spliced), _, buf) => {
                     if let Some(b) = buf {
                         bufs::put(b);
                     }
-                    self.push_read_spliced(&inflight, pipe);
+                    self.push_read_spliced(&inflight, spliced);
                 }
                 (None, Some(lent), buf) => {
                     if let Some(b) = buf {
@@ -621,21 +622,35 @@ impl Conn {
         self.read_pieces = pieces;
     }
 
-    /// A read whose data is in a pipe (a replicated volume's, spliced from
-    /// the replica's socket): the reply header, then the pipe spliced into
-    /// the socket, no copy. Structured replies send it as one data chunk:
-    /// the bytes are not seen, so no hole is looked for in them (the
-    /// volume's BLOCK_STATUS still reports its holes).
-    fn push_read_spliced(&mut self, inflight: &InFlight, pipe: SplicePipe) {
-        if pipe.held() != inflight.length as usize {
-            self.wrong_read_length(inflight, pipe.held(), "spliced");
-            lull_uring::pipes::put(pipe);
+    /// A read whose data a descriptor holds: a pipe (a replicated
+    /// volume's, spliced from the replica's socket) or a file range (a
+    /// file volume's on a memory filesystem): the reply header, then the
+    /// pipe spliced or the range sent (`sendfile`) into the socket, no
+    /// copy. Structured replies send it as one data chunk: the bytes are
+    /// not seen, so no hole is looked for in them (the volume's
+    /// BLOCK_STATUS still reports its holes; a file range holds none, a
+    /// device lends only ranges without a hole).
+    fn push_read_spliced(&mut self, inflight: &InFlight, spliced: Spliced) {
+        if spliced.len() != inflight.length as usize {
+            self.wrong_read_length(inflight, spliced.len(), "spliced");
+            spliced.release();
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
-            volume.stats.spliced_read();
+            match spliced {
+                Spliced::Pipe(_) => volume.stats.spliced_read(),
+                Spliced::File(_) => volume.stats.sendfile_read(),
+            }
         }
-        self.push_read_whole(inflight, Payload::Pipe(pipe));
+        let payload = match spliced {
+            Spliced::Pipe(pipe) => Payload::Pipe(pipe),
+            Spliced::File(r) => Payload::File {
+                file: r.file,
+                offset: r.offset,
+                len: r.len,
+            },
+        };
+        self.push_read_whole(inflight, payload);
     }
 
     /// A read whose data the device lent (a memory volume's): the reply

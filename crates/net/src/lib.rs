@@ -833,6 +833,66 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A file range queued while its file is cut shorter (a volume's
+    /// backing file truncated by hand): `sendfile` finds the end early and
+    /// the write fails with an error, which closes the connection
+    /// (`Wire::flush`), never returns Ok(0) forever (a busy loop) or waits;
+    /// the bytes that existed went first, nothing from past the range.
+    #[test]
+    fn a_file_range_cut_short_fails_the_write() {
+        use std::net::{TcpListener, TcpStream};
+        use std::os::fd::AsRawFd;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        tx.set_nonblocking(true).unwrap();
+        let dir = std::env::temp_dir().join(format!("lull-net-cut-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("data");
+        std::fs::write(&path, vec![0x42u8; 256 << 10]).unwrap();
+        let file = Arc::new(std::fs::File::open(&path).unwrap());
+        let mut q: OutQueue<Payload> = OutQueue::default();
+        q.push(
+            &[7; 16],
+            Payload::File {
+                file,
+                offset: 64 << 10,
+                len: 128 << 10,
+            },
+        );
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(100 << 10)
+            .unwrap();
+        let fd = tx.as_raw_fd();
+        let mut outcome = None;
+        // Bounded: each round moves bytes or fails; 1000 rounds of a
+        // socket that is read below would be a hang.
+        for _ in 0..1000 {
+            match q.write_spliced(&mut tx, Some(fd), |_| {}) {
+                Ok(_) => {}
+                Err(e) => {
+                    outcome = Some(e);
+                    break;
+                }
+            }
+        }
+        let e = outcome.expect("the write failed instead of looping");
+        assert!(e.to_string().contains("ended early"), "{e}");
+        drop(tx);
+        let mut got = Vec::new();
+        rx.read_to_end(&mut got).unwrap();
+        assert_eq!(
+            got.len(),
+            16 + (36 << 10),
+            "the header, then the bytes up to the new end"
+        );
+        assert!(got[16..].iter().all(|&b| b == 0x42));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn fill_at_most_reads_no_more_than_asked() {
         let data = [7u8; 100];

@@ -19,8 +19,11 @@
 //! replicated volume may hand a read's data over in a pipe, spliced from
 //! the replica's socket (`Channel::allow_splice`); the C2HData header goes
 //! out and the pipe is spliced into the socket after it, with no copy in
-//! lull (docs/PER_IO.md, "Spliced reads"). A pipe that does not hold the
-//! command's length is not sent: the command fails with an error status.
+//! lull (docs/PER_IO.md, "Spliced reads"). A file volume on a memory
+//! filesystem hands over a file range the same way, sent with `sendfile`
+//! (docs/PER_IO.md, "File reads by sendfile"). Data that does not hold
+//! the command's length is not sent: the command fails with an error
+//! status.
 //!
 //! PDUs are parsed whole from the input buffer (`limits::INBUF_BYTES`
 //! holds the largest). Anything malformed at the transport level ends in a
@@ -32,12 +35,11 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest};
+use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Spliced};
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Submissions, Wire};
 use lull_net::{bufs, Payload};
 use lull_reactor::{Clock, Interest, PollStatus, PollerId, PollerKind, Thread};
-use lull_uring::pipes::SplicePipe;
 use lull_volume::{ConnPermit, OpKind, Volume};
 
 use crate::limits::*;
@@ -983,25 +985,38 @@ impl<S: Read + Write> Conn<S> {
         }
     }
 
-    /// A read's data in a pipe (a replicated volume's, spliced from the
-    /// replica's socket; only on a connection that allowed it, see
-    /// [`Conn::allow_splice`]): one C2HData PDU whose data is the pipe
-    /// spliced into the socket, no copy. A pipe that holds other than
-    /// `len` bytes is not sent (a short or long PDU would desync the
-    /// host): false, with a log line; the caller answers with an error.
-    fn send_c2h_spliced(&mut self, cid: u16, pipe: SplicePipe, len: usize, success: bool) -> bool {
-        if pipe.held() != len || self.dg.data {
-            // The device handed over less or more than was asked, or a
-            // pipe reached a link with a data digest: a bug either way.
-            tracing::error!(peer = %self.wire.peer(), cid, held = pipe.held(), len,
+    /// A read's data held by a descriptor (only on a connection that
+    /// allowed it, see [`Conn::allow_splice`]): a pipe (a replicated
+    /// volume's, spliced from the replica's socket) or a file range (a
+    /// file volume's on a memory filesystem, sent with `sendfile`). One
+    /// C2HData PDU whose data goes from the descriptor into the socket,
+    /// no copy. Data of other than `len` bytes is not sent (a short or
+    /// long PDU would desync the host): false, with a log line; the
+    /// caller answers with an error.
+    fn send_c2h_spliced(&mut self, cid: u16, spliced: Spliced, len: usize, success: bool) -> bool {
+        if spliced.len() != len || self.dg.data {
+            // The device handed over less or more than was asked, or
+            // such data reached a link with a data digest: a bug either way.
+            tracing::error!(peer = %self.wire.peer(), cid, held = spliced.len(), len,
                 ddgst = self.dg.data, "spliced read of the wrong length or on a digest link");
-            lull_uring::pipes::put(pipe);
+            spliced.release();
             return false;
         }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
-            ns.volume.stats.spliced_read();
+            match spliced {
+                Spliced::Pipe(_) => ns.volume.stats.spliced_read(),
+                Spliced::File(_) => ns.volume.stats.sendfile_read(),
+            }
         }
-        self.push_c2h(cid, len, success, Payload::Pipe(pipe));
+        let payload = match spliced {
+            Spliced::Pipe(pipe) => Payload::Pipe(pipe),
+            Spliced::File(r) => Payload::File {
+                file: r.file,
+                offset: r.offset,
+                len: r.len,
+            },
+        };
+        self.push_c2h(cid, len, success, payload);
         true
     }
 
@@ -1582,11 +1597,11 @@ impl<S: Read + Write> Conn<S> {
                                 return;
                             }
                         }
-                        (Some(pipe), _, buf) => {
+                        (Some(spliced), _, buf) => {
                             if let Some(b) = buf {
                                 bufs::put(b);
                             }
-                            if !self.send_c2h_spliced(cid, pipe, len, success) {
+                            if !self.send_c2h_spliced(cid, spliced, len, success) {
                                 return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
                             }
                             if success {

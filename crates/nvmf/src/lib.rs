@@ -23,7 +23,9 @@
 //! (`lull_net::wire::Submissions`), and where no TLS session and no data
 //! digest touch the bytes, a replicated volume's read data goes from the
 //! replica's socket to the host's in a pipe (`Channel::allow_splice`,
-//! counted as the volume's `spliced_reads`; docs/PER_IO.md).
+//! counted as the volume's `spliced_reads`; docs/PER_IO.md), and a file
+//! volume on tmpfs's from its page cache with `sendfile`
+//! (`sendfile_reads`).
 
 #![forbid(unsafe_code)]
 

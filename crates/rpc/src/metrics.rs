@@ -199,6 +199,9 @@ pub struct VolumeMetrics {
     /// Reads sent from the device's memory, lent, not copied into a
     /// buffer first (memory volumes; 0 elsewhere).
     pub lent_reads: u64,
+    /// Reads sent from the volume's file with `sendfile`, not copied into
+    /// a buffer first (file volumes on a memory filesystem; 0 elsewhere).
+    pub sendfile_reads: u64,
     /// Requests its QoS limits held, and how long they waited in all.
     pub qos_throttled: u64,
     pub qos_throttled_seconds: f64,
@@ -712,6 +715,15 @@ impl Collector for SnapshotCollector {
             v,
             volume_labels,
             |x| x.lent_reads,
+        )?;
+        counters(
+            &mut enc,
+            "lull_volume_sendfile_reads",
+            "Reads whose data was sent from the volume's file with sendfile, not copied into a buffer first.",
+            None,
+            v,
+            volume_labels,
+            |x| x.sendfile_reads,
         )?;
         counters(
             &mut enc,

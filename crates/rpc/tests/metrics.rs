@@ -317,6 +317,7 @@ fn snapshot() -> MetricsSnapshot {
                 inline_ios: Some(7),
                 spliced_reads: 3,
                 lent_reads: 6,
+                sendfile_reads: 8,
                 qos_throttled: 4,
                 qos_throttled_seconds: 0.25,
                 qos_rw_ios_per_sec: 2000,
@@ -458,6 +459,7 @@ fn scrape() {
         ("lull_volume_written_bytes", "counter"),
         ("lull_volume_spliced_reads", "counter"),
         ("lull_volume_lent_reads", "counter"),
+        ("lull_volume_sendfile_reads", "counter"),
         ("lull_volume_qos_throttled", "counter"),
         ("lull_volume_qos_throttled_seconds", "counter"),
         ("lull_volume_io_uring_enters", "counter"),
@@ -663,6 +665,16 @@ fn scrape() {
         )
         .value,
         6.0
+    );
+    assert_eq!(
+        sample(
+            &f,
+            "lull_volume_sendfile_reads",
+            "lull_volume_sendfile_reads_total",
+            &v0
+        )
+        .value,
+        8.0
     );
     assert_eq!(
         sample(

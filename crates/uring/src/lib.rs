@@ -51,7 +51,7 @@ pub use buf::{
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
 };
 pub use lent::{Lent, LentRegion};
-pub use probe::{fadvise_willneed, fallocate, on_memory_filesystem, seek_data_hole};
+pub use probe::{fadvise_willneed, fallocate, next_hole, on_memory_filesystem, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{
     thread_enter_calls, wait_readable, Ring, RingError, RingOp, RingSetup, SqFull, Target,

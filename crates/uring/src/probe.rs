@@ -69,6 +69,24 @@ pub fn seek_data_hole(file: &std::fs::File, offset: u64) -> std::io::Result<Opti
     Ok(Some((data as u64, hole as u64)))
 }
 
+/// The start of the first hole of `file` at or after `offset`, from one
+/// `lseek(SEEK_HOLE)` (`offset` itself when it lies in a hole; the file's
+/// size when no hole follows, since its end counts as one). A non-sleeping
+/// metadata lookup that moves the descriptor's file offset, which lull
+/// never uses, as [`seek_data_hole`].
+pub fn next_hole(file: &std::fs::File, offset: u64) -> std::io::Result<u64> {
+    let Ok(start) = libc::off_t::try_from(offset) else {
+        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    // SAFETY: lseek takes no pointers; the fd is open for the borrow of `file`.
+    let hole = unsafe { libc::lseek(file.as_raw_fd(), start, libc::SEEK_HOLE) };
+    if hole < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // A non-negative offset returned by the kernel.
+    Ok(hole as u64)
+}
+
 /// `posix_fadvise(POSIX_FADV_WILLNEED)` on `[offset, offset + len)`: starts
 /// readahead into the page cache and returns (NBD_CMD_CACHE).
 pub fn fadvise_willneed(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {

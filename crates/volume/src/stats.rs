@@ -50,6 +50,10 @@ pub struct VolumeStats {
     /// Reads whose data was sent from the device's memory, lent, never
     /// copied into a buffer (a memory volume; docs/PER_IO.md, "Lent reads").
     lent_reads: AtomicU64,
+    /// Reads whose data went from the device's file to the client's
+    /// socket with `sendfile`, never copied into a buffer (a file volume
+    /// on a memory filesystem; docs/PER_IO.md, "File reads by sendfile").
+    sendfile_reads: AtomicU64,
 }
 
 /// A snapshot of [`VolumeStats`].
@@ -69,6 +73,7 @@ pub struct VolumeStatsSnapshot {
     pub buckets: Vec<u64>,
     pub spliced_reads: u64,
     pub lent_reads: u64,
+    pub sendfile_reads: u64,
 }
 
 impl VolumeStatsSnapshot {
@@ -153,6 +158,7 @@ impl VolumeStats {
             buckets: self.buckets.iter().map(g).collect(),
             spliced_reads: g(&self.spliced_reads),
             lent_reads: g(&self.lent_reads),
+            sendfile_reads: g(&self.sendfile_reads),
         }
     }
 
@@ -164,6 +170,12 @@ impl VolumeStats {
     /// A read was answered from lent device memory (see `lent_reads`).
     pub fn lent_read(&self) {
         self.lent_reads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A read was answered from a file range with `sendfile` (see
+    /// `sendfile_reads`).
+    pub fn sendfile_read(&self) {
+        self.sendfile_reads.fetch_add(1, Ordering::Relaxed);
     }
 }
 

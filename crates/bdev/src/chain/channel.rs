@@ -16,7 +16,9 @@ use lull_reactor::Interest;
 
 use super::map::block_span;
 use super::{Shared, State, CHAIN_BLOCK_BYTES};
-use crate::{validate_request, BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Lent};
+use crate::{
+    validate_request, BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Lent, Spliced,
+};
 
 /// Requests of the owner in flight on one chain channel: a frontend
 /// connection's depth (NBD's 128, an NVMe/TCP queue's) with room to spare.
@@ -78,6 +80,9 @@ struct Op {
     /// A read sent whole to one layer that lent its data: handed on to
     /// the owner (who allowed lending) instead of the buffer's bytes.
     lent: Option<Lent>,
+    /// A read sent whole to one layer that answered with a file range:
+    /// handed on to the owner (who allowed splicing) likewise.
+    spliced: Option<Spliced>,
 }
 
 /// How the owner learns of completions: an epoll fd over the layers'
@@ -127,6 +132,11 @@ pub(crate) struct ChainChannel {
     /// a copy-up's read) and handed on when a read went whole to one
     /// layer (always, without snapshots).
     lend: bool,
+    /// The owner takes read data held by a descriptor
+    /// ([`Channel::allow_splice`]): the layers' channels are told so too,
+    /// and their file ranges are read where the chain needs bytes and
+    /// handed on as loans are.
+    splice: bool,
 }
 
 impl ChainChannel {
@@ -160,6 +170,7 @@ impl ChainChannel {
             reaped: Vec::new(),
             retry_at: None,
             lend: false,
+            splice: false,
         };
         // The head's channel decides how completions are waited for, for
         // the channel's whole life (an owner registers the fd once).
@@ -191,6 +202,9 @@ impl ChainChannel {
             let mut c = self.state.layers[i].dev.open_channel()?;
             if self.lend {
                 c.allow_lend();
+            }
+            if self.splice {
+                c.allow_splice();
             }
             if let (Some(w), Some(fd)) = (&self.wake, c.event_fd()) {
                 w.epoll.add(fd, Interest::READABLE, i as u64)?;
@@ -576,6 +590,7 @@ impl ChainChannel {
                 parent: Some(slot),
                 lock: None,
                 lent: None,
+                spliced: None,
             };
             let Some(c) = self.alloc(child) else {
                 let op = self.op(slot);
@@ -596,6 +611,7 @@ impl ChainChannel {
         let rel = (c.tag & 0xFFFF_FFFF) as usize;
         let mut next_write = None;
         let lent = c.lent;
+        let mut spliced = c.spliced;
         {
             let op = self.op(slot);
             op.pending -= 1;
@@ -607,11 +623,20 @@ impl ChainChannel {
                     (None, b) => {
                         op.buf = b;
                         op.lent = lent;
+                        op.spliced = spliced.take();
                     }
                     (Some(dst), Some(src)) => {
-                        let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
-                        let n = data.len();
-                        dst.as_mut_slice()[rel..rel + n].copy_from_slice(data);
+                        if let Some(s) = spliced.take() {
+                            // A sub of a read made of several runs:
+                            // the chain needs the bytes.
+                            if let Err(e) = Self::read_spliced(s, &mut dst.as_mut_slice()[rel..]) {
+                                op.error.get_or_insert(e);
+                            }
+                        } else {
+                            let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
+                            let n = data.len();
+                            dst.as_mut_slice()[rel..rel + n].copy_from_slice(data);
+                        }
                     }
                     (Some(_), None) => {}
                 },
@@ -625,7 +650,11 @@ impl ChainChannel {
                     }
                 }
                 Stage::CopyRead { x, a0 } => {
-                    if let Some(src) = c.buf {
+                    if let Some(s) = spliced.take() {
+                        if let Err(e) = Self::read_spliced(s, &mut x.as_mut_slice()[rel..]) {
+                            op.error.get_or_insert(e);
+                        }
+                    } else if let Some(src) = c.buf {
                         let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
                         let n = data.len();
                         x.as_mut_slice()[rel..rel + n].copy_from_slice(data);
@@ -661,11 +690,30 @@ impl ChainChannel {
                 Stage::ZeroFill { .. } => {}
             }
         }
+        if let Some(s) = spliced {
+            // Data for a stage that takes none (a failed read's, a write's).
+            s.release();
+        }
         if let Some(req) = next_write {
             let head = self.head();
             self.send(head, req);
         }
         self.settle(slot);
+    }
+
+    /// The bytes of a layer's descriptor-held read, where the chain needs
+    /// them in memory: a file range is read (a layer lends only ranges
+    /// of a file on a memory filesystem, so this waits for no disk, and
+    /// is the copy the layer would have made); a pipe, which no layer
+    /// hands over, is a bug.
+    fn read_spliced(s: Spliced, dst: &mut [u8]) -> Result<(), BdevError> {
+        match s {
+            Spliced::File(r) => r.read_into(dst),
+            Spliced::Pipe(p) => {
+                lull_uring::pipes::put(p);
+                Err(BdevError::Failed("a chain layer handed over a pipe".into()))
+            }
+        }
     }
 
     /// Finishes the op in `slot` if nothing of it is in flight.
@@ -702,7 +750,7 @@ impl ChainChannel {
                     tag: op.tag,
                     result,
                     buf: op.buf,
-                    spliced: None,
+                    spliced: op.spliced,
                     lent: op.lent,
                 });
             }
@@ -863,6 +911,7 @@ impl Channel for ChainChannel {
                 parent: None,
                 lock: None,
                 lent: None,
+                spliced: None,
             })
             .expect("room checked above");
         self.parents += 1;
@@ -957,6 +1006,13 @@ impl Channel for ChainChannel {
         self.lend = true;
         for (_, c) in self.layers.iter_mut().flatten() {
             c.allow_lend();
+        }
+    }
+
+    fn allow_splice(&mut self) {
+        self.splice = true;
+        for (_, c) in self.layers.iter_mut().flatten() {
+            c.allow_splice();
         }
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::{FileOptions, IoBuf, IoCompletion, IoOp, IoRequest, MallocDev};
+use crate::{FileOptions, FileRange, IoBuf, IoCompletion, IoOp, IoRequest, MallocDev, Spliced};
 
 const SIZE: u64 = 256 << 10;
 
@@ -178,6 +178,109 @@ fn lent_reads_pass_through_and_across_snapshots() {
     // A channel not told to lend gets bytes.
     let mut plain = chain.open_channel().expect("channel");
     assert!(read(&mut *plain, 0, SIZE as usize) == want);
+}
+
+/// A directory on tmpfs (/dev/shm), where file layers are read inline
+/// and lend file ranges. Fails with a message where there is none.
+fn memory_dir(what: &str) -> TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    let probe = std::fs::File::open(shm).unwrap_or_else(|e| {
+        panic!("this test needs /dev/shm (tmpfs), which cannot be opened: {e}")
+    });
+    assert!(
+        lull_uring::on_memory_filesystem(&probe).expect("fstatfs /dev/shm"),
+        "this test needs /dev/shm on tmpfs; it is another filesystem here"
+    );
+    let p = shm.join(format!(
+        "lull-chain-{what}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).expect("dir in /dev/shm");
+    TempDir(p)
+}
+
+/// A read on a splicing channel: its file range (if it was answered with
+/// one), and its bytes (the range's, read back, or the buffer's).
+fn read_spliced(ch: &mut dyn Channel, offset: u64, len: usize) -> (Option<FileRange>, Vec<u8>) {
+    let mut buf = IoBuf::with_capacity(len);
+    buf.set_len(len);
+    buf.as_mut_slice().fill(0xEE);
+    let c = run(ch, IoOp::Read, offset, len as u32, Some(buf));
+    c.result.expect("read");
+    match c.spliced {
+        Some(Spliced::File(r)) => {
+            assert_eq!((r.offset, r.len), (offset, len), "the request's range");
+            let mut got = vec![0u8; len];
+            r.read_into(&mut got).expect("read the range");
+            (Some(r), got)
+        }
+        Some(Spliced::Pipe(_)) => panic!("a file chain handed over a pipe"),
+        None => (None, c.buf.expect("buffer back").as_slice()[..len].to_vec()),
+    }
+}
+
+/// File ranges (issue 33) through a chain of files on tmpfs: without
+/// snapshots the one layer's range is handed on; after a snapshot a read
+/// in one layer still is, a read made of both layers' runs reads the
+/// lower layer's range into its buffer; a range handed out stays
+/// readable, inside its file, across a revert that drops its layer.
+#[test]
+fn file_ranges_pass_through_and_across_snapshots() {
+    let dir = memory_dir("spliced");
+    let chain = ChainDev::open(file_store(&dir), SIZE).expect("chain");
+    let mut ch = chain.open_channel().expect("channel");
+    ch.allow_splice();
+    let min = crate::SENDFILE_READ_BYTES_MIN as usize;
+    let mut want = pattern(5, SIZE as usize);
+    write(&mut *ch, 0, &want);
+    let (range, got) = read_spliced(&mut *ch, 4096, 2 * min);
+    assert!(range.is_some(), "one layer: a file range");
+    assert_eq!(got, &want[4096..4096 + 2 * min]);
+    let (range, got) = read_spliced(&mut *ch, 0, min - 512);
+    assert!(range.is_none(), "below the threshold: copied");
+    assert_eq!(got, &want[..min - 512]);
+    chain.snapshot("s1").expect("snapshot");
+    // 4 KiB in the head at 64 KiB, and 64 KiB at 128 KiB.
+    write(&mut *ch, 64 << 10, &[0xAB; 4096]);
+    want[64 << 10..68 << 10].fill(0xAB);
+    write(&mut *ch, 128 << 10, &pattern(77, 64 << 10));
+    want[128 << 10..192 << 10].copy_from_slice(&pattern(77, 64 << 10));
+    let (range, got) = read_spliced(&mut *ch, 0, 128 << 10);
+    assert!(
+        range.is_none(),
+        "both layers' runs: put together in the buffer"
+    );
+    assert!(got == want[..128 << 10], "a read across both layers");
+    let (head, got) = read_spliced(&mut *ch, 128 << 10, 64 << 10);
+    assert!(head.is_some(), "a read in the head alone: a file range");
+    assert_eq!(got, &want[128 << 10..192 << 10]);
+    let (lower, got) = read_spliced(&mut *ch, 192 << 10, 64 << 10);
+    assert!(
+        lower.is_some(),
+        "a read in the snapshot's layer alone: a file range"
+    );
+    assert_eq!(got, &want[192 << 10..]);
+    // A revert drops the head's layer while its range is held (as a reply
+    // queued behind a full socket would): the range still reads what it
+    // showed, from the file it holds open; the chain reads s1's data.
+    drop(ch);
+    chain.revert("s1").expect("revert");
+    let head = head.expect("held");
+    let mut got = vec![0u8; 64 << 10];
+    head.read_into(&mut got).expect("a dropped layer's range");
+    assert_eq!(got, &want[128 << 10..192 << 10]);
+    let mut ch = chain.open_channel().expect("channel");
+    ch.allow_splice();
+    let (_, got) = read_spliced(&mut *ch, 128 << 10, 64 << 10);
+    assert_eq!(got, &pattern(5, SIZE as usize)[128 << 10..192 << 10]);
+    // A channel not told to splice gets bytes.
+    let mut plain = chain.open_channel().expect("channel");
+    let mut buf = IoBuf::with_capacity(64 << 10);
+    buf.set_len(64 << 10);
+    let c = run(&mut *plain, IoOp::Read, 0, 64 << 10, Some(buf));
+    assert!(c.spliced.is_none() && c.result.is_ok());
 }
 
 #[test]

@@ -206,7 +206,7 @@ impl Shell {
                     tag,
                     result,
                     buf,
-                    spliced,
+                    spliced: spliced.map(lull_bdev::Spliced::Pipe),
                     lent: None,
                 },
             ),

@@ -1605,6 +1605,112 @@ fn two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on() {
     server.assert_healthy();
 }
 
+/// File reads by sendfile (issue 33, docs/PER_IO.md "File reads by
+/// sendfile"): a file volume on tmpfs answers 128 KiB reads with file
+/// ranges, which a queue pair without a data digest sends after the
+/// C2HData header with `sendfile`. spdk_dd writes a pattern and reads it
+/// back byte-identical in 128 KiB requests, and spdk_nvme_perf reads at
+/// QD32, with no digest, a header digest (lull writes the header: still
+/// sent) and a data digest too (never: the CRC32C needs the bytes, so the
+/// reads are copied); the volume's `sendfile_reads` counts them.
+#[test]
+fn file_volume_reads_on_tmpfs_are_sent_with_sendfile_unless_a_data_digest_is_on() {
+    let Some(tools) =
+        spdk_tools("file_volume_reads_on_tmpfs_are_sent_with_sendfile_unless_a_data_digest_is_on")
+    else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let shm = Scratch::on_tmpfs("nvmf-sendfile");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("f:32M:file={}", shm.join("f.img").display()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.nvmf_addr().expect("the NVMe/TCP address");
+    let nqn = lull_nvmf::subsystem_nqn("f");
+    let stat = |server: &Server, key: &str| {
+        let stats = server.rpc("volume_get_stats", r#"{"name":"f"}"#);
+        stats[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {stats}"))
+    };
+    let bytes = 8 << 20;
+    for (i, (label, dg, perf_flags)) in [
+        ("no digest", Digests::default(), &[][..]),
+        (
+            "header digest",
+            Digests {
+                header: true,
+                data: false,
+            },
+            &["-H"][..],
+        ),
+        (
+            "header and data digests",
+            Digests {
+                header: true,
+                data: true,
+            },
+            &["-H", "-I"][..],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let before = stat(&server, "sendfile_reads");
+        let reads_before = stat(&server, "reads");
+        let config = dd_config_digests(server.dir(), addr, &nqn, dg);
+        let input = server.dir().join("in.bin");
+        let output = server.dir().join("out.bin");
+        let data = pattern(0xf11e5e + i as u64, bytes);
+        std::fs::write(&input, &data).expect("write the input");
+        dd_write(&tools, &config, &input, 131072);
+        let back = dd_read(&tools, &config, &output, 131072, bytes);
+        assert!(
+            back == data,
+            "{label}: spdk_dd read back other bytes than it wrote"
+        );
+        let after_dd = stat(&server, "sendfile_reads");
+        let dd_reads = stat(&server, "reads") - reads_before;
+        let total = perf_on(
+            &tools,
+            &trid_of(addr, &nqn),
+            "read",
+            32,
+            131072,
+            1,
+            perf_flags,
+        );
+        let after_perf = stat(&server, "sendfile_reads");
+        eprintln!(
+            "{label}: spdk_dd's {dd_reads} reads: {} sent with sendfile; perf 128k read QD32 {total}: {} sent",
+            after_dd - before,
+            after_perf - after_dd
+        );
+        if dg.data {
+            assert_eq!(
+                after_perf, before,
+                "{label}: no read may go by sendfile on a queue pair with a data digest"
+            );
+        } else {
+            // spdk_dd's own 128 KiB reads at least (SPDK's bdev layer
+            // may read a few small blocks at attach, which stay copied).
+            assert!(
+                after_dd - before >= (bytes / 131072) as u64,
+                "{label}: every 128 KiB read of spdk_dd went by sendfile ({before} -> {after_dd} of {dd_reads} reads)"
+            );
+            assert!(
+                after_perf > after_dd,
+                "{label}: perf's reads went by sendfile ({after_dd} -> {after_perf})"
+            );
+        }
+    }
+    assert_eq!(stat(&server, "lent_reads"), 0);
+    server.assert_healthy();
+}
+
 /// Batching (issue 33): the commands of one read round are queued on the
 /// channel and pushed once, so on a file volume spdk_nvme_perf at QD32
 /// costs fewer than one `io_uring_enter` per I/O (each command was pushed
@@ -1682,6 +1788,28 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
         "--nvmf-listen",
         "127.0.0.1:0",
     ]);
+    success_on_descriptor_reads(&mut server, "spliced_reads");
+}
+
+/// The same for a file volume on tmpfs, whose reads go by `sendfile`
+/// (docs/PER_IO.md, "File reads by sendfile"): LAST_PDU and SUCCESS on
+/// the C2HData PDU whose data is the file range, byte-identical, no
+/// CapsuleResp after it; `sendfile_reads` counts them.
+#[test]
+fn a_sendfile_read_carries_success_when_the_host_disabled_sq_flow_control() {
+    let shm = Scratch::on_tmpfs("nvmf-sendfile-success");
+    let mut server = Server::start(&[
+        "--volume",
+        &format!("{VOLUME}:16M:file={}", shm.join("f.img").display()),
+        "--nvmf-listen",
+        "127.0.0.1:0",
+    ]);
+    success_on_descriptor_reads(&mut server, "sendfile_reads");
+}
+
+/// The body of the two tests above: `key` is the volume's counter of
+/// reads sent from a descriptor.
+fn success_on_descriptor_reads(server: &mut Server, key: &str) {
     let addr = server.nvmf_addr().expect("the NVMe/TCP address");
     let data = pattern(0x5cce55, 4 * 131072);
     let mut nbd = NbdClient::connect(server.addr(), VOLUME).expect("NBD connect");
@@ -1702,7 +1830,9 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     );
     let spliced = |server: &Server| {
         let stats = server.rpc("volume_get_stats", &format!(r#"{{"name":"{VOLUME}"}}"#));
-        stats["spliced_reads"].as_u64().expect("spliced_reads")
+        stats[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {stats}"))
     };
     // 128 KiB at LBA `slba` (512-byte LBAs), command id `cid`.
     let read = |cid: u16, slba: u32| {
@@ -1711,7 +1841,7 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
         sqe[39] = 0x5A; // transport SGL data block
         pdu::encode(&Pdu::CapsuleCmd { sqe, data: &[] }, Digests::default())
     };
-    let before = spliced(&server);
+    let before = spliced(server);
 
     // Flow control on: LAST_PDU, then a CapsuleResp.
     let (status, got) = {
@@ -1731,7 +1861,7 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     assert_eq!(status, 0);
     assert!(got == data[131072..262144], "flow control on: other bytes");
 
-    let after_flow = spliced(&server);
+    let after_flow = spliced(server);
     // Off: two reads sent together; each answered by its C2HData alone.
     let mut both = read(21, 512);
     both.extend_from_slice(&read(22, 0));
@@ -1762,9 +1892,9 @@ fn a_spliced_read_carries_success_when_the_host_disabled_sq_flow_control() {
     }
     seen.sort_unstable();
     assert_eq!(seen, [21, 22]);
-    let after = spliced(&server);
+    let after = spliced(server);
     eprintln!(
-        "spliced reads: {} with flow control, {} without",
+        "{key}: {} with flow control, {} without",
         after_flow - before,
         after - after_flow
     );

@@ -681,6 +681,261 @@ fn memory_volume_reads_are_lent_and_byte_identical() {
     server.assert_healthy();
 }
 
+/// File reads by sendfile (issue 33, docs/PER_IO.md "File reads by
+/// sendfile"): a file volume on tmpfs answers reads of 32 KiB and more
+/// with the file's range, which the NBD connection sends with `sendfile`.
+/// nbdcopy writes a pattern and reads the volume back byte-identical
+/// (structured replies, 256 KiB requests), qemu-io verifies a pattern
+/// region, libnbd with simple replies reads short and unaligned ranges
+/// (copied), long ones and the device's last bytes (sent), and holes; the
+/// volume's `sendfile_reads` counts the sent ones (some, not all). Then
+/// the same file behind a server that requires TLS: nbdcopy over nbds://
+/// reads the same bytes and nothing is sent with `sendfile` (a TLS
+/// session encrypts the bytes, so it never takes a file range).
+#[test]
+fn file_volume_reads_on_tmpfs_are_sent_with_sendfile_and_byte_identical() {
+    common::require("nbdcopy", "libnbd-bin");
+    common::require("qemu-io", "qemu-utils");
+    let dir = Scratch::new("perio-sendfile");
+    let shm = Scratch::on_tmpfs("perio-sendfile");
+    let img = shm.join("f.img");
+    let spec = format!("vol:32M:file={}", img.display());
+    let server = Server::start(&["--volume", &spec]);
+    let uri = format!("nbd://{}/vol", server.addr());
+    let stat = |server: &Server, key: &str| {
+        server.rpc("volume_get_stats", r#"{"name":"vol"}"#)[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in volume_get_stats"))
+    };
+    // 24 MiB of pattern, the last 8 MiB left as holes.
+    let data = common::pattern(0x5e4d, 24 << 20);
+    let input = dir.join("in.bin");
+    std::fs::write(&input, &data).expect("write the input");
+    let out = Command::new("nbdcopy")
+        .args([input.to_str().unwrap(), &uri])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy to the volume: {out:?}");
+    let before = stat(&server, "sendfile_reads");
+    let copy = dir.join("out.bin");
+    let out = Command::new("nbdcopy")
+        .args([&uri, copy.to_str().unwrap()])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy from the volume: {out:?}");
+    let back = std::fs::read(&copy).expect("read the copy");
+    assert_eq!(back.len(), 32 << 20);
+    assert!(
+        back[..data.len()] == data[..],
+        "nbdcopy read other bytes than it wrote"
+    );
+    assert!(
+        back[data.len()..].iter().all(|&b| b == 0),
+        "holes read as zeros"
+    );
+    let after = stat(&server, "sendfile_reads");
+    assert!(
+        after > before,
+        "nbdcopy's reads were sent with sendfile: {before} -> {after}"
+    );
+    let out = Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5c 3M 1M",
+            "-c",
+            "read -P 0x5c 3M 1M",
+            "-c",
+            "read -P 0x5c 3145728 4096",
+            "-c",
+            "read -P 0 28M 64k",
+            &uri,
+        ])
+        .output()
+        .expect("run qemu-io");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !text.contains("fail") && !text.contains("error"),
+        "qemu-io: {out:?}"
+    );
+    let mut data = data;
+    data[3 << 20..4 << 20].fill(0x5c);
+    std::fs::write(&input, &data).expect("rewrite the input");
+    // Simple replies: short and unaligned (copied), long, long and
+    // unaligned, the device's last 64 KiB (sent), a hole.
+    let script = format!(
+        "import nbd\n\
+         h = nbd.NBD()\n\
+         h.set_request_structured_replies(False)\n\
+         h.connect_uri('{uri}')\n\
+         assert not h.get_structured_replies_negotiated()\n\
+         data = open('{input}', 'rb').read() + bytes(8 << 20)\n\
+         for off, n in [(5, 4091), (1048576 - 100, 200), (7 << 20, 131072), (2 << 20, 1 << 20),\n\
+         \x20              ((3 << 20) - 777, 65536 + 3), ((32 << 20) - 65536, 65536)]:\n\
+         \x20   assert h.pread(n, off) == data[off:off + n], (off, n)\n\
+         assert h.pread(131072, 30 << 20) == bytes(131072)\n",
+        input = input.display()
+    );
+    python_nbd(&script, "libnbd with simple replies");
+    let stats = server.rpc("volume_get_stats", r#"{"name":"vol"}"#);
+    let sent = stats["sendfile_reads"].as_u64().expect("sendfile_reads");
+    let reads = stats["reads"].as_u64().expect("reads");
+    eprintln!("{sent} of {reads} reads sent with sendfile");
+    assert!(
+        sent > 0 && sent < reads,
+        "some reads sent with sendfile, not all: {stats}"
+    );
+    assert_eq!(stats["lent_reads"].as_u64(), Some(0), "{stats}");
+    let mut server = server;
+    server.assert_healthy();
+    drop(server);
+
+    // The same file through TLS: the same bytes, no sendfile.
+    let keys = dir.join("keys.psk");
+    std::fs::write(
+        &keys,
+        "alice:2b7e151628aed2a6abf7158809cf4f3c8a1e0b2c3d4e5f60718293a4b5c6d7e8\n",
+    )
+    .expect("write the psk file");
+    let mut server = Server::start(&["--volume", &spec, "--tls-psk", keys.to_str().unwrap()]);
+    // The user in the authority too: libnbd 1.14 otherwise asks
+    // getlogin_r, which fails without a login terminal.
+    let tls_uri = format!(
+        "nbds://alice@{}/vol?tls-psk-file={}&tls-username=alice",
+        server.addr(),
+        keys.display()
+    );
+    let copy = dir.join("out-tls.bin");
+    let out = Command::new("nbdcopy")
+        .args([&tls_uri, copy.to_str().unwrap()])
+        .output()
+        .expect("run nbdcopy");
+    assert!(out.status.success(), "nbdcopy over TLS: {out:?}");
+    let back = std::fs::read(&copy).expect("read the copy");
+    assert!(
+        back[..data.len()] == data[..] && back[data.len()..].iter().all(|&b| b == 0),
+        "nbdcopy over TLS read other bytes"
+    );
+    let stats = server.rpc("volume_get_stats", r#"{"name":"vol"}"#);
+    assert!(stats["reads"].as_u64().expect("reads") > 0, "{stats}");
+    assert_eq!(
+        stats["sendfile_reads"].as_u64(),
+        Some(0),
+        "TLS: nothing sent with sendfile: {stats}"
+    );
+    server.assert_healthy();
+}
+
+/// File ranges queued behind a full socket when the volume's file is cut
+/// shorter by hand, then punched (docs/PER_IO.md, "File reads by
+/// sendfile"): a client asks for 60 MiB in 512 KiB reads and reads no
+/// reply until all of them were answered with file ranges (most wait in
+/// the connection's queue), then the file is punched (those bytes go out
+/// as zeros) and truncated to 1 MiB: the ranges past the new end cannot
+/// be sent whole, so the server closes the connection (no hang, no short
+/// reply followed by other bytes) and stays healthy; a new client is
+/// served (a read inside the file, sent with sendfile again).
+#[test]
+fn file_ranges_queued_while_the_file_is_cut_end_in_a_clean_close() {
+    const READ_BYTES: u32 = 512 << 10;
+    // 60 MiB: more than a loopback socket's buffers hold (up to
+    // tcp_rmem's 32 MiB maximum and tcp_wmem's 4 MiB) and than the
+    // connection's 128 requests, under its 128 MiB reply queue.
+    const READS: u64 = 120;
+    let shm = Scratch::on_tmpfs("perio-cut");
+    let img = shm.join("f.img");
+    let spec = format!("vol:64M:file={}", img.display());
+    let mut server = Server::start(&["--volume", &spec]);
+    let data = common::pattern(0xc07, 64 << 20);
+    let mut c = common::NbdClient::connect(server.addr(), "vol").expect("connect");
+    for at in (0..data.len()).step_by(4 << 20) {
+        assert_eq!(
+            c.write(at as u64, &data[at..at + (4 << 20)])
+                .expect("write"),
+            0
+        );
+    }
+    let sent = |server: &Server| {
+        server.rpc("volume_get_stats", r#"{"name":"vol"}"#)["sendfile_reads"]
+            .as_u64()
+            .expect("sendfile_reads")
+    };
+    let before = sent(&server);
+    let mut offsets = std::collections::HashMap::new();
+    for i in 0..READS {
+        let cookie = c
+            .send(
+                lull_proto::nbd::Command::Read,
+                0,
+                i * u64::from(READ_BYTES),
+                READ_BYTES,
+                &[],
+            )
+            .expect("send a read");
+        offsets.insert(cookie, (i * u64::from(READ_BYTES)) as usize);
+    }
+    assert!(
+        common::wait_until(common::IO_TIMEOUT, || sent(&server) - before == READS),
+        "every read was answered with a file range"
+    );
+    // Punch the first 4 MiB (replies still queued show zeros there or the
+    // old bytes: the page cache's when sent), then cut the file.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .expect("open the volume's file");
+    let punched = Command::new("fallocate")
+        .args(["--punch-hole", "--offset", "0", "--length", "4MiB"])
+        .arg(&img)
+        .status()
+        .expect("run fallocate (util-linux)");
+    assert!(punched.success(), "fallocate --punch-hole");
+    f.set_len(1 << 20).expect("truncate the volume's file");
+    // Read replies until the server closes: whole replies up to where the
+    // file ends, each holding either the pattern or zeros.
+    let mut got = 0u64;
+    let end = loop {
+        let at = match c.reply() {
+            Ok((0, cookie)) => offsets[&cookie],
+            Ok((e, cookie)) => {
+                panic!("reply {cookie} with error {e}: a range is sent or the connection ends")
+            }
+            Err(e) => break e,
+        };
+        let mut buf = vec![0u8; READ_BYTES as usize];
+        match std::io::Read::read_exact(&mut c.sock, &mut buf) {
+            Ok(()) => {}
+            Err(e) => break e,
+        }
+        assert!(
+            buf == data[at..at + READ_BYTES as usize] || buf.iter().all(|&b| b == 0),
+            "reply {got}: neither the written bytes nor zeros"
+        );
+        got += 1;
+    };
+    assert!(
+        got < READS,
+        "every reply arrived whole although the file was cut: {got}"
+    );
+    assert!(
+        matches!(
+            end.kind(),
+            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+        ),
+        "the connection ended by a close, not a timeout: {end}"
+    );
+    eprintln!("{got} of {READS} replies whole before the close");
+    // The close says why: the operator's one clue to a file cut under
+    // the volume.
+    server.assert_logged(&["a spliced payload ended early"]);
+    server.assert_healthy();
+    let mut c = common::NbdClient::connect(server.addr(), "vol").expect("a new client");
+    let back = c.read(0, 128 << 10).expect("read").expect("no error");
+    assert!(back.iter().all(|&b| b == 0), "punched: zeros");
+    server.assert_healthy();
+}
+
 /// Writes racing lent reads of the same blocks (issue 33's rule,
 /// docs/PER_IO.md "Lent reads"): libnbd sends, many rounds over, a read
 /// and a write of the same 64 KiB together (read first, then write, then
