@@ -175,6 +175,8 @@ impl wire::Protocol for Conn {
         let reaped = self.reap();
         let retried = self.retry_submit();
         self.flush_submissions();
+        // Before the replies are written (see `lull_volume::StatsBatch`).
+        lull_volume::add_batched_stats();
         reaped | retried
     }
 
@@ -425,9 +427,12 @@ impl Conn {
             };
             if let Some(op) = op {
                 let latency = self.clock_ns().saturating_sub(inflight.start_ns);
-                volume
-                    .stats
-                    .record(op, u64::from(inflight.length), latency, c.result.is_ok());
+                volume.stats.record_batched(
+                    op,
+                    u64::from(inflight.length),
+                    latency,
+                    c.result.is_ok(),
+                );
             }
         }
         let base = if inflight.changed_step {
@@ -633,7 +638,7 @@ impl Conn {
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
-            volume.stats.spliced_read();
+            volume.stats.spliced_read_batched();
         }
         self.push_read_whole(inflight, Payload::Pipe(pipe));
     }
@@ -650,7 +655,7 @@ impl Conn {
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
-            volume.stats.lent_read();
+            volume.stats.lent_read_batched();
         }
         self.push_read_whole(inflight, Payload::Lent(lent));
     }

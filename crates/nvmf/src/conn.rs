@@ -275,6 +275,8 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
         let retried = self.retry_submit();
         self.flush_submissions();
         let evented = self.deliver_event();
+        // Before the replies are written (see `StatsBatch`).
+        lull_volume::add_batched_stats();
         if self.disconnecting && !self.wire.is_closing() && self.slots.is_empty() {
             self.wire.close("host sent Disconnect");
         }
@@ -999,7 +1001,7 @@ impl<S: Read + Write> Conn<S> {
             return false;
         }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
-            ns.volume.stats.spliced_read();
+            ns.volume.stats.spliced_read_batched();
         }
         self.push_c2h(cid, len, success, Payload::Pipe(pipe));
         true
@@ -1025,7 +1027,7 @@ impl<S: Read + Write> Conn<S> {
             return false;
         }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
-            ns.volume.stats.lent_read();
+            ns.volume.stats.lent_read_batched();
         }
         let ddgst = self.dg.data.then(|| pdu::crc32c(lent.as_slice()));
         self.push_c2h(cid, len, success, Payload::Lent(lent));
@@ -1556,7 +1558,9 @@ impl<S: Read + Write> Conn<S> {
                 _ => lba_range(&cmd.sqe).1 << ns.lba_shift,
             };
             let latency = now_ns.saturating_sub(cmd.start_ns);
-            ns.volume.stats.record(op, len, latency, c.result.is_ok());
+            ns.volume
+                .stats
+                .record_batched(op, len, latency, c.result.is_ok());
         }
         match c.result {
             Ok(()) => {
