@@ -640,6 +640,10 @@ impl Channel for MallocChannel {
         self.lend = true;
     }
 
+    fn lends(&self) -> bool {
+        self.lend
+    }
+
     fn event_fd(&self) -> Option<RawFd> {
         None
     }

@@ -1156,7 +1156,15 @@ impl Conn {
         };
         match op {
             IoOp::Read => {
-                let buf = bufs::get(req.length as usize);
+                // A read a memory volume lends uses no buffer: take one
+                // without the fixed arena's cost (`Channel::lends`).
+                let lends =
+                    matches!(&self.phase, Phase::Transmission { channel, .. } if channel.lends());
+                let buf = if lends {
+                    bufs::get_unregistered(req.length as usize)
+                } else {
+                    bufs::get(req.length as usize)
+                };
                 self.submit(slot, &req, op, Some(buf));
             }
             IoOp::Write { .. } => {

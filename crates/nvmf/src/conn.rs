@@ -1371,6 +1371,11 @@ impl<S: Read + Write> Conn<S> {
         let bytes = nlb << shift;
         let fua = sqe.dword(12) & (1 << 30) != 0;
         let (op, buf) = match sqe.opcode() {
+            // A read a memory volume lends uses no buffer: take one
+            // without the fixed arena's cost (`Channel::lends`).
+            spec::NVM_READ if ns.channel.lends() => {
+                (IoOp::Read, Some(bufs::get_unregistered(bytes as usize)))
+            }
             spec::NVM_READ => (IoOp::Read, Some(bufs::get(bytes as usize))),
             spec::NVM_WRITE => (IoOp::Write { fua }, data),
             spec::NVM_FLUSH => (IoOp::Flush, None),

@@ -391,6 +391,10 @@ impl Channel for VolumeChannel {
         self.inner.allow_lend();
     }
 
+    fn lends(&self) -> bool {
+        self.inner.lends()
+    }
+
     fn set_changed_since(&mut self, since: &str) {
         self.inner.set_changed_since(since);
     }
