@@ -684,6 +684,14 @@ pub trait Channel: Send {
     /// in memory (a memory volume) may then lend it instead of copying it
     /// into the request's buffer. Others ignore it.
     fn allow_lend(&mut self) {}
+    /// Reads may come back lent ([`Channel::allow_lend`] was called and
+    /// the device lends): the owner's read buffers then mostly go unused,
+    /// so it need not take them from a reactor's fixed (io_uring
+    /// registered) arena, whose buffers cost more to take and give back
+    /// than the thread cache's (`BufPool::get_unregistered`).
+    fn lends(&self) -> bool {
+        false
+    }
     /// The snapshot [`IoOp::ChangedSince`] requests of this channel ask
     /// about (a connection selects one `lull:changed:` context). Only
     /// channels of devices whose [`BlockDevice::changed_by_channel`] is

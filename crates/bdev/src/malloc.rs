@@ -6,8 +6,9 @@
 //! read as zeros; trimming or zeroing a whole chunk frees it.
 //!
 //! A channel runs its requests when they are reaped, in submission
-//! order, touching the source of each read of the batch first (see
-//! `MallocChannel`).
+//! order; a small read's source is prefetched into the CPU's caches when
+//! it is submitted, a larger one's first byte touched before the batch
+//! (see `MallocChannel`).
 //!
 //! A device may draw its chunks from a [`ChunkReserve`] shared with other
 //! devices (a memory chain's layers share one): chunks its whole-chunk
@@ -71,6 +72,15 @@ use crate::{
 /// untouched pages of a chunk take no RAM. Lock contention is rare (only
 /// several connections writing the same MiB at once).
 pub const MALLOC_CHUNK_BYTES: usize = 1 << 20;
+
+/// Largest read whose every cache line `MallocChannel::submit` prefetches
+/// (`lull_uring::prefetch`): 16 KiB, four pages, 256 lines. A QD32 batch
+/// of such reads prefetches at most 512 KiB, which the L2 caches of the
+/// machines lull runs on hold (0.5 to 2 MiB a core), so the lines are
+/// still there when the copy comes; a larger read is sequential enough
+/// for the hardware prefetcher, and prefetching a batch of 128 KiB reads
+/// (4 MiB) would only push earlier lines out.
+pub const PREFETCH_READ_BYTES_MAX: usize = 16 << 10;
 
 /// Largest malloc device, also the most it can grow to: 16 TiB, whose
 /// chunk table (16 Mi entries of 32 bytes, and up to twice that in the
@@ -341,6 +351,23 @@ impl Inner {
         }
     }
 
+    /// Start loading the bytes a read of `len` at `offset` will copy into
+    /// the CPU's caches, without waiting (`lull_uring::prefetch`): the
+    /// part in its first chunk, if that chunk holds memory (a hole reads
+    /// nothing).
+    fn prefetch(&self, offset: u64, len: usize) {
+        let index = (offset / MALLOC_CHUNK_BYTES as u64) as usize;
+        let within = (offset % MALLOC_CHUNK_BYTES as u64) as usize;
+        if let Ok(chunk) = self.chunk(index) {
+            if let Some(data) = &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
+                let end = within.saturating_add(len).min(data.len());
+                if let Some(bytes) = data.get(within..end) {
+                    lull_uring::prefetch(bytes);
+                }
+            }
+        }
+    }
+
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), BdevError> {
         for (index, within, piece, at) in pieces(offset, dst.len()) {
             let chunk = self.chunk(index)?;
@@ -566,9 +593,16 @@ impl BlockDevice for MallocDev {
 ///
 /// Why not copy in `submit`: a batch of random 4 KiB reads (a QD32 host
 /// sends ~16 at once) copies from memory that is not in cache, and each
-/// copy first waits for its page's TLB walk and first cache line. `reap`
-/// touches the first byte of every read's source before it copies any,
-/// so those misses overlap (in a C microbenchmark on the benchmark
+/// copy first waits for its page's TLB walk and its cache lines. `submit`
+/// prefetches every line of a read of at most [`PREFETCH_READ_BYTES_MAX`]
+/// (`lull_uring::prefetch`, which does not wait), so the misses of the
+/// whole batch overlap each other and the work between the request's
+/// arrival and its copy (the rest of the batch parsed, the replies
+/// built; for a lent read the copy is the kernel's, into the socket).
+/// A larger read's lines stream in behind its copy anyway (the
+/// hardware prefetcher follows a sequential copy), so `reap` only
+/// touches its first byte before it copies any, which overlaps the TLB
+/// walks and first lines (in a C microbenchmark on the benchmark
 /// machine, batches of 16 random 4 KiB copies out of 128 one-MiB chunks
 /// took ~280 ns per copy with the touches first, ~430 without).
 /// Completions were only ever delivered by `reap`, so the owner sees no
@@ -582,6 +616,9 @@ struct MallocChannel {
 
 impl Channel for MallocChannel {
     fn submit(&mut self, req: IoRequest) -> Result<(), (IoRequest, BdevError)> {
+        if req.op == IoOp::Read && req.len as usize <= PREFETCH_READ_BYTES_MAX {
+            self.inner.prefetch(req.offset, req.len as usize);
+        }
         self.queue.submit(req)
     }
 
@@ -590,7 +627,7 @@ impl Channel for MallocChannel {
     fn reap(&mut self, done: &mut dyn FnMut(IoCompletion)) -> usize {
         if self.queue.pending().nth(1).is_some() {
             for req in self.queue.pending() {
-                if req.op == IoOp::Read && req.len > 0 {
+                if req.op == IoOp::Read && req.len as usize > PREFETCH_READ_BYTES_MAX {
                     self.inner.touch(req.offset);
                 }
             }
@@ -604,6 +641,10 @@ impl Channel for MallocChannel {
 
     fn allow_lend(&mut self) {
         self.lend = true;
+    }
+
+    fn lends(&self) -> bool {
+        self.lend
     }
 
     fn event_fd(&self) -> Option<RawFd> {

@@ -176,6 +176,8 @@ impl wire::Protocol for Conn {
         let reaped = self.reap();
         let retried = self.retry_submit();
         self.flush_submissions();
+        // Before the replies are written (see `lull_volume::StatsBatch`).
+        lull_volume::add_batched_stats();
         reaped | retried
     }
 
@@ -426,9 +428,12 @@ impl Conn {
             };
             if let Some(op) = op {
                 let latency = self.clock_ns().saturating_sub(inflight.start_ns);
-                volume
-                    .stats
-                    .record(op, u64::from(inflight.length), latency, c.result.is_ok());
+                volume.stats.record_batched(
+                    op,
+                    u64::from(inflight.length),
+                    latency,
+                    c.result.is_ok(),
+                );
             }
         }
         let base = if inflight.changed_step {
@@ -638,8 +643,8 @@ impl Conn {
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
             match spliced {
-                Spliced::Pipe(_) => volume.stats.spliced_read(),
-                Spliced::File(_) => volume.stats.sendfile_read(),
+                Spliced::Pipe(_) => volume.stats.spliced_read_batched(),
+                Spliced::File(_) => volume.stats.sendfile_read_batched(),
             }
         }
         let payload = match spliced {
@@ -665,7 +670,7 @@ impl Conn {
             return;
         }
         if let Phase::Transmission { volume, .. } = &self.phase {
-            volume.stats.lent_read();
+            volume.stats.lent_read_batched();
         }
         self.push_read_whole(inflight, Payload::Lent(lent));
     }
@@ -1166,7 +1171,15 @@ impl Conn {
         };
         match op {
             IoOp::Read => {
-                let buf = bufs::get(req.length as usize);
+                // A read a memory volume lends uses no buffer: take one
+                // without the fixed arena's cost (`Channel::lends`).
+                let lends =
+                    matches!(&self.phase, Phase::Transmission { channel, .. } if channel.lends());
+                let buf = if lends {
+                    bufs::get_unregistered(req.length as usize)
+                } else {
+                    bufs::get(req.length as usize)
+                };
                 self.submit(slot, &req, op, Some(buf));
             }
             IoOp::Write { .. } => {

@@ -42,6 +42,13 @@ pub fn get(len: usize) -> IoBuf {
     IO.with_borrow_mut(|p| p.get(len))
 }
 
+/// [`get`] bypassing the reactor's fixed arena
+/// ([`BufPool::get_unregistered`]): for a read a memory volume will
+/// likely lend (`lull_bdev::Channel::lends`).
+pub fn get_unregistered(len: usize) -> IoBuf {
+    IO.with_borrow_mut(|p| p.get_unregistered(len))
+}
+
 /// Give an I/O buffer back to this thread's cache.
 pub fn put(buf: IoBuf) {
     IO.with_borrow_mut(|p| p.put(buf));

@@ -277,6 +277,8 @@ impl<S: Read + Write> wire::Protocol for Conn<S> {
         let retried = self.retry_submit();
         self.flush_submissions();
         let evented = self.deliver_event();
+        // Before the replies are written (see `StatsBatch`).
+        lull_volume::add_batched_stats();
         if self.disconnecting && !self.wire.is_closing() && self.slots.is_empty() {
             self.wire.close("host sent Disconnect");
         }
@@ -1004,8 +1006,8 @@ impl<S: Read + Write> Conn<S> {
         }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
             match spliced {
-                Spliced::Pipe(_) => ns.volume.stats.spliced_read(),
-                Spliced::File(_) => ns.volume.stats.sendfile_read(),
+                Spliced::Pipe(_) => ns.volume.stats.spliced_read_batched(),
+                Spliced::File(_) => ns.volume.stats.sendfile_read_batched(),
             }
         }
         let payload = match spliced {
@@ -1040,7 +1042,7 @@ impl<S: Read + Write> Conn<S> {
             return false;
         }
         if let Phase::Connected(Queue { ns: Some(ns), .. }) = &self.phase {
-            ns.volume.stats.lent_read();
+            ns.volume.stats.lent_read_batched();
         }
         let ddgst = self.dg.data.then(|| pdu::crc32c(lent.as_slice()));
         self.push_c2h(cid, len, success, Payload::Lent(lent));
@@ -1384,6 +1386,11 @@ impl<S: Read + Write> Conn<S> {
         let bytes = nlb << shift;
         let fua = sqe.dword(12) & (1 << 30) != 0;
         let (op, buf) = match sqe.opcode() {
+            // A read a memory volume lends uses no buffer: take one
+            // without the fixed arena's cost (`Channel::lends`).
+            spec::NVM_READ if ns.channel.lends() => {
+                (IoOp::Read, Some(bufs::get_unregistered(bytes as usize)))
+            }
             spec::NVM_READ => (IoOp::Read, Some(bufs::get(bytes as usize))),
             spec::NVM_WRITE => (IoOp::Write { fua }, data),
             spec::NVM_FLUSH => (IoOp::Flush, None),
@@ -1571,7 +1578,9 @@ impl<S: Read + Write> Conn<S> {
                 _ => lba_range(&cmd.sqe).1 << ns.lba_shift,
             };
             let latency = now_ns.saturating_sub(cmd.start_ns);
-            ns.volume.stats.record(op, len, latency, c.result.is_ok());
+            ns.volume
+                .stats
+                .record_batched(op, len, latency, c.result.is_ok());
         }
         match c.result {
             Ok(()) => {

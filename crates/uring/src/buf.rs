@@ -252,6 +252,15 @@ impl BufPool {
             self.stats.arena_gets += 1;
             return buf;
         }
+        self.get_unregistered(len)
+    }
+
+    /// [`BufPool::get`] without the thread's fixed arena: a buffer from
+    /// this pool's classes (a list pop, no atomics) or the allocator,
+    /// for I/O that gains nothing from a buffer registered with io_uring
+    /// (a memory volume's read, which is usually lent rather than copied
+    /// into it).
+    pub fn get_unregistered(&mut self, len: usize) -> IoBuf {
         let mut buf = match Self::class_for_len(len) {
             Some(class) => match self.classes[class].pop() {
                 Some(buf) => {

@@ -9,6 +9,8 @@
 //!   buffer until its completion arrives.
 //! - [`Lent`]: bytes a device lends to a reply (a memory volume's read),
 //!   sent from the device's memory instead of a copy.
+//! - [`prefetch`]: start loading bytes into the CPU's caches before a
+//!   copy needs them (a memory volume's reads).
 //! - [`probe`]: kernel feature probes (O_DIRECT alignment).
 //! - [`splice`]: `sendfile` and pipes that move payload pages between
 //!   descriptors without a user-space copy; [`pipes`]: the process's pool
@@ -35,6 +37,7 @@ mod arena;
 mod buf;
 mod lent;
 pub mod pipes;
+mod prefetch;
 pub mod probe;
 mod queue;
 mod ring;
@@ -51,6 +54,7 @@ pub use buf::{
     POOL_CLASS_MAX_BYTES, POOL_CLASS_MIN_BYTES,
 };
 pub use lent::{Lent, LentRegion};
+pub use prefetch::{prefetch, CACHE_LINE_BYTES};
 pub use probe::{fadvise_willneed, fallocate, next_hole, on_memory_filesystem, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{

@@ -29,7 +29,10 @@ use lull_bdev::{BdevError, BlockDevice, ChainDev, Channel, IoCompletion, IoReque
 use lull_engine::ReplicatedDev;
 
 pub use qos::{Qos, QosLimits, QOS_BURST_NS, QOS_MAX_IOS_PER_SEC, QOS_MAX_MBYTES_PER_SEC};
-pub use stats::{bucket_le_ns, OpKind, VolumeStats, VolumeStatsSnapshot, LATENCY_BUCKETS};
+pub use stats::{
+    add_batched as add_batched_stats, bucket_le_ns, OpKind, StatsBatch, VolumeStats,
+    VolumeStatsSnapshot, LATENCY_BUCKETS,
+};
 
 /// Longest volume name, in bytes. A volume's name is its NBD export name,
 /// and NBD caps export names at 4096 bytes (`lull_proto::nbd::MAX_EXPORT_NAME_LEN`;
@@ -181,7 +184,7 @@ impl std::fmt::Debug for Storage {
 pub struct Volume {
     pub name: String,
     pub storage: Storage,
-    pub stats: VolumeStats,
+    pub stats: Arc<VolumeStats>,
     /// Rate limits over all the volume's connections (`qos` module).
     pub qos: Qos,
     /// Connections holding a [`ConnPermit`].
@@ -210,7 +213,7 @@ impl Volume {
         Volume {
             name: name.to_string(),
             storage,
-            stats: VolumeStats::default(),
+            stats: Arc::default(),
             qos: Qos::default(),
             connections: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
@@ -386,6 +389,10 @@ impl Channel for VolumeChannel {
 
     fn allow_lend(&mut self) {
         self.inner.allow_lend();
+    }
+
+    fn lends(&self) -> bool {
+        self.inner.lends()
     }
 
     fn set_changed_since(&mut self, since: &str) {

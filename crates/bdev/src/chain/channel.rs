@@ -1016,6 +1016,10 @@ impl Channel for ChainChannel {
         }
     }
 
+    fn lends(&self) -> bool {
+        self.lend && self.layers.iter().flatten().all(|(_, c)| c.lends())
+    }
+
     fn polled(&self) -> bool {
         self.polled
     }
