@@ -219,7 +219,7 @@ impl InlineFile {
     /// writes bypass the page cache `sendfile` reads from), or a range
     /// with a hole in it (never written, or trimmed: an NBD structured
     /// reply makes hole chunks of those, which it can only do with the
-    /// bytes; one `lseek`, no copy). The request was validated: the range
+    /// bytes; one `cachestat` over the range, no copy). The request was validated: the range
     /// lies inside the device, whose size is raised only once the file is
     /// that long.
     fn lendable(&self, offset: u64, len: u32) -> Option<FileRange> {
@@ -227,8 +227,7 @@ impl InlineFile {
         {
             return None;
         }
-        let end = offset + u64::from(len);
-        if !lull_uring::next_hole(&self.main, offset).is_ok_and(|hole| hole >= end) {
+        if !lull_uring::range_cached(&self.main, offset, u64::from(len)).unwrap_or(false) {
             return None;
         }
         Some(FileRange {

@@ -55,7 +55,7 @@ pub use buf::{
 };
 pub use lent::{Lent, LentRegion};
 pub use prefetch::{prefetch, CACHE_LINE_BYTES};
-pub use probe::{fadvise_willneed, fallocate, next_hole, on_memory_filesystem, seek_data_hole};
+pub use probe::{fadvise_willneed, fallocate, on_memory_filesystem, range_cached, seek_data_hole};
 pub use queue::{IoQueue, PushError, QueueCompletion, QueueOp, SlotId};
 pub use ring::{
     thread_enter_calls, wait_readable, Ring, RingError, RingOp, RingSetup, SqFull, Target,

@@ -69,22 +69,69 @@ pub fn seek_data_hole(file: &std::fs::File, offset: u64) -> std::io::Result<Opti
     Ok(Some((data as u64, hole as u64)))
 }
 
-/// The start of the first hole of `file` at or after `offset`, from one
-/// `lseek(SEEK_HOLE)` (`offset` itself when it lies in a hole; the file's
-/// size when no hole follows, since its end counts as one). A non-sleeping
-/// metadata lookup that moves the descriptor's file offset, which lull
-/// never uses, as [`seek_data_hole`].
-pub fn next_hole(file: &std::fs::File, offset: u64) -> std::io::Result<u64> {
-    let Ok(start) = libc::off_t::try_from(offset) else {
-        return Err(std::io::Error::from_raw_os_error(libc::EFBIG));
+/// `cachestat(2)`'s number: 451 on every architecture (a syscall added
+/// after the tables were unified; the libc crate names it for some
+/// targets only).
+const SYS_CACHESTAT: libc::c_long = 451;
+
+/// `struct cachestat_range` (include/uapi/linux/mman.h).
+#[repr(C)]
+struct CachestatRange {
+    off: u64,
+    len: u64,
+}
+
+/// `struct cachestat` (include/uapi/linux/mman.h).
+#[repr(C)]
+#[derive(Default)]
+struct Cachestat {
+    nr_cache: u64,
+    nr_dirty: u64,
+    nr_writeback: u64,
+    nr_evicted: u64,
+    nr_recently_evicted: u64,
+}
+
+/// Whether every page of `[offset, offset + len)` of `file` holds data:
+/// in the page cache, or for a memory filesystem's file swapped out
+/// (which `cachestat(2)` counts as evicted). A page that is neither was
+/// never written or was punched out: a hole. One `cachestat` over the
+/// range (Linux 6.5+), whose cost grows with the range, not the file: on
+/// a memory filesystem `lseek(SEEK_HOLE)` walks the page cache from
+/// `offset` to the first hole, which in a written file is its end (about
+/// 4 ms for the rest of a 256 MiB tmpfs file). `Err` where the kernel has
+/// no `cachestat`; an empty range is `Ok(true)`.
+pub fn range_cached(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<bool> {
+    if len == 0 {
+        return Ok(true);
+    }
+    let page = page_size();
+    let pages = (offset + len - 1) / page - offset / page + 1;
+    let range = CachestatRange { off: offset, len };
+    let mut stat = Cachestat::default();
+    // SAFETY: both pointers are to live values of the layouts the kernel
+    // expects (`repr(C)` copies of its uapi structs) for the call; the fd
+    // is open for the borrow of `file`; flags must be 0.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const CachestatRange,
+            &mut stat as *mut Cachestat,
+            0u32,
+        )
     };
-    // SAFETY: lseek takes no pointers; the fd is open for the borrow of `file`.
-    let hole = unsafe { libc::lseek(file.as_raw_fd(), start, libc::SEEK_HOLE) };
-    if hole < 0 {
+    if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // A non-negative offset returned by the kernel.
-    Ok(hole as u64)
+    Ok(stat.nr_cache + stat.nr_evicted >= pages)
+}
+
+/// The system's page size in bytes.
+fn page_size() -> u64 {
+    // SAFETY: sysconf takes no pointers.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
 }
 
 /// `posix_fadvise(POSIX_FADV_WILLNEED)` on `[offset, offset + len)`: starts
