@@ -592,15 +592,20 @@ fn python_nbd(script: &str, what: &str) {
 /// simple replies reads unaligned ranges and ranges across a chunk
 /// boundary and in holes; the volume's `lent_reads` counts the lent ones
 /// (some, not all: holes and boundary-crossing reads are copied).
-#[test]
-fn memory_volume_reads_are_lent_and_byte_identical() {
-    common::require("nbdcopy", "libnbd-bin");
-    common::require("qemu-io", "qemu-utils");
-    let dir = Scratch::new("perio-lent");
-    let server = Server::start(&["--volume", "vol:32M"]);
+/// The clients' part of the lent and sendfile tests, on a 32 MiB volume
+/// `vol`: nbdcopy writes 24 MiB of pattern (from `seed`; the last 8 MiB
+/// stay holes) and reads the volume back byte-identical, which moves the
+/// volume's `counter`; then qemu-io writes 0x5c over 3 MiB..4 MiB and
+/// verifies it. Returns the input file, rewritten to hold what the
+/// volume's first 24 MiB now hold.
+fn copy_round_trip(server: &Server, dir: &Path, seed: u64, counter: &str) -> PathBuf {
     let uri = format!("nbd://{}/vol", server.addr());
-    // 24 MiB of pattern, the last 8 MiB left as holes.
-    let data = common::pattern(0x1e47, 24 << 20);
+    let stat = |key: &str| {
+        server.rpc("volume_get_stats", r#"{"name":"vol"}"#)[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in volume_get_stats"))
+    };
+    let mut data = common::pattern(seed, 24 << 20);
     let input = dir.join("in.bin");
     std::fs::write(&input, &data).expect("write the input");
     let out = Command::new("nbdcopy")
@@ -608,9 +613,7 @@ fn memory_volume_reads_are_lent_and_byte_identical() {
         .output()
         .expect("run nbdcopy");
     assert!(out.status.success(), "nbdcopy to the volume: {out:?}");
-    let before = server.rpc("volume_get_stats", r#"{"name":"vol"}"#)["lent_reads"]
-        .as_u64()
-        .expect("lent_reads");
+    let before = stat(counter);
     let copy = dir.join("out.bin");
     let out = Command::new("nbdcopy")
         .args([&uri, copy.to_str().unwrap()])
@@ -627,12 +630,10 @@ fn memory_volume_reads_are_lent_and_byte_identical() {
         back[data.len()..].iter().all(|&b| b == 0),
         "holes read as zeros"
     );
-    let after = server.rpc("volume_get_stats", r#"{"name":"vol"}"#)["lent_reads"]
-        .as_u64()
-        .expect("lent_reads");
+    let after = stat(counter);
     assert!(
         after > before,
-        "nbdcopy's reads were lent: {before} -> {after}"
+        "nbdcopy's reads moved {counter}: {before} -> {after}"
     );
     let out = Command::new("qemu-io")
         .args([
@@ -655,6 +656,19 @@ fn memory_volume_reads_are_lent_and_byte_identical() {
         out.status.success() && !text.contains("fail") && !text.contains("error"),
         "qemu-io: {out:?}"
     );
+    data[3 << 20..4 << 20].fill(0x5c);
+    std::fs::write(&input, &data).expect("rewrite the input");
+    input
+}
+
+#[test]
+fn memory_volume_reads_are_lent_and_byte_identical() {
+    common::require("nbdcopy", "libnbd-bin");
+    common::require("qemu-io", "qemu-utils");
+    let dir = Scratch::new("perio-lent");
+    let server = Server::start(&["--volume", "vol:32M"]);
+    let uri = format!("nbd://{}/vol", server.addr());
+    let input = copy_round_trip(&server, &dir, 0x1e47, "lent_reads");
     // Simple replies, unaligned, across a chunk boundary, in a hole.
     let script = format!(
         "import nbd\n\
@@ -702,66 +716,8 @@ fn file_volume_reads_on_tmpfs_are_sent_with_sendfile_and_byte_identical() {
     let spec = format!("vol:32M:file={}", img.display());
     let server = Server::start(&["--volume", &spec]);
     let uri = format!("nbd://{}/vol", server.addr());
-    let stat = |server: &Server, key: &str| {
-        server.rpc("volume_get_stats", r#"{"name":"vol"}"#)[key]
-            .as_u64()
-            .unwrap_or_else(|| panic!("{key} in volume_get_stats"))
-    };
-    // 24 MiB of pattern, the last 8 MiB left as holes.
-    let data = common::pattern(0x5e4d, 24 << 20);
-    let input = dir.join("in.bin");
-    std::fs::write(&input, &data).expect("write the input");
-    let out = Command::new("nbdcopy")
-        .args([input.to_str().unwrap(), &uri])
-        .output()
-        .expect("run nbdcopy");
-    assert!(out.status.success(), "nbdcopy to the volume: {out:?}");
-    let before = stat(&server, "sendfile_reads");
-    let copy = dir.join("out.bin");
-    let out = Command::new("nbdcopy")
-        .args([&uri, copy.to_str().unwrap()])
-        .output()
-        .expect("run nbdcopy");
-    assert!(out.status.success(), "nbdcopy from the volume: {out:?}");
-    let back = std::fs::read(&copy).expect("read the copy");
-    assert_eq!(back.len(), 32 << 20);
-    assert!(
-        back[..data.len()] == data[..],
-        "nbdcopy read other bytes than it wrote"
-    );
-    assert!(
-        back[data.len()..].iter().all(|&b| b == 0),
-        "holes read as zeros"
-    );
-    let after = stat(&server, "sendfile_reads");
-    assert!(
-        after > before,
-        "nbdcopy's reads were sent with sendfile: {before} -> {after}"
-    );
-    let out = Command::new("qemu-io")
-        .args([
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x5c 3M 1M",
-            "-c",
-            "read -P 0x5c 3M 1M",
-            "-c",
-            "read -P 0x5c 3145728 4096",
-            "-c",
-            "read -P 0 28M 64k",
-            &uri,
-        ])
-        .output()
-        .expect("run qemu-io");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && !text.contains("fail") && !text.contains("error"),
-        "qemu-io: {out:?}"
-    );
-    let mut data = data;
-    data[3 << 20..4 << 20].fill(0x5c);
-    std::fs::write(&input, &data).expect("rewrite the input");
+    let input = copy_round_trip(&server, &dir, 0x5e4d, "sendfile_reads");
+    let data = std::fs::read(&input).expect("read the input back");
     // Simple replies: short and unaligned (copied), long, long and
     // unaligned, the device's last 64 KiB (sent), a hole.
     let script = format!(
