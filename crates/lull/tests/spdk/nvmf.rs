@@ -316,6 +316,31 @@ fn dd_config(dir: &Path, addr: SocketAddr, nqn: &str) -> PathBuf {
     dd_config_digests(dir, addr, nqn, Digests::default())
 }
 
+/// The digest settings the splice and sendfile tests run under: a label,
+/// the digests spdk_dd's config asks for, and spdk_nvme_perf's flags for
+/// the same.
+fn digest_cases() -> [(&'static str, Digests, &'static [&'static str]); 3] {
+    [
+        ("no digest", Digests::default(), &[]),
+        (
+            "header digest",
+            Digests {
+                header: true,
+                data: false,
+            },
+            &["-H"],
+        ),
+        (
+            "header and data digests",
+            Digests {
+                header: true,
+                data: true,
+            },
+            &["-H", "-I"],
+        ),
+    ]
+}
+
 /// [`dd_config`] with the header and data digests SPDK's initiator asks
 /// for in its ICReq (`hdgst`, `ddgst`).
 fn dd_config_digests(dir: &Path, addr: SocketAddr, nqn: &str, dg: Digests) -> PathBuf {
@@ -1539,28 +1564,7 @@ fn two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on() {
         stats["spliced_reads"].as_u64().expect("spliced_reads")
     };
     let bytes = 8 << 20;
-    for (i, (label, dg, perf_flags)) in [
-        ("no digest", Digests::default(), &[][..]),
-        (
-            "header digest",
-            Digests {
-                header: true,
-                data: false,
-            },
-            &["-H"][..],
-        ),
-        (
-            "header and data digests",
-            Digests {
-                header: true,
-                data: true,
-            },
-            &["-H", "-I"][..],
-        ),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, (label, dg, perf_flags)) in digest_cases().into_iter().enumerate() {
         let before = spliced(&server);
         let config = dd_config_digests(server.dir(), addr, &nqn, dg);
         let input = server.dir().join("in.bin");
@@ -1637,28 +1641,7 @@ fn file_volume_reads_on_tmpfs_are_sent_with_sendfile_unless_a_data_digest_is_on(
             .unwrap_or_else(|| panic!("{key} in {stats}"))
     };
     let bytes = 8 << 20;
-    for (i, (label, dg, perf_flags)) in [
-        ("no digest", Digests::default(), &[][..]),
-        (
-            "header digest",
-            Digests {
-                header: true,
-                data: false,
-            },
-            &["-H"][..],
-        ),
-        (
-            "header and data digests",
-            Digests {
-                header: true,
-                data: true,
-            },
-            &["-H", "-I"][..],
-        ),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, (label, dg, perf_flags)) in digest_cases().into_iter().enumerate() {
         let before = stat(&server, "sendfile_reads");
         let reads_before = stat(&server, "reads");
         let config = dd_config_digests(server.dir(), addr, &nqn, dg);
