@@ -164,17 +164,30 @@ pub enum SpdkPeer {
     Poll,
     /// nvmf_tgt `--interrupt-mode`.
     Interrupt,
+    /// nvmf_tgt polling, with its TCP transport's `c2h_success` off: a
+    /// CapsuleResp after every read's data, as the NVMe/TCP transport
+    /// spec asks of a target whose host keeps SQ flow control on (SPDK's
+    /// initiator does) and as lull sends. nvmf_tgt's default instead
+    /// marks the C2HData PDU SUCCESS and sends no CapsuleResp, one PDU a
+    /// read fewer (docs/NVMF.md, "C2HData SUCCESS").
+    PollResp,
     /// No SPDK target (lull only).
     None,
 }
 
 impl SpdkPeer {
-    pub const ALL: [SpdkPeer; 3] = [SpdkPeer::Poll, SpdkPeer::Interrupt, SpdkPeer::None];
+    pub const ALL: [SpdkPeer; 4] = [
+        SpdkPeer::Poll,
+        SpdkPeer::Interrupt,
+        SpdkPeer::PollResp,
+        SpdkPeer::None,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             SpdkPeer::Poll => "poll",
             SpdkPeer::Interrupt => "interrupt",
+            SpdkPeer::PollResp => "poll-resp",
             SpdkPeer::None => "none",
         }
     }

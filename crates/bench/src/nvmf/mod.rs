@@ -107,8 +107,11 @@ pub const VOLUME_NAME: &str = "bench";
 pub enum NvmfTarget {
     /// `lull serve --nvmf-listen` with a memory volume.
     Lull { mode: Mode },
-    /// SPDK's `nvmf_tgt` with a malloc bdev.
-    Spdk { interrupt: bool },
+    /// SPDK's `nvmf_tgt` with a malloc bdev; `c2h_success`: its TCP
+    /// transport's option of that name (true by default: a read's data
+    /// PDU marked SUCCESS, no CapsuleResp, whatever the host's SQ flow
+    /// control).
+    Spdk { interrupt: bool, c2h_success: bool },
 }
 
 impl NvmfTarget {
@@ -116,8 +119,22 @@ impl NvmfTarget {
     pub fn name(&self) -> String {
         match self {
             NvmfTarget::Lull { mode } => format!("lull-{}", mode.as_str()),
-            NvmfTarget::Spdk { interrupt: false } => "spdk-poll".into(),
-            NvmfTarget::Spdk { interrupt: true } => "spdk-interrupt".into(),
+            NvmfTarget::Spdk {
+                interrupt: false,
+                c2h_success: true,
+            } => "spdk-poll".into(),
+            NvmfTarget::Spdk {
+                interrupt: false,
+                c2h_success: false,
+            } => "spdk-poll-resp".into(),
+            NvmfTarget::Spdk {
+                interrupt: true,
+                c2h_success: true,
+            } => "spdk-interrupt".into(),
+            NvmfTarget::Spdk {
+                interrupt: true,
+                c2h_success: false,
+            } => "spdk-interrupt-resp".into(),
         }
     }
 
@@ -133,8 +150,18 @@ pub fn targets(modes: &[Mode], spdk: &[SpdkPeer]) -> Vec<NvmfTarget> {
         .iter()
         .map(|&mode| Some(NvmfTarget::Lull { mode }))
         .chain(spdk.iter().map(|p| match p {
-            SpdkPeer::Poll => Some(NvmfTarget::Spdk { interrupt: false }),
-            SpdkPeer::Interrupt => Some(NvmfTarget::Spdk { interrupt: true }),
+            SpdkPeer::Poll => Some(NvmfTarget::Spdk {
+                interrupt: false,
+                c2h_success: true,
+            }),
+            SpdkPeer::Interrupt => Some(NvmfTarget::Spdk {
+                interrupt: true,
+                c2h_success: true,
+            }),
+            SpdkPeer::PollResp => Some(NvmfTarget::Spdk {
+                interrupt: false,
+                c2h_success: false,
+            }),
             SpdkPeer::None => None,
         }));
     for t in all.flatten() {
@@ -215,8 +242,9 @@ pub fn spdk_tools_dir(flag: Option<&Path>, lull_exe: &Path) -> Result<PathBuf, B
 /// nvmf_tgt's configuration: the same RPCs as the tools' README sends with
 /// rpc.py (TCP transport, malloc bdev, subsystem allowing any host,
 /// namespace, listener), loaded at start-up with `-c`, so the target is
-/// fully configured once it listens.
-pub fn spdk_config_json(size_bytes: u64, port: u16) -> String {
+/// fully configured once it listens. `c2h_success`: the TCP transport's
+/// option of that name (SPDK's default is true).
+pub fn spdk_config_json(size_bytes: u64, port: u16, c2h_success: bool) -> String {
     let config = serde_json::json!({
         "subsystems": [
             {"subsystem": "bdev", "config": [
@@ -224,7 +252,8 @@ pub fn spdk_config_json(size_bytes: u64, port: u16) -> String {
                     "name": "Malloc0", "num_blocks": size_bytes / 4096, "block_size": 4096}}
             ]},
             {"subsystem": "nvmf", "config": [
-                {"method": "nvmf_create_transport", "params": {"trtype": "TCP"}},
+                {"method": "nvmf_create_transport", "params": {
+                    "trtype": "TCP", "c2h_success": c2h_success}},
                 {"method": "nvmf_create_subsystem", "params": {
                     "nqn": SPDK_NQN, "allow_any_host": true, "serial_number": "SPDK1"}},
                 {"method": "nvmf_subsystem_add_ns", "params": {
@@ -457,9 +486,12 @@ impl Ctx<'_> {
                 ];
                 ("lull", self.lull_exe.display().to_string(), args)
             }
-            NvmfTarget::Spdk { interrupt } => {
+            NvmfTarget::Spdk {
+                interrupt,
+                c2h_success,
+            } => {
                 let json = self.work.join("nvmf_tgt.json");
-                std::fs::write(&json, spdk_config_json(s.size_bytes, port))
+                std::fs::write(&json, spdk_config_json(s.size_bytes, port, *c2h_success))
                     .map_err(io_err(format!("writing {}", json.display())))?;
                 let mut args = vec![
                     "--no-huge".into(),
@@ -837,7 +869,7 @@ mod tests {
     #[test]
     fn spdk_config_and_trid() {
         let v: serde_json::Value =
-            serde_json::from_str(&spdk_config_json(128 << 20, 24421)).unwrap();
+            serde_json::from_str(&spdk_config_json(128 << 20, 24421, true)).unwrap();
         let bdev = &v["subsystems"][0]["config"][0];
         assert_eq!(bdev["method"], "bdev_malloc_create");
         assert_eq!(bdev["params"]["num_blocks"], 32768);
@@ -857,7 +889,14 @@ mod tests {
             trid(&NvmfTarget::Lull { mode: Mode::Poll }, 5),
             "trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:5 subnqn:nqn.2026-11.io.lull:bench"
         );
-        assert!(trid(&NvmfTarget::Spdk { interrupt: true }, 5).ends_with(SPDK_NQN));
+        assert!(trid(
+            &NvmfTarget::Spdk {
+                interrupt: true,
+                c2h_success: true
+            },
+            5
+        )
+        .ends_with(SPDK_NQN));
         assert_eq!(tgt_mem_mb(128 << 20), 1152);
     }
 

@@ -433,9 +433,18 @@ mod tests {
                 },
                 None,
             ),
-            target(NvmfTarget::Spdk { interrupt: false }, None),
             target(
-                NvmfTarget::Spdk { interrupt: true },
+                NvmfTarget::Spdk {
+                    interrupt: false,
+                    c2h_success: true,
+                },
+                None,
+            ),
+            target(
+                NvmfTarget::Spdk {
+                    interrupt: true,
+                    c2h_success: true,
+                },
                 Some("nvmf_tgt not found"),
             ),
         ];

@@ -133,6 +133,9 @@ impl Choice for SpdkPeer {
         Some(match self {
             SpdkPeer::Poll => "nvmf_tgt polling (its default)",
             SpdkPeer::Interrupt => "nvmf_tgt --interrupt-mode",
+            SpdkPeer::PollResp => {
+                "nvmf_tgt polling with c2h_success off: a CapsuleResp after every read, as lull"
+            }
             SpdkPeer::None => "No SPDK target",
         })
     }
