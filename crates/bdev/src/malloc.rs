@@ -340,15 +340,11 @@ impl Inner {
     /// memory), so that its page's TLB entry and first cache line are on
     /// their way before the copy that needs them (see `MallocChannel`).
     fn touch(&self, offset: u64) {
-        let index = (offset / MALLOC_CHUNK_BYTES as u64) as usize;
-        let within = (offset % MALLOC_CHUNK_BYTES as u64) as usize;
-        if let Ok(chunk) = self.chunk(index) {
-            if let Some(data) = &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
-                if let Some(b) = data.get(within) {
-                    std::hint::black_box(*b);
-                }
+        self.with_bytes_from(offset, |bytes| {
+            if let Some(b) = bytes.first() {
+                std::hint::black_box(*b);
             }
-        }
+        });
     }
 
     /// Start loading the bytes a read of `len` at `offset` will copy into
@@ -356,13 +352,21 @@ impl Inner {
     /// part in its first chunk, if that chunk holds memory (a hole reads
     /// nothing).
     fn prefetch(&self, offset: u64, len: usize) {
+        self.with_bytes_from(offset, |bytes| {
+            lull_uring::prefetch(&bytes[..len.min(bytes.len())]);
+        });
+    }
+
+    /// Run `f` on the bytes of `offset`'s chunk from `offset` to the
+    /// chunk's end, under the chunk's lock; nothing when the chunk holds
+    /// no memory (a hole) or `offset` is past it.
+    fn with_bytes_from(&self, offset: u64, f: impl FnOnce(&[u8])) {
         let index = (offset / MALLOC_CHUNK_BYTES as u64) as usize;
         let within = (offset % MALLOC_CHUNK_BYTES as u64) as usize;
         if let Ok(chunk) = self.chunk(index) {
             if let Some(data) = &*chunk.read().unwrap_or_else(PoisonError::into_inner) {
-                let end = within.saturating_add(len).min(data.len());
-                if let Some(bytes) = data.get(within..end) {
-                    lull_uring::prefetch(bytes);
+                if let Some(bytes) = data.get(within..).filter(|b| !b.is_empty()) {
+                    f(bytes);
                 }
             }
         }

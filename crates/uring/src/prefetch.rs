@@ -36,11 +36,10 @@ pub fn prefetch(bytes: &[u8]) {
         let mut line = first;
         while line < end {
             let at = line.max(start) - start;
-            // SAFETY: `_mm_prefetch` (PREFETCHT0) needs SSE, which every
-            // x86-64 CPU has; it reads no memory architecturally and
-            // cannot fault, whatever the address. The address is one of
-            // `bytes` (`at` < `bytes.len()`), so it is not even a wild
-            // hint.
+            // PREFETCHT0 needs SSE, which every x86-64 CPU has, reads no
+            // memory architecturally and cannot fault, whatever the address.
+            // SAFETY: a hint that cannot fault, at an address inside
+            // `bytes` (`at` < `bytes.len()`).
             unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(at).cast::<i8>()) };
             line += CACHE_LINE_BYTES;
         }

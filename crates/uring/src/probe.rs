@@ -109,9 +109,9 @@ pub fn range_cached(file: &std::fs::File, offset: u64, len: u64) -> std::io::Res
     let pages = (offset + len - 1) / page - offset / page + 1;
     let range = CachestatRange { off: offset, len };
     let mut stat = Cachestat::default();
+    // The structs are `repr(C)` copies of the kernel's uapi ones; flags 0.
     // SAFETY: both pointers are to live values of the layouts the kernel
-    // expects (`repr(C)` copies of its uapi structs) for the call; the fd
-    // is open for the borrow of `file`; flags must be 0.
+    // expects, for the call; the fd is open for the borrow of `file`.
     let rc = unsafe {
         libc::syscall(
             SYS_CACHESTAT,

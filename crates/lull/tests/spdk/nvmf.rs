@@ -416,9 +416,24 @@ fn dd_round_trip(
     nqn: &str,
     seed: u64,
     bytes: usize,
+    bs: (u32, u32),
+) {
+    dd_round_trip_digests(tools, dir, addr, nqn, Digests::default(), seed, bytes, bs);
+}
+
+/// [`dd_round_trip`] on a queue pair with the digests `dg`.
+#[allow(clippy::too_many_arguments)]
+fn dd_round_trip_digests(
+    tools: &Path,
+    dir: &Path,
+    addr: SocketAddr,
+    nqn: &str,
+    dg: Digests,
+    seed: u64,
+    bytes: usize,
     (write_bs, read_bs): (u32, u32),
 ) {
-    let config = dd_config(dir, addr, nqn);
+    let config = dd_config_digests(dir, addr, nqn, dg);
     let input = dir.join("in.bin");
     let output = dir.join("out.bin");
     let data = pattern(seed, bytes);
@@ -428,7 +443,7 @@ fn dd_round_trip(
     assert_eq!(back.len(), data.len(), "{nqn}");
     assert!(
         back == data,
-        "{nqn}: spdk_dd read back (bs {read_bs}) other bytes than it wrote (bs {write_bs})"
+        "{nqn} ({dg:?}): spdk_dd read back (bs {read_bs}) other bytes than it wrote (bs {write_bs})"
     );
 }
 
@@ -1566,17 +1581,9 @@ fn two_replica_reads_are_spliced_over_nvme_tcp_unless_a_data_digest_is_on() {
     let bytes = 8 << 20;
     for (i, (label, dg, perf_flags)) in digest_cases().into_iter().enumerate() {
         let before = spliced(&server);
-        let config = dd_config_digests(server.dir(), addr, &nqn, dg);
-        let input = server.dir().join("in.bin");
-        let output = server.dir().join("out.bin");
-        let data = pattern(0x5911ce + i as u64, bytes);
-        std::fs::write(&input, &data).expect("write the input");
-        dd_write(&tools, &config, &input, 131072);
-        let back = dd_read(&tools, &config, &output, 131072, bytes);
-        assert!(
-            back == data,
-            "{label}: spdk_dd read back other bytes than it wrote"
-        );
+        let dir = server.dir().clone();
+        let seed = 0x5911ce + i as u64;
+        dd_round_trip_digests(&tools, &dir, addr, &nqn, dg, seed, bytes, (131072, 131072));
         let after_dd = spliced(&server);
         let total = perf_on(
             &tools,
@@ -1644,17 +1651,9 @@ fn file_volume_reads_on_tmpfs_are_sent_with_sendfile_unless_a_data_digest_is_on(
     for (i, (label, dg, perf_flags)) in digest_cases().into_iter().enumerate() {
         let before = stat(&server, "sendfile_reads");
         let reads_before = stat(&server, "reads");
-        let config = dd_config_digests(server.dir(), addr, &nqn, dg);
-        let input = server.dir().join("in.bin");
-        let output = server.dir().join("out.bin");
-        let data = pattern(0xf11e5e + i as u64, bytes);
-        std::fs::write(&input, &data).expect("write the input");
-        dd_write(&tools, &config, &input, 131072);
-        let back = dd_read(&tools, &config, &output, 131072, bytes);
-        assert!(
-            back == data,
-            "{label}: spdk_dd read back other bytes than it wrote"
-        );
+        let dir = server.dir().clone();
+        let seed = 0xf11e5e + i as u64;
+        dd_round_trip_digests(&tools, &dir, addr, &nqn, dg, seed, bytes, (131072, 131072));
         let after_dd = stat(&server, "sendfile_reads");
         let dd_reads = stat(&server, "reads") - reads_before;
         let total = perf_on(
