@@ -51,13 +51,15 @@ alive() { kill -0 "$1" 2>/dev/null; }
 # ---------------------------------------------------------------- lull ---
 # lull_start VAR LOG PORT [BIN=...] ARGS...: start `lull serve ARGS` in the
 # background (log LOG under TOUT, appended), wait until PORT listens, set
-# $VAR to its pid. BIN=PATH as the 4th word takes another build.
+# $VAR to its pid. BIN=PATH as the 4th word takes another build;
+# LULL_WRAP (e.g. "taskset -c 0") is put in front of it, unquoted.
 lull_start() {
   local var=$1 log=$TOUT/$2 port=$3 bin=$LULL t0; shift 3
   case ${1:-} in BIN=*) bin=${1#BIN=}; shift ;; esac
   t0=$(now)
   echo "=== $(date +%T.%N) $bin serve $*" >> "$log"
-  RUST_LOG=${RUST_LOG:-info} "$bin" serve "$@" >> "$log" 2>&1 &
+  # shellcheck disable=SC2086
+  RUST_LOG=${RUST_LOG:-info} ${LULL_WRAP:-} "$bin" serve "$@" >> "$log" 2>&1 &
   printf -v "$var" %s $!
   if ! wait_port "$port"; then
     LASTERR="lull serve $* not listening on $port after ${PORT_WAIT}s: $(tail -n 5 "$log" | oneline)"
@@ -87,7 +89,15 @@ json_num() { grep -oE "\"$1\" *: *[0-9]+" | head -n1 | grep -oE '[0-9]+$'; }
 kmark() { echo "kvm-mark: begin $1" > /dev/kmsg; }
 # kerrs TAG: the kernel's I/O error lines since kmark TAG (empty: clean)
 KERR_RE='I/O error|Buffer I/O|blk_print_req_error|print_req_error|critical (medium|target|nexus|space allocation) error|EXT4-fs (error|warning)|XFS \(.*\): .*(error|corrupt|Corrupt|shutdown|Shutdown)|nvme.*I/O.*(timeout|[Ee]rror)|block nbd[0-9]+: (Receive control failed|Dead|Other side returned error|.*timed out)|Call Trace|BUG:|WARNING:|Oops'
-kerrs() { dmesg | sed -n "/kvm-mark: begin $1\$/,\$p" | grep -E "$KERR_RE" | head -n 5; }
+ksince() { dmesg | sed -n "/kvm-mark: begin $1\$/,\$p"; }
+kerrs() { ksince "$1" | grep -E "$KERR_RE" | head -n 5; }
+# kreconnect TAG CTRL: seconds from the controller's error recovery to its
+# reconnect, by the kernel's own timestamps since kmark TAG (empty: none)
+kreconnect() {
+  ksince "$1" | awk -v c="nvme $2: " 'index($0, c) { t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t)
+      if (s == "" && /starting error recovery/) s = t
+      if (s != "" && /Successfully reconnected/) { printf "%.2f", t - s; exit } }'
+}
 # kclean NAME TAG: a PASS or FAIL line for the kernel log since kmark TAG
 kclean() {
   local e; e=$(kerrs "$2")

@@ -124,11 +124,14 @@ if nvme_conn "$NQN" --hostnqn="$HOST_OK"; then
     fail nvmf-refuse-host "connect failed but a block device appeared: $(nvme_dev "$NQN")"
   elif ! alive "$PE"; then
     fail nvmf-refuse-host "lull serve died"
+  elif ! kline=$(ksince acl | grep -m1 "Connect for subsystem $NQN is not allowed, hostnqn: $HOST_BAD"); then
+    fail nvmf-refuse-host "refused, but the kernel does not say the host is not allowed (Connect Invalid Host): $(ksince acl | grep -iE 'connect' | tail -n 2 | oneline)"
   else
-    pass nvmf-refuse-host "nvme connect --hostnqn $HOST_BAD refused: $(echo "$out" | oneline); no device; lull serving"
+    pass nvmf-refuse-host "nvme connect --hostnqn $HOST_BAD refused: $(echo "$out" | oneline); the kernel: ${kline#*] }; no device; lull serving"
   fi
   if nvme_conn "$NQN" --hostnqn="$HOST_OK"; then
     got=$(dd if="/dev/$DEV" bs=1M count=1 iflag=direct status=none | sha256sum)
+    PASS_DETAIL="the allowed host reads back the 1 MiB it wrote before the refusal"
     check nvmf-refuse-host-untouched "the allowed host read back other data after the refusal" \
       [ "$got" = "$(sha256sum < "$pattern")" ]
     nvme_disc "$NQN" || fail nvmf-refuse-host-untouched "$LASTERR"
@@ -153,10 +156,17 @@ if create del0; then
   elif ! wait_until "$GONE_WAIT" no_dev "$NQN"; then fail nvmf-delete-while-connecting "a device or controller of the deleted volume stays: $(nvme_dev "$NQN") $(nvme_ctrls "$NQN" | oneline)"
   elif ! alive "$PE" || ! served; then fail nvmf-delete-while-connecting "lull serve is not serving any more: $(tail -n 3 "$TOUT/engine.log" | oneline)"
   else pass nvmf-delete-while-connecting "connect exit $crc in ${took}s ($(oneline < "$TOUT/del0-connect.txt" | cut -c1-120)); volume deleted; nothing left; lull serving"; fi
-  # connecting after the delete: a refusal
+  # connecting after the delete: a refusal the kernel can read (Connect
+  # Invalid Parameters, IATTR 1, IPO the offset of SUBNQN in the data: the
+  # kernel names the field)
+  kmark deleted
   if out=$(timeout "$DELETE_WAIT" nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" 2>&1); then
     fail nvmf-connect-deleted "nvme connect to the deleted volume succeeded: $(echo "$out" | oneline)"; nvme disconnect -n "$NQN" >/dev/null 2>&1
-  else pass nvmf-connect-deleted "refused: $(echo "$out" | oneline)"; fi
+  elif kline=$(ksince deleted | grep -m1 "Connect Invalid Data Parameter, subsysnqn"); then
+    pass nvmf-connect-deleted "refused: $(echo "$out" | oneline); the kernel: ${kline#*] }"
+  else
+    fail nvmf-connect-deleted "refused, but the kernel cannot tell which field: $(ksince deleted | grep -iE 'connect' | head -n 1 | sed 's/^[^]]*] //') (Connect Invalid Parameters' DW0 must hold IPO in bits 15:0 and IATTR in bit 16)"
+  fi
 else fail nvmf-delete-while-connecting "volume_create del0: $(tail -n 2 "$TOUT/rpc.txt" | oneline)"; fi
 
 if create del1; then

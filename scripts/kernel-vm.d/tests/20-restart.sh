@@ -18,6 +18,7 @@ RATE_IOPS=300
 KILL_AFTER=3
 FIO_WAIT=300        # both fio runs finish within this after the restart
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:5e1f2a3b-0000-4000-8000-0000000003e5
+REPEATS=${KVM_RESTART_REPEATS:-1}   # each kind of restart; bench.sh measures 5
 
 E_SOCK=$T/e.sock
 mkdir -p "$T/store"
@@ -57,12 +58,19 @@ link=$(readlink -f "/sys/block/${DEVS[cli0]}/device")
 if [[ $link == */nvme-subsystem/nvme-subsys* ]]; then pass restart-multipath-head "/dev/${DEVS[cli0]} hangs off ${link##*/devices/}"
 else fail restart-multipath-head "/dev/${DEVS[cli0]} hangs off ${link##*/devices/} (the controller): no multipath head"; fi
 
-# cycle KIND: fio on both volumes, then the restart of KIND (kill | upgrade)
+# cycle KIND N: fio on both volumes, then the restart of KIND (kill: SIGKILL
+# and the same build; term: SIGTERM and the same build; upgrade: SIGTERM and
+# the other build, so repeated upgrades go back and forth)
+CUR=$KVM_LULL
 cycle() {
-  local kind=$1 bin=$KVM_LULL sig=KILL v pids=() rc t0 up
-  [ "$kind" = upgrade ] && { bin=$KVM_LULL_UPGRADE; sig=TERM; }
+  local kind=$1 n=$2 bin=$CUR sig=KILL v pids=() rc t0 up sfx=""
+  [ "$REPEATS" -gt 1 ] && sfx="#$n"
+  if [ "$kind" = upgrade ]; then
+    sig=TERM; bin=$KVM_LULL_UPGRADE; [ "$CUR" = "$KVM_LULL_UPGRADE" ] && bin=$KVM_LULL
+  fi
   [ "$kind" = term ] && sig=TERM
-  kmark "restart-$kind"
+  local from=$CUR; CUR=$bin
+  kmark "restart-$kind$sfx"
   for v in cli0 rpc0; do
     fio --name="$kind-$v" --filename="/dev/${DEVS[$v]}" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k \
       --iodepth=16 --size="$FIOSZ" --rate_iops=,"$RATE_IOPS" --verify=crc32c --do_verify=1 --verify_fatal=1 \
@@ -72,11 +80,12 @@ cycle() {
   sleep "$KILL_AFTER"   # fio under way (a scheduling point; the pause is measured by fio)
   t0=$(now)
   if [ "$sig" = KILL ]; then kill -9 "$PE"; wait "$PE" 2>/dev/null; else stop "$PE" TERM; fi
-  lull_start PE engine.log 4420 "BIN=$bin" "${E_ARGS[@]}" || { fail "restart-$kind" "$LASTERR"; kill "${pids[@]}"; return 1; }
+  lull_start PE engine.log 4420 "BIN=$bin" "${E_ARGS[@]}" || { fail "restart-$kind$sfx" "$LASTERR"; kill "${pids[@]}"; return 1; }
   up=$(secs "$t0")
   live() { [ "$(ctrl_state "${CTRLS[cli0]}")" = live ] && [ "$(ctrl_state "${CTRLS[rpc0]}")" = live ]; }
-  wait_until "$RECONNECT_WAIT" live || fail "restart-$kind" "controllers not live ${RECONNECT_WAIT}s after the restart: $(ctrl_state "${CTRLS[cli0]}") $(ctrl_state "${CTRLS[rpc0]}")"
-  local reconnected; reconnected=$(secs "$t0")
+  wait_until "$RECONNECT_WAIT" live || fail "restart-$kind$sfx" "controllers not live ${RECONNECT_WAIT}s after the restart: $(ctrl_state "${CTRLS[cli0]}") $(ctrl_state "${CTRLS[rpc0]}")"
+  local rec=""
+  for v in cli0 rpc0; do rec="$rec ${CTRLS[$v]} $(kreconnect "restart-$kind$sfx" "${CTRLS[$v]}")s"; done
   local i=0
   for v in cli0 rpc0; do
     wait_fio() { ! alive "${pids[$i]}"; }
@@ -86,27 +95,27 @@ cycle() {
     e=$(grep -oE 'err= *[0-9]+' "$f" | grep -vE 'err= *0$' | head -n1)
     pause=$(clat_max_ms "$f")
     if [ "$rc" = 0 ] && [ -z "$e" ] && ! grep -qiE 'verify: bad|bad magic|crc32c' "$f" "$f.stderr"; then
-      pass "restart-$kind-$v" "fio randwrite+verify through the ${kind}: 0 errors, verify clean; I/O pause (max clat) ${pause} ms; server listening ${up}s after the $sig, controllers live at ${reconnected}s$( [ "$kind" = upgrade ] && echo "; upgraded ${KVM_LULL#"$KVM_REPO"/} -> ${bin#"$KVM_REPO"/}")"
+      pass "restart-$kind-$v$sfx" "fio randwrite+verify through the ${kind}: 0 errors, verify clean; I/O pause (fio max clat) ${pause} ms; the kernel from error recovery to reconnected:${rec}; lull listening again ${up}s after SIG$sig (this script's view)$( [ "$kind" = upgrade ] && echo "; upgraded ${from#"$KVM_REPO"/} -> ${bin#"$KVM_REPO"/}")"
     else
-      fail "restart-$kind-$v" "fio rc=$rc ${e:-} through the ${kind}: $(grep -hiE 'verify|error|bad' "$f" "$f.stderr" | head -n 3 | oneline); pause ${pause} ms"
+      fail "restart-$kind-$v$sfx" "fio rc=$rc ${e:-} through the ${kind}: $(grep -hiE 'verify|error|bad' "$f" "$f.stderr" | head -n 3 | oneline); pause ${pause} ms"
     fi
-    echo "PAUSE $kind $v ${pause}ms listening=${up}s live=${reconnected}s" >> "$TOUT/pauses.txt"
+    echo "PAUSE $kind $v ${pause}ms listening=${up}s kernel:${rec}" >> "$TOUT/pauses.txt"
     i=$((i + 1))
   done
   for v in cli0 rpc0; do
     local now_id; now_id=$(ids "$v")
-    if [ "$now_id" = "${ID0[$v]}" ]; then pass "restart-$kind-ids-$v" "same identity after the $kind: $now_id"
-    else fail "restart-$kind-ids-$v" "identity changed across the $kind: before ${ID0[$v]}, after $now_id"; fi
+    if [ "$now_id" = "${ID0[$v]}" ]; then pass "restart-$kind-ids-$v$sfx" "same identity after the $kind: $now_id"
+    else fail "restart-$kind-ids-$v$sfx" "identity changed across the $kind: before ${ID0[$v]}, after $now_id"; fi
   done
-  kclean "restart-$kind-dmesg" "restart-$kind"
+  kclean "restart-$kind-dmesg$sfx" "restart-$kind$sfx"
 }
 
-cycle kill
+for n in $(seq 1 "$REPEATS"); do cycle kill "$n"; done
 if [ -n "$KVM_LULL_UPGRADE" ]; then
-  cycle upgrade
+  for n in $(seq 1 "$REPEATS"); do cycle upgrade "$n"; done
 else
   skip restart-upgrade "no second lull build to upgrade to (LULL_BIN_UPGRADE, or both target/ci/lull and target/release/lull); SIGTERM and the same build instead"
-  cycle term
+  for n in $(seq 1 "$REPEATS"); do cycle term "$n"; done
 fi
 
 # rpc0 is still a volume after the restarts (it came back from the store's record)
