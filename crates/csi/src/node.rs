@@ -156,14 +156,18 @@ impl NodePlugin {
             links.push(format!("{addr}/{}", id.name));
         }
         let size = self.replica_size(id).await?;
-        // Not recorded on the node: Kubernetes stages the volume again
-        // where it wants it, and a daemon that restarts must not bring
-        // back an engine another node has taken over since.
+        // Recorded on the node, with its engine's session: a daemon that
+        // restarts (a crash, an upgrade) re-creates the engine, so the
+        // kernel's controller reconnects and the pod's I/O resumes; an
+        // engine another node has taken over since (a failover by
+        // restaging) is refused by the replicas' fencing and dropped
+        // there (`resume`, docs/KUBERNETES.md).
         let mut params = json!({
             "name": id.name,
             "size": size,
             "backend": format!("replicas={}", links.join("+")),
-            "persist": false,
+            "persist": true,
+            "resume": true,
         });
         if let Export::Nvmf { nqn, hostnqn, .. } = export {
             params["nvmf_nqn"] = json!(nqn);

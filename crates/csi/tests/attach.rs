@@ -473,7 +473,9 @@ async fn nvme_tcp_connects_the_engines_subsystem_and_unstage_disconnects_exactly
     let name = VolumeId::parse(&volume_id).unwrap().name;
     let nqn = attach::nqn_of(&name);
     let port = nodes.daemons[0].nvmf_port;
-    let connect = format!("connect -t tcp -a 127.0.0.1 -s {port} -n {nqn} --hostnqn {HOSTNQN}");
+    let connect = format!(
+        "connect -t tcp -a 127.0.0.1 -s {port} -n {nqn} --reconnect-delay 1 --ctrl-loss-tmo 600 --hostnqn {HOSTNQN}"
+    );
     let disconnect = format!("disconnect -n {nqn}");
     let (staging, target) = (nodes.work.join("staging"), nodes.work.join("target"));
 

@@ -36,7 +36,7 @@ pub use core::{
     CopyDone, CopyKind, CopyProgress, EngineOptions, NodeRebuildLimit, ReplicaState, ReplicaStatus,
     ReplicaTarget, CHANNEL_DEPTH, MAX_CHANNELS, SNAPSHOT_EXTRA_TIMEOUT_NS,
 };
-pub use shell::{ReplicatedDev, CONTROL_RETRY_WINDOW, GROW_TIMEOUT};
+pub use shell::{ReplicatedDev, SessionOutcome, CONTROL_RETRY_WINDOW, GROW_TIMEOUT};
 pub use view::{ReplicatedSnapshotView, MAX_VIEW_CHANNELS, VIEW_CHANNEL_DEPTH};
 
 /// Upper bounds on the options, checked by `EngineOptions::validate`.

@@ -942,7 +942,9 @@ impl Sim {
                 kind: CopyKind::Reconcile,
                 ..
             } => st.reconciles += 1,
-            Milestone::WaitingForReplicas { .. } | Milestone::Detached { .. } => {}
+            Milestone::WaitingForReplicas { .. }
+            | Milestone::Detached { .. }
+            | Milestone::Fenced { .. } => {}
         }
         self.milestones.push(m);
     }

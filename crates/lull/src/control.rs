@@ -18,6 +18,12 @@ use lull_config as config;
 /// `nvme_adminq_poll_period_us` default, 10 ms).
 pub const DEFAULT_ADMINQ_POLL_PERIOD_US: u64 = 10_000;
 
+/// How long `volume_create` with `resume` waits for the new engine's
+/// first election (every replica answered), whose session it records:
+/// within the CSI plugin's 30 s call timeout, with room for the rest of
+/// the call. Past it nothing is created and the caller retries.
+pub const RESUME_ELECTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 pub struct Control {
     pub fw: FrameworkHandle,
     pub volumes: Arc<Volumes>,
@@ -108,6 +114,95 @@ impl Control {
         self.store = store;
         self.node = node;
         self
+    }
+
+    /// Watches a volume whose engine resumed its recorded session at
+    /// start: once it is elected, nothing more; when a replica says
+    /// another engine took the volume over meanwhile, the volume is
+    /// dropped from the registry and the node state (the engine must not
+    /// come back at the next start either), with a log line saying why.
+    /// One thread per resumed volume, asleep until the engine decides.
+    pub fn watch_resumed(self: &Arc<Self>, name: &str) {
+        let Some(dev) = self
+            .volumes
+            .named(name)
+            .ok()
+            .and_then(|v| v.storage.replicated().cloned())
+        else {
+            return;
+        };
+        let control = self.clone();
+        let volume = name.to_string();
+        let spawned = std::thread::Builder::new()
+            .name(format!("resume-{name}"))
+            .spawn(move || match dev.wait_session(None) {
+                lull_engine::SessionOutcome::Final(s) => {
+                    tracing::info!(volume = %volume, session = format!("{s:#x}"), "engine resumed its recorded session: the replicas were not taken over")
+                }
+                lull_engine::SessionOutcome::Fenced(s) => control.drop_fenced(&volume, &dev, s),
+                lull_engine::SessionOutcome::Ended | lull_engine::SessionOutcome::TimedOut => {}
+            });
+        if let Err(e) = spawned {
+            tracing::error!(volume = name, error = %e,
+                "cannot watch the resumed engine: a failover while this daemon was away would not be noticed here (the replicas still refuse its writes)");
+        }
+    }
+
+    /// Drops a resumed volume whose engine another engine fenced.
+    fn drop_fenced(&self, name: &str, dev: &Arc<lull_engine::ReplicatedDev>, by: u64) {
+        let _one = self
+            .volume_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        // Only this very engine: the volume may have been deleted and
+        // created again meanwhile.
+        let same = self
+            .volumes
+            .named(name)
+            .ok()
+            .is_some_and(|v| v.storage.replicated().is_some_and(|d| Arc::ptr_eq(d, dev)));
+        if !same {
+            return;
+        }
+        if let Err(e) = self.volumes.remove(name) {
+            tracing::error!(volume = name, error = %e, "cannot drop the fenced volume");
+            return;
+        }
+        if let Err(e) = self.persist(|m| {
+            m.remove(name);
+        }) {
+            tracing::error!(volume = name, error = %e, "fenced volume dropped, and the node state still lists it (its engine will be fenced again at the next start)");
+        }
+        tracing::error!(
+            volume = name,
+            newer_session = format!("{by:#x}"),
+            "volume dropped: its replicas were taken over by a newer engine while this daemon was away \
+             (the volume failed over to another node); this node's engine stood down and its record is removed"
+        );
+    }
+
+    /// Waits (at most `RESUME_ELECTION_TIMEOUT`) for a new resumable
+    /// engine's first election: its session is final then, and is what
+    /// the node records.
+    fn final_session(
+        &self,
+        name: &str,
+        dev: &lull_engine::ReplicatedDev,
+    ) -> Result<u64, ControlError> {
+        use lull_engine::SessionOutcome;
+        match dev.wait_session(Some(RESUME_ELECTION_TIMEOUT)) {
+            SessionOutcome::Final(s) => Ok(s),
+            SessionOutcome::Fenced(s) => Err(ControlError::Refused(format!(
+                "volume {name}: fenced by engine session {s:#x} before its first election"
+            ))),
+            SessionOutcome::Ended => Err(ControlError::Refused(format!(
+                "volume {name}: its engine stopped before its first election (the log says why)"
+            ))),
+            SessionOutcome::TimedOut => Err(ControlError::Refused(format!(
+                "volume {name}: not every replica answered within {RESUME_ELECTION_TIMEOUT:?} \
+                 (replica_list says which), so the engine has no final session to record; nothing was created"
+            ))),
+        }
     }
 
     fn store(&self) -> Result<&lull_replica::Store, ControlError> {
@@ -261,6 +356,7 @@ impl Control {
             nvmf_lba: None,
             nvmf_allow_hosts: Vec::new(),
             persist: true,
+            resume: false,
         })?;
         self.note_clone(name, Some(snapshot));
         self.persist(|m| {
@@ -425,6 +521,17 @@ impl ControlPlane for Control {
         let spec = config::parse_volume(&format!("{name}:{size_bytes}:{backend}"))
             .map_err(|e| ControlError::Refused(e.to_string()))?;
         let nvmf = self.nvmf_options(volume, spec.size_bytes)?;
+        if volume.resume && !matches!(spec.backend, config::Backend::Replicas { .. }) {
+            return Err(ControlError::Refused(format!(
+                "volume {}: resume is for a replicated volume (backend replicas=...): only an engine has a session to resume",
+                spec.name
+            )));
+        }
+        if volume.resume && self.node.is_none() {
+            return Err(ControlError::Refused(
+                "resume needs the node state, kept under the store: start lull serve with --store DIR".into(),
+            ));
+        }
         let _one = self
             .volume_changes
             .lock()
@@ -452,6 +559,7 @@ impl ControlPlane for Control {
             &self.engine,
             &self.links,
             &self.node_rebuild,
+            None,
         )
         .map_err(|e| {
             forget();
@@ -475,6 +583,24 @@ impl ControlPlane for Control {
                 tracing::warn!(volume = %v.name, error = %e, "cannot apply the rebuild limit");
             }
         }
+        // A resumed volume's record carries its engine's final session,
+        // known once the engine is elected (before that a fresh engine
+        // may still take one past a replica's owner).
+        let session = match (volume.resume, v.storage.replicated()) {
+            (true, Some(dev)) => match self.final_session(&v.name, dev) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    if let Ok(gone) = self.volumes.remove(&v.name) {
+                        if let Some(dev) = gone.storage.replicated() {
+                            let _ = dev.detach(std::time::Duration::from_secs(5));
+                        }
+                    }
+                    forget();
+                    return Err(e);
+                }
+            },
+            _ => None,
+        };
         let entry = crate::node::VolumeEntry {
             name: v.name.clone(),
             size_bytes: spec.size_bytes,
@@ -485,6 +611,7 @@ impl ControlPlane for Control {
             qos: None,
             rebuild_mbytes_per_sec: None,
             clone_of: None,
+            session,
         };
         let recorded = if volume.persist {
             self.persist(|m| {
@@ -941,6 +1068,7 @@ impl ControlPlane for Control {
             qos: None,
             rebuild_mbytes_per_sec: None,
             clone_of: Some(snapshot.to_string()),
+            session: None,
         };
         if let Err(e) = self.persist(|m| {
             m.insert(entry.name.clone(), entry);

@@ -338,6 +338,7 @@ pub(crate) fn open_device(
     engine: &lull_engine::EngineOptions,
     links: &ReplicaLinks,
     node_rebuild: &lull_engine::NodeRebuildLimit,
+    resume: Option<u64>,
 ) -> Result<Storage, String> {
     let dev: Arc<dyn BlockDevice> = match &spec.backend {
         Backend::Replicas { addrs } => {
@@ -354,7 +355,7 @@ pub(crate) fn open_device(
             // Engines are spread over the reactors at start (round robin);
             // the dynamic scheduler moves them later as their load asks.
             let reactor = fw.next_reactor();
-            return lull_engine::ReplicatedDev::start(
+            return lull_engine::ReplicatedDev::start_with(
                 fw,
                 reactor,
                 &spec.name,
@@ -362,6 +363,7 @@ pub(crate) fn open_device(
                 spec.size_bytes,
                 engine.clone(),
                 tls,
+                resume,
             )
             .and_then(|dev| {
                 dev.set_node_rebuild_limit(node_rebuild.clone())?;
@@ -724,8 +726,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         connections: s.max_connections_per_volume,
         in_flight: s.max_in_flight_per_volume,
     }));
-    // Volumes the node recorded come back as they were created.
+    // Volumes the node recorded come back as they were created; a
+    // resumed one (`volume_create`'s `resume`) with its engine's session.
     let mut recorded = Vec::new();
+    let mut resumed: std::collections::BTreeMap<String, u64> = Default::default();
     for v in node.as_ref().map(|n| n.volumes()).unwrap_or_default() {
         let spec = config::parse_volume(&format!("{}:{}:{}", v.name, v.size_bytes, v.backend))
             .map_err(|e| e.to_string())
@@ -737,6 +741,9 @@ fn serve(args: ServeArgs) -> ExitCode {
                         tracing::warn!(volume = %v.name, "recorded with NVMe/TCP options, and this daemon serves no NVMe/TCP (--nvmf-listen): NBD only");
                     }
                     s.nvmf_volumes.insert(v.name.clone(), n);
+                }
+                if let Some(session) = v.session {
+                    resumed.insert(v.name.clone(), session);
                 }
                 recorded.push(spec);
             }
@@ -762,7 +769,8 @@ fn serve(args: ServeArgs) -> ExitCode {
         tracing::info!(mbytes_per_sec = mb, "node rebuild bandwidth limit restored");
     }
     for spec in s.volumes.iter().chain(&recorded) {
-        let dev = match open_device(spec, fw.handle(), &s.engine, &links, &node_rebuild) {
+        let resume = resumed.get(&spec.name).copied();
+        let dev = match open_device(spec, fw.handle(), &s.engine, &links, &node_rebuild, resume) {
             Ok(d) => d,
             Err(e) => {
                 fw.stop();
@@ -882,6 +890,9 @@ fn serve(args: ServeArgs) -> ExitCode {
         ),
     );
     control.apply_keepalive(s.mode);
+    for name in resumed.keys() {
+        control.watch_resumed(name);
+    }
     let rpc = match start_rpc(&s, &fw, &volumes, &control) {
         Ok(r) => r,
         Err(e) => {

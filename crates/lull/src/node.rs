@@ -62,6 +62,11 @@ pub struct VolumeEntry {
     /// flattened: names it when that snapshot's delete is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clone_of: Option<String>,
+    /// A resumed engine's session (`volume_create`'s `resume`): at a
+    /// restart the engine comes back with it, so the replicas refuse it
+    /// if another engine took the volume over meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
 }
 
 /// The node's own rebuild limits, MB/s; `None`: none set.
@@ -238,6 +243,7 @@ mod tests {
             }),
             rebuild_mbytes_per_sec: Some(50),
             clone_of: Some("v0@s1".into()),
+            session: Some(0x1234),
         };
         state
             .update(|m| {

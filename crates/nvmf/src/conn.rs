@@ -1267,7 +1267,10 @@ impl<S: Read + Write> Conn<S> {
                         fit(self.shared.identify_namespace(v))
                     }
                     (spec::CNS_NS_ID_DESCRIPTORS, Some(v)) if nsid == 1 && ctrl.ns_active() => {
-                        fit(spec::ns_id_descriptors(&spec::name_guid(&v.name)))
+                        fit(spec::ns_id_descriptors(
+                            &spec::name_guid(&v.name),
+                            &spec::name_eui64(&v.name),
+                        ))
                     }
                     (spec::CNS_NAMESPACE | spec::CNS_NS_ID_DESCRIPTORS, _) => {
                         Reply::status(Status::INVALID_NAMESPACE)

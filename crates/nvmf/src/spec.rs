@@ -306,6 +306,9 @@ pub struct NamespaceInfo {
     /// log2 of the LBA size (9 for 512 B, 12 for 4 KiB).
     pub lba_shift: u8,
     pub nguid: [u8; 16],
+    /// The IEEE Extended Unique Identifier, from the same name
+    /// ([`name_eui64`]).
+    pub eui64: [u8; 8],
     /// A snapshot's namespace: writes are refused (NSATTR bit 0).
     pub write_protected: bool,
 }
@@ -319,25 +322,44 @@ pub fn identify_namespace(ns: &NamespaceInfo) -> Vec<u8> {
     b[24] = 0; // NSFEAT
     b[25] = 0; // NLBAF: one format (0-based)
     b[26] = 0; // FLBAS: format 0
+    b[30] = 1; // NMIC: may be attached to several controllers (shared)
     b[33] = 0b1001; // DLFEAT: deallocated blocks read as zeros; WZ deallocates
     b[99] = u8::from(ns.write_protected); // NSATTR: write protected
     b[104..120].copy_from_slice(&ns.nguid);
+    b[120..128].copy_from_slice(&ns.eui64);
     // LBA format 0: no metadata, LBADS, best relative performance.
     b[128 + 2] = ns.lba_shift;
     b
 }
 
-/// Namespace identification descriptors (CNS 3): the NGUID, and the same
-/// bytes as a UUID.
-pub fn ns_id_descriptors(nguid: &[u8; 16]) -> Vec<u8> {
+/// Namespace identification descriptors (CNS 3): the EUI-64, the NGUID,
+/// and the NGUID's bytes as a UUID (as Identify Namespace reports them:
+/// Linux compares the two and refuses a namespace whose ids change).
+pub fn ns_id_descriptors(nguid: &[u8; 16], eui64: &[u8; 8]) -> Vec<u8> {
     let mut b = vec![0u8; IDENTIFY_BYTES];
-    b[0] = 2; // NIDT: NGUID
-    b[1] = 16;
-    b[4..20].copy_from_slice(nguid);
-    b[20] = 3; // NIDT: UUID
-    b[21] = 16;
-    b[24..40].copy_from_slice(nguid);
+    b[0] = 1; // NIDT: EUI-64
+    b[1] = 8;
+    b[4..12].copy_from_slice(eui64);
+    b[12] = 2; // NIDT: NGUID
+    b[13] = 16;
+    b[16..32].copy_from_slice(nguid);
+    b[32] = 3; // NIDT: UUID
+    b[33] = 16;
+    b[36..52].copy_from_slice(nguid);
     b
+}
+
+/// A stable EUI-64 from a name: a third FNV-1a hash of it, with the
+/// locally administered bit set and the group bit clear (IEEE's rule for
+/// an identifier no OUI was bought for), so it can never collide with a
+/// vendor's.
+pub fn name_eui64(name: &str) -> [u8; 8] {
+    let h = name.bytes().fold(0x6c62_272e_07bb_0142_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
+    });
+    let mut e = h.to_be_bytes();
+    e[0] = (e[0] & !0b01) | 0b10;
+    e
 }
 
 /// A stable 16-byte id from a name (FNV-1a 128 is not in std; two 64-bit
@@ -476,16 +498,41 @@ mod tests {
             blocks: 2048,
             lba_shift: 9,
             nguid: [1; 16],
+            eui64: [2; 8],
             write_protected: false,
         };
         let ns = identify_namespace(&info);
         assert_eq!(u64::from_le_bytes(ns[0..8].try_into().unwrap()), 2048);
         assert_eq!(ns[130], 9);
         assert_eq!(ns[99], 0, "NSATTR: writable");
+        assert_eq!(ns[30], 1, "NMIC: shared, so Linux makes a multipath head");
+        assert_eq!(&ns[104..120], &[1; 16], "NGUID");
+        assert_eq!(&ns[120..128], &[2; 8], "EUI64");
+        assert_eq!(c[76] & 0b10, 0b10, "CMIC: several controllers");
         info.write_protected = true;
         assert_eq!(identify_namespace(&info)[99], 1, "NSATTR: write protected");
         assert_ne!(name_guid("a"), name_guid("b"));
+        assert_ne!(name_eui64("a"), name_eui64("b"));
+        assert_eq!(name_eui64("v1"), name_eui64("v1"), "stable across restarts");
+        assert_eq!(
+            name_eui64("v1")[0] & 0b11,
+            0b10,
+            "locally administered, unicast"
+        );
         assert_eq!(cap(128) & 0xFFFF, 127);
+    }
+
+    #[test]
+    fn namespace_id_descriptors_list_eui64_nguid_and_uuid() {
+        let (g, e) = ([7u8; 16], [9u8; 8]);
+        let d = ns_id_descriptors(&g, &e);
+        assert_eq!((d[0], d[1]), (1, 8));
+        assert_eq!(&d[4..12], &e);
+        assert_eq!((d[12], d[13]), (2, 16));
+        assert_eq!(&d[16..32], &g);
+        assert_eq!((d[32], d[33]), (3, 16));
+        assert_eq!(&d[36..52], &g);
+        assert_eq!(d[52], 0, "the list ends");
     }
 
     #[test]

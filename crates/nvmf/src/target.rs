@@ -422,6 +422,7 @@ impl Shared {
             blocks: v.dev().size_bytes() >> lba_shift,
             lba_shift,
             nguid: spec::name_guid(&v.name),
+            eui64: spec::name_eui64(&v.name),
             write_protected: v.dev().read_only(),
         })
     }

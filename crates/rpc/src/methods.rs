@@ -371,6 +371,13 @@ pub struct NewVolume {
     /// it; a daemon coming back must not recreate an engine that another
     /// node has taken over since.
     pub persist: bool,
+    /// A replicated volume whose engine, at a restart of the daemon,
+    /// resumes the session it ran with (recorded with the volume) instead
+    /// of taking its replicas over: a volume another engine took over
+    /// meanwhile (it failed over to another node) is not taken back, and
+    /// its record is dropped. What the CSI plugin's engines are created
+    /// with. Needs `persist`.
+    pub resume: bool,
 }
 
 impl NewVolume {
@@ -874,6 +881,7 @@ struct VolumeCreate {
     #[serde(default)]
     nvmf_allow_hosts: Vec<String>,
     persist: Option<bool>,
+    resume: Option<bool>,
 }
 
 impl VolumeCreate {
@@ -900,6 +908,13 @@ impl VolumeCreate {
         for h in &self.nvmf_allow_hosts {
             check_name("nvmf_allow_hosts entry", h, MAX_NQN_LEN)?;
         }
+        let persist = self.persist.unwrap_or(true);
+        let resume = self.resume.unwrap_or(false);
+        if resume && !persist {
+            return Err(ControlError::InvalidParams(
+                "resume needs persist: a volume not recorded is not re-created at a restart".into(),
+            ));
+        }
         Ok(NewVolume {
             name: self.name,
             size_bytes,
@@ -907,7 +922,8 @@ impl VolumeCreate {
             nvmf_nqn: self.nvmf_nqn,
             nvmf_lba: self.nvmf_lba,
             nvmf_allow_hosts: self.nvmf_allow_hosts,
-            persist: self.persist.unwrap_or(true),
+            persist,
+            resume,
         })
     }
 }

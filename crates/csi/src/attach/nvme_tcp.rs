@@ -35,6 +35,22 @@ use crate::cmd;
 /// names the same subsystem whether or not the plugin created the engine.
 pub const NQN_PREFIX: &str = "nqn.2026-11.io.lull:";
 
+/// `nvme connect --reconnect-delay`: seconds between the kernel's tries
+/// to reconnect a lost controller. The daemon re-creates a staged
+/// volume's engine at its restart (`volume_create`'s `resume`) within
+/// about a second, so a 1 s delay bounds the pod's I/O pause across a
+/// restart or an upgrade near 2 s (the kernel's own default, 10 s, would
+/// make every restart a 10 s stall).
+pub const NVME_RECONNECT_DELAY_SECS: &str = "1";
+
+/// `nvme connect --ctrl-loss-tmo`: seconds the kernel keeps trying before
+/// it gives the controller up and fails the pod's I/O. Ten minutes (the
+/// kernel's default, said explicitly so it does not change under us):
+/// long enough for any restart or upgrade of the daemon, short enough
+/// that a node whose daemon is gone for good fails its I/O instead of
+/// hanging it forever (the volume then fails over by restaging).
+pub const NVME_CTRL_LOSS_TMO_SECS: &str = "600";
+
 /// How long the namespace's block device may take to appear after `nvme
 /// connect` answered: the kernel scans the controller's namespaces in
 /// the background and udev (or devtmpfs) makes the node; milliseconds on
@@ -182,6 +198,10 @@ pub(super) async fn attach(
             &record.trsvcid,
             "-n",
             nqn,
+            "--reconnect-delay",
+            NVME_RECONNECT_DELAY_SECS,
+            "--ctrl-loss-tmo",
+            NVME_CTRL_LOSS_TMO_SECS,
         ];
         if let Some(h) = hostnqn {
             args.extend(["--hostnqn", h]);

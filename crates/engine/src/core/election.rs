@@ -94,6 +94,11 @@ impl Engine {
     }
 
     pub(super) fn maybe_elect(&mut self) {
+        // A resumed engine that another engine took the volume from
+        // never elects: no replica it could still reach may serve.
+        if self.fenced_by.is_some() {
+            return;
+        }
         if !self.healthy_set().is_empty() {
             self.election_start_ns = None;
             return;

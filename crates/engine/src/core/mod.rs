@@ -189,6 +189,8 @@ impl Engine {
             elected_once: false,
             election_logged_ns: None,
             session: session.max(1),
+            session_resumed: false,
+            fenced_by: None,
             region_bytes: proto::intent_region_bytes(size_bytes),
             rebuild_chunk_bytes: REBUILD_CHUNK_BYTES,
             regions: vec![Region::default(); proto::intent_regions(size_bytes) as usize],

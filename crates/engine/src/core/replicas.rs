@@ -617,6 +617,25 @@ impl Engine {
             // (or a clock behind): take a session past it and try again.
             // After it, another engine has taken the replica over.
             let theirs = hello.session;
+            if self.session_resumed {
+                // This engine ran before its daemon restarted, and since
+                // then another engine (the volume failed over to another
+                // node) took this replica: the volume is that engine's.
+                // Stand down on every replica, so none is written by two
+                // engines at once (split brain), and never elect.
+                self.fenced_by = Some(theirs);
+                let why = format!(
+                    "fenced: replica {} is owned by a newer engine session ({theirs:#x}) than this resumed one ({:#x}): \
+                     the volume was taken over by another engine while this daemon was away; this engine stands down",
+                    self.replicas[r].addr, self.session
+                );
+                self.milestone(Milestone::Fenced { session: theirs });
+                let others: Vec<ReplicaId> = self.replicas.ids().filter(|&i| i != r).collect();
+                for i in others {
+                    self.fail_replica(i, &why, false);
+                }
+                return self.fail_replica(r, &why, false);
+            }
             if !self.elected_once {
                 self.session = theirs.saturating_add(1);
             }

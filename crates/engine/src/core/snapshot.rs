@@ -117,6 +117,29 @@ impl Engine {
         self.elected_once
     }
 
+    /// Makes this engine's session (given to `Engine::new`) the one the
+    /// volume's engine ran with before its daemon restarted, so the
+    /// replicas tell whether another engine took the volume over since:
+    /// the session is never raised past a replica's owner, and a newer
+    /// owner fences this engine on every replica ([`Self::fenced_by`]).
+    /// Called before the first event.
+    pub fn resume_session(&mut self) {
+        self.session_resumed = true;
+    }
+
+    /// The session this engine's writes carry, once it is final (the
+    /// first election; before it a fresh engine may still take one past
+    /// a replica's owner): what a node records to resume it after a
+    /// restart.
+    pub fn final_session(&self) -> Option<u64> {
+        self.elected_once.then_some(self.session)
+    }
+
+    /// The newer session that fenced this resumed engine, if one did.
+    pub fn fenced_by(&self) -> Option<u64> {
+        self.fenced_by
+    }
+
     /// Whether every replica of the volume is healthy and their
     /// generation stored (the moment to reconcile their snapshot lists,
     /// [`super::types::Event::ReconcileSnapshots`]: a snapshot operation

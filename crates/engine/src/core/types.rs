@@ -505,6 +505,10 @@ pub enum Milestone {
     },
     /// A clean detach finished; `clean` are the replicas it marked clean.
     Detached { clean: Vec<ReplicaTarget> },
+    /// A resumed engine (`Engine::resume_session`) found a replica owned
+    /// by the newer `session`: another engine took the volume over, and
+    /// this one stands down for good.
+    Fenced { session: u64 },
 }
 
 // ---- what operators see -----------------------------------------------------
@@ -590,6 +594,14 @@ pub struct Engine {
     pub(super) election_logged_ns: Option<u64>,
     /// This engine process's session (non-zero), sent in every HELLO.
     pub(super) session: u64,
+    /// The session is the one this volume's engine ran with before a
+    /// restart of its daemon (`Engine::resume_session`): it is never
+    /// raised past a replica's owner, because a newer owner is another
+    /// engine that took the volume over since.
+    pub(super) session_resumed: bool,
+    /// Set when a resumed engine met a replica owned by a newer session
+    /// (that session): the engine stands down for good (no election).
+    pub(super) fenced_by: Option<u64>,
     pub(super) region_bytes: u64,
     pub(super) regions: Vec<Region>,
     /// Data segment size of a copy: `REBUILD_CHUNK_BYTES` (smaller in the

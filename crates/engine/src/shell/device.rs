@@ -62,6 +62,11 @@ pub(super) struct StatusShared {
     /// before the first). Read on reactors (NBD's export list and
     /// `VOLUME@SNAPSHOT`), so never a network round trip there.
     pub(super) snapshots: Mutex<Option<Vec<String>>>,
+    /// The engine's session once final (its first election; 0 before),
+    /// and the newer session that fenced a resumed engine (0: none). Set
+    /// under `snapshot`'s lock, waited for on `ready`.
+    pub(super) session: AtomicU64,
+    pub(super) fenced_by: AtomicU64,
 }
 
 impl StatusShared {
@@ -102,6 +107,24 @@ fn new_session() -> u64 {
         .map_or(0, |d| d.as_nanos());
     u64::try_from(t).unwrap_or(u64::MAX).max(1)
 }
+
+/// What [`ReplicatedDev::wait_session`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionOutcome {
+    /// The session is final: the engine was elected.
+    Final(u64),
+    /// A resumed engine met a replica owned by this newer session: the
+    /// volume is another engine's now, and this one stands down.
+    Fenced(u64),
+    /// The engine thread ended first.
+    Ended,
+    TimedOut,
+}
+
+/// How often [`ReplicatedDev::wait_session`] looks whether the engine
+/// thread exited (an exit is not a status change that wakes it): a wait
+/// with no deadline ends at most this long after the thread.
+const SESSION_EXIT_CHECK: Duration = Duration::from_secs(1);
 
 /// A replicated volume: a `BlockDevice` whose I/O goes to replica servers.
 pub struct ReplicatedDev {
@@ -149,6 +172,25 @@ impl ReplicatedDev {
         opts: EngineOptions,
         tls: Option<TlsContext>,
     ) -> Result<Arc<ReplicatedDev>, EngineError> {
+        Self::start_with(fw, reactor, volume, replicas, size_bytes, opts, tls, None)
+    }
+
+    /// As [`Self::start`], and with `resume` the session this volume's
+    /// engine had before its daemon restarted (what [`Self::final_session`]
+    /// said then): the engine takes its replicas back only if no other
+    /// engine took them over meanwhile, and otherwise stands down
+    /// ([`Self::wait_session`] says `Fenced`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_with(
+        fw: &FrameworkHandle,
+        reactor: usize,
+        volume: &str,
+        replicas: Vec<ReplicaTarget>,
+        size_bytes: u64,
+        opts: EngineOptions,
+        tls: Option<TlsContext>,
+        resume: Option<u64>,
+    ) -> Result<Arc<ReplicatedDev>, EngineError> {
         opts.validate()?;
         if replicas.is_empty() || replicas.len() > crate::core::MAX_REPLICAS {
             return Err(EngineError::ReplicaCount {
@@ -171,16 +213,21 @@ impl ReplicatedDev {
             control_abandoned: Mutex::new(std::collections::HashSet::new()),
             snapshots: Mutex::new(None),
             ready: Condvar::new(),
+            session: AtomicU64::new(0),
+            fenced_by: AtomicU64::new(0),
         });
         let doorbell = Arc::new(Doorbell::new());
         let shell = Arc::new_cyclic(|weak| {
-            let core = Engine::new(
+            let mut core = Engine::new(
                 volume,
                 size_bytes,
                 replicas.clone(),
                 opts.clone(),
-                new_session(),
+                resume.unwrap_or_else(new_session),
             );
+            if resume.is_some() {
+                core.resume_session();
+            }
             Mutex::new(Shell::new(
                 volume,
                 core,
@@ -216,6 +263,52 @@ impl ReplicatedDev {
 
     /// Wait until at least one replica is healthy. For the main thread
     /// (start-up, tools), never for a reactor.
+    /// The session this engine's writes carry, once final (after its
+    /// first election): what a node records to resume the engine after a
+    /// restart ([`Self::start_with`]).
+    pub fn final_session(&self) -> Option<u64> {
+        match self.status.session.load(Ordering::Acquire) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+
+    /// Blocks until the engine's session is final (its first election),
+    /// a resumed engine was fenced by a newer one, the engine thread
+    /// exited, or `timeout` passed.
+    pub fn wait_session(&self, timeout: Option<Duration>) -> SessionOutcome {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut snap = self
+            .status
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.status.fenced_by.load(Ordering::Acquire) {
+                0 => {}
+                s => return SessionOutcome::Fenced(s),
+            }
+            if let Some(s) = self.final_session() {
+                return SessionOutcome::Final(s);
+            }
+            if self.engine.has_exited() {
+                return SessionOutcome::Ended;
+            }
+            // Woken at every published status change; the thread's exit
+            // publishes none, so it is looked at every second too.
+            let now = std::time::Instant::now();
+            let wait = match deadline {
+                Some(d) if now >= d => return SessionOutcome::TimedOut,
+                Some(d) => (d - now).min(SESSION_EXIT_CHECK),
+                None => SESSION_EXIT_CHECK,
+            };
+            snap = match self.status.ready.wait_timeout(snap, wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
     pub fn wait_ready(&self, timeout: Duration) -> bool {
         self.wait_status(timeout, false, |snap| {
             snap.iter().any(|s| s.state == ReplicaState::Healthy)

@@ -43,4 +43,4 @@ mod layers;
 mod run;
 mod socket;
 
-pub use device::{ReplicatedDev, CONTROL_RETRY_WINDOW, GROW_TIMEOUT};
+pub use device::{ReplicatedDev, SessionOutcome, CONTROL_RETRY_WINDOW, GROW_TIMEOUT};

@@ -454,8 +454,12 @@ impl Shell {
         self.core.status_into(&mut guard);
         let ready = guard.iter().any(|s| s.state == ReplicaState::Healthy);
         self.status.detached.store(detached, Ordering::Release);
+        let session = self.core.final_session().unwrap_or(0);
+        let fenced = self.core.fenced_by().unwrap_or(0);
+        self.status.session.store(session, Ordering::Release);
+        self.status.fenced_by.store(fenced, Ordering::Release);
         drop(guard);
-        if ready || detached {
+        if ready || detached || session != 0 || fenced != 0 {
             self.status.ready.notify_all();
         }
     }
