@@ -568,6 +568,10 @@ pub(crate) struct Sim {
     pub(crate) milestones: Vec<Milestone>,
     /// Session of the engine running now (the sim numbers them 1, 2, ...).
     session: u64,
+    /// The next `new_engine` resumes the running engine's session
+    /// (`Engine::resume_session`: a daemon restarted) instead of taking
+    /// the next one.
+    resume_next: bool,
     /// Per block, bumped by every write issued, finished or abandoned
     /// over it: two reads that saw the same epoch had no write in between.
     epoch: Vec<u64>,
@@ -703,6 +707,7 @@ impl Sim {
             log: Vec::new(),
             milestones: Vec::new(),
             session: 1,
+            resume_next: false,
             epoch: vec![0; BLOCKS],
             writing: vec![0; BLOCKS],
             stable: vec![None; BLOCKS],
@@ -1842,8 +1847,14 @@ impl Sim {
         }
         // The old engine's snapshot operation dies with it.
         self.snap_pending = None;
-        self.session += 1;
+        let resume = std::mem::take(&mut self.resume_next);
+        if !resume {
+            self.session += 1;
+        }
         self.engine = Engine::new("sim", SIZE, self.addrs.clone(), opts, self.session);
+        if resume {
+            self.engine.resume_session();
+        }
         self.all_healthy = false;
         self.close_revert_window();
         self.engine.set_region_bytes(SIM_REGION_BYTES);
@@ -2237,6 +2248,87 @@ fn sim_a_replica_that_refused_a_revert_is_copied_over_the_whole_volume() {
         "a delta of the whole volume: {}",
         sim.log.join("\n")
     );
+}
+
+/// A daemon restarted with no other engine meanwhile: its engine resumes
+/// the session it had, the replicas (owned by that session) take it, it
+/// is elected, and everything acknowledged reads back (`run`'s checks).
+#[test]
+fn sim_a_resumed_engine_takes_its_replicas_back() {
+    let mut sim = Sim::new(5, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    sim.step_until(3_000 * MS, true);
+    let session = sim.session;
+    sim.resume_next = true;
+    sim.new_engine();
+    let restarted_at = sim.milestones.len();
+    sim.step_until(sim.now + 5_000 * MS, true);
+    assert_eq!(sim.session, session, "the session was resumed");
+    assert!(
+        sim.milestone_since(restarted_at, |m| matches!(m, Milestone::Elected { .. })),
+        "the resumed engine was not elected: {}",
+        sim.log.join("\n")
+    );
+    assert_eq!(sim.engine.fenced_by(), None);
+    assert_eq!(sim.engine.final_session(), Some(session));
+    sim.run(0);
+}
+
+/// A daemon restarted after another engine took a replica over (the
+/// volume failed over): the resumed engine is fenced on every replica,
+/// never elected, and writes nothing to any replica.
+#[test]
+fn sim_a_resumed_engine_meeting_a_newer_owner_stands_down() {
+    let mut sim = Sim::new(6, 2);
+    sim.faults = false;
+    sim.step_until(1_000 * MS, false);
+    sim.step_until(3_000 * MS, true);
+    sim.step_until(sim.now + 1_000 * MS, false);
+    assert!(sim.inflight.is_empty(), "client I/O did not finish");
+    // Another engine, with a newer session, took replica 1 (it never
+    // reached replica 0).
+    let newer = sim.session + 10;
+    sim.replicas[1].owner = newer;
+    let before: Vec<Vec<u8>> = sim.replicas.iter().map(|r| r.data.clone()).collect();
+    sim.resume_next = true;
+    sim.new_engine();
+    let restarted_at = sim.milestones.len();
+    let eio_before = sim.eio;
+    sim.step_until(sim.now + 10_000 * MS, true);
+    assert_eq!(
+        sim.engine.fenced_by(),
+        Some(newer),
+        "{}",
+        sim.log.join("\n")
+    );
+    assert!(
+        sim.milestone_since(
+            restarted_at,
+            |m| matches!(m, Milestone::Fenced { session } if *session == newer)
+        ),
+        "no Fenced milestone"
+    );
+    assert!(
+        !sim.milestone_since(restarted_at, |m| matches!(m, Milestone::Elected { .. })),
+        "a fenced engine was elected: {:?}",
+        &sim.milestones[restarted_at..]
+    );
+    assert!(
+        sim.engine
+            .status()
+            .iter()
+            .all(|s| s.state == ReplicaState::Failed),
+        "{:?}",
+        sim.engine.status()
+    );
+    assert!(sim.eio > eio_before, "the client's I/O did not fail");
+    for (r, data) in sim.replicas.iter().zip(&before) {
+        assert!(
+            r.data == *data,
+            "a fenced engine's write landed on a replica"
+        );
+    }
 }
 
 #[test]
