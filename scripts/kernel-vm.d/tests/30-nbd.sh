@@ -116,8 +116,8 @@ if out=$(timeout 30 nbd-client -N nbdt0 -cacertfile "$pki/ca-cert.pem" -tlshostn
 else pass nbd-refuse-no-cert "refused: $(echo "$out" | oneline | cut -c1-200)"; fi
 alive "$PT" || fail nbd-refuse-plain "the TLS server died"
 
-for p in PE PT; do
-  stop "${!p}"
-  if [ "$STOP_RC" = 0 ]; then pass "nbd-stop-$p" "SIGTERM: lull exited 0"; else fail "nbd-stop-$p" "lull exited $STOP_RC on SIGTERM ($STOP_NOTE)"; fi
+for p in plain:PE tls:PT; do
+  pid=${p#*:}; stop "${!pid}"
+  if [ "$STOP_RC" = 0 ]; then pass "nbd-stop-${p%:*}" "SIGTERM: lull exited 0"; else fail "nbd-stop-${p%:*}" "lull exited $STOP_RC on SIGTERM ($STOP_NOTE)"; fi
 done
 exit 0
