@@ -34,8 +34,9 @@
 //! prove the plugin's logic (the commands it runs, what it records, waits
 //! for and undoes, idempotency, the clean-up of a failed stage), not the
 //! kernel's side. The machines this was built on have no `nbd` or
-//! `nvme_tcp` module: there the refusal is tested for real, and the
-//! kernel path of both methods is untested.
+//! `nvme_tcp` module: there the refusal is tested for real; the kernel
+//! path of both methods runs in the kernel tier's VM (Debian's kernel:
+//! crates/csi/tests/kernel.rs, scripts/kernel-vm.d/tests/60-csi.sh).
 
 mod nbd;
 mod nvme_tcp;
@@ -427,6 +428,12 @@ pub enum AttachError {
         nqn: String,
         controllers: Vec<String>,
     },
+    #[error("{nqn} is connected already to {elsewhere:?}, not to this node's daemon at {addr} (another target serves the volume's NQN to this host: disconnect it first, nvme disconnect -n {nqn})")]
+    ConnectedElsewhere {
+        nqn: String,
+        addr: String,
+        elsewhere: Vec<String>,
+    },
     #[error("no free nbd device: all of {count} are connected or taken by other volumes (the nbd module's nbds_max)")]
     NoFreeNbd { count: usize },
     #[error("{device}: nbd-client answered, but the kernel shows no connection (no {pid}) within {NBD_CONNECT_TIMEOUT:?}", pid = pid.display())]
@@ -442,9 +449,9 @@ impl AttachError {
     pub fn status(&self, volume: &str, doing: &str) -> tonic::Status {
         let message = format!("volume {volume}: {doing}: {self}");
         match self {
-            AttachError::Tool(CmdError::Missing { .. }) | AttachError::Address { .. } => {
-                tonic::Status::failed_precondition(message)
-            }
+            AttachError::Tool(CmdError::Missing { .. })
+            | AttachError::Address { .. }
+            | AttachError::ConnectedElsewhere { .. } => tonic::Status::failed_precondition(message),
             AttachError::NoFreeNbd { .. } => tonic::Status::resource_exhausted(message),
             _ => tonic::Status::internal(message),
         }

@@ -13,8 +13,8 @@
 //! ```
 //!
 //! As for `nvme-tcp`, only [`super::Host`]'s sysfs and /dev are read and
-//! only its `nbd-client` runs: the tests use fakes, and the kernel's
-//! side is untested on the machines this was built on (no `nbd` module).
+//! only its `nbd-client` runs: crates/csi/tests/attach.rs uses fakes,
+//! crates/csi/tests/kernel.rs the real kernel (in the kernel tier's VM).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

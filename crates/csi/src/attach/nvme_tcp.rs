@@ -15,10 +15,12 @@
 //!
 //! Only [`super::Host`]'s sysfs and /dev are read, and only its `nvme`
 //! runs, so a test can run all of this against a fake tree and a fake
-//! `nvme` (crates/csi/tests/attach.rs). The kernel's side (the module,
-//! sysfs as a real kernel lays it out, lull's target answering Linux's
-//! initiator) is not tested on the machines this was built on: they
-//! have no `nvme_tcp` module.
+//! `nvme` (crates/csi/tests/attach.rs). On a real kernel (Debian's, in
+//! the kernel tier's VM: crates/csi/tests/kernel.rs) the layout above
+//! is what 6.12 shows, the namespace being the subsystem's multipath
+//! head; there a controller whose target died stays in its subsystem
+//! (`connecting`), so "connected already" is a controller at the
+//! recorded address, not any controller of the NQN.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -125,6 +127,45 @@ fn controllers(subsystem: &Path) -> Vec<String> {
     nvme_entries(subsystem, false)
 }
 
+/// A controller's transport address as sysfs has it
+/// (`/sys/class/nvme/nvme<C>/address`: `traddr=127.0.0.1,trsvcid=4420`,
+/// and `,src_addr=...` on newer kernels); `None` when unreadable.
+fn address_of(host: &Host, controller: &str) -> Option<String> {
+    std::fs::read_to_string(host.sys.join("class/nvme").join(controller).join("address"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Whether a sysfs `address` names `traddr` and `trsvcid`.
+fn address_is(address: &str, traddr: &str, trsvcid: &str) -> bool {
+    let field = |key: &str| {
+        address
+            .split(',')
+            .find_map(|kv| kv.trim().strip_prefix(key)?.strip_prefix('='))
+    };
+    field("traddr") == Some(traddr) && field("trsvcid") == Some(trsvcid)
+}
+
+/// The subsystem's controllers split into those at `traddr:trsvcid` (a
+/// controller whose address sysfs does not show counts as there) and
+/// the addresses of the others.
+fn controllers_at(
+    host: &Host,
+    subsystem: &Path,
+    traddr: &str,
+    trsvcid: &str,
+) -> (Vec<String>, Vec<String>) {
+    let mut here = Vec::new();
+    let mut elsewhere = Vec::new();
+    for c in controllers(subsystem) {
+        match address_of(host, &c) {
+            Some(a) if !address_is(&a, traddr, trsvcid) => elsewhere.push(format!("{c}: {a}")),
+            _ => here.push(c),
+        }
+    }
+    (here, elsewhere)
+}
+
 /// The block device of the volume's namespace (namespace 1), as a name
 /// under /dev: the subsystem's namespace head when the kernel has native
 /// multipath (`nvme<S>n1` in the subsystem's directory), else the
@@ -183,10 +224,26 @@ pub(super) async fn attach(
         trsvcid: trsvcid.to_string(),
         hostnqn: hostnqn.map(str::to_string),
     };
+    // Connected already means connected to this daemon: a subsystem of
+    // the NQN whose controllers are all at another address (another
+    // daemon on this host served the volume, and its controller is left
+    // reconnecting to it) would answer that target's namespace, not this
+    // engine's. Refused before the record, so a failed stage's detach
+    // leaves that connection alone.
+    let (here, elsewhere) = subsystem(host, nqn)
+        .map(|s| controllers_at(host, &s, &record.traddr, &record.trsvcid))
+        .unwrap_or_default();
+    if here.is_empty() && !elsewhere.is_empty() {
+        return Err(AttachError::ConnectedElsewhere {
+            nqn: nqn.to_string(),
+            addr: addr.to_string(),
+            elsewhere,
+        });
+    }
     if read_json::<Record>(dir, RECORD_FILE)?.as_ref() != Some(&record) {
         write_json(dir, RECORD_FILE, &record)?;
     }
-    let connected = subsystem(host, nqn).is_some_and(|s| !controllers(&s).is_empty());
+    let connected = !here.is_empty();
     if !connected {
         let mut args: Vec<&str> = vec![
             "connect",
@@ -321,6 +378,30 @@ mod tests {
         for d in ["nvme1n1", "nvme4n1"] {
             std::fs::write(host.dev.join(d), "").unwrap();
         }
+        // The controllers' addresses, as a kernel shows them.
+        mk(host.sys.join("class/nvme/nvme4"));
+        std::fs::write(
+            host.sys.join("class/nvme/nvme4/address"),
+            "traddr=127.0.0.1,trsvcid=4420,src_addr=127.0.0.1\n",
+        )
+        .unwrap();
+        let sub = subsystem(&host, &nqn_of("b")).unwrap();
+        assert_eq!(
+            controllers_at(&host, &sub, "127.0.0.1", "4420"),
+            (vec!["nvme4".to_string()], vec![])
+        );
+        assert_eq!(
+            controllers_at(&host, &sub, "127.0.0.1", "4421"),
+            (
+                vec![],
+                vec!["nvme4: traddr=127.0.0.1,trsvcid=4420,src_addr=127.0.0.1".to_string()]
+            )
+        );
+        assert!(!address_is(
+            "traddr=127.0.0.10,trsvcid=4420",
+            "127.0.0.1",
+            "4420"
+        ));
         let dev = |n: &str| host.dev.join(n).to_string_lossy().into_owned();
         assert_eq!(device_of(&host, &nqn_of("a")), Some(dev("nvme1n1")));
         assert_eq!(device_of(&host, &nqn_of("b")), Some(dev("nvme4n1")));
