@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! lull csi --endpoint unix:///csi/csi.sock --nodes /etc/lull/nodes.json \
-//!          --role all --node-id node-a --attach fuse
+//!          --role all --node-id node-a --attach nvme-tcp
 //! ```
 //!
 //! | module | what |

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! $ lull csi --endpoint unix:///csi/csi.sock --nodes /etc/lull/nodes.json \
-//!       --role node --node-id node-a --attach fuse
+//!       --role node --node-id node-a --attach nvme-tcp
 //! ```
 
 use std::path::PathBuf;
@@ -30,9 +30,11 @@ pub struct CsiArgs {
     /// This node's id in the node list (the node role needs it).
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
-    /// How a staged volume becomes a block device on this node: fuse
-    /// (nbdfuse and a loop device), nbd or nvme-tcp (kernel modules).
-    #[arg(long, default_value = "fuse", value_name = "METHOD")]
+    /// How a staged volume becomes a block device on this node:
+    /// nvme-tcp (the kernel's NVMe/TCP initiator, the nvme_tcp module),
+    /// nbd (the nbd module) or fuse (nbdfuse and a loop device: the
+    /// fallback for kernels without those modules).
+    #[arg(long, default_value = "nvme-tcp", value_name = "METHOD")]
     pub attach: String,
     /// Where the node plugin keeps its per-volume files (FUSE mounts).
     #[arg(long, default_value = "/var/lib/lull-csi", value_name = "DIR")]
