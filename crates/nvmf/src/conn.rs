@@ -1108,10 +1108,12 @@ impl<S: Read + Write> Conn<S> {
     }
 
     fn connect(&mut self, sqe: &Sqe, data: Option<&IoBuf>) -> Reply {
-        // Invalid parameter: dw0 holds IATTR (1: in the data) and the
-        // byte offset of the field.
+        // Invalid parameter: dw0 holds IPO, the byte offset of the field,
+        // in bits 15:0 and IATTR (1: in the Connect data, 0: in the
+        // command) in bit 16 (NVMe-oF 1.1, Connect response; Linux's
+        // nvmf_log_connect_error names the field from them).
         let invalid = |in_data: bool, offset: u16| Reply {
-            dw0: u32::from(in_data) | (u32::from(offset) << 16),
+            dw0: (u32::from(in_data) << 16) | u32::from(offset),
             ..Reply::status(Status::CONNECT_INVALID_PARAMETERS)
         };
         if !matches!(self.phase, Phase::Connecting) {

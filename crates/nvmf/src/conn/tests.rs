@@ -424,10 +424,17 @@ fn io_queue_reads_and_writes_the_volume() {
     );
     let mut bad = Host::new(&shared);
     bad.ic(Digests::default());
+    let refused = bad.connect(0, 0xFFFF, "nqn.2026-11.io.lull:nope");
     assert_eq!(
-        status_of(&bad.connect(0, 0xFFFF, "nqn.2026-11.io.lull:nope")),
+        status_of(&refused),
         Status::CONNECT_INVALID_PARAMETERS.field()
     );
+    // IATTR (bit 16): in the Connect data; IPO (bits 15:0): SUBNQN's
+    // offset in it, 256 (what Linux logs as "subsysnqn").
+    let Got::Resp { dw0, .. } = refused else {
+        panic!("{refused:?}")
+    };
+    assert_eq!(dw0, (1 << 16) | 256, "{dw0:#x}");
 
     // 4 KiB in the capsule at LBA 8.
     let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
