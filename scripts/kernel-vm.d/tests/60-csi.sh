@@ -22,13 +22,20 @@
 . "$KVM_DIR/lib.sh"
 
 target=${CARGO_TARGET_DIR:-$KVM_REPO/target}
-test_bin=${LULL_CSI_KERNEL_TEST:-$(ls -t "$target"/ci/deps/kernel-* 2>/dev/null | grep -v '\.d$' | head -n1)}
 sanity=$target/csi-sanity-v5.6.0/csi-sanity
 # The tests the binary holds: each is a check, and one not reported (not
 # run, filtered out) is a FAIL, so the file never passes vacuously.
 TESTS=(nvme_tcp_stages_publishes_and_grows_on_the_kernel
   nbd_stages_publishes_and_grows_at_the_next_stage_on_the_kernel
   nvme_tcp_fails_over_by_restaging_on_another_node)
+# The newest test binary named kernel-* that holds them (another crate's
+# `kernel` test would be named so too).
+test_bin=${LULL_CSI_KERNEL_TEST:-}
+if [ -z "$test_bin" ]; then
+  for b in $(ls -t "$target"/ci/deps/kernel-* 2>/dev/null | grep -v '\.d$'); do
+    if [ -x "$b" ] && "$b" --list --ignored 2>/dev/null | grep -q "^${TESTS[0]}: test"; then test_bin=$b; break; fi
+  done
+fi
 
 kmark csi
 # ---- the plugin's calls on the kernel's devices ----
