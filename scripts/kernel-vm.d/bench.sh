@@ -10,11 +10,13 @@
 # times each (tests/20-restart.sh with KVM_RESTART_REPEATS).
 #
 # Placement: each target on vCPU 0 (taskset; lull --cores 0; nvmf_tgt
-# -m 0x1), fio on vCPU 1. The target not being measured is SIGSTOPped with
-# no host connected (nvmf_tgt polls a full core even when idle), and
-# SIGCONTinued for its own runs. Each target serves a BENCH_MIB memory
-# volume (a malloc bdev for nvmf_tgt), 4 KiB blocks, filled once before
-# its first run so reads find data.
+# -m 0x1), fio on vCPU 1. Every target is attached once (nvme connect with
+# keep-alive off, -k 0, so that a stopped target is not a lost one;
+# nbd-client on its own /dev/nbdN), and the target not being measured is
+# SIGSTOPped (nvmf_tgt polls a full core even when idle): interleaved per
+# job, the two targets of a pair run back to back, a few seconds apart.
+# Each target serves a BENCH_MIB memory volume (a malloc bdev for
+# nvmf_tgt), 4 KiB blocks, filled once before the first run.
 . "$KVM_DIR/lib.sh"
 
 PAIRS=${KVM_BENCH_PAIRS:-5}           # interleaved pairs per job (issue 42: at least 5)
@@ -53,49 +55,41 @@ wait_port 10810 || { fail bench-setup "nbdkit not listening"; exit 1; }
 kill -STOP "$PL" "$PS" "$PN"
 info bench-setup "lull pid $PL (${KVM_LULL#"$KVM_REPO"/}), nvmf_tgt pid $PS, nbdkit pid $PN, all on vCPU 0; fio on vCPU 1; ${PAIRS} pairs x ${#JOBS[@]} jobs x ${BENCH_RUNTIME}s"
 
-declare -A FILLED
 # attach PROTO TARGET -> DEVICE on stdout
 attach() {
   case $1/$2 in
-    nvmf/lull) NVME_PORT=4420 nvme_conn "$NQN_PREFIX:b0" > /dev/null && echo "/dev/$(nvme_dev "$NQN_PREFIX:b0")" ;;
-    nvmf/spdk) NVME_PORT=4421 nvme_conn nqn.2016-06.io.spdk:b0 > /dev/null && echo "/dev/$(nvme_dev nqn.2016-06.io.spdk:b0)" ;;
+    nvmf/lull) NVME_PORT=4420 nvme_conn "$NQN_PREFIX:b0" -k 0 > /dev/null && echo "/dev/$(nvme_dev "$NQN_PREFIX:b0")" ;;
+    nvmf/spdk) NVME_PORT=4421 nvme_conn nqn.2016-06.io.spdk:b0 -k 0 > /dev/null && echo "/dev/$(nvme_dev nqn.2016-06.io.spdk:b0)" ;;
     nbd/lull) nbd-client -N b0 127.0.0.1 10809 /dev/nbd0 > /dev/null 2>&1 && wait_until "$DEV_WAIT" test "$(cat /sys/block/nbd0/size)" != 0 && echo /dev/nbd0 ;;
-    nbd/nbdkit) nbd-client -N b0 127.0.0.1 10810 /dev/nbd0 > /dev/null 2>&1 && wait_until "$DEV_WAIT" test "$(cat /sys/block/nbd0/size)" != 0 && echo /dev/nbd0 ;;
-  esac
-}
-detach() {
-  case $1/$2 in
-    nvmf/lull) nvme_disc "$NQN_PREFIX:b0" ;;
-    nvmf/spdk) nvme_disc nqn.2016-06.io.spdk:b0 ;;
-    nbd/*) nbd-client -d /dev/nbd0 > /dev/null 2>&1 ;;
+    nbd/nbdkit) nbd-client -N b0 127.0.0.1 10810 /dev/nbd1 > /dev/null 2>&1 && wait_until "$DEV_WAIT" test "$(cat /sys/block/nbd1/size)" != 0 && echo /dev/nbd1 ;;
   esac
 }
 pid_of() { case $1 in lull) echo "$PL" ;; spdk) echo "$PS" ;; nbdkit) echo "$PN" ;; esac; }
+declare -A DEVOF
+kill -CONT "$PL" "$PS" "$PN"
+for pt in nvmf/lull nvmf/spdk nbd/lull nbd/nbdkit; do
+  d=$(attach "${pt%/*}" "${pt#*/}")
+  if [ -z "$d" ] || [ ! -b "$d" ]; then fail bench-setup "attaching $pt failed: $LASTERR"; exit 1; fi
+  dd if=/dev/urandom of="$d" bs=1M count="$BENCH_MIB" oflag=direct status=none
+  DEVOF[$pt]=$d
+done
+kill -STOP "$PL" "$PS" "$PN"
+info bench-setup "devices: nvmf lull ${DEVOF[nvmf/lull]}, spdk ${DEVOF[nvmf/spdk]}; nbd lull ${DEVOF[nbd/lull]}, nbdkit ${DEVOF[nbd/nbdkit]}; each filled with ${BENCH_MIB} MiB"
 
-# one_target PAIR PROTO TARGET: all jobs on one attach
-one_target() {
-  local pair=$1 proto=$2 tgt=$3 dev j name rw bs qd line iops lat
+# one_run PAIR PROTO TARGET JOB...: one fio run with only TARGET running
+one_run() {
+  local pair=$1 proto=$2 tgt=$3 name=$4 rw=$5 bs=$6 qd=$7 dev line iops lat
+  dev=${DEVOF[$proto/$tgt]}
   kill -CONT "$(pid_of "$tgt")"
-  dev=$(attach "$proto" "$tgt")
-  if [ -z "$dev" ] || [ ! -b "$dev" ]; then
-    echo "ERROR pair=$pair proto=$proto target=$tgt attach failed: $LASTERR" >> "$RAW"; kill -STOP "$(pid_of "$tgt")"; return 1
-  fi
-  if [ -z "${FILLED[$proto/$tgt]:-}" ]; then
-    dd if=/dev/urandom of="$dev" bs=1M count="$BENCH_MIB" oflag=direct status=none; FILLED[$proto/$tgt]=1
-  fi
-  for j in "${JOBS[@]}"; do
-    read -r name rw bs qd <<< "$j"
-    line=$(fio --name="$name" --filename="$dev" --direct=1 --ioengine=libaio --rw="$rw" --bs="$bs" \
-      --iodepth="$qd" --size="${BENCH_MIB}M" --time_based --runtime="$BENCH_RUNTIME" --ramp_time="$BENCH_RAMP" \
-      --cpus_allowed=1 --norandommap --randrepeat=0 --output-format=terse 2> "$TOUT/fio.err" | tail -n 1)
-    # terse v3: field 8 read IOPS, 16 read clat mean (us); 49 write IOPS, 57 write clat mean
-    if [ "$rw" = randwrite ]; then iops=$(echo "$line" | cut -d';' -f49); lat=$(echo "$line" | cut -d';' -f57)
-    else iops=$(echo "$line" | cut -d';' -f8); lat=$(echo "$line" | cut -d';' -f16); fi
-    [ "$(echo "$line" | cut -d';' -f5)" = 0 ] || iops=ERR
-    echo "RUN pair=$pair proto=$proto target=$tgt job=$name iops=${iops:-ERR} clat_mean_us=${lat:-ERR}" >> "$RAW"
-  done
-  detach "$proto" "$tgt"
+  line=$(fio --name="$name" --filename="$dev" --direct=1 --ioengine=libaio --rw="$rw" --bs="$bs" \
+    --iodepth="$qd" --size="${BENCH_MIB}M" --time_based --runtime="$BENCH_RUNTIME" --ramp_time="$BENCH_RAMP" \
+    --cpus_allowed=1 --norandommap --randrepeat=0 --output-format=terse 2> "$TOUT/fio.err" | tail -n 1)
   kill -STOP "$(pid_of "$tgt")"
+  # terse v3: field 5 the error, 8 read IOPS, 16 read clat mean (us); 49 write IOPS, 57 write clat mean
+  if [ "$rw" = randwrite ]; then iops=$(echo "$line" | cut -d';' -f49); lat=$(echo "$line" | cut -d';' -f57)
+  else iops=$(echo "$line" | cut -d';' -f8); lat=$(echo "$line" | cut -d';' -f16); fi
+  [ "$(echo "$line" | cut -d';' -f5)" = 0 ] || { iops=ERR; echo "ERROR pair=$pair proto=$proto target=$tgt job=$name: $(oneline < "$TOUT/fio.err")" >> "$RAW"; }
+  echo "RUN pair=$pair proto=$proto target=$tgt job=$name iops=${iops:-ERR} clat_mean_us=${lat:-ERR}" >> "$RAW"
 }
 
 t0=$(now)
@@ -103,11 +97,16 @@ for pair in $(seq 1 "$PAIRS"); do
   for proto in nvmf nbd; do
     other=spdk; [ "$proto" = nbd ] && other=nbdkit
     if [ $((pair % 2)) = 1 ]; then order="lull $other"; else order="$other lull"; fi
-    for tgt in $order; do one_target "$pair" "$proto" "$tgt"; done
+    for j in "${JOBS[@]}"; do
+      # shellcheck disable=SC2086
+      for tgt in $order; do one_run "$pair" "$proto" "$tgt" $j; done
+    done
   done
   say "bench: pair $pair of $PAIRS done ($(secs "$t0")s)"
 done
 kill -CONT "$PL" "$PS" "$PN"
+nvme disconnect -n "$NQN_PREFIX:b0" > /dev/null 2>&1; nvme disconnect -n nqn.2016-06.io.spdk:b0 > /dev/null 2>&1
+nbd-client -d /dev/nbd0 > /dev/null 2>&1; nbd-client -d /dev/nbd1 > /dev/null 2>&1
 stop "$PL"; stop "$PS"; stop "$PN"
 
 # ---- medians, min-max, per-pair ratios ----
@@ -137,6 +136,7 @@ done
 grep ERROR "$RAW" | head -n 3 | while read -r l; do fail bench-runs "$l"; done
 
 # ---- the I/O pause across restarts and upgrades ----
+[ "$RESTARTS" -gt 0 ] || { skip bench-pause "KVM_BENCH_RESTARTS=0"; exit 0; }
 export KVM_RESTART_REPEATS=$RESTARTS KVM_TOUT=$TOUT/restart KVM_T=$T/restart
 mkdir -p "$KVM_TOUT" "$KVM_T"
 bash "$KVM_DIR/tests/20-restart.sh" > "$KVM_TOUT/log" 2>&1
