@@ -511,6 +511,11 @@ fn wait_for_replicas(volumes: &Volumes) {
             continue;
         };
         if !dev.wait_ready(deadline.saturating_duration_since(std::time::Instant::now())) {
+            if dev.fenced_by().is_some() {
+                // Dropped by its watch (`Control::watch_resumed`), which
+                // says why.
+                continue;
+            }
             tracing::warn!(volume = %v.name, "no healthy replica yet; I/O fails with EIO until one is");
         }
         for r in dev.replica_status() {

@@ -284,9 +284,8 @@ impl ReplicatedDev {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         loop {
-            match self.status.fenced_by.load(Ordering::Acquire) {
-                0 => {}
-                s => return SessionOutcome::Fenced(s),
+            if let Some(s) = self.fenced_by() {
+                return SessionOutcome::Fenced(s);
             }
             if let Some(s) = self.final_session() {
                 return SessionOutcome::Final(s);
@@ -309,10 +308,21 @@ impl ReplicatedDev {
         }
     }
 
+    /// The newer session that fenced this resumed engine, if one did
+    /// (it stands down for good: [`Self::wait_session`]).
+    pub fn fenced_by(&self) -> Option<u64> {
+        match self.status.fenced_by.load(Ordering::Acquire) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+
+    /// Whether a replica became healthy within `timeout`; false at once
+    /// for a resumed engine that was fenced (none ever will).
     pub fn wait_ready(&self, timeout: Duration) -> bool {
         self.wait_status(timeout, false, |snap| {
-            snap.iter().any(|s| s.state == ReplicaState::Healthy)
-        })
+            snap.iter().any(|s| s.state == ReplicaState::Healthy) || self.fenced_by().is_some()
+        }) && self.fenced_by().is_none()
     }
 
     /// Block until `done` holds of the replicas' states (it is asked again
