@@ -25,7 +25,7 @@
 # SIGTERM exits 0. Without the user space: SKIP with the reason.
 . "$KVM_DIR/lib.sh"
 
-VOL_MIB=64          # ext4 and fio's 16 MiB fit; small, so the sha256 of it all is quick under TCG
+VOL_MIB=32          # ext4 (an 8 MiB file) and fio's 16 MiB fit; small, so reading it all is quick under TCG
 HOST1=nqn.2014-08.org.nvmexpress:uuid:7a5e0c1e-0000-4000-8000-0000000071a1
 HOST2=nqn.2014-08.org.nvmexpress:uuid:7a5e0c1e-0000-4000-8000-0000000071a2
 HOSTID1=7a5e0c1e-0000-4000-8000-0000000071a1
@@ -74,7 +74,8 @@ tnvme() { chroot "$R" /usr/sbin/nvme "$@"; }
 nvme() { tnvme "$@"; }       # lib.sh's nvme_conn and nvme_disc run trixie's nvme-cli
 tnvme connect --help 2>&1 | grep -q -- '--tls' ||
   skip_all "$(tnvme version 2>&1 | head -n1) in the trixie root has no 'nvme connect --tls'"
-info nvmf-tls-tools "$(tnvme version 2>&1 | oneline); $(chroot "$R" dpkg-query -W ktls-utils keyutils 2>&1 | oneline)"
+NVME_VERSION=$(tnvme version 2>&1); LIBNVME_VERSION=$(echo "$NVME_VERSION" | awk '/libnvme/ {print $3; exit}')
+info nvmf-tls-tools "$(echo "$NVME_VERSION" | oneline); $(chroot "$R" dpkg-query -W ktls-utils keyutils 2>&1 | oneline)"
 
 # ---- keys ----
 K1=$(tnvme gen-tls-key --hmac=1 2>&1) && K2=$(tnvme gen-tls-key --hmac=1 2>&1) && K2BAD=$(tnvme gen-tls-key --hmac=1 2>&1) ||
@@ -99,30 +100,28 @@ lull_start PE engine.log 4420 --listen 127.0.0.1:10809 --nvmf-listen 127.0.0.1:4
   { fail nvmf-tls "$LASTERR"; exit 1; }
 info nvmf-tls-setup "engine up in ${LULL_UP_SECS}s; tlshd pid $TLSHD"
 
-# psk MODE KEY HOSTNQN [raw]: the TLS PSK (hex, or raw bytes) of the
-# interchange KEY for (HOSTNQN, NQN), identity version 0. MODE rfc: RFC
-# 8446's HkdfLabel (a big-endian length, label and context each with a
-# length byte), as lull (docs/NVMF.md), SPDK and libnvme 1.16+ derive it;
-# MODE compat: libnvme before 1.16 (trixie's 1.13; 1.16 keeps it as
+# psks KEY HOSTNQN: "RFC COMPAT", the TLS PSK (hex) of the interchange
+# KEY for (HOSTNQN, NQN), identity version 0, by two derivations. RFC:
+# RFC 8446's HkdfLabel (a big-endian length, label and context each with
+# a length byte), as lull (docs/NVMF.md), SPDK and libnvme 1.16+ derive
+# it. COMPAT: libnvme before 1.16 (trixie's 1.13; 1.16 keeps it as
 # "compat"): the length in host order (little endian here), label and
 # context without length bytes.
-psk() {
+psks() {
   python3 - "$@" <<'PY'
 import base64, hashlib, hmac, os, sys
-mode, k, host = sys.argv[1:4]
-raw_out = sys.argv[4:5] == ['raw']
+k, host = sys.argv[1:3]
 sub = os.environ['NQN']
 ikm = base64.b64decode(k.split(':')[2])[:-4]
 def hkdf(key, info):          # HKDF-SHA-256, empty salt, 32 bytes
     prk = hmac.new(b'\0' * 32, key, hashlib.sha256).digest()
     return hmac.new(prk, info + b'\x01', hashlib.sha256).digest()
-def label(l, ctx):
-    if mode == 'rfc':
-        return (32).to_bytes(2, 'big') + bytes([len(l)]) + l + bytes([len(ctx)]) + ctx
-    return (32).to_bytes(2, 'little') + l + ctx
-ret = hkdf(ikm, label(b'tls13 HostNQN', host.encode()))
-out = hkdf(ret, label(b'tls13 nvme-tls-psk', ('NVMe0R01 %s %s' % (host, sub)).encode()))
-sys.stdout.buffer.write(out) if raw_out else print(out.hex())
+def derive(label):
+    ret = hkdf(ikm, label(b'tls13 HostNQN', host.encode()))
+    return hkdf(ret, label(b'tls13 nvme-tls-psk', ('NVMe0R01 %s %s' % (host, sub)).encode())).hex()
+rfc = lambda l, c: (32).to_bytes(2, 'big') + bytes([len(l)]) + l + bytes([len(c)]) + c
+compat = lambda l, c: (32).to_bytes(2, 'little') + l + c
+print(derive(rfc), derive(compat))
 PY
 }
 RING=$(awk '$8 == "keyring" && $9 == ".nvme:" {print $1; exit}' /proc/keys)
@@ -150,19 +149,22 @@ insert() {
   DESC=$(chroot "$R" keyctl rdescribe "$KEYID" 2>&1); echo "key $KEYID: $DESC" >> "$TOUT/keyctl.txt"
   DESC=${DESC##*;}
   got=$(readkey "$KEYID")
-  rfc=$(psk rfc "$1" "$2") compat=$(psk compat "$1" "$2")
+  read -r rfc compat <<< "$(psks "$1" "$2")"
   if [ "$got" = "$rfc" ]; then DERIV="libnvme's TLS PSK (key $KEYID, '$DESC') is RFC 8446's, as lull's"; return 0; fi
   if [ "$got" != "$compat" ]; then
     LASTERR="libnvme's TLS PSK '${got:0:16}' (key $KEYID, '$DESC') is neither RFC 8446's (${rfc:0:16}..., lull's) nor libnvme's pre-1.16 (${compat:0:16}...); keyctl: $(tail -n 2 "$TOUT/keyctl.txt" | oneline)"; return 1
   fi
-  DERIV="libnvme $(tnvme version 2>&1 | awk '/libnvme/ {print $3; exit}') derives the pre-RFC 8446 TLS PSK (${got:0:16}...: HkdfLabel without the label's and context's length bytes, its length little endian; fixed in libnvme 1.16), lull the RFC 8446 one (${rfc:0:16}...): '$DESC' replaced with keyctl padd"
+  DERIV="libnvme $LIBNVME_VERSION derives the pre-RFC 8446 TLS PSK (${got:0:16}...: HkdfLabel without the label's and context's length bytes, its length little endian; fixed in libnvme 1.16), lull the RFC 8446 one (${rfc:0:16}...): '$DESC' replaced with keyctl padd"
   # the psk key type has no update: the new key replaces the old one in .nvme
-  KEYID=$(psk rfc "$1" "$2" raw | chroot "$R" keyctl padd psk "$DESC" "$RING" 2>> "$TOUT/keyctl.txt") ||
+  KEYID=$(printf "$(echo "$rfc" | sed 's/../\\x&/g')" | chroot "$R" keyctl padd psk "$DESC" "$RING" 2>> "$TOUT/keyctl.txt") ||
     { LASTERR="keyctl padd psk '$DESC' $RING: $(oneline < "$TOUT/keyctl.txt")"; return 1; }
   echo "key $KEYID: keyctl padd psk '$DESC' (RFC 8446 TLS PSK)" >> "$TOUT/keyctl.txt"
   got=$(readkey "$KEYID")
   [ "$got" = "$rfc" ] || { LASTERR="after keyctl padd key $KEYID holds '${got:0:16}', not ${rfc:0:16}... ($(oneline < "$TOUT/keyctl.txt"))"; return 1; }
 }
+
+# vol_sum: the sha256 of the whole volume (direct reads, 1 MiB each)
+vol_sum() { dd if="/dev/$DEV" bs=1M iflag=direct status=none | sha256sum | cut -c1-64; }
 
 # ---- the right key ----
 kmark tls-ok
@@ -179,7 +181,7 @@ if nvme_conn "$NQN" --tls --hostnqn="$HOST1" --hostid="$HOSTID1"; then
   else fail nvmf-tls-connect "/dev/$DEV $size bytes; lull's queue pairs for $HOST1: $q with tls=true, $qf plaintext"; ok=0; fi
   if fio_verify "/dev/$DEV" tls; then pass nvmf-tls-fio "$FIO_SUMMARY"; else fail nvmf-tls-fio "$FIO_SUMMARY"; ok=0; fi
   if fs_roundtrip "/dev/$DEV" ext4 tls; then pass nvmf-tls-ext4 "$FS_DETAIL"; else fail nvmf-tls-ext4 "$LASTERR"; ok=0; fi
-  SUM_BEFORE=$(sha256sum < "/dev/$DEV" | cut -c1-64)
+  SUM_BEFORE=$(vol_sum)
   if nvme_disc "$NQN"; then pass nvmf-tls-disconnect "nvme disconnect: device and controller gone"
   else fail nvmf-tls-disconnect "$LASTERR"; ok=0; fi
 else
@@ -216,7 +218,7 @@ alive "$PE" && listening 4420 || fail nvmf-tls-wrong-psk "lull is not serving af
 # lull still serves, and the volume is as the right host left it
 kmark tls-again
 if nvme_conn "$NQN" --tls --hostnqn="$HOST1" --hostid="$HOSTID1"; then
-  sum=$(sha256sum < "/dev/$DEV" | cut -c1-64)
+  sum=$(vol_sum)
   if [ -n "${SUM_BEFORE:-}" ] && [ "$sum" = "$SUM_BEFORE" ]; then
     pass nvmf-tls-after-refusal "the right key connects again; the volume's sha256 ${sum:0:16} unchanged by the refused host"
   else fail nvmf-tls-after-refusal "the volume's sha256 $sum, before the refused connect ${SUM_BEFORE:-not taken}"; fi
