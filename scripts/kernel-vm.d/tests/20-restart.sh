@@ -62,6 +62,8 @@ else fail restart-multipath-head "/dev/${DEVS[cli0]} hangs off ${link##*/devices
 # and the same build; term: SIGTERM and the same build; upgrade: SIGTERM and
 # the other build, so repeated upgrades go back and forth)
 CUR=$KVM_LULL
+# build BIN: the build a binary is a snapshot of (scripts/kernel-vm's KVM_*_SRC)
+build() { if [ "$1" = "$KVM_LULL" ]; then echo "${KVM_LULL_SRC:-$1}"; else echo "${KVM_LULL_UPGRADE_SRC:-$1}"; fi; }
 cycle() {
   local kind=$1 n=$2 bin=$CUR sig=KILL v pids=() rc t0 up sfx=""
   [ "$REPEATS" -gt 1 ] && sfx="#$n"
@@ -95,7 +97,7 @@ cycle() {
     e=$(grep -oE 'err= *[0-9]+' "$f" | grep -vE 'err= *0$' | head -n1)
     pause=$(clat_max_ms "$f")
     if [ "$rc" = 0 ] && [ -z "$e" ] && ! grep -qiE 'verify: bad|bad magic|crc32c' "$f" "$f.stderr"; then
-      pass "restart-$kind-$v$sfx" "fio randwrite+verify through the ${kind}: 0 errors, verify clean; I/O pause (fio max clat) ${pause} ms; the kernel from error recovery to reconnected:${rec}; lull listening again ${up}s after SIG$sig (this script's view)$( [ "$kind" = upgrade ] && echo "; upgraded ${from#"$KVM_REPO"/} -> ${bin#"$KVM_REPO"/}")"
+      pass "restart-$kind-$v$sfx" "fio randwrite+verify through the ${kind}: 0 errors, verify clean; I/O pause (fio max clat) ${pause} ms; the kernel from error recovery to reconnected:${rec}; lull listening again ${up}s after SIG$sig (this script's view)$( [ "$kind" = upgrade ] && echo "; upgraded $(build "$from") -> $(build "$bin")")"
     else
       fail "restart-$kind-$v$sfx" "fio rc=$rc ${e:-} through the ${kind}: $(grep -hiE 'verify|error|bad' "$f" "$f.stderr" | head -n 3 | oneline); pause ${pause} ms"
     fi
