@@ -85,19 +85,16 @@ async fn a_frozen_nodes_old_engine_is_fenced_when_it_thaws() {
     failover(Away::Frozen).await;
 }
 
-/// A daemon killed and started again with no failover meanwhile brings
-/// the engine it staged back with its recorded session: the replicas take
-/// it (no other engine owns them), every acknowledged byte reads back
-/// through A's export, and a write after the restart is acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_node_resumes_the_engine_it_staged() {
-    common::require_fuse().await;
-    let mut nodes = Nodes::start("resume", Default::default()).await;
-    let (work, cluster) = (nodes.work.clone(), Arc::clone(&nodes.cluster));
-    let controller = ControllerPlugin::new(Arc::clone(&cluster));
+/// Creates `name`, 64 MiB with two replicas on two of the three nodes;
+/// its id, parsed, and node A: the node that holds none of its replicas
+/// (where the engine goes), with its index among the daemons.
+async fn two_replica_volume(
+    controller: &ControllerPlugin,
+    name: &str,
+) -> (String, VolumeId, String, usize) {
     let created = controller
         .create_volume(Request::new(CreateVolumeRequest {
-            name: "resume".into(),
+            name: name.into(),
             capacity_range: Some(CapacityRange {
                 required_bytes: 64 << 20,
                 limit_bytes: 0,
@@ -111,12 +108,28 @@ async fn a_restarted_node_resumes_the_engine_it_staged() {
         .into_inner();
     let volume_id = created.volume.unwrap().volume_id;
     let id = VolumeId::parse(&volume_id).unwrap();
+    assert_eq!(id.nodes.len(), 2);
+    assert_ne!(id.nodes[0], id.nodes[1], "two replicas on one node");
     let a = ["node1", "node2", "node3"]
         .into_iter()
         .find(|n| !id.nodes.iter().any(|r| r == n))
         .unwrap()
         .to_string();
     let a_index: usize = a[4..].parse::<usize>().unwrap() - 1;
+    (volume_id, id, a, a_index)
+}
+
+/// A daemon killed and started again with no failover meanwhile brings
+/// the engine it staged back with its recorded session: the replicas take
+/// it (no other engine owns them), every acknowledged byte reads back
+/// through A's export, and a write after the restart is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_resumes_the_engine_it_staged() {
+    common::require_fuse().await;
+    let mut nodes = Nodes::start("resume", Default::default()).await;
+    let (work, cluster) = (nodes.work.clone(), Arc::clone(&nodes.cluster));
+    let controller = ControllerPlugin::new(Arc::clone(&cluster));
+    let (volume_id, id, a, a_index) = two_replica_volume(&controller, "resume").await;
     let node_a = NodePlugin::new(
         Arc::clone(&cluster),
         NodeConfig {
@@ -239,31 +252,8 @@ async fn failover(away: Away) {
     };
 
     // Two replicas on two of the three nodes; the engine goes on the third.
-    let created = controller
-        .create_volume(Request::new(CreateVolumeRequest {
-            name: "failover".into(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 64 << 20,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![block_cap()],
-            parameters: HashMap::from([("replicas".to_string(), "2".to_string())]),
-            ..Default::default()
-        }))
-        .await
-        .expect("CreateVolume")
-        .into_inner();
-    let volume_id = created.volume.unwrap().volume_id;
-    let id = VolumeId::parse(&volume_id).unwrap();
-    assert_eq!(id.nodes.len(), 2);
-    assert_ne!(id.nodes[0], id.nodes[1], "two replicas on one node");
-    let a = ["node1", "node2", "node3"]
-        .into_iter()
-        .find(|n| !id.nodes.iter().any(|r| r == n))
-        .unwrap()
-        .to_string();
+    let (volume_id, id, a, a_index) = two_replica_volume(&controller, "failover").await;
     let b = id.nodes[0].clone();
-    let a_index: usize = a[4..].parse::<usize>().unwrap() - 1;
     let (node_a, node_b) = (node_plugin(&a), node_plugin(&b));
     let stage = |path: PathBuf| NodeStageVolumeRequest {
         volume_id: volume_id.clone(),
