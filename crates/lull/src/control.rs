@@ -24,6 +24,11 @@ pub const DEFAULT_ADMINQ_POLL_PERIOD_US: u64 = 10_000;
 /// the call. Past it nothing is created and the caller retries.
 pub const RESUME_ELECTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
+/// How often the watch on a resumed engine lets go of it to see whether
+/// the volume still exists (a volume deleted before its engine was
+/// elected or fenced ends its watch within this).
+const RESUME_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub struct Control {
     pub fw: FrameworkHandle,
     pub volumes: Arc<Volumes>,
@@ -121,7 +126,8 @@ impl Control {
     /// another engine took the volume over meanwhile, the volume is
     /// dropped from the registry and the node state (the engine must not
     /// come back at the next start either), with a log line saying why.
-    /// One thread per resumed volume, asleep until the engine decides.
+    /// One thread per resumed volume, asleep on the engine's status until
+    /// it decides, and gone within `RESUME_WATCH_INTERVAL` of a delete.
     pub fn watch_resumed(self: &Arc<Self>, name: &str) {
         let Some(dev) = self
             .volumes
@@ -133,14 +139,29 @@ impl Control {
         };
         let control = self.clone();
         let volume = name.to_string();
+        // A weak reference between looks: a volume deleted before its
+        // engine decided (a replica gone for good) must not be kept alive,
+        // reconnecting for ever, by its watch.
+        let engine = Arc::downgrade(&dev);
+        drop(dev);
         let spawned = std::thread::Builder::new()
             .name(format!("resume-{name}"))
-            .spawn(move || match dev.wait_session(None) {
-                lull_engine::SessionOutcome::Final(s) => {
-                    tracing::info!(volume = %volume, session = format!("{s:#x}"), "engine resumed its recorded session: the replicas were not taken over")
+            .spawn(move || loop {
+                let Some(dev) = engine.upgrade() else {
+                    return;
+                };
+                match dev.wait_session(Some(RESUME_WATCH_INTERVAL)) {
+                    lull_engine::SessionOutcome::Final(s) => {
+                        tracing::info!(volume = %volume, session = format!("{s:#x}"), "engine resumed its recorded session: the replicas were not taken over");
+                        return;
+                    }
+                    lull_engine::SessionOutcome::Fenced(s) => {
+                        control.drop_fenced(&volume, &dev, s);
+                        return;
+                    }
+                    lull_engine::SessionOutcome::Ended => return,
+                    lull_engine::SessionOutcome::TimedOut => {}
                 }
-                lull_engine::SessionOutcome::Fenced(s) => control.drop_fenced(&volume, &dev, s),
-                lull_engine::SessionOutcome::Ended | lull_engine::SessionOutcome::TimedOut => {}
             });
         if let Err(e) = spawned {
             tracing::error!(volume = name, error = %e,
