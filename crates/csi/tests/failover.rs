@@ -119,6 +119,32 @@ async fn two_replica_volume(
     (volume_id, id, a, a_index)
 }
 
+/// Stages the volume on node `a` through its plugin (the fuse method),
+/// writes [`pattern`] to its loop device and flushes it: every byte
+/// acknowledged by A's engine. The attachment's directories and the data.
+async fn stage_and_write(
+    node_a: &NodePlugin,
+    stage: NodeStageVolumeRequest,
+    work: &std::path::Path,
+    a: &str,
+    volume: &str,
+) -> (FuseDirs, Vec<u8>) {
+    node_a
+        .node_stage_volume(Request::new(stage))
+        .await
+        .expect("NodeStageVolume on A");
+    let dirs_a = FuseDirs::new(&work.join(format!("state-{a}")), volume);
+    let dev_a = attach::loops_of(&dirs_a.file).await.unwrap().remove(0);
+    let data = pattern();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&dev_a)
+        .unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().expect("flush through A's engine");
+    (dirs_a, data)
+}
+
 /// A daemon killed and started again with no failover meanwhile brings
 /// the engine it staged back with its recorded session: the replicas take
 /// it (no other engine owns them), every acknowledged byte reads back
@@ -138,26 +164,13 @@ async fn a_restarted_node_resumes_the_engine_it_staged() {
             attach: Method::Fuse,
         },
     );
-    node_a
-        .node_stage_volume(Request::new(NodeStageVolumeRequest {
-            volume_id: volume_id.clone(),
-            staging_target_path: work.join("stage-a").to_string_lossy().into_owned(),
-            volume_capability: Some(block_cap()),
-            ..Default::default()
-        }))
-        .await
-        .expect("NodeStageVolume on A");
-    let dirs_a = FuseDirs::new(&work.join(format!("state-{a}")), &id.name);
-    let dev_a = attach::loops_of(&dirs_a.file).await.unwrap().remove(0);
-    let data = pattern();
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&dev_a)
-            .unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().expect("flush through A's engine");
-    }
+    let stage = NodeStageVolumeRequest {
+        volume_id: volume_id.clone(),
+        staging_target_path: work.join("stage-a").to_string_lossy().into_owned(),
+        volume_capability: Some(block_cap()),
+        ..Default::default()
+    };
+    let (dirs_a, data) = stage_and_write(&node_a, stage, &work, &a, &id.name).await;
     // The FUSE attachment dies with the daemon's NBD connection (nbdfuse
     // does not reconnect: the kernel tier tests a kernel initiator that
     // does); the engine itself must come back.
@@ -263,21 +276,8 @@ async fn failover(away: Away) {
     };
 
     // Stage on A, write and flush: every byte acknowledged.
-    node_a
-        .node_stage_volume(Request::new(stage(work.join("stage-a"))))
-        .await
-        .expect("NodeStageVolume on A");
-    let dirs_a = FuseDirs::new(&work.join(format!("state-{a}")), &id.name);
-    let dev_a = attach::loops_of(&dirs_a.file).await.unwrap().remove(0);
-    let data = pattern();
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&dev_a)
-            .unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().expect("flush through A's engine");
-    }
+    let (dirs_a, data) =
+        stage_and_write(&node_a, stage(work.join("stage-a")), &work, &a, &id.name).await;
 
     // A's daemon dies (or freezes); staging on B makes a new engine on the
     // same replicas.
