@@ -608,42 +608,34 @@ impl ControlPlane for Control {
         // known once the engine is elected (before that a fresh engine
         // may still take one past a replica's owner).
         let session = match (volume.resume, v.storage.replicated()) {
-            (true, Some(dev)) => match self.final_session(&v.name, dev) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    if let Ok(gone) = self.volumes.remove(&v.name) {
-                        if let Some(dev) = gone.storage.replicated() {
-                            let _ = dev.detach(std::time::Duration::from_secs(5));
-                        }
-                    }
-                    forget();
-                    return Err(e);
-                }
-            },
-            _ => None,
+            (true, Some(dev)) => self.final_session(&v.name, dev).map(Some),
+            _ => Ok(None),
         };
-        let entry = crate::node::VolumeEntry {
-            name: v.name.clone(),
-            size_bytes: spec.size_bytes,
-            backend: backend.clone(),
-            nvmf_nqn: volume.nvmf_nqn.clone(),
-            nvmf_lba: volume.nvmf_lba,
-            nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
-            qos: None,
-            rebuild_mbytes_per_sec: None,
-            clone_of: None,
-            session,
-        };
-        let recorded = if volume.persist {
-            self.persist(|m| {
-                m.insert(entry.name.clone(), entry);
-            })
-        } else {
-            Ok(())
-        };
+        let recorded = session.and_then(|session| {
+            let entry = crate::node::VolumeEntry {
+                name: v.name.clone(),
+                size_bytes: spec.size_bytes,
+                backend: backend.clone(),
+                nvmf_nqn: volume.nvmf_nqn.clone(),
+                nvmf_lba: volume.nvmf_lba,
+                nvmf_allow_hosts: volume.nvmf_allow_hosts.clone(),
+                qos: None,
+                rebuild_mbytes_per_sec: None,
+                clone_of: None,
+                session,
+            };
+            if volume.persist {
+                self.persist(|m| {
+                    m.insert(entry.name.clone(), entry);
+                })
+            } else {
+                Ok(())
+            }
+        });
         if let Err(e) = recorded {
-            // Not kept, so not created: a volume must not vanish at the
-            // next restart after the RPC said it exists.
+            // Not kept (or, resumed, no final session to keep), so not
+            // created: a volume must not vanish at the next restart after
+            // the RPC said it exists.
             if let Ok(gone) = self.volumes.remove(&v.name) {
                 if let Some(dev) = gone.storage.replicated() {
                     let _ = dev.detach(std::time::Duration::from_secs(5));
