@@ -8,17 +8,7 @@
 
 use std::collections::VecDeque;
 
-use crate::{BdevError, IoCompletion, IoRequest, Lent, Spliced};
-
-/// A read's data a device handed over instead of writing it into the
-/// request's buffer.
-#[derive(Debug)]
-pub(crate) enum Handed {
-    /// A loan of the device's memory ([`IoCompletion::lent`]).
-    Lent(Lent),
-    /// Held by a descriptor ([`IoCompletion::spliced`]).
-    Spliced(Spliced),
-}
+use crate::{BdevError, Data, IoCompletion, IoRequest};
 
 /// Submitted requests and their completions, at most `depth` together.
 #[derive(Debug)]
@@ -61,33 +51,27 @@ impl Deferred {
     }
 
     /// Runs every pending request with `execute`, in order, then delivers
-    /// every completion to `done`; returns how many. `execute` may answer
-    /// a read with a loan of the device's memory ([`IoCompletion::lent`])
-    /// or a file range ([`IoCompletion::spliced`]).
+    /// every completion to `done`; returns how many. `execute` says where
+    /// a read's data is: in the request's buffer ([`Data::Buf`]), or a loan
+    /// of the device's memory or a file range handed over instead.
     pub(crate) fn reap(
         &mut self,
-        mut execute: impl FnMut(&mut IoRequest) -> Result<Option<Handed>, BdevError>,
+        mut execute: impl FnMut(&mut IoRequest) -> Result<Data, BdevError>,
         done: &mut dyn FnMut(IoCompletion),
     ) -> usize {
         while let Some(mut req) = self.pending.pop_front() {
-            let (result, handed) = match execute(&mut req) {
-                Ok(handed) => (Ok(()), handed),
+            let (result, data) = match execute(&mut req) {
+                Ok(data) => (Ok(()), data),
                 Err(e) => {
                     tracing::debug!(channel = self.what, tag = req.tag, error = %e, "request failed");
-                    (Err(e), None)
+                    (Err(e), Data::Buf)
                 }
-            };
-            let (spliced, lent) = match handed {
-                None => (None, None),
-                Some(Handed::Lent(l)) => (None, Some(l)),
-                Some(Handed::Spliced(s)) => (Some(s), None),
             };
             self.done.push_back(IoCompletion {
                 tag: req.tag,
                 result,
                 buf: req.buf,
-                spliced,
-                lent,
+                data,
             });
         }
         let n = self.done.len();

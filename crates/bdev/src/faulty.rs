@@ -301,8 +301,7 @@ impl Channel for FaultyChannel {
                 tag: req.tag,
                 result: Err(BdevError::Io(std::io::Error::from_raw_os_error(libc::EIO))),
                 buf: req.buf,
-                spliced: None,
-                lent: None,
+                data: crate::Data::Buf,
             };
             self.hold(now_ns, c);
             self.arm(now_ns);

@@ -760,8 +760,7 @@ impl FileChannel {
             tag: op.tag,
             result: op.error.map_or(Ok(()), Err),
             buf,
-            spliced: None,
-            lent: None,
+            data: crate::Data::Buf,
         })
     }
 
@@ -2301,10 +2300,13 @@ mod tests {
             len: u32,
         ) -> (Option<crate::FileRange>, IoCompletion) {
             let mut c = run(ch, IoOp::Read, offset, len, Some(pool.get(len as usize)));
-            let range = match c.spliced.take() {
-                Some(crate::Spliced::File(r)) => Some(r),
-                Some(crate::Spliced::Pipe(_)) => panic!("a file channel handed over a pipe"),
-                None => None,
+            let range = match std::mem::take(&mut c.data) {
+                crate::Data::Spliced(crate::Spliced::File(r)) => Some(r),
+                crate::Data::Spliced(crate::Spliced::Pipe(_)) => {
+                    panic!("a file channel handed over a pipe")
+                }
+                crate::Data::Lent(_) => panic!("a file channel lent memory"),
+                crate::Data::Buf => None,
             };
             (range, c)
         }
@@ -2366,8 +2368,7 @@ mod tests {
                 buf.as_mut_slice().fill(0xEE);
                 let c = run(ch.as_mut(), IoOp::Read, offset, len, Some(buf));
                 c.result.expect("read");
-                assert!(c.lent.is_none());
-                let Some(crate::Spliced::File(r)) = c.spliced else {
+                let crate::Data::Spliced(crate::Spliced::File(r)) = c.data else {
                     panic!("[{offset}, +{len}) was not answered with a file range")
                 };
                 assert_eq!((r.offset, r.len), (offset, len as usize));

@@ -29,10 +29,10 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::deferred::{Deferred, Handed};
+use crate::deferred::Deferred;
 use crate::file::uses_main;
 use crate::{
-    validate_request, BdevError, Channel, FileRange, IoCompletion, IoOp, IoRequest, Spliced,
+    validate_request, BdevError, Channel, Data, FileRange, IoCompletion, IoOp, IoRequest, Spliced,
 };
 
 /// Requests an inline channel holds (queued plus completed, not reaped):
@@ -57,16 +57,16 @@ static ZEROS: [u8; ZERO_CHUNK_BYTES] = [0; ZERO_CHUNK_BYTES];
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
 /// One transfer's bytes: read into, or written from.
-enum Data<'a> {
+enum Bytes<'a> {
     Into(&'a mut [u8]),
     From(&'a [u8]),
 }
 
-impl Data<'_> {
+impl Bytes<'_> {
     fn len(&self) -> usize {
         match self {
-            Data::Into(b) => b.len(),
-            Data::From(b) => b.len(),
+            Bytes::Into(b) => b.len(),
+            Bytes::From(b) => b.len(),
         }
     }
 }
@@ -135,21 +135,21 @@ impl InlineFile {
     /// Reads into or writes from all of `data` at `offset`, resuming short
     /// transfers; 0 bytes (EOF, no space) is an error, as on the io_uring
     /// channel.
-    fn transfer(&self, mut data: Data<'_>, offset: u64) -> Result<(), BdevError> {
+    fn transfer(&self, mut data: Bytes<'_>, offset: u64) -> Result<(), BdevError> {
         let len = data.len();
         let mut done = 0usize;
         while done < len {
             let at = offset + done as u64;
             let file = self.file_for(at, done as u64, (len - done) as u64);
             let n = match &mut data {
-                Data::Into(buf) => file.read_at(&mut buf[done..], at),
-                Data::From(buf) => file.write_at(&buf[done..], at),
+                Bytes::Into(buf) => file.read_at(&mut buf[done..], at),
+                Bytes::From(buf) => file.write_at(&buf[done..], at),
             };
             match n {
                 Ok(0) => {
                     let kind = match data {
-                        Data::Into(_) => io::ErrorKind::UnexpectedEof,
-                        Data::From(_) => io::ErrorKind::WriteZero,
+                        Bytes::Into(_) => io::ErrorKind::UnexpectedEof,
+                        Bytes::From(_) => io::ErrorKind::WriteZero,
                     };
                     return Err(BdevError::Io(kind.into()));
                 }
@@ -167,7 +167,7 @@ impl InlineFile {
         let mut done = 0u64;
         while done < len {
             let chunk = (len - done).min(ZERO_CHUNK_BYTES as u64) as usize;
-            self.transfer(Data::From(&ZEROS[..chunk]), offset + done)?;
+            self.transfer(Bytes::From(&ZEROS[..chunk]), offset + done)?;
             done += chunk as u64;
         }
         Ok(())
@@ -239,14 +239,14 @@ impl InlineFile {
 
     /// Runs one request; the buffer goes back with its completion. With
     /// `splice` a long enough READ is answered with its file range.
-    fn execute(&mut self, req: &mut IoRequest, splice: bool) -> Result<Option<Handed>, BdevError> {
+    fn execute(&mut self, req: &mut IoRequest, splice: bool) -> Result<Data, BdevError> {
         validate_request(req, self.size_bytes.load(Ordering::Acquire))?;
         if req.op == IoOp::Read && splice {
             if let Some(range) = self.lendable(req.offset, req.len) {
-                return Ok(Some(Handed::Spliced(Spliced::File(range))));
+                return Ok(Data::Spliced(Spliced::File(range)));
             }
         }
-        self.run(req).map(|()| None)
+        self.run(req).map(|()| Data::Buf)
     }
 
     /// Runs one request with the bytes in its buffer.
@@ -261,8 +261,8 @@ impl InlineFile {
                 self.inline_ios.fetch_add(1, Ordering::Relaxed);
                 let bytes = &mut buf.as_mut_slice()[..len as usize];
                 let data = match req.op {
-                    IoOp::Read => Data::Into(bytes),
-                    _ => Data::From(bytes),
+                    IoOp::Read => Bytes::Into(bytes),
+                    _ => Bytes::From(bytes),
                 };
                 self.transfer(data, offset)?;
                 if let IoOp::Write { fua: true } = req.op {

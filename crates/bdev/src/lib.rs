@@ -100,41 +100,54 @@ pub struct IoRequest {
     pub buf: Option<IoBuf>,
 }
 
-/// The completion of one request: its tag, its result and its buffer back.
+/// The completion of one request: its tag, its result, its buffer back
+/// and where a successful READ's data is.
 #[derive(Debug)]
 pub struct IoCompletion {
     pub tag: u64,
     pub result: Result<(), BdevError>,
+    /// The request's buffer, back to its owner whatever `data` says.
     pub buf: Option<IoBuf>,
-    /// A successful READ's data held by a descriptor instead of in `buf`
-    /// (whose bytes are then not the data): a pipe or a file range, only
-    /// for a channel that was told [`Channel::allow_splice`], which sends
-    /// it on with `splice` or `sendfile`.
-    pub spliced: Option<Spliced>,
-    /// A successful READ's data lent from the device's memory instead of
-    /// copied into `buf` (whose bytes are then not the data): only for a
-    /// channel that was told [`Channel::allow_lend`], which sends these
-    /// bytes and drops the loan once they are written. The loan keeps
-    /// the memory allocated; what may change the bytes meanwhile is the
-    /// device's rule (`MallocDev`: nothing; docs/PER_IO.md, "Lent reads").
-    pub lent: Option<Lent>,
+    /// What the data is: in `buf`, or held elsewhere (then `buf`'s bytes
+    /// are not the data).
+    pub data: Data,
 }
 
 impl IoCompletion {
-    /// A completion carrying its buffer back, with no spliced or lent data.
+    /// A completion carrying its buffer back, its data (if any) in it.
     pub fn new(tag: u64, result: Result<(), BdevError>, buf: Option<IoBuf>) -> IoCompletion {
         IoCompletion {
             tag,
             result,
             buf,
-            spliced: None,
-            lent: None,
+            data: Data::Buf,
         }
     }
 }
 
+/// Where a completion's data is: one value, so that a frontend matches
+/// one enum to know how to send a read's bytes.
+#[derive(Debug, Default)]
+pub enum Data {
+    /// In the request's own buffer ([`IoCompletion::buf`]); also every
+    /// completion that carries no data (a write, a failure).
+    #[default]
+    Buf,
+    /// A successful READ's data held by a descriptor, a pipe or a file
+    /// range: only for a channel that was told [`Channel::allow_splice`],
+    /// which sends it on with `splice` or `sendfile`.
+    Spliced(Spliced),
+    /// A successful READ's data lent from the device's memory instead of
+    /// copied into `buf`: only for a channel that was told
+    /// [`Channel::allow_lend`], which sends these bytes and drops the loan
+    /// once they are written. The loan keeps the memory allocated; what
+    /// may change the bytes meanwhile is the device's rule (`MallocDev`:
+    /// nothing; docs/PER_IO.md, "Lent reads").
+    Lent(Lent),
+}
+
 /// A READ's data held by a descriptor, sent on to a plain socket without
-/// passing through lull's memory ([`IoCompletion::spliced`]).
+/// passing through lull's memory ([`Data::Spliced`]).
 #[derive(Debug)]
 pub enum Spliced {
     /// In a pipe: a replicated volume's, spliced from the replica's socket.
@@ -167,6 +180,15 @@ impl FileRange {
         };
         self.file.read_exact_at(dst, self.offset)?;
         Ok(())
+    }
+}
+
+impl Data {
+    /// Done with it unsent: a pipe goes back to its pool, a loan ends.
+    pub fn release(self) {
+        if let Data::Spliced(s) = self {
+            s.release();
+        }
     }
 }
 
@@ -646,8 +668,7 @@ pub trait Channel: Send {
                 tag: req.tag,
                 result: Err(e),
                 buf: req.buf,
-                spliced: None,
-                lent: None,
+                data: crate::Data::Buf,
             }),
         }
     }
@@ -673,14 +694,14 @@ pub trait Channel: Send {
         None
     }
     /// The owner sends READ data on to a plain socket and can take it held
-    /// by a descriptor ([`IoCompletion::spliced`]): a device that moves its
+    /// by a descriptor ([`Data::Spliced`]): a device that moves its
     /// data from a socket (a replicated volume) may then hand it over in a
     /// pipe, and a file whose pages are in memory (a file volume on a
     /// memory filesystem, read inline) as a file range, with no copy in
     /// lull. Others ignore it.
     fn allow_splice(&mut self) {}
     /// The owner sends READ data from memory it does not own and can take
-    /// a loan of it ([`IoCompletion::lent`]); a device that holds its data
+    /// a loan of it ([`Data::Lent`]); a device that holds its data
     /// in memory (a memory volume) may then lend it instead of copying it
     /// into the request's buffer. Others ignore it.
     fn allow_lend(&mut self) {}

@@ -20,7 +20,7 @@
 //! costs a 1 MiB memset once (see docs/BENCHMARKS.md, "Snapshots").
 //!
 //! A channel told [`Channel::allow_lend`] answers a read that lies in
-//! one written chunk with a loan of the chunk ([`IoCompletion::lent`])
+//! one written chunk with a loan of the chunk ([`Data::Lent`](crate::Data::Lent))
 //! instead of copying it into the request's buffer: the frontend sends
 //! the reply from the chunk, and the kernel's copy into the socket is
 //! the only one. The lifetime rule (docs/PER_IO.md, "Lent reads"): a
@@ -55,13 +55,13 @@
 //! assert_eq!(results, vec![(1, true)]);
 //! ```
 
-use crate::deferred::{Deferred, Handed};
+use crate::deferred::Deferred;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 
 use crate::{
-    check_grow, push_extent, validate_request, BdevError, BlockDevice, Channel, Extent,
+    check_grow, push_extent, validate_request, BdevError, BlockDevice, Channel, Data, Extent,
     IoCompletion, IoOp, IoRequest, Lent, LentRegion,
 };
 
@@ -638,7 +638,11 @@ impl Channel for MallocChannel {
         }
         let (inner, lend) = (&self.inner, self.lend);
         self.queue.reap(
-            |req| inner.execute(req, lend).map(|l| l.map(Handed::Lent)),
+            |req| {
+                inner
+                    .execute(req, lend)
+                    .map(|l| l.map_or(Data::Buf, Data::Lent))
+            },
             done,
         )
     }
@@ -758,7 +762,12 @@ mod tests {
         let buf = c.buf.expect("buf back");
         let v = buf.as_slice()[..len].to_vec();
         pool.put(buf);
-        (c.lent, v)
+        let lent = match c.data {
+            Data::Lent(l) => Some(l),
+            Data::Buf => None,
+            Data::Spliced(_) => panic!("a memory channel handed over a descriptor"),
+        };
+        (lent, v)
     }
 
     /// A lending channel lends reads inside one written chunk (the bytes

@@ -221,8 +221,7 @@ impl ViewChannel {
             tag: req.tag,
             result,
             buf: req.buf,
-            spliced: None,
-            lent: None,
+            data: lull_bdev::Data::Buf,
         });
         self.done.event.notify();
     }
@@ -288,8 +287,7 @@ impl Channel for ViewChannel {
                         "the snapshot view's worker stopped".into(),
                     )),
                     buf: req.buf,
-                    spliced: None,
-                    lent: None,
+                    data: lull_bdev::Data::Buf,
                 });
                 self.done.event.notify();
             }
@@ -412,8 +410,7 @@ impl Worker {
                 tag: req.tag,
                 result: Err(BdevError::Failed(why.clone())),
                 buf: req.buf,
-                spliced: None,
-                lent: None,
+                data: lull_bdev::Data::Buf,
             });
         }
     }
@@ -529,8 +526,7 @@ fn complete(
         tag: req.tag,
         result,
         buf: req.buf,
-        spliced: None,
-        lent: None,
+        data: lull_bdev::Data::Buf,
     };
     if h.status != 0 {
         let e = io::Error::from_raw_os_error(h.status as i32);

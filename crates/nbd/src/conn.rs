@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lull_bdev::{
-    BdevError, ChangeRun, Channel, Extent, IoBuf, IoCompletion, IoOp, IoRequest, Spliced,
+    BdevError, ChangeRun, Channel, Data, Extent, IoBuf, IoCompletion, IoOp, IoRequest, Spliced,
 };
 use lull_net::server::Connection;
 use lull_net::slots::{SlotId, SlotTable};
@@ -519,26 +519,28 @@ impl Conn {
                     None,
                 );
             }
-            Ok(()) if inflight.command == Command::Read => match (c.spliced, c.lent, c.buf) {
-                (Some(spliced), _, buf) => {
-                    if let Some(b) = buf {
+            Ok(()) if inflight.command == Command::Read => match c.data {
+                Data::Spliced(spliced) => {
+                    if let Some(b) = c.buf {
                         bufs::put(b);
                     }
                     self.push_read_spliced(&inflight, spliced);
                 }
-                (None, Some(lent), buf) => {
-                    if let Some(b) = buf {
+                Data::Lent(lent) => {
+                    if let Some(b) = c.buf {
                         bufs::put(b);
                     }
                     self.push_read_lent(&inflight, lent);
                 }
-                (None, None, Some(buf)) if self.structured() => self.push_read_structured(
-                    inflight.cookie,
-                    inflight.offset,
-                    buf,
-                    inflight.length,
-                ),
-                (None, None, data) => self.push_reply(inflight.cookie, 0, data),
+                Data::Buf => match c.buf {
+                    Some(buf) if self.structured() => self.push_read_structured(
+                        inflight.cookie,
+                        inflight.offset,
+                        buf,
+                        inflight.length,
+                    ),
+                    data => self.push_reply(inflight.cookie, 0, data),
+                },
             },
             Ok(()) => {
                 if let Some(b) = c.buf {

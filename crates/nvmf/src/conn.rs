@@ -35,7 +35,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lull_bdev::{BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Spliced};
+use lull_bdev::{BdevError, Channel, Data, IoBuf, IoCompletion, IoOp, IoRequest, Spliced};
 use lull_net::slots::{SlotId, SlotTable};
 use lull_net::wire::{self, Submissions, Wire};
 use lull_net::{bufs, Payload};
@@ -513,7 +513,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Let a replicated volume hand READ data over in a pipe
-    /// (`IoCompletion::spliced`) when its bytes can go from the pipe to
+    /// (`Data::Spliced`) when its bytes can go from the pipe to
     /// the socket unchanged: a plain socket (no TLS session, which must
     /// encrypt them) and no data digest (DDGST, a CRC32C over bytes the
     /// target would have to read). Otherwise reads stay buffered.
@@ -1599,36 +1599,31 @@ impl<S: Read + Write> Conn<S> {
                     // SUCCESS on the data PDU ends the command: no
                     // CapsuleResp follows (see `c2h_success`).
                     let success = self.c2h_success();
-                    match (c.spliced, c.lent, c.buf) {
-                        (None, Some(lent), buf) => {
+                    let sent = match (c.data, c.buf) {
+                        (Data::Lent(lent), buf) => {
                             if let Some(b) = buf {
                                 bufs::put(b);
                             }
-                            if !self.send_c2h_lent(cid, lent, len, success) {
-                                return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
-                            }
-                            if success {
-                                return;
-                            }
+                            Some(self.send_c2h_lent(cid, lent, len, success))
                         }
-                        (Some(spliced), _, buf) => {
+                        (Data::Spliced(spliced), buf) => {
                             if let Some(b) = buf {
                                 bufs::put(b);
                             }
-                            if !self.send_c2h_spliced(cid, spliced, len, success) {
-                                return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
-                            }
-                            if success {
-                                return;
-                            }
+                            Some(self.send_c2h_spliced(cid, spliced, len, success))
                         }
-                        (None, None, Some(b)) => {
+                        (Data::Buf, Some(b)) => {
                             self.send_c2h(cid, b, len, success);
-                            if success {
-                                return;
-                            }
+                            Some(true)
                         }
-                        (None, None, None) => {}
+                        (Data::Buf, None) => None,
+                    };
+                    match sent {
+                        Some(false) => {
+                            return self.respond(cid, Reply::status(Status::INTERNAL_ERROR));
+                        }
+                        Some(true) if success => return,
+                        _ => {}
                     }
                 } else if let Some(b) = c.buf {
                     bufs::put(b);

@@ -17,7 +17,7 @@ use lull_reactor::Interest;
 use super::map::block_span;
 use super::{Shared, State, CHAIN_BLOCK_BYTES};
 use crate::{
-    validate_request, BdevError, Channel, IoBuf, IoCompletion, IoOp, IoRequest, Lent, Spliced,
+    validate_request, BdevError, Channel, Data, IoBuf, IoCompletion, IoOp, IoRequest, Spliced,
 };
 
 /// Requests of the owner in flight on one chain channel: a frontend
@@ -77,12 +77,10 @@ struct Op {
     parent: Option<u32>,
     /// Blocks `[first, end)` locked for a copy-up.
     lock: Option<(u64, u64)>,
-    /// A read sent whole to one layer that lent its data: handed on to
-    /// the owner (who allowed lending) instead of the buffer's bytes.
-    lent: Option<Lent>,
-    /// A read sent whole to one layer that answered with a file range:
-    /// handed on to the owner (who allowed splicing) likewise.
-    spliced: Option<Spliced>,
+    /// A read sent whole to one layer that lent its data or answered
+    /// with a file range: handed on to the owner (who allowed lending or
+    /// splicing) instead of the buffer's bytes.
+    data: Data,
 }
 
 /// How the owner learns of completions: an epoll fd over the layers'
@@ -325,8 +323,7 @@ impl ChainChannel {
             tag: req.tag,
             result: Err(e),
             buf: req.buf,
-            spliced: None,
-            lent: None,
+            data: Data::Buf,
         });
         self.ring();
     }
@@ -589,8 +586,7 @@ impl ChainChannel {
                 stage: Stage::Write,
                 parent: Some(slot),
                 lock: None,
-                lent: None,
-                spliced: None,
+                data: Data::Buf,
             };
             let Some(c) = self.alloc(child) else {
                 let op = self.op(slot);
@@ -610,8 +606,7 @@ impl ChainChannel {
         let slot = (c.tag >> 32) as u32;
         let rel = (c.tag & 0xFFFF_FFFF) as usize;
         let mut next_write = None;
-        let lent = c.lent;
-        let mut spliced = c.spliced;
+        let mut data = c.data;
         {
             let op = self.op(slot);
             op.pending -= 1;
@@ -622,22 +617,25 @@ impl ChainChannel {
                 Stage::Read => match (&mut op.buf, c.buf) {
                     (None, b) => {
                         op.buf = b;
-                        op.lent = lent;
-                        op.spliced = spliced.take();
+                        op.data = std::mem::take(&mut data);
                     }
-                    (Some(dst), Some(src)) => {
-                        if let Some(s) = spliced.take() {
-                            // A sub of a read made of several runs:
-                            // the chain needs the bytes.
+                    (Some(dst), Some(src)) => match std::mem::take(&mut data) {
+                        // A sub of a read made of several runs: the
+                        // chain needs the bytes.
+                        Data::Spliced(s) => {
                             if let Err(e) = Self::read_spliced(s, &mut dst.as_mut_slice()[rel..]) {
                                 op.error.get_or_insert(e);
                             }
-                        } else {
-                            let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
-                            let n = data.len();
-                            dst.as_mut_slice()[rel..rel + n].copy_from_slice(data);
                         }
-                    }
+                        held => {
+                            let bytes = match &held {
+                                Data::Lent(l) => l.as_slice(),
+                                _ => src.as_slice(),
+                            };
+                            let n = bytes.len();
+                            dst.as_mut_slice()[rel..rel + n].copy_from_slice(bytes);
+                        }
+                    },
                     (Some(_), None) => {}
                 },
                 Stage::Write | Stage::Pass => {
@@ -650,14 +648,22 @@ impl ChainChannel {
                     }
                 }
                 Stage::CopyRead { x, a0 } => {
-                    if let Some(s) = spliced.take() {
-                        if let Err(e) = Self::read_spliced(s, &mut x.as_mut_slice()[rel..]) {
-                            op.error.get_or_insert(e);
+                    match std::mem::take(&mut data) {
+                        Data::Spliced(s) => {
+                            if let Err(e) = Self::read_spliced(s, &mut x.as_mut_slice()[rel..]) {
+                                op.error.get_or_insert(e);
+                            }
                         }
-                    } else if let Some(src) = c.buf {
-                        let data = lent.as_ref().map_or(src.as_slice(), Lent::as_slice);
-                        let n = data.len();
-                        x.as_mut_slice()[rel..rel + n].copy_from_slice(data);
+                        held => {
+                            if let Some(src) = c.buf {
+                                let bytes = match &held {
+                                    Data::Lent(l) => l.as_slice(),
+                                    _ => src.as_slice(),
+                                };
+                                let n = bytes.len();
+                                x.as_mut_slice()[rel..rel + n].copy_from_slice(bytes);
+                            }
+                        }
                     }
                     if op.pending == 0 && op.error.is_none() {
                         let a0 = *a0;
@@ -690,10 +696,8 @@ impl ChainChannel {
                 Stage::ZeroFill { .. } => {}
             }
         }
-        if let Some(s) = spliced {
-            // Data for a stage that takes none (a failed read's, a write's).
-            s.release();
-        }
+        // Data for a stage that takes none (a failed read's, a write's).
+        data.release();
         if let Some(req) = next_write {
             let head = self.head();
             self.send(head, req);
@@ -750,8 +754,7 @@ impl ChainChannel {
                     tag: op.tag,
                     result,
                     buf: op.buf,
-                    spliced: op.spliced,
-                    lent: op.lent,
+                    data: op.data,
                 });
             }
         }
@@ -910,8 +913,7 @@ impl Channel for ChainChannel {
                 stage: Stage::Read,
                 parent: None,
                 lock: None,
-                lent: None,
-                spliced: None,
+                data: Data::Buf,
             })
             .expect("room checked above");
         self.parents += 1;

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::{FileOptions, FileRange, IoBuf, IoCompletion, IoOp, IoRequest, MallocDev, Spliced};
+use crate::{
+    Data, FileOptions, FileRange, IoBuf, IoCompletion, IoOp, IoRequest, MallocDev, Spliced,
+};
 
 const SIZE: u64 = 256 << 10;
 
@@ -66,8 +68,7 @@ fn run(ch: &mut dyn Channel, op: IoOp, offset: u64, len: u32, buf: Option<IoBuf>
                     tag: 42,
                     result: Err(e),
                     buf: None,
-                    spliced: None,
-                    lent: None,
+                    data: Data::Buf,
                 }
             }
         }
@@ -139,12 +140,13 @@ fn read_lent(ch: &mut dyn Channel, offset: u64, len: usize) -> (bool, Vec<u8>) {
     buf.as_mut_slice().fill(0xEE);
     let c = run(ch, IoOp::Read, offset, len as u32, Some(buf));
     c.result.expect("read");
-    match c.lent {
-        Some(l) => (true, l.as_slice().to_vec()),
-        None => (
+    match c.data {
+        Data::Lent(l) => (true, l.as_slice().to_vec()),
+        Data::Buf => (
             false,
             c.buf.expect("buffer back").as_slice()[..len].to_vec(),
         ),
+        Data::Spliced(_) => panic!("a memory chain handed over a descriptor"),
     }
 }
 
@@ -209,15 +211,16 @@ fn read_spliced(ch: &mut dyn Channel, offset: u64, len: usize) -> (Option<FileRa
     buf.as_mut_slice().fill(0xEE);
     let c = run(ch, IoOp::Read, offset, len as u32, Some(buf));
     c.result.expect("read");
-    match c.spliced {
-        Some(Spliced::File(r)) => {
+    match c.data {
+        Data::Spliced(Spliced::File(r)) => {
             assert_eq!((r.offset, r.len), (offset, len), "the request's range");
             let mut got = vec![0u8; len];
             r.read_into(&mut got).expect("read the range");
             (Some(r), got)
         }
-        Some(Spliced::Pipe(_)) => panic!("a file chain handed over a pipe"),
-        None => (None, c.buf.expect("buffer back").as_slice()[..len].to_vec()),
+        Data::Spliced(Spliced::Pipe(_)) => panic!("a file chain handed over a pipe"),
+        Data::Lent(_) => panic!("a file chain lent memory"),
+        Data::Buf => (None, c.buf.expect("buffer back").as_slice()[..len].to_vec()),
     }
 }
 
@@ -280,7 +283,7 @@ fn file_ranges_pass_through_and_across_snapshots() {
     let mut buf = IoBuf::with_capacity(64 << 10);
     buf.set_len(64 << 10);
     let c = run(&mut *plain, IoOp::Read, 0, 64 << 10, Some(buf));
-    assert!(c.spliced.is_none() && c.result.is_ok());
+    assert!(matches!(c.data, Data::Buf) && c.result.is_ok());
 }
 
 #[test]

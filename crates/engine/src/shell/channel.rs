@@ -227,8 +227,7 @@ impl Channel for EngineChannel {
                     tag: r.io.tag,
                     result: Err(err),
                     buf: r.io.buf,
-                    spliced: None,
-                    lent: None,
+                    data: lull_bdev::Data::Buf,
                 });
             }
             self.shared.ring();
@@ -340,8 +339,7 @@ impl Shell {
                             capacity: CHANNEL_ENTRIES_MAX,
                         }),
                         buf: r.io.buf,
-                        spliced: None,
-                        lent: None,
+                        data: lull_bdev::Data::Buf,
                     });
                 }
                 shared.ring();

@@ -206,8 +206,9 @@ impl Shell {
                     tag,
                     result,
                     buf,
-                    spliced: spliced.map(lull_bdev::Spliced::Pipe),
-                    lent: None,
+                    data: spliced.map_or(lull_bdev::Data::Buf, |p| {
+                        lull_bdev::Data::Spliced(lull_bdev::Spliced::Pipe(p))
+                    }),
                 },
             ),
             Action::Connect { conn, addr } => self.connect(conn, addr),

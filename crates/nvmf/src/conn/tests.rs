@@ -1444,11 +1444,12 @@ impl Channel for PipeChannel {
             if let (true, Some(i), true) = (splice, read, c.result.is_ok()) {
                 let (_, len) = reads.swap_remove(i);
                 if let Some(file) = file {
-                    c.spliced = Some(lull_bdev::Spliced::File(lull_bdev::FileRange {
-                        file: file.clone(),
-                        offset: 0,
-                        len: len - short_by,
-                    }));
+                    c.data =
+                        lull_bdev::Data::Spliced(lull_bdev::Spliced::File(lull_bdev::FileRange {
+                            file: file.clone(),
+                            offset: 0,
+                            len: len - short_by,
+                        }));
                     return done(c);
                 }
                 let mut pipe = lull_uring::pipes::get().expect("a pipe");
@@ -1457,7 +1458,7 @@ impl Channel for PipeChannel {
                 a.write_all(&vec![7u8; n]).expect("fill the socket");
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&b);
                 assert_eq!(pipe.fill_from(fd, n).expect("splice into the pipe"), n);
-                c.spliced = Some(lull_bdev::Spliced::Pipe(pipe));
+                c.data = lull_bdev::Data::Spliced(lull_bdev::Spliced::Pipe(pipe));
             }
             done(c)
         })
