@@ -548,6 +548,14 @@ fn start_rpc(
         control: control.clone(),
     };
     lull_rpc::register_lull_methods(&mut registry, ctx).map_err(|e| e.to_string())?;
+    // Backup targets are recorded with the node's state, under its store.
+    let backups = lull_backup::Backups::new(
+        volumes.clone(),
+        control.clone(),
+        s.store.as_ref().map(|st| st.dir.clone()),
+    )
+    .map_err(|e| format!("backups: {e}"))?;
+    lull_backup::rpc::register_backup_methods(&mut registry, backups).map_err(|e| e.to_string())?;
     let registry = Arc::new(registry);
     // The network listener first: its credentials are the likelier mistake,
     // and nothing is bound yet when they are refused.

@@ -1,0 +1,865 @@
+//! Backup, restore and verify jobs: each runs on a thread of its own
+//! (the volume's I/O) and on the backup runtime (the target's), reports
+//! its progress while it runs, and keeps its result when done.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::{ObjectStoreExt, PutPayload};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::catalog::{self, now_unix_ms, Lock};
+use crate::devio::DevIo;
+use crate::format::{self, chunk_path, BackupStats, Manifest, CHUNK_BYTES, FORMAT_VERSION};
+use crate::target::Target;
+use crate::{lock, BackupError, Backups, MAX_FINISHED_JOBS, MAX_RUNNING_JOBS};
+
+/// Chunks between the volume and the target at once per job: read and
+/// waiting, being compressed, being sent. Eight keep a link with 10 ms of
+/// latency busy at 2 MiB per PUT (200 MB/s) and hold ~32 MiB.
+pub const CHUNKS_IN_FLIGHT: usize = 8;
+
+/// Snapshots a backup takes for itself (none named) start with this;
+/// when the next backup of the volume to the same target completes,
+/// the one before it is deleted (it is not needed as a base any more).
+pub const AUTO_SNAPSHOT_PREFIX: &str = "lull-backup-";
+
+/// Largest bandwidth limit accepted (MB/s): 100 GB/s, past any link.
+pub const MAX_BANDWIDTH_MBYTES_PER_SEC: u64 = 100_000;
+
+/// What `backup_create` asks for.
+#[derive(Debug, Clone, Default)]
+pub struct BackupRequest {
+    pub volume: String,
+    pub target: String,
+    /// An existing snapshot to back up; `None`: take one now.
+    pub snapshot: Option<String>,
+    /// Upload limit in MB/s (0: none).
+    pub bandwidth_mbytes_per_sec: u64,
+    /// The schedule that asks (recorded in the manifest).
+    pub schedule: Option<String>,
+}
+
+/// What `backup_restore` asks for.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreRequest {
+    pub target: String,
+    pub backup: String,
+    /// The new volume's name and backend (as `volume_create` takes them).
+    pub name: String,
+    pub backend: String,
+    pub persist: bool,
+}
+
+#[derive(Default)]
+pub struct Progress {
+    pub total_bytes: AtomicU64,
+    pub done_bytes: AtomicU64,
+    pub sent_bytes: AtomicU64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Running,
+    Done,
+    Failed,
+}
+
+/// A job as `backup_job_list` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobInfo {
+    pub id: String,
+    pub kind: &'static str,
+    pub volume: String,
+    pub target: String,
+    /// The backup it makes, restores or verifies.
+    pub backup: String,
+    pub state: JobState,
+    pub total_bytes: u64,
+    pub done_bytes: u64,
+    pub sent_bytes: u64,
+    pub elapsed_ms: u64,
+    /// Bytes done per second so far (MB/s).
+    pub rate_mbytes_per_sec: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+}
+
+struct Job {
+    info: Mutex<JobInfo>,
+    progress: Progress,
+    started: Instant,
+}
+
+impl Job {
+    fn snapshot(&self) -> JobInfo {
+        let mut i = lock(&self.info).clone();
+        i.total_bytes = self.progress.total_bytes.load(Ordering::Relaxed);
+        i.done_bytes = self.progress.done_bytes.load(Ordering::Relaxed);
+        i.sent_bytes = self.progress.sent_bytes.load(Ordering::Relaxed);
+        let secs = self.started.elapsed().as_secs_f64();
+        if matches!(i.state, JobState::Running) {
+            i.elapsed_ms = (secs * 1000.0) as u64;
+        }
+        let secs = (i.elapsed_ms as f64 / 1000.0).max(0.001);
+        i.rate_mbytes_per_sec = (i.done_bytes as f64 / 1e6 / secs * 10.0).round() / 10.0;
+        i
+    }
+
+    fn finish(&self, r: &Result<Value, BackupError>) {
+        let mut i = lock(&self.info);
+        i.elapsed_ms = self.started.elapsed().as_millis() as u64;
+        match r {
+            Ok(v) => {
+                i.state = JobState::Done;
+                i.result = Some(v.clone());
+            }
+            Err(e) => {
+                i.state = JobState::Failed;
+                i.error = Some(e.to_string());
+            }
+        }
+    }
+}
+
+/// The node's jobs: running ones, and the last finished ones.
+#[derive(Default)]
+pub struct Jobs {
+    running: BTreeMap<String, Arc<Job>>,
+    finished: VecDeque<Arc<Job>>,
+    /// Volumes with a backup running (one at a time per volume).
+    busy_volumes: BTreeMap<String, String>,
+}
+
+impl Backups {
+    fn start_job(
+        self: &Arc<Self>,
+        kind: &'static str,
+        volume: &str,
+        target: &str,
+        backup: &str,
+        exclusive_volume: bool,
+    ) -> Result<Arc<Job>, BackupError> {
+        let mut jobs = lock(&self.jobs);
+        if jobs.running.len() >= MAX_RUNNING_JOBS {
+            return Err(BackupError::Busy(format!(
+                "{MAX_RUNNING_JOBS} backup jobs run on this node already; retry when one is done"
+            )));
+        }
+        if exclusive_volume {
+            if let Some(other) = jobs.busy_volumes.get(volume) {
+                return Err(BackupError::Busy(format!(
+                    "a backup of volume {volume:?} runs already ({other}): one at a time per volume"
+                )));
+            }
+            jobs.busy_volumes
+                .insert(volume.to_string(), backup.to_string());
+        }
+        let job = Arc::new(Job {
+            info: Mutex::new(JobInfo {
+                id: format!("{kind}-{backup}"),
+                kind,
+                volume: volume.to_string(),
+                target: target.to_string(),
+                backup: backup.to_string(),
+                state: JobState::Running,
+                total_bytes: 0,
+                done_bytes: 0,
+                sent_bytes: 0,
+                elapsed_ms: 0,
+                rate_mbytes_per_sec: 0.0,
+                error: None,
+                result: None,
+            }),
+            progress: Progress::default(),
+            started: Instant::now(),
+        });
+        let id = lock(&job.info).id.clone();
+        jobs.running.insert(id, job.clone());
+        Ok(job)
+    }
+
+    /// Runs `run` for `job` on a thread of its own; the job's result is
+    /// what it returns.
+    fn spawn_job(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        thread: &str,
+        run: impl FnOnce(&Backups, &Job) -> Result<Value, BackupError> + Send + 'static,
+    ) -> Result<JobInfo, BackupError> {
+        let (me, j) = (self.clone(), job.clone());
+        let spawned = std::thread::Builder::new()
+            .name(thread.into())
+            .spawn(move || {
+                let r = run(&me, &j);
+                me.end_job(&j, &r);
+            });
+        if let Err(e) = spawned {
+            let why = format!("{thread} thread: {e}");
+            self.end_job(job, &Err(BackupError::Failed(why.clone())));
+            return Err(BackupError::Failed(why));
+        }
+        Ok(job.snapshot())
+    }
+
+    fn end_job(&self, job: &Arc<Job>, r: &Result<Value, BackupError>) {
+        job.finish(r);
+        let info = lock(&job.info).clone();
+        let mut jobs = lock(&self.jobs);
+        jobs.running.remove(&info.id);
+        if jobs.busy_volumes.get(&info.volume) == Some(&info.backup) {
+            jobs.busy_volumes.remove(&info.volume);
+        }
+        jobs.finished.push_back(job.clone());
+        while jobs.finished.len() > MAX_FINISHED_JOBS {
+            jobs.finished.pop_front();
+        }
+        match r {
+            Ok(_) => tracing::info!(
+                job = info.id,
+                volume = info.volume,
+                target = info.target,
+                elapsed_ms = info.elapsed_ms,
+                "backup job done"
+            ),
+            Err(e) => tracing::warn!(job = info.id, volume = info.volume, target = info.target,
+                error = %e, "backup job failed"),
+        }
+    }
+
+    /// Running jobs and the last finished ones.
+    pub fn jobs(&self) -> Vec<JobInfo> {
+        let jobs = lock(&self.jobs);
+        jobs.finished
+            .iter()
+            .chain(jobs.running.values())
+            .map(|j| j.snapshot())
+            .collect()
+    }
+
+    /// One job by id (`backup-bk-...`, `restore-bk-...`, `verify-bk-...`).
+    pub fn job(&self, id: &str) -> Option<JobInfo> {
+        let jobs = lock(&self.jobs);
+        jobs.running
+            .get(id)
+            .or_else(|| jobs.finished.iter().rev().find(|j| lock(&j.info).id == id))
+            .map(|j| j.snapshot())
+    }
+
+    /// Waits for a job to finish (`wait: true` on the RPC), at most `limit`.
+    pub fn wait_job(&self, id: &str, limit: Duration) -> Option<JobInfo> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let j = self.job(id)?;
+            if !matches!(j.state, JobState::Running) || Instant::now() >= deadline {
+                return Some(j);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts a backup; returns its job (whose `backup` is the new
+    /// backup's id) at once.
+    pub fn create(self: &Arc<Self>, req: BackupRequest) -> Result<JobInfo, BackupError> {
+        if req.bandwidth_mbytes_per_sec > MAX_BANDWIDTH_MBYTES_PER_SEC {
+            return Err(BackupError::Config(format!(
+                "bandwidth_mbytes_per_sec: at most {MAX_BANDWIDTH_MBYTES_PER_SEC}"
+            )));
+        }
+        let t = self.target(&req.target)?;
+        let v = self
+            .volumes
+            .named(&req.volume)
+            .map_err(|e| BackupError::Volume(e.to_string()))?;
+        let size = v.dev().size_bytes();
+        if size > format::MAX_BACKUP_VOLUME_BYTES {
+            return Err(BackupError::Volume(format!(
+                "volume {:?}: {size} bytes, past the {} a backup takes",
+                req.volume,
+                format::MAX_BACKUP_VOLUME_BYTES
+            )));
+        }
+        if v.storage.layered().is_none() && v.storage.replicated().is_none() {
+            return Err(BackupError::Volume(format!(
+                "volume {:?} ({}) takes no snapshots, so no backups: memory, file and replicated volumes do",
+                req.volume,
+                v.dev().describe()
+            )));
+        }
+        if let Some(s) = &req.snapshot {
+            if !v.dev().has_snapshot(s) {
+                return Err(BackupError::Volume(format!(
+                    "volume {:?} has no snapshot {s:?}",
+                    req.volume
+                )));
+            }
+        }
+        let id = format::new_backup_id(now_unix_ms());
+        let job = self.start_job("backup", &req.volume, &req.target, &id, true)?;
+        self.spawn_job(&job, "lull-backup", move |me, j| {
+            me.run_backup(j, &t, &req, &id)
+        })
+    }
+
+    fn run_backup(
+        &self,
+        job: &Job,
+        t: &Target,
+        req: &BackupRequest,
+        id: &str,
+    ) -> Result<Value, BackupError> {
+        let started = Instant::now();
+        let v = self
+            .volumes
+            .named(&req.volume)
+            .map_err(|e| BackupError::Volume(e.to_string()))?;
+        self.rt.block_on(t.check())?;
+        // The lock first: no collection may start while chunks this
+        // backup counts on could be deleted.
+        let lock_ = Lock::new(id, "backup");
+        self.rt
+            .block_on(async {
+                catalog::put_lock(t, &lock_).await?;
+                match catalog::live_locks(t, id)
+                    .await?
+                    .into_iter()
+                    .find(|l| l.kind == "gc")
+                {
+                    Some(g) => Err(BackupError::Busy(format!(
+                        "target {}: a garbage collection runs ({} on {}); back up when it is done",
+                        t.config.name, g.id, g.host
+                    ))),
+                    None => Ok(()),
+                }
+            })
+            .inspect_err(|_| self.rt.block_on(catalog::drop_lock(t, id)))?;
+        let refresh = {
+            let (t, mut l) = (t.clone(), lock_.clone());
+            self.rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(catalog::LOCK_REFRESH).await;
+                    l.refreshed_unix_ms = now_unix_ms();
+                    if let Err(e) = catalog::put_lock(&t, &l).await {
+                        tracing::warn!(lock = l.id, error = %e, "backup lock not refreshed");
+                    }
+                }
+            })
+        };
+        let r = self.backup_locked(job, t, req, id, &v, started);
+        refresh.abort();
+        self.rt.block_on(catalog::drop_lock(t, id));
+        r
+    }
+
+    fn backup_locked(
+        &self,
+        job: &Job,
+        t: &Target,
+        req: &BackupRequest,
+        id: &str,
+        v: &lull_volume::Volume,
+        started: Instant,
+    ) -> Result<Value, BackupError> {
+        let volume = &req.volume;
+        let snapshot = match &req.snapshot {
+            Some(s) => s.clone(),
+            None => {
+                let name = format!("{AUTO_SNAPSHOT_PREFIX}{}", &id[3..]);
+                self.control
+                    .snapshot_create(volume, &name)
+                    .map_err(|e| BackupError::Volume(format!("snapshot of {volume:?}: {e}")))?;
+                name
+            }
+        };
+        let r = self.backup_snapshot(job, t, req, id, v, &snapshot, started);
+        if r.is_err() && req.snapshot.is_none() {
+            // Its own snapshot is no base for anything now.
+            if let Err(e) = self.control.snapshot_delete(volume, &snapshot) {
+                tracing::warn!(volume, snapshot, error = %e, "the failed backup's snapshot stays");
+            }
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backup_snapshot(
+        &self,
+        job: &Job,
+        t: &Target,
+        req: &BackupRequest,
+        id: &str,
+        v: &lull_volume::Volume,
+        snapshot: &str,
+        started: Instant,
+    ) -> Result<Value, BackupError> {
+        let volume = &req.volume;
+        let view = v.dev().snapshot_view(snapshot).ok_or_else(|| {
+            BackupError::Volume(format!(
+                "volume {volume:?}: snapshot {snapshot:?} cannot be read"
+            ))
+        })?;
+        let size = view.size_bytes();
+        let n = size.div_ceil(CHUNK_BYTES) as usize;
+        job.progress.total_bytes.store(size, Ordering::Relaxed);
+        // The newest backup of this volume on this target whose snapshot
+        // the volume still has is the parent: only what changed since
+        // is read.
+        let all = self.rt.block_on(catalog::manifests(t))?;
+        let parent = all.iter().rev().find(|m| {
+            m.volume == *volume
+                && m.chunk_bytes == CHUNK_BYTES
+                && m.size_bytes <= size
+                && m.snapshot != snapshot
+                && v.dev().has_snapshot(&m.snapshot)
+        });
+        let mut io = DevIo::open(view.clone())?;
+        let unchanged: Vec<bool> = match parent {
+            Some(p) => {
+                let mut flags = vec![false; n];
+                let runs = io.changed(&p.snapshot, 0, size)?;
+                let mut at = 0u64;
+                let mut changed = vec![false; n];
+                for r in runs {
+                    if r.changed {
+                        let first = (at / CHUNK_BYTES) as usize;
+                        let last = ((at + r.length_bytes - 1) / CHUNK_BYTES) as usize;
+                        for c in changed.iter_mut().take(last + 1).skip(first) {
+                            *c = true;
+                        }
+                    }
+                    at += r.length_bytes;
+                }
+                for (i, f) in flags.iter_mut().enumerate() {
+                    *f = i < p.chunks.len()
+                        && !changed[i]
+                        && (i + 1 < p.chunks.len() || p.size_bytes == size);
+                }
+                flags
+            }
+            None => vec![false; n],
+        };
+        let mut allocated = vec![false; n];
+        let mut at = 0u64;
+        for e in io.extents(0, size)? {
+            if !(e.hole || e.zero) {
+                let first = (at / CHUNK_BYTES) as usize;
+                let last = ((at + e.length_bytes - 1) / CHUNK_BYTES) as usize;
+                for a in allocated.iter_mut().take(last + 1).skip(first) {
+                    *a = true;
+                }
+            }
+            at += e.length_bytes;
+        }
+        let mut stats = BackupStats::default();
+        let mut chunks: Vec<Option<String>> = vec![None; n];
+        let known: Arc<HashSet<String>> = Arc::new(
+            all.iter()
+                .filter(|m| m.volume == *volume)
+                .flat_map(|m| m.chunks.iter().flatten().cloned())
+                .collect(),
+        );
+        let (tx, rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>)>(CHUNKS_IN_FLIGHT);
+        let limiter = Arc::new(Limiter::new(req.bandwidth_mbytes_per_sec));
+        let progress = Arc::new(AtomicU64::new(0));
+        let uploads = self.rt.spawn(upload_chunks(
+            t.clone(),
+            rx,
+            known,
+            limiter,
+            progress.clone(),
+        ));
+        let mut read_error = None;
+        for i in 0..n {
+            let (off, len) = format::chunk_range(i, CHUNK_BYTES, size);
+            if unchanged[i] {
+                chunks[i] = parent.and_then(|p| p.chunks[i].clone());
+                stats.chunks_unchanged += 1;
+            } else if !allocated[i] {
+                stats.chunks_zero += 1;
+            } else {
+                let data = match io.read(off, len) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        read_error = Some(BackupError::from(e));
+                        break;
+                    }
+                };
+                stats.bytes_read += len;
+                if data.iter().all(|&b| b == 0) {
+                    stats.chunks_zero += 1;
+                } else if tx.blocking_send((i, data)).is_err() {
+                    break; // the uploads failed: their error is below
+                }
+            }
+            job.progress.done_bytes.store(off + len, Ordering::Relaxed);
+            job.progress
+                .sent_bytes
+                .store(progress.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        drop(tx);
+        let uploaded = self
+            .rt
+            .block_on(uploads)
+            .map_err(|e| BackupError::Failed(format!("upload task: {e}")))?;
+        if let Some(e) = read_error {
+            return Err(e);
+        }
+        for (i, name, sent) in uploaded? {
+            chunks[i] = Some(name);
+            match sent {
+                Some(b) => {
+                    stats.chunks_uploaded += 1;
+                    stats.bytes_uploaded += b;
+                }
+                None => stats.chunks_deduplicated += 1,
+            }
+        }
+        job.progress
+            .sent_bytes
+            .store(stats.bytes_uploaded, Ordering::Relaxed);
+        stats.duration_ms = started.elapsed().as_millis() as u64;
+        let m = Manifest {
+            format: FORMAT_VERSION,
+            id: id.to_string(),
+            volume: volume.clone(),
+            size_bytes: size,
+            chunk_bytes: CHUNK_BYTES,
+            snapshot: snapshot.to_string(),
+            created_unix_ms: now_unix_ms(),
+            parent: parent.map(|p| p.id.clone()),
+            schedule: req.schedule.clone(),
+            chunks,
+            stats,
+        };
+        m.check()?;
+        self.rt.block_on(catalog::put_manifest(t, &m))?;
+        tracing::info!(volume, target = %t.config.name, backup = id, snapshot,
+            parent = ?m.parent, uploaded = m.stats.bytes_uploaded, read = m.stats.bytes_read,
+            "backup complete");
+        // The parent's own snapshot was kept as this backup's base; this
+        // one's takes over.
+        if let Some(p) = parent {
+            if p.snapshot.starts_with(AUTO_SNAPSHOT_PREFIX) {
+                if let Err(e) = self.control.snapshot_delete(volume, &p.snapshot) {
+                    tracing::info!(volume, snapshot = p.snapshot, error = %e,
+                        "the previous backup's snapshot stays");
+                }
+            }
+        }
+        Ok(summary(&m))
+    }
+
+    /// Starts a restore of a backup into a new volume.
+    pub fn restore(self: &Arc<Self>, req: RestoreRequest) -> Result<JobInfo, BackupError> {
+        let t = self.target(&req.target)?;
+        if self.volumes.named(&req.name).is_ok() {
+            return Err(BackupError::Volume(format!(
+                "volume {:?} exists already: a restore makes a new volume",
+                req.name
+            )));
+        }
+        let m = self.rt.block_on(catalog::manifest(&t, &req.backup))?;
+        let job = self.start_job("restore", &req.name, &req.target, &req.backup, true)?;
+        self.spawn_job(&job, "lull-restore", move |me, j| {
+            me.run_restore(j, &t, &req, &m)
+        })
+    }
+
+    fn run_restore(
+        &self,
+        job: &Job,
+        t: &Target,
+        req: &RestoreRequest,
+        m: &Manifest,
+    ) -> Result<Value, BackupError> {
+        let started = Instant::now();
+        let new = lull_rpc::NewVolume {
+            name: req.name.clone(),
+            size_bytes: m.size_bytes,
+            backend: req.backend.clone(),
+            persist: req.persist,
+            ..Default::default()
+        };
+        self.control
+            .volume_create(&new)
+            .map_err(|e| BackupError::Volume(format!("volume {:?}: {e}", req.name)))?;
+        let r = self.restore_into(job, t, req, m, started);
+        if r.is_err() {
+            // Nothing half-restored stays behind under the name.
+            let name = lull_rpc::VolumeName {
+                name: req.name.clone(),
+            };
+            if let Err(e) = self.control.volume_delete(&name) {
+                tracing::error!(volume = req.name, error = %e, "a failed restore's volume could not be deleted");
+            }
+        }
+        r
+    }
+
+    fn restore_into(
+        &self,
+        job: &Job,
+        t: &Target,
+        req: &RestoreRequest,
+        m: &Manifest,
+        started: Instant,
+    ) -> Result<Value, BackupError> {
+        let v = self
+            .volumes
+            .named(&req.name)
+            .map_err(|e| BackupError::Volume(e.to_string()))?;
+        let mut io = DevIo::open(storage_dev(&v.storage))?;
+        job.progress
+            .total_bytes
+            .store(m.size_bytes, Ordering::Relaxed);
+        let wanted: Vec<(usize, String)> = m
+            .chunks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.clone().map(|c| (i, c)))
+            .collect();
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>)>(CHUNKS_IN_FLIGHT);
+        let fetch = {
+            let (t, chunk_bytes, size) = (t.clone(), m.chunk_bytes, m.size_bytes);
+            self.rt.spawn(async move {
+                let mut s = futures::stream::iter(wanted)
+                    .map(|(i, name)| {
+                        let t = t.clone();
+                        async move {
+                            let (_, len) = format::chunk_range(i, chunk_bytes, size);
+                            fetch_chunk(&t, &name, len as usize).await.map(|d| (i, d))
+                        }
+                    })
+                    .buffered(CHUNKS_IN_FLIGHT);
+                while let Some(r) = s.next().await {
+                    let r = r?;
+                    if tx.send(r).await.is_err() {
+                        break;
+                    }
+                }
+                Ok::<(), BackupError>(())
+            })
+        };
+        let mut written = 0u64;
+        let mut write_error = None;
+        while let Some((i, data)) = rx.blocking_recv() {
+            let (off, len) = m.chunk_range(i);
+            if let Err(e) = io.write(off, &data) {
+                write_error = Some(BackupError::from(e));
+                break;
+            }
+            written += len;
+            job.progress.done_bytes.store(off + len, Ordering::Relaxed);
+            job.progress.sent_bytes.store(written, Ordering::Relaxed);
+        }
+        drop(rx);
+        let fetched = self
+            .rt
+            .block_on(fetch)
+            .map_err(|e| BackupError::Failed(format!("fetch task: {e}")))?;
+        if let Some(e) = write_error {
+            return Err(e);
+        }
+        fetched?;
+        io.flush()?;
+        job.progress
+            .done_bytes
+            .store(m.size_bytes, Ordering::Relaxed);
+        tracing::info!(volume = req.name, target = %t.config.name, backup = m.id,
+            bytes = written, "restore complete");
+        Ok(json!({
+            "volume": req.name,
+            "backup": m.id,
+            "size_bytes": m.size_bytes,
+            "bytes_written": written,
+            "duration_ms": started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    /// Starts a verify of a backup: every chunk it names fetched, decoded
+    /// and hashed again.
+    pub fn verify(self: &Arc<Self>, target: &str, backup: &str) -> Result<JobInfo, BackupError> {
+        let t = self.target(target)?;
+        let m = self.rt.block_on(catalog::manifest(&t, backup))?;
+        let job = self.start_job("verify", &m.volume, target, backup, false)?;
+        self.spawn_job(&job, "lull-verify", move |me, j| {
+            me.rt.block_on(verify_chunks(&t, &m, &j.progress))
+        })
+    }
+}
+
+/// The volume's device as an `Arc`, to open a channel on a job's thread.
+pub(crate) fn storage_dev(s: &lull_volume::Storage) -> Arc<dyn lull_bdev::BlockDevice> {
+    match s {
+        lull_volume::Storage::Local(d) => d.clone(),
+        lull_volume::Storage::Replicated(d) => d.clone(),
+        lull_volume::Storage::Layered(d) => d.clone(),
+    }
+}
+
+/// What `backup_create`'s job reports when done.
+pub fn summary(m: &Manifest) -> Value {
+    json!({
+        "id": m.id,
+        "volume": m.volume,
+        "snapshot": m.snapshot,
+        "size_bytes": m.size_bytes,
+        "created_unix_ms": m.created_unix_ms,
+        "parent": m.parent,
+        "schedule": m.schedule,
+        "chunks": m.chunks.len(),
+        "stats": m.stats,
+    })
+}
+
+/// An upload rate limit shared by a job's uploads.
+struct Limiter {
+    bytes_per_sec: u64,
+    next: Mutex<Instant>,
+}
+
+impl Limiter {
+    fn new(mbytes_per_sec: u64) -> Limiter {
+        Limiter {
+            bytes_per_sec: mbytes_per_sec * 1_000_000,
+            next: Mutex::new(Instant::now()),
+        }
+    }
+
+    async fn take(&self, bytes: u64) {
+        if self.bytes_per_sec == 0 {
+            return;
+        }
+        let start = {
+            let mut next = lock(&self.next);
+            let start = (*next).max(Instant::now());
+            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec as f64);
+            start
+        };
+        tokio::time::sleep_until(start.into()).await;
+    }
+}
+
+/// Encodes and stores the chunks read for a backup: `(index, name,
+/// Some(bytes sent) or None when the target had it)` for each.
+async fn upload_chunks(
+    t: Target,
+    rx: tokio::sync::mpsc::Receiver<(usize, Vec<u8>)>,
+    known: Arc<HashSet<String>>,
+    limiter: Arc<Limiter>,
+    sent: Arc<AtomicU64>,
+) -> Result<Vec<(usize, String, Option<u64>)>, BackupError> {
+    let stream =
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|w| (w, rx)) });
+    stream
+        .map(|(i, data)| {
+            let (t, known, limiter, sent) =
+                (t.clone(), known.clone(), limiter.clone(), sent.clone());
+            async move {
+                let codec = t.codec.clone();
+                let (name, stored) = tokio::task::spawn_blocking(move || codec.encode(&data))
+                    .await
+                    .map_err(|e| BackupError::Failed(format!("encode task: {e}")))??;
+                if known.contains(&name) {
+                    return Ok((i, name, None));
+                }
+                let path = t.path(&chunk_path(&name));
+                match t.store.head(&path).await {
+                    Ok(_) => return Ok((i, name, None)),
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(t.error(e)),
+                }
+                let n = stored.len() as u64;
+                limiter.take(n).await;
+                t.store
+                    .put(&path, PutPayload::from(stored))
+                    .await
+                    .map_err(|e| t.error(e))?;
+                sent.fetch_add(n, Ordering::Relaxed);
+                Ok((i, name, Some(n)))
+            }
+        })
+        .buffer_unordered(CHUNKS_IN_FLIGHT)
+        .try_collect()
+        .await
+}
+
+/// One chunk's plaintext, fetched and checked.
+pub(crate) async fn fetch_chunk(
+    t: &Target,
+    name: &str,
+    len: usize,
+) -> Result<Vec<u8>, BackupError> {
+    let r = match t.store.get(&t.path(&chunk_path(name))).await {
+        Ok(r) => r,
+        Err(object_store::Error::NotFound { .. }) => {
+            return Err(BackupError::BadChunk {
+                chunk: name.to_string(),
+                why: "missing from the target".into(),
+            })
+        }
+        Err(e) => return Err(t.error(e)),
+    };
+    let stored = r.bytes().await.map_err(|e| t.error(e))?;
+    let codec = t.codec.clone();
+    let name = name.to_string();
+    tokio::task::spawn_blocking(move || codec.decode(&name, &stored, len))
+        .await
+        .map_err(|e| BackupError::Failed(format!("decode task: {e}")))?
+}
+
+/// Checks every chunk a manifest names; the result names the bad ones.
+async fn verify_chunks(
+    t: &Target,
+    m: &Manifest,
+    progress: &Progress,
+) -> Result<Value, BackupError> {
+    let mut by_name: BTreeMap<&str, (usize, Vec<usize>)> = BTreeMap::new();
+    for (i, c) in m.chunks.iter().enumerate() {
+        if let Some(c) = c {
+            let len = m.chunk_range(i).1 as usize;
+            by_name.entry(c).or_insert((len, Vec::new())).1.push(i);
+        }
+    }
+    progress.total_bytes.store(m.size_bytes, Ordering::Relaxed);
+    let per_chunk = m.size_bytes / (m.chunks.len().max(1) as u64);
+    let checked: Vec<(String, Vec<usize>, Result<(), BackupError>)> =
+        futures::stream::iter(by_name)
+            .map(|(name, (len, at))| async move {
+                let r = fetch_chunk(t, name, len).await.map(|_| ());
+                progress
+                    .done_bytes
+                    .fetch_add(per_chunk * at.len() as u64, Ordering::Relaxed);
+                (name.to_string(), at, r)
+            })
+            .buffer_unordered(CHUNKS_IN_FLIGHT)
+            .collect()
+            .await;
+    let mut bad = Vec::new();
+    for (name, at, r) in &checked {
+        match r {
+            Ok(()) => {}
+            Err(BackupError::BadChunk { why, .. }) => {
+                bad.push(json!({"chunk": name, "indexes": at, "error": why}))
+            }
+            Err(e) => return Err(BackupError::Failed(format!("verify of {}: {e}", m.id))),
+        }
+    }
+    progress.done_bytes.store(m.size_bytes, Ordering::Relaxed);
+    if !bad.is_empty() {
+        tracing::error!(target = %t.config.name, backup = m.id, bad = bad.len(), "backup verify found bad chunks");
+    }
+    Ok(json!({
+        "backup": m.id,
+        "ok": bad.is_empty(),
+        "chunks_checked": checked.len(),
+        "bad_chunks": bad,
+    }))
+}
