@@ -28,6 +28,9 @@ pub const CHUNKS_IN_FLIGHT: usize = 8;
 /// the one before it is deleted (it is not needed as a base any more).
 pub const AUTO_SNAPSHOT_PREFIX: &str = "lull-backup-";
 
+/// Bad chunks a failed verify names in its error (all are logged).
+pub const VERIFY_NAMED_MAX: usize = 16;
+
 /// Largest bandwidth limit accepted (MB/s): 100 GB/s, past any link.
 pub const MAX_BANDWIDTH_MBYTES_PER_SEC: u64 = 100_000;
 
@@ -94,7 +97,8 @@ pub struct JobInfo {
 
 struct Job {
     info: Mutex<JobInfo>,
-    progress: Progress,
+    /// Shared with the job's upload tasks, which count what they send.
+    progress: Arc<Progress>,
     started: Instant,
 }
 
@@ -178,7 +182,7 @@ impl Backups {
                 error: None,
                 result: None,
             }),
-            progress: Progress::default(),
+            progress: Arc::new(Progress::default()),
             started: Instant::now(),
         });
         let id = lock(&job.info).id.clone();
@@ -467,13 +471,12 @@ impl Backups {
         );
         let (tx, rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>)>(CHUNKS_IN_FLIGHT);
         let limiter = Arc::new(Limiter::new(req.bandwidth_mbytes_per_sec));
-        let progress = Arc::new(AtomicU64::new(0));
         let uploads = self.rt.spawn(upload_chunks(
             t.clone(),
             rx,
             known,
             limiter,
-            progress.clone(),
+            job.progress.clone(),
         ));
         let mut read_error = None;
         for i in 0..n {
@@ -499,9 +502,6 @@ impl Backups {
                 }
             }
             job.progress.done_bytes.store(off + len, Ordering::Relaxed);
-            job.progress
-                .sent_bytes
-                .store(progress.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         drop(tx);
         let uploaded = self
@@ -754,14 +754,14 @@ async fn upload_chunks(
     rx: tokio::sync::mpsc::Receiver<(usize, Vec<u8>)>,
     known: Arc<HashSet<String>>,
     limiter: Arc<Limiter>,
-    sent: Arc<AtomicU64>,
+    progress: Arc<Progress>,
 ) -> Result<Vec<(usize, String, Option<u64>)>, BackupError> {
     let stream =
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|w| (w, rx)) });
     stream
         .map(|(i, data)| {
-            let (t, known, limiter, sent) =
-                (t.clone(), known.clone(), limiter.clone(), sent.clone());
+            let (t, known, limiter, progress) =
+                (t.clone(), known.clone(), limiter.clone(), progress.clone());
             async move {
                 let codec = t.codec.clone();
                 let (name, stored) = tokio::task::spawn_blocking(move || codec.encode(&data))
@@ -782,7 +782,7 @@ async fn upload_chunks(
                     .put(&path, PutPayload::from(stored))
                     .await
                     .map_err(|e| t.error(e))?;
-                sent.fetch_add(n, Ordering::Relaxed);
+                progress.sent_bytes.fetch_add(n, Ordering::Relaxed);
                 Ok((i, name, Some(n)))
             }
         })
@@ -855,6 +855,31 @@ async fn verify_chunks(
     progress.done_bytes.store(m.size_bytes, Ordering::Relaxed);
     if !bad.is_empty() {
         tracing::error!(target = %t.config.name, backup = m.id, bad = bad.len(), "backup verify found bad chunks");
+        // The job fails, naming them (the first few in the message).
+        let named: Vec<String> = bad
+            .iter()
+            .take(VERIFY_NAMED_MAX)
+            .map(|b| {
+                format!(
+                    "{} (chunk {}: {})",
+                    b["chunk"].as_str().unwrap_or(""),
+                    b["indexes"],
+                    b["error"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        return Err(BackupError::Corrupt(format!(
+            "backup {}: {} of {} chunks bad: {}{}",
+            m.id,
+            bad.len(),
+            checked.len(),
+            named.join("; "),
+            if bad.len() > VERIFY_NAMED_MAX {
+                "; ..."
+            } else {
+                ""
+            }
+        )));
     }
     Ok(json!({
         "backup": m.id,
