@@ -57,6 +57,9 @@ enum Command {
     /// The Kubernetes CSI plugin: Identity, Controller and Node services
     /// over gRPC on a Unix socket (docs/KUBERNETES.md).
     Csi(cli::csi::CsiArgs),
+    /// Backups of a running server's volumes: targets, create, list,
+    /// restore, verify, delete, expose (the backup_* RPC methods).
+    Backup(cli::backup::BackupArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -236,6 +239,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cli::bench::run(&args),
         Command::Top(args) => cli::top::run(&args),
         Command::Csi(args) => cli::csi::run(&args),
+        Command::Backup(args) => cli::backup::run(&args),
     }
 }
 

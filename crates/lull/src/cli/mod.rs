@@ -11,7 +11,9 @@
 //! | `lull bench` | [`bench`] | `lull_bench::run` |
 //! | `lull top` | [`top`] | `lull_rpc::call`, `call_tcp` (read-only) |
 //! | `lull csi` | [`csi`] | `lull_csi::run` |
+//! | `lull backup` | [`backup`] | `lull_rpc::call` (the `backup_*` methods) |
 
+pub(crate) mod backup;
 pub(crate) mod bench;
 mod choice;
 pub(crate) mod csi;

@@ -428,6 +428,19 @@ fn an_exposed_backup_reads_before_it_is_restored() {
     let id = b["id"].as_str().unwrap();
     let want = scratch.join("want.img");
     image(&server, "v", &want);
+    // The operator's command line says the same as the RPC.
+    let out = Command::new(env!("CARGO_BIN_EXE_lull"))
+        .arg("backup")
+        .arg("--socket")
+        .arg(server.rpc_socket())
+        .args(["list", "--target", "s3"])
+        .output()
+        .expect("run lull backup");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && listed.contains(id),
+        "lull backup list: {listed}"
+    );
     let e = rpc(
         &server,
         "backup_expose",
