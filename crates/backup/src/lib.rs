@@ -25,6 +25,7 @@ pub mod expose;
 pub mod format;
 mod job;
 pub mod rpc;
+pub mod schedule;
 pub mod target;
 
 use std::collections::BTreeMap;
@@ -114,16 +115,17 @@ pub struct Backups {
     rt: tokio::runtime::Runtime,
     volumes: Arc<Volumes>,
     control: Arc<dyn ControlPlane>,
-    state_file: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
     targets: Mutex<BTreeMap<String, Target>>,
     jobs: Mutex<job::Jobs>,
     exposed: Mutex<BTreeMap<String, expose::Exposed>>,
+    schedules: Mutex<BTreeMap<(String, String), schedule::Scheduled>>,
 }
 
 impl std::fmt::Debug for Backups {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Backups")
-            .field("state_file", &self.state_file)
+            .field("state_dir", &self.state_dir)
             .finish_non_exhaustive()
     }
 }
@@ -147,7 +149,7 @@ impl Backups {
             .enable_all()
             .build()
             .map_err(|e| BackupError::Failed(format!("backup runtime: {e}")))?;
-        let state_file = state_dir.map(|d| d.join(STATE_FILE));
+        let state_file = state_dir.as_ref().map(|d| d.join(STATE_FILE));
         let mut targets = BTreeMap::new();
         if let Some(f) = &state_file {
             match std::fs::read(f) {
@@ -170,36 +172,52 @@ impl Backups {
                 Err(e) => return Err(BackupError::Config(format!("{}: {e}", f.display()))),
             }
         }
-        Ok(Arc::new(Backups {
+        let b = Arc::new(Backups {
             rt,
             volumes,
             control,
-            state_file,
+            state_dir,
             targets: Mutex::new(targets),
             jobs: Mutex::new(job::Jobs::default()),
             exposed: Mutex::new(BTreeMap::new()),
-        }))
+            schedules: Mutex::new(BTreeMap::new()),
+        });
+        b.load_schedules()?;
+        b.start_cron()?;
+        Ok(b)
     }
 
-    fn save_targets(&self, targets: &BTreeMap<String, Target>) -> Result<(), BackupError> {
-        let Some(f) = &self.state_file else {
+    fn state_path(&self, file: &str) -> Option<PathBuf> {
+        self.state_dir.as_ref().map(|d| d.join(file))
+    }
+
+    /// Writes a state file whole (a temporary file renamed over it, both
+    /// synced): the old contents or the new, never neither.
+    fn write_state(&self, file: &str, body: &[u8]) -> Result<(), BackupError> {
+        let Some(f) = self.state_path(file) else {
             return Ok(());
         };
-        let configs: Vec<&TargetConfig> = targets.values().map(|t| &t.config).collect();
-        let body = serde_json::to_vec_pretty(&configs).expect("targets serialize");
         let tmp = f.with_extension("json.tmp");
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             let mut file = std::fs::File::create(&tmp)?;
-            file.write_all(&body)?;
+            file.write_all(body)?;
             file.sync_all()?;
-            std::fs::rename(&tmp, f)?;
+            std::fs::rename(&tmp, &f)?;
             if let Some(dir) = f.parent() {
                 std::fs::File::open(dir)?.sync_all()?;
             }
             Ok(())
         };
         write().map_err(|e| BackupError::Failed(format!("{}: {e}", f.display())))
+    }
+
+    fn save_targets(&self, targets: &BTreeMap<String, Target>) -> Result<(), BackupError> {
+        let configs: Vec<&TargetConfig> = targets.values().map(|t| &t.config).collect();
+        self.write_state(
+            STATE_FILE,
+            &serde_json::to_vec_pretty(&configs).expect("targets serialize"),
+        )
     }
 
     /// Adds a target after checking it answers and holds lull's format

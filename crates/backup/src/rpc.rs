@@ -28,6 +28,9 @@ pub const BACKUP_METHODS: &[&str] = &[
     "backup_job_get",
     "backup_expose",
     "backup_unexpose",
+    "backup_schedule_set",
+    "backup_schedule_list",
+    "backup_schedule_remove",
 ];
 
 /// Longest a `"wait": true` call holds its RPC connection (the client
@@ -169,6 +172,25 @@ struct Expose {
     name: Option<String>,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScheduleSet {
+    volume: String,
+    target: String,
+    interval_secs: u64,
+    keep_last: Option<u64>,
+    keep_within_secs: Option<u64>,
+    #[serde(default)]
+    bandwidth_mbytes_per_sec: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScheduleKey {
+    volume: String,
+    target: String,
+}
+
 fn method<P, F>(registry: &mut MethodRegistry, name: &str, f: F) -> Result<(), RpcError>
 where
     P: serde::de::DeserializeOwned,
@@ -290,9 +312,38 @@ pub fn register_backup_methods(
         let e = c.expose(&p.target, &p.backup, p.name.as_deref())?;
         Ok(json!({"name": e.name, "target": e.target, "backup": e.backup}))
     })?;
-    let c = b;
+    let c = b.clone();
     method(registry, "backup_unexpose", move |p: Name| {
         c.unexpose(&p.name)?;
+        Ok(Value::Null)
+    })?;
+    let c = b.clone();
+    method(registry, "backup_schedule_set", move |p: ScheduleSet| {
+        check_volume("volume", &p.volume)?;
+        if p.bandwidth_mbytes_per_sec > job::MAX_BANDWIDTH_MBYTES_PER_SEC {
+            return Err(ControlError::InvalidParams(format!(
+                "bandwidth_mbytes_per_sec: at most {}",
+                job::MAX_BANDWIDTH_MBYTES_PER_SEC
+            )));
+        }
+        c.schedule_set(crate::schedule::Schedule {
+            volume: p.volume,
+            target: p.target,
+            interval_secs: p.interval_secs,
+            keep_last: p.keep_last,
+            keep_within_secs: p.keep_within_secs,
+            bandwidth_mbytes_per_sec: p.bandwidth_mbytes_per_sec,
+            last_unix_ms: None,
+        })?;
+        Ok(Value::Null)
+    })?;
+    let c = b.clone();
+    method(registry, "backup_schedule_list", move |NoParams {}| {
+        Ok(json!(c.schedule_list()))
+    })?;
+    let c = b;
+    method(registry, "backup_schedule_remove", move |p: ScheduleKey| {
+        c.schedule_remove(&p.volume, &p.target)?;
         Ok(Value::Null)
     })?;
     Ok(())

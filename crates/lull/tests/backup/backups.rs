@@ -653,3 +653,92 @@ fn bad_targets_and_requests_get_clear_errors() {
     assert!(e.contains("exists already"), "{e}");
     server.assert_healthy();
 }
+
+/// A schedule backs a volume up every interval, keeps its last 2 backups
+/// (deleting and collecting the rest), and is resumed after a restart.
+#[test]
+fn a_schedule_backs_up_keeps_its_last_and_survives_a_restart() {
+    let scratch = Scratch::new("backup-schedule");
+    let s3 = S3::start(&scratch.join("s3"));
+    let store = scratch.join("store");
+    let store_arg = store.display().to_string();
+    let args = [
+        "--store",
+        &store_arg,
+        "--replica-listen",
+        "127.0.0.1:0",
+        "--replica-insecure",
+        "--volume",
+        "v:16M",
+    ];
+    let mut server = Server::start(&args);
+    add_s3(&server, &s3, &scratch, "s3", "sched");
+    let data = scratch.join("data");
+    random_file(&data, 2 << 20);
+    write_file(&server, "v", &data, 0);
+    rpc(
+        &server,
+        "backup_schedule_set",
+        r#"{"volume": "v", "target": "s3", "interval_secs": 1, "keep_last": 2}"#,
+    );
+    let mine = |server: &Server| -> Vec<Value> {
+        rpc(server, "backup_list", r#"{"target": "s3", "volume": "v"}"#)
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["schedule"] == "v@s3")
+            .cloned()
+            .collect()
+    };
+    // Each backup of new data: with 2 kept, the older ones' chunks go.
+    let mut made = 0;
+    let mut seen = std::collections::BTreeSet::new();
+    let ok = common::wait_until(Duration::from_secs(60), || {
+        for b in mine(&server) {
+            if seen.insert(b["id"].as_str().unwrap().to_string()) {
+                made += 1;
+                random_file(&data, 2 << 20);
+                write_file(&server, "v", &data, 0);
+            }
+        }
+        made >= 4
+    });
+    assert!(ok, "4 scheduled backups within 60 s: {made}");
+    let kept_ok = common::wait_until(Duration::from_secs(20), || {
+        mine(&server).len() == 2 && walk(&s3.dir("sched").join("chunks")) <= 3
+    });
+    assert!(
+        kept_ok,
+        "2 kept, the rest collected: {:?} {}",
+        mine(&server),
+        walk(&s3.dir("sched").join("chunks"))
+    );
+    let listed = rpc(&server, "backup_schedule_list", "{}");
+    assert_eq!(listed[0]["keep_last"], 2, "{listed}");
+    server.kill();
+    let server = Server::start(&args);
+    let listed = rpc(&server, "backup_schedule_list", "{}");
+    assert_eq!(
+        listed[0]["interval_secs"], 1,
+        "resumed after a restart: {listed}"
+    );
+    let before: Vec<String> = mine(&server)
+        .iter()
+        .map(|b| b["id"].as_str().unwrap().to_string())
+        .collect();
+    let resumed = common::wait_until(Duration::from_secs(30), || {
+        mine(&server)
+            .iter()
+            .any(|b| !before.contains(&b["id"].as_str().unwrap().to_string()))
+    });
+    assert!(resumed, "a scheduled backup after the restart");
+    rpc(
+        &server,
+        "backup_schedule_remove",
+        r#"{"volume": "v", "target": "s3"}"#,
+    );
+    assert_eq!(
+        rpc(&server, "backup_schedule_list", "{}"),
+        serde_json::json!([])
+    );
+}
