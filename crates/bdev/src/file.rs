@@ -72,7 +72,7 @@ use std::sync::Arc;
 
 use lull_uring::{BufPool, IoBuf, IoQueue, QueueCompletion, QueueOp, RingError, RingSetup, SlotId};
 
-use crate::file_inline::InlineChannel;
+use crate::file_inline::{uses_main, InlineChannel, INLINE_CHANNEL_DEPTH};
 use crate::ring_options::{self, RingOptions};
 
 use crate::{
@@ -84,6 +84,7 @@ use crate::{
 /// ring). 256 matches an NBD connection's useful queue depth (fio and qemu
 /// rarely go past 128) while keeping the ring and slot table a few KiB.
 pub const FILE_CHANNEL_DEPTH: u32 = 256;
+const _: () = assert!(INLINE_CHANNEL_DEPTH == FILE_CHANNEL_DEPTH as usize);
 
 /// Most bytes one `prefetch` asks the kernel to read ahead. NBD_CMD_CACHE
 /// may name up to 4 GiB; the advice is only advice, so a prefix is as
@@ -534,15 +535,6 @@ pub struct FileChannel {
 
 fn cqe_error(result: i32) -> BdevError {
     BdevError::Io(io::Error::from_raw_os_error(-result))
-}
-
-/// Whether a transfer goes through the main descriptor: always without
-/// O_DIRECT (`align` 0), with it only when the file offset, buffer offset
-/// and length are all multiples of `align`. DIO alignments are powers of
-/// two; anything else (u64::MAX: "never direct") routes everything through
-/// the buffered descriptor. Shared by the io_uring and inline channels.
-pub(crate) fn uses_main(align: u64, file_offset: u64, buf_offset: u64, len: u64) -> bool {
-    align == 0 || (align.is_power_of_two() && (file_offset | buf_offset | len) & (align - 1) == 0)
 }
 
 impl FileChannel {

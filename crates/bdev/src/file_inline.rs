@@ -30,14 +30,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::deferred::Deferred;
-use crate::file::uses_main;
 use crate::{
     validate_request, BdevError, Channel, Data, FileRange, IoCompletion, IoOp, IoRequest, Spliced,
 };
 
 /// Requests an inline channel holds (queued plus completed, not reaped):
-/// the io_uring channel's depth, so both push back at the same point.
-pub const INLINE_CHANNEL_DEPTH: usize = crate::file::FILE_CHANNEL_DEPTH as usize;
+/// the io_uring channel's depth (`FILE_CHANNEL_DEPTH`, which a compile-time
+/// assert in `crate::file` holds equal), so both push back at the same
+/// point.
+pub const INLINE_CHANNEL_DEPTH: usize = 256;
+
+/// Whether a transfer goes through the main descriptor: always without
+/// O_DIRECT (`align` 0), with it only when the file offset, buffer offset
+/// and length are all multiples of `align`. DIO alignments are powers of
+/// two; anything else (u64::MAX: "never direct") routes everything through
+/// the buffered descriptor. Shared by the io_uring and inline channels (`crate::file` imports it
+/// from here: the inline channel imports nothing of it).
+pub(crate) fn uses_main(align: u64, file_offset: u64, buf_offset: u64, len: u64) -> bool {
+    align == 0 || (align.is_power_of_two() && (file_offset | buf_offset | len) & (align - 1) == 0)
+}
 
 /// READs at least this long are answered with the file range on a channel
 /// told [`Channel::allow_splice`]; shorter ones are read into the buffer.

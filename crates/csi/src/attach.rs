@@ -37,6 +37,11 @@
 //! `nvme_tcp` module: there the refusal is tested for real; the kernel
 //! path of both methods runs in the kernel tier's VM (Debian's kernel:
 //! crates/csi/tests/kernel.rs, scripts/kernel-vm.d/tests/60-csi.sh).
+//!
+//! # Layout
+//!
+//! - `nbd`: the kernel's nbd client connected to this node's daemon.
+//! - `nvme_tcp`: the kernel's NVMe/TCP initiator (`nvme connect`).
 
 mod nbd;
 mod nvme_tcp;

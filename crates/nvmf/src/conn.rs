@@ -45,7 +45,7 @@ use lull_volume::{ConnPermit, OpKind, Volume};
 use crate::limits::*;
 use crate::pdu::{self, DataHeader, Digests, IcResp, Pdu, PduError};
 use crate::psk;
-use crate::spec::{self, Cqe, Sqe, Status};
+use crate::spec::{self, Cqe, Reply, Sqe, Status};
 use crate::stream::{Stream, TLS_RECORD_HANDSHAKE};
 use crate::target::{Controller, ControllerRef, Shared};
 
@@ -111,37 +111,6 @@ enum Phase {
     /// IC done, waiting for Connect.
     Connecting,
     Connected(Queue),
-}
-
-/// How the result of an admin or fabrics command goes back.
-pub(crate) struct Reply {
-    pub(crate) status: Status,
-    pub(crate) dw0: u32,
-    pub(crate) dw1: u32,
-    pub(crate) data: Option<Vec<u8>>,
-}
-
-impl Reply {
-    pub(crate) fn status(status: Status) -> Reply {
-        Reply {
-            status,
-            dw0: 0,
-            dw1: 0,
-            data: None,
-        }
-    }
-    pub(crate) fn ok() -> Reply {
-        Reply::status(Status::SUCCESS)
-    }
-    pub(crate) fn dw0(dw0: u32) -> Reply {
-        Reply { dw0, ..Reply::ok() }
-    }
-    pub(crate) fn data(data: Vec<u8>) -> Reply {
-        Reply {
-            data: Some(data),
-            ..Reply::ok()
-        }
-    }
 }
 
 pub(crate) struct Conn<S> {

@@ -460,6 +460,39 @@ pub fn connect_data(b: &[u8]) -> Result<ConnectData, u16> {
     })
 }
 
+/// How the result of an admin or fabrics command goes back: the CQE's
+/// status and dwords, and the data the host reads (the queue pair sends
+/// it, `conn`; the controller's commands make it, `target`).
+pub(crate) struct Reply {
+    pub(crate) status: Status,
+    pub(crate) dw0: u32,
+    pub(crate) dw1: u32,
+    pub(crate) data: Option<Vec<u8>>,
+}
+
+impl Reply {
+    pub(crate) fn status(status: Status) -> Reply {
+        Reply {
+            status,
+            dw0: 0,
+            dw1: 0,
+            data: None,
+        }
+    }
+    pub(crate) fn ok() -> Reply {
+        Reply::status(Status::SUCCESS)
+    }
+    pub(crate) fn dw0(dw0: u32) -> Reply {
+        Reply { dw0, ..Reply::ok() }
+    }
+    pub(crate) fn data(data: Vec<u8>) -> Reply {
+        Reply {
+            data: Some(data),
+            ..Reply::ok()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

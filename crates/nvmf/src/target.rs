@@ -693,8 +693,8 @@ impl Controller {
         }
     }
 
-    pub(crate) fn get_feature(&self, sqe: &Sqe) -> crate::conn::Reply {
-        use crate::conn::Reply;
+    pub(crate) fn get_feature(&self, sqe: &Sqe) -> crate::spec::Reply {
+        use crate::spec::Reply;
         let fid = (sqe.dword(10) & 0xFF) as u8;
         let sel = (sqe.dword(10) >> 8) & 7;
         let s = self.st();
@@ -731,8 +731,8 @@ impl Controller {
         }
     }
 
-    pub(crate) fn set_feature(&self, sqe: &Sqe) -> crate::conn::Reply {
-        use crate::conn::Reply;
+    pub(crate) fn set_feature(&self, sqe: &Sqe) -> crate::spec::Reply {
+        use crate::spec::Reply;
         let fid = (sqe.dword(10) & 0xFF) as u8;
         let dw11 = sqe.dword(11);
         let mut s = self.st();

@@ -88,6 +88,10 @@
 //!     Verdict::Disconnect(why) => panic!("closing: {why}"),
 //! }
 //! ```
+//!
+//! # Layout
+//!
+//! - `structured`: structured replies (`NBD_OPT_STRUCTURED_REPLY`) and block status chunks.
 
 use thiserror::Error;
 

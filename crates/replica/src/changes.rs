@@ -36,7 +36,6 @@ use std::path::Path;
 use lull_proto::replica::{change_region_bytes, change_regions, ChangeKey, MAX_CHANGE_PEER_BYTES};
 
 use crate::durable;
-use crate::intent::set_range;
 
 /// File name of the records inside the replica directory.
 pub const CHANGES_FILE: &str = "changes.bin";
@@ -398,6 +397,21 @@ pub fn load(
 pub fn store(dir: &Path, bytes: &[u8]) -> io::Result<()> {
     durable::store_bytes(&dir.join(CHANGES_FILE), bytes)
         .map_err(|e| io::Error::other(e.to_string()))
+}
+
+/// Sets or clears bits `[first, first + count)`; true if any bit changed.
+/// The caller checked the range against the region count. Both the
+/// write-intent record (`crate::intent`) and the change records use it.
+pub fn set_range(bitmap: &mut [u8], first: u32, count: u32, value: bool) -> bool {
+    let mut changed = false;
+    for i in first as usize..first as usize + count as usize {
+        let (byte, mask) = (i / 8, 1u8 << (i % 8));
+        let old = bitmap[byte];
+        let new = if value { old | mask } else { old & !mask };
+        changed |= new != old;
+        bitmap[byte] = new;
+    }
+    changed
 }
 
 #[cfg(test)]

@@ -84,7 +84,8 @@ use lull_reactor::{Interest, PollStatus, PollerId, Thread, ThreadHandle};
 
 use crate::fence::{Claim, ConnFence};
 use crate::intent::IntentError;
-use crate::snapshots::{SnapshotDone, SnapshotError, SnapshotJob};
+use crate::snapshots::{SnapshotDone, SnapshotJob};
+use crate::SnapshotError;
 use crate::{MetaJob, Port, ReplicaError, Shared};
 
 /// Requests in flight per connection: the file channel's ring depth

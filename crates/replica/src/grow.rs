@@ -36,8 +36,8 @@ use lull_proto::replica::{grow_keeps_regions, intent_regions, GROW_ALIGN_BYTES, 
 
 use crate::intent::IntentError;
 use crate::meta::{Meta, MetaError};
-use crate::snapshots::SnapshotError;
 use crate::Shared;
+use crate::SnapshotError;
 
 /// What a store runs once a replica's GROW is durable: it writes its
 /// record with the new size. Its error is logged (the replica's own

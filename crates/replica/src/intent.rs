@@ -63,7 +63,7 @@ use lull_proto::replica::{
 };
 use lull_reactor::{PollerId, ThreadHandle};
 
-use crate::changes::{self, Changes, StartError};
+use crate::changes::{self, set_range, Changes, StartError};
 
 /// File name of the record inside the replica directory.
 pub const INTENT_FILE: &str = "intent.bin";
@@ -316,20 +316,6 @@ pub fn all_set(regions: u32) -> Vec<u8> {
     let mut b = vec![0u8; (regions as usize).div_ceil(8)];
     set_range(&mut b, 0, regions, true);
     b
-}
-
-/// Sets or clears bits `[first, first + count)`; true if any bit changed.
-/// The caller checked the range against the region count.
-pub fn set_range(bitmap: &mut [u8], first: u32, count: u32, value: bool) -> bool {
-    let mut changed = false;
-    for i in first as usize..first as usize + count as usize {
-        let (byte, mask) = (i / 8, 1u8 << (i % 8));
-        let old = bitmap[byte];
-        let new = if value { old | mask } else { old & !mask };
-        changed |= new != old;
-        bitmap[byte] = new;
-    }
-    changed
 }
 
 fn crc(covered: &[u8], bitmap: &[u8]) -> u32 {

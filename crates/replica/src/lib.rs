@@ -116,7 +116,6 @@ use lull_reactor::{FrameworkHandle, PollerId, ReactorError, ThreadHandle};
 pub use conn::{MAX_IN_FLIGHT, MAX_REPLY_QUEUE_BYTES};
 pub use intent::{IntentError, INTENT_FILE, INTENT_FORMAT_VERSION, INTENT_SLOT_BYTES};
 pub use meta::{Meta, MetaError, META_FILE, META_FORMAT_VERSION, META_MAX_BYTES};
-pub use snapshots::SnapshotError;
 pub use store::{ReplicaInfo, ReplicaSnapshot, Store, StoreConfig, StoreError, StoreInfo};
 
 use crate::conn::Conn;
@@ -146,6 +145,81 @@ pub const MAX_STORE_CONNECTIONS: usize = 2 * store::MAX_STORE_REPLICAS;
 /// silent connection must not hold a slot forever. The engine sends it at
 /// once; 10 s matches the NBD handshake limit.
 pub const HELLO_TIMEOUT_US: u64 = 10_000_000;
+
+/// Why a snapshot request (`snapshots`) was refused or failed; each maps
+/// to the errno of its reply. Here, not in `snapshots`, because the
+/// store's and a grow's errors hold it and it holds theirs.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("{0}")]
+    BadName(String),
+    #[error("snapshot {0:?} exists already")]
+    Exists(String),
+    #[error("no snapshot {0:?}")]
+    NotFound(String),
+    #[error(
+        "the chain has its maximum of {} layers: delete a snapshot first",
+        lull_bdev::chain::MAX_CHAIN_LAYERS
+    )]
+    ChainFull,
+    #[error("{0}")]
+    Busy(String),
+    #[error("the replica is stopping or was deleted")]
+    Closed,
+    #[error("write-intent record: {0}")]
+    Intent(#[from] crate::intent::IntentError),
+    #[error("{0}")]
+    Failed(BdevError),
+    #[error("{0}")]
+    Store(#[from] crate::store::StoreError),
+    #[error("a clone is made by a node's replica store (lull serve --store), not by lull replica")]
+    NotAStore,
+    #[error("{0}")]
+    Grow(#[from] crate::grow::GrowError),
+}
+
+impl SnapshotError {
+    /// The errno of the reply.
+    pub fn errno(&self) -> i32 {
+        match self {
+            SnapshotError::BadName(_) => libc::EINVAL,
+            SnapshotError::Exists(_) => libc::EEXIST,
+            SnapshotError::NotFound(_) => libc::ENOENT,
+            SnapshotError::ChainFull => libc::EMLINK,
+            SnapshotError::Busy(_) => libc::EBUSY,
+            SnapshotError::Closed => libc::ESHUTDOWN,
+            SnapshotError::Intent(_) | SnapshotError::Failed(_) => libc::EIO,
+            SnapshotError::Store(e) => e.errno(),
+            SnapshotError::NotAStore => libc::EOPNOTSUPP,
+            SnapshotError::Grow(e) => e.errno(),
+        }
+    }
+
+    /// A refusal of what was asked (logged as a warning), as opposed to a
+    /// failure of the replica (an error).
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            SnapshotError::Store(e) => e.is_refusal(),
+            SnapshotError::Grow(e) => e.is_refusal(),
+            e => !matches!(
+                e,
+                SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
+            ),
+        }
+    }
+
+    /// A chain error of an operation on snapshot `name`, whose name was
+    /// checked and (for create) not taken when it started.
+    fn of_chain(e: BdevError, name: &str) -> SnapshotError {
+        match e {
+            BdevError::NoSuchSnapshot(n) => SnapshotError::NotFound(n),
+            BdevError::InUse(why) => SnapshotError::Busy(why),
+            // Checked above, so only "exists already" is left.
+            BdevError::BadName(_) => SnapshotError::Exists(name.to_string()),
+            e => SnapshotError::Failed(e),
+        }
+    }
+}
 
 /// Errors of the replica server.
 #[derive(Debug, thiserror::Error)]
@@ -691,6 +765,21 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<File, ReplicaError> {
     }
 }
 
+/// Starts the acceptor of a replica port, a `lull replica`'s or a node
+/// store's: each accepted stream becomes a replica connection (`conn`),
+/// served from `port`. The crate's entry point makes the connections, so
+/// the store has no path to `conn`.
+pub(crate) fn accept(
+    fw: &FrameworkHandle,
+    port: Arc<Port>,
+    listener: TcpListener,
+) -> Result<Acceptor, ReactorError> {
+    let conns = port.conns.clone();
+    Acceptor::start(fw, &conns, vec![listener], move |stream| {
+        Conn::new(stream, port.clone())
+    })
+}
+
 /// The connections' limits on a replica port.
 pub(crate) fn port_connections(max_connections: usize) -> Arc<Connections> {
     Arc::new(Connections::new(Limits {
@@ -759,9 +848,7 @@ impl ReplicaServer {
             conns_accepted: AtomicU64::new(0),
             served: Served::One(shared.clone()),
         });
-        let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| {
-            Conn::new(stream, port.clone())
-        }) {
+        let acceptor = match accept(fw, port, listener) {
             Ok(a) => a,
             Err(e) => {
                 shared.intent.stop();

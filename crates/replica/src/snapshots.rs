@@ -39,16 +39,16 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lull_bdev::chain::{check_snapshot_name, SnapshotInfo, MAX_CHAIN_LAYERS};
-use lull_bdev::{BdevError, BlockDevice as _};
+use lull_bdev::BlockDevice as _;
 use lull_proto::replica::{
     self as proto, SnapshotOp, SnapshotRecord, SnapshotRequest, MAX_SNAPSHOT_NAME_BYTES,
     MAX_SNAPSHOT_RECORDS,
 };
 use lull_reactor::{PollerId, ThreadHandle};
 
-use crate::intent::IntentError;
 use crate::store::Index;
-use crate::{ReplicaError, Shared};
+
+use crate::{ReplicaError, Shared, SnapshotError};
 
 // The wire's bounds are the chain's: a name the chain takes fits a
 // request, and a chain's snapshots fit one SNAPSHOT_LIST reply.
@@ -77,77 +77,6 @@ pub(crate) enum SnapshotDone {
     Ran,
     /// The encoded SNAPSHOT_LIST payload.
     List(Vec<u8>),
-}
-
-/// Why a snapshot request was refused or failed; each maps to the errno
-/// of its reply.
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
-    #[error("{0}")]
-    BadName(String),
-    #[error("snapshot {0:?} exists already")]
-    Exists(String),
-    #[error("no snapshot {0:?}")]
-    NotFound(String),
-    #[error("the chain has its maximum of {MAX_CHAIN_LAYERS} layers: delete a snapshot first")]
-    ChainFull,
-    #[error("{0}")]
-    Busy(String),
-    #[error("the replica is stopping or was deleted")]
-    Closed,
-    #[error("write-intent record: {0}")]
-    Intent(#[from] IntentError),
-    #[error("{0}")]
-    Failed(BdevError),
-    #[error("{0}")]
-    Store(#[from] crate::store::StoreError),
-    #[error("a clone is made by a node's replica store (lull serve --store), not by lull replica")]
-    NotAStore,
-    #[error("{0}")]
-    Grow(#[from] crate::grow::GrowError),
-}
-
-impl SnapshotError {
-    /// The errno of the reply.
-    pub fn errno(&self) -> i32 {
-        match self {
-            SnapshotError::BadName(_) => libc::EINVAL,
-            SnapshotError::Exists(_) => libc::EEXIST,
-            SnapshotError::NotFound(_) => libc::ENOENT,
-            SnapshotError::ChainFull => libc::EMLINK,
-            SnapshotError::Busy(_) => libc::EBUSY,
-            SnapshotError::Closed => libc::ESHUTDOWN,
-            SnapshotError::Intent(_) | SnapshotError::Failed(_) => libc::EIO,
-            SnapshotError::Store(e) => e.errno(),
-            SnapshotError::NotAStore => libc::EOPNOTSUPP,
-            SnapshotError::Grow(e) => e.errno(),
-        }
-    }
-
-    /// A refusal of what was asked (logged as a warning), as opposed to a
-    /// failure of the replica (an error).
-    pub fn is_refusal(&self) -> bool {
-        match self {
-            SnapshotError::Store(e) => e.is_refusal(),
-            SnapshotError::Grow(e) => e.is_refusal(),
-            e => !matches!(
-                e,
-                SnapshotError::Intent(_) | SnapshotError::Failed(_) | SnapshotError::Closed
-            ),
-        }
-    }
-
-    /// A chain error of an operation on snapshot `name`, whose name was
-    /// checked and (for create) not taken when it started.
-    fn of_chain(e: BdevError, name: &str) -> SnapshotError {
-        match e {
-            BdevError::NoSuchSnapshot(n) => SnapshotError::NotFound(n),
-            BdevError::InUse(why) => SnapshotError::Busy(why),
-            // Checked above, so only "exists already" is left.
-            BdevError::BadName(_) => SnapshotError::Exists(name.to_string()),
-            e => SnapshotError::Failed(e),
-        }
-    }
 }
 
 /// Serialises a replica's chain control operations, and closes them for

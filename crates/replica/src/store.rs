@@ -59,7 +59,6 @@ use lull_proto::replica::check_replica_name;
 use lull_reactor::FrameworkHandle;
 use serde::{Deserialize, Serialize};
 
-use crate::conn::Conn;
 use crate::durable::{self, RecordError};
 use crate::{
     bind, lock_dir, log_link_choice, open_replica, port_connections, DataOptions, Meta,
@@ -141,14 +140,14 @@ pub enum StoreError {
     #[error("replica {name:?}: {source}")]
     Grow {
         name: String,
-        source: Box<crate::snapshots::SnapshotError>,
+        source: Box<crate::SnapshotError>,
     },
     #[error("replica {name:?} is held by engine session {session:#x}: a replica in use takes its snapshots through its engine (snapshot_create on the node running it), on every replica at once")]
     SnapshotHeld { name: String, session: u64 },
     #[error("replica {name:?}: {source}")]
     Snapshot {
         name: String,
-        source: Box<crate::snapshots::SnapshotError>,
+        source: Box<crate::SnapshotError>,
     },
     #[error("the store holds {MAX_STORE_REPLICAS} replicas, its most")]
     Full,
@@ -760,9 +759,7 @@ impl Store {
             conns_accepted: AtomicU64::new(0),
             served: Served::Store(index.clone()),
         });
-        let acceptor = match Acceptor::start(fw, &conns, vec![listener], move |stream| {
-            Conn::new(stream, port.clone())
-        }) {
+        let acceptor = match crate::accept(fw, port, listener) {
             Ok(a) => a,
             Err(e) => {
                 stop_all(&index.read());
@@ -976,7 +973,7 @@ impl Store {
         if !matches!(op, SnapshotOp::Create | SnapshotOp::Delete) {
             return Err(StoreError::Snapshot {
                 name: name.into(),
-                source: Box::new(crate::snapshots::SnapshotError::Busy(
+                source: Box::new(crate::SnapshotError::Busy(
                     "a store takes and deletes snapshots only; a revert or flatten goes through an engine".into(),
                 )),
             });

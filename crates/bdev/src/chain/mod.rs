@@ -39,6 +39,12 @@
 //!   own range. NBD leaves overlapping writes in flight unordered; writes
 //!   of one connection are ordered (a copy-up waits for the connection's
 //!   own writes to its blocks), and two copy-ups never overlap.
+//!
+//! # Layout
+//!
+//! - `channel`: a chain's channel: reads split by layer, writes to the head, copy-ups.
+//! - `map`: the allocation maps: one bit per block per layer, and the top map.
+//! - `store`: where the layers and the record live: memory ([`MemoryStore`]) or files ([`FileStore`]).
 
 mod channel;
 pub(crate) mod map;

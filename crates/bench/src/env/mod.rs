@@ -3,13 +3,35 @@
 //! counters of [`procstat`]: everything bench reads from the system
 //! besides fio's output, and a lull server's `io_uring_enter` counts over
 //! its RPC socket ([`uring_enters`]).
+//!
+//! # Layout
+//!
+//! - `procstat`: a server's CPU time, context switches and page faults from /proc.
+//! - `uring_enters`: a lull server's `io_uring_enter` calls, over its JSON-RPC socket.
 
 pub mod procstat;
 pub mod uring_enters;
 
 use crate::plan::Target;
-use crate::report::Environment;
 use crate::server;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// The machine and tools a report was made on (the report's
+/// `environment`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Environment {
+    /// UTC, RFC 3339.
+    pub date_utc: String,
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+    /// The exact command line of this run.
+    pub command: String,
+    pub clk_tck: u64,
+    /// Tool name → first line of its version output.
+    pub tools: BTreeMap<String, String>,
+}
 
 /// The machine and the run, for the report.
 pub fn environment(targets: &[Target]) -> Environment {

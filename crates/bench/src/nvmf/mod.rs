@@ -33,6 +33,11 @@
 //!
 //! Order: within a repeat, job by job, every target once; the target order
 //! is reversed in every other repeat, so no target always runs first.
+//!
+//! # Layout
+//!
+//! - `perf`: the NVMe/TCP job profile and `spdk_nvme_perf`'s output.
+//! - `report`: report.json and report.md of a `--profile nvmf` run.
 
 pub mod perf;
 pub mod report;

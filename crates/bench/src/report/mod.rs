@@ -3,18 +3,23 @@
 //! ratios and summaries, over the statistics in [`stats`]) and [`render`]
 //! (report.md). Everything here is pure data in, data out; the machine
 //! facts come from [`crate::env`].
+//!
+//! # Layout
+//!
+//! - `analysis`: raw samples to the report's numbers (medians, spreads, ratios).
+//! - `stats`: median and spread over repeats, per-run derived metrics.
+//! - `render`: report.md, the markdown rendering.
 
 pub mod analysis;
 pub mod render;
 pub mod stats;
-
-use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use lull_reactor::Mode;
 
 use crate::config::{Settings, VolumeKind};
+pub use crate::env::Environment;
 use crate::fio::{FioMetrics, JobKind};
 use crate::plan::Target;
 use stats::{CellMedians, Ratio, ServerCost, Spread};
@@ -36,20 +41,6 @@ pub struct Report {
     pub samples: Vec<Sample>,
     /// PNG files written beside the report.
     pub plots: Vec<String>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct Environment {
-    /// UTC, RFC 3339.
-    pub date_utc: String,
-    pub nproc: usize,
-    pub cpu_model: String,
-    pub kernel: String,
-    /// The exact command line of this run.
-    pub command: String,
-    pub clk_tck: u64,
-    /// Tool name → first line of its version output.
-    pub tools: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -186,6 +177,7 @@ pub(crate) mod tests {
     use crate::env::procstat::ProcCounters;
     use crate::env::rfc3339_utc;
     use crate::env::uring_enters::UringEnters;
+    use std::collections::BTreeMap;
 
     pub(crate) fn settings(jobs: Vec<JobKind>, repeat: u32) -> Settings {
         Settings {

@@ -233,7 +233,7 @@ impl Engine {
     }
 
     fn grow_done(&mut self, token: u64, outcome: Result<u64, String>) {
-        self.out.push(super::Action::ControlDone {
+        self.out.push(super::types::Action::ControlDone {
             token,
             outcome: ControlOutcome::Grow(outcome),
         });

@@ -90,18 +90,27 @@
 
 //! # Layout
 //!
-//! Split along its seams as crucible's upstairs is: this file holds `apply`
-//! with the loop that runs after every event, and re-exports the public
-//! names; `types` every type the files share (the events, the actions, the
-//! milestones, the options, the [`Engine`] and the state it holds); [`ids`]
-//! the typed replica and connection ids and the per-replica array and set;
-//! `replicas` the replicas, their connections, frames and time (timeouts,
-//! keep-alives, reconnects); `election` generations and elections; `intent`
-//! the write-intent regions; `io` the client request table, overlap
-//! tracking and dispatch; `rebuild` rebuild and reconcile; `changes` the
-//! change records of replicas away and delta rebuilds; `detach` the
-//! clean detach; `invariants` [`Engine::check_invariants`]. A write's buffer
-//! is shared by its frames to every replica (`lull_net::shared`).
+//! Split along its seams as crucible's upstairs is: this file holds
+//! `apply` with the loop that runs after every event, and re-exports the
+//! public names. A write's buffer is shared by its frames to every replica
+//! (`lull_net::shared`).
+//!
+//! - `types`: every type the files share (the events, the actions, the
+//!   milestones, the options and limits, the [`Engine`] and its state).
+//! - [`ids`]: the typed replica and connection ids, the per-replica array
+//!   and set.
+//! - `replicas`: the replicas, their connections, frames and time
+//!   (timeouts, keep-alives, reconnects).
+//! - `election`: generations and elections.
+//! - `intent`: the write-intent regions.
+//! - `io`: the client request table, overlap tracking and dispatch.
+//! - `rebuild`: rebuild and reconcile.
+//! - `changes`: the change records of replicas away, delta rebuilds.
+//! - `layers`: a returning replica's missing snapshot layers.
+//! - `snapshot`: snapshots on every replica, one control operation.
+//! - `grow`: growing the volume online.
+//! - `detach`: the clean detach.
+//! - `invariants`: [`Engine::check_invariants`].
 //!
 //! Imports run one way: `ids` imports nothing of the core, `types` only
 //! `ids`, each behaviour file `types`, `ids` and at most a helper of
@@ -138,15 +147,14 @@ pub use intent::{INTENT_CLEAR_IDLE_NS, MAX_CLEARS_PER_TICK};
 pub use io::MARK_LOOKAHEAD;
 pub use lull_net::shared::SharedBuf;
 pub use rebuild::{
-    REBUILD_CHUNK_BYTES, REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES,
-    REBUILD_WINDOW_SEGMENTS,
+    REBUILD_LOG_INTERVAL_NS, REBUILD_SCAN_BYTES, REBUILD_TRIM_BYTES, REBUILD_WINDOW_SEGMENTS,
 };
 pub use replicas::{AUTH_RETRY_INTERVAL_MS_MAX, SNAPSHOT_EXTRA_TIMEOUT_NS};
-pub use snapshot::ReplicaSnapshots;
 pub use types::{
     Action, ClientReq, ControlOutcome, CopyDone, CopyKind, CopyProgress, Engine, EngineOptions,
     Event, LayerSyncError, LayersCopied, LogLevel, Milestone, NodeRebuildLimit, Payload, Received,
-    ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS,
+    ReplicaSnapshots, ReplicaState, ReplicaStatus, Sink, CHANNEL_DEPTH, MAX_CHANNELS,
+    MAX_CLIENT_IOS, REBUILD_CHUNK_BYTES,
 };
 
 impl Engine {

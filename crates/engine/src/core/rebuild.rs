@@ -19,13 +19,6 @@ use super::types::{
     Rebuild, Received, Segment, Step, Sub, SubKind,
 };
 
-/// Bytes copied per rebuild step: what a pipe takes
-/// (`lull_uring::splice::PIPE_PAYLOAD_BYTES_MAX`), so that on a plain link
-/// the source's READ reply is spliced into a pipe and from the pipe into
-/// the target's WRITE, with no copy in lull (a copy through a buffer cost
-/// two: 1,028 MiB/s against nbdcopy's 1,704 reading the same volume).
-pub const REBUILD_CHUNK_BYTES: u64 = lull_uring::splice::PIPE_PAYLOAD_BYTES_MAX as u64;
-
 /// Segments copied at once. One segment at a time left the link idle for
 /// a read's and a write's round trip per segment (~26 MiB/s reconciling,
 /// ~257 MiB/s rebuilding, on loopback); 64 segments of 128 KiB keep 8 MiB
@@ -609,6 +602,7 @@ fn push_segments(segs: &mut VecDeque<Segment>, from: u64, to: u64, data: bool, d
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::types::REBUILD_CHUNK_BYTES;
 
     #[test]
     fn the_node_limit_is_shared_equally_by_running_copies() {

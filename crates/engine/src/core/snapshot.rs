@@ -22,7 +22,7 @@
 
 use lull_proto::replica::{self as proto, Header, Kind, SnapshotOp, SnapshotRequest};
 
-use super::ids::{ReplicaId, ReplicaSet, ReplicaTarget};
+use super::ids::{ReplicaId, ReplicaSet};
 use super::types::{
     Action, ControlOutcome, Engine, LogLevel, Payload, RState, SnapshotJob, SnapshotList,
     SnapshotStep, SubKind,
@@ -510,6 +510,3 @@ impl Engine {
         self.out.push(Action::ControlDone { token, outcome });
     }
 }
-
-/// One replica's answer to SNAPSHOT_LIST.
-pub type ReplicaSnapshots = (ReplicaTarget, Result<Vec<proto::SnapshotRecord>, String>);

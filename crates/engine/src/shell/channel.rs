@@ -28,7 +28,7 @@ use lull_bdev::{BdevError, Channel, IoCompletion, IoRequest};
 use lull_reactor::sys::EventFd;
 use lull_reactor::{PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
 
-use super::run::{lock, Shell};
+use super::{lock, Shell};
 use crate::core::{ClientReq, Event, CHANNEL_DEPTH, MAX_CHANNELS, MAX_CLIENT_IOS};
 
 /// Entries in the shell's channel table: each open channel

@@ -26,8 +26,8 @@ use lull_net::wire::Wire;
 use lull_reactor::{FrameworkHandle, PollerKind, Thread, ThreadHandle};
 
 use super::channel::{Doorbell, EngineChannel};
-use super::run::{lock, Shell, TICK_US};
 use super::socket::{Sock, READ_BUFFER_BYTES};
+use super::{lock, Shell, StatusShared, TICK_US};
 use crate::core::ids::{ConnData, ReplicaTarget};
 use crate::core::{ConnRef, ControlOutcome, Engine, Event, NodeRebuildLimit, MAX_CHANNELS};
 use crate::{EngineError, EngineOptions, ReplicaState, ReplicaStatus};
@@ -42,58 +42,6 @@ const CONNECT_TIMEOUT_MS_MAX: u64 = 10_000;
 /// quiesce, then fsyncs of its records), so with the default timeouts
 /// the answer comes well within it (as for snapshots, 60 s).
 pub const GROW_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// What the engine thread publishes for the device's callers on other
-/// threads (`Shell::publish_status`).
-pub(super) struct StatusShared {
-    pub(super) snapshot: Mutex<Vec<ReplicaStatus>>,
-    /// Set (under `snapshot`'s lock) once a clean detach has finished.
-    pub(super) detached: AtomicBool,
-    pub(super) ready: Condvar,
-    /// Outcomes of control requests (snapshots), by token, until their
-    /// caller takes them.
-    pub(super) control: Mutex<std::collections::HashMap<u64, ControlOutcome>>,
-    pub(super) control_done: Condvar,
-    /// Tokens whose caller stopped waiting: their outcome is dropped when
-    /// it comes, not kept.
-    pub(super) control_abandoned: Mutex<std::collections::HashSet<u64>>,
-    /// The names the volume's snapshots are served under, oldest first:
-    /// every snapshot some healthy replica held at the last list (`None`
-    /// before the first). Read on reactors (NBD's export list and
-    /// `VOLUME@SNAPSHOT`), so never a network round trip there.
-    pub(super) snapshots: Mutex<Option<Vec<String>>>,
-    /// The engine's session once final (its first election; 0 before),
-    /// and the newer session that fenced a resumed engine (0: none). Set
-    /// under `snapshot`'s lock, waited for on `ready`.
-    pub(super) session: AtomicU64,
-    pub(super) fenced_by: AtomicU64,
-}
-
-impl StatusShared {
-    /// Takes the names from the replicas' lists: each snapshot any of them
-    /// holds (a view reads from one that has it), oldest first. Lists that
-    /// all failed change nothing.
-    pub(super) fn set_snapshots(&self, lists: &[crate::core::ReplicaSnapshots]) {
-        let mut seen: Vec<(u64, String)> = Vec::new();
-        let mut any = false;
-        for (_, list) in lists {
-            let Ok(records) = list else { continue };
-            any = true;
-            for r in records {
-                if !seen.iter().any(|(_, n)| *n == r.name) {
-                    seen.push((r.created_unix, r.name.clone()));
-                }
-            }
-        }
-        if !any {
-            return;
-        }
-        // Stable: replicas list oldest first, and a second's ties keep it.
-        seen.sort_by_key(|(created, _)| *created);
-        *self.snapshots.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(seen.into_iter().map(|(_, n)| n).collect());
-    }
-}
 
 /// A session for this engine: the wall clock in nanoseconds, so that a
 /// later engine has a larger session and the replicas refuse the frames of
@@ -400,7 +348,7 @@ impl ReplicatedDev {
     /// Asks the replicas for their snapshots in the background, to update
     /// the names the volume serves snapshots under.
     fn refresh_snapshots(&self) {
-        let token = super::run::REFRESH_TOKEN_BIT | self.next_token();
+        let token = super::REFRESH_TOKEN_BIT | self.next_token();
         if let Err(e) = self.event(Event::SnapshotList { token }) {
             tracing::warn!(volume = %self.volume, error = %e, "cannot refresh the snapshot names");
         }

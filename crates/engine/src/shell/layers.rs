@@ -38,7 +38,7 @@ use lull_proto::replica::{
     STATUS_HOLE,
 };
 
-use super::run::{lock, Shell};
+use super::{lock, Shell};
 use crate::client::Client;
 use crate::core::ids::ReplicaId;
 use crate::core::{Event, LayerSyncError, LayersCopied, ReplicaTarget, SNAPSHOT_EXTRA_TIMEOUT_NS};

@@ -1,7 +1,7 @@
-//! The event loop of a volume's engine thread: the shell's state, the
-//! pollers that collect events (each replica socket, the tick; the
-//! doorbell's is in `channel`), and running the core: apply an event,
-//! perform the actions, apply what they cause.
+//! The event loop of a volume's engine thread (its state, [`Shell`], is
+//! the parent module's): the pollers that collect events (each replica
+//! socket, the tick; the doorbell's is in `channel`), and running the
+//! core: apply an event, perform the actions, apply what they cause.
 //!
 //! ```ignore
 //! // A poller collected an event; all of the shell runs it the same way:
@@ -14,81 +14,20 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use lull_bdev::IoCompletion;
 use lull_net::link as replica_link;
 use lull_net::slots::SlotTable;
 use lull_net::tls::TlsContext;
-use lull_reactor::{PollStatus, PollerId, PollerKind, Thread, ThreadHandle};
+use lull_reactor::{PollStatus, PollerKind, Thread};
 
-use super::channel::{ChanEntry, Doorbell, CHANNEL_ENTRIES_MAX};
-use super::device::StatusShared;
-use super::socket::{FrameIn, Sock};
-use crate::core::ids::{ConnData, ReplicaData};
+use super::channel::{Doorbell, CHANNEL_ENTRIES_MAX};
+use super::socket::Sock;
+use super::{lock, Shell, StatusShared, REFRESH_TOKEN_BIT, SHELL_TOKEN_BIT, TICK_US};
+use crate::core::ids::ReplicaData;
 use crate::core::{Action, ConnRef, Engine, Event, LogLevel};
 use crate::{EngineOptions, ReplicaState};
-
-/// Tick period: the resolution of timeouts, keep-alives and reconnects.
-/// 100 ms is fine against second-scale timeouts and costs ~10 wake-ups/s.
-pub(super) const TICK_US: u64 = 100_000;
-
-/// The engine thread's state: the core and everything around it. Only the
-/// engine thread locks it ([`lock`]).
-pub(super) struct Shell {
-    pub(super) volume: String,
-    pub(super) core: Engine,
-    pub(super) opts: EngineOptions,
-    /// The credentials replica links authenticate with; `None`: plain.
-    pub(super) tls: Option<TlsContext>,
-    pub(super) me: Option<ThreadHandle>,
-    /// The timed poller driving timeouts, keep-alives and reconnects.
-    tick: Option<PollerId>,
-    /// Channels with submissions, and the poller that drains them.
-    pub(super) doorbell: Arc<Doorbell>,
-    pub(super) this: Weak<Mutex<Shell>>,
-    /// Each replica connection's socket, once connected.
-    pub(super) socks: ReplicaData<ConnData<Option<Sock>>>,
-    pub(super) channels: SlotTable<ChanEntry>,
-    /// Channels that got completions in this batch (`Shell::complete`).
-    pub(super) to_notify: Vec<u64>,
-    /// Sockets written to in this batch, flushed after it.
-    dirty: Vec<ConnRef>,
-    pub(super) actions: Vec<Action>,
-    /// Events the shell itself raised while performing actions (a socket
-    /// that broke on a write, a connect thread that did not start).
-    pub(super) followups: VecDeque<Event>,
-    frames: Vec<FrameIn>,
-    status: Arc<StatusShared>,
-    status_dirty: bool,
-    /// The replicas' snapshot lists were asked for once the volume first
-    /// had a healthy replica (they fill `StatusShared::snapshots`).
-    snapshots_asked: bool,
-    /// Every replica was healthy at the last tick: when that becomes true
-    /// their snapshot lists are reconciled.
-    all_healthy: bool,
-    /// Tokens of the shell's own list and reconcile requests
-    /// ([`Shell::own_token`]).
-    own_tokens: u64,
-    /// The layer sync jobs running, by token: the flag that stops one
-    /// (`layers`).
-    pub(super) layer_jobs: Vec<(u64, Arc<std::sync::atomic::AtomicBool>)>,
-}
-
-/// Tokens with this bit set are snapshot-list requests nobody waits for:
-/// their outcome only refreshes the names the volume serves snapshots
-/// under (`StatusShared::snapshots`).
-pub(super) const REFRESH_TOKEN_BIT: u64 = 1 << 63;
-
-/// With [`REFRESH_TOKEN_BIT`]: a request of the shell's own, apart from
-/// those `ReplicatedDev` numbers (each in-flight list has its own token).
-const SHELL_TOKEN_BIT: u64 = 1 << 62;
-
-/// Lock the shell. Only the engine thread locks it; a poisoned lock means
-/// a panic there, and the state is still the engine's to judge.
-pub(super) fn lock(m: &Mutex<Shell>) -> MutexGuard<'_, Shell> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 impl Shell {
     pub(super) fn new(

@@ -28,7 +28,7 @@ use lull_reactor::{PollerId, Thread};
 use lull_uring::pipes::SplicePipe;
 use lull_uring::splice::PIPE_PAYLOAD_BYTES_MAX;
 
-use super::run::Shell;
+use super::Shell;
 use crate::core::{ConnRef, Engine, Payload, Received, Sink};
 
 /// Why a replica connection ended when the replica closed it.

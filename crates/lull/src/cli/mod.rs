@@ -5,13 +5,24 @@
 //!
 //! | command | flags and process | library it drives |
 //! |---|---|---|
-//! | `lull serve` | `main.rs`, `config.rs` | `nbd`, `engine`, `rpc` |
+//! | `lull serve` | `main.rs` (settings from the `config` crate) | `nbd`, `engine`, `rpc` |
 //! | `lull replica` | [`replica`] | `lull_replica::ReplicaServer` |
 //! | `lull rpc` | [`rpc`] | `lull_rpc::call` |
 //! | `lull bench` | [`bench`] | `lull_bench::run` |
 //! | `lull top` | [`top`] | `lull_rpc::call`, `call_tcp` (read-only) |
 //! | `lull csi` | [`csi`] | `lull_csi::run` |
 //! | `lull backup` | [`backup`] | `lull_rpc::call` (the `backup_*` methods) |
+//!
+//! # Layout
+//!
+//! - `backup`: `lull backup`.
+//! - `bench`: `lull bench`.
+//! - `choice`: command-line names of library enums (`--mode`, ...).
+//! - `csi`: `lull csi`.
+//! - `replica`: `lull replica`.
+//! - `rpc`: `lull rpc`.
+//! - `signals`: the stop signals of the long-running commands.
+//! - `top`: `lull top`.
 
 pub(crate) mod backup;
 pub(crate) mod bench;

@@ -102,6 +102,13 @@
 //! samples into rates and holds the view's state machine (keys in,
 //! redraw/quit out), [`render`] is a pure function from the model to lines
 //! of text, and [`term`] is the terminal loop around them.
+//!
+//! # Layout
+//!
+//! - `sample`: one sample of a running server (the JSON-RPC calls made).
+//! - `model`: what the view shows, from two samples, and its state (sort, filter).
+//! - `render`: the model as lines of text, a pure function.
+//! - `term`: the interactive view on a terminal.
 
 mod model;
 mod render;
