@@ -26,6 +26,7 @@ pub mod format;
 mod job;
 pub mod rpc;
 pub mod schedule;
+pub mod standby;
 pub mod target;
 
 use std::collections::BTreeMap;
@@ -120,6 +121,11 @@ pub struct Backups {
     jobs: Mutex<job::Jobs>,
     exposed: Mutex<BTreeMap<String, expose::Exposed>>,
     schedules: Mutex<BTreeMap<(String, String), schedule::Scheduled>>,
+    standbys: Mutex<BTreeMap<String, standby::Standby>>,
+    /// A standby's own (writable) storage, behind its read-only view.
+    standby_devs: Mutex<BTreeMap<String, lull_volume::Storage>>,
+    /// One activation at a time.
+    standby_activation: Mutex<()>,
 }
 
 impl std::fmt::Debug for Backups {
@@ -181,8 +187,12 @@ impl Backups {
             jobs: Mutex::new(job::Jobs::default()),
             exposed: Mutex::new(BTreeMap::new()),
             schedules: Mutex::new(BTreeMap::new()),
+            standbys: Mutex::new(BTreeMap::new()),
+            standby_devs: Mutex::new(BTreeMap::new()),
+            standby_activation: Mutex::new(()),
         });
         b.load_schedules()?;
+        b.load_standbys()?;
         b.start_cron()?;
         Ok(b)
     }

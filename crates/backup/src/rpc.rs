@@ -31,6 +31,9 @@ pub const BACKUP_METHODS: &[&str] = &[
     "backup_schedule_set",
     "backup_schedule_list",
     "backup_schedule_remove",
+    "backup_standby_create",
+    "backup_standby_list",
+    "backup_standby_activate",
 ];
 
 /// Longest a `"wait": true` call holds its RPC connection (the client
@@ -191,6 +194,17 @@ struct ScheduleKey {
     target: String,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StandbyCreate {
+    name: String,
+    target: String,
+    volume: String,
+    #[serde(default = "malloc")]
+    backend: String,
+    poll_secs: Option<u64>,
+}
+
 fn method<P, F>(registry: &mut MethodRegistry, name: &str, f: F) -> Result<(), RpcError>
 where
     P: serde::de::DeserializeOwned,
@@ -340,6 +354,26 @@ pub fn register_backup_methods(
     let c = b.clone();
     method(registry, "backup_schedule_list", move |NoParams {}| {
         Ok(json!(c.schedule_list()))
+    })?;
+    let c = b.clone();
+    method(
+        registry,
+        "backup_standby_create",
+        move |p: StandbyCreate| {
+            check_volume("name", &p.name)?;
+            check_volume("volume", &p.volume)?;
+            let s = c.standby_create(&p.name, &p.target, &p.volume, &p.backend, p.poll_secs)?;
+            Ok(json!(s))
+        },
+    )?;
+    let c = b.clone();
+    method(registry, "backup_standby_list", move |NoParams {}| {
+        Ok(json!(c.standby_list()))
+    })?;
+    let c = b.clone();
+    method(registry, "backup_standby_activate", move |p: Name| {
+        let backup = c.standby_activate(&p.name)?;
+        Ok(json!({"name": p.name, "backup": backup}))
     })?;
     let c = b;
     method(registry, "backup_schedule_remove", move |p: ScheduleKey| {

@@ -186,7 +186,10 @@ impl Backups {
             .spawn(move || loop {
                 std::thread::sleep(SCHEDULE_TICK);
                 match me.upgrade() {
-                    Some(b) => b.tick(),
+                    Some(b) => {
+                        b.tick();
+                        b.follow_standbys();
+                    }
                     None => return,
                 }
             })

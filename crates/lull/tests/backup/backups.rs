@@ -742,3 +742,67 @@ fn a_schedule_backs_up_keeps_its_last_and_survives_a_restart() {
         serde_json::json!([])
     );
 }
+
+/// A standby follows its source's backups read-only, and activated it
+/// is writable holding the last complete backup.
+#[test]
+fn a_standby_volume_follows_backups_and_activates_writable() {
+    let scratch = Scratch::new("backup-standby");
+    let s3 = S3::start(&scratch.join("s3"));
+    let server = Server::start(&["--volume", "v:16M"]);
+    add_s3(&server, &s3, &scratch, "s3", "standby");
+    let data = scratch.join("data");
+    random_file(&data, 3 << 20);
+    write_file(&server, "v", &data, 0);
+    backup(&server, "v", "s3");
+    let first = scratch.join("first.img");
+    image(&server, "v", &first);
+    rpc(
+        &server,
+        "backup_standby_create",
+        r#"{"name": "dr", "target": "s3", "volume": "v", "poll_secs": 1}"#,
+    );
+    let holds = |id: &str| {
+        let l = rpc(&server, "backup_standby_list", "{}");
+        l[0]["applied"] == id
+    };
+    let b1 = rpc(&server, "backup_list", r#"{"target": "s3"}"#)[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || holds(&b1)),
+        "first restore"
+    );
+    let got = scratch.join("got1.img");
+    image(&server, "dr", &got);
+    assert_same(&first, &got);
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write 0 4k"])
+        .arg(tools::uri(&server, "dr"))
+        .output()
+        .expect("run qemu-io");
+    assert!(!out.status.success(), "a standby is read-only");
+    // A new backup of the source, with a chunk zeroed and one rewritten.
+    tools::qemu_io(&server, "v", &["write -z 0 2M", "write -P 0x42 10M 4k"]);
+    let b2 = backup(&server, "v", "s3")["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let second = scratch.join("second.img");
+    image(&server, "v", &second);
+    assert!(
+        common::wait_until(Duration::from_secs(30), || holds(&b2)),
+        "caught up"
+    );
+    let got = scratch.join("got2.img");
+    image(&server, "dr", &got);
+    assert_same(&second, &got);
+    let a = rpc(&server, "backup_standby_activate", r#"{"name": "dr"}"#);
+    assert_eq!(a["backup"], b2.as_str(), "{a}");
+    tools::qemu_io(&server, "dr", &["write -P 0x99 0 4k", "read -P 0x99 0 4k"]);
+    assert_eq!(
+        rpc(&server, "backup_standby_list", "{}"),
+        serde_json::json!([])
+    );
+}
