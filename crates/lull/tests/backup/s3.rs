@@ -41,17 +41,36 @@ pub struct S3 {
     child: Child,
     pub addr: SocketAddr,
     pub root: PathBuf,
+    scheme: &'static str,
 }
 
 impl S3 {
     pub fn start(root: &Path) -> S3 {
+        S3::start_with(root, None)
+    }
+
+    /// Over TLS with the certificate of `pki` (`make_pki`'s
+    /// server-cert.pem and server-key.pem, for 127.0.0.1).
+    pub fn start_tls(root: &Path, pki: &Path) -> S3 {
+        S3::start_with(root, Some(pki))
+    }
+
+    fn start_with(root: &Path, pki: Option<&Path>) -> S3 {
         std::fs::create_dir_all(root.join(BUCKET)).expect("bucket directory");
         let addr = free_port();
         let log = std::fs::File::create(root.with_extension("log")).expect("gateway log");
-        let child = Command::new(binary())
-            .env("ROOT_ACCESS_KEY", ACCESS_KEY)
+        let mut cmd = Command::new(binary());
+        cmd.env("ROOT_ACCESS_KEY", ACCESS_KEY)
             .env("ROOT_SECRET_KEY", SECRET_KEY)
-            .args(["--port", &addr.to_string(), "posix"])
+            .args(["--port", &addr.to_string()]);
+        if let Some(pki) = pki {
+            cmd.arg("--cert")
+                .arg(pki.join("server-cert.pem"))
+                .arg("--key")
+                .arg(pki.join("server-key.pem"));
+        }
+        let child = cmd
+            .arg("posix")
             .arg(root)
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -66,12 +85,16 @@ impl S3 {
             child,
             addr,
             root: root.to_path_buf(),
+            scheme: if pki.is_some() { "https" } else { "http" },
         }
     }
 
     /// `s3://lulltest/PREFIX?endpoint=...`
     pub fn url(&self, prefix: &str) -> String {
-        format!("s3://{BUCKET}/{prefix}?endpoint=http://{}", self.addr)
+        format!(
+            "s3://{BUCKET}/{prefix}?endpoint={}://{}",
+            self.scheme, self.addr
+        )
     }
 
     /// The directory that holds `PREFIX`'s objects.

@@ -844,3 +844,29 @@ pub fn scrape_metrics(port: u16) -> String {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     resp[resp.find("\r\n\r\n").expect("headers end") + 4..].to_string()
 }
+
+/// Mounts a tmpfs of `size` at `dir` (root only), unmounted on drop.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test fills a small tmpfs and needs root to mount one: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}

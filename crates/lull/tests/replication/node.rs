@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{self, require, rpc, rpc_outcome, state, Kind, Replica, Scratch, Server};
+use crate::common::{
+    self, require, rpc, rpc_outcome, state, Kind, Replica, Scratch, Server, Tmpfs,
+};
 use serde_json::{json, Value};
 
 /// How long volumes may take to have every replica healthy after a start
@@ -516,32 +518,6 @@ fn bad_input_is_refused_and_nothing_is_created_half_way() {
         c.rpc("volume_list", Value::Null).as_array().map(Vec::len),
         Some(2)
     );
-}
-
-/// Mounts a tmpfs of `size` at `dir` (root only), unmounted on drop.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(dir).expect("mount point");
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .expect("run mount");
-        assert!(
-            out.status.success(),
-            "this test fills a small tmpfs and needs root to mount one: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Tmpfs(dir.to_path_buf())
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
 }
 
 #[test]
