@@ -846,7 +846,7 @@ pub fn scrape_metrics(port: u16) -> String {
 }
 
 /// Mounts a tmpfs of `size` at `dir` (root only), unmounted on drop.
-pub struct Tmpfs(PathBuf);
+pub struct Tmpfs(pub PathBuf);
 
 impl Tmpfs {
     pub fn mount(dir: &Path, size: &str) -> Tmpfs {
