@@ -1893,3 +1893,42 @@ fn success_on_descriptor_reads(server: &mut Server, key: &str) {
     assert_eq!(status, 0);
     server.assert_healthy();
 }
+
+/// `backup_expose` (docs/BACKUPS.md): a backup, on a directory target,
+/// served as an NVMe/TCP namespace before it is restored: spdk_dd reads
+/// the bytes the volume held at the backup, not its later writes, chunks
+/// fetched from the target as they are read.
+#[test]
+fn an_exposed_backup_is_a_namespace_spdk_reads() {
+    let Some(tools) = spdk_tools("an_exposed_backup_is_a_namespace_spdk_reads") else {
+        return;
+    };
+    let _one = tools::spdk_alone();
+    let dir = Scratch::new("nvmf-backup");
+    let (server, addr) = serve();
+    let target = dir.join("target");
+    std::fs::create_dir_all(&target).expect("target directory");
+    server.rpc(
+        "backup_target_add",
+        &format!(r#"{{"name":"dir","url":"file://{}"}}"#, target.display()),
+    );
+    tools::qemu_io(&server, VOLUME, &["write -P 0xc3 0 3M"]);
+    let b = server.rpc(
+        "backup_create",
+        &format!(r#"{{"volume":"{VOLUME}","target":"dir","wait":true}}"#),
+    );
+    assert_eq!(b["job"]["state"], "done", "{b}");
+    tools::qemu_io(&server, VOLUME, &["write -P 0xd4 0 1M"]);
+    let id = b["id"].as_str().expect("a backup id");
+    server.rpc(
+        "backup_expose",
+        &format!(r#"{{"target":"dir","backup":"{id}"}}"#),
+    );
+    let config = dd_config(&dir, addr, &lull_nvmf::subsystem_nqn(id));
+    let got = dd_read(&tools, &config, &dir.join("b.bin"), 1 << 20, 4 << 20);
+    assert!(
+        got[..3 << 20].iter().all(|&b| b == 0xc3),
+        "the backup's bytes over NVMe/TCP"
+    );
+    assert!(got[3 << 20..].iter().all(|&b| b == 0), "zeros past them");
+}
