@@ -45,6 +45,11 @@ pub struct BackupRequest {
     pub bandwidth_mbytes_per_sec: u64,
     /// The schedule that asks (recorded in the manifest).
     pub schedule: Option<String>,
+    /// `volume` names a replica of this node's store, not a volume: its
+    /// snapshot `snapshot` (required) is read from the replica's own
+    /// files, with no engine (the CSI controller's backup snapshots; every
+    /// replica holds the same bytes in a snapshot).
+    pub replica: bool,
 }
 
 /// What `backup_restore` asks for.
@@ -56,6 +61,11 @@ pub struct RestoreRequest {
     pub name: String,
     pub backend: String,
     pub persist: bool,
+    /// `name` is a new replica of this node's store (created, never
+    /// attached: generation 0, no snapshot, no engine), filled in place
+    /// rather than a new volume made (the CSI controller's volume from a
+    /// backup snapshot: each node fills its own replica).
+    pub replica: bool,
 }
 
 #[derive(Default)]
@@ -82,6 +92,12 @@ pub struct JobInfo {
     pub target: String,
     /// The backup it makes, restores or verifies.
     pub backup: String,
+    /// The snapshot a backup job reads (`None` until it is known: one it
+    /// takes itself).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// It reads or fills a replica of the store, not a volume.
+    pub replica: bool,
     pub state: JobState,
     pub total_bytes: u64,
     pub done_bytes: u64,
@@ -142,15 +158,29 @@ pub struct Jobs {
     busy_volumes: BTreeMap<String, String>,
 }
 
+/// What a job is about, for [`Backups::start_job`].
+struct NewJob<'a> {
+    kind: &'static str,
+    volume: &'a str,
+    target: &'a str,
+    backup: &'a str,
+    /// One such job per volume at once (backups and restores).
+    exclusive_volume: bool,
+    snapshot: Option<&'a str>,
+    replica: bool,
+}
+
 impl Backups {
-    fn start_job(
-        self: &Arc<Self>,
-        kind: &'static str,
-        volume: &str,
-        target: &str,
-        backup: &str,
-        exclusive_volume: bool,
-    ) -> Result<Arc<Job>, BackupError> {
+    fn start_job(self: &Arc<Self>, new: NewJob<'_>) -> Result<Arc<Job>, BackupError> {
+        let NewJob {
+            kind,
+            volume,
+            target,
+            backup,
+            exclusive_volume,
+            snapshot,
+            replica,
+        } = new;
         let mut jobs = lock(&self.jobs);
         if jobs.running.len() >= MAX_RUNNING_JOBS {
             return Err(BackupError::Busy(format!(
@@ -173,6 +203,8 @@ impl Backups {
                 volume: volume.to_string(),
                 target: target.to_string(),
                 backup: backup.to_string(),
+                snapshot: snapshot.map(str::to_string),
+                replica,
                 state: JobState::Running,
                 total_bytes: 0,
                 done_bytes: 0,
@@ -278,11 +310,8 @@ impl Backups {
             )));
         }
         let t = self.target(&req.target)?;
-        let v = self
-            .volumes
-            .named(&req.volume)
-            .map_err(|e| BackupError::Volume(e.to_string()))?;
-        let size = v.dev().size_bytes();
+        let dev = self.source(&req)?;
+        let size = dev.size_bytes();
         if size > format::MAX_BACKUP_VOLUME_BYTES {
             return Err(BackupError::Volume(format!(
                 "volume {:?}: {size} bytes, past the {} a backup takes",
@@ -290,6 +319,50 @@ impl Backups {
                 format::MAX_BACKUP_VOLUME_BYTES
             )));
         }
+        if let Some(s) = &req.snapshot {
+            if !dev.has_snapshot(s) {
+                return Err(BackupError::Volume(format!(
+                    "{} {:?} has no snapshot {s:?}",
+                    if req.replica { "replica" } else { "volume" },
+                    req.volume
+                )));
+            }
+        }
+        let id = format::new_backup_id(now_unix_ms());
+        let job = self.start_job(NewJob {
+            kind: "backup",
+            volume: &req.volume,
+            target: &req.target,
+            backup: &id,
+            exclusive_volume: true,
+            snapshot: req.snapshot.as_deref(),
+            replica: req.replica,
+        })?;
+        self.spawn_job(&job, "lull-backup", move |me, j| {
+            me.run_backup(j, &t, &req, &id)
+        })
+    }
+
+    /// The device a backup reads: the volume's, or with `replica` the
+    /// store's replica's chain (a snapshot named: a backup takes no
+    /// snapshot of a replica itself, every replica must hold it).
+    fn source(&self, req: &BackupRequest) -> Result<Arc<dyn lull_bdev::BlockDevice>, BackupError> {
+        if req.replica {
+            if req.snapshot.is_none() {
+                return Err(BackupError::Volume(format!(
+                    "replica {:?}: a backup of a replica names its snapshot (snapshot)",
+                    req.volume
+                )));
+            }
+            return self
+                .control
+                .replica_device(&req.volume)
+                .map_err(|e| BackupError::Volume(format!("replica {:?}: {e}", req.volume)));
+        }
+        let v = self
+            .volumes
+            .named(&req.volume)
+            .map_err(|e| BackupError::Volume(e.to_string()))?;
         if v.storage.layered().is_none() && v.storage.replicated().is_none() {
             return Err(BackupError::Volume(format!(
                 "volume {:?} ({}) takes no snapshots, so no backups: memory, file and replicated volumes do",
@@ -297,19 +370,7 @@ impl Backups {
                 v.dev().describe()
             )));
         }
-        if let Some(s) = &req.snapshot {
-            if !v.dev().has_snapshot(s) {
-                return Err(BackupError::Volume(format!(
-                    "volume {:?} has no snapshot {s:?}",
-                    req.volume
-                )));
-            }
-        }
-        let id = format::new_backup_id(now_unix_ms());
-        let job = self.start_job("backup", &req.volume, &req.target, &id, true)?;
-        self.spawn_job(&job, "lull-backup", move |me, j| {
-            me.run_backup(j, &t, &req, &id)
-        })
+        Ok(storage_dev(&v.storage))
     }
 
     fn run_backup(
@@ -320,10 +381,7 @@ impl Backups {
         id: &str,
     ) -> Result<Value, BackupError> {
         let started = Instant::now();
-        let v = self
-            .volumes
-            .named(&req.volume)
-            .map_err(|e| BackupError::Volume(e.to_string()))?;
+        let dev = self.source(req)?;
         self.rt.block_on(t.check())?;
         // The lock first: no collection may start while chunks this
         // backup counts on could be deleted.
@@ -356,7 +414,7 @@ impl Backups {
                 }
             })
         };
-        let r = self.backup_locked(job, t, req, id, &v, started);
+        let r = self.backup_locked(job, t, req, id, &dev, started);
         refresh.abort();
         self.rt.block_on(catalog::drop_lock(t, id));
         r
@@ -368,7 +426,7 @@ impl Backups {
         t: &Target,
         req: &BackupRequest,
         id: &str,
-        v: &lull_volume::Volume,
+        dev: &Arc<dyn lull_bdev::BlockDevice>,
         started: Instant,
     ) -> Result<Value, BackupError> {
         let volume = &req.volume;
@@ -379,10 +437,11 @@ impl Backups {
                 self.control
                     .snapshot_create(volume, &name)
                     .map_err(|e| BackupError::Volume(format!("snapshot of {volume:?}: {e}")))?;
+                lock(&job.info).snapshot = Some(name.clone());
                 name
             }
         };
-        let r = self.backup_snapshot(job, t, req, id, v, &snapshot, started);
+        let r = self.backup_snapshot(job, t, req, id, dev, &snapshot, started);
         if r.is_err() && req.snapshot.is_none() {
             // Its own snapshot is no base for anything now.
             if let Err(e) = self.control.snapshot_delete(volume, &snapshot) {
@@ -399,12 +458,12 @@ impl Backups {
         t: &Target,
         req: &BackupRequest,
         id: &str,
-        v: &lull_volume::Volume,
+        dev: &Arc<dyn lull_bdev::BlockDevice>,
         snapshot: &str,
         started: Instant,
     ) -> Result<Value, BackupError> {
         let volume = &req.volume;
-        let view = v.dev().snapshot_view(snapshot).ok_or_else(|| {
+        let view = dev.snapshot_view(snapshot).ok_or_else(|| {
             BackupError::Volume(format!(
                 "volume {volume:?}: snapshot {snapshot:?} cannot be read"
             ))
@@ -421,7 +480,7 @@ impl Backups {
                 && m.chunk_bytes == CHUNK_BYTES
                 && m.size_bytes <= size
                 && m.snapshot != snapshot
-                && v.dev().has_snapshot(&m.snapshot)
+                && dev.has_snapshot(&m.snapshot)
         });
         let mut io = DevIo::open(view.clone())?;
         let unchanged: Vec<bool> = match parent {
@@ -545,7 +604,7 @@ impl Backups {
             "backup complete");
         // The parent's own snapshot was kept as this backup's base; this
         // one's takes over.
-        if let Some(p) = parent {
+        if let Some(p) = parent.filter(|_| !req.replica) {
             if p.snapshot.starts_with(AUTO_SNAPSHOT_PREFIX) {
                 if let Err(e) = self.control.snapshot_delete(volume, &p.snapshot) {
                     tracing::info!(volume, snapshot = p.snapshot, error = %e,
@@ -559,17 +618,53 @@ impl Backups {
     /// Starts a restore of a backup into a new volume.
     pub fn restore(self: &Arc<Self>, req: RestoreRequest) -> Result<JobInfo, BackupError> {
         let t = self.target(&req.target)?;
-        if self.volumes.named(&req.name).is_ok() {
+        let m = self.rt.block_on(catalog::manifest(&t, &req.backup))?;
+        if req.replica {
+            self.check_new_replica(&req.name, m.size_bytes)?;
+        } else if self.volumes.named(&req.name).is_ok() {
             return Err(BackupError::Volume(format!(
                 "volume {:?} exists already: a restore makes a new volume",
                 req.name
             )));
         }
-        let m = self.rt.block_on(catalog::manifest(&t, &req.backup))?;
-        let job = self.start_job("restore", &req.name, &req.target, &req.backup, true)?;
+        let job = self.start_job(NewJob {
+            kind: "restore",
+            volume: &req.name,
+            target: &req.target,
+            backup: &req.backup,
+            exclusive_volume: true,
+            snapshot: Some(&m.snapshot),
+            replica: req.replica,
+        })?;
         self.spawn_job(&job, "lull-restore", move |me, j| {
             me.run_restore(j, &t, &req, &m)
         })
+    }
+
+    /// A restore writes into a replica only while nothing else can have:
+    /// created and never attached (generation 0, no engine session, no
+    /// snapshot), at least the backup's size.
+    fn check_new_replica(&self, name: &str, size_bytes: u64) -> Result<(), BackupError> {
+        let info = self
+            .control
+            .replica_get(name)
+            .map_err(|e| BackupError::Volume(format!("replica {name:?}: {e}")))?;
+        let new = info["generation"].as_u64() == Some(0)
+            && info["held_by_session"].is_null()
+            && info["snapshots"].as_array().is_some_and(|s| s.is_empty());
+        if !new {
+            return Err(BackupError::Volume(format!(
+                "replica {name:?} is not new (generation {}, session {}, snapshots {}): a restore fills only a replica no engine has attached",
+                info["generation"], info["held_by_session"], info["snapshots"]
+            )));
+        }
+        let have = info["size_bytes"].as_u64().unwrap_or(0);
+        if have < size_bytes {
+            return Err(BackupError::Volume(format!(
+                "replica {name:?} is {have} bytes, smaller than the backup's {size_bytes}"
+            )));
+        }
+        Ok(())
     }
 
     fn run_restore(
@@ -580,6 +675,15 @@ impl Backups {
         m: &Manifest,
     ) -> Result<Value, BackupError> {
         let started = Instant::now();
+        if req.replica {
+            // A failed fill stays for the retry to write again: the
+            // replica is its caller's, and nothing has attached it.
+            let dev = self
+                .control
+                .replica_device(&req.name)
+                .map_err(|e| BackupError::Volume(format!("replica {:?}: {e}", req.name)))?;
+            return self.restore_into(job, t, req, m, dev, started);
+        }
         let new = lull_rpc::NewVolume {
             name: req.name.clone(),
             size_bytes: m.size_bytes,
@@ -590,7 +694,11 @@ impl Backups {
         self.control
             .volume_create(&new)
             .map_err(|e| BackupError::Volume(format!("volume {:?}: {e}", req.name)))?;
-        let r = self.restore_into(job, t, req, m, started);
+        let r = self
+            .volumes
+            .named(&req.name)
+            .map_err(|e| BackupError::Volume(e.to_string()))
+            .and_then(|v| self.restore_into(job, t, req, m, storage_dev(&v.storage), started));
         if r.is_err() {
             // Nothing half-restored stays behind under the name.
             let name = lull_rpc::VolumeName {
@@ -609,13 +717,10 @@ impl Backups {
         t: &Target,
         req: &RestoreRequest,
         m: &Manifest,
+        dev: Arc<dyn lull_bdev::BlockDevice>,
         started: Instant,
     ) -> Result<Value, BackupError> {
-        let v = self
-            .volumes
-            .named(&req.name)
-            .map_err(|e| BackupError::Volume(e.to_string()))?;
-        let mut io = DevIo::open(storage_dev(&v.storage))?;
+        let mut io = DevIo::open(dev)?;
         job.progress
             .total_bytes
             .store(m.size_bytes, Ordering::Relaxed);
@@ -688,7 +793,15 @@ impl Backups {
     pub fn verify(self: &Arc<Self>, target: &str, backup: &str) -> Result<JobInfo, BackupError> {
         let t = self.target(target)?;
         let m = self.rt.block_on(catalog::manifest(&t, backup))?;
-        let job = self.start_job("verify", &m.volume, target, backup, false)?;
+        let job = self.start_job(NewJob {
+            kind: "verify",
+            volume: &m.volume,
+            target,
+            backup,
+            exclusive_volume: false,
+            snapshot: Some(&m.snapshot),
+            replica: false,
+        })?;
         self.spawn_job(&job, "lull-verify", move |me, j| {
             me.rt.block_on(verify_chunks(&t, &m, &j.progress))
         })

@@ -155,35 +155,12 @@ impl Backups {
             .enable_all()
             .build()
             .map_err(|e| BackupError::Failed(format!("backup runtime: {e}")))?;
-        let state_file = state_dir.as_ref().map(|d| d.join(STATE_FILE));
-        let mut targets = BTreeMap::new();
-        if let Some(f) = &state_file {
-            match std::fs::read(f) {
-                Ok(bytes) => {
-                    let configs: Vec<TargetConfig> = serde_json::from_slice(&bytes)
-                        .map_err(|e| BackupError::Config(format!("{}: {e}", f.display())))?;
-                    for c in configs {
-                        let name = c.name.clone();
-                        match Target::open(c) {
-                            Ok(t) => {
-                                targets.insert(name, t);
-                            }
-                            Err(e) => {
-                                tracing::error!(target = name, error = %e, "backup target not opened")
-                            }
-                        }
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(BackupError::Config(format!("{}: {e}", f.display()))),
-            }
-        }
         let b = Arc::new(Backups {
             rt,
             volumes,
             control,
             state_dir,
-            targets: Mutex::new(targets),
+            targets: Mutex::new(BTreeMap::new()),
             jobs: Mutex::new(job::Jobs::default()),
             exposed: Mutex::new(BTreeMap::new()),
             schedules: Mutex::new(BTreeMap::new()),
@@ -191,10 +168,27 @@ impl Backups {
             standby_devs: Mutex::new(BTreeMap::new()),
             standby_activation: Mutex::new(()),
         });
+        b.load_targets()?;
         b.load_schedules()?;
         b.load_standbys()?;
         b.start_cron()?;
         Ok(b)
+    }
+
+    /// The records of a state file (none when it does not exist yet).
+    fn read_state<T: serde::de::DeserializeOwned>(
+        &self,
+        file: &str,
+    ) -> Result<Vec<T>, BackupError> {
+        let Some(f) = self.state_path(file) else {
+            return Ok(Vec::new());
+        };
+        match std::fs::read(&f) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| BackupError::Config(format!("{}: {e}", f.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(BackupError::Config(format!("{}: {e}", f.display()))),
+        }
     }
 
     fn state_path(&self, file: &str) -> Option<PathBuf> {
@@ -220,6 +214,23 @@ impl Backups {
             Ok(())
         };
         write().map_err(|e| BackupError::Failed(format!("{}: {e}", f.display())))
+    }
+
+    /// The recorded targets; one that no longer opens (its key file
+    /// gone) is logged and skipped, not fatal.
+    fn load_targets(&self) -> Result<(), BackupError> {
+        let configs: Vec<TargetConfig> = self.read_state(STATE_FILE)?;
+        let mut targets = lock(&self.targets);
+        for c in configs {
+            let name = c.name.clone();
+            match Target::open(c) {
+                Ok(t) => {
+                    targets.insert(name, t);
+                }
+                Err(e) => tracing::error!(target = name, error = %e, "backup target not opened"),
+            }
+        }
+        Ok(())
     }
 
     fn save_targets(&self, targets: &BTreeMap<String, Target>) -> Result<(), BackupError> {

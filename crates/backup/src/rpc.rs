@@ -104,6 +104,9 @@ struct Create {
     bandwidth_mbytes_per_sec: u64,
     #[serde(default)]
     wait: bool,
+    /// `volume` is a replica of the store (see `BackupRequest::replica`).
+    #[serde(default)]
+    replica: bool,
 }
 
 #[derive(Deserialize)]
@@ -153,6 +156,10 @@ struct Restore {
     persist: bool,
     #[serde(default)]
     wait: bool,
+    /// `name` is a new replica of the store, filled in place (see
+    /// `RestoreRequest::replica`).
+    #[serde(default)]
+    replica: bool,
 }
 
 fn malloc() -> String {
@@ -263,6 +270,7 @@ pub fn register_backup_methods(
             snapshot: p.snapshot,
             bandwidth_mbytes_per_sec: p.bandwidth_mbytes_per_sec,
             schedule: None,
+            replica: p.replica,
         })?;
         let id = j.backup.clone();
         Ok(json!({"id": id, "job": job_json(&c, j, p.wait)}))
@@ -303,6 +311,7 @@ pub fn register_backup_methods(
             name: p.name,
             backend: p.backend,
             persist: p.persist,
+            replica: p.replica,
         })?;
         Ok(job_json(&c, j, p.wait))
     })?;

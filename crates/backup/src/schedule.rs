@@ -98,15 +98,7 @@ type Key = (String, String);
 
 impl Backups {
     pub(crate) fn load_schedules(&self) -> Result<(), BackupError> {
-        let Some(f) = self.state_path(SCHEDULE_FILE) else {
-            return Ok(());
-        };
-        let list: Vec<Schedule> = match std::fs::read(&f) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| BackupError::Config(format!("{}: {e}", f.display())))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(BackupError::Config(format!("{}: {e}", f.display()))),
-        };
+        let list: Vec<Schedule> = self.read_state(SCHEDULE_FILE)?;
         let mut s = lock(&self.schedules);
         for schedule in list {
             let key = (schedule.volume.clone(), schedule.target.clone());
@@ -221,6 +213,7 @@ impl Backups {
                 snapshot: None,
                 bandwidth_mbytes_per_sec: sc.schedule.bandwidth_mbytes_per_sec,
                 schedule: Some(sc.schedule.id()),
+                replica: false,
             };
             match self.create(req) {
                 Ok(j) => {

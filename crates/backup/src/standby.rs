@@ -111,15 +111,7 @@ impl Channel for ReadOnlyChannel {
 
 impl Backups {
     pub(crate) fn load_standbys(&self) -> Result<(), BackupError> {
-        let Some(f) = self.state_path(STANDBY_FILE) else {
-            return Ok(());
-        };
-        let list: Vec<Standby> = match std::fs::read(&f) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| BackupError::Config(format!("{}: {e}", f.display())))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(BackupError::Config(format!("{}: {e}", f.display()))),
-        };
+        let list: Vec<Standby> = self.read_state(STANDBY_FILE)?;
         for s in list {
             // The volume came back from the node's state, writable: it is
             // a standby again.
@@ -192,6 +184,7 @@ impl Backups {
             name: name.to_string(),
             backend: backend.to_string(),
             persist: true,
+            replica: false,
         })?;
         let s = Standby {
             name: name.to_string(),

@@ -23,6 +23,7 @@ use crate::health::{self, ReplicaSeen};
 use crate::pb::controller_server::Controller;
 use crate::pb::*;
 use crate::placement::{self, Candidate};
+use crate::snapshots::backups;
 use crate::volume_id::{lull_name, VolumeId, MAX_REPLICAS};
 use crate::Busy;
 
@@ -65,13 +66,19 @@ impl ControllerPlugin {
         }
     }
 
-    async fn create(&self, req: CreateVolumeRequest) -> Result<CreateVolumeResponse, Status> {
+    pub(crate) async fn create(
+        &self,
+        req: CreateVolumeRequest,
+    ) -> Result<CreateVolumeResponse, Status> {
         if req.name.is_empty() {
             return Err(Status::invalid_argument("name is required"));
         }
         capability::check_all(&req.volume_capabilities).map_err(Status::invalid_argument)?;
         let replicas = replicas_param(&req.parameters)?;
         let name = lull_name(&req.name);
+        if let Some(source) = backups::backup_source(req.volume_content_source.as_ref()) {
+            return self.create_from_backup(req, source).await;
+        }
         if let Some(source) = &req.volume_content_source {
             let _busy = self.busy.take(&name)?;
             let explicit = req

@@ -14,6 +14,13 @@
 //!   replica_clone {pvc-2, "pvc-1@snap-1"} on node-a and node-b
 //!   -> volume id "pvc-2@node-a+node-b" (its replicas share the snapshot's files)
 //! ```
+//!
+//! # Layout
+//!
+//! - `backups`: snapshots that are backups (the `backupTarget` parameter)
+//!   and volumes restored from them.
+
+pub(crate) mod backups;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -28,6 +35,7 @@ use crate::snapshot_id::{
     MAX_SNAPSHOT_ID_BYTES,
 };
 use crate::volume_id::VolumeId;
+use backups::BackupSnapshotId;
 
 /// How a volume's replicas are reached for a snapshot operation.
 #[derive(Debug)]
@@ -123,12 +131,14 @@ impl ControllerPlugin {
             return Err(Status::invalid_argument("source_volume_id is required"));
         }
         for k in req.parameters.keys() {
-            if !k.starts_with(CO_PARAM_PREFIX) {
+            if !k.starts_with(CO_PARAM_PREFIX) && k != backups::PARAM_BACKUP_TARGET {
                 return Err(Status::invalid_argument(format!(
-                    "unknown parameter {k:?} (snapshots take none)"
+                    "unknown parameter {k:?} (snapshots take only {})",
+                    backups::PARAM_BACKUP_TARGET
                 )));
             }
         }
+        let backup_target = backups::target_param(&req.parameters)?;
         let volume = VolumeId::parse(&req.source_volume_id).ok_or_else(|| {
             Status::not_found(format!(
                 "no volume {:?} (not an id of this plugin)",
@@ -163,8 +173,16 @@ impl ControllerPlugin {
                 )));
             }
         }
-        let snapshot = self.take_snapshot(&id).await?;
-        tracing::info!(snapshot = %req.name, id = %snapshot.snapshot_id, "snapshot created");
+        if let Some(target) = &backup_target {
+            // Before the snapshot: a target the volume's nodes cannot
+            // reach leaves nothing behind.
+            self.check_backup_target(target, &id).await?;
+        }
+        let mut snapshot = self.take_snapshot(&id).await?;
+        if let Some(target) = backup_target {
+            snapshot = self.backup_snapshot(&id, &target, snapshot).await?;
+        }
+        tracing::info!(snapshot = %req.name, id = %snapshot.snapshot_id, ready = snapshot.ready_to_use, "snapshot created");
         Ok(CreateSnapshotResponse {
             snapshot: Some(snapshot),
         })
@@ -365,6 +383,9 @@ impl ControllerPlugin {
         if req.snapshot_id.is_empty() {
             return Err(Status::invalid_argument("snapshot_id is required"));
         }
+        if let Some(b) = BackupSnapshotId::parse(&req.snapshot_id) {
+            return self.backup_snapshot_delete(&b).await;
+        }
         // An id this plugin never wrote names nothing: deleted already.
         let Some(id) = SnapshotId::parse(&req.snapshot_id) else {
             return Ok(());
@@ -454,6 +475,15 @@ impl ControllerPlugin {
                 "starting_token {:?} is not a token of this plugin",
                 req.starting_token
             )));
+        }
+        if let Some(b) = BackupSnapshotId::parse(&req.snapshot_id) {
+            let entries = self.backup_snapshot_get(&b).await?.into_iter();
+            return Ok(ListSnapshotsResponse {
+                entries: entries
+                    .map(|s| list_snapshots_response::Entry { snapshot: Some(s) })
+                    .collect(),
+                next_token: String::new(),
+            });
         }
         // Filters naming nothing of this plugin's match nothing.
         if (!req.snapshot_id.is_empty() && SnapshotId::parse(&req.snapshot_id).is_none())
@@ -546,7 +576,9 @@ impl ControllerPlugin {
         if req.snapshot_id.is_empty() {
             return Err(Status::invalid_argument("snapshot_id is required"));
         }
-        if SnapshotId::parse(&req.snapshot_id).is_none() {
+        if SnapshotId::parse(&req.snapshot_id).is_none()
+            && BackupSnapshotId::parse(&req.snapshot_id).is_none()
+        {
             return Err(Status::not_found(format!(
                 "no snapshot {:?} (not an id of this plugin)",
                 req.snapshot_id

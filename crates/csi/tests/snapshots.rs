@@ -3,7 +3,9 @@
 //! volumes made from a snapshot and from a volume read what their source
 //! held then (ext4 mounted through the fuse attach), ListSnapshots
 //! filters and pages, GetSnapshot finds what it lists (NOT_FOUND once
-//! deleted), and what is refused while clones use a snapshot.
+//! deleted), and what is refused while clones use a snapshot; snapshots
+//! that are backups (the `backupTarget` parameter, a directory target)
+//! restored by a second cluster of daemons that never held the volume.
 
 mod common;
 
@@ -93,9 +95,19 @@ async fn snapshot(
     name: &str,
     volume_id: &str,
 ) -> Result<Snapshot, tonic::Status> {
+    snapshot_with(c, name, volume_id, HashMap::new()).await
+}
+
+async fn snapshot_with(
+    c: &ControllerPlugin,
+    name: &str,
+    volume_id: &str,
+    parameters: HashMap<String, String>,
+) -> Result<Snapshot, tonic::Status> {
     c.create_snapshot(Request::new(CreateSnapshotRequest {
         name: name.into(),
         source_volume_id: volume_id.into(),
+        parameters,
         ..Default::default()
     }))
     .await
@@ -540,5 +552,240 @@ async fn a_volume_staged_nowhere_snapshots_on_its_stores_and_clones_from_a_volum
         .await
         .entries
         .is_empty());
+    delete_volume(&c, &source).await.expect("DeleteVolume");
+}
+
+fn backup_class(target: &str) -> HashMap<String, String> {
+    HashMap::from([("backupTarget".to_string(), target.to_string())])
+}
+
+/// ListSnapshots of one id: the snapshot once it is ready.
+async fn ready(c: &ControllerPlugin, id: &str) -> Snapshot {
+    common::wait_for("the backup snapshot to be ready", || async {
+        let r = list(
+            c,
+            ListSnapshotsRequest {
+                snapshot_id: id.into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        r.entries
+            .into_iter()
+            .find_map(|e| e.snapshot)
+            .filter(|s| s.ready_to_use)
+    })
+    .await
+}
+
+/// `backup_list` of volume `name` on target "bk", through node1.
+async fn backups_of(nodes: &Nodes, name: &str) -> Vec<Value> {
+    let v = nodes
+        .cluster
+        .call(
+            "node1",
+            "backup_list",
+            json!({"target": "bk", "volume": name}),
+        )
+        .await
+        .expect("backup_list");
+    v.as_array().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_snapshot_restores_on_a_cluster_that_never_held_its_volume() {
+    common::require_fuse().await;
+    let nodes = Nodes::start("snap-backup", Default::default()).await;
+    let dr = Nodes::start("snap-backup-dr", Default::default()).await;
+    // One target directory, added on every node of both clusters (the
+    // second stands for another site reading the same bucket).
+    let dir = nodes.work.join("backups");
+    std::fs::create_dir_all(&dir).unwrap();
+    for cluster in [&nodes, &dr] {
+        for n in 1..=3 {
+            cluster
+                .cluster
+                .call(
+                    &format!("node{n}"),
+                    "backup_target_add",
+                    json!({"name": "bk", "url": format!("file://{}", dir.display())}),
+                )
+                .await
+                .expect("backup_target_add");
+        }
+    }
+    let (c, n) = plugins(&nodes);
+    let source = create(&c, "src", VOLUME_BYTES, None)
+        .await
+        .expect("CreateVolume")
+        .volume_id;
+    let (staging, target) = (nodes.work.join("staging"), nodes.work.join("target"));
+    stage(&n, &source, &staging, &target).await;
+    write_synced(&target.join("before.txt"), b"written before the backup");
+
+    // Refused before anything is taken: a name that is no target's, a
+    // target no node has.
+    let bad = snapshot_with(&c, "bad", &source, backup_class("a/b"))
+        .await
+        .expect_err("a bad target name");
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    let none = snapshot_with(&c, "none", &source, backup_class("nowhere"))
+        .await
+        .expect_err("a target no node has");
+    assert_eq!(none.code(), Code::FailedPrecondition, "{none:?}");
+    for r in replicas(&nodes, &source).await {
+        assert!(snapshot_names(&r).is_empty(), "a refused backup left {r}");
+    }
+
+    // Staged on node1: the lull snapshot through the engine, its backup
+    // read from a replica's files.
+    let snap = snapshot_with(&c, "snap-b", &source, backup_class("bk"))
+        .await
+        .expect("CreateSnapshot with backupTarget");
+    assert_eq!(snap.snapshot_id, "backup:bk/src/snap-b");
+    assert_eq!(snap.source_volume_id, source);
+    write_synced(&target.join("after.txt"), b"written after the backup");
+    let done = ready(&c, &snap.snapshot_id).await;
+    assert_eq!(done.size_bytes as u64, VOLUME_BYTES);
+    let again = snapshot_with(&c, "snap-b", &source, backup_class("bk"))
+        .await
+        .expect("the same again");
+    assert!(again.ready_to_use);
+    assert_eq!(again.snapshot_id, snap.snapshot_id);
+    let first = backups_of(&nodes, "src").await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    // The replica forms refuse what they cannot do safely: a replica's
+    // backup names its snapshot; a restore fills only a new replica
+    // (this one is attached and has snapshots).
+    let holder = VolumeId::parse(&source).unwrap().nodes[0].clone();
+    let unnamed = nodes
+        .cluster
+        .call(
+            &holder,
+            "backup_create",
+            json!({"volume": "src", "target": "bk", "replica": true}),
+        )
+        .await
+        .expect_err("a replica's backup with no snapshot");
+    assert!(
+        unnamed.to_string().contains("names its snapshot"),
+        "{unnamed}"
+    );
+    let over = nodes
+        .cluster
+        .call(
+            &holder,
+            "backup_restore",
+            json!({"target": "bk", "backup": first[0]["id"], "name": "src", "replica": true}),
+        )
+        .await
+        .expect_err("a restore over a replica in use");
+    assert!(over.to_string().contains("is not new"), "{over}");
+    for r in replicas(&nodes, &source).await {
+        assert_eq!(
+            snapshot_names(&r),
+            ["snap-b"],
+            "the backup's base stays: {r}"
+        );
+    }
+
+    // The next backup is an incremental of the first (its snapshot kept
+    // as the base): only what changed since is read.
+    let snap2 = snapshot_with(&c, "snap-c", &source, backup_class("bk"))
+        .await
+        .expect("a second backup snapshot");
+    ready(&c, &snap2.snapshot_id).await;
+    let both = backups_of(&nodes, "src").await;
+    let second = both
+        .iter()
+        .find(|b| b["snapshot"] == "snap-c")
+        .expect("the second backup");
+    assert_eq!(second["parent"], first[0]["id"], "{second}");
+    assert!(
+        second["stats"]["bytes_read"].as_u64().unwrap() < VOLUME_BYTES / 2,
+        "an incremental reads what changed: {second}"
+    );
+
+    // The other cluster: no volume, no snapshot, the same target.
+    let (c2, n2) = plugins(&dr);
+    let found = get_snapshot(&c2, &snap.snapshot_id)
+        .await
+        .expect("GetSnapshot of a backup on another cluster");
+    assert!(found.ready_to_use);
+    let too_small = c2
+        .create_volume(Request::new(CreateVolumeRequest {
+            name: "small".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 0,
+                limit_bytes: (VOLUME_BYTES / 2) as i64,
+            }),
+            volume_capabilities: vec![mount_cap()],
+            volume_content_source: Some(VolumeContentSource {
+                r#type: from_snapshot(&snap.snapshot_id),
+            }),
+            ..Default::default()
+        }))
+        .await
+        .expect_err("a limit under the backup's size");
+    assert_eq!(too_small.code(), Code::OutOfRange, "{too_small:?}");
+    let restored = common::wait_for("the restore", || async {
+        match create(
+            &c2,
+            "restored",
+            VOLUME_BYTES,
+            from_snapshot(&snap.snapshot_id),
+        )
+        .await
+        {
+            Ok(v) => Some(v),
+            Err(e) if e.code() == Code::Aborted => None,
+            Err(e) => panic!("CreateVolume from a backup: {e:?}"),
+        }
+    })
+    .await;
+    assert_eq!(restored.capacity_bytes as u64, VOLUME_BYTES);
+    assert!(restored.content_source.is_some());
+    let (rstaging, rtarget) = (dr.work.join("staging"), dr.work.join("target"));
+    stage(&n2, &restored.volume_id, &rstaging, &rtarget).await;
+    assert_eq!(
+        std::fs::read(rtarget.join("before.txt")).unwrap(),
+        b"written before the backup"
+    );
+    assert!(
+        !rtarget.join("after.txt").exists(),
+        "the restore holds a write made after its backup's snapshot"
+    );
+    unstage(&n2, &restored.volume_id, &rstaging, &rtarget).await;
+    delete_volume(&c2, &restored.volume_id)
+        .await
+        .expect("DeleteVolume");
+
+    // DeleteSnapshot: the backup off the target, the snapshot off the
+    // replicas; again is a no-op.
+    delete_snapshot(&c, &snap.snapshot_id)
+        .await
+        .expect("DeleteSnapshot of a backup snapshot");
+    let left = backups_of(&nodes, "src").await;
+    assert!(left.iter().all(|b| b["snapshot"] != "snap-b"), "{left:?}");
+    for r in replicas(&nodes, &source).await {
+        assert_eq!(snapshot_names(&r), ["snap-c"], "{r}");
+    }
+    delete_snapshot(&c, &snap.snapshot_id)
+        .await
+        .expect("DeleteSnapshot again");
+    assert!(get_snapshot(&c, &snap.snapshot_id).await.is_err());
+    // The first's snapshot may still be merging: the engine refuses
+    // another delete until it is done (FAILED_PRECONDITION, the CO
+    // retries), and the retry finds the backup gone already.
+    common::wait_for("DeleteSnapshot of the second", || async {
+        match delete_snapshot(&c, &snap2.snapshot_id).await {
+            Ok(()) => Some(()),
+            Err(e) if e.code() == Code::FailedPrecondition => None,
+            Err(e) => panic!("DeleteSnapshot of the second: {e:?}"),
+        }
+    })
+    .await;
+    assert!(backups_of(&nodes, "src").await.is_empty());
+    unstage(&n, &source, &staging, &target).await;
     delete_volume(&c, &source).await.expect("DeleteVolume");
 }

@@ -828,6 +828,13 @@ impl ControlPlane for Control {
         Ok(json!(info))
     }
 
+    fn replica_device(
+        &self,
+        name: &str,
+    ) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
+        self.store()?.chain(name).map_err(store_error)
+    }
+
     fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
         let info = self
             .store()?

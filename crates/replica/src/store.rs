@@ -1020,6 +1020,21 @@ impl Store {
         Ok(info_of(name, &replica))
     }
 
+    /// Replica `name`'s data as a device of this process: its chain (the
+    /// live head and its snapshots' read-only views), for work that reads
+    /// or fills a replica with no engine (a backup of one of its
+    /// snapshots, a restore into a new replica). Writes through it bypass
+    /// the replica protocol's generation and write-intent record: the
+    /// caller writes only a replica no engine has attached yet.
+    pub fn chain(&self, name: &str) -> Result<Arc<dyn BlockDevice>, StoreError> {
+        check_name(name)?;
+        let replica = self
+            .index
+            .find(name)
+            .ok_or_else(|| StoreError::NotFound(name.into()))?;
+        Ok(replica.chain.clone())
+    }
+
     /// The store's space and every replica.
     pub fn info(&self) -> Result<StoreInfo, StoreError> {
         let (capacity, free) = fs_space(&self.index.dir)?;

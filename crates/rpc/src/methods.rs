@@ -107,6 +107,17 @@ pub trait ControlPlane: Send + Sync {
         let _ = (name, size_bytes);
         Err(no_store())
     }
+    /// Replica `name` of the store as a device of this process (its chain:
+    /// the live data and its snapshots' views), for the backups of a
+    /// replica's snapshot and the restores into a new replica that run
+    /// with no engine (lull_backup).
+    fn replica_device(
+        &self,
+        name: &str,
+    ) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
+        let _ = name;
+        Err(no_store())
+    }
     /// `replica_import`: adopt a `lull replica --dir` directory as `name`.
     fn replica_import(&self, name: &str, dir: &str) -> Result<Value, ControlError> {
         let _ = (name, dir);

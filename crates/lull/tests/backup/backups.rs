@@ -119,6 +119,33 @@ fn write_file(server: &Server, export: &str, file: &Path, offset: u64) {
     );
 }
 
+/// Backs `volume` up to `target` and restores that backup into a new
+/// memory volume `restored`: the two read the same (nbdcopy and cmp).
+/// Returns the backup's summary.
+fn round_trip(
+    server: &Server,
+    scratch: &Path,
+    volume: &str,
+    target: &str,
+    restored: &str,
+) -> Value {
+    let b = backup(server, volume, target);
+    let want = scratch.join(format!("{volume}-want.img"));
+    image(server, volume, &want);
+    let r = restore(
+        server,
+        target,
+        b["id"].as_str().unwrap(),
+        restored,
+        "malloc",
+    );
+    assert_eq!(r["state"], "done", "{r}");
+    let got = scratch.join(format!("{restored}-got.img"));
+    image(server, restored, &got);
+    assert_same(&want, &got);
+    b
+}
+
 /// Full, then incremental: both restore byte-identical, the incremental
 /// read only the changed chunks and named the full one its parent.
 fn full_then_incremental(server: &Server, scratch: &Scratch, target: &str, volume: &str) {
@@ -402,14 +429,7 @@ fn a_backup_cut_by_sigkill_is_never_listed() {
     assert!(gc["chunks_deleted"].as_u64().unwrap() > 0, "{gc}");
     assert_eq!(walk(&s3.dir("kill").join("chunks")), 0);
     write_file(&server, "v", &data, 0);
-    let b = backup(&server, "v", "s3");
-    let want = scratch.join("want.img");
-    image(&server, "v", &want);
-    let r = restore(&server, "s3", b["id"].as_str().unwrap(), "r", "malloc");
-    assert_eq!(r["state"], "done", "{r}");
-    let got = scratch.join("got.img");
-    image(&server, "r", &got);
-    assert_same(&want, &got);
+    round_trip(&server, &scratch, "v", "s3", "r");
 }
 
 /// An exposed backup is a read-only export that nbdcopy, qemu-img and
@@ -495,9 +515,7 @@ fn an_encrypted_target_holds_ciphertext_and_refuses_another_key() {
     };
     rpc(&server, "backup_target_add", &add("enc", &key));
     tools::qemu_io(&server, "v", &["write -P 0x61 0 2M"]);
-    let b = backup(&server, "v", "enc");
-    let want = scratch.join("want.img");
-    image(&server, "v", &want);
+    round_trip(&server, &scratch, "v", "enc", "r");
     let mut files = Vec::new();
     collect(&dir.join("chunks"), &mut files);
     assert_eq!(files.len(), 1);
@@ -506,11 +524,6 @@ fn an_encrypted_target_holds_ciphertext_and_refuses_another_key() {
         !stored.windows(64).any(|w| w.iter().all(|&x| x == 0x61)),
         "plaintext on the target"
     );
-    let r = restore(&server, "enc", b["id"].as_str().unwrap(), "r", "malloc");
-    assert_eq!(r["state"], "done", "{r}");
-    let got = scratch.join("got.img");
-    image(&server, "r", &got);
-    assert_same(&want, &got);
     let other = scratch.join("other-key");
     std::fs::write(&other, [0x22u8; 32]).unwrap();
     let e = refused(&server, "backup_target_add", &add("enc2", &other));
@@ -825,14 +838,7 @@ fn an_https_endpoint_takes_its_ca_file() {
         "ca_file": pki.join("ca-cert.pem")});
     rpc(&server, "backup_target_add", &with.to_string());
     tools::qemu_io(&server, "v", &["write -P 0x3c 0 3M"]);
-    let b = backup(&server, "v", "tls");
-    let want = scratch.join("want.img");
-    image(&server, "v", &want);
-    let r = restore(&server, "tls", b["id"].as_str().unwrap(), "r", "malloc");
-    assert_eq!(r["state"], "done", "{r}");
-    let got = scratch.join("got.img");
-    image(&server, "r", &got);
-    assert_same(&want, &got);
+    round_trip(&server, &scratch, "v", "tls", "r");
 }
 
 /// A target whose filesystem fills: the backup fails with the reason,
