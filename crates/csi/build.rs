@@ -1,11 +1,14 @@
-//! Compiles the vendored CSI v1 proto (proto/csi.proto) into the gRPC
-//! server and message types with tonic-prost-build. protox parses the
-//! proto in Rust, so building needs no `protoc` on the machine.
+//! Compiles the vendored CSI v1 proto (proto/csi.proto) and the kubelet's
+//! plugin-registration API (proto/pluginregistration.proto) into the gRPC
+//! servers and message types with tonic-prost-build. protox parses the
+//! protos in Rust, so building needs no `protoc` on the machine.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = "proto/csi.proto";
-    println!("cargo:rerun-if-changed={proto}");
-    let descriptors = protox::compile([proto], ["proto"])?;
+    let protos = ["proto/csi.proto", "proto/pluginregistration.proto"];
+    for proto in protos {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let descriptors = protox::compile(protos, ["proto"])?;
     tonic_prost_build::configure()
         // The plugin is a server; the client side is only for the tests.
         .build_server(true)

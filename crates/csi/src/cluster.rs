@@ -24,7 +24,7 @@
 //! while it was idle: a restart or a stop).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use lull_net::tls::TlsContext;
@@ -115,39 +115,73 @@ impl CallError {
 }
 
 /// The node list with each node's connections, their TLS material
-/// loaded once.
+/// loaded once. The list may change while the plugin runs (node
+/// discovery from Kubernetes, [`crate::discovery`]): [`Cluster::replace`]
+/// swaps it whole, keeping the connections of the nodes that stayed the
+/// same; a call already under way finishes on the list it started with.
 #[derive(Debug)]
 pub struct Cluster {
-    nodes: Vec<Node>,
-    pools: Arc<HashMap<String, Arc<NodePool>>>,
+    members: Arc<RwLock<Arc<Members>>>,
     /// The task that closes connections idle past [`NODE_IDLE_TIMEOUT`],
     /// started by the first call (a runtime is needed) and again should
     /// its runtime have ended; it ends with the cluster.
     sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
+/// One version of the node list and each node's connections.
+#[derive(Debug, Default)]
+pub struct Members {
+    nodes: Vec<Node>,
+    pools: HashMap<String, Arc<NodePool>>,
+}
+
+/// The node list as it was when [`Cluster::nodes`] was called (a later
+/// [`Cluster::replace`] does not change it).
+#[derive(Debug, Clone)]
+pub struct NodeList(Arc<Members>);
+
+impl std::ops::Deref for NodeList {
+    type Target = [Node];
+    fn deref(&self) -> &[Node] {
+        &self.0.nodes
+    }
+}
+
 impl Cluster {
     /// Loads every node's TLS material (a missing key file stops the
     /// plugin at start, not at the first volume).
     pub fn new(nodes: Vec<Node>) -> Result<Cluster, (String, RpcTlsError)> {
-        let mut pools = HashMap::new();
-        for n in &nodes {
-            let tls = n.tls.client().map_err(|e| (n.id.clone(), e))?;
-            pools.insert(n.id.clone(), Arc::new(NodePool::new(n, tls)));
-        }
+        let members = Members::build(nodes, &Members::default())?;
         Ok(Cluster {
-            nodes,
-            pools: Arc::new(pools),
+            members: Arc::new(RwLock::new(Arc::new(members))),
             sweeper: Mutex::new(None),
         })
     }
 
-    pub fn nodes(&self) -> &[Node] {
-        &self.nodes
+    fn members(&self) -> Arc<Members> {
+        Arc::clone(&self.members.read().unwrap_or_else(|p| p.into_inner()))
     }
 
-    pub fn node(&self, id: &str) -> Option<&Node> {
-        self.nodes.iter().find(|n| n.id == id)
+    /// The node list now.
+    pub fn nodes(&self) -> NodeList {
+        NodeList(self.members())
+    }
+
+    pub fn node(&self, id: &str) -> Option<Node> {
+        self.members().nodes.iter().find(|n| n.id == id).cloned()
+    }
+
+    /// Makes `nodes` the node list; whether it changed. A node whose entry
+    /// is unchanged keeps its connections; a new or changed one has its
+    /// TLS material loaded here (an error leaves the list as it was).
+    pub fn replace(&self, nodes: Vec<Node>) -> Result<bool, (String, RpcTlsError)> {
+        let mut members = self.members.write().unwrap_or_else(|p| p.into_inner());
+        if members.nodes == nodes {
+            return Ok(false);
+        }
+        let next = Members::build(nodes, &members)?;
+        *members = Arc::new(next);
+        Ok(true)
     }
 
     /// Calls `method` on node `id`, within [`NODE_CALL_TIMEOUT`].
@@ -158,7 +192,8 @@ impl Cluster {
         params: Value,
     ) -> Result<Value, CallError> {
         let deadline = Instant::now() + NODE_CALL_TIMEOUT;
-        let pool = self
+        let members = self.members();
+        let pool = members
             .pools
             .get(id)
             .ok_or_else(|| CallError::UnknownNode(id.to_string()))?;
@@ -198,14 +233,15 @@ impl Cluster {
         if sweeper.as_ref().is_some_and(|t| !t.is_finished()) {
             return;
         }
-        let pools = Arc::downgrade(&self.pools);
-        *sweeper = Some(tokio::spawn(sweep_idle(pools)));
+        let members = Arc::downgrade(&self.members);
+        *sweeper = Some(tokio::spawn(sweep_idle(members)));
     }
 
     /// `store_get` on every node at once; each node's answer or error,
     /// in node list order.
     pub async fn stores(&self) -> Vec<(String, Result<Store, CallError>)> {
-        let calls = self.nodes.iter().map(|n| async move {
+        let nodes = self.nodes();
+        let calls = nodes.iter().map(|n| async move {
             let out = self
                 .call(&n.id, "store_get", serde_json::json!({}))
                 .await
@@ -233,16 +269,38 @@ impl Drop for Cluster {
 
 /// Closes idle connections past [`NODE_IDLE_TIMEOUT`] every
 /// [`IDLE_SWEEP_INTERVAL`], until the cluster is gone.
-async fn sweep_idle(pools: Weak<HashMap<String, Arc<NodePool>>>) {
+async fn sweep_idle(members: Weak<RwLock<Arc<Members>>>) {
     loop {
         tokio::time::sleep(IDLE_SWEEP_INTERVAL).await;
-        let Some(pools) = pools.upgrade() else {
+        let Some(members) = members.upgrade() else {
             return;
         };
+        let current = Arc::clone(&members.read().unwrap_or_else(|p| p.into_inner()));
+        drop(members);
         let now = Instant::now();
-        for pool in pools.values() {
+        for pool in current.pools.values() {
             pool.close_expired(now);
         }
+    }
+}
+
+impl Members {
+    /// The pools of `nodes`: `previous`'s for a node whose entry is the
+    /// same, new ones (TLS material loaded) for the others.
+    fn build(nodes: Vec<Node>, previous: &Members) -> Result<Members, (String, RpcTlsError)> {
+        let mut pools = HashMap::with_capacity(nodes.len());
+        for n in &nodes {
+            let same = previous.nodes.iter().any(|p| p == n);
+            let pool = match previous.pools.get(&n.id) {
+                Some(pool) if same => Arc::clone(pool),
+                _ => {
+                    let tls = n.tls.client().map_err(|e| (n.id.clone(), e))?;
+                    Arc::new(NodePool::new(n, tls))
+                }
+            };
+            pools.insert(n.id.clone(), pool);
+        }
+        Ok(Members { nodes, pools })
     }
 }
 
@@ -538,13 +596,13 @@ mod tests {
             "{connections} connections"
         );
         // They stay open for the next calls, on the same connections.
-        assert_eq!(cluster.pools["n1"].idle().len(), connections);
+        assert_eq!(cluster.members().pools["n1"].idle().len(), connections);
         cluster.call("n1", "work", json!({})).await.unwrap();
         assert_eq!(seen.connections.lock().unwrap().len(), connections);
         // Until unused for the idle timeout.
         let later = Instant::now() + NODE_IDLE_TIMEOUT;
-        assert!(cluster.pools["n1"].take_idle(later).is_none());
-        assert!(cluster.pools["n1"].idle().is_empty());
+        assert!(cluster.members().pools["n1"].take_idle(later).is_none());
+        assert!(cluster.members().pools["n1"].idle().is_empty());
     }
 
     /// A daemon restarted: the idle connection to the old one fails
@@ -559,7 +617,7 @@ mod tests {
             cluster.call("n1", "work", json!({})).await.unwrap(),
             json!(1)
         );
-        assert_eq!(cluster.pools["n1"].idle().len(), 1);
+        assert_eq!(cluster.members().pools["n1"].idle().len(), 1);
         let port = old.local_addr().port();
         // The stop closes the connection (on loopback its end of stream
         // is with the client before the stop returns).
@@ -577,7 +635,7 @@ mod tests {
         let err = cluster.call("n1", "work", json!({})).await.unwrap_err();
         assert!(matches!(err, CallError::Unreachable { .. }), "{err}");
         assert_eq!(err.status().code(), tonic::Code::Unavailable);
-        assert!(cluster.pools["n1"].idle().is_empty());
+        assert!(cluster.members().pools["n1"].idle().is_empty());
     }
 
     #[tokio::test]

@@ -244,9 +244,8 @@ impl ControllerPlugin {
     /// The id lists the nodes in node list order, so the same volume
     /// always has the same id.
     fn sort_nodes(&self, nodes: &mut [String]) {
-        let order: HashMap<&str, usize> = self
-            .cluster
-            .nodes()
+        let list = self.cluster.nodes();
+        let order: HashMap<&str, usize> = list
             .iter()
             .enumerate()
             .map(|(i, n)| (n.id.as_str(), i))
@@ -495,7 +494,8 @@ impl ControllerPlugin {
             };
             (node.clone(), seen)
         });
-        let engine_calls = self.cluster.nodes().iter().map(|n| async {
+        let list = self.cluster.nodes();
+        let engine_calls = list.iter().map(|n| async {
             let states = self
                 .cluster
                 .call(&n.id, "replica_list", json!({ "volume": id.name }))

@@ -16,8 +16,9 @@
 //! | [`node`] | stage (engine + attach), publish (bind mounts), stats |
 //! | [`volume_id`] | the placement written into the volume id |
 //! | [`placement`] | the pure choice of distinct nodes with room |
-//! | [`cluster`], [`nodes`] | the node list and the calls to the daemons |
+//! | [`cluster`], [`nodes`], [`discovery`] | the node list (a file, or the node DaemonSet's pods in Kubernetes) and the calls to the daemons |
 //! | [`attach`], [`mounts`], [`cmd`] | the node's tools and what the kernel says is mounted |
+//! | [`registration`] | the kubelet's plugin-registration API, served by the node plugin |
 
 #![forbid(unsafe_code)]
 
@@ -26,12 +27,14 @@ pub mod capability;
 pub mod cluster;
 pub mod cmd;
 pub mod controller;
+pub mod discovery;
 pub mod health;
 pub mod identity;
 pub mod mounts;
 pub mod node;
 pub mod nodes;
 pub mod placement;
+pub mod registration;
 pub mod snapshot_id;
 pub mod snapshots;
 pub mod volume_id;
@@ -87,6 +90,9 @@ pub struct CsiConfig {
     pub node_id: Option<String>,
     pub state_dir: PathBuf,
     pub attach: Method,
+    /// Register with the kubelet (the node role): serve its
+    /// plugin-registration API on a socket in this directory.
+    pub registration: Option<registration::RegistrationConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +103,10 @@ pub enum CsiError {
     Nodes(#[from] nodes::NodesError),
     #[error("node {0:?}: {1}")]
     Tls(String, lull_rpc::RpcTlsError),
+    #[error("registration with the kubelet is for the node role (--role node or all)")]
+    RegistrationRole,
+    #[error("node discovery from Kubernetes: {0}")]
+    Discovery(String),
     #[error("the node role needs --node-id, one of the node list's ids")]
     NoNodeId,
     #[error("--node-id {0:?} is not in the node list")]
@@ -128,14 +138,46 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), CsiError> {
     let path = endpoint_path(&config.endpoint)?;
-    let nodes = nodes::load(&config.nodes_file)?;
-    let cluster = Arc::new(Cluster::new(nodes).map_err(|(n, e)| CsiError::Tls(n, e))?);
+    let source = nodes::load_source(&config.nodes_file)?;
+    let (cluster, discovered) = match source {
+        nodes::NodeSource::List(nodes) => (
+            Cluster::new(nodes).map_err(|(n, e)| CsiError::Tls(n, e))?,
+            None,
+        ),
+        nodes::NodeSource::Kubernetes(kube) => (
+            Cluster::new(Vec::new()).map_err(|(n, e)| CsiError::Tls(n, e))?,
+            Some(kube),
+        ),
+    };
+    let cluster = Arc::new(cluster);
+    // Discovery runs for as long as the plugin serves (the guard ends it).
+    let _discovery = match discovered {
+        None => None,
+        Some(kube) => {
+            let api = Arc::new(discovery::ApiServer::in_cluster().map_err(CsiError::Discovery)?);
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let task = tokio::spawn(discovery::run(api, kube, Arc::clone(&cluster), tx));
+            // Served after the first read, so that the first calls (the
+            // kubelet's NodeGetInfo) see the nodes; a failed read is
+            // retried by the task, the plugin serves meanwhile.
+            match tokio::time::timeout(FIRST_DISCOVERY_WAIT, rx).await {
+                Ok(Ok(Ok(n))) => tracing::info!(nodes = n, "node list from Kubernetes"),
+                Ok(Ok(Err(e))) => tracing::warn!("node discovery from Kubernetes: {e}; retrying every {:?}", discovery::DISCOVERY_INTERVAL),
+                _ => tracing::warn!("node discovery from Kubernetes: no answer in {FIRST_DISCOVERY_WAIT:?}; retrying"),
+            }
+            Some(AbortOnDrop(task))
+        }
+    };
     let serves_node = matches!(config.role, Role::Node | Role::All);
     let serves_controller = matches!(config.role, Role::Controller | Role::All);
     let node = if serves_node {
         let node_id = config.node_id.clone().ok_or(CsiError::NoNodeId)?;
         if cluster.node(&node_id).is_none() {
-            return Err(CsiError::UnknownNodeId(node_id));
+            if _discovery.is_none() {
+                return Err(CsiError::UnknownNodeId(node_id));
+            }
+            // Discovered: this node's daemon pod may not run yet.
+            tracing::warn!(node = %node_id, "this node is not among the discovered nodes yet: its volumes are UNAVAILABLE until its lull daemon pod runs");
         }
         if let Err(reason) = config.attach.check(&attach::Host::default()).await {
             // Served all the same: NodeStageVolume answers with the
@@ -157,23 +199,10 @@ pub async fn serve(
     } else {
         None
     };
-    // A socket left by a previous run would refuse the bind.
-    match std::fs::remove_file(&path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(CsiError::Io { path, source: e })
-        }
-        _ => {}
+    if config.registration.is_some() && !serves_node {
+        return Err(CsiError::RegistrationRole);
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| CsiError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    }
-    let listener = UnixListener::bind(&path).map_err(|source| CsiError::Io {
-        path: path.clone(),
-        source,
-    })?;
+    let listener = bind_unix(&path)?;
     let router = tonic::transport::Server::builder().add_service(
         pb::identity_server::IdentityServer::new(IdentityPlugin {
             controller: serves_controller,
@@ -188,11 +217,56 @@ pub async fn serve(
         r.add_optional_service(node.map(pb::node_server::NodeServer::new))
     };
     tracing::info!(endpoint = %path.display(), role = ?config.role, nodes = cluster.nodes().len(), "lull csi listening on {}", path.display());
-    router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
-        .await?;
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let csi =
+        router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown.clone());
+    let result = match &config.registration {
+        None => csi.await,
+        Some(reg) => {
+            // After the CSI socket: the kubelet calls NodeGetInfo as soon
+            // as it sees the registration socket.
+            let reg_path = reg.socket();
+            let reg_listener = bind_unix(&reg_path)?;
+            let plugin = Arc::new(registration::RegistrationPlugin::new(
+                reg.kubelet_endpoint.clone(),
+            ));
+            tracing::info!(socket = %reg_path.display(), endpoint = %reg.kubelet_endpoint, "serving the kubelet's plugin registration");
+            let reg_server = tonic::transport::Server::builder()
+                .add_service(registration::pb::registration_server::RegistrationServer::new(plugin))
+                .serve_with_incoming_shutdown(registration::incoming(reg_listener), shutdown);
+            let (a, b) = tokio::join!(csi, reg_server);
+            // The kubelet deregisters the driver when its socket goes.
+            let _ = std::fs::remove_file(&reg_path);
+            a.and(b)
+        }
+    };
     let _ = std::fs::remove_file(&path);
+    result?;
     Ok(())
+}
+
+/// Binds a Unix socket at `path`, removing one a previous run left (it
+/// would refuse the bind) and making its directory.
+fn bind_unix(path: &std::path::Path) -> Result<UnixListener, CsiError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(CsiError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            })
+        }
+        _ => {}
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| CsiError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    UnixListener::bind(path).map_err(|source| CsiError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Runs the plugin on its own tokio runtime until `wait_for_stop`
@@ -225,6 +299,21 @@ pub fn run(
         let _ = stop_rx.await;
         tracing::info!("lull csi stopping");
     }))
+}
+
+/// How long the plugin waits for the first node list from Kubernetes
+/// before it serves: the API server answers in milliseconds; past this
+/// the plugin serves and the list comes with a later read.
+pub const FIRST_DISCOVERY_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// A task aborted when this is dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Worker threads of the plugin's runtime: calls spend their time waiting

@@ -88,10 +88,16 @@ impl NodePlugin {
         }
     }
 
-    fn me(&self) -> &Node {
-        self.cluster
-            .node(&self.config.node_id)
-            .expect("the node id was checked against the node list at start")
+    /// This node's entry in the node list: checked at start for a list
+    /// from a file; with discovery from Kubernetes it is there once this
+    /// node's daemon pod runs (UNAVAILABLE until then: the CO retries).
+    fn me(&self) -> Result<Node, Status> {
+        self.cluster.node(&self.config.node_id).ok_or_else(|| {
+            Status::unavailable(format!(
+                "node {:?} is not in the node list (yet): its lull daemon is not known to be running",
+                self.config.node_id
+            ))
+        })
     }
 
     /// Where the attach method connects to the volume's engine on this
@@ -108,17 +114,12 @@ impl NodePlugin {
         };
         match method {
             Method::Fuse | Method::Nbd => Ok(Export::Nbd {
-                addr: self
-                    .me()
-                    .nbd
-                    .clone()
-                    .ok_or_else(|| missing("nbd", "--listen"))?,
+                addr: self.me()?.nbd.ok_or_else(|| missing("nbd", "--listen"))?,
             }),
             Method::NvmeTcp => Ok(Export::Nvmf {
                 addr: self
-                    .me()
+                    .me()?
                     .nvmf
-                    .clone()
                     .ok_or_else(|| missing("nvmf", "--nvmf-listen"))?,
                 nqn: attach::nqn_of(&id.name),
                 hostnqn: self
@@ -1045,8 +1046,18 @@ impl NodeService for NodePlugin {
             // (fuse) are created on demand, and NVMe/TCP controllers are
             // not counted: no limit of the plugin's own.
             max_volumes_per_node: self.attacher.max_volumes(),
+            // Before discovery has seen this node: its id alone (the
+            // segment every volume's topology names).
             accessible_topology: Some(Topology {
-                segments: self.me().segments().into_iter().collect(),
+                segments: match self.me() {
+                    Ok(me) => me.segments().into_iter().collect(),
+                    Err(_) => [(
+                        crate::nodes::TOPOLOGY_NODE_KEY.to_string(),
+                        self.config.node_id.clone(),
+                    )]
+                    .into_iter()
+                    .collect(),
+                },
             }),
         }))
     }

@@ -17,6 +17,10 @@
 //! existed, still loads).
 //!
 //! A relative TLS path is taken from the node list's directory.
+//!
+//! In place of the list, the file may say where in Kubernetes the nodes
+//! are (`{"kubernetes": {...}}`, [`crate::discovery`]): the node
+//! DaemonSet's running pods, read again while the plugin runs.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -44,7 +48,7 @@ pub const MAX_TOPOLOGY_SEGMENTS: usize = 16;
 pub const MAX_NODES_FILE_BYTES: u64 = 1 << 20;
 
 /// One storage node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
     pub id: String,
     /// `HOST:PORT` of the daemon's `--rpc-listen`.
@@ -113,8 +117,45 @@ struct FileNode {
     topology: BTreeMap<String, String>,
 }
 
-/// Reads and checks a node list file.
-pub fn load(path: &Path) -> Result<Vec<Node>, NodesError> {
+/// Where the node list comes from: the file's own list, or Kubernetes
+/// (the file's `kubernetes` form, [`crate::discovery`]).
+#[derive(Debug, Clone)]
+pub enum NodeSource {
+    List(Vec<Node>),
+    Kubernetes(crate::discovery::KubeNodes),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileKube {
+    kubernetes: crate::discovery::KubeNodes,
+}
+
+/// Reads and checks a node list file of either form.
+pub fn load_source(path: &Path) -> Result<NodeSource, NodesError> {
+    let text = read(path)?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let is_kube = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .is_some_and(|v| v.get("kubernetes").is_some());
+    if !is_kube {
+        return load(path).map(NodeSource::List);
+    }
+    let file: FileKube = serde_json::from_str(&text).map_err(|source| NodesError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    file.kubernetes
+        .checked(base)
+        .map(NodeSource::Kubernetes)
+        .map_err(|reason| NodesError::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        })
+}
+
+/// The text of a node list file, within [`MAX_NODES_FILE_BYTES`].
+fn read(path: &Path) -> Result<String, NodesError> {
     let read = |source| NodesError::Read {
         path: path.to_path_buf(),
         source,
@@ -125,7 +166,12 @@ pub fn load(path: &Path) -> Result<Vec<Node>, NodesError> {
             path: path.to_path_buf(),
         });
     }
-    let text = std::fs::read_to_string(path).map_err(read)?;
+    std::fs::read_to_string(path).map_err(read)
+}
+
+/// Reads and checks a node list file (the list form).
+pub fn load(path: &Path) -> Result<Vec<Node>, NodesError> {
+    let text = read(path)?;
     let base = path.parent().unwrap_or(Path::new("."));
     parse(&text, base).map_err(|e| match e {
         ParseError::Json(source) => NodesError::Parse {

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use lull_csi::attach::Method;
+use lull_csi::registration::RegistrationConfig;
 use lull_csi::{CsiConfig, Role};
 
 use crate::cli::{signals, usage_error};
@@ -39,6 +40,17 @@ pub struct CsiArgs {
     /// Where the node plugin keeps its per-volume files (FUSE mounts).
     #[arg(long, default_value = "/var/lib/lull-csi", value_name = "DIR")]
     pub state_dir: PathBuf,
+    /// Register the node plugin with the kubelet: serve its
+    /// plugin-registration API on a socket in DIR (the host's
+    /// /var/lib/kubelet/plugins_registry as the container mounts it), in
+    /// place of the node-driver-registrar sidecar. Needs
+    /// --kubelet-registration-path.
+    #[arg(long, value_name = "DIR", requires = "kubelet_registration_path")]
+    pub registration_dir: Option<PathBuf>,
+    /// The CSI socket's path on the host, as the kubelet dials it (e.g.
+    /// /var/lib/kubelet/plugins/csi.lull.io/csi.sock).
+    #[arg(long, value_name = "PATH", requires = "registration_dir")]
+    pub kubelet_registration_path: Option<String>,
 }
 
 /// Runs the plugin until SIGINT or SIGTERM; exit 2 for bad flags, 1 when
@@ -61,6 +73,14 @@ pub fn run(args: &CsiArgs) -> ExitCode {
         node_id: args.node_id.clone(),
         state_dir: args.state_dir.clone(),
         attach,
+        registration: args
+            .registration_dir
+            .clone()
+            .zip(args.kubelet_registration_path.clone())
+            .map(|(dir, kubelet_endpoint)| RegistrationConfig {
+                dir,
+                kubelet_endpoint,
+            }),
     };
     match lull_csi::run(config, move || {
         stop.forever().next();
