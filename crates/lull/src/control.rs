@@ -828,10 +828,7 @@ impl ControlPlane for Control {
         Ok(json!(info))
     }
 
-    fn replica_device(
-        &self,
-        name: &str,
-    ) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
+    fn replica_device(&self, name: &str) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
         self.store()?.chain(name).map_err(store_error)
     }
 

@@ -111,10 +111,7 @@ pub trait ControlPlane: Send + Sync {
     /// the live data and its snapshots' views), for the backups of a
     /// replica's snapshot and the restores into a new replica that run
     /// with no engine (lull_backup).
-    fn replica_device(
-        &self,
-        name: &str,
-    ) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
+    fn replica_device(&self, name: &str) -> Result<Arc<dyn lull_bdev::BlockDevice>, ControlError> {
         let _ = name;
         Err(no_store())
     }
