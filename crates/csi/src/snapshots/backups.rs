@@ -156,36 +156,49 @@ impl ControllerPlugin {
         id: &BackupSnapshotId,
         nodes: &[String],
     ) -> Result<Option<Value>, Status> {
+        let (node, answer) = self
+            .first_answer(
+                nodes,
+                "backup_list",
+                json!({"target": id.target, "volume": id.volume}),
+            )
+            .await
+            .map_err(|why| {
+                Status::failed_precondition(format!(
+                    "no node reads backup target {:?} ({why}): add it on the nodes (lull backup target-add)",
+                    id.target
+                ))
+            })?;
+        match answer {
+            Value::Array(list) => Ok(list
+                .into_iter()
+                .filter(|b| b["snapshot"] == id.snapshot.as_str())
+                .max_by_key(|b| b["created_unix_ms"].as_u64())),
+            other => Err(Status::internal(format!(
+                "node {node}: backup_list: unexpected answer {other}"
+            ))),
+        }
+    }
+
+    /// Calls `method` on each of `nodes` in turn until one answers: that
+    /// node and its answer, or every node's refusal (each logged).
+    async fn first_answer(
+        &self,
+        nodes: &[String],
+        method: &'static str,
+        params: Value,
+    ) -> Result<(String, Value), String> {
         let mut why = Vec::new();
         for node in nodes {
-            match self
-                .cluster
-                .call(
-                    node,
-                    "backup_list",
-                    json!({"target": id.target, "volume": id.volume}),
-                )
-                .await
-            {
-                Ok(Value::Array(list)) => {
-                    return Ok(list
-                        .into_iter()
-                        .filter(|b| b["snapshot"] == id.snapshot.as_str())
-                        .max_by_key(|b| b["created_unix_ms"].as_u64()))
+            match self.cluster.call(node, method, params.clone()).await {
+                Ok(v) => return Ok((node.clone(), v)),
+                Err(e) => {
+                    tracing::debug!(node, method, error = %e, "refused; the next node is asked");
+                    why.push(format!("{node}: {e}"));
                 }
-                Ok(other) => {
-                    return Err(Status::internal(format!(
-                        "node {node}: backup_list: unexpected answer {other}"
-                    )))
-                }
-                Err(e) => why.push(format!("{node}: {e}")),
             }
         }
-        Err(Status::failed_precondition(format!(
-            "no node reads backup target {:?} ({}): add it on the nodes (lull backup target-add)",
-            id.target,
-            why.join("; ")
-        )))
+        Err(why.join("; "))
     }
 
     /// The newest job of `kind` for (`replica`, `backup or snapshot`) on
@@ -242,35 +255,21 @@ impl ControllerPlugin {
     /// Starts the backup of snapshot `id` on the first node of its
     /// volume that takes it (each replica holds the snapshot's bytes).
     async fn start_backup(&self, id: &BackupSnapshotId, nodes: &[String]) -> Result<(), Status> {
-        let mut why = Vec::new();
-        for node in nodes {
-            match self
-                .cluster
-                .call(
-                    node,
-                    "backup_create",
-                    json!({"volume": id.volume, "snapshot": id.snapshot,
-                        "target": id.target, "replica": true}),
-                )
-                .await
-            {
-                Ok(v) => {
-                    tracing::info!(snapshot = %id.format(), node, backup = %v["id"], "backup started");
-                    return Ok(());
-                }
-                Err(e) => {
-                    tracing::warn!(snapshot = %id.format(), node, error = %e, "backup_create refused");
-                    why.push(format!("{node}: {e}"));
-                }
+        let params = json!({"volume": id.volume, "snapshot": id.snapshot,
+            "target": id.target, "replica": true});
+        match self.first_answer(nodes, "backup_create", params).await {
+            Ok((node, v)) => {
+                tracing::info!(snapshot = %id.format(), node, backup = %v["id"], "backup started");
+                Ok(())
+            }
+            Err(why) => {
+                tracing::warn!(snapshot = %id.format(), %why, "no node started the backup");
+                Err(Status::unavailable(format!(
+                    "no node of volume {} started the backup of snapshot {} to {:?}: {why}",
+                    id.volume, id.snapshot, id.target
+                )))
             }
         }
-        Err(Status::unavailable(format!(
-            "no node of volume {} started the backup of snapshot {} to {:?}: {}",
-            id.volume,
-            id.snapshot,
-            id.target,
-            why.join("; ")
-        )))
     }
 
     /// The CSI snapshot of a backup snapshot, starting its backup when
@@ -430,32 +429,18 @@ impl ControllerPlugin {
         let all = self.nodes_first(&nodes);
         while let Some(b) = self.find_backup(id, &all).await? {
             let bid = b["id"].as_str().unwrap_or_default().to_string();
-            let mut deleted = false;
-            for node in &all {
-                match self
-                    .cluster
-                    .call(
-                        node,
-                        "backup_delete",
-                        json!({"target": id.target, "id": bid, "gc": true}),
-                    )
-                    .await
-                {
-                    Ok(_) => {
-                        tracing::info!(snapshot = %id.format(), backup = bid, node, "backup deleted");
-                        deleted = true;
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::warn!(snapshot = %id.format(), backup = bid, node, error = %e, "backup_delete refused")
-                    }
+            let params = json!({"target": id.target, "id": bid, "gc": true});
+            match self.first_answer(&all, "backup_delete", params).await {
+                Ok((node, _)) => {
+                    tracing::info!(snapshot = %id.format(), backup = bid, node, "backup deleted")
                 }
-            }
-            if !deleted {
-                return Err(Status::unavailable(format!(
-                    "backup {bid} of {} could not be deleted (the nodes' logs say why)",
-                    id.format()
-                )));
+                Err(why) => {
+                    tracing::warn!(snapshot = %id.format(), backup = bid, %why, "backup_delete refused");
+                    return Err(Status::unavailable(format!(
+                        "backup {bid} of {} could not be deleted: {why}",
+                        id.format()
+                    )));
+                }
             }
         }
         if !nodes.is_empty() {
