@@ -23,7 +23,6 @@ use crate::health::{self, ReplicaSeen};
 use crate::pb::controller_server::Controller;
 use crate::pb::*;
 use crate::placement::{self, Candidate};
-use crate::snapshots::backups;
 use crate::volume_id::{lull_name, VolumeId, MAX_REPLICAS};
 use crate::Busy;
 
@@ -76,7 +75,7 @@ impl ControllerPlugin {
         capability::check_all(&req.volume_capabilities).map_err(Status::invalid_argument)?;
         let replicas = replicas_param(&req.parameters)?;
         let name = lull_name(&req.name);
-        if let Some(source) = backups::backup_source(req.volume_content_source.as_ref()) {
+        if let Some(source) = Self::backup_source(req.volume_content_source.as_ref()) {
             return self.create_from_backup(req, source).await;
         }
         if let Some(source) = &req.volume_content_source {

@@ -31,11 +31,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lull_rpc::RpcTls;
 use serde::Deserialize;
 
 use crate::cluster::Cluster;
-use crate::nodes::{Node, MAX_NODES, MAX_TOPOLOGY_SEGMENTS, TOPOLOGY_NODE_KEY};
+use crate::nodes::{KubeNodes, Node, MAX_NODES};
 use crate::volume_id::valid_node_id;
 
 /// How often the node list is read again. A pod that starts takes
@@ -55,61 +54,7 @@ pub const MAX_API_RESPONSE_BYTES: usize = 16 << 20;
 /// Where Kubernetes mounts a pod's service account.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-/// The `kubernetes` form of the node list file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KubeNodes {
-    pub namespace: String,
-    /// A label selector of the node DaemonSet's pods.
-    pub pods: String,
-    pub rpc_port: u16,
-    #[serde(default)]
-    pub tls_psk: Option<PathBuf>,
-    #[serde(default)]
-    pub tls_certs: Option<PathBuf>,
-    #[serde(default)]
-    pub nbd: Option<String>,
-    #[serde(default)]
-    pub nvmf: Option<String>,
-    /// Node labels copied into each node's topology segments.
-    #[serde(default)]
-    pub topology_labels: Vec<String>,
-}
-
 impl KubeNodes {
-    /// Checks what can be checked without the cluster; relative TLS
-    /// paths are joined to `base` (the file's directory).
-    pub fn checked(mut self, base: &Path) -> Result<KubeNodes, String> {
-        match (&self.tls_psk, &self.tls_certs) {
-            (Some(_), None) | (None, Some(_)) => {}
-            _ => return Err("kubernetes: give exactly one of tls_psk and tls_certs (the daemons' JSON-RPC over TCP is TLS only)".into()),
-        }
-        self.tls_psk = self.tls_psk.map(|p| base.join(p));
-        self.tls_certs = self.tls_certs.map(|p| base.join(p));
-        if self.rpc_port == 0 {
-            return Err("kubernetes: rpc_port 0".into());
-        }
-        if self.topology_labels.len() > MAX_TOPOLOGY_SEGMENTS {
-            return Err(format!(
-                "kubernetes: more than {MAX_TOPOLOGY_SEGMENTS} topology_labels"
-            ));
-        }
-        if self.topology_labels.iter().any(|l| l == TOPOLOGY_NODE_KEY) {
-            return Err(format!(
-                "kubernetes: {TOPOLOGY_NODE_KEY} is set from the node id, not a label"
-            ));
-        }
-        Ok(self)
-    }
-
-    fn tls(&self) -> RpcTls {
-        match (&self.tls_psk, &self.tls_certs) {
-            (Some(p), _) => RpcTls::Psk(p.clone()),
-            (None, Some(d)) => RpcTls::Certs(d.clone()),
-            (None, None) => unreachable!("checked"),
-        }
-    }
-
     /// The nodes of a pod list and the labels of their Kubernetes Nodes
     /// (`labels` gives a node's labels by name).
     pub fn nodes(
@@ -364,6 +309,8 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nodes::TOPOLOGY_NODE_KEY;
+    use lull_rpc::RpcTls;
 
     fn kube() -> KubeNodes {
         serde_json::from_str::<KubeNodes>(

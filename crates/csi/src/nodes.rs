@@ -117,18 +117,74 @@ struct FileNode {
     topology: BTreeMap<String, String>,
 }
 
+/// The `kubernetes` form of the node list file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubeNodes {
+    pub namespace: String,
+    /// A label selector of the node DaemonSet's pods.
+    pub pods: String,
+    pub rpc_port: u16,
+    #[serde(default)]
+    pub tls_psk: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_certs: Option<PathBuf>,
+    #[serde(default)]
+    pub nbd: Option<String>,
+    #[serde(default)]
+    pub nvmf: Option<String>,
+    /// Node labels copied into each node's topology segments.
+    #[serde(default)]
+    pub topology_labels: Vec<String>,
+}
+
+impl KubeNodes {
+    /// Checks what can be checked without the cluster; relative TLS
+    /// paths are joined to `base` (the file's directory).
+    pub fn checked(mut self, base: &Path) -> Result<KubeNodes, String> {
+        match (&self.tls_psk, &self.tls_certs) {
+            (Some(_), None) | (None, Some(_)) => {}
+            _ => return Err("kubernetes: give exactly one of tls_psk and tls_certs (the daemons' JSON-RPC over TCP is TLS only)".into()),
+        }
+        self.tls_psk = self.tls_psk.map(|p| base.join(p));
+        self.tls_certs = self.tls_certs.map(|p| base.join(p));
+        if self.rpc_port == 0 {
+            return Err("kubernetes: rpc_port 0".into());
+        }
+        if self.topology_labels.len() > MAX_TOPOLOGY_SEGMENTS {
+            return Err(format!(
+                "kubernetes: more than {MAX_TOPOLOGY_SEGMENTS} topology_labels"
+            ));
+        }
+        if self.topology_labels.iter().any(|l| l == TOPOLOGY_NODE_KEY) {
+            return Err(format!(
+                "kubernetes: {TOPOLOGY_NODE_KEY} is set from the node id, not a label"
+            ));
+        }
+        Ok(self)
+    }
+
+    pub(crate) fn tls(&self) -> RpcTls {
+        match (&self.tls_psk, &self.tls_certs) {
+            (Some(p), _) => RpcTls::Psk(p.clone()),
+            (None, Some(d)) => RpcTls::Certs(d.clone()),
+            (None, None) => unreachable!("checked"),
+        }
+    }
+}
+
 /// Where the node list comes from: the file's own list, or Kubernetes
-/// (the file's `kubernetes` form, [`crate::discovery`]).
+/// (the file's `kubernetes` form, read by `crate::discovery`).
 #[derive(Debug, Clone)]
 pub enum NodeSource {
     List(Vec<Node>),
-    Kubernetes(crate::discovery::KubeNodes),
+    Kubernetes(KubeNodes),
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileKube {
-    kubernetes: crate::discovery::KubeNodes,
+    kubernetes: KubeNodes,
 }
 
 /// Reads and checks a node list file of either form.

@@ -115,14 +115,6 @@ pub(crate) fn target_param(params: &HashMap<String, String>) -> Result<Option<St
     }
 }
 
-/// The backup snapshot a CreateVolume's content source names, if it is one.
-pub(crate) fn backup_source(source: Option<&VolumeContentSource>) -> Option<BackupSnapshotId> {
-    match source?.r#type.as_ref()? {
-        volume_content_source::Type::Snapshot(s) => BackupSnapshotId::parse(&s.snapshot_id),
-        volume_content_source::Type::Volume(_) => None,
-    }
-}
-
 /// How a backup of a snapshot stands, from the target and the nodes' jobs.
 enum Progress {
     /// Its manifest is on the target (`backup_list`'s summary).
@@ -136,6 +128,14 @@ enum Progress {
 }
 
 impl ControllerPlugin {
+    /// The backup snapshot a CreateVolume's content source names, if it is one.
+    pub(crate) fn backup_source(source: Option<&VolumeContentSource>) -> Option<BackupSnapshotId> {
+        match source?.r#type.as_ref()? {
+            volume_content_source::Type::Snapshot(s) => BackupSnapshotId::parse(&s.snapshot_id),
+            volume_content_source::Type::Volume(_) => None,
+        }
+    }
+
     /// Nodes to ask about target work: `first` (the volume's) then the
     /// rest of the node list.
     fn nodes_first(&self, first: &[String]) -> Vec<String> {
