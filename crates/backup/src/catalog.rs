@@ -222,7 +222,7 @@ async fn collect_locked(t: &Target, lock: &Lock) -> Result<GcStats, BackupError>
     }
     let mut referenced = BTreeSet::new();
     for m in manifests(t).await? {
-        referenced.extend(m.chunks.into_iter().flatten());
+        referenced.extend(m.stored_objects().map(str::to_string));
     }
     let mut stats = GcStats::default();
     let mut doomed = Vec::new();

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use lull_bdev::{BdevError, BlockDevice, Channel, Extent, IoCompletion, IoOp, IoRequest};
 use lull_reactor::sys::EventFd;
 
+use crate::chunks::fetch_chunk;
 use crate::format::Manifest;
-use crate::job::fetch_chunk;
 use crate::lock;
 use crate::target::Target;
 
@@ -118,14 +118,16 @@ impl Shared {
         if let Some(c) = lock(&self.cache).get(i) {
             return Ok(Some(c));
         }
-        let len = self.manifest.chunk_range(i).1 as usize;
         let data = self
             .rt
-            .block_on(fetch_chunk(&self.target, name, len))
+            .block_on(fetch_chunk(&self.target, &self.manifest, i))
             .map_err(|e| {
                 tracing::warn!(backup = self.manifest.id, chunk = name, error = %e, "exposed backup: chunk fetch failed");
                 BdevError::Failed(e.to_string())
             })?;
+        let Some(data) = data else {
+            return Ok(None);
+        };
         let data = Arc::new(data);
         lock(&self.cache).put(i, data.clone());
         Ok(Some(data))
@@ -141,11 +143,8 @@ impl Shared {
         }
         let me = self.clone();
         self.rt.spawn(async move {
-            let (Some(name), len) = (&me.manifest.chunks[i], me.manifest.chunk_range(i).1) else {
-                return;
-            };
             // A failure here is the reader's to see (it fetches again).
-            if let Ok(d) = fetch_chunk(&me.target, name, len as usize).await {
+            if let Ok(Some(d)) = fetch_chunk(&me.target, &me.manifest, i).await {
                 lock(&me.cache).put(i, Arc::new(d));
             }
         });

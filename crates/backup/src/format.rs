@@ -15,6 +15,13 @@
 //! data is stored once per target, whatever volume or backup holds it.
 //! A chunk of zeros is not stored at all (`null` in the manifest).
 //!
+//! A chunk an incremental backup finds changed in only a few 4 KiB
+//! blocks is stored as a *patch* of its parent's chunk (a [`Patch`]: the
+//! base chunk's name and an object holding the changed blocks), so a
+//! write scattered over the volume costs its blocks, not a 2 MiB chunk
+//! each. A patch is always of a whole stored chunk (or of zeros), never of
+//! another patch: a restore fetches at most two objects per chunk.
+//!
 //! ```
 //! use lull_backup::format::{ChunkCodec, CHUNK_BYTES};
 //! let codec = ChunkCodec::plain();
@@ -25,6 +32,8 @@
 //! # Ok::<(), lull_backup::BackupError>(())
 //! ```
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::BackupError;
@@ -32,6 +41,23 @@ use crate::BackupError;
 /// The on-target format this code writes and reads. A target or manifest
 /// of another format is refused (never half-understood).
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The manifest format of a backup that holds patches: a lull that reads
+/// only [`FORMAT_VERSION`] refuses it rather than restore a patched chunk
+/// as if it were whole. A manifest with no patch is written as format 1,
+/// as before, so older lulls still read every backup they could.
+pub const PATCH_FORMAT_VERSION: u32 = 2;
+
+/// A patch's block: the change map's (and the chain's) block, the
+/// smallest unit a volume's writes mark changed.
+pub const PATCH_BLOCK_BYTES: u64 = 4096;
+
+/// Most blocks in one patch: a quarter of a chunk (512 KiB). Past it a
+/// patch saves less than 4x over the whole chunk while every later
+/// incremental of that chunk sends its blocks again (a patch is always
+/// of the whole chunk it started from): the chunk is sent whole and
+/// becomes the next patches' base.
+pub const PATCH_MAX_BLOCKS: u32 = (CHUNK_BYTES / PATCH_BLOCK_BYTES / 4) as u32;
 
 /// Bytes of volume per chunk: Longhorn's backup block size, so a chunk is
 /// one S3 PUT of a size object stores like (well past their per-request
@@ -101,9 +127,28 @@ pub struct Manifest {
     #[serde(default)]
     pub schedule: Option<String>,
     /// Chunk `i` holds bytes `[i * chunk_bytes, (i + 1) * chunk_bytes)`
-    /// (the last one up to `size_bytes`): its name, or `None` for zeros.
+    /// (the last one up to `size_bytes`): the name of its plaintext, or
+    /// `None` for zeros. The name is that of a stored chunk unless
+    /// `patches` holds `i`.
     pub chunks: Vec<Option<String>>,
+    /// The chunks stored as a patch of another, by index: their plaintext
+    /// is the patch applied to its base, and hashes to `chunks[i]`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub patches: BTreeMap<usize, Patch>,
     pub stats: BackupStats,
+}
+
+/// A chunk stored as changed blocks over a stored chunk.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Patch {
+    /// The stored chunk it changes; `None`: a chunk of zeros.
+    pub base: Option<String>,
+    /// The object holding the changed blocks (under `chunks/` like a
+    /// chunk, named by the hash of its plaintext: [`encode_patch`]).
+    pub object: String,
+    /// How many blocks it holds (1 to [`PATCH_MAX_BLOCKS`]).
+    pub blocks: u32,
 }
 
 /// What one backup did.
@@ -112,6 +157,10 @@ pub struct Manifest {
 pub struct BackupStats {
     /// Bytes read from the snapshot (unchanged chunks are not read).
     pub bytes_read: u64,
+    /// Chunks stored as a patch of their parent's (their blocks are in
+    /// `bytes_uploaded`).
+    #[serde(default)]
+    pub chunks_patched: u64,
     /// Bytes sent to the target (compressed, encrypted).
     pub bytes_uploaded: u64,
     pub chunks_uploaded: u64,
@@ -128,10 +177,17 @@ impl Manifest {
     /// anything trusts it.
     pub fn check(&self) -> Result<(), BackupError> {
         let bad = |why: String| Err(BackupError::Corrupt(format!("manifest {}: {why}", self.id)));
-        if self.format != FORMAT_VERSION {
+        let readable = match self.format {
+            FORMAT_VERSION => self.patches.is_empty(),
+            PATCH_FORMAT_VERSION => true,
+            _ => false,
+        };
+        if !readable {
             return bad(format!(
-                "format {} (this lull reads {FORMAT_VERSION})",
-                self.format
+                "format {} with {} patches (this lull reads {FORMAT_VERSION} without \
+                 patches and {PATCH_FORMAT_VERSION})",
+                self.format,
+                self.patches.len()
             ));
         }
         if self.chunk_bytes == 0 || self.chunk_bytes > 64 << 20 {
@@ -150,7 +206,35 @@ impl Manifest {
         if let Some(n) = self.chunks.iter().flatten().find(|n| !valid_chunk_name(n)) {
             return bad(format!("chunk name {n:?}"));
         }
+        for (&i, p) in &self.patches {
+            if self.chunks.get(i).is_none_or(Option::is_none) {
+                return bad(format!("a patch of chunk {i}, which is not a stored chunk"));
+            }
+            if !valid_chunk_name(&p.object)
+                || p.base.as_deref().is_some_and(|b| !valid_chunk_name(b))
+            {
+                return bad(format!("chunk {i}'s patch names {p:?}"));
+            }
+            if p.blocks == 0 || p.blocks > PATCH_MAX_BLOCKS {
+                return bad(format!("chunk {i}'s patch of {} blocks", p.blocks));
+            }
+            if !self.chunk_range(i).1.is_multiple_of(PATCH_BLOCK_BYTES) {
+                return bad(format!("a patch of chunk {i}, which is not whole blocks"));
+            }
+        }
         Ok(())
+    }
+
+    /// The names of the objects the backup needs: its whole chunks, and
+    /// each patch's object and base (with repeats).
+    pub fn stored_objects(&self) -> impl Iterator<Item = &str> {
+        self.chunks.iter().enumerate().flat_map(move |(i, c)| {
+            let (a, b) = match self.patches.get(&i) {
+                Some(p) => (Some(p.object.as_str()), p.base.as_deref()),
+                None => (c.as_deref(), None),
+            };
+            a.into_iter().chain(b)
+        })
     }
 
     /// The byte range chunk `i` covers.
@@ -173,6 +257,62 @@ pub fn valid_chunk_name(name: &str) -> bool {
 /// The object path of a chunk under the target's prefix.
 pub fn chunk_path(name: &str) -> String {
     format!("{CHUNK_DIR}/{}/{name}", &name[..2])
+}
+
+/// The plaintext of a patch holding `blocks` (block indexes within the
+/// chunk, increasing) of `chunk`: the count (u32, little-endian), each
+/// index (u32 LE), then each block's [`PATCH_BLOCK_BYTES`] in that order.
+pub fn encode_patch(chunk: &[u8], blocks: &[u32]) -> Vec<u8> {
+    let bs = PATCH_BLOCK_BYTES as usize;
+    let mut out = Vec::with_capacity(4 + blocks.len() * (4 + bs));
+    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+    for b in blocks {
+        out.extend_from_slice(&b.to_le_bytes());
+    }
+    for &b in blocks {
+        let at = b as usize * bs;
+        out.extend_from_slice(&chunk[at..at + bs]);
+    }
+    out
+}
+
+/// The plaintext length of a patch of `blocks` blocks.
+pub fn patch_len(blocks: u32) -> usize {
+    4 + blocks as usize * (4 + PATCH_BLOCK_BYTES as usize)
+}
+
+/// The block indexes a patch's plaintext holds, checked: its count is
+/// `blocks`, its length that count's, its indexes increasing and inside a
+/// chunk of `chunk_len` bytes.
+pub fn patch_blocks(patch: &[u8], blocks: u32, chunk_len: usize) -> Result<Vec<u32>, String> {
+    if patch.len() != patch_len(blocks) {
+        return Err(format!("{} bytes for {blocks} blocks", patch.len()));
+    }
+    let word = |at: usize| u32::from_le_bytes(patch[at..at + 4].try_into().expect("4 bytes"));
+    if word(0) != blocks {
+        return Err(format!(
+            "it counts {} blocks, its manifest {blocks}",
+            word(0)
+        ));
+    }
+    let in_chunk = (chunk_len as u64 / PATCH_BLOCK_BYTES) as u32;
+    let out: Vec<u32> = (0..blocks as usize).map(|k| word(4 + 4 * k)).collect();
+    if out.windows(2).any(|w| w[0] >= w[1]) || out.last().is_some_and(|&b| b >= in_chunk) {
+        return Err("its block indexes are not increasing inside the chunk".into());
+    }
+    Ok(out)
+}
+
+/// Writes a patch's blocks over `chunk` (its base's plaintext, or zeros).
+pub fn apply_patch(chunk: &mut [u8], patch: &[u8], blocks: u32) -> Result<(), String> {
+    let indexes = patch_blocks(patch, blocks, chunk.len())?;
+    let bs = PATCH_BLOCK_BYTES as usize;
+    let data = &patch[4 + 4 * indexes.len()..];
+    for (k, b) in indexes.iter().enumerate() {
+        let at = *b as usize * bs;
+        chunk[at..at + bs].copy_from_slice(&data[k * bs..(k + 1) * bs]);
+    }
+    Ok(())
 }
 
 /// The object path of a manifest under the target's prefix.
@@ -287,10 +427,17 @@ impl ChunkCodec {
     /// `(name, stored bytes)` of a chunk.
     pub fn encode(&self, data: &[u8]) -> Result<(String, Vec<u8>), BackupError> {
         let name = self.name(data);
+        let stored = self.seal(&name, data)?;
+        Ok((name, stored))
+    }
+
+    /// The stored bytes of a chunk whose name ([`ChunkCodec::name`]) is
+    /// known: compressed, and encrypted under its name on a keyed target.
+    pub fn seal(&self, name: &str, data: &[u8]) -> Result<Vec<u8>, BackupError> {
         let packed = zstd::bulk::compress(data, ZSTD_LEVEL)
             .map_err(|e| BackupError::Failed(format!("zstd: {e}")))?;
         let Some(k) = &self.key else {
-            return Ok((name, packed));
+            return Ok(packed);
         };
         let mut nonce = [0u8; NONCE_LEN];
         openssl::rand::rand_bytes(&mut nonce).map_err(openssl_error)?;
@@ -308,7 +455,7 @@ impl ChunkCodec {
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&sealed);
         out.extend_from_slice(&tag);
-        Ok((name, out))
+        Ok(out)
     }
 
     /// The plaintext of the chunk `name` from its stored bytes, checked:
@@ -412,9 +559,37 @@ mod tests {
             parent: None,
             schedule: None,
             chunks: vec![None, Some("a".repeat(64))],
+            patches: BTreeMap::new(),
             stats: BackupStats::default(),
         };
         m.check().unwrap();
+        // A patch: only in format 2, only of a stored chunk, within bounds.
+        let patch = Patch {
+            base: None,
+            object: "b".repeat(64),
+            blocks: 3,
+        };
+        m.size_bytes = 2 * CHUNK_BYTES;
+        m.patches.insert(1, patch.clone());
+        assert!(m.check().is_err(), "format 1 with a patch");
+        m.format = PATCH_FORMAT_VERSION;
+        m.check().unwrap();
+        let objects: Vec<&str> = m.stored_objects().collect();
+        assert_eq!(objects, vec!["b".repeat(64)]);
+        m.patches.insert(0, patch.clone());
+        assert!(m.check().is_err(), "a patch of a zero chunk entry");
+        m.patches.remove(&0);
+        m.patches.insert(
+            1,
+            Patch {
+                blocks: PATCH_MAX_BLOCKS + 1,
+                ..patch
+            },
+        );
+        assert!(m.check().is_err(), "too many blocks");
+        m.patches.clear();
+        m.format = FORMAT_VERSION;
+        m.size_bytes = CHUNK_BYTES + 1;
         assert_eq!(m.chunk_range(1), (CHUNK_BYTES, 1));
         m.chunks.push(None);
         assert!(m.check().is_err());

@@ -2,19 +2,24 @@
 //! (the volume's I/O) and on the backup runtime (the target's), reports
 //! its progress while it runs, and keeps its result when done.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
-use object_store::{ObjectStoreExt, PutPayload};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::catalog::{self, now_unix_ms, Lock};
+use crate::chunks::{
+    self, fetch_chunk, fetch_object, Changed, Known, Limiter, PatchPlan, ReadChunk, StoredChunk,
+    CHANGE_WINDOW_CHUNKS,
+};
 use crate::devio::DevIo;
-use crate::format::{self, chunk_path, BackupStats, Manifest, CHUNK_BYTES, FORMAT_VERSION};
+use crate::format::{
+    self, BackupStats, Manifest, CHUNK_BYTES, FORMAT_VERSION, PATCH_FORMAT_VERSION,
+};
 use crate::target::Target;
 use crate::{lock, BackupError, Backups, MAX_FINISHED_JOBS, MAX_RUNNING_JOBS};
 
@@ -483,31 +488,6 @@ impl Backups {
                 && dev.has_snapshot(&m.snapshot)
         });
         let mut io = DevIo::open(view.clone())?;
-        let unchanged: Vec<bool> = match parent {
-            Some(p) => {
-                let mut flags = vec![false; n];
-                let runs = io.changed(&p.snapshot, 0, size)?;
-                let mut at = 0u64;
-                let mut changed = vec![false; n];
-                for r in runs {
-                    if r.changed {
-                        let first = (at / CHUNK_BYTES) as usize;
-                        let last = ((at + r.length_bytes - 1) / CHUNK_BYTES) as usize;
-                        for c in changed.iter_mut().take(last + 1).skip(first) {
-                            *c = true;
-                        }
-                    }
-                    at += r.length_bytes;
-                }
-                for (i, f) in flags.iter_mut().enumerate() {
-                    *f = i < p.chunks.len()
-                        && !changed[i]
-                        && (i + 1 < p.chunks.len() || p.size_bytes == size);
-                }
-                flags
-            }
-            None => vec![false; n],
-        };
         let mut allocated = vec![false; n];
         let mut at = 0u64;
         for e in io.extents(0, size)? {
@@ -522,26 +502,44 @@ impl Backups {
         }
         let mut stats = BackupStats::default();
         let mut chunks: Vec<Option<String>> = vec![None; n];
-        let known: Arc<HashSet<String>> = Arc::new(
-            all.iter()
-                .filter(|m| m.volume == *volume)
-                .flat_map(|m| m.chunks.iter().flatten().cloned())
-                .collect(),
-        );
-        let (tx, rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>)>(CHUNKS_IN_FLIGHT);
-        let limiter = Arc::new(Limiter::new(req.bandwidth_mbytes_per_sec));
+        let mut patches = BTreeMap::new();
+        let known = Arc::new(Known::of(all.iter().filter(|m| m.volume == *volume)));
+        let (tx, rx) = tokio::sync::mpsc::channel::<ReadChunk>(CHUNKS_IN_FLIGHT);
         let uploads = self.rt.spawn(upload_chunks(
             t.clone(),
             rx,
             known,
-            limiter,
+            Arc::new(Limiter::new(req.bandwidth_mbytes_per_sec)),
             job.progress.clone(),
         ));
         let mut read_error = None;
+        let mut changed = Vec::new();
         for i in 0..n {
             let (off, len) = format::chunk_range(i, CHUNK_BYTES, size);
-            if unchanged[i] {
-                chunks[i] = parent.and_then(|p| p.chunks[i].clone());
+            if let (Some(p), 0) = (parent, i % CHANGE_WINDOW_CHUNKS) {
+                let count = CHANGE_WINDOW_CHUNKS.min(n - i);
+                let end = size.min((i + count) as u64 * CHUNK_BYTES);
+                match io.changed(&p.snapshot, off, end - off) {
+                    Ok(runs) => changed = chunks::changed_by_chunk(&runs, i, count),
+                    Err(e) => {
+                        read_error = Some(BackupError::from(e));
+                        break;
+                    }
+                }
+            }
+            let here = parent.map(|_| &changed[i % CHANGE_WINDOW_CHUNKS]);
+            // Unchanged: the parent held it at this length (a grown
+            // volume's old last chunk is read again).
+            let unchanged = parent.is_some_and(|p| {
+                i < p.chunks.len()
+                    && p.chunk_range(i).1 == len
+                    && here == Some(&Changed::Blocks(Vec::new()))
+            });
+            if let (true, Some(p)) = (unchanged, parent) {
+                chunks[i] = p.chunks[i].clone();
+                if let Some(patch) = p.patches.get(&i) {
+                    patches.insert(i, patch.clone());
+                }
                 stats.chunks_unchanged += 1;
             } else if !allocated[i] {
                 stats.chunks_zero += 1;
@@ -554,9 +552,12 @@ impl Backups {
                     }
                 };
                 stats.bytes_read += len;
+                let patch = parent
+                    .zip(here)
+                    .and_then(|(p, ch)| PatchPlan::new(p, i, len, ch));
                 if data.iter().all(|&b| b == 0) {
                     stats.chunks_zero += 1;
-                } else if tx.blocking_send((i, data)).is_err() {
+                } else if tx.blocking_send(ReadChunk { i, data, patch }).is_err() {
                     break; // the uploads failed: their error is below
                 }
             }
@@ -570,14 +571,16 @@ impl Backups {
         if let Some(e) = read_error {
             return Err(e);
         }
-        for (i, name, sent) in uploaded? {
-            chunks[i] = Some(name);
-            match sent {
-                Some(b) => {
-                    stats.chunks_uploaded += 1;
-                    stats.bytes_uploaded += b;
-                }
-                None => stats.chunks_deduplicated += 1,
+        for s in uploaded? {
+            chunks[s.i] = Some(s.name);
+            match (&s.patch, s.sent) {
+                (_, None) => stats.chunks_deduplicated += 1,
+                (Some(_), Some(_)) => stats.chunks_patched += 1,
+                (None, Some(_)) => stats.chunks_uploaded += 1,
+            }
+            stats.bytes_uploaded += s.sent.unwrap_or(0);
+            if let Some(p) = s.patch {
+                patches.insert(s.i, p);
             }
         }
         job.progress
@@ -585,7 +588,11 @@ impl Backups {
             .store(stats.bytes_uploaded, Ordering::Relaxed);
         stats.duration_ms = started.elapsed().as_millis() as u64;
         let m = Manifest {
-            format: FORMAT_VERSION,
+            format: if patches.is_empty() {
+                FORMAT_VERSION
+            } else {
+                PATCH_FORMAT_VERSION
+            },
             id: id.to_string(),
             volume: volume.clone(),
             size_bytes: size,
@@ -595,6 +602,7 @@ impl Backups {
             parent: parent.map(|p| p.id.clone()),
             schedule: req.schedule.clone(),
             chunks,
+            patches,
             stats,
         };
         m.check()?;
@@ -724,28 +732,24 @@ impl Backups {
         job.progress
             .total_bytes
             .store(m.size_bytes, Ordering::Relaxed);
-        let wanted: Vec<(usize, String)> = m
-            .chunks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.clone().map(|c| (i, c)))
+        let wanted: Vec<usize> = (0..m.chunks.len())
+            .filter(|&i| m.chunks[i].is_some())
             .collect();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>)>(CHUNKS_IN_FLIGHT);
         let fetch = {
-            let (t, chunk_bytes, size) = (t.clone(), m.chunk_bytes, m.size_bytes);
+            let (t, m) = (t.clone(), Arc::new(m.clone()));
             self.rt.spawn(async move {
                 let mut s = futures::stream::iter(wanted)
-                    .map(|(i, name)| {
-                        let t = t.clone();
-                        async move {
-                            let (_, len) = format::chunk_range(i, chunk_bytes, size);
-                            fetch_chunk(&t, &name, len as usize).await.map(|d| (i, d))
-                        }
+                    .map(|i| {
+                        let (t, m) = (t.clone(), m.clone());
+                        async move { fetch_chunk(&t, &m, i).await.map(|d| (i, d)) }
                     })
                     .buffered(CHUNKS_IN_FLIGHT);
                 while let Some(r) = s.next().await {
-                    let r = r?;
-                    if tx.send(r).await.is_err() {
+                    let (i, Some(d)) = r? else {
+                        continue; // zeros: none is asked for
+                    };
+                    if tx.send((i, d)).await.is_err() {
                         break;
                     }
                 }
@@ -832,100 +836,25 @@ pub fn summary(m: &Manifest) -> Value {
     })
 }
 
-/// An upload rate limit shared by a job's uploads.
-struct Limiter {
-    bytes_per_sec: u64,
-    next: Mutex<Instant>,
-}
-
-impl Limiter {
-    fn new(mbytes_per_sec: u64) -> Limiter {
-        Limiter {
-            bytes_per_sec: mbytes_per_sec * 1_000_000,
-            next: Mutex::new(Instant::now()),
-        }
-    }
-
-    async fn take(&self, bytes: u64) {
-        if self.bytes_per_sec == 0 {
-            return;
-        }
-        let start = {
-            let mut next = lock(&self.next);
-            let start = (*next).max(Instant::now());
-            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec as f64);
-            start
-        };
-        tokio::time::sleep_until(start.into()).await;
-    }
-}
-
-/// Encodes and stores the chunks read for a backup: `(index, name,
-/// Some(bytes sent) or None when the target had it)` for each.
+/// Stores the chunks a backup reads, [`CHUNKS_IN_FLIGHT`] at once.
 async fn upload_chunks(
     t: Target,
-    rx: tokio::sync::mpsc::Receiver<(usize, Vec<u8>)>,
-    known: Arc<HashSet<String>>,
+    rx: tokio::sync::mpsc::Receiver<ReadChunk>,
+    known: Arc<Known>,
     limiter: Arc<Limiter>,
     progress: Arc<Progress>,
-) -> Result<Vec<(usize, String, Option<u64>)>, BackupError> {
+) -> Result<Vec<StoredChunk>, BackupError> {
     let stream =
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|w| (w, rx)) });
     stream
-        .map(|(i, data)| {
+        .map(|chunk| {
             let (t, known, limiter, progress) =
                 (t.clone(), known.clone(), limiter.clone(), progress.clone());
-            async move {
-                let codec = t.codec.clone();
-                let (name, stored) = tokio::task::spawn_blocking(move || codec.encode(&data))
-                    .await
-                    .map_err(|e| BackupError::Failed(format!("encode task: {e}")))??;
-                if known.contains(&name) {
-                    return Ok((i, name, None));
-                }
-                let path = t.path(&chunk_path(&name));
-                match t.store.head(&path).await {
-                    Ok(_) => return Ok((i, name, None)),
-                    Err(object_store::Error::NotFound { .. }) => {}
-                    Err(e) => return Err(t.error(e)),
-                }
-                let n = stored.len() as u64;
-                limiter.take(n).await;
-                t.store
-                    .put(&path, PutPayload::from(stored))
-                    .await
-                    .map_err(|e| t.error(e))?;
-                progress.sent_bytes.fetch_add(n, Ordering::Relaxed);
-                Ok((i, name, Some(n)))
-            }
+            async move { chunks::store_chunk(&t, chunk, &known, &limiter, &progress.sent_bytes).await }
         })
         .buffer_unordered(CHUNKS_IN_FLIGHT)
         .try_collect()
         .await
-}
-
-/// One chunk's plaintext, fetched and checked.
-pub(crate) async fn fetch_chunk(
-    t: &Target,
-    name: &str,
-    len: usize,
-) -> Result<Vec<u8>, BackupError> {
-    let r = match t.store.get(&t.path(&chunk_path(name))).await {
-        Ok(r) => r,
-        Err(object_store::Error::NotFound { .. }) => {
-            return Err(BackupError::BadChunk {
-                chunk: name.to_string(),
-                why: "missing from the target".into(),
-            })
-        }
-        Err(e) => return Err(t.error(e)),
-    };
-    let stored = r.bytes().await.map_err(|e| t.error(e))?;
-    let codec = t.codec.clone();
-    let name = name.to_string();
-    tokio::task::spawn_blocking(move || codec.decode(&name, &stored, len))
-        .await
-        .map_err(|e| BackupError::Failed(format!("decode task: {e}")))?
 }
 
 /// Checks every chunk a manifest names; the result names the bad ones.
@@ -934,33 +863,46 @@ async fn verify_chunks(
     m: &Manifest,
     progress: &Progress,
 ) -> Result<Value, BackupError> {
-    let mut by_name: BTreeMap<&str, (usize, Vec<usize>)> = BTreeMap::new();
+    // Whole chunks once per name; a patched chunk each (its base, its
+    // patch and what they make).
+    let mut whole: BTreeMap<&str, (usize, Vec<usize>)> = BTreeMap::new();
+    let mut patched = Vec::new();
     for (i, c) in m.chunks.iter().enumerate() {
-        if let Some(c) = c {
-            let len = m.chunk_range(i).1 as usize;
-            by_name.entry(c).or_insert((len, Vec::new())).1.push(i);
+        match c {
+            Some(_) if m.patches.contains_key(&i) => patched.push(i),
+            Some(c) => {
+                let len = m.chunk_range(i).1 as usize;
+                whole.entry(c).or_insert((len, Vec::new())).1.push(i);
+            }
+            None => {}
         }
     }
     progress.total_bytes.store(m.size_bytes, Ordering::Relaxed);
     let per_chunk = m.size_bytes / (m.chunks.len().max(1) as u64);
-    let checked: Vec<(String, Vec<usize>, Result<(), BackupError>)> =
-        futures::stream::iter(by_name)
-            .map(|(name, (len, at))| async move {
-                let r = fetch_chunk(t, name, len).await.map(|_| ());
-                progress
-                    .done_bytes
-                    .fetch_add(per_chunk * at.len() as u64, Ordering::Relaxed);
-                (name.to_string(), at, r)
-            })
-            .buffer_unordered(CHUNKS_IN_FLIGHT)
-            .collect()
-            .await;
+    let work = whole
+        .into_iter()
+        .map(|(name, (len, at))| (Some((name, len)), at))
+        .chain(patched.into_iter().map(|i| (None, vec![i])));
+    let checked: Vec<(Vec<usize>, Result<(), BackupError>)> = futures::stream::iter(work)
+        .map(|(whole, at)| async move {
+            let r = match whole {
+                Some((name, len)) => fetch_object(t, name, len).await.map(|_| ()),
+                None => fetch_chunk(t, m, at[0]).await.map(|_| ()),
+            };
+            progress
+                .done_bytes
+                .fetch_add(per_chunk * at.len() as u64, Ordering::Relaxed);
+            (at, r)
+        })
+        .buffer_unordered(CHUNKS_IN_FLIGHT)
+        .collect()
+        .await;
     let mut bad = Vec::new();
-    for (name, at, r) in &checked {
+    for (at, r) in &checked {
         match r {
             Ok(()) => {}
-            Err(BackupError::BadChunk { why, .. }) => {
-                bad.push(json!({"chunk": name, "indexes": at, "error": why}))
+            Err(BackupError::BadChunk { chunk, why }) => {
+                bad.push(json!({"chunk": chunk, "indexes": at, "error": why}))
             }
             Err(e) => return Err(BackupError::Failed(format!("verify of {}: {e}", m.id))),
         }

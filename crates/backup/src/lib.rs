@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+mod chunks;
 pub mod devio;
 pub mod expose;
 pub mod format;

@@ -20,9 +20,10 @@ use lull_bdev::{BdevError, BlockDevice, Channel, IoCompletion, IoOp, IoRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::{self, now_unix_ms};
+use crate::chunks::fetch_chunk;
 use crate::devio::DevIo;
 use crate::format::Manifest;
-use crate::job::{fetch_chunk, storage_dev, JobState, RestoreRequest};
+use crate::job::{storage_dev, JobState, RestoreRequest};
 use crate::{lock, BackupError, Backups};
 
 /// The file under the node's state directory that records standbys.
@@ -271,11 +272,8 @@ impl Backups {
                 continue;
             }
             let (off, len) = newest.chunk_range(i);
-            match c {
-                Some(chunk) => {
-                    let data = self.rt.block_on(fetch_chunk(&t, chunk, len as usize))?;
-                    io.write(off, &data)?;
-                }
+            match self.rt.block_on(fetch_chunk(&t, &newest, i))? {
+                Some(data) => io.write(off, &data)?,
                 None => io.zero(off, len)?,
             }
             written += len;

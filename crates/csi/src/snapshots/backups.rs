@@ -412,9 +412,11 @@ impl ControllerPlugin {
         }
     }
 
-    /// DeleteSnapshot of a backup snapshot id: its backups on the target
-    /// (chunks no other backup names collected), then the lull snapshot
-    /// on this cluster's replicas of its volume, if there.
+    /// DeleteSnapshot of a backup snapshot id: the lull snapshot on this
+    /// cluster's replicas of its volume, if there, then its backups on the
+    /// target (chunks no other backup names collected). The snapshot goes
+    /// first: a ListSnapshots between the two steps, which starts a backup
+    /// again when none is on the target, then finds nothing to back up.
     pub(crate) async fn backup_snapshot_delete(&self, id: &BackupSnapshotId) -> Result<(), Status> {
         let nodes = self.holders(&id.volume, &id.snapshot).await?;
         if matches!(
@@ -427,6 +429,20 @@ impl ControllerPlugin {
             )));
         }
         let all = self.nodes_first(&nodes);
+        if !nodes.is_empty() {
+            let local = SnapshotId {
+                volume: VolumeId {
+                    name: id.volume.clone(),
+                    nodes,
+                },
+                name: id.snapshot.clone(),
+            };
+            Box::pin(self.delete_snapshot_op(DeleteSnapshotRequest {
+                snapshot_id: local.format(),
+                ..Default::default()
+            }))
+            .await?;
+        }
         while let Some(b) = self.find_backup(id, &all).await? {
             let bid = b["id"].as_str().unwrap_or_default().to_string();
             let params = json!({"target": id.target, "id": bid, "gc": true});
@@ -442,20 +458,6 @@ impl ControllerPlugin {
                     )));
                 }
             }
-        }
-        if !nodes.is_empty() {
-            let local = SnapshotId {
-                volume: VolumeId {
-                    name: id.volume.clone(),
-                    nodes,
-                },
-                name: id.snapshot.clone(),
-            };
-            Box::pin(self.delete_snapshot_op(DeleteSnapshotRequest {
-                snapshot_id: local.format(),
-                ..Default::default()
-            }))
-            .await?;
         }
         Ok(())
     }

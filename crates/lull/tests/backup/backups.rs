@@ -174,7 +174,14 @@ fn full_then_incremental(server: &Server, scratch: &Scratch, target: &str, volum
         2 * (2 << 20),
         "only the 2 changed chunks read: {stats}"
     );
-    assert_eq!(stats["chunks_uploaded"], 2, "{stats}");
+    // Both are patches (over the parent's chunk, and over zeros): their
+    // 17 blocks sent, not two chunks.
+    assert_eq!(stats["chunks_patched"], 2, "{stats}");
+    assert_eq!(stats["chunks_uploaded"], 0, "{stats}");
+    assert!(
+        stats["bytes_uploaded"].as_u64().unwrap() < 17 * 4096 + 4096,
+        "{stats}"
+    );
     assert!(stats["chunks_unchanged"].as_u64().unwrap() >= 3, "{stats}");
     for (b, img, which) in [
         (&first, &first_img, "first"),
@@ -187,6 +194,127 @@ fn full_then_incremental(server: &Server, scratch: &Scratch, target: &str, volum
         image(server, name, &got);
         assert_same(img, &got);
     }
+}
+
+/// The manifest of backup `id` on a directory target.
+fn manifest(dir: &Path, id: &str) -> Value {
+    let text = std::fs::read(dir.join("backups").join(format!("{id}.json"))).expect("manifest");
+    serde_json::from_slice(&text).expect("manifest JSON")
+}
+
+/// Writes scattered over a volume: an incremental sends the changed 4 KiB
+/// blocks as patches of the parent's chunks (the next one folds its
+/// parent's patch in, a chunk rewritten whole is sent whole); every
+/// backup restores, exposes and verifies byte-identical; a damaged patch
+/// is named; deleting the parent keeps the chunks the patches stand on.
+#[test]
+fn scattered_writes_back_up_as_patches_of_their_chunks() {
+    let scratch = Scratch::new("backup-patches");
+    let dir = scratch.join("nfs");
+    let server = Server::start(&["--volume", "v:16M"]);
+    add_dir(&server, &dir, "dir");
+    let data = scratch.join("data");
+    random_file(&data, 8 << 20);
+    write_file(&server, "v", &data, 0);
+    let first = backup(&server, "v", "dir");
+    let imgs = [
+        scratch.join("1.img"),
+        scratch.join("2.img"),
+        scratch.join("3.img"),
+    ];
+    image(&server, "v", &imgs[0]);
+    // Three random blocks in each of the 4 written chunks, one in an
+    // unwritten one.
+    let block = scratch.join("block");
+    let blocks = [
+        5u64, 300, 511, 521, 712, 912, 1024, 1500, 1535, 1613, 1614, 2047, 3000,
+    ];
+    for at in blocks {
+        random_file(&block, 4096);
+        write_file(&server, "v", &block, at * 4096);
+    }
+    let second = backup(&server, "v", "dir");
+    image(&server, "v", &imgs[1]);
+    let stats = &second["stats"];
+    let changed = blocks.len() as u64 * 4096;
+    assert_eq!(stats["chunks_patched"], 5, "{stats}");
+    assert_eq!(stats["chunks_uploaded"], 0, "{stats}");
+    let sent = stats["bytes_uploaded"].as_u64().unwrap();
+    // The test's data compresses a little (zstd takes ~12 %): at most
+    // 1.1x the changed bytes, and more than half of them.
+    assert!(
+        sent * 2 >= changed && sent * 10 <= changed * 11,
+        "an incremental of {changed} changed bytes sent {sent}: {stats}"
+    );
+    // Again over the same chunk (its parent's patch folded in), and chunk
+    // 3 rewritten whole.
+    random_file(&block, 4096);
+    write_file(&server, "v", &block, 6 * 4096);
+    random_file(&data, 2 << 20);
+    write_file(&server, "v", &data, 6 << 20);
+    let third = backup(&server, "v", "dir");
+    image(&server, "v", &imgs[2]);
+    let stats = &third["stats"];
+    assert_eq!(stats["chunks_patched"], 1, "{stats}");
+    assert_eq!(stats["chunks_uploaded"], 1, "{stats}");
+    let m3 = manifest(&dir, third["id"].as_str().unwrap());
+    assert_eq!(m3["format"], 2, "{m3}");
+    assert_eq!(
+        m3["patches"]["0"]["blocks"], 4,
+        "blocks 5, 300, 511 and 6: {m3}"
+    );
+    assert!(m3["patches"].get("3").is_none(), "{m3}");
+    let ids: Vec<String> = [&first, &second, &third]
+        .iter()
+        .map(|b| b["id"].as_str().unwrap().to_string())
+        .collect();
+    for (k, (id, img)) in ids.iter().zip(&imgs).enumerate() {
+        let name = format!("r{k}");
+        let r = restore(&server, "dir", id, &name, "malloc");
+        assert_eq!(r["state"], "done", "{r}");
+        let got = scratch.join(format!("{name}.img"));
+        image(&server, &name, &got);
+        assert_same(img, &got);
+        let one = serde_json::json!({"target": "dir", "id": id, "wait": true}).to_string();
+        assert_eq!(rpc(&server, "backup_verify", &one)["state"], "done");
+    }
+    let e = rpc(
+        &server,
+        "backup_expose",
+        &format!(
+            r#"{{"target": "dir", "backup": "{}", "name": "x"}}"#,
+            ids[2]
+        ),
+    );
+    assert_eq!(e["name"], "x");
+    let got = scratch.join("exposed.img");
+    image(&server, "x", &got);
+    assert_same(&imgs[2], &got);
+    rpc(&server, "backup_unexpose", r#"{"name": "x"}"#);
+    // The third's patches stand on the first's chunks and hold the
+    // second's objects: deleting both collects none of them.
+    for id in &ids[..2] {
+        let p = serde_json::json!({"target": "dir", "id": id});
+        rpc(&server, "backup_delete", &p.to_string());
+    }
+    let r = restore(&server, "dir", &ids[2], "r3", "malloc");
+    assert_eq!(r["state"], "done", "{r}");
+    let got = scratch.join("r3.img");
+    image(&server, "r3", &got);
+    assert_same(&imgs[2], &got);
+    // A damaged patch: verify names it, a restore fails and leaves nothing.
+    let object = m3["patches"]["0"]["object"].as_str().unwrap();
+    let path = dir.join("chunks").join(&object[..2]).join(object);
+    let mut bytes = std::fs::read(&path).expect("the patch object");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    let one = serde_json::json!({"target": "dir", "id": ids[2], "wait": true}).to_string();
+    let v = rpc(&server, "backup_verify", &one);
+    assert_eq!(v["state"], "failed", "{v}");
+    assert!(v["error"].as_str().unwrap().contains(object), "{v}");
+    let r = restore(&server, "dir", &ids[2], "r4", "malloc");
+    assert_eq!(r["state"], "failed", "{r}");
 }
 
 /// A memory volume to S3 and a file volume to a directory: full and
