@@ -118,9 +118,12 @@ fn bench_per_io_script_smoke() {
         assert!(r["iops"].as_f64().unwrap() > 0.0, "{r}");
         let enters = r["io_uring_enters_per_io"].as_f64().unwrap();
         match r["target"].as_str().unwrap() {
-            // Every write of a file volume is submitted with an
-            // io_uring_enter (no SQPOLL); a memory volume has no ring.
-            "file" => assert!(enters > 0.1, "{r}"),
+            // A file volume's writes go through io_uring_enter (no
+            // SQPOLL); a memory volume has no ring. How many writes one
+            // enter carries depends on the machine's load (at QD 64 on a
+            // busy machine, 14 of them: 0.07 enters per I/O), so only
+            // "some" is checked.
+            "file" => assert!(enters > 0.0, "{r}"),
             _ => assert_eq!(enters, 0.0, "{r}"),
         }
         // Paths relative to the repo or placeholders ($WORK, $SHM): no
