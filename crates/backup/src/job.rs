@@ -488,18 +488,7 @@ impl Backups {
                 && dev.has_snapshot(&m.snapshot)
         });
         let mut io = DevIo::open(view.clone())?;
-        let mut allocated = vec![false; n];
-        let mut at = 0u64;
-        for e in io.extents(0, size)? {
-            if !(e.hole || e.zero) {
-                let first = (at / CHUNK_BYTES) as usize;
-                let last = ((at + e.length_bytes - 1) / CHUNK_BYTES) as usize;
-                for a in allocated.iter_mut().take(last + 1).skip(first) {
-                    *a = true;
-                }
-            }
-            at += e.length_bytes;
-        }
+        let allocated = allocated_chunks(&mut io, size)?;
         let mut stats = BackupStats::default();
         let mut chunks: Vec<Option<String>> = vec![None; n];
         let mut patches = BTreeMap::new();
@@ -572,13 +561,8 @@ impl Backups {
             return Err(e);
         }
         for s in uploaded? {
+            stats.count(&s);
             chunks[s.i] = Some(s.name);
-            match (&s.patch, s.sent) {
-                (_, None) => stats.chunks_deduplicated += 1,
-                (Some(_), Some(_)) => stats.chunks_patched += 1,
-                (None, Some(_)) => stats.chunks_uploaded += 1,
-            }
-            stats.bytes_uploaded += s.sent.unwrap_or(0);
             if let Some(p) = s.patch {
                 patches.insert(s.i, p);
             }
@@ -834,6 +818,36 @@ pub fn summary(m: &Manifest) -> Value {
         "chunks": m.chunks.len(),
         "stats": m.stats,
     })
+}
+
+/// Which chunks of a device hold allocated blocks (the others are zeros,
+/// never read).
+fn allocated_chunks(io: &mut DevIo, size: u64) -> Result<Vec<bool>, BackupError> {
+    let mut allocated = vec![false; size.div_ceil(CHUNK_BYTES) as usize];
+    let mut at = 0u64;
+    for e in io.extents(0, size)? {
+        if !(e.hole || e.zero) {
+            let first = (at / CHUNK_BYTES) as usize;
+            let last = ((at + e.length_bytes - 1) / CHUNK_BYTES) as usize;
+            for a in allocated.iter_mut().take(last + 1).skip(first) {
+                *a = true;
+            }
+        }
+        at += e.length_bytes;
+    }
+    Ok(allocated)
+}
+
+impl BackupStats {
+    /// Counts how a chunk went to the target.
+    fn count(&mut self, s: &StoredChunk) {
+        match (&s.patch, s.sent) {
+            (_, None) => self.chunks_deduplicated += 1,
+            (Some(_), Some(_)) => self.chunks_patched += 1,
+            (None, Some(_)) => self.chunks_uploaded += 1,
+        }
+        self.bytes_uploaded += s.sent.unwrap_or(0);
+    }
 }
 
 /// Stores the chunks a backup reads, [`CHUNKS_IN_FLIGHT`] at once.
