@@ -14,9 +14,11 @@
 # from the same module; pause is the sandbox image).
 
 E2E_PROCS=${LULL_CLUSTER_E2E_PROCS:-2}   # ginkgo processes: the machine's 2 cores
-# The whole suite's limit: the CI run took about 10 min here (docs/TESTING.md).
+# The whole suite's limit: the CI subset took 17 min here on 2026-12-02
+# (48 specs run, the machine shared at load 6-12; docs/KUBERNETES.md).
 E2E_TIMEOUT=${LULL_CLUSTER_E2E_TIMEOUT:-40m}
 E2E_SKIP_CI='\[Slow\]|\[Serial\]|\[Disruptive\]'
+E2E_SKIP_NO_NSENTER='should not mount / map unused volumes in a pod'
 
 e2e_images() {
   local I=$CACHE/images
@@ -50,6 +52,19 @@ e2e() { # e2e [--full] [--focus REGEX]
   say "e2e: building e2e.test, ginkgo and agnhost (cached in $B)"
   if ! LULL_CLUSTER_NICE=$NICE "$D/build.sh" "$CACHE" e2e; then fail e2e "building e2e.test failed (above)"; return; fi
   if ! e2e_images; then fail e2e "the e2e images could not be made"; return; fi
+  # The suite's host commands (storageutils.HostExec: a privileged
+  # hostPID pod running `nsenter --mount=/rootfs/proc/1/ns/mnt`) need
+  # root to open PID 1's namespaces. On this project's machines PID 1
+  # holds CAP_SYS_RESOURCE and root does not, so the kernel refuses
+  # (`nsenter: can't open '/rootfs/proc/1/ns/mnt': Permission denied`)
+  # and the one spec of the CI subset that uses them fails before it
+  # looks at the volume. Where that is so, that spec is skipped and
+  # said loudly (never where nsenter works).
+  if [ -n "$skip" ] && ! nsenter --mount=/proc/1/ns/mnt -- true 2>/dev/null; then
+    skip="$skip|$E2E_SKIP_NO_NSENTER"
+    loud "e2e: SKIPPING '$E2E_SKIP_NO_NSENTER' (volumemode, filesystem and block): root here cannot nsenter into PID 1 (it lacks a capability PID 1 holds), which the suite's host commands need"
+    echo "SKIP e2e: $E2E_SKIP_NO_NSENTER: nsenter into PID 1 refused on this host" >> "$OUT/results.txt"
+  fi
   local out=$OUT/e2e
   rm -rf "$out"; mkdir -p "$out"
   say "e2e: ginkgo --procs=$E2E_PROCS, focus '$focus', skip '${skip:-nothing}' (log: $out/e2e.log)"
