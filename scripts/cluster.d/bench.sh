@@ -96,6 +96,10 @@ bench_clean() { # every claim and pod of the benchmark gone (DeleteVolume of eac
 
 bench_bringup() {
   local r t
+  # the binary under test resolved (built, when missing) before any
+  # timing: a run's time is the bring-up's, never a cargo build's
+  LULL_BIN=$(lull_bin) || { fail bench-bringup "no lull binary (above)"; return 1; }
+  export LULL_BIN
   for r in $(seq "$BENCH_RUNS"); do
     down --purge >/dev/null 2>&1 || true
     t=$(now)
