@@ -153,8 +153,15 @@ bench_many() { # the last run's claims stay mounted for bench_idle
   stats "$BENCH_CLAIMS claims and pods applied at once -> the last pod's first write done" s < "$OUT/bench/many-claims.txt"
 }
 
-cgroup_of() { # cgroup_of CONTROLLER CONTAINER-ID: its cgroup directory (cgroup v1)
-  find "/sys/fs/cgroup/$1/kubepods" -type d -name "*$2*" 2>/dev/null | head -1
+cgroup_of() { # cgroup_of CONTROLLER CONTAINER-ID: its cgroup directory (cgroup v1), empty when none
+  # (a controller is mounted alone, as cpuacct here, or beside another, as
+  # cpu,cpuacct; a missing one must not stop the run: set -e, pipefail)
+  local d
+  for d in /sys/fs/cgroup/"$1" /sys/fs/cgroup/*,"$1" /sys/fs/cgroup/"$1",*; do
+    [ -d "$d/kubepods" ] || continue
+    find "$d/kubepods" -type d -name "*$2*" 2>/dev/null | head -1 || true
+    return 0
+  done
 }
 
 bench_idle() {
@@ -167,7 +174,7 @@ bench_idle() {
     read -r pod cname label <<<"$spec"
     id=$(kubectl -n lull-system get pod "$pod" -o jsonpath="{.status.containerStatuses[?(@.name==\"$cname\")].containerID}")
     id=${id#containerd://}
-    cpu=$(cgroup_of cpu,cpuacct "$id"); mem=$(cgroup_of memory "$id")
+    cpu=$(cgroup_of cpuacct "$id"); mem=$(cgroup_of memory "$id")
     if [ -z "$cpu" ] || [ -z "$mem" ]; then fail bench-idle "no cgroup for $label ($pod/$cname, $id)"; continue; fi
     : > "$OUT/bench/idle-$label.txt"
     for r in $(seq "$BENCH_RUNS"); do
