@@ -102,8 +102,9 @@ fn qos_limits_a_volume_over_its_connections_and_spares_its_neighbour() {
         raised.elapsed()
     );
     // Held under the new limit and clearly past the old one: the raise
-    // applied. (How close to 4,000 it gets is the machine's: a CI run on
-    // a loaded machine, where a 1 s sleep took 3.1 s, did 3,286.)
+    // applied. (How close to 4,000 it gets depends on the machine's load:
+    // two runs on a machine loaded by Kubernetes builds did 3,286 and
+    // 3,767; the limiter's timed wake-ups come late there.)
     assert!(
         rate > 2000.0 * 1.1 && rate <= 4000.0 * 1.1,
         "past 2,000 and at most 4,000 IOPS +10% one second after the change: {rate:.0}"
