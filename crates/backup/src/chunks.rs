@@ -270,7 +270,7 @@ pub(crate) async fn store_chunk(
         return Ok(stored(None, None));
     }
     if let Some(plan) = patch {
-        if let Some((base, blocks)) = patch_blocks(t, plan, data.len(), i).await? {
+        if let Some((base, blocks)) = fold_parent_patch(t, plan, data.len(), i).await? {
             let plain = format::encode_patch(&data, &blocks);
             let object = t.codec.name(&plain);
             let sent = if known.objects.contains(&object) || present(t, &object).await? {
@@ -294,7 +294,7 @@ pub(crate) async fn store_chunk(
 /// parent and those of the parent's own patch (fetched), or `None` when
 /// they are more than a patch holds. A parent patch that cannot be read
 /// back sends the chunk whole (and says so) rather than fail the backup.
-async fn patch_blocks(
+async fn fold_parent_patch(
     t: &Target,
     plan: PatchPlan,
     len: usize,
