@@ -185,14 +185,16 @@ impl Control {
         if !same {
             return;
         }
-        if let Err(e) = self.volumes.remove(name) {
-            tracing::error!(volume = name, error = %e, "cannot drop the fenced volume");
-            return;
-        }
+        // The record first, then the registry: whoever sees the volume
+        // gone from `volume_list` finds the node state without it too.
         if let Err(e) = self.persist(|m| {
             m.remove(name);
         }) {
             tracing::error!(volume = name, error = %e, "fenced volume dropped, and the node state still lists it (its engine will be fenced again at the next start)");
+        }
+        if let Err(e) = self.volumes.remove(name) {
+            tracing::error!(volume = name, error = %e, "cannot drop the fenced volume");
+            return;
         }
         tracing::error!(
             volume = name,
