@@ -56,10 +56,10 @@ for what in "$@"; do
       # another version or a stand-in
       one kubectl k8s k8s.io/kubernetes/cmd/kubectl "$(vx)" ;;
     sidecars)
-      one csi-provisioner provisioner "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner" ""
-      one csi-resizer resizer "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer" ""
-      one csi-snapshotter snapshotter "github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter" ""
-      one snapshot-controller snapshotter "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller" "" ;;
+      one csi-provisioner sidecars "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner" ""
+      one csi-resizer sidecars "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer" ""
+      one csi-snapshotter sidecars "github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter" ""
+      one snapshot-controller sidecars "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller" "" ;;
     e2e)
       one e2e.test k8s k8s.io/kubernetes/test/e2e "$(vx)" test
       one ginkgo k8s github.com/onsi/ginkgo/v2/ginkgo ""
