@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 mod qos;
+mod snapshots;
 mod stats;
 
 use std::os::fd::RawFd;
@@ -29,6 +30,10 @@ use lull_bdev::{BdevError, BlockDevice, ChainDev, Channel, IoCompletion, IoReque
 use lull_engine::ReplicatedDev;
 
 pub use qos::{Qos, QosLimits, QOS_BURST_NS, QOS_MAX_IOS_PER_SEC, QOS_MAX_MBYTES_PER_SEC};
+pub use snapshots::{
+    Cloned, ClonesOf, Flattened, Snapshot, SnapshotError, SnapshotReplicas, Snapshots,
+    REPLICATED_SNAPSHOT_TIMEOUT,
+};
 pub use stats::{
     add_batched as add_batched_stats, bucket_le_ns, OpKind, StatsBatch, VolumeStats,
     VolumeStatsSnapshot, LATENCY_BUCKETS,
@@ -128,9 +133,10 @@ pub enum VolumeError {
     },
 }
 
-/// Where a volume's blocks live. Control paths match on it to reach what
-/// only one kind has (the replicas of a replicated volume); the data path
-/// uses [`Storage::dev`] for either.
+/// Where a volume's blocks live. The data path uses [`Storage::dev`] for
+/// any kind, the snapshot operations [`Storage::snapshots`] (the
+/// `snapshots` module); control paths match on it to reach what only one
+/// kind has (the replicas of a replicated volume).
 #[derive(Clone)]
 pub enum Storage {
     /// A device in this process: memory or a local file.
@@ -149,6 +155,15 @@ impl Storage {
             Storage::Local(dev) => dev.as_ref(),
             Storage::Replicated(dev) => dev.as_ref(),
             Storage::Layered(dev) => dev.as_ref(),
+        }
+    }
+
+    /// The kind, in a word: `local`, `replicated` or `layered`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Storage::Local(_) => "local",
+            Storage::Replicated(_) => "replicated",
+            Storage::Layered(_) => "layered",
         }
     }
 
