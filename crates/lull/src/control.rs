@@ -4,12 +4,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use lull_proto::replica::SnapshotOp;
 use lull_reactor::FrameworkHandle;
 use lull_rpc::{
     ControlError, ControlPlane, MetricsSnapshot, MetricsSource, NewVolume, Options, OptionsChange,
     ReplicaAddr, ReplicaVolume, VolumeInfo, VolumeMetrics, VolumeName, VolumeResize,
 };
-use lull_volume::{bucket_le_ns, Storage, Volume, Volumes, LATENCY_BUCKETS};
+use lull_volume::{
+    bucket_le_ns, Cloned, Flattened, Snapshot, SnapshotError, Storage, Volume, Volumes,
+    LATENCY_BUCKETS,
+};
 use serde_json::{json, Value};
 
 use lull_config as config;
@@ -34,7 +38,7 @@ pub struct Control {
     pub volumes: Arc<Volumes>,
     pub engine: lull_engine::EngineOptions,
     /// How engines of volumes created over RPC reach their replicas.
-    links: crate::ReplicaLinks,
+    links: crate::storage::ReplicaLinks,
     pub adminq_poll_period_us: AtomicU64,
     /// The NVMe/TCP target's per-volume options, when it runs.
     pub nvmf: Option<lull_nvmf::Subsystems>,
@@ -66,7 +70,7 @@ impl Control {
         fw: FrameworkHandle,
         volumes: Arc<Volumes>,
         engine: lull_engine::EngineOptions,
-        links: crate::ReplicaLinks,
+        links: crate::storage::ReplicaLinks,
     ) -> Control {
         Control {
             fw,
@@ -185,16 +189,14 @@ impl Control {
         if !same {
             return;
         }
-        // The record first, then the registry: whoever sees the volume
-        // gone from `volume_list` finds the node state without it too.
+        if let Err(e) = self.volumes.remove(name) {
+            tracing::error!(volume = name, error = %e, "cannot drop the fenced volume");
+            return;
+        }
         if let Err(e) = self.persist(|m| {
             m.remove(name);
         }) {
             tracing::error!(volume = name, error = %e, "fenced volume dropped, and the node state still lists it (its engine will be fenced again at the next start)");
-        }
-        if let Err(e) = self.volumes.remove(name) {
-            tracing::error!(volume = name, error = %e, "cannot drop the fenced volume");
-            return;
         }
         tracing::error!(
             volume = name,
@@ -275,14 +277,7 @@ impl Control {
             return Ok(());
         }
         let dev = self.replicated(volume)?;
-        let backend = format!(
-            "replicas={}",
-            dev.replica_targets()
-                .iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join("+")
-        );
+        let backend = replicas_backend(&dev.replica_targets());
         self.persist(|m| {
             if let Some(v) = m.get_mut(volume) {
                 v.backend = backend;
@@ -316,65 +311,113 @@ impl Control {
         out.into_iter().collect()
     }
 
-    /// A clone of a replicated volume's snapshot: on each replica's store,
-    /// a replica whose base is that replica's snapshot (`{name}.r{i}`,
-    /// shared, not copied), and a replicated volume over them.
-    fn clone_replicated(
+    /// What the clone `name` of a snapshot of `origin` writes to, from
+    /// `volume_clone`'s `backend`, checked before anything is made for
+    /// it: a chain's clone a head of the origin's kind unless told (a file
+    /// next to the origin's file); a replicated volume's clone has its
+    /// writes on its own replicas, made beside the snapshot, and takes no
+    /// backend (`None`).
+    fn clone_head(
         &self,
-        dev: &lull_engine::ReplicatedDev,
-        snapshot: &str,
+        origin: &Volume,
         name: &str,
         backend: Option<&str>,
-    ) -> Result<VolumeInfo, ControlError> {
-        let (origin, snap) = snapshot
-            .rsplit_once(lull_volume::SNAPSHOT_SEPARATOR)
-            .unwrap_or((snapshot, ""));
-        if backend.is_some() {
-            return Err(ControlError::InvalidParams(format!(
-                "volume {origin:?} is replicated: its clone's replicas are made on the stores of its replicas, sharing the snapshot, and backend does not apply"
-            )));
-        }
-        // The name is checked before any replica is made for it.
-        config::parse_volume(&format!(
-            "{name}:{}:malloc",
-            lull_bdev::BlockDevice::size_bytes(dev)
-        ))
-        .map_err(|e| ControlError::InvalidParams(e.to_string()))?;
+    ) -> Result<Option<CloneHead>, ControlError> {
+        let size = origin.dev().size_bytes();
+        let Some(chain) = origin.storage.layered() else {
+            if backend.is_some() {
+                return Err(ControlError::InvalidParams(format!(
+                    "volume {:?} is replicated: its clone's replicas are made on the stores of its replicas, sharing the snapshot, and backend does not apply",
+                    origin.name
+                )));
+            }
+            // The name is checked before any replica is made for it.
+            config::parse_volume(&format!("{name}:{size}:malloc"))
+                .map_err(|e| ControlError::InvalidParams(e.to_string()))?;
+            if self.volumes.named(name).is_ok() {
+                return Err(lull_volume::VolumeError::DuplicateVolume(name.into()).into());
+            }
+            return Ok(None);
+        };
         if self.volumes.named(name).is_ok() {
             return Err(lull_volume::VolumeError::DuplicateVolume(name.into()).into());
         }
-        let list = replicated_snapshots(dev)?;
-        let Some(s) = list.iter().find(|s| s.name == snap) else {
-            return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
-                snap.to_string(),
-            )));
+        let backend = match (backend, chain.volume_path()) {
+            (Some(b), _) => b.to_string(),
+            (None, Some(path)) => {
+                let dir = path.parent().unwrap_or(std::path::Path::new("."));
+                format!("file={}", dir.join(format!("{name}.img")).display())
+            }
+            (None, None) => "malloc".to_string(),
         };
-        let away: Vec<String> = dev
-            .replica_status()
-            .into_iter()
-            .filter(|r| r.state != lull_engine::ReplicaState::Healthy)
-            .map(|r| format!("{} ({:?})", r.addr, r.state))
-            .collect();
-        if !away.is_empty() || !s.complete {
-            return Err(ControlError::Refused(format!(
-                "a clone of a replicated volume is made on every replica, and needs each healthy and holding {snap:?}: not so for {}",
-                if away.is_empty() { "some replica".to_string() } else { away.join(", ") }
-            )));
+        let spec = config::parse_volume(&format!("{name}:{size}:{backend}"))
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        if let config::Backend::File { path, .. } = &spec.backend {
+            if path.exists() {
+                return Err(ControlError::Refused(format!(
+                    "{}: exists already; a clone starts from an empty file",
+                    path.display()
+                )));
+            }
         }
-        let made = dev
-            .clone_replicas(snap, |i, _| format!("{name}.r{i}"))
-            .map_err(ControlError::Refused)?;
-        let backend = format!(
-            "replicas={}",
-            made.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join("+")
-        );
+        let store =
+            crate::storage::chain_store(&spec.backend, size).map_err(ControlError::Refused)?;
+        Ok(Some(CloneHead { backend, store }))
+    }
+
+    /// Adds a chain's clone `name` of `snapshot` to the registry and the
+    /// node's record (the caller holds `volume_changes`); a clone that
+    /// cannot be recorded is not made.
+    fn add_chain_clone(
+        &self,
+        origin: &Volume,
+        clone: Arc<lull_bdev::ChainDev>,
+        snapshot: &str,
+        name: &str,
+        backend: String,
+    ) -> Result<Arc<Volume>, ControlError> {
+        let size = origin.dev().size_bytes();
+        let v = self
+            .volumes
+            .add(Volume::new(name, Storage::Layered(clone)))?;
+        let entry = crate::node::VolumeEntry {
+            name: name.to_string(),
+            size_bytes: size,
+            backend,
+            nvmf_nqn: None,
+            nvmf_lba: None,
+            nvmf_allow_hosts: Vec::new(),
+            qos: None,
+            rebuild_mbytes_per_sec: None,
+            clone_of: Some(snapshot.to_string()),
+            session: None,
+        };
+        if let Err(e) = self.persist(|m| {
+            m.insert(entry.name.clone(), entry);
+        }) {
+            let _ = self.volumes.remove(name);
+            if let Some(chain) = origin.storage.layered() {
+                chain.forget_clone(name);
+            }
+            return Err(e);
+        }
+        Ok(v)
+    }
+
+    /// Creates the replicated volume `name` of `backend` (the clone of
+    /// `snapshot` made on its origin's replicas' stores) as any new
+    /// volume, and records what it is a clone of.
+    fn add_replicated_clone(
+        &self,
+        origin: &Volume,
+        snapshot: &str,
+        name: &str,
+        backend: &str,
+    ) -> Result<VolumeInfo, ControlError> {
         let info = self.volume_create(&NewVolume {
             name: name.to_string(),
-            size_bytes: lull_bdev::BlockDevice::size_bytes(dev),
-            backend: backend.clone(),
+            size_bytes: origin.dev().size_bytes(),
+            backend: backend.to_string(),
             nvmf_nqn: None,
             nvmf_lba: None,
             nvmf_allow_hosts: Vec::new(),
@@ -387,12 +430,6 @@ impl Control {
                 e.clone_of = Some(snapshot.to_string());
             }
         })?;
-        tracing::info!(
-            volume = name,
-            snapshot,
-            backend,
-            "clone of a replicated volume created over RPC"
-        );
         Ok(info)
     }
 
@@ -449,38 +486,6 @@ impl Control {
                     tracing::warn!(volume = %v.name, error = %e, "cannot set the keep-alive period");
                 }
             }
-        }
-    }
-
-    /// The replicated device behind a volume, if it is one.
-    /// The chain of a volume that takes snapshots.
-    fn chain(&self, volume: &str) -> Result<(Arc<Volume>, Arc<lull_bdev::ChainDev>), ControlError> {
-        let v = self.volumes.named(volume)?;
-        let chain = match &v.storage {
-            Storage::Layered(c) => c.clone(),
-            Storage::Replicated(_) => {
-                return Err(ControlError::Refused(format!(
-                    "volume {volume:?} is replicated: its snapshots are its replicas' chains, reached through its engine, not a local chain"
-                )))
-            }
-            Storage::Local(_) => {
-                return Err(ControlError::Refused(format!(
-                    "volume {volume:?} cannot take snapshots (a faulty= test device)"
-                )))
-            }
-        };
-        Ok((v, chain))
-    }
-
-    /// The engine of `volume` when it is replicated (its snapshots are
-    /// the replicas'), `None` for a local volume.
-    fn replicated_snapshots(
-        &self,
-        volume: &str,
-    ) -> Result<Option<Arc<lull_engine::ReplicatedDev>>, ControlError> {
-        match &self.volumes.named(volume)?.storage {
-            Storage::Replicated(dev) => Ok(Some(dev.clone())),
-            Storage::Local(_) | Storage::Layered(_) => Ok(None),
         }
     }
 
@@ -576,7 +581,7 @@ impl ControlPlane for Control {
                 subsystems.forget(&spec.name);
             }
         };
-        let dev = crate::open_device(
+        let dev = crate::storage::open_device(
             &spec,
             &self.fw,
             &self.engine,
@@ -882,107 +887,43 @@ impl ControlPlane for Control {
     }
 
     fn snapshot_create(&self, volume: &str, name: &str) -> Result<Value, ControlError> {
-        if let Some(dev) = self.replicated_snapshots(volume)? {
-            lull_bdev::chain::check_snapshot_name(name).map_err(snapshot_error)?;
-            if let Some(s) = replicated_snapshots(&dev)?
-                .into_iter()
-                .find(|s| s.name == name)
-            {
-                return Err(ControlError::Refused(format!(
-                    "snapshot {name:?} exists already (on {})",
-                    s.replicas.join(", ")
-                )));
-            }
-            let start = std::time::Instant::now();
-            replicated_op(&dev, SnapshotOp::Create, name)?;
-            tracing::info!(
-                volume,
-                snapshot = name,
-                took_us = start.elapsed().as_micros() as u64,
-                "snapshot of a replicated volume created over RPC"
-            );
-            let list = replicated_snapshots(&dev)?;
-            return list
-                .iter()
-                .find(|s| s.name == name)
-                .map(|s| s.json(volume, lull_bdev::BlockDevice::size_bytes(dev.as_ref())))
-                .ok_or_else(|| {
-                    ControlError::Failed(
-                        format!("snapshot {name:?} was taken and is missing from the list").into(),
-                    )
-                });
-        }
-        let (_, chain) = self.chain(volume)?;
+        let v = self.volumes.named(volume)?;
+        let snapshots = v.storage.snapshots(volume).map_err(snapshot_error)?;
         let start = std::time::Instant::now();
-        let info = chain.snapshot(name).map_err(snapshot_error)?;
+        let s = snapshots.create(name).map_err(snapshot_error)?;
         tracing::info!(
             volume,
             snapshot = name,
+            storage = v.storage.kind(),
             took_us = start.elapsed().as_micros() as u64,
             "snapshot created over RPC"
         );
-        Ok(snapshot_json(volume, &info))
+        Ok(snapshot_json(volume, &s))
     }
 
     fn snapshot_list(&self, volume: &str) -> Result<Value, ControlError> {
-        if let Some(dev) = self.replicated_snapshots(volume)? {
-            let mut list = replicated_snapshots(&dev)?;
-            for s in &mut list {
-                s.clones = self.clones_of(volume, std::slice::from_ref(&s.name));
-            }
-            return Ok(Value::Array(
-                list.iter()
-                    .map(|s| s.json(volume, lull_bdev::BlockDevice::size_bytes(dev.as_ref())))
-                    .collect(),
-            ));
-        }
-        let (_, chain) = self.chain(volume)?;
+        let v = self.volumes.named(volume)?;
+        let list = v
+            .storage
+            .snapshots(volume)
+            .and_then(|s| s.list(&|names| self.clones_of(volume, names)))
+            .map_err(snapshot_error)?;
         Ok(Value::Array(
-            chain
-                .snapshots()
-                .iter()
-                .map(|s| snapshot_json(volume, s))
-                .collect(),
+            list.iter().map(|s| snapshot_json(volume, s)).collect(),
         ))
     }
 
     fn snapshot_delete(&self, volume: &str, name: &str) -> Result<(), ControlError> {
-        if let Some(dev) = self.replicated_snapshots(volume)? {
-            let list = replicated_snapshots(&dev)?;
-            let Some(at) = list.iter().position(|s| s.name == name) else {
-                return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
-                    name.to_string(),
-                )));
-            };
-            if list[at].inherited {
-                return Err(ControlError::Refused(format!(
-                    "snapshot {name:?} belongs to the volume {volume:?} was cloned from; flatten the clone instead"
-                )));
-            }
-            // Merged into its child, it would change the base of a clone
-            // of it or of a newer snapshot (the replicas refuse too).
-            let newer: Vec<String> = list[at..].iter().map(|s| s.name.clone()).collect();
-            let clones = self.clones_of(volume, &newer);
-            if !clones.is_empty() {
-                return Err(ControlError::Refused(format!(
-                    "snapshot {name:?} is in the base of clones {}: flatten or delete them first",
-                    clones.join(", ")
-                )));
-            }
-            replicated_op(&dev, SnapshotOp::Delete, name)?;
-            tracing::info!(
-                volume,
-                snapshot = name,
-                "snapshot delete of a replicated volume started over RPC (each replica merges it into its child)"
-            );
-            return Ok(());
-        }
-        let (_, chain) = self.chain(volume)?;
-        chain.delete_snapshot(name).map_err(snapshot_error)?;
+        let v = self.volumes.named(volume)?;
+        v.storage
+            .snapshots(volume)
+            .and_then(|s| s.delete(volume, name, &|names| self.clones_of(volume, names)))
+            .map_err(snapshot_error)?;
         tracing::info!(
             volume,
             snapshot = name,
-            "snapshot delete started over RPC (merging into its child)"
+            storage = v.storage.kind(),
+            "snapshot delete started over RPC (merging into its child in the background)"
         );
         Ok(())
     }
@@ -1000,30 +941,13 @@ impl ControlPlane for Control {
                 "volume {volume:?} has {connected} connected clients: disconnect them first, or pass force (they see the data change under them)"
             )));
         }
-        if let Some(dev) = self.replicated_snapshots(volume)? {
-            let list = replicated_snapshots(&dev)?;
-            let Some(at) = list.iter().position(|s| s.name == snapshot) else {
-                return Err(snapshot_error(lull_bdev::BdevError::NoSuchSnapshot(
-                    snapshot.to_string(),
-                )));
-            };
-            let dropped: Vec<String> = list[at + 1..].iter().map(|s| s.name.clone()).collect();
-            let clones = self.clones_of(volume, &dropped);
-            if !clones.is_empty() {
-                return Err(ControlError::Refused(format!(
-                    "reverting to {snapshot:?} would drop snapshots that clones use: {}",
-                    clones.join(", ")
-                )));
-            }
-            replicated_op(&dev, SnapshotOp::Revert, snapshot)?;
-            tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "replicated volume reverted over RPC");
-            return Ok(
-                json!({ "volume": volume, "snapshot": snapshot, "dropped_snapshots": dropped }),
-            );
-        }
-        let (_, chain) = self.chain(volume)?;
-        let dropped = chain.revert(snapshot).map_err(snapshot_error)?;
-        tracing::warn!(volume, snapshot, connected, dropped = ?dropped, "volume reverted over RPC");
+        let dropped = v
+            .storage
+            .snapshots(volume)
+            .and_then(|s| s.revert(snapshot, &|names| self.clones_of(volume, names)))
+            .map_err(snapshot_error)?;
+        tracing::warn!(volume, snapshot, connected, dropped = ?dropped,
+            storage = v.storage.kind(), "volume reverted over RPC");
         Ok(json!({ "volume": volume, "snapshot": snapshot, "dropped_snapshots": dropped }))
     }
 
@@ -1038,66 +962,41 @@ impl ControlPlane for Control {
                 "snapshot must be VOLUME@SNAPSHOT, not {snapshot:?}"
             )));
         };
-        if let Some(dev) = self.replicated_snapshots(origin)? {
-            return self.clone_replicated(&dev, snapshot, name, backend);
-        }
-        let (ov, chain) = self.chain(origin)?;
-        let _one = self
-            .volume_changes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if self.volumes.named(name).is_ok() {
-            return Err(lull_volume::VolumeError::DuplicateVolume(name.into()).into());
-        }
-        let size = ov.dev().size_bytes();
-        // The clone's own writes: the origin's kind unless told (a file
-        // next to the origin's file).
-        let backend = match (backend, chain.volume_path()) {
-            (Some(b), _) => b.to_string(),
-            (None, Some(path)) => {
-                let dir = path.parent().unwrap_or(std::path::Path::new("."));
-                format!("file={}", dir.join(format!("{name}.img")).display())
-            }
-            (None, None) => "malloc".to_string(),
-        };
-        let spec = config::parse_volume(&format!("{name}:{size}:{backend}"))
-            .map_err(|e| ControlError::Refused(e.to_string()))?;
-        if let config::Backend::File { path, .. } = &spec.backend {
-            if path.exists() {
-                return Err(ControlError::Refused(format!(
-                    "{}: exists already; a clone starts from an empty file",
-                    path.display()
-                )));
-            }
-        }
-        let store = crate::chain_store(&spec.backend, size).map_err(ControlError::Refused)?;
-        let clone = chain
-            .clone_snapshot(snap, name, store)
+        let ov = self.volumes.named(origin)?;
+        let snapshots = ov.storage.snapshots(origin).map_err(snapshot_error)?;
+        // A chain's clone is made and added under the lock; a replicated
+        // volume's replicas are made first (on the stores, over the
+        // network), and its volume then created as any other.
+        let one = ov.storage.layered().map(|_| {
+            self.volume_changes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+        });
+        let head = self.clone_head(&ov, name, backend)?;
+        let made = snapshots
+            .make_clone(snap, name, head.as_ref().map(|h| h.store.clone()))
             .map_err(snapshot_error)?;
-        let v = self
-            .volumes
-            .add(Volume::new(name, Storage::Layered(Arc::new(clone))))?;
-        let entry = crate::node::VolumeEntry {
-            name: name.to_string(),
-            size_bytes: size,
-            backend: backend.clone(),
-            nvmf_nqn: None,
-            nvmf_lba: None,
-            nvmf_allow_hosts: Vec::new(),
-            qos: None,
-            rebuild_mbytes_per_sec: None,
-            clone_of: Some(snapshot.to_string()),
-            session: None,
+        let (info, backend) = match (made, head) {
+            (Cloned::Chain(clone), Some(head)) => {
+                let v = self.add_chain_clone(&ov, clone, snapshot, name, head.backend.clone())?;
+                (VolumeInfo::of(&v), head.backend)
+            }
+            (Cloned::Replicas(replicas), _) => {
+                drop(one);
+                let backend = replicas_backend(&replicas);
+                let info = self.add_replicated_clone(&ov, snapshot, name, &backend)?;
+                (info, backend)
+            }
+            (Cloned::Chain(_), None) => unreachable!("a chain's clone is made over a head"),
         };
-        if let Err(e) = self.persist(|m| {
-            m.insert(entry.name.clone(), entry);
-        }) {
-            let _ = self.volumes.remove(name);
-            chain.forget_clone(name);
-            return Err(e);
-        }
-        tracing::info!(volume = name, snapshot, backend, "clone created over RPC");
-        Ok(VolumeInfo::of(&v))
+        tracing::info!(
+            volume = name,
+            snapshot,
+            backend,
+            storage = ov.storage.kind(),
+            "clone created over RPC"
+        );
+        Ok(info)
     }
 
     fn volume_set_qos(
@@ -1184,20 +1083,11 @@ impl ControlPlane for Control {
 
     fn snapshot_expose(&self, volume: &str, name: &str) -> Result<VolumeInfo, ControlError> {
         let v = self.volumes.named(volume)?;
-        match &v.storage {
-            Storage::Layered(_) => {}
-            // The names its snapshots are served under, fresh (a view reads
-            // from a replica that holds the snapshot).
-            Storage::Replicated(dev) => {
-                dev.snapshot_lists(REPLICATED_SNAPSHOT_TIMEOUT)
-                    .map_err(ControlError::Refused)?;
-            }
-            Storage::Local(_) => {
-                return Err(ControlError::Refused(format!(
-                    "volume {volume:?} cannot take snapshots (a faulty= test device)"
-                )))
-            }
-        }
+        // The names its snapshots are served under, fresh.
+        v.storage
+            .snapshots(volume)
+            .and_then(|s| s.refresh_views())
+            .map_err(snapshot_error)?;
         let export = lull_volume::snapshot_export(volume, name);
         let view = v.dev().snapshot_view(name).ok_or_else(|| {
             ControlError::Refused(format!("volume {volume:?} has no snapshot {name:?}"))
@@ -1273,33 +1163,20 @@ impl ControlPlane for Control {
     }
 
     fn volume_flatten(&self, volume: &str) -> Result<(), ControlError> {
-        if let Some(dev) = self.replicated_snapshots(volume)? {
-            let Some(base) = replicated_snapshots(&dev)?
-                .into_iter()
-                .rev()
-                .find(|s| s.inherited)
-            else {
-                return Err(ControlError::Refused(format!(
-                    "volume {volume:?} is not a clone (it has no base to copy in)"
-                )));
-            };
-            replicated_op(&dev, SnapshotOp::Flatten, &base.name)?;
-            self.note_clone(volume, None);
-            self.persist(|m| {
-                if let Some(e) = m.get_mut(volume) {
-                    e.clone_of = None;
-                }
-            })?;
-            tracing::info!(volume, base = %base.name,
-                "flatten of a replicated clone started over RPC: every replica copies its base in the background (snapshot_list shows it merging)");
-            return Ok(());
-        }
-        let (_, chain) = self.chain(volume)?;
-        if !chain.flatten().map_err(snapshot_error)? {
+        let v = self.volumes.named(volume)?;
+        let flattened = v
+            .storage
+            .snapshots(volume)
+            .and_then(|s| s.flatten())
+            .map_err(snapshot_error)?;
+        if flattened == Flattened::NotAClone {
             return Err(ControlError::Refused(format!(
                 "volume {volume:?} is not a clone (it has no base to copy in)"
             )));
         }
+        // Its origin no longer holds a base for it: a chain records its
+        // clones, this node the replicated ones.
+        self.note_clone(volume, None);
         for other in self.volumes.list() {
             if let Some(c) = other.storage.layered() {
                 c.forget_clone(volume);
@@ -1310,13 +1187,15 @@ impl ControlPlane for Control {
                 e.clone_of = None;
             }
         })?;
-        tracing::info!(volume, "clone flattened over RPC: it stands alone");
+        match flattened {
+            Flattened::Started { base } => tracing::info!(volume, base = %base,
+                "flatten of a replicated clone started over RPC: every replica copies its base in the background (snapshot_list shows it merging)"),
+            _ => tracing::info!(volume, "clone flattened over RPC: it stands alone"),
+        }
         Ok(())
     }
 }
 
-/// A store error as the RPC reports it: bad parameters as -32602, other
-/// refusals with their reason, failures logged in full first.
 fn no_nvmf() -> ControlError {
     ControlError::Refused("this server serves no NVMe/TCP (start it with --nvmf-listen)".into())
 }
@@ -1332,16 +1211,20 @@ fn qos_json(v: &Volume) -> Value {
     })
 }
 
-/// A chain's refusal as the RPC says it: names and states are the
-/// caller's to fix, I/O failures the server's.
-fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
+/// A snapshot operation's refusal as the RPC says it: names and states
+/// are the caller's to fix, I/O failures the server's.
+fn snapshot_error(e: SnapshotError) -> ControlError {
     use lull_bdev::BdevError as E;
     match e {
-        E::BadName(_) | E::NoSuchSnapshot(_) | E::InUse(_) | E::Unsupported(_) => {
-            ControlError::Refused(e.to_string())
+        SnapshotError::Bdev(
+            e @ (E::BadName(_) | E::NoSuchSnapshot(_) | E::InUse(_) | E::Unsupported(_)),
+        ) => ControlError::Refused(e.to_string()),
+        SnapshotError::Bdev(E::Failed(m)) if m.contains("maximum") => {
+            ControlError::Refused(E::Failed(m).to_string())
         }
-        E::Failed(ref m) if m.contains("maximum") => ControlError::Refused(e.to_string()),
-        e => ControlError::Failed(e.into()),
+        SnapshotError::Bdev(e) => ControlError::Failed(e.into()),
+        SnapshotError::Refused(m) => ControlError::Refused(m),
+        SnapshotError::Failed(m) => ControlError::Failed(m.into()),
     }
 }
 
@@ -1352,127 +1235,50 @@ fn snapshot_error(e: lull_bdev::BdevError) -> ControlError {
 /// data, and the RPC (a CSI unstage) answers.
 const DELETE_DETACH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// How long an RPC waits for a snapshot operation of a replicated volume:
-/// the writes in flight finish (each bounded by the replica timeout, 8 s
-/// by default), then SNAPSHOT may take that timeout and
-/// `lull_engine::SNAPSHOT_EXTRA_TIMEOUT_NS` (20 s) before its replica is
-/// failed; past this the RPC says so and the operation may still end.
-const REPLICATED_SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
-
-use lull_proto::replica::SnapshotOp;
-
-/// Runs `op` on every healthy replica of `dev`.
-fn replicated_op(
-    dev: &lull_engine::ReplicatedDev,
-    op: SnapshotOp,
-    name: &str,
-) -> Result<(), ControlError> {
-    dev.snapshot(op, name, REPLICATED_SNAPSHOT_TIMEOUT)
-        .map_err(ControlError::Refused)
+/// A chain's clone's own writes: its backend as the node records it, and
+/// the store its head is made in.
+struct CloneHead {
+    backend: String,
+    store: Arc<dyn lull_bdev::chain::LayerStore>,
 }
 
-/// One snapshot of a replicated volume, merged over the healthy replicas'
-/// lists.
-struct ReplicatedSnapshot {
-    name: String,
-    created_unix: u64,
-    allocated_bytes: u64,
-    merging: Option<(u64, u64)>,
-    parent: Option<String>,
-    /// The healthy replicas that hold it.
-    replicas: Vec<String>,
-    /// Every healthy replica holds it.
-    complete: bool,
-    /// Of the base the volume was cloned from (not its own).
-    inherited: bool,
-    /// This node's volumes cloned from it.
-    clones: Vec<String>,
+/// A replicated volume's backend over `replicas` (`replicas=A+B`).
+fn replicas_backend(replicas: &[lull_engine::ReplicaTarget]) -> String {
+    format!(
+        "replicas={}",
+        replicas
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join("+")
+    )
 }
 
-impl ReplicatedSnapshot {
-    fn json(&self, volume: &str, size_bytes: u64) -> Value {
-        json!({
-            "volume": volume,
-            "name": self.name,
-            // Served read-only over NBD, from a replica that holds it
-            // (`lull_engine::ReplicatedSnapshotView`).
-            "export": lull_volume::snapshot_export(volume, &self.name),
-            "created_unix": self.created_unix,
-            "size_bytes": size_bytes,
-            "allocated_bytes": self.allocated_bytes,
-            "parent": self.parent,
-            "clones": self.clones,
-            "inherited": self.inherited,
-            "merging": self.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
-            "replicas": self.replicas,
-            "complete": self.complete,
-        })
-    }
-}
-
-/// The snapshots of a replicated volume, oldest first: each healthy
-/// replica's list merged by name (in the order of the longest list), with
-/// the replicas holding each. A snapshot that some replicas lack (a crash
-/// during its creation) shows `complete: false`; deleting it cleans up.
-fn replicated_snapshots(
-    dev: &lull_engine::ReplicatedDev,
-) -> Result<Vec<ReplicatedSnapshot>, ControlError> {
-    let lists = dev
-        .snapshot_lists(REPLICATED_SNAPSHOT_TIMEOUT)
-        .map_err(ControlError::Refused)?;
-    let mut answered = Vec::new();
-    for (addr, list) in lists {
-        match list {
-            Ok(l) => answered.push((addr.to_string(), l)),
-            Err(e) => {
-                return Err(ControlError::Refused(format!(
-                    "replica {addr} did not list its snapshots: {e}"
-                )))
-            }
-        }
-    }
-    answered.sort_by_key(|(_, l)| std::cmp::Reverse(l.len()));
-    let mut out: Vec<ReplicatedSnapshot> = Vec::new();
-    for (addr, list) in &answered {
-        for (i, rec) in list.iter().enumerate() {
-            if let Some(s) = out.iter_mut().find(|s| s.name == rec.name) {
-                s.replicas.push(addr.clone());
-                continue;
-            }
-            out.push(ReplicatedSnapshot {
-                name: rec.name.clone(),
-                created_unix: rec.created_unix,
-                allocated_bytes: rec.allocated_bytes,
-                merging: (rec.merge_total > 0).then_some((rec.merge_done, rec.merge_total)),
-                parent: i.checked_sub(1).map(|p| list[p].name.clone()),
-                replicas: vec![addr.clone()],
-                complete: false,
-                inherited: rec.inherited,
-                clones: Vec::new(),
-            });
-        }
-    }
-    for s in &mut out {
-        s.complete = s.replicas.len() == answered.len();
-    }
-    Ok(out)
-}
-
-fn snapshot_json(volume: &str, s: &lull_bdev::SnapshotInfo) -> Value {
-    json!({
+fn snapshot_json(volume: &str, s: &Snapshot) -> Value {
+    let i = &s.info;
+    let mut j = json!({
         "volume": volume,
-        "name": s.name,
-        "export": lull_volume::snapshot_export(volume, &s.name),
-        "created_unix": s.created_unix,
-        "size_bytes": s.size_bytes,
-        "allocated_bytes": s.allocated_bytes,
-        "parent": s.parent,
-        "clones": s.clones,
-        "inherited": s.inherited,
-        "merging": s.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
-    })
+        "name": i.name,
+        // Served read-only over NBD (a replicated volume's from a replica
+        // that holds it, `lull_engine::ReplicatedSnapshotView`).
+        "export": lull_volume::snapshot_export(volume, &i.name),
+        "created_unix": i.created_unix,
+        "size_bytes": i.size_bytes,
+        "allocated_bytes": i.allocated_bytes,
+        "parent": i.parent,
+        "clones": i.clones,
+        "inherited": i.inherited,
+        "merging": i.merging.map(|(done, total)| json!({ "bytes_done": done, "bytes_total": total })),
+    });
+    if let Some(r) = &s.replicas {
+        j["replicas"] = json!(r.addrs);
+        j["complete"] = json!(r.complete);
+    }
+    j
 }
 
+/// A store error as the RPC reports it: bad parameters as -32602, other
+/// refusals with their reason, failures logged in full first.
 fn store_error(e: lull_replica::StoreError) -> ControlError {
     use lull_replica::StoreError;
     match e {

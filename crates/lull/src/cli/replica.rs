@@ -205,7 +205,7 @@ pub fn run(args: &ReplicaArgs) -> ExitCode {
         Err(code) => return code,
     };
     lull_net::server::raise_fd_limit("replica");
-    let mut fw = match Framework::start(crate::init_fixed_buffers(
+    let mut fw = match Framework::start(super::init_fixed_buffers(
         settings.fixed_buffers_mib,
         FrameworkConfig::new(settings.cores.clone(), settings.mode),
     )) {
