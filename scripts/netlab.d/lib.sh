@@ -230,21 +230,35 @@ history_check() { # SOURCE [--fenced TAG@T]... [--as-of T0 T1]
   echo "strict: $(echo "$out" | tail -1); $(echo "$pc" | tail -1)"
 }
 # campaign-io.py's own (flush-based) check, as scripts/campaign runs it, on
-# every writer's log merged in time order (it replays one log in order).
-campaign_check() { # URI
-  local out
+# every writer's log merged in time order (it replays one log, of one
+# writer at a time: a fenced writer's lines from its fence on, which
+# overlap the new engine's writer, are left out; the strict check and
+# Porcupine judge those).
+campaign_check() { # URI [--fenced TAG@T]...
+  local out u=$1
+  shift
   $PY -c 'import sys
+fenced = {}
+args = sys.argv[1:]
+while args and args[0] == "--fenced":
+    tag, _, t = args[1].partition("@")
+    fenced[tag] = float(t)
+    args = args[2:]
 rows = []
-for p in sys.argv[1:]:
+for p in args:
     for ln in open(p):
         f = ln.split()
         if len(f) >= 4 and f[0] in ("A", "K", "E"):
-            rows.append((float(f[3]), ln))
+            t = float(f[3])
+            tag = f[2].rsplit(".", 1)[0]
+            if tag in fenced and t >= fenced[tag]:
+                continue
+            rows.append((t, ln))
         elif len(f) >= 2 and f[0] == "F":
             rows.append((float(f[1]), ln))
 rows.sort(key=lambda r: r[0])
-sys.stdout.writelines(ln for _, ln in rows)' "$WORK"/rec.log.* >"$WORK/rec.all"
-  out=$("$NL" run client $PY "$ND/../campaign-io.py" check "$1" "$WORK/rec.all" $REC_OFF $REC_BLOCKS 2>&1) ||
+sys.stdout.writelines(ln for _, ln in rows)' "$@" "$WORK"/rec.log.* >"$WORK/rec.all"
+  out=$("$NL" run client $PY "$ND/../campaign-io.py" check "$u" "$WORK/rec.all" $REC_OFF $REC_BLOCKS 2>&1) ||
     fail "campaign-io.py check: $(echo "$out" | head -3 | tr '\n' ';')"
   echo "$out" | tail -1
 }
