@@ -105,7 +105,7 @@ bench_bringup() {
     down --purge >/dev/null 2>&1 || true
     t=$(now)
     ( up ) > "$OUT/bench/bringup-$r.log" 2>&1 || { fail bench-bringup "run $r: up failed ($OUT/bench/bringup-$r.log)"; return 1; }
-    python3 -c "print($(now) - $t)" >> "$OUT/bench/bringup-cached.txt"
+    python3 -c "print(f'{$(now) - $t:.2f}')" >> "$OUT/bench/bringup-cached.txt"
     say "bench: cached bring-up $r: $(tail -1 "$OUT/bench/bringup-cached.txt") s"
   done
   stats "bring-up, binaries and images cached (down --purge; up)" s < "$OUT/bench/bringup-cached.txt"
@@ -126,7 +126,7 @@ bench_one() {
     [ -n "$bound" ] || { fail bench-one "run $r: claim not Bound in ${BENCH_WAIT_SECONDS}s"; return 1; }
     io=$(bench_wait_io "one-$r") || { fail bench-one "run $r: no first write: $(bk logs "one-$r" 2>&1 | tail -2)"; return 1; }
     start=$(bk logs "one-$r" | awk '$1 == "START" {print $2}')
-    python3 -c "print($bound - $t0, $start - $t0, $io - $t0)" >> "$OUT/bench/one-claim.txt"
+    python3 -c "print(f'{$bound - $t0:.2f} {$start - $t0:.2f} {$io - $t0:.2f}')" >> "$OUT/bench/one-claim.txt"
     say "bench: one claim $r: Bound, container started, first write at $(tail -1 "$OUT/bench/one-claim.txt") s"
   done
   awk '{print $1}' "$OUT/bench/one-claim.txt" | stats "one claim: created -> Bound" s
@@ -147,7 +147,7 @@ bench_many() { # the last run's claims stay mounted for bench_idle
       io=$(bench_wait_io "many$r-$i") || { fail bench-many "run $r: pod many$r-$i made no first write: $(bk describe pod "many$r-$i" | tail -3 | tr '\n' ' ')"; return 1; }
       last=$(python3 -c "print(max($last, $io))")
     done
-    python3 -c "print($last - $t0)" >> "$OUT/bench/many-claims.txt"
+    python3 -c "print(f'{$last - $t0:.2f}')" >> "$OUT/bench/many-claims.txt"
     say "bench: $BENCH_CLAIMS claims at once, run $r: the last first write at $(tail -1 "$OUT/bench/many-claims.txt") s"
   done
   stats "$BENCH_CLAIMS claims and pods applied at once -> the last pod's first write done" s < "$OUT/bench/many-claims.txt"
