@@ -58,11 +58,16 @@ lab_cleanup() {
   for p in "${pid[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill -KILL "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   "$NL" down >/dev/null 2>&1 || "$NL" down || true
-  if [ "$lab_failed" = 0 ] && [ -z "${KEEP:-}" ]; then rm -rf "$WORK"; return; fi
+  if [ "$lab_failed" = 0 ]; then
+    if [ -z "${KEEP:-}" ]; then rm -rf "$WORK"; else echo "logs kept in $WORK" >&2; fi
+    return
+  fi
   echo "logs kept in $WORK" >&2
   if [ -e "$WORK/failure" ]; then
     cat "$WORK/failure"
-  elif [ "$lab_failed" != 0 ]; then
+  elif [ "$rc" = 0 ]; then
+    echo "$(fail_prefix)stopped before the end (a signal; logs in $WORK)"
+  else
     echo "$(fail_prefix)a command failed (exit $rc; logs in $WORK)"
   fi
 }
