@@ -38,6 +38,11 @@ use crate::pb::*;
 use crate::volume_id::VolumeId;
 use crate::Busy;
 
+/// The xfs mount option that skips xfs's check against a second mount of
+/// the same filesystem UUID on the node, which a clone of a volume (or a
+/// claim restored from its snapshot) would fail beside its origin.
+const XFS_NO_UUID_CHECK: &str = "nouuid";
+
 /// How long a new engine may take to reach its replicas (TCP, TLS, HELLO
 /// and the election): well under a second on a healthy network; a
 /// replica's own connect timeout is 8 s, so 30 s lets a slow one be
@@ -353,10 +358,20 @@ impl NodePlugin {
                 grow_ext4_unmounted(&id.name, &dev).await?;
             }
             std::fs::create_dir_all(staging).map_err(|e| io_status(staging, e))?;
+            let mut options = flags;
+            // A clone or a claim restored from a snapshot holds its
+            // origin's xfs, UUID and all, and xfs refuses a second mount
+            // of a UUID on one node ("Filesystem has duplicate UUID"):
+            // the e2e suite's clone on the origin's node hit it. A staged
+            // volume is mounted once per node (this plugin's staging), so
+            // the check guards nothing here.
+            if fs_type == "xfs" && !options.iter().any(|o| o == XFS_NO_UUID_CHECK) {
+                options.push(XFS_NO_UUID_CHECK.to_string());
+            }
             let mut args = vec!["-t".to_string(), fs_type];
-            if !flags.is_empty() {
+            if !options.is_empty() {
                 args.push("-o".into());
-                args.push(flags.join(","));
+                args.push(options.join(","));
             }
             args.push(dev);
             args.push(staging.to_string_lossy().into_owned());
