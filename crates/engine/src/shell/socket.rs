@@ -433,7 +433,8 @@ fn ended(how: Ended) -> String {
 }
 
 impl Shell {
-    /// `Action::Close`: unregister the socket's poller and shut it down.
+    /// `Action::Close`: unregister the socket's poller and shut it down,
+    /// abortively.
     pub(super) fn close(&mut self, t: &mut Thread, conn: ConnRef) {
         let (r, c) = (conn.replica, conn.conn);
         let Some(slot) = self.socks.get_mut(r).and_then(|v| v.get_mut(c)) else {
@@ -443,6 +444,16 @@ impl Shell {
             // Unregister before the fd closes (the stream drops after).
             t.unregister_poller(sock.poller);
             if let Some(tcp) = sock.wire.stream.tcp() {
+                // An abortive close: a reset, and the socket's send queue
+                // dropped. Only a failed (or removed) replica's
+                // connections close here, and the core has finished
+                // their requests as failed; a plain close would leave
+                // the queued writes to the kernel, which sends them once
+                // a cut link heals, and a replica rebuilt and attached
+                // again by then would execute them (the same engine
+                // session) over newer data (docs/OPERATING.md, "Late
+                // writes").
+                let _ = socket2::SockRef::from(tcp).set_linger(Some(std::time::Duration::ZERO));
                 let _ = tcp.shutdown(std::net::Shutdown::Both);
             }
             drop(sock);
