@@ -30,7 +30,9 @@ pub fn now_unix_ms() -> u64 {
 }
 
 /// Every manifest on the target (checked), oldest first. A manifest that
-/// does not parse is skipped with a warning, never trusted.
+/// does not parse is skipped with a warning, never trusted; one deleted
+/// between the listing and its read (a schedule's retention, another
+/// node's `backup_delete`) is not there any more, and is left out.
 pub async fn manifests(t: &Target) -> Result<Vec<Manifest>, BackupError> {
     let mut ids = Vec::new();
     let prefix = t.path(format::MANIFEST_DIR);
@@ -49,6 +51,9 @@ pub async fn manifests(t: &Target) -> Result<Vec<Manifest>, BackupError> {
     for id in ids {
         match manifest(t, &id).await {
             Ok(m) => out.push(m),
+            Err(BackupError::NoSuchBackup(_)) => {
+                tracing::debug!(target = %t.config.name, backup = id, "manifest deleted since the listing");
+            }
             Err(e @ BackupError::Corrupt(_)) => {
                 tracing::warn!(target = %t.config.name, backup = id, error = %e, "manifest skipped")
             }
