@@ -31,7 +31,7 @@ use lull_engine::ReplicatedDev;
 
 pub use qos::{Qos, QosLimits, QOS_BURST_NS, QOS_MAX_IOS_PER_SEC, QOS_MAX_MBYTES_PER_SEC};
 pub use snapshots::{
-    Cloned, ClonesOf, Flattened, Snapshot, SnapshotError, SnapshotReplicas, Snapshots,
+    no_clones, Cloned, ClonesOf, Flattened, Snapshot, SnapshotError, SnapshotReplicas, Snapshots,
     REPLICATED_SNAPSHOT_TIMEOUT,
 };
 pub use stats::{

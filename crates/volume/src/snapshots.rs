@@ -17,7 +17,7 @@
 //! assert_eq!((s1.info.parent, s1.replicas), (None, None));
 //! // The node's record of clones is asked only by storage that does not
 //! // keep its own (a chain does).
-//! assert_eq!(snapshots.list(&|_| Vec::new())?.len(), 1);
+//! assert_eq!(snapshots.list(&lull_volume::no_clones)?.len(), 1);
 //! assert!(matches!(snapshots.flatten()?, Flattened::NotAClone));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -90,6 +90,12 @@ pub enum SnapshotError {
 /// replicas do not know the volumes over their clones; a chain records
 /// its own and does not ask).
 pub type ClonesOf<'a> = &'a dyn Fn(&[String]) -> Vec<String>;
+
+/// A [`ClonesOf`] that knows no clones: for a list read for the
+/// snapshots themselves (their names, replicas, the clone's base).
+pub fn no_clones(_: &[String]) -> Vec<String> {
+    Vec::new()
+}
 
 /// What [`Snapshots::flatten`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,15 +238,14 @@ impl Snapshots for ChainDev {
 impl Snapshots for ReplicatedDev {
     fn create(&self, name: &str) -> Result<Snapshot, SnapshotError> {
         lull_bdev::chain::check_snapshot_name(name)?;
-        let none: ClonesOf<'_> = &|_| Vec::new();
-        if let Some(s) = find(self.list(none)?, name) {
+        if let Some(s) = find(self.list(&no_clones)?, name) {
             let on = s.replicas.map(|r| r.addrs.join(", ")).unwrap_or_default();
             return Err(SnapshotError::Refused(format!(
                 "snapshot {name:?} exists already (on {on})"
             )));
         }
         replicated_op(self, SnapshotOp::Create, name)?;
-        find(self.list(none)?, name).ok_or_else(|| {
+        find(self.list(&no_clones)?, name).ok_or_else(|| {
             SnapshotError::Failed(format!(
                 "snapshot {name:?} was taken and is missing from the list"
             ))
@@ -275,7 +280,7 @@ impl Snapshots for ReplicatedDev {
         name: &str,
         clones_of: ClonesOf<'_>,
     ) -> Result<(), SnapshotError> {
-        let list = self.list(&|_| Vec::new())?;
+        let list = self.list(&no_clones)?;
         let at = position(&list, name)?;
         if list[at].info.inherited {
             return Err(SnapshotError::Refused(format!(
@@ -296,7 +301,7 @@ impl Snapshots for ReplicatedDev {
     }
 
     fn revert(&self, name: &str, clones_of: ClonesOf<'_>) -> Result<Vec<String>, SnapshotError> {
-        let list = self.list(&|_| Vec::new())?;
+        let list = self.list(&no_clones)?;
         let at = position(&list, name)?;
         let dropped: Vec<String> = list[at + 1..].iter().map(|s| s.info.name.clone()).collect();
         let clones = clones_of(&dropped);
@@ -312,7 +317,7 @@ impl Snapshots for ReplicatedDev {
 
     fn flatten(&self) -> Result<Flattened, SnapshotError> {
         let Some(base) = self
-            .list(&|_| Vec::new())?
+            .list(&no_clones)?
             .into_iter()
             .rev()
             .find(|s| s.info.inherited)
@@ -331,7 +336,7 @@ impl Snapshots for ReplicatedDev {
         name: &str,
         _: Option<Arc<dyn LayerStore>>,
     ) -> Result<Cloned, SnapshotError> {
-        let Some(s) = find(self.list(&|_| Vec::new())?, snapshot) else {
+        let Some(s) = find(self.list(&no_clones)?, snapshot) else {
             return Err(BdevError::NoSuchSnapshot(snapshot.to_string()).into());
         };
         let away: Vec<String> = self
@@ -479,7 +484,7 @@ mod tests {
         let chain = lull_bdev::ChainDev::open(store, 1 << 20).expect("chain");
         let storage = Storage::Layered(Arc::new(chain));
         let s = storage.snapshots("v").expect("a chain takes snapshots");
-        let none: ClonesOf<'_> = &|_| Vec::new();
+        let none: ClonesOf<'_> = &no_clones;
         s.create("s1").expect("s1");
         s.create("s2").expect("s2");
         assert!(matches!(
